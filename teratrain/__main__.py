@@ -1,0 +1,5 @@
+import sys
+
+from teratrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+"""Checkpoints: atomic directories of safetensors + JSON, a `latest` pointer, fallback on corruption."""
+
+from teratrain.checkpoint.io import CheckpointError, find_valid, load_rank, save
+
+__all__ = ["CheckpointError", "find_valid", "load_rank", "save"]

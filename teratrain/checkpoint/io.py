@@ -1,0 +1,164 @@
+"""Checkpoint directories on disk.
+
+    <run>/checkpoints/step_00000016/
+        rank00000.safetensors   tensors of rank 0 (model, master weights, optimizer state, RNG)
+        rank00000.json          JSON state of rank 0 (optimizer groups, loss scaler, RNG, data position)
+        meta.json               written last: step, world size, size + sha256 of every rank file
+    <run>/checkpoints/latest    name of the newest complete checkpoint
+
+A checkpoint is written into `step_X.tmp/`, every file fsynced, then renamed to `step_X/`, and only
+after that is `latest` replaced (itself atomically). A crash leaves at worst a `.tmp` folder that is
+ignored. On load, a checkpoint whose files are missing, truncated or fail their digest is skipped
+with a warning and the previous complete one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint: one sentence naming the problem and the fix."""
+
+
+def _noop(*_):
+    return None
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Stream tensors into a safetensors file one at a time (no second copy of the state in memory;
+    views of one flat buffer are fine, unlike `safetensors.torch.save_file`)."""
+    header, offset = {}, 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in names:
+            t = tensors[name].detach().contiguous().cpu()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.flush()
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.Tensor], meta: dict,
+         keep: int, global_meta: dict | None = None, barrier: Callable[[], None] = _noop) -> Path:
+    """Write this rank's part of checkpoint `step`; rank 0 publishes it. Collective over ranks."""
+    name = f"step_{step:08d}"
+    tmp, final = root / f"{name}.tmp", root / name
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    st_path = tmp / f"rank{rank:05d}.safetensors"
+    write_safetensors(st_path, tensors)
+    fsync_file(st_path)
+    atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps(meta).encode())
+    barrier()
+    if rank == 0:
+        files = {}
+        for r in range(world):
+            for suffix in (".safetensors", ".json"):
+                p = tmp / f"rank{r:05d}{suffix}"
+                files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
+        atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, "world": world, "files": files,
+                                                          **(global_meta or {})}, indent=1).encode())
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(root)
+        atomic_write_bytes(root / "latest", name.encode())
+        _prune(root, keep)
+    barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def candidates(root: Path) -> list[Path]:
+    """Complete-looking checkpoints, the one `latest` names first, then newest to oldest."""
+    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    latest = root / "latest"
+    if latest.exists():
+        named = root / latest.read_text().strip()
+        if named in found:
+            found.remove(named)
+            found.insert(0, named)
+    return found
+
+
+def verify(path: Path, rank: int) -> dict:
+    """Raise CheckpointError unless every file is present at its recorded size and this rank's
+    files match their digests. Returns meta.json."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path.name}: meta.json unreadable ({e})") from None
+    for fname, info in meta["files"].items():
+        p = path / fname
+        if not p.exists() or p.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path.name}: {fname} is missing or truncated")
+        if fname.startswith(f"rank{rank:05d}") and sha256(p) != info["sha256"]:
+            raise CheckpointError(f"{path.name}: {fname} fails its sha256 digest")
+    return meta
+
+
+def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[Path, dict]:
+    """The newest checkpoint that verifies on every rank (`agree` ANDs a flag over ranks), and its meta.json."""
+    tried = []
+    for path in candidates(root):
+        try:
+            meta, ok = verify(path, rank), True
+        except CheckpointError as e:
+            ok, reason = False, str(e)
+        if agree(ok):
+            if tried and rank == 0:
+                print(f"teratrain: warning: skipped unusable checkpoint(s): {'; '.join(tried)}; "
+                      f"resuming from {path.name}", file=sys.stderr)
+            return path, meta
+        tried.append(reason if not ok else f"{path.name}: corrupt on another rank")
+    why = f" ({'; '.join(tried)})" if tried else ""
+    raise CheckpointError(f"no usable checkpoint in '{root}'{why}; train without --resume or point --out at a run "
+                          "that saved one.")
+
+
+def load_rank(path: Path, rank: int, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's tensors and JSON state from a verified checkpoint."""
+    meta = json.loads((path / f"rank{rank:05d}.json").read_text())
+    tensors = {}
+    with safe_open(str(path / f"rank{rank:05d}.safetensors"), framework="pt", device=str(device)) as f:
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    return tensors, meta

@@ -1,0 +1,302 @@
+"""Typed run configuration: TOML in and out, `--set section.key=value` overrides, validation.
+
+Every field carries its unit in its description. Validation that spans fields lives here only where
+the field belongs to no other component; errors are raised as `ConfigError` with one sentence that
+names the key and the fix (the CLI prints it and exits 2, no traceback).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from teratrain.models.presets import PRESETS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad user input: the message is one sentence naming the key and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(Section):
+    preset: str = Field("tiny", description="named shape (see `teratrain.models.presets`); other keys override it")
+    arch: Literal["llama", "gpt2"] = Field("llama", description="llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/learned positions/GELU")
+    n_layers: int = Field(4, ge=1, description="transformer blocks")
+    d_model: int = Field(128, ge=1, description="hidden width")
+    n_heads: int = Field(4, ge=1, description="query heads")
+    n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); unset = n_heads")
+    d_ff: int | None = Field(None, ge=1, description="MLP inner width; unset = 4*d_model (gpt2) or 8/3*d_model rounded to 64 (llama)")
+    vocab_size: int = Field(4096, ge=2, description="embedding rows; the default corpus's BPE is trained to this size")
+    seq_len: int = Field(128, ge=1, description="training context length in tokens")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on embeddings, attention and residuals")
+    bias: bool | None = Field(None, description="biases in linear layers; unset = true for gpt2, false for llama")
+    tie_embeddings: bool = Field(False, description="share the input embedding with the output projection")
+    norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of RMSNorm/LayerNorm")
+    rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base (llama only)")
+    init_std: float = Field(0.02, gt=0.0, description="std of the normal init; residual output projections get std/sqrt(2*n_layers)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """Fill keys the user did not give from the named preset."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("preset", "tiny")
+        if name not in PRESETS:
+            close = difflib.get_close_matches(str(name), PRESETS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"model.preset '{name}' is unknown; {hint}choose one of {', '.join(PRESETS)}.")
+        return {**PRESETS[name], **data}
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model}); "
+                              f"pick a head count that divides it, e.g. {_divisor_near(self.d_model, self.n_heads)}.")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads}); "
+                              f"set it to a divisor of {self.n_heads}.")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(f"model.d_model / model.n_heads = {self.head_dim} must be even for RoPE; change model.n_heads.")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.arch == "gpt2":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)  # SwiGLU keeps ~the 4d MLP's parameter count
+
+    @property
+    def use_bias(self) -> bool:
+        return self.arch == "gpt2" if self.bias is None else self.bias
+
+
+class TrainConfig(Section):
+    steps: int = Field(300, ge=1, description="optimizer steps")
+    global_batch: int = Field(32, ge=1, description="sequences per optimizer step, over all data-parallel ranks")
+    micro_batch: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
+    seed: int = Field(1234, ge=0, description="seed of init, dropout and data order")
+    log_every: int = Field(10, ge=1, description="steps between progress-bar/log updates")
+    eval_every: int = Field(100, ge=0, description="steps between held-out evaluations (0 = only at the end)")
+    eval_batches: int = Field(4, ge=0, description="micro-batches per evaluation (0 = no evaluation)")
+    grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient L2 norm to this (0 = off)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    compile: bool = Field(False, description="torch.compile the model")
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd", "adafactor"] = Field("adamw", description="optimizer")
+    lr: float = Field(3e-3, gt=0.0, description="peak learning rate at optim.base_batch (before the scaling rule)")
+    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (matrices only; norms and biases get none)")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW second-moment decay")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
+    warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="rule from optim.base_batch to train.global_batch")
+    base_batch: int | None = Field(None, ge=1, description="global batch at which optim.lr was tuned (needed by lr_scaling)")
+
+
+class MemoryConfig(Section):
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
+    master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16")
+    recompute: Literal["none", "full", "every-k", "sqrt", "selective"] = Field("none", description="activation recomputation policy")
+    recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
+    loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16: grow the scale x2 after this many clean steps")
+
+
+class ParallelConfig(Section):
+    dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp*ep)")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
+    ep: int = Field(1, ge=1, description="expert-parallel degree")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
+    offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
+    sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")
+    sync_every: int = Field(1, ge=1, description="local-sgd: steps between parameter averages")
+    staleness: int | None = Field(None, ge=0, description="param-server: max versions a worker may lag (0 = synchronous, unset = async)")
+    num_servers: int = Field(1, ge=1, description="param-server: ranks acting as servers")
+    bucket_mb: float = Field(25.0, gt=0.0, description="gradient bucket size in MiB")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="dtype of gradient reduction")
+    timeout_s: float = Field(600.0, gt=0.0, description="collective timeout in seconds")
+
+
+class DataConfig(Section):
+    path: str | None = Field(None, description="text file, folder of text files, or pre-tokenized .bin; unset = the Python stdlib sources")
+    tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = train a byte-level BPE on the corpus (cached)")
+    val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
+    cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0, description="steps between checkpoints (0 = only at the end)")
+    keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+
+
+class MetricsConfig(Section):
+    peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s for MFU; unset = GPU table (none on CPU)")
+    tensorboard: bool = Field(False, description="also write TensorBoard events")
+    progress: bool = Field(True, description="show a progress bar")
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> "Config":
+        if self.optim.lr_scaling != "none" and self.optim.base_batch is None:
+            raise ConfigError(f"optim.lr_scaling={self.optim.lr_scaling} needs optim.base_batch; set it to the batch "
+                              "at which optim.lr was tuned.")
+        if self.memory.precision == "fp32" and self.memory.master_weights:
+            raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
+        return self
+
+    @property
+    def use_master_weights(self) -> bool:
+        mw = self.memory.master_weights
+        return self.memory.precision == "fp16" if mw is None else mw
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+# ---------------------------------------------------------------- loading, overrides, saving
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read an optional TOML file, apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return validate(raw)
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set '{item}' is not of the form section.key=value; write e.g. --set optim.lr=3e-4.")
+    section, name = parts
+    if section not in Config.model_fields:
+        raise ConfigError(f"unknown config section '{section}' in --set {item}; use one of {', '.join(Config.model_fields)}.")
+    value = _parse_value(text.strip())
+    raw.setdefault(section, {})[name] = value
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal when it is one (3, 3e-4, true, "x"), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+_TYPE_WORDS = {"int_parsing": "an integer", "int_from_float": "an integer", "float_parsing": "a number",
+               "bool_parsing": "true or false", "string_type": "a string", "int_type": "an integer",
+               "float_type": "a number", "bool_type": "true or false"}
+
+
+def _explain(e: ValidationError) -> str:
+    """Turn pydantic's first error into one sentence naming the key and the fix."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    kind, given = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        section, _, name = loc.rpartition(".")
+        fields = _fields_of(section)
+        close = difflib.get_close_matches(name, fields, n=1)
+        hint = f"did you mean '{section + '.' if section else ''}{close[0]}'?" if close else f"known keys: {', '.join(fields)}."
+        return f"unknown config key '{loc}'; {hint}"
+    if isinstance(err.get("ctx", {}).get("error"), ConfigError):
+        return str(err["ctx"]["error"])
+    if kind in _TYPE_WORDS:
+        return f"config key '{loc}' must be {_TYPE_WORDS[kind]}, got {given!r}; fix its value."
+    if kind == "literal_error":
+        return f"config key '{loc}' got {given!r}; {err['msg'].lower().replace('input ', 'it ')}."
+    if kind == "model_type" or kind == "dict_type":
+        return f"config key '{loc}' must be a [section] table, got {given!r}; write it as a TOML table."
+    return f"config key '{loc}' is invalid ({err['msg'].lower()}, got {given!r}); fix its value."
+
+
+def _fields_of(section: str) -> list[str]:
+    if not section:
+        return list(Config.model_fields)
+    ann = Config.model_fields.get(section)
+    return list(ann.annotation.model_fields) if ann is not None else []
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (unset optional keys are omitted)."""
+    lines: list[str] = []
+    for section, values in cfg.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if not isinstance(v, float) or math.isfinite(v) else ("inf" if v > 0 else "-inf")
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def describe() -> str:
+    """Reference table of every key, for the README and `teratrain train --help-config`."""
+    rows = []
+    for section, field in Config.model_fields.items():
+        for key, f in field.annotation.model_fields.items():
+            rows.append(f"{section}.{key} = {f.default!r}  # {f.description}")
+    return "\n".join(rows)

@@ -1,0 +1,56 @@
+"""Where text comes from: the running interpreter's standard-library sources (the default, ~30 MB of
+real text on every machine that has Python) or the user's files and folders."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go", ".rs",
+                 ".json", ".toml", ".yaml", ".yml", ".html", ".css", ".sh", ".tex", ".csv", ""}
+
+
+class DataError(ValueError):
+    """Bad data input: one sentence naming the problem and the fix."""
+
+
+def stdlib_files() -> list[Path]:
+    """All .py files of this interpreter's standard library, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in _walk(root, skip={"site-packages", "dist-packages", "__pycache__"}) if p.suffix == ".py")
+
+
+def user_files(path: str) -> list[Path]:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
+    if p.is_file():
+        return [p]
+    files = sorted(f for f in _walk(p, skip={"__pycache__", ".git"}) if f.suffix.lower() in TEXT_SUFFIXES)
+    if not files:
+        raise DataError(f"data.path '{path}' holds no text files; add .txt/.py/.md files or point at another folder.")
+    return files
+
+
+def _walk(root: Path, skip: set[str]):
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in skip and not x.startswith("."))
+        for n in sorted(names):
+            yield Path(d) / n
+
+
+def read_documents(files: list[Path]):
+    """Yield each file's text (undecodable bytes replaced, so any file can be read)."""
+    for f in files:
+        yield f.read_text(encoding="utf-8", errors="replace")
+
+
+def fingerprint(files: list[Path]) -> str:
+    """Content-independent identity of a corpus (paths, sizes, mtimes): a cache key."""
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}\0{st.st_size}\0{int(st.st_mtime)}\n".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,125 @@
+"""Token files and batches.
+
+Tokens live in a flat numpy memmap (uint16 when the vocabulary fits, else uint32); the last
+`data.val_fraction` of it is held out. A batch is a pure function of (seed, global step, global sample
+index): sample j of step s starts at offset `starts(s)[j]`, whatever the number of ranks, so every
+parallel layout sees the same global batches and a resumed run sees the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from teratrain.data.corpus import DataError, fingerprint, read_documents, stdlib_files, user_files
+from teratrain.data.tokenizer import EOT, file_digest, load_or_train
+from teratrain.fsio import atomic_write_bytes
+
+
+@dataclass
+class TokenData:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer_path: Path | None  # None for a user's pre-tokenized .bin without a tokenizer
+    source: str
+
+
+def cache_dir(configured: str | None) -> Path:
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "teratrain"
+
+
+def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None) -> TokenData:
+    """Tokenize the corpus once (cached), then memory-map it. With several processes, `builder` is
+    true on one per machine and `wait` is a barrier the others pass once the files exist."""
+    cache = cache_dir(data_cfg.cache_dir)
+    path = data_cfg.path
+    if path and Path(path).suffix == ".bin":
+        tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), data_cfg.tokenizer, path
+    else:
+        files = user_files(path) if path else stdlib_files()
+        source = path or f"python {sys.version_info.major}.{sys.version_info.minor} standard library ({len(files)} files)"
+        if builder:  # train the tokenizer and encode once; the cache makes later calls cheap
+            tok, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer)
+            if not _bin_path(cache, tok_path, files).exists():
+                _encode_to_bin(files, tok, _bin_path(cache, tok_path, files), vocab_size)
+        wait()
+        _, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer)
+        bin_path = _bin_path(cache, tok_path, files)
+        tokens = np.memmap(bin_path, dtype=_dtype(vocab_size), mode="r")
+    n_val = int(len(tokens) * data_cfg.val_fraction)
+    return TokenData(train=tokens[:len(tokens) - n_val], val=tokens[len(tokens) - n_val:],
+                     tokenizer_path=Path(tok_path) if tok_path else None, source=source)
+
+
+def _bin_path(cache: Path, tok_path: Path, files: list[Path]) -> Path:
+    return cache / f"tokens-{file_digest(tok_path)}-{fingerprint(files)}.bin"
+
+
+def _dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def _encode_to_bin(files: list[Path], tok, out: Path, vocab_size: int, chunk: int = 256) -> None:
+    """Encode documents in batches (the tokenizer runs them in parallel), EOT after each one."""
+    eot = tok.token_to_id(EOT)
+    parts: list[np.ndarray] = []
+    docs = list(read_documents(files))
+    for i in range(0, len(docs), chunk):
+        for enc in tok.encode_batch(docs[i:i + chunk]):
+            ids = enc.ids + ([eot] if eot is not None else [])
+            parts.append(np.asarray(ids, dtype=_dtype(vocab_size)))
+    atomic_write_bytes(out, np.concatenate(parts).tobytes())
+
+
+def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"data.path '{path}' does not exist; give a pre-tokenized .bin file or a text folder.")
+    side = path.with_suffix(".json")
+    dtype = np.dtype(json.loads(side.read_text())["dtype"]) if side.exists() else _dtype(vocab_size)
+    if os.path.getsize(path) % dtype.itemsize:
+        raise DataError(f"data.path '{path}' is not a whole number of {dtype.name} tokens; write it with numpy "
+                        f"as {dtype.name} or give its dtype in {side.name}.")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(f"data.path '{path}' holds token id {int(tokens.max())} >= model.vocab_size {vocab_size}; "
+                        "raise model.vocab_size.")
+    return tokens
+
+
+class Batches:
+    """(x, y) batches of `seq_len` tokens at pseudo-random offsets of one split."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, global_batch: int, split: str = "train"):
+        if len(tokens) < seq_len + 2:
+            fix = "raise data.val_fraction or set train.eval_batches=0" if split == "val" else "add text or lower model.seq_len"
+            raise DataError(f"the {split} split has {len(tokens)} tokens, too few for model.seq_len={seq_len}; {fix}.")
+        self.tokens, self.seq_len, self.seed, self.global_batch = tokens, seq_len, seed, global_batch
+
+    def starts(self, step: int) -> np.ndarray:
+        """Offsets of the step's global batch: a pure function of (seed, step)."""
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
+
+    def get(self, step: int, lo: int, hi: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples lo..hi-1 of step's global batch as (x, y), each (hi-lo, seq_len) int64."""
+        T = self.seq_len
+        rows = np.stack([self.tokens[s:s + T + 1] for s in self.starts(step)[lo:hi]]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        if torch.device(device).type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        return t[:, :-1], t[:, 1:]
+
+    def micro_batches(self, step: int, dp_rank: int, dp: int, micro_batch: int, device="cpu"):
+        """This rank's share of the step's global batch, `micro_batch` samples at a time.
+        Rank r owns samples [r*B/dp, (r+1)*B/dp); gradient accumulation walks them in order."""
+        per_rank = self.global_batch // dp
+        base = dp_rank * per_rank
+        for lo in range(base, base + per_rank, micro_batch):
+            yield self.get(step, lo, lo + micro_batch, device)

@@ -1,0 +1,72 @@
+"""Activation recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost").
+
+Policies (`memory.recompute`):
+- full:      every block is a segment: store only block inputs, recompute each block in backward.
+- every-k:   segments of k consecutive blocks (`memory.recompute_every`); one stored input per segment.
+- sqrt:      k = round(sqrt(L)): L/k stored inputs + k blocks recomputed at a time, O(sqrt(L)) memory.
+- selective: only the attention core (QK^T, softmax, dropout, .V) is recomputed (Korthikanti et
+             al. 2022): the T x T part that is cheap to redo and costly to keep.
+Dropout RNG is replayed (`preserve_rng_state`), so gradients equal those without recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from teratrain.models.transformer import Blocks
+
+
+def segment_size(policy: str, n_layers: int, every: int) -> int:
+    if policy == "full":
+        return 1
+    if policy == "every-k":
+        return every
+    if policy == "sqrt":
+        return max(1, round(math.sqrt(n_layers)))
+    raise ValueError(f"policy {policy!r} has no segments")
+
+
+class RecomputedBlocks(Blocks):
+    """The same blocks (same parameter names), run in checkpointed segments of `k` blocks."""
+
+    def __init__(self, blocks: Blocks, k: int):
+        super().__init__(blocks)
+        self.k = k
+
+    def forward(self, h, rope=None, caches=None, start: int = 0):
+        if caches is not None or not torch.is_grad_enabled():
+            return super().forward(h, rope, caches, start)
+        for i in range(0, len(self), self.k):
+            h = checkpoint(self._segment, h, rope, i, use_reentrant=False, preserve_rng_state=True)
+        return h
+
+    def _segment(self, h, rope, i: int):
+        for block in list(self)[i:i + self.k]:
+            h = block(h, rope)
+        return h
+
+
+class Recomputed(nn.Module):
+    """Run a parameter-free module under checkpoint (selective recomputation)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def apply_recompute(model: nn.Module, policy: str, every: int = 2) -> nn.Module:
+    if policy == "none":
+        return model
+    if policy == "selective":
+        for block in model.layers:
+            block.attention.core = Recomputed(block.attention.core)
+        return model
+    model.layers = RecomputedBlocks(model.layers, segment_size(policy, len(model.layers), every))
+    return model

@@ -1,0 +1,147 @@
+"""Transformer building blocks. Single-device code: strategies swap or wrap these from outside.
+
+Linear layers carry stable names (`wq wk wv wo`, `w1 w2 w3`) so sharding plans can address them, and
+head counts are read from tensor shapes (`view(B, T, -1, hd)`) so a tensor-parallel split of the
+projections needs no change here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with optional bias (GPT-2)."""
+
+    def __init__(self, dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class Rotary(nn.Module):
+    """RoPE tables (Su et al. 2021), "rotate-half" layout as in HF Llama. Buffers are not saved."""
+
+    def __init__(self, head_dim: int, max_seq: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq, self.theta = head_dim, max_seq, theta
+        self.register_buffer("cos", torch.empty(max_seq, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq, head_dim), persistent=False)
+
+    def reset(self) -> None:
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=self.cos.device).float() / self.head_dim)
+        t = torch.arange(self.max_seq, device=self.cos.device).float()
+        freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (T, hd)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[start:start + length], self.sin[start:start + length]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, nh, T, hs); cos/sin: (T, hs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class KVCache:
+    """Per-layer key/value cache for incremental decoding: (B, n_kv, max_len, hs) each."""
+
+    def __init__(self, batch: int, n_kv: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_kv, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T/sqrt(d))V through `scaled_dot_product_attention` (flash/cuDNN kernels keep no
+    T x T score matrix). A module of its own so selective recomputation can wrap just this part."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.core = CoreAttention(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, cache: KVCache | None = None, start: int = 0):
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.update(k, v, start)
+        # A cached decode step of one token attends to everything before it; prefill is causal.
+        y = self.core(q, k, v, causal=T > 1)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        return self.resid_dropout(self.wo(y))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) (Shazeer 2020)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool, dropout: float):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w3 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class GeluMLP(nn.Module):
+    """w2(gelu(w1 x)) (GPT-2, tanh approximation)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool, dropout: float):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))

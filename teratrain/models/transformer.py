@@ -1,0 +1,157 @@
+"""Decoder-only transformer in two flavours, Llama-style and GPT-2-style, built from `layers.py`.
+
+Shaped for strategies applied from outside: blocks live in `self.layers` (a ModuleList), every linear
+layer has a stable name, any of `tok_embeddings`, `norm`, `output` may be set to None by a pipeline
+split, and the model is built on the meta device and materialized with `init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teratrain.models.layers import Attention, GeluMLP, KVCache, LayerNorm, RMSNorm, Rotary, SwiGLU
+
+if TYPE_CHECKING:
+    from teratrain.config import ModelConfig
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        d, bias = cfg.d_model, cfg.use_bias
+        self.attention_norm = _norm(cfg)
+        self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout)
+        self.ffn_norm = _norm(cfg)
+        mlp = SwiGLU if cfg.arch == "llama" else GeluMLP
+        self.feed_forward = mlp(d, cfg.ffn_dim, bias, cfg.dropout)
+
+    def forward(self, h: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), rope, cache, start)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Blocks(nn.ModuleList):
+    """The block stack. A ModuleList (names `layers.0`, `layers.1`, ...) that can also run itself,
+    so a recomputation policy can replace how it runs without renaming any parameter."""
+
+    def forward(self, h: torch.Tensor, rope=None, caches: list[KVCache] | None = None, start: int = 0):
+        for i, block in enumerate(self):
+            h = block(h, rope, caches[i] if caches else None, start)
+        return h
+
+
+def _norm(cfg: "ModelConfig") -> nn.Module:
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return LayerNorm(cfg.d_model, cfg.norm_eps, cfg.use_bias)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: "ModelConfig"):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
+        self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.arch == "llama" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = Blocks(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg)
+        # Tied: the head reuses tok_embeddings.weight in forward(), so there is no second tensor to keep tied.
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+        """tokens: (B, T) ids (or (B, T, d) hidden states on a pipeline stage without embeddings).
+        Returns logits (B, T, V), or hidden states on a stage without the head."""
+        T = tokens.shape[1]
+        if start + T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(start, start + T, device=h.device))
+        h = self.dropout(h)
+        rope = self.rope(start, T) if self.rope is not None else None
+        h = self.layers(h, rope, caches, start)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h)  # (B, T, V)
+        return F.linear(h, self.tok_embeddings.weight)  # tied head, (B, T, V)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Materialized-parameter init. Each tensor draws from its own generator seeded by
+        (seed, name), so a shard can be initialized identically to the full model's slice."""
+        for name, p in self.named_parameters():
+            init_param_(p, name, self.cfg, seed)
+        if self.rope is not None:
+            self.rope.reset()
+
+    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        p = self.tok_embeddings.weight
+        return [KVCache(batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype)
+                for _ in self.layers]
+
+
+def init_param_(t: torch.Tensor, name: str, cfg: "ModelConfig", seed: int) -> None:
+    """Init one parameter by name: norms 1, biases 0, residual-output projections (wo, w2) get
+    std/sqrt(2*n_layers) (GPT-2 paper, sec. 2.3), everything else N(0, init_std)."""
+    leaf = name.rsplit(".", 1)[-1]
+    parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    if leaf == "bias":
+        t.zero_()
+    elif parent.endswith("norm"):
+        t.fill_(1.0)
+    else:
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if parent in ("wo", "w2") else cfg.init_std
+        g = torch.Generator(device=t.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t.normal_(0.0, std, generator=g)
+
+
+def build_model(cfg: "ModelConfig", device: torch.device | str = "cpu", seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """Construct on the meta device (no memory), then allocate and initialize on `device`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.to(dtype)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32. logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def count_params(cfg: "ModelConfig") -> dict[str, int]:
+    """Parameter counts by arithmetic on the config (no tensors): total, embedding, and the
+    matmul parameters N that the PaLM FLOP formula uses (every weight a token multiplies, head included)."""
+    d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
+    b = 1 if cfg.use_bias else 0
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d)
+    n_mats = 3 if cfg.arch == "llama" else 2
+    mlp = n_mats * d * cfg.ffn_dim + b * ((n_mats - 1) * cfg.ffn_dim + d)
+    norm = d if cfg.arch == "llama" else d * (1 + b)
+    block = attn + mlp + 2 * norm
+    emb = cfg.vocab_size * d
+    pos = cfg.seq_len * d if cfg.arch == "gpt2" else 0
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    total = emb + pos + L * block + norm + head
+    matmul = L * (attn + mlp) + cfg.vocab_size * d  # head matmul, tied or not
+    return {"total": total, "embedding": emb + pos, "matmul": matmul, "per_block": block}
+
+
+def flops_per_token(cfg: "ModelConfig", seq_len: int | None = None) -> float:
+    """Training FLOPs per token, PaLM appendix B: 6N + 12*L*H*Q*T (N matmul params, L layers,
+    H heads, Q head dim, T sequence length); forward + backward, no recomputation."""
+    T = seq_len or cfg.seq_len
+    return 6 * count_params(cfg)["matmul"] + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T

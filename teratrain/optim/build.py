@@ -1,0 +1,35 @@
+"""Optimizer construction: AdamW (fused/foreach), SGD with momentum, Adafactor.
+
+Weight decay applies to matrices only (dim >= 2); norms, biases and other vectors get none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(named_params, cfg) -> torch.optim.Optimizer:
+    """`named_params`: (name, tensor) pairs to optimize (model params or fp32 master copies)."""
+    named_params = list(named_params)
+    groups = param_groups(named_params, cfg.weight_decay)
+    if cfg.name == "adamw":
+        impl = {"fused": True} if _fused_ok(named_params) else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def _fused_ok(named_params) -> bool:
+    """Fused AdamW needs floating-point tensors on one CUDA or CPU device."""
+    return all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for _, p in named_params)

@@ -1,0 +1,167 @@
+"""The update step of one model replica: loss scaling, fp32 master weights, clipping, optimizer.
+
+The training loop talks to an engine only through this interface, so data parallelism and ZeRO
+(`teratrain/parallel/`) plug in by subclassing or replacing `LocalEngine`:
+
+    with engine.accumulate(last=i == n - 1):   # data parallel: no communication until `last`
+        engine.backward(loss / n)               # scaled by the fp16 loss scale
+    stats = engine.step(lr)                     # unscale, inf check, clip, step, zero grads
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+from teratrain.memory.precision import LossScaler, has_inf_or_nan, param_dtype
+from teratrain.optim.build import build_optimizer
+
+
+@dataclass
+class StepStats:
+    grad_norm: float
+    skipped: bool
+    loss_scale: float | None
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (shared storages counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients so their global L2 norm is at most max_norm (as torch.nn.utils.clip_grad_norm_)."""
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all gradients in fp32 (the squared global norm, before any cross-rank sum)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm([g.float() for g in grads] if grads[0].dtype != torch.float32 else grads)
+    return torch.stack(norms).pow(2).sum()
+
+
+class LocalEngine:
+    """One replica's update. With `master_weights`, the model holds low-precision params and grads,
+    and the optimizer steps fp32 copies that are written back after each step."""
+
+    def __init__(self, model: nn.Module, optim_cfg, memory_cfg, grad_clip: float, master_weights: bool):
+        self.model, self.grad_clip = model, grad_clip
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.masters = None
+        if master_weights:
+            self.masters = [p.detach().float().clone() for _, p in self.named]
+            low = param_dtype(memory_cfg.precision, True)
+            for _, p in self.named:
+                p.data = p.data.to(low)
+        targets = self.masters if self.masters is not None else [p for _, p in self.named]
+        self.optimizer = build_optimizer(zip([n for n, _ in self.named], targets), optim_cfg)
+        use_scaler = memory_cfg.precision == "fp16"
+        self.scaler = LossScaler(memory_cfg.loss_scale_init, memory_cfg.loss_scale_window) if use_scaler else None
+        self.last_state_bytes: dict[str, int] | None = None
+
+    # ---- forward/backward side
+    def accumulate(self, last: bool):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    # ---- update side
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for _, p in self.named if p.grad is not None]
+
+    def found_inf(self, grads: list[torch.Tensor]) -> bool:
+        """Overflow check; a data-parallel engine would OR it over ranks (here grads are replicated)."""
+        return bool(has_inf_or_nan(grads))
+
+    def step(self, lr: float) -> StepStats:
+        held = self.state_bytes()  # grads as held between backward and the update
+        grads = self._fp32_grads()
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            torch._foreach_mul_(grads, inv)
+            overflow = self.found_inf(grads)
+            self.scaler.update(overflow)
+            if overflow:
+                self.last_state_bytes = held
+                self.zero_grad()
+                return StepStats(float("nan"), True, self.scaler.scale)
+        norm = sum_sq(grads).sqrt()
+        clip_(grads, norm, self.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        # optimizer state exists once the first step has made it (torch creates it lazily)
+        self.last_state_bytes = {**held, "optimizer": self.state_bytes()["optimizer"]}
+        self.zero_grad()
+        if self.masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_([p for _, p in self.named], self.masters)
+        return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
+
+    def _fp32_grads(self) -> list[torch.Tensor]:
+        """Gradients the optimizer will read: with masters, fp32 copies attached to the masters
+        (and the low-precision grads freed); else the model's own."""
+        if self.masters is None:
+            return self.grads()
+        out = []
+        for m, (_, p) in zip(self.masters, self.named):
+            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+            p.grad = None
+            out.append(m.grad)
+        return out
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+        for m in self.masters or ():
+            m.grad = None
+
+    # ---- accounting and checkpoints
+    def state_bytes(self) -> dict[str, int]:
+        """Model-state bytes of this rank, from live tensors: params, grads held now, optimizer
+        state (fp32 master weights included)."""
+        opt = [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+        return {"params": tensor_bytes(p for p in self.model.parameters()),
+                "grads": tensor_bytes(p.grad for _, p in self.named),
+                "optimizer": tensor_bytes(opt + list(self.masters or []))}
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors = {f"model.{n}": p for n, p in self.named}
+        if self.masters is not None:
+            tensors.update({f"master.{n}": m for (n, _), m in zip(self.named, self.masters)})
+        opt_tensors, opt_meta = optimizer_to_flat(self.optimizer)
+        tensors.update(opt_tensors)
+        meta = {"optimizer": opt_meta, "scaler": self.scaler.state_dict() if self.scaler else None}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(tensors[f"model.{n}"])
+            for (n, _), m in zip(self.named, self.masters or []):
+                m.copy_(tensors[f"master.{n}"])
+        optimizer_from_flat(self.optimizer, {k: v for k, v in tensors.items() if k.startswith("optim.")}, meta["optimizer"])
+        if self.scaler is not None and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler else 0
+

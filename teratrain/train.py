@@ -1,0 +1,197 @@
+"""The training loop, and only the loop: setup lives in the modules it calls."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from teratrain import checkpoint as ckpt
+from teratrain.checkpoint.state import rng_state, set_rng_state
+from teratrain.config import Config, ConfigError, to_toml, validate
+from teratrain.data.loader import Batches, prepare
+from teratrain.fsio import atomic_write_bytes
+from teratrain.memory.precision import autocast
+from teratrain.mesh import Runtime, init_runtime
+from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
+from teratrain.models.transformer import build_model, flops_per_token, lm_loss
+from teratrain.optim.lr import lr_at, scaled_lr
+from teratrain.parallel.parallelize import parallelize
+
+
+def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
+    """Train as configured; returns a summary. Collective: every rank of the job calls it."""
+    rt = init_runtime(cfg)
+    cfg.parallel.dp = rt.dims.dp
+    _check_batch(cfg, rt)
+    run_dir = _run_dir(out, resume, rt)
+    data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
+    torch.manual_seed(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
+    model = build_model(cfg.model, rt.device, seed=cfg.train.seed)
+    engine = parallelize(model, rt, cfg)
+
+    start = 0
+    if resume:
+        start = _restore(run_dir, cfg, rt, engine)
+    elif rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
+        if data.tokenizer_path:
+            shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
+    rt.barrier()
+    return _loop(cfg, rt, model, engine, data, run_dir, start)
+
+
+def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: int) -> dict:
+    tc, m = cfg.train, cfg.model
+    train_batches = Batches(data.train, m.seq_len, tc.seed, tc.global_batch, "train")
+    val_batches = Batches(data.val, m.seq_len, tc.seed + 1, tc.eval_batches * tc.micro_batch, "val") if tc.eval_batches else None
+    peak_lr = scaled_lr(cfg.optim.lr, cfg.optim.lr_scaling, cfg.optim.base_batch, tc.global_batch)
+    tokens_per_step = tc.global_batch * m.seq_len
+    peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
+    flops_tok = flops_per_token(m)
+    log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
+    bar = tqdm(total=tc.steps, initial=start, disable=not (rt.is_main and cfg.metrics.progress),
+               desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    last = {}
+    for step in range(start, tc.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, tc.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+        model.train()
+        micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
+        loss_sum = torch.zeros((), device=rt.device)
+        for i, (x, y) in enumerate(micro):
+            with engine.accumulate(last=i == len(micro) - 1):
+                with autocast(cfg.memory.precision, rt.device):
+                    loss = lm_loss(model(x), y)
+                engine.backward(loss / len(micro))
+            loss_sum += loss.detach()
+        stats = engine.step(lr)
+        loss_val = _mean_over_ranks(loss_sum / len(micro), rt)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        dt = time.perf_counter() - t0
+        done = step + 1
+        tps = tokens_per_step / dt
+        last = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": tps,
+                "mfu": flops_tok * tps / (peak * rt.world) if peak else None,
+                "grad_norm": stats.grad_norm if not stats.skipped else None,
+                "peak_mem_bytes": peak_memory_bytes(rt.device), "skipped_steps": engine.skipped_steps,
+                "loss_scale": stats.loss_scale, "tokens": done * tokens_per_step, "step_time_s": dt}
+        if step == start:
+            last["model_state_bytes"] = engine.last_state_bytes
+        if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
+            last["eval_loss"] = evaluate(model, val_batches, cfg, rt)
+        if log:
+            log.write(last)
+        if done % tc.log_every == 0 or done == tc.steps:
+            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+        bar.update(1)
+        if done == tc.steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+            _save(run_dir, done, cfg, rt, engine)
+    bar.close()
+    if log:
+        log.close()
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    return {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
+
+
+@torch.no_grad()
+def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
+    """Mean loss over the fixed held-out set (the same samples for every layout)."""
+    model.eval()
+    mb = cfg.train.micro_batch
+    total = torch.zeros(2, device=rt.device)  # (sum of micro-batch mean losses, count)
+    for i in range(rt.dp_rank, cfg.train.eval_batches, rt.dims.dp):
+        x, y = batches.get(0, i * mb, (i + 1) * mb, rt.device)
+        with autocast(cfg.memory.precision, rt.device):
+            total[0] += lm_loss(model(x), y).float()
+        total[1] += 1
+    if rt.world > 1:
+        torch.distributed.all_reduce(total, group=rt.mesh["dp"].get_group())
+    model.train()
+    return float(total[0] / total[1])
+
+
+def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
+    if rt.dims.dp > 1:
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=rt.mesh["dp"].get_group())
+        x /= rt.dims.dp
+    return float(x)
+
+
+def _check_batch(cfg: Config, rt: Runtime) -> None:
+    per_step = cfg.train.micro_batch * rt.dims.dp
+    if cfg.train.global_batch % per_step:
+        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of train.micro_batch x dp "
+                          f"= {cfg.train.micro_batch} x {rt.dims.dp} = {per_step}; change one of them.")
+
+
+def _run_dir(out: str | None, resume: bool, rt: Runtime) -> Path:
+    """--out if given; with --resume alone, the newest run under runs/; else runs/<timestamp>.
+    Decided on rank 0 and shared, so every rank writes to the same place."""
+    if out:
+        path = Path(out)
+    elif resume:
+        runs = sorted(p.parent.parent for p in Path("runs").glob("*/checkpoints/latest"))
+        if not runs:
+            raise ConfigError("--resume found no run with a checkpoint under runs/; pass --out DIR of the run to resume.")
+        path = runs[-1]
+    else:
+        path = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+        if rt.is_main:
+            while path.exists():
+                path = path.with_name(path.name + "_")
+    if rt.world > 1:
+        box = [str(path)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        path = Path(box[0])
+    return path
+
+
+def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
+    tensors, meta = engine.state_tensors()
+    rng_t, rng_meta = rng_state()
+    tensors.update(rng_t)
+    meta.update(rng=rng_meta, step=step, data={"next_step": step, "samples_seen": step * cfg.train.global_batch})
+    ckpt.save(run_dir / "checkpoints", step, rt.rank, rt.world, tensors, meta, cfg.checkpoint.keep,
+              global_meta={"dims": vars(rt.dims), "config": cfg.model_dump()}, barrier=rt.barrier)
+
+
+def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
+    """Load the newest usable checkpoint of `run_dir` into the engine and RNGs; return its step."""
+    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: _all_ranks(ok, rt))
+    saved_cfg = validate(saved["config"])
+    for key in type(cfg.model).model_fields:
+        if getattr(saved_cfg.model, key) != getattr(cfg.model, key):
+            raise ConfigError(f"model.{key} is {getattr(cfg.model, key)!r} but the checkpoint in {run_dir} was trained "
+                              f"with {getattr(saved_cfg.model, key)!r}; resume with the same model config.")
+    if saved["dims"] != vars(rt.dims):
+        raise ConfigError(f"the checkpoint was written with layout {saved['dims']} but this run has {vars(rt.dims)}; "
+                          "resume with the same parallel.* degrees and process count.")
+    tensors, meta = ckpt.load_rank(path, rt.rank)
+    engine.load_state(tensors, meta)
+    set_rng_state(tensors, meta["rng"])
+    step = meta["step"]
+    if rt.is_main:  # drop metrics a crashed run logged after this checkpoint
+        mpath = run_dir / "metrics.jsonl"
+        if mpath.exists():
+            kept = [r for r in read_metrics(mpath) if r["step"] <= step]
+            atomic_write_bytes(mpath, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
+    return step
+
+
+def _all_ranks(ok: bool, rt: Runtime) -> bool:
+    if rt.world == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], device=rt.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
