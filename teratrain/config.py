@@ -124,7 +124,7 @@ class OptimConfig(Section):
 
 class MemoryConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
-    master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16")
+    master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16, and for bf16 under ZeRO")
     recompute: Literal["none", "full", "every-k", "sqrt", "selective"] = Field("none", description="activation recomputation policy")
     recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
     loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
@@ -186,8 +186,13 @@ class Config(Section):
 
     @property
     def use_master_weights(self) -> bool:
+        """Low-precision params with fp32 masters: always for fp16 (loss-scaled fp16 updates lose
+        small steps), and for bf16 under ZeRO, whose savings come from sharding the fp32 master copy."""
         mw = self.memory.master_weights
-        return self.memory.precision == "fp16" if mw is None else mw
+        if mw is not None:
+            return mw
+        p = self.memory.precision
+        return p == "fp16" or (p == "bf16" and self.parallel.zero >= 1)
 
 
 def _divisor_near(n: int, k: int) -> int:
