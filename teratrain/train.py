@@ -20,7 +20,7 @@ from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
-from teratrain.models.transformer import build_model, flops_per_token, lm_loss
+from teratrain.models.transformer import Transformer, flops_per_token, lm_loss
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.parallelize import parallelize
 
@@ -33,7 +33,8 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     run_dir = _run_dir(out, resume, rt)
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     torch.manual_seed(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
-    model = build_model(cfg.model, rt.device, seed=cfg.train.seed)
+    with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
+        model = Transformer(cfg.model)
     engine = parallelize(model, rt, cfg)
 
     start = 0
@@ -99,7 +100,8 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     if log:
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    return {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
+    summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
+    return {**summary, "engine": engine}  # the engine, for tests and programmatic callers
 
 
 @torch.no_grad()

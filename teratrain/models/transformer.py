@@ -95,6 +95,16 @@ class Transformer(nn.Module):
         if self.rope is not None:
             self.rope.reset()
 
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Allocate and fill the non-parameter buffers (RoPE tables) on `device`, leaving parameters
+        alone: for strategies that materialize parameters shard by shard themselves."""
+        for mod in self.modules():
+            for name, buf in list(mod.named_buffers(recurse=False)):
+                mod._buffers[name] = torch.empty_like(buf, device=device)
+        if self.rope is not None:
+            self.rope.reset()
+
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = self.tok_embeddings.weight
         return [KVCache(batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype)
@@ -121,9 +131,14 @@ def build_model(cfg: "ModelConfig", device: torch.device | str = "cpu", seed: in
     """Construct on the meta device (no memory), then allocate and initialize on `device`."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    return materialize(model, device, seed).to(dtype)
+
+
+def materialize(model: Transformer, device: torch.device | str, seed: int) -> Transformer:
+    """Allocate a meta-device model's parameters and buffers on `device` and initialize them."""
     model.to_empty(device=device)
     model.init_weights(seed)
-    return model.to(dtype)
+    return model
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

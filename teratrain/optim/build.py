@@ -11,7 +11,8 @@ import torch
 def param_groups(named_params, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p in named_params:
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        # ZeRO hands in 1-D pieces of flat shards; they carry `_decay` from the parameter they cut
+        (decay if getattr(p, "_decay", p.dim() >= 2) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

@@ -60,6 +60,9 @@ class LocalEngine:
     """One replica's update. With `master_weights`, the model holds low-precision params and grads,
     and the optimizer steps fp32 copies that are written back after each step."""
 
+    # Subclasses whose `p.grad` are views into communication buffers keep them between steps.
+    persistent_grads = False
+
     def __init__(self, model: nn.Module, optim_cfg, memory_cfg, grad_clip: float, master_weights: bool):
         self.model, self.grad_clip = model, grad_clip
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -123,7 +126,8 @@ class LocalEngine:
         out = []
         for m, (_, p) in zip(self.masters, self.named):
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-            p.grad = None
+            if not self.persistent_grads:
+                p.grad = None  # free the low-precision copy before the optimizer allocates anything
             out.append(m.grad)
         return out
 
@@ -160,6 +164,12 @@ class LocalEngine:
         optimizer_from_flat(self.optimizer, {k: v for k, v in tensors.items() if k.startswith("optim.")}, meta["optimizer"])
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
+
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on CPU (fp32 masters when they exist)."""
+        src = self.masters if self.masters is not None else [p for _, p in self.named]
+        return {n: t.detach().cpu().clone() for (n, _), t in zip(self.named, src)}
 
     @property
     def skipped_steps(self) -> int:

@@ -6,7 +6,8 @@ Order, each with its reason:
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them.
 5. compile          - traces the final module structure, checkpoints included.
-6. data parallel / ZeRO - outermost: hooks gradients of the final parameters and owns the update.
+6. data parallel / ZeRO - outermost: hooks gradients of the final parameters and owns the update;
+   it also materializes the meta-device model, so ZeRO-3 never holds more than one full block.
 """
 
 from __future__ import annotations
@@ -15,25 +16,55 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.memory.recompute import apply_recompute
+from teratrain.models.transformer import init_param_, materialize
 from teratrain.optim.engine import LocalEngine
 
 
 def parallelize(model: nn.Module, rt, cfg):
-    """Apply every configured strategy to `model` (materialized, fp32); return the update engine."""
-    p = cfg.parallel
-    for key, what in (("pp", "pipeline"), ("tp", "tensor"), ("ep", "expert")):
-        if getattr(p, key) > 1:  # 1-3: these strategies land in later releases; refuse loudly, never silently
-            raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
-                              f"version; set parallel.{key}=1.")
+    """Apply every configured strategy to `model` (on the meta device); return the update engine."""
+    check_supported(cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
     return build_engine(model, rt, cfg)  # 6
 
 
+def check_supported(cfg) -> None:
+    """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
+    p = cfg.parallel
+    for key, what in (("pp", "pipeline"), ("tp", "tensor"), ("ep", "expert")):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
+                              f"version; set parallel.{key}=1.")
+    if p.zero >= 1 and cfg.optim.name == "adafactor":
+        raise ConfigError("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
+                          "use optim.name=adamw or sgd with parallel.zero>=1.")
+    if p.offload == "params" and p.zero != 3:
+        raise ConfigError(f"parallel.offload=params needs parameter sharding (parallel.zero=3, got {p.zero}); "
+                          "set parallel.zero=3 or parallel.offload=optimizer.")
+    if p.offload != "none" and p.zero == 0:
+        raise ConfigError("parallel.offload needs a ZeRO engine to own the sharded optimizer; set parallel.zero>=1.")
+    if p.zero == 3 and cfg.train.compile:
+        raise ConfigError("train.compile does not trace ZeRO-3's gather/free hooks; set train.compile=false "
+                          "or parallel.zero<=2.")
+    if p.sync != "allreduce" and p.zero:
+        raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas and cannot shard them; "
+                          "set parallel.zero=0 or parallel.sync=allreduce.")
+
+
 def build_engine(model: nn.Module, rt, cfg):
     p = cfg.parallel
-    if rt.dims.dp == 1 and p.zero == 0 and p.offload == "none":
+    group = rt.mesh["dp"].get_group() if rt.mesh is not None else None
+    if p.zero >= 1:
+        from teratrain.parallel.zero import ZeroEngine
+
+        return ZeroEngine(model, cfg, group, rt.device,
+                          init_fn=lambda name, t: init_param_(t, name, cfg.model, cfg.train.seed))
+    materialize(model, rt.device, cfg.train.seed)
+    if rt.dims.dp == 1:
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
-    raise ConfigError(f"data parallelism / ZeRO / offload (dp={rt.dims.dp}, zero={p.zero}, offload={p.offload}) "
-                      "is not available in this version; run one process with parallel.zero=0 and offload=none.")
+    if p.sync == "allreduce":
+        from teratrain.parallel.data import DataParallelEngine
+
+        return DataParallelEngine(model, cfg, group, rt.device)
+    raise ConfigError(f"parallel.sync={p.sync} is not available in this version; set parallel.sync=allreduce.")

@@ -1,0 +1,24 @@
+"""Differences between the torch versions we support (2.11 on the GPU machines, 2.13 on CPU ones).
+Every version check lives here; the rest of the code imports names from this module."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+# 2.13 renamed the flat collectives (`*_tensor` / `*_into_tensor` still work there but warn).
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def pinned_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory when a CUDA device exists (fast async copies), plain otherwise:
+    a CPU-only build cannot pin."""
+    return torch.empty(n, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+def in_backward() -> bool:
+    """True while autograd's engine is running a backward pass (e.g. during recomputation)."""
+    return torch._C._current_graph_task_id() != -1

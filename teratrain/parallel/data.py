@@ -1,0 +1,93 @@
+"""Data parallelism (bulk synchronous): every rank holds the whole model, computes gradients on
+its slice of the global batch, and gradients are averaged before an identical update everywhere.
+
+Gradients live in flat buckets of ~`parallel.bucket_mb` (each `p.grad` is a view into its bucket,
+so nothing is copied). A bucket's all-reduce is launched asynchronously from a post-accumulate-grad
+hook as soon as its last gradient is ready, so communication overlaps the rest of backward
+(Li et al. 2020, "PyTorch Distributed"). Buckets launch in a fixed order on every rank. On gradient
+accumulation micro-steps nothing is communicated; the reduction happens on the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from teratrain.memory.precision import DTYPES
+from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.comm import all_reduce, group_size
+from teratrain.parallel.flat import bucketize
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.nn.Parameter], device):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=device)
+        offset = 0
+        for p in params:  # gradients accumulate in place into views of the flat buffer
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready = 0
+
+
+class DataParallelEngine(LocalEngine):
+    persistent_grads = True
+
+    def __init__(self, model, cfg, group, device: torch.device):
+        super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
+        self.group, self.dp = group, group_size(group)
+        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
+        by_dtype: dict[torch.dtype, list] = {}
+        for name, p in self.named:  # a bucket holds one dtype
+            by_dtype.setdefault(p.dtype, []).append((name, p))
+        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
+        self.buckets = [_Bucket([p for _, p in members], device)
+                        for named in by_dtype.values() for members in bucketize(named, bucket_bytes)]
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        for _, p in self.named:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self._sync, self._next, self._inflight = True, 0, []
+
+    @contextlib.contextmanager
+    def accumulate(self, last: bool):
+        """No communication on accumulation micro-steps; the last micro-step reduces."""
+        self._sync = last
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._sync:
+            return
+        self._bucket_of[p].ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        t = b.flat if b.flat.dtype == self.reduce_dtype else b.flat.to(self.reduce_dtype)
+        t.div_(self.dp)  # average, not sum: pre-divide keeps fp16 sums in range
+        self._inflight.append((all_reduce(t, self.group, async_op=True), b, t))
+
+    def _finish_reduction(self) -> None:
+        for b in self.buckets[self._next:]:  # buckets whose grads never all arrived (unused params)
+            self._launch(b)
+        for handle, b, t in self._inflight:
+            handle.wait()
+            if t is not b.flat:
+                b.flat.copy_(t)
+            b.ready = 0
+        self._next, self._inflight = 0, []
+
+    def step(self, lr: float):
+        self._finish_reduction()
+        return super().step(lr)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+        for m in self.masters or ():
+            m.grad = None

@@ -1,0 +1,347 @@
+"""ZeRO stages 1-3 on flat buffers (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models"), with mixed-precision master shards and CPU offload.
+
+Parameters are grouped into `FlatGroup`s (stage 1/2: buckets of ~`parallel.bucket_mb`; stage 3: one
+group per transformer block plus a root group for embeddings/final norm/head) and each group is
+split into `dp` equal contiguous shards. Per rank, for a model of Psi parameters (k bytes each in
+the compute dtype, 4 for fp32 masters and optimizer dtypes):
+
+    stage  params      grads                  optimizer (masters + moments)
+      1    k*Psi       k*Psi + 4*Psi/N         (4 + 8)*Psi/N
+      2    k*Psi       4*Psi/N                 (4 + 8)*Psi/N
+      3    k*Psi/N     4*Psi/N                 (4 + 8)*Psi/N      (+ 2 gathered blocks transiently)
+
+Stage 1 accumulates full gradients locally and reduce-scatters them once per step (no traffic on
+accumulation micro-steps). Stages 2/3 reduce-scatter each group as soon as its gradients are
+complete in every backward (overlapping the rest of backward) and keep only their shard. Stage 3
+all-gathers a block's parameters just before its forward and again before its backward,
+prefetches the next block, and frees the gathered copy after use by resizing its storage to 0:
+tensors autograd saved still point at that storage and see the data again once it is re-gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from teratrain.compat import in_backward, pinned_empty
+from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
+from teratrain.optim.build import build_optimizer
+from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes
+from teratrain.parallel.comm import Done, all_gather, all_reduce, any_rank, group_size, reduce_scatter
+from teratrain.parallel.flat import FlatGroup, bucketize
+from teratrain.parallel.zero_state import ZeroCheckpointMixin
+
+MAX_INFLIGHT_REDUCES = 2  # stage 2/3: bound on flat gradient buffers alive while their reduce runs
+
+
+class _Group(FlatGroup):
+    """A FlatGroup plus the buffers one stage keeps for it (see the table in the module docstring)."""
+
+    param_flat: torch.Tensor | None = None  # stage 1/2: full params, compute dtype
+    param_shard: torch.Tensor | None = None  # stage 3: this rank's params, compute dtype
+    full: torch.Tensor | None = None  # stage 3: gather target; storage is 0 bytes when released
+    grad_flat: torch.Tensor | None = None  # stage 1: full grads, compute dtype
+    grad_shard: torch.Tensor | None = None  # reduced grads of this rank's shard, optimizer dtype
+    master: torch.Tensor | None = None  # fp32 master shard (mixed precision)
+    ready: int = 0
+    gather: object | None = None  # pending all-gather handle (stage 3)
+    gathered: bool = False
+    in_backward: bool = False
+
+
+class ZeroEngine(ZeroCheckpointMixin):
+    def __init__(self, model: nn.Module, cfg, group, device: torch.device, init_fn):
+        """`model` is on the meta device; `init_fn(name, tensor)` initializes one parameter in place.
+        Only one group's full fp32 parameters exist at a time while materializing."""
+        p = cfg.parallel
+        self.model, self.cfg, self.group, self.device = model, cfg, group, device
+        self.stage, self.dp = p.zero, group_size(group)
+        self.rank = torch.distributed.get_rank(group) if group is not None else 0
+        self.offload = p.offload
+        # With offload the optimizer works on a host copy even in fp32: that copy is the master.
+        self.masters = cfg.use_master_weights or p.offload != "none"
+        self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
+        self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
+        self.reduce_dtype = DTYPES[p.reduce_dtype]
+        self.host = torch.device("cpu")
+        self.groups = self._make_groups(model, p.bucket_mb)
+        for g in self.groups:
+            self._materialize(g, init_fn)
+        model.init_buffers(device)
+        self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.groups]
+        self.scaler = LossScaler(cfg.memory.loss_scale_init, cfg.memory.loss_scale_window) if cfg.memory.precision == "fp16" else None
+        self._group_of = {prm: g for g in self.groups for prm in g.params}
+        for prm in self._group_of:
+            prm.register_post_accumulate_grad_hook(self._on_grad)
+        if self.stage == 3:
+            self._install_gather_hooks()
+        self._sync, self._pending = True, []
+        self.last_state_bytes = None
+        self.grad_clip = cfg.train.grad_clip
+
+    # ------------------------------------------------------------------ construction
+    def _make_groups(self, model: nn.Module, bucket_mb: float) -> list[_Group]:
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        if self.stage == 3:  # one group per block, in forward order, then the root group
+            blocks = [[(f"layers.{i}.{n}", q) for n, q in blk.named_parameters()] for i, blk in enumerate(model.layers)]
+            in_blocks = {q for blk in blocks for _, q in blk}
+            members = blocks + [[(n, q) for n, q in named if q not in in_blocks]]
+        else:
+            itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+            members = bucketize(named, int(bucket_mb * 2**20 // 4 * itemsize))
+        return [_Group([n for n, _ in m], [q for _, q in m], self.dp, self.rank) for m in members if m]
+
+    def _materialize(self, g: _Group, init_fn) -> None:
+        full32 = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
+        for name, view in zip(g.names, g.views(full32)):
+            init_fn(name, view)
+        opt_home = self.host if self.offload != "none" else self.device
+        if self.masters:
+            g.master = _clone_to(full32[g.lo:g.hi], opt_home, torch.float32)
+        if self.stage == 3:
+            shard_home = self.host if self.offload == "params" else self.device
+            g.param_shard = _clone_to(full32[g.lo:g.hi], shard_home, self.compute_dtype)
+            g.full = torch.empty(g.padded, dtype=self.compute_dtype, device=self.device)
+            _bind(g, g.full, self.model)
+            g.full.untyped_storage().resize_(0)
+        else:
+            g.param_flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
+            _bind(g, g.param_flat, self.model)
+        del full32
+        grad_home = self.host if self.offload != "none" and self.device.type == "cpu" else self.device
+        g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=grad_home)
+        if self.stage == 1:
+            g.grad_flat = torch.zeros(g.padded, dtype=self.compute_dtype, device=self.device)
+            for q, view in zip(g.params, g.views(g.grad_flat)):
+                q.grad = view
+
+    def _opt_target(self, g: _Group) -> torch.Tensor:
+        """The tensor the optimizer updates for this group's shard."""
+        if g.master is not None:
+            return g.master
+        return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
+
+    def _build_optimizer(self, g: _Group, optim_cfg):
+        target = self._opt_target(g)
+        if self.offload != "none" and self.device.type == "cuda":
+            g.host_grad = pinned_empty(g.shard_numel, self.opt_dtype)
+            grads = g.shard_views(g.host_grad)
+        else:
+            grads = g.shard_views(g.grad_shard)
+        pieces = []
+        for view, grad, pc in zip(g.shard_views(target), grads, g.pieces):
+            view.grad = grad  # the optimizer reads gradients through views of the flat shard
+            pieces.append((g.names[pc.index], _as_shaped(view, g.shapes[pc.index])))
+        if not pieces:  # this rank's shard is all padding (tiny groups, many ranks)
+            return None
+        if optim_cfg.name == "adafactor":
+            raise ValueError("unreachable: adafactor is refused with ZeRO before the engine is built")
+        return build_optimizer(pieces, optim_cfg)
+
+    # ------------------------------------------------------------------ backward side
+    @contextlib.contextmanager
+    def accumulate(self, last: bool):
+        self._sync = last
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    def _on_grad(self, prm: nn.Parameter) -> None:
+        g = self._group_of[prm]
+        g.ready += 1
+        if g.ready < len(g.params):
+            return
+        g.ready = 0
+        if self.stage == 1:
+            if self._sync:  # full grads stay local across micro-steps; reduce once per step
+                self._reduce(g, g.grad_flat)
+            return
+        self._reduce(g, g.flatten([q.grad for q in g.params], self.reduce_dtype, self.device))
+        for q in g.params:
+            q.grad = None
+        if self.stage == 3:
+            g.in_backward = False
+            self._release(g)
+
+    def _reduce(self, g: _Group, flat: torch.Tensor) -> None:
+        """Reduce-scatter one group's flat gradient into a shard, asynchronously."""
+        flat = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
+        out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        self._pending.append((reduce_scatter(out, flat, self.group, async_op=True), g, out, flat))
+        if self.stage >= 2 and len(self._pending) > MAX_INFLIGHT_REDUCES:
+            self._drain(1)
+
+    def _drain(self, n: int | None = None) -> None:
+        """Wait for the oldest `n` pending reductions (all if None) and add them to the shards."""
+        done, self._pending = (self._pending, []) if n is None else (self._pending[:n], self._pending[n:])
+        for handle, g, out, _flat in done:
+            handle.wait()
+            g.grad_shard.add_(out.div_(self.dp).to(g.grad_shard.device, g.grad_shard.dtype))
+
+    # ------------------------------------------------------------------ stage 3 gathering
+    def _install_gather_hooks(self) -> None:
+        blocks = list(self.model.layers)
+        for i, blk in enumerate(blocks):
+            blk.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
+            blk.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
+        root = self.groups[-1]
+        self.model.register_forward_pre_hook(lambda m, a: self._ensure(root))
+        self.model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._release(root))
+
+    def _start_gather(self, g: _Group) -> None:
+        if g.gathered or g.gather is not None:
+            return
+        g.full.untyped_storage().resize_(g.padded * g.full.element_size())
+        shard = g.param_shard.to(self.device, non_blocking=True)
+        # into `.data`: a write autograd does not version-track, since tensors saved for backward are
+        # views of `full` and must accept the re-gathered (identical) values
+        g.gather = all_gather(g.full.data, shard, self.group, async_op=True)
+
+    def _ensure(self, g: _Group) -> None:
+        self._start_gather(g)
+        if g.gather is not None:
+            g.gather.wait()
+            g.gather, g.gathered = None, True
+
+    def _release(self, g: _Group) -> None:
+        if g.gathered:
+            g.full.untyped_storage().resize_(0)
+            g.gathered = False
+
+    def _before_forward(self, i: int) -> None:
+        self._ensure(self.groups[i])
+        if i + 1 < len(self.model.layers) and not in_backward():
+            self._start_gather(self.groups[i + 1])  # prefetch the next block
+
+    def _after_forward(self, i: int, out: torch.Tensor) -> None:
+        g = self.groups[i]
+        if in_backward():  # recomputation inside backward: this block's backward needs it next
+            return
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+        self._release(g)
+
+    def _before_backward(self, i: int) -> None:
+        g = self.groups[i]
+        g.in_backward = True
+        self._ensure(g)
+        if i > 0:
+            self._start_gather(self.groups[i - 1])  # prefetch the block whose backward is next
+
+    # ------------------------------------------------------------------ update
+    def step(self, lr: float) -> StepStats:
+        self._drain()
+        held = self.state_bytes()  # grads as held between backward and the update
+        self.last_state_bytes = held
+        grads = [g.grad_shard for g in self.groups]
+        if self.scaler is not None:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            overflow = any_rank(bool(has_inf_or_nan(grads)), self.group, self.device)
+            self.scaler.update(overflow)
+            if overflow:  # every rank skips together
+                self.zero_grad()
+                return StepStats(float("nan"), True, self.scaler.scale)
+        sq = sum_sq(grads).to(self.device)
+        all_reduce(sq, self.group)  # squared norms of the shards add up to the global one
+        norm = sq.sqrt()
+        clip_(grads, norm, self.grad_clip)
+        self._update(lr)
+        # optimizer state exists once the first step has made it (torch creates it lazily)
+        self.last_state_bytes = {**held, "optimizer": self.state_bytes()["optimizer"]}
+        self._publish()
+        self.zero_grad()
+        return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
+
+    def _update(self, lr: float) -> None:
+        """Optimizer step on every shard. With CPU offload, each group's gradient shard is copied
+        to pinned host memory one group ahead of the CPU step, so copies overlap the arithmetic."""
+        offloaded = self.offload != "none" and self.device.type == "cuda"
+        copies = []
+        for i, (g, opt) in enumerate(zip(self.groups, self.optimizers)):
+            if offloaded:
+                if i == 0:
+                    copies.append(_to_host(g))
+                if i + 1 < len(self.groups):
+                    copies.append(_to_host(self.groups[i + 1]))
+                copies[i].synchronize()
+            if opt is None:
+                continue
+            for pg in opt.param_groups:
+                pg["lr"] = lr
+            opt.step()
+
+    def _publish(self) -> None:
+        """Updated shards back to the compute parameters: cast masters, all-gather (stage 1/2)."""
+        handles = []
+        for g in self.groups:
+            if self.stage == 3:
+                if g.master is not None:
+                    g.param_shard.copy_(g.master, non_blocking=True)
+                continue
+            mine = g.param_flat[g.lo:g.hi]
+            if g.master is not None:
+                mine.copy_(g.master, non_blocking=True)
+            handles.append(all_gather(g.param_flat, mine, self.group, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad_shard.zero_()
+            if g.grad_flat is not None:
+                g.grad_flat.zero_()
+            else:
+                for q in g.params:
+                    q.grad = None
+
+    # ------------------------------------------------------------------ accounting
+    def state_bytes(self) -> dict[str, int]:
+        """Live bytes of this rank's model state; `host` is the part of it held in CPU memory."""
+        params = [g.param_shard if self.stage == 3 else g.param_flat for g in self.groups]
+        grads = [t for g in self.groups for t in (g.grad_flat, g.grad_shard, getattr(g, "host_grad", None)) if t is not None]
+        opt = [t for o in self.optimizers if o for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
+        opt += [g.master for g in self.groups if g.master is not None]
+        everything = params + grads + opt
+        return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(opt),
+                "host": tensor_bytes(t for t in everything if t.device.type == "cpu") if self.device.type == "cuda" else 0}
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler else 0
+
+
+def _bind(g: _Group, flat: torch.Tensor, model: nn.Module) -> None:
+    """Replace each (meta) parameter of the group by a Parameter that is a view into `flat`."""
+    for i, (name, view) in enumerate(zip(g.names, g.views(flat))):
+        owner, _, leaf = name.rpartition(".")
+        g.params[i] = model.get_submodule(owner)._parameters[leaf] = nn.Parameter(view, g.params[i].requires_grad)
+
+
+def _clone_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if device.type == "cpu" and t.device.type == "cuda":
+        out = pinned_empty(t.numel(), dtype)
+        out.copy_(t)
+        return out
+    return t.to(device=device, dtype=dtype, copy=True)
+
+
+def _as_shaped(view: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A piece of a matrix keeps dim >= 2 for weight-decay grouping when it is a whole matrix;
+    partial pieces are 1-D but still belong to a matrix, so they are marked with `_decay`."""
+    view._decay = len(shape) >= 2  # read by optim.build.param_groups
+    return view
+
+
+def _to_host(g: _Group):
+    """Start copying a group's gradient shard into its pinned host buffer; return an event."""
+    g.host_grad.copy_(g.grad_shard, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev

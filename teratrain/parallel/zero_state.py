@@ -1,0 +1,69 @@
+"""ZeRO engine state for checkpoints and tests: what each rank saves, how it is restored, and the
+consolidated full parameters (gathered from all shards)."""
+
+from __future__ import annotations
+
+import torch
+
+from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+from teratrain.parallel.comm import all_gather
+
+
+class ZeroCheckpointMixin:
+    """Mixed into ZeroEngine; relies on its `groups`, `optimizers`, `stage`, `scaler`, `group`."""
+
+    def _shard_params(self, g) -> torch.Tensor:
+        return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
+
+    def layout(self) -> dict:
+        return {"stage": self.stage, "dp": self.dp, "groups": [[g.names, g.numels] for g in self.groups]}
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's shards (params, fp32 masters, optimizer state); rank 0 of a stage 1/2 run
+        also saves the full model so `teratrain generate` can read it without gathering."""
+        tensors, opt_meta = {}, []
+        for i, (g, opt) in enumerate(zip(self.groups, self.optimizers)):
+            tensors[f"zero.{i}.params"] = self._shard_params(g)
+            if g.master is not None:
+                tensors[f"zero.{i}.master"] = g.master
+            flat, meta = optimizer_to_flat(opt) if opt is not None else ({}, None)
+            tensors.update({k.replace("optim.", f"optim.g{i}.", 1): v for k, v in flat.items()})
+            opt_meta.append(meta)
+        if self.stage < 3 and self.rank == 0:
+            for g in self.groups:
+                tensors.update({f"model.{n}": q for n, q in zip(g.names, g.params)})
+        meta = {"zero": self.layout(), "optimizer": opt_meta,
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        if meta.get("zero") != self.layout():
+            raise ValueError("checkpoint ZeRO layout differs from this run's")  # caught earlier by dims check
+        handles = []
+        with torch.no_grad():
+            for i, (g, opt) in enumerate(zip(self.groups, self.optimizers)):
+                self._shard_params(g).copy_(tensors[f"zero.{i}.params"])
+                if g.master is not None:
+                    g.master.copy_(tensors[f"zero.{i}.master"])
+                if opt is not None:
+                    prefix = f"optim.g{i}."
+                    flat = {"optim." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                    optimizer_from_flat(opt, flat, meta["optimizer"][i])
+                if self.stage < 3:
+                    handles.append(all_gather(g.param_flat, g.param_flat[g.lo:g.hi], self.group, async_op=True))
+        for h in handles:
+            h.wait()
+        if self.scaler is not None and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on CPU (collective: all ranks call it). With master weights the
+        fp32 masters are gathered, since they are the values training continues from."""
+        out = {}
+        for g in self.groups:
+            src = g.master if g.master is not None else self._shard_params(g)
+            full = torch.empty(g.padded, dtype=src.dtype, device=self.device)
+            all_gather(full, src.to(self.device), self.group)
+            out.update({n: v.detach().cpu().clone() for n, v in zip(g.names, g.views(full))})
+        return out

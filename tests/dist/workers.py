@@ -1,0 +1,55 @@
+"""Bodies that run inside spawned ranks (module-level so `spawn` can import them), and the
+single-process reference they are compared with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from teratrain.config import load_config
+from teratrain.train import run
+
+# A model small enough for 4 ranks on 2 cores, still with GQA, two blocks and a real corpus.
+TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+        "model.seq_len=32", "train.global_batch=16", "train.micro_batch=2", "train.eval_batches=0",
+        "train.steps=10", "optim.warmup_steps=2", "metrics.progress=false"]
+
+
+def losses(out: str | Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_one(overrides: list[str], out: str) -> dict:
+    """Train with the full trainer; return what every parity test compares."""
+    summary = run(load_config(None, TINY + overrides), out)
+    engine = summary["engine"]
+    params = engine.full_params()  # collective: every rank takes part
+    return {"params": params, "bytes": engine.last_state_bytes, "skipped": engine.skipped_steps}
+
+
+def train_many(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
+    """Several trainings in one set of processes (process start-up dominates tiny runs)."""
+    results = []
+    for overrides, out in runs:
+        r = train_one(overrides, out)
+        if rank != 0:
+            r["params"] = None  # rank 0's copy is compared; no need to ship every rank's
+        else:
+            r["losses"] = losses(out)
+        results.append(r)
+    return results
+
+
+def reference(overrides: list[str], out: str) -> dict:
+    """The same training in this (single) process: world size 1, no ZeRO, no data parallelism."""
+    r = train_one(overrides + ["parallel.zero=0", "parallel.offload=none"], out)
+    r["losses"] = losses(out)
+    return r
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Worst per-tensor relative L2 error ||a - b|| / ||b||."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)) for k in a)
