@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from teratrain.compat import in_backward, pinned_empty
+from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes
@@ -72,6 +73,8 @@ class ZeroEngine(ZeroCheckpointMixin):
             self._materialize(g, init_fn)
         model.init_buffers(device)
         self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.groups]
+        if self.offload != "none":
+            self.host_update = HostUpdate([g.shard_numel for g in self.groups], device, self.opt_dtype, self.compute_dtype)
         self.scaler = LossScaler(cfg.memory.loss_scale_init, cfg.memory.loss_scale_window) if cfg.memory.precision == "fp16" else None
         self._group_of = {prm: g for g in self.groups for prm in g.params}
         for prm in self._group_of:
@@ -103,7 +106,7 @@ class ZeroEngine(ZeroCheckpointMixin):
             g.master = _clone_to(full32[g.lo:g.hi], opt_home, torch.float32)
         if self.stage == 3:
             shard_home = self.host if self.offload == "params" else self.device
-            g.param_shard = _clone_to(full32[g.lo:g.hi], shard_home, self.compute_dtype)
+            g.param_shard = _clone_to(full32[g.lo:g.hi], shard_home, self.compute_dtype, pinned=True)
             g.full = torch.empty(g.padded, dtype=self.compute_dtype, device=self.device)
             _bind(g, g.full, self.model)
             g.full.untyped_storage().resize_(0)
@@ -111,8 +114,7 @@ class ZeroEngine(ZeroCheckpointMixin):
             g.param_flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             _bind(g, g.param_flat, self.model)
         del full32
-        grad_home = self.host if self.offload != "none" and self.device.type == "cpu" else self.device
-        g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=grad_home)
+        g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=self.device)
         if self.stage == 1:
             g.grad_flat = torch.zeros(g.padded, dtype=self.compute_dtype, device=self.device)
             for q, view in zip(g.params, g.views(g.grad_flat)):
@@ -125,21 +127,16 @@ class ZeroEngine(ZeroCheckpointMixin):
         return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
 
     def _build_optimizer(self, g: _Group, optim_cfg):
-        target = self._opt_target(g)
-        if self.offload != "none" and self.device.type == "cuda":
-            g.host_grad = pinned_empty(g.shard_numel, self.opt_dtype)
-            grads = g.shard_views(g.host_grad)
-        else:
-            grads = g.shard_views(g.grad_shard)
-        pieces = []
-        for view, grad, pc in zip(g.shard_views(target), grads, g.pieces):
-            view.grad = grad  # the optimizer reads gradients through views of the flat shard
-            pieces.append((g.names[pc.index], _as_shaped(view, g.shapes[pc.index])))
-        if not pieces:  # this rank's shard is all padding (tiny groups, many ranks)
+        """An optimizer over this rank's pieces of the group (views of the flat shard, so sharding
+        is exact for elementwise optimizers), each piece's gradient a view of the gradient shard.
+        Offloaded, the gradients are bound to host staging buffers at each step instead."""
+        g.opt_views = [_mark_decay(v, g.shapes[pc.index]) for v, pc in zip(g.shard_views(self._opt_target(g)), g.pieces)]
+        if self.offload == "none":
+            for view, grad in zip(g.opt_views, g.shard_views(g.grad_shard)):
+                view.grad = grad
+        if not g.opt_views:  # this rank's shard is all padding (tiny groups, many ranks)
             return None
-        if optim_cfg.name == "adafactor":
-            raise ValueError("unreachable: adafactor is refused with ZeRO before the engine is built")
-        return build_optimizer(pieces, optim_cfg)
+        return build_optimizer([(g.names[pc.index], v) for v, pc in zip(g.opt_views, g.pieces)], optim_cfg)
 
     # ------------------------------------------------------------------ backward side
     @contextlib.contextmanager
@@ -260,35 +257,31 @@ class ZeroEngine(ZeroCheckpointMixin):
         return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
 
     def _update(self, lr: float) -> None:
-        """Optimizer step on every shard. With CPU offload, each group's gradient shard is copied
-        to pinned host memory one group ahead of the CPU step, so copies overlap the arithmetic."""
-        offloaded = self.offload != "none" and self.device.type == "cuda"
-        copies = []
-        for i, (g, opt) in enumerate(zip(self.groups, self.optimizers)):
-            if offloaded:
-                if i == 0:
-                    copies.append(_to_host(g))
-                if i + 1 < len(self.groups):
-                    copies.append(_to_host(self.groups[i + 1]))
-                copies[i].synchronize()
-            if opt is None:
-                continue
-            for pg in opt.param_groups:
+        """Optimizer step on every shard: on the device, or on the host when offloaded
+        (`HostUpdate` pipelines transfers with the CPU arithmetic and also publishes the masters)."""
+        for opt in self.optimizers:
+            for pg in (opt.param_groups if opt else ()):
                 pg["lr"] = lr
-            opt.step()
+        if self.offload != "none":
+            self.host_update.step((g, opt, self._publish_target(g)) for g, opt in zip(self.groups, self.optimizers))
+            return
+        for opt in self.optimizers:
+            if opt is not None:
+                opt.step()
+
+    def _publish_target(self, g: _Group) -> torch.Tensor:
+        return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
 
     def _publish(self) -> None:
-        """Updated shards back to the compute parameters: cast masters, all-gather (stage 1/2)."""
+        """Updated shards back to the compute parameters: cast masters (already done by the host
+        update when offloaded), then all-gather the full parameters (stage 1/2)."""
         handles = []
         for g in self.groups:
-            if self.stage == 3:
-                if g.master is not None:
-                    g.param_shard.copy_(g.master, non_blocking=True)
-                continue
-            mine = g.param_flat[g.lo:g.hi]
-            if g.master is not None:
-                mine.copy_(g.master, non_blocking=True)
-            handles.append(all_gather(g.param_flat, mine, self.group, async_op=True))
+            mine = self._publish_target(g)
+            if g.master is not None and self.offload == "none":
+                mine.copy_(g.master)
+            if self.stage < 3:
+                handles.append(all_gather(g.param_flat, mine, self.group, async_op=True))
         for h in handles:
             h.wait()
 
@@ -305,7 +298,7 @@ class ZeroEngine(ZeroCheckpointMixin):
     def state_bytes(self) -> dict[str, int]:
         """Live bytes of this rank's model state; `host` is the part of it held in CPU memory."""
         params = [g.param_shard if self.stage == 3 else g.param_flat for g in self.groups]
-        grads = [t for g in self.groups for t in (g.grad_flat, g.grad_shard, getattr(g, "host_grad", None)) if t is not None]
+        grads = [t for g in self.groups for t in (g.grad_flat, g.grad_shard) if t is not None]
         opt = [t for o in self.optimizers if o for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
         opt += [g.master for g in self.groups if g.master is not None]
         everything = params + grads + opt
@@ -324,24 +317,17 @@ def _bind(g: _Group, flat: torch.Tensor, model: nn.Module) -> None:
         g.params[i] = model.get_submodule(owner)._parameters[leaf] = nn.Parameter(view, g.params[i].requires_grad)
 
 
-def _clone_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    if device.type == "cpu" and t.device.type == "cuda":
+def _clone_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+    """A copy of `t` on `device` in `dtype`; page-locked when asked (host tensors copied every use)."""
+    if pinned and device.type == "cpu":
         out = pinned_empty(t.numel(), dtype)
         out.copy_(t)
         return out
     return t.to(device=device, dtype=dtype, copy=True)
 
 
-def _as_shaped(view: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A piece of a matrix keeps dim >= 2 for weight-decay grouping when it is a whole matrix;
-    partial pieces are 1-D but still belong to a matrix, so they are marked with `_decay`."""
+def _mark_decay(view: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Pieces are 1-D views, so record whether the parameter they come from is a matrix (decayed)."""
     view._decay = len(shape) >= 2  # read by optim.build.param_groups
     return view
 
-
-def _to_host(g: _Group):
-    """Start copying a group's gradient shard into its pinned host buffer; return an event."""
-    g.host_grad.copy_(g.grad_shard, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    return ev

@@ -1,0 +1,80 @@
+"""CPU offload of the optimizer step (ZeRO-Offload, Ren et al. 2021).
+
+The fp32 master shards and the optimizer moments live in host memory and the optimizer steps there;
+the GPU keeps only the compute-dtype parameters and the gradient shards. Host memory therefore holds
+(4 + 8) bytes per parameter of this rank's shard for AdamW, plus two small pinned staging buffers
+per direction. Those buffers pipeline the step group by group:
+
+    D2H grads of group i+1   |  CPU optimizer step of group i  |  H2D params of group i-1
+
+so the transfers overlap the CPU arithmetic. Masters stay in pageable memory: pinning ~100 GiB of
+optimizer state for a 10B model would page-lock most of a machine; only the staging buffers are pinned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from teratrain.compat import pinned_empty
+
+
+class _Mark:
+    """A point in the device's work queue to wait for (no-op on CPU, where copies are synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class HostUpdate:
+    def __init__(self, shard_numels: list[int], device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype):
+        n = max(shard_numels)
+        self.device = device
+        self.grads_in = [pinned_empty(n, grad_dtype) for _ in range(2)]
+        self.params_out = [pinned_empty(n, param_dtype) for _ in range(2)]
+        self._out_free = [None, None]  # mark of the last H2D copy out of each params_out buffer
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.grads_in + self.params_out)
+
+    def step(self, jobs) -> None:
+        """jobs: per flat group (group, optimizer or None, parameter target). `group.grad_shard` is on
+        the device, `group.master` on the host, `group.opt_views` the optimizer's views of the master
+        in piece order. Steps every optimizer on the host and writes the masters into the targets."""
+        jobs = list(jobs)
+        marks = {0: self._fetch(jobs[0][0].grad_shard, 0)} if jobs else {}
+        for i, (g, opt, target) in enumerate(jobs):
+            marks[i].wait()
+            if i + 1 < len(jobs):  # start the next group's gradients while this one steps
+                marks[i + 1] = self._fetch(jobs[i + 1][0].grad_shard, (i + 1) % 2)
+            if opt is not None:
+                for view, grad in zip(g.opt_views, g.shard_views(self.grads_in[i % 2])):
+                    view.grad = grad
+                opt.step()
+            self._publish(g.master, target, i % 2)
+        for mark in self._out_free:
+            if mark is not None:
+                mark.wait()
+        self._out_free = [None, None]
+
+    def _fetch(self, grad: torch.Tensor, slot: int) -> _Mark:
+        self.grads_in[slot][:grad.numel()].copy_(grad, non_blocking=True)
+        return _Mark(self.device)
+
+    def _publish(self, master: torch.Tensor, target: torch.Tensor, slot: int) -> None:
+        if target.device.type == "cpu":  # offload=params: the parameter shard lives on the host too
+            target.copy_(master)
+            return
+        if self._out_free[slot] is not None:
+            self._out_free[slot].wait()  # the copy that last used this buffer has left it
+        staged = self.params_out[slot][:master.numel()]
+        staged.copy_(master)  # fp32 -> compute dtype on the host, so half the bytes cross PCIe
+        target.copy_(staged, non_blocking=True)
+        self._out_free[slot] = _Mark(self.device)
+
