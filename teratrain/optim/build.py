@@ -23,12 +23,30 @@ def build_optimizer(named_params, cfg) -> torch.optim.Optimizer:
     groups = param_groups(named_params, cfg.weight_decay)
     if cfg.name == "adamw":
         impl = {"fused": True} if _fused_ok(named_params) else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
-    if cfg.name == "adafactor":
-        return torch.optim.Adafactor(groups, lr=cfg.lr)
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+    elif cfg.name == "sgd":
+        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    elif cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr)  # factored state: left to torch's lazy init
+    else:
+        raise ValueError(f"unknown optimizer {cfg.name!r}")
+    init_state(opt)
+    return opt
+
+
+@torch.no_grad()
+def init_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW/SGD state now instead of at the first step, so its memory exists (and is
+    counted) from the start. Bitwise the same trajectory as torch's lazy init: AdamW starts from
+    step 0 and zero moments; SGD's buffer b = momentum*0 + g equals its first-step b = g."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(opt, torch.optim.AdamW):
+                on_device = group["fused"] or group["capturable"]
+                step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                opt.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            elif group["momentum"]:
+                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
 
 
 def _fused_ok(named_params) -> bool:

@@ -94,7 +94,8 @@ class LocalEngine:
         return bool(has_inf_or_nan(grads))
 
     def step(self, lr: float) -> StepStats:
-        held = self.state_bytes()  # grads as held between backward and the update
+        if self.last_state_bytes is None:  # counted once, as grads are held before the update
+            self.last_state_bytes = self.state_bytes()
         grads = self._fp32_grads()
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
@@ -102,7 +103,6 @@ class LocalEngine:
             overflow = self.found_inf(grads)
             self.scaler.update(overflow)
             if overflow:
-                self.last_state_bytes = held
                 self.zero_grad()
                 return StepStats(float("nan"), True, self.scaler.scale)
         norm = sum_sq(grads).sqrt()
@@ -110,8 +110,6 @@ class LocalEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        # optimizer state exists once the first step has made it (torch creates it lazily)
-        self.last_state_bytes = {**held, "optimizer": self.state_bytes()["optimizer"]}
         self.zero_grad()
         if self.masters is not None:
             with torch.no_grad():

@@ -16,6 +16,9 @@ import torch.distributed as dist
 from teratrain.compat import all_gather_single, reduce_scatter_single
 
 
+SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
+
+
 class Done:
     """Handle of a collective that already finished (or never needed to run)."""
 
@@ -27,18 +30,19 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
-    if group_size(group) == 1:
+def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=SUM):
+    if group_size(group) == 1:  # sum, average and max of one value are the value
         return Done()
     return dist.all_reduce(t, op=op, group=group, async_op=async_op) or Done()
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """out (n,) <- sum over ranks of inp[r*n:(r+1)*n] on rank r; inp is (world*n,)."""
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, op=SUM):
+    """out (n,) <- reduction (sum or average) over ranks of inp[r*n:(r+1)*n] on rank r; inp is
+    (world*n,). For a group of one this is a copy, which also converts dtypes."""
     if group_size(group) == 1:
         out.copy_(inp)
         return Done()
-    return reduce_scatter_single(out, inp, group=group, async_op=async_op) or Done()
+    return reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op) or Done()
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
@@ -53,5 +57,5 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
 def any_rank(flag: bool, group, device) -> bool:
     """True on every rank if it is true on any rank (e.g. 'my gradients overflowed')."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    all_reduce(t, group, op=dist.ReduceOp.MAX)
+    all_reduce(t, group, op=MAX)
     return bool(t.item())

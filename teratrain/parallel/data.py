@@ -16,7 +16,7 @@ import torch
 
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine
-from teratrain.parallel.comm import all_reduce, group_size
+from teratrain.parallel.comm import AVG, all_reduce, group_size
 from teratrain.parallel.flat import bucketize
 
 
@@ -68,9 +68,8 @@ class DataParallelEngine(LocalEngine):
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        t = b.flat if b.flat.dtype == self.reduce_dtype else b.flat.to(self.reduce_dtype)
-        t.div_(self.dp)  # average, not sum: pre-divide keeps fp16 sums in range
-        self._inflight.append((all_reduce(t, self.group, async_op=True), b, t))
+        t = b.flat if b.flat.dtype == self.reduce_dtype or self.dp == 1 else b.flat.to(self.reduce_dtype)
+        self._inflight.append((all_reduce(t, self.group, async_op=True, op=AVG), b, t))
 
     def _finish_reduction(self) -> None:
         for b in self.buckets[self._next:]:  # buckets whose grads never all arrived (unused params)

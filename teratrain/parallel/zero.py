@@ -31,7 +31,7 @@ from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes
-from teratrain.parallel.comm import Done, all_gather, all_reduce, any_rank, group_size, reduce_scatter
+from teratrain.parallel.comm import AVG, all_gather, all_reduce, any_rank, group_size, reduce_scatter
 from teratrain.parallel.flat import FlatGroup, bucketize
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
 
@@ -48,6 +48,7 @@ class _Group(FlatGroup):
     grad_shard: torch.Tensor | None = None  # reduced grads of this rank's shard, optimizer dtype
     master: torch.Tensor | None = None  # fp32 master shard (mixed precision)
     ready: int = 0
+    fresh: bool = True  # grad_shard holds nothing of this step yet (the next write may overwrite)
     gather: object | None = None  # pending all-gather handle (stage 3)
     gathered: bool = False
     in_backward: bool = False
@@ -160,27 +161,44 @@ class ZeroEngine(ZeroCheckpointMixin):
             if self._sync:  # full grads stay local across micro-steps; reduce once per step
                 self._reduce(g, g.grad_flat)
             return
-        self._reduce(g, g.flatten([q.grad for q in g.params], self.reduce_dtype, self.device))
+        if self.dp == 1:  # nothing to reduce: land the gradients in the shard directly
+            self._accumulate_local(g)
+        else:
+            self._reduce(g, g.flatten([q.grad for q in g.params], self.reduce_dtype, self.device))
         for q in g.params:
             q.grad = None
         if self.stage == 3:
             g.in_backward = False
             self._release(g)
 
+    def _accumulate_local(self, g: _Group) -> None:
+        """dp=1, stage 2/3: the shard is the whole group; copy (first micro-step) or add the grads."""
+        dst = g.views(g.grad_shard)
+        src = [q.grad if q.grad is not None else torch.zeros_like(q) for q in g.params]
+        (torch._foreach_copy_ if g.fresh else torch._foreach_add_)(dst, src)
+        g.fresh = False
+
     def _reduce(self, g: _Group, flat: torch.Tensor) -> None:
-        """Reduce-scatter one group's flat gradient into a shard, asynchronously."""
-        flat = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
-        out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self._pending.append((reduce_scatter(out, flat, self.group, async_op=True), g, out, flat))
+        """Reduce-scatter (averaging) one group's flat gradient into its shard, asynchronously. The
+        first reduction of a step writes straight into the shard; later ones (accumulation
+        micro-steps of stage 2/3) go through a temporary that `_drain` adds in."""
+        if flat.dtype != self.reduce_dtype and self.dp > 1:
+            flat = flat.to(self.reduce_dtype)
+        direct = g.fresh and (g.grad_shard.dtype == self.reduce_dtype or self.dp == 1)
+        out = g.grad_shard if direct else torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        g.fresh = False
+        handle = reduce_scatter(out, flat, self.group, async_op=True, op=AVG)
+        self._pending.append((handle, g, None if direct else out, flat))
         if self.stage >= 2 and len(self._pending) > MAX_INFLIGHT_REDUCES:
             self._drain(1)
 
     def _drain(self, n: int | None = None) -> None:
-        """Wait for the oldest `n` pending reductions (all if None) and add them to the shards."""
+        """Wait for the oldest `n` pending reductions (all if None); add the indirect ones in."""
         done, self._pending = (self._pending, []) if n is None else (self._pending[:n], self._pending[n:])
         for handle, g, out, _flat in done:
             handle.wait()
-            g.grad_shard.add_(out.div_(self.dp).to(g.grad_shard.device, g.grad_shard.dtype))
+            if out is not None:
+                g.grad_shard.add_(out)
 
     # ------------------------------------------------------------------ stage 3 gathering
     def _install_gather_hooks(self) -> None:
@@ -235,8 +253,12 @@ class ZeroEngine(ZeroCheckpointMixin):
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> StepStats:
         self._drain()
-        held = self.state_bytes()  # grads as held between backward and the update
-        self.last_state_bytes = held
+        for g in self.groups:
+            if g.fresh:  # no gradient reached this group this step (unused parameters)
+                g.grad_shard.zero_()
+                g.fresh = False
+        if self.last_state_bytes is None:  # counted once, as grads are held before the update
+            self.last_state_bytes = self.state_bytes()
         grads = [g.grad_shard for g in self.groups]
         if self.scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -250,8 +272,6 @@ class ZeroEngine(ZeroCheckpointMixin):
         norm = sq.sqrt()
         clip_(grads, norm, self.grad_clip)
         self._update(lr)
-        # optimizer state exists once the first step has made it (torch creates it lazily)
-        self.last_state_bytes = {**held, "optimizer": self.state_bytes()["optimizer"]}
         self._publish()
         self.zero_grad()
         return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
@@ -287,7 +307,7 @@ class ZeroEngine(ZeroCheckpointMixin):
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.grad_shard.zero_()
+            g.fresh = True  # the next reduction overwrites the shard: no memset needed
             if g.grad_flat is not None:
                 g.grad_flat.zero_()
             else:

@@ -1,0 +1,89 @@
+"""Shared measurement helpers for the GPU benchmarks (each script prints one JSON object)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from teratrain.config import load_config  # noqa: E402
+from teratrain.metrics import peak_flops  # noqa: E402
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def fresh_memory(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_gib(dev: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+
+
+def time_steps(step, warmup: int, steps: int, dev: torch.device) -> list[float]:
+    """Wall time of each of `steps` calls of step() after `warmup` untimed ones (synchronized)."""
+    for _ in range(warmup):
+        step()
+    sync(dev)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def summarize(times: list[float], tokens_per_step: int, flops_per_token: float, dev: torch.device,
+              precision: str = "bf16") -> dict:
+    """Median step time -> tokens/s, achieved TFLOP/s (PaLM model FLOPs) and MFU."""
+    step_s = statistics.median(times)
+    tps = tokens_per_step / step_s
+    tflops = tps * flops_per_token / 1e12
+    peak = peak_flops(dev, precision, None)
+    return {"step_ms": round(step_s * 1e3, 2), "step_ms_spread": round((max(times) - min(times)) * 1e3, 2),
+            "tokens_per_s": round(tps, 1), "tflops": round(tflops, 2),
+            "mfu": round(tflops * 1e12 / peak, 4) if peak else None, "peak_gib": _r(peak_gib(dev))}
+
+
+def _r(x):
+    return round(x, 2) if x is not None else None
+
+
+def config(overrides: list[str]):
+    return load_config(None, overrides)
+
+
+def env_info(dev: torch.device) -> dict:
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def emit(obj: dict, out: str | None = None) -> None:
+    text = json.dumps(obj, indent=1)
+    print(text, flush=True)
+    if out:
+        Path(out).write_text(text)

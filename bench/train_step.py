@@ -1,0 +1,107 @@
+"""Our training step against HF transformers' LlamaForCausalLM (attn sdpa) at the same shape.
+
+Shape (issue 2, item 11): d_model 2048, 16 layers, 32 heads, 8 KV heads, d_ff 8192, vocab 32000,
+seq 2048, micro-batch 8, bf16 autocast over fp32 weights, fused AdamW, grad clipping at 1.0 on both
+sides, eager and torch.compile, in one run. Both report model FLOPs by the same PaLM formula, so
+TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a training loop's logging does.
+
+    python bench/train_step.py                 # on the GPU machine
+    python bench/train_step.py --smoke         # tiny shapes on CPU, to check the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
+
+from teratrain.memory.precision import autocast
+from teratrain.models.transformer import build_model, count_params, flops_per_token, lm_loss
+from teratrain.optim.engine import LocalEngine
+
+SHAPE = ["model.arch=llama", "model.d_model=2048", "model.n_layers=16", "model.n_heads=32", "model.n_kv_heads=8",
+         "model.d_ff=8192", "model.vocab_size=32000", "model.seq_len=2048", "model.tie_embeddings=false"]
+SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64", "model.tie_embeddings=false"]
+
+
+def ours(cfg, dev, compiled: bool):
+    model = build_model(cfg.model, dev, seed=0)
+    if compiled:
+        model.compile()
+    engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=False)
+
+    def step(x, y):
+        with autocast("bf16", dev):
+            loss = lm_loss(model(x), y)
+        engine.backward(loss)
+        engine.step(cfg.optim.lr)
+        return loss.item()
+
+    return step, (model, engine)
+
+
+def hf(cfg, dev, compiled: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = cfg.model
+    hf_cfg = LlamaConfig(hidden_size=m.d_model, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
+                         num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
+                         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_cfg).to(dev).train()
+    if compiled:
+        model.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                            weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
+
+    def step(x, y):
+        with autocast("bf16", dev):
+            loss = model(input_ids=x, labels=x).loss  # HF shifts labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step, (model, opt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--modes", default="eager,compile")
+    ap.add_argument("--impls", default="ours,hf")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = device()
+    cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4"])
+    B, T = args.micro_batch, cfg.model.seq_len
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
+    inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    rows = []
+    for mode in args.modes.split(","):
+        for impl in args.impls.split(","):
+            fresh_memory(dev)
+            step, keep = {"ours": ours, "hf": hf}[impl](cfg, dev, mode == "compile")
+            warmup = args.warmup + (2 if mode == "compile" else 0)
+            times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
+            rows.append({"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev)})
+            del step, keep
+    ratio = {}
+    for mode in args.modes.split(","):
+        by = {r["impl"]: r for r in rows if r["mode"] == mode}
+        if "ours" in by and "hf" in by:
+            ratio[mode] = round(by["ours"]["tokens_per_s"] / by["hf"]["tokens_per_s"], 3)
+    emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T,
+          "params": count_params(cfg.model)["total"], "results": rows, "ours_over_hf_tokens_per_s": ratio}, args.out)
+
+
+if __name__ == "__main__":
+    main()
