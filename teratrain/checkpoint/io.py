@@ -96,14 +96,19 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
         tmp.rename(final)
         fsync_dir(root)
         atomic_write_bytes(root / "latest", name.encode())
-        _prune(root, keep)
+        _prune(root, keep, step)
     barrier()
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, current: int) -> None:
+    """Keep the `keep` newest checkpoints up to `current`. Checkpoints of later steps belong to a run
+    abandoned by a resume (e.g. one that fell back past a corrupt checkpoint): drop them, so the one
+    just written is never the one pruned."""
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep]:
+    later = [p for p in done if int(p.name.removeprefix("step_")) > current]
+    kept = [p for p in done if p not in later]
+    for old in later + kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -90,6 +90,10 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         p = self.dropout if self.training else 0.0
+        T, S = q.shape[2], k.shape[2]
+        if causal and T != S:  # a chunk after cached keys: SDPA's is_causal aligns top-left, we need bottom-right
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, enable_gqa=gqa)
 
 
@@ -114,7 +118,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(k, v, start)
-        # A cached decode step of one token attends to everything before it; prefill is causal.
+        # One cached decode token attends to everything before it; longer chunks are causal.
         y = self.core(q, k, v, causal=T > 1)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.resid_dropout(self.wo(y))

@@ -1,0 +1,43 @@
+"""Helpers shared by every tier: small configs and models, corrupting files on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from teratrain.config import Config, ModelConfig, load_config, validate
+from teratrain.models.transformer import Transformer, build_model
+
+# A model small enough that a CLI run of ~50 steps takes a few seconds on 2 CPU cores.
+TINY_SETS = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64",
+             "train.global_batch=8", "train.micro_batch=4", "metrics.progress=false"]
+
+
+def make_config(*overrides: str) -> Config:
+    """A validated Config from `section.key=value` strings, as `--set` would give them."""
+    return load_config(None, list(overrides))
+
+
+def model_config(**keys) -> ModelConfig:
+    """A ModelConfig for unit tests: a 2-block, width-32 Llama with 50 tokens unless overridden
+    (a key given as None is unset: its derived default applies, not the preset's value)."""
+    base = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=50, seq_len=16)
+    return validate({"model": {**base, **keys}}).model
+
+
+def small_model(dtype: torch.dtype = torch.float64, seed: int = 0, **keys) -> Transformer:
+    return build_model(model_config(**keys), dtype=dtype, seed=seed)
+
+
+def truncate(path: Path, keep_fraction: float = 0.5) -> None:
+    """Cut a file short, as a crash in the middle of a write would."""
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep_fraction)])
+
+
+def flip_byte(path: Path, offset: int = -1) -> None:
+    """Invert one byte in place (same size): silent corruption that only a digest catches."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))

@@ -1,0 +1,103 @@
+"""Bad input exits 2 with one line `teratrain: error: ...` that names the key, never a traceback.
+
+Errors found before training starts run in-process (`teratrain.cli.main`, no interpreter start-up);
+the entry point itself (`python -m teratrain`) is exercised by the subprocess cases at the end.
+"""
+
+import shutil
+
+import pytest
+
+from tests.helpers import flip_byte
+from tests.integration.runner import assert_user_error
+
+
+BAD_SETTINGS = [
+    (["model.d_modle=64"], ["model.d_modle", "did you mean 'model.d_model'"]),
+    (["train.seed=abc"], ["train.seed", "integer"]),
+    (["model.n_heads=5"], ["model.n_heads", "model.d_model"]),
+    (["model.n_kv_heads=3"], ["model.n_kv_heads", "model.n_heads"]),
+    (["model.preset=llama-2b"], ["model.preset", "llama-1b"]),
+    (["train.global_batch=10"], ["train.global_batch", "train.micro_batch"]),
+    (["optim.lr_scaling=linear"], ["optim.base_batch"]),
+    (["trainn.steps=3"], ["trainn"]),
+    (["parallel.tp=2"], ["parallel.tp"]),
+]
+
+
+@pytest.mark.parametrize("sets, words", [pytest.param(s, w, id=s[0]) for s, w in BAD_SETTINGS])
+def test_bad_setting(cli, tmp_path, sets, words):
+    assert_user_error(cli.train(tmp_path / "run", *sets, steps=2, expect_rc=None, in_process=True), *words)
+    assert not (tmp_path / "run").exists(), "a rejected config must not leave a half-made run directory"
+
+
+def test_missing_config_file(cli, tmp_path):
+    proc = cli("train", tmp_path / "nope.toml", "--out", tmp_path / "run", expect_rc=None, in_process=True)
+    assert_user_error(proc, "nope.toml", "does not exist")
+
+
+def test_broken_toml(cli, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = \n")
+    proc = cli("train", bad, "--out", tmp_path / "run", expect_rc=None, in_process=True)
+    assert_user_error(proc, "bad.toml", "TOML")
+
+
+def test_wrong_type_in_a_toml_file(cli, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nn_layers = "two"\n')
+    proc = cli("train", bad, "--out", tmp_path / "run", expect_rc=None, in_process=True)
+    assert_user_error(proc, "model.n_layers", "integer")
+
+
+def test_resume_with_nothing_to_resume(cli, tmp_path):
+    proc = cli.train(tmp_path / "fresh", steps=2, resume=True, expect_rc=None, in_process=True)
+    assert_user_error(proc, "no usable checkpoint", "--resume")
+
+
+def test_resume_with_a_different_model_is_refused(cli, trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    proc = cli.train(run, "model.n_layers=3", steps=60, resume=True, expect_rc=None, in_process=True)
+    assert_user_error(proc, "model.n_layers", "same model config")
+
+
+@pytest.mark.parametrize("change, key", [("memory.precision=fp16", "memory.precision"),
+                                         ("optim.name=sgd", "optim.name")])
+def test_resume_with_a_different_optimizer_state_layout_is_refused(cli, trained_run, tmp_path, change, key):
+    """An fp32 AdamW checkpoint holds no fp32 master copies and no SGD momentum: resuming it as fp16 (which
+    needs masters) or as SGD must be refused with a sentence, not crash on a missing state entry."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    proc = cli.train(run, "optim.warmup_steps=10", "metrics.peak_tflops=1", change, steps=52, resume=True,
+                     expect_rc=None, in_process=True)
+    assert_user_error(proc, key)
+
+
+def test_generate_from_a_missing_run(cli, tmp_path):
+    proc = cli("generate", "--ckpt", tmp_path / "nope", expect_rc=None, in_process=True)
+    assert_user_error(proc, "--ckpt", "does not exist")
+
+
+# ---- through `python -m teratrain`
+
+def test_entry_point_exits_2_without_traceback(cli, tmp_path):
+    proc = cli.train(tmp_path / "run", "model.d_modle=64", steps=2, expect_rc=None)
+    assert_user_error(proc, "model.d_modle", "did you mean 'model.d_model'")
+    assert proc.stdout == ""
+
+
+def test_resume_without_out_and_no_runs(cli, tmp_path):
+    proc = cli.train(None, steps=2, resume=True, cwd=tmp_path, expect_rc=None)
+    assert_user_error(proc, "--resume", "--out")
+
+
+def test_resume_from_a_run_whose_checkpoints_are_all_corrupt(cli, trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    for ckpt in (run / "checkpoints").glob("step_*"):
+        flip_byte(ckpt / "rank00000.safetensors")
+    proc = cli.train(run, "optim.warmup_steps=10", "checkpoint.every=25", "metrics.peak_tflops=1", steps=60,
+                     resume=True, expect_rc=None)
+    line = assert_user_error(proc, "no usable checkpoint", "step_00000050", "step_00000025")
+    assert "sha256" in line

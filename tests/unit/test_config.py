@@ -1,0 +1,169 @@
+"""Config validation: every bad input is a ConfigError whose one sentence names the key and the fix."""
+
+import math
+
+import pytest
+
+from teratrain.config import Config, ConfigError, load_config, to_toml
+from teratrain.models.presets import PRESETS
+from tests.helpers import make_config
+
+
+def config_error(*overrides: str, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    msg = str(info.value)
+    assert "\n" not in msg, "a config error is one sentence on one line"
+    return msg
+
+
+def test_defaults_validate_to_the_tiny_preset():
+    cfg = make_config()
+    for key, value in PRESETS["tiny"].items():
+        assert getattr(cfg.model, key) == value
+
+
+def test_unknown_key_suggests_the_close_one():
+    msg = config_error("model.d_modle=64")
+    assert "model.d_modle" in msg and "did you mean 'model.d_model'" in msg
+
+
+def test_unknown_key_without_close_match_lists_known_keys():
+    msg = config_error("train.zzzzzz=1")
+    assert "train.zzzzzz" in msg and "global_batch" in msg
+
+
+def test_unknown_section_in_toml_suggests_the_close_one(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[modle]\nn_layers = 2\n")
+    assert "did you mean 'model'" in config_error(path=f)
+
+
+@pytest.mark.parametrize("override, key, word", [
+    ("train.steps=abc", "train.steps", "integer"),
+    ("train.steps=2.5", "train.steps", "integer"),
+    ("optim.lr=fast", "optim.lr", "number"),
+    ("model.tie_embeddings=maybe", "model.tie_embeddings", "true or false"),
+    ("memory.precision=fp8", "memory.precision", "fp16"),
+])
+def test_wrong_type_names_the_key_and_what_it_must_be(override, key, word):
+    msg = config_error(override)
+    assert key in msg and word in msg
+
+
+def test_section_given_as_a_value_is_rejected(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("model = 3\n")
+    msg = config_error(path=f)
+    assert "model" in msg and "table" in msg
+
+
+def test_n_heads_must_divide_d_model_and_a_divisor_is_suggested():
+    msg = config_error("model.d_model=128", "model.n_heads=5", "model.n_kv_heads=5")
+    assert "model.n_heads" in msg and "model.d_model" in msg
+    suggested = int(msg.rstrip(".").split()[-1])
+    assert 128 % suggested == 0
+
+
+def test_n_kv_heads_must_divide_n_heads():
+    msg = config_error("model.n_heads=4", "model.n_kv_heads=3")
+    assert "model.n_kv_heads" in msg and "model.n_heads" in msg
+
+
+def test_llama_head_dim_must_be_even_for_rope():
+    assert "RoPE" in config_error("model.d_model=60", "model.n_heads=4", "model.n_kv_heads=4")
+    make_config("model.arch=gpt2", "model.d_model=60", "model.n_heads=4", "model.n_kv_heads=4")  # no RoPE, fine
+
+
+def test_unknown_preset_suggests_the_close_one():
+    msg = config_error("model.preset=gpt2-125m")
+    assert "model.preset" in msg and "did you mean 'gpt2-124m'" in msg
+
+
+def test_preset_fills_keys_and_given_keys_override_it():
+    cfg = make_config("model.preset=gpt2-124m", "model.n_layers=2")
+    assert (cfg.model.arch, cfg.model.d_model, cfg.model.n_heads, cfg.model.vocab_size) == ("gpt2", 768, 12, 50257)
+    assert cfg.model.n_layers == 2
+
+
+def test_missing_file(tmp_path):
+    msg = config_error(path=tmp_path / "nope.toml")
+    assert "nope.toml" in msg and "does not exist" in msg
+
+
+def test_broken_toml(tmp_path):
+    f = tmp_path / "broken.toml"
+    f.write_text("[model]\nn_layers = = 2\n")
+    msg = config_error(path=f)
+    assert "broken.toml" in msg and "TOML" in msg
+
+
+def test_lr_scaling_needs_base_batch():
+    msg = config_error("optim.lr_scaling=sqrt")
+    assert "optim.base_batch" in msg
+    assert make_config("optim.lr_scaling=sqrt", "optim.base_batch=8").optim.base_batch == 8
+
+
+def test_master_weights_need_low_precision():
+    assert "memory.master_weights" in config_error("memory.master_weights=true")
+    assert make_config("memory.precision=fp16").use_master_weights
+    assert not make_config("memory.precision=bf16").use_master_weights
+
+
+@pytest.mark.parametrize("override, section, key, value", [
+    ("optim.lr=3e-4", "optim", "lr", 3e-4),
+    ("train.steps=7", "train", "steps", 7),
+    ("optim.lr=1", "optim", "lr", 1.0),  # an integer literal is coerced to the field's float
+    ("model.tie_embeddings=true", "model", "tie_embeddings", True),
+    ("memory.precision=bf16", "memory", "precision", "bf16"),  # bare word: kept as a string
+    ('data.path="a b/c=d.txt"', "data", "path", "a b/c=d.txt"),  # quoted TOML string, '=' inside
+    (" train.seed = 5 ", "train", "seed", 5),  # spaces around key and value
+])
+def test_set_parses_toml_literals_and_coerces(override, section, key, value):
+    got = getattr(getattr(make_config(override), section), key)
+    assert got == value and type(got) is type(value)
+
+
+def test_later_set_wins():
+    assert make_config("train.steps=3", "train.steps=9").train.steps == 9
+
+
+def test_set_overrides_the_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nsteps = 3\nseed = 11\n")
+    cfg = load_config(f, ["train.steps=9"])
+    assert (cfg.train.steps, cfg.train.seed) == (9, 11)
+
+
+@pytest.mark.parametrize("override", ["train.steps", "steps=3", "a.b.c=1", ".steps=3"])
+def test_malformed_set(override):
+    assert "section.key=value" in config_error(override)
+
+
+def test_set_with_unknown_section():
+    msg = config_error("trian.steps=3")
+    assert "trian" in msg and "train" in msg
+
+
+def test_toml_round_trip_gives_an_equal_config(tmp_path):
+    cfg = make_config("model.preset=gpt2-124m", "model.n_layers=3", "model.dropout=0.1",
+                      "optim.lr_scaling=sqrt", "optim.base_batch=16", "optim.lr=6e-4", "memory.precision=fp16",
+                      "memory.recompute=every-k", 'data.path="C:\\\\x \\"quoted\\".txt"', "metrics.peak_tflops=123.5")
+    assert cfg.data.path == 'C:\\x "quoted".txt'
+    f = tmp_path / "config.toml"
+    f.write_text(to_toml(cfg))
+    again = load_config(f)
+    assert again == cfg
+    assert to_toml(again) == to_toml(cfg)
+
+
+def test_toml_round_trip_of_defaults(tmp_path):
+    f = tmp_path / "config.toml"
+    f.write_text(to_toml(Config()))
+    assert load_config(f) == Config()
+
+
+def test_to_toml_writes_non_finite_floats_as_toml():
+    cfg = make_config("metrics.peak_tflops=inf")
+    assert math.isinf(cfg.metrics.peak_tflops)
+    assert "peak_tflops = inf" in to_toml(cfg)

@@ -1,0 +1,93 @@
+"""Activation recomputation changes memory, never the math: every policy's gradients equal those of
+policy none in float64, with dropout on (so the checkpoint must replay the dropout RNG)."""
+
+import math
+
+import pytest
+import torch
+
+from teratrain.memory.recompute import RecomputedBlocks, apply_recompute, segment_size
+from teratrain.models.layers import CoreAttention
+from teratrain.models.transformer import Block, lm_loss
+from tests.helpers import small_model
+
+POLICIES = ["full", "every-k", "sqrt", "selective"]
+SHAPE = dict(n_layers=5, dropout=0.1)  # 5 blocks: every-2 and sqrt (k=2) leave a 1-block tail segment
+
+
+def gradients(policy: str, arch: str = "llama", rng_seed: int = 0, every: int = 2) -> dict[str, torch.Tensor]:
+    model = apply_recompute(small_model(arch=arch, **SHAPE), policy, every)
+    model.train()
+    x = torch.randint(0, model.cfg.vocab_size, (3, model.cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(rng_seed)  # the dropout stream
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradients_equal_policy_none(policy, arch):
+    ref, got = gradients("none", arch), gradients(policy, arch)
+    assert got.keys() == ref.keys(), "recomputation must not rename parameters"
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_dropout_is_live_so_rng_replay_is_tested():
+    a, b = gradients("none", rng_seed=0), gradients("none", rng_seed=1)
+    assert any(not torch.allclose(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("every", [1, 3, 5, 7])
+def test_every_k_for_several_k(every):
+    ref, got = gradients("none"), gradients("every-k", every=every)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-10, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("policy, hooked, forwards_per_step", [
+    ("none", "block", 1), ("full", "block", 2), ("every-k", "block", 2), ("sqrt", "block", 2),
+    ("selective", "core", 2), ("selective", "block", 1),
+])
+def test_policy_recomputes_what_it_says(policy, hooked, forwards_per_step):
+    """A recomputed module starts its forward twice per step (once more in backward); a kept one once.
+    (Pre-hooks: the non-reentrant checkpoint may stop a recomputation early, before a forward hook fires.)"""
+    model = apply_recompute(small_model(**SHAPE), policy, 2)
+    kind = Block if hooked == "block" else CoreAttention
+    calls = []
+    for module in model.modules():
+        if isinstance(module, kind):
+            module.register_forward_pre_hook(lambda *_: calls.append(1))
+    x = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    assert len(calls) == forwards_per_step * SHAPE["n_layers"]
+
+
+@pytest.mark.parametrize("policy, every, k", [("full", 3, 1), ("every-k", 3, 3), ("sqrt", 3, 2)])
+def test_apply_sets_the_segment_size(policy, every, k):
+    model = apply_recompute(small_model(**SHAPE), policy, every)
+    assert isinstance(model.layers, RecomputedBlocks) and model.layers.k == k
+
+
+@pytest.mark.parametrize("n_layers, k", [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (9, 3), (12, 3), (13, 4),
+                                         (16, 4), (32, 6), (80, 9)])
+def test_sqrt_segment_is_round_sqrt_l(n_layers, k):
+    assert k == round(math.sqrt(n_layers))
+    assert segment_size("sqrt", n_layers, every=7) == k
+
+
+def test_segment_size_of_other_policies():
+    assert segment_size("full", 12, every=3) == 1
+    assert segment_size("every-k", 12, every=3) == 3
+    with pytest.raises(ValueError):
+        segment_size("selective", 12, every=3)
+
+
+def test_no_recompute_without_grad_or_with_a_cache():
+    """Inference (no_grad, KV cache) runs the blocks plainly and matches the unwrapped model."""
+    plain, wrapped = small_model(**SHAPE).eval(), apply_recompute(small_model(**SHAPE), "full").eval()
+    x = torch.randint(0, plain.cfg.vocab_size, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), plain(x), rtol=0, atol=0)
+        caches = wrapped.make_caches(2, 8)
+        torch.testing.assert_close(wrapped(x, caches=caches), plain(x), rtol=1e-12, atol=1e-12)
