@@ -140,7 +140,7 @@ class ParallelConfig(Section):
     offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
     sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")
     sync_every: int = Field(1, ge=1, description="local-sgd: steps between parameter averages")
-    staleness: int | None = Field(None, ge=0, description="param-server: max versions a worker may lag (0 = synchronous, unset = async)")
+    staleness: int | None = Field(None, ge=0, description="param-server: max steps a worker may run ahead of the slowest (0 = synchronous, unset = async)")
     num_servers: int = Field(1, ge=1, description="param-server: ranks acting as servers")
     bucket_mb: float = Field(25.0, gt=0.0, description="gradient bucket size in MiB")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="dtype of gradient reduction")

@@ -11,6 +11,10 @@ then ep, dp, and pp outermost. For pp=2, dp=2, tp=2 (8 ranks):
 
 A rank's coordinate on each axis is its position along that axis; every group of the mesh is a
 set of ranks that differ in exactly one coordinate.
+
+With `parallel.sync=param-server` the job also has `num_servers` server ranks, placed after every
+worker and outside the mesh (dp=2, 2 servers: workers [0] [1] form the mesh, servers are ranks 2, 3).
+Workers' collectives (the loss average, evaluation) therefore never wait on a server.
 """
 
 from __future__ import annotations
@@ -28,34 +32,48 @@ AXES = ("pp", "dp", "ep", "tp")  # outermost to innermost
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Degrees of parallelism; their product is the number of processes."""
+    """Degrees of parallelism; their product is the number of worker processes, and the job has
+    `num_servers` more (parameter servers) when parallel.sync=param-server."""
 
     dp: int
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    num_servers: int = 0
 
     @classmethod
     def from_config(cls, pcfg, world: int) -> "ParallelDims":
+        servers = pcfg.num_servers if pcfg.sync == "param-server" else 0
+        workers, plus = world - servers, " + num_servers" if servers else ""
+        if workers < 1:
+            raise ConfigError(f"parallel.num_servers={servers} leaves no worker among the {world} processes; "
+                              f"launch more processes (--nproc) or lower parallel.num_servers.")
         other = pcfg.tp * pcfg.pp * pcfg.ep
-        if world % other:
-            raise ConfigError(f"parallel.tp*pp*ep = {other} does not divide the {world} processes; "
-                              f"choose degrees whose product divides {world}.")
-        dims = cls(dp=pcfg.dp or world // other, tp=pcfg.tp, pp=pcfg.pp, ep=pcfg.ep)
+        if workers % other:
+            raise ConfigError(f"parallel.tp*pp*ep = {other} does not divide the {workers} worker processes; "
+                              f"choose degrees whose product divides {workers}.")
+        dims = cls(dp=pcfg.dp or workers // other, tp=pcfg.tp, pp=pcfg.pp, ep=pcfg.ep, num_servers=servers)
         if dims.world != world:
-            raise ConfigError(f"parallel.dp*tp*pp*ep = {dims.world} but {world} processes were launched; "
-                              f"set parallel.dp={world // other} or launch {dims.world} processes (--nproc).")
+            raise ConfigError(f"parallel.dp*tp*pp*ep{plus} = {dims.world} but {world} processes were launched; "
+                              f"set parallel.dp={workers // other} or launch {dims.world} processes (--nproc).")
         return dims
 
     @property
-    def world(self) -> int:
+    def workers(self) -> int:
+        """Ranks that train (all of them unless there are parameter servers)."""
         return self.dp * self.tp * self.pp * self.ep
+
+    @property
+    def world(self) -> int:
+        return self.workers + self.num_servers
 
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in AXES)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> coordinate per axis (row-major over AXES)."""
+        """Rank -> coordinate per axis (row-major over AXES); workers only."""
+        if rank >= self.workers:
+            raise ValueError(f"rank {rank} is a parameter server, outside the worker mesh")
         out = {}
         for axis, size in reversed(list(zip(AXES, self.shape()))):
             out[axis] = rank % size
@@ -65,7 +83,8 @@ class ParallelDims:
 
 @dataclass
 class Runtime:
-    """Where this process runs and who its peers are. `mesh` is None for a single process."""
+    """Where this process runs and who its peers are. `mesh` is None for a single process and on
+    parameter servers (they are outside the worker mesh)."""
 
     rank: int
     world: int
@@ -75,8 +94,13 @@ class Runtime:
     mesh: object | None  # torch.distributed.device_mesh.DeviceMesh
 
     @property
+    def is_server(self) -> bool:
+        return self.rank >= self.dims.workers
+
+    @property
     def dp_rank(self) -> int:
-        return self.dims.coords(self.rank)["dp"]
+        """Position along dp; 0 on a parameter server (it holds no replica and reads no data)."""
+        return 0 if self.is_server else self.dims.coords(self.rank)["dp"]
 
     @property
     def is_main(self) -> bool:
@@ -115,5 +139,8 @@ def init_runtime(cfg) -> Runtime:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                     device_id=device if device.type == "cuda" else None)
+        # the mesh spans the workers only; servers take part in creating its groups (a collective)
         mesh = init_device_mesh(device.type, dims.shape(), mesh_dim_names=AXES)
+        if rank >= dims.workers:
+            mesh = None
     return Runtime(rank=rank, world=world, local_rank=local_rank, device=device, dims=dims, mesh=mesh)

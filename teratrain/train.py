@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -32,7 +34,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     _check_batch(cfg, rt)
     run_dir = _run_dir(out, resume, rt)
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
-    torch.manual_seed(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
+    seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
         model = Transformer(cfg.model)
     engine = parallelize(model, rt, cfg)
@@ -46,7 +48,13 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
     rt.barrier()
-    return _loop(cfg, rt, model, engine, data, run_dir, start)
+    if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
+        engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
+        return {"run_dir": str(run_dir), "step": None, "engine": engine}
+    summary = _loop(cfg, rt, model, engine, data, run_dir, start)
+    if hasattr(engine, "close"):  # e.g. a parameter-server worker signs off
+        engine.close()
+    return summary
 
 
 def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: int) -> dict:
@@ -74,17 +82,18 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
                 engine.backward(loss / len(micro))
             loss_sum += loss.detach()
         stats = engine.step(lr)
-        loss_val = _mean_over_ranks(loss_sum / len(micro), rt)
+        extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
+        loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(loss_sum / len(micro), rt)
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         dt = time.perf_counter() - t0
         done = step + 1
         tps = tokens_per_step / dt
         last = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": tps,
-                "mfu": flops_tok * tps / (peak * rt.world) if peak else None,
+                "mfu": flops_tok * tps / (peak * rt.dims.workers) if peak else None,
                 "grad_norm": stats.grad_norm if not stats.skipped else None,
                 "peak_mem_bytes": peak_memory_bytes(rt.device), "skipped_steps": engine.skipped_steps,
-                "loss_scale": stats.loss_scale, "tokens": done * tokens_per_step, "step_time_s": dt}
+                "loss_scale": stats.loss_scale, "tokens": done * tokens_per_step, "step_time_s": dt, **extra}
         if step == start:
             last["model_state_bytes"] = engine.last_state_bytes
         if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
@@ -170,11 +179,7 @@ def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
 def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
     """Load the newest usable checkpoint of `run_dir` into the engine and RNGs; return its step."""
     path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: _all_ranks(ok, rt))
-    saved_cfg = validate(saved["config"])
-    for key in type(cfg.model).model_fields:
-        if getattr(saved_cfg.model, key) != getattr(cfg.model, key):
-            raise ConfigError(f"model.{key} is {getattr(cfg.model, key)!r} but the checkpoint in {run_dir} was trained "
-                              f"with {getattr(saved_cfg.model, key)!r}; resume with the same model config.")
+    _check_compatible(validate(saved["config"]), cfg, run_dir)
     if saved["dims"] != vars(rt.dims):
         raise ConfigError(f"the checkpoint was written with layout {saved['dims']} but this run has {vars(rt.dims)}; "
                           "resume with the same parallel.* degrees and process count.")
@@ -189,6 +194,25 @@ def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
             atomic_write_bytes(mpath, "".join(json.dumps(r) + "\n" for r in kept).encode())
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
     return step
+
+
+def _check_compatible(saved: Config, cfg: Config, run_dir: Path) -> None:
+    """Refuse a resume whose model shape or optimizer-state layout differs from the checkpoint's."""
+    pairs = [(f"model.{k}", getattr(saved.model, k), getattr(cfg.model, k)) for k in type(cfg.model).model_fields]
+    pairs += [("optim.name", saved.optim.name, cfg.optim.name),
+              ("memory.precision (master weights)", saved.use_master_weights, cfg.use_master_weights)]
+    for key, old, new in pairs:
+        if old != new:
+            what = "model config" if key.startswith("model.") else "setting"
+            raise ConfigError(f"{key} is {new!r} but the checkpoint in {run_dir} was written with {old!r}; "
+                              f"resume with the same {what}.")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every RNG a run may draw from (torch CPU and CUDA, Python, NumPy); all are checkpointed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _all_ranks(ok: bool, rt: Runtime) -> bool:

@@ -6,8 +6,9 @@ Order, each with its reason:
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them.
 5. compile          - traces the final module structure, checkpoints included.
-6. data parallel / ZeRO - outermost: hooks gradients of the final parameters and owns the update;
-   it also materializes the meta-device model, so ZeRO-3 never holds more than one full block.
+6. data parallel / ZeRO / local SGD / parameter server - outermost: hooks gradients of the final
+   parameters and owns the update; it also materializes the meta-device model, so ZeRO-3 never holds
+   more than one full block (and a parameter server only the parameters it owns).
 """
 
 from __future__ import annotations
@@ -50,10 +51,19 @@ def check_supported(cfg) -> None:
     if p.sync != "allreduce" and p.zero:
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas and cannot shard them; "
                           "set parallel.zero=0 or parallel.sync=allreduce.")
+    for key, mode, unset in (("sync_every", "local-sgd", 1), ("staleness", "param-server", None),
+                             ("num_servers", "param-server", 1)):
+        if getattr(p, key) != unset and p.sync != mode:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)} only applies to parallel.sync={mode} (this run has "
+                              f"{p.sync}); set parallel.sync={mode} or leave parallel.{key} at its default.")
 
 
 def build_engine(model: nn.Module, rt, cfg):
     p = cfg.parallel
+    if p.sync == "param-server":  # before the dp == 1 case: one worker still talks to its servers
+        from teratrain.parallel import param_server
+
+        return param_server.build(model, rt, cfg)
     group = rt.mesh["dp"].get_group() if rt.mesh is not None else None
     if p.zero >= 1:
         from teratrain.parallel.zero import ZeroEngine
@@ -61,10 +71,12 @@ def build_engine(model: nn.Module, rt, cfg):
         return ZeroEngine(model, cfg, group, rt.device,
                           init_fn=lambda name, t: init_param_(t, name, cfg.model, cfg.train.seed))
     materialize(model, rt.device, cfg.train.seed)
-    if rt.dims.dp == 1:
+    if rt.dims.dp == 1:  # one replica: local SGD and all-reduce both reduce to the plain update
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
-    if p.sync == "allreduce":
-        from teratrain.parallel.data import DataParallelEngine
+    if p.sync == "local-sgd":
+        from teratrain.parallel.sync import LocalSGDEngine
 
-        return DataParallelEngine(model, cfg, group, rt.device)
-    raise ConfigError(f"parallel.sync={p.sync} is not available in this version; set parallel.sync=allreduce.")
+        return LocalSGDEngine(model, cfg, group, rt.device)
+    from teratrain.parallel.data import DataParallelEngine
+
+    return DataParallelEngine(model, cfg, group, rt.device)

@@ -3,8 +3,11 @@ single-process reference they are compared with."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -21,25 +24,47 @@ def losses(out: str | Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_one(overrides: list[str], out: str) -> dict:
-    """Train with the full trainer; return what every parity test compares."""
-    summary = run(load_config(None, TINY + overrides), out)
+def train_one(overrides: list[str], out: str, resume: bool = False) -> dict:
+    """Train with the full trainer (`resume` as `--resume` does); return what every parity test compares."""
+    summary = run(load_config(None, TINY + overrides), out, resume=resume)
     engine = summary["engine"]
     params = engine.full_params()  # collective: every rank takes part
-    return {"params": params, "bytes": engine.last_state_bytes, "skipped": engine.skipped_steps}
+    return {"params": params, "bytes": engine.last_state_bytes, "skipped": engine.skipped_steps,
+            "server": getattr(engine, "is_server", False), "staleness_max": getattr(engine, "staleness_max", None)}
 
 
-def train_many(rank: int, world: int, runs: list[tuple[list[str], str]]) -> list[dict]:
-    """Several trainings in one set of processes (process start-up dominates tiny runs)."""
+def train_many(rank: int, world: int, runs: list[tuple]) -> list[dict]:
+    """Several trainings in one set of processes (process start-up dominates tiny runs). Each run is
+    (overrides, out) or (overrides, out, opts) with opts: resume (bool), slow_rank + delay_s (that
+    rank sleeps delay_s before each optimizer step: a straggler for the asynchronous modes)."""
     results = []
-    for overrides, out in runs:
-        r = train_one(overrides, out)
-        if rank != 0:
-            r["params"] = None  # rank 0's copy is compared; no need to ship every rank's
-        else:
+    for overrides, out, *more in runs:
+        opts = more[0] if more else {}
+        with _straggler(rank == opts.get("slow_rank"), opts.get("delay_s", 0.0)):
+            r = train_one(overrides, out, opts.get("resume", False))
+        if rank == 0:
             r["losses"] = losses(out)
+        elif not r["server"]:
+            r["params"] = None  # rank 0's copy is compared (and each parameter server's share)
         results.append(r)
     return results
+
+
+@contextlib.contextmanager
+def _straggler(slow: bool, delay_s: float):
+    if not slow:
+        yield
+        return
+    from teratrain.parallel.param_server import ParamServerWorker
+
+    step = ParamServerWorker.step
+
+    def slow_step(self, lr):
+        time.sleep(delay_s)
+        return step(self, lr)
+
+    with mock.patch.object(ParamServerWorker, "step", slow_step):
+        yield
 
 
 def reference(overrides: list[str], out: str) -> dict:

@@ -1,0 +1,80 @@
+"""Local SGD: periodic parameter averaging (Stich 2019, "Local SGD Converges Fast and Communicates
+Little"; the "periodic sync" of data-parallel training).
+
+Every rank computes gradients on its slice of the global batch and steps its own optimizer on them,
+with no communication in forward or backward. After every `parallel.sync_every` optimizer steps the
+replicas are averaged, x <- (1/dp) sum_r x_r, with bucketed flat all-reduces (the fp32 master
+weights when they exist, then cast back to the model's dtype). Communication drops by sync_every x.
+
+With sync_every=1 and plain or momentum SGD this is bulk-synchronous data parallelism: starting from
+identical x, each rank's buffer b_r = mu*b_r + g_r and x - lr*mean_r(b_r) = x - lr*(mu*mean(b) + mean(g)),
+so by induction the averaged model follows the all-reduce trajectory (up to fp32 rounding). Coupled
+weight decay is linear in x and keeps this; AdamW's per-element scaling and gradient clipping (each
+rank clips by its own local norm) do not. Optimizer state stays per rank and is never averaged.
+
+Between syncs the replicas differ: `full_params()` returns this rank's replica, and each rank saves
+its own parameters and optimizer state, so `--resume` continues every replica bitwise. The logged
+loss is the mean over ranks (the loop averages it); grad_norm is rank 0's local gradient norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from teratrain.optim.engine import LocalEngine, StepStats
+from teratrain.parallel.comm import all_reduce, group_size
+from teratrain.parallel.flat import bucketize
+
+MAX_INFLIGHT = 2  # flat bucket copies alive at once while averaging (bounds the extra memory)
+
+
+class LocalSGDEngine(LocalEngine):
+    def __init__(self, model, cfg, group, device: torch.device):
+        super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
+        self.group, self.dp, self.sync_every = group, group_size(group), cfg.parallel.sync_every
+        self.num_steps = 0  # optimizer steps taken (skipped fp16 steps too: every rank counts alike)
+        targets = self.masters if self.masters is not None else [p for _, p in self.named]
+        by_dtype: dict[torch.dtype, list] = {}
+        for (name, _), t in zip(self.named, targets):  # a bucket holds one dtype
+            by_dtype.setdefault(t.dtype, []).append((name, t))
+        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
+        self.buckets = [[t for _, t in b] for named in by_dtype.values() for b in bucketize(named, bucket_bytes)]
+
+    def step(self, lr: float) -> StepStats:
+        """Local update from local gradients, then the replica average on every sync_every-th step."""
+        stats = super().step(lr)
+        self.num_steps += 1
+        if self.num_steps % self.sync_every == 0:
+            self.average()
+        return stats
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """x <- mean over ranks of x, one flat all-reduce per bucket, at most MAX_INFLIGHT in flight."""
+        if self.dp == 1:
+            return
+        inflight = []
+        for tensors in self.buckets:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            inflight.append((all_reduce(flat, self.group, async_op=True), tensors, flat))
+            if len(inflight) >= MAX_INFLIGHT:
+                self._unpack(*inflight.pop(0))
+        for item in inflight:
+            self._unpack(*item)
+        if self.masters is not None:
+            torch._foreach_copy_([p for _, p in self.named], self.masters)
+
+    def _unpack(self, handle, tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+        handle.wait()
+        flat.div_(self.dp)
+        torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+
+    # ---- checkpoints: every rank keeps its own replica (LocalEngine saves it) plus the step count
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, meta = super().state_tensors()
+        meta["local_sgd"] = {"num_steps": self.num_steps, "sync_every": self.sync_every}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        super().load_state(tensors, meta)
+        self.num_steps = meta["local_sgd"]["num_steps"]
