@@ -1,0 +1,277 @@
+"""Planner vs reality on one GPU: predicted peak memory and step time against measured ones.
+
+For each config: build the model as `teratrain train` does for one process (meta device ->
+parallelize(): recompute, then LocalEngine or ZeroEngine), run warm-up steps, time steps with
+synchronize, read torch.cuda.max_memory_allocated over the steady-state steps, count the bytes
+autograd saves (saved_tensors_hooks), and compare each with the planner's prediction for the same
+layout. Prints one JSON object (rows with predicted / measured / error %).
+
+    python bench/planner_validate.py            # on a GPU (H200: ~3-4 minutes, < 60 GiB)
+    python bench/planner_validate.py --smoke    # tiny shapes on CPU: proves the script runs
+
+The H200 rows calibrate teratrain/planner/hardware.py:EFFICIENCY and are tabulated in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from teratrain.config import load_config  # noqa: E402
+from teratrain.mesh import ParallelDims, Runtime  # noqa: E402
+from teratrain.models.transformer import Transformer  # noqa: E402
+from teratrain.parallel.parallelize import parallelize  # noqa: E402
+from teratrain.planner.activations import forward_saved  # noqa: E402
+from teratrain.planner.hardware import gpu_with  # noqa: E402
+from teratrain.planner.inputs import layout_of, shape_of, training_of  # noqa: E402
+from teratrain.planner.measure import random_batch, saved_bytes, train_step  # noqa: E402
+from teratrain.planner.search import evaluate  # noqa: E402
+
+GIB = 2**30
+# (name, --set overrides). bf16 unless stated; sizes chosen to span GPU-bound and host-bound steps.
+GPU_CONFIGS = [
+    ("llama-1b mb2", ["model.preset=llama-1b", "train.micro_batch=2"]),
+    ("llama-1b mb4 full", ["model.preset=llama-1b", "train.micro_batch=4", "memory.recompute=full"]),
+    ("llama-1b mb4 selective", ["model.preset=llama-1b", "train.micro_batch=4", "memory.recompute=selective"]),
+    ("llama-1b mb2 sqrt", ["model.preset=llama-1b", "train.micro_batch=2", "memory.recompute=sqrt"]),
+    ("llama-1b mb2 zero1", ["model.preset=llama-1b", "train.micro_batch=2", "parallel.zero=1"]),
+    ("llama-8b 4 layers T4096", ["model.preset=llama-8b", "model.n_layers=4", "model.seq_len=4096",
+                                 "train.micro_batch=1"]),
+    ("gpt2-774m mb8", ["model.preset=gpt2-774m", "train.micro_batch=8"]),
+    ("gpt2-350m mb8 full", ["model.preset=gpt2-350m", "train.micro_batch=8", "memory.recompute=full"]),
+    ("gpt2-350m mb2", ["model.preset=gpt2-350m", "train.micro_batch=2"]),
+    ("gpt2-350m mb4 fp32", ["model.preset=gpt2-350m", "train.micro_batch=4", "memory.precision=fp32"]),
+    ("gpt2-350m mb4 zero2 offload", ["model.preset=gpt2-350m", "train.micro_batch=4", "parallel.zero=2",
+                                     "parallel.offload=optimizer"]),
+    # held out: not used to calibrate hardware.EFFICIENCY
+    ("held-out llama-1b mb1", ["model.preset=llama-1b", "train.micro_batch=1"]),
+    ("held-out llama-8b 8 layers T2048 mb2 selective", ["model.preset=llama-8b", "model.n_layers=8",
+                                                        "model.seq_len=2048", "train.micro_batch=2",
+                                                        "memory.recompute=selective"]),
+    ("held-out gpt2-1.5b mb4 every-3", ["model.preset=gpt2-1.5b", "train.micro_batch=4", "memory.recompute=every-k",
+                                        "memory.recompute_every=3"]),
+    ("held-out gpt2-124m mb16", ["model.preset=gpt2-124m", "train.micro_batch=16"]),
+]
+SMOKE_CONFIGS = [
+    ("tiny", ["model.preset=tiny", "train.micro_batch=2"]),
+    ("tiny full", ["model.preset=tiny", "train.micro_batch=2", "memory.recompute=full"]),
+    ("tiny gpt2 zero1", ["model.preset=tiny", "model.arch=gpt2", "train.micro_batch=2", "parallel.zero=1"]),
+]
+COMMON = ["memory.precision=bf16", "train.compile=false"]
+
+
+def build(cfg, device: torch.device):
+    rt = Runtime(rank=0, world=1, local_rank=0, device=device, dims=ParallelDims(dp=1), mesh=None)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    return model, parallelize(model, rt, cfg)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def phases(model, engine, batch, precision: str, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Peak allocated GiB and median seconds of forward, backward and the optimizer step, each
+    measured on its own (synchronized, peak counter reset) over `repeats` further steps."""
+    from teratrain.memory.precision import autocast
+    from teratrain.models.transformer import lm_loss
+
+    x, y = batch
+    peaks: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+        peaks.setdefault(name, []).append(torch.cuda.max_memory_allocated(device) / GIB)
+        return out
+
+    for _ in range(repeats):
+        def forward():
+            with autocast(precision, device):
+                return lm_loss(model(x), y)
+        loss = timed("forward", forward)
+        timed("backward", lambda: engine.backward(loss))
+        del loss
+        timed("step", lambda: engine.step(1e-4))
+    return {**{f"{k}_peak_gib": max(v) for k, v in peaks.items()},
+            **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
+
+
+def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup: int, hw: dict) -> dict:
+    cfg = load_config(None, COMMON + sets + [f"train.global_batch={_mb(sets)}"])
+    model, engine = build(cfg, device)
+    batch = random_batch(cfg, cfg.train.micro_batch, device)
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)  # steady state: optimizer state already exists
+        sync(device)
+        t0 = time.perf_counter()
+        train_step(model, engine, [batch], cfg.memory.precision)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    row = {"name": name, "measured_step_s": statistics.median(times[warmup:]),
+           "step_times_s": [round(t, 5) for t in times[warmup:]]}
+    if device.type == "cuda":
+        row["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        row["measured_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        free, total = torch.cuda.mem_get_info(device)
+        row["outside_allocator_gib"] = (total - free - torch.cuda.memory_reserved(device)) / GIB
+        row["phases"] = phases(model, engine, batch, cfg.memory.precision, device)
+    row["measured_saved_bytes"] = saved_bytes(model, *batch, cfg.memory.precision)
+    row["measured_states"] = engine.last_state_bytes
+    del model, engine, batch
+    _predict(row, cfg, device, hw)
+    return row
+
+
+def _mb(sets: list[str]) -> int:
+    return next(int(s.split("=")[1]) for s in sets if s.startswith("train.micro_batch="))
+
+
+def _predict(row: dict, cfg, device: torch.device, hw: dict) -> None:
+    shape, train = shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg)
+    lay = layout_of(cfg, 1)
+    cand = evaluate(shape, train, lay, gpu_with("h200", hw))
+    w = train.widths(lay.zero, lay.offload)
+    n = lay.micro_batch * cfg.model.seq_len
+    row["layout"] = {k: v for k, v in lay.as_dict().items() if k in ("zero", "micro_batch", "recompute", "offload")}
+    row["predicted_saved_bytes"] = forward_saved(shape, w, n, cfg.model.seq_len, lay.recompute, lay.recompute_every,
+                                                 device=device.type)
+    row["saved_err_pct"] = _err(row["predicted_saved_bytes"], row["measured_saved_bytes"])
+    row["predicted_states"] = {k: getattr(cand.memory, k) for k in ("params", "grads", "optimizer")}
+    row["predicted_peak_gib"] = cand.memory.peak_allocated / GIB
+    row["predicted_phase"] = cand.memory.phase
+    row["predicted_phases_gib"] = {k: round(v / GIB, 3) for k, v in cand.memory.phases.items()}
+    row["predicted_step_s"] = cand.time.step_time_s
+    row["predicted_time_terms"] = {k: round(v, 5) for k, v in cand.time.as_dict().items() if k.endswith("_s")}
+    row["time_err_pct"] = _err(row["predicted_step_s"], row["measured_step_s"])
+    if "measured_peak_gib" in row:
+        row["peak_err_pct"] = _err(row["predicted_peak_gib"], row["measured_peak_gib"])
+        # what must fit: the allocator's reserved peak plus what lives outside it, vs peak + allowance
+        row["predicted_total_gib"] = cand.memory.total / GIB
+        row["measured_total_gib"] = row["measured_reserved_gib"] + row["outside_allocator_gib"]
+        row["total_err_pct"] = _err(row["predicted_total_gib"], row["measured_total_gib"])
+        peak = gpu_with("h200").peak_flops(cfg.memory.precision)
+        row["mfu_measured"] = round(cand.time.model_flops_per_step / row["measured_step_s"] / peak, 4)
+        row["mfu_predicted"] = round(cand.time.mfu, 4)
+
+
+def _err(pred: float, meas: float) -> float:
+    return round(100.0 * (pred - meas) / meas, 2) if meas else float("nan")
+
+
+def host_adam(numel: int = 50_000_000, steps: int = 3) -> float:
+    """Parameters per second of fused AdamW on this host's CPU (the offload step's speed)."""
+    p = torch.zeros(numel, requires_grad=True)
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return numel * steps / (time.perf_counter() - t0)
+
+
+def pcie_gbps(nbytes: int = 2**30) -> float:
+    """GB/s of pinned host<->device copies (the mean of both directions)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    rates = []
+    for dst, src in ((dev, host), (host, dev)) * 2:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.mean(rates[2:])
+
+
+def markdown(out: dict) -> str:
+    """The validation table for docs/planner.md and bench/README.md."""
+    lines = [f"{out['device']}, torch {out['torch']}; host: PCIe {out['measured_host'].get('pcie_gbps', 0):.0f} GB/s, "
+             f"CPU AdamW {out['measured_host']['host_adam_params_per_s'] / 1e9:.2f} G params/s", "",
+             "| config | peak GiB meas / pred (err) | step ms meas / pred (err) | saved err | "
+             "reserved+context GiB meas / pred total (err) |", "|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error']} | | | |")
+            continue
+        lines.append(f"| {r['name']} | {r.get('measured_peak_gib', 0):.2f} / {r['predicted_peak_gib']:.2f} "
+                     f"({r.get('peak_err_pct', 0):+.1f}%) | {1e3 * r['measured_step_s']:.1f} / "
+                     f"{1e3 * r['predicted_step_s']:.1f} ({r['time_err_pct']:+.1f}%) | {r['saved_err_pct']:+.2f}% | "
+                     f"{r.get('measured_total_gib', 0):.2f} / {r.get('predicted_total_gib', 0):.2f} "
+                     f"({r.get('total_err_pct', 0):+.1f}%) |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU configs: check the script, not the planner")
+    ap.add_argument("--only", help="run configs whose name contains this")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--table", action="store_true", help="also print the markdown table (after the JSON)")
+    ap.add_argument("--hw", default="{}", help=argparse.SUPPRESS)  # internal: measured host numbers
+    ap.add_argument("--host", action="store_true", help=argparse.SUPPRESS)  # internal: measure them
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    configs = dict(SMOKE_CONFIGS if device.type == "cpu" else GPU_CONFIGS)
+    if args.one:
+        hw = json.loads(args.hw)
+        print(json.dumps(measure(args.one, configs[args.one], device, args.steps, 1 if args.smoke else 2, hw)))
+        return 0
+    if args.host:
+        hw = {"host_adam_params_per_s": host_adam(5_000_000 if args.smoke else 50_000_000)}
+        if device.type == "cuda":
+            hw["pcie_gbps"] = pcie_gbps()
+        print(json.dumps(hw))
+        return 0
+    # the host link and CPU optimizer are this machine's, not the preset's: measure them (in a
+    # process of their own, so no CUDA context stays behind), then plan with them
+    cmd = [sys.executable, __file__, "--host"] + (["--smoke"] if args.smoke else [])
+    hw = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    rows = []
+    for name in configs:
+        if args.only and args.only not in name:
+            continue
+        # one process per config: a fresh allocator (clean peaks, no memory kept by the previous
+        # engine, whose gradient hooks keep it alive) and a CUDA context measured on its own
+        cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--hw", json.dumps(hw)]
+        cmd += ["--smoke"] if args.smoke else []
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            rows.append({"name": name, "error": done.stderr.strip().splitlines()[-1:]})
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"{name}: done", file=sys.stderr)
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "measured_host": hw, "rows": rows}
+    for key in ("peak_err_pct", "time_err_pct", "saved_err_pct", "total_err_pct"):
+        errs = [abs(r[key]) for r in rows if key in r]
+        if errs:
+            out[f"worst_{key}"] = max(errs)
+    print(json.dumps(out, indent=1))
+    if args.table:
+        print(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

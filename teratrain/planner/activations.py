@@ -1,0 +1,177 @@
+"""Activation bytes: the tensors our `Block` (models/layers.py) saves for backward, one term each.
+
+Not a generic formula: every coefficient below was read off the autograd graph of our model
+(`torch.autograd.graph.saved_tensors_hooks`, shared storages counted once) and is checked against
+that count in tests/unit/test_planner_activations.py for every recompute policy, both flavours,
+fp32 and bf16. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", sec. 4) is the template: per layer, sum the saved tensors, divide what tensor/sequence
+parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from our code:
+- attention runs through `scaled_dot_product_attention` (flash/cuDNN on GPU, flash on CPU): it keeps
+  q, k, v, the output and a logsumexp (fp32, one per head and token), never the T x T scores;
+- RMSNorm/LayerNorm keep their input in fp32 (RMSNorm upcasts with x.float(); CUDA autocast runs
+  layer_norm in fp32), plus fp32 statistics;
+- with fp32 parameters under autocast, every linear layer casts its own copy of its input, so the
+  norm output is saved once per consumer (3 times before wq/wk/wv, twice before w1/w3), and every
+  weight is cast to bf16 and held until its backward (`weight_copies`);
+- SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
+`device` selects the two kernels that differ: CPU's composite rms_norm also keeps x*rstd, and
+CPU autocast runs layer_norm in bf16. The GPU numbers assume dropout inside attention is fused
+(flash/cuDNN keep only an RNG seed); CPU runs with dropout > 0 take the math path (T x T kept),
+which this module does not describe.
+"""
+
+from __future__ import annotations
+
+from teratrain.memory.recompute import segment_size
+from teratrain.planner.layout import ModelShape, Widths, ceil_div
+
+INDEX_BYTES = 8  # token ids and targets are int64
+
+
+def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> int:
+    """What one pre-norm keeps for backward, for n tokens."""
+    c = shape.cfg
+    d = c.d_model
+    if c.arch == "llama":  # RMSNorm.forward: F.rms_norm(x.float(), ..., weight.float())
+        kept = n * d * 4 + n * 4  # fp32 input (x itself when fp32, else the x.float() copy) + rstd
+        if device == "cpu":
+            kept += n * d * 4  # the composite CPU kernel also keeps x * rstd for the weight gradient
+        if w.param == 2:
+            kept += d * 4  # weight.float() copy
+        return kept
+    # LayerNorm: native_layer_norm keeps input, mean, rstd
+    if w.param == 4 or (device == "cuda" and w.compute == 2):
+        weights = (2 if c.use_bias else 1) * d * 4 if w.param == 2 else 0  # CUDA autocast's fp32 weight casts
+        return n * d * 4 + 2 * n * 4 + weights
+    return n * d * w.param + 2 * n * w.param  # CPU autocast: layer_norm in the parameters' dtype
+
+
+def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str) -> int:
+    """Saved inputs of the linear layers reading one norm output (n tokens)."""
+    c = shape.cfg
+    out_fp32 = w.param == 4 or (c.arch == "gpt2" and device == "cuda" and w.compute == 2)
+    if out_fp32 and w.compute == 2:
+        return consumers * n * c.d_model * 2  # autocast casts a separate bf16 copy for each linear
+    return n * c.d_model * (4 if out_fp32 else w.param)  # one tensor, shared by every consumer
+
+
+def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
+                tp: int = 1, sp: bool = False, dropout: float = 0.0) -> dict[str, int]:
+    """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per tensor.
+    Attention/MLP internals are split by tensor parallelism; norm-side tensors only with sequence
+    parallelism (Korthikanti et al. 2022, sec. 4.2.2)."""
+    c = shape.cfg
+    n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
+    kvd = c.kv_heads * c.head_dim
+    rep = tp if sp else 1  # replicated tensors are divided by tp only under sequence parallelism
+    k_moe = shape.top_k if shape.num_experts > 1 else 1  # each token visits top_k experts
+    out = {
+        "attention_norm": _norm_saved(shape, w, n, device) // rep,
+        "qkv_inputs": _linear_inputs(shape, w, n, 3, device) // rep,  # wq, wk, wv
+        "q_k_v": n * (d + 2 * kvd) * cb // tp,  # q and k after RoPE, v: (B, nh|nkv, T, hs) each
+        "attention_out": n * d * cb // tp,  # SDPA output, also wo's input (a view of it)
+        "logsumexp": n * c.n_heads * 4 // tp,  # fp32, one per head and token
+        "ffn_norm": _norm_saved(shape, w, n, device) // rep,
+        "mlp_inputs": k_moe * _linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) // rep,
+        # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
+        "mlp_hidden": k_moe * (4 if c.arch == "llama" else 2) * n * ff * cb // tp,
+    }
+    if c.arch == "llama" and cb != 4:
+        out["rope_casts"] = 4 * seq_len * c.head_dim * cb  # cos/sin cast to bf16, for q and for k
+    if shape.num_experts > 1:
+        out["router"] = n * shape.num_experts * 4 // rep  # fp32 router logits/probabilities
+    if dropout > 0:
+        mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask
+        out["dropout_masks"] = 2 * n * d * mask // rep  # after wo and after w2
+    return out
+
+
+def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1) -> int:
+    """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
+    holds until that block's backward. Biases are cast too but not saved. For MoE, every local
+    expert (num_experts / ep) is assumed to receive tokens."""
+    if not w.autocast_copies:
+        return 0
+    c = shape.cfg
+    d, kvd = c.d_model, c.kv_heads * c.head_dim
+    attn = d * (d + 2 * kvd) + d * d
+    mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
+    experts = max(1, shape.num_experts // ep)
+    return (attn + experts * mlp) * w.compute // tp
+
+
+def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
+                  tp: int = 1, sp: bool = False, dropout: float = 0.0, first: bool = True,
+                  last: bool = True) -> dict[str, int]:
+    """Saved tensors outside the blocks: embedding ids on the first pipeline stage; final norm,
+    head input, fp32 log-softmax (lm_loss upcasts the logits) and targets on the last."""
+    c = shape.cfg
+    n = tokens
+    rep = tp if sp else 1
+    out: dict[str, int] = {}
+    if first:
+        out["token_ids"] = n * INDEX_BYTES
+        if c.arch == "gpt2":
+            out["position_ids"] = seq_len * INDEX_BYTES
+        if dropout > 0:
+            out["embedding_dropout"] = n * c.d_model * (1 if device == "cuda" else w.param)
+    if last:
+        out["final_norm"] = _norm_saved(shape, w, n, device) // rep
+        out["head_input"] = _linear_inputs(shape, w, n, 1, device) // rep
+        out["log_softmax"] = n * c.vocab_size * 4 // tp  # fp32 (B*T, V), vocab-parallel under tp
+        out["targets"] = n * INDEX_BYTES
+    return out
+
+
+def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1) -> int:
+    """The autocast bf16 copy of the output projection (tied: of the embedding), held to its backward."""
+    return shape.cfg.vocab_size * shape.cfg.d_model * w.compute // tp if w.autocast_copies else 0
+
+
+def rope_tables(shape: ModelShape) -> int:
+    """RoPE cos/sin buffers (fp32, seq_len x head_dim each): module buffers, not activations."""
+    c = shape.cfg
+    return 2 * c.seq_len * c.head_dim * 4 if c.arch == "llama" else 0
+
+
+def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,
+                  every: int, **kw) -> dict[str, int]:
+    """Bytes the blocks of one stage hold from forward to backward for one micro-batch, by policy
+    (memory/recompute.py). Segment policies keep only each segment's input hidden state (Chen et al.
+    2016); selective drops what the attention core alone keeps (with SDPA that is the logsumexp: q,
+    k, v are the checkpoint's inputs and the output is wo's input, so they stay)."""
+    per = block_saved(shape, w, tokens, seq_len, **kw)
+    tp = kw.get("tp", 1)
+    copies = weight_copies(shape, w, tp)
+    if policy == "none":
+        return {"blocks": n_layers * sum(per.values()), "weight_copies": n_layers * copies}
+    if policy == "selective":
+        return {"blocks": n_layers * (sum(per.values()) - per["logsumexp"]), "weight_copies": n_layers * copies}
+    k = segment_size(policy, n_layers, every)
+    rep = tp if kw.get("sp") else 1
+    hidden = tokens * shape.cfg.d_model * w.param // rep  # residual stream in the params' dtype
+    return {"blocks": ceil_div(n_layers, k) * hidden, "weight_copies": 0}
+
+
+def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,
+                        every: int, **kw) -> int:
+    """Extra bytes alive while one checkpointed segment is replayed in backward: its k blocks'
+    activations and weight copies, rebuilt at once (0 for policies that keep everything)."""
+    if policy in ("none", "selective"):
+        return 0
+    k = min(n_layers, segment_size(policy, n_layers, every))
+    per = sum(block_saved(shape, w, tokens, seq_len, **kw).values())
+    return k * (per + weight_copies(shape, w, kw.get("tp", 1)))
+
+
+def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, policy: str, every: int,
+                  device: str = "cuda", dropout: float = 0.0) -> int:
+    """Everything a whole single-device model keeps from forward to backward for one micro-batch,
+    as `saved_tensors_hooks` counts it (parameters excluded): what tests and bench/ compare with."""
+    kw = dict(device=device, dropout=dropout)
+    blocks = stored_blocks(shape, w, shape.cfg.n_layers, tokens, seq_len, policy, every, **kw)
+    total = sum(blocks.values()) + sum(outside_saved(shape, w, tokens, seq_len, **kw).values())
+    total += head_weight_copy(shape, w)
+    if w.compute == 4 and policy in ("none", "selective"):
+        total += rope_tables(shape)  # fp32 RoPE reads the buffers themselves: views of them are saved
+    return total

@@ -1,0 +1,136 @@
+"""`teratrain plan`: what fits, how fast, and why, before anything is launched.
+
+    teratrain plan [CONFIG.toml|config.json] [--model PRESET | --params N] [--gpus N] [--gpu-mem GiB]
+                   [--gpu h100|h200|a100] [--set KEY=VALUE ...] [--hw KEY=VALUE ...] [--json] [--plot FILE] [--top K]
+
+Degrees set in the config or with --set are kept; the others are searched (search.py). Bad input
+and "nothing fits" exit 2 with one sentence (ConfigError, printed by teratrain.cli.main).
+"""
+
+from __future__ import annotations
+
+import json
+
+from teratrain.config import ConfigError, load_config
+from teratrain.planner.hardware import GPUS, gpu_with, hw_keys
+from teratrain.planner.inputs import fixed_of, load, shape_of, training_of
+from teratrain.planner.layout import ModelShape
+from teratrain.planner.memory import GIB
+from teratrain.planner.report import as_json, render
+from teratrain.planner.search import Candidate, batch_advice, search, smallest_gpu_count
+from teratrain.planner.states import PlanError
+
+
+def add_plan_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="predict per-GPU memory and step time; pick the fastest layout that fits",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="TOML config, or a HF config.json (Llama, Mistral, Mixtral, GPT-2)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model preset, e.g. llama-8b (shorthand for --set model.preset=...)")
+    src.add_argument("--params", type=float, help="bare parameter count, e.g. 1.5e9: model states only")
+    p.add_argument("--gpus", type=int, help="GPUs to plan for (default: the product of the degrees set, else 1)")
+    p.add_argument("--gpu-mem", type=float, help="usable memory per GPU in GiB (default: the --gpu's)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU preset for peak FLOP/s and bandwidths")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set parallel.tp=2 (a key set here is not searched)")
+    p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override a hardware assumption ({', '.join(hw_keys())})")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="FILE", help="write a stacked bar chart of memory per GPU (PNG)")
+    p.add_argument("--top", type=int, default=5, help="layouts shown in the ranking (default 5)")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    cfg, shape, notes = _inputs(args)
+    gpu = _gpu(args)
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else gpu.memory_gib
+    if gpu_mem <= 0 or (args.gpus is not None and args.gpus < 1) or args.top < 1:
+        raise ConfigError("--gpu-mem, --gpus and --top must be positive; pass e.g. --gpus 8 --gpu-mem 80.")
+    fixed = fixed_of(cfg)
+    gpus = args.gpus or _default_gpus(fixed)
+    train = training_of(cfg, notes)
+    try:
+        cands = search(shape, train, gpus, gpu, fixed, gpu_mem)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        raise ConfigError(_nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands))
+    best = fitting[0]
+    advice = _advice(cfg)
+    if args.plot:
+        from teratrain.planner.plot import plot_memory, what_if_base
+
+        base = what_if_base(best.layout, train.global_batch)
+        what_if = " (what if dp=8: one GPU has nothing to shard)" if base is not best.layout else ""
+        plot_memory(args.plot, shape, train, base, gpu, gpu_mem, f"{_name(shape)} on {gpu.name.upper()}: memory per "
+                    f"GPU, dp={base.dp} tp={base.tp} pp={base.pp}, micro-batch {base.micro_batch}{what_if}")
+        notes.append(f"memory chart written to {args.plot}{what_if}")
+    if args.json:
+        print(json.dumps(as_json(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes)))
+    else:
+        print(render(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes))
+    return 0
+
+
+def _inputs(args) -> tuple:
+    """(Config, ModelShape, notes) from the config file, --model, --params and --set."""
+    if args.params is not None:
+        if args.params < 1:
+            raise ConfigError(f"--params {args.params:g} must be a positive parameter count, e.g. --params 1.5e9.")
+        if args.config and args.config.endswith(".json"):
+            raise ConfigError("--params replaces the model shape; pass either a config.json or --params, not both.")
+        cfg = load_config(args.config, args.overrides)
+        return cfg, ModelShape(cfg=None, bare_params=int(args.params), name="bare parameter count"), []
+    cfg, experts, notes = load(args.config, args.model, args.overrides)
+    name = args.model or (args.config.rsplit("/", 1)[-1] if args.config else cfg.model.preset)
+    return cfg, shape_of(cfg, experts, name), notes
+
+
+def _gpu(args):
+    hw = {}
+    for item in args.hw:
+        key, sep, val = item.partition("=")
+        try:
+            hw[key.strip()] = float(val) if key.strip() != "gpus_per_node" else int(val)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"--hw '{item}' is not KEY=NUMBER; write e.g. --hw inter_node_gbps=25.")
+    try:
+        return gpu_with(args.gpu, hw)
+    except KeyError as e:
+        raise ConfigError(f"--hw {e.args[0]} is not a hardware assumption; use one of {', '.join(hw_keys())}.") from None
+
+
+def _default_gpus(fixed: dict) -> int:
+    n = 1
+    for key in ("dp", "tp", "pp", "ep"):
+        n *= fixed.get(key, 1)
+    return n
+
+
+def _name(shape: ModelShape) -> str:
+    return shape.name or "model"
+
+
+def _advice(cfg) -> dict | None:
+    o = cfg.optim
+    rule = o.lr_scaling if o.lr_scaling != "none" else ("linear" if o.name == "sgd" else "sqrt")
+    return batch_advice(o.lr, rule, o.base_batch, cfg.train.global_batch, o.warmup_steps)
+
+
+def _nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands: list[Candidate]) -> str:
+    """One sentence: the least memory any layout needs, and the GPU count or change that fits."""
+    least = min(cands, key=lambda c: c.memory.total)
+    lay = least.layout
+    need = least.memory.total / GIB
+    more = smallest_gpu_count(shape, train, gpus, gpu, fixed, gpu_mem)
+    fix = f"plan with --gpus {more}" if more else "use a smaller model or a larger --gpu-mem"
+    kept = [k for k in ("zero", "recompute", "micro_batch", "offload", "tp", "pp") if k in fixed]
+    if kept:
+        fix += f", or unset {', '.join(kept)} so the planner may change {'it' if len(kept) == 1 else 'them'}"
+    return (f"no layout of {_name(shape)} fits {gpu_mem:g} GiB per GPU on {gpus} GPU(s): the leanest "
+            f"(dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} recompute={lay.recompute} offload={lay.offload} "
+            f"micro_batch={lay.micro_batch}) needs {need:.1f} GiB; {fix}.")

@@ -1,0 +1,99 @@
+"""Every hardware number the planner assumes, in one place. Each can be overridden with
+`teratrain plan --hw KEY=VALUE` (e.g. `--hw inter_node_gbps=25`).
+
+Peak FLOP/s come from metrics.GPU_PEAK_TFLOPS (vendor datasheets, dense). Bandwidths are
+effective per-GPU figures, one direction, in GB/s (1e9 bytes/s):
+- nvlink_gbps: H100/H200 NVLink 4 is 900 GB/s bidirectional per GPU, ~450 per direction (A100: 600, 300);
+- pcie_gbps: PCIe gen5 x16 ~55 GB/s achieved host<->device with pinned memory (A100: gen4, ~25);
+- inter_node_gbps: one 400 Gb/s InfiniBand NIC per GPU (8 per node) = 50 GB/s (A100 nodes: 200 Gb/s, 25);
+- hbm_gbps: datasheet HBM bandwidth (H100 SXM 3350, H200 4800, A100-80GB 2039).
+alpha_*_s are per-message latencies of the alpha-beta model (Hockney 1994): t = alpha + bytes / beta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from teratrain.metrics import GPU_PEAK_TFLOPS
+
+# Time-model constants, CALIBRATED on one H200 (torch 2.11, eager, bf16 autocast) with
+# bench/planner_validate.py; docs/planner.md ("Validation") has the table they come from.
+# - flops: sustained fraction of the datasheet peak on the model FLOPs. With bf16 it rises with the
+#   width d (the inner dimension of most matmuls: short K loops keep tensor cores waiting):
+#   eff = flops_max * d / (d + flops_d_half). fp32 runs CUDA-core GEMMs close to their lower peak.
+# - op_s: cost of one eager op besides its FLOPs (launch, and the small elementwise kernels between
+#   matmuls), per op the model issues (time.OPS_PER_BLOCK).
+# - mem: fraction of HBM bandwidth the fused optimizer sweep reaches.
+# H100 and A100 reuse the H200's factors until measured there.
+_H200_FIT = {"flops_max": 0.84, "flops_d_half": 1100.0, "flops_fp32": 0.80, "op_s": 6.75e-6, "mem": 0.67}
+EFFICIENCY = {"h200": _H200_FIT, "h100": _H200_FIT, "a100": _H200_FIT}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    name: str
+    memory_gib: float  # what torch.cuda.get_device_properties reports as total memory
+    peak_tflops: dict  # by precision, from metrics.GPU_PEAK_TFLOPS
+    hbm_gbps: float
+    nvlink_gbps: float
+    pcie_gbps: float
+    inter_node_gbps: float
+    gpus_per_node: int = 8
+    alpha_intra_s: float = 5e-6
+    alpha_inter_s: float = 15e-6
+    flops_max: float = 0.84  # bf16/fp16 efficiency at infinite width
+    flops_d_half: float = 1100.0  # width at which bf16/fp16 reaches half of flops_max
+    flops_efficiency_fp32: float = 0.80
+    mem_efficiency: float = 0.67
+    op_overhead_s: float = 6.75e-6
+    # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
+    # handles outside the allocator (0.75 GiB measured on the H200, torch 2.11; NCCL adds more on
+    # several GPUs), and fragmentation, the "fragmented memory" of ZeRO sec. 3.2: the allocator's
+    # reserved bytes exceeded the allocated peak by 3-22% (median 7%) in bench/planner_validate.py
+    context_gib: float = 0.75
+    fragmentation: float = 0.10
+    # fused CPU AdamW, parameters per second per rank. Measured 4.6e9 with the 16 host cores the H200
+    # machine gives its one GPU (~130 GB/s of host memory traffic); assumed 2e9 when 8 ranks share
+    # a node's CPUs and memory bandwidth (~75 GB/s each)
+    host_adam_params_per_s: float = 2e9
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak_tflops[precision] * 1e12
+
+    def efficiency(self, precision: str, d_model: int) -> float:
+        if precision == "fp32":
+            return self.flops_efficiency_fp32
+        return self.flops_max * d_model / (d_model + self.flops_d_half)
+
+    def sustained_flops(self, precision: str, d_model: int) -> float:
+        return self.peak_flops(precision) * self.efficiency(precision, d_model)
+
+
+def _gpu(name: str, table_key: str, **kw) -> GPU:
+    eff = EFFICIENCY[name]
+    return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], flops_max=eff["flops_max"],
+               flops_d_half=eff["flops_d_half"], flops_efficiency_fp32=eff["flops_fp32"], mem_efficiency=eff["mem"],
+               op_overhead_s=eff["op_s"], **kw)
+
+
+GPUS = {
+    "h100": _gpu("h100", "H100", memory_gib=79.2, hbm_gbps=3350, nvlink_gbps=450, pcie_gbps=55, inter_node_gbps=50),
+    "h200": _gpu("h200", "H200", memory_gib=140.4, hbm_gbps=4800, nvlink_gbps=450, pcie_gbps=55, inter_node_gbps=50),
+    "a100": _gpu("a100", "A100", memory_gib=79.2, hbm_gbps=2039, nvlink_gbps=300, pcie_gbps=25, inter_node_gbps=25),
+}
+
+
+def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
+    """A preset with `--hw key=value` overrides applied (unknown keys raise KeyError)."""
+    gpu = GPUS[name]
+    if not overrides:
+        return gpu
+    known = {f.name for f in fields(GPU)} - {"name", "peak_tflops"}
+    bad = [k for k in overrides if k not in known]
+    if bad:
+        raise KeyError(bad[0])
+    return replace(gpu, **overrides)
+
+
+def hw_keys() -> list[str]:
+    return sorted({f.name for f in fields(GPU)} - {"name", "peak_tflops"})

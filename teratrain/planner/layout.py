@@ -1,0 +1,171 @@
+"""What the planner reasons about: a model shape, a parallel layout, and the byte widths they imply.
+
+Both are plain values built from a `Config` (or a bare parameter count), so the planner can describe
+layouts the distributed code cannot run yet. No tensor is made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from teratrain.models.transformer import count_params
+
+@dataclass(frozen=True, kw_only=True, eq=False)  # hashed by identity: the planner caches per shape
+class ModelShape:
+    """The model as the planner sees it: a `ModelConfig` (None for `--params N`), plus expert
+    counts for mixture-of-experts shapes read from a HF config.json (ModelConfig has no experts yet)."""
+
+    cfg: object | None  # teratrain.config.ModelConfig
+    bare_params: int = 0  # --params N: parameter count with no shape (model states only)
+    num_experts: int = 1  # experts per MoE layer (1 = dense MLP)
+    top_k: int = 1  # experts each token is routed to
+    name: str = ""
+
+    @property
+    def is_bare(self) -> bool:
+        return self.cfg is None
+
+    def mlp_weights(self) -> int:
+        """Parameters of one dense MLP (one expert): 3 matrices for SwiGLU, 2 for GELU, plus biases."""
+        c = self.cfg
+        mats = 3 if c.arch == "llama" else 2
+        bias = ((mats - 1) * c.ffn_dim + c.d_model) if c.use_bias else 0
+        return mats * c.d_model * c.ffn_dim + bias
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    @cached_property
+    def _counts(self) -> dict[str, int]:
+        """`count_params` of the dense config, with the MLP replaced by `num_experts` experts and a
+        router (d x E) per layer for MoE shapes. `matmul` counts the weights one token multiplies
+        (top_k experts), which is what the PaLM FLOP formula wants."""
+        if self.is_bare:
+            n = self.bare_params
+            return {"total": n, "embedding": 0, "matmul": n, "per_block": 0, "expert": 0}
+        base = dict(count_params(self.cfg))
+        base["expert"] = 0
+        if self.num_experts > 1:
+            L, d, mlp = self.cfg.n_layers, self.cfg.d_model, self.mlp_weights()
+            router = d * self.num_experts
+            base["total"] += L * ((self.num_experts - 1) * mlp + router)
+            base["matmul"] += L * ((self.top_k - 1) * mlp + router)
+            base["per_block"] += (self.num_experts - 1) * mlp + router
+            base["expert"] = L * self.num_experts * mlp
+        return base
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return self._shapes
+
+    @cached_property
+    def _shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter tensor of our Transformer in `named_parameters()` order,
+        nn.Linear weights as (out, in). ZeRO's bucketing and per-tensor optimizer state follow it.
+        MoE shapes repeat the MLP per expert and add a router (d -> E)."""
+        if self.is_bare:
+            return []
+        c = self.cfg
+        d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+        norm = [("weight", (d,))] + ([("bias", (d,))] if c.arch == "gpt2" and c.use_bias else [])
+
+        def linear(name, out, inp):
+            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if c.use_bias else [])
+
+        mlp_names = [("w1", ff, d), ("w3", ff, d), ("w2", d, ff)] if c.arch == "llama" else [("w1", ff, d), ("w2", d, ff)]
+        mlp = [t for n, o, i in mlp_names for t in linear(n, o, i)]
+        if self.num_experts > 1:
+            mlp = [(f"router.{n}", s) for n, s in [("weight", (self.num_experts, d))]] + \
+                [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp]
+        block = ([(f"attention_norm.{n}", s) for n, s in norm]
+                 + [(f"attention.{n}", s) for m, o, i in (("wq", q, d), ("wk", kv, d), ("wv", kv, d), ("wo", d, q))
+                    for n, s in linear(m, o, i)]
+                 + [(f"ffn_norm.{n}", s) for n, s in norm] + [(f"feed_forward.{n}", s) for n, s in mlp])
+        out = [("tok_embeddings.weight", (c.vocab_size, d))]
+        if c.arch == "gpt2":
+            out.append(("pos_embeddings.weight", (c.seq_len, d)))
+        out += [(f"layers.{i}.{n}", s) for i in range(c.n_layers) for n, s in block]
+        out += [(f"norm.{n}", s) for n, s in norm]
+        if not c.tie_embeddings:
+            out.append(("output.weight", (c.vocab_size, d)))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run a step. Degrees multiply to the GPU count: dp * tp * pp * ep."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0  # 0-3 (Rajbhandari et al. 2020: 1 = P_os, 2 = P_os+g, 3 = P_os+g+p)
+    micro_batch: int = 1  # sequences per forward/backward on one rank
+    num_microbatches: int = 1  # micro-batches per optimizer step on one rank (accumulation or pipeline)
+    recompute: str = "none"  # none | selective | sqrt | every-k | full (memory/recompute.py)
+    recompute_every: int = 2
+    offload: str = "none"  # none | optimizer | params
+    sequence_parallel: bool = False
+    schedule: str = "one_f_one_b"  # gpipe | one_f_one_b | interleaved_1f1b
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.ep
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def with_(self, **kw) -> "Layout":
+        return replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of each kind of tensor, as our code makes them (memory/precision.py,
+    optim/engine.py, Config.use_master_weights)."""
+
+    param: int  # model parameters: 2 with fp32 master copies elsewhere, else 4
+    grad: int  # gradients as held between backward and the step (the params' dtype)
+    compute: int  # matmul outputs: 2 under bf16/fp16 autocast, 4 in fp32
+    master: int  # fp32 master copy per param in the optimizer (0 without masters)
+    autocast_copies: bool  # fp32 params under autocast: each linear casts its weight and input
+
+
+def widths(precision: str, master_weights: bool) -> Widths:
+    low = precision != "fp32"
+    if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
+        k = 2 if low else 4
+        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False)
+    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """The run-level settings the planner reads from a Config (units in the names)."""
+
+    precision: str = "bf16"
+    master_weights: bool | None = None  # None: Config's rule (fp16, or bf16 under ZeRO)
+    optimizer: str = "adamw"
+    momentum: float = 0.9  # SGD/SM3 momentum (0 = no momentum buffer)
+    global_batch: int = 32  # sequences per optimizer step
+    bucket_mb: float = 25.0
+    reduce_bytes: int = 4  # parallel.reduce_dtype width
+    dropout: float = 0.0
+
+    def uses_masters(self, zero: int, offload: str = "none") -> bool:
+        """Config.use_master_weights, plus ZeroEngine's rule: with offload the optimizer steps a
+        host copy, which is an fp32 master even in fp32 training."""
+        if zero >= 1 and offload != "none":
+            return True
+        if self.master_weights is not None:
+            return self.master_weights
+        return self.precision == "fp16" or (self.precision == "bf16" and zero >= 1)
+
+    def widths(self, zero: int, offload: str = "none") -> Widths:
+        return widths(self.precision, self.uses_masters(zero, offload))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+

@@ -1,0 +1,208 @@
+"""Peak GPU memory of one rank, broken down as the ZeRO paper does (sec. 3): model states
+(params, grads, optimizer) and residual states (activations, temporary buffers, fragmentation).
+
+The peak is the largest of a few moments of a step, each the sum of what is alive then:
+- forward end / loss backward: every saved activation, plus the (B*T, V) logits and their fp32
+  copy (lm_loss upcasts), or the two fp32 (B*T, V) gradients the loss backward makes;
+- first block's backward: the loss tensors are gone, the head's gradient exists, and one block's
+  activation gradients (and a recomputed segment) are in flight;
+- end of backward: gradients of every parameter, little activation left;
+- optimizer step: params + grads + optimizer state, plus fp32 gradient copies for master weights.
+A single-micro-batch LocalEngine allocates gradients while backward frees activations, so grads and
+activations are never both whole; every other engine keeps grads (or their buckets) all along.
+Model states come from states.py, saved tensors from activations.py. Nothing is alive on the GPU
+outside torch's allocator but the CUDA context; `allowance` adds it and fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
+from teratrain.planner import activations as act
+from teratrain.planner.hardware import GPU, GPUS
+from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
+from teratrain.planner.states import model_states, stage_params, zero_summary
+
+GIB = 2**30
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per rank. params/grads/optimizer/activations/buffers are what each kind holds at its
+    largest; `at_peak` is what is alive at the peak moment (`phase`), which sums to
+    `peak_allocated`; `total` = peak_allocated + allowance is what must fit in the GPU."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    allowance: int
+    total: int
+    peak_allocated: int
+    host: int
+    phase: str
+    at_peak: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)  # total allocated at each candidate moment
+    terms: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def in_flight(lay: Layout) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once: GPipe keeps all m
+    (Huang et al. 2019); 1F1B at most p (Narayanan et al. 2021, PipeDream-flush); interleaved 1F1B
+    p * (1 + (p-1)/(p*v)) stage-equivalents (Korthikanti et al. 2022, sec. 4.2.3)."""
+    m, p, v = lay.num_microbatches, lay.pp, lay.virtual_stages
+    if p == 1:
+        return 1
+    if lay.schedule == "gpipe":
+        return m
+    if lay.schedule == "interleaved_1f1b":
+        return min(m, p + (p - 1) / v)
+    return min(m, p)
+
+
+def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict[str, int]:
+    """Saved bytes per micro-batch of the first and last stage, by kind."""
+    w = train.widths(lay.zero, lay.offload)
+    T = shape.cfg.seq_len
+    n = lay.micro_batch * T
+    kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout)
+    layers = stage_params(shape, lay)["layers"]
+    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw)
+    first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)
+    last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
+    embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
+    per_block = act.block_saved(shape, w, n, T, **kw)
+    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep)
+    head_copy = act.head_weight_copy(shape, w, lay.tp)
+    return {"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy,
+            "all_copies": layers * copies_block + head_copy,
+            "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
+            "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
+            "recompute": act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw),
+            **{f"block.{k}": v for k, v in per_block.items()}}
+
+
+def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
+    """Activation gradients in flight inside one block's backward: the MLP's (B*T, d_ff) gradients
+    (SwiGLU: the product's, then silu-out's and w3x's, then w1x's; GELU: two), in the compute
+    dtype, plus the fp32 residual-stream gradient and its copy."""
+    c, w = shape.cfg, train.widths(lay.zero, lay.offload)
+    n = lay.micro_batch * c.seq_len
+    k = shape.top_k if shape.num_experts > 1 else 1
+    mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // lay.tp
+    return mlp + 2 * n * c.d_model * 4 // (lay.tp if lay.sequence_parallel else 1)
+
+
+def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -> dict[str, int]:
+    """Buffers of the engine that runs this layout (parallel/data.py, zero.py as of this writing):
+    `gathered` all through forward and backward (ZeRO-3: the block in use, the prefetched one, the
+    root group), `during` backward (flat reduce buffers in flight, gradients waiting for their group
+    to complete), at the `end` of backward (the last, largest group) and `pending` until step()."""
+    w = train.widths(lay.zero, lay.offload)
+    red, k, dp = train.reduce_bytes, w.param, lay.dp
+    local = st["local_params"]
+    out = {"gathered": 0, "during": 0, "end": 0, "pending": 0}
+    if lay.zero == 0:  # buckets cast to the reduce dtype at the last micro-step, a few in flight at once
+        if dp > 1 and red != w.grad:
+            bucket = max(1, int(train.bucket_mb * 2**20) // w.grad)
+            out["end"] = min(MAX_INFLIGHT_REDUCES + 1, ceil_div(local, bucket)) * min(bucket, local) * red
+        return out
+    z = zero_summary(shape, train, lay, local)
+    if lay.zero == 1:  # full grads stay local; their cast copies are reduced a few groups at a time
+        if dp > 1 and red != k:
+            out["end"] = min(MAX_INFLIGHT_REDUCES + 1, z["groups"]) * z["typical"] * red
+        return out
+    # dp > 1: each completed group is flattened into a new reduce-dtype buffer, at most 3 in flight;
+    # after the first micro-step the result lands in a shard-sized temporary. dp = 1 copies in place.
+    flight = min(MAX_INFLIGHT_REDUCES + 1, z["groups"]) if dp > 1 else 0
+    temp = red // dp if lay.num_microbatches > 1 else 0
+    group = z["typical"] if lay.zero == 2 else z["block"]  # stage 2: bucket-sized groups; 3: blocks
+    tied = shape.cfg.vocab_size * shape.cfg.d_model if shape.cfg is not None and shape.cfg.tie_embeddings else 0
+    if lay.zero == 2:  # a tied embedding's gradient exists from the head's backward to the end
+        out["during"] = flight * group * (red + temp) + group * k + tied * k
+        out["end"] = z["biggest"] * (k + (red + temp if dp > 1 else 0)) + max(0, flight - 1) * group * red
+        return out
+    root = z["root"]
+    out["gathered"] = (min(2, z["blocks"]) * group + root) * k  # current + prefetched block, root group
+    out["during"] = flight * group * (red + temp) + group * k + root * k  # the root's grads live all backward
+    out["end"] = root * (k + (red + temp if dp > 1 else 0)) + max(0, flight - 1) * group * red
+    return out
+
+
+def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
+    """What is alive at each candidate peak moment, by kind."""
+    w = train.widths(lay.zero, lay.offload)
+    c = shape.cfg
+    n = lay.micro_batch * c.seq_len
+    V = c.vocab_size
+    k_inflight = in_flight(lay)
+    progressive = lay.zero == 0 and lay.dp == 1 and lay.pp == 1 and lay.num_microbatches == 1
+    grads_held = st["gpu_grads"]
+    base = {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
+            "grads": 0 if progressive else grads_held}
+    module = act.rope_tables(shape) + eng["gathered"]
+    # pipeline: the first stage holds k micro-batches, the last one (and the loss); take the worse
+    S = int(max(k_inflight * (saved["blocks"] + saved["first"]), saved["blocks"] + saved["last"]))
+    copies = int(k_inflight * saved["copies"])
+    # autocast caches every weight cast until the forward's autocast context exits, even under
+    # checkpointing (the recomputed segments cast again in backward)
+    fwd_copies = saved["all_copies"] + int((k_inflight - 1) * saved["copies"])
+    loss_fwd = n * V * w.compute // lay.tp + (n * V * 4 // lay.tp if w.compute != 4 else 0)
+    loss_bwd = 2 * n * V * 4 // lay.tp  # fp32 grads of log_softmax's output and input
+    head_grad = V * c.d_model * w.grad // lay.tp if progressive else 0
+    T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
+    return {
+        "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
+        "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd + eng["during"]},
+        "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - saved["log_softmax"],
+                                 "buffers": module + copies + T_layer + eng["during"]},
+        "end of backward": {**base, "grads": grads_held, "activations": saved["embed_side"] + saved["per_block"],
+                            "buffers": module + T_layer + eng["end"] + eng["pending"]},
+        "optimizer step": {**base, "grads": grads_held, "activations": 0,
+                           "buffers": act.rope_tables(shape) + eng["pending"] + _step_temporaries(train, lay, st)},
+    }
+
+
+def _step_temporaries(train: Training, lay: Layout, st: dict) -> int:
+    """LocalEngine/DataParallelEngine with masters: fp32 copies of every gradient for the step
+    (optim/engine.py:_fp32_grads). ZeRO already reduces into fp32 shards."""
+    w = train.widths(lay.zero, lay.offload)
+    if lay.zero == 0 and w.master:
+        local = st["local_params"]
+        return local * 4 - (local * w.grad if lay.dp == 1 else 0)  # LocalEngine frees the low-precision grads
+    return 0
+
+
+def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None = None,
+                device: str = "cuda") -> MemoryBreakdown:
+    """Per-rank memory of `lay` (worst pipeline stage), peak moment and allowance included."""
+    gpu = gpu or GPUS["h100"]
+    st = model_states(shape, train, lay, device)
+    eng = _engine_buffers(shape, train, lay, st)
+    if shape.is_bare:
+        phases = {"optimizer step": {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
+                                     "grads": st["gpu_grads"], "activations": 0,
+                                     "buffers": eng["pending"] + _step_temporaries(train, lay, st)}}
+        saved = {}
+    else:
+        saved = _saved(shape, train, lay, device)
+        phases = _phases(shape, train, lay, st, saved, eng)
+    phase, at_peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    peak = sum(at_peak.values())
+    allowance = int(gpu.context_gib * GIB + gpu.fragmentation * peak)
+    acts = max(p["activations"] for p in phases.values())
+    bufs = max(p["buffers"] for p in phases.values())
+    terms = {k: v for k, v in saved.items() if k.startswith("block.")}
+    terms.update({"local_params": st["local_params"], "shard_params": st["shard"],
+                  "saved_per_microbatch_first_stage": saved.get("blocks", 0) + saved.get("first", 0),
+                  "autocast_weight_copies": saved.get("copies", 0), "recompute_segment": saved.get("recompute", 0),
+                  "in_flight_microbatches": in_flight(lay), **{f"engine_{k}": v for k, v in eng.items()}})
+    return MemoryBreakdown(params=st["gpu_params"], grads=st["gpu_grads"], optimizer=st["gpu_optimizer"],
+                           activations=acts, buffers=bufs, allowance=allowance, total=peak + allowance,
+                           peak_allocated=peak, host=st["host"], phase=phase, at_peak=at_peak,
+                           phases={k: sum(v.values()) for k, v in phases.items()}, terms=terms)

@@ -1,0 +1,152 @@
+"""How `teratrain plan` shows a plan: a table whose every line says what it counts, or one JSON object."""
+
+from __future__ import annotations
+
+from teratrain.planner.hardware import GPU
+from teratrain.planner.layout import ModelShape, Training
+from teratrain.planner.memory import GIB
+from teratrain.planner.search import Candidate
+
+OPT_BYTES = {"adamw": "AdamW m + v (8 B/param)", "sgd": "SGD momentum (4 B/param)",
+             "adafactor": "Adafactor row + column sums", "sm3": "SM3 row + column accumulators"}
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:8.2f}"
+
+
+def _layout_str(lay) -> str:
+    s = f"dp={lay.dp} tp={lay.tp} pp={lay.pp} ep={lay.ep} zero={lay.zero} micro_batch={lay.micro_batch} " \
+        f"recompute={lay.recompute} offload={lay.offload}"
+    return s + (" sequence_parallel" if lay.sequence_parallel else "")
+
+
+def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> list[tuple[str, int, int, str]]:
+    """(name, held bytes, bytes at the peak, explanation) per kind."""
+    lay, m = c.layout, c.memory
+    w = train.widths(lay.zero, lay.offload)
+    local = m.terms["local_params"]
+    dp = f"1/dp of them (ZeRO-{lay.zero}, dp={lay.dp})"
+    params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
+    if lay.offload == "params":
+        params += "; the shard lives in CPU memory"
+    if lay.zero == 0:
+        grads = f"{w.grad} B/param, held from backward to the optimizer step"
+    else:
+        grads = "fp32 shard, " + dp + (f" + full {w.param}-B gradients (stage 1)" if lay.zero == 1 else "")
+    master = "fp32 master 4 B + " if w.master else ""
+    opt = f"{master}{OPT_BYTES.get(train.optimizer, train.optimizer)}" + (f", {dp}" if lay.zero else "")
+    if lay.offload != "none":
+        opt += "; in pinned CPU memory"
+    lines = [("parameters", m.params, m.at_peak.get("params", 0), params),
+             ("gradients", m.grads, m.at_peak.get("grads", 0), grads),
+             ("optimizer state", m.optimizer, m.at_peak.get("optimizer", 0), opt)]
+    if not shape.is_bare:
+        per = m.terms["saved_per_microbatch_first_stage"]
+        inflight = m.terms["in_flight_microbatches"]
+        why = {"none": "every block's saved tensors", "selective": "all but the attention core's logsumexp",
+               "full": "one input per block", "sqrt": "one input per sqrt(L)-block segment",
+               "every-k": f"one input per {lay.recompute_every}-block segment"}[lay.recompute]
+        lines.append(("activations", m.activations, m.at_peak.get("activations", 0),
+                      f"saved for backward ({why}): {per / GIB:.2f} GiB per micro-batch x {inflight:g} in flight"))
+        lines.append(("temporary buffers", m.buffers, m.at_peak.get("buffers", 0), _buffer_note(m, lay)))
+    elif m.buffers:
+        lines.append(("temporary buffers", m.buffers, m.at_peak.get("buffers", 0), "gradient reduce buckets"))
+    lines.append(("allowance", m.allowance, m.allowance,
+                  f"CUDA context {gpu.context_gib:g} GiB + {gpu.fragmentation:.0%} fragmentation"))
+    return lines
+
+
+def _buffer_note(m, lay) -> str:
+    parts = ["fp32 loss gradients (B*T x vocab)"]
+    if m.terms.get("autocast_weight_copies"):
+        parts.append("bf16 autocast weight copies")
+    if m.terms.get("recompute_segment"):
+        parts.append("one recomputed segment")
+    if m.terms.get("engine_gathered"):
+        parts.append("ZeRO-3 gathered blocks")
+    if m.terms.get("engine_during") or m.terms.get("engine_pending"):
+        parts.append("gradient reduce buffers")
+    return ", ".join(parts)
+
+
+def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> list[tuple[str, float, str]]:
+    t, lay = c.time, c.layout
+    d = shape.cfg.d_model if shape.cfg is not None else 0
+    rate = gpu.sustained_flops(train.precision, d) / 1e12 if d else 0.0
+    out = []
+    if not shape.is_bare:
+        replay = t.terms.get("recompute_flops", 0.0)
+        out.append(("compute", t.compute_s, f"{t.model_flops_per_step / 1e12:,.1f} model TFLOP (PaLM 6N + 12LHQT)"
+                    + (f" + {replay / 1e12:,.1f} recomputed" if replay else "") + f" at {rate:.0f} TFLOP/s "
+                    f"({gpu.efficiency(train.precision, d):.0%} of the {train.precision} peak at width {d})"))
+        out.append(("eager ops", t.ops_s, f"launches and elementwise kernels, {gpu.op_overhead_s * 1e6:.1f} us per op"))
+    if t.optimizer_s:
+        out.append(("optimizer step", t.optimizer_s, f"fused AdamW sweep at {gpu.hbm_gbps * gpu.mem_efficiency:.0f} GB/s"))
+    if t.comm_s:
+        parts = ", ".join(f"{k[5:-2]} {v * 1e3:.1f} ms" for k, v in t.terms.items() if k.startswith("comm_") and v)
+        for key, words in (("zero_gather", "ZeRO-3 gathers"), ("param_gather", "param all-gather"),
+                           ("dp ", "gradient reduce "), ("tp ", "tensor-parallel "), ("pp ", "pipeline sends "),
+                           ("ep ", "all-to-all ")):
+            parts = parts.replace(key, words)
+        out.append(("communication", t.comm_exposed_s, f"not hidden behind compute, of {t.comm_s * 1e3:.1f} ms ({parts})"))
+    if t.bubble_s:
+        out.append(("pipeline bubble", t.bubble_s, f"(p-1)/(m+p-1) of the step, p={lay.pp}, m={lay.num_microbatches}"))
+    if t.offload_s:
+        out.append(("offload", t.offload_s, f"PCIe at {gpu.pcie_gbps:g} GB/s and the CPU optimizer "
+                    f"({gpu.host_adam_params_per_s / 1e9:g} G params/s)"))
+    return out
+
+
+def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, advice, notes) -> str:
+    lay, m, t = best.layout, best.memory, best.time
+    n = shape.counts()["total"]
+    head = f"teratrain plan: {shape.name} ({n / 1e9:.3g} B params) on {gpus} x {gpu.name.upper()} ({gpu_mem:g} GiB)"
+    if not shape.is_bare:
+        head += f", global batch {train.global_batch} x {shape.cfg.seq_len} tokens"
+    out = [head + f", {train.precision}, {train.optimizer}", "",
+           f"Chosen layout: {_layout_str(lay)}  ({lay.num_microbatches} micro-batch(es) per step)", "",
+           f"{'Memory per GPU':24}{'GiB':>8}{'at peak':>9}  what it is"]
+    for name, held, peak, why in memory_lines(shape, train, gpu, best):
+        out.append(f"  {name:22}{_gib(held)}{_gib(peak)}  {why}")
+    out.append(f"  {'total':22}{'':8}{_gib(m.total)}  must fit {gpu_mem:g} GiB; the peak falls at: {m.phase}")
+    if m.host:
+        out.append(f"  {'host (pinned CPU)':22}{_gib(m.host)}{'':9}  offloaded state, not on the GPU")
+    out += ["", f"{'Time per step':24}{'s':>8}"]
+    for name, sec, why in time_lines(shape, train, gpu, best):
+        out.append(f"  {name:22}{sec:8.4f}  {why}")
+    out.append(f"  {'step time':22}{t.step_time_s:8.4f}" + (f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}"
+                                                            if not shape.is_bare else "  (no compute: bare count)"))
+    out += ["", f"Top {min(top, len(cands))} layouts (fastest first, * = chosen; {sum(c.fits for c in cands)} of "
+            f"{len(cands)} fit):", f"    {'dp':>4}{'tp':>4}{'pp':>4}{'ep':>4}{'zero':>5}{'mb':>4} {'recompute':10}"
+            f"{'offload':10}{'GiB':>8}{'step s':>9}{'MFU':>7}"]
+    for c in [c for c in cands if c.fits][:top]:
+        L = c.layout
+        out.append(f"  {'*' if c is best else ' '} {L.dp:>4}{L.tp:>4}{L.pp:>4}{L.ep:>4}{L.zero:>5}{L.micro_batch:>4} "
+                   f"{L.recompute:10}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
+                   + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}"))
+    rejected = [c for c in cands if not c.fits]
+    if rejected:
+        out.append(f"  ({len(rejected)} layouts exceed {gpu_mem:g} GiB)")
+    if advice:
+        out += ["", f"Batch advice: LR {advice['base_lr']:g} was tuned at global batch {advice['base_batch']}; at "
+                f"{advice['global_batch']} use lr={advice['lr']:.3g} ({advice['rule']} rule; linear gives "
+                f"{advice['lr_linear']:.3g}, sqrt {advice['lr_sqrt']:.3g}) with {advice['warmup_steps']} warmup steps."]
+    out += [f"Note: {n}" for n in notes]
+    return "\n".join(out)
+
+
+def as_json(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, advice, notes) -> dict:
+    m, t = best.memory, best.time
+    return {"model": shape.name, "num_params": shape.counts()["total"], "gpus": gpus, "gpu": gpu.name,
+            "gpu_mem_gib": gpu_mem, "precision": train.precision, "optimizer_name": train.optimizer,
+            "global_batch": train.global_batch, "seq_len": None if shape.is_bare else shape.cfg.seq_len,
+            **{k: getattr(m, k) for k in ("params", "grads", "optimizer", "activations", "buffers", "allowance",
+                                          "total", "peak_allocated", "host", "phase", "at_peak", "phases")},
+            "step_time_s": None if shape.is_bare else t.step_time_s,
+            "tokens_per_s": None if shape.is_bare else t.tokens_per_s,
+            "mfu": None if shape.is_bare else t.mfu, "time": t.as_dict(), "layout": best.layout.as_dict(),
+            "candidates": [{"layout": c.layout.as_dict(), "total": c.memory.total, "fits": c.fits,
+                            "step_time_s": c.time.step_time_s, "mfu": c.time.mfu} for c in cands[:top]],
+            "num_candidates": len(cands), "num_fitting": sum(c.fits for c in cands),
+            "batch_advice": advice, "assumptions": {k: v for k, v in gpu.__dict__.items()}, "notes": notes}

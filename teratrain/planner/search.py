@@ -1,0 +1,162 @@
+"""Pick a layout: enumerate the degrees the user left unset, drop what does not fit, rank by time.
+
+Search space (each dimension only where the user did not fix it):
+- dp x tp x pp x ep = GPUs; tp within a node and dividing the query and key/value heads and d_ff
+  (Megatron-LM's split); pp dividing the layers; ep dividing the experts (1 for dense models);
+- ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
+- micro-batch (a divisor of the per-replica batch, up to 64 sequences) and recomputation policy;
+- sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.).
+A layout fits when its predicted total (peak + allowance) is at most the GPU memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from teratrain.planner.hardware import GPU
+from teratrain.planner.layout import Layout, ModelShape, Training
+from teratrain.planner.memory import GIB, MemoryBreakdown, plan_memory
+from teratrain.planner.states import PlanError, check_layout
+from teratrain.planner.time import TimeBreakdown, plan_time
+
+SEARCHED = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute")
+RECOMPUTE_SEARCHED = ("none", "selective", "sqrt", "full")
+MAX_MICRO_BATCH = 64
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    fits: bool
+
+    def sort_key(self) -> tuple:
+        # fastest first (to 0.1%); among equals, less communication, then less memory
+        return (not self.fits, float(f"{self.time.step_time_s:.3g}"), self.time.comm_s, self.memory.total)
+
+
+def evaluate(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, gpu_mem_gib: float | None = None) -> Candidate:
+    mem = plan_memory(shape, train, lay, gpu)
+    tim = plan_time(shape, train, lay, gpu, mem)
+    cap = (gpu_mem_gib if gpu_mem_gib is not None else gpu.memory_gib) * GIB
+    return Candidate(lay, mem, tim, mem.total <= cap)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[int, int, int, int]]:
+    """(dp, tp, pp, ep) with dp*tp*pp*ep = gpus that the model's shape allows."""
+    c = shape.cfg
+    out = []
+    for tp in [fixed["tp"]] if "tp" in fixed else _divisors(min(gpus, gpu.gpus_per_node)):
+        if c is not None and (c.n_heads % tp or c.kv_heads % tp or c.ffn_dim % tp):
+            continue
+        for pp in [fixed["pp"]] if "pp" in fixed else _divisors(gpus // tp if gpus % tp == 0 else 1):
+            if c is not None and c.n_layers % pp and "pp" not in fixed:
+                continue
+            if shape.is_bare and (tp > 1 or pp > 1) and not ("tp" in fixed or "pp" in fixed):
+                continue  # a bare count has no layers to split: data parallel + ZeRO only
+            eps = [fixed["ep"]] if "ep" in fixed else [e for e in _divisors(shape.num_experts)]
+            for ep in eps:
+                rest = tp * pp * ep
+                if gpus % rest:
+                    continue
+                dp = gpus // rest
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                out.append((dp, tp, pp, ep))
+    return out
+
+
+def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict):
+    """Every layout of the search space consistent with `fixed` (a dict of Layout fields)."""
+    for dp, tp, pp, ep in _degrees(shape, gpus, gpu, fixed):
+        per_replica = train.global_batch // dp
+        if per_replica == 0 or train.global_batch % dp:
+            continue
+        mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else \
+            [1] if shape.is_bare else [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
+        offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "params"]
+        recomputes = [fixed["recompute"]] if "recompute" in fixed else \
+            (["none"] if shape.is_bare else list(RECOMPUTE_SEARCHED))
+        for zero in zeros:
+            for offload in offloads:
+                if dp == 1 and zero and offload == "none" and "zero" not in fixed:
+                    continue  # one replica: a ZeRO engine only helps to offload
+                for mb in mbs:
+                    if per_replica % mb:
+                        continue
+                    for rc in recomputes:
+                        base = {k: v for k, v in fixed.items() if k in Layout.__dataclass_fields__}
+                        base.update(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, offload=offload, micro_batch=mb,
+                                    recompute=rc, num_microbatches=per_replica // mb,
+                                    sequence_parallel=fixed.get("sequence_parallel", tp > 1))
+                        lay = Layout(**base)
+                        try:
+                            check_layout(shape, train, lay)
+                        except PlanError:
+                            continue
+                        yield lay
+
+
+def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
+           gpu_mem_gib: float | None = None) -> list[Candidate]:
+    """Every candidate layout, fitting ones first, each group fastest first."""
+    cands = [evaluate(shape, train, lay, gpu, gpu_mem_gib) for lay in layouts(shape, train, gpus, gpu, fixed)]
+    if not cands:
+        raise PlanError(_why_empty(shape, train, gpus, fixed))
+    return sorted(cands, key=Candidate.sort_key)
+
+
+def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict) -> str:
+    """One sentence naming the key that rules every layout out, and the fix."""
+    c = shape.cfg
+    tp = fixed.get("tp")
+    if c is not None and tp and (c.n_heads % tp or c.kv_heads % tp or c.ffn_dim % tp):
+        ok = [d for d in _divisors(min(gpus, 64)) if not (c.n_heads % d or c.kv_heads % d or c.ffn_dim % d)]
+        return (f"parallel.tp={tp} must divide model.n_heads ({c.n_heads}), model.n_kv_heads ({c.kv_heads}) and "
+                f"the MLP width ({c.ffn_dim}); set parallel.tp to one of {', '.join(map(str, ok))}.")
+    prod = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp", "ep"))
+    if gpus % prod or ("dp" in fixed and prod != gpus):
+        return (f"the fixed degrees multiply to {prod}, which does not {'equal' if 'dp' in fixed else 'divide'} "
+                f"--gpus {gpus}; change --gpus or the parallel.* degrees.")
+    fx = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in SEARCHED)
+    return (f"no layout of {gpus} GPU(s) satisfies the fixed settings ({fx or 'none'}) with "
+            f"train.global_batch={train.global_batch}; make the degrees multiply to --gpus and divide "
+            "the global batch, or unset some of them.")
+
+
+def smallest_gpu_count(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
+                       gpu_mem_gib: float, limit: int = 4096) -> int | None:
+    """The fewest GPUs (doubling from `gpus`) at which some layout fits, or None up to `limit`."""
+    n = gpus * 2
+    free = {k: v for k, v in fixed.items() if k not in ("dp",)}
+    while n <= limit:
+        batch = max(train.global_batch, n)  # a data-parallel rank needs at least one sequence
+        t = Training(**{**train.__dict__, "global_batch": batch})
+        try:
+            if any(c.fits for c in search(shape, t, n, gpu, free, gpu_mem_gib)):
+                return n
+        except PlanError:
+            pass
+        n *= 2
+    return None
+
+
+def batch_advice(lr: float, rule: str, base_batch: int | None, global_batch: int, warmup: int) -> dict | None:
+    """LR and warmup for a global batch other than the one the LR was tuned at (optim/lr.py)."""
+    from teratrain.optim.lr import scaled_lr, suggested_warmup
+
+    if base_batch is None or base_batch == global_batch:
+        return None
+    rules = {r: scaled_lr(lr, r, base_batch, global_batch) for r in ("linear", "sqrt")}
+    return {"base_batch": base_batch, "global_batch": global_batch, "base_lr": lr, "rule": rule,
+            "lr_linear": rules["linear"], "lr_sqrt": rules["sqrt"],
+            "lr": rules.get(rule, rules["sqrt"]),
+            "warmup_steps": suggested_warmup(global_batch, base_batch, warmup),
+            "ratio": global_batch / base_batch, "log2_ratio": math.log2(global_batch / base_batch)}

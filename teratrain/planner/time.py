@@ -1,0 +1,198 @@
+"""Time per optimizer step of one rank, and what it implies (tokens/s, MFU).
+
+Terms, each with its source or assumption:
+- compute: model FLOPs (PaLM appendix B: 6N + 12*L*H*Q*T per token, N the matmul weights a token
+  multiplies), plus one more forward of what recomputation replays (Chen et al. 2016; selective
+  recomputation replays only the attention core, 4*L*H*Q*T per token), at the datasheet peak times
+  a sustained efficiency that grows with the width d, calibrated on the H200 (hardware.EFFICIENCY).
+- eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
+  matmuls, some HBM time; a calibrated cost per op (ops counted from our Block). This is what makes
+  small models slower than their FLOPs say.
+- optimizer: the fused AdamW sweep streams params, grads and states: ~40 bytes/param (+12 with fp32
+  masters) at hbm_gbps x mem efficiency.
+- communication, alpha-beta per collective (ring algorithms, Thakur et al. 2005): all-reduce moves
+  2(n-1)/n of the bytes, reduce-scatter and all-gather (n-1)/n, over NVLink when the group fits in
+  a node, else over the inter-node link. Data-parallel reductions overlap the backward of the last
+  micro-batch (bucketed, Li et al. 2020); ZeRO-3 gathers overlap compute (prefetch); tensor-parallel
+  all-reduces (Megatron-LM: 2 forward + 2 backward per layer) and pipeline sends are exposed.
+- pipeline bubble: (p-1)/(m+p-1) of the step for GPipe and 1F1B (Huang et al. 2019), (p-1)/(v*m+p-1)
+  interleaved (Narayanan et al. 2021). The pipeline issue will replace this with its simulator.
+- offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
+  updated fp32 masters up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from teratrain.models.transformer import count_params, flops_per_token
+from teratrain.planner.hardware import GPU
+from teratrain.planner.layout import Layout, ModelShape, Training
+from teratrain.planner.memory import MemoryBreakdown
+from teratrain.planner.states import stage_params
+
+# aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
+# over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
+# input: more ops); low-precision params (fp32 masters in the optimizer). Priced by
+# hardware.GPU.op_overhead_s, which was calibrated with these counts.
+OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (84, 145), ("llama", "low"): (78, 137),
+                 ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (55, 111), ("gpt2", "low"): (39, 93)}
+OPS_OUTSIDE = 60
+OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 8  # fused AdamW: read p, g, m, v, write p, m, v (fp32); norm; clip
+
+
+@dataclass
+class TimeBreakdown:
+    compute_s: float
+    ops_s: float
+    optimizer_s: float
+    comm_s: float
+    comm_exposed_s: float
+    bubble_s: float
+    offload_s: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    model_flops_per_step: float  # per rank, without recomputation
+    terms: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _collective(kind: str, n: int, nbytes: float, gbps: float, alpha: float, messages: int = 1) -> float:
+    """Ring alpha-beta time of one collective over n ranks moving `nbytes` per rank."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    frac = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+            "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
+    steps = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(kind, n - 1)
+    return messages * steps * alpha + frac * nbytes / (gbps * 1e9)
+
+
+def _link(gpu: GPU, span: int) -> tuple[float, float]:
+    """(GB/s, alpha) for a group whose ranks spread over `span` consecutive GPUs."""
+    if span <= gpu.gpus_per_node:
+        return gpu.nvlink_gbps, gpu.alpha_intra_s
+    return gpu.inter_node_gbps, gpu.alpha_inter_s
+
+
+def model_flops(shape: ModelShape, tokens: float) -> float:
+    """PaLM FLOPs for `tokens` tokens (no recomputation); MoE counts the top_k experts a token visits."""
+    extra = 6 * (shape.counts()["matmul"] - count_params(shape.cfg)["matmul"])  # experts beyond the dense MLP
+    return (flops_per_token(shape.cfg) + extra) * tokens
+
+
+def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
+    """The extra forward recomputation adds: the blocks (2N_blocks + 4LHQT per token), or only the
+    attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5)."""
+    c = shape.cfg
+    attn = 4 * c.n_layers * c.n_heads * c.head_dim * c.seq_len
+    if lay.recompute == "none":
+        return 0.0
+    if lay.recompute == "selective":
+        return attn * tokens
+    blocks = shape.counts()["matmul"] - c.vocab_size * c.d_model
+    return (2 * blocks + attn) * tokens
+
+
+def _comm(shape, train, lay, gpu, w) -> dict[str, float]:
+    """Seconds per step of each communication term (before overlap)."""
+    c = shape.cfg
+    local = stage_params(shape, lay)["first"]
+    m = lay.num_microbatches
+    dp_bw, dp_a = _link(gpu, lay.dp * lay.tp * lay.ep)
+    red = train.reduce_bytes
+    buckets = max(1, int(local * red / (train.bucket_mb * 2**20)))
+    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
+    if lay.zero == 0:
+        out["dp"] = _collective("all_reduce", lay.dp, local * red, dp_bw, dp_a, buckets)
+    else:  # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume)
+        rs = _collective("reduce_scatter", lay.dp, local * red, dp_bw, dp_a, buckets)
+        ag = _collective("all_gather", lay.dp, local * w.param, dp_bw, dp_a, buckets)
+        out["dp"] = rs * (1 if lay.zero == 1 else m)
+        if lay.zero < 3:
+            out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
+        else:
+            out["zero_gather"] = 2 * m * ag  # each block before its forward and again before its backward
+    if shape.is_bare:
+        return out
+    n = lay.micro_batch * c.seq_len
+    act = n * c.d_model * w.compute
+    tp_bw, tp_a = _link(gpu, lay.tp)
+    layers = stage_params(shape, lay)["layers"]
+    out["tp"] = m * layers * 4 * _collective("all_reduce", lay.tp, act, tp_bw, tp_a)
+    pp_bw, pp_a = _link(gpu, 2 * lay.dp * lay.ep * lay.tp)  # pp is the outermost mesh axis: neighbours are this far
+    if lay.pp > 1:
+        out["pp"] = 2 * (m + lay.pp - 1) * _collective("p2p", 2, act, pp_bw, pp_a)
+    if shape.num_experts > 1:
+        ep_bw, ep_a = _link(gpu, lay.ep * lay.tp)
+        out["ep"] = m * layers * 4 * _collective("all_to_all", lay.ep, act * shape.top_k, ep_bw, ep_a)
+    return out
+
+
+def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
+    """Ops one rank issues per step: every block's forward and backward per micro-batch, the
+    forward again when a segment is recomputed, the embedding/head/loss, and the optimizer step's
+    per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
+    w = train.widths(lay.zero, lay.offload)
+    mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
+    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    replay = fwd if lay.recompute in ("full", "sqrt", "every-k") else 0
+    layers = stage_params(shape, lay)["layers"]
+    tensors = len(shape.param_shapes()) // lay.pp
+    return (layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors
+
+
+def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
+    """ZeroEngine with offload: fp32 gradient shards down to pinned host memory, the CPU optimizer,
+    the fp32 masters back up. The engine copies one group ahead of the CPU step, but on the H200
+    host the three ran one after another (bench/planner_validate.py), so they add up."""
+    if lay.offload == "none":
+        return 0.0
+    pcie = gpu.pcie_gbps * 1e9
+    return shard * 4 / pcie + shard / gpu.host_adam_params_per_s + shard * 4 / pcie
+
+
+def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:
+    """Predicted time of one optimizer step of train.global_batch sequences under `lay`."""
+    w = train.widths(lay.zero, lay.offload)
+    shard = mem.terms["shard_params"]  # the parameters this rank's optimizer steps
+    hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
+    opt_s = 0.0 if lay.offload != "none" else shard * (OPTIMIZER_BYTES_PER_PARAM + (12 if w.master else 0)) / hbm
+    offload_s = _offload_s(train, lay, gpu, shard)
+    comm = _comm(shape, train, lay, gpu, w) if lay.gpus > 1 else {}
+    if shape.is_bare:  # no shape, no FLOPs: only the model-state traffic can be timed
+        c_s = sum(comm.values())
+        return TimeBreakdown(0.0, 0.0, opt_s, c_s, c_s, 0.0, offload_s, opt_s + offload_s + c_s, 0.0, 0.0, 0.0,
+                             {"note": "bare parameter count: no compute term"})
+    c = shape.cfg
+    tokens = lay.micro_batch * c.seq_len * lay.num_microbatches  # per data-parallel replica
+    flops = model_flops(shape, tokens) / (lay.tp * lay.pp)
+    replay = recompute_flops(shape, lay, tokens) / (lay.tp * lay.pp)
+    compute_s = (flops + replay) / gpu.sustained_flops(train.precision, c.d_model)
+    ops_s = eager_ops(shape, train, lay) * gpu.op_overhead_s
+    busy = compute_s + ops_s
+    if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather
+        comm["zero_gather"] = comm.get("zero_gather", 0.0) + 2 * lay.num_microbatches * shard * w.param / (gpu.pcie_gbps * 1e9)
+    # Bucketed gradient reduces hide behind the last micro-batch's backward, ZeRO-3 gathers behind
+    # all compute; both share the data-parallel links, so together they cannot hide more than `busy`.
+    dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
+    exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
+    exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
+    bubble_frac = _bubble(lay)
+    bubble_s = (busy + exposed) * bubble_frac / (1 - bubble_frac)
+    step = busy + exposed + bubble_s + opt_s + offload_s
+    global_tokens = train.global_batch * c.seq_len
+    mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
+    return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
+                         global_tokens / step, mfu, flops,
+                         {"recompute_flops": replay, **{f"comm_{k}_s": v for k, v in comm.items()}})
+
+
+def _bubble(lay: Layout) -> float:
+    p, m = lay.pp, lay.num_microbatches
+    if p == 1:
+        return 0.0
+    v = lay.virtual_stages if lay.schedule == "interleaved_1f1b" else 1
+    return (p - 1) / (v * m + p - 1)

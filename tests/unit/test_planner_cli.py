@@ -1,0 +1,107 @@
+"""`teratrain plan` through teratrain.cli.main: the --json schema, inputs (preset, TOML, --params, HF
+config.json), fixed degrees, the plot, and one-sentence exit-2 errors."""
+
+import json
+
+import pytest
+
+from teratrain.cli import main
+
+GIB = 2**30
+KEYS = {"params", "grads", "optimizer", "activations", "buffers", "total", "num_params", "step_time_s", "mfu",
+        "layout", "host", "candidates", "allowance", "peak_allocated", "phase", "tokens_per_s"}
+LAYOUT_KEYS = {"dp", "tp", "pp", "ep", "zero", "micro_batch", "recompute", "offload", "num_microbatches"}
+
+
+def plan(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def plan_json(capsys, *argv) -> dict:
+    rc, out, err = plan(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_json_schema_and_fit(capsys):
+    d = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu-mem", "40")
+    assert KEYS <= d.keys() and LAYOUT_KEYS <= d["layout"].keys()
+    assert d["total"] <= 40 * GIB and d["num_params"] > 1.2e8
+    assert d["layout"]["dp"] * d["layout"]["tp"] * d["layout"]["pp"] * d["layout"]["ep"] == 2
+    assert 0 < d["mfu"] < 1 and d["step_time_s"] > 0
+    assert sum(d["at_peak"].values()) == d["peak_allocated"]
+    assert d["candidates"][0]["layout"] == d["layout"]
+
+
+def test_text_table_explains_each_line(capsys):
+    rc, out, _ = plan(capsys, "--model", "gpt2-124m", "--gpus", "2")
+    assert rc == 0
+    for line in ("Chosen layout", "parameters", "gradients", "optimizer state", "activations",
+                 "temporary buffers", "allowance", "compute", "step time", "MFU", "Top"):
+        assert line in out
+
+
+def test_degrees_set_by_the_user_are_kept(capsys, tmp_path):
+    d = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "4", "--set", "parallel.zero=2",
+                  "--set", "memory.recompute=full")
+    assert d["layout"]["zero"] == 2 and d["layout"]["recompute"] == "full"
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\npreset = "gpt2-124m"\n[parallel]\ntp = 2\n[train]\nmicro_batch = 4\n')
+    d = plan_json(capsys, str(toml), "--gpus", "4")
+    assert d["layout"]["tp"] == 2 and d["layout"]["micro_batch"] == 4
+
+
+def test_bare_parameter_count_plans_model_states_only(capsys):
+    d = plan_json(capsys, "--params", "1.5e9")
+    assert d["num_params"] == 1_500_000_000 and d["activations"] == 0
+    assert d["params"] + d["grads"] + d["optimizer"] == 24 * 10**9  # 16 bytes/param (seed 003)
+    assert d["step_time_s"] is None
+
+
+def test_hf_config_json_llama_gpt2_and_mixtral(capsys, tmp_path):
+    llama = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "intermediate_size": 1536, "vocab_size": 32000,
+             "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    mixtral = {**llama, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+    gpt2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 256}
+    sizes = {}
+    for name, hf in (("llama", llama), ("mixtral", mixtral), ("gpt2", gpt2)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(hf))
+        d = plan_json(capsys, str(path), "--set", "model.seq_len=512")
+        sizes[name] = d["num_params"]
+        assert d["seq_len"] == (512 if name != "gpt2" else 512)
+    mlp = 3 * 512 * 1536
+    assert sizes["mixtral"] - sizes["llama"] == 4 * (7 * mlp + 512 * 8)  # 7 more experts + a router per layer
+    d = plan_json(capsys, str(tmp_path / "llama.json"))
+    assert d["seq_len"] == 8192 and any("seq_len" in n for n in d["notes"])  # long contexts are capped, said
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    png = tmp_path / "mem.png"
+    rc, out, _ = plan(capsys, "--model", "gpt2-124m", "--plot", str(png))
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_advice(capsys):
+    d = plan_json(capsys, "--model", "gpt2-124m", "--set", "optim.base_batch=8", "--set", "train.global_batch=32")
+    adv = d["batch_advice"]
+    assert adv["rule"] == "sqrt" and adv["lr"] == pytest.approx(2 * adv["base_lr"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "gpt3"], "model.preset"),
+    (["--model", "gpt2-124m", "--gpus", "0"], "--gpus"),
+    (["--model", "gpt2-124m", "--hw", "warp_speed=9"], "--hw"),
+    (["--model", "gpt2-124m", "--gpus", "8", "--set", "parallel.tp=3"], "does not divide --gpus 8"),
+    (["--model", "gpt2-1.5b", "--gpus", "8", "--set", "parallel.tp=2"], "model.n_heads (25)"),
+    (["--model", "llama-70b", "--gpus", "1", "--gpu-mem", "80"], "--gpus"),
+    (["--params", "-5"], "--params"),
+])
+def test_bad_input_exits_2_with_one_sentence(capsys, argv, words):
+    rc, out, err = plan(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("teratrain: error: ") and err.count("\n") == 1 and words in err
+    assert "Traceback" not in err

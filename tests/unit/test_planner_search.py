@@ -1,0 +1,103 @@
+"""Planner time model and layout search: the formulas' textbook values and the search's choices."""
+
+import pytest
+
+from teratrain.config import load_config
+from teratrain.planner.hardware import GPUS
+from teratrain.planner.inputs import shape_of, training_of
+from teratrain.planner.layout import Layout, ModelShape, Training
+from teratrain.planner.memory import GIB, in_flight, plan_memory
+from teratrain.planner.search import batch_advice, evaluate, search
+from teratrain.planner.time import _bubble, _collective, model_flops, recompute_flops
+
+H100 = GPUS["h100"]
+
+
+def _shape(preset: str, *sets: str):
+    cfg = load_config(None, [f"model.preset={preset}", "memory.precision=bf16", *sets])
+    return shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg)
+
+
+def test_ring_collectives_move_the_textbook_fraction():
+    gb = 1e9
+    assert _collective("all_reduce", 8, gb, 100, 0.0) == pytest.approx(2 * 7 / 8 * gb / 100e9)
+    assert _collective("reduce_scatter", 8, gb, 100, 0.0) == pytest.approx(7 / 8 * gb / 100e9)
+    assert _collective("all_gather", 4, gb, 100, 1e-5) == pytest.approx(3 / 4 * gb / 100e9 + 3 * 1e-5)
+    assert _collective("all_reduce", 1, gb, 100, 1e-5) == 0.0
+
+
+def test_pipeline_bubble_and_in_flight_microbatches():
+    assert _bubble(Layout(pp=4, num_microbatches=8)) == pytest.approx(3 / 11)  # GPipe: (p-1)/(m+p-1)
+    assert _bubble(Layout(pp=4, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)) == \
+        pytest.approx(3 / 19)
+    assert in_flight(Layout(pp=4, num_microbatches=8, schedule="gpipe")) == 8
+    assert in_flight(Layout(pp=4, num_microbatches=8)) == 4  # 1F1B holds at most p
+    assert in_flight(Layout(pp=4, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)) == 4 + 3 / 2
+
+
+def test_flops_follow_palm_and_recompute_adds_a_forward():
+    shape, _ = _shape("llama-1b")
+    c = shape.cfg
+    n_matmul = shape.counts()["matmul"]
+    per_token = 6 * n_matmul + 12 * c.n_layers * c.d_model * c.seq_len
+    assert model_flops(shape, 1) == per_token
+    blocks = n_matmul - c.vocab_size * c.d_model
+    full = recompute_flops(shape, Layout(recompute="full"), 1)
+    assert full == 2 * blocks + 4 * c.n_layers * c.d_model * c.seq_len
+    assert recompute_flops(shape, Layout(recompute="selective"), 1) == 4 * c.n_layers * c.d_model * c.seq_len
+
+
+def test_search_picks_the_fastest_layout_that_fits_and_rejects_the_rest():
+    shape, train = _shape("gpt2-774m", "train.global_batch=16")
+    cands = search(shape, train, 4, H100, {}, gpu_mem_gib=20)
+    fitting = [c for c in cands if c.fits]
+    assert fitting and any(not c.fits for c in cands)
+    assert all(c.memory.total <= 20 * GIB for c in fitting)
+    assert all(c.memory.total > 20 * GIB for c in cands if not c.fits)
+    assert cands[0] is fitting[0]
+    assert fitting[0].time.step_time_s <= min(c.time.step_time_s for c in fitting) * 1.001
+    assert all(c.layout.gpus == 4 for c in cands)
+
+
+def test_search_keeps_what_the_user_fixed():
+    shape, train = _shape("llama-1b", "train.global_batch=16")
+    cands = search(shape, train, 8, H100, {"tp": 2, "zero": 1, "recompute": "full"}, 80)
+    assert {(c.layout.tp, c.layout.zero, c.layout.recompute) for c in cands} == {(2, 1, "full")}
+    assert all(c.layout.dp * c.layout.pp == 4 for c in cands)  # pp is still searched
+
+
+def test_tensor_parallel_degree_must_divide_the_heads():
+    shape, train = _shape("gpt2-1.5b")  # 25 heads
+    assert {c.layout.tp for c in search(shape, train, 8, H100, {}, 80)} <= {1, 5}
+
+
+def test_more_gpus_take_less_time_per_step():
+    shape, train = _shape("llama-1b", "train.global_batch=32")
+    one = evaluate(shape, train, Layout(dp=1, micro_batch=2, num_microbatches=16, recompute="full"), H100)
+    eight = evaluate(shape, train, Layout(dp=8, micro_batch=2, num_microbatches=2, recompute="full"), H100)
+    assert eight.time.step_time_s < one.time.step_time_s / 4
+    assert 0 < eight.time.mfu < one.time.mfu <= 1
+
+
+def test_memory_falls_as_each_saving_is_added():
+    shape, train = _shape("llama-8b", "train.global_batch=64")
+    base = Layout(dp=8, micro_batch=1, num_microbatches=8)
+    totals = [plan_memory(shape, train, lay, H100).total for lay in
+              (base, base.with_(zero=1), base.with_(zero=2), base.with_(zero=3),
+               base.with_(zero=3, recompute="full"), base.with_(zero=3, recompute="full", offload="params"))]
+    assert totals == sorted(totals, reverse=True)
+    assert plan_memory(shape, train, base.with_(zero=3, offload="params"), H100).host > 0
+
+
+def test_bare_parameter_count_has_no_activations():
+    shape = ModelShape(cfg=None, bare_params=1_500_000_000)
+    c = evaluate(shape, Training(precision="bf16"), Layout(), H100)
+    assert c.memory.activations == 0
+    assert c.memory.params + c.memory.grads + c.memory.optimizer == 24 * 10**9
+
+
+def test_batch_advice_scales_lr_and_warmup():
+    adv = batch_advice(3e-4, "sqrt", 256, 1024, 100)
+    assert adv["lr"] == pytest.approx(6e-4) and adv["lr_linear"] == pytest.approx(1.2e-3)
+    assert adv["warmup_steps"] == 200
+    assert batch_advice(3e-4, "sqrt", None, 1024, 100) is None
