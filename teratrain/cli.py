@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"teratrain: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `teratrain plan | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("teratrain: interrupted; the last complete checkpoint is intact (resume with --resume)", file=sys.stderr)
         return 130

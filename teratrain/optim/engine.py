@@ -11,6 +11,7 @@ The training loop talks to an engine only through this interface, so data parall
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,19 @@ class StepStats:
     grad_norm: float
     skipped: bool
     loss_scale: float | None
+
+
+def weak_hook(method):
+    """A tensor hook that calls the bound `method` without keeping its object alive. Tensor hooks
+    live in C++, out of the garbage collector's sight, so a strong reference from a parameter's hook
+    to its engine (which holds the parameter) would keep both forever."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        return target(*args) if target is not None else None
+
+    return hook
 
 
 def tensor_bytes(tensors) -> int:
@@ -94,7 +108,8 @@ class LocalEngine:
         return bool(has_inf_or_nan(grads))
 
     def step(self, lr: float) -> StepStats:
-        if self.last_state_bytes is None:  # counted once, as grads are held before the update
+        first = self.last_state_bytes is None
+        if first:  # counted once, as grads are held before the update
             self.last_state_bytes = self.state_bytes()
         grads = self._fp32_grads()
         if self.scaler is not None:
@@ -110,6 +125,8 @@ class LocalEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if first:  # optimizers that create their state lazily (Adafactor) have it only now
+            self.last_state_bytes["optimizer"] = self.state_bytes()["optimizer"]
         self.zero_grad()
         if self.masters is not None:
             with torch.no_grad():

@@ -15,9 +15,9 @@ import contextlib
 import torch
 
 from teratrain.memory.precision import DTYPES
-from teratrain.optim.engine import LocalEngine
+from teratrain.optim.engine import LocalEngine, weak_hook
 from teratrain.parallel.comm import AVG, all_reduce, group_size
-from teratrain.parallel.flat import bucketize
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize
 
 
 class _Bucket:
@@ -47,7 +47,7 @@ class DataParallelEngine(LocalEngine):
                         for named in by_dtype.values() for members in bucketize(named, bucket_bytes)]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for _, p in self.named:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         self._sync, self._next, self._inflight = True, 0, []
 
     @contextlib.contextmanager
@@ -70,15 +70,22 @@ class DataParallelEngine(LocalEngine):
     def _launch(self, b: _Bucket) -> None:
         t = b.flat if b.flat.dtype == self.reduce_dtype or self.dp == 1 else b.flat.to(self.reduce_dtype)
         self._inflight.append((all_reduce(t, self.group, async_op=True, op=AVG), b, t))
+        if len(self._inflight) > MAX_INFLIGHT_REDUCES:  # bound the reduce-dtype copies alive at once
+            self._complete(self._inflight.pop(0))
+
+    @staticmethod
+    def _complete(item) -> None:
+        handle, b, t = item
+        handle.wait()
+        if t is not b.flat:
+            b.flat.copy_(t)
+        b.ready = 0
 
     def _finish_reduction(self) -> None:
         for b in self.buckets[self._next:]:  # buckets whose grads never all arrived (unused params)
             self._launch(b)
-        for handle, b, t in self._inflight:
-            handle.wait()
-            if t is not b.flat:
-                b.flat.copy_(t)
-            b.ready = 0
+        for item in self._inflight:
+            self._complete(item)
         self._next, self._inflight = 0, []
 
     def step(self, lr: float):

@@ -15,6 +15,11 @@ import torch
 from torch import nn
 
 
+# Flat buffers whose collective is still running, per engine: launching another first waits for the
+# oldest. This bounds the transient memory (e.g. fp32 reduce copies of bf16 grads) to a few buckets.
+MAX_INFLIGHT_REDUCES = 2
+
+
 @dataclass
 class Piece:
     """The part of parameter `index` that falls in this rank's shard."""

@@ -23,9 +23,8 @@ import torch
 
 from teratrain.optim.engine import LocalEngine, StepStats
 from teratrain.parallel.comm import all_reduce, group_size
-from teratrain.parallel.flat import bucketize
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize
 
-MAX_INFLIGHT = 2  # flat bucket copies alive at once while averaging (bounds the extra memory)
 
 
 class LocalSGDEngine(LocalEngine):
@@ -50,14 +49,14 @@ class LocalSGDEngine(LocalEngine):
 
     @torch.no_grad()
     def average(self) -> None:
-        """x <- mean over ranks of x, one flat all-reduce per bucket, at most MAX_INFLIGHT in flight."""
+        """x <- mean over ranks of x, one flat all-reduce per bucket, at most MAX_INFLIGHT_REDUCES in flight."""
         if self.dp == 1:
             return
         inflight = []
         for tensors in self.buckets:
             flat = torch.cat([t.reshape(-1) for t in tensors])
             inflight.append((all_reduce(flat, self.group, async_op=True), tensors, flat))
-            if len(inflight) >= MAX_INFLIGHT:
+            if len(inflight) >= MAX_INFLIGHT_REDUCES:
                 self._unpack(*inflight.pop(0))
         for item in inflight:
             self._unpack(*item)

@@ -30,12 +30,11 @@ from teratrain.compat import in_backward, pinned_empty
 from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
 from teratrain.optim.build import build_optimizer
-from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes
+from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, all_reduce, any_rank, group_size, reduce_scatter
-from teratrain.parallel.flat import FlatGroup, bucketize
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, FlatGroup, bucketize
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
 
-MAX_INFLIGHT_REDUCES = 2  # stage 2/3: bound on flat gradient buffers alive while their reduce runs
 
 
 class _Group(FlatGroup):
@@ -79,7 +78,7 @@ class ZeroEngine(ZeroCheckpointMixin):
         self.scaler = LossScaler(cfg.memory.loss_scale_init, cfg.memory.loss_scale_window) if cfg.memory.precision == "fp16" else None
         self._group_of = {prm: g for g in self.groups for prm in g.params}
         for prm in self._group_of:
-            prm.register_post_accumulate_grad_hook(self._on_grad)
+            prm.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         if self.stage == 3:
             self._install_gather_hooks()
         self._sync, self._pending = True, []
@@ -189,7 +188,7 @@ class ZeroEngine(ZeroCheckpointMixin):
         g.fresh = False
         handle = reduce_scatter(out, flat, self.group, async_op=True, op=AVG)
         self._pending.append((handle, g, None if direct else out, flat))
-        if self.stage >= 2 and len(self._pending) > MAX_INFLIGHT_REDUCES:
+        if len(self._pending) > MAX_INFLIGHT_REDUCES:
             self._drain(1)
 
     def _drain(self, n: int | None = None) -> None:

@@ -7,13 +7,16 @@ fp32 AdamW (no master copies):        bf16 (+ fp32 masters under ZeRO):
     1    4Psi    4Psi+4Psi/N   8Psi/N     2Psi    2Psi+4Psi/N   12Psi/N
     2    4Psi    4Psi/N        8Psi/N     2Psi    4Psi/N        12Psi/N
     3    4Psi/N  4Psi/N        8Psi/N     2Psi/N  4Psi/N        12Psi/N
-Padding adds under N elements per flat group; AdamW adds a 4-byte step counter per tensor piece."""
+Padding adds under N elements per flat group; AdamW adds a 4-byte step counter per tensor piece.
+The planner (`teratrain plan`) must predict rank 0's bytes exactly, padding and counters included."""
 
 import pytest
 
 from harness import run_ranks
 from teratrain.config import load_config
 from teratrain.models.transformer import count_params
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.states import model_states
 from workers import TINY, train_many
 
 FORMULAS = {  # stage -> (params, grads, optimizer) in bytes per parameter, as functions of N
@@ -32,6 +35,12 @@ def test_state_bytes_follow_zero_formulas(world, dist_workdir):
     per_rank = run_ranks(train_many, world, runs)
     psi = count_params(load_config(None, TINY).model)["total"]
     for i, (prec, stage) in enumerate(cases):
+        cfg = load_config(None, TINY + runs[i][0])
+        planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, world),
+                               device="cpu")
+        rank0 = per_rank[0][i]["bytes"]
+        keys = ("params", "grads", "optimizer")
+        assert {k: rank0[k] for k in keys} == {k: planned[k] for k in keys}, f"planner vs live, {prec} zero={stage}"
         expected = [b * psi for b in FORMULAS[(prec, stage)](world)]
         for rank, results in enumerate(per_rank):
             got = results[i]["bytes"]
