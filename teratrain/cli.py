@@ -78,6 +78,11 @@ def cmd_train(args) -> int:
         return 0
     cfg = load_config(args.config, _overrides(args))  # validate before launching anything
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from teratrain.mesh import ParallelDims
+        from teratrain.parallel.parallelize import check_supported
+
+        ParallelDims.from_config(cfg.parallel, args.nproc)  # a bad layout fails here, in one line
+        check_supported(cfg)
         return launch(args)
     from teratrain.train import run
 
@@ -99,7 +104,11 @@ def launch(args) -> int:
     out = args.out or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "teratrain", *argv, "--out", out]
-    return subprocess.call(cmd)
+    rc = subprocess.call(cmd)
+    if rc:
+        print(f"teratrain: error: a rank of the {args.nproc}-process job failed (exit status {rc}); its own "
+              "message is above torchrun's report.", file=sys.stderr)
+    return rc
 
 
 def _reconstruct(args) -> list[str]:

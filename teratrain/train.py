@@ -24,11 +24,12 @@ from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
 from teratrain.models.transformer import Transformer, flops_per_token, lm_loss
 from teratrain.optim.lr import lr_at, scaled_lr
-from teratrain.parallel.parallelize import parallelize
+from teratrain.parallel.parallelize import check_supported, parallelize
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     """Train as configured; returns a summary. Collective: every rank of the job calls it."""
+    check_supported(cfg)  # before any process group or data work, so bad input fails fast
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     _check_batch(cfg, rt)

@@ -23,7 +23,7 @@ from teratrain.optim.engine import LocalEngine
 
 def parallelize(model: nn.Module, rt, cfg):
     """Apply every configured strategy to `model` (on the meta device); return the update engine."""
-    check_supported(cfg)
+    check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
