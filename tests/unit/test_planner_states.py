@@ -82,7 +82,8 @@ def _live(engine) -> dict:
 @pytest.mark.parametrize("zero, offload", [(1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "params")])
 def test_states_equal_zero_engine_live_bytes(arch, zero, offload):
     """One process (dp = 1, no process group): every stage's buffers and dtypes, byte for byte.
-    dp > 1 padding follows flat.py's ceil(numel/dp) per group (checked at dp = 2, 3 by hand)."""
+    dp > 1 (flat.py's ceil(numel/dp) padding per group) is checked on 2 and 4 gloo ranks in
+    tests/dist/test_zero_bytes.py."""
     cfg = _cfg(arch, "bf16", "adamw", f"parallel.zero={zero}", f"parallel.offload={offload}", "parallel.bucket_mb=0.05")
     with torch.device("meta"):
         model = Transformer(cfg.model)
