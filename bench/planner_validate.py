@@ -107,7 +107,7 @@ def phases(model, engine, batch, precision: str, device: torch.device, repeats: 
                 return lm_loss(model(x), y)
         loss = timed("forward", forward)
         timed("backward", lambda: engine.backward(loss))
-        del loss
+        loss = None  # free the graph before the step
         timed("step", lambda: engine.step(1e-4))
     return {**{f"{k}_peak_gib": max(v) for k, v in peaks.items()},
             **{f"{k}_s": statistics.median(v) for k, v in times.items()}}

@@ -93,7 +93,7 @@ def main() -> None:
             warmup = args.warmup + (2 if mode == "compile" else 0)
             times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
             rows.append({"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev)})
-            del step, keep
+            step = keep = None  # free this model before the next one is built
     ratio = {}
     for mode in args.modes.split(","):
         by = {r["impl"]: r for r in rows if r["mode"] == mode}

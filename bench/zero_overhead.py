@@ -72,7 +72,7 @@ def main() -> None:
         times = time_steps(step, 3, args.steps, dev)
         rows[name] = {"engine": name, **summarize(times, args.micro_batch * cfg.model.seq_len, flops_per_token(cfg.model), dev),
                       "model_state_bytes": engine.last_state_bytes}
-        del model, engine
+        model = engine = None  # free this model before the next one is built
     for name, (_, _, baseline) in variants.items():
         if baseline:
             rows[name]["overhead_vs_" + baseline] = round(rows[name]["step_ms"] / rows[baseline]["step_ms"] - 1, 4)

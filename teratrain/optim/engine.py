@@ -70,7 +70,31 @@ def sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).pow(2).sum()
 
 
-class LocalEngine:
+class EngineBase:
+    """What every engine shares: the micro-step protocol and fp16 loss scaling. Subclasses set
+    `self.scaler` (a LossScaler or None) and read `self._sync`: False on accumulation micro-steps."""
+
+    scaler: LossScaler | None = None
+    _sync = True
+
+    @contextlib.contextmanager
+    def accumulate(self, last: bool):
+        """Engines that communicate do so only on the last micro-step of a step."""
+        self._sync = last
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler else loss).backward()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler else 0
+
+
+class LocalEngine(EngineBase):
     """One replica's update. With `master_weights`, the model holds low-precision params and grads,
     and the optimizer steps fp32 copies that are written back after each step."""
 
@@ -91,13 +115,6 @@ class LocalEngine:
         use_scaler = memory_cfg.precision == "fp16"
         self.scaler = LossScaler(memory_cfg.loss_scale_init, memory_cfg.loss_scale_window) if use_scaler else None
         self.last_state_bytes: dict[str, int] | None = None
-
-    # ---- forward/backward side
-    def accumulate(self, last: bool):
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scaler.scale if self.scaler else loss).backward()
 
     # ---- update side
     def grads(self) -> list[torch.Tensor]:
@@ -185,8 +202,3 @@ class LocalEngine:
         """Every parameter, whole, on CPU (fp32 masters when they exist)."""
         src = self.masters if self.masters is not None else [p for _, p in self.named]
         return {n: t.detach().cpu().clone() for (n, _), t in zip(self.named, src)}
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps if self.scaler else 0
-

@@ -10,8 +10,6 @@ accumulation micro-steps nothing is communicated; the reduction happens on the l
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from teratrain.memory.precision import DTYPES
@@ -48,16 +46,7 @@ class DataParallelEngine(LocalEngine):
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for _, p in self.named:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
-        self._sync, self._next, self._inflight = True, 0, []
-
-    @contextlib.contextmanager
-    def accumulate(self, last: bool):
-        """No communication on accumulation micro-steps; the last micro-step reduces."""
-        self._sync = last
-        try:
-            yield
-        finally:
-            self._sync = True
+        self._next, self._inflight = 0, []  # no communication until the last micro-step (`_sync`)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self._sync:

@@ -43,7 +43,6 @@ order decides the update order) but resume from a consistent state with every pu
 
 from __future__ import annotations
 
-import contextlib
 import struct
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,7 +55,7 @@ from teratrain.config import ConfigError
 from teratrain.memory.precision import LossScaler, has_inf_or_nan, param_dtype
 from teratrain.models.transformer import init_param_, materialize
 from teratrain.optim.build import build_optimizer
-from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes
+from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes
 from teratrain.parallel.comm import all_reduce
 from teratrain.parallel.flat import FlatGroup
 
@@ -111,7 +110,7 @@ def build(model, rt, cfg):
     return ParamServerWorker(model, groups, cfg, rt, channel)
 
 
-class ParamServerWorker:
+class ParamServerWorker(EngineBase):
     """A worker's engine. Forward: local, except the first forward after start or resume, which
     first pulls every server's parameters. Backward: local, no communication (gradients accumulate
     over micro-steps). step(): per server at once, push the flat fp32 gradient of its parameters
@@ -138,12 +137,10 @@ class ParamServerWorker:
         self.last_state_bytes: dict[str, int] | None = None
         model.register_forward_pre_hook(lambda m, args: self._pull() if self.stale else None)
 
-    def accumulate(self, last: bool):
-        return contextlib.nullcontext()  # gradients stay local until step()
-
     def backward(self, loss: torch.Tensor) -> None:
+        """Gradients stay local until step() (accumulate() needs no mode switch here)."""
         self._loss += loss.detach().float()  # the loop passes loss / micro-steps: this sums to the local mean
-        (loss * self.scaler.scale if self.scaler else loss).backward()
+        super().backward(loss)
 
     def step(self, lr: float) -> PSStats:
         if self.last_state_bytes is None:
@@ -221,10 +218,6 @@ class ParamServerWorker:
     def full_params(self) -> dict[str, torch.Tensor]:
         """This worker's replica: the parameters of its last reply (the servers' latest when synchronous)."""
         return {n: p.detach().float().cpu().clone() for n, p in self.named}
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps if self.scaler else 0
 
 
 class ParamServer:

@@ -21,7 +21,6 @@ tensors autograd saved still point at that storage and see the data again once i
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ from teratrain.compat import in_backward, pinned_empty
 from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
 from teratrain.optim.build import build_optimizer
-from teratrain.optim.engine import StepStats, clip_, sum_sq, tensor_bytes, weak_hook
+from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, all_reduce, any_rank, group_size, reduce_scatter
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, FlatGroup, bucketize
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
@@ -53,7 +52,7 @@ class _Group(FlatGroup):
     in_backward: bool = False
 
 
-class ZeroEngine(ZeroCheckpointMixin):
+class ZeroEngine(ZeroCheckpointMixin, EngineBase):
     def __init__(self, model: nn.Module, cfg, group, device: torch.device, init_fn):
         """`model` is on the meta device; `init_fn(name, tensor)` initializes one parameter in place.
         Only one group's full fp32 parameters exist at a time while materializing."""
@@ -81,7 +80,7 @@ class ZeroEngine(ZeroCheckpointMixin):
             prm.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         if self.stage == 3:
             self._install_gather_hooks()
-        self._sync, self._pending = True, []
+        self._pending = []
         self.last_state_bytes = None
         self.grad_clip = cfg.train.grad_clip
 
@@ -139,17 +138,6 @@ class ZeroEngine(ZeroCheckpointMixin):
         return build_optimizer([(g.names[pc.index], v) for v, pc in zip(g.opt_views, g.pieces)], optim_cfg)
 
     # ------------------------------------------------------------------ backward side
-    @contextlib.contextmanager
-    def accumulate(self, last: bool):
-        self._sync = last
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scaler.scale if self.scaler else loss).backward()
-
     def _on_grad(self, prm: nn.Parameter) -> None:
         g = self._group_of[prm]
         g.ready += 1
@@ -324,10 +312,6 @@ class ZeroEngine(ZeroCheckpointMixin):
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(opt),
                 "host": tensor_bytes(t for t in everything if t.device.type == "cpu") if self.device.type == "cuda" else 0}
 
-    @property
-    def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps if self.scaler else 0
-
 
 def _bind(g: _Group, flat: torch.Tensor, model: nn.Module) -> None:
     """Replace each (meta) parameter of the group by a Parameter that is a view into `flat`."""
@@ -349,4 +333,3 @@ def _mark_decay(view: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Pieces are 1-D views, so record whether the parameter they come from is a matrix (decayed)."""
     view._decay = len(shape) >= 2  # read by optim.build.param_groups
     return view
-

@@ -30,11 +30,11 @@ def hf_model(path: Path) -> tuple[dict, dict, list[str]]:
     kind = str(hf.get("model_type", ""))
     notes: list[str] = []
     if kind == "gpt2" or "n_embd" in hf:
-        keys, arch = _HF_GPT2, "gpt2"
+        keys = _HF_GPT2
         seq = hf.get("n_positions") or hf.get("n_ctx") or 1024
         model = {"arch": "gpt2", "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
     elif "hidden_size" in hf and "num_hidden_layers" in hf:
-        keys, arch = _HF_LLAMA, "llama"
+        keys = _HF_LLAMA
         seq = hf.get("max_position_embeddings", 4096)
         model = {"arch": "llama", "bias": bool(hf.get("attention_bias", False)),
                  "tie_embeddings": hf.get("tie_word_embeddings", False)}
