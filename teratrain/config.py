@@ -144,6 +144,8 @@ class ParallelConfig(Section):
     num_servers: int = Field(1, ge=1, description="param-server: ranks acting as servers")
     bucket_mb: float = Field(25.0, gt=0.0, description="gradient bucket size in MiB")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="dtype of gradient reduction")
+    overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
+                                                 "for each one (to measure what the overlap saves)")
     timeout_s: float = Field(600.0, gt=0.0, description="collective timeout in seconds")
 
 

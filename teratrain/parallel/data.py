@@ -36,7 +36,7 @@ class DataParallelEngine(LocalEngine):
     def __init__(self, model, cfg, group, device: torch.device):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
         self.group, self.dp = group, group_size(group)
-        self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
+        self.reduce_dtype, self.overlap = DTYPES[cfg.parallel.reduce_dtype], cfg.parallel.overlap_comm
         by_dtype: dict[torch.dtype, list] = {}
         for name, p in self.named:  # a bucket holds one dtype
             by_dtype.setdefault(p.dtype, []).append((name, p))
@@ -59,7 +59,7 @@ class DataParallelEngine(LocalEngine):
     def _launch(self, b: _Bucket) -> None:
         t = b.flat if b.flat.dtype == self.reduce_dtype or self.dp == 1 else b.flat.to(self.reduce_dtype)
         self._inflight.append((all_reduce(t, self.group, async_op=True, op=AVG), b, t))
-        if len(self._inflight) > MAX_INFLIGHT_REDUCES:  # bound the reduce-dtype copies alive at once
+        while len(self._inflight) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # bound copies alive at once
             self._complete(self._inflight.pop(0))
 
     @staticmethod

@@ -65,7 +65,7 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         self.masters = cfg.use_master_weights or p.offload != "none"
         self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
         self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
-        self.reduce_dtype = DTYPES[p.reduce_dtype]
+        self.reduce_dtype, self.overlap = DTYPES[p.reduce_dtype], p.overlap_comm
         self.host = torch.device("cpu")
         self.groups = self._make_groups(model, p.bucket_mb)
         for g in self.groups:
@@ -176,7 +176,7 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         g.fresh = False
         handle = reduce_scatter(out, flat, self.group, async_op=True, op=AVG)
         self._pending.append((handle, g, None if direct else out, flat))
-        if len(self._pending) > MAX_INFLIGHT_REDUCES:
+        if len(self._pending) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # no overlap: wait right here
             self._drain(1)
 
     def _drain(self, n: int | None = None) -> None:

@@ -15,7 +15,8 @@ from workers import max_rel_diff, reference, train_many
 
 TOL = 1e-5
 LAYOUTS = [["parallel.zero=0"], ["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
-           ["parallel.zero=2", "parallel.offload=optimizer"], ["parallel.zero=3", "parallel.offload=params"]]
+           ["parallel.zero=2", "parallel.offload=optimizer"], ["parallel.zero=3", "parallel.offload=params"],
+           ["parallel.zero=0", "parallel.overlap_comm=false"], ["parallel.zero=3", "parallel.overlap_comm=false"]]
 
 
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
