@@ -43,6 +43,9 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     start = 0
     if resume:
         start = _restore(run_dir, cfg, rt, engine)
+        if start >= cfg.train.steps:
+            raise ConfigError(f"the run in {run_dir} already reached step {start} (train.steps={cfg.train.steps}); "
+                              "pass a larger --steps to continue it.")
     elif rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())

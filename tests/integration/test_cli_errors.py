@@ -101,3 +101,10 @@ def test_resume_from_a_run_whose_checkpoints_are_all_corrupt(cli, trained_run, t
                      resume=True, expect_rc=None)
     line = assert_user_error(proc, "no usable checkpoint", "step_00000050", "step_00000025")
     assert "sha256" in line
+
+
+def test_resume_of_a_finished_run_says_so(cli, trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    proc = cli.train(run, steps=50, resume=True, expect_rc=None, in_process=True)
+    assert_user_error(proc, "already reached step 50", "--steps")
