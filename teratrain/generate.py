@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from teratrain.checkpoint import CheckpointError, find_valid, load_rank
+from teratrain.checkpoint import CheckpointError, find_valid
+from teratrain.checkpoint.consolidate import full_model
 from teratrain.config import load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.models.sampling import sample
@@ -23,16 +24,15 @@ def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top
                               "tokenizer.json used to make it into the run folder.")
     tokenizer = Tokenizer.from_file(str(tok_path))
     if ckpt_dir is None:
-        ckpt_dir, meta = find_valid(run_dir / "checkpoints")
-    tensors, _ = load_rank(ckpt_dir, 0)
-    weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        ckpt_dir, _ = find_valid(run_dir / "checkpoints")
+    weights = full_model(ckpt_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(cfg.model, device)
-    missing = [n for n, _ in model.named_parameters() if n not in weights]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir} does not hold the full model (missing {missing[0]}, ...): it was saved "
-                              "sharded; generate from a run saved without parameter sharding.")
-    model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in weights:
+                raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; it was written for another model.")
+            p.copy_(weights[name].view_as(p))
     ids = tokenizer.encode(prompt).ids if prompt else [tokenizer.token_to_id(EOT) or 0]
     out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stop_token=tokenizer.token_to_id(EOT))
     return tokenizer.decode(out)

@@ -106,6 +106,20 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_group(self):
+        """The data-parallel process group (None for a single process or on a parameter server)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    @property
+    def world_group(self):
+        """Every process of the job (None for a single process)."""
+        if self.world == 1:
+            return None
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import sys
@@ -24,6 +25,7 @@ from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
 from teratrain.models.transformer import Transformer, flops_per_token, lm_loss
 from teratrain.optim.lr import lr_at, scaled_lr
+from teratrain.parallel.comm import AVG, all_reduce, any_rank_false, broadcast_object
 from teratrain.parallel.parallelize import check_supported, parallelize
 
 
@@ -119,26 +121,27 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
 
 @torch.no_grad()
 def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
-    """Mean loss over the fixed held-out set (the same samples for every layout)."""
+    """Mean loss over the fixed held-out set (the same samples for every layout). Micro-batch i goes
+    to rank i mod dp; every rank runs the same number of forwards (a rank past the end repeats
+    micro-batch 0 and does not count it), since a ZeRO-3 forward is itself a collective."""
     model.eval()
-    mb = cfg.train.micro_batch
+    mb, n, dp = cfg.train.micro_batch, cfg.train.eval_batches, rt.dims.dp
     total = torch.zeros(2, device=rt.device)  # (sum of micro-batch mean losses, count)
-    for i in range(rt.dp_rank, cfg.train.eval_batches, rt.dims.dp):
-        x, y = batches.get(0, i * mb, (i + 1) * mb, rt.device)
+    for i in range(rt.dp_rank, math.ceil(n / dp) * dp, dp):
+        real = i < n
+        x, y = batches.get(0, (i if real else 0) * mb, ((i if real else 0) + 1) * mb, rt.device)
         with autocast(cfg.memory.precision, rt.device):
-            total[0] += lm_loss(model(x), y).float()
-        total[1] += 1
-    if rt.world > 1:
-        torch.distributed.all_reduce(total, group=rt.mesh["dp"].get_group())
+            loss = lm_loss(model(x), y).float()
+        if real:
+            total += torch.stack([loss, torch.ones_like(loss)])
+    all_reduce(total, rt.dp_group)
     model.train()
     return float(total[0] / total[1])
 
 
 def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
-    if rt.dims.dp > 1:
-        x = x.clone()
-        torch.distributed.all_reduce(x, group=rt.mesh["dp"].get_group())
-        x /= rt.dims.dp
+    x = x.clone()
+    all_reduce(x, rt.dp_group, op=AVG)
     return float(x)
 
 
@@ -164,11 +167,7 @@ def _run_dir(out: str | None, resume: bool, rt: Runtime) -> Path:
         if rt.is_main:
             while path.exists():
                 path = path.with_name(path.name + "_")
-    if rt.world > 1:
-        box = [str(path)]
-        torch.distributed.broadcast_object_list(box, src=0)
-        path = Path(box[0])
-    return path
+    return Path(broadcast_object(str(path), rt.world_group))
 
 
 def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
@@ -182,7 +181,7 @@ def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
 
 def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
     """Load the newest usable checkpoint of `run_dir` into the engine and RNGs; return its step."""
-    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: _all_ranks(ok, rt))
+    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: any_rank_false(ok, rt.world_group, rt.device))
     _check_compatible(validate(saved["config"]), cfg, run_dir)
     if saved["dims"] != vars(rt.dims):
         raise ConfigError(f"the checkpoint was written with layout {saved['dims']} but this run has {vars(rt.dims)}; "
@@ -217,11 +216,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _all_ranks(ok: bool, rt: Runtime) -> bool:
-    if rt.world == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], device=rt.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())

@@ -59,3 +59,17 @@ def any_rank(flag: bool, group, device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     all_reduce(t, group, op=MAX)
     return bool(t.item())
+
+
+def any_rank_false(flag: bool, group, device) -> bool:
+    """True on every rank only if it is true on every rank (e.g. 'my checkpoint verified')."""
+    return not any_rank(not flag, group, device)
+
+
+def broadcast_object(obj, group):
+    """Rank 0's picklable `obj` on every rank of `group` (small control values, e.g. a run folder)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

@@ -64,7 +64,7 @@ def build_engine(model: nn.Module, rt, cfg):
         from teratrain.parallel import param_server
 
         return param_server.build(model, rt, cfg)
-    group = rt.mesh["dp"].get_group() if rt.mesh is not None else None
+    group = rt.dp_group
     if p.zero >= 1:
         from teratrain.parallel.zero import ZeroEngine
 

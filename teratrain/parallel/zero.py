@@ -9,7 +9,7 @@ the compute dtype, 4 for fp32 masters and optimizer dtypes):
     stage  params      grads                  optimizer (masters + moments)
       1    k*Psi       k*Psi + 4*Psi/N         (4 + 8)*Psi/N
       2    k*Psi       4*Psi/N                 (4 + 8)*Psi/N
-      3    k*Psi/N     4*Psi/N                 (4 + 8)*Psi/N      (+ 2 gathered blocks transiently)
+      3    k*Psi/N     4*Psi/N                 (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
 
 Stage 1 accumulates full gradients locally and reduce-scatters them once per step (no traffic on
 accumulation micro-steps). Stages 2/3 reduce-scatter each group as soon as its gradients are
@@ -17,10 +17,11 @@ complete in every backward (overlapping the rest of backward) and keep only thei
 all-gathers a block's parameters just before its forward and again before its backward,
 prefetches the next block, and frees the gathered copy after use by resizing its storage to 0:
 tensors autograd saved still point at that storage and see the data again once it is re-gathered.
+The root group (embeddings, final norm, head) stays gathered from the start of forward until its
+gradients are reduced at the end of backward, as the head and the embedding use it at both ends.
 """
 
 from __future__ import annotations
-
 
 import torch
 from torch import nn
@@ -49,7 +50,6 @@ class _Group(FlatGroup):
     fresh: bool = True  # grad_shard holds nothing of this step yet (the next write may overwrite)
     gather: object | None = None  # pending all-gather handle (stage 3)
     gathered: bool = False
-    in_backward: bool = False
 
 
 class ZeroEngine(ZeroCheckpointMixin, EngineBase):
@@ -120,10 +120,8 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
                 q.grad = view
 
     def _opt_target(self, g: _Group) -> torch.Tensor:
-        """The tensor the optimizer updates for this group's shard."""
-        if g.master is not None:
-            return g.master
-        return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
+        """The tensor the optimizer updates for this group's shard (the values training continues from)."""
+        return g.master if g.master is not None else self._shard_params(g)
 
     def _build_optimizer(self, g: _Group, optim_cfg):
         """An optimizer over this rank's pieces of the group (views of the flat shard, so sharding
@@ -148,6 +146,10 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
             if self._sync:  # full grads stay local across micro-steps; reduce once per step
                 self._reduce(g, g.grad_flat)
             return
+        self._reduce_grads(g)
+
+    def _reduce_grads(self, g: _Group) -> None:
+        """Stage 2/3: send the group's gradients (a missing one counts as zero) to the shards, free them."""
         if self.dp == 1:  # nothing to reduce: land the gradients in the shard directly
             self._accumulate_local(g)
         else:
@@ -155,8 +157,17 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         for q in g.params:
             q.grad = None
         if self.stage == 3:
-            g.in_backward = False
             self._release(g)
+
+    def _flush_partial(self) -> None:
+        """Groups whose gradients did not all arrive (parameters unused this step) are reduced now,
+        so no gradient is dropped. A no-op when every parameter got its gradient."""
+        for g in self.groups:
+            if self.stage == 1 and g.fresh:
+                self._reduce(g, g.grad_flat)
+            elif self.stage >= 2 and any(q.grad is not None for q in g.params):
+                self._reduce_grads(g)
+            g.ready = 0
 
     def _accumulate_local(self, g: _Group) -> None:
         """dp=1, stage 2/3: the shard is the whole group; copy (first micro-step) or add the grads."""
@@ -171,21 +182,22 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         micro-steps of stage 2/3) go through a temporary that `_drain` adds in."""
         if flat.dtype != self.reduce_dtype and self.dp > 1:
             flat = flat.to(self.reduce_dtype)
-        direct = g.fresh and (g.grad_shard.dtype == self.reduce_dtype or self.dp == 1)
+        first, direct = g.fresh, g.fresh and (g.grad_shard.dtype == self.reduce_dtype or self.dp == 1)
         out = g.grad_shard if direct else torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
         g.fresh = False
         handle = reduce_scatter(out, flat, self.group, async_op=True, op=AVG)
-        self._pending.append((handle, g, None if direct else out, flat))
+        self._pending.append((handle, g, None if direct else out, first, flat))
         if len(self._pending) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # no overlap: wait right here
             self._drain(1)
 
     def _drain(self, n: int | None = None) -> None:
-        """Wait for the oldest `n` pending reductions (all if None); add the indirect ones in."""
+        """Wait for the oldest `n` pending reductions (all if None). An indirect one (through a
+        temporary) is copied into the shard if it was the step's first, else added."""
         done, self._pending = (self._pending, []) if n is None else (self._pending[:n], self._pending[n:])
-        for handle, g, out, _flat in done:
+        for handle, g, out, first, _flat in done:
             handle.wait()
             if out is not None:
-                g.grad_shard.add_(out)
+                (g.grad_shard.copy_ if first else g.grad_shard.add_)(out)
 
     # ------------------------------------------------------------------ stage 3 gathering
     def _install_gather_hooks(self) -> None:
@@ -231,14 +243,13 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         self._release(g)
 
     def _before_backward(self, i: int) -> None:
-        g = self.groups[i]
-        g.in_backward = True
-        self._ensure(g)
+        self._ensure(self.groups[i])
         if i > 0:
             self._start_gather(self.groups[i - 1])  # prefetch the block whose backward is next
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> StepStats:
+        self._flush_partial()
         self._drain()
         for g in self.groups:
             if g.fresh:  # no gradient reached this group this step (unused parameters)
@@ -270,13 +281,14 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
             for pg in (opt.param_groups if opt else ()):
                 pg["lr"] = lr
         if self.offload != "none":
-            self.host_update.step((g, opt, self._publish_target(g)) for g, opt in zip(self.groups, self.optimizers))
+            self.host_update.step((g, opt, self._shard_params(g)) for g, opt in zip(self.groups, self.optimizers))
             return
         for opt in self.optimizers:
             if opt is not None:
                 opt.step()
 
-    def _publish_target(self, g: _Group) -> torch.Tensor:
+    def _shard_params(self, g: _Group) -> torch.Tensor:
+        """This rank's shard of the group's compute-dtype parameters."""
         return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
 
     def _publish(self) -> None:
@@ -284,7 +296,7 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         update when offloaded), then all-gather the full parameters (stage 1/2)."""
         handles = []
         for g in self.groups:
-            mine = self._publish_target(g)
+            mine = self._shard_params(g)
             if g.master is not None and self.offload == "none":
                 mine.copy_(g.master)
             if self.stage < 3:

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
 from teratrain.parallel.comm import all_gather
 
 
 class ZeroCheckpointMixin:
-    """Mixed into ZeroEngine; relies on its `groups`, `optimizers`, `stage`, `scaler`, `group`."""
-
-    def _shard_params(self, g) -> torch.Tensor:
-        return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
+    """Mixed into ZeroEngine; relies on its `groups`, `optimizers`, `stage`, `scaler`, `group`,
+    `_shard_params(g)` and `_opt_target(g)`."""
 
     def layout(self) -> dict:
         return {"stage": self.stage, "dp": self.dp, "groups": [[g.names, g.numels] for g in self.groups]}
@@ -37,8 +36,9 @@ class ZeroCheckpointMixin:
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        if meta.get("zero") != self.layout():
-            raise ValueError("checkpoint ZeRO layout differs from this run's")  # caught earlier by dims check
+        if meta.get("zero") != self.layout():  # train._restore refuses config changes that cause this first
+            raise CheckpointError("the checkpoint's ZeRO groups differ from this run's (another stage, "
+                                  "parallel.bucket_mb or model); resume with the settings it was written with.")
         handles = []
         with torch.no_grad():
             for i, (g, opt) in enumerate(zip(self.groups, self.optimizers)):
@@ -62,7 +62,7 @@ class ZeroCheckpointMixin:
         fp32 masters are gathered, since they are the values training continues from."""
         out = {}
         for g in self.groups:
-            src = g.master if g.master is not None else self._shard_params(g)
+            src = self._opt_target(g)
             full = torch.empty(g.padded, dtype=src.dtype, device=self.device)
             all_gather(full, src.to(self.device), self.group)
             out.update({n: v.detach().cpu().clone() for n, v in zip(g.names, g.views(full))})
