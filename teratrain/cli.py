@@ -80,9 +80,14 @@ def cmd_train(args) -> int:
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from teratrain.mesh import ParallelDims
         from teratrain.parallel.parallelize import check_supported
+        from teratrain.train import check_batch, check_out
 
-        ParallelDims.from_config(cfg.parallel, args.nproc)  # a bad layout fails here, in one line
+        dims = ParallelDims.from_config(cfg.parallel, args.nproc)  # a bad layout fails here, in one line
         check_supported(cfg)
+        check_batch(cfg, dims.dp)
+        check_gpus(cfg, args.nproc)
+        if args.out:
+            check_out(args.out, args.resume)
         return launch(args)
     from teratrain.train import run
 
@@ -101,14 +106,25 @@ def launch(args) -> int:
     from datetime import datetime
 
     argv = _reconstruct(args)
-    out = args.out or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if args.out or not args.resume:  # --resume alone: rank 0 finds the newest run and tells the others
+        argv += ["--out", args.out or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "teratrain", *argv, "--out", out]
+           "-m", "teratrain", *argv]
     rc = subprocess.call(cmd)
     if rc:
         print(f"teratrain: error: a rank of the {args.nproc}-process job failed (exit status {rc}); its own "
               "message is above torchrun's report.", file=sys.stderr)
     return rc
+
+
+def check_gpus(cfg, nproc: int) -> None:
+    """One process per GPU: more processes than visible GPUs cannot start."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if cfg.train.device != "cpu" and gpus and nproc > gpus:
+        raise ConfigError(f"--nproc {nproc} asks for more processes than the {gpus} visible GPUs; use --nproc {gpus} "
+                          "or set train.device=cpu.")
 
 
 def _reconstruct(args) -> list[str]:
@@ -119,6 +135,11 @@ def _reconstruct(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     from teratrain.generate import generate
+
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
+                             ("--temperature", args.temperature, 0)):
+        if value < low:
+            raise ConfigError(f"{flag} must be at least {low}, got {value}; give a value >= {low}.")
 
     text = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + text)

@@ -131,6 +131,9 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA GPU is visible; set train.device=cpu or auto.")
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible); "
+                              "launch at most one process per GPU on each machine.")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

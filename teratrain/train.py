@@ -34,7 +34,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
-    _check_batch(cfg, rt)
+    check_batch(cfg, rt.dims.dp)
     run_dir = _run_dir(out, resume, rt)
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
@@ -145,18 +145,28 @@ def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
     return float(x)
 
 
-def _check_batch(cfg: Config, rt: Runtime) -> None:
-    per_step = cfg.train.micro_batch * rt.dims.dp
+def check_batch(cfg: Config, dp: int) -> None:
+    per_step = cfg.train.micro_batch * dp
     if cfg.train.global_batch % per_step:
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of train.micro_batch x dp "
-                          f"= {cfg.train.micro_batch} x {rt.dims.dp} = {per_step}; change one of them.")
+                          f"= {cfg.train.micro_batch} x {dp} = {per_step}; change one of them.")
+
+
+def check_out(out: str, resume: bool) -> Path:
+    """--out must be a folder, and a fresh run must not overwrite another run's checkpoints."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path} is a file; give a folder for the run.")
+    if not resume and (path / "checkpoints").exists():
+        raise ConfigError(f"--out {path} already holds a run; pass --resume to continue it or choose another --out.")
+    return path
 
 
 def _run_dir(out: str | None, resume: bool, rt: Runtime) -> Path:
     """--out if given; with --resume alone, the newest run under runs/; else runs/<timestamp>.
     Decided on rank 0 and shared, so every rank writes to the same place."""
     if out:
-        path = Path(out)
+        path = check_out(out, resume)
     elif resume:
         runs = sorted(p.parent.parent for p in Path("runs").glob("*/checkpoints/latest"))
         if not runs:
@@ -204,6 +214,11 @@ def _check_compatible(saved: Config, cfg: Config, run_dir: Path) -> None:
     pairs = [(f"model.{k}", getattr(saved.model, k), getattr(cfg.model, k)) for k in type(cfg.model).model_fields]
     pairs += [("optim.name", saved.optim.name, cfg.optim.name),
               ("memory.precision (master weights)", saved.use_master_weights, cfg.use_master_weights)]
+    # how the update state is laid out and held: replicas, shards, flat groups, servers
+    pairs += [(f"parallel.{k}", getattr(saved.parallel, k), getattr(cfg.parallel, k))
+              for k in ("sync", "zero", "offload", "num_servers")]
+    if cfg.parallel.zero in (1, 2):  # stage 1/2 groups are buckets of bucket_mb
+        pairs.append(("parallel.bucket_mb", saved.parallel.bucket_mb, cfg.parallel.bucket_mb))
     for key, old, new in pairs:
         if old != new:
             what = "model config" if key.startswith("model.") else "setting"

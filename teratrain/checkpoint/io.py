@@ -160,10 +160,16 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
 
 
 def load_rank(path: Path, rank: int, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
-    """This rank's tensors and JSON state from a verified checkpoint."""
+    """This rank's tensors and JSON state from a verified checkpoint. A rank whose state is a replica
+    of another's (data parallelism) wrote only its own RNG and scaler plus `replica_of`: the rest is
+    read from that rank's file, the rank's own entries taking precedence."""
     meta = json.loads((path / f"rank{rank:05d}.json").read_text())
     tensors = {}
     with safe_open(str(path / f"rank{rank:05d}.safetensors"), framework="pt", device=str(device)) as f:
         for k in f.keys():
             tensors[k] = f.get_tensor(k)
+    if meta.get("replica_of") is not None:
+        shared, shared_meta = load_rank(path, meta["replica_of"], device)
+        tensors = {**{k: v for k, v in shared.items() if not k.startswith("rng.")}, **tensors}
+        meta = {**shared_meta, **meta}
     return tensors, meta

@@ -31,9 +31,13 @@ def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict[str, torch.Ten
         state.setdefault(int(pid), {})[k] = t
     for pid, d in meta["scalars"].items():
         state.setdefault(int(pid), {}).update(d)
-    # JSON turned tuples (AdamW betas) into lists; give them back their type.
-    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
-              for g in meta["param_groups"]]
+    # Hyperparameters come from the optimizer as configured now (a resumed run may change weight
+    # decay or betas); only which parameters each group holds comes from the checkpoint.
+    current = opt.state_dict()["param_groups"]
+    if len(current) != len(meta["param_groups"]):
+        raise ValueError("optimizer parameter groups differ from the checkpoint's")
+    groups = [{**{k: v for k, v in cur.items() if k != "params"}, "params": saved["params"]}
+              for cur, saved in zip(current, meta["param_groups"])]
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 

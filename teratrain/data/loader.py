@@ -32,7 +32,13 @@ class TokenData:
 
 
 def cache_dir(configured: str | None) -> Path:
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "teratrain"
+    path = Path(configured).expanduser() if configured else Path.home() / ".cache" / "teratrain"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir '{path}' cannot be created ({e.strerror}); point data.cache_dir at a "
+                        "writable folder.") from None
+    return path
 
 
 def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None) -> TokenData:
@@ -82,7 +88,10 @@ def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"data.path '{path}' does not exist; give a pre-tokenized .bin file or a text folder.")
     side = path.with_suffix(".json")
-    dtype = np.dtype(json.loads(side.read_text())["dtype"]) if side.exists() else _dtype(vocab_size)
+    try:
+        dtype = np.dtype(json.loads(side.read_text())["dtype"]) if side.exists() else _dtype(vocab_size)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{side} should be JSON like {{\"dtype\": \"uint16\"}} ({e}); fix it or delete it.") from None
     if os.path.getsize(path) % dtype.itemsize:
         raise DataError(f"data.path '{path}' is not a whole number of {dtype.name} tokens; write it with numpy "
                         f"as {dtype.name} or give its dtype in {side.name}.")

@@ -40,9 +40,6 @@ class HostUpdate:
         self.params_out = [pinned_empty(n, param_dtype) for _ in range(2)]
         self._out_free = [None, None]  # mark of the last H2D copy out of each params_out buffer
 
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.grads_in + self.params_out)
-
     def step(self, jobs) -> None:
         """jobs: per flat group (group, optimizer or None, parameter target). `group.grad_shard` is on
         the device, `group.master` on the host, `group.opt_views` the optimizer's views of the master

@@ -15,7 +15,7 @@ import torch
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine, weak_hook
 from teratrain.parallel.comm import AVG, all_reduce, group_size
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize_by_dtype
 
 
 class _Bucket:
@@ -37,12 +37,8 @@ class DataParallelEngine(LocalEngine):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
         self.group, self.dp = group, group_size(group)
         self.reduce_dtype, self.overlap = DTYPES[cfg.parallel.reduce_dtype], cfg.parallel.overlap_comm
-        by_dtype: dict[torch.dtype, list] = {}
-        for name, p in self.named:  # a bucket holds one dtype
-            by_dtype.setdefault(p.dtype, []).append((name, p))
-        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
         self.buckets = [_Bucket([p for _, p in members], device)
-                        for named in by_dtype.values() for members in bucketize(named, bucket_bytes)]
+                        for members in bucketize_by_dtype(self.named, int(cfg.parallel.bucket_mb * 2**20))]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for _, p in self.named:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
@@ -76,6 +72,14 @@ class DataParallelEngine(LocalEngine):
         for item in self._inflight:
             self._complete(item)
         self._next, self._inflight = 0, []
+
+    def state_tensors(self):
+        """Replicas are identical: dp-rank 0 writes the model and optimizer state, the other ranks
+        only their own scaler (their RNG is added by the trainer) and a pointer to rank 0's file."""
+        tensors, meta = super().state_tensors()
+        if torch.distributed.get_rank(self.group) if self.dp > 1 else 0:
+            return {}, {"scaler": meta["scaler"], "replica_of": torch.distributed.get_global_rank(self.group, 0)}
+        return tensors, meta
 
     def step(self, lr: float):
         self._finish_reduction()

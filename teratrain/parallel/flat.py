@@ -68,9 +68,6 @@ class FlatGroup:
                 view.copy_(t)
         return flat
 
-    def piece_names(self) -> list[str]:
-        return [f"{self.names[pc.index]}[{pc.param_lo}:{pc.param_lo + pc.numel}]" for pc in self.pieces]
-
 
 def bucketize(named: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
     """Greedy buckets in reverse registration order (about the order backward produces gradients),
@@ -85,3 +82,11 @@ def bucketize(named: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def bucketize_by_dtype(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """`bucketize` within each dtype: one flat buffer holds one dtype."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for name, t in named:
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    return [b for group in by_dtype.values() for b in bucketize(group, bucket_bytes)]

@@ -23,7 +23,7 @@ import torch
 
 from teratrain.optim.engine import LocalEngine, StepStats
 from teratrain.parallel.comm import all_reduce, group_size
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize_by_dtype
 
 
 
@@ -33,11 +33,8 @@ class LocalSGDEngine(LocalEngine):
         self.group, self.dp, self.sync_every = group, group_size(group), cfg.parallel.sync_every
         self.num_steps = 0  # optimizer steps taken (skipped fp16 steps too: every rank counts alike)
         targets = self.masters if self.masters is not None else [p for _, p in self.named]
-        by_dtype: dict[torch.dtype, list] = {}
-        for (name, _), t in zip(self.named, targets):  # a bucket holds one dtype
-            by_dtype.setdefault(t.dtype, []).append((name, t))
-        bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
-        self.buckets = [[t for _, t in b] for named in by_dtype.values() for b in bucketize(named, bucket_bytes)]
+        named = [(name, t) for (name, _), t in zip(self.named, targets)]
+        self.buckets = [[t for _, t in b] for b in bucketize_by_dtype(named, int(cfg.parallel.bucket_mb * 2**20))]
 
     def step(self, lr: float) -> StepStats:
         """Local update from local gradients, then the replica average on every sync_every-th step."""

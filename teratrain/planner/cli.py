@@ -59,6 +59,7 @@ def cmd_plan(args) -> int:
         raise ConfigError(_nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands))
     best = fitting[0]
     advice = _advice(cfg)
+    notes.extend(_runnable_today(best, fitting))
     if args.plot:
         from teratrain.planner.plot import plot_memory, what_if_base
 
@@ -109,6 +110,24 @@ def _default_gpus(fixed: dict) -> int:
     for key in ("dp", "tp", "pp", "ep"):
         n *= fixed.get(key, 1)
     return n
+
+
+def _runnable_today(best: Candidate, fitting: list[Candidate]) -> list[str]:
+    """The planner also describes layouts the trainer cannot run yet (tensor, pipeline, expert
+    parallelism): then name the fastest fitting layout it can run now."""
+    def runnable(c: Candidate) -> bool:
+        return c.layout.tp == c.layout.pp == c.layout.ep == 1
+
+    if runnable(best):
+        return []
+    now = next((c for c in fitting if runnable(c)), None)
+    if now is None:
+        return ["the chosen layout needs tensor/pipeline/expert parallelism, which this version of teratrain "
+                "cannot run yet, and no data-parallel/ZeRO layout fits"]
+    lay = now.layout
+    return [f"the chosen layout needs tensor/pipeline/expert parallelism, not yet in the trainer; the fastest it "
+            f"runs today: dp={lay.dp} zero={lay.zero} micro_batch={lay.micro_batch} recompute={lay.recompute} "
+            f"offload={lay.offload} ({now.memory.total / 2**30:.1f} GiB, {now.time.step_time_s:.3f} s/step)"]
 
 
 def _name(shape: ModelShape) -> str:

@@ -13,7 +13,7 @@ from workers import train_many
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_zero3_shards_consolidate_to_the_full_model(precision, dist_workdir):
     out = dist_workdir / f"consolidate-{precision}"
-    got = run_ranks(train_many, 2, [([f"parallel.zero=3", f"memory.precision={precision}", "train.steps=3"], str(out))])
+    got = run_ranks(train_many, 2, [(["parallel.zero=3", f"memory.precision={precision}", "train.steps=3"], str(out))])
     gathered = got[0][0]["params"]
     path, _ = find_valid(out / "checkpoints")
     weights = full_model(path)

@@ -53,7 +53,7 @@ def test_eval_loss_matches_with_uneven_eval_batches(dist_workdir):
     from pathlib import Path
 
     extra = ["train.eval_batches=3", "train.steps=2", "parallel.timeout_s=60"]
-    ref = reference(extra, str(dist_workdir / "ref-eval"))
+    reference(extra, str(dist_workdir / "ref-eval"))  # writes the single-process eval loss
     run_ranks(train_many, 2, [(extra + ["parallel.zero=3"], str(dist_workdir / "eval-z3"))], timeout_s=180)
 
     def eval_loss(out):

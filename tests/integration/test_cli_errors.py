@@ -63,7 +63,8 @@ def test_resume_with_a_different_model_is_refused(cli, trained_run, tmp_path):
 
 
 @pytest.mark.parametrize("change, key", [("memory.precision=fp16", "memory.precision"),
-                                         ("optim.name=sgd", "optim.name")])
+                                         ("optim.name=sgd", "optim.name"),
+                                         ("parallel.zero=1", "parallel.zero")])
 def test_resume_with_a_different_optimizer_state_layout_is_refused(cli, trained_run, tmp_path, change, key):
     """An fp32 AdamW checkpoint holds no fp32 master copies and no SGD momentum: resuming it as fp16 (which
     needs masters) or as SGD must be refused with a sentence, not crash on a missing state entry."""
@@ -108,3 +109,39 @@ def test_resume_of_a_finished_run_says_so(cli, trained_run, tmp_path):
     shutil.copytree(trained_run, run)
     proc = cli.train(run, steps=50, resume=True, expect_rc=None, in_process=True)
     assert_user_error(proc, "already reached step 50", "--steps")
+
+
+@pytest.mark.parametrize("flag, value", [("--top-k", "-1"), ("--max-new-tokens", "-5"), ("--temperature", "-0.5")])
+def test_generate_rejects_out_of_range_flags(cli, trained_run, flag, value):
+    proc = cli("generate", "--ckpt", trained_run, "--prompt", "x", flag, value, expect_rc=None, in_process=True)
+    assert_user_error(proc, flag)
+
+
+def test_out_that_is_a_file(cli, tmp_path):
+    (tmp_path / "afile").write_text("")
+    assert_user_error(cli.train(tmp_path / "afile", steps=1, expect_rc=None, in_process=True), "is a file")
+
+
+def test_fresh_run_into_a_finished_run_is_refused(cli, trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    proc = cli.train(run, steps=2, expect_rc=None, in_process=True)
+    assert_user_error(proc, "already holds a run", "--resume")
+    assert (run / "checkpoints" / "step_00000050").exists(), "the old run's checkpoints must survive"
+
+
+def test_unwritable_cache_dir(cli, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = cli("train", "--out", tmp_path / "run", "--set", f"data.cache_dir=\"{blocker / 'sub'}\"",
+               expect_rc=None, in_process=True)
+    assert_user_error(proc, "data.cache_dir")
+
+
+def test_bin_with_a_broken_sidecar(cli, tmp_path):
+    import numpy as np
+
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "tok.bin")
+    (tmp_path / "tok.json").write_text("{bad")
+    proc = cli.train(tmp_path / "run", f"data.path=\"{tmp_path / 'tok.bin'}\"", steps=1, expect_rc=None, in_process=True)
+    assert_user_error(proc, "tok.json")

@@ -97,3 +97,21 @@ def test_rng_state_round_trip(tmp_path):
     draw()  # move every stream further on
     set_rng_state(tensors, meta)
     assert draw() == expected
+
+
+def test_resumed_optimizer_takes_hyperparameters_from_the_current_config():
+    """State (moments, step) comes from the checkpoint; weight decay and betas as configured now."""
+    import torch
+
+    from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+
+    w = torch.nn.Parameter(torch.ones(3, 3))
+    old = torch.optim.AdamW([w], lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    w.grad = torch.full_like(w, 0.5)
+    old.step()
+    tensors, meta = optimizer_to_flat(old)
+    new = torch.optim.AdamW([w], lr=1e-3, weight_decay=0.5, betas=(0.8, 0.99))
+    optimizer_from_flat(new, tensors, meta)
+    assert new.param_groups[0]["weight_decay"] == 0.5 and tuple(new.param_groups[0]["betas"]) == (0.8, 0.99)
+    assert torch.equal(new.state[w]["exp_avg"], old.state[w]["exp_avg"])
+    assert float(new.state[w]["step"]) == 1.0
