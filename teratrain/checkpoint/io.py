@@ -7,7 +7,9 @@
     <run>/checkpoints/latest    name of the newest complete checkpoint
 
 A checkpoint is written into `step_X.tmp/`, every file fsynced, then renamed to `step_X/`, and only
-after that is `latest` replaced (itself atomically). A crash leaves at worst a `.tmp` folder that is
+after that is `latest` replaced (itself atomically). The folder must be on a filesystem every rank
+sees (as multi-node torchrun jobs have): ranks agree on which checkpoint to resume from by checking
+the same files. A crash leaves at worst a `.tmp` folder that is
 ignored. On load, a checkpoint whose files are missing, truncated or fail their digest is skipped
 with a warning and the previous complete one is used.
 """
@@ -40,9 +42,10 @@ def _noop(*_):
     return None
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     """Stream tensors into a safetensors file one at a time (no second copy of the state in memory;
-    views of one flat buffer are fine, unlike `safetensors.torch.save_file`)."""
+    views of one flat buffer are fine, unlike `safetensors.torch.save_file`). Returns the file's
+    sha256, computed from the bytes as they are written (no second read of a large file)."""
     header, offset = {}, 0
     names = sorted(tensors)
     for name in names:
@@ -52,13 +55,22 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in names:
-            t = tensors[name].detach().contiguous().cpu()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        for chunk in _chunks(blob, names, tensors):
+            digest.update(chunk)
+            f.write(chunk)
         f.flush()
+    return digest.hexdigest()
+
+
+def _chunks(blob: bytes, names: list[str], tensors: dict[str, torch.Tensor]):
+    yield struct.pack("<Q", len(blob))
+    yield blob
+    for name in names:
+        t = tensors[name].detach().contiguous().cpu()
+        if t.numel():
+            yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def sha256(path: Path) -> str:
@@ -79,16 +91,17 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
         tmp.mkdir(parents=True)
     barrier()
     st_path = tmp / f"rank{rank:05d}.safetensors"
-    write_safetensors(st_path, tensors)
+    digest = write_safetensors(st_path, tensors)
     fsync_file(st_path)
-    atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps(meta).encode())
+    own = {"bytes": st_path.stat().st_size, "sha256": digest}
+    atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps({**meta, "file": own}).encode())
     barrier()
-    if rank == 0:
+    if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
         files = {}
         for r in range(world):
-            for suffix in (".safetensors", ".json"):
-                p = tmp / f"rank{r:05d}{suffix}"
-                files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
+            rank_json = tmp / f"rank{r:05d}.json"
+            files[f"rank{r:05d}.safetensors"] = json.loads(rank_json.read_text())["file"]
+            files[rank_json.name] = {"bytes": rank_json.stat().st_size, "sha256": sha256(rank_json)}
         atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, "world": world, "files": files,
                                                           **(global_meta or {})}, indent=1).encode())
         if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
@@ -164,6 +177,7 @@ def load_rank(path: Path, rank: int, device: torch.device | str = "cpu") -> tupl
     of another's (data parallelism) wrote only its own RNG and scaler plus `replica_of`: the rest is
     read from that rank's file, the rank's own entries taking precedence."""
     meta = json.loads((path / f"rank{rank:05d}.json").read_text())
+    meta.pop("file", None)  # the size and digest of the rank's tensor file, for meta.json only
     tensors = {}
     with safe_open(str(path / f"rank{rank:05d}.safetensors"), framework="pt", device=str(device)) as f:
         for k in f.keys():
