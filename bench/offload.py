@@ -19,10 +19,9 @@ import resource
 import torch
 from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
 
-from teratrain.memory.precision import autocast
 from teratrain.memory.recompute import apply_recompute
-from teratrain.models.transformer import Transformer, count_params, flops_per_token, init_param_, lm_loss, materialize
-from teratrain.optim.engine import LocalEngine
+from teratrain.models.transformer import Transformer, count_params, flops_per_token, init_param_, materialize
+from teratrain.optim.engine import LocalEngine, train_step
 from teratrain.parallel.zero import ZeroEngine
 
 # Llama-8B's block (d 4096, 32 heads, 8 KV heads, d_ff 14336) stacked 42 deep, 32k vocabulary: 9.42B params.
@@ -44,10 +43,7 @@ def try_plain(cfg, dev) -> dict:
         materialize(model, dev, 0)
         engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=False)
         x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1), device=dev)
-        with autocast("bf16", dev):
-            loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-        engine.backward(loss)
-        engine.step(1e-4)
+        train_step(model, engine, [(x[:, :-1], x[:, 1:])], "bf16", 1e-4)
         return {"plain_adamw": "fits", "model_state_bytes": engine.last_state_bytes}
     except torch.OutOfMemoryError as e:
         return {"plain_adamw": "out of memory", "error": str(e).split("\n")[0][:200]}
@@ -79,13 +75,7 @@ def main() -> None:
     x = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, cfg.model.seq_len + 1), device=dev)
 
     def step():
-        for i in range(args.accum):
-            with engine.accumulate(last=i == args.accum - 1):
-                with autocast("bf16", dev):
-                    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-                engine.backward(loss / args.accum)
-        engine.step(1e-4)
-        return loss.item()
+        return train_step(model, engine, [(x[:, :-1], x[:, 1:])] * args.accum, "bf16", 1e-4)[1].item()
 
     times = time_steps(step, 1, args.steps, dev)
     tokens = args.micro_batch * args.accum * cfg.model.seq_len

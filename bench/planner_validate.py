@@ -1,7 +1,7 @@
 """Planner vs reality on one GPU: predicted peak memory and step time against measured ones.
 
 For each config: build the model as `teratrain train` does for one process (meta device ->
-parallelize(): recompute, then LocalEngine or ZeroEngine), run warm-up steps, time steps with
+parallelize(): recompute, then LocalEngine or ZeroEngine; planner.measure.build_engine), run warm-up steps, time steps with
 synchronize, read torch.cuda.max_memory_allocated over the steady-state steps, count the bytes
 autograd saves (saved_tensors_hooks), and compare each with the planner's prediction for the same
 layout. Prints one JSON object (rows with predicted / measured / error %).
@@ -9,7 +9,7 @@ layout. Prints one JSON object (rows with predicted / measured / error %).
     python bench/planner_validate.py            # on a GPU (H200: ~3-4 minutes, < 60 GiB)
     python bench/planner_validate.py --smoke    # tiny shapes on CPU: proves the script runs
 
-The H200 rows calibrate teratrain/planner/hardware.py:EFFICIENCY and are tabulated in docs/planner.md.
+The H200 rows calibrate the calibrated defaults of teratrain/planner/hardware.py:GPU and are tabulated in docs/planner.md.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from teratrain.config import load_config  # noqa: E402
-from teratrain.mesh import ParallelDims, Runtime  # noqa: E402
-from teratrain.models.transformer import Transformer  # noqa: E402
-from teratrain.parallel.parallelize import parallelize  # noqa: E402
 from teratrain.planner.activations import forward_saved  # noqa: E402
 from teratrain.planner.hardware import gpu_with  # noqa: E402
 from teratrain.planner.inputs import layout_of, shape_of, training_of  # noqa: E402
-from teratrain.planner.measure import random_batch, saved_bytes, train_step  # noqa: E402
+from teratrain.optim.engine import train_step  # noqa: E402
+from teratrain.planner.measure import build_engine, random_batch, saved_bytes  # noqa: E402
 from teratrain.planner.search import evaluate  # noqa: E402
 
 GIB = 2**30
@@ -52,7 +50,7 @@ GPU_CONFIGS = [
     ("gpt2-350m mb4 fp32", ["model.preset=gpt2-350m", "train.micro_batch=4", "memory.precision=fp32"]),
     ("gpt2-350m mb4 zero2 offload", ["model.preset=gpt2-350m", "train.micro_batch=4", "parallel.zero=2",
                                      "parallel.offload=optimizer"]),
-    # held out: not used to calibrate hardware.EFFICIENCY
+    # held out: not used to calibrate hardware.GPU's calibrated defaults
     ("held-out llama-1b mb1", ["model.preset=llama-1b", "train.micro_batch=1"]),
     ("held-out llama-8b 8 layers T2048 mb2 selective", ["model.preset=llama-8b", "model.n_layers=8",
                                                         "model.seq_len=2048", "train.micro_batch=2",
@@ -67,13 +65,6 @@ SMOKE_CONFIGS = [
     ("tiny gpt2 zero1", ["model.preset=tiny", "model.arch=gpt2", "train.micro_batch=2", "parallel.zero=1"]),
 ]
 COMMON = ["memory.precision=bf16", "train.compile=false"]
-
-
-def build(cfg, device: torch.device):
-    rt = Runtime(rank=0, world=1, local_rank=0, device=device, dims=ParallelDims(dp=1), mesh=None)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    return model, parallelize(model, rt, cfg)
 
 
 def sync(device: torch.device) -> None:
@@ -115,7 +106,7 @@ def phases(model, engine, batch, precision: str, device: torch.device, repeats: 
 
 def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup: int, hw: dict) -> dict:
     cfg = load_config(None, COMMON + sets + [f"train.global_batch={_mb(sets)}"])
-    model, engine = build(cfg, device)
+    model, engine = build_engine(cfg, device)
     batch = random_batch(cfg, cfg.train.micro_batch, device)
     times = []
     for i in range(warmup + steps):
@@ -123,7 +114,7 @@ def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup
             torch.cuda.reset_peak_memory_stats(device)  # steady state: optimizer state already exists
         sync(device)
         t0 = time.perf_counter()
-        train_step(model, engine, [batch], cfg.memory.precision)
+        train_step(model, engine, [batch], cfg.memory.precision, 1e-4)
         sync(device)
         times.append(time.perf_counter() - t0)
     row = {"name": name, "measured_step_s": statistics.median(times[warmup:]),

@@ -17,8 +17,8 @@ import torch
 from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
 
 from teratrain.memory.precision import autocast
-from teratrain.models.transformer import build_model, count_params, flops_per_token, lm_loss
-from teratrain.optim.engine import LocalEngine
+from teratrain.models.transformer import build_model, count_params, flops_per_token
+from teratrain.optim.engine import LocalEngine, train_step
 
 SHAPE = ["model.arch=llama", "model.d_model=2048", "model.n_layers=16", "model.n_heads=32", "model.n_kv_heads=8",
          "model.d_ff=8192", "model.vocab_size=32000", "model.seq_len=2048", "model.tie_embeddings=false"]
@@ -33,11 +33,7 @@ def ours(cfg, dev, compiled: bool):
     engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=False)
 
     def step(x, y):
-        with autocast("bf16", dev):
-            loss = lm_loss(model(x), y)
-        engine.backward(loss)
-        engine.step(cfg.optim.lr)
-        return loss.item()
+        return train_step(model, engine, [(x, y)], "bf16", cfg.optim.lr)[1].item()
 
     return step, (model, engine)
 

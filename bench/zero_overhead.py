@@ -17,9 +17,8 @@ import argparse
 import torch
 from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
 
-from teratrain.memory.precision import autocast
-from teratrain.models.transformer import Transformer, flops_per_token, init_param_, lm_loss, materialize
-from teratrain.optim.engine import LocalEngine
+from teratrain.models.transformer import Transformer, flops_per_token, init_param_, materialize
+from teratrain.optim.engine import LocalEngine, train_step
 from teratrain.parallel.data import DataParallelEngine
 from teratrain.parallel.zero import ZeroEngine
 
@@ -63,11 +62,7 @@ def main() -> None:
         x = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, cfg.model.seq_len + 1), device=dev)
 
         def step():
-            with autocast("bf16", dev):
-                loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-            engine.backward(loss)
-            engine.step(1e-4)
-            return loss.item()
+            return train_step(model, engine, [(x[:, :-1], x[:, 1:])], "bf16", 1e-4)[1].item()
 
         times = time_steps(step, 3, args.steps, dev)
         rows[name] = {"engine": name, **summarize(times, args.micro_batch * cfg.model.seq_len, flops_per_token(cfg.model), dev),

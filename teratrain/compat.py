@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-
 # 2.13 renamed the flat collectives (`*_tensor` / `*_into_tensor` still work there but warn).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -97,6 +97,11 @@ class Runtime:
     def is_server(self) -> bool:
         return self.rank >= self.dims.workers
 
+    @classmethod
+    def single(cls, device: torch.device | str) -> "Runtime":
+        """A world of one process on `device` (no process group), as a plain `python` run gets."""
+        return cls(rank=0, world=1, local_rank=0, device=torch.device(device), dims=ParallelDims(dp=1), mesh=None)
+
     @property
     def dp_rank(self) -> int:
         """Position along dp; 0 on a parameter server (it holds no replica and reads no data)."""

@@ -24,6 +24,7 @@ from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
 from teratrain.models.transformer import Transformer, flops_per_token, lm_loss
+from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, all_reduce, any_rank_false, broadcast_object
 from teratrain.parallel.parallelize import check_supported, parallelize
@@ -80,16 +81,9 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, tc.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
         model.train()
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
-        loss_sum = torch.zeros((), device=rt.device)
-        for i, (x, y) in enumerate(micro):
-            with engine.accumulate(last=i == len(micro) - 1):
-                with autocast(cfg.memory.precision, rt.device):
-                    loss = lm_loss(model(x), y)
-                engine.backward(loss / len(micro))
-            loss_sum += loss.detach()
-        stats = engine.step(lr)
+        stats, local_loss = train_step(model, engine, micro, cfg.memory.precision, lr)
         extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
-        loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(loss_sum / len(micro), rt)
+        loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         dt = time.perf_counter() - t0

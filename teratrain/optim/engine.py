@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
-from teratrain.memory.precision import LossScaler, has_inf_or_nan, param_dtype
+from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, param_dtype
+from teratrain.models.transformer import lm_loss
 from teratrain.optim.build import build_optimizer
 
 
@@ -93,6 +94,39 @@ class EngineBase:
     def skipped_steps(self) -> int:
         return self.scaler.skipped_steps if self.scaler else 0
 
+    # Cross-rank reductions of the update; one replica needs none. Sharded engines override both.
+    def found_inf(self, grads: list[torch.Tensor]) -> bool:
+        """Does any gradient (of any rank holding a part of them) hold an inf or nan?"""
+        return bool(has_inf_or_nan(grads))
+
+    def global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Squared L2 norm of the whole gradient."""
+        return sum_sq(grads)
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """fp16: divide the gradients by the loss scale and update the scale; True if the step must be
+        skipped (an overflow on any rank, so every rank skips together)."""
+        if self.scaler is None:
+            return False
+        torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        overflow = self.found_inf(grads)
+        self.scaler.update(overflow)
+        return overflow
+
+    def clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Clip to train.grad_clip by the global norm; returns that norm."""
+        norm = self.global_sq_norm(grads).sqrt()
+        clip_(grads, norm, self.grad_clip)
+        return norm
+
+    def _skip_step(self) -> StepStats:
+        """Drop this step's gradients; report the skip."""
+        self.zero_grad()
+        return StepStats(float("nan"), True, self.scaler.scale)
+
+    def _stepped(self, norm: torch.Tensor) -> StepStats:
+        return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
+
 
 class LocalEngine(EngineBase):
     """One replica's update. With `master_weights`, the model holds low-precision params and grads,
@@ -120,25 +154,14 @@ class LocalEngine(EngineBase):
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for _, p in self.named if p.grad is not None]
 
-    def found_inf(self, grads: list[torch.Tensor]) -> bool:
-        """Overflow check; a data-parallel engine would OR it over ranks (here grads are replicated)."""
-        return bool(has_inf_or_nan(grads))
-
     def step(self, lr: float) -> StepStats:
         first = self.last_state_bytes is None
         if first:  # counted once, as grads are held before the update
             self.last_state_bytes = self.state_bytes()
-        grads = self._fp32_grads()
-        if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            torch._foreach_mul_(grads, inv)
-            overflow = self.found_inf(grads)
-            self.scaler.update(overflow)
-            if overflow:
-                self.zero_grad()
-                return StepStats(float("nan"), True, self.scaler.scale)
-        norm = sum_sq(grads).sqrt()
-        clip_(grads, norm, self.grad_clip)
+        grads = self._fp32_grads()  # replicated after any data-parallel reduction: local checks suffice
+        if self.unscale_and_check(grads):
+            return self._skip_step()
+        norm = self.clip(grads)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -148,7 +171,7 @@ class LocalEngine(EngineBase):
         if self.masters is not None:
             with torch.no_grad():
                 torch._foreach_copy_([p for _, p in self.named], self.masters)
-        return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
+        return self._stepped(norm)
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         """Gradients the optimizer will read: with masters, fp32 copies attached to the masters
@@ -202,3 +225,18 @@ class LocalEngine(EngineBase):
         """Every parameter, whole, on CPU (fp32 masters when they exist)."""
         src = self.masters if self.masters is not None else [p for _, p in self.named]
         return {n: t.detach().cpu().clone() for (n, _), t in zip(self.named, src)}
+
+
+def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precision: str,
+               lr: float) -> tuple[StepStats, torch.Tensor]:
+    """One optimizer step as the trainer runs it for every strategy: each micro-batch's loss, divided
+    by their number, back-propagated inside `engine.accumulate` (which tells data-parallel engines
+    when to communicate), then `engine.step`. Returns the stats and the mean loss (a tensor: no sync)."""
+    total = None
+    for i, (x, y) in enumerate(micro_batches):
+        with engine.accumulate(last=i == len(micro_batches) - 1):
+            with autocast(precision, x.device):
+                loss = lm_loss(model(x), y)
+            engine.backward(loss / len(micro_batches))
+        total = loss.detach() if total is None else total + loss.detach()
+    return engine.step(lr), total / len(micro_batches)

@@ -76,10 +76,10 @@ class DataParallelEngine(LocalEngine):
     def state_tensors(self):
         """Replicas are identical: dp-rank 0 writes the model and optimizer state, the other ranks
         only their own scaler (their RNG is added by the trainer) and a pointer to rank 0's file."""
-        tensors, meta = super().state_tensors()
-        if torch.distributed.get_rank(self.group) if self.dp > 1 else 0:
-            return {}, {"scaler": meta["scaler"], "replica_of": torch.distributed.get_global_rank(self.group, 0)}
-        return tensors, meta
+        if self.dp > 1 and torch.distributed.get_rank(self.group) != 0:
+            return {}, {"scaler": self.scaler.state_dict() if self.scaler else None,
+                        "replica_of": torch.distributed.get_global_rank(self.group, 0)}
+        return super().state_tensors()
 
     def step(self, lr: float):
         self._finish_reduction()

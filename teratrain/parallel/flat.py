@@ -25,7 +25,6 @@ class Piece:
     """The part of parameter `index` that falls in this rank's shard."""
 
     index: int
-    param_lo: int  # offset inside the flattened parameter
     shard_lo: int  # offset inside this rank's shard
     numel: int
 
@@ -49,7 +48,7 @@ class FlatGroup:
         for i, (start, n) in enumerate(zip(self.offsets, self.numels)):
             lo, hi = max(start, self.lo), min(start + n, self.hi)
             if lo < hi:
-                out.append(Piece(i, lo - start, lo - self.lo, hi - lo))
+                out.append(Piece(i, lo - self.lo, hi - lo))
         return out
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -50,6 +50,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
 from teratrain.config import ConfigError
 from teratrain.memory.precision import LossScaler, has_inf_or_nan, param_dtype
@@ -379,7 +380,8 @@ class ParamServer:
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         ps = meta["param_server"]
         if ps["names"] != self.group.names:
-            raise ValueError("checkpoint parameter-server assignment differs from this run's")  # dims checked earlier
+            raise CheckpointError("the checkpoint's parameter-server assignment differs from this run's; resume "
+                                  "with the parallel.num_servers and model it was written with.")
         with torch.no_grad():
             for n, v in zip(self.group.names, self.views):
                 v.copy_(tensors[f"model.{n}"])

@@ -30,11 +30,10 @@ from teratrain.compat import in_backward, pinned_empty
 from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
 from teratrain.optim.build import build_optimizer
-from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes, weak_hook
+from teratrain.optim.engine import EngineBase, StepStats, sum_sq, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, all_reduce, any_rank, group_size, reduce_scatter
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, FlatGroup, bucketize
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
-
 
 
 class _Group(FlatGroup):
@@ -258,21 +257,21 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         if self.last_state_bytes is None:  # counted once, as grads are held before the update
             self.last_state_bytes = self.state_bytes()
         grads = [g.grad_shard for g in self.groups]
-        if self.scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            overflow = any_rank(bool(has_inf_or_nan(grads)), self.group, self.device)
-            self.scaler.update(overflow)
-            if overflow:  # every rank skips together
-                self.zero_grad()
-                return StepStats(float("nan"), True, self.scaler.scale)
-        sq = sum_sq(grads).to(self.device)
-        all_reduce(sq, self.group)  # squared norms of the shards add up to the global one
-        norm = sq.sqrt()
-        clip_(grads, norm, self.grad_clip)
+        if self.unscale_and_check(grads):
+            return self._skip_step()
+        norm = self.clip(grads)
         self._update(lr)
         self._publish()
         self.zero_grad()
-        return StepStats(float(norm), False, self.scaler.scale if self.scaler else None)
+        return self._stepped(norm)
+
+    def found_inf(self, grads: list[torch.Tensor]) -> bool:
+        return any_rank(bool(has_inf_or_nan(grads)), self.group, self.device)  # an inf may sit in one shard
+
+    def global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        sq = sum_sq(grads).to(self.device)
+        all_reduce(sq, self.group)  # squared norms of the shards add up to the global one
+        return sq
 
     def _update(self, lr: float) -> None:
         """Optimizer step on every shard: on the device, or on the host when offloaded

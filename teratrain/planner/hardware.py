@@ -16,18 +16,6 @@ from dataclasses import dataclass, fields, replace
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
 
-# Time-model constants, CALIBRATED on one H200 (torch 2.11, eager, bf16 autocast) with
-# bench/planner_validate.py; docs/planner.md ("Validation") has the table they come from.
-# - flops: sustained fraction of the datasheet peak on the model FLOPs. With bf16 it rises with the
-#   width d (the inner dimension of most matmuls: short K loops keep tensor cores waiting):
-#   eff = flops_max * d / (d + flops_d_half). fp32 runs CUDA-core GEMMs close to their lower peak.
-# - op_s: cost of one eager op besides its FLOPs (launch, and the small elementwise kernels between
-#   matmuls), per op the model issues (time.OPS_PER_BLOCK).
-# - mem: fraction of HBM bandwidth the fused optimizer sweep reaches.
-# H100 and A100 reuse the H200's factors until measured there.
-_H200_FIT = {"flops_max": 0.84, "flops_d_half": 1100.0, "flops_fp32": 0.80, "op_s": 6.75e-6, "mem": 0.67}
-EFFICIENCY = {"h200": _H200_FIT, "h100": _H200_FIT, "a100": _H200_FIT}
-
 
 @dataclass(frozen=True, kw_only=True)
 class GPU:
@@ -41,10 +29,18 @@ class GPU:
     gpus_per_node: int = 8
     alpha_intra_s: float = 5e-6
     alpha_inter_s: float = 15e-6
+    # Time-model constants, CALIBRATED on one H200 (torch 2.11, eager, bf16 autocast) with
+    # bench/planner_validate.py; docs/planner.md ("Validation") has the table they come from. H100 and
+    # A100 use the same values until measured there.
+    # Sustained fraction of the datasheet peak on the model FLOPs: with bf16 it rises with the width d
+    # (the inner dimension of most matmuls: short K loops keep tensor cores waiting),
+    # eff = flops_max * d / (d + flops_d_half); fp32 runs CUDA-core GEMMs close to their lower peak.
     flops_max: float = 0.84  # bf16/fp16 efficiency at infinite width
     flops_d_half: float = 1100.0  # width at which bf16/fp16 reaches half of flops_max
     flops_efficiency_fp32: float = 0.80
-    mem_efficiency: float = 0.67
+    mem_efficiency: float = 0.67  # fraction of HBM bandwidth the fused optimizer sweep reaches
+    # cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
+    # op the model issues (time.OPS_PER_BLOCK)
     op_overhead_s: float = 6.75e-6
     # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
     # handles outside the allocator (0.75 GiB measured on the H200, torch 2.11; NCCL adds more on
@@ -70,10 +66,7 @@ class GPU:
 
 
 def _gpu(name: str, table_key: str, **kw) -> GPU:
-    eff = EFFICIENCY[name]
-    return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], flops_max=eff["flops_max"],
-               flops_d_half=eff["flops_d_half"], flops_efficiency_fp32=eff["flops_fp32"], mem_efficiency=eff["mem"],
-               op_overhead_s=eff["op_s"], **kw)
+    return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], **kw)
 
 
 GPUS = {

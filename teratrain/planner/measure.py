@@ -1,8 +1,8 @@
 """Counting real runs: the numbers the planner's arithmetic is validated against.
 
 The planner itself never runs a model; this module does, for tests/unit/test_planner_*.py (CPU) and
-bench/planner_validate.py (GPU). It builds the model exactly as training does (build_model ->
-apply_recompute -> LocalEngine, which casts parameters to low precision when fp32 masters are kept).
+bench/planner_validate.py (GPU), building the model exactly as `teratrain train` does for one
+process (meta device -> parallelize(): recompute, then materialization and the update engine).
 """
 
 from __future__ import annotations
@@ -10,17 +10,16 @@ from __future__ import annotations
 import torch
 
 from teratrain.memory.precision import autocast
-from teratrain.memory.recompute import apply_recompute
-from teratrain.models.transformer import build_model, lm_loss
-from teratrain.optim.engine import LocalEngine
+from teratrain.mesh import Runtime
+from teratrain.models.transformer import Transformer, lm_loss
+from teratrain.parallel.parallelize import parallelize
 
 
-def build_engine(cfg, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, LocalEngine]:
-    """Model and single-replica engine as `teratrain train` builds them for one process."""
-    model = build_model(cfg.model, device, seed=cfg.train.seed)
-    apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)
-    engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
-    return model, engine
+def build_engine(cfg, device: str | torch.device = "cpu"):
+    """Model and engine as `teratrain train` builds them for one process."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    return model, parallelize(model, Runtime.single(device), cfg)
 
 
 def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
@@ -49,12 +48,3 @@ def random_batch(cfg, batch: int, device: str | torch.device = "cpu", seed: int 
     y = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len), generator=g)
     return x.to(device), y.to(device)
 
-
-def train_step(model, engine: LocalEngine, batches, precision: str, lr: float = 1e-4) -> None:
-    """One optimizer step over `batches` (micro-batches accumulated), as train.py runs it."""
-    for i, (x, y) in enumerate(batches):
-        with engine.accumulate(last=i == len(batches) - 1):
-            with autocast(precision, x.device):
-                loss = lm_loss(model(x), y)
-            engine.backward(loss / len(batches))
-    engine.step(lr)

@@ -4,7 +4,7 @@ Terms, each with its source or assumption:
 - compute: model FLOPs (PaLM appendix B: 6N + 12*L*H*Q*T per token, N the matmul weights a token
   multiplies), plus one more forward of what recomputation replays (Chen et al. 2016; selective
   recomputation replays only the attention core, 4*L*H*Q*T per token), at the datasheet peak times
-  a sustained efficiency that grows with the width d, calibrated on the H200 (hardware.EFFICIENCY).
+  a sustained efficiency that grows with the width d, calibrated on the H200 (the calibrated defaults of hardware.GPU).
 - eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
   matmuls, some HBM time; a calibrated cost per op (ops counted from our Block). This is what makes
   small models slower than their FLOPs say.

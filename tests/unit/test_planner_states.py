@@ -9,7 +9,8 @@ from teratrain.models.transformer import Transformer, init_param_
 from teratrain.parallel.zero import ZeroEngine
 from teratrain.planner.inputs import shape_of, training_of
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.planner.measure import build_engine, random_batch, train_step
+from teratrain.optim.engine import train_step
+from teratrain.planner.measure import build_engine, random_batch
 from teratrain.planner.states import PlanError, model_states, zero_paper_bytes
 
 GB = 1e9
@@ -66,7 +67,7 @@ CASES = [(a, p, o, extra) for a in ("llama", "gpt2") for o in ("adamw", "sgd", "
 def test_states_equal_local_engine_live_bytes(arch, precision, optim, extra):
     cfg = _cfg(arch, precision, optim, *extra)
     model, engine = build_engine(cfg)
-    train_step(model, engine, [random_batch(cfg, 2)], precision)
+    train_step(model, engine, [random_batch(cfg, 2)], precision, 1e-4)
     pred = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), Layout(), device="cpu")
     assert _live(engine) == {k: pred[k] for k in ("params", "grads", "optimizer")}
 
@@ -88,7 +89,7 @@ def test_states_equal_zero_engine_live_bytes(arch, zero, offload):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = ZeroEngine(model, cfg, None, torch.device("cpu"), init_fn=lambda n, t: init_param_(t, n, cfg.model, 0))
-    train_step(model, engine, [random_batch(cfg, 2)], "bf16")
+    train_step(model, engine, [random_batch(cfg, 2)], "bf16", 1e-4)
     lay = Layout(zero=zero, offload=offload)
     pred = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), lay, device="cpu")
     assert _live(engine) == {k: pred[k] for k in ("params", "grads", "optimizer")}
