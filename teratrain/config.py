@@ -132,10 +132,16 @@ class MemoryConfig(Section):
 
 
 class ParallelConfig(Section):
-    dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp*ep)")
-    tp: int = Field(1, ge=1, description="tensor-parallel degree")
+    dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp)")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (ranks that split every layer's weights)")
+    tp_form: Literal["megatron", "all-gather", "all-reduce"] = Field(
+        "megatron", description="megatron: column- then row-parallel pairs (one all-reduce per attention/MLP each way); "
+                                "all-gather / all-reduce: the seeds' per-layer forms (outputs all-gathered / partial "
+                                "products of inner-dim splits all-reduced)")
+    sequence_parallel: bool | None = Field(None, description="norms, dropout and residuals on sequence shards under tp "
+                                                             "(Korthikanti et al. 2022); unset = on for tp_form=megatron")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")
-    ep: int = Field(1, ge=1, description="expert-parallel degree")
+    ep: int = Field(1, ge=1, description="expert-parallel degree (divides dp: experts are spread over data-parallel ranks)")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
     offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
     sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")
@@ -147,6 +153,12 @@ class ParallelConfig(Section):
     overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
                                                  "for each one (to measure what the overlap saves)")
     timeout_s: float = Field(600.0, gt=0.0, description="collective timeout in seconds")
+
+    @property
+    def use_sp(self) -> bool:
+        """Sequence parallelism in effect: only with tp > 1, by default for the megatron form."""
+        sp = self.tp_form == "megatron" if self.sequence_parallel is None else self.sequence_parallel
+        return self.tp > 1 and sp
 
 
 class DataConfig(Section):

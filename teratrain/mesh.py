@@ -1,7 +1,7 @@
-"""Process layout: validated parallel degrees, the named DeviceMesh, torchrun's environment.
+"""Process layout: validated parallel degrees, the named mesh and its groups, torchrun's environment.
 
-Ranks are laid out with tp innermost (tensor-parallel peers are neighbours, so on one node),
-then ep, dp, and pp outermost. For pp=2, dp=2, tp=2 (8 ranks):
+Worker ranks form a grid with axes pp (outermost), dp, tp (innermost: tensor-parallel peers are
+neighbours, so on one node). For pp=2, dp=2, tp=2 (8 ranks):
 
             tp=0  tp=1
     pp=0 dp=0  [0]   [1]
@@ -9,31 +9,46 @@ then ep, dp, and pp outermost. For pp=2, dp=2, tp=2 (8 ranks):
     pp=1 dp=0  [4]   [5]
          dp=1  [6]   [7]
 
-A rank's coordinate on each axis is its position along that axis; every group of the mesh is a
-set of ranks that differ in exactly one coordinate.
+Expert parallelism borrows its ranks from dp rather than multiplying the world: the dp coordinate d
+splits into (d // ep, d % ep), so ep neighbours along dp share one set of experts between them
+(each still reads its own samples). With dp=4, ep=2: dp ranks {0,1} and {2,3} are the expert groups
+(`ep`), and {0,2} and {1,3} hold the same experts (`ep_replicas`).
+
+A group is a set of ranks that differ only along some axes. `Mesh.group(name)` returns this rank's
+process group for one of the names below (None when the group is this rank alone: every
+collective in parallel/comm.py then degenerates to a local no-op):
+
+    world        every worker                      dp      vary dp           tp   vary tp
+    pp           vary pp                           dp_tp   vary dp and tp (a replicated tensor's
+    ep           vary the ep part of dp                    partial gradients, e.g. sequence-parallel norms)
+    ep_replicas  vary the other part of dp (ranks holding the same experts)
 
 With `parallel.sync=param-server` the job also has `num_servers` server ranks, placed after every
 worker and outside the mesh (dp=2, 2 servers: workers [0] [1] form the mesh, servers are ranks 2, 3).
-Workers' collectives (the loss average, evaluation) therefore never wait on a server.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
 from teratrain.config import ConfigError
 
-AXES = ("pp", "dp", "ep", "tp")  # outermost to innermost
+AXES = ("pp", "dp", "tp")  # outermost to innermost; ep splits dp
+GROUPS: dict[str, tuple[str, ...]] = {  # name -> the coordinates that vary within one group
+    "world": ("pp", "dp", "tp"), "pp": ("pp",), "dp": ("dp",), "tp": ("tp",), "dp_tp": ("dp", "tp"),
+    "ep": ("ep",), "ep_replicas": ("ep_replica",),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Degrees of parallelism; their product is the number of worker processes, and the job has
-    `num_servers` more (parameter servers) when parallel.sync=param-server."""
+    """Degrees of parallelism. dp * tp * pp is the number of worker processes (ep divides dp and
+    adds none); the job has `num_servers` more (parameter servers) when parallel.sync=param-server."""
 
     dp: int
     tp: int = 1
@@ -48,20 +63,23 @@ class ParallelDims:
         if workers < 1:
             raise ConfigError(f"parallel.num_servers={servers} leaves no worker among the {world} processes; "
                               f"launch more processes (--nproc) or lower parallel.num_servers.")
-        other = pcfg.tp * pcfg.pp * pcfg.ep
+        other = pcfg.tp * pcfg.pp
         if workers % other:
-            raise ConfigError(f"parallel.tp*pp*ep = {other} does not divide the {workers} worker processes; "
+            raise ConfigError(f"parallel.tp*pp = {other} does not divide the {workers} worker processes; "
                               f"choose degrees whose product divides {workers}.")
         dims = cls(dp=pcfg.dp or workers // other, tp=pcfg.tp, pp=pcfg.pp, ep=pcfg.ep, num_servers=servers)
         if dims.world != world:
-            raise ConfigError(f"parallel.dp*tp*pp*ep{plus} = {dims.world} but {world} processes were launched; "
+            raise ConfigError(f"parallel.dp*tp*pp{plus} = {dims.world} but {world} processes were launched; "
                               f"set parallel.dp={workers // other} or launch {dims.world} processes (--nproc).")
+        if dims.dp % dims.ep:
+            raise ConfigError(f"parallel.ep={dims.ep} must divide the data-parallel degree {dims.dp} (expert "
+                              "parallelism borrows data-parallel ranks); choose an ep that divides dp.")
         return dims
 
     @property
     def workers(self) -> int:
         """Ranks that train (all of them unless there are parameter servers)."""
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp
 
     @property
     def world(self) -> int:
@@ -71,27 +89,93 @@ class ParallelDims:
         return tuple(getattr(self, a) for a in AXES)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Rank -> coordinate per axis (row-major over AXES); workers only."""
+        """Rank -> coordinate per axis (row-major over AXES), plus dp's two parts `ep` and
+        `ep_replica`; workers only."""
         if rank >= self.workers:
             raise ValueError(f"rank {rank} is a parameter server, outside the worker mesh")
         out = {}
         for axis, size in reversed(list(zip(AXES, self.shape()))):
             out[axis] = rank % size
             rank //= size
+        out["ep"], out["ep_replica"] = out["dp"] % self.ep, out["dp"] // self.ep
         return out
+
+    def ranks_with(self, rank: int, vary: tuple[str, ...]) -> list[int]:
+        """The workers whose coordinates equal `rank`'s except along the axes in `vary`."""
+        me = self.coords(rank)
+        fixed = [a for a in ("pp", "tp") if a not in vary]
+        if "dp" not in vary:  # dp is the pair (ep_replica, ep): fixing both parts fixes dp
+            fixed += [a for a in ("ep", "ep_replica") if a not in vary]
+        return [r for r in range(self.workers) if all(self.coords(r)[a] == me[a] for a in fixed)]
+
+
+@dataclass
+class Mesh:
+    """The worker grid and this rank's process groups by name (see the module docstring). Groups
+    are created on first use by their members only, so every member must ask for a group in the
+    same order as the others (strategies are applied in one fixed order on every rank)."""
+
+    dims: ParallelDims
+    rank: int
+    _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coords(self.rank)
+
+    def ranks(self, name: str) -> list[int]:
+        """The workers in this rank's group `name`, in rank order. `name:purpose` (e.g. `dp:gather`)
+        is the same set of ranks with a process group of its own, so two streams of collectives
+        (ZeRO-3's gathers and its reductions) can each keep their own order."""
+        base, _, _purpose = name.partition(":")
+        if base != name:
+            return self.ranks(base)
+        if name not in self._ranks:
+            if name not in GROUPS:
+                raise KeyError(f"mesh group {name!r} is neither standard ({', '.join(GROUPS)}) nor defined by define()")
+            self._ranks[name] = self.dims.ranks_with(self.rank, GROUPS[name])
+        return self._ranks[name]
+
+    def size(self, name: str) -> int:
+        return len(self.ranks(name))
+
+    def rank_in(self, name: str) -> int:
+        return self.ranks(name).index(self.rank)
+
+    def group(self, name: str):
+        """This rank's process group called `name` (None if it holds this rank alone)."""
+        if name not in self._groups:
+            ranks = self.ranks(name)
+            self._groups[name] = _new_group(ranks) if len(ranks) > 1 else None
+        return self._groups[name]
+
+    def define(self, name: str, key: Callable[[dict[str, int]], object]) -> str:
+        """Name a custom group: the workers whose coordinates give the same `key` as this rank's (e.g.
+        the tensor-parallel ranks that hold the same replicated key/value head). Returns `name`."""
+        if name not in self._ranks:
+            mine = key(self.coords)
+            self._ranks[name] = [r for r in range(self.dims.workers) if key(self.dims.coords(r)) == mine]
+        return name
+
+
+def _new_group(ranks: list[int]):
+    import torch.distributed as dist
+
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 @dataclass
 class Runtime:
-    """Where this process runs and who its peers are. `mesh` is None for a single process and on
-    parameter servers (they are outside the worker mesh)."""
+    """Where this process runs and who its peers are. `mesh` is None on parameter servers (they are
+    outside the worker mesh); a single process has a mesh of one whose groups are all None."""
 
     rank: int
     world: int
     local_rank: int
     device: torch.device
     dims: ParallelDims
-    mesh: object | None  # torch.distributed.device_mesh.DeviceMesh
+    mesh: Mesh | None
 
     @property
     def is_server(self) -> bool:
@@ -100,25 +184,33 @@ class Runtime:
     @classmethod
     def single(cls, device: torch.device | str) -> "Runtime":
         """A world of one process on `device` (no process group), as a plain `python` run gets."""
-        return cls(rank=0, world=1, local_rank=0, device=torch.device(device), dims=ParallelDims(dp=1), mesh=None)
+        dims = ParallelDims(dp=1)
+        return cls(rank=0, world=1, local_rank=0, device=torch.device(device), dims=dims, mesh=Mesh(dims, 0))
+
+    def coord(self, axis: str) -> int:
+        """Position along `axis` ("pp", "dp", "tp", "ep"); 0 on a parameter server."""
+        return 0 if self.is_server else self.dims.coords(self.rank)[axis]
 
     @property
     def dp_rank(self) -> int:
         """Position along dp; 0 on a parameter server (it holds no replica and reads no data)."""
-        return 0 if self.is_server else self.dims.coords(self.rank)["dp"]
+        return self.coord("dp")
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def group(self, name: str):
+        """The named mesh group of this rank (None when it is this rank alone, or on a parameter server)."""
+        return self.mesh.group(name) if self.mesh is not None else None
+
     @property
     def dp_group(self):
-        """The data-parallel process group (None for a single process or on a parameter server)."""
-        return self.mesh["dp"].get_group() if self.mesh is not None else None
+        return self.group("dp")
 
     @property
     def world_group(self):
-        """Every process of the job (None for a single process)."""
+        """Every process of the job, servers included (None for a single process)."""
         if self.world == 1:
             return None
         import torch.distributed as dist
@@ -152,17 +244,12 @@ def init_runtime(cfg) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dims = ParallelDims.from_config(cfg.parallel, world)
     device = pick_device(cfg.train.device, local_rank)
-    mesh = None
     if world > 1:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                     device_id=device if device.type == "cuda" else None)
-        # the mesh spans the workers only; servers take part in creating its groups (a collective)
-        mesh = init_device_mesh(device.type, dims.shape(), mesh_dim_names=AXES)
-        if rank >= dims.workers:
-            mesh = None
+    mesh = Mesh(dims, rank) if rank < dims.workers else None
     return Runtime(rank=rank, world=world, local_rank=local_rank, device=device, dims=dims, mesh=mesh)

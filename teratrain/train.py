@@ -23,7 +23,7 @@ from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
-from teratrain.models.transformer import Transformer, flops_per_token, lm_loss
+from teratrain.models.transformer import Transformer, flops_per_token
 from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, all_reduce, any_rank_false, broadcast_object
@@ -125,7 +125,7 @@ def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
         real = i < n
         x, y = batches.get(0, (i if real else 0) * mb, ((i if real else 0) + 1) * mb, rt.device)
         with autocast(cfg.memory.precision, rt.device):
-            loss = lm_loss(model(x), y).float()
+            loss = model(x, y).float()
         if real:
             total += torch.stack([loss, torch.ones_like(loss)])
     all_reduce(total, rt.dp_group)

@@ -1,8 +1,8 @@
 """Transformer building blocks. Single-device code: strategies swap or wrap these from outside.
 
 Linear layers carry stable names (`wq wk wv wo`, `w1 w2 w3`) so sharding plans can address them, and
-head counts are read from tensor shapes (`view(B, T, -1, hd)`) so a tensor-parallel split of the
-projections needs no change here.
+head counts and lengths are read from the projections' shapes (`view(B, T, -1, hd)`) so a
+tensor-parallel split of the projections (and sequence parallelism) needs no change here.
 """
 
 from __future__ import annotations
@@ -109,11 +109,12 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple | None, cache: KVCache | None = None, start: int = 0):
-        B, T, _ = x.shape
         hd = self.head_dim
-        q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh*hs), (B, T, nkv*hs) x 2
+        B, T = q.shape[:2]  # from the projections: sequence parallelism gathers x's T/tp tokens in wq
+        q = q.view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:

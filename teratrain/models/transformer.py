@@ -1,8 +1,10 @@
 """Decoder-only transformer in two flavours, Llama-style and GPT-2-style, built from `layers.py`.
 
-Shaped for strategies applied from outside: blocks live in `self.layers` (a ModuleList), every linear
-layer has a stable name, any of `tok_embeddings`, `norm`, `output` may be set to None by a pipeline
-split, and the model is built on the meta device and materialized with `init_weights`.
+Shaped for strategies applied from outside: blocks live in `self.layers`, keyed by their global index
+(`layers.17` on whatever pipeline stage holds it), every linear layer has a stable name, any of
+`tok_embeddings`, `norm`, `output` may be set to None by a pipeline split, the head and the loss are
+modules a strategy can swap (vocab-parallel under tensor parallelism), and the model is built on
+the meta device and materialized with `init_weights`.
 """
 
 from __future__ import annotations
@@ -38,12 +40,20 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Blocks(nn.ModuleList):
-    """The block stack. A ModuleList (names `layers.0`, `layers.1`, ...) that can also run itself,
-    so a recomputation policy can replace how it runs without renaming any parameter."""
+class Blocks(nn.ModuleDict):
+    """The block stack, keyed by global layer index (`layers.0`, `layers.1`, ...; a pipeline stage
+    keeps the keys of the blocks it holds). It can also run itself, so a recomputation policy can
+    replace how it runs without renaming any parameter. Iteration yields the blocks in order."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, index: int | str) -> nn.Module:
+        """The block of global layer `index` (an int or its key)."""
+        return super().__getitem__(str(index))
 
     def forward(self, h: torch.Tensor, rope=None, caches: list[KVCache] | None = None, start: int = 0):
-        for i, block in enumerate(self):
+        for i, block in enumerate(self.values()):
             h = block(h, rope, caches[i] if caches else None, start)
         return h
 
@@ -62,14 +72,18 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.arch == "llama" else None
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = Blocks(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         # Tied: the head reuses tok_embeddings.weight in forward(), so there is no second tensor to keep tied.
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tied_head = TiedHead()  # parameter-free; swapped by tensor parallelism
+        self.criterion = LMLoss()
 
-    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
         """tokens: (B, T) ids (or (B, T, d) hidden states on a pipeline stage without embeddings).
-        Returns logits (B, T, V), or hidden states on a stage without the head."""
+        Returns the mean loss when `targets` (B, T) are given, else logits (B, T, V), or hidden
+        states on a stage without the head."""
         T = tokens.shape[1]
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -82,9 +96,8 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
-        if self.output is not None:
-            return self.output(h)  # (B, T, V)
-        return F.linear(h, self.tok_embeddings.weight)  # tied head, (B, T, V)
+        logits = self.output(h) if self.output is not None else self.tied_head(h, self.tok_embeddings.weight)
+        return logits if targets is None else self.criterion(logits, targets)  # (B, T, V) or ()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -144,6 +157,20 @@ def materialize(model: Transformer, device: torch.device | str, seed: int) -> Tr
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32. logits (B, T, V), targets (B, T)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class LMLoss(nn.Module):
+    """The training loss as a module, so a strategy can swap it (vocab-parallel cross-entropy)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)
+
+
+class TiedHead(nn.Module):
+    """The output projection through the input embedding's weight: h (B, T, d) -> (B, T, V)."""
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight)
 
 
 def count_params(cfg: "ModelConfig") -> dict[str, int]:

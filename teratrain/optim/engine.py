@@ -19,8 +19,8 @@ from torch import nn
 
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
 from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, param_dtype
-from teratrain.models.transformer import lm_loss
 from teratrain.optim.build import build_optimizer
+from teratrain.parallel.placement import placements_json
 
 
 @dataclass
@@ -60,15 +60,21 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> Non
     """Scale gradients so their global L2 norm is at most max_norm (as torch.nn.utils.clip_grad_norm_)."""
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+        torch._foreach_mul_(grads, coef.to(grads[0].device, torch.float32))
 
 
-def sum_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of all gradients in fp32 (the squared global norm, before any cross-rank sum)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([g.float() for g in grads] if grads[0].dtype != torch.float32 else grads)
-    return torch.stack(norms).pow(2).sum()
+NORM_CHUNK = 1 << 22  # elements per fp64 partial norm: bounds the temporary upcast to 32 MiB
+
+
+def sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all tensors in fp64 (the squared global norm, before any cross-rank sum),
+    upcasting NORM_CHUNK elements at a time: fp32 accumulation over millions of elements drifts by
+    ~1e-5 relative."""
+    parts = [torch.linalg.vector_norm(c, dtype=torch.float64) for t in tensors
+             for c in t.reshape(-1).split(NORM_CHUNK) if c.numel()]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(parts).square().sum()
 
 
 class EngineBase:
@@ -89,6 +95,10 @@ class EngineBase:
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.scaler.scale if self.scaler else loss).backward()
+        self.end_backward()
+
+    def end_backward(self) -> None:
+        """Called once a micro-batch's backward is over (engines launch what is still pending)."""
 
     @property
     def skipped_steps(self) -> int:
@@ -202,17 +212,18 @@ class LocalEngine(EngineBase):
                 "optimizer": tensor_bytes(opt + list(self.masters or []))}
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {f"model.{n}": p for n, p in self.named}
+        tensors = {f"model.{n}": p for n, p in self.model.named_parameters()}  # frozen ones too
         if self.masters is not None:
             tensors.update({f"master.{n}": m for (n, _), m in zip(self.named, self.masters)})
         opt_tensors, opt_meta = optimizer_to_flat(self.optimizer)
         tensors.update(opt_tensors)
-        meta = {"optimizer": opt_meta, "scaler": self.scaler.state_dict() if self.scaler else None}
+        meta = {"optimizer": opt_meta, "scaler": self.scaler.state_dict() if self.scaler else None,
+                "placements": placements_json(self.model)}
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         with torch.no_grad():
-            for n, p in self.named:
+            for n, p in self.model.named_parameters():
                 p.copy_(tensors[f"model.{n}"])
             for (n, _), m in zip(self.named, self.masters or []):
                 m.copy_(tensors[f"master.{n}"])
@@ -220,11 +231,17 @@ class LocalEngine(EngineBase):
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
 
+    def training_values(self) -> dict[str, torch.Tensor]:
+        """Each parameter's values as training continues from them (fp32 masters when they exist),
+        frozen ones included, by local name."""
+        out = {n: p for n, p in self.model.named_parameters()}
+        out.update({n: m for (n, _), m in zip(self.named, self.masters or [])})
+        return out
+
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on CPU (fp32 masters when they exist)."""
-        src = self.masters if self.masters is not None else [p for _, p in self.named]
-        return {n: t.detach().cpu().clone() for (n, _), t in zip(self.named, src)}
+        return {n: t.detach().cpu().clone() for n, t in self.training_values().items()}
 
 
 def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precision: str,
@@ -236,7 +253,7 @@ def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precis
     for i, (x, y) in enumerate(micro_batches):
         with engine.accumulate(last=i == len(micro_batches) - 1):
             with autocast(precision, x.device):
-                loss = lm_loss(model(x), y)
+                loss = model(x, y)
             engine.backward(loss / len(micro_batches))
         total = loss.detach() if total is None else total + loss.detach()
     return engine.step(lr), total / len(micro_batches)

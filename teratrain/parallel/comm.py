@@ -73,3 +73,160 @@ def broadcast_object(obj, group):
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+# ---------------------------------------------------------------- autograd-aware collectives
+# Megatron-LM's tensor-parallel communication (Shoeybi et al. 2019, sec. 3; Korthikanti et al.
+# 2022 for the sequence-parallel pair). Each says what runs forward and what runs backward; `group`
+# is the tensor-parallel group, and every function is the identity for a group of one.
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's `f`: identity forward, all-reduce (sum) of the gradient backward. Enters a
+    tensor-parallel region whose ranks each use the whole input for their own part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's `g`: all-reduce (sum) forward, identity backward. Leaves a region whose ranks
+    each computed a partial sum (a row-parallel product)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        if x.is_contiguous():  # a fresh partial product nothing else reads: reduce it in place
+            ctx.mark_dirty(x)
+        else:
+            x = x.contiguous()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim forward (each rank's columns side by side), keep this rank's
+    slice of the gradient backward: the output side of the seeds' all-gather form."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = group_size(ctx.group)
+        if n == 1:
+            return grad, None
+        return grad.chunk(n, dim=-1)[dist.get_rank(ctx.group)].contiguous(), None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    """Keep this rank's slice of the last dim forward, all-gather the gradient backward: the input
+    side of the seeds' all-reduce form (X split along the inner dimension)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, n = group, group_size(group)
+        return x if n == 1 else x.chunk(n, dim=-1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """(..., d) on each rank -> (..., n * d), ranks' slices side by side."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    all_gather(out.view(-1), x.view(-1), group)
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/n, ...) on each rank -> (B, T, ...), shards in rank order. One flat all-gather; the
+    transpose back costs a copy only when B > 1."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    all_gather(out.view(-1), x.view(-1), group)
+    return out.transpose(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) of the sum."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    B, T = x.shape[:2]
+    chunks = x.reshape(B, n, T // n, *x.shape[2:]).transpose(0, 1).contiguous()  # (n, B, T/n, ...)
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter(out.view(-1), chunks.view(-1), group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallelism's entry to a tensor-parallel region: all-gather the sequence shards
+    forward, reduce-scatter the (partial) gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallelism's exit: reduce-scatter the partial sums along the sequence forward,
+    all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad, ctx.group), None
+
+
+def copy_to_tp(x, group):
+    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_tp(x, group):
+    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_last_dim(x, group):
+    return _GatherLastDim.apply(x, group) if group_size(group) > 1 else x
+
+
+def split_last_dim(x, group):
+    return _SplitLastDim.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_sequence(x, group):
+    return _GatherSequence.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_scatter_sequence(x, group):
+    return _ReduceScatterSequence.apply(x, group) if group_size(group) > 1 else x

@@ -1,11 +1,13 @@
-"""Data parallelism (bulk synchronous): every rank holds the whole model, computes gradients on
-its slice of the global batch, and gradients are averaged before an identical update everywhere.
+"""Data parallelism (bulk synchronous): every rank holds the whole model (or its tensor-parallel
+part), computes gradients on its slice of the global batch, and gradients are combined before an
+identical update everywhere.
 
-Gradients live in flat buckets of ~`parallel.bucket_mb` (each `p.grad` is a view into its bucket,
-so nothing is copied). A bucket's all-reduce is launched asynchronously from a post-accumulate-grad
-hook as soon as its last gradient is ready, so communication overlaps the rest of backward
-(Li et al. 2020, "PyTorch Distributed"). Buckets launch in a fixed order on every rank. On gradient
-accumulation micro-steps nothing is communicated; the reduction happens on the last one.
+Gradients live in flat buckets of ~`parallel.bucket_mb`, one reduction group and dtype per bucket
+(each `p.grad` is a view into its bucket, so nothing is copied). A bucket's all-reduce is launched
+asynchronously from a post-accumulate-grad hook once it is complete and every earlier bucket has
+been launched (parallel/grads.py: one fixed order on every rank), so communication overlaps the rest
+of backward (Li et al. 2020, "PyTorch Distributed"). On accumulation micro-steps nothing is
+communicated; the reduction happens on the last one.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import torch
 
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine, weak_hook
-from teratrain.parallel.comm import AVG, all_reduce, group_size
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize_by_dtype
+from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
+from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_buckets, reduce_scale
+from teratrain.parallel.placement import placement, to_global
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], device):
-        self.params = params
+    def __init__(self, key, params: list[torch.nn.Parameter], device, mesh):
+        self.params, self.group = params, mesh.group(key[0])
+        self.scale = reduce_scale(mesh, key[0])
         numel = sum(p.numel() for p in params)
         self.flat = torch.zeros(numel, dtype=params[0].dtype, device=device)
         offset = 0
@@ -33,28 +38,33 @@ class _Bucket:
 class DataParallelEngine(LocalEngine):
     persistent_grads = True
 
-    def __init__(self, model, cfg, group, device: torch.device):
+    def __init__(self, model, cfg, rt):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
-        self.group, self.dp = group, group_size(group)
+        self.mesh = rt.mesh
         self.reduce_dtype, self.overlap = DTYPES[cfg.parallel.reduce_dtype], cfg.parallel.overlap_comm
-        self.buckets = [_Bucket([p for _, p in members], device)
-                        for members in bucketize_by_dtype(self.named, int(cfg.parallel.bucket_mb * 2**20))]
+        buckets = ordered_buckets(self.named, int(cfg.parallel.bucket_mb * 2**20), group_key)
+        self.buckets = [_Bucket(b.key, [p for _, p in b.members], rt.device, self.mesh) for b in buckets]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for _, p in self.named:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
-        self._next, self._inflight = 0, []  # no communication until the last micro-step (`_sync`)
+        self.order = LaunchOrder(self.buckets, self._launch)
+        self._inflight = []
+        # After the all-reduce, gradients are replicated within each group: a norm over the world is
+        # needed only when ranks hold different parameters (tensor/pipeline/expert parallelism).
+        self.cross = CrossRank(self.mesh, rt.device)
+        self.local_norm = rt.dims.workers == rt.dims.dp and all(b.group == self.mesh.group("dp") for b in self.buckets)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self._sync:
             return
-        self._bucket_of[p].ready += 1
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        b = self._bucket_of[p]
+        b.ready += 1
+        if b.ready == len(b.params):
+            self.order.mark_ready(b)
 
     def _launch(self, b: _Bucket) -> None:
-        t = b.flat if b.flat.dtype == self.reduce_dtype or self.dp == 1 else b.flat.to(self.reduce_dtype)
-        self._inflight.append((all_reduce(t, self.group, async_op=True, op=AVG), b, t))
+        t = b.flat if b.flat.dtype == self.reduce_dtype or b.group is None else b.flat.to(self.reduce_dtype)
+        self._inflight.append((all_reduce(t, b.group, async_op=True, op=AVG), b, t))
         while len(self._inflight) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # bound copies alive at once
             self._complete(self._inflight.pop(0))
 
@@ -64,26 +74,47 @@ class DataParallelEngine(LocalEngine):
         handle.wait()
         if t is not b.flat:
             b.flat.copy_(t)
+        if b.scale != 1:
+            b.flat.mul_(b.scale)
         b.ready = 0
 
-    def _finish_reduction(self) -> None:
-        for b in self.buckets[self._next:]:  # buckets whose grads never all arrived (unused params)
-            self._launch(b)
-        for item in self._inflight:
-            self._complete(item)
-        self._next, self._inflight = 0, []
-
-    def state_tensors(self):
-        """Replicas are identical: dp-rank 0 writes the model and optimizer state, the other ranks
-        only their own scaler (their RNG is added by the trainer) and a pointer to rank 0's file."""
-        if self.dp > 1 and torch.distributed.get_rank(self.group) != 0:
-            return {}, {"scaler": self.scaler.state_dict() if self.scaler else None,
-                        "replica_of": torch.distributed.get_global_rank(self.group, 0)}
-        return super().state_tensors()
+    def end_backward(self) -> None:
+        if self._sync:  # buckets whose grads did not all arrive (unused parameters) go now, in order
+            self.order.flush()
 
     def step(self, lr: float):
-        self._finish_reduction()
+        for item in self._inflight:
+            self._complete(item)
+        self._inflight = []
         return super().step(lr)
+
+    # ---- cross-rank parts of the update
+    def found_inf(self, grads):
+        return super().found_inf(grads) if self.local_norm else self.cross.any_inf(grads)
+
+    def global_sq_norm(self, grads):
+        if self.local_norm:
+            return super().global_sq_norm(grads)
+        # `grads` follow self.named: bucket views (or master grads) exist for every parameter
+        return self.cross.sq_norm([g for g, (_, p) in zip(grads, self.named)
+                                   if self.cross.counted(placement(p), replicated_over_group=True)])
+
+    # ---- checkpoints and tests
+    def state_tensors(self):
+        """Replicas are identical: the first rank of each set of replicas writes the model and
+        optimizer state, the others only their own scaler (their RNG is added by the trainer) and a
+        pointer to that rank's file."""
+        first = self.mesh.ranks("ep_replicas")[0]
+        if first != self.mesh.rank:
+            return {}, {"scaler": self.scaler.state_dict() if self.scaler else None, "replica_of": first}
+        return super().state_tensors()
+
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter this rank's model holds, whole (collective over tensor parallelism)."""
+        params = dict(self.model.named_parameters())
+        return {placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
+                for n, t in self.training_values().items()}
 
     def zero_grad(self) -> None:
         for b in self.buckets:

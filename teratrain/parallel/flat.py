@@ -66,26 +66,3 @@ class FlatGroup:
             if t is not None:
                 view.copy_(t)
         return flat
-
-
-def bucketize(named: list[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Greedy buckets in reverse registration order (about the order backward produces gradients),
-    each closed once it reaches `bucket_bytes`."""
-    buckets, cur, size = [], [], 0
-    for name, p in reversed(named):
-        cur.append((name, p))
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def bucketize_by_dtype(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """`bucketize` within each dtype: one flat buffer holds one dtype."""
-    by_dtype: dict[torch.dtype, list] = {}
-    for name, t in named:
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-    return [b for group in by_dtype.values() for b in bucketize(group, bucket_bytes)]

@@ -1,6 +1,8 @@
 """The one place that decides the order in which strategies are applied to a model.
 
 Order, each with its reason:
+0. placements       - every parameter gets the plain placement (whole, averaged over dp); the
+                      transforms below overwrite what they split, so nothing downstream guesses.
 1. pipeline split   - decides which blocks this rank holds; everything after works on the local part.
 2. tensor/sequence  - swaps linear layers for sharded ones before anything wraps or hooks them.
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
@@ -17,13 +19,18 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.memory.recompute import apply_recompute
-from teratrain.models.transformer import init_param_, materialize
+from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.placement import assign_defaults, materialize
+from teratrain.parallel.tensor import apply_tp, check_tp
 
 
 def parallelize(model: nn.Module, rt, cfg):
     """Apply every configured strategy to `model` (on the meta device); return the update engine."""
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
+    assign_defaults(model)  # 0
+    if rt.dims.tp > 1:  # 2
+        apply_tp(model, rt, cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
@@ -33,10 +40,11 @@ def parallelize(model: nn.Module, rt, cfg):
 def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
-    for key, what in (("pp", "pipeline"), ("tp", "tensor"), ("ep", "expert")):
+    for key, what in (("pp", "pipeline"), ("ep", "expert")):
         if getattr(p, key) > 1:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
                               f"version; set parallel.{key}=1.")
+    check_tp(cfg)
     if p.zero >= 1 and cfg.optim.name == "adafactor":
         raise ConfigError("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
                           "use optim.name=adamw or sgd with parallel.zero>=1.")
@@ -51,6 +59,9 @@ def check_supported(cfg) -> None:
     if p.sync != "allreduce" and p.zero:
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas and cannot shard them; "
                           "set parallel.zero=0 or parallel.sync=allreduce.")
+    if p.sync != "allreduce" and p.tp > 1:
+        raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas on every rank; set parallel.tp=1 "
+                          "or parallel.sync=allreduce.")
     for key, mode, unset in (("sync_every", "local-sgd", 1), ("staleness", "param-server", None),
                              ("num_servers", "param-server", 1)):
         if getattr(p, key) != unset and p.sync != mode:
@@ -58,25 +69,28 @@ def check_supported(cfg) -> None:
                               f"{p.sync}); set parallel.sync={mode} or leave parallel.{key} at its default.")
 
 
+def init_fn(cfg):
+    """How a whole parameter is initialized: by its global name and the seed only."""
+    return lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)
+
+
 def build_engine(model: nn.Module, rt, cfg):
     p = cfg.parallel
-    if p.sync == "param-server":  # before the dp == 1 case: one worker still talks to its servers
+    if p.sync == "param-server":  # before the one-process case: one worker still talks to its servers
         from teratrain.parallel import param_server
 
         return param_server.build(model, rt, cfg)
-    group = rt.dp_group
     if p.zero >= 1:
         from teratrain.parallel.zero import ZeroEngine
 
-        return ZeroEngine(model, cfg, group, rt.device,
-                          init_fn=lambda name, t: init_param_(t, name, cfg.model, cfg.train.seed))
-    materialize(model, rt.device, cfg.train.seed)
-    if rt.dims.dp == 1:  # one replica: local SGD and all-reduce both reduce to the plain update
+        return ZeroEngine(model, cfg, rt, init_fn(cfg))
+    materialize(model, rt.device, init_fn(cfg))
+    if rt.dims.workers == 1:  # one process: local SGD and all-reduce both reduce to the plain update
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
     if p.sync == "local-sgd":
         from teratrain.parallel.sync import LocalSGDEngine
 
-        return LocalSGDEngine(model, cfg, group, rt.device)
+        return LocalSGDEngine(model, cfg, rt)
     from teratrain.parallel.data import DataParallelEngine
 
-    return DataParallelEngine(model, cfg, group, rt.device)
+    return DataParallelEngine(model, cfg, rt)

@@ -23,18 +23,21 @@ import torch
 
 from teratrain.optim.engine import LocalEngine, StepStats
 from teratrain.parallel.comm import all_reduce, group_size
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, bucketize_by_dtype
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
+from teratrain.parallel.grads import ordered_buckets
 
 
 
 class LocalSGDEngine(LocalEngine):
-    def __init__(self, model, cfg, group, device: torch.device):
+    def __init__(self, model, cfg, rt):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
+        group = rt.dp_group
         self.group, self.dp, self.sync_every = group, group_size(group), cfg.parallel.sync_every
         self.num_steps = 0  # optimizer steps taken (skipped fp16 steps too: every rank counts alike)
         targets = self.masters if self.masters is not None else [p for _, p in self.named]
         named = [(name, t) for (name, _), t in zip(self.named, targets)]
-        self.buckets = [[t for _, t in b] for b in bucketize_by_dtype(named, int(cfg.parallel.bucket_mb * 2**20))]
+        buckets = ordered_buckets(named, int(cfg.parallel.bucket_mb * 2**20), key=lambda t: t.dtype)
+        self.buckets = [[t for _, t in b.members] for b in buckets]
 
     def step(self, lr: float) -> StepStats:
         """Local update from local gradients, then the replica average on every sync_every-th step."""

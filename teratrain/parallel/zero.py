@@ -1,24 +1,25 @@
 """ZeRO stages 1-3 on flat buffers (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward
 Training Trillion Parameter Models"), with mixed-precision master shards and CPU offload.
 
-Parameters are grouped into `FlatGroup`s (stage 1/2: buckets of ~`parallel.bucket_mb`; stage 3: one
-group per transformer block plus a root group for embeddings/final norm/head) and each group is
-split into `dp` equal contiguous shards. Per rank, for a model of Psi parameters (k bytes each in
-the compute dtype, 4 for fp32 masters and optimizer dtypes):
+Parameters are grouped into `FlatGroup`s that share a reduction group (parallel/placement.py) and
+whether they train (stage 1/2: buckets of ~`parallel.bucket_mb` in the compute dtype; stage 3: per
+transformer block plus root groups for embeddings/final norm/head), and each group is split into
+equal contiguous shards over the ranks of its reduction group (N of them: dp for most parameters).
+Per rank, for Psi trainable parameters (k bytes each in the compute dtype, 4 for fp32 masters and
+optimizer dtypes):
 
     stage  params      grads                  optimizer (masters + moments)
-      1    k*Psi       k*Psi + 4*Psi/N         (4 + 8)*Psi/N
+      1    k*Psi       4*Psi + 4*Psi/N         (4 + 8)*Psi/N
       2    k*Psi       4*Psi/N                 (4 + 8)*Psi/N
       3    k*Psi/N     4*Psi/N                 (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
 
-Stage 1 accumulates full gradients locally and reduce-scatters them once per step (no traffic on
-accumulation micro-steps). Stages 2/3 reduce-scatter each group as soon as its gradients are
-complete in every backward (overlapping the rest of backward) and keep only their shard. Stage 3
-all-gathers a block's parameters just before its forward and again before its backward,
-prefetches the next block, and frees the gathered copy after use by resizing its storage to 0:
-tensors autograd saved still point at that storage and see the data again once it is re-gathered.
-The root group (embeddings, final norm, head) stays gathered from the start of forward until its
-gradients are reduced at the end of backward, as the head and the embedding use it at both ends.
+Every stage accumulates micro-batch gradients in fp32. Stage 1 accumulates full gradients locally
+and reduce-scatters them once per step (no traffic on accumulation micro-steps). Stages 2/3
+reduce-scatter each group as soon as its gradients are complete in every backward (overlapping the
+rest of backward) and keep only their shard. Launches follow one fixed order on every rank
+(parallel/grads.py), whatever gradients exist. Stage 3's gathering is in zero_gather.py. Frozen
+parameters (requires_grad=False) are materialized like the rest (sharded at stage 3), get no
+gradient buffer, no master and no optimizer state.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from teratrain.compat import in_backward, pinned_empty
+from teratrain.compat import pinned_empty
 from teratrain.memory.offload import HostUpdate
-from teratrain.memory.precision import DTYPES, LossScaler, has_inf_or_nan, param_dtype
+from teratrain.memory.precision import DTYPES, LossScaler, param_dtype
 from teratrain.optim.build import build_optimizer
-from teratrain.optim.engine import EngineBase, StepStats, sum_sq, tensor_bytes, weak_hook
-from teratrain.parallel.comm import AVG, all_gather, all_reduce, any_rank, group_size, reduce_scatter
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, FlatGroup, bucketize
+from teratrain.optim.engine import EngineBase, StepStats, tensor_bytes, weak_hook
+from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
+from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, FlatGroup
+from teratrain.parallel.grads import CrossRank, LaunchOrder, ordered_buckets, reduce_scale
+from teratrain.parallel.placement import init_local_, placement
+from teratrain.parallel.zero_gather import ZeroGatherMixin
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
 
 
@@ -42,7 +46,7 @@ class _Group(FlatGroup):
     param_flat: torch.Tensor | None = None  # stage 1/2: full params, compute dtype
     param_shard: torch.Tensor | None = None  # stage 3: this rank's params, compute dtype
     full: torch.Tensor | None = None  # stage 3: gather target; storage is 0 bytes when released
-    grad_flat: torch.Tensor | None = None  # stage 1: full grads, compute dtype
+    grad_flat: torch.Tensor | None = None  # stage 1: full grads, fp32
     grad_shard: torch.Tensor | None = None  # reduced grads of this rank's shard, optimizer dtype
     master: torch.Tensor | None = None  # fp32 master shard (mixed precision)
     ready: int = 0
@@ -50,16 +54,27 @@ class _Group(FlatGroup):
     gather: object | None = None  # pending all-gather handle (stage 3)
     gathered: bool = False
 
+    def __init__(self, names, params, mesh, block: str | None):
+        pl = placement(params[0])
+        super().__init__(names, params, mesh.size(pl.group), mesh.rank_in(pl.group))
+        self.pg, self.gather_pg = mesh.group(pl.group), mesh.group(pl.group + ":gather")
+        self.scale, self.placement = reduce_scale(mesh, pl.group), pl  # shared by every member (bucket key)
+        self.trainable, self.block = params[0].requires_grad, block
 
-class ZeroEngine(ZeroCheckpointMixin, EngineBase):
-    def __init__(self, model: nn.Module, cfg, group, device: torch.device, init_fn):
-        """`model` is on the meta device; `init_fn(name, tensor)` initializes one parameter in place.
+
+def _key(p: nn.Parameter) -> tuple:
+    """What a flat group's members share: reduction group, the axes it is copied along, trainability."""
+    pl = placement(p)
+    return (pl.group, pl.tied, p.requires_grad)
+
+
+class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
+    def __init__(self, model: nn.Module, cfg, rt, init_fn):
+        """`model` is on the meta device; `init_fn(tensor, name)` fills a whole parameter in place.
         Only one group's full fp32 parameters exist at a time while materializing."""
         p = cfg.parallel
-        self.model, self.cfg, self.group, self.device = model, cfg, group, device
-        self.stage, self.dp = p.zero, group_size(group)
-        self.rank = torch.distributed.get_rank(group) if group is not None else 0
-        self.offload = p.offload
+        self.model, self.cfg, self.mesh, self.device = model, cfg, rt.mesh, rt.device
+        self.stage, self.offload = p.zero, p.offload
         # With offload the optimizer works on a host copy even in fp32: that copy is the master.
         self.masters = cfg.use_master_weights or p.offload != "none"
         self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
@@ -69,38 +84,48 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         self.groups = self._make_groups(model, p.bucket_mb)
         for g in self.groups:
             self._materialize(g, init_fn)
-        model.init_buffers(device)
-        self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.groups]
+        model.init_buffers(self.device)
+        self.trainable = [g for g in self.groups if g.trainable]  # in launch order
+        self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.trainable]
         if self.offload != "none":
-            self.host_update = HostUpdate([g.shard_numel for g in self.groups], device, self.opt_dtype, self.compute_dtype)
+            self.host_update = HostUpdate([g.shard_numel for g in self.trainable], self.device, self.opt_dtype,
+                                          self.compute_dtype)
         self.scaler = LossScaler(cfg.memory.loss_scale_init, cfg.memory.loss_scale_window) if cfg.memory.precision == "fp16" else None
-        self._group_of = {prm: g for g in self.groups for prm in g.params}
+        self._group_of = {prm: g for g in self.trainable for prm in g.params}
+        self._acc_view_of = {q: v for g in self.trainable if g.grad_flat is not None for q, v in zip(g.params, g.acc_views)}
         for prm in self._group_of:
             prm.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
+        self.order = LaunchOrder(self.trainable, self._launch)
         if self.stage == 3:
             self._install_gather_hooks()
         self._pending = []
+        self.cross = CrossRank(self.mesh, self.device)
         self.last_state_bytes = None
         self.grad_clip = cfg.train.grad_clip
 
     # ------------------------------------------------------------------ construction
     def _make_groups(self, model: nn.Module, bucket_mb: float) -> list[_Group]:
-        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        if self.stage == 3:  # one group per block, in forward order, then the root group
-            blocks = [[(f"layers.{i}.{n}", q) for n, q in blk.named_parameters()] for i, blk in enumerate(model.layers)]
-            in_blocks = {q for blk in blocks for _, q in blk}
-            members = blocks + [[(n, q) for n, q in named if q not in in_blocks]]
+        """Groups in launch order (the order backward completes them): stage 3 per block, last block
+        first, root groups last; stage 1/2 buckets counted in the compute dtype's bytes."""
+        named = list(model.named_parameters())
+        if self.stage == 3:
+            blocks = [(key, [(f"layers.{key}.{n}", q) for n, q in blk.named_parameters()])
+                      for key, blk in model.layers.items()]
+            in_blocks = {q for _, members in blocks for _, q in members}
+            units = blocks[::-1] + [(None, [(n, q) for n, q in named if q not in in_blocks])]
+            members = [(key, b.members) for key, unit in units
+                       for b in ordered_buckets(unit[::-1], float("inf"), _key)]  # split by key, in order
         else:
             itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-            members = bucketize(named, int(bucket_mb * 2**20 // 4 * itemsize))
-        return [_Group([n for n, _ in m], [q for _, q in m], self.dp, self.rank) for m in members if m]
+            members = [(None, b.members) for b in ordered_buckets(named, int(bucket_mb * 2**20), _key, lambda _: itemsize)]
+        return [_Group([n for n, _ in m], [q for _, q in m], self.mesh, key) for key, m in members if m]
 
     def _materialize(self, g: _Group, init_fn) -> None:
         full32 = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
-        for name, view in zip(g.names, g.views(full32)):
-            init_fn(name, view)
+        for prm, view in zip(g.params, g.views(full32)):
+            init_local_(view, placement(prm), init_fn)
         opt_home = self.host if self.offload != "none" else self.device
-        if self.masters:
+        if self.masters and g.trainable:
             g.master = _clone_to(full32[g.lo:g.hi], opt_home, torch.float32)
         if self.stage == 3:
             shard_home = self.host if self.offload == "params" else self.device
@@ -112,11 +137,15 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
             g.param_flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             _bind(g, g.param_flat, self.model)
         del full32
+        if not g.trainable:
+            return
         g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=self.device)
-        if self.stage == 1:
-            g.grad_flat = torch.zeros(g.padded, dtype=self.compute_dtype, device=self.device)
-            for q, view in zip(g.params, g.views(g.grad_flat)):
-                q.grad = view
+        if self.stage == 1:  # fp32 accumulation: p.grad is a view when params are fp32, else added in by the hook
+            g.grad_flat = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
+            g.acc_views = g.views(g.grad_flat)
+            if self.compute_dtype == torch.float32:
+                for q, view in zip(g.params, g.acc_views):
+                    q.grad = view
 
     def _opt_target(self, g: _Group) -> torch.Tensor:
         """The tensor the optimizer updates for this group's shard (the values training continues from)."""
@@ -137,19 +166,32 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
     # ------------------------------------------------------------------ backward side
     def _on_grad(self, prm: nn.Parameter) -> None:
         g = self._group_of[prm]
+        if self.stage == 1:
+            if self.compute_dtype != torch.float32:  # low-precision grad: add it into the fp32 buffer
+                self._acc_view_of[prm].add_(prm.grad)
+                prm.grad = None
+            if not self._sync:  # full grads stay local across micro-steps; reduce once per step
+                return
         g.ready += 1
-        if g.ready < len(g.params):
-            return
+        if g.ready == len(g.params):
+            self.order.mark_ready(g)
+
+    def _launch(self, g: _Group) -> None:
         g.ready = 0
         if self.stage == 1:
-            if self._sync:  # full grads stay local across micro-steps; reduce once per step
-                self._reduce(g, g.grad_flat)
-            return
-        self._reduce_grads(g)
+            self._reduce(g, g.grad_flat)
+        else:
+            self._reduce_grads(g)
+
+    def end_backward(self) -> None:
+        """Launch, in order, the groups whose gradients did not all arrive (parameters unused this
+        micro-step, on this rank): every rank reduces every group once per reduction round."""
+        if self.stage >= 2 or self._sync:
+            self.order.flush()
 
     def _reduce_grads(self, g: _Group) -> None:
         """Stage 2/3: send the group's gradients (a missing one counts as zero) to the shards, free them."""
-        if self.dp == 1:  # nothing to reduce: land the gradients in the shard directly
+        if g.pg is None:  # nothing to reduce: land the gradients in the shard directly
             self._accumulate_local(g)
         else:
             self._reduce(g, g.flatten([q.grad for q in g.params], self.reduce_dtype, self.device))
@@ -158,18 +200,8 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         if self.stage == 3:
             self._release(g)
 
-    def _flush_partial(self) -> None:
-        """Groups whose gradients did not all arrive (parameters unused this step) are reduced now,
-        so no gradient is dropped. A no-op when every parameter got its gradient."""
-        for g in self.groups:
-            if self.stage == 1 and g.fresh:
-                self._reduce(g, g.grad_flat)
-            elif self.stage >= 2 and any(q.grad is not None for q in g.params):
-                self._reduce_grads(g)
-            g.ready = 0
-
     def _accumulate_local(self, g: _Group) -> None:
-        """dp=1, stage 2/3: the shard is the whole group; copy (first micro-step) or add the grads."""
+        """A group of one rank, stage 2/3: the shard is the whole group; copy (first micro-step) or add."""
         dst = g.views(g.grad_shard)
         src = [q.grad if q.grad is not None else torch.zeros_like(q) for q in g.params]
         (torch._foreach_copy_ if g.fresh else torch._foreach_add_)(dst, src)
@@ -179,12 +211,12 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         """Reduce-scatter (averaging) one group's flat gradient into its shard, asynchronously. The
         first reduction of a step writes straight into the shard; later ones (accumulation
         micro-steps of stage 2/3) go through a temporary that `_drain` adds in."""
-        if flat.dtype != self.reduce_dtype and self.dp > 1:
+        if flat.dtype != self.reduce_dtype and g.pg is not None:
             flat = flat.to(self.reduce_dtype)
-        first, direct = g.fresh, g.fresh and (g.grad_shard.dtype == self.reduce_dtype or self.dp == 1)
+        first, direct = g.fresh, g.fresh and (g.grad_shard.dtype == self.reduce_dtype or g.pg is None)
         out = g.grad_shard if direct else torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
         g.fresh = False
-        handle = reduce_scatter(out, flat, self.group, async_op=True, op=AVG)
+        handle = reduce_scatter(out, flat, g.pg, async_op=True, op=AVG)
         self._pending.append((handle, g, None if direct else out, first, flat))
         if len(self._pending) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # no overlap: wait right here
             self._drain(1)
@@ -198,65 +230,17 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
             if out is not None:
                 (g.grad_shard.copy_ if first else g.grad_shard.add_)(out)
 
-    # ------------------------------------------------------------------ stage 3 gathering
-    def _install_gather_hooks(self) -> None:
-        blocks = list(self.model.layers)
-        for i, blk in enumerate(blocks):
-            blk.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
-            blk.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
-        root = self.groups[-1]
-        self.model.register_forward_pre_hook(lambda m, a: self._ensure(root))
-        self.model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._release(root))
-
-    def _start_gather(self, g: _Group) -> None:
-        if g.gathered or g.gather is not None:
-            return
-        g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-        shard = g.param_shard.to(self.device, non_blocking=True)
-        # into `.data`: a write autograd does not version-track, since tensors saved for backward are
-        # views of `full` and must accept the re-gathered (identical) values
-        g.gather = all_gather(g.full.data, shard, self.group, async_op=True)
-
-    def _ensure(self, g: _Group) -> None:
-        self._start_gather(g)
-        if g.gather is not None:
-            g.gather.wait()
-            g.gather, g.gathered = None, True
-
-    def _release(self, g: _Group) -> None:
-        if g.gathered:
-            g.full.untyped_storage().resize_(0)
-            g.gathered = False
-
-    def _before_forward(self, i: int) -> None:
-        self._ensure(self.groups[i])
-        if i + 1 < len(self.model.layers) and not in_backward():
-            self._start_gather(self.groups[i + 1])  # prefetch the next block
-
-    def _after_forward(self, i: int, out: torch.Tensor) -> None:
-        g = self.groups[i]
-        if in_backward():  # recomputation inside backward: this block's backward needs it next
-            return
-        if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._before_backward(i))
-        self._release(g)
-
-    def _before_backward(self, i: int) -> None:
-        self._ensure(self.groups[i])
-        if i > 0:
-            self._start_gather(self.groups[i - 1])  # prefetch the block whose backward is next
-
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> StepStats:
-        self._flush_partial()
         self._drain()
-        for g in self.groups:
-            if g.fresh:  # no gradient reached this group this step (unused parameters)
-                g.grad_shard.zero_()
-                g.fresh = False
+        if self.stage == 3:
+            self._release_all()  # frozen groups whose block saw no backward
+        for g in self.trainable:
+            if g.scale != 1:  # the average over the group, times group size / dp (placement.py)
+                g.grad_shard.mul_(g.scale)
         if self.last_state_bytes is None:  # counted once, as grads are held before the update
             self.last_state_bytes = self.state_bytes()
-        grads = [g.grad_shard for g in self.groups]
+        grads = [g.grad_shard for g in self.trainable]
         if self.unscale_and_check(grads):
             return self._skip_step()
         norm = self.clip(grads)
@@ -266,12 +250,12 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         return self._stepped(norm)
 
     def found_inf(self, grads: list[torch.Tensor]) -> bool:
-        return any_rank(bool(has_inf_or_nan(grads)), self.group, self.device)  # an inf may sit in one shard
+        return self.cross.any_inf(grads)  # an inf may sit in one shard
 
     def global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        sq = sum_sq(grads).to(self.device)
-        all_reduce(sq, self.group)  # squared norms of the shards add up to the global one
-        return sq
+        """Shards are disjoint within a group; copies along `tied` axes count once."""
+        return self.cross.sq_norm([g.grad_shard for g in self.trainable
+                                   if self.cross.counted(g.placement, replicated_over_group=False)])
 
     def _update(self, lr: float) -> None:
         """Optimizer step on every shard: on the device, or on the host when offloaded
@@ -280,7 +264,7 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
             for pg in (opt.param_groups if opt else ()):
                 pg["lr"] = lr
         if self.offload != "none":
-            self.host_update.step((g, opt, self._shard_params(g)) for g, opt in zip(self.groups, self.optimizers))
+            self.host_update.step((g, opt, self._shard_params(g)) for g, opt in zip(self.trainable, self.optimizers))
             return
         for opt in self.optimizers:
             if opt is not None:
@@ -294,17 +278,17 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
         """Updated shards back to the compute parameters: cast masters (already done by the host
         update when offloaded), then all-gather the full parameters (stage 1/2)."""
         handles = []
-        for g in self.groups:
+        for g in self.trainable:
             mine = self._shard_params(g)
             if g.master is not None and self.offload == "none":
                 mine.copy_(g.master)
             if self.stage < 3:
-                handles.append(all_gather(g.param_flat, mine, self.group, async_op=True))
+                handles.append(all_gather(g.param_flat, mine, g.gather_pg, async_op=True))
         for h in handles:
             h.wait()
 
     def zero_grad(self) -> None:
-        for g in self.groups:
+        for g in self.trainable:
             g.fresh = True  # the next reduction overwrites the shard: no memset needed
             if g.grad_flat is not None:
                 g.grad_flat.zero_()
@@ -316,19 +300,23 @@ class ZeroEngine(ZeroCheckpointMixin, EngineBase):
     def state_bytes(self) -> dict[str, int]:
         """Live bytes of this rank's model state; `host` is the part of it held in CPU memory."""
         params = [g.param_shard if self.stage == 3 else g.param_flat for g in self.groups]
-        grads = [t for g in self.groups for t in (g.grad_flat, g.grad_shard) if t is not None]
+        grads = [t for g in self.trainable for t in (g.grad_flat, g.grad_shard) if t is not None]
         opt = [t for o in self.optimizers if o for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
-        opt += [g.master for g in self.groups if g.master is not None]
+        opt += [g.master for g in self.trainable if g.master is not None]
         everything = params + grads + opt
         return {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(opt),
                 "host": tensor_bytes(t for t in everything if t.device.type == "cpu") if self.device.type == "cuda" else 0}
 
 
 def _bind(g: _Group, flat: torch.Tensor, model: nn.Module) -> None:
-    """Replace each (meta) parameter of the group by a Parameter that is a view into `flat`."""
+    """Replace each (meta) parameter of the group by a Parameter that is a view into `flat`,
+    keeping its placement."""
     for i, (name, view) in enumerate(zip(g.names, g.views(flat))):
         owner, _, leaf = name.rpartition(".")
-        g.params[i] = model.get_submodule(owner)._parameters[leaf] = nn.Parameter(view, g.params[i].requires_grad)
+        old = g.params[i]
+        new = nn.Parameter(view, old.requires_grad)
+        new.placement = old.placement
+        g.params[i] = model.get_submodule(owner)._parameters[leaf] = new
 
 
 def _clone_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:

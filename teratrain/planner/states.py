@@ -92,9 +92,9 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
 
 
 def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[list[int]]:
-    """Parameter numels per ZeroEngine flat group, in order. Exact for a whole model (tp=pp=ep=1):
-    the engine's bucketize() over named_parameters reversed, with bucket bytes measured on the fp32
-    meta model. Sharded layouts use the same rule over this rank's blocks (approximation)."""
+    """Parameter numels per ZeroEngine flat group. Exact for a whole model (tp=pp=ep=1): the
+    engine's ordered_buckets() over named_parameters reversed, bucket bytes counted in the compute
+    dtype. Sharded layouts use the same rule over this rank's blocks (approximation)."""
     w = train.widths(lay.zero, lay.offload)
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
@@ -108,14 +108,14 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
                     root.append(math.prod(s))
             return list(blocks.values()) + [root]
         return [[sp["block"]]] * sp["layers"] + [[local - sp["layers"] * sp["block"]]]
-    bucket_bytes = int(train.bucket_mb * 2**20 // 4 * w.param)  # zero.py: bucket_mb // 4 * itemsize
+    bucket_bytes = int(train.bucket_mb * 2**20)  # counted in the compute dtype (zero.py)
     if shape.is_bare or lay.tp * lay.pp * lay.ep > 1:
-        per = max(1, bucket_bytes // 4)
+        per = max(1, bucket_bytes // w.param)
         return [[per]] * (local // per) + ([[local % per]] if local % per else [])
     groups, cur, size = [], [], 0
-    for _, s in reversed(shape.param_shapes()):  # flat.py:bucketize, sizes of fp32 meta params
+    for _, s in reversed(shape.param_shapes()):  # grads.py:ordered_buckets, one key for a whole model
         cur.append(math.prod(s))
-        size += cur[-1] * 4
+        size += cur[-1] * w.param
         if size >= bucket_bytes:
             groups.append(cur)
             cur, size = [], 0
@@ -207,7 +207,7 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
     z = zero_summary(shape, train, lay, local)
     shard, pieces, padded = z["shard"], z["pieces"], z["padded"]
     params = shard * w.param if lay.zero == 3 else padded * w.param
-    grads = shard * 4 + (padded * w.param if lay.zero == 1 else 0)  # fp32 shard (+ full low-precision flat)
+    grads = shard * 4 + (padded * 4 if lay.zero == 1 else 0)  # fp32 shard (+ stage 1's full fp32 accumulator)
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     opt = optimizer_elems(train, [], shard, True) * 4 + shard * w.master + steps * pieces
     host = (opt + host_grad if lay.offload != "none" else 0) + (params if lay.offload == "params" else 0)

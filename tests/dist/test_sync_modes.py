@@ -203,7 +203,7 @@ def test_servers_are_extra_ranks_after_the_workers():
     with pytest.raises(ConfigError, match="parallel.num_servers=2 leaves no worker"):
         ParallelDims.from_config(pcfg, 2)
     pcfg = load_config(None, ["parallel.sync=param-server", "parallel.dp=2"]).parallel
-    with pytest.raises(ConfigError, match=r"parallel.dp\*tp\*pp\*ep \+ num_servers = 3 but 4 processes"):
+    with pytest.raises(ConfigError, match=r"parallel.dp\*tp\*pp \+ num_servers = 3 but 4 processes"):
         ParallelDims.from_config(pcfg, 4)
 
 

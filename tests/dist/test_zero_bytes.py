@@ -4,7 +4,7 @@ al. 2019, sec. 5) up to padding, on every rank of 2 and 4. Psi = parameters, N =
 fp32 AdamW (no master copies):        bf16 (+ fp32 masters under ZeRO):
   stage  params  grads         opt       params  grads         opt
     0    4Psi    4Psi          8Psi       4Psi    4Psi          8Psi   (zero=0 bf16 is autocast over fp32)
-    1    4Psi    4Psi+4Psi/N   8Psi/N     2Psi    2Psi+4Psi/N   12Psi/N
+    1    4Psi    4Psi+4Psi/N   8Psi/N     2Psi    4Psi+4Psi/N   12Psi/N   (micro-batches accumulate in fp32)
     2    4Psi    4Psi/N        8Psi/N     2Psi    4Psi/N        12Psi/N
     3    4Psi/N  4Psi/N        8Psi/N     2Psi/N  4Psi/N        12Psi/N
 Padding adds under N elements per flat group; AdamW adds a 4-byte step counter per tensor piece.
@@ -22,7 +22,7 @@ from workers import TINY, train_many
 FORMULAS = {  # stage -> (params, grads, optimizer) in bytes per parameter, as functions of N
     ("fp32", 0): lambda n: (4, 4, 8), ("fp32", 1): lambda n: (4, 4 + 4 / n, 8 / n),
     ("fp32", 2): lambda n: (4, 4 / n, 8 / n), ("fp32", 3): lambda n: (4 / n, 4 / n, 8 / n),
-    ("bf16", 0): lambda n: (4, 4, 8), ("bf16", 1): lambda n: (2, 2 + 4 / n, 12 / n),
+    ("bf16", 0): lambda n: (4, 4, 8), ("bf16", 1): lambda n: (2, 4 + 4 / n, 12 / n),
     ("bf16", 2): lambda n: (2, 4 / n, 12 / n), ("bf16", 3): lambda n: (2 / n, 4 / n, 12 / n),
 }
 

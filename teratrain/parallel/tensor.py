@@ -1,0 +1,226 @@
+"""Megatron tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al.
+2022), applied from outside by `apply_tp` with plans that are data.
+
+Three forms (`parallel.tp_form`), all splitting every linear layer's weight over the tp ranks:
+- `megatron` (default): column-parallel then row-parallel. Attention is split by heads (query heads;
+  grouped key/value heads too, replicated when tp exceeds them) and the MLP by its inner width, so a
+  block costs one all-reduce forward and one backward per attention and per MLP (`f`/`g`); with
+  sequence parallelism those become all-gather / reduce-scatter of the sequence, and norms, dropout
+  and residuals run on sequence shards (T/tp tokens per rank).
+- `all-gather` (the seeds' first form): each linear keeps W's columns W' and computes X W'; the
+  outputs are all-gathered. Everything between linears is replicated.
+- `all-reduce` (the seeds' second form): X and W are split along the inner dimension and the partial
+  products X'' W'' are all-reduced.
+The embedding is vocab-parallel (rows split, padded to a multiple of tp) and so is the head; the
+loss is computed from vocab-parallel logits, so the full logits never exist on one rank.
+Communication functions and what they run forward/backward are in parallel/comm.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from teratrain.config import ConfigError
+from teratrain.parallel import comm
+from teratrain.parallel.placement import Placement, place, placement
+from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, RowParallel, SequenceShardPositions,
+                                          VocabParallelEmbedding, VocabParallelHead, VocabParallelLoss)
+
+# Per-block plan: module path inside a block -> style (what each style means: `_STYLES`).
+BLOCK_PLAN = {
+    "attention_norm": "sequence_norm", "ffn_norm": "sequence_norm",
+    "attention": "region",
+    "attention.wq": "colwise", "attention.wk": "colwise_kv", "attention.wv": "colwise_kv",
+    "attention.wo": "rowwise",
+    "attention.core": "head_rng", "attention.resid_dropout": "sequence_rng",
+    "feed_forward": "region",
+    "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+    "feed_forward.dropout": "sequence_rng",
+}
+MODEL_PLAN = {
+    "tok_embeddings": "vocab_embedding", "pos_embeddings": "sequence_positions", "dropout": "sequence_rng",
+    "norm": "sequence_norm", "output": "vocab_head", "tied_head": "vocab_head", "criterion": "vocab_loss",
+}
+# The seeds' forms turn every linear into one self-contained parallel layer; nothing else is split.
+FORM_STYLE = {"all-gather": "colwise_gather", "all-reduce": "rowwise_split"}
+
+
+@dataclass
+class TPContext:
+    mesh: object
+    tp: int
+    rank: int
+    sp: bool
+    form: str
+    cfg: object  # ModelConfig
+
+    @property
+    def group(self):
+        return self.mesh.group("tp")
+
+
+def apply_tp(model: nn.Module, rt, cfg) -> None:
+    """Swap the meta-device model's layers for tensor-parallel ones, recording each new parameter's
+    placement (global name and shape, which piece this rank holds, its gradient's group)."""
+    ctx = TPContext(rt.mesh, rt.dims.tp, rt.coord("tp"), cfg.parallel.use_sp, cfg.parallel.tp_form, cfg.model)
+    for key, block in model.layers.items():
+        for path, style in BLOCK_PLAN.items():
+            _apply(block, path, style, ctx, f"layers.{key}.{path}")
+    for path, style in MODEL_PLAN.items():
+        _apply(model, path, style, ctx, path)
+
+
+def _apply(root: nn.Module, path: str, style: str, ctx: TPContext, name: str) -> None:
+    owner_path, _, leaf = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    module = getattr(owner, leaf, None)
+    if module is None:
+        return  # e.g. no w3 in a GELU MLP, no positions in Llama, no output layer when tied
+    if ctx.form != "megatron" and style in ("colwise", "colwise_kv", "rowwise"):
+        style = FORM_STYLE[ctx.form]
+    new = _STYLES[style](module, ctx, name)
+    if new is not None:
+        setattr(owner, leaf, new)
+
+
+def _entry(ctx: TPContext):
+    """How activations enter a region whose ranks each need all of them."""
+    return (lambda x: comm.gather_sequence(x, ctx.group)) if ctx.sp else (lambda x: comm.copy_to_tp(x, ctx.group))
+
+
+def _exit(ctx: TPContext):
+    """How a region's partial sums leave it."""
+    return (lambda x: comm.reduce_scatter_sequence(x, ctx.group)) if ctx.sp else (lambda x: comm.reduce_from_tp(x, ctx.group))
+
+
+def _split(linear: nn.Linear, ctx: TPContext, name: str, dim: int, count: int, group: str = "dp") -> nn.Parameter:
+    """The meta-device piece of `linear.weight` along `dim` (0: output rows, 1: input columns)."""
+    index = ctx.rank // (ctx.tp // count)
+    pl = Placement(name=f"{name}.weight", global_shape=tuple(linear.weight.shape), dim=dim, axis="tp",
+                   index=index, count=count, group=group, tied=())
+    w = nn.Parameter(torch.empty(pl.local_shape(), device="meta"))
+    place(w, pl)
+    return w
+
+
+def _bias(linear: nn.Linear, ctx: TPContext, name: str, split_like: Placement | None, partial: bool):
+    """A column-parallel bias is split like its weight's rows; a row-parallel one is whole, added
+    after the reduction (partial over tp on sequence shards)."""
+    if linear.bias is None:
+        return None
+    shape = tuple(linear.bias.shape)
+    if split_like is not None:
+        pl = split_like.with_(name=f"{name}.bias", global_shape=shape, dim=0)
+    else:
+        pl = Placement(name=f"{name}.bias", global_shape=shape, group="dp_tp" if partial else "dp",
+                       tied=() if partial else ("tp",))
+    b = nn.Parameter(torch.empty(pl.local_shape(), device="meta"))
+    place(b, pl)
+    return b
+
+
+def _colwise(linear, ctx, name, count=None, entry=None, exit=None, group="dp"):
+    w = _split(linear, ctx, name, 0, count or ctx.tp, group)
+    return ColumnParallel(w, _bias(linear, ctx, name, placement(w), False), entry, exit)
+
+
+def _colwise_kv(linear, ctx, name):
+    """Key/value projections split by whole heads; when tp exceeds the heads, each head is
+    replicated over tp / n_kv neighbours whose gradients add up (every one's query heads use it)."""
+    count = min(ctx.tp, ctx.cfg.kv_heads)
+    if count == ctx.tp:
+        return _colwise(linear, ctx, name)
+    rep = ctx.tp // count
+    group = ctx.mesh.define(f"dp_tp/{rep}", lambda c: (c["pp"], c["tp"] // rep))
+    return _colwise(linear, ctx, name, count=count, group=group)
+
+
+def _rowwise(linear, ctx, name, entry=None, exit=None, partial=None):
+    w = _split(linear, ctx, name, 1, ctx.tp)
+    partial = ctx.sp if partial is None else partial
+    return RowParallel(w, _bias(linear, ctx, name, None, partial), entry, exit or _exit(ctx))
+
+
+def _region(module, ctx, name):
+    """Activations enter the block's attention / MLP once (one `f` or one sequence all-gather shared
+    by all its column-parallel projections)."""
+    entry = _entry(ctx)
+    module.register_forward_pre_hook(lambda m, args: (entry(args[0]), *args[1:]))
+    return None
+
+
+def _sequence_norm(module, ctx, name):
+    """Under sequence parallelism a norm sees T/tp tokens: its weight's gradient is partial over tp."""
+    if ctx.sp:
+        for leaf, p in module.named_parameters():
+            place(p, placement(p).with_(group="dp_tp", tied=()))
+    return None
+
+
+def _rng(module, ctx, split: bool):
+    return ForkedRNG(module, ctx.rank) if split and ctx.cfg.dropout > 0 else None
+
+
+_STYLES = {
+    "colwise": _colwise,
+    "colwise_kv": _colwise_kv,
+    "rowwise": _rowwise,
+    "colwise_gather": lambda m, ctx, name: _colwise(m, ctx, name, entry=lambda x: comm.copy_to_tp(x, ctx.group),
+                                                    exit=lambda x: comm.gather_last_dim(x, ctx.group)),
+    "rowwise_split": lambda m, ctx, name: _rowwise(m, ctx, name, entry=lambda x: comm.split_last_dim(x, ctx.group),
+                                                   exit=lambda x: comm.reduce_from_tp(x, ctx.group), partial=False),
+    "region": lambda m, ctx, name: _region(m, ctx, name) if ctx.form == "megatron" else None,
+    "sequence_norm": _sequence_norm,
+    "head_rng": lambda m, ctx, name: _rng(m, ctx, ctx.form == "megatron"),  # local heads under the megatron form
+    "sequence_rng": lambda m, ctx, name: _rng(m, ctx, ctx.sp),
+    "vocab_embedding": lambda m, ctx, name: VocabParallelEmbedding(
+        _split(m, ctx, name, 0, ctx.tp), ctx.cfg.vocab_size, _exit(ctx)),
+    "sequence_positions": lambda m, ctx, name: _sequence_positions(m, ctx, name),
+    "vocab_head": lambda m, ctx, name: _vocab_head(m, ctx, name),
+    "vocab_loss": lambda m, ctx, name: VocabParallelLoss(ctx.group, ctx.rank, ctx.tp, ctx.cfg.vocab_size),
+}
+
+
+def _sequence_positions(module, ctx, name):
+    if not ctx.sp:
+        return None
+    new = SequenceShardPositions(module.weight, ctx.rank, ctx.tp)  # keeps the parameter and its name
+    _sequence_norm(new, ctx, name)  # each rank adds only its tokens' positions: a partial gradient
+    return new
+
+
+def _vocab_head(module, ctx, name):
+    """The output projection as a column-parallel layer over the (padded) vocabulary: logits stay
+    split across ranks, which the vocab-parallel loss consumes. Tied, the embedding's piece is it."""
+    if isinstance(module, nn.Linear):
+        return _colwise(module, ctx, name, entry=_entry(ctx))
+    return VocabParallelHead(_entry(ctx))
+
+
+def check_tp(cfg) -> None:
+    """Refuse, with the fix, tensor-parallel layouts this model's shape cannot be split into."""
+    p, m = cfg.parallel, cfg.model
+    tp = p.tp
+    if tp == 1:
+        return
+    checks = [(m.n_heads % tp == 0, f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp})"),
+              (m.ffn_dim % tp == 0, f"the MLP width ({m.ffn_dim}, model.d_ff) must be divisible by parallel.tp ({tp})"),
+              (m.vocab_size >= tp, f"model.vocab_size ({m.vocab_size}) must be at least parallel.tp ({tp})")]
+    if p.tp_form == "megatron":
+        checks.append((m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
+                       f"model.n_kv_heads ({m.kv_heads}) and parallel.tp ({tp}) must divide one another"))
+    else:
+        checks += [(m.kv_heads % tp == 0, f"parallel.tp_form={p.tp_form} splits key/value heads: model.n_kv_heads "
+                                          f"({m.kv_heads}) must be divisible by parallel.tp ({tp})"),
+                   (m.d_model % tp == 0, f"model.d_model ({m.d_model}) must be divisible by parallel.tp ({tp})"),
+                   (not p.sequence_parallel, f"parallel.sequence_parallel needs parallel.tp_form=megatron "
+                                             f"(this run has {p.tp_form})")]
+    if p.use_sp:
+        checks.append((m.seq_len % tp == 0, f"sequence parallelism splits model.seq_len ({m.seq_len}) into "
+                                            f"parallel.tp ({tp}) shards, so tp must divide it"))
+    for ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{why}; choose another parallel.tp or change the model.")

@@ -1,0 +1,156 @@
+"""The layers tensor parallelism swaps in (parallel/tensor.py decides where). Each keeps the
+parameter names of the layer it replaces (`weight`, `bias`), holds only this rank's piece as a
+plain local tensor, and calls explicit collectives from parallel/comm.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teratrain.parallel.comm import MAX, SUM, all_reduce
+from teratrain.parallel.placement import placement
+
+
+class ColumnParallel(nn.Module):
+    """y = X W'^T + b' with W' this rank's rows of W (its output features): (.., d_in) -> (.., d_out/tp).
+    `entry` brings X in (identity when a region hook already did), `exit` takes y out (identity:
+    the output stays split; all-gather in the seeds' all-gather form)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, entry=None, exit=None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.entry, self.exit = entry, exit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.entry is not None:
+            x = self.entry(x)
+        y = F.linear(x, self.weight, self.bias)
+        return self.exit(y) if self.exit is not None else y
+
+
+class RowParallel(nn.Module):
+    """y = reduce(X' W'^T) + b with W' this rank's columns of W (its input features): the partial
+    products of all ranks add up to X W^T; the whole bias is added once, after the reduction."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, entry, exit):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.entry, self.exit = entry, exit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.entry is not None:
+            x = self.entry(x)
+        y = self.exit(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, hi) of the (padded) embedding on each rank: a token outside the range looks up
+    zeros here and its row on the rank that holds it; `exit` sums the ranks' outputs (all-reduce,
+    or reduce-scatter along the sequence under sequence parallelism)."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, exit):
+        super().__init__()
+        self.weight, self.exit = weight, exit
+        self.lo, self.hi = placement(weight).bounds()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.lo) | (tokens >= self.hi)  # (B, T)
+        h = F.embedding((tokens - self.lo).masked_fill(outside, 0), self.weight)  # (B, T, d)
+        return self.exit(h.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class VocabParallelHead(nn.Module):
+    """The tied head: logits of this rank's vocabulary rows, through the embedding's own piece."""
+
+    def __init__(self, entry):
+        super().__init__()
+        self.entry = entry
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.entry(h), weight)  # (B, T, V/tp)
+
+
+class SequenceShardPositions(nn.Embedding):
+    """Learned positions under sequence parallelism: returns the rows of this rank's sequence shard
+    (the hidden states hold T/tp tokens). The weight stays whole (the same parameter object)."""
+
+    def __init__(self, weight: nn.Parameter, rank: int, tp: int):
+        super().__init__(*weight.shape, device="meta")
+        self.weight = weight
+        self.rank, self.tp = rank, tp
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions).chunk(self.tp, dim=0)[self.rank]  # (T/tp, d)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy from logits split over the vocabulary (Megatron-LM): a max, a sum of
+    exponentials and the target's logit are each all-reduced; nothing of size V is communicated.
+    logits (N, V/tp) fp32, targets (N,) global ids -> per-token loss (N,), equal on every rank.
+    Columns past the real vocabulary (padding) are -inf: they take no probability and no gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, lo: int, num_real: int):
+        if num_real < logits.shape[1]:
+            logits = logits.clone()
+            logits[:, num_real:] = float("-inf")
+        m = logits.max(dim=1).values
+        all_reduce(m, group, op=MAX)
+        shifted = logits - m.unsqueeze(1)
+        here = (targets >= lo) & (targets < lo + logits.shape[1])
+        local = (targets - lo).masked_fill(~here, 0)
+        picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~here, 0.0)
+        all_reduce(picked, group, op=SUM)
+        probs = shifted.exp_()  # reuses `shifted`'s memory; becomes the softmax below
+        total = probs.sum(dim=1)
+        all_reduce(total, group, op=SUM)
+        probs.div_(total.unsqueeze(1))
+        ctx.save_for_backward(probs, local, here)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, local, here = ctx.saved_tensors
+        g = probs.clone()  # d loss_i / d logit_ij = p_ij - [j == target_i]
+        g.scatter_add_(1, local.unsqueeze(1), -here.to(g.dtype).unsqueeze(1))
+        return g.mul_(grad.unsqueeze(1)), None, None, None, None
+
+
+class VocabParallelLoss(nn.Module):
+    """Mean next-token cross-entropy from vocab-parallel logits (B, T, V_pad/tp), in fp32."""
+
+    def __init__(self, group, rank: int, tp: int, vocab_size: int):
+        super().__init__()
+        self.group, self.vocab_size = group, vocab_size
+        piece = -(-vocab_size // tp)
+        self.lo = min(rank * piece, vocab_size)
+        self.num_real = min(piece, vocab_size - self.lo)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.group,
+                                                  self.lo, self.num_real)
+        return losses.mean()
+
+
+class ForkedRNG(nn.Module):
+    """Runs a parameter-free module (a dropout) on a random stream of this tensor-parallel rank's
+    own, so split regions (local heads, sequence shards) draw different masks on different ranks
+    while replicated regions, on the default stream, agree. The stream's seed is drawn from the
+    default CPU generator, which every tp rank shares and which recomputation (preserve_rng_state)
+    and checkpoints already restore: replays and resumes draw the same masks, with no state here."""
+
+    def __init__(self, inner: nn.Module, tp_rank: int):
+        super().__init__()
+        self.inner, self.tp_rank = inner, tp_rank
+
+    def forward(self, *args, **kwargs):
+        if not self.training:
+            return self.inner(*args, **kwargs)
+        seed = int(torch.randint(0, 2**62, ())) ^ (self.tp_rank * 0x9E3779B97F4A7C15 % 2**62)
+        device = args[0].device
+        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(seed)
+            return self.inner(*args, **kwargs)

@@ -1,0 +1,92 @@
+"""ZeRO stage 3's parameter gathering, mixed into ZeroEngine.
+
+Each block's groups are all-gathered just before its forward and again before its backward, the
+next block is prefetched, and the gathered copy is freed after use by resizing its storage to 0:
+tensors autograd saved still point at that storage and see the data again once it is re-gathered.
+The root groups (embeddings, final norm, head) stay gathered from the start of forward until their
+gradients are reduced at the end of backward, as the head and the embedding use them at both ends.
+Gathers run on a process group of their own (`<group>:gather`), so their order never interleaves
+with the reductions', whose timing differs across ranks when a parameter goes unused on one.
+A trainable group is freed once its gradients are reduced; a frozen one once its block's backward
+is over (its input's gradient is computed), or at the step for a block no backward reached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from teratrain.compat import in_backward
+from teratrain.parallel.comm import all_gather
+
+
+class ZeroGatherMixin:
+    """Relies on ZeroEngine's `groups`, `model` and `device`."""
+
+    def _install_gather_hooks(self) -> None:
+        self.block_keys = list(self.model.layers.keys())
+        self.block_groups = {key: [g for g in self.groups if g.block == key] for key in self.block_keys + [None]}
+        for i, blk in enumerate(self.model.layers.values()):
+            blk.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i, args))
+            blk.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+        self.model.register_forward_pre_hook(lambda m, args: self._ensure_all(self.block_groups[None]))
+        self.model.register_forward_hook(lambda m, args, out: self._after_model_forward())
+
+    def _groups_of(self, i: int):
+        return self.block_groups[self.block_keys[i]]
+
+    def _start_gather(self, g) -> None:
+        if g.gathered or g.gather is not None:
+            return
+        g.full.untyped_storage().resize_(g.padded * g.full.element_size())
+        shard = g.param_shard.to(self.device, non_blocking=True)
+        # into `.data`: a write autograd does not version-track, since tensors saved for backward are
+        # views of `full` and must accept the re-gathered (identical) values
+        g.gather = all_gather(g.full.data, shard, g.gather_pg, async_op=True)
+
+    def _ensure(self, g) -> None:
+        self._start_gather(g)
+        if g.gather is not None:
+            g.gather.wait()
+            g.gather, g.gathered = None, True
+
+    def _release(self, g) -> None:
+        if g.gathered:
+            g.full.untyped_storage().resize_(0)
+            g.gathered = False
+
+    def _ensure_all(self, groups) -> None:
+        for g in groups:
+            self._ensure(g)
+
+    def _release_all(self, groups=None) -> None:
+        for g in self.groups if groups is None else groups:
+            self._release(g)
+
+    def _after_model_forward(self) -> None:
+        if not torch.is_grad_enabled():  # evaluation: no backward will need the root groups
+            self._release_all(self.block_groups[None])
+
+    def _before_forward(self, i: int, args) -> None:
+        self._ensure_all(self._groups_of(i))
+        if in_backward():  # recomputation inside backward: the gathers are already arranged
+            return
+        if i + 1 < len(self.block_keys):
+            for g in self._groups_of(i + 1):
+                self._start_gather(g)  # prefetch the next block
+        frozen = [g for g in self._groups_of(i) if not g.trainable]
+        h = args[0] if args else None
+        if frozen and torch.is_grad_enabled() and isinstance(h, torch.Tensor) and h.requires_grad:
+            h.register_hook(lambda grad: self._release_all(frozen))
+
+    def _after_forward(self, i: int, out: torch.Tensor) -> None:
+        if in_backward():  # recomputation inside backward: this block's backward needs it next
+            return
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+        self._release_all(self._groups_of(i))
+
+    def _before_backward(self, i: int) -> None:
+        self._ensure_all(self._groups_of(i))
+        if i > 0:
+            for g in self._groups_of(i - 1):
+                self._start_gather(g)  # prefetch the block whose backward is next

@@ -1,0 +1,88 @@
+"""Training on fixed random tokens, by the engines alone (no corpus, no trainer): the same global
+batch for every layout, so any layout can be compared with one process step by step.
+
+Every function is module-level so spawned ranks can import it; `train_random(0, 1, ...)` in the
+test's own process is the single-process reference."""
+
+from __future__ import annotations
+
+import torch
+
+from teratrain.config import load_config
+from teratrain.mesh import init_runtime
+from teratrain.models.transformer import Transformer
+from teratrain.optim.engine import train_step
+from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.parallelize import parallelize
+from teratrain.train import seed_everything
+
+# Small enough for 4 ranks on 2 cores; GQA (4 query / 2 key-value heads) and a vocabulary that
+# 4 does not divide (padded under tp=4).
+BASE = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+        "model.vocab_size=50", "model.seq_len=16", "train.global_batch=8", "train.micro_batch=2",
+        "optim.lr=0.01", "optim.eps=1e-6", "optim.warmup_steps=0", "train.device=cpu"]
+GPT2 = ["model.arch=gpt2", "model.n_kv_heads=4", "model.tie_embeddings=true", "model.bias=true"]
+
+
+def build(overrides: list[str], freeze: tuple[str, ...] = ()):
+    """Config, runtime, model and engine of this rank; parameters named in `freeze` are frozen
+    (requires_grad=False) before any strategy sees them."""
+    cfg = load_config(None, BASE + overrides)
+    rt = init_runtime(cfg)
+    cfg.parallel.dp = rt.dims.dp
+    seed_everything(cfg.train.seed + rt.dp_rank)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    for name in freeze:
+        model.get_parameter(name).requires_grad_(False)
+    return cfg, rt, model, parallelize(model, rt, cfg)
+
+
+def batches(cfg, steps: int, seed: int = 0):
+    """Each step's global batch (B, T+1) of random token ids, the same for every layout."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.model.seq_len + 1), generator=g)
+            for _ in range(steps)]
+
+
+def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, freeze: tuple[str, ...] = (),
+                 skip_branch: bool = False) -> dict:
+    """`steps` optimizer steps; returns every step's mean loss and (rank 0) the final whole params.
+    skip_branch: data-parallel rank 1 of 2 takes no gradient through layers.1's MLP (its output is
+    replaced by zeros); one process zeroes it for the same samples, which is the same math."""
+    cfg, rt, model, engine = build(overrides, freeze)
+    tc = cfg.train
+    per_rank = tc.global_batch // rt.dims.dp
+    lo = rt.dp_rank * per_rank
+    counter = _skip_branch(model, rt, tc) if skip_branch else None
+    losses = []
+    for batch in batches(cfg, steps):
+        rows = batch[lo:lo + per_rank]
+        micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
+                 for i in range(0, per_rank, tc.micro_batch)]
+        if counter is not None:
+            counter[0] = 0
+        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
+        loss = loss.clone()
+        all_reduce(loss, rt.dp_group, op=AVG)
+        losses.append(float(loss))
+    params = engine.full_params()
+    return {"losses": losses, "params": params if rank == 0 else None, "bytes": engine.last_state_bytes,
+            "skipped": engine.skipped_steps}
+
+
+def _skip_branch(model, rt, tc) -> list[int]:
+    """Zero layers.1.feed_forward's output on the second half of the global batch: detached on
+    data-parallel rank 1 of 2 (its parameters get no gradient there at all), masked in one process."""
+    counter = [0]  # micro-batches seen this step (one process)
+
+    def hook(module, args, out):
+        if rt.dims.dp > 1:
+            return torch.zeros_like(out).detach() if rt.dp_rank == 1 else None
+        start = counter[0] * tc.micro_batch
+        counter[0] += 1
+        keep = (torch.arange(start, start + out.shape[0]) < tc.global_batch // 2).to(out.dtype)
+        return out * keep.view(-1, *[1] * (out.dim() - 1))
+
+    model.layers[1].feed_forward.register_forward_hook(hook)
+    return counter
