@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
@@ -18,7 +19,13 @@ def _gib(b: float) -> str:
 def _layout_str(lay) -> str:
     s = f"dp={lay.dp} tp={lay.tp} pp={lay.pp} ep={lay.ep} zero={lay.zero} micro_batch={lay.micro_batch} " \
         f"recompute={lay.recompute} offload={lay.offload}"
+    s += f" schedule={_schedule_str(lay)}" if lay.pp > 1 else ""
     return s + (" sequence_parallel" if lay.sequence_parallel else "")
+
+
+def _schedule_str(lay) -> str:
+    name = {fn: cfg for cfg, fn in CONFIG_NAMES.items()}.get(lay.schedule, lay.schedule)
+    return name + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
 
 
 def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> list[tuple[str, int, int, str]]:
@@ -91,7 +98,9 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
             parts = parts.replace(key, words)
         out.append(("communication", t.comm_exposed_s, f"not hidden behind compute, of {t.comm_s * 1e3:.1f} ms ({parts})"))
     if t.bubble_s:
-        out.append(("pipeline bubble", t.bubble_s, f"(p-1)/(m+p-1) of the step, p={lay.pp}, m={lay.num_microbatches}"))
+        share = t.bubble_s / (t.step_time_s - t.optimizer_s - t.offload_s)
+        out.append(("pipeline bubble", t.bubble_s, f"{share:.1%} of the pipelined time idle in the simulated "
+                    f"{_schedule_str(lay)}, m={lay.num_microbatches} (even stages)"))
     if t.offload_s:
         out.append(("offload", t.offload_s, f"PCIe at {gpu.pcie_gbps:g} GB/s and the CPU optimizer "
                     f"({gpu.host_adam_params_per_s / 1e9:g} G params/s)"))

@@ -80,6 +80,9 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
             continue
         mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else \
             [1] if shape.is_bare else [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        if "num_microbatches" in fixed:  # parallel.num_microbatches set: the micro-batch follows from it
+            mb, rest = divmod(per_replica, fixed["num_microbatches"])
+            mbs = [mb] if mb and not rest and fixed.get("micro_batch", mb) == mb else []
         zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
         offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "params"]
         recomputes = [fixed["recompute"]] if "recompute" in fixed else \
