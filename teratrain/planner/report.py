@@ -37,6 +37,8 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
     if lay.offload == "params":
         params += "; the shard lives in CPU memory"
+    if m.terms.get("weight_versions", 1) > 1:
+        params += f"; x {m.terms['weight_versions']} weight versions ({_schedule_str(lay)} stashes them)"
     if lay.zero == 0:
         grads = f"{w.grad} B/param, held from backward to the optimizer step"
     else:

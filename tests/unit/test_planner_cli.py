@@ -105,3 +105,14 @@ def test_bad_input_exits_2_with_one_sentence(capsys, argv, words):
     assert rc == 2 and out == ""
     assert err.startswith("teratrain: error: ") and err.count("\n") == 1 and words in err
     assert "Traceback" not in err
+
+
+def test_schedule_plot_draws_the_simulated_pipeline(capsys, tmp_path):
+    png = tmp_path / "pipe.png"
+    rc, out, _ = plan(capsys, "--model", "llama-1b", "--gpus", "4", "--set", "parallel.pp=4", "--set",
+                      "parallel.schedule=interleaved-1f1b", "--set", "parallel.virtual_stages=2",
+                      "--set", "train.global_batch=8", "--schedule-plot", str(png))
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "schedule=interleaved-1f1b v=2" in out and f"pipeline timeline written to {png}" in out
+    rc, out, err = plan(capsys, "--params", "1e9", "--schedule-plot", str(png))
+    assert rc == 2 and "--schedule-plot needs a model shape" in err

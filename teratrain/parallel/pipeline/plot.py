@@ -35,27 +35,38 @@ def _draw(ax, intervals: Sequence[Interval], num_ranks: int, title: str, unit: s
     span = max(end - start, 1e-12)
     chunks = max((iv.chunk for iv in intervals), default=0) > 0
     num_mb = 1 + max((iv.microbatch for iv in intervals), default=0)
-    for r in range(num_ranks):
-        ax.broken_barh([(0, span * scale)], (r - 0.42, 0.84), color="#e6e6e6", zorder=0)
+    groups: dict[tuple[int, str], tuple[list, list]] = {}  # one bar collection per (rank, kind): fast to draw
     for iv in intervals:
         x, w = (iv.start - start) * scale, (iv.end - iv.start) * scale
-        if iv.kind == "STEP":
-            ax.broken_barh([(x, max(w, span * scale * 0.002))], (iv.rank - 0.42, 0.84), color="black", zorder=3)
-            continue
-        ax.broken_barh([(x, w)], (iv.rank - 0.42, 0.84), facecolor=_colour(iv.microbatch, iv.chunk, num_mb),
-                       edgecolor="white", linewidth=0.6, hatch=HATCH.get(iv.kind, ""), zorder=2)
+        boxes, colours = groups.setdefault((iv.rank, iv.kind), ([], []))
+        boxes.append((x, max(w, span * scale * 0.002) if iv.kind == "STEP" else w))
+        colours.append("black" if iv.kind == "STEP" else _colour(iv.microbatch, iv.chunk, num_mb))
         inches = w / (span * scale) * width_in * 0.9
-        if inches > 0.3:  # room for a label at 7 pt
-            label = f"{iv.kind}{iv.microbatch}" + (f".{iv.chunk}" if chunks else "")
-            label += f" v{iv.version}" if iv.version is not None and inches > 0.5 else ""
+        label = f"{iv.kind}{iv.microbatch}" + (f".{iv.chunk}" if chunks else "")
+        label += f" v{iv.version}" if iv.version is not None and inches > 0.065 * (len(label) + 3) else ""
+        if inches > 0.065 * len(label) and iv.kind != "STEP":  # room for the label at 7 pt
             ax.text(x + w / 2, iv.rank, label, ha="center", va="center", fontsize=7, zorder=4,
-                    bbox=dict(boxstyle="square,pad=0.05", fc="white", ec="none", alpha=0.6) if iv.kind != "F" else None)
+                    bbox=None if iv.kind == "F" else dict(boxstyle="square,pad=0.05", fc="white", ec="none", alpha=0.6))
+    for r in range(num_ranks):
+        ax.broken_barh([(0, span * scale)], (r - 0.42, 0.84), color="#e6e6e6", zorder=0)
+    for (r, kind), (boxes, colours) in groups.items():
+        ax.broken_barh(boxes, (r - 0.42, 0.84), facecolors=colours, edgecolor="white", linewidth=0.6,
+                       hatch=HATCH.get(kind, ""), zorder=3 if kind == "STEP" else 2)
     ax.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
     ax.set_ylim(num_ranks - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span * scale)
     ax.set_xlabel(f"time ({unit})")
     bubble = bubble_fraction(intervals, num_ranks)
     ax.set_title(f"{title}   (bubble {bubble:.1%})", fontsize=10, loc="left")
+
+
+def _width_for_labels(intervals: Sequence[Interval]) -> float:
+    """Inches at which the shortest box is 0.3 inch wide (room for its label)."""
+    boxes = [iv.end - iv.start for iv in intervals if iv.kind != "STEP"]
+    if not boxes:
+        return 0.0
+    span = max(iv.end for iv in intervals) - min(iv.start for iv in intervals)
+    return 0.3 / 0.9 * span / max(min(boxes), span * 1e-3)
 
 
 def plot_timeline(path: str, predicted: Sequence[Interval], measured: Sequence[Interval] | None = None, *,
@@ -73,8 +84,7 @@ def plot_timeline(path: str, predicted: Sequence[Interval], measured: Sequence[I
     if measured is not None:
         panels.append(("measured", measured))
     n = num_ranks or 1 + max(iv.rank for _, ivs in panels for iv in ivs)
-    per_rank = max(len(ivs) for _, ivs in panels) / n  # boxes in a row: wider figures for long schedules
-    width = min(18.0, max(13.0, 0.12 * per_rank))
+    width = min(18.0, max(13.0, *(_width_for_labels(ivs) for _, ivs in panels)))
     fig, axes = plt.subplots(len(panels), 1, figsize=(width, 0.6 * n * len(panels) + 1.6 * len(panels) + 0.4),
                              squeeze=False)
     for ax, (name, ivs) in zip(axes[:, 0], panels):
