@@ -154,8 +154,9 @@ class ParallelConfig(Section):
                                          "unset = train.global_batch / (dp x train.micro_batch), which it must equal")
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved-1f1b): the blocks "
                                                      "are split into pp x virtual_stages stages")
-    partition: Literal["layers", "profiled"] = Field("layers", description="split blocks into stages by count (extra "
-                                                     "blocks to the first stages) or by measured time under a memory cap")
+    partition: Literal["layers", "profiled"] = Field("layers", description="split blocks into stages by count "
+                                                     "(extra blocks to the first stages) or by measured time under "
+                                                     "a memory cap (parallel/pipeline/partition.py)")
     weight_version_every: int | None = Field(None, ge=1, description="pipedream-2bw: micro-batches between weight "
                                              "versions (at least pp; unset = pp)")
     vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "
@@ -214,8 +215,9 @@ class Config(Section):
         if p.num_microbatches is not None and p.dp is not None:
             self.microbatches(p.dp)
         elif p.num_microbatches is not None and self.train.global_batch % (p.num_microbatches * self.train.micro_batch):
-            raise ConfigError(f"train.global_batch ({self.train.global_batch}) must be dp x parallel.num_microbatches "
-                              f"x train.micro_batch = dp x {p.num_microbatches} x {self.train.micro_batch}; change one.")
+            raise ConfigError(f"train.global_batch ({self.train.global_batch}) must be dp x "
+                              f"parallel.num_microbatches x train.micro_batch = dp x {p.num_microbatches} x "
+                              f"{self.train.micro_batch}; change one of them.")
         return self
 
     def microbatches(self, dp: int) -> int:
@@ -224,8 +226,11 @@ class Config(Section):
         t, p = self.train, self.parallel
         m, rest = divmod(t.global_batch, dp * t.micro_batch)
         if rest or m == 0 or (p.num_microbatches is not None and m != p.num_microbatches):
-            want = f"dp x parallel.num_microbatches x train.micro_batch = {dp} x {p.num_microbatches} x " \
-                   f"{t.micro_batch}" if p.num_microbatches else f"a multiple of dp x train.micro_batch = {dp * t.micro_batch}"
+            want = f"a multiple of dp x train.micro_batch = {dp * t.micro_batch}"
+            if p.num_microbatches:
+                n = dp * p.num_microbatches * t.micro_batch
+                want = f"dp x parallel.num_microbatches x train.micro_batch = {dp} x {p.num_microbatches} x " \
+                       f"{t.micro_batch} = {n}"
             raise ConfigError(f"train.global_batch ({t.global_batch}) must be {want}; change one of them.")
         from teratrain.parallel.pipeline.schedules import problem
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
+from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
@@ -84,7 +84,7 @@ def plot_schedule(path: str, shape: ModelShape, train: Training, lay: Layout, t:
 
     if lay.pp == 1:
         return "no pipeline timeline drawn: the chosen layout has pp=1; fix one with --set parallel.pp=N"
-    name = {fn: cfg for cfg, fn in CONFIG_NAMES.items()}.get(lay.schedule, lay.schedule)
+    name = config_name(lay.schedule)
     tl = pipeline.timeline(lay, t.compute_s + t.ops_s, p2p_s(shape, train, lay, gpu), **options)
     chunks = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     title = (f"{shape.name}: {name}, pp={lay.pp}{chunks}, {lay.num_microbatches} micro-batches of "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
+from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
@@ -24,7 +24,7 @@ def _layout_str(lay) -> str:
 
 
 def _schedule_str(lay) -> str:
-    name = {fn: cfg for cfg, fn in CONFIG_NAMES.items()}.get(lay.schedule, lay.schedule)
+    name = config_name(lay.schedule)
     return name + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
 
 

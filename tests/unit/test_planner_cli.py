@@ -99,6 +99,11 @@ def test_batch_advice(capsys):
     (["--model", "gpt2-1.5b", "--gpus", "8", "--set", "parallel.tp=2"], "model.n_heads (25)"),
     (["--model", "llama-70b", "--gpus", "1", "--gpu-mem", "80"], "--gpus"),
     (["--params", "-5"], "--params"),
+    (["--model", "gpt2-124m", "--set", "parallel.pp=4", "--set", "parallel.schedule=interleaved-1f1b", "--set",
+      "parallel.virtual_stages=2", "--set", "train.global_batch=12", "--set", "train.micro_batch=2"],
+     "multiple of parallel.pp=4"),
+    (["--model", "gpt2-124m", "--set", "parallel.pp=2", "--set", "parallel.virtual_stages=2"],
+     "needs parallel.schedule=interleaved-1f1b"),
 ])
 def test_bad_input_exits_2_with_one_sentence(capsys, argv, words):
     rc, out, err = plan(capsys, *argv)

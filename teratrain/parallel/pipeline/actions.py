@@ -22,7 +22,8 @@ Kinds, and what an executor does for each (rank r, chunk c, stage s = c * pp + r
           output from `peer`.
 Rules the lists guarantee (`check` verifies them) and an executor must keep:
   1. Sends never block: post the send and go on; all sends complete before the call returns.
-  2. A receive completes before the next compute action of the list (it may be posted earlier).
+  2. A receive completes before the next compute action of the list (posting it earlier is fine;
+     the simulator waits at the RECV itself).
   3. Messages on one directed link (src -> dst) are received in the order they are sent: dst's
      RECVs from src appear in the same order as src's SENDs to dst, so positional (FIFO) matching
      needs no tags. A RECV may therefore sit a few actions before the compute that consumes it.
@@ -124,7 +125,8 @@ def add_communication(name: str, pp: int, num_microbatches: int, virtual_stages:
                 queue = links.get((src, rank), deque())
                 while need not in got:
                     if not queue:
-                        raise ValueError(f"schedule '{name}': rank {rank} needs {need} from rank {src}, which never sends it")
+                        raise ValueError(f"schedule '{name}': rank {rank} needs {need} from rank {src}, "
+                                         "which never sends it")
                     kind, mb, consumer = msg = queue.popleft()
                     got.add(msg)
                     lst.append(Action(RECV_F if kind == F else RECV_B, mb, consumer // pp, peer=src))
@@ -138,61 +140,67 @@ def add_communication(name: str, pp: int, num_microbatches: int, virtual_stages:
 def check(sched: Schedule) -> None:
     """Raise ValueError naming the first broken rule: each (stage, micro-batch) has one F and one B
     (or one I then one W) after it, on the rank that holds the stage; inputs are received or made
-    locally before use; sends follow what they send; per-link orders match; versions exist."""
-    pp, S, m = sched.pp, sched.num_stages, sched.num_microbatches
+    locally before use; sends follow what they send and go to the rank of the consuming stage;
+    per-link orders match; versions exist before use and F and its backward use the same one."""
     counts: Counter = Counter()
-    link_sends: dict[tuple[int, int], list] = {}
-    link_recvs: dict[tuple[int, int], list] = {}
-    for rank, acts in enumerate(sched.ranks):
-        done: set = set()
-        have: set = set()  # messages available on this rank (received or made locally)
-        steps, fwd_version = 0, {}
-        for a in acts:
-            where = f"schedule '{sched.name}' rank {rank}: {a}"
-            if not (0 <= a.chunk < sched.virtual_stages and -1 <= a.microbatch < m):
-                raise ValueError(f"{where} names a chunk or micro-batch out of range")
-            s = sched.stage(rank, a.chunk)
-            if a.kind in COMPUTE:
-                counts[(a.kind, s, a.microbatch)] += 1
-                need = message(a, rank, pp, S, sending=False)
-                if need is not None and need not in have:
-                    raise ValueError(f"{where} runs before its input {need} is received")
-                before = {B: F, I: F, W: I}.get(a.kind)
-                if before and (before, s, a.microbatch) not in done:
-                    raise ValueError(f"{where} runs before {before} of that micro-batch on stage {s}")
-                if a.kind == F:
-                    fwd_version[(s, a.microbatch)] = a.version
-                elif fwd_version.get((s, a.microbatch)) != a.version:
-                    raise ValueError(f"{where} uses another weight version than its forward")
-                if a.version is not None and a.version > steps:
-                    raise ValueError(f"{where} uses version {a.version} before this rank made it")
-                done.add((a.kind, s, a.microbatch))
-                made = message(a, rank, pp, S, sending=True)
-                if made is not None and made[2] % pp == rank:
-                    have.add(made)
-            elif a.kind == STEP:
-                steps += 1
-                if a.version != steps:
-                    raise ValueError(f"{where} should create version {steps}")
-            elif a.kind in SENDS:
-                makers = (F,) if a.kind == SEND_F else (B, I)
-                if not any((k, s, a.microbatch) in done for k in makers):
-                    raise ValueError(f"{where} sends before computing what it sends")
-                link_sends.setdefault((rank, a.peer), []).append(message(a, rank, pp, S, True))
-            elif a.kind in RECVS:
-                msg = message(a, rank, pp, S, sending=False)
-                have.add(msg)
-                link_recvs.setdefault((a.peer, rank), []).append(msg)
-            else:
-                raise ValueError(f"{where}: unknown action kind")
-    for s in range(S):
-        for mb in range(m):
-            split = counts[(I, s, mb)] + counts[(W, s, mb)]
-            if counts[(F, s, mb)] != 1 or (counts[(B, s, mb)], split) not in ((1, 0), (0, 2)) or \
-                    (split and counts[(I, s, mb)] != 1):
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    for rank in range(sched.pp):
+        _check_rank(sched, rank, counts, sends, recvs)
+    for s in range(sched.num_stages):
+        for mb in range(sched.num_microbatches):
+            once = counts[(F, s, mb)] == 1 and (counts[(B, s, mb)], counts[(I, s, mb)], counts[(W, s, mb)]) in \
+                ((1, 0, 0), (0, 1, 1))
+            if not once:
                 raise ValueError(f"schedule '{sched.name}': stage {s} micro-batch {mb} is not forwarded and "
                                  "backwarded exactly once")
-    for link in set(link_sends) | set(link_recvs):
-        if link_sends.get(link, []) != link_recvs.get(link, []):
+    for link in set(sends) | set(recvs):
+        if sends.get(link, []) != recvs.get(link, []):
             raise ValueError(f"schedule '{sched.name}': rank {link[1]} receives from rank {link[0]} in another "
                              "order than it is sent")
+
+
+def _check_rank(sched: Schedule, rank: int, counts: Counter, sends: dict, recvs: dict) -> None:
+    pp, S = sched.pp, sched.num_stages
+    done: set = set()
+    have: set = set()  # messages available on this rank (received or made locally)
+    steps, fwd_version = 0, {}
+    for a in sched.ranks[rank]:
+        where = f"schedule '{sched.name}' rank {rank}: {a}"
+        if not (0 <= a.chunk < sched.virtual_stages and -1 <= a.microbatch < sched.num_microbatches):
+            raise ValueError(f"{where} names a chunk or micro-batch out of range")
+        s = sched.stage(rank, a.chunk)
+        if a.kind in COMPUTE:
+            counts[(a.kind, s, a.microbatch)] += 1
+            need = message(a, rank, pp, S, sending=False)
+            if need is not None and need not in have:
+                raise ValueError(f"{where} runs before its input {need} is received")
+            before = {B: F, I: F, W: I}.get(a.kind)
+            if before and (before, s, a.microbatch) not in done:
+                raise ValueError(f"{where} runs before {before} of that micro-batch on stage {s}")
+            if fwd_version.setdefault((s, a.microbatch), a.version) != a.version:
+                raise ValueError(f"{where} uses another weight version than its forward")
+            if a.version is not None and a.version > steps:
+                raise ValueError(f"{where} uses version {a.version} before this rank made it")
+            done.add((a.kind, s, a.microbatch))
+            made = message(a, rank, pp, S, sending=True)
+            if made is not None and made[2] % pp == rank:
+                have.add(made)
+        elif a.kind == STEP:
+            steps += 1
+            if a.version != steps:
+                raise ValueError(f"{where} should create version {steps}")
+        elif a.kind in SENDS + RECVS:
+            sending = a.kind in SENDS
+            msg = message(a, rank, pp, S, sending)
+            if msg is None or (msg[2] if sending else producer_stage(msg)) % pp != a.peer:
+                raise ValueError(f"{where} names the wrong peer or leaves the pipe")
+            if not sending:
+                have.add(msg)
+                recvs.setdefault((a.peer, rank), []).append(msg)
+            elif any((k, s, a.microbatch) in done for k in ((F,) if a.kind == SEND_F else (B, I))):
+                sends.setdefault((rank, a.peer), []).append(msg)
+            else:
+                raise ValueError(f"{where} sends before computing what it sends")
+        else:
+            raise ValueError(f"{where}: unknown action kind")

@@ -44,7 +44,8 @@ class LayerCost:
     activation_bytes: int
 
 
-def stage_totals(bounds: Sequence[range], values: Sequence[float], first: float = 0.0, last: float = 0.0) -> list[float]:
+def stage_totals(bounds: Sequence[range], values: Sequence[float], first: float = 0.0,
+                 last: float = 0.0) -> list[float]:
     """Sum of `values` over each stage's blocks, plus `first` on stage 0 and `last` on the final stage."""
     out = [sum(values[i] for i in r) for r in bounds]
     out[0] += first

@@ -3,8 +3,9 @@
 One row per rank, time to the right. Colour = micro-batch; the kind of work is the fill: forward
 solid, backward (B) and input-gradient (I) hatched, weight-gradient (W) dotted, optimizer STEP
 black; idle time is the grey background. Boxes wide enough carry their label (`F3`, `B3`; `F3.1`
-for chunk 1 of an interleaved rank; `F3 v1` when the action names weight version 1). Measured intervals use the simulator's `Interval` record, so
-`plot_timeline(path, predicted, measured)` draws both on one figure (same scale per panel).
+for chunk 1 of an interleaved rank; `F3 v1` when the action names weight version 1). Measured
+intervals use the simulator's `Interval` record, so `plot_timeline(path, predicted, measured)` draws
+both on one figure, one panel above the other (each on its own time axis).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Pipeline schedules as data: pure functions from (pp, num_microbatches, ...) to every rank's actions.
 
-Each builder orders the compute actions of each rank (F, B or I + W, STEP); `add_communication`
-(actions.py) then inserts the sends and receives the same way for all of them. Rank r runs stage r
-(and, interleaved, stages r + pp, r + 2 pp, ...). Config names (`parallel.schedule`) in brackets.
+Each builder, called as builder(pp, m, v) (only interleaved uses v), orders the compute actions of
+each rank (F, B or I + W, STEP); `add_communication` (actions.py) then inserts the sends and receives
+the same way for all of them. Rank r runs stage r (and, interleaved, stages r + pp, r + 2 pp, ...).
+Config names (`parallel.schedule`) in brackets; `build(name, ...)` takes either spelling.
 
 - naive [naive]: model parallelism without pipelining; one micro-batch goes all the way through the
   pipe and back before the next enters. Bubble (pp-1)/pp.
@@ -38,7 +39,11 @@ from teratrain.parallel.pipeline.actions import B, F, I, STEP, W, Action, Schedu
 
 CONFIG_NAMES = {"naive": "naive", "gpipe": "gpipe", "1f1b": "one_f_one_b", "interleaved-1f1b": "interleaved_1f1b",
                 "zb-h1": "zb_h1", "pipedream": "pipedream", "pipedream-2bw": "pipedream_2bw"}
-ASYNC = ("pipedream", "pipedream_2bw")
+
+
+def config_name(name: str) -> str:
+    """The `parallel.schedule` spelling of a schedule given by function or config name."""
+    return {fn: cfg for cfg, fn in CONFIG_NAMES.items()}.get(name, name)
 
 
 def problem(name: str, pp: int, num_microbatches: int | None, virtual_stages: int = 1,
@@ -59,7 +64,8 @@ def problem(name: str, pp: int, num_microbatches: int | None, virtual_stages: in
             return (f"interleaved-1f1b needs a multiple of parallel.pp={pp} micro-batches per step, got {m}; make "
                     f"train.global_batch / (dp x train.micro_batch) a multiple of {pp}.")
     elif v != 1:
-        return f"parallel.virtual_stages={v} needs parallel.schedule=interleaved-1f1b; set it or parallel.virtual_stages=1."
+        return (f"parallel.virtual_stages={v} needs parallel.schedule=interleaved-1f1b; set it or "
+                "parallel.virtual_stages=1.")
     if weight_version_every is not None and fn != "pipedream_2bw":
         return "parallel.weight_version_every only applies to parallel.schedule=pipedream-2bw; leave it unset."
     if vertical_sync and fn != "pipedream":
