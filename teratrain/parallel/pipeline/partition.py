@@ -14,7 +14,6 @@ pp * virtual_stages stages; every stage holds at least one block.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -101,30 +100,33 @@ def _cumsum(xs: Sequence[float]):
         yield total
 
 
-def profile_layers(layers: Sequence[nn.Module], example: torch.Tensor, *, repeats: int = 3,
-                   warmup: int = 1) -> list[LayerCost]:
+def profile_layers(layers: Sequence[nn.Module], example: torch.Tensor, *, repeats: int = 3, warmup: int = 1,
+                   clock=time.perf_counter) -> list[LayerCost]:
     """Time forward + backward of each module on the output of the previous one (the input `example`
-    for the first), median of `repeats` runs after `warmup`, on whatever device the modules and
-    `example` live (synchronized on CUDA). Backward starts from a gradient of ones."""
+    for the first): the least of `repeats` runs after `warmup` (other work on the device only adds
+    time), on whatever device the modules and `example` live (synchronized on CUDA). Backward starts
+    from a gradient of ones. `clock`: wall time by default; time.process_time measures a one-thread
+    CPU run without the time other processes take from it."""
     out, x = [], example.detach()
     for layer in layers:
         y, saved = _saved_bytes(layer, x)
-        times = [_fwd_bwd_s(layer, x) for _ in range(warmup + repeats)][warmup:]
+        times = [_fwd_bwd_s(layer, x, clock) for _ in range(warmup + repeats)][warmup:]
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
-        out.append(LayerCost(statistics.median(times), params, saved))
+        out.append(LayerCost(min(times), params, saved))
         x = y.detach()
     return out
 
 
-def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor) -> float:
+def _fwd_bwd_s(layer: nn.Module, x: torch.Tensor, clock) -> float:
     x = x.detach().requires_grad_(x.is_floating_point())
     _sync(x)
-    t0 = time.perf_counter()
+    t0 = clock()
     y = layer(x)
     y.backward(torch.ones_like(y))
     _sync(x)
+    elapsed = clock() - t0
     layer.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return elapsed
 
 
 def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
