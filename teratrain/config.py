@@ -153,6 +153,30 @@ class ParallelConfig(Section):
     overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
                                                  "for each one (to measure what the overlap saves)")
     timeout_s: float = Field(600.0, gt=0.0, description="collective timeout in seconds")
+    schedule: Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw"] = Field(
+        "1f1b", description="pipeline schedule when pp > 1 (parallel/pipeline/schedules.py; pipedream and "
+                            "pipedream-2bw are asynchronous)")
+    num_microbatches: int | None = Field(None, ge=1, description="micro-batches per optimizer step on each pipeline; "
+                                         "unset = train.global_batch / (dp x train.micro_batch), which it must equal")
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved-1f1b): the blocks "
+                                                     "are split into pp x virtual_stages stages")
+    partition: Literal["layers", "profiled"] = Field("layers", description="split blocks into stages by count "
+                                                     "(extra blocks to the first stages) or by measured time under "
+                                                     "a memory cap (parallel/pipeline/partition.py)")
+    weight_version_every: int | None = Field(None, ge=1, description="pipedream-2bw: micro-batches between weight "
+                                             "versions (at least pp; unset = pp)")
+    vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "
+                                                   "entered stage 0 with")
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "ParallelConfig":
+        from teratrain.parallel.pipeline.schedules import problem
+
+        why = problem(self.schedule, self.pp, self.num_microbatches, self.virtual_stages,
+                      self.weight_version_every, self.vertical_sync)
+        if why:
+            raise ConfigError(why)
+        return self
 
     @property
     def use_sp(self) -> bool:
@@ -196,7 +220,36 @@ class Config(Section):
                               "at which optim.lr was tuned.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
+        p = self.parallel
+        if self.model.n_layers < p.pp * p.virtual_stages:
+            raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
+                              f"parallel.virtual_stages = {p.pp * p.virtual_stages} pipeline stages; lower them.")
+        if p.num_microbatches is not None and p.dp is not None:
+            self.microbatches(p.dp)
+        elif p.num_microbatches is not None and self.train.global_batch % (p.num_microbatches * self.train.micro_batch):
+            raise ConfigError(f"train.global_batch ({self.train.global_batch}) must be dp x "
+                              f"parallel.num_microbatches x train.micro_batch = dp x {p.num_microbatches} x "
+                              f"{self.train.micro_batch}; change one of them.")
         return self
+
+    def microbatches(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each pipeline at data-parallel degree `dp`, checked
+        against parallel.num_microbatches and the schedule (call before launch, when dp is known)."""
+        t, p = self.train, self.parallel
+        m, rest = divmod(t.global_batch, dp * t.micro_batch)
+        if rest or m == 0 or (p.num_microbatches is not None and m != p.num_microbatches):
+            want = f"a multiple of dp x train.micro_batch = {dp * t.micro_batch}"
+            if p.num_microbatches:
+                n = dp * p.num_microbatches * t.micro_batch
+                want = f"dp x parallel.num_microbatches x train.micro_batch = {dp} x {p.num_microbatches} x " \
+                       f"{t.micro_batch} = {n}"
+            raise ConfigError(f"train.global_batch ({t.global_batch}) must be {want}; change one of them.")
+        from teratrain.parallel.pipeline.schedules import problem
+
+        why = problem(p.schedule, p.pp, m, p.virtual_stages, p.weight_version_every, p.vertical_sync)
+        if why:
+            raise ConfigError(why)
+        return m
 
     @property
     def use_master_weights(self) -> bool:

@@ -1,7 +1,8 @@
 """`teratrain plan`: what fits, how fast, and why, before anything is launched.
 
     teratrain plan [CONFIG.toml|config.json] [--model PRESET | --params N] [--gpus N] [--gpu-mem GiB]
-                   [--gpu h100|h200|a100] [--set KEY=VALUE ...] [--hw KEY=VALUE ...] [--json] [--plot FILE] [--top K]
+                   [--gpu h100|h200|a100] [--set KEY=VALUE ...] [--hw KEY=VALUE ...] [--json] [--plot FILE]
+                   [--schedule-plot FILE] [--top K]
 
 Degrees set in the config or with --set are kept; the others are searched (search.py). Bad input
 and "nothing fits" exit 2 with one sentence (ConfigError, printed by teratrain.cli.main).
@@ -37,6 +38,8 @@ def add_plan_parser(subparsers) -> None:
                    help=f"override a hardware assumption ({', '.join(hw_keys())})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE", help="write a stacked bar chart of memory per GPU (PNG)")
+    p.add_argument("--schedule-plot", metavar="FILE", help="draw the chosen layout's pipeline step as simulated "
+                   "(PNG; e.g. with --set parallel.pp=4 --set parallel.schedule=interleaved-1f1b)")
     p.add_argument("--top", type=int, default=5, help="layouts shown in the ranking (default 5)")
     p.set_defaults(func=cmd_plan)
 
@@ -68,6 +71,17 @@ def cmd_plan(args) -> int:
         plot_memory(args.plot, shape, train, base, gpu, gpu_mem, f"{_name(shape)} on {gpu.name.upper()}: memory per "
                     f"GPU, dp={base.dp} tp={base.tp} pp={base.pp}, micro-batch {base.micro_batch}{what_if}")
         notes.append(f"memory chart written to {args.plot}{what_if}")
+    if args.schedule_plot:
+        if shape.is_bare:
+            raise ConfigError("--schedule-plot needs a model shape to time the stages; pass --model or a config "
+                              "instead of --params.")
+        from teratrain.planner.plot import plot_schedule
+
+        p = cfg.parallel
+        options = {"vertical_sync": True} if p.vertical_sync else {}
+        if p.weight_version_every is not None:
+            options["weight_version_every"] = p.weight_version_every
+        notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
     if args.json:
         print(json.dumps(as_json(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes)))
     else:

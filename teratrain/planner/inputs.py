@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from teratrain.config import Config, ConfigError, load_config
+from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.layout import Layout, ModelShape, Training
 
 HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
@@ -96,9 +97,10 @@ def fixed_of(cfg: Config) -> dict:
     """Layout fields the user set (TOML keys or --set), which the search must keep."""
     out = {}
     p, t, m = cfg.parallel, cfg.train, cfg.memory
-    for key in ("dp", "tp", "pp", "ep", "zero", "offload"):
+    for key in ("dp", "tp", "pp", "ep", "zero", "offload", "num_microbatches", "virtual_stages"):
         if key in p.model_fields_set and getattr(p, key) is not None:
             out[key] = getattr(p, key)
+    out["schedule"] = CONFIG_NAMES[p.schedule]  # never searched: the default is 1F1B
     if "micro_batch" in t.model_fields_set:
         out["micro_batch"] = t.micro_batch
     if "recompute" in m.model_fields_set:
@@ -116,4 +118,5 @@ def layout_of(cfg: Config, gpus: int = 1) -> Layout:
     mb = min(cfg.train.micro_batch, per_replica)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero, micro_batch=mb,
                   num_microbatches=max(1, per_replica // mb), recompute=cfg.memory.recompute,
-                  recompute_every=cfg.memory.recompute_every, offload=p.offload, sequence_parallel=p.tp > 1)
+                  recompute_every=cfg.memory.recompute_every, offload=p.offload, sequence_parallel=p.tp > 1,
+                  schedule=CONFIG_NAMES[p.schedule], virtual_stages=p.virtual_stages)

@@ -106,7 +106,7 @@ class Layout:
     recompute_every: int = 2
     offload: str = "none"  # none | optimizer | params
     sequence_parallel: bool = False
-    schedule: str = "one_f_one_b"  # gpipe | one_f_one_b | interleaved_1f1b
+    schedule: str = "one_f_one_b"  # a parallel/pipeline/schedules.py name (function or config name)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
 
     @property

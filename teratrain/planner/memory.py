@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
 from teratrain.planner import activations as act
+from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU, GPUS
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 from teratrain.planner.states import model_states, stage_params, zero_summary
@@ -52,17 +53,11 @@ class MemoryBreakdown:
 
 
 def in_flight(lay: Layout) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at once: GPipe keeps all m
-    (Huang et al. 2019); 1F1B at most p (Narayanan et al. 2021, PipeDream-flush); interleaved 1F1B
-    p * (1 + (p-1)/(p*v)) stage-equivalents (Korthikanti et al. 2022, sec. 4.2.3)."""
-    m, p, v = lay.num_microbatches, lay.pp, lay.virtual_stages
-    if p == 1:
-        return 1
-    if lay.schedule == "gpipe":
-        return m
-    if lay.schedule == "interleaved_1f1b":
-        return min(m, p + (p - 1) / v)
-    return min(m, p)
+    """Micro-batches whose activations the fullest pipeline rank holds at once, read off the
+    simulated schedule (planner/pipeline.py): all m for GPipe (Huang et al. 2019), at most p for
+    1F1B (Narayanan et al. 2021, PipeDream-flush) and ZB-H1, p + (p-1)/v stage-equivalents for
+    interleaved 1F1B (Korthikanti et al. 2022, sec. 4.2.3)."""
+    return pipeline.summary(lay)[1]
 
 
 def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict[str, int]:
@@ -183,6 +178,8 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
     """Per-rank memory of `lay` (worst pipeline stage), peak moment and allowance included."""
     gpu = gpu or GPUS["h100"]
     st = model_states(shape, train, lay, device)
+    versions = pipeline.summary(lay)[2]  # asynchronous pipelines stash older copies of the stage's weights
+    st = {**st, "gpu_params": st["gpu_params"] * versions}
     eng = _engine_buffers(shape, train, lay, st)
     if shape.is_bare:
         phases = {"optimizer step": {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
@@ -201,7 +198,8 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
     terms.update({"local_params": st["local_params"], "shard_params": st["shard"],
                   "saved_per_microbatch_first_stage": saved.get("blocks", 0) + saved.get("first", 0),
                   "autocast_weight_copies": saved.get("copies", 0), "recompute_segment": saved.get("recompute", 0),
-                  "in_flight_microbatches": in_flight(lay), **{f"engine_{k}": v for k, v in eng.items()}})
+                  "in_flight_microbatches": in_flight(lay), "weight_versions": versions,
+                  **{f"engine_{k}": v for k, v in eng.items()}})
     return MemoryBreakdown(params=st["gpu_params"], grads=st["gpu_grads"], optimizer=st["gpu_optimizer"],
                            activations=acts, buffers=bufs, allowance=allowance, total=peak + allowance,
                            peak_allocated=peak, host=st["host"], phase=phase, at_peak=at_peak,

@@ -1,11 +1,15 @@
 """`teratrain plan --plot FILE`: stacked bars of per-GPU memory as each ZeRO-paper saving is added
-(Rajbhandari et al. 2020, Figure 1's P_os, P_os+g, P_os+g+p), then recomputation and offload."""
+(Rajbhandari et al. 2020, Figure 1's P_os, P_os+g, P_os+g+p), then recomputation and offload.
+`--schedule-plot FILE`: the chosen layout's pipeline step as the simulator predicts it."""
 
 from __future__ import annotations
 
+from teratrain.parallel.pipeline.schedules import config_name
+from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import GIB, plan_memory
+from teratrain.planner.time import TimeBreakdown, p2p_s
 
 KINDS = [("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
          ("optimizer", "optimizer state", "#C44E52"), ("activations", "activations", "#8172B2"),
@@ -70,3 +74,20 @@ def _shown(m, key: str) -> float:
     if key == "allowance":
         return m.allowance
     return m.at_peak.get(key, 0)
+
+
+def plot_schedule(path: str, shape: ModelShape, train: Training, lay: Layout, t: TimeBreakdown, gpu: GPU,
+                  **options) -> str:
+    """Draw `lay`'s pipeline step, simulated with the planner's compute time per micro-batch and stage
+    and its activation transfer time; return the note for the report. `options` go to the schedule."""
+    from teratrain.parallel.pipeline.plot import plot_timeline
+
+    if lay.pp == 1:
+        return "no pipeline timeline drawn: the chosen layout has pp=1; fix one with --set parallel.pp=N"
+    name = config_name(lay.schedule)
+    tl = pipeline.timeline(lay, t.compute_s + t.ops_s, p2p_s(shape, train, lay, gpu), **options)
+    chunks = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+    title = (f"{shape.name}: {name}, pp={lay.pp}{chunks}, {lay.num_microbatches} micro-batches of "
+             f"{lay.micro_batch}; simulated step {tl.makespan_s * 1e3:,.0f} ms")
+    plot_timeline(path, tl.intervals, num_ranks=lay.pp, title=title, unit="ms", scale=1e3)
+    return f"pipeline timeline written to {path} ({name}, simulated bubble {tl.bubble_fraction:.1%})"

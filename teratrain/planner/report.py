@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
@@ -18,7 +19,13 @@ def _gib(b: float) -> str:
 def _layout_str(lay) -> str:
     s = f"dp={lay.dp} tp={lay.tp} pp={lay.pp} ep={lay.ep} zero={lay.zero} micro_batch={lay.micro_batch} " \
         f"recompute={lay.recompute} offload={lay.offload}"
+    s += f" schedule={_schedule_str(lay)}" if lay.pp > 1 else ""
     return s + (" sequence_parallel" if lay.sequence_parallel else "")
+
+
+def _schedule_str(lay) -> str:
+    name = config_name(lay.schedule)
+    return name + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
 
 
 def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> list[tuple[str, int, int, str]]:
@@ -30,6 +37,8 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
     if lay.offload == "params":
         params += "; the shard lives in CPU memory"
+    if m.terms.get("weight_versions", 1) > 1:
+        params += f"; x {m.terms['weight_versions']} weight versions ({_schedule_str(lay)} stashes them)"
     if lay.zero == 0:
         grads = f"{w.grad} B/param, held from backward to the optimizer step"
     else:
@@ -91,7 +100,9 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
             parts = parts.replace(key, words)
         out.append(("communication", t.comm_exposed_s, f"not hidden behind compute, of {t.comm_s * 1e3:.1f} ms ({parts})"))
     if t.bubble_s:
-        out.append(("pipeline bubble", t.bubble_s, f"(p-1)/(m+p-1) of the step, p={lay.pp}, m={lay.num_microbatches}"))
+        share = t.bubble_s / (t.step_time_s - t.optimizer_s - t.offload_s)
+        out.append(("pipeline bubble", t.bubble_s, f"{share:.1%} of the pipelined time idle in the simulated "
+                    f"{_schedule_str(lay)}, m={lay.num_microbatches} (even stages)"))
     if t.offload_s:
         out.append(("offload", t.offload_s, f"PCIe at {gpu.pcie_gbps:g} GB/s and the CPU optimizer "
                     f"({gpu.host_adam_params_per_s / 1e9:g} G params/s)"))

@@ -72,14 +72,18 @@ def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[
     return out
 
 
-def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict):
-    """Every layout of the search space consistent with `fixed` (a dict of Layout fields)."""
+def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict, refused: list | None = None):
+    """Every layout of the search space consistent with `fixed` (a dict of Layout fields); why the
+    others were refused is appended to `refused`."""
     for dp, tp, pp, ep in _degrees(shape, gpus, gpu, fixed):
         per_replica = train.global_batch // dp
         if per_replica == 0 or train.global_batch % dp:
             continue
         mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else \
             [1] if shape.is_bare else [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]
+        if "num_microbatches" in fixed:  # parallel.num_microbatches set: the micro-batch follows from it
+            mb, rest = divmod(per_replica, fixed["num_microbatches"])
+            mbs = [mb] if mb and not rest and fixed.get("micro_batch", mb) == mb else []
         zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
         offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "params"]
         recomputes = [fixed["recompute"]] if "recompute" in fixed else \
@@ -99,7 +103,9 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
                         lay = Layout(**base)
                         try:
                             check_layout(shape, train, lay)
-                        except PlanError:
+                        except PlanError as e:
+                            if refused is not None:
+                                refused.append(str(e))
                             continue
                         yield lay
 
@@ -107,13 +113,14 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
 def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
            gpu_mem_gib: float | None = None) -> list[Candidate]:
     """Every candidate layout, fitting ones first, each group fastest first."""
-    cands = [evaluate(shape, train, lay, gpu, gpu_mem_gib) for lay in layouts(shape, train, gpus, gpu, fixed)]
+    refused: list[str] = []
+    cands = [evaluate(shape, train, lay, gpu, gpu_mem_gib) for lay in layouts(shape, train, gpus, gpu, fixed, refused)]
     if not cands:
-        raise PlanError(_why_empty(shape, train, gpus, fixed))
+        raise PlanError(_why_empty(shape, train, gpus, fixed, refused))
     return sorted(cands, key=Candidate.sort_key)
 
 
-def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict) -> str:
+def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refused: list[str]) -> str:
     """One sentence naming the key that rules every layout out, and the fix."""
     c = shape.cfg
     tp = fixed.get("tp")
@@ -125,6 +132,8 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict) -> st
     if gpus % prod or ("dp" in fixed and prod != gpus):
         return (f"the fixed degrees multiply to {prod}, which does not {'equal' if 'dp' in fixed else 'divide'} "
                 f"--gpus {gpus}; change --gpus or the parallel.* degrees.")
+    if refused:  # every layout the degrees allow was refused for the same kind of reason: say the first
+        return f"no layout of {gpus} GPU(s) can run: {refused[0]}."
     fx = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in SEARCHED)
     return (f"no layout of {gpus} GPU(s) satisfies the fixed settings ({fx or 'none'}) with "
             f"train.global_batch={train.global_batch}; make the degrees multiply to --gpus and divide "

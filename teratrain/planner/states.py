@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from teratrain.parallel.pipeline.schedules import problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 
 
@@ -50,6 +51,12 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         raise PlanError("parallel.offload=params needs parallel.zero=3")
     if lay.offload != "none" and lay.zero == 0:
         raise PlanError("parallel.offload needs parallel.zero>=1")
+    if lay.pp > 1:
+        why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
+        if why:
+            raise PlanError(why.rstrip("."))
+        if shape.cfg is not None and shape.cfg.n_layers < lay.pp * lay.virtual_stages:
+            raise PlanError(f"{shape.cfg.n_layers} layers cannot fill {lay.pp * lay.virtual_stages} pipeline stages")
 
 
 def _split_of(name: str, lay: Layout) -> int:

@@ -15,8 +15,9 @@ Terms, each with its source or assumption:
   a node, else over the inter-node link. Data-parallel reductions overlap the backward of the last
   micro-batch (bucketed, Li et al. 2020); ZeRO-3 gathers overlap compute (prefetch); tensor-parallel
   all-reduces (Megatron-LM: 2 forward + 2 backward per layer) and pipeline sends are exposed.
-- pipeline bubble: (p-1)/(m+p-1) of the step for GPipe and 1F1B (Huang et al. 2019), (p-1)/(v*m+p-1)
-  interleaved (Narayanan et al. 2021). The pipeline issue will replace this with its simulator.
+- pipeline bubble: the idle share of the step in the simulated schedule (planner/pipeline.py over
+  parallel/pipeline/simulate.py, even stages): (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019),
+  (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023).
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from teratrain.models.transformer import count_params, flops_per_token
+from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -122,13 +124,19 @@ def _comm(shape, train, lay, gpu, w) -> dict[str, float]:
     tp_bw, tp_a = _link(gpu, lay.tp)
     layers = stage_params(shape, lay)["layers"]
     out["tp"] = m * layers * 4 * _collective("all_reduce", lay.tp, act, tp_bw, tp_a)
-    pp_bw, pp_a = _link(gpu, 2 * lay.dp * lay.ep * lay.tp)  # pp is the outermost mesh axis: neighbours are this far
     if lay.pp > 1:
-        out["pp"] = 2 * (m + lay.pp - 1) * _collective("p2p", 2, act, pp_bw, pp_a)
+        out["pp"] = 2 * (m + lay.pp - 1) * p2p_s(shape, train, lay, gpu)
     if shape.num_experts > 1:
         ep_bw, ep_a = _link(gpu, lay.ep * lay.tp)
         out["ep"] = m * layers * 4 * _collective("all_to_all", lay.ep, act * shape.top_k, ep_bw, ep_a)
     return out
+
+
+def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d)."""
+    act = lay.micro_batch * shape.cfg.seq_len * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
+    bw, alpha = _link(gpu, 2 * lay.dp * lay.ep * lay.tp)  # pp is the outermost mesh axis: neighbours are this far
+    return _collective("p2p", 2, act, bw, alpha)
 
 
 def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
@@ -191,8 +199,5 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
 
 
 def _bubble(lay: Layout) -> float:
-    p, m = lay.pp, lay.num_microbatches
-    if p == 1:
-        return 0.0
-    v = lay.virtual_stages if lay.schedule == "interleaved_1f1b" else 1
-    return (p - 1) / (v * m + p - 1)
+    """Idle share of the step, from the simulated schedule."""
+    return pipeline.summary(lay)[0]

@@ -167,3 +167,30 @@ def test_to_toml_writes_non_finite_floats_as_toml():
     cfg = make_config("metrics.peak_tflops=inf")
     assert math.isinf(cfg.metrics.peak_tflops)
     assert "peak_tflops = inf" in to_toml(cfg)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["parallel.pp=4", "parallel.schedule=interleaved-1f1b"], "parallel.virtual_stages >= 2"),
+    (["parallel.virtual_stages=2"], "needs parallel.schedule=interleaved-1f1b"),
+    (["parallel.pp=4", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "parallel.num_microbatches=6",
+      "train.global_batch=12", "train.micro_batch=2", "model.n_layers=8"], "multiple of parallel.pp=4"),
+    (["parallel.pp=4", "parallel.schedule=pipedream-2bw", "parallel.weight_version_every=2"], "at least 4"),
+    (["parallel.weight_version_every=4"], "only applies to parallel.schedule=pipedream-2bw"),
+    (["parallel.vertical_sync=true"], "only applies to parallel.schedule=pipedream"),
+    (["parallel.pp=8"], "model.n_layers (4) is fewer than"),
+    (["parallel.num_microbatches=4", "train.global_batch=32", "train.micro_batch=16"], "parallel.num_microbatches"),
+    (["parallel.schedule=zb-h2"], "parallel.schedule"),
+])
+def test_pipeline_settings_fail_with_one_sentence(sets, words):
+    msg = config_error(*sets)
+    assert words in msg and msg.endswith(".")
+
+
+def test_microbatches_at_launch_follow_dp_and_the_schedule():
+    cfg = load_config(None, ["parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+                             "train.global_batch=32", "train.micro_batch=4"])
+    assert cfg.microbatches(dp=2) == 4 and cfg.microbatches(dp=1) == 8
+    with pytest.raises(ConfigError, match="multiple of parallel.pp=2"):
+        cfg.microbatches(dp=8)  # one micro-batch per step on each pipeline
+    with pytest.raises(ConfigError, match="train.global_batch"):
+        cfg.microbatches(dp=3)

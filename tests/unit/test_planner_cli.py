@@ -99,9 +99,25 @@ def test_batch_advice(capsys):
     (["--model", "gpt2-1.5b", "--gpus", "8", "--set", "parallel.tp=2"], "model.n_heads (25)"),
     (["--model", "llama-70b", "--gpus", "1", "--gpu-mem", "80"], "--gpus"),
     (["--params", "-5"], "--params"),
+    (["--model", "gpt2-124m", "--set", "parallel.pp=4", "--set", "parallel.schedule=interleaved-1f1b", "--set",
+      "parallel.virtual_stages=2", "--set", "train.global_batch=12", "--set", "train.micro_batch=2"],
+     "multiple of parallel.pp=4"),
+    (["--model", "gpt2-124m", "--set", "parallel.pp=2", "--set", "parallel.virtual_stages=2"],
+     "needs parallel.schedule=interleaved-1f1b"),
 ])
 def test_bad_input_exits_2_with_one_sentence(capsys, argv, words):
     rc, out, err = plan(capsys, *argv)
     assert rc == 2 and out == ""
     assert err.startswith("teratrain: error: ") and err.count("\n") == 1 and words in err
     assert "Traceback" not in err
+
+
+def test_schedule_plot_draws_the_simulated_pipeline(capsys, tmp_path):
+    png = tmp_path / "pipe.png"
+    rc, out, _ = plan(capsys, "--model", "llama-1b", "--gpus", "4", "--set", "parallel.pp=4", "--set",
+                      "parallel.schedule=interleaved-1f1b", "--set", "parallel.virtual_stages=2",
+                      "--set", "train.global_batch=8", "--schedule-plot", str(png))
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "schedule=interleaved-1f1b v=2" in out and f"pipeline timeline written to {png}" in out
+    rc, out, err = plan(capsys, "--params", "1e9", "--schedule-plot", str(png))
+    assert rc == 2 and "--schedule-plot needs a model shape" in err

@@ -35,6 +35,19 @@ def test_pipeline_bubble_and_in_flight_microbatches():
     assert in_flight(Layout(pp=4, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)) == 4 + 3 / 2
 
 
+def test_planner_reads_every_schedule_off_the_simulator():
+    """ZB-H1 with backward = 2 forwards (I = W = F): (p-1)/(3m+p-1) (Qi et al. 2023); 2BW with m = 2p
+    keeps two copies of the stage's weights; pp=1 accumulation holds one micro-batch."""
+    assert _bubble(Layout(pp=4, num_microbatches=8, schedule="zb_h1")) == pytest.approx(3 / 27)
+    assert in_flight(Layout(pp=4, num_microbatches=8, schedule="zb_h1")) == 4
+    assert in_flight(Layout(pp=1, num_microbatches=8, schedule="gpipe")) == 1
+    shape, train = _shape("llama-1b")
+    base = Layout(pp=4, num_microbatches=8, micro_batch=1)
+    one = plan_memory(shape, train, base, H100)
+    two = plan_memory(shape, train, base.with_(schedule="pipedream-2bw"), H100)
+    assert two.params == 2 * one.params and two.terms["weight_versions"] == 2
+
+
 def test_flops_follow_palm_and_recompute_adds_a_forward():
     shape, _ = _shape("llama-1b")
     c = shape.cfg

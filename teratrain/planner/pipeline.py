@@ -1,0 +1,51 @@
+"""The planner's view of a pipeline schedule, from the one simulator (parallel/pipeline/simulate.py).
+
+The planner averages compute over stages (time.py divides the model's FLOPs by pp), so it simulates
+even stages: each chunk's forward takes 1/v, its backward r/v, r = 2 (two matmuls per forward one)
+or 3 under full, every-k or sqrt recomputation (one forward replayed). The weight-gradient half is
+half of the backward. What it reads off the timeline:
+- bubble: the idle share of the step (GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v*m+p-1);
+  ZB-H1: (p-1)/(3m+p-1) at these ratios), which time.py adds on top of the busy time;
+- in flight: the most micro-batches whose activations one rank holds, in whole-stage units
+  (interleaved chunks count 1/v each: p + (p-1)/v, Korthikanti et al. 2022 sec. 4.2.3);
+- weight versions: the most copies of a stage's weights an asynchronous schedule keeps.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from teratrain.parallel.pipeline.schedules import build
+from teratrain.parallel.pipeline.simulate import Costs, Timeline, simulate
+from teratrain.planner.layout import Layout
+
+
+def backward_ratio(lay: Layout) -> float:
+    """Backward time over forward time of one micro-batch on one stage."""
+    return 3.0 if lay.recompute in ("full", "every-k", "sqrt") else 2.0
+
+
+_build = lru_cache(maxsize=64)(build)  # the search asks for the same schedule at two backward ratios
+
+
+@lru_cache(maxsize=1024)
+def _summary(schedule: str, pp: int, m: int, v: int, ratio: float) -> tuple[float, float, int]:
+    tl = simulate(_build(schedule, pp, m, v), Costs(forward_s=1 / v, backward_s=ratio / v))
+    return tl.bubble_fraction, max(tl.peak_activations) / v, max(tl.peak_versions)
+
+
+def summary(lay: Layout) -> tuple[float, float, int]:
+    """(bubble fraction, micro-batches in flight on the fullest rank, weight versions held)."""
+    if lay.pp == 1:  # accumulation without a pipeline: one micro-batch at a time, nothing idle
+        return 0.0, 1.0, 1
+    return _summary(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, backward_ratio(lay))
+
+
+def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:
+    """The simulated step of `lay` in seconds: `busy_s` is one rank's compute for the whole step
+    (all micro-batches, forward and backward), `send_s` one activation's transfer between stages;
+    `options` go to the schedule (vertical_sync, weight_version_every)."""
+    m, v, r = lay.num_microbatches, lay.virtual_stages, backward_ratio(lay)
+    per_chunk = busy_s / m / v
+    costs = Costs(forward_s=per_chunk / (1 + r), backward_s=per_chunk * r / (1 + r), send_s=send_s)
+    return simulate(build(lay.schedule, lay.pp, m, v, **options), costs)
