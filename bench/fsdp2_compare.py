@@ -20,10 +20,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from teratrain.config import load_config  # noqa: E402
-from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import init_runtime  # noqa: E402
-from teratrain.models.transformer import Transformer, flops_per_token, init_param_, lm_loss  # noqa: E402
-from teratrain.parallel.zero import ZeroEngine  # noqa: E402
+from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
+from teratrain.optim.engine import train_step  # noqa: E402
+from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
 SHAPE = ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512"]
@@ -32,22 +32,20 @@ SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_l
 def ours(cfg, rt):
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    engine = ZeroEngine(model, cfg, rt.mesh["dp"].get_group(), rt.device, lambda n, t: init_param_(t, n, cfg.model, 0))
+    engine = parallelize(model, rt, cfg)
 
     def step(x, y):
-        with autocast("bf16", rt.device):
-            loss = lm_loss(model(x), y)
-        engine.backward(loss)
-        engine.step(1e-4)
+        train_step(model, engine, [(x, y)], "bf16", 1e-4)
 
     return step
 
 
 def fsdp2(cfg, rt):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = rt.mesh["dp"]
+    mesh = init_device_mesh(rt.device.type, (rt.world,))
     with torch.device("meta"):
         model = Transformer(cfg.model)
     for block in model.layers:
@@ -62,7 +60,7 @@ def fsdp2(cfg, rt):
                             fused=rt.device.type == "cuda")
 
     def step(x, y):
-        loss = lm_loss(model(x), y)
+        loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

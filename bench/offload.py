@@ -19,10 +19,10 @@ import resource
 import torch
 from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
 
-from teratrain.memory.recompute import apply_recompute
-from teratrain.models.transformer import Transformer, count_params, flops_per_token, init_param_, materialize
+from teratrain.mesh import Runtime
+from teratrain.models.transformer import Transformer, count_params, flops_per_token, materialize
 from teratrain.optim.engine import LocalEngine, train_step
-from teratrain.parallel.zero import ZeroEngine
+from teratrain.parallel.parallelize import parallelize
 
 # Llama-8B's block (d 4096, 32 heads, 8 KV heads, d_ff 14336) stacked 42 deep, 32k vocabulary: 9.42B params.
 SHAPE = ["model.arch=llama", "model.d_model=4096", "model.n_layers=42", "model.n_heads=32", "model.n_kv_heads=8",
@@ -70,8 +70,7 @@ def main() -> None:
     fresh_memory(dev)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    apply_recompute(model, "full")
-    engine = ZeroEngine(model, cfg, None, dev, lambda n, t: init_param_(t, n, cfg.model, 0))
+    engine = parallelize(model, Runtime.single(dev), cfg)  # recompute=full, ZeRO-2, offload=optimizer
     x = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, cfg.model.seq_len + 1), device=dev)
 
     def step():

@@ -17,24 +17,28 @@ import argparse
 import torch
 from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
 
-from teratrain.models.transformer import Transformer, flops_per_token, init_param_, materialize
-from teratrain.optim.engine import LocalEngine, train_step
+from teratrain.mesh import Runtime
+from teratrain.models.transformer import Transformer, flops_per_token
+from teratrain.optim.engine import train_step
 from teratrain.parallel.data import DataParallelEngine
-from teratrain.parallel.zero import ZeroEngine
+from teratrain.parallel.parallelize import init_fn, parallelize
+from teratrain.parallel.placement import assign_defaults, materialize
 
 SHAPE = ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64", "model.vocab_size=512"]
 
 
 def build(kind: str, cfg, dev):
+    """The engine parallelize() builds for one process, or the data-parallel engine at dp=1 (what a
+    multi-GPU run adds to the plain update, measured without other ranks)."""
+    rt = Runtime.single(dev)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    if kind.startswith("zero"):
-        return model, ZeroEngine(model, cfg, None, dev, lambda n, t: init_param_(t, n, cfg.model, 0))
-    materialize(model, dev, 0)
-    if kind == "dp":
-        return model, DataParallelEngine(model, cfg, None, dev)
-    return model, LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
+    if kind != "dp":
+        return model, parallelize(model, rt, cfg)
+    assign_defaults(model)
+    materialize(model, dev, init_fn(cfg))
+    return model, DataParallelEngine(model, cfg, rt)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
 from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, param_dtype
 from teratrain.optim.build import build_optimizer
-from teratrain.parallel.placement import placements_json
+from teratrain.parallel.placement import assign_defaults, placements_json
 
 
 @dataclass
@@ -147,6 +147,7 @@ class LocalEngine(EngineBase):
 
     def __init__(self, model: nn.Module, optim_cfg, memory_cfg, grad_clip: float, master_weights: bool):
         self.model, self.grad_clip = model, grad_clip
+        assign_defaults(model)  # a model built outside parallelize() is one whole replica
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.masters = None
         if master_weights:

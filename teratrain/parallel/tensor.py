@@ -180,7 +180,7 @@ _STYLES = {
         _split(m, ctx, name, 0, ctx.tp), ctx.cfg.vocab_size, _exit(ctx)),
     "sequence_positions": lambda m, ctx, name: _sequence_positions(m, ctx, name),
     "vocab_head": lambda m, ctx, name: _vocab_head(m, ctx, name),
-    "vocab_loss": lambda m, ctx, name: VocabParallelLoss(ctx.group, ctx.rank, ctx.tp, ctx.cfg.vocab_size),
+    "vocab_loss": lambda m, ctx, name: VocabParallelLoss(ctx, ctx.rank, ctx.tp, ctx.cfg.vocab_size),
 }
 
 

@@ -122,15 +122,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class VocabParallelLoss(nn.Module):
     """Mean next-token cross-entropy from vocab-parallel logits (B, T, V_pad/tp), in fp32."""
 
-    def __init__(self, group, rank: int, tp: int, vocab_size: int):
+    def __init__(self, ctx, rank: int, tp: int, vocab_size: int):
         super().__init__()
-        self.group, self.vocab_size = group, vocab_size
+        self.ctx, self.vocab_size = ctx, vocab_size  # ctx.group: the tp group, looked up when first used
         piece = -(-vocab_size // tp)
         self.lo = min(rank * piece, vocab_size)
         self.num_real = min(piece, vocab_size - self.lo)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        losses = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.group,
+        losses = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.ctx.group,
                                                   self.lo, self.num_real)
         return losses.mean()
 

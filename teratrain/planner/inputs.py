@@ -118,5 +118,5 @@ def layout_of(cfg: Config, gpus: int = 1) -> Layout:
     mb = min(cfg.train.micro_batch, per_replica)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero, micro_batch=mb,
                   num_microbatches=max(1, per_replica // mb), recompute=cfg.memory.recompute,
-                  recompute_every=cfg.memory.recompute_every, offload=p.offload, sequence_parallel=p.tp > 1,
+                  recompute_every=cfg.memory.recompute_every, offload=p.offload, sequence_parallel=p.use_sp, tp_form=p.tp_form,
                   schedule=CONFIG_NAMES[p.schedule], virtual_stages=p.virtual_stages)

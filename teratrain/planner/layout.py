@@ -106,6 +106,7 @@ class Layout:
     recompute_every: int = 2
     offload: str = "none"  # none | optimizer | params
     sequence_parallel: bool = False
+    tp_form: str = "megatron"  # parallel.tp_form: megatron | all-gather | all-reduce
     schedule: str = "one_f_one_b"  # a parallel/pipeline/schedules.py name (function or config name)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
 

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from teratrain.parallel.pipeline.schedules import problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
+from teratrain.planner.local import group_size, local_tensors
 
 
 class PlanError(ValueError):
@@ -68,7 +69,18 @@ def _split_of(name: str, lay: Layout) -> int:
     return lay.tp * (lay.ep if ".experts." in name else 1)
 
 
+def _exact(shape: ModelShape, lay: Layout) -> bool:
+    """Layouts whose per-rank tensors come from the real transforms (planner/local.py)."""
+    return not shape.is_bare and shape.num_experts == 1 and lay.pp == lay.ep == 1
+
+
 def stage_params(shape: ModelShape, lay: Layout) -> dict[str, int]:
+    if _exact(shape, lay):
+        tensors = local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)
+        total = sum(t.numel for t in tensors)
+        block = sum(t.numel for t in tensors if t.block == "0")
+        return {"first": total, "last": total, "root": sum(t.numel for t in tensors if t.block is None),
+                "block": block, "layers": shape.cfg.n_layers}
     return dict(_stage_params(shape, lay.tp, lay.pp, lay.ep))
 
 
@@ -98,62 +110,70 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
     return tuple({**out, "block": block, "layers": layers}.items())
 
 
-def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[list[int]]:
-    """Parameter numels per ZeroEngine flat group. Exact for a whole model (tp=pp=ep=1): the
-    engine's ordered_buckets() over named_parameters reversed, bucket bytes counted in the compute
-    dtype. Sharded layouts use the same rule over this rank's blocks (approximation)."""
+def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list[int], int]]:
+    """(parameter numels, ranks sharing it) per ZeroEngine flat group. Exact without pipeline or
+    expert parallelism: the engine's grouping (parallel/zero.py `_make_groups`: by reduction group,
+    tied axes and trainability; stage 1/2 `ordered_buckets` counted in the compute dtype, stage 3 per
+    block then the root) over the tensors the real transforms leave on a rank. Pipeline and expert
+    layouts use the same rule over this rank's share (approximation)."""
     w = train.widths(lay.zero, lay.offload)
+    bucket_bytes = int(train.bucket_mb * 2**20)
+    if _exact(shape, lay):
+        tensors = local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)
+        if lay.zero == 3:
+            keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
+            units = [[t for t in tensors if t.block == key] for key in keys]  # last block first, root last
+            groups = [g for unit in units for g in _split_by_key(unit, math.inf, 1)]
+        else:
+            groups = _split_by_key(tensors[::-1], bucket_bytes, w.param)
+        return [([t.numel for t in g], group_size(g[0].group, lay.dp, lay.tp)) for g in groups]
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
-        if lay.tp == lay.pp == lay.ep == 1:
-            blocks: dict[int, list[int]] = {}
-            root = []
-            for name, s in shape.param_shapes():
-                if name.startswith("layers."):
-                    blocks.setdefault(int(name.split(".")[1]), []).append(math.prod(s))
-                else:
-                    root.append(math.prod(s))
-            return list(blocks.values()) + [root]
-        return [[sp["block"]]] * sp["layers"] + [[local - sp["layers"] * sp["block"]]]
-    bucket_bytes = int(train.bucket_mb * 2**20)  # counted in the compute dtype (zero.py)
-    if shape.is_bare or lay.tp * lay.pp * lay.ep > 1:
-        per = max(1, bucket_bytes // w.param)
-        return [[per]] * (local // per) + ([[local % per]] if local % per else [])
-    groups, cur, size = [], [], 0
-    for _, s in reversed(shape.param_shapes()):  # grads.py:ordered_buckets, one key for a whole model
-        cur.append(math.prod(s))
-        size += cur[-1] * w.param
-        if size >= bucket_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-    return groups + ([cur] if cur else [])
+        return [([sp["block"]], lay.dp)] * sp["layers"] + [([local - sp["layers"] * sp["block"]], lay.dp)]
+    per = max(1, bucket_bytes // w.param)
+    return [([per], lay.dp)] * (local // per) + ([([local % per], lay.dp)] if local % per else [])
+
+
+def _split_by_key(tensors, bucket_bytes: float, itemsize: int) -> list[list]:
+    """grads.py `ordered_buckets` over LocalTensors: one open bucket per (group, tied), closed once
+    it holds `bucket_bytes`, in the order buckets close."""
+    open_, done = {}, []
+    for t in tensors:
+        key = (t.group, t.tied)
+        bucket = open_.setdefault(key, [[], 0])
+        bucket[0].append(t)
+        bucket[1] += t.numel * itemsize
+        if bucket[1] >= bucket_bytes:
+            done.append(open_.pop(key)[0])
+    return done + [b[0] for b in open_.values()]
 
 
 def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict[str, int]:
     """What the memory model needs of the flat groups, computed once per distinct layout."""
     w = train.widths(lay.zero, lay.offload)
-    return dict(_zero_summary(shape, lay.zero == 3, train.bucket_mb, w.param, lay.tp, lay.pp, lay.ep, lay.dp, local))
+    return dict(_zero_summary(shape, lay.zero == 3, train.bucket_mb, w.param, lay.tp, lay.pp, lay.ep, lay.dp, local,
+                              lay.sequence_parallel, lay.tp_form))
 
 
 @lru_cache(maxsize=4096)
 def _zero_summary(shape, zero3: bool, bucket_mb: float, pbytes: int, tp: int, pp: int, ep: int, dp: int,
-                  local: int) -> tuple:
-    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1)
+                  local: int, sp: bool, form: str) -> tuple:
+    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1, sequence_parallel=sp, tp_form=form)
     train = Training(precision="bf16" if pbytes == 2 else "fp32", master_weights=pbytes == 2, bucket_mb=bucket_mb)
     groups = zero_groups(shape, train, lay, local)
-    shard, pieces = shard_of(groups, dp)
-    sums = [sum(g) for g in groups] or [0]
+    shard, pieces = shard_of(groups)
+    sums = [sum(g) for g, _ in groups] or [0]
     blocks = sums[:-1] if zero3 and len(sums) > 1 else sums
-    return tuple({"shard": shard, "pieces": pieces, "padded": sum(ceil_div(g, dp) * dp for g in sums),
+    return tuple({"shard": shard, "pieces": pieces, "padded": sum(ceil_div(sum(g), n) * n for g, n in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
                   "block": max(blocks), "blocks": len(blocks), "root": sums[-1]}.items())
 
 
-def shard_of(groups: list[list[int]], dp: int) -> tuple[int, int]:
-    """(elements, parameter pieces) of rank 0's shard: ceil(numel/dp) per group (flat.py)."""
+def shard_of(groups: list[tuple[list[int], int]]) -> tuple[int, int]:
+    """(elements, parameter pieces) of rank 0's shard: ceil(numel/n) per group of n ranks (flat.py)."""
     elems = pieces = 0
-    for numels in groups:
-        s = ceil_div(sum(numels), dp)
+    for numels, n in groups:
+        s = ceil_div(sum(numels), n)
         elems += s
         start = 0
         for n in numels:
@@ -206,7 +226,11 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
     local = max(sp["first"], sp["last"])
     steps = 4 if train.optimizer in ("adamw", "adafactor") else 0  # fp32 `step` scalar per tensor
     if lay.zero == 0:
-        elems, n_tensors = _local_opt_elems(train, shape, local)
+        if _exact(shape, lay):
+            shapes = [t.shape for t in local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)]
+            elems, n_tensors = optimizer_elems(train, shapes, local, False), len(shapes)
+        else:
+            elems, n_tensors = _local_opt_elems(train, shape, local)
         opt = elems * 4 + local * w.master + steps * n_tensors
         return {"params": local * w.param, "grads": local * w.grad, "optimizer": opt, "host": 0,
                 "gpu_params": local * w.param, "gpu_grads": local * w.grad, "gpu_optimizer": opt,

@@ -17,6 +17,7 @@ from teratrain.config import load_config
 from teratrain.models.transformer import count_params
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.states import model_states
+from layout_workers import BASE, GPT2, train_random
 from workers import TINY, train_many
 
 FORMULAS = {  # stage -> (params, grads, optimizer) in bytes per parameter, as functions of N
@@ -48,3 +49,30 @@ def test_state_bytes_follow_zero_formulas(world, dist_workdir):
                 slack = 8 * 4 * world + 1024  # padding of a few groups + AdamW step counters
                 assert abs(got[key] - want) <= slack, (
                     f"{prec} zero={stage} rank {rank}/{world}: {key} = {got[key]} B, formula {want:.0f} B")
+
+
+TP_LAYOUTS = {
+    2: [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=false", "memory.precision=bf16"],
+        ["parallel.tp=2", "parallel.tp_form=all-reduce"], GPT2 + ["parallel.tp=2", "parallel.zero=1"]],
+    4: [["parallel.tp=4"], ["parallel.tp=2", "parallel.zero=1", "memory.precision=bf16"],
+        ["parallel.tp=2", "parallel.zero=2"], ["parallel.tp=2", "parallel.zero=3", "memory.precision=bf16"],
+        GPT2 + ["parallel.tp=2", "parallel.zero=3"]],
+}
+
+
+def _bytes_of_layouts(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:
+    return [train_random(rank, world, lay, steps=1)["bytes"] for lay in layouts]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_predicts_tensor_parallel_bytes(world):
+    """Tensor-parallel layouts (vocabulary padded, key/value heads replicated at tp=4, sequence-
+    parallel norms sharded over dp x tp): the planner's rank-0 bytes equal the live ones exactly."""
+    layouts = TP_LAYOUTS[world]
+    live = run_ranks(_bytes_of_layouts, world, layouts)[0]
+    for lay, got in zip(layouts, live):
+        cfg = load_config(None, BASE + lay)
+        planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, world),
+                               device="cpu")
+        keys = ("params", "grads", "optimizer")
+        assert {k: got[k] for k in keys} == {k: planned[k] for k in keys}, lay

@@ -14,19 +14,21 @@ from workers import TINY, losses
 COMMON = TINY + ["model.dropout=0.1", "train.steps=16", "checkpoint.every=4", "optim.schedule=constant"]
 
 
-def straight_and_resumed(rank: int, world: int, zero: int, root: str) -> None:
-    extra = [f"parallel.zero={zero}"]
+def straight_and_resumed(rank: int, world: int, extra: list[str], root: str) -> None:
     run(load_config(None, COMMON + extra), f"{root}/straight")
     run(load_config(None, COMMON + extra + ["train.steps=8"]), f"{root}/resumed")
     run(load_config(None, COMMON + extra), f"{root}/resumed", resume=True)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_resume_is_bitwise(zero, dist_workdir):
-    root = dist_workdir / f"resume-z{zero}"
-    run_ranks(straight_and_resumed, 2, zero, str(root))
+@pytest.mark.parametrize("world, extra", [(2, ["parallel.zero=0"]), (2, ["parallel.zero=1"]), (2, ["parallel.zero=2"]),
+                                          (2, ["parallel.zero=3"]), (4, ["parallel.tp=2", "parallel.zero=1"])], ids=str)
+def test_resume_is_bitwise(world, extra, dist_workdir):
+    """tp=2 x dp=2 also checks that dropout in split regions (local heads, sequence shards) replays
+    its own streams after a resume."""
+    root = dist_workdir / f"resume-{world}-{'-'.join(extra)}"
+    run_ranks(straight_and_resumed, world, extra, str(root))
     assert losses(root / "straight") == losses(root / "resumed")
-    for rank in range(2):
+    for rank in range(world):
         name = f"step_00000016/rank{rank:05d}.safetensors"
         a = load_file(str(root / "straight" / "checkpoints" / name))
         b = load_file(str(root / "resumed" / "checkpoints" / name))

@@ -1,0 +1,62 @@
+"""The parameters one tensor-parallel rank holds, exactly as the engines see them: the model built on
+the meta device (no memory) and split by the real `apply_tp`, so the planner's byte counts follow
+every rule of the transform (vocabulary padding, replicated key/value heads, which gradients are
+partial) without restating them. No process group is created: the mesh is only asked for names."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from types import SimpleNamespace
+
+import torch
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    name: str
+    shape: tuple[int, ...]
+    group: str  # the mesh group its gradient is reduced over (and ZeRO shards it over)
+    tied: tuple[str, ...]
+    block: str | None  # key of the block holding it (None: embeddings, final norm, head)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@lru_cache(maxsize=256)
+def local_tensors(shape, tp: int, sp: bool, form: str) -> tuple[LocalTensor, ...]:
+    """Tensor-parallel rank 0's parameters in registration order (every rank holds the same
+    shapes: the last vocabulary piece is padded)."""
+    from teratrain.mesh import Mesh, ParallelDims, Runtime
+    from teratrain.models.transformer import Transformer
+    from teratrain.parallel.placement import assign_defaults, placement
+    from teratrain.parallel.tensor import apply_tp
+
+    with torch.device("meta"):
+        model = Transformer(shape.cfg)
+    assign_defaults(model)
+    if tp > 1:
+        dims = ParallelDims(dp=1, tp=tp)
+        rt = Runtime(rank=0, world=tp, local_rank=0, device=torch.device("meta"), dims=dims, mesh=Mesh(dims, 0))
+        cfg = SimpleNamespace(model=shape.cfg, parallel=SimpleNamespace(use_sp=sp, tp_form=form))
+        apply_tp(model, rt, cfg)
+    out = []
+    for name, p in model.named_parameters():
+        pl = placement(p)
+        block = name.split(".")[1] if name.startswith("layers.") else None
+        out.append(LocalTensor(name, tuple(p.shape), pl.group, pl.tied, block))
+    return tuple(out)
+
+
+def group_size(group: str, dp: int, tp: int) -> int:
+    """Ranks in a reduction group (mesh.py names; `dp_tp/<r>`: dp x r tensor-parallel peers)."""
+    if group == "dp":
+        return dp
+    if group == "dp_tp":
+        return dp * tp
+    if group.startswith("dp_tp/"):
+        return dp * int(group.split("/")[1])
+    raise ValueError(f"the planner does not know mesh group {group!r}")
