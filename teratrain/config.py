@@ -253,13 +253,11 @@ class Config(Section):
 
     @property
     def use_master_weights(self) -> bool:
-        """Low-precision params with fp32 masters: always for fp16 (loss-scaled fp16 updates lose
-        small steps), and for bf16 under ZeRO, whose savings come from sharding the fp32 master copy."""
-        mw = self.memory.master_weights
-        if mw is not None:
-            return mw
-        p = self.memory.precision
-        return p == "fp16" or (p == "bf16" and self.parallel.zero >= 1)
+        """Low-precision params with fp32 master copies (the rule: memory/precision.py)."""
+        from teratrain.memory.precision import uses_master_weights
+
+        return uses_master_weights(self.memory.precision, self.parallel.zero, self.parallel.offload,
+                                   self.memory.master_weights)
 
 
 def _divisor_near(n: int, k: int) -> int:

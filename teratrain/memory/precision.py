@@ -22,6 +22,25 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
+def uses_master_weights(precision: str, zero: int, offload: str, explicit: bool | None) -> bool:
+    """Low-precision params with fp32 masters: always for fp16 (loss-scaled fp16 updates lose small
+    steps), for bf16 under ZeRO (whose savings come from sharding the fp32 master copy), and with
+    offload (the optimizer steps a host copy, an fp32 master even in fp32 training);
+    `memory.master_weights` overrides the first two."""
+    if zero >= 1 and offload != "none":
+        return True
+    if explicit is not None:
+        return explicit
+    return precision == "fp16" or (precision == "bf16" and zero >= 1)
+
+
+def make_scaler(memory_cfg) -> "LossScaler | None":
+    """The dynamic loss scaler fp16 needs (None otherwise)."""
+    if memory_cfg.precision != "fp16":
+        return None
+    return LossScaler(memory_cfg.loss_scale_init, memory_cfg.loss_scale_window)
+
+
 def param_dtype(precision: str, master_weights: bool) -> torch.dtype:
     """dtype of the model's own parameters: low precision only when fp32 masters live elsewhere."""
     return DTYPES[precision] if master_weights else torch.float32

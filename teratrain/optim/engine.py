@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
-from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, param_dtype
+from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, make_scaler, param_dtype
 from teratrain.optim.build import build_optimizer
 from teratrain.parallel.placement import assign_defaults, placements_json
 
@@ -157,8 +157,7 @@ class LocalEngine(EngineBase):
                 p.data = p.data.to(low)
         targets = self.masters if self.masters is not None else [p for _, p in self.named]
         self.optimizer = build_optimizer(zip([n for n, _ in self.named], targets), optim_cfg)
-        use_scaler = memory_cfg.precision == "fp16"
-        self.scaler = LossScaler(memory_cfg.loss_scale_init, memory_cfg.loss_scale_window) if use_scaler else None
+        self.scaler = make_scaler(memory_cfg)
         self.last_state_bytes: dict[str, int] | None = None
 
     # ---- update side

@@ -35,14 +35,16 @@ class Bucket:
         return self.key[0]
 
 
-def ordered_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, key, itemsize=None) -> list[Bucket]:
-    """Greedy buckets of at most ~`bucket_bytes` per `key(param)`, in reverse registration order
-    (about the order backward produces gradients); the returned order is the launch order: a bucket
-    takes its place when it closes. `itemsize(param)` gives the bytes per element that count (the
-    dtype the engine will hold; default the parameter's own)."""
+def ordered_buckets(named, bucket_bytes: float, key, itemsize=None) -> list[Bucket]:
+    """Greedy buckets of ~`bucket_bytes` per `key(param)`, in reverse registration order (about the
+    order backward produces gradients); the returned order is the launch order: a bucket takes its
+    place when it closes. `itemsize(param)` gives the bytes per element that count (the dtype the
+    engine will hold; default the parameter's own). `named` holds (name, param) pairs, or anything
+    with `numel()` (the planner passes its own records, so engine and planner share this rule)."""
     open_: dict[tuple, Bucket] = {}
     done: list[Bucket] = []
-    for name, p in reversed(named):
+    for item in reversed(named):
+        name, p = item if isinstance(item, tuple) else (getattr(item, "name", None), item)
         k = key(p)
         b = open_.setdefault(k, Bucket(k))
         b.members.append((name, p))

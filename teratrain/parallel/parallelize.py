@@ -45,14 +45,9 @@ def check_supported(cfg) -> None:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
                               f"version; set parallel.{key}=1.")
     check_tp(cfg)
-    if p.zero >= 1 and cfg.optim.name == "adafactor":
-        raise ConfigError("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
-                          "use optim.name=adamw or sgd with parallel.zero>=1.")
-    if p.offload == "params" and p.zero != 3:
-        raise ConfigError(f"parallel.offload=params needs parameter sharding (parallel.zero=3, got {p.zero}); "
-                          "set parallel.zero=3 or parallel.offload=optimizer.")
-    if p.offload != "none" and p.zero == 0:
-        raise ConfigError("parallel.offload needs a ZeRO engine to own the sharded optimizer; set parallel.zero>=1.")
+    why = zero_problem(p.zero, p.offload, cfg.optim.name)
+    if why:
+        raise ConfigError(why)
     if p.zero == 3 and cfg.train.compile:
         raise ConfigError("train.compile does not trace ZeRO-3's gather/free hooks; set train.compile=false "
                           "or parallel.zero<=2.")
@@ -67,6 +62,20 @@ def check_supported(cfg) -> None:
         if getattr(p, key) != unset and p.sync != mode:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} only applies to parallel.sync={mode} (this run has "
                               f"{p.sync}); set parallel.sync={mode} or leave parallel.{key} at its default.")
+
+
+def zero_problem(zero: int, offload: str, optimizer: str) -> str | None:
+    """Why the ZeRO engine cannot run this combination (one sentence with the fix), or None. The
+    planner refuses the same layouts through this function."""
+    if zero >= 1 and optimizer == "adafactor":
+        return ("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
+                "use optim.name=adamw or sgd with parallel.zero>=1.")
+    if offload == "params" and zero != 3:
+        return (f"parallel.offload=params needs parameter sharding (parallel.zero=3, got {zero}); "
+                "set parallel.zero=3 or parallel.offload=optimizer.")
+    if offload != "none" and zero == 0:
+        return "parallel.offload needs a ZeRO engine to own the sharded optimizer; set parallel.zero>=1."
+    return None
 
 
 def init_fn(cfg):

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
 from teratrain.config import ConfigError
-from teratrain.memory.precision import LossScaler, has_inf_or_nan, param_dtype
+from teratrain.memory.precision import has_inf_or_nan, make_scaler, param_dtype
 from teratrain.models.transformer import init_param_, materialize
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes
@@ -132,7 +132,7 @@ class ParamServerWorker(EngineBase):
         self.inbox = [torch.empty(g.numel, dtype=torch.float32, device=CPU) for g in self.groups]
         self.versions = [0] * len(groups)
         mem = cfg.memory
-        self.scaler = LossScaler(mem.loss_scale_init, mem.loss_scale_window) if mem.precision == "fp16" else None
+        self.scaler = make_scaler(mem)
         self.clock, self.staleness_max, self.stale = 0, 0, True  # stale: pull before the next forward
         self._loss = torch.zeros((), dtype=torch.float32, device=rt.device)
         self.last_state_bytes: dict[str, int] | None = None

@@ -29,7 +29,7 @@ from torch import nn
 
 from teratrain.compat import pinned_empty
 from teratrain.memory.offload import HostUpdate
-from teratrain.memory.precision import DTYPES, LossScaler, param_dtype
+from teratrain.memory.precision import DTYPES, make_scaler, param_dtype
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
@@ -75,8 +75,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         p = cfg.parallel
         self.model, self.cfg, self.mesh, self.device = model, cfg, rt.mesh, rt.device
         self.stage, self.offload = p.zero, p.offload
-        # With offload the optimizer works on a host copy even in fp32: that copy is the master.
-        self.masters = cfg.use_master_weights or p.offload != "none"
+        self.masters = cfg.use_master_weights  # with offload, always: the host copy is the master
         self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
         self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
         self.reduce_dtype, self.overlap = DTYPES[p.reduce_dtype], p.overlap_comm
@@ -90,7 +89,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         if self.offload != "none":
             self.host_update = HostUpdate([g.shard_numel for g in self.trainable], self.device, self.opt_dtype,
                                           self.compute_dtype)
-        self.scaler = LossScaler(cfg.memory.loss_scale_init, cfg.memory.loss_scale_window) if cfg.memory.precision == "fp16" else None
+        self.scaler = make_scaler(cfg.memory)
         self._group_of = {prm: g for g in self.trainable for prm in g.params}
         self._acc_view_of = {q: v for g in self.trainable if g.grad_flat is not None for q, v in zip(g.params, g.acc_views)}
         for prm in self._group_of:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from teratrain.memory.precision import uses_master_weights
 from teratrain.models.transformer import count_params
 
 @dataclass(frozen=True, kw_only=True, eq=False)  # hashed by identity: the planner caches per shape
@@ -155,13 +156,8 @@ class Training:
     dropout: float = 0.0
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
-        """Config.use_master_weights, plus ZeroEngine's rule: with offload the optimizer steps a
-        host copy, which is an fp32 master even in fp32 training."""
-        if zero >= 1 and offload != "none":
-            return True
-        if self.master_weights is not None:
-            return self.master_weights
-        return self.precision == "fp16" or (self.precision == "bf16" and zero >= 1)
+        """Config.use_master_weights's rule (memory/precision.py) for this layout."""
+        return uses_master_weights(self.precision, zero, offload, self.master_weights)
 
     def widths(self, zero: int, offload: str = "none") -> Widths:
         return widths(self.precision, self.uses_masters(zero, offload))

@@ -21,8 +21,7 @@ class LocalTensor:
     tied: tuple[str, ...]
     block: str | None  # key of the block holding it (None: embeddings, final norm, head)
 
-    @property
-    def numel(self) -> int:
+    def numel(self) -> int:  # a method, like a tensor's: grads.ordered_buckets reads it
         return math.prod(self.shape)
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from teratrain.parallel.grads import ordered_buckets
+from teratrain.parallel.parallelize import zero_problem
 from teratrain.parallel.pipeline.schedules import problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 from teratrain.planner.local import group_size, local_tensors
@@ -46,12 +48,9 @@ def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
 
 
 def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
-    if lay.zero >= 1 and train.optimizer == "adafactor":
-        raise PlanError("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards")
-    if lay.offload == "params" and lay.zero != 3:
-        raise PlanError("parallel.offload=params needs parallel.zero=3")
-    if lay.offload != "none" and lay.zero == 0:
-        raise PlanError("parallel.offload needs parallel.zero>=1")
+    why = zero_problem(lay.zero, lay.offload, train.optimizer)
+    if why:
+        raise PlanError(why.split(";")[0])
     if lay.pp > 1:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:
@@ -77,9 +76,9 @@ def _exact(shape: ModelShape, lay: Layout) -> bool:
 def stage_params(shape: ModelShape, lay: Layout) -> dict[str, int]:
     if _exact(shape, lay):
         tensors = local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)
-        total = sum(t.numel for t in tensors)
-        block = sum(t.numel for t in tensors if t.block == "0")
-        return {"first": total, "last": total, "root": sum(t.numel for t in tensors if t.block is None),
+        total = sum(t.numel() for t in tensors)
+        block = sum(t.numel() for t in tensors if t.block == "0")
+        return {"first": total, "last": total, "root": sum(t.numel() for t in tensors if t.block is None),
                 "block": block, "layers": shape.cfg.n_layers}
     return dict(_stage_params(shape, lay.tp, lay.pp, lay.ep))
 
@@ -123,10 +122,10 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
         if lay.zero == 3:
             keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
             units = [[t for t in tensors if t.block == key] for key in keys]  # last block first, root last
-            groups = [g for unit in units for g in _split_by_key(unit, math.inf, 1)]
+            buckets = [b for unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
         else:
-            groups = _split_by_key(tensors[::-1], bucket_bytes, w.param)
-        return [([t.numel for t in g], group_size(g[0].group, lay.dp, lay.tp)) for g in groups]
+            buckets = ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)
+        return [([t.numel() for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp)) for b in buckets]
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
         return [([sp["block"]], lay.dp)] * sp["layers"] + [([local - sp["layers"] * sp["block"]], lay.dp)]
@@ -134,18 +133,8 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
     return [([per], lay.dp)] * (local // per) + ([([local % per], lay.dp)] if local % per else [])
 
 
-def _split_by_key(tensors, bucket_bytes: float, itemsize: int) -> list[list]:
-    """grads.py `ordered_buckets` over LocalTensors: one open bucket per (group, tied), closed once
-    it holds `bucket_bytes`, in the order buckets close."""
-    open_, done = {}, []
-    for t in tensors:
-        key = (t.group, t.tied)
-        bucket = open_.setdefault(key, [[], 0])
-        bucket[0].append(t)
-        bucket[1] += t.numel * itemsize
-        if bucket[1] >= bucket_bytes:
-            done.append(open_.pop(key)[0])
-    return done + [b[0] for b in open_.values()]
+def _key(t) -> tuple:
+    return (t.group, t.tied)  # ZeroEngine's key (all planned parameters train)
 
 
 def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict[str, int]:
