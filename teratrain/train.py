@@ -20,6 +20,7 @@ from teratrain.checkpoint.state import rng_state, set_rng_state
 from teratrain.config import Config, ConfigError, to_toml, validate
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
+from teratrain.memory.compression import apply_compression
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
@@ -42,6 +43,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
         model = Transformer(cfg.model)
     engine = parallelize(model, rt, cfg)
+    apply_compression(model, cfg.memory.compress_activations)  # entered by train_step around each forward
 
     start = 0
     if resume:
