@@ -152,7 +152,9 @@ class ActivationCodec:
             return Encoded("bits", pack_bits(flat), None, flat.numel(), root.dtype)
         if root.grad_fn is None:  # not differentiable: a mask or a statistic, never quantized
             value = _mask_value(flat) if root.device.type == "cpu" else None
-            return None if value is None else Encoded("bits_value", pack_bits(flat != 0), value, flat.numel(), root.dtype)
+            if value is None:
+                return None
+            return Encoded("bits_value", pack_bits(flat != 0), value, flat.numel(), root.dtype)
         if self.lossy and self.depth > 0:
             codes, scales = quantize_blocks(flat, self.mode)
             return Encoded(self.mode, codes, scales, flat.numel(), root.dtype)

@@ -33,7 +33,8 @@ def add_quantize_parser(sub) -> None:
                    help="rtn: round to nearest; gptq: error-compensating (Frantar et al. 2022)")
     q.add_argument("--out", help="output folder (default <run>/quantized-w<bits>-g<group>-<method>)")
     q.add_argument("--calib-batches", type=int, default=8, help="GPTQ: micro-batches of training text to calibrate on")
-    q.add_argument("--eval-batches", type=int, help="held-out micro-batches (default: the run's train.eval_batches, or 4)")
+    q.add_argument("--eval-batches", type=int,
+                   help="held-out micro-batches (default: the run's train.eval_batches, or 4)")
     q.set_defaults(func=cmd_quantize)
 
 
@@ -41,7 +42,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     for flag, value in (("--calib-batches", args.calib_batches), ("--eval-batches", args.eval_batches)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}; give a positive number of micro-batches.")
-    r = quantize_run(args.ckpt, args.bits, args.group_size, args.method, args.out, args.calib_batches, args.eval_batches)
+    r = quantize_run(args.ckpt, args.bits, args.group_size, args.method, args.out, args.calib_batches,
+                     args.eval_batches)
     before, after = r["heldout_loss"]["before"], r["heldout_loss"]["after"]
     wb, lb = r["weight_bytes"], r["linear_bytes"]
     print(f"held-out loss: {before:.4f} -> {after:.4f} ({after - before:+.4f}) on {r['eval_tokens']:,} tokens")

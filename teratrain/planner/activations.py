@@ -75,7 +75,8 @@ def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> list[Saved
         return kept
     # LayerNorm: native_layer_norm keeps input, mean, rstd (the statistics are not differentiable outputs)
     if w.param == 4 or (device == "cuda" and w.compute == 2):
-        weights = [Saved(d, 4, "keep")] * (2 if c.use_bias else 1) if w.param == 2 else []  # CUDA autocast's fp32 weight casts
+        # CUDA autocast's fp32 weight casts
+        weights = [Saved(d, 4, "keep")] * (2 if c.use_bias else 1) if w.param == 2 else []
         return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + weights
     return [Saved(n * d, w.param), Saved(n, w.param, "keep"), Saved(n, w.param, "keep")]  # CPU autocast: params' dtype
 

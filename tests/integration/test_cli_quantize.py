@@ -77,7 +77,8 @@ def test_generate_runs_the_quantized_model(cli, quantized, bits):
 
 
 def test_quantize_refuses_an_existing_out_and_a_missing_run(cli, quantized, trained_run, tmp_path):
-    proc = cli("quantize", "--ckpt", trained_run, "--bits", 8, "--out", quantized[8][0], expect_rc=None, in_process=True)
+    proc = cli("quantize", "--ckpt", trained_run, "--bits", 8, "--out", quantized[8][0], expect_rc=None,
+               in_process=True)
     assert_user_error(proc, "already exists")
     proc = cli("quantize", "--ckpt", tmp_path / "nope", "--bits", 8, expect_rc=None, in_process=True)
     assert_user_error(proc, "does not exist")

@@ -72,7 +72,8 @@ def test_gptq_lowers_layer_output_error_on_correlated_inputs(bits, group_size):
     are): GPTQ minimizes ||XW^T - XQ^T|| and must beat round-to-nearest by a clear margin (measured:
     its error is 0.14-0.27x RTN's)."""
     g = torch.Generator().manual_seed(1)
-    X = torch.randn(4096, 8, generator=g) @ torch.randn(8, 100, generator=g) + 0.05 * torch.randn(4096, 100, generator=g)
+    X = torch.randn(4096, 8, generator=g) @ torch.randn(8, 100, generator=g)
+    X = X + 0.05 * torch.randn(4096, 100, generator=g)
     w = _weights()
     err = {}
     for name, q in (("rtn", quantize_rtn(w, bits, group_size)), ("gptq", gptq_quantize(w, X.T @ X, bits, group_size))):
