@@ -109,13 +109,14 @@ class TrainConfig(Section):
 
 class OptimConfig(Section):
     name: Literal["adamw", "sgd", "adafactor", "sm3"] = Field("adamw", description="optimizer (sm3: Anil et al. 2019, "
-                                                             "row/column accumulators; wants a larger lr, ~0.05-0.2)")
+                                                             "row/column accumulators; wants a larger lr, ~0.03-0.2)")
     lr: float = Field(3e-3, gt=0.0, description="peak learning rate at optim.base_batch (before the scaling rule)")
     weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (matrices only; norms and biases get none)")
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW second-moment decay")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD and SM3 momentum (0 = none: SM3 then keeps no full-size buffer)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0,
+                            description="SGD and SM3 momentum (0 = none: SM3 then keeps no full-size buffer)")
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")

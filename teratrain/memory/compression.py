@@ -163,13 +163,8 @@ class ActivationCodec:
 
 # ---------------------------------------------------------------- encodings
 
-_SHIFTS = {}
-
-
 def _shifts(device) -> torch.Tensor:
-    if device not in _SHIFTS:
-        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
-    return _SHIFTS[device]
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def pack_bits(flat: torch.Tensor) -> torch.Tensor:

@@ -82,3 +82,5 @@ def test_quantize_refuses_an_existing_out_and_a_missing_run(cli, quantized, trai
     assert_user_error(proc, "already exists")
     proc = cli("quantize", "--ckpt", tmp_path / "nope", "--bits", 8, expect_rc=None, in_process=True)
     assert_user_error(proc, "does not exist")
+    proc = cli("quantize", "--ckpt", quantized[4][0], "--bits", 8, expect_rc=None, in_process=True)
+    assert_user_error(proc, "already a quantized model")
