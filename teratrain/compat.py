@@ -20,3 +20,7 @@ def pinned_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
 def in_backward() -> bool:
     """True while autograd's engine is running a backward pass (e.g. during recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+# fp8 e4m3 (OCP FP8, Micikevicius et al. 2022): present in every torch we support; None if a build lacks it.
+FLOAT8_E4M3 = getattr(torch, "float8_e4m3fn", None)

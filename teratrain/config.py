@@ -108,13 +108,15 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "sgd", "adafactor"] = Field("adamw", description="optimizer")
+    name: Literal["adamw", "sgd", "adafactor", "sm3"] = Field("adamw", description="optimizer (sm3: Anil et al. 2019, "
+                                                             "row/column accumulators; wants a larger lr, ~0.03-0.2)")
     lr: float = Field(3e-3, gt=0.0, description="peak learning rate at optim.base_batch (before the scaling rule)")
     weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (matrices only; norms and biases get none)")
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay")
     beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW second-moment decay")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0,
+                            description="SGD and SM3 momentum (0 = none: SM3 then keeps no full-size buffer)")
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")
@@ -127,6 +129,9 @@ class MemoryConfig(Section):
     master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16, and for bf16 under ZeRO")
     recompute: Literal["none", "full", "every-k", "sqrt", "selective"] = Field("none", description="activation recomputation policy")
     recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
+    compress_activations: Literal["none", "lossless", "int8", "fp8"] = Field(
+        "none", description="Gist-style compression of tensors saved for backward: lossless bit-packs dropout masks; "
+                            "int8/fp8 also store block activations at 1 byte with per-128 scales (memory/compression.py)")
     loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
     loss_scale_window: int = Field(1000, ge=1, description="fp16: grow the scale x2 after this many clean steps")
 
@@ -218,6 +223,9 @@ class Config(Section):
         if self.optim.lr_scaling != "none" and self.optim.base_batch is None:
             raise ConfigError(f"optim.lr_scaling={self.optim.lr_scaling} needs optim.base_batch; set it to the batch "
                               "at which optim.lr was tuned.")
+        if self.memory.compress_activations != "none" and self.train.compile:
+            raise ConfigError("memory.compress_activations runs Python saved-tensor hooks that train.compile does not "
+                              "trace; set train.compile=false or memory.compress_activations=none.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
         p = self.parallel

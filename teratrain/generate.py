@@ -1,4 +1,4 @@
-"""`teratrain generate`: load a trained run's weights and tokenizer, sample a continuation."""
+"""`teratrain generate`: load a trained (or quantized) run's weights and tokenizer, sample a continuation."""
 
 from __future__ import annotations
 
@@ -6,36 +6,49 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+from torch import nn
 
 from teratrain.checkpoint import CheckpointError, find_valid
 from teratrain.checkpoint.consolidate import full_model
-from teratrain.config import load_config
+from teratrain.config import Config, load_config
 from teratrain.data.tokenizer import EOT
+from teratrain.memory.quantize import QUANT_META, load_quantized
 from teratrain.models.sampling import sample
 from teratrain.models.transformer import build_model
 
 
 def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-    run_dir, ckpt_dir = _locate(Path(run))
-    cfg = load_config(run_dir / "config.toml")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, run_dir, model = load_model(run, device)
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.exists():
         raise CheckpointError(f"{run_dir} has no tokenizer.json (trained on a pre-tokenized .bin); copy the "
                               "tokenizer.json used to make it into the run folder.")
     tokenizer = Tokenizer.from_file(str(tok_path))
+    ids = tokenizer.encode(prompt).ids if prompt else [tokenizer.token_to_id(EOT) or 0]
+    out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stop_token=tokenizer.token_to_id(EOT))
+    return tokenizer.decode(out)
+
+
+def load_model(run: str | Path, device: torch.device) -> tuple[Config, Path, nn.Module]:
+    """The config, the folder holding the tokenizer, and the model with its weights, of a run folder,
+    one of its checkpoint folders, or a `teratrain quantize` output folder."""
+    path = Path(run)
+    if (path / QUANT_META).exists():
+        cfg, model = load_quantized(path, device)
+        return cfg, path, model
+    run_dir, ckpt_dir = _locate(path)
+    cfg = load_config(run_dir / "config.toml")
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
     weights = full_model(ckpt_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(cfg.model, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name not in weights:
                 raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; it was written for another model.")
             p.copy_(weights[name].view_as(p))
-    ids = tokenizer.encode(prompt).ids if prompt else [tokenizer.token_to_id(EOT) or 0]
-    out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stop_token=tokenizer.token_to_id(EOT))
-    return tokenizer.decode(out)
+    return cfg, run_dir, model
 
 
 def _locate(path: Path) -> tuple[Path, Path | None]:

@@ -1,4 +1,4 @@
-"""Optimizer construction: AdamW (fused/foreach), SGD with momentum, Adafactor.
+"""Optimizer construction: AdamW (fused/foreach), SGD with momentum, Adafactor, SM3 (optim/sm3.py).
 
 Weight decay applies to matrices only (dim >= 2); norms, biases and other vectors get none.
 """
@@ -6,6 +6,8 @@ Weight decay applies to matrices only (dim >= 2); norms, biases and other vector
 from __future__ import annotations
 
 import torch
+
+from teratrain.optim.sm3 import SM3
 
 
 def param_groups(named_params, weight_decay: float) -> list[dict]:
@@ -28,6 +30,8 @@ def build_optimizer(named_params, cfg) -> torch.optim.Optimizer:
         opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
     elif cfg.name == "adafactor":
         return torch.optim.Adafactor(groups, lr=cfg.lr)  # factored state: left to torch's lazy init
+    elif cfg.name == "sm3":
+        return SM3(groups, lr=cfg.lr, momentum=cfg.momentum)  # creates its state eagerly itself
     else:
         raise ValueError(f"unknown optimizer {cfg.name!r}")
     init_state(opt)

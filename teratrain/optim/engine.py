@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+from teratrain.memory.compression import compressed_saves
 from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, make_scaler, param_dtype
 from teratrain.optim.build import build_optimizer
 from teratrain.parallel.placement import assign_defaults, placements_json
@@ -252,7 +253,7 @@ def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precis
     total = None
     for i, (x, y) in enumerate(micro_batches):
         with engine.accumulate(last=i == len(micro_batches) - 1):
-            with autocast(precision, x.device):
+            with autocast(precision, x.device), compressed_saves(model):
                 loss = model(x, y)
             engine.backward(loss / len(micro_batches))
         total = loss.detach() if total is None else total + loss.detach()

@@ -6,7 +6,8 @@ Order, each with its reason:
 1. pipeline split   - decides which blocks this rank holds; everything after works on the local part.
 2. tensor/sequence  - swaps linear layers for sharded ones before anything wraps or hooks them.
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
-4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them.
+4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them;
+                      activation compression then hooks what the final blocks save for backward.
 5. compile          - traces the final module structure, checkpoints included.
 6. data parallel / ZeRO / local SGD / parameter server - outermost: hooks gradients of the final
    parameters and owns the update; it also materializes the meta-device model, so ZeRO-3 never holds
@@ -18,6 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from teratrain.config import ConfigError
+from teratrain.memory.compression import apply_compression
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
@@ -32,6 +34,7 @@ def parallelize(model: nn.Module, rt, cfg):
     if rt.dims.tp > 1:  # 2
         apply_tp(model, rt, cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
+    apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
     return build_engine(model, rt, cfg)  # 6
@@ -67,9 +70,9 @@ def check_supported(cfg) -> None:
 def zero_problem(zero: int, offload: str, optimizer: str) -> str | None:
     """Why the ZeRO engine cannot run this combination (one sentence with the fix), or None. The
     planner refuses the same layouts through this function."""
-    if zero >= 1 and optimizer == "adafactor":
-        return ("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
-                "use optim.name=adamw or sgd with parallel.zero>=1.")
+    if zero >= 1 and optimizer in ("adafactor", "sm3"):
+        return (f"optim.name={optimizer} keeps row/column statistics of whole matrices, which ZeRO splits into "
+                "flat shards; use optim.name=adamw or sgd with parallel.zero>=1.")
     if offload == "params" and zero != 3:
         return (f"parallel.offload=params needs parameter sharding (parallel.zero=3, got {zero}); "
                 "set parallel.zero=3 or parallel.offload=optimizer.")

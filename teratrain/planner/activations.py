@@ -18,71 +18,117 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
 CPU autocast runs layer_norm in bf16. The GPU numbers assume dropout inside attention is fused
 (flash/cuDNN keep only an RNG seed); CPU runs with dropout > 0 take the math path (T x T kept),
 which this module does not describe.
+
+Each term is a list of saved tensors (`Saved`: elements, bytes per element, kind), so activation
+compression (memory/compression.py, `compress`) can be priced per tensor as it encodes them: under
+int8/fp8 a differentiable activation inside the blocks takes 1 byte per element plus a 4-byte scale
+per 128 (whole blocks); under every mode a dropout mask takes 1 bit per element (+ the CPU float
+mask's one value); statistics, casts of weights, buffers and index tensors are kept as they are.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
 from teratrain.planner.layout import ModelShape, Widths, ceil_div
 
 INDEX_BYTES = 8  # token ids and targets are int64
 
 
-def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> int:
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd keeps: `kind` act (a differentiable activation: 8-bit under int8/fp8 inside
+    the blocks), mask (a dropout mask: 1 bit under any compression), keep (never encoded)."""
+
+    numel: int
+    itemsize: int
+    kind: str = "act"
+
+    def held(self, compress: str, in_blocks: bool, device: str) -> int:
+        """Bytes held for backward under `compress` (memory/compression.py's encodings)."""
+        if compress == "none" or self.numel < BLOCK or self.kind == "keep":
+            return self.numel * self.itemsize
+        if self.kind == "mask":  # CPU masks are floats {0, c}: the bits plus c
+            return ceil_div(self.numel, 8) + (self.itemsize if device == "cpu" else 0)
+        if compress in ("int8", "fp8") and in_blocks:
+            blocks = ceil_div(self.numel, BLOCK)
+            return blocks * BLOCK + blocks * 4  # 1-byte codes, padded to whole blocks, + fp32 scales
+        return self.numel * self.itemsize
+
+
+def _held(terms: dict[str, list[Saved]], compress: str, in_blocks: bool, device: str) -> dict[str, int]:
+    return {k: sum(t.held(compress, in_blocks, device) for t in v) for k, v in terms.items()}
+
+
+def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> list[Saved]:
     """What one pre-norm keeps for backward, for n tokens."""
     c = shape.cfg
     d = c.d_model
     if c.arch == "llama":  # RMSNorm.forward: F.rms_norm(x.float(), ..., weight.float())
-        kept = n * d * 4 + n * 4  # fp32 input (x itself when fp32, else the x.float() copy) + rstd
+        kept = [Saved(n * d, 4), Saved(n, 4)]  # fp32 input (x itself when fp32, else the x.float() copy) + rstd
         if device == "cpu":
-            kept += n * d * 4  # the composite CPU kernel also keeps x * rstd for the weight gradient
+            kept.append(Saved(n * d, 4))  # the composite CPU kernel also keeps x * rstd for the weight gradient
         if w.param == 2:
-            kept += d * 4  # weight.float() copy
+            kept.append(Saved(d, 4, "keep"))  # weight.float() copy
         return kept
-    # LayerNorm: native_layer_norm keeps input, mean, rstd
+    # LayerNorm: native_layer_norm keeps input, mean, rstd (the statistics are not differentiable outputs)
     if w.param == 4 or (device == "cuda" and w.compute == 2):
-        weights = (2 if c.use_bias else 1) * d * 4 if w.param == 2 else 0  # CUDA autocast's fp32 weight casts
-        return n * d * 4 + 2 * n * 4 + weights
-    return n * d * w.param + 2 * n * w.param  # CPU autocast: layer_norm in the parameters' dtype
+        # CUDA autocast's fp32 weight casts
+        weights = [Saved(d, 4, "keep")] * (2 if c.use_bias else 1) if w.param == 2 else []
+        return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + weights
+    return [Saved(n * d, w.param), Saved(n, w.param, "keep"), Saved(n, w.param, "keep")]  # CPU autocast: params' dtype
 
 
-def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str) -> int:
+def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str) -> list[Saved]:
     """Saved inputs of the linear layers reading one norm output (n tokens)."""
     c = shape.cfg
     out_fp32 = w.param == 4 or (c.arch == "gpt2" and device == "cuda" and w.compute == 2)
     if out_fp32 and w.compute == 2:
-        return consumers * n * c.d_model * 2  # autocast casts a separate bf16 copy for each linear
-    return n * c.d_model * (4 if out_fp32 else w.param)  # one tensor, shared by every consumer
+        return [Saved(n * c.d_model, 2)] * consumers  # autocast casts a separate bf16 copy for each linear
+    return [Saved(n * c.d_model, 4 if out_fp32 else w.param)]  # one tensor, shared by every consumer
+
+
+def _div(items: list[Saved], k: int) -> list[Saved]:
+    return [Saved(t.numel // k, t.itemsize, t.kind) for t in items] if k > 1 else items
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
-                tp: int = 1, sp: bool = False, dropout: float = 0.0) -> dict[str, int]:
-    """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per tensor.
-    Attention/MLP internals are split by tensor parallelism; norm-side tensors only with sequence
-    parallelism (Korthikanti et al. 2022, sec. 4.2.2)."""
+                tp: int = 1, sp: bool = False, dropout: float = 0.0, compress: str = "none") -> dict[str, int]:
+    """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per term,
+    as held under activation compression `compress`."""
+    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout),
+                 compress, True, device)
+
+
+def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
+                  tp: int = 1, sp: bool = False, dropout: float = 0.0) -> dict[str, list[Saved]]:
+    """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
+    parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2)."""
     c = shape.cfg
     n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
     kvd = c.kv_heads * c.head_dim
     rep = tp if sp else 1  # replicated tensors are divided by tp only under sequence parallelism
     k_moe = shape.top_k if shape.num_experts > 1 else 1  # each token visits top_k experts
     out = {
-        "attention_norm": _norm_saved(shape, w, n, device) // rep,
-        "qkv_inputs": _linear_inputs(shape, w, n, 3, device) // rep,  # wq, wk, wv
-        "q_k_v": n * (d + 2 * kvd) * cb // tp,  # q and k after RoPE, v: (B, nh|nkv, T, hs) each
-        "attention_out": n * d * cb // tp,  # SDPA output, also wo's input (a view of it)
-        "logsumexp": n * c.n_heads * 4 // tp,  # fp32, one per head and token
-        "ffn_norm": _norm_saved(shape, w, n, device) // rep,
-        "mlp_inputs": k_moe * _linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) // rep,
+        "attention_norm": _div(_norm_saved(shape, w, n, device), rep),
+        "qkv_inputs": _div(_linear_inputs(shape, w, n, 3, device), rep),  # wq, wk, wv
+        "q_k_v": _div([Saved(n * d, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)], tp),  # q, k after RoPE, v
+        "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
+        "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
+        "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
+        "mlp_inputs": _div(_linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) * k_moe, rep),
         # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
-        "mlp_hidden": k_moe * (4 if c.arch == "llama" else 2) * n * ff * cb // tp,
+        "mlp_hidden": _div([Saved(n * ff, cb)] * (k_moe * (4 if c.arch == "llama" else 2)), tp),
     }
     if c.arch == "llama" and cb != 4:
-        out["rope_casts"] = 4 * seq_len * c.head_dim * cb  # cos/sin cast to bf16, for q and for k
+        out["rope_casts"] = [Saved(seq_len * c.head_dim, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
     if shape.num_experts > 1:
-        out["router"] = n * shape.num_experts * 4 // rep  # fp32 router logits/probabilities
+        out["router"] = _div([Saved(n * shape.num_experts, 4, "keep")], rep)  # fp32 router logits/probabilities
     if dropout > 0:
-        mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask
-        out["dropout_masks"] = 2 * n * d * mask // rep  # after wo and after w2
+        mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask, the CPU kernel a float one
+        out["dropout_masks"] = _div([Saved(n * d, mask, "mask")] * 2, rep)  # after wo and after w2
     return out
 
 
@@ -102,25 +148,26 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1) -> int
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                   tp: int = 1, sp: bool = False, dropout: float = 0.0, first: bool = True,
-                  last: bool = True) -> dict[str, int]:
+                  last: bool = True, compress: str = "none") -> dict[str, int]:
     """Saved tensors outside the blocks: embedding ids on the first pipeline stage; final norm,
-    head input, fp32 log-softmax (lm_loss upcasts the logits) and targets on the last."""
+    head input, fp32 log-softmax (lm_loss upcasts the logits) and targets on the last. Compression
+    encodes only the dropout mask here (memory/compression.py keeps the head exact)."""
     c = shape.cfg
     n = tokens
     rep = tp if sp else 1
-    out: dict[str, int] = {}
+    out: dict[str, list[Saved]] = {}
     if first:
-        out["token_ids"] = n * INDEX_BYTES
+        out["token_ids"] = [Saved(n, INDEX_BYTES, "keep")]
         if c.arch == "gpt2":
-            out["position_ids"] = seq_len * INDEX_BYTES
+            out["position_ids"] = [Saved(seq_len, INDEX_BYTES, "keep")]
         if dropout > 0:
-            out["embedding_dropout"] = n * c.d_model * (1 if device == "cuda" else w.param)
+            out["embedding_dropout"] = [Saved(n * c.d_model, 1 if device == "cuda" else w.param, "mask")]
     if last:
-        out["final_norm"] = _norm_saved(shape, w, n, device) // rep
-        out["head_input"] = _linear_inputs(shape, w, n, 1, device) // rep
-        out["log_softmax"] = n * c.vocab_size * 4 // tp  # fp32 (B*T, V), vocab-parallel under tp
-        out["targets"] = n * INDEX_BYTES
-    return out
+        out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
+        out["head_input"] = _div(_linear_inputs(shape, w, n, 1, device), rep)
+        out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
+        out["targets"] = [Saved(n, INDEX_BYTES, "keep")]
+    return _held(out, compress, False, device)
 
 
 def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1) -> int:
@@ -149,8 +196,9 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
         return {"blocks": n_layers * (sum(per.values()) - per["logsumexp"]), "weight_copies": n_layers * copies}
     k = segment_size(policy, n_layers, every)
     rep = tp if kw.get("sp") else 1
-    hidden = tokens * shape.cfg.d_model * w.param // rep  # residual stream in the params' dtype
-    return {"blocks": ceil_div(n_layers, k) * hidden, "weight_copies": 0}
+    hidden = Saved(tokens * shape.cfg.d_model // rep, w.param)  # residual stream in the params' dtype
+    held = hidden.held(kw.get("compress", "none"), True, kw.get("device", "cuda"))  # a checkpoint input, in the stack
+    return {"blocks": ceil_div(n_layers, k) * held, "weight_copies": 0}
 
 
 def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,
@@ -160,15 +208,16 @@ def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int
     if policy in ("none", "selective"):
         return 0
     k = min(n_layers, segment_size(policy, n_layers, every))
+    kw = {**kw, "compress": "none"}  # the replay runs in backward, outside the compression hooks
     per = sum(block_saved(shape, w, tokens, seq_len, **kw).values())
     return k * (per + weight_copies(shape, w, kw.get("tp", 1)))
 
 
 def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, policy: str, every: int,
-                  device: str = "cuda", dropout: float = 0.0) -> int:
+                  device: str = "cuda", dropout: float = 0.0, compress: str = "none") -> int:
     """Everything a whole single-device model keeps from forward to backward for one micro-batch,
     as `saved_tensors_hooks` counts it (parameters excluded): what tests and bench/ compare with."""
-    kw = dict(device=device, dropout=dropout)
+    kw = dict(device=device, dropout=dropout, compress=compress)
     blocks = stored_blocks(shape, w, shape.cfg.n_layers, tokens, seq_len, policy, every, **kw)
     total = sum(blocks.values()) + sum(outside_saved(shape, w, tokens, seq_len, **kw).values())
     total += head_weight_copy(shape, w)

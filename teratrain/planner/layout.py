@@ -154,6 +154,7 @@ class Training:
     bucket_mb: float = 25.0
     reduce_bytes: int = 4  # parallel.reduce_dtype width
     dropout: float = 0.0
+    compress: str = "none"  # memory.compress_activations: none | lossless | int8 | fp8
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from teratrain.memory.compression import ActivationCodec, compressed_saves, held_tensors
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer, lm_loss
@@ -24,19 +25,23 @@ def build_engine(cfg, device: str | torch.device = "cpu"):
 
 def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
     """Bytes of distinct storages autograd keeps from forward to backward for one micro-batch
-    (loss included), parameters excluded (they are model states, counted elsewhere)."""
+    (loss included), parameters excluded (they are model states, counted elsewhere). With activation
+    compression (memory/compression.py), what its encoder returns is what is kept and counted."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    codec = getattr(model, "activation_codec", None)
     seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen.setdefault(s.data_ptr(), s.nbytes())
-        return t
+    def pack(t: torch.Tensor):
+        packed = codec.pack(t) if codec is not None else t
+        for held in held_tensors(packed):
+            s = held.untyped_storage()
+            if s.data_ptr() not in params:
+                seen.setdefault(s.data_ptr(), s.nbytes())
+        return packed
 
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with autocast(precision, x.device):
+    with compressed_saves(model), torch.autograd.graph.saved_tensors_hooks(pack, ActivationCodec.unpack):
+        with autocast(precision, x.device):  # the innermost hooks (the counter) are the ones autograd calls
             loss = lm_loss(model(x), y)
     del loss
     return sum(seen.values())

@@ -173,23 +173,23 @@ def shard_of(groups: list[tuple[list[int], int]]) -> tuple[int, int]:
 
 def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, sharded: bool) -> int:
     """fp32 optimizer-state elements (master copy excluded). AdamW: m and v (Loshchilov & Hutter);
-    SGD: one momentum buffer; Adafactor (Shazeer & Stern 2018): row and column second-moment sums
-    per matrix, full for vectors; SM3 (Anil et al. 2019): row and column accumulators per matrix,
-    full for vectors, plus momentum when used. Flat shards (ZeRO) factor as whole 1-D pieces."""
+    SGD: one momentum buffer; Adafactor (Shazeer & Stern 2018, torch.optim.Adafactor): for rank >= 2,
+    second-moment sums over the last dim and over the second-to-last (shapes[:-1] and
+    shapes[:-2] + shapes[-1:]), full for vectors; SM3 (Anil et al. 2019, optim/sm3.py): one
+    accumulator per index of every dimension (rows + columns for a matrix), full for vectors, plus a
+    full momentum buffer when optim.momentum > 0. Flat shards (ZeRO) factor as whole 1-D pieces."""
     name = train.optimizer
     if name == "adamw":
         return 2 * numel
     if name == "sgd":
         return numel if train.momentum > 0 else 0
+    if name not in ("adafactor", "sm3"):
+        raise PlanError(f"optimizer {name!r} is unknown to the planner")
     if sharded or not shapes:
-        fact = numel  # a 1-D piece factors into itself
-    else:
-        fact = sum(s[0] + math.prod(s[1:]) if len(s) >= 2 else math.prod(s) for s in shapes)
+        return numel + (numel if name == "sm3" and train.momentum > 0 else 0)  # a 1-D piece factors into itself
     if name == "adafactor":
-        return fact
-    if name == "sm3":
-        return fact + (numel if train.momentum > 0 else 0)
-    raise PlanError(f"optimizer {name!r} is unknown to the planner")
+        return sum(math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else math.prod(s) for s in shapes)
+    return sum(sum(s) if len(s) >= 2 else math.prod(s) for s in shapes) + (numel if train.momentum > 0 else 0)
 
 
 def _local_opt_elems(train: Training, shape: ModelShape, local: int) -> tuple[int, int]:

@@ -15,9 +15,9 @@ POLICIES = ["none", "full", "every-k", "sqrt", "selective"]
 PRECISIONS = [("fp32", False), ("bf16", False), ("bf16", True)]
 
 
-def _cfg(arch: str, precision: str, masters: bool, policy: str, seq_len: int = 48, n_layers: int = 5):
+def _cfg(arch: str, precision: str, masters: bool, policy: str, seq_len: int = 48, n_layers: int = 5, *extra: str):
     sets = ["model.preset=tiny", f"model.arch={arch}", f"model.seq_len={seq_len}", f"model.n_layers={n_layers}",
-            f"memory.precision={precision}", f"memory.recompute={policy}", "memory.recompute_every=2"]
+            f"memory.precision={precision}", f"memory.recompute={policy}", "memory.recompute_every=2", *extra]
     if masters:
         sets.append("memory.master_weights=true")
     if arch == "gpt2":
@@ -29,7 +29,8 @@ def _predicted(cfg, batch: int) -> int:
     w = widths(cfg.memory.precision, cfg.use_master_weights)
     T = cfg.model.seq_len
     return forward_saved(ModelShape(cfg=cfg.model), w, batch * T, T, cfg.memory.recompute,
-                         cfg.memory.recompute_every, device="cpu")
+                         cfg.memory.recompute_every, device="cpu", dropout=cfg.model.dropout,
+                         compress=cfg.memory.compress_activations)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -76,3 +77,41 @@ def test_tensor_and_sequence_parallel_split_activations():
     sp = sum(block_saved(shape, w, 256, 48, tp=2, sp=True).values())
     assert sp < tp < one
     assert sp == pytest.approx(one / 2, rel=0.02)  # Korthikanti et al.: everything / t (RoPE tables aside)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("precision, masters", PRECISIONS)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compressed_saved_bytes_match_hooks(arch, precision, masters, policy):
+    """int8 activation compression (memory/compression.py), counted through its encoder by the same
+    hooks: exact to the loss scalar, like the uncompressed count."""
+    cfg = _cfg(arch, precision, masters, policy, 48, 5, "memory.compress_activations=int8")
+    model, _ = build_engine(cfg)
+    measured = saved_bytes(model, *random_batch(cfg, 2), precision)
+    assert _predicted(cfg, 2) == pytest.approx(measured, rel=0.05, abs=8)
+
+
+@pytest.mark.parametrize("mode", ["none", "lossless", "fp8"])
+@pytest.mark.parametrize("policy", ["selective", "full"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_dropout_masks_and_fp8_match_hooks(arch, policy, mode):
+    """Dropout 0.1 (recomputed attention core, so the CPU math path's T x T keeps nothing): the float
+    masks the CPU kernel saves are counted as 1 bit each under every compression mode."""
+    cfg = _cfg(arch, "bf16", True, policy, 48, 3, "model.dropout=0.1", f"memory.compress_activations={mode}")
+    model, _ = build_engine(cfg)
+    measured = saved_bytes(model, *random_batch(cfg, 2), "bf16")
+    assert _predicted(cfg, 2) == pytest.approx(measured, rel=0.05, abs=8)
+
+
+def test_compression_ratio_of_a_block():
+    """int8 stores a block's differentiable activations at 1 + 4/128 bytes per element: ~3.9x less
+    than fp32, ~1.9x less than bf16; statistics and the logsumexp stay as they are."""
+    cfg = _cfg("llama", "fp32", False, "none", 256, 1)
+    shape, n = ModelShape(cfg=cfg.model), 4 * 256
+    for precision, masters, ratio in (("fp32", False, 4 / (1 + 4 / 128)), ("bf16", True, 2 / (1 + 4 / 128))):
+        w = widths(precision, masters)
+        plain = block_saved(shape, w, n, 256, device="cuda")
+        packed = block_saved(shape, w, n, 256, device="cuda", compress="int8")
+        for term in ("q_k_v", "attention_out", "mlp_hidden"):
+            assert plain[term] / packed[term] == pytest.approx(ratio), term
+        assert packed["logsumexp"] == plain["logsumexp"]

@@ -61,8 +61,9 @@ def _cfg(arch, precision, optim, *extra):
     return load_config(None, sets)
 
 
-CASES = [(a, p, o, extra) for a in ("llama", "gpt2") for o in ("adamw", "sgd", "adafactor")
+CASES = [(a, p, o, extra) for a in ("llama", "gpt2") for o in ("adamw", "sgd", "adafactor", "sm3")
          for p, extra in (("fp32", ()), ("bf16", ()), ("fp16", ()), ("bf16", ("memory.master_weights=true",)))]
+CASES += [(a, "fp32", o, ("optim.momentum=0",)) for a in ("llama", "gpt2") for o in ("sgd", "sm3")]
 
 
 @pytest.mark.parametrize("arch, precision, optim, extra", CASES)
@@ -128,3 +129,26 @@ def test_engines_refusals_are_mirrored():
         model_states(shape, Training(optimizer="adamw"), Layout(zero=2, offload="params"))
     with pytest.raises(PlanError):
         model_states(shape, Training(optimizer="adafactor"), Layout(zero=1))
+    with pytest.raises(PlanError):
+        model_states(shape, Training(optimizer="sm3"), Layout(zero=2))
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "sm3"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_factored_states_of_higher_rank_tensors_equal_live_bytes(optim, momentum):
+    """Rank-3 and rank-1 tensors next to a matrix: torch's Adafactor factors over the last two
+    dims, SM3 keeps one accumulator per index of every dim (our model has only rank <= 2)."""
+    from teratrain.optim.build import build_optimizer
+    from teratrain.optim.engine import tensor_bytes
+    from teratrain.planner.states import optimizer_elems
+
+    shapes = [(6, 5, 4), (7, 3), (9,)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    cfg = load_config(None, [f"optim.name={optim}", f"optim.momentum={momentum}"])
+    opt = build_optimizer([(str(i), p) for i, p in enumerate(params)], cfg.optim)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # Adafactor creates its state here
+    live = tensor_bytes(t for st in opt.state.values() for k, t in st.items() if torch.is_tensor(t) and k != "step")
+    train = Training(precision="fp32", optimizer=optim, momentum=momentum)
+    assert live == 4 * optimizer_elems(train, shapes, sum(p.numel() for p in params), False)

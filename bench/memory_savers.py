@@ -1,0 +1,113 @@
+"""Memory savers on one GPU at the llama-1b shape: what each saves and what it costs.
+
+1. Activations: peak memory, tokens/s and the bytes saved for backward (counted by the planner's
+   saved-tensor hooks, next to the planner's prediction) for no saver, selective recomputation,
+   activation compression (int8 and fp8: memory.compress_activations), and recomputation + int8.
+2. Optimizers: AdamW vs Adafactor vs SM3 (with and without momentum): optimizer-state bytes (live,
+   and as the planner predicts them), full training step time and the optimizer step alone.
+
+Every model is built as `teratrain train` builds it for one process (planner/measure.py), bf16
+autocast over fp32 weights, and trained on random tokens.
+
+    python bench/memory_savers.py                      # on the GPU machine (llama-1b, seq 2048)
+    python bench/memory_savers.py --smoke              # a tiny model on CPU, to check the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import config, device, emit, env_info, fresh_memory, peak_gib, summarize, sync, time_steps
+
+from teratrain.models.transformer import count_params, flops_per_token
+from teratrain.optim.engine import train_step
+from teratrain.planner.activations import forward_saved
+from teratrain.planner.inputs import shape_of, training_of
+from teratrain.planner.layout import Layout, ModelShape, widths
+from teratrain.planner.measure import build_engine, random_batch, saved_bytes
+from teratrain.planner.states import model_states
+
+SHAPE = ["model.preset=llama-1b", "model.seq_len=2048"]
+SMOKE = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64"]
+ACTIVATION_CASES = [("none", "none"), ("selective", "none"), ("none", "int8"), ("none", "fp8"), ("selective", "int8")]
+OPTIMIZERS = [("adamw", []), ("adafactor", []), ("sm3", []), ("sm3", ["optim.momentum=0"])]
+
+
+def activation_row(base: list[str], recompute: str, compress: str, mb: int, args, dev) -> dict:
+    cfg = config(base + [f"memory.recompute={recompute}", f"memory.compress_activations={compress}"])
+    fresh_memory(dev)
+    model, engine = build_engine(cfg, dev)
+    x, y = random_batch(cfg, mb, dev)
+    T = cfg.model.seq_len
+    predicted = forward_saved(ModelShape(cfg=cfg.model), widths(cfg.memory.precision, cfg.use_master_weights),
+                              mb * T, T, recompute, cfg.memory.recompute_every, device=dev.type, compress=compress)
+    measured = saved_bytes(model, x, y, cfg.memory.precision)
+    fresh_memory(dev)  # the peak of training steps only
+    times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
+                       args.warmup, args.steps, dev)
+    row = {"recompute": recompute, "compress": compress, "saved_bytes": measured, "saved_bytes_planned": predicted,
+           **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
+    del model, engine
+    return row
+
+
+def optimizer_row(base: list[str], name: str, extra: list[str], mb: int, args, dev) -> dict:
+    cfg = config(base + [f"optim.name={name}", *extra])
+    fresh_memory(dev)
+    model, engine = build_engine(cfg, dev)
+    x, y = random_batch(cfg, mb, dev)
+    T = cfg.model.seq_len
+    times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
+                       args.warmup, args.steps, dev)
+    live = engine.state_bytes()["optimizer"]  # after the steps: Adafactor creates its state lazily
+    planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), Layout(),
+                           device=dev.type)["optimizer"]
+    opt_s = _optimizer_step_s(engine, args.steps, dev)
+    row = {"optimizer": name, "settings": extra, "state_bytes": live, "state_bytes_planned": planned,
+           "state_bytes_per_param": round(live / count_params(cfg.model)["total"], 3),
+           "optimizer_step_ms": round(opt_s * 1e3, 2), **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
+    del model, engine
+    return row
+
+
+def _optimizer_step_s(engine, steps: int, dev) -> float:
+    """Median time of optimizer.step() alone, on random gradients of the parameters' shapes."""
+    params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    times = []
+    for _ in range(max(steps, 3)):
+        sync(dev)
+        t0 = time.perf_counter()
+        engine.optimizer.step()
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    engine.zero_grad()
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.micro_batch = 2, 1, 2
+    dev = device()
+    base = (SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0"]
+    acts = [activation_row(base, r, c, args.micro_batch, args, dev) for r, c in ACTIVATION_CASES]
+    opts = [optimizer_row(base, n, e, args.micro_batch, args, dev) for n, e in OPTIMIZERS]
+    cfg = config(base)
+    emit({"bench": "memory_savers", **env_info(dev), "shape": base, "micro_batch": args.micro_batch,
+          "seq_len": cfg.model.seq_len, "params": count_params(cfg.model)["total"], "peak_gib_after": peak_gib(dev),
+          "activations": acts, "optimizers": opts}, args.out)
+
+
+if __name__ == "__main__":
+    main()
