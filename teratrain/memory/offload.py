@@ -52,7 +52,7 @@ class HostUpdate:
                 marks[i + 1] = self._fetch(jobs[i + 1][0].grad_shard, (i + 1) % 2)
             if opt is not None:
                 for view, grad in zip(g.opt_views, g.shard_views(self.grads_in[i % 2])):
-                    view.grad = grad
+                    view.grad = grad.view_as(view)  # whole parameters keep their shape (flat.py)
                 opt.step()
             self._publish(g.master, target, i % 2)
         for mark in self._out_free:

@@ -4,10 +4,17 @@ A `FlatGroup` of parameters p_0..p_k (numels n_0..n_k, N = sum n_i) has a flat i
 `padded = ceil(N / world) * world` elements; rank r owns [r*S, (r+1)*S) with S = padded / world.
 Flat, equal shards mean each collective is one call on one contiguous buffer (no fragmentation,
 no per-tensor launches) and every rank's share differs from N/world by under one element per rank.
+
+With `whole=True` (optimizers whose state is not elementwise: Adafactor's and SM3's row/column
+statistics need whole matrices) every parameter stays in one rank's shard: parameters are dealt
+into `world` bins, largest first onto the lightest bin, bin r laid out at [r*S, r*S + its size)
+with S the largest bin. The collectives are unchanged; the price is the padding up to S on the
+lighter ranks (traffic and gradient-shard memory), shown by `padded`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -30,15 +37,23 @@ class Piece:
 
 
 class FlatGroup:
-    def __init__(self, names: list[str], params: list[nn.Parameter], world: int, rank: int):
+    def __init__(self, names: list[str], params: list[nn.Parameter], world: int, rank: int, whole: bool = False):
+        numels = [p.numel() for p in params]
+        if whole:  # bin by bin, so each rank's parameters are contiguous from its shard's start
+            bins = deal(numels, world)
+            order = [i for b in bins for i in b]
+            names, params, numels = [names[i] for i in order], [params[i] for i in order], [numels[i] for i in order]
+            spans = _spans(bins)
+            self.shard_numel = max(1, max(sum(numels[lo:hi]) for lo, hi in spans))
+            self.offsets = [r * self.shard_numel + sum(numels[lo:i]) for r, (lo, hi) in enumerate(spans)
+                            for i in range(lo, hi)]
+        else:
+            self.offsets = [0, *itertools.accumulate(numels)][:-1]
+            self.shard_numel = math.ceil(sum(numels) / world)
         self.names, self.params, self.world, self.rank = names, params, world, rank
         self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = self.offsets[-1]
-        self.shard_numel = math.ceil(self.numel / world)
+        self.numels = numels
+        self.numel = sum(numels)
         self.padded = self.shard_numel * world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.pieces = self._pieces()
@@ -66,3 +81,25 @@ class FlatGroup:
             if t is not None:
                 view.copy_(t)
         return flat
+
+
+def deal(numels: list[int], world: int) -> list[list[int]]:
+    """Indices of `numels` dealt into `world` bins: largest first onto the lightest bin (ties to the
+    lower bin), each bin in the original order. Deterministic, so every rank and the planner agree."""
+    bins: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        bins[r].append(i)
+        load[r] += numels[i]
+    return [sorted(b) for b in bins]
+
+
+def _spans(bins: list[list[int]]) -> list[tuple[int, int]]:
+    """[lo, hi) positions of each bin's parameters once laid out bin after bin."""
+    out, lo = [], 0
+    for b in bins:
+        out.append((lo, lo + len(b)))
+        lo += len(b)
+    return out
+

@@ -48,7 +48,7 @@ def check_supported(cfg) -> None:
             raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
                               f"version; set parallel.{key}=1.")
     check_tp(cfg)
-    why = zero_problem(p.zero, p.offload, cfg.optim.name)
+    why = zero_problem(p.zero, p.offload)
     if why:
         raise ConfigError(why)
     if p.zero == 3 and cfg.train.compile:
@@ -67,12 +67,9 @@ def check_supported(cfg) -> None:
                               f"{p.sync}); set parallel.sync={mode} or leave parallel.{key} at its default.")
 
 
-def zero_problem(zero: int, offload: str, optimizer: str) -> str | None:
+def zero_problem(zero: int, offload: str) -> str | None:
     """Why the ZeRO engine cannot run this combination (one sentence with the fix), or None. The
     planner refuses the same layouts through this function."""
-    if zero >= 1 and optimizer in ("adafactor", "sm3"):
-        return (f"optim.name={optimizer} keeps row/column statistics of whole matrices, which ZeRO splits into "
-                "flat shards; use optim.name=adamw or sgd with parallel.zero>=1.")
     if offload == "params" and zero != 3:
         return (f"parallel.offload=params needs parameter sharding (parallel.zero=3, got {zero}); "
                 "set parallel.zero=3 or parallel.offload=optimizer.")

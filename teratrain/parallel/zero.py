@@ -40,6 +40,9 @@ from teratrain.parallel.zero_gather import ZeroGatherMixin
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
 
 
+WHOLE_PARAM_OPTIMIZERS = ("adafactor", "sm3")
+
+
 class _Group(FlatGroup):
     """A FlatGroup plus the buffers one stage keeps for it (see the table in the module docstring)."""
 
@@ -54,9 +57,9 @@ class _Group(FlatGroup):
     gather: object | None = None  # pending all-gather handle (stage 3)
     gathered: bool = False
 
-    def __init__(self, names, params, mesh, block: str | None):
+    def __init__(self, names, params, mesh, block: str | None, whole: bool):
         pl = placement(params[0])
-        super().__init__(names, params, mesh.size(pl.group), mesh.rank_in(pl.group))
+        super().__init__(names, params, mesh.size(pl.group), mesh.rank_in(pl.group), whole)
         self.pg, self.gather_pg = mesh.group(pl.group), mesh.group(pl.group + ":gather")
         self.scale, self.placement = reduce_scale(mesh, pl.group), pl  # shared by every member (bucket key)
         self.trainable, self.block = params[0].requires_grad, block
@@ -80,6 +83,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
         self.reduce_dtype, self.overlap = DTYPES[p.reduce_dtype], p.overlap_comm
         self.host = torch.device("cpu")
+        # Row/column statistics (Adafactor, SM3) need whole matrices: shard by whole parameters (flat.py)
+        self.whole = cfg.optim.name in WHOLE_PARAM_OPTIMIZERS
         self.groups = self._make_groups(model, p.bucket_mb)
         for g in self.groups:
             self._materialize(g, init_fn)
@@ -117,7 +122,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         else:
             itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
             members = [(None, b.members) for b in ordered_buckets(named, int(bucket_mb * 2**20), _key, lambda _: itemsize)]
-        return [_Group([n for n, _ in m], [q for _, q in m], self.mesh, key) for key, m in members if m]
+        return [_Group([n for n, _ in m], [q for _, q in m], self.mesh, key, self.whole) for key, m in members if m]
 
     def _materialize(self, g: _Group, init_fn) -> None:
         full32 = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
@@ -154,13 +159,19 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         """An optimizer over this rank's pieces of the group (views of the flat shard, so sharding
         is exact for elementwise optimizers), each piece's gradient a view of the gradient shard.
         Offloaded, the gradients are bound to host staging buffers at each step instead."""
-        g.opt_views = [_mark_decay(v, g.shapes[pc.index]) for v, pc in zip(g.shard_views(self._opt_target(g)), g.pieces)]
+        g.opt_views = [_mark_decay(self._shaped(v, g, pc), g.shapes[pc.index])
+                       for v, pc in zip(g.shard_views(self._opt_target(g)), g.pieces)]
         if self.offload == "none":
-            for view, grad in zip(g.opt_views, g.shard_views(g.grad_shard)):
-                view.grad = grad
+            for view, grad, pc in zip(g.opt_views, g.shard_views(g.grad_shard), g.pieces):
+                view.grad = self._shaped(grad, g, pc)
         if not g.opt_views:  # this rank's shard is all padding (tiny groups, many ranks)
             return None
         return build_optimizer([(g.names[pc.index], v) for v, pc in zip(g.opt_views, g.pieces)], optim_cfg)
+
+    def _shaped(self, view: torch.Tensor, g: _Group, pc) -> torch.Tensor:
+        """A piece as the optimizer sees it: 1-D for elementwise optimizers, the parameter's own
+        shape when pieces are whole parameters."""
+        return view.view(g.shapes[pc.index]) if self.whole else view
 
     # ------------------------------------------------------------------ backward side
     def _on_grad(self, prm: nn.Parameter) -> None:
@@ -237,13 +248,16 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         for g in self.trainable:
             if g.scale != 1:  # the average over the group, times group size / dp (placement.py)
                 g.grad_shard.mul_(g.scale)
-        if self.last_state_bytes is None:  # counted once, as grads are held before the update
+        first = self.last_state_bytes is None
+        if first:  # counted once, as grads are held before the update
             self.last_state_bytes = self.state_bytes()
         grads = [g.grad_shard for g in self.trainable]
         if self.unscale_and_check(grads):
             return self._skip_step()
         norm = self.clip(grads)
         self._update(lr)
+        if first:  # optimizers that create their state lazily (Adafactor) have it only now
+            self.last_state_bytes["optimizer"] = self.state_bytes()["optimizer"]
         self._publish()
         self.zero_grad()
         return self._stepped(norm)

@@ -19,11 +19,14 @@ Our engines differ in ways counted here, each mirrored from the code:
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 
+from teratrain.parallel.flat import deal
 from teratrain.parallel.grads import ordered_buckets
 from teratrain.parallel.parallelize import zero_problem
+from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
 from teratrain.parallel.pipeline.schedules import problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 from teratrain.planner.local import group_size, local_tensors
@@ -48,9 +51,12 @@ def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
 
 
 def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
-    why = zero_problem(lay.zero, lay.offload, train.optimizer)
+    why = zero_problem(lay.zero, lay.offload)
     if why:
         raise PlanError(why.split(";")[0])
+    if shape.is_bare and train.optimizer in WHOLE_PARAM_OPTIMIZERS:
+        raise PlanError(f"optim.name={train.optimizer} factors each matrix by its rows and columns, which a bare "
+                        "parameter count does not give")
     if lay.pp > 1:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:
@@ -109,12 +115,12 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
     return tuple({**out, "block": block, "layers": layers}.items())
 
 
-def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list[int], int]]:
-    """(parameter numels, ranks sharing it) per ZeroEngine flat group. Exact without pipeline or
+def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list[tuple], int]]:
+    """(parameter shapes, ranks sharing it) per ZeroEngine flat group. Exact without pipeline or
     expert parallelism: the engine's grouping (parallel/zero.py `_make_groups`: by reduction group,
     tied axes and trainability; stage 1/2 `ordered_buckets` counted in the compute dtype, stage 3 per
     block then the root) over the tensors the real transforms leave on a rank. Pipeline and expert
-    layouts use the same rule over this rank's share (approximation)."""
+    layouts use the same rule over this rank's share, as 1-D sizes (approximation)."""
     w = train.widths(lay.zero, lay.offload)
     bucket_bytes = int(train.bucket_mb * 2**20)
     if _exact(shape, lay):
@@ -125,50 +131,59 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
             buckets = [b for unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
         else:
             buckets = ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)
-        return [([t.numel() for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp)) for b in buckets]
+        return [([t.shape for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp)) for b in buckets]
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
-        return [([sp["block"]], lay.dp)] * sp["layers"] + [([local - sp["layers"] * sp["block"]], lay.dp)]
+        return [([(sp["block"],)], lay.dp)] * sp["layers"] + [([(local - sp["layers"] * sp["block"],)], lay.dp)]
     per = max(1, bucket_bytes // w.param)
-    return [([per], lay.dp)] * (local // per) + ([([local % per], lay.dp)] if local % per else [])
+    return [([(per,)], lay.dp)] * (local // per) + ([([(local % per,)], lay.dp)] if local % per else [])
 
 
 def _key(t) -> tuple:
     return (t.group, t.tied)  # ZeroEngine's key (all planned parameters train)
 
 
-def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict[str, int]:
+def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict:
     """What the memory model needs of the flat groups, computed once per distinct layout."""
     w = train.widths(lay.zero, lay.offload)
     return dict(_zero_summary(shape, lay.zero == 3, train.bucket_mb, w.param, lay.tp, lay.pp, lay.ep, lay.dp, local,
-                              lay.sequence_parallel, lay.tp_form))
+                              lay.sequence_parallel, lay.tp_form, train.optimizer in WHOLE_PARAM_OPTIMIZERS))
 
 
 @lru_cache(maxsize=4096)
 def _zero_summary(shape, zero3: bool, bucket_mb: float, pbytes: int, tp: int, pp: int, ep: int, dp: int,
-                  local: int, sp: bool, form: str) -> tuple:
+                  local: int, sp: bool, form: str, whole: bool) -> tuple:
     lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1, sequence_parallel=sp, tp_form=form)
     train = Training(precision="bf16" if pbytes == 2 else "fp32", master_weights=pbytes == 2, bucket_mb=bucket_mb)
     groups = zero_groups(shape, train, lay, local)
-    shard, pieces = shard_of(groups)
-    sums = [sum(g) for g, _ in groups] or [0]
+    shard, pieces, owned, padded = shard_of(groups, whole)
+    sums = [sum(map(math.prod, g)) for g, _ in groups] or [0]
     blocks = sums[:-1] if zero3 and len(sums) > 1 else sums
-    return tuple({"shard": shard, "pieces": pieces, "padded": sum(ceil_div(sum(g), n) * n for g, n in groups),
+    return tuple({"shard": shard, "pieces": pieces, "owned": owned, "padded": padded,
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
                   "block": max(blocks), "blocks": len(blocks), "root": sums[-1]}.items())
 
 
-def shard_of(groups: list[tuple[list[int], int]]) -> tuple[int, int]:
-    """(elements, parameter pieces) of rank 0's shard: ceil(numel/n) per group of n ranks (flat.py)."""
-    elems = pieces = 0
-    for numels, n in groups:
-        s = ceil_div(sum(numels), n)
-        elems += s
-        start = 0
-        for n in numels:
-            pieces += start < s and n > 0
-            start += n
-    return elems, pieces
+def shard_of(groups: list[tuple[list[tuple], int]], whole: bool = False) -> tuple[int, int, tuple, int]:
+    """Rank 0's shard (parallel/flat.py): (elements, parameter pieces, their shapes, padded elements
+    of all groups). Flat: ceil(numel/n) per group of n ranks, pieces 1-D. Whole: the bins `deal`
+    gives, each laid out at the largest bin's size; rank 0 keeps bin 0's whole parameters."""
+    elems = pieces = padded = 0
+    owned: list[tuple] = []
+    for shapes, n in groups:
+        numels = [math.prod(s) for s in shapes]
+        if whole:
+            bins = deal(numels, n)
+            size = max(1, max(sum(numels[i] for i in b) for b in bins))
+            mine = [shapes[i] for i in bins[0]]
+        else:
+            size = ceil_div(sum(numels), n)
+            starts = [0, *itertools.accumulate(numels)][:-1]
+            mine = [(min(k, size - a),) for a, k in zip(starts, numels) if a < size and k > 0]
+        elems, padded = elems + size, padded + size * n
+        pieces += len(mine)
+        owned += mine
+    return elems, pieces, tuple(owned), padded
 
 
 def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, sharded: bool) -> int:
@@ -229,7 +244,9 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
     params = shard * w.param if lay.zero == 3 else padded * w.param
     grads = shard * 4 + (padded * 4 if lay.zero == 1 else 0)  # fp32 shard (+ stage 1's full fp32 accumulator)
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
-    opt = optimizer_elems(train, [], shard, True) * 4 + shard * w.master + steps * pieces
+    owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces
+    whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS
+    opt = optimizer_elems(train, list(owned), sum(map(math.prod, owned)), not whole) * 4 + shard * w.master + steps * pieces
     host = (opt + host_grad if lay.offload != "none" else 0) + (params if lay.offload == "params" else 0)
     gpu = {"gpu_params": 0 if lay.offload == "params" else params, "gpu_grads": grads,
            "gpu_optimizer": 0 if lay.offload != "none" else opt}

@@ -10,6 +10,8 @@ entries differ by ~1e-4 and the worst tensor reaches ~1e-5."""
 
 import pytest
 
+from teratrain.config import load_config
+
 from harness import run_ranks
 from workers import max_rel_diff, reference, train_many
 
@@ -61,3 +63,32 @@ def test_eval_loss_matches_with_uneven_eval_batches(dist_workdir):
 
     a, b = eval_loss(dist_workdir / "eval-z3"), eval_loss(dist_workdir / "ref-eval")
     assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+
+
+def _layouts_run(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:
+    from layout_workers import train_random
+
+    return [train_random(rank, world, lay) for lay in layouts]
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "sm3"])
+def test_factored_optimizers_under_zero_shard_whole_parameters(optim):
+    """Adafactor and SM3 keep row/column statistics of whole matrices, so ZeRO deals whole
+    parameters to ranks (parallel/flat.py) instead of cutting flat ranges: ZeRO 1-3 (and offload)
+    on 2 ranks equal one process (1e-5 relative; SGD-like steps, no eps amplification), and the
+    planner's bytes equal the live ones."""
+    from layout_workers import BASE, train_random
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.states import model_states
+
+    common = [f"optim.name={optim}", "optim.lr=0.01"]
+    layouts = [common + [f"parallel.zero={z}"] for z in (1, 2, 3)] + [common + ["parallel.zero=2", "parallel.offload=optimizer"]]
+    got = run_ranks(_layouts_run, 2, layouts)[0]
+    ref = train_random(0, 1, common)
+    for lay, r in zip(layouts, got):
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"])) < TOL, lay
+        assert max_rel_diff(r["params"], ref["params"]) < TOL, lay
+        cfg = load_config(None, BASE + lay)
+        planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, 2), device="cpu")
+        assert {k: r["bytes"][k] for k in ("params", "grads", "optimizer")} == \
+               {k: planned[k] for k in ("params", "grads", "optimizer")}, lay
