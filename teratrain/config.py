@@ -208,6 +208,24 @@ class MetricsConfig(Section):
     progress: bool = Field(True, description="show a progress bar")
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, le=1024, description="LoRA rank r (Hu et al. 2021; 0 = off): adapters B A of rank r on "
+                                                     "the targeted linears, everything else frozen")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scale numerator: the update is (alpha / rank) B A x")
+    targets: list[str] = Field(["wq", "wk", "wv", "wo"], min_length=1,
+                               description="block linears that get adapters (wq wk wv wo w1 w2 w3)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    base_dtype: Literal["param", "bf16"] = Field("param", description="storage of the frozen weights: param = the "
+                                                                       "run's parameter dtype, bf16 = halved (autocast runs)")
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> "LoraConfig":
+        unknown = sorted(set(self.targets) - {"wq", "wk", "wv", "wo", "w1", "w2", "w3"})
+        if unknown:
+            raise ConfigError(f"lora.targets names unknown layers {unknown}; choose among wq wk wv wo w1 w2 w3.")
+        return self
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -217,6 +235,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _check_cross(self) -> "Config":
@@ -228,6 +247,9 @@ class Config(Section):
                               "trace; set train.compile=false or memory.compress_activations=none.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
+        if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":
+            raise ConfigError("lora.base_dtype=bf16 stores the frozen weights in bf16, which needs bf16 autocast; "
+                              "set memory.precision=bf16 or lora.base_dtype=param.")
         p = self.parallel
         if self.model.n_layers < p.pp * p.virtual_stages:
             raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
@@ -364,6 +386,8 @@ def to_toml(cfg: Config) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

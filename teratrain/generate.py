@@ -12,6 +12,7 @@ from teratrain.checkpoint import CheckpointError, find_valid
 from teratrain.checkpoint.consolidate import full_model
 from teratrain.config import Config, load_config
 from teratrain.data.tokenizer import EOT
+from teratrain.memory import lora
 from teratrain.memory.quantize import QUANT_META, load_quantized
 from teratrain.models.sampling import sample
 from teratrain.models.transformer import build_model
@@ -42,6 +43,8 @@ def load_model(run: str | Path, device: torch.device) -> tuple[Config, Path, nn.
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
     weights = full_model(ckpt_dir)
+    if cfg.lora.rank:  # a LoRA run samples with its adapters folded into the base weights
+        weights = lora.merge(weights, cfg.lora.alpha)
     model = build_model(cfg.model, device)
     with torch.no_grad():
         for name, p in model.named_parameters():

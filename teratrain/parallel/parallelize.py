@@ -1,8 +1,9 @@
 """The one place that decides the order in which strategies are applied to a model.
 
 Order, each with its reason:
-0. placements       - every parameter gets the plain placement (whole, averaged over dp); the
-                      transforms below overwrite what they split, so nothing downstream guesses.
+0. LoRA, placements - adapters are added to the single-device model (memory/lora.py), so every
+                      later transform sees them; then every parameter gets the plain placement
+                      (whole, averaged over dp), which the transforms below overwrite where they split.
 1. pipeline split   - decides which blocks this rank holds; everything after works on the local part.
 2. tensor/sequence  - swaps linear layers for sharded ones before anything wraps or hooks them.
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
@@ -16,10 +17,12 @@ Order, each with its reason:
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.memory.compression import apply_compression
+from teratrain.memory.lora import apply_lora, lora_init
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
@@ -30,8 +33,9 @@ from teratrain.parallel.tensor import apply_tp, check_tp
 def parallelize(model: nn.Module, rt, cfg):
     """Apply every configured strategy to `model` (on the meta device); return the update engine."""
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
+    apply_lora(model, cfg)  # 0: adapters on the single-device model, everything else frozen
     assign_defaults(model)  # 0
-    if rt.dims.tp > 1:  # 2
+    if rt.dims.tp > 1:  # 2: splits adapters with their base layers
         apply_tp(model, rt, cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
@@ -80,7 +84,8 @@ def zero_problem(zero: int, offload: str) -> str | None:
 
 def init_fn(cfg):
     """How a whole parameter is initialized: by its global name and the seed only."""
-    return lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)
+    fn = lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)  # noqa: E731
+    return lora_init(fn) if cfg.lora.rank else fn
 
 
 def build_engine(model: nn.Module, rt, cfg):
@@ -94,6 +99,10 @@ def build_engine(model: nn.Module, rt, cfg):
 
         return ZeroEngine(model, cfg, rt, init_fn(cfg))
     materialize(model, rt.device, init_fn(cfg))
+    if cfg.lora.rank and cfg.lora.base_dtype == "bf16":  # frozen weights stored in half the bytes
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
     if rt.dims.workers == 1:  # one process: local SGD and all-reduce both reduce to the plain update
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
     if p.sync == "local-sgd":

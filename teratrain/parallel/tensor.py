@@ -96,14 +96,35 @@ def _exit(ctx: TPContext):
     return (lambda x: comm.reduce_scatter_sequence(x, ctx.group)) if ctx.sp else (lambda x: comm.reduce_from_tp(x, ctx.group))
 
 
-def _split(linear: nn.Linear, ctx: TPContext, name: str, dim: int, count: int, group: str = "dp") -> nn.Parameter:
-    """The meta-device piece of `linear.weight` along `dim` (0: output rows, 1: input columns)."""
+def _split(linear: nn.Module, ctx: TPContext, name: str, dim: int, count: int, group: str = "dp",
+           leaf: str = "weight") -> nn.Parameter:
+    """The meta-device piece of `linear.<leaf>` along `dim` (0: output rows, 1: input columns)."""
+    full = getattr(linear, leaf)
     index = ctx.rank // (ctx.tp // count)
-    pl = Placement(name=f"{name}.weight", global_shape=tuple(linear.weight.shape), dim=dim, axis="tp",
+    pl = Placement(name=f"{name}.{leaf}", global_shape=tuple(full.shape), dim=dim, axis="tp",
                    index=index, count=count, group=group, tied=())
-    w = nn.Parameter(torch.empty(pl.local_shape(), device="meta"))
-    place(w, pl)
-    return w
+    return _new_param(pl, full.requires_grad)
+
+
+def _new_param(pl: Placement, requires_grad: bool) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(pl.local_shape(), device="meta"), requires_grad=requires_grad)
+    place(p, pl)
+    return p
+
+
+def _adapter(linear: nn.Module, ctx: TPContext, name: str, w: nn.Parameter, row_split: bool):
+    """LoRA's A and B split consistently with the base weight (memory/lora.py): the factor on the
+    split side is cut like W, the other stays whole and its gradient is partial over tp."""
+    if not hasattr(linear, "lora_a"):
+        return None
+    wp = placement(w)
+    whole = "lora_b" if row_split else "lora_a"
+    cut = _split(linear, ctx, name, wp.dim, wp.count, wp.group, leaf="lora_a" if row_split else "lora_b")
+    kept = _new_param(Placement(name=f"{name}.{whole}", global_shape=tuple(getattr(linear, whole).shape),
+                                group="dp_tp", tied=()), True)
+    a, b = (cut, kept) if row_split else (kept, cut)
+    drop = linear.dropout  # on X: replicated for a column split (masks agree), split for a row split
+    return a, b, linear.scale, (_rng(drop, ctx, True) or drop) if row_split else drop
 
 
 def _bias(linear: nn.Linear, ctx: TPContext, name: str, split_like: Placement | None, partial: bool):
@@ -117,14 +138,13 @@ def _bias(linear: nn.Linear, ctx: TPContext, name: str, split_like: Placement | 
     else:
         pl = Placement(name=f"{name}.bias", global_shape=shape, group="dp_tp" if partial else "dp",
                        tied=() if partial else ("tp",))
-    b = nn.Parameter(torch.empty(pl.local_shape(), device="meta"))
-    place(b, pl)
-    return b
+    return _new_param(pl, linear.bias.requires_grad)
 
 
 def _colwise(linear, ctx, name, count=None, entry=None, exit=None, group="dp"):
     w = _split(linear, ctx, name, 0, count or ctx.tp, group)
-    return ColumnParallel(w, _bias(linear, ctx, name, placement(w), False), entry, exit)
+    return ColumnParallel(w, _bias(linear, ctx, name, placement(w), False), entry, exit,
+                          _adapter(linear, ctx, name, w, row_split=False))
 
 
 def _colwise_kv(linear, ctx, name):
@@ -141,7 +161,8 @@ def _colwise_kv(linear, ctx, name):
 def _rowwise(linear, ctx, name, entry=None, exit=None, partial=None):
     w = _split(linear, ctx, name, 1, ctx.tp)
     partial = ctx.sp if partial is None else partial
-    return RowParallel(w, _bias(linear, ctx, name, None, partial), entry, exit or _exit(ctx))
+    return RowParallel(w, _bias(linear, ctx, name, None, partial), entry, exit or _exit(ctx),
+                       _adapter(linear, ctx, name, w, row_split=True))
 
 
 def _region(module, ctx, name):
@@ -161,7 +182,9 @@ def _sequence_norm(module, ctx, name):
 
 
 def _rng(module, ctx, split: bool):
-    return ForkedRNG(module, ctx.rank) if split and ctx.cfg.dropout > 0 else None
+    """A dropout (or attention core) of a split region draws on this tp rank's own stream."""
+    p = getattr(module, "p", getattr(module, "dropout", 0.0))  # nn.Dropout.p, CoreAttention.dropout
+    return ForkedRNG(module, ctx.rank) if split and p > 0 else None
 
 
 _STYLES = {

@@ -13,36 +13,44 @@ from teratrain.parallel.comm import MAX, SUM, all_reduce
 from teratrain.parallel.placement import placement
 
 
-class ColumnParallel(nn.Module):
-    """y = X W'^T + b' with W' this rank's rows of W (its output features): (.., d_in) -> (.., d_out/tp).
-    `entry` brings X in (identity when a region hook already did), `exit` takes y out (identity:
-    the output stays split; all-gather in the seeds' all-gather form)."""
+class _Parallel(nn.Module):
+    """A split linear layer's weight, bias and (LoRA, memory/lora.py) adapter pieces. `adapter` is
+    (lora_a, lora_b, scale, dropout) split like the weight, or None."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, entry=None, exit=None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, entry, exit, adapter=None):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.entry, self.exit = entry, exit
+        self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout = adapter or (None, None, 0.0, None)
+
+    def _adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.lora_a is None:
+            return y
+        return y + self.lora_scale * F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b)
+
+
+class ColumnParallel(_Parallel):
+    """y = X W'^T + b' with W' this rank's rows of W (its output features): (.., d_in) -> (.., d_out/tp).
+    `entry` brings X in (identity when a region hook already did), `exit` takes y out (identity:
+    the output stays split; all-gather in the seeds' all-gather form). An adapter adds
+    s B' A X with B' this rank's rows of B and A whole."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is not None:
             x = self.entry(x)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._adapted(x, F.linear(x, self.weight, self.bias))
         return self.exit(y) if self.exit is not None else y
 
 
-class RowParallel(nn.Module):
+class RowParallel(_Parallel):
     """y = reduce(X' W'^T) + b with W' this rank's columns of W (its input features): the partial
-    products of all ranks add up to X W^T; the whole bias is added once, after the reduction."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, entry, exit):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.entry, self.exit = entry, exit
+    products of all ranks add up to X W^T; the whole bias is added once, after the reduction. An
+    adapter's partial s B A' X' (A' this rank's columns of A, B whole) joins the reduction."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is not None:
             x = self.entry(x)
-        y = self.exit(F.linear(x, self.weight))
+        y = self.exit(self._adapted(x, F.linear(x, self.weight)))
         return y + self.bias if self.bias is not None else y
 
 

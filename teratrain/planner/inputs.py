@@ -90,7 +90,13 @@ def training_of(cfg: Config, notes: list[str] | None = None) -> Training:
     return Training(precision=precision, master_weights=cfg.memory.master_weights,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum, global_batch=cfg.train.global_batch,
                     bucket_mb=cfg.parallel.bucket_mb, reduce_bytes=bytes_of[cfg.parallel.reduce_dtype],
-                    dropout=cfg.model.dropout, compress=cfg.memory.compress_activations)
+                    dropout=cfg.model.dropout, compress=cfg.memory.compress_activations,
+                    lora=_lora_of(cfg))
+
+
+def _lora_of(cfg: Config) -> tuple:
+    lc = cfg.lora
+    return (lc.rank, lc.alpha, tuple(lc.targets), lc.dropout, lc.base_dtype) if lc.rank else ()
 
 
 def fixed_of(cfg: Config) -> dict:

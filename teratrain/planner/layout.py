@@ -155,6 +155,7 @@ class Training:
     reduce_bytes: int = 4  # parallel.reduce_dtype width
     dropout: float = 0.0
     compress: str = "none"  # memory.compress_activations: none | lossless | int8 | fp8
+    lora: tuple = ()  # (rank, alpha, targets, dropout, base_dtype) when lora.rank > 0
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

@@ -20,15 +20,18 @@ class LocalTensor:
     group: str  # the mesh group its gradient is reduced over (and ZeRO shards it over)
     tied: tuple[str, ...]
     block: str | None  # key of the block holding it (None: embeddings, final norm, head)
+    trainable: bool = True  # False: frozen (LoRA's base weights)
 
     def numel(self) -> int:  # a method, like a tensor's: grads.ordered_buckets reads it
         return math.prod(self.shape)
 
 
 @lru_cache(maxsize=256)
-def local_tensors(shape, tp: int, sp: bool, form: str) -> tuple[LocalTensor, ...]:
+def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = ()) -> tuple[LocalTensor, ...]:
     """Tensor-parallel rank 0's parameters in registration order (every rank holds the same
-    shapes: the last vocabulary piece is padded)."""
+    shapes: the last vocabulary piece is padded). `lora` = Training.lora (rank, alpha, targets,
+    dropout, base dtype), or () without adapters."""
+    from teratrain.memory.lora import apply_lora
     from teratrain.mesh import Mesh, ParallelDims, Runtime
     from teratrain.models.transformer import Transformer
     from teratrain.parallel.placement import assign_defaults, placement
@@ -36,6 +39,9 @@ def local_tensors(shape, tp: int, sp: bool, form: str) -> tuple[LocalTensor, ...
 
     with torch.device("meta"):
         model = Transformer(shape.cfg)
+    if lora:
+        rank, alpha, targets, dropout, _ = lora
+        apply_lora(model, SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=alpha, targets=targets, dropout=dropout)))
     assign_defaults(model)
     if tp > 1:
         dims = ParallelDims(dp=1, tp=tp)
@@ -46,7 +52,7 @@ def local_tensors(shape, tp: int, sp: bool, form: str) -> tuple[LocalTensor, ...
     for name, p in model.named_parameters():
         pl = placement(p)
         block = name.split(".")[1] if name.startswith("layers.") else None
-        out.append(LocalTensor(name, tuple(p.shape), pl.group, pl.tied, block))
+        out.append(LocalTensor(name, tuple(p.shape), pl.group, pl.tied, block, p.requires_grad))
     return tuple(out)
 
 

@@ -19,11 +19,11 @@ Our engines differ in ways counted here, each mirrored from the code:
 
 from __future__ import annotations
 
-import itertools
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
-from teratrain.parallel.flat import deal
+from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
 from teratrain.parallel.parallelize import zero_problem
 from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
@@ -54,6 +54,8 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
     why = zero_problem(lay.zero, lay.offload)
     if why:
         raise PlanError(why.split(";")[0])
+    if train.lora and not _exact(shape, lay):
+        raise PlanError("the planner counts LoRA adapters on a whole shape without pipeline or expert parallelism")
     if shape.is_bare and train.optimizer in WHOLE_PARAM_OPTIMIZERS:
         raise PlanError(f"optim.name={train.optimizer} factors each matrix by its rows and columns, which a bare "
                         "parameter count does not give")
@@ -79,9 +81,14 @@ def _exact(shape: ModelShape, lay: Layout) -> bool:
     return not shape.is_bare and shape.num_experts == 1 and lay.pp == lay.ep == 1
 
 
-def stage_params(shape: ModelShape, lay: Layout) -> dict[str, int]:
+def _tensors(shape: ModelShape, lay: Layout, train: Training | None):
+    return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, train.lora if train else ())
+
+
+def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) -> dict[str, int]:
+    """Parameters a rank holds (`train` adds LoRA's adapters)."""
     if _exact(shape, lay):
-        tensors = local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)
+        tensors = _tensors(shape, lay, train)
         total = sum(t.numel() for t in tensors)
         block = sum(t.numel() for t in tensors if t.block == "0")
         return {"first": total, "last": total, "root": sum(t.numel() for t in tensors if t.block is None),
@@ -115,75 +122,69 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
     return tuple({**out, "block": block, "layers": layers}.items())
 
 
-def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list[tuple], int]]:
-    """(parameter shapes, ranks sharing it) per ZeroEngine flat group. Exact without pipeline or
-    expert parallelism: the engine's grouping (parallel/zero.py `_make_groups`: by reduction group,
-    tied axes and trainability; stage 1/2 `ordered_buckets` counted in the compute dtype, stage 3 per
+@dataclass(frozen=True)
+class _Sized:
+    """A parameter as FlatGroup sees it, for layouts the planner approximates (1-D, trainable)."""
+
+    shape: tuple[int, ...]
+    trainable: bool = True
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list, int]]:
+    """(members, ranks sharing them) per ZeroEngine flat group. Exact without pipeline or expert
+    parallelism: the engine's grouping (parallel/zero.py `_make_groups`: by reduction group, tied
+    axes and trainability; stage 1/2 `ordered_buckets` counted in the compute dtype, stage 3 per
     block then the root) over the tensors the real transforms leave on a rank. Pipeline and expert
     layouts use the same rule over this rank's share, as 1-D sizes (approximation)."""
     w = train.widths(lay.zero, lay.offload)
     bucket_bytes = int(train.bucket_mb * 2**20)
     if _exact(shape, lay):
-        tensors = local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)
+        tensors = _tensors(shape, lay, train)
         if lay.zero == 3:
             keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
             units = [[t for t in tensors if t.block == key] for key in keys]  # last block first, root last
             buckets = [b for unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
         else:
             buckets = ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)
-        return [([t.shape for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp)) for b in buckets]
+        return [([t for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp)) for b in buckets]
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
-        return [([(sp["block"],)], lay.dp)] * sp["layers"] + [([(local - sp["layers"] * sp["block"],)], lay.dp)]
+        blocks = [([_Sized((sp["block"],))], lay.dp)] * sp["layers"]
+        return blocks + [([_Sized((local - sp["layers"] * sp["block"],))], lay.dp)]
     per = max(1, bucket_bytes // w.param)
-    return [([(per,)], lay.dp)] * (local // per) + ([([(local % per,)], lay.dp)] if local % per else [])
+    return [([_Sized((per,))], lay.dp)] * (local // per) + ([([_Sized((local % per,))], lay.dp)] if local % per else [])
 
 
 def _key(t) -> tuple:
-    return (t.group, t.tied)  # ZeroEngine's key (all planned parameters train)
+    return (t.group, t.tied, t.trainable)  # ZeroEngine's `_key`
 
 
 def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict:
     """What the memory model needs of the flat groups, computed once per distinct layout."""
-    w = train.widths(lay.zero, lay.offload)
-    return dict(_zero_summary(shape, lay.zero == 3, train.bucket_mb, w.param, lay.tp, lay.pp, lay.ep, lay.dp, local,
-                              lay.sequence_parallel, lay.tp_form, train.optimizer in WHOLE_PARAM_OPTIMIZERS))
+    return dict(_zero_summary(shape, train, lay.zero == 3, lay.tp, lay.pp, lay.ep, lay.dp, local,
+                              lay.sequence_parallel, lay.tp_form))
 
 
 @lru_cache(maxsize=4096)
-def _zero_summary(shape, zero3: bool, bucket_mb: float, pbytes: int, tp: int, pp: int, ep: int, dp: int,
-                  local: int, sp: bool, form: str, whole: bool) -> tuple:
+def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int, dp: int, local: int, sp: bool,
+                  form: str) -> tuple:
+    """Rank 0's shards from the engine's own `FlatGroup` over the planned members (parallel/flat.py:
+    equal flat shards, or whole parameters dealt to ranks for Adafactor/SM3)."""
     lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1, sequence_parallel=sp, tp_form=form)
-    train = Training(precision="bf16" if pbytes == 2 else "fp32", master_weights=pbytes == 2, bucket_mb=bucket_mb)
-    groups = zero_groups(shape, train, lay, local)
-    shard, pieces, owned, padded = shard_of(groups, whole)
-    sums = [sum(map(math.prod, g)) for g, _ in groups] or [0]
+    whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS
+    groups = [FlatGroup([""] * len(m), m, n, 0, whole) for m, n in zero_groups(shape, train, lay, local)]
+    trained = [g for g in groups if g.params[0].trainable]
+    owned = tuple(g.shapes[pc.index] if whole else (pc.numel,) for g in trained for pc in g.pieces)
+    sums = [g.numel for g in groups] or [0]
     blocks = sums[:-1] if zero3 and len(sums) > 1 else sums
-    return tuple({"shard": shard, "pieces": pieces, "owned": owned, "padded": padded,
+    return tuple({"shard": sum(g.shard_numel for g in trained), "pieces": len(owned), "owned": owned,
+                  "padded": sum(g.padded for g in trained), "all_shard": sum(g.shard_numel for g in groups),
+                  "all_padded": sum(g.padded for g in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
                   "block": max(blocks), "blocks": len(blocks), "root": sums[-1]}.items())
-
-
-def shard_of(groups: list[tuple[list[tuple], int]], whole: bool = False) -> tuple[int, int, tuple, int]:
-    """Rank 0's shard (parallel/flat.py): (elements, parameter pieces, their shapes, padded elements
-    of all groups). Flat: ceil(numel/n) per group of n ranks, pieces 1-D. Whole: the bins `deal`
-    gives, each laid out at the largest bin's size; rank 0 keeps bin 0's whole parameters."""
-    elems = pieces = padded = 0
-    owned: list[tuple] = []
-    for shapes, n in groups:
-        numels = [math.prod(s) for s in shapes]
-        if whole:
-            bins = deal(numels, n)
-            size = max(1, max(sum(numels[i] for i in b) for b in bins))
-            mine = [shapes[i] for i in bins[0]]
-        else:
-            size = ceil_div(sum(numels), n)
-            starts = [0, *itertools.accumulate(numels)][:-1]
-            mine = [(min(k, size - a),) for a, k in zip(starts, numels) if a < size and k > 0]
-        elems, padded = elems + size, padded + size * n
-        pieces += len(mine)
-        owned += mine
-    return elems, pieces, tuple(owned), padded
 
 
 def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, sharded: bool) -> int:
@@ -207,6 +208,25 @@ def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, 
     return sum(sum(s) if len(s) >= 2 else math.prod(s) for s in shapes) + (numel if train.momentum > 0 else 0)
 
 
+def _replica_states(shape, train: Training, lay: Layout, local: int, w, steps: int) -> dict[str, int]:
+    """Unsharded replica (LocalEngine / DataParallelEngine): gradients, masters and optimizer state for
+    the trainable parameters only; frozen ones (LoRA's base) stay fp32, or bf16 with lora.base_dtype."""
+    if _exact(shape, lay):
+        tensors = _tensors(shape, lay, train)
+        trained = [t.shape for t in tensors if t.trainable]
+        n_train = sum(map(math.prod, trained))
+        elems, n_tensors = optimizer_elems(train, trained, n_train, False), len(trained)
+        frozen_bytes = 2 if train.lora and train.lora[-1] == "bf16" else 4
+        params = n_train * w.param + (local - n_train) * frozen_bytes
+    else:
+        (elems, n_tensors), n_train = _local_opt_elems(train, shape, local), local
+        params = local * w.param
+    opt = elems * 4 + n_train * w.master + steps * n_tensors
+    return {"params": params, "grads": n_train * w.grad, "optimizer": opt, "host": 0, "gpu_params": params,
+            "gpu_grads": n_train * w.grad, "gpu_optimizer": opt, "local_params": local, "shard": local,
+            "padded": local}
+
+
 def _local_opt_elems(train: Training, shape: ModelShape, local: int) -> tuple[int, int]:
     """(optimizer elements, parameter tensors) of an unsharded replica holding `local` params:
     exact for a whole model, scaled by local/total when tensor/pipeline parallelism splits it."""
@@ -226,22 +246,14 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
     them (host copies included in their category), and `host`: the part in CPU memory."""
     check_layout(shape, train, lay)
     w = train.widths(lay.zero, lay.offload)
-    sp = stage_params(shape, lay)
+    sp = stage_params(shape, lay, train)
     local = max(sp["first"], sp["last"])
     steps = 4 if train.optimizer in ("adamw", "adafactor") else 0  # fp32 `step` scalar per tensor
     if lay.zero == 0:
-        if _exact(shape, lay):
-            shapes = [t.shape for t in local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form)]
-            elems, n_tensors = optimizer_elems(train, shapes, local, False), len(shapes)
-        else:
-            elems, n_tensors = _local_opt_elems(train, shape, local)
-        opt = elems * 4 + local * w.master + steps * n_tensors
-        return {"params": local * w.param, "grads": local * w.grad, "optimizer": opt, "host": 0,
-                "gpu_params": local * w.param, "gpu_grads": local * w.grad, "gpu_optimizer": opt,
-                "local_params": local, "shard": local, "padded": local}
+        return _replica_states(shape, train, lay, local, w, steps)
     z = zero_summary(shape, train, lay, local)
     shard, pieces, padded = z["shard"], z["pieces"], z["padded"]
-    params = shard * w.param if lay.zero == 3 else padded * w.param
+    params = (z["all_shard"] if lay.zero == 3 else z["all_padded"]) * w.param  # frozen groups too
     grads = shard * 4 + (padded * 4 if lay.zero == 1 else 0)  # fp32 shard (+ stage 1's full fp32 accumulator)
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces

@@ -77,3 +77,13 @@ def test_frozen_parameters_under_zero():
     optimizer, at every stage (one process freezes the same ones)."""
     frozen = ("layers.0.attention.wq.weight", "layers.1.ffn_norm.weight")
     _compare([[f"parallel.zero={z}"] for z in (0, 1, 2, 3)], world=2, freeze=frozen)
+
+
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=[\"wq\", \"wk\", \"wo\", \"w1\", \"w2\"]", "optim.name=sgd", "optim.lr=0.1"]
+
+
+def test_lora_under_zero_and_tensor_parallelism():
+    """Adapters on column- (wq, wk with replicated kv heads at tp=4, w1) and row-parallel (wo, w2)
+    layers: B splits with a column-parallel W, A with a row-parallel one; ZeRO-2 and tp=2 on 2 ranks
+    equal one process (the issue's cases), and ZeRO-3 with the frozen base sharded."""
+    _compare([LORA + ["parallel.zero=2"], LORA + ["parallel.tp=2"], LORA + ["parallel.zero=3"]], world=2)

@@ -53,6 +53,7 @@ def test_state_bytes_follow_zero_formulas(world, dist_workdir):
 
 TP_LAYOUTS = {
     2: [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=false", "memory.precision=bf16"],
+        ["parallel.tp=2", "lora.rank=4", "parallel.zero=2"],
         ["parallel.tp=2", "parallel.tp_form=all-reduce"], GPT2 + ["parallel.tp=2", "parallel.zero=1"]],
     4: [["parallel.tp=4"], ["parallel.tp=2", "parallel.zero=1", "memory.precision=bf16"],
         ["parallel.tp=2", "parallel.zero=2"], ["parallel.tp=2", "parallel.zero=3", "memory.precision=bf16"],

@@ -1,0 +1,80 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models").
+
+A targeted linear layer y = W x + b becomes y = W x + b + (alpha / r) B A dropout(x), with W and b
+frozen, A (r, d_in) initialized like any weight (random Gaussian, by its global name) and B
+(d_out, r) at zero, so training starts from exactly the base model. Only A and B train: gradients
+and optimizer state shrink to the adapters, r (d_in + d_out) per layer instead of d_in d_out.
+
+Applied from outside, before tensor parallelism (parallel/parallelize.py), which splits each
+adapter consistently with its base layer (parallel/tensor.py): a column-parallel W (rows split)
+takes B's rows with it and keeps A whole; a row-parallel W (columns split) takes A's columns and
+keeps B whole. The whole factor's gradient is then partial over tp, like a sequence-parallel norm's.
+`merge` folds the trained adapters into W for export and generation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ADAPTERS = ("lora_a", "lora_b")
+
+
+class LoRALinear(nn.Module):
+    """nn.Linear's `weight`/`bias` (frozen) plus `lora_a`/`lora_b`, under the same module path."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        dev = base.weight.device
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=dev))
+        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=dev))
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)  # (.., r) -> (.., d_out)
+        return F.linear(x, self.weight, self.bias) + self.scale * delta
+
+
+def apply_lora(model: nn.Module, cfg) -> None:
+    """Swap every targeted linear layer of every block for a LoRALinear, and freeze everything else
+    (embeddings, norms, head): only the adapters train."""
+    lc = cfg.lora
+    if lc.rank == 0:
+        return
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.layers.values():
+        for path, module in list(block.named_modules()):
+            if path.rpartition(".")[2] in lc.targets and isinstance(module, nn.Linear):
+                owner_path, _, leaf = path.rpartition(".")
+                setattr(block.get_submodule(owner_path), leaf, LoRALinear(module, lc.rank, lc.alpha, lc.dropout))
+
+
+def lora_init(init_fn):
+    """`init_fn` for a model with adapters: B starts at zero (the model starts as its base)."""
+    def init(t: torch.Tensor, name: str) -> None:
+        if name.endswith(".lora_b"):
+            t.zero_()
+        else:
+            init_fn(t, name)
+
+    return init
+
+
+@torch.no_grad()
+def merge(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """Whole weights by name with adapters folded in: W <- W + (alpha / r) B A, adapters dropped."""
+    out = {k: v for k, v in weights.items() if not k.endswith(ADAPTERS)}
+    for name, a in weights.items():
+        if name.endswith(".lora_a"):
+            stem = name[: -len("lora_a")]
+            b = weights[stem + "lora_b"]
+            w = out[stem + "weight"]
+            out[stem + "weight"] = (w.float() + (alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
+    return out

@@ -1,0 +1,75 @@
+"""LoRA (memory/lora.py): the B = 0 start is the base model, only adapters train, merging folds
+them in exactly, the frozen base can be stored in bf16, and the planner counts the bytes."""
+
+import pytest
+import torch
+
+from teratrain.config import load_config
+from teratrain.memory.lora import merge
+from teratrain.mesh import Runtime
+from teratrain.models.transformer import Transformer
+from teratrain.optim.engine import train_step
+from teratrain.parallel.parallelize import parallelize
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.states import model_states
+
+SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+         "model.vocab_size=50", "model.seq_len=16", "optim.lr=0.01"]
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=[\"wq\", \"wv\", \"w2\"]"]
+
+
+def built(*sets):
+    cfg = load_config(None, SMALL + list(sets))
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    return cfg, model, parallelize(model, Runtime.single("cpu"), cfg)
+
+
+def tokens(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (4, 17), generator=g) for _ in range(n)]
+
+
+def test_zero_b_starts_from_the_base_model_and_only_adapters_train():
+    _, base, _ = built()
+    cfg, model, engine = built(*LORA)
+    x = tokens(1)[0][:, :-1]
+    with torch.no_grad():
+        assert torch.equal(model(x), base(x))  # same names and seed: same base weights; B = 0
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"layers.{i}.{m}.{ab}" for i in (0, 1) for m in ("attention.wq", "attention.wv", "feed_forward.w2")
+                         for ab in ("lora_a", "lora_b")}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for b in tokens():
+        train_step(model, engine, [(b[:, :-1], b[:, 1:])], "fp32", 0.01)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == trainable
+
+
+def test_merge_equals_the_unmerged_model():
+    cfg, model, engine = built(*LORA)
+    for b in tokens():
+        train_step(model, engine, [(b[:, :-1], b[:, 1:])], "fp32", 0.01)
+    merged_weights = merge(dict(model.named_parameters()), cfg.lora.alpha)
+    plain = Transformer(cfg.model)
+    plain.load_state_dict({k: v.detach() for k, v in merged_weights.items()}, strict=False)
+    plain.init_buffers("cpu")
+    x = tokens(1, seed=5)[0][:, :-1]
+    with torch.no_grad():
+        assert torch.allclose(plain(x), model(x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sets", [[], ["memory.precision=bf16", "lora.base_dtype=bf16"], ["parallel.zero=1"],
+                                  ["parallel.zero=3", "memory.precision=bf16"]], ids=str)
+def test_planner_counts_lora_states(sets):
+    cfg, model, engine = built(*LORA, *sets)
+    b = tokens(1)[0]
+    train_step(model, engine, [(b[:, :-1], b[:, 1:])], cfg.memory.precision, 0.01)
+    planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, 1), device="cpu")
+    live = engine.last_state_bytes
+    assert {k: live[k] for k in ("params", "grads", "optimizer")} == {k: planned[k] for k in ("params", "grads", "optimizer")}
+    if "lora.base_dtype=bf16" in sets:
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
+    full = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(load_config(None, SMALL + sets)),
+                        layout_of(cfg, 1), device="cpu")
+    assert planned["optimizer"] < full["optimizer"] / 10  # model states shrink to the adapters
