@@ -5,6 +5,8 @@
    activation compression (int8 and fp8: memory.compress_activations), and recomputation + int8.
 2. Optimizers: AdamW vs Adafactor vs SM3 (with and without momentum): optimizer-state bytes (live,
    and as the planner predicts them), full training step time and the optimizer step alone.
+3. LoRA fine-tuning of llama-8b (rank 16 on the attention projections, frozen base in bf16, full
+   recomputation): model-state bytes (live and planned), peak memory and tokens/s.
 
 Every model is built as `teratrain train` builds it for one process (planner/measure.py), bf16
 autocast over fp32 weights, and trained on random tokens.
@@ -32,6 +34,7 @@ from teratrain.planner.states import model_states
 SHAPE = ["model.preset=llama-1b", "model.seq_len=2048"]
 SMOKE = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64"]
+LORA_SHAPE = ["model.preset=llama-8b", "model.seq_len=2048"]  # LoRA fine-tuning of an 8B model on one GPU
 ACTIVATION_CASES = [("none", "none"), ("selective", "none"), ("none", "int8"), ("none", "fp8"), ("selective", "int8")]
 OPTIMIZERS = [("adamw", []), ("adafactor", []), ("sm3", []), ("sm3", ["optim.momentum=0"])]
 
@@ -73,6 +76,25 @@ def optimizer_row(base: list[str], name: str, extra: list[str], mb: int, args, d
     return row
 
 
+def lora_row(sets: list[str], mb: int, args, dev) -> dict:
+    """LoRA fine-tuning (memory/lora.py): model-state bytes (live and planned), peak and tokens/s."""
+    cfg = config(sets)
+    fresh_memory(dev)
+    model, engine = build_engine(cfg, dev)
+    x, y = random_batch(cfg, mb, dev)
+    T = cfg.model.seq_len
+    times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
+                       args.warmup, args.steps, dev)
+    planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), Layout(), device=dev.type)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    row = {"settings": sets[-6:], "trainable_params": trainable, "params": count_params(cfg.model)["total"],
+           "model_state_bytes": engine.last_state_bytes,
+           "model_state_bytes_planned": {k: planned[k] for k in ("params", "grads", "optimizer")},
+           **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
+    del model, engine
+    return row
+
+
 def _optimizer_step_s(engine, steps: int, dev) -> float:
     """Median time of optimizer.step() alone, on random gradients of the parameters' shapes."""
     params = [p for g in engine.optimizer.param_groups for p in g["params"]]
@@ -103,10 +125,12 @@ def main() -> None:
     base = (SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0"]
     acts = [activation_row(base, r, c, args.micro_batch, args, dev) for r, c in ACTIVATION_CASES]
     opts = [optimizer_row(base, n, e, args.micro_batch, args, dev) for n, e in OPTIMIZERS]
+    lora_base = (SMOKE if args.smoke else LORA_SHAPE) + ["memory.precision=bf16", "memory.recompute=full"]
+    loras = [lora_row(lora_base + ["lora.rank=16", "lora.base_dtype=bf16"], 1, args, dev)]
     cfg = config(base)
     emit({"bench": "memory_savers", **env_info(dev), "shape": base, "micro_batch": args.micro_batch,
           "seq_len": cfg.model.seq_len, "params": count_params(cfg.model)["total"], "peak_gib_after": peak_gib(dev),
-          "activations": acts, "optimizers": opts}, args.out)
+          "activations": acts, "optimizers": opts, "lora": loras}, args.out)
 
 
 if __name__ == "__main__":

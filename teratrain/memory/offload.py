@@ -7,29 +7,46 @@ per direction. Those buffers pipeline the step group by group:
 
     D2H grads of group i+1   |  CPU optimizer step of group i  |  H2D params of group i-1
 
-so the transfers overlap the CPU arithmetic. Masters stay in pageable memory: pinning ~100 GiB of
+so the transfers overlap the CPU arithmetic; the copies run on streams of their own, so they do not
+queue behind (or hold up) compute on the default stream. Masters stay in pageable memory: pinning ~100 GiB of
 optimizer state for a 10B model would page-lock most of a machine; only the staging buffers are pinned.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from teratrain.compat import pinned_empty
 
 
-class _Mark:
-    """A point in the device's work queue to wait for (no-op on CPU, where copies are synchronous)."""
+class Mark:
+    """A point in a device stream's work queue to wait for (no-op on CPU, where copies are synchronous)."""
 
     def __init__(self, device: torch.device):
         self.event = None
         if device.type == "cuda":
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record()  # on the current stream: a copy stream inside `on_stream`
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+
+def copy_stream(device: torch.device):
+    """A side stream for host <-> device copies (None on CPU): copies then overlap compute and NCCL."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream):
+    """Run the enclosed copies on `stream` once the current stream's work so far is done (a no-op
+    context without a stream)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return torch.cuda.stream(stream)
 
 
 class HostUpdate:
@@ -39,6 +56,7 @@ class HostUpdate:
         self.grads_in = [pinned_empty(n, grad_dtype) for _ in range(2)]
         self.params_out = [pinned_empty(n, param_dtype) for _ in range(2)]
         self._out_free = [None, None]  # mark of the last H2D copy out of each params_out buffer
+        self.d2h, self.h2d = copy_stream(device), copy_stream(device)  # off the compute stream (D2H / H2D)
 
     def step(self, jobs) -> None:
         """jobs: per flat group (group, optimizer or None, parameter target). `group.grad_shard` is on
@@ -59,10 +77,13 @@ class HostUpdate:
             if mark is not None:
                 mark.wait()
         self._out_free = [None, None]
+        if self.h2d is not None:  # the next forward reads the parameters the H2D stream wrote
+            torch.cuda.current_stream(self.device).wait_stream(self.h2d)
 
-    def _fetch(self, grad: torch.Tensor, slot: int) -> _Mark:
-        self.grads_in[slot][:grad.numel()].copy_(grad, non_blocking=True)
-        return _Mark(self.device)
+    def _fetch(self, grad: torch.Tensor, slot: int) -> Mark:
+        with on_stream(self.d2h):  # after the backward that produced `grad`
+            self.grads_in[slot][:grad.numel()].copy_(grad, non_blocking=True)
+            return Mark(self.device)
 
     def _publish(self, master: torch.Tensor, target: torch.Tensor, slot: int) -> None:
         if target.device.type == "cpu":  # offload=params: the parameter shard lives on the host too
@@ -72,6 +93,7 @@ class HostUpdate:
             self._out_free[slot].wait()  # the copy that last used this buffer has left it
         staged = self.params_out[slot][:master.numel()]
         staged.copy_(master)  # fp32 -> compute dtype on the host, so half the bytes cross PCIe
-        target.copy_(staged, non_blocking=True)
-        self._out_free[slot] = _Mark(self.device)
+        with on_stream(self.h2d):
+            target.copy_(staged, non_blocking=True)
+            self._out_free[slot] = Mark(self.device)
 

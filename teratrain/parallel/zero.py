@@ -11,7 +11,10 @@ optimizer dtypes):
     stage  params      grads                  optimizer (masters + moments)
       1    k*Psi       4*Psi + 4*Psi/N         (4 + 8)*Psi/N
       2    k*Psi       4*Psi/N                 (4 + 8)*Psi/N
-      3    k*Psi/N     4*Psi/N                 (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
+      3    0           4*Psi/N                 (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
+At stage 3 with fp32 masters on the device no low-precision shard is kept: gathers cast the master
+shard to the compute dtype (as FSDP2 does); without masters (fp32) the shard is the parameter (k*Psi/N),
+and with offload a k-byte shard stays beside the host masters.
 
 Every stage accumulates micro-batch gradients in fp32. Stage 1 accumulates full gradients locally
 and reduce-scatters them once per step (no traffic on accumulation micro-steps). Stages 2/3
@@ -47,7 +50,7 @@ class _Group(FlatGroup):
     """A FlatGroup plus the buffers one stage keeps for it (see the table in the module docstring)."""
 
     param_flat: torch.Tensor | None = None  # stage 1/2: full params, compute dtype
-    param_shard: torch.Tensor | None = None  # stage 3: this rank's params, compute dtype
+    param_shard: torch.Tensor | None = None  # stage 3: this rank's params, compute dtype (unless the master is)
     full: torch.Tensor | None = None  # stage 3: gather target; storage is 0 bytes when released
     grad_flat: torch.Tensor | None = None  # stage 1: full grads, fp32
     grad_shard: torch.Tensor | None = None  # reduced grads of this rank's shard, optimizer dtype
@@ -55,6 +58,7 @@ class _Group(FlatGroup):
     ready: int = 0
     fresh: bool = True  # grad_shard holds nothing of this step yet (the next write may overwrite)
     gather: object | None = None  # pending all-gather handle (stage 3)
+    gather_done: object | None = None  # offload.Mark of a gather launched from the copy stream
     gathered: bool = False
 
     def __init__(self, names, params, mesh, block: str | None, whole: bool):
@@ -132,8 +136,9 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         if self.masters and g.trainable:
             g.master = _clone_to(full32[g.lo:g.hi], opt_home, torch.float32)
         if self.stage == 3:
-            shard_home = self.host if self.offload == "params" else self.device
-            g.param_shard = _clone_to(full32[g.lo:g.hi], shard_home, self.compute_dtype, pinned=True)
+            if g.master is None or self.offload != "none":  # else gathers cast the fp32 master shard itself
+                shard_home = self.host if self.offload == "params" else self.device
+                g.param_shard = _clone_to(full32[g.lo:g.hi], shard_home, self.compute_dtype, pinned=True)
             g.full = torch.empty(g.padded, dtype=self.compute_dtype, device=self.device)
             _bind(g, g.full, self.model)
             g.full.untyped_storage().resize_(0)
@@ -283,8 +288,9 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             if opt is not None:
                 opt.step()
 
-    def _shard_params(self, g: _Group) -> torch.Tensor:
-        """This rank's shard of the group's compute-dtype parameters."""
+    def _shard_params(self, g: _Group) -> torch.Tensor | None:
+        """This rank's shard of the group's compute-dtype parameters (None at stage 3 when only the
+        fp32 master shard is kept: gathers cast it, FSDP2's layout, 2 bytes per parameter / N less)."""
         return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
 
     def _publish(self) -> None:
@@ -293,7 +299,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         handles = []
         for g in self.trainable:
             mine = self._shard_params(g)
-            if g.master is not None and self.offload == "none":
+            if mine is not None and g.master is not None and self.offload == "none":
                 mine.copy_(g.master)
             if self.stage < 3:
                 handles.append(all_gather(g.param_flat, mine, g.gather_pg, async_op=True))
@@ -312,7 +318,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     # ------------------------------------------------------------------ accounting
     def state_bytes(self) -> dict[str, int]:
         """Live bytes of this rank's model state; `host` is the part of it held in CPU memory."""
-        params = [g.param_shard if self.stage == 3 else g.param_flat for g in self.groups]
+        params = [t for g in self.groups if (t := g.param_shard if self.stage == 3 else g.param_flat) is not None]
         grads = [t for g in self.trainable for t in (g.grad_flat, g.grad_shard) if t is not None]
         opt = [t for o in self.optimizers if o for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
         opt += [g.master for g in self.trainable if g.master is not None]

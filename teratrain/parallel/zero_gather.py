@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from teratrain.compat import in_backward
+from teratrain.memory.offload import Mark, copy_stream, on_stream
 from teratrain.parallel.comm import all_gather
 
 
@@ -23,6 +24,7 @@ class ZeroGatherMixin:
     """Relies on ZeroEngine's `groups`, `model` and `device`."""
 
     def _install_gather_hooks(self) -> None:
+        self.h2d_stream = copy_stream(self.device)
         self.block_keys = list(self.model.layers.keys())
         self.block_groups = {key: [g for g in self.groups if g.block == key] for key in self.block_keys + [None]}
         for i, blk in enumerate(self.model.layers.values()):
@@ -38,15 +40,21 @@ class ZeroGatherMixin:
         if g.gathered or g.gather is not None:
             return
         g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-        shard = g.param_shard.to(self.device, non_blocking=True)
-        # into `.data`: a write autograd does not version-track, since tensors saved for backward are
-        # views of `full` and must accept the re-gathered (identical) values
-        g.gather = all_gather(g.full.data, shard, g.gather_pg, async_op=True)
+        src = g.param_shard if g.param_shard is not None else g.master  # the master: cast to the compute dtype
+        side = self.h2d_stream if src.device.type == "cpu" else None  # offloaded: copy off the compute stream
+        with on_stream(side):
+            shard = src.to(device=self.device, dtype=g.full.dtype, non_blocking=True)
+            # into `.data`: a write autograd does not version-track, since tensors saved for backward
+            # are views of `full` and must accept the re-gathered (identical) values
+            g.gather = all_gather(g.full.data, shard, g.gather_pg, async_op=True)
+            g.gather_done = Mark(self.device) if side is not None else None
 
     def _ensure(self, g) -> None:
         self._start_gather(g)
         if g.gather is not None:
             g.gather.wait()
+            if g.gather_done is not None:  # the copy (and a gather of one rank) ran on the side stream
+                torch.cuda.current_stream(self.device).wait_event(g.gather_done.event)
             g.gather, g.gathered = None, True
 
     def _release(self, g) -> None:

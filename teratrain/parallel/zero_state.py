@@ -25,7 +25,8 @@ class ZeroCheckpointMixin:
         tensors, opt_meta = {}, []
         optimizer_of = dict(zip(map(id, self.trainable), self.optimizers))
         for i, g in enumerate(self.groups):
-            tensors[f"zero.{i}.params"] = self._shard_params(g)
+            if self._shard_params(g) is not None:
+                tensors[f"zero.{i}.params"] = self._shard_params(g)
             if g.master is not None:
                 tensors[f"zero.{i}.master"] = g.master
             opt = optimizer_of.get(id(g))
@@ -47,7 +48,8 @@ class ZeroCheckpointMixin:
         optimizer_of = dict(zip(map(id, self.trainable), self.optimizers))
         with torch.no_grad():
             for i, g in enumerate(self.groups):
-                self._shard_params(g).copy_(tensors[f"zero.{i}.params"])
+                if self._shard_params(g) is not None:
+                    self._shard_params(g).copy_(tensors[f"zero.{i}.params"])
                 if g.master is not None:
                     g.master.copy_(tensors[f"zero.{i}.master"])
                 opt = optimizer_of.get(id(g))

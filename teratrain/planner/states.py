@@ -253,7 +253,10 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
         return _replica_states(shape, train, lay, local, w, steps)
     z = zero_summary(shape, train, lay, local)
     shard, pieces, padded = z["shard"], z["pieces"], z["padded"]
-    params = (z["all_shard"] if lay.zero == 3 else z["all_padded"]) * w.param  # frozen groups too
+    if lay.zero == 3:  # no low-precision copy of a trainable shard whose fp32 master is on the device (zero.py)
+        params = (z["all_shard"] - (shard if w.master and lay.offload == "none" else 0)) * w.param
+    else:
+        params = z["all_padded"] * w.param  # frozen groups too
     grads = shard * 4 + (padded * 4 if lay.zero == 1 else 0)  # fp32 shard (+ stage 1's full fp32 accumulator)
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces

@@ -6,7 +6,7 @@ fp32 AdamW (no master copies):        bf16 (+ fp32 masters under ZeRO):
     0    4Psi    4Psi          8Psi       4Psi    4Psi          8Psi   (zero=0 bf16 is autocast over fp32)
     1    4Psi    4Psi+4Psi/N   8Psi/N     2Psi    4Psi+4Psi/N   12Psi/N   (micro-batches accumulate in fp32)
     2    4Psi    4Psi/N        8Psi/N     2Psi    4Psi/N        12Psi/N
-    3    4Psi/N  4Psi/N        8Psi/N     2Psi/N  4Psi/N        12Psi/N
+    3    4Psi/N  4Psi/N        8Psi/N     0       4Psi/N        12Psi/N   (gathers cast the fp32 master)
 Padding adds under N elements per flat group; AdamW adds a 4-byte step counter per tensor piece.
 The planner (`teratrain plan`) must predict rank 0's bytes exactly, padding and counters included."""
 
@@ -24,7 +24,7 @@ FORMULAS = {  # stage -> (params, grads, optimizer) in bytes per parameter, as f
     ("fp32", 0): lambda n: (4, 4, 8), ("fp32", 1): lambda n: (4, 4 + 4 / n, 8 / n),
     ("fp32", 2): lambda n: (4, 4 / n, 8 / n), ("fp32", 3): lambda n: (4 / n, 4 / n, 8 / n),
     ("bf16", 0): lambda n: (4, 4, 8), ("bf16", 1): lambda n: (2, 4 + 4 / n, 12 / n),
-    ("bf16", 2): lambda n: (2, 4 / n, 12 / n), ("bf16", 3): lambda n: (2 / n, 4 / n, 12 / n),
+    ("bf16", 2): lambda n: (2, 4 / n, 12 / n), ("bf16", 3): lambda n: (0, 4 / n, 12 / n),
 }
 
 
