@@ -25,7 +25,8 @@ from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
-SHAPE = ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"]
+SHAPES = {"llama-8b": ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"],
+          "llama-1b": ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"]}
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512"]
 
 
@@ -100,13 +101,19 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--model", choices=sorted(SHAPES), default="llama-8b")
+    ap.add_argument("--layers", type=int, help="fewer blocks (to fit fewer GPUs)")
     args = ap.parse_args()
-    cfg = load_config(None, (SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "parallel.zero=3"])
+    shape = SMOKE if args.smoke else SHAPES[args.model] + ([f"model.n_layers={args.layers}"] if args.layers else [])
+    cfg = load_config(None, shape + ["memory.precision=bf16", "parallel.zero=3"])
+    if not dist.is_initialized():  # FSDP2 needs a process group even on one GPU (ours needs none then)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rt = init_runtime(cfg)
     rows = {name: measure(build, cfg, rt, args.micro_batch, 3, args.steps) for name, build in (("ours_zero3", ours), ("fsdp2", fsdp2))}
     rows["tokens_per_s_ratio_ours_over_fsdp2"] = rows["ours_zero3"]["tokens_per_s"] / rows["fsdp2"]["tokens_per_s"]
     if rt.rank == 0:
-        Path(args.result).write_text(json.dumps({"gpus": rt.world, "micro_batch": args.micro_batch, **rows}, indent=1))
+        Path(args.result).write_text(json.dumps({"gpus": rt.world, "shape": shape, "micro_batch": args.micro_batch, **rows},
+                                                indent=1))
     dist.destroy_process_group()
 
 

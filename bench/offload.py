@@ -59,18 +59,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-plain", action="store_true")
+    ap.add_argument("--params", action="store_true", help="ZeRO-3 with offload=params instead of ZeRO-2 + optimizer")
+    ap.add_argument("--layers", type=int, help="fewer blocks than the 9.4B shape (ZeRO-3 offload=params is slower)")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = device()
-    shape = SMOKE if args.smoke else SHAPE
-    cfg = config(shape + ["memory.precision=bf16", "parallel.zero=2", "parallel.offload=optimizer",
-                          "memory.recompute=full", "parallel.bucket_mb=256"])
+    shape = (SMOKE if args.smoke else SHAPE) + ([f"model.n_layers={args.layers}"] if args.layers else [])
+    mode = ["parallel.zero=3", "parallel.offload=params"] if args.params else ["parallel.zero=2", "parallel.offload=optimizer"]
+    cfg = config(shape + ["memory.precision=bf16", *mode, "memory.recompute=full", "parallel.bucket_mb=256"])
     n_params = count_params(cfg.model)["total"]
     plain = {} if args.skip_plain else try_plain(config(shape + ["memory.precision=bf16"]), dev)
     fresh_memory(dev)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    engine = parallelize(model, Runtime.single(dev), cfg)  # recompute=full, ZeRO-2, offload=optimizer
+    engine = parallelize(model, Runtime.single(dev), cfg)  # recompute=full, ZeRO-2/3, offload
     x = torch.randint(0, cfg.model.vocab_size, (args.micro_batch, cfg.model.seq_len + 1), device=dev)
 
     def step():
@@ -79,7 +81,7 @@ def main() -> None:
     times = time_steps(step, 1, args.steps, dev)
     tokens = args.micro_batch * args.accum * cfg.model.seq_len
     res = summarize(times, tokens, flops_per_token(cfg.model), dev)
-    emit({"bench": "offload", **env_info(dev), "params": n_params, "plain_16_bytes_per_param_gib": round(16 * n_params / 2**30, 1),
+    emit({"bench": "offload", **env_info(dev), "mode": mode, "params": n_params, "plain_16_bytes_per_param_gib": round(16 * n_params / 2**30, 1),
           **plain, "offload": {**res, "model_state_bytes": engine.last_state_bytes, "host_peak_rss_gib": round(host_peak_gib(), 1),
                                "tokens_per_step": tokens}}, args.out)
 
