@@ -18,6 +18,9 @@ autocast over fp32 weights, and trained on random tokens.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -117,20 +120,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--part", choices=["all", "activations", "optimizers", "lora"], default="all",
+                    help="all: each part in a fresh process (no part's allocations can outlive it)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.micro_batch = 2, 1, 2
     dev = device()
     base = (SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0"]
-    acts = [activation_row(base, r, c, args.micro_batch, args, dev) for r, c in ACTIVATION_CASES]
-    opts = [optimizer_row(base, n, e, args.micro_batch, args, dev) for n, e in OPTIMIZERS]
-    lora_base = (SMOKE if args.smoke else LORA_SHAPE) + ["memory.precision=bf16", "memory.recompute=full"]
-    loras = [lora_row(lora_base + ["lora.rank=16", "lora.base_dtype=bf16"], 1, args, dev)]
-    cfg = config(base)
-    emit({"bench": "memory_savers", **env_info(dev), "shape": base, "micro_batch": args.micro_batch,
-          "seq_len": cfg.model.seq_len, "params": count_params(cfg.model)["total"], "peak_gib_after": peak_gib(dev),
-          "activations": acts, "optimizers": opts, "lora": loras}, args.out)
+    if args.part == "all":
+        parts = {part: _run_part(part, sys.argv[1:]) for part in ("activations", "optimizers", "lora")}
+        cfg = config(base)
+        emit({"bench": "memory_savers", **env_info(dev), "shape": base, "micro_batch": args.micro_batch,
+              "seq_len": cfg.model.seq_len, "params": count_params(cfg.model)["total"], **parts}, args.out)
+        return
+    if args.part == "activations":
+        rows = [activation_row(base, r, c, args.micro_batch, args, dev) for r, c in ACTIVATION_CASES]
+    elif args.part == "optimizers":
+        rows = [optimizer_row(base, n, e, args.micro_batch, args, dev) for n, e in OPTIMIZERS]
+    else:
+        lora_base = (SMOKE if args.smoke else LORA_SHAPE) + ["memory.precision=bf16", "memory.recompute=full"]
+        rows = [lora_row(lora_base + ["lora.rank=16", "lora.base_dtype=bf16"], 1, args, dev)]
+    emit({"rows": rows}, args.out)
+
+
+def _run_part(part: str, argv: list[str]) -> list[dict]:
+    """Run one part of the bench in a child process; its rows (or its error) come back as JSON."""
+    argv = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    proc = subprocess.run([sys.executable, __file__, *argv, "--part", part], capture_output=True, text=True)
+    if proc.returncode:
+        return [{"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}]
+    return json.loads(proc.stdout)["rows"]
 
 
 if __name__ == "__main__":

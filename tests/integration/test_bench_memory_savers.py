@@ -31,3 +31,6 @@ def test_memory_savers_smoke(tmp_path):
     adamw, adafactor = opts[("adamw", ())]["state_bytes"], opts[("adafactor", ())]["state_bytes"]
     sm3, sm3_plain = opts[("sm3", ())]["state_bytes"], opts[("sm3", ("optim.momentum=0",))]["state_bytes"]
     assert sm3_plain < adafactor < sm3 < adamw  # SM3 alone: rows + columns; its momentum adds one full buffer
+    lora = r["lora"][0]
+    assert lora["model_state_bytes"] == lora["model_state_bytes_planned"]
+    assert lora["trainable_params"] < 0.2 * lora["params"]
