@@ -64,8 +64,8 @@ class Encoded:
             bits = unpack_bits(self.codes, self.numel)
             return bits if self.kind == "bits" else torch.where(bits, self.scales, torch.zeros((), dtype=self.dtype,
                                                                                              device=bits.device))
-        x = self.codes.float().view(-1, BLOCK) * self.scales[:, None]
-        return x.view(-1)[:self.numel].to(self.dtype)
+        x = _kernel(_dequantize, self.codes.device)(self.codes.view(-1, BLOCK), self.scales, self.dtype)
+        return x.view(-1)[:self.numel]
 
 
 @dataclass(eq=False)
@@ -181,13 +181,37 @@ def quantize_blocks(flat: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.T
     """(n,) float -> codes (ceil(n/BLOCK)*BLOCK,) int8 or fp8, scales (ceil(n/BLOCK),) fp32 with
     x ~= code * scale; scale = absmax/127 (int8: |error| <= scale/2) or absmax/448 (e4m3: 3 mantissa
     bits, relative error <= 2^-4 above e4m3's subnormal range)."""
-    x = F.pad(flat.float(), (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
-    amax = x.abs().amax(1, keepdim=True)
-    top = _TOP[fmt]
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    y = (x / scale).clamp_(-top, top)
-    codes = y.round_().to(torch.int8) if fmt == "int8" else y.to(FLOAT8_E4M3)
+    x = flat if flat.numel() % BLOCK == 0 else F.pad(flat, (0, -flat.numel() % BLOCK))
+    with torch.no_grad():
+        codes, scale = _kernel(_quantize, flat.device)(x.view(-1, BLOCK), _TOP[fmt], fmt == "int8")
     return codes.view(-1), scale.view(-1)
+
+
+def _quantize(x: torch.Tensor, top: float, int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, BLOCK) -> codes, (blocks, 1) scales: absmax per block, scaled, rounded (int8) or cast (e4m3)."""
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    y = (xf / scale).clamp(-top, top)
+    return (y.round().to(torch.int8) if int8 else y.to(FLOAT8_E4M3)), scale
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scales.view(-1, 1)).to(dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _kernel(fn, device: torch.device):
+    """`fn` itself on CPU; on a GPU, compiled once (dynamic shapes) into a fused kernel: the eager
+    version makes ~6 passes over fp32 temporaries of each saved activation, which doubled a llama-1b
+    step on an H200."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
 
 
 def _mask_value(flat: torch.Tensor) -> torch.Tensor | None:

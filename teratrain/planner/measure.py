@@ -37,7 +37,9 @@ def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precis
             s = held.untyped_storage()
             if s.data_ptr() not in params:
                 seen.setdefault(s.data_ptr(), s.nbytes())
-        return packed
+        # No backward follows this forward: a saved output returned as itself would hold its own
+        # grad_fn in a reference cycle through C++ that never frees (the graph, params included).
+        return packed.detach() if packed is t else packed
 
     model.train()
     with compressed_saves(model), torch.autograd.graph.saved_tensors_hooks(pack, ActivationCodec.unpack):
