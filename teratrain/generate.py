@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer
 
 from teratrain.checkpoint import CheckpointError, find_valid
-from teratrain.checkpoint.consolidate import full_model
+from teratrain.checkpoint.consolidate import load_weights
 from teratrain.config import load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.models.sampling import sample
@@ -25,14 +25,9 @@ def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top
     tokenizer = Tokenizer.from_file(str(tok_path))
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
-    weights = full_model(ckpt_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(cfg.model, device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name not in weights:
-                raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; it was written for another model.")
-            p.copy_(weights[name].view_as(p))
+    load_weights(model, ckpt_dir)  # tensor by tensor from the logical checkpoint: no optimizer state read
     ids = tokenizer.encode(prompt).ids if prompt else [tokenizer.token_to_id(EOT) or 0]
     out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stop_token=tokenizer.token_to_id(EOT))
     return tokenizer.decode(out)

@@ -1,0 +1,119 @@
+"""Pieces of logical tensors: which part of a global tensor some local data is.
+
+A logical tensor has a global name and shape: a parameter (`layers.3.attention.wq.weight`) or one of
+its optimizer moments. A rank holds a *piece* of it, described in global coordinates only:
+
+    box      offsets + shape of a hyper-rectangle of the global tensor: the local tensor a placement
+             describes (tensor parallelism splits one dim; an expert or a pipeline stage holds whole
+             tensors). It may run past the global shape: padding (a vocabulary padded to tp pieces).
+    lo, hi   the flat range of the box, in row-major order, that the piece holds: all of it, or one
+             rank's ZeRO shard of the flat buffer the local tensor lies in (parallel/flat.py).
+
+So any layout's pieces meet any other layout's in global coordinates: a reader intersects the piece
+it needs with the pieces on disk, box by box, and never needs to know which strategy wrote them.
+A flat range of a box is a union of at most 2*ndim - 1 sub-boxes that are each contiguous in the
+range (`sub_boxes`): a part row, whole rows, a part row, recursively.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from teratrain.parallel.placement import Placement
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (global start, shape, flat offset in the piece's data)
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str  # global name of the logical tensor's parameter
+    shape: tuple[int, ...]  # global shape
+    offsets: tuple[int, ...]  # where the box starts in the global tensor
+    box: tuple[int, ...]  # the box's shape (may run past `shape`: padding)
+    lo: int  # flat range [lo, hi) of the box held
+    hi: int
+
+    @classmethod
+    def of(cls, pl: Placement, lo: int = 0, hi: int | None = None) -> "Piece":
+        """The piece of a local tensor shaped as `pl` describes, or the flat range [lo, hi) of it."""
+        box = pl.local_shape()
+        offsets = tuple(pl.bounds()[0] if d == pl.dim else 0 for d in range(len(box)))
+        return cls(pl.name, tuple(pl.global_shape), offsets, tuple(box), lo, math.prod(box) if hi is None else hi)
+
+    @classmethod
+    def whole_of(cls, name: str, shape: tuple[int, ...]) -> "Piece":
+        shape = tuple(shape)
+        return cls(name, shape, (0,) * len(shape), shape, 0, math.prod(shape))
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    def is_box(self) -> bool:
+        """Does the piece hold its whole box (then it is stored shaped like the box)?"""
+        return self.lo == 0 and self.hi == math.prod(self.box)
+
+    def clipped(self) -> "Piece":
+        """A whole-box piece without its padding (the box cut to the global shape)."""
+        assert self.is_box()
+        box = tuple(max(0, min(n, s - o)) for n, s, o in zip(self.box, self.shape, self.offsets))
+        return Piece(self.name, self.shape, self.offsets, box, 0, math.prod(box))
+
+    def sub_boxes(self) -> list[Box]:
+        return [(tuple(o + s for o, s in zip(self.offsets, start)), shape, flat - self.lo)
+                for start, shape, flat in _flat_range_boxes(self.box, self.lo, self.hi)]
+
+    def in_bounds(self) -> int:
+        """Elements of the piece inside the global tensor (the rest is padding)."""
+        return sum(math.prod(_clip(start, shape, self.shape)[1]) for start, shape, _ in self.sub_boxes())
+
+    def key(self) -> str:
+        """A compact identity of the region (names a factored optimizer state's piece)."""
+        return f"{','.join(map(str, self.offsets))}+{','.join(map(str, self.box))}[{self.lo}:{self.hi}]"
+
+    def to_json(self) -> dict:
+        return {"offsets": list(self.offsets), "box": list(self.box), "flat": [self.lo, self.hi]}
+
+    @classmethod
+    def from_json(cls, name: str, shape, d: dict) -> "Piece":
+        return cls(name, tuple(shape), tuple(d["offsets"]), tuple(d["box"]), *d["flat"])
+
+
+def _flat_range_boxes(box: tuple[int, ...], lo: int, hi: int) -> list[Box]:
+    """[lo, hi) of a row-major box as (start within the box, shape, flat position) sub-boxes, each one
+    contiguous in flat order."""
+    if lo >= hi:
+        return []
+    if not box:
+        return [((), (), lo)]
+    inner = math.prod(box[1:])
+    if inner == 0:
+        return []
+
+    def row(r: int, a: int, b: int) -> list[Box]:  # elements [a, b) of row r
+        return [((r,) + s, (1,) + n, r * inner + f) for s, n, f in _flat_range_boxes(box[1:], a, b)]
+
+    first, last = -(-lo // inner), hi // inner  # the whole rows are [first, last)
+    if first > last:  # the range lies inside one row
+        r = lo // inner
+        return row(r, lo - r * inner, hi - r * inner)
+    out = row(first - 1, lo - (first - 1) * inner, inner) if lo < first * inner else []
+    if first < last:
+        out.append(((first,) + (0,) * (len(box) - 1), (last - first,) + box[1:], first * inner))
+    if last * inner < hi:
+        out += row(last, 0, hi - last * inner)
+    return out
+
+
+def _clip(start: tuple[int, ...], shape: tuple[int, ...], bound: tuple[int, ...]):
+    """A box cut to [0, bound): (start, shape), shape zero where nothing is left."""
+    stop = [min(s + n, b) for s, n, b in zip(start, shape, bound)]
+    return start, tuple(max(0, e - s) for s, e in zip(start, stop))
+
+
+def overlap(a_start, a_shape, b_start, b_shape, bound) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection of two boxes inside [0, bound), as (start, stop), or None when empty."""
+    lo = tuple(max(x, y) for x, y in zip(a_start, b_start))
+    hi = tuple(min(x + n, y + m, s) for x, n, y, m, s in zip(a_start, a_shape, b_start, b_shape, bound))
+    return (lo, hi) if all(x < y for x, y in zip(lo, hi)) else None
