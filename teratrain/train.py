@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from teratrain.checkpoint.state import seed_everything
-from teratrain.checkpoint.training import restore_training, save_training
+from teratrain.checkpoint.training import restore_training, save_training, without_init_from
 from teratrain.config import Config, ConfigError, to_toml
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
@@ -39,7 +39,8 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
         model = Transformer(cfg.model)
-    engine = parallelize(model, rt, cfg)
+    # a resumed run's weights come from its checkpoint: skip reading model.init_from's (maybe moved) files
+    engine = parallelize(model, rt, without_init_from(cfg) if resume else cfg)
 
     start = 0
     if resume:

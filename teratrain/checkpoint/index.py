@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from teratrain.checkpoint.holdings import Entry
 from teratrain.checkpoint.io import DTYPE_NAMES, CheckpointError
-from teratrain.checkpoint.pieces import Piece, overlap
+from teratrain.checkpoint.pieces import Piece, overlap, region_view
 
 INDEX = "index.json"
 FORMAT = "teratrain-logical/1"
@@ -153,10 +153,7 @@ class Reader:
         """Copy the planned overlaps into `target`, the flat data of the wanted piece."""
         flat = target.view(-1)
         for c in copies:
-            data = self._region(c)
-            d_start, d_shape, d_off = c.dst
-            view = flat[d_off:d_off + math.prod(d_shape)].view(d_shape)
-            view[tuple(slice(a - s, b - s) for a, b, s in zip(*c.region, d_start))].copy_(data)
+            region_view(flat, c.dst, c.region).copy_(self._region(c))
 
     def _region(self, c: Copy) -> torch.Tensor:
         """The region's values from the stored piece, reading no more than the rows holding them."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from teratrain.parallel.placement import Placement
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (global start, shape, flat offset in the piece's data)
@@ -117,3 +119,21 @@ def overlap(a_start, a_shape, b_start, b_shape, bound) -> tuple[tuple[int, ...],
     lo = tuple(max(x, y) for x, y in zip(a_start, b_start))
     hi = tuple(min(x + n, y + m, s) for x, n, y, m, s in zip(a_start, a_shape, b_start, b_shape, bound))
     return (lo, hi) if all(x < y for x, y in zip(lo, hi)) else None
+
+
+def region_view(flat: torch.Tensor, box: Box, region: tuple) -> torch.Tensor:
+    """The part of a piece's flat data (`flat`) that holds `region` (global (start, stop)), as a
+    view shaped like the region; `box` is the piece's sub-box containing it."""
+    start, shape, off = box
+    view = flat[off:off + math.prod(shape)].view(shape)
+    return view[tuple(slice(a - s, b - s) for a, b, s in zip(*region, start))]
+
+
+def regions(piece: Piece) -> list[tuple[Box, tuple]]:
+    """Each sub-box of `piece` with the part of it inside the global tensor (padding left out)."""
+    out = []
+    for box in piece.sub_boxes():
+        region = overlap(box[0], box[1], box[0], box[1], piece.shape)
+        if region:
+            out.append((box, region))
+    return out

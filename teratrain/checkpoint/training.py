@@ -91,6 +91,11 @@ def stored_form(e: Entry) -> tuple[torch.Tensor, Piece]:
 
 # ------------------------------------------------------------------ restore
 
+def without_init_from(cfg: Config) -> Config:
+    """`cfg` initializing by seed instead of from model.init_from (a resume overwrites every weight)."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": None})})
+
+
 def restore_training(root: Path, cfg: Config, rt, engine, run_dir: Path) -> int:
     """Load the newest usable checkpoint under `root` into the engine and RNGs; return its step."""
     plan: dict = {}

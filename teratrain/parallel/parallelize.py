@@ -70,7 +70,12 @@ def check_supported(cfg) -> None:
 
 
 def init_fn(cfg):
-    """How a whole parameter is initialized: by its global name and the seed only."""
+    """How a whole parameter is initialized: by its global name and the seed only, or from the
+    Hugging Face model of `model.init_from` (whose init reads only each rank's pieces)."""
+    if cfg.model.init_from:
+        from teratrain.checkpoint.hf_weights import HFInit
+
+        return HFInit(cfg.model.init_from, cfg.model)
     return lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)
 
 

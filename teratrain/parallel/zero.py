@@ -122,8 +122,14 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     def _materialize(self, g: _Group, init_fn) -> None:
         full32 = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
-        for prm, view in zip(g.params, g.views(full32)):
-            init_local_(view, placement(prm), init_fn)
+        read = getattr(init_fn, "read_piece", None)
+        if read is not None and self.stage == 3:  # trained weights: read only this rank's shard of them
+            for pc, view in zip(g.pieces, g.shard_views(full32[g.lo:g.hi])):
+                lo = g.lo + pc.shard_lo - g.offsets[pc.index]
+                read(view, placement(g.params[pc.index]), lo, lo + pc.numel)
+        else:
+            for prm, view in zip(g.params, g.views(full32)):
+                init_local_(view, placement(prm), init_fn)
         opt_home = self.host if self.offload != "none" else self.device
         if self.masters and g.trainable:
             g.master = _clone_to(full32[g.lo:g.hi], opt_home, torch.float32)
