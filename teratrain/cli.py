@@ -1,4 +1,4 @@
-"""Command line: `teratrain train | generate` (and `plan`, see teratrain.planner).
+"""Command line: `teratrain train | generate | export` (and `plan`, see teratrain.planner).
 
 Bad input exits with status 2 and one sentence on stderr, never a traceback.
 """
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
+    from teratrain.checkpoint.hf_export import add_export_parser
+
+    add_export_parser(sub)
     try:
         from teratrain.planner.cli import add_plan_parser
     except ImportError:  # the planner is optional in a partial install

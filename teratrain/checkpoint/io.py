@@ -46,11 +46,11 @@ def _noop(*_):
     return None
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """Stream tensors into a safetensors file one at a time (no second copy of the state in memory;
     views of one flat buffer are fine, unlike `safetensors.torch.save_file`). Returns the file's
     sha256, computed from the bytes as they are written (no second read of a large file)."""
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     names = sorted(tensors)
     for name in names:
         t = tensors[name]
