@@ -9,8 +9,10 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from teratrain.checkpoint.state import seed_everything
@@ -21,15 +23,19 @@ from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
-from teratrain.models.transformer import Transformer, flops_per_token
+from teratrain.models.protocol import model_flops_per_token
+from teratrain.models.transformer import Transformer
 from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, all_reduce, broadcast_object
 from teratrain.parallel.parallelize import check_supported, parallelize
 
 
-def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
-    """Train as configured; returns a summary. Collective: every rank of the job calls it."""
+def run(cfg: Config, out: str | None = None, resume: bool = False,
+        model_fn: Callable[[Config], nn.Module] | None = None) -> dict:
+    """Train as configured; returns a summary (with the `engine` and `model`). Collective: every rank
+    of the job calls it. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
+    teratrain's decoder of `cfg.model`."""
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
@@ -37,8 +43,11 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     run_dir = _run_dir(out, resume, rt)
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
-    with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
-        model = Transformer(cfg.model)
+    if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values
+        model = model_fn(cfg)
+    else:
+        with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
+            model = Transformer(cfg.model)
     # a resumed run's weights come from its checkpoint: skip reading model.init_from's (maybe moved) files
     engine = parallelize(model, rt, without_init_from(cfg) if resume else cfg)
 
@@ -70,7 +79,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     peak_lr = scaled_lr(cfg.optim.lr, cfg.optim.lr_scaling, cfg.optim.base_batch, tc.global_batch)
     tokens_per_step = tc.global_batch * m.seq_len
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
-    flops_tok = flops_per_token(m)
+    flops_tok = model_flops_per_token(model, m)
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
     bar = tqdm(total=tc.steps, initial=start, disable=not (rt.is_main and cfg.metrics.progress),
                desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -109,7 +118,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
-    return {**summary, "engine": engine}  # the engine, for tests and programmatic callers
+    return {**summary, "engine": engine, "model": model}  # for tests and programmatic callers
 
 
 @torch.no_grad()

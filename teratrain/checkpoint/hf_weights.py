@@ -19,8 +19,7 @@ import torch
 from safetensors import safe_open
 
 from teratrain.checkpoint.io import CheckpointError
-from teratrain.checkpoint.pieces import Piece, region_view, regions
-from teratrain.parallel.placement import Placement
+from teratrain.checkpoint.pieces import PieceSource
 
 HF_INDEX = "model.safetensors.index.json"
 
@@ -122,24 +121,14 @@ class HFWeights:
         return sl[tuple(slice(x, y) for x, y in zip(a, b))]
 
 
-class HFInit:
-    """An `init_fn` (parallel/placement.py `init_local_`) whose values are a Hugging Face model's:
-    each rank reads just the piece of each parameter it holds (a tensor-parallel slice, or the flat
-    range of it in its ZeRO-3 shard)."""
+class HFInit(PieceSource):
+    """Initial values from a Hugging Face model folder: each rank reads just the pieces it holds."""
 
     def __init__(self, folder: str, model_cfg):
         self.weights, self.sources = HFWeights(folder), hf_names(model_cfg)
 
-    def __call__(self, t: torch.Tensor, name: str) -> None:
-        self.read_piece(t, Placement(name=name, global_shape=tuple(t.shape)))
-
-    @torch.no_grad()
-    def read_piece(self, t: torch.Tensor, pl: Placement, lo: int = 0, hi: int | None = None) -> None:
-        src = self.sources.get(pl.name)
+    def region(self, name, start, stop, shape):
+        src = self.sources.get(name)
         if src is None:
-            raise CheckpointError(f"model.init_from: no Hugging Face weight maps to parameter {pl.name}.")
-        piece = Piece.of(pl, lo, hi)
-        flat = t.view(-1)
-        flat.zero_()  # padding (a vocabulary padded to tp pieces) stays zero
-        for box, region in regions(piece):
-            region_view(flat, box, region).copy_(self.weights.read(src, *region, pl.global_shape))
+            raise CheckpointError(f"model.init_from: no Hugging Face weight maps to parameter {name}.")
+        return self.weights.read(src, start, stop, shape)

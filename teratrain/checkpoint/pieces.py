@@ -137,3 +137,35 @@ def regions(piece: Piece) -> list[tuple[Box, tuple]]:
         if region:
             out.append((box, region))
     return out
+
+
+class PieceSource:
+    """An `init_fn` of given values (parallel/placement.py `init_local_`): it fills any piece of a
+    parameter (a tensor-parallel slice, the flat range of it in a ZeRO-3 shard) by reading just that
+    region, `region(name, start, stop, global shape)`, of the whole parameter."""
+
+    buffers: dict[str, torch.Tensor] | None = None  # buffer values to restore, if the source has them
+
+    def region(self, name: str, start: tuple, stop: tuple, shape: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, t: torch.Tensor, name: str) -> None:
+        self.read_piece(t, Placement(name=name, global_shape=tuple(t.shape)))
+
+    @torch.no_grad()
+    def read_piece(self, t: torch.Tensor, pl: Placement, lo: int = 0, hi: int | None = None) -> None:
+        flat = t.view(-1)
+        flat.zero_()  # padding (a vocabulary padded to tp pieces) stays zero
+        for box, region in regions(Piece.of(pl, lo, hi)):
+            region_view(flat, box, region).copy_(self.region(pl.name, *region, pl.global_shape))
+
+
+class WholeTensors(PieceSource):
+    """Values given as whole tensors by global name: the parameters (and buffers) of a model that was
+    built on a real device, kept when parallelize() moves it to the meta device."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None):
+        self.tensors, self.buffers = tensors, buffers
+
+    def region(self, name, start, stop, shape):
+        return self.tensors[name][tuple(slice(a, b) for a, b in zip(start, stop))]

@@ -21,20 +21,27 @@ from teratrain.config import ConfigError
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.own_model import check_model, initial_values, retie, untie
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
 
 
 def parallelize(model: nn.Module, rt, cfg):
-    """Apply every configured strategy to `model` (on the meta device); return the update engine."""
+    """Apply every configured strategy to `model` and return the update engine. `model` is teratrain's
+    decoder or one of your own (models/protocol.py), on the meta device or, keeping its values, a real one."""
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
+    check_model(model, cfg)
+    aliases = untie(model)  # shared parameters: one registration until the engine exists
+    init = initial_values(model, lambda: init_fn(cfg))  # before anything moves the values
     assign_defaults(model)  # 0
     if rt.dims.tp > 1:  # 2
         apply_tp(model, rt, cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
-    return build_engine(model, rt, cfg)  # 6
+    engine = build_engine(model, rt, cfg, init)  # 6
+    retie(model, aliases)
+    return engine
 
 
 def check_supported(cfg) -> None:
@@ -79,17 +86,18 @@ def init_fn(cfg):
     return lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)
 
 
-def build_engine(model: nn.Module, rt, cfg):
-    p = cfg.parallel
+def build_engine(model: nn.Module, rt, cfg, init=None):
+    """The engine of `cfg`, materializing the meta-device model with `init` (an init_fn; default: by name and seed)."""
+    p, init = cfg.parallel, init or init_fn(cfg)
     if p.sync == "param-server":  # before the one-process case: one worker still talks to its servers
         from teratrain.parallel import param_server
 
-        return param_server.build(model, rt, cfg)
+        return param_server.build(model, rt, cfg, init)
     if p.zero >= 1:
         from teratrain.parallel.zero import ZeroEngine
 
-        return ZeroEngine(model, cfg, rt, init_fn(cfg))
-    materialize(model, rt.device, init_fn(cfg))
+        return ZeroEngine(model, cfg, rt, init)
+    materialize(model, rt.device, init)
     if rt.dims.workers == 1:  # one process: local SGD and all-reduce both reduce to the plain update
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
     if p.sync == "local-sgd":

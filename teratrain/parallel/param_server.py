@@ -57,7 +57,6 @@ from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes
 from teratrain.parallel.comm import all_reduce
 from teratrain.parallel.flat import FlatGroup
-from teratrain.parallel.parallelize import init_fn
 from teratrain.parallel.placement import init_local_, materialize, placement
 
 # Both ends of the protocol live in this one file (past the ~300-line aim) so that every message's
@@ -96,7 +95,7 @@ def assign(numels: list[int], num_servers: int) -> list[list[int]]:
     return [sorted(o) for o in owned]
 
 
-def build(model, rt, cfg):
+def build(model, rt, cfg, init):
     """The engine of this rank: a server, or a worker (materialized here). Collective on all ranks."""
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     ranks = list(range(rt.world))
@@ -106,8 +105,8 @@ def build(model, rt, cfg):
     owned = assign([p.numel() for _, p in named], rt.dims.num_servers)
     groups = [FlatGroup([named[i][0] for i in o], [named[i][1] for i in o], 1, 0) for o in owned]
     if rt.is_server:
-        return ParamServer(groups[rt.rank - rt.dims.workers], cfg, rt, channel, servers)
-    materialize(model, rt.device, init_fn(cfg))
+        return ParamServer(groups[rt.rank - rt.dims.workers], cfg, rt, channel, servers, init)
+    materialize(model, rt.device, init)
     return ParamServerWorker(model, groups, cfg, rt, channel)
 
 
@@ -229,13 +228,12 @@ class ParamServer:
 
     is_server = True
 
-    def __init__(self, group: FlatGroup, cfg, rt, channel, servers):
+    def __init__(self, group: FlatGroup, cfg, rt, channel, servers, init):
         self.group, self.channel, self.servers, self.device = group, channel, servers, rt.device
         self.staleness, self.grad_clip = cfg.parallel.staleness, cfg.train.grad_clip
         self.flat = torch.zeros(group.numel, dtype=torch.float32, device=rt.device)
         self.grad = torch.zeros_like(self.flat)
         self.views = group.views(self.flat)
-        init = init_fn(cfg)
         for p, view, grad in zip(group.params, self.views, group.views(self.grad)):
             init_local_(view, placement(p), init)  # by global name and seed: the workers' values
             view.grad = grad

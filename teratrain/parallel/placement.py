@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from teratrain.models.protocol import init_buffers
+
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
@@ -145,7 +147,7 @@ def materialize(model: nn.Module, device: torch.device | str, init_fn: Callable[
     with torch.no_grad():
         for p in model.parameters():
             init_local_(p, placement(p), init_fn)
-    model.init_buffers(device)
+    init_buffers(model, device, getattr(init_fn, "buffers", None))
 
 
 def to_global(t: torch.Tensor, pl: Placement, mesh) -> torch.Tensor:

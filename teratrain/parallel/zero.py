@@ -30,6 +30,8 @@ from torch import nn
 from teratrain.compat import pinned_empty
 from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, LossScaler, param_dtype
+from teratrain.models.protocol import blocks as model_blocks
+from teratrain.models.protocol import init_buffers
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
@@ -84,7 +86,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self.groups = self._make_groups(model, p.bucket_mb)
         for g in self.groups:
             self._materialize(g, init_fn)
-        model.init_buffers(self.device)
+        init_buffers(model, self.device, getattr(init_fn, "buffers", None))
         self.trainable = [g for g in self.groups if g.trainable]  # in launch order
         self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.trainable]
         if self.offload != "none":
@@ -109,8 +111,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         first, root groups last; stage 1/2 buckets counted in the compute dtype's bytes."""
         named = list(model.named_parameters())
         if self.stage == 3:
-            blocks = [(key, [(f"layers.{key}.{n}", q) for n, q in blk.named_parameters()])
-                      for key, blk in model.layers.items()]
+            blocks = [(key, [(f"{key}.{n}", q) for n, q in blk.named_parameters()])
+                      for key, blk in model_blocks(model)]  # key: the block's qualified name
             in_blocks = {q for _, members in blocks for _, q in members}
             units = blocks[::-1] + [(None, [(n, q) for n, q in named if q not in in_blocks])]
             members = [(key, b.members) for key, unit in units
