@@ -203,7 +203,8 @@ class ParallelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | None = Field(None, description="text file, folder of text files, or pre-tokenized .bin; unset = the Python stdlib sources")
+    path: str | None = Field(None, description="text file, JSON-lines file (*.jsonl), folder of them, or pre-tokenized .bin; "
+                              "unset = the Python stdlib sources")
     tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = model.init_from's tokenizer.json if "
                                   "it has one, else train a byte-level BPE on the corpus (cached)")
     text_field: str = Field("text", description="JSON-lines files (*.jsonl, *.ndjson): the field of each record that "
