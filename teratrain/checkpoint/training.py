@@ -127,14 +127,15 @@ def plan_restore(reader: Reader, h: Holdings) -> dict:
     for opt, slots in h.optimizers:
         by_id, states = slot_index(slots), []
         for pid, p in enumerate(ordered_params(opt)):
-            for key, e in _state_entries(reader.index, by_id[id(p)], h.replica):
-                states.append((pid, key, e, reader.plan(e)))
+            for key, e, like in _state_entries(reader.index, by_id[id(p)], h.replica):
+                states.append((pid, p, key, e, like, reader.plan(e)))
         optimizers.append((opt, states, [by_id[id(p)].pl.name for p in ordered_params(opt)]))
     return {"values": values, "optimizers": optimizers}
 
 
 def _state_entries(index: Index, slot, replica):
-    """(state key, entry to fill) for each optimizer state tensor saved for `slot`'s parameter."""
+    """(state key, entry to fill, (shape, dtype, device) of its tensor) for each optimizer state
+    tensor saved for `slot`'s parameter; the tensor itself is made when it is read."""
     piece = slot.piece()
     for kind in index.kinds_of(piece.name, OPTIM):
         key = kind[len(OPTIM):]
@@ -142,11 +143,12 @@ def _state_entries(index: Index, slot, replica):
         if is_factored(kind):
             key, _, owner = key.partition("@")
             if owner == piece.key():
-                yield key, Entry(kind, Piece.whole_of(piece.name, shape), torch.zeros(shape, dtype=dtype), replica)
-        elif shape == piece.shape:  # elementwise: this slot's piece of it
-            yield key, Entry(kind, piece, torch.zeros_like(slot.tensor), replica)
+                yield key, Entry(kind, Piece.whole_of(piece.name, shape), None, replica), (shape, dtype, "cpu")
+        elif shape == piece.shape:  # elementwise: this slot's piece of it, shaped like the slot's tensor
+            t = slot.tensor
+            yield key, Entry(kind, piece, None, replica), (tuple(t.shape), t.dtype, t.device)
         elif not shape:  # per tensor
-            yield key, Entry(kind, Piece.whole_of(piece.name, ()), torch.zeros((), dtype=dtype), replica)
+            yield key, Entry(kind, Piece.whole_of(piece.name, ()), None, replica), ((), dtype, "cpu")
         else:
             raise CheckpointError(f"{index.dir.name}: {kind}/{piece.name} has shape {list(shape)}, neither the "
                                   f"parameter's {list(piece.shape)} nor a scalar.")
@@ -158,9 +160,14 @@ def run_restore(reader: Reader, jobs: dict) -> None:
             reader.run(copies, e.tensor)
         for opt, states, names in jobs["optimizers"]:
             state: dict[int, dict] = {}
-            for pid, key, e, copies in states:
-                reader.run(copies, e.tensor)
-                state.setdefault(pid, {})[key] = e.tensor
+            for pid, p, key, e, (shape, dtype, device), copies in states:
+                # into the optimizer's own state tensor where it has one (AdamW, SGD: made at build), so
+                # no second copy of the optimizer state is ever allocated
+                target = opt.state.get(p, {}).get(key)
+                if target is None or tuple(target.shape) != shape:
+                    target = torch.zeros(shape, dtype=dtype, device=device)
+                reader.run(copies, target)
+                state.setdefault(pid, {})[key] = target
             for pid, name in enumerate(names):  # state that is no tensor (rare): JSON in the index
                 for k, v in reader.index.scalars.items():
                     kind, _, owner = k.partition("/")
