@@ -1,7 +1,7 @@
 """Models not defined in teratrain train under every strategy the model protocol allows, equal to one
 process on the same global batch within 1e-5 relative (fp32, 6 AdamW steps): examples/own_model.py's
 TinyDecoder and transformers' Llama and GPT-2 (tied head) through teratrain.CausalLM, with data
-parallelism, ZeRO 1-3, offload and recompute=full; a TinyDecoder checkpoint saved by 2 ZeRO-3 ranks
+parallelism (all-reduce; local SGD), ZeRO 1-3, offload and recompute=full; a TinyDecoder checkpoint saved by 2 ZeRO-3 ranks
 resumes in one process. Strategies that rewrite teratrain's own layers are refused in one sentence."""
 
 import pytest
@@ -11,6 +11,7 @@ from own_models import BASE, many, train_own
 
 TOL = 1e-5
 K, N = 3, 6
+SGD = ["optim.name=sgd", "optim.lr=0.05"]
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
@@ -26,18 +27,22 @@ def test_own_and_transformers_models_at_every_layout(tmp_path):
              dict(kind="tiny", overrides=["parallel.zero=3", "parallel.offload=params"]),
              dict(kind="llama", overrides=["parallel.zero=3", "memory.recompute=full"]),
              dict(kind="llama", overrides=["parallel.zero=1"]),
-             dict(kind="gpt2", overrides=["parallel.zero=3"]), dict(kind="gpt2", overrides=["parallel.zero=0"])]
+             dict(kind="gpt2", overrides=["parallel.zero=3"]), dict(kind="gpt2", overrides=["parallel.zero=0"]),
+             dict(kind="tiny", overrides=SGD + ["parallel.sync=local-sgd"])]  # sync_every=1, SGD: all-reduce's math
     got = run_ranks(many, 2, jobs)[0]
-    refs = {kind: train_own(0, 1, kind, []) for kind in ("tiny", "llama", "gpt2")}
+    refs = {}
     for job, run in zip(jobs, got):
-        ref = refs[job["kind"]]
+        key = (job["kind"], tuple(o for o in job["overrides"] if not o.startswith(("parallel.", "memory.recompute"))))
+        if key not in refs:  # one process, the same math
+            refs[key] = train_own(0, 1, key[0], list(key[1]))
+        ref = refs[key]
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"]))
         assert loss_err < TOL, f"{job}: losses differ by {loss_err:.2e}"
         if job.get("steps", N) == N:
             assert max_rel_diff(run["params"], ref["params"]) < TOL, job
-    assert "hf.lm_head.weight" not in refs["gpt2"]["params"]  # tied to hf.transformer.wte.weight: one parameter
+    assert "hf.lm_head.weight" not in refs["gpt2", ()]["params"]  # tied to hf.transformer.wte.weight: one parameter
     resumed = train_own(0, 1, "tiny", [], resume_from=saved)
-    err = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], refs["tiny"]["losses"][K:]))
+    err = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], refs["tiny", ()]["losses"][K:]))
     assert len(resumed["losses"]) == N - K and err < TOL, f"resumed in one process: {err:.2e}"
 
 
