@@ -10,8 +10,8 @@ What carries over to another layout (parallel.dp, zero, offload, tp, master weig
 the same placements):
 - parameters and elementwise optimizer state (Adam moments, momentum): resharded exactly;
 - per-tensor state (Adam's step count): one value per parameter, given to every new piece;
-- factored state (Adafactor, SM3 on matrices): per local piece; a change of tp, pp, ep or ZeRO
-  (which cut the pieces differently) is refused with one sentence;
+- factored state (Adafactor, SM3 on matrices): per local piece, which those optimizers keep whole
+  under any dp and ZeRO stage; a change of tp (pp, ep) cuts the pieces differently and is refused;
 - loss scale, data position, schedule: global, carried over;
 - per-rank RNG streams: restored only at the same degrees (dp, tp, pp, ep, servers); otherwise every
   rank reseeds from (train.seed, its dp rank, the step): dropout masks then differ from the
@@ -192,12 +192,10 @@ def check_resume(saved: Config, saved_dims: dict, cfg: Config, dims: dict, run_d
     if degrees and cfg.parallel.sync != "allreduce":
         raise ConfigError(f"parallel.sync={cfg.parallel.sync} keeps state per rank (replicas or clocks), so it resumes "
                           f"only at the degrees it was saved with; resume with {_degrees(degrees)}.")
-    if any(is_factored(t["kind"]) for t in index.tensors.values()):
-        moved = {k: v for k, v in saved_dims.items() if k in ("tp", "pp", "ep") and v != dims.get(k)}
-        if moved or (saved.parallel.zero > 0) != (cfg.parallel.zero > 0):
-            moved["zero"] = saved.parallel.zero
-            raise ConfigError(f"optim.name={cfg.optim.name} keeps factored state per local piece of each matrix, "
-                              f"which another split cannot use; resume with {_degrees(moved)}.")
+    moved = {k: v for k, v in saved_dims.items() if k in ("tp", "pp", "ep") and v != dims.get(k)}
+    if moved and any(is_factored(t["kind"]) for t in index.tensors.values()):
+        raise ConfigError(f"optim.name={cfg.optim.name} keeps factored state per local piece of each matrix, which "
+                          f"another tensor split cannot use; resume with {_degrees(moved)}.")
 
 
 def _degrees(saved: dict) -> str:

@@ -133,3 +133,23 @@ def test_optimizer_state_continues_exactly(name, tmp_path):
         assert torch.equal(p, q), (name, n)
     factored = any("@" in k for k in Index(tmp_path / "checkpoints" / "step_00000002").tensors)
     assert factored == (name == "adafactor")
+
+
+def test_what_cannot_carry_over_is_one_sentence(tmp_path):
+    """Factored state (Adafactor) under another tensor split; local SGD at another dp; another optimizer."""
+    from teratrain.checkpoint.training import check_resume
+    from teratrain.config import ConfigError
+
+    cfg, model, engine = engine_of("optim.name=adafactor")
+    steps(cfg, model, engine, [0])
+    save_training(tmp_path / "checkpoints", 1, cfg, Runtime.single("cpu"), engine)
+    index = Index(tmp_path / "checkpoints" / "step_00000001")
+    one = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "num_servers": 0}
+    check_resume(cfg, one, cfg, {**one, "dp": 4}, tmp_path, index)  # dp is free
+    with pytest.raises(ConfigError, match=r"factored state .* resume with parallel.tp=1\."):
+        check_resume(cfg, one, cfg, {**one, "tp": 2}, tmp_path, index)
+    lsgd = make_config(*SMALL, "optim.name=adafactor", "parallel.sync=local-sgd")
+    with pytest.raises(ConfigError, match=r"local-sgd keeps state per rank.*parallel.dp=1\."):
+        check_resume(lsgd, one, lsgd, {**one, "dp": 2}, tmp_path, index)
+    with pytest.raises(ConfigError, match="optim.name is 'sgd'"):
+        check_resume(cfg, one, make_config(*SMALL, "optim.name=sgd"), one, tmp_path, index)
