@@ -68,7 +68,7 @@ class Piece:
 
     def in_bounds(self) -> int:
         """Elements of the piece inside the global tensor (the rest is padding)."""
-        return sum(math.prod(_clip(start, shape, self.shape)[1]) for start, shape, _ in self.sub_boxes())
+        return sum(math.prod(b - a for a, b in zip(*region)) for _, region in regions(self))
 
     def key(self) -> str:
         """A compact identity of the region (names a factored optimizer state's piece)."""
@@ -106,12 +106,6 @@ def _flat_range_boxes(box: tuple[int, ...], lo: int, hi: int) -> list[Box]:
     if last * inner < hi:
         out += row(last, 0, hi - last * inner)
     return out
-
-
-def _clip(start: tuple[int, ...], shape: tuple[int, ...], bound: tuple[int, ...]):
-    """A box cut to [0, bound): (start, shape), shape zero where nothing is left."""
-    stop = [min(s + n, b) for s, n, b in zip(start, shape, bound)]
-    return start, tuple(max(0, e - s) for s, e in zip(start, stop))
 
 
 def overlap(a_start, a_shape, b_start, b_shape, bound) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
