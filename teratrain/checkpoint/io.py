@@ -196,7 +196,8 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
                           "that saved one.")
 
 
-def load_rank(path: Path, rank: int, prefix: str = "", device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+def load_rank(path: Path, rank: int, prefix: str = "",
+              device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors of rank `rank`'s file whose keys start with `prefix` (e.g. its RNG state), and its JSON state."""
     meta = json.loads((path / f"rank{rank:05d}.json").read_text())
     meta.pop("file", None)  # the size and digest of the rank's tensor file, for meta.json only

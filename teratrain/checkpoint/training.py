@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from teratrain.checkpoint import io
-from teratrain.checkpoint.holdings import OPTIM, PARAM, Entry, Holdings, is_factored, ordered_params, save_entries, slot_index
+from teratrain.checkpoint.holdings import (OPTIM, PARAM, Entry, Holdings, is_factored, ordered_params, save_entries,
+                                           slot_index)
 from teratrain.checkpoint.index import Index, Reader
 from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.pieces import Piece

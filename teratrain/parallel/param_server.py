@@ -36,9 +36,10 @@ push otherwise): workers run no collective among themselves, which would put the
 Checkpoints are a synchronization point: each worker sends SAVE after its last push was applied;
 once every worker has, the servers write their parameters, optimizer state, version and clocks,
 and the workers their RNG, data position and loss scale. The servers' parameters are whole
-tensors by global name, so readers (generate, export) find them like any other checkpoint's. On resume workers pull the parameters before their first forward, so a
-synchronous run resumes bitwise. Asynchronous runs are not bitwise reproducible at all (arrival
-order decides the update order) but resume from a consistent state with every push applied.
+tensors by global name, so readers (generate, export) find them like any other checkpoint's. On
+resume workers pull the parameters before their first forward, so a synchronous run resumes
+bitwise. Asynchronous runs are not bitwise reproducible at all (arrival order decides the update
+order) but resume from a consistent state with every push applied.
 """
 
 from __future__ import annotations
