@@ -1,4 +1,4 @@
-"""Command line: `teratrain train | generate | quantize` (and `plan`, see teratrain.planner).
+"""Command line: `teratrain train | generate | quantize | export` (and `plan`, see teratrain.planner).
 
 Bad input exits with status 2 and one sentence on stderr, never a traceback.
 """
@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     from teratrain.memory.ptq import add_quantize_parser
 
     add_quantize_parser(sub)
+
+    from teratrain.checkpoint.hf_export import add_export_parser
+
+    add_export_parser(sub)
     try:
         from teratrain.planner.cli import add_plan_parser
     except ImportError:  # the planner is optional in a partial install

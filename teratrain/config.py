@@ -23,6 +23,9 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 class ConfigError(ValueError):
     """Bad user input: the message is one sentence naming the key and the fix."""
 
@@ -46,6 +49,12 @@ class ModelConfig(Section):
     tie_embeddings: bool = Field(False, description="share the input embedding with the output projection")
     norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of RMSNorm/LayerNorm")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base (llama only)")
+    rope_scaling: dict[str, float] | None = Field(None, description="Llama 3 RoPE frequency scaling {factor, "
+                                                  "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
+                                                  "unset = none")
+    init_from: str | None = Field(None, description="Hugging Face model folder (config.json + *.safetensors, Llama "
+                                  "family or GPT-2) to start from: its config fills the model keys not given here, its "
+                                  "weights the parameters, its tokenizer.json the tokenizer")
     init_std: float = Field(0.02, gt=0.0, description="std of the normal init; residual output projections get std/sqrt(2*n_layers)")
 
     @model_validator(mode="before")
@@ -59,7 +68,12 @@ class ModelConfig(Section):
             close = difflib.get_close_matches(str(name), PRESETS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"model.preset '{name}' is unknown; {hint}choose one of {', '.join(PRESETS)}.")
-        return {**PRESETS[name], **data}
+        hf = {}
+        if data.get("init_from"):  # a Hugging Face model's shape, under the keys given here
+            from teratrain.checkpoint.hf_config import init_shape
+
+            hf = init_shape(str(data["init_from"]), data)
+        return {**PRESETS[name], **hf, **data}
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
@@ -71,6 +85,9 @@ class ModelConfig(Section):
                               f"set it to a divisor of {self.n_heads}.")
         if self.arch == "llama" and self.head_dim % 2:
             raise ConfigError(f"model.d_model / model.n_heads = {self.head_dim} must be even for RoPE; change model.n_heads.")
+        if self.rope_scaling is not None and set(self.rope_scaling) != set(ROPE_SCALING_KEYS):
+            raise ConfigError(f"model.rope_scaling has keys {sorted(self.rope_scaling)}; give exactly "
+                              f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3 scaling).")
         return self
 
     @property
@@ -191,8 +208,12 @@ class ParallelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | None = Field(None, description="text file, folder of text files, or pre-tokenized .bin; unset = the Python stdlib sources")
-    tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = train a byte-level BPE on the corpus (cached)")
+    path: str | None = Field(None, description="text file, JSON-lines file (*.jsonl), folder of them, or pre-tokenized .bin; "
+                              "unset = the Python stdlib sources")
+    tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = model.init_from's tokenizer.json if "
+                                  "it has one, else train a byte-level BPE on the corpus (cached)")
+    text_field: str = Field("text", description="JSON-lines files (*.jsonl, *.ndjson): the field of each record that "
+                            "holds its text")
     val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
     cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
 
@@ -236,6 +257,17 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_tokenizer(cls, data: Any) -> Any:
+        """Start from a Hugging Face model with its own tokenizer when the folder has one."""
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and data["model"].get("init_from"):
+            tok = Path(str(data["model"]["init_from"])).expanduser() / "tokenizer.json"
+            section = data.get("data") if isinstance(data.get("data"), dict) else {}
+            if tok.is_file() and not section.get("tokenizer"):
+                data = {**data, "data": {**section, "tokenizer": str(tok)}}
+        return data
 
     @model_validator(mode="after")
     def _check_cross(self) -> "Config":
@@ -388,6 +420,8 @@ def to_toml(cfg: Config) -> str:
 def _toml_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from teratrain.checkpoint import CheckpointError, find_valid
-from teratrain.checkpoint.consolidate import full_model
+from teratrain.checkpoint.consolidate import load_weights
 from teratrain.config import Config, load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.memory import lora
@@ -42,15 +42,10 @@ def load_model(run: str | Path, device: torch.device) -> tuple[Config, Path, nn.
     cfg = load_config(run_dir / "config.toml")
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
-    weights = full_model(ckpt_dir)
-    if cfg.lora.rank:  # a LoRA run samples with its adapters folded into the base weights
-        weights = lora.merge(weights, cfg.lora.alpha)
     model = build_model(cfg.model, device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name not in weights:
-                raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; it was written for another model.")
-            p.copy_(weights[name].view_as(p))
+    load_weights(model, ckpt_dir)  # tensor by tensor from the logical checkpoint: no optimizer state read
+    if cfg.lora.rank:  # a LoRA run samples with its adapters folded into the base weights
+        lora.merge_from_checkpoint(model, ckpt_dir, cfg.lora.alpha)
     return cfg, run_dir, model
 
 

@@ -4,34 +4,38 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
-import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from teratrain import checkpoint as ckpt
-from teratrain.checkpoint.state import rng_state, set_rng_state
-from teratrain.config import Config, ConfigError, to_toml, validate
+from teratrain.checkpoint.state import seed_everything
+from teratrain.checkpoint.training import restore_training, save_training, without_init_from
+from teratrain.config import Config, ConfigError, to_toml
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
-from teratrain.models.transformer import Transformer, flops_per_token
+from teratrain.models.protocol import model_flops_per_token
+from teratrain.models.transformer import Transformer
 from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
-from teratrain.parallel.comm import AVG, all_reduce, any_rank_false, broadcast_object
+from teratrain.parallel.comm import AVG, all_reduce, broadcast_object
 from teratrain.parallel.parallelize import check_supported, parallelize
 
 
-def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
-    """Train as configured; returns a summary. Collective: every rank of the job calls it."""
+def run(cfg: Config, out: str | None = None, resume: bool = False,
+        model_fn: Callable[[Config], nn.Module] | None = None) -> dict:
+    """Train as configured; returns a summary (with the `engine` and `model`). Collective: every rank
+    of the job calls it. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
+    teratrain's decoder of `cfg.model`."""
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
@@ -39,9 +43,13 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     run_dir = _run_dir(out, resume, rt)
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
-    with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
-        model = Transformer(cfg.model)
-    engine = parallelize(model, rt, cfg)
+    if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values
+        model = model_fn(cfg)
+    else:
+        with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
+            model = Transformer(cfg.model)
+    # a resumed run's weights come from its checkpoint: skip reading model.init_from's (maybe moved) files
+    engine = parallelize(model, rt, without_init_from(cfg) if resume else cfg)
 
     start = 0
     if resume:
@@ -71,7 +79,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     peak_lr = scaled_lr(cfg.optim.lr, cfg.optim.lr_scaling, cfg.optim.base_batch, tc.global_batch)
     tokens_per_step = tc.global_batch * m.seq_len
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
-    flops_tok = flops_per_token(m)
+    flops_tok = model_flops_per_token(model, m)
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
     bar = tqdm(total=tc.steps, initial=start, disable=not (rt.is_main and cfg.metrics.progress),
                desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -110,7 +118,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
-    return {**summary, "engine": engine}  # the engine, for tests and programmatic callers
+    return {**summary, "engine": engine, "model": model}  # for tests and programmatic callers
 
 
 @torch.no_grad()
@@ -175,25 +183,12 @@ def _run_dir(out: str | None, resume: bool, rt: Runtime) -> Path:
 
 
 def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
-    tensors, meta = engine.state_tensors()
-    rng_t, rng_meta = rng_state()
-    tensors.update(rng_t)
-    meta.update(rng=rng_meta, step=step, data={"next_step": step, "samples_seen": step * cfg.train.global_batch})
-    ckpt.save(run_dir / "checkpoints", step, rt.rank, rt.world, tensors, meta, cfg.checkpoint.keep,
-              global_meta={"dims": vars(rt.dims), "config": cfg.model_dump()}, barrier=rt.barrier)
+    save_training(run_dir / "checkpoints", step, cfg, rt, engine)
 
 
 def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
-    """Load the newest usable checkpoint of `run_dir` into the engine and RNGs; return its step."""
-    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: any_rank_false(ok, rt.world_group, rt.device))
-    _check_compatible(validate(saved["config"]), cfg, run_dir)
-    if saved["dims"] != vars(rt.dims):
-        raise ConfigError(f"the checkpoint was written with layout {saved['dims']} but this run has {vars(rt.dims)}; "
-                          "resume with the same parallel.* degrees and process count.")
-    tensors, meta = ckpt.load_rank(path, rt.rank)
-    engine.load_state(tensors, meta)
-    set_rng_state(tensors, meta["rng"])
-    step = meta["step"]
+    """Load the newest usable checkpoint of `run_dir` (any layout) into the engine and RNGs; return its step."""
+    step = restore_training(run_dir / "checkpoints", cfg, rt, engine, run_dir)
     if rt.is_main:  # drop metrics a crashed run logged after this checkpoint
         mpath = run_dir / "metrics.jsonl"
         if mpath.exists():
@@ -201,27 +196,3 @@ def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
             atomic_write_bytes(mpath, "".join(json.dumps(r) + "\n" for r in kept).encode())
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
     return step
-
-
-def _check_compatible(saved: Config, cfg: Config, run_dir: Path) -> None:
-    """Refuse a resume whose model shape or optimizer-state layout differs from the checkpoint's."""
-    pairs = [(f"model.{k}", getattr(saved.model, k), getattr(cfg.model, k)) for k in type(cfg.model).model_fields]
-    pairs += [("optim.name", saved.optim.name, cfg.optim.name),
-              ("memory.precision (master weights)", saved.use_master_weights, cfg.use_master_weights)]
-    # how the update state is laid out and held: replicas, shards, flat groups, servers
-    pairs += [(f"parallel.{k}", getattr(saved.parallel, k), getattr(cfg.parallel, k))
-              for k in ("sync", "zero", "offload", "num_servers")]
-    if cfg.parallel.zero in (1, 2):  # stage 1/2 groups are buckets of bucket_mb
-        pairs.append(("parallel.bucket_mb", saved.parallel.bucket_mb, cfg.parallel.bucket_mb))
-    for key, old, new in pairs:
-        if old != new:
-            what = "model config" if key.startswith("model.") else "setting"
-            raise ConfigError(f"{key} is {new!r} but the checkpoint in {run_dir} was written with {old!r}; "
-                              f"resume with the same {what}.")
-
-
-def seed_everything(seed: int) -> None:
-    """Seed every RNG a run may draw from (torch CPU and CUDA, Python, NumPy); all are checkpointed."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

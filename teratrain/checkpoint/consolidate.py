@@ -1,72 +1,50 @@
 """Whole model weights from a checkpoint, whatever the layout that wrote it.
 
-Every rank file that holds model state contributes pieces: whole local tensors (`model.*`, written
-by one rank of each set of replicas) or ZeRO-3 flat shards, put back together per flat group from
-the ranks its layout names. Each local tensor is then placed into its logical tensor by the
-placement recorded beside it (tensor-parallel pieces side by side, padding dropped), so the result
-is the single-device model's state dict by global name.
+The checkpoint's index (index.py) lists each parameter's pieces in global coordinates, so every
+weight is assembled by reading its pieces alone, one tensor at a time: host memory holds the model
+(or one tensor), never the optimizer state (`teratrain generate`, export, quantization, evaluation).
+Values are the fp32 masters where training kept them (what training continues from).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
 
+from teratrain.checkpoint.holdings import PARAM, Entry
+from teratrain.checkpoint.index import Index, Reader
 from teratrain.checkpoint.io import CheckpointError
-from teratrain.parallel.placement import Placement
+from teratrain.checkpoint.pieces import Piece
 
 
 def full_model(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    world = json.loads((ckpt_dir / "meta.json").read_text())["world"]
-    metas = [json.loads((ckpt_dir / f"rank{r:05d}.json").read_text()) for r in range(world)]
-    out: dict[str, torch.Tensor] = {}
-    for r, meta in enumerate(metas):
-        if meta.get("replica_of") is not None:
-            continue  # an exact replica of a rank whose file holds the state
-        placements = meta.get("placements", {})
-        with safe_open(str(ckpt_dir / f"rank{r:05d}.safetensors"), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith("model."):
-                    name = key.removeprefix("model.")
-                    _put(out, name, f.get_tensor(key), _placement(name, placements))
-        layout = meta.get("zero")
-        if layout and layout["stage"] == 3:
-            for names, numels, ranks in layout["groups"]:
-                if ranks[0] == r:  # the group's first rank reassembles it
-                    _put_group(out, ckpt_dir, metas, names, numels, ranks, placements)
-    if not out:
-        raise CheckpointError(f"{ckpt_dir} holds no model weights; point --ckpt at a teratrain run's checkpoint.")
-    return out
+    """Every parameter, whole, by global name (the single-device model's state dict)."""
+    with Reader(Index(ckpt_dir)) as reader:
+        names = reader.index.names(PARAM)
+        if not names:
+            raise CheckpointError(f"{ckpt_dir} holds no model weights; point --ckpt at a teratrain run's checkpoint.")
+        return {name: reader.read(PARAM, name) for name in names}
 
 
-def _placement(name: str, placements: dict) -> Placement | None:
-    pl = placements.get(name)
-    return Placement.from_json(pl) if pl else None
+@torch.no_grad()
+def load_weights(model: nn.Module, ckpt_dir: Path) -> None:
+    """Fill a single-device model's parameters from the checkpoint, each read straight into its
+    parameter (cast to its dtype, on its device): no second copy of the model."""
+    with Reader(Index(ckpt_dir)) as reader:
+        for name, p in model.named_parameters():
+            if reader.index.info(PARAM, name) is None:
+                raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; it was written for another model.")
+            reader.fill(Entry(PARAM, Piece.whole_of(name, tuple(p.shape)), p.data))
 
 
-def _put(out: dict, name: str, local: torch.Tensor, pl: Placement | None) -> None:
-    """Write a local piece into its logical tensor (creating it at its global shape). Without a
-    recorded placement (checkpoints of whole replicas) the tensor is whole."""
-    if pl is None or pl.dim is None:
-        out[name] = local if pl is None else local.view(pl.global_shape)
-        return
-    full = out.setdefault(pl.name, torch.zeros(pl.global_shape, dtype=local.dtype))
-    full[pl.global_slices()] = local.view(pl.local_shape())[pl.local_slices()]
+def read_tensors(ckpt_dir: Path, *suffixes: str):
+    """(stem, (tensors...)) for every parameter group whose names are stem + each suffix, read whole
+    one group at a time (e.g. a LoRA layer's A and B: memory/lora.py)."""
+    with Reader(Index(ckpt_dir)) as reader:
+        for name in reader.index.names(PARAM):
+            if name.endswith(suffixes[0]):
+                stem = name[: -len(suffixes[0])]
+                yield stem, tuple(reader.read(PARAM, stem + s) for s in suffixes)
 
-
-def _put_group(out, ckpt_dir: Path, metas: list, names, numels, ranks, placements) -> None:
-    """Rank i of a ZeRO-3 group holds elements [i*S, (i+1)*S) of its padded flat buffer
-    (parallel/flat.py): the members' shards in order give the buffer back; split it by the numels."""
-    shards = []
-    for m in ranks:
-        index = next(i for i, g in enumerate(metas[m]["zero"]["groups"]) if g[0] == names)
-        with safe_open(str(ckpt_dir / f"rank{m:05d}.safetensors"), framework="pt") as f:
-            key = f"zero.{index}.master" if f"zero.{index}.master" in f.keys() else f"zero.{index}.params"
-            shards.append(f.get_tensor(key))
-    flat, offset = torch.cat(shards), 0
-    for name, n in zip(names, numels):
-        _put(out, name, flat[offset:offset + n], _placement(name, placements))
-        offset += n

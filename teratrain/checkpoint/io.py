@@ -1,9 +1,11 @@
 """Checkpoint directories on disk.
 
     <run>/checkpoints/step_00000016/
-        rank00000.safetensors   tensors of rank 0 (model, master weights, optimizer state, RNG)
-        rank00000.json          JSON state of rank 0 (optimizer groups, loss scaler, RNG, data position)
-        meta.json               written last: step, world size, size + sha256 of every rank file
+        rank00000.safetensors   the pieces of logical tensors rank 0 holds (parameters, fp32 masters,
+                                optimizer moments: checkpoint/holdings.py) and its RNG state
+        rank00000.json          JSON state of rank 0 (its pieces, loss scaler, RNG, data position)
+        index.json              every logical tensor's global shape and pieces (checkpoint/index.py)
+        meta.json               written last: step, world size, layout, size + sha256 of every file
     <run>/checkpoints/latest    name of the newest complete checkpoint
 
 A checkpoint is written into `step_X.tmp/`, every file fsynced, then renamed to `step_X/`, and only
@@ -11,7 +13,9 @@ after that is `latest` replaced (itself atomically). The folder must be on a fil
 sees (as multi-node torchrun jobs have): ranks agree on which checkpoint to resume from by checking
 the same files. A crash leaves at worst a `.tmp` folder that is
 ignored. On load, a checkpoint whose files are missing, truncated or fail their digest is skipped
-with a warning and the previous complete one is used.
+with a warning and the previous complete one is used. Each file's digest is checked by one rank of
+the job reading it (old rank k's files by new rank k mod world), so every file is checked once
+whatever the layout that resumes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from safetensors import safe_open
 
 from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
 
-_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                 torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -42,16 +46,16 @@ def _noop(*_):
     return None
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """Stream tensors into a safetensors file one at a time (no second copy of the state in memory;
     views of one flat buffer are fine, unlike `safetensors.torch.save_file`). Returns the file's
     sha256, computed from the bytes as they are written (no second read of a large file)."""
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     names = sorted(tensors)
     for name in names:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
@@ -97,11 +101,18 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
     atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps({**meta, "file": own}).encode())
     barrier()
     if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
-        files = {}
+        from teratrain.checkpoint.index import FORMAT, INDEX, merge_rank  # (index.py imports this module)
+
+        files, index = {}, {}
         for r in range(world):
             rank_json = tmp / f"rank{r:05d}.json"
-            files[f"rank{r:05d}.safetensors"] = json.loads(rank_json.read_text())["file"]
+            rank_meta = json.loads(rank_json.read_text())
+            files[f"rank{r:05d}.safetensors"] = rank_meta["file"]
             files[rank_json.name] = {"bytes": rank_json.stat().st_size, "sha256": sha256(rank_json)}
+            merge_rank(index, rank_meta, f"rank{r:05d}.safetensors")
+        if index.get("tensors"):
+            atomic_write_bytes(tmp / INDEX, json.dumps({"format": FORMAT, **index}).encode())
+            files[INDEX] = {"bytes": (tmp / INDEX).stat().st_size, "sha256": sha256(tmp / INDEX)}
         atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, "world": world, "files": files,
                                                           **(global_meta or {})}, indent=1).encode())
         if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
@@ -137,9 +148,17 @@ def candidates(root: Path) -> list[Path]:
     return found
 
 
-def verify(path: Path, rank: int) -> dict:
-    """Raise CheckpointError unless every file is present at its recorded size and this rank's
-    files match their digests. Returns meta.json."""
+def _checked_here(fname: str, rank: int, world: int) -> bool:
+    """Is this rank the one that checks the digest of `fname`? The index on every rank; old rank
+    k's files on rank k mod world."""
+    if not fname.startswith("rank"):
+        return True
+    return int(fname[4:9]) % world == rank
+
+
+def verify(path: Path, rank: int, world: int = 1) -> dict:
+    """Raise CheckpointError unless every file is present at its recorded size and the files this
+    rank checks match their digests. Returns meta.json."""
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as e:
@@ -148,17 +167,22 @@ def verify(path: Path, rank: int) -> dict:
         p = path / fname
         if not p.exists() or p.stat().st_size != info["bytes"]:
             raise CheckpointError(f"{path.name}: {fname} is missing or truncated")
-        if fname.startswith(f"rank{rank:05d}") and sha256(p) != info["sha256"]:
+        if _checked_here(fname, rank, world) and sha256(p) != info["sha256"]:
             raise CheckpointError(f"{path.name}: {fname} fails its sha256 digest")
     return meta
 
 
-def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[Path, dict]:
-    """The newest checkpoint that verifies on every rank (`agree` ANDs a flag over ranks), and its meta.json."""
+def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda ok: ok, world: int = 1,
+               check: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict]:
+    """The newest checkpoint that verifies on every rank (`agree` ANDs a flag over ranks), and its
+    meta.json. `check(path, meta)` may refuse one more way (a CheckpointError: the reads a resume
+    plans from its index); a refused checkpoint is skipped like a corrupt one."""
     tried = []
     for path in candidates(root):
         try:
-            meta, ok = verify(path, rank), True
+            meta, ok = verify(path, rank, world), True
+            if check is not None:
+                check(path, meta)
         except CheckpointError as e:
             ok, reason = False, str(e)
         if agree(ok):
@@ -172,18 +196,11 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
                           "that saved one.")
 
 
-def load_rank(path: Path, rank: int, device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
-    """This rank's tensors and JSON state from a verified checkpoint. A rank whose state is a replica
-    of another's (data parallelism) wrote only its own RNG and scaler plus `replica_of`: the rest is
-    read from that rank's file, the rank's own entries taking precedence."""
+def load_rank(path: Path, rank: int, prefix: str = "",
+              device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of rank `rank`'s file whose keys start with `prefix` (e.g. its RNG state), and its JSON state."""
     meta = json.loads((path / f"rank{rank:05d}.json").read_text())
     meta.pop("file", None)  # the size and digest of the rank's tensor file, for meta.json only
-    tensors = {}
     with safe_open(str(path / f"rank{rank:05d}.safetensors"), framework="pt", device=str(device)) as f:
-        for k in f.keys():
-            tensors[k] = f.get_tensor(k)
-    if meta.get("replica_of") is not None:
-        shared, shared_meta = load_rank(path, meta["replica_of"], device)
-        tensors = {**{k: v for k, v in shared.items() if not k.startswith("rng.")}, **tensors}
-        meta = {**shared_meta, **meta}
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
     return tensors, meta

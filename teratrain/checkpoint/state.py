@@ -1,6 +1,7 @@
-"""Turning training state into (tensors, JSON) and back: optimizer state, RNG streams.
+"""RNG streams as (tensors, JSON) and back, and how they are seeded.
 
-Nothing here pickles: tensors go to safetensors, everything else must be JSON.
+Nothing here pickles: tensors go to safetensors, everything else must be JSON. (Optimizer state is
+saved as logical tensors: checkpoint/holdings.py.)
 """
 
 from __future__ import annotations
@@ -11,34 +12,11 @@ import numpy as np
 import torch
 
 
-def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Any torch optimizer's state as {"optim.<param index>.<key>": tensor} plus JSON metadata."""
-    sd = opt.state_dict()
-    tensors, scalars = {}, {}
-    for pid, st in sd["state"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"optim.{pid}.{k}"] = v
-            else:
-                scalars.setdefault(str(pid), {})[k] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    state: dict[int, dict] = {}
-    for key, t in tensors.items():
-        _, pid, k = key.split(".", 2)
-        state.setdefault(int(pid), {})[k] = t
-    for pid, d in meta["scalars"].items():
-        state.setdefault(int(pid), {}).update(d)
-    # Hyperparameters come from the optimizer as configured now (a resumed run may change weight
-    # decay or betas); only which parameters each group holds comes from the checkpoint.
-    current = opt.state_dict()["param_groups"]
-    if len(current) != len(meta["param_groups"]):
-        raise ValueError("optimizer parameter groups differ from the checkpoint's")
-    groups = [{**{k: v for k, v in cur.items() if k != "params"}, "params": saved["params"]}
-              for cur, saved in zip(current, meta["param_groups"])]
-    opt.load_state_dict({"state": state, "param_groups": groups})
+def seed_everything(seed: int) -> None:
+    """Seed every RNG a run may draw from (torch CPU and CUDA, Python, NumPy); all are checkpointed."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict]:

@@ -8,6 +8,7 @@ parallel layout sees the same global batches and a resumed run sees the batches 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -49,36 +50,37 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
     if path and Path(path).suffix == ".bin":
         tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), data_cfg.tokenizer, path
     else:
-        files = user_files(path) if path else stdlib_files()
+        files, field = (user_files(path) if path else stdlib_files()), data_cfg.text_field
         source = path or f"python {sys.version_info.major}.{sys.version_info.minor} standard library ({len(files)} files)"
         if builder:  # train the tokenizer and encode once; the cache makes later calls cheap
-            tok, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer)
-            if not _bin_path(cache, tok_path, files).exists():
-                _encode_to_bin(files, tok, _bin_path(cache, tok_path, files), vocab_size)
+            tok, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer, field)
+            if not _bin_path(cache, tok_path, files, field).exists():
+                _encode_to_bin(files, tok, _bin_path(cache, tok_path, files, field), vocab_size, field)
         wait()
-        _, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer)
-        bin_path = _bin_path(cache, tok_path, files)
+        _, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer, field)
+        bin_path = _bin_path(cache, tok_path, files, field)
         tokens = np.memmap(bin_path, dtype=_dtype(vocab_size), mode="r")
     n_val = int(len(tokens) * data_cfg.val_fraction)
     return TokenData(train=tokens[:len(tokens) - n_val], val=tokens[len(tokens) - n_val:],
                      tokenizer_path=Path(tok_path) if tok_path else None, source=source)
 
 
-def _bin_path(cache: Path, tok_path: Path, files: list[Path]) -> Path:
-    return cache / f"tokens-{file_digest(tok_path)}-{fingerprint(files)}.bin"
+def _bin_path(cache: Path, tok_path: Path, files: list[Path], text_field: str) -> Path:
+    return cache / f"tokens-{file_digest(tok_path)}-{fingerprint(files, text_field)}.bin"
 
 
 def _dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
-def _encode_to_bin(files: list[Path], tok, out: Path, vocab_size: int, chunk: int = 256) -> None:
-    """Encode documents in batches (the tokenizer runs them in parallel), EOT after each one."""
+def _encode_to_bin(files: list[Path], tok, out: Path, vocab_size: int, text_field: str, chunk: int = 256) -> None:
+    """Encode documents as they are read, in batches (the tokenizer runs them in parallel), EOT after
+    each one: only the tokens are held, never the whole text."""
     eot = tok.token_to_id(EOT)
     parts: list[np.ndarray] = []
-    docs = list(read_documents(files))
-    for i in range(0, len(docs), chunk):
-        for enc in tok.encode_batch(docs[i:i + chunk]):
+    docs = iter(read_documents(files, text_field))
+    while batch := list(itertools.islice(docs, chunk)):
+        for enc in tok.encode_batch(batch):
             ids = enc.ids + ([eot] if eot is not None else [])
             parts.append(np.asarray(ids, dtype=_dtype(vocab_size)))
     atomic_write_bytes(out, np.concatenate(parts).tobytes())

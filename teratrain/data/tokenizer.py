@@ -13,19 +13,20 @@ from teratrain.fsio import atomic_write_bytes
 EOT = "<|endoftext|>"
 
 
-def train_bpe(files: list[Path], vocab_size: int, out: Path) -> Tokenizer:
+def train_bpe(files: list[Path], vocab_size: int, out: Path, text_field: str = "text") -> Tokenizer:
     """Train a byte-level BPE of at most `vocab_size` entries (EOT included) and save it to `out`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(read_documents(files), trainer)
+    tok.train_from_iterator(read_documents(files, text_field), trainer)
     atomic_write_bytes(out, tok.to_str().encode())
     return tok
 
 
-def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | None) -> tuple[Tokenizer, Path]:
+def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | None,
+                  text_field: str = "text") -> tuple[Tokenizer, Path]:
     """The tokenizer to use and the path of its json. A given file wins; else a cached or fresh BPE."""
     if given:
         path = Path(given).expanduser()
@@ -34,8 +35,8 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise DataError(f"data.tokenizer '{given}' could not be loaded ({e}); give a tokenizer.json saved by HF tokenizers.") from None
     else:
-        path = cache / f"bpe-{fingerprint(files)}-{vocab_size}.json"
-        tok = Tokenizer.from_file(str(path)) if path.exists() else train_bpe(files, vocab_size, path)
+        path = cache / f"bpe-{fingerprint(files, text_field)}-{vocab_size}.json"
+        tok = Tokenizer.from_file(str(path)) if path.exists() else train_bpe(files, vocab_size, path, text_field)
     if tok.get_vocab_size() > vocab_size:
         raise DataError(f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size is {vocab_size}; "
                         f"set model.vocab_size >= {tok.get_vocab_size()}.")

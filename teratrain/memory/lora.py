@@ -56,15 +56,33 @@ def apply_lora(model: nn.Module, cfg) -> None:
                 setattr(block.get_submodule(owner_path), leaf, LoRALinear(module, lc.rank, lc.alpha, lc.dropout))
 
 
-def lora_init(init_fn):
-    """`init_fn` for a model with adapters: B starts at zero (the model starts as its base)."""
-    def init(t: torch.Tensor, name: str) -> None:
+class LoraInit:
+    """The init of a model with adapters: A like any weight (`own`: by global name and seed), B at
+    zero (the model starts as its base), everything else from `base`: teratrain's init, or a Hugging
+    Face model's weights, whose `read_piece` (reading just a rank's piece) is kept."""
+
+    def __init__(self, base, own):
+        self.base, self.own = base, own
+        if hasattr(base, "read_piece"):
+            self.read_piece = self._read_piece
+
+    def __call__(self, t: torch.Tensor, name: str) -> None:
         if name.endswith(".lora_b"):
             t.zero_()
+        elif name.endswith(".lora_a"):
+            self.own(t, name)
         else:
-            init_fn(t, name)
+            self.base(t, name)
 
-    return init
+    def _read_piece(self, t: torch.Tensor, pl, lo: int = 0, hi: int | None = None) -> None:
+        if not pl.name.endswith(ADAPTERS):
+            self.base.read_piece(t, pl, lo, hi)
+            return
+        from teratrain.checkpoint.pieces import WholeTensors
+
+        full = torch.empty(pl.global_shape, dtype=t.dtype, device=t.device)
+        self(full, pl.name)
+        WholeTensors({pl.name: full}, {}).read_piece(t, pl, lo, hi)
 
 
 @torch.no_grad()
@@ -78,3 +96,15 @@ def merge(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Ten
             w = out[stem + "weight"]
             out[stem + "weight"] = (w.float() + (alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
     return out
+
+
+@torch.no_grad()
+def merge_from_checkpoint(model: nn.Module, ckpt_dir, alpha: float) -> None:
+    """Fold a checkpoint's adapters into a plain model holding its base weights (read one adapter
+    pair at a time from the logical checkpoint)."""
+    from teratrain.checkpoint.consolidate import read_tensors
+
+    for name, (a, b) in read_tensors(ckpt_dir, ".lora_a", ".lora_b"):
+        w = model.get_parameter(name + "weight")
+        w += ((alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
+

@@ -7,6 +7,7 @@ Policies (`memory.recompute`):
 - selective: only the attention core (QK^T, softmax, dropout, .V) is recomputed (Korthikanti et
              al. 2022): the T x T part that is cheap to redo and costly to keep.
 Dropout RNG is replayed (`preserve_rng_state`), so gradients equal those without recomputation.
+A model of your own (models/protocol.py) gets `full`: each of its blocks' forward is checkpointed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from teratrain.models.protocol import blocks, is_builtin
 from teratrain.models.transformer import Blocks
 
 
@@ -64,9 +66,25 @@ class Recomputed(nn.Module):
 def apply_recompute(model: nn.Module, policy: str, every: int = 2) -> nn.Module:
     if policy == "none":
         return model
+    if not is_builtin(model):  # a model of your own: each of its blocks (models/protocol.py) is a segment
+        for _, block in blocks(model):
+            block.forward = _checkpointed(block.forward)
+        return model
     if policy == "selective":
         for block in model.layers:
             block.attention.core = Recomputed(block.attention.core)
         return model
     model.layers = RecomputedBlocks(model.layers, segment_size(policy, len(model.layers), every))
     return model
+
+
+def _checkpointed(forward):
+    """`forward` run under checkpoint: its activations are recomputed in backward (module hooks, such
+    as ZeRO-3's gathers, stay outside it and run once)."""
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    return run

@@ -7,6 +7,8 @@ tensor-parallel split of the projections (and sequence parallelism) needs no cha
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,16 +40,20 @@ class LayerNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE tables (Su et al. 2021), "rotate-half" layout as in HF Llama. Buffers are not saved."""
+    """RoPE tables (Su et al. 2021), "rotate-half" layout as in HF Llama. Buffers are not saved.
+    `scaling`: Llama 3's frequency scaling (dict of factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings), as Meta's reference code and HF apply it."""
 
-    def __init__(self, head_dim: int, max_seq: int, theta: float):
+    def __init__(self, head_dim: int, max_seq: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        self.head_dim, self.max_seq, self.theta = head_dim, max_seq, theta
+        self.head_dim, self.max_seq, self.theta, self.scaling = head_dim, max_seq, theta, scaling
         self.register_buffer("cos", torch.empty(max_seq, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq, head_dim), persistent=False)
 
     def reset(self) -> None:
         inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=self.cos.device).float() / self.head_dim)
+        if self.scaling:
+            inv_freq = llama3_scaled(inv_freq, **self.scaling)
         t = torch.arange(self.max_seq, device=self.cos.device).float()
         freqs = torch.outer(t, inv_freq)  # (T, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (T, hd)
@@ -56,6 +62,19 @@ class Rotary(nn.Module):
 
     def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[start:start + length], self.sin[start:start + length]
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_position_embeddings: float) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: wavelengths beyond original_len / low_freq_factor are stretched by
+    `factor`, those below original_len / high_freq_factor kept, the band between interpolated."""
+    old_len = original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high_freq_factor) & (wavelen <= old_len / low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.arch == "llama" else None
+        self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.memory.compression import compressed_saves
 from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, make_scaler, param_dtype
 from teratrain.optim.build import build_optimizer
-from teratrain.parallel.placement import assign_defaults, placements_json
+from teratrain.parallel.placement import assign_defaults, placement
 
 
 @dataclass
@@ -216,23 +216,21 @@ class LocalEngine(EngineBase):
                 "grads": tensor_bytes(p.grad for _, p in self.named),
                 "optimizer": tensor_bytes(opt + list(self.masters or []))}
 
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {f"model.{n}": p for n, p in self.model.named_parameters()}  # frozen ones too
-        if self.masters is not None:
-            tensors.update({f"master.{n}": m for (n, _), m in zip(self.named, self.masters)})
-        opt_tensors, opt_meta = optimizer_to_flat(self.optimizer)
-        tensors.update(opt_tensors)
-        meta = {"optimizer": opt_meta, "scaler": self.scaler.state_dict() if self.scaler else None,
-                "placements": placements_json(self.model)}
-        return tensors, meta
+    def holdings(self) -> Holdings:
+        """Every parameter's training value and the optimizer's slots (checkpoint/holdings.py)."""
+        params = dict(self.model.named_parameters())
+        values = [Slot(placement(params[n]), t) for n, t in self.training_values().items()]
+        targets = self.masters if self.masters is not None else [p for _, p in self.named]
+        return Holdings(values, [(self.optimizer, [Slot(placement(p), t) for (_, p), t in zip(self.named, targets)])])
 
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                p.copy_(tensors[f"model.{n}"])
-            for (n, _), m in zip(self.named, self.masters or []):
-                m.copy_(tensors[f"master.{n}"])
-        optimizer_from_flat(self.optimizer, {k: v for k, v in tensors.items() if k.startswith("optim.")}, meta["optimizer"])
+    def state_meta(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def loaded(self, meta: dict) -> None:
+        """After a checkpoint filled the holdings: parameters from their masters, the loss scale."""
+        if self.masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_([p for _, p in self.named], self.masters)
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
 

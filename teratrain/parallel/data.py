@@ -99,16 +99,7 @@ class DataParallelEngine(LocalEngine):
         return self.cross.sq_norm([g for g, (_, p) in zip(grads, self.named)
                                    if self.cross.counted(placement(p), replicated_over_group=True)])
 
-    # ---- checkpoints and tests
-    def state_tensors(self):
-        """Replicas are identical: the first rank of each set of replicas writes the model and
-        optimizer state, the others only their own scaler (their RNG is added by the trainer) and a
-        pointer to that rank's file."""
-        first = self.mesh.ranks("ep_replicas")[0]
-        if first != self.mesh.rank:
-            return {}, {"scaler": self.scaler.state_dict() if self.scaler else None, "replica_of": first}
-        return super().state_tensors()
-
+    # ---- tests and readers
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter this rank's model holds, whole (collective over tensor parallelism)."""

@@ -22,17 +22,22 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.memory.compression import apply_compression
-from teratrain.memory.lora import apply_lora, lora_init
+from teratrain.memory.lora import LoraInit, apply_lora
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.own_model import check_model, initial_values, retie, untie
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
 
 
 def parallelize(model: nn.Module, rt, cfg):
-    """Apply every configured strategy to `model` (on the meta device); return the update engine."""
+    """Apply every configured strategy to `model` and return the update engine. `model` is teratrain's
+    decoder or one of your own (models/protocol.py), on the meta device or, keeping its values, a real one."""
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
+    check_model(model, cfg)
+    aliases = untie(model)  # shared parameters: one registration until the engine exists
+    init = initial_values(model, lambda: init_fn(cfg))  # before anything moves the values
     apply_lora(model, cfg)  # 0: adapters on the single-device model, everything else frozen
     assign_defaults(model)  # 0
     if rt.dims.tp > 1:  # 2: splits adapters with their base layers
@@ -41,7 +46,9 @@ def parallelize(model: nn.Module, rt, cfg):
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
-    return build_engine(model, rt, cfg)  # 6
+    engine = build_engine(model, rt, cfg, init)  # 6
+    retie(model, aliases)
+    return engine
 
 
 def check_supported(cfg) -> None:
@@ -83,22 +90,30 @@ def zero_problem(zero: int, offload: str) -> str | None:
 
 
 def init_fn(cfg):
-    """How a whole parameter is initialized: by its global name and the seed only."""
-    fn = lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)  # noqa: E731
-    return lora_init(fn) if cfg.lora.rank else fn
+    """How a whole parameter is initialized: by its global name and the seed only, or from the
+    Hugging Face model of `model.init_from` (whose init reads only each rank's pieces); LoRA's
+    adapters start as memory/lora.py says."""
+    own = lambda t, name: init_param_(t, name, cfg.model, cfg.train.seed)  # noqa: E731
+    base = own
+    if cfg.model.init_from:
+        from teratrain.checkpoint.hf_weights import HFInit
+
+        base = HFInit(cfg.model.init_from, cfg.model)
+    return LoraInit(base, own) if cfg.lora.rank else base
 
 
-def build_engine(model: nn.Module, rt, cfg):
-    p = cfg.parallel
+def build_engine(model: nn.Module, rt, cfg, init=None):
+    """The engine of `cfg`, materializing the meta-device model with `init` (an init_fn; default: by name and seed)."""
+    p, init = cfg.parallel, init or init_fn(cfg)
     if p.sync == "param-server":  # before the one-process case: one worker still talks to its servers
         from teratrain.parallel import param_server
 
-        return param_server.build(model, rt, cfg)
+        return param_server.build(model, rt, cfg, init)
     if p.zero >= 1:
         from teratrain.parallel.zero import ZeroEngine
 
-        return ZeroEngine(model, cfg, rt, init_fn(cfg))
-    materialize(model, rt.device, init_fn(cfg))
+        return ZeroEngine(model, cfg, rt, init)
+    materialize(model, rt.device, init)
     if cfg.lora.rank and cfg.lora.base_dtype == "bf16":  # frozen weights stored in half the bytes
         for p in model.parameters():
             if not p.requires_grad:

@@ -35,10 +35,11 @@ push otherwise): workers run no collective among themselves, which would put the
 
 Checkpoints are a synchronization point: each worker sends SAVE after its last push was applied;
 once every worker has, the servers write their parameters, optimizer state, version and clocks,
-and the workers their RNG, data position and loss scale (rank 0 also its replica, for
-`teratrain generate`). On resume workers pull the parameters before their first forward, so a
-synchronous run resumes bitwise. Asynchronous runs are not bitwise reproducible at all (arrival
-order decides the update order) but resume from a consistent state with every push applied.
+and the workers their RNG, data position and loss scale. The servers' parameters are whole
+tensors by global name, so readers (generate, export) find them like any other checkpoint's. On
+resume workers pull the parameters before their first forward, so a synchronous run resumes
+bitwise. Asynchronous runs are not bitwise reproducible at all (arrival order decides the update
+order) but resume from a consistent state with every push applied.
 """
 
 from __future__ import annotations
@@ -50,15 +51,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from teratrain.checkpoint.io import CheckpointError
-from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.config import ConfigError
 from teratrain.memory.precision import has_inf_or_nan, make_scaler, param_dtype
-from teratrain.models.transformer import init_param_, materialize
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes
 from teratrain.parallel.comm import all_reduce
 from teratrain.parallel.flat import FlatGroup
+from teratrain.parallel.placement import init_local_, materialize, placement
 
 # Both ends of the protocol live in this one file (past the ~300-line aim) so that every message's
 # send and receive can be read side by side.
@@ -96,7 +96,7 @@ def assign(numels: list[int], num_servers: int) -> list[list[int]]:
     return [sorted(o) for o in owned]
 
 
-def build(model, rt, cfg):
+def build(model, rt, cfg, init):
     """The engine of this rank: a server, or a worker (materialized here). Collective on all ranks."""
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     ranks = list(range(rt.world))
@@ -106,8 +106,8 @@ def build(model, rt, cfg):
     owned = assign([p.numel() for _, p in named], rt.dims.num_servers)
     groups = [FlatGroup([named[i][0] for i in o], [named[i][1] for i in o], 1, 0) for o in owned]
     if rt.is_server:
-        return ParamServer(groups[rt.rank - rt.dims.workers], cfg, rt, channel, servers)
-    materialize(model, rt.device, cfg.train.seed)
+        return ParamServer(groups[rt.rank - rt.dims.workers], cfg, rt, channel, servers, init)
+    materialize(model, rt.device, init)
     return ParamServerWorker(model, groups, cfg, rt, channel)
 
 
@@ -201,15 +201,16 @@ class ParamServerWorker(EngineBase):
         return {"params": tensor_bytes(p for _, p in self.named), "grads": tensor_bytes(p.grad for _, p in self.named),
                 "optimizer": 0}  # optimizer state and fp32 masters live on the servers
 
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def holdings(self) -> Holdings:
+        return Holdings([])  # the servers hold the parameters and the optimizer state
+
+    def state_meta(self) -> dict:
         """Collective with the servers: SAVE tells them to write their shards with this checkpoint."""
         self._exchange(SAVE)
-        tensors = {f"model.{n}": p for n, p in self.named} if self.rank == 0 else {}
-        meta = {"param_server": {"clock": self.clock, "staleness_max": self.staleness_max},
+        return {"param_server": {"clock": self.clock, "staleness_max": self.staleness_max},
                 "scaler": self.scaler.state_dict() if self.scaler else None}
-        return tensors, meta
 
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    def loaded(self, meta: dict) -> None:
         ps = meta["param_server"]
         self.clock, self.staleness_max, self.stale = ps["clock"], ps["staleness_max"], True
         if self.scaler is not None and meta.get("scaler"):
@@ -228,14 +229,14 @@ class ParamServer:
 
     is_server = True
 
-    def __init__(self, group: FlatGroup, cfg, rt, channel, servers):
+    def __init__(self, group: FlatGroup, cfg, rt, channel, servers, init):
         self.group, self.channel, self.servers, self.device = group, channel, servers, rt.device
         self.staleness, self.grad_clip = cfg.parallel.staleness, cfg.train.grad_clip
         self.flat = torch.zeros(group.numel, dtype=torch.float32, device=rt.device)
         self.grad = torch.zeros_like(self.flat)
         self.views = group.views(self.flat)
-        for name, view, grad in zip(group.names, self.views, group.views(self.grad)):
-            init_param_(view, name, cfg.model, cfg.train.seed)  # per-name generator: the workers' values
+        for p, view, grad in zip(group.params, self.views, group.views(self.grad)):
+            init_local_(view, placement(p), init)  # by global name and seed: the workers' values
             view.grad = grad
         self.optimizer = build_optimizer(zip(group.names, self.views), cfg.optim)
         self.num_workers = rt.dims.workers
@@ -369,24 +370,16 @@ class ParamServer:
         return {"params": tensor_bytes([self.flat]), "grads": tensor_bytes([self.grad, self.inbox]),
                 "optimizer": tensor_bytes(opt)}
 
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {f"model.{n}": v for n, v in zip(self.group.names, self.views)}
-        opt_tensors, opt_meta = optimizer_to_flat(self.optimizer)
-        tensors.update(opt_tensors)
-        meta = {"param_server": {"names": self.group.names, "version": self.version, "clock": self.clock,
-                                 "skipped_steps": self.skipped_steps}, "optimizer": opt_meta}
-        return tensors, meta
+    def holdings(self) -> Holdings:
+        """The whole parameters this server owns (fp32) and its optimizer over them."""
+        slots = [Slot(placement(p), v) for p, v in zip(self.group.params, self.views)]
+        return Holdings(slots, [(self.optimizer, slots)])
 
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    def state_meta(self) -> dict:
+        return {"param_server": {"version": self.version, "clock": self.clock, "skipped_steps": self.skipped_steps}}
+
+    def loaded(self, meta: dict) -> None:
         ps = meta["param_server"]
-        if ps["names"] != self.group.names:
-            raise CheckpointError("the checkpoint's parameter-server assignment differs from this run's; resume "
-                                  "with the parallel.num_servers and model it was written with.")
-        with torch.no_grad():
-            for n, v in zip(self.group.names, self.views):
-                v.copy_(tensors[f"model.{n}"])
-        opt_tensors = {k: v for k, v in tensors.items() if k.startswith("optim.")}
-        optimizer_from_flat(self.optimizer, opt_tensors, meta["optimizer"])
         self.version, self.clock, self.skipped_steps = ps["version"], ps["clock"], ps["skipped_steps"]
 
     @torch.no_grad()

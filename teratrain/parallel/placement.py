@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from teratrain.models.protocol import init_buffers
+
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
@@ -119,7 +121,12 @@ def counted_here(pl: Placement, coords: dict[str, int], group_rank: int | None =
 def init_local_(t: torch.Tensor, pl: Placement, init_fn: Callable[[torch.Tensor, str], None]) -> None:
     """Initialize a local tensor as the matching slice of the whole parameter: `init_fn(full, name)`
     fills the global tensor (its values depend only on the name and the seed), and this rank keeps
-    its piece, padding zeroed. So every layout starts from the same model."""
+    its piece, padding zeroed. So every layout starts from the same model. An `init_fn` with a
+    `read_piece(t, pl)` method holds trained weights (checkpoint/hf_weights.py): it reads just the piece."""
+    read = getattr(init_fn, "read_piece", None)
+    if read is not None:
+        read(t, pl)
+        return
     if pl.dim is None:
         init_fn(t, pl.name)
         return
@@ -140,7 +147,7 @@ def materialize(model: nn.Module, device: torch.device | str, init_fn: Callable[
     with torch.no_grad():
         for p in model.parameters():
             init_local_(p, placement(p), init_fn)
-    model.init_buffers(device)
+    init_buffers(model, device, getattr(init_fn, "buffers", None))
 
 
 def to_global(t: torch.Tensor, pl: Placement, mesh) -> torch.Tensor:

@@ -13,7 +13,8 @@ weight decay is linear in x and keeps this; AdamW's per-element scaling and grad
 rank clips by its own local norm) do not. Optimizer state stays per rank and is never averaged.
 
 Between syncs the replicas differ: `full_params()` returns this rank's replica, and each rank saves
-its own parameters and optimizer state, so `--resume` continues every replica bitwise. The logged
+its own parameters and optimizer state (as replica `dp rank` of each logical tensor), so `--resume`
+continues every replica bitwise; readers (generate, export) take replica 0. The logged
 loss is the mean over ranks (the loop averages it); grad_norm is rank 0's local gradient norm.
 """
 
@@ -33,6 +34,7 @@ class LocalSGDEngine(LocalEngine):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
         group = rt.dp_group
         self.group, self.dp, self.sync_every = group, group_size(group), cfg.parallel.sync_every
+        self.dp_rank = rt.dp_rank
         self.num_steps = 0  # optimizer steps taken (skipped fp16 steps too: every rank counts alike)
         targets = self.masters if self.masters is not None else [p for _, p in self.named]
         named = [(name, t) for (name, _), t in zip(self.named, targets)]
@@ -68,12 +70,15 @@ class LocalSGDEngine(LocalEngine):
         flat.div_(self.dp)
         torch._foreach_copy_(tensors, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
-    # ---- checkpoints: every rank keeps its own replica (LocalEngine saves it) plus the step count
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors, meta = super().state_tensors()
-        meta["local_sgd"] = {"num_steps": self.num_steps, "sync_every": self.sync_every}
-        return tensors, meta
+    # ---- checkpoints: every rank keeps its own replica (its pieces carry its dp rank) plus the step count
+    def holdings(self):
+        h = super().holdings()
+        h.replica = self.dp_rank
+        return h
 
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        super().load_state(tensors, meta)
+    def state_meta(self) -> dict:
+        return {**super().state_meta(), "local_sgd": {"num_steps": self.num_steps, "sync_every": self.sync_every}}
+
+    def loaded(self, meta: dict) -> None:
+        super().loaded(meta)
         self.num_steps = meta["local_sgd"]["num_steps"]

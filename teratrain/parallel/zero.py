@@ -33,6 +33,8 @@ from torch import nn
 from teratrain.compat import pinned_empty
 from teratrain.memory.offload import HostUpdate
 from teratrain.memory.precision import DTYPES, make_scaler, param_dtype
+from teratrain.models.protocol import blocks as model_blocks
+from teratrain.models.protocol import init_buffers
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
@@ -92,7 +94,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self.groups = self._make_groups(model, p.bucket_mb)
         for g in self.groups:
             self._materialize(g, init_fn)
-        model.init_buffers(self.device)
+        init_buffers(model, self.device, getattr(init_fn, "buffers", None))
         self.trainable = [g for g in self.groups if g.trainable]  # in launch order
         self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.trainable]
         if self.offload != "none":
@@ -117,8 +119,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         first, root groups last; stage 1/2 buckets counted in the compute dtype's bytes."""
         named = list(model.named_parameters())
         if self.stage == 3:
-            blocks = [(key, [(f"layers.{key}.{n}", q) for n, q in blk.named_parameters()])
-                      for key, blk in model.layers.items()]
+            blocks = [(key, [(f"{key}.{n}", q) for n, q in blk.named_parameters()])
+                      for key, blk in model_blocks(model)]  # key: the block's qualified name
             in_blocks = {q for _, members in blocks for _, q in members}
             units = blocks[::-1] + [(None, [(n, q) for n, q in named if q not in in_blocks])]
             members = [(key, b.members) for key, unit in units
@@ -130,8 +132,14 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     def _materialize(self, g: _Group, init_fn) -> None:
         full32 = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
-        for prm, view in zip(g.params, g.views(full32)):
-            init_local_(view, placement(prm), init_fn)
+        read = getattr(init_fn, "read_piece", None)
+        if read is not None and self.stage == 3:  # trained weights: read only this rank's shard of them
+            for pc, view in zip(g.pieces, g.shard_views(full32[g.lo:g.hi])):
+                lo = g.lo + pc.shard_lo - g.offsets[pc.index]
+                read(view, placement(g.params[pc.index]), lo, lo + pc.numel)
+        else:
+            for prm, view in zip(g.params, g.views(full32)):
+                init_local_(view, placement(prm), init_fn)
         opt_home = self.host if self.offload != "none" else self.device
         if self.masters and g.trainable:
             g.master = _clone_to(full32[g.lo:g.hi], opt_home, torch.float32)

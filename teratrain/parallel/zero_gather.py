@@ -17,6 +17,7 @@ import torch
 
 from teratrain.compat import in_backward
 from teratrain.memory.offload import Mark, copy_stream, on_stream
+from teratrain.models.protocol import blocks
 from teratrain.parallel.comm import all_gather
 
 
@@ -25,9 +26,10 @@ class ZeroGatherMixin:
 
     def _install_gather_hooks(self) -> None:
         self.h2d_stream = copy_stream(self.device)
-        self.block_keys = list(self.model.layers.keys())
+        found = blocks(self.model)  # (qualified name, block): models/protocol.py
+        self.block_keys = [key for key, _ in found]
         self.block_groups = {key: [g for g in self.groups if g.block == key] for key in self.block_keys + [None]}
-        for i, blk in enumerate(self.model.layers.values()):
+        for i, (_, blk) in enumerate(found):
             blk.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i, args))
             blk.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
         self.model.register_forward_pre_hook(lambda m, args: self._ensure_all(self.block_groups[None]))
@@ -86,9 +88,11 @@ class ZeroGatherMixin:
         if frozen and torch.is_grad_enabled() and isinstance(h, torch.Tensor) and h.requires_grad:
             h.register_hook(lambda grad: self._release_all(frozen))
 
-    def _after_forward(self, i: int, out: torch.Tensor) -> None:
+    def _after_forward(self, i: int, out) -> None:
         if in_backward():  # recomputation inside backward: this block's backward needs it next
             return
+        if isinstance(out, (tuple, list)):  # a block of your own may return (hidden, extras...)
+            out = out[0]
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._before_backward(i))
         self._release_all(self._groups_of(i))

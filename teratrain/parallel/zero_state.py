@@ -1,64 +1,46 @@
-"""ZeRO engine state for checkpoints and tests: what each rank saves, how it is restored, and the
-consolidated full parameters (gathered from all shards)."""
+"""ZeRO engine state for checkpoints and tests: the pieces each rank holds (flat ranges of local
+tensors, checkpoint/holdings.py), how they are published after a restore, and the consolidated
+full parameters (gathered from all shards)."""
 
 from __future__ import annotations
 
 import torch
 
-from teratrain.checkpoint.io import CheckpointError
-from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
+from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.parallel.comm import all_gather
-from teratrain.parallel.placement import placement, placements_json, to_global
+from teratrain.parallel.placement import placement, to_global
 
 
 class ZeroCheckpointMixin:
     """Mixed into ZeroEngine; relies on its `groups`, `trainable`, `optimizers`, `stage`, `scaler`,
     `mesh`, `_shard_params(g)` and `_opt_target(g)`."""
 
-    def layout(self) -> dict:
-        return {"stage": self.stage, "groups": [[g.names, g.numels, self.mesh.ranks(g.placement.group)] for g in self.groups]}
-
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """This rank's shards (params, fp32 masters, optimizer state); a stage 1/2 rank that is the
-        first of its data-parallel group also saves its full model part so `teratrain generate` can
-        read it without gathering."""
-        tensors, opt_meta = {}, []
+    def holdings(self) -> Holdings:
+        """This rank's shard of every group: the masters (or the compute-dtype parameters where there
+        are none), and each optimizer with the pieces it steps. Stage 1/2 parameters are whole on every
+        rank, but the shard is what this rank writes: every element is written once."""
         optimizer_of = dict(zip(map(id, self.trainable), self.optimizers))
-        for i, g in enumerate(self.groups):
-            if self._shard_params(g) is not None:
-                tensors[f"zero.{i}.params"] = self._shard_params(g)
-            if g.master is not None:
-                tensors[f"zero.{i}.master"] = g.master
+        values, optimizers = [], []
+        for g in self.groups:
+            values += _slots(g, g.shard_views(self._opt_target(g)))
             opt = optimizer_of.get(id(g))
-            flat, meta = optimizer_to_flat(opt) if opt is not None else ({}, None)
-            tensors.update({k.replace("optim.", f"optim.g{i}.", 1): v for k, v in flat.items()})
-            opt_meta.append(meta)
-        if self.stage < 3 and self.mesh.rank_in("dp") == 0:
-            for g in self.groups:
-                tensors.update({f"model.{n}": q for n, q in zip(g.names, g.params)})
-        meta = {"zero": self.layout(), "optimizer": opt_meta, "placements": placements_json(self.model),
-                "scaler": self.scaler.state_dict() if self.scaler else None}
-        return tensors, meta
+            if opt is not None:
+                optimizers.append((opt, _slots(g, g.opt_views)))
+        return Holdings(values, optimizers)
 
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        if meta.get("zero") != self.layout():  # train._restore refuses config changes that cause this first
-            raise CheckpointError("the checkpoint's ZeRO groups differ from this run's (another stage, "
-                                  "parallel.bucket_mb or model); resume with the settings it was written with.")
+    def state_meta(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def loaded(self, meta: dict) -> None:
+        """The restored shards to the compute parameters: cast the masters, all-gather (stage 1/2)."""
         handles = []
-        optimizer_of = dict(zip(map(id, self.trainable), self.optimizers))
         with torch.no_grad():
-            for i, g in enumerate(self.groups):
-                if self._shard_params(g) is not None:
-                    self._shard_params(g).copy_(tensors[f"zero.{i}.params"])
-                if g.master is not None:
-                    g.master.copy_(tensors[f"zero.{i}.master"])
-                opt = optimizer_of.get(id(g))
-                if opt is not None:
-                    prefix = f"optim.g{i}."
-                    flat = {"optim." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                    optimizer_from_flat(opt, flat, meta["optimizer"][i])
+            for g in self.groups:
+                mine = self._shard_params(g)  # None at stage 3 when gathers cast the master itself
+                if mine is not None and g.master is not None:
+                    mine.copy_(g.master)
                 if self.stage < 3:
-                    handles.append(all_gather(g.param_flat, g.param_flat[g.lo:g.hi], g.gather_pg, async_op=True))
+                    handles.append(all_gather(g.param_flat, mine, g.gather_pg, async_op=True))
         for h in handles:
             h.wait()
         if self.scaler is not None and meta.get("scaler"):
@@ -78,3 +60,12 @@ class ZeroCheckpointMixin:
                 pl = placement(q)
                 out[pl.name] = to_global(v, pl, self.mesh).cpu().clone()
         return out
+
+
+def _slots(g, views: list[torch.Tensor]) -> list[Slot]:
+    """One slot per piece of the group in this rank's shard: the flat range of its local tensor."""
+    out = []
+    for pc, view in zip(g.pieces, views):
+        lo = g.lo + pc.shard_lo - g.offsets[pc.index]
+        out.append(Slot(placement(g.params[pc.index]), view, lo, lo + pc.numel))
+    return out

@@ -8,48 +8,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from teratrain.config import Config, ConfigError, load_config
+from teratrain.checkpoint.hf_config import model_keys, read_config_json
+from teratrain.config import Config, _toml_value, load_config
 from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.layout import Layout, ModelShape, Training
 
-HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
-
-# HF config.json keys per family -> our model keys (Llama/Mistral/Mixtral, GPT-2)
-_HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-             "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff", "vocab_size": "vocab_size",
-             "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps"}
-_HF_GPT2 = {"n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads", "vocab_size": "vocab_size",
-            "n_inner": "d_ff", "layer_norm_epsilon": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
-
-
 def hf_model(path: Path) -> tuple[dict, dict, list[str]]:
-    """A HF config.json -> (model section, expert counts, notes for the user)."""
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"'{path}' is not a readable JSON file ({e}); pass a HF config.json or a TOML config.") from None
-    kind = str(hf.get("model_type", ""))
-    notes: list[str] = []
-    if kind == "gpt2" or "n_embd" in hf:
-        keys = _HF_GPT2
-        seq = hf.get("n_positions") or hf.get("n_ctx") or 1024
-        model = {"arch": "gpt2", "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
-    elif "hidden_size" in hf and "num_hidden_layers" in hf:
-        keys = _HF_LLAMA
-        seq = hf.get("max_position_embeddings", 4096)
-        model = {"arch": "llama", "bias": bool(hf.get("attention_bias", False)),
-                 "tie_embeddings": hf.get("tie_word_embeddings", False)}
-    else:
-        raise ConfigError(f"'{path}' has neither Llama (hidden_size, num_hidden_layers) nor GPT-2 (n_embd, n_layer) "
-                          "keys; pass a Llama, Mistral, Mixtral or GPT-2 config.json.")
-    model.update({ours: hf[theirs] for theirs, ours in keys.items() if hf.get(theirs) is not None})
-    if seq > HF_SEQ_CAP:
-        notes.append(f"model.seq_len={HF_SEQ_CAP} (config.json allows {seq}; set --set model.seq_len=N to plan longer)")
-        seq = HF_SEQ_CAP
-    model["seq_len"] = seq
-    experts = {"num_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or 1),
-               "top_k": int(hf.get("num_experts_per_tok") or 1)}
-    return model, experts, notes
+    """A HF config.json -> (model section, expert counts, notes for the user): the mapping
+    `model.init_from` and `teratrain export` use too (checkpoint/hf_config.py)."""
+    return model_keys(read_config_json(path), path)
 
 
 def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Config, dict, list[str]]:
@@ -66,10 +33,8 @@ def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Co
 
 
 def _literal(v) -> str:
-    """A TOML literal for a JSON scalar."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return json.dumps(v)
+    """A TOML literal for a JSON value (a table: RoPE scaling)."""
+    return _toml_value(v) if isinstance(v, (bool, dict)) else json.dumps(v)
 
 
 def shape_of(cfg: Config, experts: dict, name: str = "") -> ModelShape:

@@ -62,17 +62,14 @@ def test_resume_with_a_different_model_is_refused(cli, trained_run, tmp_path):
     assert_user_error(proc, "model.n_layers", "same model config")
 
 
-@pytest.mark.parametrize("change, key", [("memory.precision=fp16", "memory.precision"),
-                                         ("optim.name=sgd", "optim.name"),
-                                         ("parallel.zero=1", "parallel.zero")])
-def test_resume_with_a_different_optimizer_state_layout_is_refused(cli, trained_run, tmp_path, change, key):
-    """An fp32 AdamW checkpoint holds no fp32 master copies and no SGD momentum: resuming it as fp16 (which
-    needs masters) or as SGD must be refused with a sentence, not crash on a missing state entry."""
+def test_resume_with_a_different_optimizer_is_refused(cli, trained_run, tmp_path):
+    """An AdamW checkpoint holds no SGD momentum: resuming it as SGD is refused with a sentence. (Another
+    precision, ZeRO stage or process count carries over: tests/integration/test_cli_reshard.py.)"""
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    proc = cli.train(run, "optim.warmup_steps=10", "metrics.peak_tflops=1", change, steps=52, resume=True,
+    proc = cli.train(run, "optim.warmup_steps=10", "metrics.peak_tflops=1", "optim.name=sgd", steps=52, resume=True,
                      expect_rc=None, in_process=True)
-    assert_user_error(proc, key)
+    assert_user_error(proc, "optim.name", "same setting")
 
 
 def test_generate_from_a_missing_run(cli, tmp_path):

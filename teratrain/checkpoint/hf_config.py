@@ -1,0 +1,145 @@
+"""Hugging Face config.json <-> teratrain's model section: the one mapping that `teratrain plan`,
+`model.init_from` and `teratrain export` share.
+
+Families: Llama (and Mistral, the same layout) and GPT-2. Both read `rope_theta`/`rope_scaling` as
+transformers 4 writes them and `rope_parameters` as transformers 5 does; export writes the 4 form,
+which 5 reads too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from teratrain.config import ROPE_SCALING_KEYS, ConfigError
+
+HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
+LLAMA_TYPES = ("llama", "mistral")
+
+# HF config.json keys per family -> our model keys
+_HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+             "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff", "vocab_size": "vocab_size",
+             "tie_word_embeddings": "tie_embeddings", "rms_norm_eps": "norm_eps"}
+_HF_GPT2 = {"n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads", "vocab_size": "vocab_size",
+            "n_inner": "d_ff", "layer_norm_epsilon": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
+# keys that fix the weights' shapes: a value given next to model.init_from must agree with config.json
+SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "bias", "tie_embeddings")
+
+
+def read_config_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"'{path}' is not a readable JSON file ({e}); pass a HF config.json or a TOML config.") from None
+
+
+def is_gpt2(hf: dict) -> bool:
+    return hf.get("model_type") == "gpt2" or "n_embd" in hf
+
+
+def model_keys(hf: dict, path: Path) -> tuple[dict, dict, list[str]]:
+    """A HF config -> (our model section, expert counts, notes for the user)."""
+    notes: list[str] = []
+    if is_gpt2(hf):
+        keys, seq = _HF_GPT2, hf.get("n_positions") or hf.get("n_ctx") or 1024
+        model = {"arch": "gpt2", "bias": True, "tie_embeddings": hf.get("tie_word_embeddings", True)}
+    elif "hidden_size" in hf and "num_hidden_layers" in hf:
+        keys, seq = _HF_LLAMA, hf.get("max_position_embeddings", 4096)
+        model = {"arch": "llama", "bias": bool(hf.get("attention_bias", False)),
+                 "tie_embeddings": hf.get("tie_word_embeddings", False)}
+        rope = _rope(hf)
+        if rope.get("rope_theta"):
+            model["rope_theta"] = float(rope["rope_theta"])
+        if rope.get("rope_type", "default") == "llama3":
+            model["rope_scaling"] = {k: float(rope[k]) for k in ROPE_SCALING_KEYS}
+    else:
+        raise ConfigError(f"'{path}' has neither Llama (hidden_size, num_hidden_layers) nor GPT-2 (n_embd, n_layer) "
+                     "keys; pass a Llama, Mistral, Mixtral or GPT-2 config.json.")
+    model.update({ours: hf[theirs] for theirs, ours in keys.items() if hf.get(theirs) is not None})
+    model.setdefault("n_kv_heads", model["n_heads"])  # every key given: none is left to a preset's value
+    model.setdefault("d_ff", 4 * model["d_model"])  # GPT-2's n_inner = null
+    if seq > HF_SEQ_CAP:
+        notes.append(f"model.seq_len={HF_SEQ_CAP} (config.json allows {seq}; set --set model.seq_len=N to plan longer)")
+        seq = HF_SEQ_CAP
+    model["seq_len"] = seq
+    experts = {"num_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or 1),
+               "top_k": int(hf.get("num_experts_per_tok") or 1)}
+    return model, experts, notes
+
+
+def _rope(hf: dict) -> dict:
+    """RoPE settings in one form: transformers 5's `rope_parameters`, else 4's `rope_theta` + `rope_scaling`."""
+    if isinstance(hf.get("rope_parameters"), dict):
+        return hf["rope_parameters"]
+    scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    return {"rope_theta": hf.get("rope_theta", 10000.0), **scaling}
+
+
+def check_importable(hf: dict, path: Path) -> None:
+    """Refuse, in one sentence, a model whose weights or math teratrain's decoder does not reproduce."""
+    kind = hf.get("model_type")
+    if kind != "gpt2" and kind not in LLAMA_TYPES:
+        raise ConfigError(f"model.init_from: {path} holds a '{kind}' model; teratrain maps Llama-family "
+                     f"({', '.join(LLAMA_TYPES)}) and GPT-2 weights only.")
+    if kind == "gpt2":
+        checks = [(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+                   f"activation {hf.get('activation_function')} (teratrain's GPT-2 uses tanh GELU)"),
+                  (not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx"),
+                  (not hf.get("add_cross_attention"), "cross-attention layers")]
+    else:
+        rope = _rope(hf).get("rope_type", "default")
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        checks = [(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')} (SwiGLU needs silu)"),
+                  (head_dim * hf["num_attention_heads"] == hf["hidden_size"], f"head_dim {head_dim} x heads != hidden_size"),
+                  (bool(hf.get("attention_bias")) == bool(hf.get("mlp_bias")), "biases in attention but not the MLP"),
+                  (rope in ("default", "llama3"), f"rope type {rope} (teratrain implements default and llama3)")]
+    for ok, what in checks:
+        if not ok:
+            raise ConfigError(f"model.init_from: {path} uses {what}, which teratrain's decoder does not implement; "
+                         "start from a standard Llama or GPT-2 model.")
+
+
+def init_shape(folder: str, given: dict) -> dict:
+    """The model keys that `model.init_from = folder` fills in (those `given` explicitly override;
+    a given weight-shape key that contradicts config.json is refused). A folder that is gone is
+    fine when every shape key is given (a finished run's own config.toml)."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        if all(k in given for k in SHAPE_KEYS):
+            return {}
+        raise ConfigError(f"model.init_from '{folder}' has no config.json; point it at a Hugging Face model folder "
+                     "(config.json + *.safetensors).")
+    hf = read_config_json(path)
+    check_importable(hf, Path(folder))
+    model, _, _ = model_keys(hf, path)
+    for key in SHAPE_KEYS:
+        if key in given and key in model and given[key] != model[key]:
+            raise ConfigError(f"model.{key}={given[key]!r} contradicts {path} ({model[key]!r}); leave model.{key} unset "
+                         "to take the model's, or start from a model of that shape.")
+    limit = hf.get("n_positions") if model["arch"] == "gpt2" else hf.get("sliding_window")
+    seq = given.get("seq_len", model["seq_len"])
+    if limit and seq > limit:
+        what = "learned positions" if model["arch"] == "gpt2" else "sliding attention window (not implemented here)"
+        raise ConfigError(f"model.seq_len={seq} exceeds the {limit} {what} of {path}; set model.seq_len <= {limit}.")
+    return model
+
+
+def to_hf(m) -> dict:
+    """config.json of a teratrain model config (transformers 4 keys; 5 reads them too)."""
+    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings}
+    if m.arch == "gpt2":
+        if not m.use_bias or m.kv_heads != m.n_heads:
+            raise ConfigError("a GPT-2 model without biases or with grouped key/value heads has no Hugging Face GPT-2 "
+                         "layout; export a model with model.bias=true and n_kv_heads = n_heads.")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.d_model, "n_layer": m.n_layers,
+                "n_head": m.n_heads, "n_inner": m.ffn_dim, "n_positions": m.seq_len, "n_ctx": m.seq_len,
+                "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new", "resid_pdrop": m.dropout,
+                "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, **common}
+    rope = {"rope_scaling": {"rope_type": "llama3", **m.rope_scaling}} if m.rope_scaling else {}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.d_model,
+            "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+            "attention_bias": m.use_bias, "mlp_bias": m.use_bias, "attention_dropout": m.dropout, **rope, **common}

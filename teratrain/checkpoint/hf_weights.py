@@ -1,0 +1,134 @@
+"""Hugging Face weights <-> teratrain parameters: one name mapping, read by `model.init_from` (each
+rank reads its slices) and written by `teratrain export`.
+
+Each of our parameters is a block of rows of one HF tensor, possibly transposed:
+    Llama   model.layers.{i}.self_attn.q_proj.weight -> layers.{i}.attention.wq.weight (same layout: HF's
+            Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses)
+    GPT-2   transformer.h.{i}.attn.c_attn.weight (d, 3d), a Conv1D stored (in, out) -> transposed, rows
+            [0, d) are wq, [d, 2d) wk, [2d, 3d) wv; the other Conv1D weights (c_proj, c_fc) are transposed;
+            transformer.wpe.weight -> pos_embeddings.weight, its first model.seq_len rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from teratrain.checkpoint.io import CheckpointError
+from teratrain.checkpoint.pieces import PieceSource
+
+HF_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    key: str  # HF tensor name
+    transpose: bool = False  # a GPT-2 Conv1D weight, stored (in, out)
+    start: int = 0  # our tensor is rows [start, start + rows) of the (transposed) HF tensor
+
+
+def hf_names(m) -> dict[str, Source]:
+    """Our global parameter name -> where it lives in a HF checkpoint of model config `m`."""
+    out: dict[str, Source] = {}
+    if m.arch == "gpt2":
+        out["tok_embeddings.weight"] = Source("transformer.wte.weight")
+        out["pos_embeddings.weight"] = Source("transformer.wpe.weight")
+        d = m.d_model
+        for i in range(m.n_layers):
+            hf, ours = f"transformer.h.{i}", f"layers.{i}"
+            for leaf in ("weight", "bias"):
+                out[f"{ours}.attention_norm.{leaf}"] = Source(f"{hf}.ln_1.{leaf}")
+                out[f"{ours}.ffn_norm.{leaf}"] = Source(f"{hf}.ln_2.{leaf}")
+                for j, proj in enumerate(("wq", "wk", "wv")):
+                    out[f"{ours}.attention.{proj}.{leaf}"] = Source(f"{hf}.attn.c_attn.{leaf}", leaf == "weight", j * d)
+                for theirs, mine in (("attn.c_proj", "attention.wo"), ("mlp.c_fc", "feed_forward.w1"),
+                                     ("mlp.c_proj", "feed_forward.w2")):
+                    out[f"{ours}.{mine}.{leaf}"] = Source(f"{hf}.{theirs}.{leaf}", leaf == "weight")
+        out["norm.weight"], out["norm.bias"] = Source("transformer.ln_f.weight"), Source("transformer.ln_f.bias")
+    else:
+        out["tok_embeddings.weight"] = Source("model.embed_tokens.weight")
+        leaves = ("weight", "bias") if m.use_bias else ("weight",)
+        for i in range(m.n_layers):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            out[f"{ours}.attention_norm.weight"] = Source(f"{hf}.input_layernorm.weight")
+            out[f"{ours}.ffn_norm.weight"] = Source(f"{hf}.post_attention_layernorm.weight")
+            for theirs, mine in (("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                                 ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
+                                 ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+                                 ("mlp.down_proj", "feed_forward.w2")):
+                for leaf in leaves:
+                    out[f"{ours}.{mine}.{leaf}"] = Source(f"{hf}.{theirs}.{leaf}")
+        out["norm.weight"] = Source("model.norm.weight")
+    if not m.tie_embeddings:
+        out["output.weight"] = Source("lm_head.weight")
+    return out
+
+
+class HFWeights:
+    """The tensors of a HF model folder (one model.safetensors, or shards named by its index)."""
+
+    def __init__(self, folder: str | Path):
+        self.dir = Path(folder).expanduser()
+        index = self.dir / HF_INDEX
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+        else:
+            files = {}
+            for f in sorted(self.dir.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as h:
+                    files.update({k: f.name for k in h.keys()})
+        if not files:
+            raise CheckpointError(f"model.init_from '{folder}' holds no *.safetensors weights; save the model with "
+                                  "save_pretrained(..., safe_serialization=True).")
+        self.files, self._open = files, {}
+
+    def _resolve(self, key: str) -> str:
+        """The stored name: as given, or without its `transformer.`/`model.` prefix (the original GPT-2 files)."""
+        if key in self.files:
+            return key
+        short = key.split(".", 1)[1]
+        if short in self.files:
+            return short
+        raise CheckpointError(f"model.init_from '{self.dir}' lacks the weight {key}; it is not a checkpoint of the "
+                              "model its config.json describes.")
+
+    def slice(self, key: str):
+        key = self._resolve(key)
+        name = self.files[key]
+        if name not in self._open:
+            self._open[name] = safe_open(str(self.dir / name), framework="pt")
+        return self._open[name].get_slice(key)
+
+    def read(self, src: Source, lo: tuple[int, ...], hi: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Region [lo, hi) of our tensor of global shape `shape` that `src` holds."""
+        sl = self.slice(src.key)
+        stored = tuple(sl.get_shape())
+        want = shape[::-1] if src.transpose else shape
+        rows_dim = 1 if src.transpose else 0
+        fits = len(stored) == len(shape) and all(
+            (s >= w + src.start) if d == rows_dim else s == w for d, (s, w) in enumerate(zip(stored, want)))
+        if not fits:
+            raise CheckpointError(f"model.init_from: {src.key} has shape {list(stored)}, which cannot hold a "
+                                  f"{list(shape)} parameter; its config.json does not match its weights.")
+        a, b = list(lo), list(hi)
+        a[0], b[0] = a[0] + src.start, b[0] + src.start
+        if src.transpose:
+            return sl[slice(a[1], b[1]), slice(a[0], b[0])].T
+        return sl[tuple(slice(x, y) for x, y in zip(a, b))]
+
+
+class HFInit(PieceSource):
+    """Initial values from a Hugging Face model folder: each rank reads just the pieces it holds."""
+
+    def __init__(self, folder: str, model_cfg):
+        self.weights, self.sources = HFWeights(folder), hf_names(model_cfg)
+
+    def region(self, name, start, stop, shape):
+        src = self.sources.get(name)
+        if src is None:
+            raise CheckpointError(f"model.init_from: no Hugging Face weight maps to parameter {name}.")
+        return self.weights.read(src, start, stop, shape)

@@ -1,0 +1,45 @@
+"""Small randomly initialized Hugging Face models saved with save_pretrained (made here, no download),
+shared by the unit, dist and CLI tests of model.init_from and export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# The shape of tests/dist/layout_workers.py BASE: GQA (4 query / 2 key-value heads), vocabulary 50.
+LLAMA = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+             tie_word_embeddings=False)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+GPT2 = dict(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def save_llama(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "torch.nn.Module":
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, **keys})).eval()
+    _perturb_norms(model)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def save_gpt2(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "torch.nn.Module":
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**{**GPT2, **keys})).eval()
+    _perturb_norms(model)
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def _perturb_norms(model) -> None:
+    """HF initializes norms to 1 and biases to 0; random values make a wrong mapping of them visible."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))

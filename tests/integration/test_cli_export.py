@@ -1,0 +1,78 @@
+"""`teratrain export`: a trained run becomes a Hugging Face folder that transformers loads with the same
+logits (fp32, 1e-5 relative), sharded with an index above --max-shard-gb, with the run's tokenizer; and
+exporting then importing it (model.init_from) gives back every parameter exactly."""
+
+import json
+
+import pytest
+import torch
+
+from teratrain.checkpoint import find_valid
+from teratrain.checkpoint.consolidate import full_model, load_weights
+from teratrain.config import load_config
+from teratrain.models.transformer import Transformer, build_model
+from teratrain.parallel.parallelize import init_fn
+from teratrain.parallel.placement import assign_defaults, materialize
+from tests.integration.runner import assert_user_error
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+
+def our_model(run):
+    cfg = load_config(run / "config.toml")
+    model = build_model(cfg.model)
+    load_weights(model, find_valid(run / "checkpoints")[0])
+    return model.eval()
+
+
+def assert_same_logits(ours, folder, vocab):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(tokens), hf(tokens).logits
+    err = float((a - b).norm() / b.norm())
+    assert err < 1e-5, f"logits differ by {err:.2e}"
+    return hf
+
+
+def test_export_llama_loads_in_transformers_with_the_same_logits(cli, trained_run, tmp_path):
+    out = tmp_path / "hf"
+    proc = cli("export", "--ckpt", trained_run, "--to", out, in_process=True)
+    assert "LlamaForCausalLM" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                    "tokenizer_config.json"]
+    hf = assert_same_logits(our_model(trained_run), out, 4096)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    from tokenizers import Tokenizer
+
+    text = "def main(argv):\n    return 0\n"
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(trained_run / "tokenizer.json")).encode(text).ids
+
+
+def test_export_gpt2_in_shards_then_import_gives_the_same_parameters(cli, tmp_path):
+    run, out = tmp_path / "run", tmp_path / "hf"
+    cli.train(run, "model.arch=gpt2", "model.tie_embeddings=true", "model.bias=true", "model.n_kv_heads=4",
+              "train.eval_batches=0", steps=3)
+    cli("export", "--ckpt", run, "--to", out, "--max-shard-gb", "0.0005", in_process=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "transformer.h.0.attn.c_attn.weight" in index["weight_map"]
+    assert_same_logits(our_model(run), out, 4096)
+
+    cfg = load_config(None, [f"model.init_from={str(out)!r}", "model.seq_len=64"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assign_defaults(model)
+    materialize(model, "cpu", init_fn(cfg))
+    saved = full_model(find_valid(run / "checkpoints")[0])
+    assert saved.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[name]), name
+
+
+def test_export_refuses_an_existing_folder(cli, trained_run, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    proc = cli("export", "--ckpt", trained_run, "--to", tmp_path / "taken", expect_rc=None, in_process=True)
+    assert_user_error(proc, "--to", "already exists")

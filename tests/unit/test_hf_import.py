@@ -1,0 +1,82 @@
+"""model.init_from: a Hugging Face Llama or GPT-2 folder (saved here with save_pretrained from a random
+init, no download) becomes a teratrain model whose logits equal transformers' within 1e-5 (fp32)."""
+
+import pytest
+import torch
+
+from teratrain.config import ConfigError
+from teratrain.models.transformer import Transformer
+from teratrain.parallel.parallelize import init_fn
+from teratrain.parallel.placement import assign_defaults, materialize
+from tests.helpers import make_config
+from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama
+
+pytest.importorskip("transformers")
+
+
+def ours(folder, *sets) -> Transformer:
+    cfg = make_config(f"model.init_from={str(folder)!r}", *sets)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assign_defaults(model)
+    materialize(model, "cpu", init_fn(cfg))
+    return model.eval()
+
+
+def assert_same_logits(model, hf, T=16, vocab=50) -> None:
+    tokens = torch.randint(0, vocab, (3, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine, theirs = model(tokens), hf(tokens).logits
+    err = float((mine - theirs).norm() / theirs.norm())
+    assert err < 1e-5, f"logits differ by {err:.2e} (relative)"
+
+
+@pytest.mark.parametrize("keys", [{}, {"tie_word_embeddings": True}, {"rope_scaling": LLAMA3_SCALING},
+                                  {"attention_bias": True, "mlp_bias": True}])
+def test_llama_logits_match_transformers(tmp_path, keys):
+    hf = save_llama(tmp_path, **keys)
+    model = ours(tmp_path, "model.seq_len=16")
+    assert model.cfg.n_kv_heads == 2 and model.cfg.d_ff == 64 and model.cfg.tie_embeddings == keys.get("tie_word_embeddings", False)
+    assert_same_logits(model, hf)
+
+
+def test_gpt2_logits_match_transformers_from_shards(tmp_path):
+    """GPT-2's Conv1D weights are transposed and c_attn splits into q, k, v; the folder is sharded
+    (model.safetensors.index.json); model.seq_len=16 takes the first 16 of 64 learned positions."""
+    hf = save_gpt2(tmp_path, shard="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model = ours(tmp_path, "model.seq_len=16")
+    assert model.cfg.arch == "gpt2" and model.cfg.tie_embeddings and model.pos_embeddings.weight.shape == (16, 32)
+    assert_same_logits(model, hf)
+
+
+def test_shape_comes_from_config_json_and_explicit_keys_override(tmp_path):
+    save_llama(tmp_path)
+    cfg = make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=32", "model.dropout=0.1")
+    m = cfg.model
+    assert (m.arch, m.n_layers, m.d_model, m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size) == ("llama", 2, 32, 4, 2, 64, 50)
+    assert (m.seq_len, m.dropout, m.rope_theta) == (32, 0.1, 500000.0)
+
+
+@pytest.mark.parametrize("sets, words", [(["model.n_layers=3"], ["model.n_layers=3", "contradicts"]),
+                                         (["model.seq_len=128"], ["model.seq_len=128", "64"])])
+def test_a_contradiction_is_one_sentence(tmp_path, sets, words):
+    save_gpt2(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        make_config(f"model.init_from={str(tmp_path)!r}", *sets)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value)
+
+
+def test_an_unsupported_model_or_missing_folder_is_one_sentence(tmp_path):
+    save_llama(tmp_path, hidden_act="gelu")
+    with pytest.raises(ConfigError, match="hidden_act gelu"):
+        make_config(f"model.init_from={str(tmp_path)!r}")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        make_config(f"model.init_from={str(tmp_path / 'nowhere')!r}")
+
+
+def test_the_folder_tokenizer_is_used(tmp_path):
+    save_llama(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert make_config(f"model.init_from={str(tmp_path)!r}").data.tokenizer == str(tmp_path / "tokenizer.json")
+    assert make_config(f"model.init_from={str(tmp_path)!r}", "data.tokenizer=x.json").data.tokenizer == "x.json"
