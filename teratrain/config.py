@@ -28,7 +28,9 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # strict: a TOML string "100" is not an integer, as on the command line (--set train.steps=many is
+    # refused); an integer is still accepted where a number is expected (lr = 1)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True)
 
 
 class ModelConfig(Section):
@@ -117,6 +119,9 @@ class OptimConfig(Section):
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
+    decay_steps: int | None = Field(None, ge=1, description="steps the warmup + decay schedule spans; unset = train.steps. "
+                                    "Past it the lr stays at min_lr_ratio x lr (a resume to more --steps keeps the "
+                                    "run's original length unless this is set)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="rule from optim.base_batch to train.global_batch")
     base_batch: int | None = Field(None, ge=1, description="global batch at which optim.lr was tuned (needed by lr_scaling)")
@@ -187,6 +192,11 @@ class Config(Section):
         return self
 
     @property
+    def schedule_steps(self) -> int:
+        """Steps the learning-rate schedule spans (optim.decay_steps, else train.steps)."""
+        return self.optim.decay_steps or self.train.steps
+
+    @property
     def use_master_weights(self) -> bool:
         """Low-precision params with fp32 masters: always for fp16 (loss-scaled fp16 updates lose
         small steps), and for bf16 under ZeRO, whose savings come from sharding the fp32 master copy."""
@@ -205,18 +215,24 @@ def _divisor_near(n: int, k: int) -> int:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read an optional TOML file, apply `section.key=value` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
+    return validate(apply_overrides(read_toml(path) if path is not None else {}, overrides))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to a raw config dict (in place); returns it."""
     for item in overrides:
         _apply_override(raw, item)
-    return validate(raw)
+    return raw
 
 
 def validate(raw: dict[str, Any]) -> Config:
@@ -300,10 +316,17 @@ def _toml_value(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def describe() -> str:
-    """Reference table of every key, for the README and `teratrain train --help-config`."""
-    rows = []
+def describe(cfg: Config | None = None) -> str:
+    """`cfg` (default: the defaults) as TOML, each key with its description; an unset optional key
+    is a comment. What `teratrain train --print-config` prints: valid TOML a user can start from."""
+    cfg = cfg or Config()
+    lines: list[str] = []
     for section, field in Config.model_fields.items():
+        lines.append(f"[{section}]")
+        values = getattr(cfg, section)
         for key, f in field.annotation.model_fields.items():
-            rows.append(f"{section}.{key} = {f.default!r}  # {f.description}")
-    return "\n".join(rows)
+            value = getattr(values, key)
+            text = f"{key} = {_toml_value(value)}" if value is not None else f"# {key} = (unset)"
+            lines.append(f"{text:32} # {f.description}")
+        lines.append("")
+    return "\n".join(lines)
