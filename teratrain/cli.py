@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_status(e: BaseException, signum: int | None) -> int:
     """How a command that raised ends: one line (or none on ranks that are not rank 0, or under the
     launcher, which reports for the job) and its exit status. Only a bug shows a traceback."""
-    if isinstance(e, KeyboardInterrupt):
-        e = Stopped(signal.SIGINT)
     if isinstance(e, SystemExit):
         raise e
+    if isinstance(e, KeyboardInterrupt):  # SIGINT raised before our handler was installed
+        e = Stopped(signal.SIGINT)
     if signum is not None and not isinstance(e, Stopped):  # e.g. a collective broken by the stop
         e = Stopped(signum)
     if isinstance(e, Stopped):
@@ -59,7 +59,8 @@ def _exit_status(e: BaseException, signum: int | None) -> int:
             print(f"teratrain: error: {sentence}", file=sys.stderr)
         return 2
     if under_launcher():
-        write_report("crash", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "), e)
+        first = str(e).splitlines()[0] if str(e) else ""
+        write_report("crash", f"{type(e).__name__}: {first}" if first else type(e).__name__, e)
         return 1
     raise e
 
@@ -118,7 +119,6 @@ def _overrides(args) -> list[str]:
 
 def cmd_train(args) -> int:
     from teratrain import rundir
-    from teratrain.train import run
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is not a process count; give --nproc 1 or more.")
@@ -135,6 +135,8 @@ def cmd_train(args) -> int:
     if launching:
         with rundir.own(run_dir or rundir.fresh_run_dir(), args.resume, created=run_dir is None) as d:
             return launch(_rank_argv(args, d), args.nproc, d)
+    from teratrain.train import run
+
     follow_parent()
     owner = rank() == 0 and not under_launcher()  # one process per job holds the run directory
     if owner:

@@ -232,8 +232,8 @@ def _summarize(failures: dict, reports: Path, run_dir: Path) -> int:
 
 
 def _write_tracebacks(errors: list[dict], run_dir: Path) -> Path:
-    """Every failed rank's traceback, the earliest first, in the run directory (or a temporary file)."""
-    text = "\n".join(f"rank {r['rank']}:\n{r.get('traceback', r['message'])}" for r in errors)
-    path = run_dir / "error.log" if run_dir.is_dir() else Path(tempfile.mkstemp(prefix="teratrain-error-")[1])
-    path.write_text(text)
+    """Every failed rank's traceback, the earliest first, in `<run>/error.log` (which also keeps a run
+    that failed before its first step from being removed: rundir.remove_if_unused)."""
+    path = run_dir / "error.log"
+    path.write_text("\n".join(f"rank {r['rank']}:\n{r.get('traceback', r['message'])}" for r in errors))
     return path

@@ -9,8 +9,8 @@
   Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
   launcher by the seconds they take to stop.
 - `--resume` starts from the run's saved `config.toml`; a config file and `--set` given with it apply
-  on top, and every key that differs from the saved run is reported. A longer `train.steps` keeps the
-  run's original schedule length (`optim.decay_steps`) unless the user sets it.
+  on top (the start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
+  `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _mkdir(path: Path, parents: bool = False) -> None:
 @contextmanager
 def own(path: Path, resume: bool, created: bool = False) -> Iterator[Path]:
     """Hold the run directory for this job (see the module docstring). A directory this job created
-    is removed again if the job fails before it logged a step (a rejected data check leaves nothing)."""
+    is removed again if the job ends without having logged a step (a rejected data check leaves nothing)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path} is a file; give a folder for the run.")
@@ -103,11 +103,9 @@ def own(path: Path, resume: bool, created: bool = False) -> Iterator[Path]:
         _check_no_members(path)
         check_out(path, resume)
         yield path
-    except BaseException:
+    finally:
         if created:
             remove_if_unused(path)
-        raise
-    finally:
         os.close(fd)  # releases the lock (the file stays: deleting it would race with a new holder)
 
 
@@ -167,8 +165,9 @@ def _holder(lock: Path) -> str:
 
 
 def remove_if_unused(path: Path) -> None:
-    """Delete a run directory no step was logged into (only config, tokenizer, lock, error logs)."""
-    if path.is_dir() and not (path / "metrics.jsonl").exists() and not (path / "checkpoints").exists():
+    """Delete a run directory that holds nothing but what a job writes before its first step (an
+    error.log of a crash, metrics or checkpoints keep it)."""
+    if path.is_dir() and {p.name for p in path.iterdir()} <= {LOCK_NAME, MEMBERS_NAME, "config.toml", "tokenizer.json"}:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -56,6 +56,10 @@ def test_resume_without_the_config_file_continues_its_settings(cli, first_half, 
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
         "step_00000004", "step_00000006", "step_00000008"]  # checkpoint.every=2 carried over
     assert "train.steps: 4 -> 8" in proc.stderr and "optim.decay_steps: None -> 4" in proc.stderr
+    # and it is the run that was given optim.decay_steps=4 from the start, bit for bit
+    straight = tmp_path / "straight"
+    cli.train(straight, "optim.decay_steps=4", steps=8, config=first_half.parent / "my.toml")
+    assert [r["loss"] for r in metrics(straight)] == [r["loss"] for r in records]
 
 
 def test_changes_given_on_resume_apply_and_are_reported(cli, first_half, tmp_path):
