@@ -3,11 +3,10 @@ apply on top (each change reported), and a longer --steps keeps the learning-rat
 unless optim.decay_steps asks otherwise."""
 
 import shutil
-import tomllib
 
 import pytest
 
-from teratrain.config import load_config
+from teratrain.config import load_config, tomllib  # tomli on Python 3.10
 from teratrain.optim.lr import lr_at
 from tests.integration.runner import metrics
 

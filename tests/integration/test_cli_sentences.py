@@ -8,10 +8,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tomllib
 
 import pytest
 
+from teratrain.config import tomllib  # tomli on Python 3.10
 from tests.helpers import TINY_SETS, flip_byte
 from tests.integration.runner import assert_user_error, latest_checkpoint, metrics
 
@@ -157,3 +157,10 @@ def test_generate_errors_advise_generate_flags(cli, trained_run, tmp_path):
     line = assert_user_error(cli("generate", "--ckpt", run, expect_rc=None, in_process=True), "--ckpt")
     assert "--resume" not in line and "--out" not in line
     assert (run / "checkpoints" / "step_00000050").is_dir(), "generate reads; it does not set checkpoints aside"
+
+
+def test_generate_with_a_garbled_tokenizer(cli, trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    assert_user_error(cli("generate", "--ckpt", run, expect_rc=None, in_process=True), "tokenizer.json", "unreadable")
