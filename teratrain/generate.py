@@ -29,7 +29,7 @@ def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top
         raise CheckpointError(f"{tok_path} is unreadable ({str(e)[:80]}); copy the tokenizer.json the run was "
                               "trained with back into the run folder.") from None
     if ckpt_dir is None:
-        ckpt_dir, _ = find_valid(run_dir / "checkpoints", resuming=False)
+        ckpt_dir, _ = find_valid(run_dir / "checkpoints")
     weights = full_model(ckpt_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(cfg.model, device)

@@ -155,7 +155,8 @@ def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
 
 def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
     """Load the newest usable checkpoint of `run_dir` into the engine and RNGs; return its step."""
-    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: any_rank_false(ok, rt.world_group, rt.device))
+    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: any_rank_false(ok, rt.world_group, rt.device),
+                                  resuming=True)
     _check_compatible(validate(saved["config"]), cfg, run_dir)
     if saved["dims"] != vars(rt.dims):
         raise ConfigError(f"the checkpoint was written with layout {saved['dims']} but this run has {vars(rt.dims)}; "

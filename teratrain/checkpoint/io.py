@@ -163,11 +163,11 @@ def verify(path: Path, rank: int) -> dict:
 
 
 def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda ok: ok,
-               resuming: bool = True) -> tuple[Path, dict]:
+               resuming: bool = False) -> tuple[Path, dict]:
     """The newest checkpoint that verifies on every rank (`agree` ANDs a flag over ranks), and its
-    meta.json. When `resuming`, rank 0 renames the unusable ones newer than it to `step_X.unusable`:
-    the run continues from an older step, so they belong to no future resume, and pruning must not
-    count them (nor delete the good one instead)."""
+    meta.json. When `resuming` (the trainer), rank 0 renames the unusable ones newer than it to
+    `step_X.unusable`: the run continues from an older step, so they belong to no future resume, and
+    pruning must not count them (nor delete the good one instead). Readers (generate) change nothing."""
     tried, bad = [], []
     for path in candidates(root):
         try:
@@ -182,7 +182,7 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
                         p.rename(p.with_name(p.name + ".unusable"))
                     aside = " (renamed to *.unusable)"
                 print(f"teratrain: warning: skipped unusable checkpoint(s){aside}: {'; '.join(tried)}; "
-                      f"resuming from {path.name}", file=sys.stderr)
+                      f"{'resuming from' if resuming else 'using'} {path.name}", file=sys.stderr)
             return path, meta
         tried.append(reason if not ok else f"{path.name}: corrupt on another rank")
         bad.append(path)

@@ -98,7 +98,7 @@ def assert_one_stop_line(stderr: str, signame: str) -> None:
 
 def assert_resumable(run: Path) -> int:
     """The newest checkpoint verifies; returns its step."""
-    path, meta = find_valid(run / "checkpoints", resuming=False)
+    path, meta = find_valid(run / "checkpoints")
     assert path.name == (run / "checkpoints" / "latest").read_text()
     return meta["step"]
 
