@@ -10,10 +10,13 @@ from __future__ import annotations
 import difflib
 import math
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from teratrain.models.presets import PRESETS
 
@@ -28,9 +31,26 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    # strict: a TOML string "100" is not an integer, as on the command line (--set train.steps=many is
-    # refused); an integer is still accepted where a number is expected (lr = 1)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_strings(cls, value: Any, info) -> Any:
+        """A TOML string "100" (or a true) is not a number, as on the command line, where --set
+        train.steps=many is refused; pydantic alone would parse it. An integer is a fine float."""
+        kind = _number_kind(cls.model_fields[info.field_name].annotation)
+        if kind and isinstance(value, (str, bool)):
+            raise PydanticCustomError(f"{kind}_type", f"Input should be a valid {kind}")
+        return value
+
+
+def _number_kind(annotation) -> str | None:
+    """"int" or "float" for a numeric field (optional or not), else None."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    for t in (annotation, *args):
+        if t is int or t is float:
+            return t.__name__
+    return None
 
 
 class ModelConfig(Section):
