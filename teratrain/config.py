@@ -139,9 +139,9 @@ class OptimConfig(Section):
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
-    decay_steps: int | None = Field(None, ge=1, description="steps the warmup + decay schedule spans; unset = train.steps. "
-                                    "Past it the lr stays at min_lr_ratio x lr (a resume to more --steps keeps the "
-                                    "run's original length unless this is set)")
+    decay_steps: int | None = Field(None, ge=1, description="steps the warmup + decay schedule spans; unset = "
+                                    "train.steps. Past it the lr stays at min_lr_ratio x lr (a resume to more --steps "
+                                    "keeps the run's original length unless this is set)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="rule from optim.base_batch to train.global_batch")
     base_batch: int | None = Field(None, ge=1, description="global batch at which optim.lr was tuned (needed by lr_scaling)")

@@ -64,7 +64,8 @@ def newest_run(root: Path = RUNS) -> Path:
     """The run under `root` whose newest checkpoint is the most recent (for `--resume` alone)."""
     runs = [p.parent.parent for p in root.glob("*/checkpoints/latest")]
     if not runs:
-        raise ConfigError(f"--resume found no run with a checkpoint under {root}/; pass --out DIR of the run to resume.")
+        raise ConfigError(f"--resume found no run with a checkpoint under {root}/; pass --out DIR of the run to "
+                          "resume.")
     return max(runs, key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime)
 
 
@@ -86,7 +87,8 @@ def _mkdir(path: Path, parents: bool = False) -> None:
     try:
         path.mkdir(parents=parents, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create the run directory {path} ({e.strerror}); give --out a writable folder.") from None
+        raise ConfigError(f"cannot create the run directory {path} ({e.strerror}); give --out a writable "
+                          "folder.") from None
 
 
 @contextmanager

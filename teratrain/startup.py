@@ -94,8 +94,8 @@ def summary(cfg: Config, rt, run_dir: Path, start: int) -> str:
              f"device: {where}, {rt.world} process(es)",
              f"layout: dp={d.dp} zero={p.zero} offload={p.offload} sync={p.sync} precision={cfg.memory.precision} "
              f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}",
-             f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per step, "
-             f"{t.steps} steps",
+             f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per "
+             f"step, {t.steps} steps",
              _memory_line(cfg, rt),
              _resumed(cfg, run_dir, start) if start else f"run directory: {run_dir}"]
     return "\n".join(f"teratrain: {line}" for line in lines)
@@ -122,7 +122,8 @@ def _memory_line(cfg: Config, rt) -> str:
     if rt.device.type == "cuda":
         have = torch.cuda.get_device_properties(rt.device).total_memory
         line = f"predicted memory per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
-        return line if mem.total <= have else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"
+        fits = mem.total <= have
+        return line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"
     need = _host_bytes(mem, rt.device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     avail = host_available_bytes()

@@ -78,7 +78,8 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     last = {}
     for step in range(start, tc.steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+        lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule,
+                   cfg.optim.min_lr_ratio)
         model.train()
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
         stats, local_loss = train_step(model, engine, micro, cfg.memory.precision, lr)
@@ -155,8 +156,8 @@ def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
 
 def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:
     """Load the newest usable checkpoint of `run_dir` into the engine and RNGs; return its step."""
-    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, agree=lambda ok: any_rank_false(ok, rt.world_group, rt.device),
-                                  resuming=True)
+    path, saved = ckpt.find_valid(run_dir / "checkpoints", rt.rank, resuming=True,
+                                  agree=lambda ok: any_rank_false(ok, rt.world_group, rt.device))
     _check_compatible(validate(saved["config"]), cfg, run_dir)
     if saved["dims"] != vars(rt.dims):
         raise ConfigError(f"the checkpoint was written with layout {saved['dims']} but this run has {vars(rt.dims)}; "

@@ -93,7 +93,8 @@ def _cache_intact(bin_path: Path) -> bool:
     try:
         rec = json.loads(side.read_text())
         st = bin_path.stat()
-        ok = st.st_size == rec["bytes"] and (st.st_mtime_ns == rec["mtime_ns"] or sha256_file(bin_path) == rec["sha256"])
+        unchanged = st.st_mtime_ns == rec["mtime_ns"] or sha256_file(bin_path) == rec["sha256"]
+        ok = st.st_size == rec["bytes"] and unchanged
     except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:
@@ -127,7 +128,8 @@ def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
         try:
             dtype = np.dtype(json.loads(side.read_text())["dtype"])
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{side} should be JSON like {{\"dtype\": \"uint16\"}} ({e}); fix it or delete it.") from None
+            raise DataError(f"{side} should be JSON like {{\"dtype\": \"uint16\"}} ({e}); fix it or delete "
+                            "it.") from None
     elif vocab_size <= 2**16:
         dtype = np.dtype(np.uint16)
     else:

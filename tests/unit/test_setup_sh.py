@@ -49,7 +49,7 @@ def test_cpu_torch_that_cannot_be_installed_is_one_line(tmp_path):
     # a Python that passes the version check and makes a venv whose python has no torch and whose pip fails
     make_venv = (f'mkdir -p {venv_bin}\n'
                  f'printf "#!/bin/sh\\nexit 1\\n" > {venv_bin}/python; chmod +x {venv_bin}/python\n'
-                 f'printf "#!/bin/sh\\necho network unreachable >&2; exit 1\\n" > {venv_bin}/pip; chmod +x {venv_bin}/pip\n'
+                 f'printf "#!/bin/sh\\necho no network >&2; exit 1\\n" > {venv_bin}/pip; chmod +x {venv_bin}/pip\n'
                  f'echo "PATH={venv_bin}:\\$PATH" > {venv_bin}/activate\n')
     python = _script(tmp_path / "bin" / "python3", f'case "$*" in *venv*) {make_venv};; *) exit 0;; esac\n')
     line = _one_line(_setup(tmp_path, python))
