@@ -6,36 +6,76 @@ Bad input exits with status 2 and one sentence on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
-import subprocess
+import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
+from teratrain import __version__
 from teratrain.checkpoint import CheckpointError
 from teratrain.config import ConfigError, describe, load_config
 from teratrain.data.corpus import DataError
+from teratrain.launch import (Stopped, follow_parent, launch, rank, stop_on_signals, stopped_message, under_launcher,
+                              write_report)
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
+# errors of the machine, not of teratrain: a sentence, not a traceback
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except USER_ERRORS as e:
-        print(f"teratrain: error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # e.g. `teratrain plan | head`: the reader left; say nothing more
+    with stop_on_signals() as stopping:
+        try:
+            return args.func(args)
+        except BaseException as e:  # noqa: BLE001 - every way out is decided in one place
+            return _exit_status(e, stopping["signum"])
+
+
+def _exit_status(e: BaseException, signum: int | None) -> int:
+    """How a command that raised ends: one line (or none on ranks that are not rank 0, or under the
+    launcher, which reports for the job) and its exit status. Only a bug shows a traceback."""
+    if isinstance(e, SystemExit):
+        raise e
+    if isinstance(e, KeyboardInterrupt):  # SIGINT raised before our handler was installed
+        e = Stopped(signal.SIGINT)
+    if signum is not None and not isinstance(e, Stopped):  # e.g. a collective broken by the stop
+        e = Stopped(signum)
+    if isinstance(e, Stopped):
+        write_report("signal", signal.Signals(e.signum).name)
+        if rank() == 0 and not under_launcher():
+            print(stopped_message(e.signum, getattr(e, "run_dir", None)), file=sys.stderr)
+        return e.exit_code
+    if isinstance(e, BrokenPipeError):  # e.g. `teratrain plan | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print("teratrain: interrupted; the last complete checkpoint is intact (resume with --resume)", file=sys.stderr)
-        return 130
+    sentence = str(e) if isinstance(e, USER_ERRORS) else _disk_sentence(e)
+    if sentence is not None:
+        write_report("user", sentence)
+        if not under_launcher():
+            print(f"teratrain: error: {sentence}", file=sys.stderr)
+        return 2
+    if under_launcher():
+        first = str(e).splitlines()[0] if str(e) else ""
+        write_report("crash", f"{type(e).__name__}: {first}" if first else type(e).__name__, e)
+        return 1
+    raise e
+
+
+def _disk_sentence(e: BaseException) -> str | None:
+    if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+        where = f" {e.filename}" if e.filename else ""
+        return (f"cannot write{where} ({e.strerror}); free some space or point --out / data.cache_dir at a "
+                "writable folder with room.")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="teratrain", description="Train large transformers on many GPUs.")
+    parser.add_argument("--version", action="version", version=f"teratrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (default: the tiny preset on the Python stdlib corpus)")
@@ -46,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint of --out")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
-    t.add_argument("--print-config", action="store_true", help="print every config key with its default and exit")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the config that would run (file, preset, --set, a resumed run's own) and exit")
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample text from a trained run")
@@ -75,31 +116,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args) -> list[str]:
-    extra = [f"train.steps={args.steps}"] if args.steps is not None else []
-    return list(args.overrides) + extra
+    """--set items plus --steps; a flag does not silently replace (and so hide) a --set of the same key."""
+    if args.steps is None:
+        return list(args.overrides)
+    if any(o.partition("=")[0].strip() == "train.steps" for o in args.overrides):
+        raise ConfigError("--steps and --set train.steps both set train.steps; give only one of them.")
+    return list(args.overrides) + [f"train.steps={args.steps}"]
 
 
 def cmd_train(args) -> int:
-    if args.print_config:
-        print(describe())
-        return 0
-    cfg = load_config(args.config, _overrides(args))  # validate before launching anything
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from teratrain.mesh import ParallelDims
-        from teratrain.parallel.parallelize import check_supported
-        from teratrain.train import check_batch, check_out
+    from teratrain import rundir
 
-        dims = ParallelDims.from_config(cfg.parallel, args.nproc)  # a bad layout fails here, in one line
-        check_supported(cfg)
-        check_batch(cfg, dims.dp)
-        check_gpus(cfg, args.nproc)
-        if args.out:
-            check_out(args.out, args.resume)
-        return launch(args)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} is not a process count; give --nproc 1 or more.")
+    run_dir = Path(args.out) if args.out else rundir.newest_run() if args.resume else None
+    if args.resume:
+        cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
+    else:
+        cfg = load_config(args.config, _overrides(args))
+    if args.print_config:
+        print(describe(cfg))
+        return 0
+    launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
+    _check_before_start(cfg, args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
+    if launching:
+        with rundir.own(run_dir or rundir.fresh_run_dir(), args.resume, created=run_dir is None) as d:
+            return launch(_rank_argv(args, d), args.nproc, d)
     from teratrain.train import run
 
-    summary = run(cfg, args.out, args.resume)
-    if int(os.environ.get("RANK", "0")) == 0:
+    follow_parent()
+    owner = rank() == 0 and not under_launcher()  # one process per job holds the run directory
+    if owner:
+        run_dir = run_dir or rundir.fresh_run_dir()
+    try:
+        with rundir.own(run_dir, args.resume, created=not args.out and not args.resume) if owner else nullcontext(), \
+                rundir.member(run_dir):
+            summary = run(cfg, run_dir, args.resume)
+    except Stopped as e:
+        e.run_dir = run_dir  # for the message: where to resume from
+        raise
+    if rank() == 0:
         ev = summary.get("eval_loss")
         print(f"done: {summary['step']} steps, loss {summary['loss']:.4f}"
               + (f", eval loss {ev:.4f}" if ev is not None else "")
@@ -107,37 +163,32 @@ def cmd_train(args) -> int:
     return 0
 
 
-def launch(args) -> int:
-    """Re-run this command under torchrun with N local processes. torchrun stops the whole job when
-    one rank fails and reports that rank's error; we pass its exit status on."""
-    from datetime import datetime
-
-    argv = _reconstruct(args)
-    if args.out or not args.resume:  # --resume alone: rank 0 finds the newest run and tells the others
-        argv += ["--out", args.out or str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "teratrain", *argv]
-    rc = subprocess.call(cmd)
-    if rc:
-        print(f"teratrain: error: a rank of the {args.nproc}-process job failed (exit status {rc}); its own "
-              "message is above torchrun's report.", file=sys.stderr)
-    return rc
-
-
-def check_gpus(cfg, nproc: int) -> None:
-    """One process per GPU: more processes than visible GPUs cannot start."""
+def _check_before_start(cfg, world: int) -> None:
+    """Fail in one line before any process starts or any memory is taken: the layout, the batch,
+    the GPU count, and whether the model's states fit in this machine's memory."""
     import torch
 
+    from teratrain.mesh import ParallelDims
+    from teratrain.parallel.parallelize import check_supported
+    from teratrain.startup import check_host_memory
+    from teratrain.train import check_batch
+
+    dims = ParallelDims.from_config(cfg.parallel, world)  # a bad layout fails here, in one line
+    check_supported(cfg)
+    check_batch(cfg, dims.dp)
     gpus = torch.cuda.device_count()
-    if cfg.train.device != "cpu" and gpus and nproc > gpus:
-        raise ConfigError(f"--nproc {nproc} asks for more processes than the {gpus} visible GPUs; use --nproc {gpus} "
+    if "LOCAL_RANK" not in os.environ and cfg.train.device != "cpu" and gpus and world > gpus:
+        raise ConfigError(f"--nproc {world} asks for more processes than the {gpus} visible GPUs; use --nproc {gpus} "
                           "or set train.device=cpu.")
+    on_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
+    check_host_memory(cfg, dims.workers, int(os.environ.get("LOCAL_WORLD_SIZE", world)), on_cpu)
 
 
-def _reconstruct(args) -> list[str]:
+def _rank_argv(args, run_dir: Path) -> list[str]:
+    """This command as each rank runs it, with the run directory the launcher chose and owns."""
     argv = ["train"] + ([args.config] if args.config else [])
     argv += [x for o in _overrides(args) for x in ("--set", o)]
-    return argv + (["--resume"] if args.resume else [])
+    return argv + ["--out", str(run_dir)] + (["--resume"] if args.resume else [])
 
 
 def cmd_generate(args) -> int:

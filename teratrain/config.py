@@ -10,10 +10,13 @@ from __future__ import annotations
 import difflib
 import math
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from teratrain.models.presets import PRESETS
 
@@ -32,6 +35,25 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_strings(cls, value: Any, info) -> Any:
+        """A TOML string "100" (or a true) is not a number, as on the command line, where --set
+        train.steps=many is refused; pydantic alone would parse it. An integer is a fine float."""
+        kind = _number_kind(cls.model_fields[info.field_name].annotation)
+        if kind and isinstance(value, (str, bool)):
+            raise PydanticCustomError(f"{kind}_type", f"Input should be a valid {kind}")
+        return value
+
+
+def _number_kind(annotation) -> str | None:
+    """"int" or "float" for a numeric field (optional or not), else None."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    for t in (annotation, *args):
+        if t is int or t is float:
+            return t.__name__
+    return None
 
 
 class ModelConfig(Section):
@@ -136,6 +158,9 @@ class OptimConfig(Section):
                             description="SGD and SM3 momentum (0 = none: SM3 then keeps no full-size buffer)")
     schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
+    decay_steps: int | None = Field(None, ge=1, description="steps the warmup + decay schedule spans; unset = "
+                                    "train.steps. Past it the lr stays at min_lr_ratio x lr (a resume to more --steps "
+                                    "keeps the run's original length unless this is set)")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="rule from optim.base_batch to train.global_batch")
     base_batch: int | None = Field(None, ge=1, description="global batch at which optim.lr was tuned (needed by lr_scaling)")
@@ -314,6 +339,11 @@ class Config(Section):
         return m
 
     @property
+    def schedule_steps(self) -> int:
+        """Steps the learning-rate schedule spans (optim.decay_steps, else train.steps)."""
+        return self.optim.decay_steps or self.train.steps
+
+    @property
     def use_master_weights(self) -> bool:
         """Low-precision params with fp32 master copies (the rule: memory/precision.py)."""
         from teratrain.memory.precision import uses_master_weights
@@ -330,18 +360,24 @@ def _divisor_near(n: int, k: int) -> int:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read an optional TOML file, apply `section.key=value` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
+    return validate(apply_overrides(read_toml(path) if path is not None else {}, overrides))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to a raw config dict (in place); returns it."""
     for item in overrides:
         _apply_override(raw, item)
-    return validate(raw)
+    return raw
 
 
 def validate(raw: dict[str, Any]) -> Config:
@@ -429,10 +465,17 @@ def _toml_value(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def describe() -> str:
-    """Reference table of every key, for the README and `teratrain train --help-config`."""
-    rows = []
+def describe(cfg: Config | None = None) -> str:
+    """`cfg` (default: the defaults) as TOML, each key with its description; an unset optional key
+    is a comment. What `teratrain train --print-config` prints: valid TOML a user can start from."""
+    cfg = cfg or Config()
+    lines: list[str] = []
     for section, field in Config.model_fields.items():
+        lines.append(f"[{section}]")
+        values = getattr(cfg, section)
         for key, f in field.annotation.model_fields.items():
-            rows.append(f"{section}.{key} = {f.default!r}  # {f.description}")
-    return "\n".join(rows)
+            value = getattr(values, key)
+            text = f"{key} = {_toml_value(value)}" if value is not None else f"# {key} = (unset)"
+            lines.append(f"{text:32} # {f.description}")
+        lines.append("")
+    return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -20,13 +21,18 @@ from teratrain.models.transformer import build_model
 
 def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _, run_dir, model = load_model(run, device)
+    cfg, run_dir, model = load_model(run, device)
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.exists():
         raise CheckpointError(f"{run_dir} has no tokenizer.json (trained on a pre-tokenized .bin); copy the "
                               "tokenizer.json used to make it into the run folder.")
-    tokenizer = Tokenizer.from_file(str(tok_path))
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad files
+        raise CheckpointError(f"{tok_path} is unreadable ({str(e)[:80]}); copy the tokenizer.json the run was "
+                              "trained with back into the run folder.") from None
     ids = tokenizer.encode(prompt).ids if prompt else [tokenizer.token_to_id(EOT) or 0]
+    _warn_context(len(ids), max_new_tokens, cfg.model.seq_len)
     out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stop_token=tokenizer.token_to_id(EOT))
     return tokenizer.decode(out)
 
@@ -47,6 +53,19 @@ def load_model(run: str | Path, device: torch.device) -> tuple[Config, Path, nn.
     if cfg.lora.rank:  # a LoRA run samples with its adapters folded into the base weights
         lora.merge_from_checkpoint(model, ckpt_dir, cfg.lora.alpha)
     return cfg, run_dir, model
+
+
+def _warn_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """The model attends to at most model.seq_len positions (it was trained at that length): say what
+    of the request fits instead of cutting it silently."""
+    kept = min(prompt_tokens, context - 1)
+    if prompt_tokens > kept:
+        print(f"teratrain: warning: the prompt is {prompt_tokens} tokens but the model's context (model.seq_len) is "
+              f"{context}; only its last {kept} tokens are used.", file=sys.stderr)
+    if kept + max_new_tokens > context:
+        print(f"teratrain: warning: --max-new-tokens {max_new_tokens} does not fit the model's context of {context} "
+              f"tokens (model.seq_len) after a {kept}-token prompt; generating at most {context - kept}.",
+              file=sys.stderr)
 
 
 def _locate(path: Path) -> tuple[Path, Path | None]:

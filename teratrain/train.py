@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from teratrain.checkpoint.state import seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
@@ -27,8 +24,11 @@ from teratrain.models.protocol import model_flops_per_token
 from teratrain.models.transformer import Transformer
 from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
-from teratrain.parallel.comm import AVG, all_reduce, broadcast_object
+from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import check_supported, parallelize
+from teratrain.progress import Progress
+from teratrain.rundir import agree_run_dir
+from teratrain.startup import print_summary
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
@@ -40,7 +40,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
-    run_dir = _run_dir(out, resume, rt)
+    run_dir = agree_run_dir(out, resume, rt)
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values
@@ -62,6 +62,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
+    print_summary(cfg, rt, run_dir, start)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
         engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
@@ -81,12 +82,12 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
     flops_tok = model_flops_per_token(model, m)
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
-    bar = tqdm(total=tc.steps, initial=start, disable=not (rt.is_main and cfg.metrics.progress),
-               desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
     last = {}
     for step in range(start, tc.steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, tc.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+        lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule,
+                   cfg.optim.min_lr_ratio)
         model.train()
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
         stats, local_loss = train_step(model, engine, micro, cfg.memory.precision, lr)
@@ -108,12 +109,10 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
             last["eval_loss"] = evaluate(model, val_batches, cfg, rt)
         if log:
             log.write(last)
-        if done % tc.log_every == 0 or done == tc.steps:
-            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-        bar.update(1)
+        progress.step(done, loss_val, tps, lr, last.get("eval_loss"))
         if done == tc.steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
             _save(run_dir, done, cfg, rt, engine)
-    bar.close()
+    progress.close()
     if log:
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
@@ -152,34 +151,6 @@ def check_batch(cfg: Config, dp: int) -> None:
     if cfg.train.global_batch % per_step:
         raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of train.micro_batch x dp "
                           f"= {cfg.train.micro_batch} x {dp} = {per_step}; change one of them.")
-
-
-def check_out(out: str, resume: bool) -> Path:
-    """--out must be a folder, and a fresh run must not overwrite another run's checkpoints."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {path} is a file; give a folder for the run.")
-    if not resume and (path / "checkpoints").exists():
-        raise ConfigError(f"--out {path} already holds a run; pass --resume to continue it or choose another --out.")
-    return path
-
-
-def _run_dir(out: str | None, resume: bool, rt: Runtime) -> Path:
-    """--out if given; with --resume alone, the newest run under runs/; else runs/<timestamp>.
-    Decided on rank 0 and shared, so every rank writes to the same place."""
-    if out:
-        path = check_out(out, resume)
-    elif resume:
-        runs = sorted(p.parent.parent for p in Path("runs").glob("*/checkpoints/latest"))
-        if not runs:
-            raise ConfigError("--resume found no run with a checkpoint under runs/; pass --out DIR of the run to resume.")
-        path = runs[-1]
-    else:
-        path = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-        if rt.is_main:
-            while path.exists():
-                path = path.with_name(path.name + "_")
-    return Path(broadcast_object(str(path), rt.world_group))
 
 
 def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:

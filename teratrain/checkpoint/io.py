@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
+from teratrain.fsio import sha256_file as sha256
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -77,28 +78,25 @@ def _chunks(blob: bytes, names: list[str], tensors: dict[str, torch.Tensor]):
             yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.Tensor], meta: dict,
          keep: int, global_meta: dict | None = None, barrier: Callable[[], None] = _noop) -> Path:
     """Write this rank's part of checkpoint `step`; rank 0 publishes it. Collective over ranks."""
     name = f"step_{step:08d}"
     tmp, final = root / f"{name}.tmp", root / name
-    if rank == 0:
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        st_path = tmp / f"rank{rank:05d}.safetensors"
+        digest = write_safetensors(st_path, tensors)
+        fsync_file(st_path)
+        own = {"bytes": st_path.stat().st_size, "sha256": digest}
+        atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps({**meta, "file": own}).encode())
+    except OSError as e:  # a full disk, a quota: drop the partial folder (it would only fill the disk more)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    st_path = tmp / f"rank{rank:05d}.safetensors"
-    digest = write_safetensors(st_path, tensors)
-    fsync_file(st_path)
-    own = {"bytes": st_path.stat().st_size, "sha256": digest}
-    atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps({**meta, "file": own}).encode())
+        raise CheckpointError(f"could not write checkpoint {name} in {root} ({e.strerror}); free space or raise the "
+                              "quota, then continue with --resume: the last complete checkpoint is intact.") from None
     barrier()
     if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
         from teratrain.checkpoint.index import FORMAT, INDEX, merge_rank  # (index.py imports this module)
@@ -129,16 +127,21 @@ def _prune(root: Path, keep: int, current: int) -> None:
     """Keep the `keep` newest checkpoints up to `current`. Checkpoints of later steps belong to a run
     abandoned by a resume (e.g. one that fell back past a corrupt checkpoint): drop them, so the one
     just written is never the one pruned."""
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = _complete(root)
     later = [p for p in done if int(p.name.removeprefix("step_")) > current]
     kept = [p for p in done if p not in later]
     for old in later + kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _complete(root: Path) -> list[Path]:
+    """Checkpoint folders by step (not `.tmp` ones being written, nor `.unusable` ones set aside)."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.name.removeprefix("step_").isdigit())
+
+
 def candidates(root: Path) -> list[Path]:
     """Complete-looking checkpoints, the one `latest` names first, then newest to oldest."""
-    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    found = _complete(root)[::-1]
     latest = root / "latest"
     if latest.exists():
         named = root / latest.read_text().strip()
@@ -149,35 +152,42 @@ def candidates(root: Path) -> list[Path]:
 
 
 def _checked_here(fname: str, rank: int, world: int) -> bool:
-    """Is this rank the one that checks the digest of `fname`? The index on every rank; old rank
-    k's files on rank k mod world."""
-    if not fname.startswith("rank"):
-        return True
-    return int(fname[4:9]) % world == rank
+    """Is this rank the one that checks the digest of tensor file `fname`? Old rank k's files on
+    rank k mod world (the JSON files, small, on every rank)."""
+    return not fname.startswith("rank") or int(fname[4:9]) % world == rank
 
 
 def verify(path: Path, rank: int, world: int = 1) -> dict:
-    """Raise CheckpointError unless every file is present at its recorded size and the files this
-    rank checks match their digests. Returns meta.json."""
+    """Raise CheckpointError unless every file is present at its recorded size, the (small) JSON files
+    and the tensor files this rank checks match their digests. Returns meta.json."""
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path.name}: meta.json unreadable ({e})") from None
-    for fname, info in meta["files"].items():
+    for fname, info in sorted(meta["files"].items(), key=lambda kv: not kv[0].endswith(".json")):  # cheap first
         p = path / fname
-        if not p.exists() or p.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{path.name}: {fname} is missing or truncated")
-        if _checked_here(fname, rank, world) and sha256(p) != info["sha256"]:
-            raise CheckpointError(f"{path.name}: {fname} fails its sha256 digest")
+        if not p.exists():
+            raise CheckpointError(f"{path.name}: {fname} is missing")
+        if fname.endswith(".json") and sha256(p) != info["sha256"]:
+            raise CheckpointError(f"{path.name}: {fname} was changed after it was written (its sha256 differs)")
+        size = p.stat().st_size
+        if size != info["bytes"]:
+            what = "truncated" if size < info["bytes"] else "longer than written"
+            raise CheckpointError(f"{path.name}: {fname} is {what} ({size} of {info['bytes']} bytes)")
+        if not fname.endswith(".json") and _checked_here(fname, rank, world) and sha256(p) != info["sha256"]:
+            raise CheckpointError(f"{path.name}: {fname} fails its sha256 digest (corrupted)")
     return meta
 
 
 def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda ok: ok, world: int = 1,
-               check: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict]:
+               check: Callable[[Path, dict], None] | None = None, resuming: bool = False) -> tuple[Path, dict]:
     """The newest checkpoint that verifies on every rank (`agree` ANDs a flag over ranks), and its
     meta.json. `check(path, meta)` may refuse one more way (a CheckpointError: the reads a resume
-    plans from its index); a refused checkpoint is skipped like a corrupt one."""
-    tried = []
+    plans from its index); a refused checkpoint is skipped like a corrupt one. When `resuming` (the
+    trainer), rank 0 renames the unusable ones newer than it to `step_X.unusable`: the run continues
+    from an older step, so they belong to no future resume, and pruning must not count them (nor
+    delete the good one instead). Readers (generate) change nothing."""
+    tried, bad = [], []
     for path in candidates(root):
         try:
             meta, ok = verify(path, rank, world), True
@@ -187,13 +197,22 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
             ok, reason = False, str(e)
         if agree(ok):
             if tried and rank == 0:
-                print(f"teratrain: warning: skipped unusable checkpoint(s): {'; '.join(tried)}; "
-                      f"resuming from {path.name}", file=sys.stderr)
+                aside = ""
+                if resuming:
+                    for p in bad:
+                        p.rename(p.with_name(p.name + ".unusable"))
+                    aside = " (renamed to *.unusable)"
+                print(f"teratrain: warning: skipped unusable checkpoint(s){aside}: {'; '.join(tried)}; "
+                      f"{'resuming from' if resuming else 'using'} {path.name}", file=sys.stderr)
             return path, meta
         tried.append(reason if not ok else f"{path.name}: corrupt on another rank")
-    why = f" ({'; '.join(tried)})" if tried else ""
-    raise CheckpointError(f"no usable checkpoint in '{root}'{why}; train without --resume or point --out at a run "
-                          "that saved one.")
+        bad.append(path)
+    if not tried:
+        fix = "train without --resume to start the run" if resuming else "train the run until it saves one"
+        raise CheckpointError(f"no usable checkpoint in '{root}' (it holds none); {fix}.")
+    fix = (f"move or delete {root} to start the run over in the same folder, or train into another --out"
+           if resuming else "point --ckpt at another run or checkpoint folder")
+    raise CheckpointError(f"no usable checkpoint in '{root}' ({'; '.join(tried)}); {fix}.")
 
 
 def load_rank(path: Path, rank: int, prefix: str = "",

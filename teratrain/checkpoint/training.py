@@ -108,7 +108,7 @@ def restore_training(root: Path, cfg: Config, rt, engine, run_dir: Path) -> int:
         plan.update(reader=reader, jobs=plan_restore(reader, engine.holdings()))
 
     path, saved = io.find_valid(root, rt.rank, lambda ok: any_rank_false(ok, rt.world_group, rt.device),
-                                rt.world, check)
+                                rt.world, check, resuming=True)
     with plan["reader"] as reader:
         run_restore(reader, plan["jobs"])
     same = saved["dims"] == vars(rt.dims)

@@ -31,11 +31,21 @@ def user_files(path: str) -> list[Path]:
     if not p.exists():
         raise DataError(f"data.path '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
     if p.is_file():
+        if is_binary(p):
+            raise DataError(f"data.path '{path}' is a binary file, not text; give a text file, a folder of text "
+                            "files, or pre-tokenized tokens named *.bin.")
         return [p]
-    files = sorted(f for f in _walk(p, skip={"__pycache__", ".git"}) if f.suffix.lower() in TEXT_SUFFIXES)
+    files = sorted(f for f in _walk(p, skip={"__pycache__", ".git"})
+                   if f.suffix.lower() in TEXT_SUFFIXES and not is_binary(f))
     if not files:
         raise DataError(f"data.path '{path}' holds no text files; add .txt/.py/.md files or point at another folder.")
     return files
+
+
+def is_binary(path: Path, probe: int = 8192) -> bool:
+    """A NUL byte in the first `probe` bytes: how git and grep tell binary files from text."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(probe)
 
 
 def _walk(root: Path, skip: set[str]):

@@ -1,6 +1,7 @@
 """Token files and batches.
 
-Tokens live in a flat numpy memmap (uint16 when the vocabulary fits, else uint32); the last
+Tokens live in a flat numpy memmap (uint16 when the vocabulary fits, else uint32; a cached file has a
+JSON record of its size and sha256 beside it, checked before use); the last
 `data.val_fraction` of it is held out. A batch is a pure function of (seed, global step, global sample
 index): sample j of step s starts at offset `starts(s)[j]`, whatever the number of ranks, so every
 parallel layout sees the same global batches and a resumed run sees the batches it would have seen.
@@ -9,6 +10,7 @@ parallel layout sees the same global batches and a resumed run sees the batches 
 from __future__ import annotations
 
 import itertools
+import hashlib
 import json
 import os
 import sys
@@ -21,7 +23,7 @@ import torch
 
 from teratrain.data.corpus import DataError, fingerprint, read_documents, stdlib_files, user_files
 from teratrain.data.tokenizer import EOT, file_digest, load_or_train
-from teratrain.fsio import atomic_write_bytes
+from teratrain.fsio import atomic_write_bytes, sha256_file
 
 
 @dataclass
@@ -54,8 +56,10 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
         source = path or f"python {sys.version_info.major}.{sys.version_info.minor} standard library ({len(files)} files)"
         if builder:  # train the tokenizer and encode once; the cache makes later calls cheap
             tok, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer, field)
-            if not _bin_path(cache, tok_path, files, field).exists():
-                _encode_to_bin(files, tok, _bin_path(cache, tok_path, files, field), vocab_size, field)
+            bin_path = _bin_path(cache, tok_path, files, field)
+            if not _cache_intact(bin_path):
+                _say(f"tokenizing {len(files):,} files ({_mb(files)}) into {bin_path}")
+                _encode_to_bin(files, tok, bin_path, vocab_size, field)
         wait()
         _, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer, field)
         bin_path = _bin_path(cache, tok_path, files, field)
@@ -65,17 +69,44 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
                      tokenizer_path=Path(tok_path) if tok_path else None, source=source)
 
 
+def _say(text: str) -> None:
+    print(f"teratrain: {text}", file=sys.stderr, flush=True)
+
+
+def _mb(files: list[Path]) -> str:
+    return f"{sum(f.stat().st_size for f in files) / 1e6:,.1f} MB"
+
+
 def _bin_path(cache: Path, tok_path: Path, files: list[Path], text_field: str) -> Path:
     return cache / f"tokens-{file_digest(tok_path)}-{fingerprint(files, text_field)}.bin"
 
 
-def _dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
+def _dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _cache_intact(bin_path: Path) -> bool:
+    """Whether a cached token file is the one written: its size, and its sha256 unless its mtime is the
+    one recorded (a truncated or overwritten file is rebuilt, never silently trained on)."""
+    side = bin_path.with_suffix(".json")
+    if not bin_path.exists() or not side.exists():  # never built, or built before records were kept
+        return False
+    try:
+        rec = json.loads(side.read_text())
+        st = bin_path.stat()
+        unchanged = st.st_mtime_ns == rec["mtime_ns"] or sha256_file(bin_path) == rec["sha256"]
+        ok = st.st_size == rec["bytes"] and unchanged
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        _say(f"warning: the token cache {bin_path} does not match its record (truncated or changed); rebuilding it")
+    return ok
 
 
 def _encode_to_bin(files: list[Path], tok, out: Path, vocab_size: int, text_field: str, chunk: int = 256) -> None:
     """Encode documents as they are read, in batches (the tokenizer runs them in parallel), EOT after
-    each one: only the tokens are held, never the whole text."""
+    each one: only the tokens are held, never the whole text; then record the file's size and digest
+    beside it (`_cache_intact`)."""
     eot = tok.token_to_id(EOT)
     parts: list[np.ndarray] = []
     docs = iter(read_documents(files, text_field))
@@ -83,17 +114,29 @@ def _encode_to_bin(files: list[Path], tok, out: Path, vocab_size: int, text_fiel
         for enc in tok.encode_batch(batch):
             ids = enc.ids + ([eot] if eot is not None else [])
             parts.append(np.asarray(ids, dtype=_dtype(vocab_size)))
-    atomic_write_bytes(out, np.concatenate(parts).tobytes())
+    data = np.concatenate(parts).tobytes()
+    atomic_write_bytes(out, data)
+    rec = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "mtime_ns": out.stat().st_mtime_ns}
+    atomic_write_bytes(out.with_suffix(".json"), json.dumps(rec).encode())
 
 
 def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
+    """A user's pre-tokenized file: token ids back to back, dtype from the `<name>.json` sidecar
+    ({"dtype": "uint16"}) when there is one, else uint16 (what nanoGPT-style scripts write)."""
     if not path.is_file():
         raise DataError(f"data.path '{path}' does not exist; give a pre-tokenized .bin file or a text folder.")
     side = path.with_suffix(".json")
-    try:
-        dtype = np.dtype(json.loads(side.read_text())["dtype"]) if side.exists() else _dtype(vocab_size)
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{side} should be JSON like {{\"dtype\": \"uint16\"}} ({e}); fix it or delete it.") from None
+    if side.exists():
+        try:
+            dtype = np.dtype(json.loads(side.read_text())["dtype"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{side} should be JSON like {{\"dtype\": \"uint16\"}} ({e}); fix it or delete "
+                            "it.") from None
+    elif vocab_size <= 2**16:
+        dtype = np.dtype(np.uint16)
+    else:
+        raise DataError(f"data.path '{path}' has no {side.name} to say its dtype, and model.vocab_size {vocab_size} "
+                        f"does not fit uint16; write {side.name} with {{\"dtype\": \"uint32\"}} beside it.")
     if os.path.getsize(path) % dtype.itemsize:
         raise DataError(f"data.path '{path}' is not a whole number of {dtype.name} tokens; write it with numpy "
                         f"as {dtype.name} or give its dtype in {side.name}.")

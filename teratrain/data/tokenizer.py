@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -36,11 +37,28 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
             raise DataError(f"data.tokenizer '{given}' could not be loaded ({e}); give a tokenizer.json saved by HF tokenizers.") from None
     else:
         path = cache / f"bpe-{fingerprint(files, text_field)}-{vocab_size}.json"
-        tok = Tokenizer.from_file(str(path)) if path.exists() else train_bpe(files, vocab_size, path, text_field)
+        tok = _load_cached(path)
+        if tok is None:
+            size = sum(f.stat().st_size for f in files) / 1e6
+            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files ({size:,.1f} MB); "
+                  f"cached as {path}", file=sys.stderr, flush=True)
+            tok = train_bpe(files, vocab_size, path, text_field)
     if tok.get_vocab_size() > vocab_size:
         raise DataError(f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size is {vocab_size}; "
                         f"set model.vocab_size >= {tok.get_vocab_size()}.")
     return tok, path
+
+
+def _load_cached(path: Path) -> Tokenizer | None:
+    """A cached tokenizer, or None when there is none or it is unreadable (then it is trained again)."""
+    if not path.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad files
+        print(f"teratrain: warning: the cached tokenizer {path} is unreadable ({str(e)[:80]}); training it again",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def file_digest(path: Path) -> str:

@@ -59,7 +59,12 @@ def cmd_plan(args) -> int:
         raise ConfigError(str(e)) from None
     fitting = [c for c in cands if c.fits]
     if not fitting:
-        raise ConfigError(_nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands))
+        why = _nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands)
+        if args.json:  # the leanest layout, with "fits": false, for scripts; the sentence still goes to stderr
+            least = min(cands, key=lambda c: c.memory.total)
+            print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, gpu_mem, least, cands, args.top, None, notes),
+                              "fits": False, "error": why}))
+        raise ConfigError(why)
     best = fitting[0]
     advice = _advice(cfg)
     notes.extend(_runnable_today(best, fitting))
@@ -83,7 +88,8 @@ def cmd_plan(args) -> int:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
     if args.json:
-        print(json.dumps(as_json(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes)))
+        print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes),
+                          "fits": True}))
     else:
         print(render(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes))
     return 0
@@ -117,6 +123,8 @@ def _gpu(args):
         return gpu_with(args.gpu, hw)
     except KeyError as e:
         raise ConfigError(f"--hw {e.args[0]} is not a hardware assumption; use one of {', '.join(hw_keys())}.") from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _default_gpus(fixed: dict) -> int:

@@ -12,6 +12,7 @@ alpha_*_s are per-message latencies of the alpha-beta model (Hockney 1994): t = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
@@ -85,7 +86,20 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
     bad = [k for k in overrides if k not in known]
     if bad:
         raise KeyError(bad[0])
+    for key, value in overrides.items():
+        low, high = _RANGES.get(key, (0.0, math.inf))
+        lo_ok = value >= low if key in _LOW_INCLUDED else value > low
+        if not (math.isfinite(value) and lo_ok and value <= high):
+            floor = f">= {low:g}" if key in _LOW_INCLUDED else f"> {low:g}"
+            raise ValueError(f"--hw {key}={value:g} is out of range; give a number {floor}"
+                             + (f" and <= {high:g}" if math.isfinite(high) else "") + ".")
     return replace(gpu, **overrides)
+
+
+# latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
+_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "context_gib", "fragmentation", "gpus_per_node"}
+_RANGES = {"flops_max": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
+           "gpus_per_node": (1.0, math.inf)}
 
 
 def hw_keys() -> list[str]:

@@ -76,8 +76,8 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
     """Every layout of the search space consistent with `fixed` (a dict of Layout fields); why the
     others were refused is appended to `refused`."""
     for dp, tp, pp, ep in _degrees(shape, gpus, gpu, fixed):
-        per_replica = train.global_batch // dp
-        if per_replica == 0 or train.global_batch % dp:
+        per_replica = 1 if shape.is_bare else train.global_batch // dp  # a bare count has no batch
+        if per_replica == 0 or (train.global_batch % dp and not shape.is_bare):
             continue
         mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else \
             [1] if shape.is_bare else [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH]

@@ -1,0 +1,214 @@
+"""A run directory: where a run lives, who owns it, and the config a resumed run continues with.
+
+- A fresh run without `--out` gets `runs/<timestamp>`, created atomically (`-2`, `-3`, ... when two
+  jobs start in the same second), so two jobs never share one by accident.
+- A job owns its run directory through an exclusive `flock` on `<run>/run.lock`, held while the job
+  lives. The kernel drops it when the holder exits, however it dies (kill -9 included), so a lock is
+  never stale; the file records the holder's pid and host for the message a second writer gets. One
+  process per job holds it: the `--nproc` launcher, else rank 0 (`teratrain.launch` says which).
+  Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
+  launcher by the seconds they take to stop.
+- `--resume` starts from the run's saved `config.toml`; a config file and `--set` given with it apply
+  on top (the start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
+  `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+from teratrain.config import Config, ConfigError, apply_overrides, read_toml, validate
+
+RUNS = Path("runs")
+LOCK_NAME = "run.lock"  # held exclusively by the job's owner
+MEMBERS_NAME = "ranks.lock"  # held shared by each of its ranks
+
+
+def check_out(out: str | Path, resume: bool) -> Path:
+    """--out must be a folder, and a fresh run must not overwrite another run's checkpoints."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path} is a file; give a folder for the run.")
+    if not resume and _has_checkpoints(path):
+        raise ConfigError(f"--out {path} already holds a run; pass --resume to continue it or choose another --out.")
+    return path
+
+
+def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:
+    """The run directory every rank of the job writes to: `out` if given, with `resume` alone the newest
+    run, else a fresh `runs/<timestamp>`; decided on rank 0 and shared (a collective)."""
+    from teratrain.parallel.comm import broadcast_object
+
+    path = None
+    if rt.is_main:
+        path = str(check_out(out, resume) if out else newest_run() if resume else fresh_run_dir())
+    return Path(broadcast_object(path, rt.world_group))
+
+
+def _has_checkpoints(path: Path) -> bool:
+    root = path / "checkpoints"
+    return root.is_dir() and any(p.name.startswith("step_") and not p.name.endswith(".tmp") for p in root.iterdir())
+
+
+def newest_run(root: Path = RUNS) -> Path:
+    """The run under `root` whose newest checkpoint is the most recent (for `--resume` alone)."""
+    runs = [p.parent.parent for p in root.glob("*/checkpoints/latest")]
+    if not runs:
+        raise ConfigError(f"--resume found no run with a checkpoint under {root}/; pass --out DIR of the run to "
+                          "resume.")
+    return max(runs, key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime)
+
+
+def fresh_run_dir(root: Path = RUNS) -> Path:
+    """Create and return `root/<timestamp>`, or `<timestamp>-2`, ... if another job took the name."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    _mkdir(root, parents=True)
+    for n in range(1, 10_000):
+        path = root / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"could not find a free run name under {root}/; pass --out DIR.")
+
+
+def _mkdir(path: Path, parents: bool = False) -> None:
+    try:
+        path.mkdir(parents=parents, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the run directory {path} ({e.strerror}); give --out a writable "
+                          "folder.") from None
+
+
+@contextmanager
+def own(path: Path, resume: bool, created: bool = False) -> Iterator[Path]:
+    """Hold the run directory for this job (see the module docstring). A directory this job created
+    is removed again if the job ends without having logged a step (a rejected data check leaves nothing)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path} is a file; give a folder for the run.")
+    created = created or not path.exists()
+    _mkdir(path, parents=True)
+    fd = _lock(path)
+    try:
+        _check_no_members(path)
+        check_out(path, resume)
+        yield path
+    finally:
+        if created:
+            remove_if_unused(path)
+        os.close(fd)  # releases the lock (the file stays: deleting it would race with a new holder)
+
+
+def _lock(path: Path) -> int:
+    lock = path / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"--out {path} is not writable ({e.strerror}); choose a writable folder.") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        raise ConfigError(f"{path} is in use by another teratrain job ({_holder(lock)}); wait for it to end, stop "
+                          "it, or choose another --out.") from None
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    return fd
+
+
+def _check_no_members(path: Path) -> None:
+    """Ranks of an earlier job may outlive their owner by a few seconds (they stop when it dies)."""
+    fd = os.open(path / MEMBERS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ConfigError(f"{path} is still used by ranks of an earlier job, which are stopping; retry in a few "
+                          "seconds.") from None
+    finally:
+        os.close(fd)  # also releases the lock just taken: this job's own ranks take it shared
+
+
+@contextmanager
+def member(path: Path | None) -> Iterator[None]:
+    """Every rank of a job holds a shared lock on the run directory while it runs, so a new owner
+    can tell that ranks of an earlier job are still writing there."""
+    if path is None or not Path(path).is_dir():  # under plain torchrun rank 0 may still be creating it
+        yield
+        return
+    fd = os.open(Path(path) / MEMBERS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # an owner holds it exclusively only for an instant
+        yield
+    finally:
+        os.close(fd)
+
+
+def _holder(lock: Path) -> str:
+    try:
+        info = json.loads(lock.read_text())
+        return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
+    except (OSError, ValueError, KeyError):  # the holder took the lock but has not written it yet
+        return "its pid is not written yet"
+
+
+def remove_if_unused(path: Path) -> None:
+    """Delete a run directory that holds nothing but what a job writes before its first step (an
+    error.log of a crash, metrics or checkpoints keep it)."""
+    if path.is_dir() and {p.name for p in path.iterdir()} <= {LOCK_NAME, MEMBERS_NAME, "config.toml", "tokenizer.json"}:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Config:
+    """The config a resumed run continues with: the saved `config.toml`, then the config file and
+    `overrides` on top. A new train.steps keeps the schedule's length unless optim.decay_steps is given."""
+    saved_path = Path(run_dir) / "config.toml"
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"--out {run_dir} is a file; give the folder of the run to resume.")
+    if not saved_path.is_file():
+        raise ConfigError(f"no usable checkpoint in {run_dir}: it holds no run (no config.toml); train without "
+                          "--resume to start one there.")
+    base, given = read_toml(saved_path), read_toml(config) if config else {}
+    given = apply_overrides(given, overrides)
+    saved, cfg = validate(base), validate(_merge(base, given))
+    if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}):
+        cfg.optim.decay_steps = saved.schedule_steps
+    return cfg
+
+
+def changes(old: dict, new: Config) -> list[str]:
+    """`key: old -> new` for every key of `new` whose value differs from the raw config `old`."""
+    a, b = _flat(old), _flat(new.model_dump())
+    out = [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in b if a.get(k) != b.get(k)]
+    if a.get("optim.decay_steps") is None and b["optim.decay_steps"] == a.get("train.steps"):
+        out = [line + (" (the lr schedule keeps its original length; set optim.decay_steps to stretch it)"
+                       if line.startswith("optim.decay_steps:") else "") for line in out]
+    return out
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in top.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section].update(values)
+        else:
+            out[section] = values
+    return out
+
+
+def _flat(raw: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, values in raw.items() if isinstance(values, dict) for k, v in values.items()}

@@ -1,0 +1,138 @@
+"""What a run says before its first step, and the one check made before a model is built.
+
+The summary (rank 0, stderr) names the model and its parameter count, the device and process count,
+the layout (dp, zero, offload, precision, recompute, accumulation), the tokens per step, the memory
+per process the planner predicts (teratrain.planner: the same arithmetic as `teratrain plan`) and a
+warning when that will not fit the device, and the step a resumed run continues from. The planner
+only informs: if it cannot model a layout, the run goes on with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from teratrain.config import Config, ConfigError
+
+GIB = 2**30
+
+
+def predict(cfg: Config, workers: int, device: torch.device | None = None):
+    """The planner's MemoryBreakdown of one rank of this run; on a GPU `device`, with the preset its
+    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one)."""
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.search import evaluate
+
+    gpu = GPUS["h100"]
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        gpu = next((g for key, g in GPUS.items() if key.upper() in name), gpu)
+        gpu = replace(gpu, memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)
+    shape = shape_of(cfg, {"num_experts": 1, "top_k": 1})
+    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu).memory
+
+
+def host_available_bytes() -> int | None:
+    """Memory this machine can still give (MemAvailable, capped by a cgroup v2 limit), or None."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max" and avail is not None:
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _host_bytes(mem, device: torch.device) -> int:
+    """Bytes one rank keeps in host memory: everything on a CPU run, the offloaded state on a GPU."""
+    return mem.peak_allocated + mem.host if device.type == "cpu" else mem.host
+
+
+def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool) -> None:
+    """Refuse, before anything is allocated, a run whose model states alone (parameters, gradients,
+    optimizer state, as the planner counts them) exceed this machine's free memory: building it would
+    end in the kernel's OOM killer, not in a sentence."""
+    try:
+        mem = predict(cfg, workers)
+    except Exception:  # noqa: BLE001 - the planner informs; the summary warns that it could not
+        return
+    states = (mem.params + mem.grads + mem.optimizer if on_cpu else 0) + mem.host
+    need, avail = states * local_procs, host_available_bytes()
+    if avail is not None and need > avail:
+        per = f" ({local_procs} processes x {states / GIB:,.1f} GiB)" if local_procs > 1 else ""
+        raise ConfigError(f"model.preset={cfg.model.preset} needs about {need / GIB:,.1f} GiB of host memory for its "
+                          f"parameters, gradients and optimizer state{per}, but this machine has "
+                          f"{avail / GIB:,.1f} GiB free; use a smaller model, or shard it over more GPUs with "
+                          "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
+
+
+def summary(cfg: Config, rt, run_dir: Path, start: int) -> str:
+    """The start-up lines of a run (see the module docstring)."""
+    from teratrain.models.transformer import count_params
+
+    m, t, p, d = cfg.model, cfg.train, cfg.parallel, rt.dims
+    n = count_params(m)["total"]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = f"{rt.device.type}" + (f" ({torch.cuda.get_device_name(rt.device)}, {gpus} visible)"
+                                   if rt.device.type == "cuda" else "")
+    accum = t.global_batch // (t.micro_batch * d.dp)
+    lines = [f"model: {m.preset} ({m.arch}, {m.n_layers} layers, d_model {m.d_model}), {n / 1e6:,.2f} M parameters",
+             f"device: {where}, {rt.world} process(es)",
+             f"layout: dp={d.dp} zero={p.zero} offload={p.offload} sync={p.sync} precision={cfg.memory.precision} "
+             f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}",
+             f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per "
+             f"step, {t.steps} steps",
+             _memory_line(cfg, rt),
+             _resumed(cfg, run_dir, start) if start else f"run directory: {run_dir}"]
+    return "\n".join(f"teratrain: {line}" for line in lines)
+
+
+def _resumed(cfg: Config, run_dir: Path, start: int) -> str:
+    """The step a run resumed from, and every setting that differs from that checkpoint's config."""
+    from teratrain.rundir import changes
+
+    line = f"resumed from step {start} of {run_dir}"
+    try:
+        saved = json.loads((run_dir / "checkpoints" / f"step_{start:08d}" / "meta.json").read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        return line
+    diff = changes(saved, cfg)
+    return line + (f"; changed since then: {'; '.join(diff)}" if diff else "; settings unchanged")
+
+
+def _memory_line(cfg: Config, rt) -> str:
+    try:
+        mem = predict(cfg, rt.dims.workers, rt.device)
+    except Exception as e:  # noqa: BLE001 - never stop a run because the planner cannot model it
+        return f"warning: the planner could not predict memory for this layout ({type(e).__name__}: {e})"
+    if rt.device.type == "cuda":
+        have = torch.cuda.get_device_properties(rt.device).total_memory
+        line = f"predicted memory per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
+        fits = mem.total <= have
+        return line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"
+    need = _host_bytes(mem, rt.device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    avail = host_available_bytes()
+    line = f"predicted memory per process: {need / GIB:,.2f} GiB (planner)"
+    if avail is not None and need * local > avail:
+        return f"warning: {line}: {local} process(es) need more than the {avail / GIB:,.1f} GiB free on this machine"
+    return line
+
+
+def print_summary(cfg: Config, rt, run_dir: Path, start: int) -> None:
+    if rt.is_main:
+        print(summary(cfg, rt, run_dir, start), file=sys.stderr, flush=True)

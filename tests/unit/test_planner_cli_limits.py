@@ -1,0 +1,42 @@
+"""`teratrain plan` at its limits: hardware assumptions out of range are one sentence (not a
+ZeroDivisionError), a layout that does not fit still prints its JSON, and a bare parameter count is
+not held to a batch size it never uses."""
+
+import json
+
+import pytest
+
+from tests.unit.test_planner_cli import GIB, KEYS, plan, plan_json
+
+
+@pytest.mark.parametrize("hw, words", [
+    ("pcie_gbps=0", "--hw pcie_gbps=0"),  # was a ZeroDivisionError
+    ("hbm_gbps=-5", "--hw hbm_gbps"),
+    ("mem_efficiency=2", "<= 1"),
+    ("gpus_per_node=0", ">= 1"),
+    ("nvlink_gbps=nan", "--hw nvlink_gbps"),
+])
+def test_hardware_out_of_range_is_one_sentence(capsys, hw, words):
+    rc, out, err = plan(capsys, "--model", "gpt2-124m", "--hw", hw)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("teratrain: error: ") and err.count("\n") == 1 and words in err
+    assert plan(capsys, "--model", "gpt2-124m", "--hw", "fragmentation=0")[0] == 0  # zero is fine where it means none
+
+
+def test_json_when_nothing_fits_prints_the_leanest_layout_and_exits_2(capsys):
+    """Scripts read the JSON; the exit status and the sentence on stderr say it does not fit."""
+    rc, out, err = plan(capsys, "--model", "llama-70b", "--gpus", "1", "--gpu-mem", "80", "--json")
+    assert rc == 2
+    d = json.loads(out)
+    assert d["fits"] is False and d["total"] > 80 * GIB and "--gpus" in d["error"]
+    assert KEYS <= d.keys() and d["candidates"] and not any(c["fits"] for c in d["candidates"])
+    assert err.startswith("teratrain: error: no layout of llama-70b fits") and err.count("\n") == 1
+    assert plan_json(capsys, "--model", "gpt2-124m")["fits"] is True
+
+
+def test_bare_count_with_fixed_degrees_needs_no_batch(capsys):
+    """A bare parameter count has no activations, so train.global_batch (32 by default) cannot rule
+    out dp=64; its states are sharded 64 ways under ZeRO-3."""
+    d = plan_json(capsys, "--params", "1e9", "--set", "parallel.dp=64", "--set", "parallel.zero=3")
+    assert d["layout"]["dp"] == 64 and d["layout"]["zero"] == 3
+    assert d["optimizer"] == pytest.approx(12e9 / 64, rel=0.01)  # fp32 masters + moments (no 2-byte copy at stage 3)

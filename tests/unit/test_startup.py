@@ -1,0 +1,34 @@
+"""The start-up checks: model states beyond free memory are refused before anything is built; the
+summary warns instead of failing (a layout that will not fit, a planner that cannot model the run)."""
+
+from pathlib import Path
+
+import pytest
+
+from teratrain import startup
+from teratrain.config import ConfigError
+from teratrain.mesh import Runtime
+from tests.helpers import make_config
+
+
+def test_model_states_beyond_free_memory_are_refused():
+    with pytest.raises(ConfigError, match="host memory"):  # ~1 TiB of fp32 states on the CPU
+        startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=True)
+    startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=False)  # they live on GPUs
+    startup.check_host_memory(make_config(), 1, 1, on_cpu=True)
+
+
+def test_summary_warns_when_the_prediction_exceeds_free_memory(monkeypatch):
+    monkeypatch.setattr(startup, "host_available_bytes", lambda: 1024)
+    text = startup.summary(make_config(), Runtime.single("cpu"), Path("runs/x"), 0)
+    assert "teratrain: warning: predicted memory per process" in text and "free on this machine" in text
+
+
+def test_a_planner_failure_is_a_warning_not_a_stop(monkeypatch):
+    def broken(*_a, **_k):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(startup, "predict", broken)
+    text = startup.summary(make_config(), Runtime.single("cpu"), Path("runs/x"), 0)
+    assert "warning: the planner could not predict memory" in text and "ZeroDivisionError" in text
+    startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=True)  # no plan, no refusal
