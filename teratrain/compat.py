@@ -20,3 +20,11 @@ def pinned_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
 def in_backward() -> bool:
     """True while autograd's engine is running a backward pass (e.g. during recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """Context manager: run `module` with `tensors` (by parameter name) in place of its parameters.
+    torch.func.functional_call's own context manager, which is private (same in 2.11 and 2.13)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors)

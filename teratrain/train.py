@@ -24,10 +24,10 @@ from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
 from teratrain.models.transformer import Transformer, flops_per_token
-from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, all_reduce, any_rank_false, broadcast_object
 from teratrain.parallel.parallelize import check_supported, parallelize
+from teratrain.parallel.pipeline.runtime import step_runner
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
@@ -73,6 +73,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
     flops_tok = flops_per_token(m)
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
+    run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     bar = tqdm(total=tc.steps, initial=start, disable=not (rt.is_main and cfg.metrics.progress),
                desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     last = {}
@@ -81,7 +82,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, tc.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
         model.train()
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
-        stats, local_loss = train_step(model, engine, micro, cfg.memory.precision, lr)
+        stats, local_loss = run_step(micro, cfg.memory.precision, lr)
         extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
         loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
         if rt.device.type == "cuda":
@@ -97,7 +98,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         if step == start:
             last["model_state_bytes"] = engine.last_state_bytes
         if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
-            last["eval_loss"] = evaluate(model, val_batches, cfg, rt)
+            last["eval_loss"] = evaluate(model, val_batches, cfg, rt, run_step.forward_loss)
         if log:
             log.write(last)
         if done % tc.log_every == 0 or done == tc.steps:
@@ -114,10 +115,11 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
 
 
 @torch.no_grad()
-def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
+def evaluate(model, batches: Batches, cfg: Config, rt: Runtime, forward_loss=None) -> float:
     """Mean loss over the fixed held-out set (the same samples for every layout). Micro-batch i goes
     to rank i mod dp; every rank runs the same number of forwards (a rank past the end repeats
-    micro-batch 0 and does not count it), since a ZeRO-3 forward is itself a collective."""
+    micro-batch 0 and does not count it), since a ZeRO-3 forward is itself a collective (and so is a
+    pipeline's: `forward_loss` runs it through every stage)."""
     model.eval()
     mb, n, dp = cfg.train.micro_batch, cfg.train.eval_batches, rt.dims.dp
     total = torch.zeros(2, device=rt.device)  # (sum of micro-batch mean losses, count)
@@ -125,7 +127,7 @@ def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
         real = i < n
         x, y = batches.get(0, (i if real else 0) * mb, ((i if real else 0) + 1) * mb, rt.device)
         with autocast(cfg.memory.precision, rt.device):
-            loss = model(x, y).float()
+            loss = (forward_loss or model)(x, y).float()
         if real:
             total += torch.stack([loss, torch.ones_like(loss)])
     all_reduce(total, rt.dp_group)
@@ -140,10 +142,9 @@ def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
 
 
 def check_batch(cfg: Config, dp: int) -> None:
-    per_step = cfg.train.micro_batch * dp
-    if cfg.train.global_batch % per_step:
-        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of train.micro_batch x dp "
-                          f"= {cfg.train.micro_batch} x {dp} = {per_step}; change one of them.")
+    """The global batch splits into whole micro-batches per data-parallel rank, and their number
+    suits the pipeline schedule (Config.microbatches says which key to change)."""
+    cfg.microbatches(dp)
 
 
 def check_out(out: str, resume: bool) -> Path:

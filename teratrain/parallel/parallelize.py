@@ -5,6 +5,8 @@ Order, each with its reason:
                       transforms below overwrite what they split, so nothing downstream guesses.
 1. pipeline split   - decides which blocks this rank holds; everything after works on the local part.
 2. tensor/sequence  - swaps linear layers for sharded ones before anything wraps or hooks them.
+   stage placements - after tp, which re-creates the placements of what it splits: every parameter
+                      records its pipeline stage; a tied embedding held at both ends gets its group.
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them.
 5. compile          - traces the final module structure, checkpoints included.
@@ -21,6 +23,7 @@ from teratrain.config import ConfigError
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.pipeline.split import apply_pipeline, check_split, mark_stages
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
 
@@ -29,8 +32,11 @@ def parallelize(model: nn.Module, rt, cfg):
     """Apply every configured strategy to `model` (on the meta device); return the update engine."""
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
     assign_defaults(model)  # 0
+    layout = apply_pipeline(model, rt, cfg) if rt.dims.pp > 1 else None  # 1
     if rt.dims.tp > 1:  # 2
         apply_tp(model, rt, cfg)
+    if layout is not None:
+        mark_stages(model, rt, layout)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
@@ -40,11 +46,10 @@ def parallelize(model: nn.Module, rt, cfg):
 def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
-    for key, what in (("pp", "pipeline"), ("ep", "expert")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
-                              f"version; set parallel.{key}=1.")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this version; set parallel.ep=1.")
     check_tp(cfg)
+    check_pipeline(cfg)
     if p.zero >= 1 and cfg.optim.name == "adafactor":
         raise ConfigError("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
                           "use optim.name=adamw or sgd with parallel.zero>=1.")
@@ -67,6 +72,24 @@ def check_supported(cfg) -> None:
         if getattr(p, key) != unset and p.sync != mode:
             raise ConfigError(f"parallel.{key}={getattr(p, key)} only applies to parallel.sync={mode} (this run has "
                               f"{p.sync}); set parallel.sync={mode} or leave parallel.{key} at its default.")
+
+
+def check_pipeline(cfg) -> None:
+    """What pipelining composes with (README's feature table says the same)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    check_split(cfg)
+    if p.zero == 3:
+        raise ConfigError("parallel.zero=3 gathers each block's parameters around one forward and one backward in "
+                          "layer order, while a pipeline schedule interleaves several micro-batches' forwards and "
+                          "backwards on a stage; use parallel.zero<=2 with parallel.pp>1.")
+    if p.sync != "allreduce":
+        raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas on every rank; set parallel.pp=1 or "
+                          "parallel.sync=allreduce.")
+    if cfg.train.compile:
+        raise ConfigError("train.compile compiles the model's whole forward, which a pipeline stage never runs; "
+                          "set train.compile=false with parallel.pp>1.")
 
 
 def init_fn(cfg):
