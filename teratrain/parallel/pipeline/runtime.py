@@ -30,7 +30,7 @@ from teratrain.compat import reparametrize
 from teratrain.memory.precision import autocast
 from teratrain.optim.engine import train_step
 from teratrain.parallel.comm import all_gather_objects, broadcast
-from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS, SENDS, STEP, W, Action,
+from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS, SEND_F, SENDS, STEP, W, Action,
                                                  add_communication)
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
 from teratrain.parallel.pipeline.p2p import Links
@@ -150,36 +150,42 @@ class _Call:
         self.shape = ex.message_shape(micro[0][0])
         self.seq_len = micro[0][0].shape[1]
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
-        self.pending, self.sends, self.recvs = [], [], []
+        self.sends = []  # posted send batches: waited for when the list is done
         self.stats = None
         self.versions = WeightVersions(ex.model, acts, ex.audit) if train and is_async(acts) else None
         self.sync_at, self.seed_weight = _update_windows(acts, len(micro))
 
     def run(self) -> None:
+        """Walk the list. Before compute action k: post the sends listed before it, wait for its
+        receives, and post the receives listed before action k+1, so their transfer overlaps
+        action k (posting early keeps each link's order and needs only their buffers)."""
         if self.versions is not None:
             self.versions.made(0, -1)
-        for i, a in enumerate(self.acts):
-            if a.kind in SENDS or a.kind in RECVS:
-                self.pending.append(a)
-                continue
-            self._post()
-            for batch in self.recvs:
+        steps = _comm_groups(self.acts)
+        posted = self._post([a for a in steps[0][1] if a.kind in RECVS])
+        for k, (i, comm, a) in enumerate(steps):
+            self._post([c for c in comm if c.kind in SENDS])
+            nxt = self._post([c for c in steps[k + 1][1] if c.kind in RECVS]) if k + 1 < len(steps) else []
+            for batch in posted:
                 batch.wait()
-            self.recvs = []
+            posted = nxt
+            if a is None:
+                break
             with self.clock.span(a) if self.clock else contextlib.nullcontext():
                 self._compute(i, a)
             if self.versions is not None:
                 self.versions.release(i)
-        self._post()
-        for batch in self.recvs + self.sends:
+        for batch in self.sends:
             batch.wait()
 
-    def _post(self) -> None:
-        if not self.pending:
-            return
+    def _post(self, comm: list[Action]) -> list:
+        """Post sends (of tensors already computed) or receives (into new buffers); returns the
+        receive batches."""
+        if not comm:
+            return []
         ops = []
-        for a in self.pending:
-            key = (F if a.kind in (RECV_F, "SEND_F") else B, a.microbatch, a.chunk)
+        for a in comm:
+            key = (F if a.kind in (RECV_F, SEND_F) else B, a.microbatch, a.chunk)
             if a.kind in SENDS:
                 t = self.outbox.pop(key)
                 if t.shape != self.shape or t.dtype != self.ex.dtype:
@@ -192,8 +198,7 @@ class _Call:
                 ops.append((False, a.peer, buf))
         sends, recvs = self.ex.links.post(ops)
         self.sends += sends
-        self.recvs += recvs
-        self.pending = []
+        return recvs
 
     def _compute(self, i: int, a: Action) -> None:
         if a.kind == F:
@@ -281,6 +286,19 @@ class _Call:
         if self.ex.audit:
             rec["sum"] = checksum(w.values()) if w is not None else checksum(p for _, p in v.named)
         self.ex.records.append(rec)
+
+
+def _comm_groups(acts) -> list[tuple[int, list[Action], Action | None]]:
+    """The list as (position, communication listed before it, compute action), the last entry
+    holding what follows the final compute action (compute None)."""
+    out, comm = [], []
+    for i, a in enumerate(acts):
+        if a.kind in COMPUTE or a.kind == STEP:
+            out.append((i, comm, a))
+            comm = []
+        else:
+            comm.append(a)
+    return out + [(len(acts), comm, None)]
 
 
 def _update_windows(acts, m: int) -> tuple[set[int], float]:
