@@ -161,6 +161,7 @@ class _Call:
         action k (posting early keeps each link's order and needs only their buffers)."""
         if self.versions is not None:
             self.versions.made(0, -1)
+            self._record(Action("START", -1, version=0), None)
         steps = _comm_groups(self.acts)
         posted = self._post([a for a in steps[0][1] if a.kind in RECVS])
         for k, (i, comm, a) in enumerate(steps):
@@ -277,12 +278,13 @@ class _Call:
 
     def _record(self, a: Action, w) -> None:
         """Asynchronous schedules: which version each action used (and, when auditing, a checksum of
-        the very tensors it used) and how many versions this rank holds."""
+        the very tensors it used; STEP and START: of the parameters it leaves) and how many versions
+        this rank holds."""
         v = self.versions
         if v is None:
             return
-        rec = {"rank": self.ex.rank, "kind": a.kind, "mb": a.microbatch, "version": a.version,
-               "alive": v.alive}
+        rec = {"call": self.ex.calls, "rank": self.ex.rank, "kind": a.kind, "mb": a.microbatch,
+               "version": a.version, "alive": v.alive}
         if self.ex.audit:
             rec["sum"] = checksum(w.values()) if w is not None else checksum(p for _, p in v.named)
         self.ex.records.append(rec)
