@@ -55,8 +55,11 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:
             raise PlanError(why.rstrip("."))
-        if shape.cfg is not None and shape.cfg.n_layers < lay.pp * lay.virtual_stages:
-            raise PlanError(f"{shape.cfg.n_layers} layers cannot fill {lay.pp * lay.virtual_stages} pipeline stages")
+        if shape.cfg is not None and shape.cfg.n_layers % (lay.pp * lay.virtual_stages):
+            raise PlanError(f"{shape.cfg.n_layers} layers do not split evenly into {lay.pp * lay.virtual_stages} "
+                            "pipeline stages")
+        if lay.zero == 3:
+            raise PlanError("parallel.zero=3 does not compose with pipeline parallelism (parallelize.py says why)")
 
 
 def _split_of(name: str, lay: Layout) -> int:
@@ -87,9 +90,10 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
         if name.startswith("layers.0."):
             block += ceil_div(math.prod(s), _split_of(name, lay))
     layers = ceil_div(c.n_layers, pp)
-    emb = ceil_div(c.vocab_size * c.d_model, tp) + (c.seq_len * c.d_model if c.arch == "gpt2" else 0)
+    vocab_rows = ceil_div(c.vocab_size, tp)  # vocab-parallel pieces are whole rows, padded (tensor.py)
+    emb = vocab_rows * c.d_model + (c.seq_len * c.d_model if c.arch == "gpt2" else 0)
     final_norm = c.d_model * (2 if c.arch == "gpt2" and c.use_bias else 1)
-    head = ceil_div(c.vocab_size * c.d_model, tp) if (not c.tie_embeddings or pp > 1) else 0
+    head = vocab_rows * c.d_model if (not c.tie_embeddings or pp > 1) else 0
     if pp == 1:
         root = emb + final_norm + head
         out = {"first": layers * block + root, "last": layers * block + root, "root": root}
@@ -98,10 +102,37 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
     return tuple({**out, "block": block, "layers": layers}.items())
 
 
+def stage_shapes(shape: ModelShape, lay: Layout) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the parameters the fuller end of the pipeline holds (rank 0 or rank pp-1, as
+    `stage_params` counts them), in registration order, as parallel/pipeline/split.py splits: equal
+    block counts, chunk c of rank r holding stage c * pp + r; the embedding on rank 0, the final norm
+    and head on rank pp - 1, which also keeps a tied embedding as its head. The whole model at pp=1."""
+    if lay.pp == 1:
+        return shape.param_shapes()
+    c, v = shape.cfg, lay.virtual_stages
+    sp = stage_params(shape, lay)
+    last = sp["last"] >= sp["first"]
+    rank = lay.pp - 1 if last else 0
+    per = c.n_layers // (lay.pp * v)
+    blocks = {i for chunk in range(v) for i in range((chunk * lay.pp + rank) * per, (chunk * lay.pp + rank + 1) * per)}
+    out = []
+    for name, s in shape.param_shapes():
+        if name.startswith("layers."):
+            keep = int(name.split(".")[1]) in blocks
+        elif name.startswith(("tok_embeddings.", "pos_embeddings.")):
+            keep = not last or (name.startswith("tok_") and c.tie_embeddings)
+        else:
+            keep = last
+        if keep:
+            out.append((name, s))
+    return out
+
+
 def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[list[int]]:
-    """Parameter numels per ZeroEngine flat group. Exact for a whole model (tp=pp=ep=1): the
-    engine's ordered_buckets() over named_parameters reversed, bucket bytes counted in the compute
-    dtype. Sharded layouts use the same rule over this rank's blocks (approximation)."""
+    """Parameter numels per ZeroEngine flat group. Exact without tensor/expert parallelism: the
+    engine's ordered_buckets() over this rank's named_parameters reversed, one key per reduction group
+    (a tied embedding held at both pipeline ends is its own), bucket bytes counted in the compute
+    dtype. Tensor/expert-sharded layouts use equal buckets of this rank's parameters (approximation)."""
     w = train.widths(lay.zero, lay.offload)
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
@@ -116,17 +147,19 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
             return list(blocks.values()) + [root]
         return [[sp["block"]]] * sp["layers"] + [[local - sp["layers"] * sp["block"]]]
     bucket_bytes = int(train.bucket_mb * 2**20)  # counted in the compute dtype (zero.py)
-    if shape.is_bare or lay.tp * lay.pp * lay.ep > 1:
+    if shape.is_bare or lay.tp * lay.ep > 1:
         per = max(1, bucket_bytes // w.param)
         return [[per]] * (local // per) + ([[local % per]] if local % per else [])
-    groups, cur, size = [], [], 0
-    for _, s in reversed(shape.param_shapes()):  # grads.py:ordered_buckets, one key for a whole model
-        cur.append(math.prod(s))
-        size += cur[-1] * w.param
-        if size >= bucket_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-    return groups + ([cur] if cur else [])
+    tied_ends = lay.pp > 1 and shape.cfg.tie_embeddings
+    done, open_ = [], {}
+    for name, s in reversed(stage_shapes(shape, lay)):  # grads.py:ordered_buckets
+        key = "pp_ends" if tied_ends and name.startswith("tok_embeddings.") else "dp"
+        numels, size = open_.setdefault(key, ([], [0]))
+        numels.append(math.prod(s))
+        size[0] += numels[-1] * w.param
+        if size[0] >= bucket_bytes:
+            done.append(open_.pop(key)[0])
+    return done + [numels for numels, _ in open_.values()]
 
 
 def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict[str, int]:
@@ -183,9 +216,13 @@ def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, 
     raise PlanError(f"optimizer {name!r} is unknown to the planner")
 
 
-def _local_opt_elems(train: Training, shape: ModelShape, local: int) -> tuple[int, int]:
+def _local_opt_elems(train: Training, shape: ModelShape, lay: Layout, local: int) -> tuple[int, int]:
     """(optimizer elements, parameter tensors) of an unsharded replica holding `local` params:
-    exact for a whole model, scaled by local/total when tensor/pipeline parallelism splits it."""
+    exact for a whole model or a pipeline stage, scaled by local/total when tensor or expert
+    parallelism splits it."""
+    if lay.tp == lay.ep == 1 and not shape.is_bare:
+        mine = [s for _, s in stage_shapes(shape, lay)]
+        return optimizer_elems(train, mine, local, False), len(mine)
     full = [s for _, s in shape.param_shapes()]
     if not full:
         if train.optimizer in ("adafactor", "sm3"):
@@ -206,7 +243,7 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
     local = max(sp["first"], sp["last"])
     steps = 4 if train.optimizer in ("adamw", "adafactor") else 0  # fp32 `step` scalar per tensor
     if lay.zero == 0:
-        elems, n_tensors = _local_opt_elems(train, shape, local)
+        elems, n_tensors = _local_opt_elems(train, shape, lay, local)
         opt = elems * 4 + local * w.master + steps * n_tensors
         return {"params": local * w.param, "grads": local * w.grad, "optimizer": opt, "host": 0,
                 "gpu_params": local * w.param, "gpu_grads": local * w.grad, "gpu_optimizer": opt,
