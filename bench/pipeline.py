@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 MICROBATCHES = [4, 8, 16]
+SMOKE_MICROBATCHES = [4, 8]  # --smoke: the script's paths, in less time
 
 
 def model_sets(pp: int, smoke: bool) -> list[str]:
@@ -183,9 +184,10 @@ def worker(args) -> None:
     args.pp = int(os.environ["WORLD_SIZE"])
     base = model_sets(args.pp, args.smoke)
     args.mb = 2
-    rows = [ours(base, s, m, args) for s in SCHEDULES for m in MICROBATCHES]
+    ms = SMOKE_MICROBATCHES if args.smoke else MICROBATCHES
+    rows = [ours(base, s, m, args) for s in SCHEDULES for m in ms]
     versus = []
-    for m in MICROBATCHES:
+    for m in ms:
         theirs = torch_interleaved(base, m, args)
         mine = next(r["tokens_per_s"] for r in rows if r["schedule"] == "interleaved-1f1b" and r["m"] == m)
         versus.append({"m": m, "ours_tokens_per_s": mine, "torch_tokens_per_s": round(theirs, 1),
