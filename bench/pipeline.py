@@ -75,7 +75,8 @@ def build(sets: list[str]):
 
 def batches(cfg, m: int, device):
     g = torch.Generator().manual_seed(0)
-    t = torch.randint(0, cfg.model.vocab_size, (m * cfg.train.micro_batch, cfg.model.seq_len + 1), generator=g).to(device)
+    rows = m * cfg.train.micro_batch
+    t = torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=g).to(device)
     return t[:, :-1], t[:, 1:]
 
 
@@ -114,7 +115,8 @@ def ours(base: list[str], schedule: str, m: int, args) -> dict:
     measured = bubble_fraction(ex.intervals, sched.pp)
     out = {"schedule": schedule, "m": m, "tokens_per_s": round(m * args.mb * cfg.model.seq_len / step_s, 1),
            "step_ms": round(step_s * 1e3, 2), "bubble_measured": round(measured, 4),
-           "bubble_simulated": round(simulated, 4), "bubble_ratio": round(measured / simulated, 3) if simulated else None}
+           "bubble_simulated": round(simulated, 4),
+           "bubble_ratio": round(measured / simulated, 3) if simulated else None}
     _free(model, engine, ex)
     return out
 

@@ -47,7 +47,8 @@ def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
     if p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this version; set parallel.ep=1.")
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this version; "
+                          "set parallel.ep=1.")
     check_tp(cfg)
     check_pipeline(cfg)
     if p.zero >= 1 and cfg.optim.name == "adafactor":

@@ -70,7 +70,8 @@ def test_overflow_on_one_stage_skips_the_step_on_every_stage():
         h = r["history"]
         assert [s["skipped"] for s in h] == [False, True, False], f"rank {rank}: {[s['skipped'] for s in h]}"
         assert r["skipped_total"] == 1 and h[1]["scale"] == h[0]["scale"] / 2
-        assert all(torch.equal(h[1]["params"][n], t) for n, t in h[0]["params"].items()), "a skipped step changed weights"
+        same = all(torch.equal(h[1]["params"][n], t) for n, t in h[0]["params"].items())
+        assert same, f"rank {rank}: a skipped step changed weights"
         assert any(not torch.equal(h[2]["params"][n], t) for n, t in h[1]["params"].items())
 
 

@@ -51,7 +51,8 @@ class Links:
             by_link.setdefault(link, []).append(dist.P2POp(dist.isend if send else dist.irecv, t, global_peer, group))
         sends, recvs = [], []
         for (src, _), batch in by_link.items():
-            (sends if src == self.me else recvs).append(Batch(dist.batch_isend_irecv(batch), [op.tensor for op in batch]))
+            posted = Batch(dist.batch_isend_irecv(batch), [op.tensor for op in batch])
+            (sends if src == self.me else recvs).append(posted)
         return sends, recvs
 
 

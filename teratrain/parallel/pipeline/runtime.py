@@ -208,25 +208,23 @@ class _Call:
             self.stats = self.ex.engine.step(self.lr)
             self._record(a, None)
             self.versions.made(a.version, i)
+        elif a.kind == I:  # no weight gradient yet: nothing for the engine
+            self._input_grad(a)
         else:
             engine = self.ex.engine
-            with engine.accumulate(last=i in self.sync_at) if a.kind != I else contextlib.nullcontext():
-                (self._backward if a.kind == B else self._input_grad if a.kind == I else self._weight_grad)(a)
-                if a.kind != I:
-                    engine.end_backward()
+            with engine.accumulate(last=i in self.sync_at):
+                (self._backward if a.kind == B else self._weight_grad)(a)
+                engine.end_backward()
 
-    def _weights(self, version):
-        """Run with weight version `version`'s values (asynchronous schedules) or the parameters."""
-        if self.versions is None:
-            return contextlib.nullcontext(), None
-        w = self.versions.weights(version)
-        return reparametrize(self.ex.model, w), w
+    def _using(self, w: dict | None):
+        """Run with a weight version's tensors in place of the parameters (asynchronous schedules)."""
+        return reparametrize(self.ex.model, w) if w is not None else contextlib.nullcontext()
 
     def _forward(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]
         x_tokens, y = self.micro[a.microbatch]
-        ctx, w = self._weights(a.version)
-        with ctx, autocast(self.precision, self.ex.device):
+        w = self.versions.weights(a.version) if self.versions is not None else None
+        with self._using(w), autocast(self.precision, self.ex.device):
             h0 = chunk.embed(x_tokens) if chunk.is_first else None
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
@@ -248,8 +246,7 @@ class _Call:
     def _backward(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]
         h0, x, out, w = self.states.pop((a.chunk, a.microbatch))
-        ctx = reparametrize(self.ex.model, w) if w is not None else contextlib.nullcontext()
-        with ctx:  # a recomputed segment replays with the same version
+        with self._using(w):  # a recomputed segment replays with the same version
             torch.autograd.backward(out, self._output_grad(chunk, a, out))
         self._record(a, w)
         self._input_done(chunk, a, h0, x)

@@ -134,7 +134,8 @@ class _Part(nn.Module):
 
 def profiled_bounds(cfg, device: torch.device, num_stages: int) -> list[range]:
     """Measure the embedding, every block and the head + loss on `device` with one micro-batch
-    (each materialized alone, then freed), and split by `partition` (PipeDream's DP). Memory of a
+    (each materialized alone, then freed; whole, before any tensor-parallel split, whose shares are
+    alike for every block), and split by `partition` (PipeDream's DP). Memory of a
     piece: params, grads and AdamW moments (4x its fp32 parameter bytes) plus the activations of pp
     micro-batches in flight (1F1B's first stage); the cap is the device's memory (none on CPU)."""
     from teratrain.models.transformer import Transformer
@@ -152,9 +153,12 @@ def profiled_bounds(cfg, device: torch.device, num_stages: int) -> list[range]:
     costs, x = [], tokens
     for i, part in enumerate(parts):
         part.owned.to_empty(device=device)
-        with torch.no_grad():  # values do not change the time; norms at 1 as a real init has them
-            for name, p in part.owned.named_parameters():
-                p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, cfg.model.init_std, generator=None)
+        with torch.no_grad():  # values do not change the time; vectors (norms, biases) at 1
+            for p in part.owned.parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, cfg.model.init_std)
         costs += profile_layers([part], x)
         if i + 1 < len(parts):
             with torch.no_grad():
