@@ -3,6 +3,7 @@
     python bench/pipeline.py                      # launches itself on every GPU (needs >= 2)
     torchrun --nproc-per-node=N bench/pipeline.py # the same, launched by hand (any pp = N)
     python bench/pipeline.py --smoke              # 2 CPU processes over gloo, tiny shapes: checks the script
+    python bench/pipeline.py --parity             # + NCCL parity of 1F1B, interleaved 1F1B, ZB-H1 vs 1 GPU
 
 For GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and m in {4, 8, 16} micro-batches per step:
 - tokens/s: the median wall time of `--steps` whole steps (the engine's update included) after
@@ -15,9 +16,16 @@ For GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and m in {4, 8, 16} micro-bat
 Then our interleaved 1F1B against `torch.distributed.pipelining.ScheduleInterleaved1F1B` on the same
 stages (the same chunk modules, split and optimizer step): `interleaved_vs_torch` = our tokens/s over
 torch's at each m (target >= 1.0).
-Model: a Llama of llama-1b's width (d 2048, 32 heads, 8 KV heads, d_ff 8192, 32k vocab) with 16
-layers per GPU, seq 2048, micro-batch 2, bf16 autocast over fp32 weights: GPipe at m=16 holds 16
-micro-batches of activations, which is what fills an H200. NVLink multicast stays off.
+With --parity the launcher first trains, through `teratrain train`, 1F1B, interleaved 1F1B and ZB-H1
+at pp = GPU count against one GPU on the same global batch: llama-1b's width with 8 layers, bf16,
+20 steps; every step's loss within 2e-2 relative (bf16 keeps 8 mantissa bits, and the two runs
+accumulate in another order; the gloo tests show fp32 pipelining is bitwise).
+Model: a Llama of llama-1b's width (d 2048, 32 heads, 8 KV heads, d_ff 8192, 32k vocab) with 10
+layers per GPU, seq 2048, micro-batch 2, bf16 autocast over fp32 weights, no recomputation: GPipe at
+m=16 holds 16 micro-batches of activations, which the planner puts at 111 GiB of an H200's 140
+(`teratrain plan --model llama-1b --gpus 2 --gpu h200 --set model.n_layers=20 --set parallel.pp=2
+--set parallel.schedule=gpipe --set train.micro_batch=2 --set train.global_batch=32 ...`). NVLink
+multicast stays off.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +58,7 @@ def model_sets(pp: int, smoke: bool) -> list[str]:
     if smoke:
         return ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512",
                 "train.micro_batch=2", "memory.precision=fp32", "train.device=cpu"]
-    return ["model.preset=llama-1b", "model.vocab_size=32000", f"model.n_layers={16 * pp}", "model.seq_len=2048",
+    return ["model.preset=llama-1b", "model.vocab_size=32000", f"model.n_layers={10 * pp}", "model.seq_len=2048",
             "train.micro_batch=2", "memory.precision=bf16"]
 
 
@@ -198,6 +207,8 @@ def worker(args) -> None:
         result = {"bench": "pipeline", "pp": args.pp, "model": base, "torch": torch.__version__,
                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "schedules": rows, "interleaved_vs_torch": versus}
+        if args.parity_result:
+            result["parity"] = json.loads(Path(args.parity_result).read_text())
         text = json.dumps(result, indent=1)
         print(text, flush=True)
         if args.out:
@@ -206,12 +217,42 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def parity(n: int, smoke: bool, steps: int) -> list[dict]:
+    """`teratrain train` at pp=n under three schedules against one process, step by step."""
+    sets = (["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "train.device=cpu"]
+            if smoke else ["model.preset=llama-1b", "model.vocab_size=32000", "model.n_layers=8",
+                           "model.seq_len=2048", "memory.precision=bf16"])
+    sets += [f"train.global_batch={4 * n}", "train.micro_batch=1", "train.eval_batches=0", "metrics.progress=false",
+             "optim.warmup_steps=2"]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        one = _train(1, sets, steps, Path(tmp) / "one")
+        for schedule in ("1f1b", "interleaved-1f1b", "zb-h1"):
+            v = 2 if schedule == "interleaved-1f1b" else 1
+            many = _train(n, sets + [f"parallel.pp={n}", f"parallel.schedule={schedule}",
+                                     f"parallel.virtual_stages={v}"], steps, Path(tmp) / schedule)
+            err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(many, one))
+            out.append({"schedule": schedule, "pp": n, "steps": len(many), "max_rel_loss_diff": err,
+                        "within_2e-2": err <= 2e-2, "final_loss": [many[-1]["loss"], one[-1]["loss"]]})
+    return out
+
+
+def _train(nproc: int, sets: list[str], steps: int, out: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "teratrain", "train", "--out", str(out), "--steps", str(steps), *[a for x in sets for a in ("--set", x)]]
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out")
+    ap.add_argument("--parity", action="store_true", help="also train 3 schedules against one GPU first")
+    ap.add_argument("--parity-result", help=argparse.SUPPRESS)  # from the launcher to the torchrun job
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.warmup = 1, 1
@@ -221,10 +262,14 @@ def main() -> None:
     n = 2 if args.smoke else torch.cuda.device_count()
     if n < 2:
         sys.exit("bench/pipeline.py needs at least 2 GPUs (or --smoke for CPU processes)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
-           *sys.argv[1:]]
+    passed = [a for a in sys.argv[1:] if a != "--parity"]
+    if args.parity:  # the torchrun job puts it into its one JSON object
+        found = Path(tempfile.mkdtemp()) / "parity.json"
+        found.write_text(json.dumps(parity(n, args.smoke, 4 if args.smoke else 20)))
+        passed += ["--parity-result", str(found)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__, *passed]
     env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    sys.exit(subprocess.call(cmd, env=env, cwd=ROOT))
+    sys.exit(subprocess.call(cmd, env=env))
 
 
 if __name__ == "__main__":
