@@ -164,6 +164,10 @@ class ParallelConfig(Section):
                                                      "(equal: pp x virtual_stages must divide model.n_layers) or by "
                                                      "time measured on the device under a memory cap (PipeDream's "
                                                      "DP, parallel/pipeline/partition.py)")
+    stage_layers: list[int] | None = Field(None, description="blocks of each pipeline stage, pp x virtual_stages "
+                                           "counts summing to model.n_layers (a fixed split); unset = by "
+                                           "parallel.partition, and a profiled split is recorded here in the run's "
+                                           "config.toml, so --resume keeps it")
     weight_version_every: int | None = Field(None, ge=1, description="pipedream-2bw: micro-batches between weight "
                                              "versions (at least pp; unset = pp)")
     vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "
@@ -359,6 +363,8 @@ def to_toml(cfg: Config) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

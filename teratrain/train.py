@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from teratrain import checkpoint as ckpt
 from teratrain.checkpoint.state import rng_state, set_rng_state
-from teratrain.config import Config, ConfigError, to_toml, validate
+from teratrain.config import Config, ConfigError, load_config, to_toml, validate
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast
@@ -37,6 +37,8 @@ def run(cfg: Config, out: str | None = None, resume: bool = False) -> dict:
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
     run_dir = _run_dir(out, resume, rt)
+    if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
+        cfg.parallel.stage_layers = load_config(run_dir / "config.toml").parallel.stage_layers  # a profiled split
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
@@ -211,7 +213,7 @@ def _check_compatible(saved: Config, cfg: Config, run_dir: Path) -> None:
               ("memory.precision (master weights)", saved.use_master_weights, cfg.use_master_weights)]
     # how the update state is laid out and held: replicas, shards, flat groups, servers
     pairs += [(f"parallel.{k}", getattr(saved.parallel, k), getattr(cfg.parallel, k))
-              for k in ("sync", "zero", "offload", "num_servers")]
+              for k in ("sync", "zero", "offload", "num_servers", "stage_layers")]
     if cfg.parallel.zero in (1, 2):  # stage 1/2 groups are buckets of bucket_mb
         pairs.append(("parallel.bucket_mb", saved.parallel.bucket_mb, cfg.parallel.bucket_mb))
     for key, old, new in pairs:

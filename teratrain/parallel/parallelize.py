@@ -78,9 +78,9 @@ def check_supported(cfg) -> None:
 def check_pipeline(cfg) -> None:
     """What pipelining composes with (README's feature table says the same)."""
     p = cfg.parallel
+    check_split(cfg)
     if p.pp == 1:
         return
-    check_split(cfg)
     if p.zero == 3:
         raise ConfigError("parallel.zero=3 gathers each block's parameters around one forward and one backward in "
                           "layer order, while a pipeline schedule interleaves several micro-batches' forwards and "

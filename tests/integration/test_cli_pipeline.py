@@ -43,6 +43,7 @@ BAD_LAYOUTS = [
       "train.micro_batch=8"],  # 1 micro-batch per step, fewer than the 2 ranks
      ["interleaved-1f1b", "multiple of parallel.pp=2"]),
     (["parallel.pp=2", "parallel.zero=3"], ["parallel.zero=3", "parallel.zero<=2"]),
+    (["parallel.pp=2", "parallel.stage_layers=[2,1]"], ["parallel.stage_layers=[2, 1]", "model.n_layers"]),
 ]
 
 

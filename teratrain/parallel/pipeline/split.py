@@ -56,26 +56,35 @@ class StageLayout:
 
 
 def check_split(cfg) -> None:
-    """Refuse, before launch, a count split that cannot be even (one sentence with the fix)."""
+    """Refuse, before launch, a split that cannot be made (one sentence with the fix)."""
     p, n = cfg.parallel, cfg.model.n_layers
     S = p.pp * p.virtual_stages
-    if p.pp > 1 and p.partition == "layers" and n % S:
+    if p.stage_layers is not None:
+        if len(p.stage_layers) != S or sum(p.stage_layers) != n or min(p.stage_layers) < 1:
+            raise ConfigError(f"parallel.stage_layers={p.stage_layers} must give each of the parallel.pp x "
+                              f"parallel.virtual_stages = {S} pipeline stages at least one block, {n} "
+                              "(model.n_layers) in all; fix the list or unset it.")
+    elif p.pp > 1 and p.partition == "layers" and n % S:
         raise ConfigError(f"parallel.partition=layers gives every one of the parallel.pp x parallel.virtual_stages = "
                           f"{S} pipeline stages the same number of blocks, which model.n_layers={n} does not allow; "
                           f"choose degrees whose product divides {n} or set parallel.partition=profiled.")
 
 
 def stage_bounds(cfg, rt) -> tuple[range, ...]:
-    """Blocks of every global stage: equal counts, or PipeDream's DP over times measured on this
-    device by rank 0 (measurements differ across ranks, so one rank decides and tells the others)."""
-    S = cfg.parallel.pp * cfg.parallel.virtual_stages
-    if cfg.parallel.partition == "layers":
+    """Blocks of every global stage: `parallel.stage_layers` when given; else equal counts, or
+    PipeDream's DP over times measured on this device by rank 0 (measurements differ across ranks,
+    so one rank decides and tells the others), recorded in `parallel.stage_layers`."""
+    p = cfg.parallel
+    S = p.pp * p.virtual_stages
+    if p.stage_layers is None and p.partition == "layers":
         return tuple(split_layers(cfg.model.n_layers, S))
-    from teratrain.parallel.comm import broadcast_object
+    if p.stage_layers is None:
+        from teratrain.parallel.comm import broadcast_object
 
-    bounds = profiled_bounds(cfg, rt.device, S) if rt.rank == 0 else None
-    return tuple(range(a, b) for a, b in broadcast_object(
-        [(r.start, r.stop) for r in bounds] if bounds else None, rt.world_group))
+        counts = [len(r) for r in profiled_bounds(cfg, rt.device, S)] if rt.rank == 0 else None
+        p.stage_layers = broadcast_object(counts, rt.world_group)
+    starts = [sum(p.stage_layers[:s]) for s in range(S)]
+    return tuple(range(a, a + n) for a, n in zip(starts, p.stage_layers))
 
 
 def apply_pipeline(model: nn.Module, rt, cfg) -> StageLayout:
