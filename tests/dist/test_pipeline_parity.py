@@ -55,10 +55,10 @@ def test_every_flush_schedule_at_pp2():
 
 
 def test_pp4_and_pp2_with_dp2_or_tp2():
-    layouts = [_pp(s, "model.n_layers=4", pp=4) for s in ("gpipe", "zb-h1")]
+    layouts = [_pp("zb-h1", "model.n_layers=4", pp=4)]
     layouts += [["parallel.pp=4", *INTERLEAVED, "model.n_layers=8"],
                 _pp("1f1b", "model.n_layers=5", "parallel.partition=profiled", pp=4)]
-    layouts += [_pp("zb-h1", "parallel.dp=2", "parallel.zero=1", *UNEVEN),
+    layouts += [_pp("1f1b", "parallel.dp=2"), _pp("zb-h1", "parallel.dp=2", "parallel.zero=1", *UNEVEN),
                 _pp("gpipe", "parallel.dp=2", "parallel.zero=2"),
                 GPT2_SGD + ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", *INTERLEAVED, "model.n_layers=4"]]
     layouts += [_pp("1f1b", "parallel.tp=2"), _pp("zb-h1", "parallel.tp=2", "parallel.sequence_parallel=false"),
