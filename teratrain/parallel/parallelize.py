@@ -23,7 +23,7 @@ from teratrain.config import ConfigError
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
-from teratrain.parallel.pipeline.split import apply_pipeline, check_split, mark_stages
+from teratrain.parallel.pipeline.split import apply_pipeline, check_split, ends_group, mark_stages
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
 
@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, rt, cfg):
     if rt.dims.tp > 1:  # 2
         apply_tp(model, rt, cfg)
     if layout is not None:
-        mark_stages(model, rt, layout)
+        mark_stages(model, layout, ends_group(rt, layout) if cfg.model.tie_embeddings else None)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()

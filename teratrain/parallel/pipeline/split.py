@@ -105,9 +105,19 @@ def apply_pipeline(model: nn.Module, rt, cfg) -> StageLayout:
     return layout
 
 
-def mark_stages(model: nn.Module, rt, layout: StageLayout) -> None:
-    """Every parameter's placement gets its stage; a tied embedding held at both ends sums its
-    gradient over `pp_ends`. Runs after tensor parallelism, which re-creates what it splits."""
+def ends_group(rt, layout: StageLayout) -> str | None:
+    """Create `pp_ends`, the ranks of both end stages with the same tensor-parallel coordinate, which
+    a tied embedding's gradient is summed over (and ZeRO gathers it over, `pp_ends:gather`). Every
+    rank takes part (mesh.define_everywhere); returns the name on the end ranks, None elsewhere."""
+    ends = (0, layout.pp - 1)
+    key = lambda c: c["tp"] if c["pp"] in ends else None  # noqa: E731
+    return rt.mesh.define_everywhere([("pp_ends", key), ("pp_ends:gather", key)])[0]
+
+
+def mark_stages(model: nn.Module, layout: StageLayout, tied_group: str | None) -> None:
+    """Every parameter's placement gets its stage; a tied embedding held at both ends gets
+    `tied_group` (see ends_group). Runs after tensor parallelism, which re-creates what it splits.
+    Pure: the planner can run it on a meta-device model."""
     last = layout.num_stages - 1
     for name, p in model.named_parameters():
         pl = placement(p)
@@ -118,13 +128,9 @@ def mark_stages(model: nn.Module, rt, layout: StageLayout) -> None:
         else:
             stage = last
         place(p, pl.with_(stage=stage))
-    if model.cfg.tie_embeddings:  # every rank takes part in creating the group (mesh.define_everywhere)
-        ends = (0, layout.pp - 1)
-        key = lambda c: c["tp"] if c["pp"] in ends else None  # noqa: E731
-        group, _ = rt.mesh.define_everywhere([("pp_ends", key), ("pp_ends:gather", key)])  # ZeRO gathers on the second
-        if group is not None:
-            w = model.tok_embeddings.weight
-            place(w, placement(w).with_(group=group))
+    if tied_group is not None and model.tok_embeddings is not None:
+        w = model.tok_embeddings.weight
+        place(w, placement(w).with_(group=tied_group))
 
 
 # ---------------------------------------------------------------- profiled partitioning
