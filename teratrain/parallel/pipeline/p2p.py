@@ -65,3 +65,7 @@ class Batch:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+
+    def done(self) -> bool:
+        """Finished (never blocks)."""
+        return all(w.is_completed() for w in self.works)

@@ -198,7 +198,7 @@ class _Call:
                 self.inbox[key] = buf
                 ops.append((False, a.peer, buf))
         sends, recvs = self.ex.links.post(ops)
-        self.sends += sends
+        self.sends = [b for b in self.sends if not b.done()] + sends  # a finished send lets go of its tensor
         return recvs
 
     def _compute(self, i: int, a: Action) -> None:
