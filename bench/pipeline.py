@@ -4,6 +4,7 @@
     torchrun --nproc-per-node=N bench/pipeline.py # the same, launched by hand (any pp = N)
     python bench/pipeline.py --smoke              # 2 CPU processes over gloo, tiny shapes: checks the script
     python bench/pipeline.py --parity             # + NCCL parity of 1F1B, interleaved 1F1B, ZB-H1 vs 1 GPU
+    python bench/pipeline.py --parity-only        # only that (each part fits a 10-minute job)
 
 For GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and m in {4, 8, 16} micro-batches per step:
 - tokens/s: the median wall time of `--steps` whole steps (the engine's update included) after
@@ -252,6 +253,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out")
     ap.add_argument("--parity", action="store_true", help="also train 3 schedules against one GPU first")
+    ap.add_argument("--parity-only", action="store_true", help="only the parity runs")
     ap.add_argument("--parity-result", help=argparse.SUPPRESS)  # from the launcher to the torchrun job
     args = ap.parse_args()
     if args.smoke:
@@ -262,6 +264,13 @@ def main() -> None:
     n = 2 if args.smoke else torch.cuda.device_count()
     if n < 2:
         sys.exit("bench/pipeline.py needs at least 2 GPUs (or --smoke for CPU processes)")
+    if args.parity_only:
+        text = json.dumps({"bench": "pipeline", "pp": n, "parity": parity(n, args.smoke, 4 if args.smoke else 20)},
+                          indent=1)
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text)
+        return
     passed = [a for a in sys.argv[1:] if a != "--parity"]
     if args.parity:  # the torchrun job puts it into its one JSON object
         found = Path(tempfile.mkdtemp()) / "parity.json"
