@@ -24,3 +24,11 @@ def in_backward() -> bool:
 
 # fp8 e4m3 (OCP FP8, Micikevicius et al. 2022): present in every torch we support; None if a build lacks it.
 FLOAT8_E4M3 = getattr(torch, "float8_e4m3fn", None)
+
+
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """Context manager: run `module` with `tensors` (by parameter name) in place of its parameters.
+    torch.func.functional_call's own context manager, which is private (same in 2.11 and 2.13)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors)

@@ -208,8 +208,13 @@ class ParallelConfig(Section):
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved-1f1b): the blocks "
                                                      "are split into pp x virtual_stages stages")
     partition: Literal["layers", "profiled"] = Field("layers", description="split blocks into stages by count "
-                                                     "(extra blocks to the first stages) or by measured time under "
-                                                     "a memory cap (parallel/pipeline/partition.py)")
+                                                     "(equal: pp x virtual_stages must divide model.n_layers) or by "
+                                                     "time measured on the device under a memory cap (PipeDream's "
+                                                     "DP, parallel/pipeline/partition.py)")
+    stage_layers: list[int] | None = Field(None, description="blocks of each pipeline stage, pp x virtual_stages "
+                                           "counts summing to model.n_layers (a fixed split); unset = by "
+                                           "parallel.partition, and a profiled split is recorded here in the run's "
+                                           "config.toml, so --resume keeps it")
     weight_version_every: int | None = Field(None, ge=1, description="pipedream-2bw: micro-batches between weight "
                                              "versions (at least pp; unset = pp)")
     vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "

@@ -159,6 +159,25 @@ class Mesh:
         return name
 
 
+    def define_everywhere(self, defs: list[tuple[str, Callable[[dict[str, int]], object]]]) -> list[str | None]:
+        """Define and create, in order, groups that only some ranks belong to (`key` gives None on the
+        others), e.g. one per pipeline link. Every worker calls this with the same list at the same
+        point: torch names a group its members create alone after its ranks and how many groups each
+        member created before it, so a rank outside a group (or alone in it) creates a group of itself
+        in its place and the counts stay equal everywhere. Returns this rank's names (None: outside)."""
+        out = []
+        for name, key in defs:
+            inside = key(self.coords) is not None
+            if inside:
+                self.define(name, key)
+            if inside and self.size(name) > 1:
+                self.group(name)
+            elif self.dims.workers > 1:
+                _new_group([self.rank])
+            out.append(name if inside else None)
+        return out
+
+
 def _new_group(ranks: list[int]):
     import torch.distributed as dist
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from teratrain.checkpoint.state import seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
-from teratrain.config import Config, ConfigError, to_toml
+from teratrain.config import Config, ConfigError, load_config, to_toml
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast
@@ -26,6 +26,7 @@ from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import check_supported, parallelize
+from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.progress import Progress
 from teratrain.rundir import agree_run_dir
 from teratrain.startup import print_summary
@@ -41,6 +42,8 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
     run_dir = agree_run_dir(out, resume, rt)
+    if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
+        cfg.parallel.stage_layers = load_config(run_dir / "config.toml").parallel.stage_layers  # a profiled split
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values
@@ -82,6 +85,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
     flops_tok = model_flops_per_token(model, m)
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
+    run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
     last = {}
     for step in range(start, tc.steps):
@@ -90,7 +94,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
                    cfg.optim.min_lr_ratio)
         model.train()
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
-        stats, local_loss = train_step(model, engine, micro, cfg.memory.precision, lr)
+        stats, local_loss = run_step(micro, cfg.memory.precision, lr)
         extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
         loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
         if rt.device.type == "cuda":
@@ -106,7 +110,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         if step == start:
             last["model_state_bytes"] = engine.last_state_bytes
         if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
-            last["eval_loss"] = evaluate(model, val_batches, cfg, rt)
+            last["eval_loss"] = evaluate(model, val_batches, cfg, rt, run_step.forward_loss)
         if log:
             log.write(last)
         progress.step(done, loss_val, tps, lr, last.get("eval_loss"))
@@ -121,10 +125,11 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
 
 
 @torch.no_grad()
-def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
+def evaluate(model, batches: Batches, cfg: Config, rt: Runtime, forward_loss=None) -> float:
     """Mean loss over the fixed held-out set (the same samples for every layout). Micro-batch i goes
     to rank i mod dp; every rank runs the same number of forwards (a rank past the end repeats
-    micro-batch 0 and does not count it), since a ZeRO-3 forward is itself a collective."""
+    micro-batch 0 and does not count it), since a ZeRO-3 forward is itself a collective (and so is a
+    pipeline's: `forward_loss` runs it through every stage)."""
     model.eval()
     mb, n, dp = cfg.train.micro_batch, cfg.train.eval_batches, rt.dims.dp
     total = torch.zeros(2, device=rt.device)  # (sum of micro-batch mean losses, count)
@@ -132,7 +137,7 @@ def evaluate(model, batches: Batches, cfg: Config, rt: Runtime) -> float:
         real = i < n
         x, y = batches.get(0, (i if real else 0) * mb, ((i if real else 0) + 1) * mb, rt.device)
         with autocast(cfg.memory.precision, rt.device):
-            loss = model(x, y).float()
+            loss = (forward_loss or model)(x, y).float()
         if real:
             total += torch.stack([loss, torch.ones_like(loss)])
     all_reduce(total, rt.dp_group)
@@ -147,10 +152,9 @@ def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
 
 
 def check_batch(cfg: Config, dp: int) -> None:
-    per_step = cfg.train.micro_batch * dp
-    if cfg.train.global_batch % per_step:
-        raise ConfigError(f"train.global_batch ({cfg.train.global_batch}) must be a multiple of train.micro_batch x dp "
-                          f"= {cfg.train.micro_batch} x {dp} = {per_step}; change one of them.")
+    """The global batch splits into whole micro-batches per data-parallel rank, and their number
+    suits the pipeline schedule (Config.microbatches says which key to change)."""
+    cfg.microbatches(dp)
 
 
 def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:

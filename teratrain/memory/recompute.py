@@ -46,6 +46,9 @@ class RecomputedBlocks(Blocks):
             h = checkpoint(self._segment, h, rope, i, use_reentrant=False, preserve_rng_state=True)
         return h
 
+    def part(self, keys) -> "RecomputedBlocks":
+        return RecomputedBlocks(super().part(keys), self.k)
+
     def _segment(self, h, rope, i: int):
         for block in list(self)[i:i + self.k]:
             h = block(h, rope)

@@ -57,6 +57,10 @@ class Blocks(nn.ModuleDict):
             h = block(h, rope, caches[i] if caches else None, start)
         return h
 
+    def part(self, keys) -> "Blocks":
+        """The blocks of `keys` run the same way (a pipeline chunk), sharing the block modules."""
+        return Blocks({str(k): self[k] for k in keys})
+
 
 def _norm(cfg: "ModelConfig") -> nn.Module:
     if cfg.arch == "llama":
@@ -87,17 +91,24 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
-        if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(start, start + T, device=h.device))
-        h = self.dropout(h)
-        rope = self.rope(start, T) if self.rope is not None else None
-        h = self.layers(h, rope, caches, start)
+        h = self.embed(tokens, start) if self.tok_embeddings is not None else tokens  # (B, T, d)
+        h = self.layers(h, self.rope(start, T) if self.rope is not None else None, caches, start)
         if self.norm is None:
             return h
-        h = self.norm(h)
-        logits = self.output(h) if self.output is not None else self.tied_head(h, self.tok_embeddings.weight)
+        logits = self.head(h)
         return logits if targets is None else self.criterion(logits, targets)  # (B, T, V) or ()
+
+    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token (and learned position) embeddings, then dropout: (B, T) ids -> (B, T, d)."""
+        h = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(start, start + tokens.shape[1], device=h.device))
+        return self.dropout(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection (tied: through the embedding): (B, T, d) -> (B, T, V)."""
+        h = self.norm(h)
+        return self.output(h) if self.output is not None else self.tied_head(h, self.tok_embeddings.weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -66,6 +66,22 @@ def any_rank_false(flag: bool, group, device) -> bool:
     return not any_rank(not flag, group, device)
 
 
+def broadcast(t: torch.Tensor, src: int, group):
+    """`t` of global rank `src` on every rank of `group`, in place."""
+    if group_size(group) == 1:
+        return Done()
+    return dist.broadcast(t, src=src, group=group) or Done()
+
+
+def all_gather_objects(obj, group) -> list:
+    """Every rank's picklable `obj` (small control values), in group rank order."""
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_object(obj, group):
     """Rank 0's picklable `obj` on every rank of `group` (small control values, e.g. a run folder)."""
     if group_size(group) == 1:

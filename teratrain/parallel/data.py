@@ -19,7 +19,7 @@ from teratrain.optim.engine import LocalEngine, weak_hook
 from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
 from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_buckets, reduce_scale
-from teratrain.parallel.placement import placement, to_global
+from teratrain.parallel.placement import gather_stages, placement, to_global
 
 
 class _Bucket:
@@ -102,10 +102,10 @@ class DataParallelEngine(LocalEngine):
     # ---- tests and readers
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter this rank's model holds, whole (collective over tensor parallelism)."""
+        """Every parameter of the model, whole (collective over tensor and pipeline parallelism)."""
         params = dict(self.model.named_parameters())
-        return {placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
-                for n, t in self.training_values().items()}
+        return gather_stages({placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
+                              for n, t in self.training_values().items()}, self.mesh)
 
     def zero_grad(self) -> None:
         for b in self.buckets:

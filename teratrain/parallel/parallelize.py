@@ -6,6 +6,8 @@ Order, each with its reason:
                       (whole, averaged over dp), which the transforms below overwrite where they split.
 1. pipeline split   - decides which blocks this rank holds; everything after works on the local part.
 2. tensor/sequence  - swaps linear layers for sharded ones before anything wraps or hooks them.
+   stage placements - after tp, which re-creates the placements of what it splits: every parameter
+                      records its pipeline stage; a tied embedding held at both ends gets its group.
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them;
                       activation compression then hooks what the final blocks save for backward.
@@ -27,6 +29,7 @@ from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
 from teratrain.parallel.own_model import check_model, initial_values, retie, untie
+from teratrain.parallel.pipeline.split import apply_pipeline, check_split, ends_group, mark_stages
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
 
@@ -40,8 +43,11 @@ def parallelize(model: nn.Module, rt, cfg):
     init = initial_values(model, lambda: init_fn(cfg))  # before anything moves the values
     apply_lora(model, cfg)  # 0: adapters on the single-device model, everything else frozen
     assign_defaults(model)  # 0
+    layout = apply_pipeline(model, rt, cfg) if rt.dims.pp > 1 else None  # 1
     if rt.dims.tp > 1:  # 2: splits adapters with their base layers
         apply_tp(model, rt, cfg)
+    if layout is not None:
+        mark_stages(model, layout, ends_group(rt, layout) if cfg.model.tie_embeddings else None)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
@@ -54,11 +60,11 @@ def parallelize(model: nn.Module, rt, cfg):
 def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
-    for key, what in (("pp", "pipeline"), ("ep", "expert")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
-                              f"version; set parallel.{key}=1.")
+    if p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this version; "
+                          "set parallel.ep=1.")
     check_tp(cfg)
+    check_pipeline(cfg)
     why = zero_problem(p.zero, p.offload)
     if why:
         raise ConfigError(why)
@@ -87,6 +93,27 @@ def zero_problem(zero: int, offload: str) -> str | None:
     if offload != "none" and zero == 0:
         return "parallel.offload needs a ZeRO engine to own the sharded optimizer; set parallel.zero>=1."
     return None
+
+
+def check_pipeline(cfg) -> None:
+    """What pipelining composes with (README's feature table says the same)."""
+    p = cfg.parallel
+    check_split(cfg)
+    if p.pp == 1:
+        return
+    if p.zero == 3:
+        raise ConfigError("parallel.zero=3 gathers each block's parameters around one forward and one backward in "
+                          "layer order, while a pipeline schedule interleaves several micro-batches' forwards and "
+                          "backwards on a stage; use parallel.zero<=2 with parallel.pp>1.")
+    if p.sync != "allreduce":
+        raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas on every rank; set parallel.pp=1 or "
+                          "parallel.sync=allreduce.")
+    if cfg.train.compile:
+        raise ConfigError("train.compile compiles the model's whole forward, which a pipeline stage never runs; "
+                          "set train.compile=false with parallel.pp>1.")
+    if cfg.memory.compress_activations != "none":
+        raise ConfigError("memory.compress_activations wraps a whole forward, which a pipeline stage never runs; "
+                          "set memory.compress_activations=none with parallel.pp>1.")
 
 
 def init_fn(cfg):

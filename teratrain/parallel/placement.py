@@ -166,3 +166,16 @@ def to_global(t: torch.Tensor, pl: Placement, mesh) -> torch.Tensor:
         peer = pl.with_(index=index)
         out[peer.global_slices()] = local[peer.local_slices()]
     return out
+
+
+def gather_stages(tensors: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """The whole model from every pipeline stage's part, by global name, on every rank (collective
+    over the pp group; a tied embedding, held whole at both ends, arrives twice, identical)."""
+    if mesh is None or mesh.size("pp") == 1:
+        return tensors
+    from teratrain.parallel.comm import all_gather_objects
+
+    out: dict[str, torch.Tensor] = {}
+    for part in all_gather_objects(tensors, mesh.group("pp")):
+        out.update(part)
+    return out

@@ -8,7 +8,7 @@ import torch
 
 from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.parallel.comm import all_gather
-from teratrain.parallel.placement import placement, to_global
+from teratrain.parallel.placement import gather_stages, placement, to_global
 
 
 class ZeroCheckpointMixin:
@@ -48,9 +48,9 @@ class ZeroCheckpointMixin:
 
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter of this rank's model part, whole, on CPU (collective: all ranks call it),
-        by global name. With master weights the fp32 masters are gathered, since they are the
-        values training continues from."""
+        """Every parameter of the model, whole, on CPU (collective: all ranks call it; pipeline
+        stages exchange their parts), by global name. With master weights the fp32 masters are
+        gathered, since they are the values training continues from."""
         out = {}
         for g in self.groups:
             src = self._opt_target(g)
@@ -59,7 +59,7 @@ class ZeroCheckpointMixin:
             for q, v in zip(g.params, g.views(full)):
                 pl = placement(q)
                 out[pl.name] = to_global(v, pl, self.mesh).cpu().clone()
-        return out
+        return gather_stages(out, self.mesh)
 
 
 def _slots(g, views: list[torch.Tensor]) -> list[Slot]:

@@ -27,13 +27,16 @@ class LocalTensor:
 
 
 @lru_cache(maxsize=256)
-def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = ()) -> tuple[LocalTensor, ...]:
-    """Tensor-parallel rank 0's parameters in registration order (every rank holds the same
-    shapes: the last vocabulary piece is padded). `lora` = Training.lora (rank, alpha, targets,
-    dropout, base dtype), or () without adapters."""
+def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int = 1, virtual_stages: int = 1,
+                  stage_rank: int = 0) -> tuple[LocalTensor, ...]:
+    """The parameters of the rank at pipeline coordinate `stage_rank` and tensor-parallel coordinate
+    0, in registration order (every tp rank holds the same shapes: the last vocabulary piece is
+    padded). `lora` = Training.lora (rank, alpha, targets, dropout, base dtype), or () without
+    adapters. Pipeline stages hold equal block counts (parallel.partition=layers)."""
     from teratrain.memory.lora import apply_lora
     from teratrain.mesh import Mesh, ParallelDims, Runtime
     from teratrain.models.transformer import Transformer
+    from teratrain.parallel.pipeline.split import apply_pipeline, mark_stages
     from teratrain.parallel.placement import assign_defaults, placement
     from teratrain.parallel.tensor import apply_tp
 
@@ -43,11 +46,17 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = ()) -> tupl
         rank, alpha, targets, dropout, _ = lora
         apply_lora(model, SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=alpha, targets=targets, dropout=dropout)))
     assign_defaults(model)
+    dims = ParallelDims(dp=1, tp=tp, pp=pp)
+    rank = stage_rank * tp
+    rt = Runtime(rank=rank, world=dims.world, local_rank=0, device=torch.device("meta"), dims=dims,
+                 mesh=Mesh(dims, rank))
+    cfg = SimpleNamespace(model=shape.cfg, parallel=SimpleNamespace(
+        use_sp=sp, tp_form=form, pp=pp, virtual_stages=virtual_stages, stage_layers=None, partition="layers"))
+    layout = apply_pipeline(model, rt, cfg) if pp > 1 else None
     if tp > 1:
-        dims = ParallelDims(dp=1, tp=tp)
-        rt = Runtime(rank=0, world=tp, local_rank=0, device=torch.device("meta"), dims=dims, mesh=Mesh(dims, 0))
-        cfg = SimpleNamespace(model=shape.cfg, parallel=SimpleNamespace(use_sp=sp, tp_form=form))
         apply_tp(model, rt, cfg)
+    if layout is not None:  # a tied embedding at both ends: its gradient is summed over both (split.py)
+        mark_stages(model, layout, "pp_ends" if shape.cfg.tie_embeddings and stage_rank in (0, pp - 1) else None)
     out = []
     for name, p in model.named_parameters():
         pl = placement(p)
@@ -62,6 +71,8 @@ def group_size(group: str, dp: int, tp: int) -> int:
         return dp
     if group == "dp_tp":
         return dp * tp
+    if group == "pp_ends":  # both pipeline ends (parallel/pipeline/split.py)
+        return 2 * dp
     if group.startswith("dp_tp/"):
         return dp * int(group.split("/")[1])
     raise ValueError(f"the planner does not know mesh group {group!r}")

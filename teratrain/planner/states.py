@@ -63,8 +63,11 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:
             raise PlanError(why.rstrip("."))
-        if shape.cfg is not None and shape.cfg.n_layers < lay.pp * lay.virtual_stages:
-            raise PlanError(f"{shape.cfg.n_layers} layers cannot fill {lay.pp * lay.virtual_stages} pipeline stages")
+        if shape.cfg is not None and shape.cfg.n_layers % (lay.pp * lay.virtual_stages):
+            raise PlanError(f"{shape.cfg.n_layers} layers do not split evenly into {lay.pp * lay.virtual_stages} "
+                            "pipeline stages")
+        if lay.zero == 3:
+            raise PlanError("parallel.zero=3 does not compose with pipeline parallelism (parallelize.py says why)")
 
 
 def _split_of(name: str, lay: Layout) -> int:
@@ -78,21 +81,31 @@ def _split_of(name: str, lay: Layout) -> int:
 
 def _exact(shape: ModelShape, lay: Layout) -> bool:
     """Layouts whose per-rank tensors come from the real transforms (planner/local.py)."""
-    return not shape.is_bare and shape.num_experts == 1 and lay.pp == lay.ep == 1
+    return not shape.is_bare and shape.num_experts == 1 and lay.ep == 1
 
 
-def _tensors(shape: ModelShape, lay: Layout, train: Training | None):
-    return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, train.lora if train else ())
+def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller"):
+    """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two."""
+    lora = train.lora if train else ()
+
+    def at(stage_rank: int):
+        return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, lora, lay.pp, lay.virtual_stages,
+                             stage_rank)
+    first, last = at(0), at(lay.pp - 1)
+    if end == "fuller":
+        end = "last" if sum(t.numel() for t in last) >= sum(t.numel() for t in first) else "first"
+    return first if end == "first" else last
 
 
 def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) -> dict[str, int]:
-    """Parameters a rank holds (`train` adds LoRA's adapters)."""
+    """Parameters a rank holds: the first and the last pipeline stage (`train` adds LoRA's adapters)."""
     if _exact(shape, lay):
-        tensors = _tensors(shape, lay, train)
-        total = sum(t.numel() for t in tensors)
-        block = sum(t.numel() for t in tensors if t.block == "0")
-        return {"first": total, "last": total, "root": sum(t.numel() for t in tensors if t.block is None),
-                "block": block, "layers": shape.cfg.n_layers}
+        first, last = _tensors(shape, lay, train, "first"), _tensors(shape, lay, train, "last")
+        some = [k for k in dict.fromkeys(t.block for t in first) if k is not None][0]
+        return {"first": sum(t.numel() for t in first), "last": sum(t.numel() for t in last),
+                "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
+                "block": sum(t.numel() for t in first if t.block == some),
+                "layers": sum(1 for k in dict.fromkeys(t.block for t in first) if k is not None)}
     return dict(_stage_params(shape, lay.tp, lay.pp, lay.ep))
 
 
@@ -111,9 +124,10 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
         if name.startswith("layers.0."):
             block += ceil_div(math.prod(s), _split_of(name, lay))
     layers = ceil_div(c.n_layers, pp)
-    emb = ceil_div(c.vocab_size * c.d_model, tp) + (c.seq_len * c.d_model if c.arch == "gpt2" else 0)
+    vocab_rows = ceil_div(c.vocab_size, tp)  # vocab-parallel pieces are whole rows, padded (tensor.py)
+    emb = vocab_rows * c.d_model + (c.seq_len * c.d_model if c.arch == "gpt2" else 0)
     final_norm = c.d_model * (2 if c.arch == "gpt2" and c.use_bias else 1)
-    head = ceil_div(c.vocab_size * c.d_model, tp) if (not c.tie_embeddings or pp > 1) else 0
+    head = vocab_rows * c.d_model if (not c.tie_embeddings or pp > 1) else 0
     if pp == 1:
         root = emb + final_norm + head
         out = {"first": layers * block + root, "last": layers * block + root, "root": root}
@@ -228,13 +242,10 @@ def _replica_states(shape, train: Training, lay: Layout, local: int, w, steps: i
 
 
 def _local_opt_elems(train: Training, shape: ModelShape, local: int) -> tuple[int, int]:
-    """(optimizer elements, parameter tensors) of an unsharded replica holding `local` params:
-    exact for a whole model, scaled by local/total when tensor/pipeline parallelism splits it."""
+    """(optimizer elements, parameter tensors) of an unsharded replica holding `local` params of a
+    shape the planner approximates (bare counts, expert parallelism): scaled by local/total."""
     full = [s for _, s in shape.param_shapes()]
     if not full:
-        if train.optimizer in ("adafactor", "sm3"):
-            raise PlanError(f"optim.name={train.optimizer} factors each matrix by its rows and columns, "
-                            "which a bare --params count does not give")
         return optimizer_elems(train, [], local, False), 0
     total = sum(math.prod(s) for s in full)
     elems = optimizer_elems(train, full, total, False)

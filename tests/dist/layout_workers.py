@@ -11,9 +11,9 @@ import torch
 from teratrain.config import load_config
 from teratrain.mesh import init_runtime
 from teratrain.models.transformer import Transformer
-from teratrain.optim.engine import train_step
 from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import parallelize
+from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.train import seed_everything
 
 # Small enough for 4 ranks on 2 cores; GQA (4 query / 2 key-value heads) and a vocabulary that
@@ -55,6 +55,7 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
     per_rank = tc.global_batch // rt.dims.dp
     lo = rt.dp_rank * per_rank
     counter = _skip_branch(model, rt, tc) if skip_branch else None
+    run_step = step_runner(model, engine, rt, cfg)  # train_step, or the pipeline executor (pp > 1)
     losses = []
     for batch in batches(cfg, steps):
         rows = batch[lo:lo + per_rank]
@@ -62,7 +63,7 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
                  for i in range(0, per_rank, tc.micro_batch)]
         if counter is not None:
             counter[0] = 0
-        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
+        _, loss = run_step(micro, cfg.memory.precision, cfg.optim.lr)
         loss = loss.clone()
         all_reduce(loss, rt.dp_group, op=AVG)
         losses.append(float(loss))

@@ -1,0 +1,116 @@
+"""Backward split in two (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2): I computes
+only the gradient of the stage's input, which the previous stage is waiting for; W, later, the
+gradients of the weights. The same algorithm as torch.distributed.pipelining's `_backward.py`,
+written against public autograd APIs so that W accumulates through each parameter's own
+AccumulateGrad node (the engines' gradient hooks fire as in any backward):
+
+- the graph's nodes reachable forward from the input leaf x are the "input closure"; for each
+  weight, the first nodes of that closure its gradient path meets are its "intermediates" (e.g. the
+  matmul of `x @ W.T`); weights that share an intermediate form one group;
+- I: autograd.grad(out -> x) with a pre-hook on every intermediate that keeps the gradient arriving
+  there (the graph is retained);
+- W: for each group, backward from its intermediates' gradient edges with those kept gradients, into
+  the group's weights only (autograd computes just the weight-side outputs of each node). When one
+  intermediate of a group feeds another, the kept gradient replaces the sum so nothing counts twice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node:
+    """A tensor's grad_fn, or a leaf's AccumulateGrad node (made through a view when needed)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _consumers(root: Node) -> dict[Node, list[Node]]:
+    """Reverse edges of the graph under `root`: node -> the nodes that feed gradient into it."""
+    rev: dict[Node, list[Node]] = defaultdict(list)
+    seen, todo = {root}, deque([root])
+    while todo:
+        node = todo.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                rev[nxt].append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+    return rev
+
+
+def _closure(starts: list[Node], rev: dict, stop: set) -> tuple[set, set]:
+    """Nodes reachable from `starts` along reverse edges, not entering `stop`; and the `stop` nodes met."""
+    seen, met, todo = set(starts), set(), deque(starts)
+    while todo:
+        for nxt in rev.get(todo.popleft(), ()):
+            if nxt in stop:
+                met.add(nxt)
+            elif nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen, met
+
+
+def _groups(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> list[dict]:
+    rev = _consumers(out.grad_fn)
+    inputs, _ = _closure([_node(x)], rev, set())
+    by_node: dict[Node, dict] = {}
+    for w in weights:
+        acc = _node(w)
+        _, met = _closure([acc], rev, inputs)
+        group = {"weights": {acc: w}, "nodes": set(met)}
+        for node in met:  # merge with every group already meeting one of these nodes
+            other = by_node.get(node)
+            if other is not None and other is not group:
+                group["weights"].update(other["weights"])
+                group["nodes"] |= other["nodes"]
+        for node in group["nodes"]:
+            by_node[node] = group
+    unique = {id(g): g for g in by_node.values()}
+    return [{"weights": g["weights"], "nodes": list(g["nodes"])} for g in unique.values()]
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
+                   weights: list[torch.Tensor]) -> list[dict]:
+    """I: set x.grad to d(out)/dx (given d(out) = `grad`, or `grad` as the seed of a scalar loss) and
+    return what W needs."""
+    groups = _groups(out, x, weights)
+    handles = []
+    for g in groups:
+        g["grads"] = [None] * len(g["nodes"])
+        for i, node in enumerate(g["nodes"]):
+            def keep(grad_outputs, g=g, i=i):
+                g["grads"][i] = grad_outputs
+            handles.append(node.register_prehook(keep))
+    try:
+        (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return groups
+
+
+def backward_weight(groups: list[dict]) -> None:
+    """W: accumulate every group's weight gradients into `.grad` (through AccumulateGrad)."""
+    for n, g in enumerate(groups):
+        edges, grads = [], []
+        for node, kept in zip(g["nodes"], g["grads"]):
+            for i, t in enumerate(kept or ()):
+                if t is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(t)
+        if not edges:
+            continue
+        handles = [node.register_prehook(lambda _, kept=kept: kept) for node, kept in zip(g["nodes"], g["grads"])
+                   if kept is not None] if len(g["nodes"]) > 1 else []
+        try:
+            torch.autograd.backward(edges, grads, inputs=list(g["weights"].values()), retain_graph=n + 1 < len(groups))
+        finally:
+            for h in handles:
+                h.remove()

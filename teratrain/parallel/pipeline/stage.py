@@ -1,0 +1,44 @@
+"""A model chunk: what one pipeline stage computes, runnable forward and backward on its own.
+
+A rank of an interleaved schedule holds v chunks (stages r, r + pp, ...). Each chunk is a view, not a
+module: its blocks are a `Blocks.part` of `model.layers` (the same block modules, run with the same
+recomputation policy), so the engines, checkpoints and placements see one model and one set of
+parameters per rank, by global name.
+
+    stage 0:      tokens (B, T) -> embed -> [detach: x] -> blocks -> h (B, T', d)
+    middle:       x (B, T', d) received               -> blocks -> h
+    last stage:   x                                    -> blocks -> norm -> head -> loss ()
+T' = T, or T / tp under sequence parallelism. Stage 0 cuts the graph after the embedding, so every
+stage has an input leaf `x`: the input-gradient pass (ZB-H1's I) ends there and the weight pass (W)
+then finishes the embedding's gradient from x.grad.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Chunk:
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, blocks: range):
+        self.model, self.stage = model, stage
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.blocks = model.layers.part([str(i) for i in blocks])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Stage 0's embedding: (B, T) -> (B, T', d)."""
+        return self.model.embed(tokens)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """This chunk's blocks on x (B, T', d); the last stage goes on to the mean loss over targets (B, T)."""
+        m = self.model
+        h = self.blocks(x, m.rope(0, seq_len) if m.rope is not None else None)
+        return m.criterion(m.head(h), targets) if self.is_last else h
+
+    def weights(self) -> list[nn.Parameter]:
+        """Trainable parameters used after the input leaf x (blocks, and the head on the last stage):
+        those whose gradient the weight pass computes."""
+        mods = [self.blocks] + ([self.model.norm, self.model.output] if self.is_last else [])
+        if self.is_last and self.model.output is None:
+            mods.append(self.model.tok_embeddings)  # tied: the head is the embedding matrix
+        return [p for mod in mods if mod is not None for p in mod.parameters() if p.requires_grad]

@@ -1,0 +1,66 @@
+"""The flush pipeline schedules (naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1) against one process on
+the same global batch: fp32, AdamW (SGD for the tied GPT-2, see test_tensor_parallel.py), 8 sequences
+a step in 4 micro-batches of 2 per pipeline (2 with dp=2), clipping on; pp=2 and pp=4, alone and with
+data parallelism (ZeRO 0-2) and tensor parallelism (with and without sequence parallelism), even
+and uneven splits (`parallel.partition=profiled` on a layer count no stage count divides), tied
+embeddings held at both ends, recomputation.
+
+Tolerance: 1e-5 relative on every step's loss and every final parameter (gathered whole across
+stages by `engine.full_params()`). Measured: pipelining alone is bitwise (each stage runs the same
+kernels on the same micro-batches in the same order of accumulation); dp and tp add what they add
+alone (up to ~2e-6, test_tensor_parallel.py)."""
+
+from harness import run_ranks
+from layout_workers import GPT2, train_random
+from test_tensor_parallel import TOL, max_rel_diff
+
+STEPS = 2
+GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
+UNEVEN = ["model.n_layers=3", "parallel.partition=profiled"]  # 3 blocks over 2 stages: 2 + 1 or 1 + 2
+
+
+def _compare(layouts: list[list[str]], world: int) -> None:
+    runs = run_ranks(_many, world, layouts)[0]
+    refs = {}
+    for layout, got in zip(layouts, runs):
+        same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute")))  # the math
+        if same not in refs:
+            refs[same] = train_random(0, 1, list(same), steps=STEPS)
+        ref = refs[same]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+        assert loss_err < TOL, f"{layout}: losses differ by {loss_err:.2e}"
+        assert got["params"].keys() == ref["params"].keys(), f"{layout}: the gathered model misses parameters"
+        param_err = max_rel_diff(got["params"], ref["params"])
+        assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+
+
+def _many(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:
+    return [train_random(rank, world, layout, steps=STEPS) for layout in layouts]
+
+
+def _pp(schedule: str, *more: str, pp: int = 2) -> list[str]:
+    return [f"parallel.pp={pp}", f"parallel.schedule={schedule}", *more]
+
+
+INTERLEAVED = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
+
+
+def test_every_flush_schedule_at_pp2():
+    layouts = [_pp(s) for s in ("naive", "gpipe", "1f1b", "zb-h1")]
+    layouts += [["parallel.pp=2", *INTERLEAVED, "model.n_layers=4"],
+                _pp("1f1b", *UNEVEN), _pp("zb-h1", *UNEVEN, "memory.recompute=full"),
+                GPT2_SGD + _pp("zb-h1"), GPT2_SGD + ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4",
+                                                     "memory.recompute=selective"]]
+    _compare(layouts, world=2)
+
+
+def test_pp4_and_pp2_with_dp2_or_tp2():
+    layouts = [_pp("zb-h1", "model.n_layers=4", pp=4)]
+    layouts += [["parallel.pp=4", *INTERLEAVED, "model.n_layers=8"],
+                _pp("1f1b", "model.n_layers=5", "parallel.partition=profiled", pp=4)]
+    layouts += [_pp("1f1b", "parallel.dp=2"), _pp("zb-h1", "parallel.dp=2", "parallel.zero=1", *UNEVEN),
+                _pp("gpipe", "parallel.dp=2", "parallel.zero=2"),
+                GPT2_SGD + ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", *INTERLEAVED, "model.n_layers=4"]]
+    layouts += [_pp("1f1b", "parallel.tp=2"), _pp("zb-h1", "parallel.tp=2", "parallel.sequence_parallel=false"),
+                GPT2_SGD + ["parallel.pp=2", "parallel.tp=2", *INTERLEAVED, "model.n_layers=4"]]
+    _compare(layouts, world=4)

@@ -1,0 +1,100 @@
+"""Pipelining in the trainer and the engines: exact resume, fp16 overflow on one stage, and the
+planner's per-stage bytes against what each stage holds."""
+
+import torch
+from safetensors.torch import load_file
+
+from harness import run_ranks
+from layout_workers import BASE, build, train_random
+from teratrain.config import load_config
+from teratrain.parallel.pipeline.runtime import step_runner
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.states import model_states, stage_params
+from teratrain.train import run
+from workers import TINY, losses
+
+# pp=2 x dp=2, ZeRO-1 sharding a tied embedding held at both ends, dropout on (each rank's RNG is
+# checkpointed); constant lr: a cosine schedule depends on train.steps, which the first half changes
+RESUME = TINY + ["parallel.pp=2", "parallel.zero=1", "model.tie_embeddings=true", "model.dropout=0.1",
+                 "train.steps=6", "checkpoint.every=3", "optim.schedule=constant"]
+
+
+def straight_and_resumed(rank: int, world: int, root: str) -> None:
+    run(load_config(None, RESUME), f"{root}/straight")
+    run(load_config(None, RESUME + ["train.steps=3"]), f"{root}/resumed")
+    run(load_config(None, RESUME), f"{root}/resumed", resume=True)
+
+
+def test_resume_at_pp2_dp2_is_bitwise(dist_workdir):
+    root = dist_workdir / "pp-resume"
+    run_ranks(straight_and_resumed, 4, str(root))
+    assert losses(root / "straight") == losses(root / "resumed")
+    for rank in range(4):
+        name = f"step_00000006/rank{rank:05d}.safetensors"
+        a = load_file(str(root / "straight" / "checkpoints" / name))
+        b = load_file(str(root / "resumed" / "checkpoints" / name))
+        assert a.keys() == b.keys()
+        diff = [k for k in a if not (a[k] == b[k]).all()]
+        assert not diff, f"rank {rank}: tensors differ after resume: {diff[:5]}"
+    assert (root / "straight" / "pipeline.png").stat().st_size > 10_000
+
+
+POISON_STEP = 1
+
+
+def poisoned(rank: int, world: int) -> dict:
+    """fp16 at pp=2: one gradient element of the last stage becomes inf at step 1 (only there)."""
+    cfg, rt, model, engine = build(["parallel.pp=2", "memory.precision=fp16", "memory.loss_scale_init=1024"])
+    runner = step_runner(model, engine, rt, cfg)
+    box = {"step": -1}
+    if rank == 1:
+        def poison(grad):
+            if box["step"] != POISON_STEP:
+                return grad
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+            return grad
+        model.norm.weight.register_hook(poison)
+    g = torch.Generator().manual_seed(0)
+    history = []
+    for step in range(3):
+        box["step"] = step
+        x = torch.randint(0, cfg.model.vocab_size, (8, cfg.model.seq_len + 1), generator=g)
+        stats, _ = runner([(x[i:i + 2, :-1], x[i:i + 2, 1:]) for i in range(0, 8, 2)], "fp16", 1e-3)
+        history.append({"skipped": stats.skipped, "scale": stats.loss_scale, "params": engine.full_params()})
+    return {"history": history, "skipped_total": engine.skipped_steps}
+
+
+def test_overflow_on_one_stage_skips_the_step_on_every_stage():
+    for rank, r in enumerate(run_ranks(poisoned, 2)):
+        h = r["history"]
+        assert [s["skipped"] for s in h] == [False, True, False], f"rank {rank}: {[s['skipped'] for s in h]}"
+        assert r["skipped_total"] == 1 and h[1]["scale"] == h[0]["scale"] / 2
+        same = all(torch.equal(h[1]["params"][n], t) for n, t in h[0]["params"].items())
+        assert same, f"rank {rank}: a skipped step changed weights"
+        assert any(not torch.equal(h[2]["params"][n], t) for n, t in h[1]["params"].items())
+
+
+PLANNED = [["parallel.pp=2"], ["parallel.pp=2", "model.arch=gpt2", "model.n_kv_heads=4", "model.tie_embeddings=true"],
+           ["parallel.pp=2", "memory.precision=bf16", "parallel.zero=1", "model.n_layers=4"]]
+
+
+def _bytes(rank: int, world: int) -> list[dict]:
+    return [train_random(rank, world, layout, steps=1)["bytes"] for layout in PLANNED]
+
+
+def test_planner_bytes_per_stage_equal_live_bytes():
+    """Each stage's live parameter bytes are the planner's count for that end of the pipeline, and
+    the planner's model states (worst rank) equal the fuller stage's live params, grads and
+    optimizer state, byte for byte (AdamW step counters and ZeRO-1's flat groups included)."""
+    live = run_ranks(_bytes, 2)
+    for i, layout in enumerate(PLANNED):
+        cfg = load_config(None, BASE + layout)
+        shape, lay, train = shape_of(cfg, {"num_experts": 1, "top_k": 1}), layout_of(cfg, 2), training_of(cfg)
+        per_param = train.widths(lay.zero, lay.offload).param
+        sp = stage_params(shape, lay)
+        assert [live[r][i]["params"] for r in (0, 1)] == [sp["first"] * per_param, sp["last"] * per_param], layout
+        planned = model_states(shape, train, lay, device="cpu")
+        worst = max((live[r][i] for r in (0, 1)), key=lambda b: b["params"])
+        assert {k: worst[k] for k in ("params", "grads", "optimizer")} == \
+            {k: planned[k] for k in ("params", "grads", "optimizer")}, layout
