@@ -111,9 +111,14 @@ class ParallelDims:
 
 @dataclass
 class Mesh:
-    """The worker grid and this rank's process groups by name (see the module docstring). Groups
-    are created on first use by their members only, so every member must ask for a group in the
-    same order as the others (strategies are applied in one fixed order on every rank)."""
+    """The worker grid and this rank's process groups by name (see the module docstring).
+
+    A group is created by its members only, and torch names it after its ranks and how many groups
+    each member had created before (`new_group(use_local_synchronization=True)`), so members must
+    create it at the same count. Hence: `create_standard_groups` makes every standard group (and its
+    `:gather` twin) up front, in one fixed order on every rank; a custom group (`define`) is made
+    on first use by members that share a pipeline stage and so build the same things in the same
+    order; a group that spans stages is made with `define_everywhere`, where every rank takes part."""
 
     dims: ParallelDims
     rank: int
@@ -149,6 +154,12 @@ class Mesh:
             ranks = self.ranks(name)
             self._groups[name] = _new_group(ranks) if len(ranks) > 1 else None
         return self._groups[name]
+
+    def create_standard_groups(self) -> None:
+        """Every standard group of this rank (GROUPS, then each `:gather` twin), in one fixed order."""
+        for purpose in ("", ":gather"):
+            for name in GROUPS:
+                self.group(name + purpose)
 
     def define(self, name: str, key: Callable[[dict[str, int]], object]) -> str:
         """Name a custom group: the workers whose coordinates give the same `key` as this rank's (e.g.
@@ -271,4 +282,6 @@ def init_runtime(cfg) -> Runtime:
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                     device_id=device if device.type == "cuda" else None)
     mesh = Mesh(dims, rank) if rank < dims.workers else None
+    if mesh is not None and world > 1:
+        mesh.create_standard_groups()
     return Runtime(rank=rank, world=world, local_rank=local_rank, device=device, dims=dims, mesh=mesh)
