@@ -17,6 +17,7 @@ import torch
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine, weak_hook
 from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.expert import gather_experts
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
 from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_buckets, reduce_scale
 from teratrain.parallel.placement import placement, to_global
@@ -111,10 +112,11 @@ class DataParallelEngine(LocalEngine):
 
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter this rank's model holds, whole (collective over tensor parallelism)."""
+        """Every parameter of this rank's model part, whole (collective over tensor and expert parallelism)."""
         params = dict(self.model.named_parameters())
-        return {placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
-                for n, t in self.training_values().items()}
+        out = {placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
+               for n, t in self.training_values().items()}
+        return gather_experts(out, self.model, self.mesh, self.cross.device)
 
     def zero_grad(self) -> None:
         for b in self.buckets:

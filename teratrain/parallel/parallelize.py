@@ -21,6 +21,7 @@ from teratrain.config import ConfigError
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.expert import apply_ep, check_ep
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
 
@@ -31,6 +32,8 @@ def parallelize(model: nn.Module, rt, cfg):
     assign_defaults(model)  # 0
     if rt.dims.tp > 1:  # 2
         apply_tp(model, rt, cfg)
+    if cfg.model.moe.enabled:  # 3: records expert placements at any ep; ep > 1 also drops the others' experts
+        apply_ep(model, rt, cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
         model.compile()
@@ -40,11 +43,11 @@ def parallelize(model: nn.Module, rt, cfg):
 def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
-    for key, what in (("pp", "pipeline"), ("ep", "expert")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available in this "
-                              f"version; set parallel.{key}=1.")
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available in this version; "
+                          "set parallel.pp=1.")
     check_tp(cfg)
+    check_ep(cfg)
     if p.zero >= 1 and cfg.optim.name == "adafactor":
         raise ConfigError("optim.name=adafactor factors whole matrices, which ZeRO splits into flat shards; "
                           "use optim.name=adamw or sgd with parallel.zero>=1.")

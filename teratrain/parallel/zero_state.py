@@ -8,6 +8,7 @@ import torch
 from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.state import optimizer_from_flat, optimizer_to_flat
 from teratrain.parallel.comm import all_gather
+from teratrain.parallel.expert import gather_experts
 from teratrain.parallel.placement import placement, placements_json, to_global
 
 
@@ -32,9 +33,11 @@ class ZeroCheckpointMixin:
             flat, meta = optimizer_to_flat(opt) if opt is not None else ({}, None)
             tensors.update({k.replace("optim.", f"optim.g{i}.", 1): v for k, v in flat.items()})
             opt_meta.append(meta)
-        if self.stage < 3 and self.mesh.rank_in("dp") == 0:
+        if self.stage < 3 and self.mesh.rank_in("ep_replicas") == 0:  # dense params: dp rank 0; experts: each ep rank
+            first = self.mesh.rank_in("dp") == 0
             for g in self.groups:
-                tensors.update({f"model.{n}": q for n, q in zip(g.names, g.params)})
+                tensors.update({f"model.{n}": q for n, q in zip(g.names, g.params)
+                                if first or placement(q).expert is not None})
         meta = {"zero": self.layout(), "optimizer": opt_meta, "placements": placements_json(self.model),
                 "scaler": self.scaler.state_dict() if self.scaler else None}
         return tensors, meta
@@ -64,7 +67,7 @@ class ZeroCheckpointMixin:
 
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter of this rank's model part, whole, on CPU (collective: all ranks call it),
+        """Every parameter of this rank's model part (all experts), whole, on CPU (collective: all ranks call it),
         by global name. With master weights the fp32 masters are gathered, since they are the
         values training continues from."""
         out = {}
@@ -75,4 +78,4 @@ class ZeroCheckpointMixin:
             for q, v in zip(g.params, g.views(full)):
                 pl = placement(q)
                 out[pl.name] = to_global(v, pl, self.mesh).cpu().clone()
-        return out
+        return gather_experts(out, self.model, self.mesh, self.device)
