@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from teratrain import checkpoint as ckpt
+from teratrain import moe_metrics
 from teratrain.checkpoint.state import rng_state, set_rng_state
 from teratrain.config import Config, ConfigError, to_toml, validate
 from teratrain.data.loader import Batches, prepare
@@ -83,6 +84,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
         stats, local_loss = train_step(model, engine, micro, cfg.memory.precision, lr)
         extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
+        extra.update(moe_metrics.step_metrics(model, rt))  # per MoE layer (collective over dp)
         loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
@@ -109,6 +111,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     if log:
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        moe_metrics.plot_moe_load(run_dir / "metrics.jsonl", run_dir / "moe_load.png")
     summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
     return {**summary, "engine": engine}  # the engine, for tests and programmatic callers
 
