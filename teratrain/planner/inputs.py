@@ -22,8 +22,8 @@ _HF_GPT2 = {"n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads", "vo
             "n_inner": "d_ff", "layer_norm_epsilon": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 
 
-def hf_model(path: Path) -> tuple[dict, dict, list[str]]:
-    """A HF config.json -> (model section, expert counts, notes for the user)."""
+def hf_model(path: Path) -> tuple[dict, list[str]]:
+    """A HF config.json -> (model section, notes for the user); Mixtral's experts become model.moe."""
     try:
         hf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -47,22 +47,26 @@ def hf_model(path: Path) -> tuple[dict, dict, list[str]]:
         notes.append(f"model.seq_len={HF_SEQ_CAP} (config.json allows {seq}; set --set model.seq_len=N to plan longer)")
         seq = HF_SEQ_CAP
     model["seq_len"] = seq
-    experts = {"num_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or 1),
-               "top_k": int(hf.get("num_experts_per_tok") or 1)}
-    return model, experts, notes
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 1)
+    if experts > 1:  # Mixtral: softmax over the top-k router logits, every layer (models/moe.py softmax-topk)
+        model["moe"] = {"num_experts": experts, "top_k": int(hf.get("num_experts_per_tok") or 2),
+                        "router": "softmax-topk"}
+    return model, notes
 
 
-def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Config, dict, list[str]]:
-    """Config from TOML / config.json / preset plus --set; returns (cfg, experts, notes). A
-    config.json's shape enters as `model.*` overrides placed before the user's own --set."""
-    experts, notes = {"num_experts": 1, "top_k": 1}, []
+def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Config, list[str]]:
+    """Config from TOML / config.json / preset plus --set; returns (cfg, notes). A config.json's
+    shape enters as `model.*` overrides placed before the user's own --set."""
+    notes: list[str] = []
     if path and path.endswith(".json"):
-        model, experts, notes = hf_model(Path(path))
+        model, notes = hf_model(Path(path))
+        moe = model.pop("moe", {})
         shape_sets = [f"model.{k}={_literal(v)}" for k, v in model.items()]
-        return load_config(None, shape_sets + list(overrides)), experts, notes
+        shape_sets += [f"model.moe.{k}={_literal(v)}" for k, v in moe.items()]
+        return load_config(None, shape_sets + list(overrides)), notes
     if preset:
         overrides = [f"model.preset={preset}"] + list(overrides)
-    return load_config(path, overrides), experts, notes
+    return load_config(path, overrides), notes
 
 
 def _literal(v) -> str:
@@ -72,9 +76,8 @@ def _literal(v) -> str:
     return json.dumps(v)
 
 
-def shape_of(cfg: Config, experts: dict, name: str = "") -> ModelShape:
-    return ModelShape(cfg=cfg.model, num_experts=experts["num_experts"], top_k=experts["top_k"],
-                      name=name or cfg.model.preset)
+def shape_of(cfg: Config, name: str = "") -> ModelShape:
+    return ModelShape(cfg=cfg.model, name=name or cfg.model.preset)
 
 
 PLAN_PRECISION = "bf16"  # GPUs train in bf16; the config's fp32 default is for CPU runs
@@ -113,7 +116,7 @@ def fixed_of(cfg: Config) -> dict:
 def layout_of(cfg: Config, gpus: int = 1) -> Layout:
     """The layout a config describes when nothing is searched (defaults for unset degrees)."""
     p = cfg.parallel
-    dp = p.dp or max(1, gpus // (p.tp * p.pp * p.ep))
+    dp = p.dp or max(1, gpus // (p.tp * p.pp))
     per_replica = max(1, cfg.train.global_batch // dp)
     mb = min(cfg.train.micro_batch, per_replica)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero, micro_batch=mb,

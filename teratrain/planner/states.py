@@ -63,9 +63,10 @@ def _split_of(name: str, lay: Layout) -> int:
     """How many ways tensor/expert parallelism splits one block parameter (Megatron-LM sec. 3):
     column-parallel wq/wk/wv/w1/w3 and row-parallel wo/w2 weights by tp; row-parallel biases
     (added after the all-reduce), norms and the router replicated; experts also by ep."""
+    ep = lay.ep if ".experts." in name else 1
     if "norm" in name or "router" in name or name.endswith(("wo.bias", "w2.bias")):
-        return 1
-    return lay.tp * (lay.ep if ".experts." in name else 1)
+        return ep
+    return lay.tp * ep
 
 
 def stage_params(shape: ModelShape, lay: Layout) -> dict[str, int]:
@@ -78,14 +79,18 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
     and expert sharding; the vocab-parallel embedding and head are split by tp. With tied
     embeddings and pp > 1 the last stage keeps its own copy of the embedding matrix as the head."""
     if shape.is_bare:
-        p = ceil_div(shape.bare_params, tp * pp * ep)
-        return tuple({"first": p, "last": p, "block": 0, "layers": 0, "root": p}.items())
+        p = ceil_div(shape.bare_params, tp * pp)
+        return tuple({"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0,
+                      "expert_block": 0}.items())
     c = shape.cfg
     lay = Layout(tp=tp, pp=pp, ep=ep)
-    block = 0
+    blocks = experts = 0  # over all layers; a stage holds `layers` average blocks (MoE every k-th)
     for name, s in shape.param_shapes():
-        if name.startswith("layers.0."):
-            block += ceil_div(math.prod(s), _split_of(name, lay))
+        if name.startswith("layers."):
+            n = ceil_div(math.prod(s), _split_of(name, lay))
+            blocks += n
+            experts += n if ".experts." in name else 0
+    block, expert_block = ceil_div(blocks, c.n_layers), ceil_div(experts, c.n_layers)
     layers = ceil_div(c.n_layers, pp)
     emb = ceil_div(c.vocab_size * c.d_model, tp) + (c.seq_len * c.d_model if c.arch == "gpt2" else 0)
     final_norm = c.d_model * (2 if c.arch == "gpt2" and c.use_bias else 1)
@@ -95,17 +100,23 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
         out = {"first": layers * block + root, "last": layers * block + root, "root": root}
     else:
         out = {"first": layers * block + emb, "last": layers * block + final_norm + head, "root": max(emb, final_norm + head)}
-    return tuple({**out, "block": block, "layers": layers}.items())
+    return tuple({**out, "block": block, "layers": layers, "experts": layers * expert_block,
+                  "expert_block": expert_block}.items())
 
 
-def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[list[int]]:
+def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int, experts: bool = False) -> list[list[int]]:
     """Parameter numels per ZeroEngine flat group. Exact for a whole model (tp=pp=ep=1): the
     engine's ordered_buckets() over named_parameters reversed, bucket bytes counted in the compute
-    dtype. Sharded layouts use the same rule over this rank's blocks (approximation)."""
+    dtype. Sharded layouts use the same rule over this rank's blocks (approximation); with ep > 1,
+    `local` is either the dense part of them or (`experts`) the expert part, grouped apart as the
+    engine does (their reduction groups differ)."""
     w = train.widths(lay.zero, lay.offload)
     if lay.zero == 3 and not shape.is_bare:
         sp = stage_params(shape, lay)
-        if lay.tp == lay.pp == lay.ep == 1:
+        if lay.ep > 1:
+            per = sp["expert_block"] if experts else sp["block"] - sp["expert_block"]
+            return [[per]] * sp["layers"] + ([] if experts else [[local - sp["layers"] * per]])
+        if lay.tp == lay.pp == 1:
             blocks: dict[int, list[int]] = {}
             root = []
             for name, s in shape.param_shapes():
@@ -140,13 +151,25 @@ def _zero_summary(shape, zero3: bool, bucket_mb: float, pbytes: int, tp: int, pp
                   local: int) -> tuple:
     lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1)
     train = Training(precision="bf16" if pbytes == 2 else "fp32", master_weights=pbytes == 2, bucket_mb=bucket_mb)
-    groups = zero_groups(shape, train, lay, local)
+    experts = stage_params(shape, lay)["experts"] if ep > 1 else 0
+    groups = zero_groups(shape, train, lay, local - experts)  # dense: sharded over dp
     shard, pieces = shard_of(groups, dp)
     sums = [sum(g) for g in groups] or [0]
+    padded = sum(ceil_div(g, dp) * dp for g in sums)
     blocks = sums[:-1] if zero3 and len(sums) > 1 else sums
-    return tuple({"shard": shard, "pieces": pieces, "padded": sum(ceil_div(g, dp) * dp for g in sums),
+    root = sums[-1]
+    if experts:  # expert groups: sharded over the dp / ep ranks holding the same experts
+        egroups = zero_groups(shape, train, lay, experts, experts=True)
+        e_shard, e_pieces = shard_of(egroups, dp // ep)
+        esums = [sum(g) for g in egroups]
+        shard, pieces = shard + e_shard, pieces + e_pieces
+        padded += sum(ceil_div(g, dp // ep) * (dp // ep) for g in esums)
+        if zero3:  # a block's dense and expert groups are gathered together
+            blocks = [a + b for a, b in zip(blocks, esums)]
+        sums = sums + esums
+    return tuple({"shard": shard, "pieces": pieces, "padded": padded,
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
-                  "block": max(blocks), "blocks": len(blocks), "root": sums[-1]}.items())
+                  "block": max(blocks), "blocks": len(blocks), "root": root}.items())
 
 
 def shard_of(groups: list[list[int]], dp: int) -> tuple[int, int]:

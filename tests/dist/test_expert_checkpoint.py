@@ -1,7 +1,7 @@
 """The trainer with experts spread over 2 ranks (ep=2): checkpoints resume bit for bit at the same
 layout (DP and ZeRO-1/3; dropout, expert dropout and router noise on, so every RNG stream matters),
 the checkpoint consolidates to every expert of the model (what `teratrain generate` loads), and
-metrics.jsonl / moe_load.png report each MoE layer."""
+metrics.jsonl / moe_load.png report each MoE layer; the planner predicts the ranks' model-state bytes."""
 
 import json
 
@@ -14,8 +14,10 @@ from teratrain.checkpoint import find_valid
 from teratrain.checkpoint.consolidate import full_model
 from teratrain.config import load_config
 from teratrain.generate import generate
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.states import model_states
 from teratrain.train import run
-from workers import TINY, losses
+from workers import TINY, losses, train_many
 
 MOE = TINY + ["model.moe.num_experts=4", "model.moe.router=noisy-topk", "model.moe.capacity_factor=1.0",
               "model.dropout=0.1", "model.moe.expert_dropout=0.2", "parallel.ep=2", "train.steps=8",
@@ -61,3 +63,18 @@ def test_resume_consolidate_and_metrics(zero, dist_workdir):
             assert sum(m["load"]) == pytest.approx(routed * (1 - m["dropped"]))
             assert m["aux_loss"] > 0
     assert (root / "straight" / "moe_load.png").stat().st_size > 0
+
+
+def test_planner_predicts_the_ep_model_states(dist_workdir):
+    """`teratrain plan`'s per-rank bytes at ep=2 (dense parameters sharded over dp, experts over
+    dp/ep) equal the engines' live bytes: params and grads exactly; optimizer state up to AdamW's
+    4-byte step counter per tensor piece, which the planner estimates for sharded layouts."""
+    sets = TINY + ["model.moe.num_experts=4", "parallel.ep=2", "train.steps=1"]
+    runs = [(sets[len(TINY):] + [f"parallel.zero={z}"], str(dist_workdir / f"moe-bytes-{z}")) for z in range(4)]
+    got = run_ranks(train_many, 2, runs)[0]
+    for (extra, _), live in zip(runs, got):
+        cfg = load_config(None, TINY + extra)
+        planned = model_states(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), device="cpu")
+        bytes_ = live["bytes"]
+        assert (bytes_["params"], bytes_["grads"]) == (planned["params"], planned["grads"]), extra
+        assert abs(bytes_["optimizer"] - planned["optimizer"]) <= 4 * 32, extra

@@ -1,0 +1,24 @@
+"""bench/moe.py --smoke: the benchmark script runs end to end on 2 gloo processes (tiny shapes) and
+prints the JSON the GPU run reports (the GPU figures themselves are a benchmark, not a test)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_moe_bench_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (d["world"], d["ep"]) == (2, 2)
+    moe, dense = d["moe"], d["dense"]
+    assert moe["tokens_per_s"] > 0 and dense["tokens_per_s"] > 0
+    assert d["moe_vs_dense"] == round(moe["tokens_per_s"] / dense["tokens_per_s"], 4)
+    assert 0 < moe["all_to_all_share"] < 1 and 0 <= moe["dropped"] < 1
+    # same active weights but the router's 8 x d_model
+    assert moe["active_params"] - dense["active_params"] == 8 * 64
+    assert moe["params"] > 2 * dense["params"]
