@@ -64,7 +64,7 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, devi
     n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
     kvd = c.kv_heads * c.head_dim
     rep = tp if sp else 1  # replicated tensors are divided by tp only under sequence parallelism
-    k_moe = 1 + (shape.top_k - 1) * shape.moe_share  # a token visits top_k experts in MoE blocks (mean block)
+    k_moe = shape.top_k if shape.num_experts > 1 else 1  # each token visits top_k experts
     out = {
         "attention_norm": _norm_saved(shape, w, n, device) // rep,
         "qkv_inputs": _linear_inputs(shape, w, n, 3, device) // rep,  # wq, wk, wv
@@ -72,14 +72,14 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, devi
         "attention_out": n * d * cb // tp,  # SDPA output, also wo's input (a view of it)
         "logsumexp": n * c.n_heads * 4 // tp,  # fp32, one per head and token
         "ffn_norm": _norm_saved(shape, w, n, device) // rep,
-        "mlp_inputs": int(k_moe * _linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device)) // rep,
+        "mlp_inputs": k_moe * _linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) // rep,
         # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
-        "mlp_hidden": int(k_moe * (4 if c.arch == "llama" else 2) * n * ff * cb) // tp,
+        "mlp_hidden": k_moe * (4 if c.arch == "llama" else 2) * n * ff * cb // tp,
     }
     if c.arch == "llama" and cb != 4:
         out["rope_casts"] = 4 * seq_len * c.head_dim * cb  # cos/sin cast to bf16, for q and for k
-    if shape.num_experts > 1:  # an approximation, not read off the graph like the terms above
-        out["router"] = int(shape.moe_share * n * shape.num_experts * 4)  # fp32 router probabilities
+    if shape.num_experts > 1:
+        out["router"] = n * shape.num_experts * 4 // rep  # fp32 router logits/probabilities
     if dropout > 0:
         mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask
         out["dropout_masks"] = 2 * n * d * mask // rep  # after wo and after w2
