@@ -43,7 +43,7 @@ class MoEConfig(Section):
     router: Literal[ROUTERS] = Field("softmax-topk", description="gating: softmax-topk (Mixtral), noisy-topk and "
                                      "hierarchical (Shazeer et al. 2017), gshard-top2 (Lepikhin et al. 2020), "
                                      "switch-top1 (Fedus et al. 2021)")
-    capacity_factor: float | None = Field(None, ge=0.0, description="expert capacity per group = ceil(factor x top_k "
+    capacity_factor: float | None = Field(None, ge=0.0, description="expert capacity per group = ceil(factor x experts per token "
                                           "x tokens / num_experts); overflow passes through the residual; 0 = no "
                                           "limit; unset = 1.0 for gshard-top2 (the paper's 2S/E), 1.25 for "
                                           "switch-top1, no limit otherwise")

@@ -55,27 +55,30 @@ class ExpertExchange:
         """xs (M, d): the routed rows sorted by global expert; counts (n,): rows per expert. Returns
         the experts' outputs (M, d) in xs's order. run_local(rows, counts per local expert) runs
         this rank's experts on consecutive row blocks."""
-        send = counts.view(self.ep, self.local)  # rows for each expert of each rank
+        ep, local = self.ep, self.local
+        send = counts.view(ep, local)  # rows for each expert of each rank
         recv = torch.empty_like(send)  # recv[s, j]: rows rank s sends to this rank's expert j
-        all_to_all(recv.view(-1), send.reshape(-1), [self.local] * self.ep, [self.local] * self.ep, self.group)
-        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        all_to_all(recv.view(-1), send.reshape(-1), [local] * ep, [local] * ep, self.group)
+        host = torch.cat([recv.reshape(-1), send.sum(1)]).tolist()  # the one device-to-host copy
+        sizes, send_rows = host[:ep * local], host[ep * local:]
+        recv_rows = [sum(sizes[s * local:(s + 1) * local]) for s in range(ep)]
+        per_expert = [sum(sizes[s * local + j] for s in range(ep)) for j in range(local)]
         got = all_to_all_rows(xs, recv_rows, send_rows, self.group)  # (R, d): by source rank, then expert
-        order = expert_major(recv)
-        ys = run_local(got[order], recv.sum(0).tolist())  # (R, d), grouped by local expert
+        order = expert_major(recv, sum(recv_rows))
+        ys = run_local(got[order], per_expert)  # (R, d), grouped by local expert
         return all_to_all_rows(ys[torch.argsort(order)], send_rows, recv_rows, self.group)
 
 
-def expert_major(recv: torch.Tensor) -> torch.Tensor:
-    """Positions in a buffer laid out by source rank then expert (block [s, j] holds recv[s, j] rows),
-    listed by expert then source rank."""
+def expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
+    """Positions in a buffer of `total` rows laid out by source rank then expert (block [s, j] holds
+    recv[s, j] rows), listed by expert then source rank."""
     ep, local = recv.shape
     sizes = recv.reshape(-1)
     starts = sizes.cumsum(0) - sizes  # of each block in the source-major buffer
     blocks = torch.arange(ep * local, device=recv.device).view(ep, local).t().reshape(-1)  # expert-major
     lengths = sizes[blocks]
-    total = int(lengths.sum())
-    offset = torch.arange(total, device=recv.device) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths, output_size=total)
-    return starts[blocks].repeat_interleave(lengths, output_size=total) + offset
+    first = (lengths.cumsum(0) - lengths).repeat_interleave(lengths, output_size=total)  # block start, expert-major
+    return starts[blocks].repeat_interleave(lengths, output_size=total) + torch.arange(total, device=recv.device) - first
 
 
 def apply_ep(model: nn.Module, rt, cfg) -> None:

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from teratrain.config import ConfigError
+from teratrain.models.moe import MoE
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place, placement
-from teratrain.models.moe import MoE
 from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,
                                           SequenceShardPositions, VocabParallelEmbedding, VocabParallelHead,
                                           VocabParallelLoss)

@@ -296,3 +296,26 @@ def test_bad_moe_config_is_one_sentence(sets, words):
 def test_preset_moe_keys_merge_with_given_ones():
     cfg = make_config("model.preset=mixtral-8x7b", "model.moe.capacity_factor=1.5")
     assert (cfg.model.moe.num_experts, cfg.model.moe.k, cfg.model.moe.capacity) == (8, 2, 1.5)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["parallel.ep=2"], "needs a mixture-of-experts model"),
+    (["model.preset=moe-tiny", "parallel.ep=3"], "must divide model.moe.num_experts"),
+    (["model.preset=moe-tiny", "parallel.ep=2", "parallel.sync=local-sgd"], "parallel.sync=local-sgd"),
+])
+def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
+    from teratrain.parallel.parallelize import check_supported
+
+    with pytest.raises(ConfigError) as e:
+        check_supported(make_config(*sets))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_expert_major_order():
+    """Rows received by source rank then expert are listed by expert then source rank."""
+    from teratrain.parallel.expert import expert_major
+
+    recv = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 source ranks, 3 local experts
+    # source-major buffer: s0e0 s0e0 s0e2 | s1e0 s1e1 s1e1 s1e1 -> positions 0 1 2 | 3 4 5 6
+    assert expert_major(recv, 7).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert expert_major(torch.zeros(2, 2, dtype=torch.long), 0).tolist() == []
