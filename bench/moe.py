@@ -10,7 +10,11 @@ sequence, bf16 autocast. MoE: every block's MLP is 8 SwiGLU experts of width 281
 the same weights (plus the MoE router's 8 x 2048). Both run data parallel over every rank (the MoE
 with its experts spread over `--ep` of them), AdamW, on random tokens.
 
-Reported (one JSON object, rank 0): for each model tokens/s over all ranks, MFU of the active FLOPs
+First a parity check: 10 steps of the MoE at ep against one process on rank 0's GPU training the same
+global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as bench/multi_gpu.py
+allows; the fp32 smoke run is exact to ~1e-6).
+
+Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active FLOPs
 (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time; for the
 MoE the all-to-all's share of the step (dispatch, combine and their backward, timed with the device
 synchronized around each exchange in separate, instrumented steps) and the share of routed choices
@@ -31,15 +35,15 @@ import time
 from pathlib import Path
 
 import torch
-from common import summarize, time_steps  # puts the checkout on sys.path
+from common import fresh_memory, summarize, time_steps  # puts the checkout on sys.path
 
 from teratrain.config import load_config  # noqa: E402
-from teratrain.mesh import init_runtime  # noqa: E402
+from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel import comm, expert  # noqa: E402
-from teratrain.parallel.comm import MAX, all_reduce  # noqa: E402
+from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,15 +62,54 @@ def models(smoke: bool, ep: int) -> dict[str, list[str]]:
     return {"moe": moe, "dense": [f"model.d_ff={2 * ff}"]}
 
 
-def measure(sets: list[str], steps: int, warmup: int, instrument: bool) -> dict:
-    """Build one model through parallelize() and time its optimizer steps on random tokens."""
-    cfg = load_config(None, sets + ["optim.warmup_steps=0", "metrics.progress=false"])
-    rt = init_runtime(cfg)
+def build(sets: list[str], single: bool = False):
+    """(cfg, runtime, model, engine) through parallelize(); `single`: one process on this rank's
+    device (the reference of the parity check), whatever the job's size."""
+    cfg = load_config(None, sets + ["optim.warmup_steps=0", "metrics.progress=false"] + (["parallel.ep=1"] if single else []))
+    rt = Runtime.single(pick_device(cfg.train.device, int(os.environ["LOCAL_RANK"]))) if single else init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     torch.manual_seed(cfg.train.seed + rt.dp_rank)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    engine = parallelize(model, rt, cfg)
+    return cfg, rt, model, parallelize(model, rt, cfg)
+
+
+def parity(sets: list[str], steps: int) -> dict | None:
+    """Every step's loss of the job (experts over ep ranks) against one process on rank 0 training
+    the same global batches (random tokens), as micro-batches in the same order. Rank 0 returns it."""
+    cfg, rt, model, engine = build(sets)
+    tc, m = cfg.train, cfg.model
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, m.vocab_size, (tc.global_batch, m.seq_len + 1), generator=g) for _ in range(steps)]
+    per = tc.global_batch // rt.dims.dp
+    got = _losses(cfg, rt, model, engine, [b[rt.dp_rank * per:(rt.dp_rank + 1) * per] for b in batches])
+    del model, engine
+    fresh_memory(rt.device)
+    out = None
+    if rt.rank == 0:
+        ref = _losses(*build(sets, single=True), batches)
+        err = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+        out = {"steps": steps, "max_rel_loss_diff": err, "losses": got, "one_process": ref}
+    rt.barrier()
+    return out
+
+
+def _losses(cfg, rt, model, engine, batches: list[torch.Tensor]) -> list[float]:
+    """Train on this rank's rows of each step's batch; every step's loss averaged over dp."""
+    mb, out = cfg.train.micro_batch, []
+    for rows in batches:
+        rows = rows.to(rt.device)
+        micro = [(rows[i:i + mb, :-1], rows[i:i + mb, 1:]) for i in range(0, rows.shape[0], mb)]
+        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
+        loss = loss.detach().float().clone()
+        all_reduce(loss, rt.dp_group, op=AVG)
+        out.append(float(loss))
+    return out
+
+
+def measure(sets: list[str], steps: int, warmup: int, instrument: bool) -> dict:
+    """Build one model through parallelize() and time its optimizer steps on random tokens."""
+    cfg, rt, model, engine = build(sets)
     tc, m = cfg.train, cfg.model
     num_micro = tc.global_batch // (tc.micro_batch * rt.dims.dp)
     data = torch.randint(0, m.vocab_size, (num_micro, tc.micro_batch, m.seq_len + 1), device=rt.device)
@@ -132,13 +175,15 @@ def worker(args) -> None:
         os.environ.setdefault(key, value)
     world = int(os.environ["WORLD_SIZE"])
     base = (SMOKE if args.smoke else GPU) + [f"train.global_batch={args.global_batch or 2 * world * (1 if args.smoke else 4)}"]
+    moe_sets = base + models(args.smoke, args.ep)["moe"]
+    check = parity(moe_sets, args.parity_steps)
     results = {name: measure(base + sets, args.steps, args.warmup, name == "moe")
                for name, sets in models(args.smoke, args.ep).items()}
     if int(os.environ["RANK"]) == 0:
         ratio = results["moe"]["tokens_per_s"] / results["dense"]["tokens_per_s"]
         print(json.dumps({"world": world, "ep": args.ep, "smoke": args.smoke, "torch": torch.__version__,
                           "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
-                          **results, "moe_vs_dense": round(ratio, 4)}))
+                          "parity": check, **results, "moe_vs_dense": round(ratio, 4)}))
 
 
 def main() -> None:
@@ -147,10 +192,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks")
+    p.add_argument("--parity-steps", type=int, default=10, help="steps of the loss check against one process")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")
     args = p.parse_args()
     if args.smoke:
-        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+        args.steps, args.warmup, args.parity_steps = min(args.steps, 2), min(args.warmup, 1), min(args.parity_steps, 3)
     if "RANK" in os.environ:
         worker(args)
         return
