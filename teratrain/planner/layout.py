@@ -43,13 +43,6 @@ class ModelShape:
             return 0.0
         return sum(self.cfg.moe.is_moe_layer(i) for i in range(self.cfg.n_layers)) / self.cfg.n_layers
 
-    def mlp_weights(self) -> int:
-        """Parameters of one dense MLP (one expert): 3 matrices for SwiGLU, 2 for GELU, plus biases."""
-        c = self.cfg
-        mats = 3 if c.arch == "llama" else 2
-        bias = ((mats - 1) * c.ffn_dim + c.d_model) if c.use_bias else 0
-        return mats * c.d_model * c.ffn_dim + bias
-
     def counts(self) -> dict[str, int]:
         return dict(self._counts)
 
