@@ -138,6 +138,9 @@ def gather_experts(full: dict[str, torch.Tensor], model: nn.Module, mesh, device
 def check_ep(cfg) -> None:
     """Refuse, with the fix, expert-parallel layouts this model or run cannot use."""
     p, m = cfg.parallel, cfg.model.moe
+    if m.enabled and p.pp > 1:  # a stage without the head would drop its MoE layers' aux losses
+        raise ConfigError(f"mixture-of-experts models do not run under pipeline parallelism yet (parallel.pp="
+                          f"{p.pp}); set parallel.pp=1 or model.moe.num_experts=1.")
     if p.ep == 1:
         return
     if not m.enabled:
