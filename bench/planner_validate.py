@@ -137,7 +137,7 @@ def _mb(sets: list[str]) -> int:
 
 
 def _predict(row: dict, cfg, device: torch.device, hw: dict) -> None:
-    shape, train = shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg)
+    shape, train = shape_of(cfg), training_of(cfg)
     lay = layout_of(cfg, 1)
     cand = evaluate(shape, train, lay, gpu_with("h200", hw))
     w = train.widths(lay.zero, lay.offload)

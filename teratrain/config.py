@@ -56,6 +56,99 @@ def _number_kind(annotation) -> str | None:
     return None
 
 
+ROUTERS = ("softmax-topk", "noisy-topk", "gshard-top2", "switch-top1", "hierarchical")
+
+
+class MoEConfig(Section):
+    """Mixture-of-experts feed-forward layers (models/moe.py); num_experts=1 keeps the dense MLP."""
+
+    num_experts: int = Field(1, ge=1, description="experts per MoE layer (1 = dense MLP, no MoE)")
+    top_k: int | None = Field(None, ge=1, description="experts per token (hierarchical: per level, top_k^2 in all); "
+                                                      "unset = 1 for switch-top1, else 2")
+    router: Literal[ROUTERS] = Field("softmax-topk", description="gating: softmax-topk (Mixtral), noisy-topk and "
+                                     "hierarchical (Shazeer et al. 2017), gshard-top2 (Lepikhin et al. 2020), "
+                                     "switch-top1 (Fedus et al. 2021)")
+    capacity_factor: float | None = Field(None, ge=0.0, description="expert capacity per group = ceil(factor x experts per token "
+                                          "x tokens / num_experts); overflow passes through the residual; 0 = no "
+                                          "limit; unset = 1.0 for gshard-top2 (the paper's 2S/E), 1.25 for "
+                                          "switch-top1, no limit otherwise")
+    aux_loss_weight: float = Field(0.01, ge=0.0, description="weight of each MoE layer's auxiliary load-balancing "
+                                                             "loss in the training loss")
+    every: int = Field(1, ge=1, description="layer i is an MoE layer when (i + 1) % every == 0 (2 = GShard's "
+                                            "every other layer)")
+    expert_dropout: float | None = Field(None, ge=0.0, lt=1.0, description="dropout on the experts' hidden "
+                                         "activations (Switch's expert dropout); unset = model.dropout")
+    router_dtype: Literal["fp32", "compute"] = Field("fp32", description="router logits and softmax in fp32 "
+                                                     "(Switch's selective precision) or in the compute dtype")
+    groups: int | None = Field(None, ge=1, description="hierarchical: expert groups of the primary gate "
+                               "(num_experts/groups experts each; unset = the divisor nearest sqrt(num_experts)); "
+                               "other routers: local groups each micro-batch's tokens are split into, each with "
+                               "its own capacity (GShard's local group dispatching; unset = 1)")
+    noise: float | None = Field(None, ge=0.0, description="noisy-topk and hierarchical: multiplier of the trainable "
+                                "noise std Softplus(x W_noise) (Shazeer eq. 4; 0 = no noise); unset = 1")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEConfig":
+        n, k, r = self.num_experts, self.k, self.router
+        fixed = {"switch-top1": 1, "gshard-top2": 2}.get(r)
+        if fixed is not None and k != fixed:
+            raise ConfigError(f"model.moe.router={r} routes each token to {fixed} expert(s) but model.moe.top_k={k}; "
+                              f"unset model.moe.top_k or set it to {fixed}.")
+        if self.noise is not None and r not in ("noisy-topk", "hierarchical"):
+            raise ConfigError(f"model.moe.noise only applies to the noisy-topk and hierarchical routers (this one is "
+                              f"{r}); unset it or choose one of those routers.")
+        if n == 1:
+            return self
+        if r == "hierarchical":
+            a = self.num_groups
+            if n % a or a < 2 or a == n:
+                raise ConfigError(f"model.moe.groups ({a}) must divide model.moe.num_experts ({n}) into at least 2 "
+                                  f"groups of at least 2 experts; choose another divisor of {n}.")
+            if k > a or k > n // a:
+                raise ConfigError(f"model.moe.top_k ({k}) exceeds the {a} groups or the {n // a} experts per group of "
+                                  "the hierarchical router; lower model.moe.top_k or change model.moe.groups.")
+        elif k > n:
+            raise ConfigError(f"model.moe.top_k ({k}) exceeds model.moe.num_experts ({n}); lower it.")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def k(self) -> int:
+        """Choices per gate (the resolved top_k)."""
+        return self.top_k if self.top_k is not None else (1 if self.router == "switch-top1" else 2)
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts each token visits (before drops): k, or k at each of the hierarchical router's two levels."""
+        return self.k * self.k if self.router == "hierarchical" else self.k
+
+    @property
+    def capacity(self) -> float:
+        """The resolved capacity factor (0 = unlimited)."""
+        if self.capacity_factor is not None:
+            return self.capacity_factor
+        return {"gshard-top2": 1.0, "switch-top1": 1.25}.get(self.router, 0.0)
+
+    @property
+    def num_groups(self) -> int:
+        if self.groups is not None:
+            return self.groups
+        if self.router == "hierarchical":
+            return _divisor_near(self.num_experts, round(math.sqrt(self.num_experts)))
+        return 1
+
+    @property
+    def noise_scale(self) -> float:
+        return 1.0 if self.noise is None else self.noise
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer `index` holds an MoE feed-forward layer."""
+        return self.enabled and (index + 1) % self.every == 0
+
+
 class ModelConfig(Section):
     preset: str = Field("tiny", description="named shape (see `teratrain.models.presets`); other keys override it")
     arch: Literal["llama", "gpt2"] = Field("llama", description="llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/learned positions/GELU")
@@ -78,6 +171,7 @@ class ModelConfig(Section):
                                   "family or GPT-2) to start from: its config fills the model keys not given here, its "
                                   "weights the parameters, its tokenizer.json the tokenizer")
     init_std: float = Field(0.02, gt=0.0, description="std of the normal init; residual output projections get std/sqrt(2*n_layers)")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture of experts ([model.moe] table)")
 
     @model_validator(mode="before")
     @classmethod
@@ -90,12 +184,16 @@ class ModelConfig(Section):
             close = difflib.get_close_matches(str(name), PRESETS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"model.preset '{name}' is unknown; {hint}choose one of {', '.join(PRESETS)}.")
+        preset = PRESETS[name]
         hf = {}
         if data.get("init_from"):  # a Hugging Face model's shape, under the keys given here
             from teratrain.checkpoint.hf_config import init_shape
 
             hf = init_shape(str(data["init_from"]), data)
-        return {**PRESETS[name], **hf, **data}
+        merged = {**preset, **hf, **data}
+        if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
+            merged["moe"] = {**preset["moe"], **data["moe"]}  # keys given next to the preset override its own
+        return merged
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
@@ -110,6 +208,9 @@ class ModelConfig(Section):
         if self.rope_scaling is not None and set(self.rope_scaling) != set(ROPE_SCALING_KEYS):
             raise ConfigError(f"model.rope_scaling has keys {sorted(self.rope_scaling)}; give exactly "
                               f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3 scaling).")
+        if self.moe.enabled and self.moe.every > self.n_layers:
+            raise ConfigError(f"model.moe.every ({self.moe.every}) exceeds model.n_layers ({self.n_layers}), so no "
+                              f"layer would hold experts; lower model.moe.every.")
         return self
 
     @property
@@ -395,13 +496,19 @@ def validate(raw: dict[str, Any]) -> Config:
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set '{item}' is not of the form section.key=value; write e.g. --set optim.lr=3e-4.")
-    section, name = parts
-    if section not in Config.model_fields:
-        raise ConfigError(f"unknown config section '{section}' in --set {item}; use one of {', '.join(Config.model_fields)}.")
-    value = _parse_value(text.strip())
-    raw.setdefault(section, {})[name] = value
+    nested = len(parts) == 3 and bool(_fields_of(".".join(parts[:2])))  # section.table.key, e.g. model.moe.top_k
+    if not sep or not (len(parts) == 2 or nested) or not all(parts):
+        raise ConfigError(f"--set '{item}' is not of the form section.key=value (section.table.key=value for a "
+                          "nested table such as model.moe); write e.g. --set optim.lr=3e-4.")
+    if parts[0] not in Config.model_fields:
+        raise ConfigError(f"unknown config section '{parts[0]}' in --set {item}; use one of {', '.join(Config.model_fields)}.")
+    table = raw
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {item}: '{'.'.join(parts[:-1])}' was given as a value, not a table; "
+                              "give its keys one by one.")
+    table[parts[-1]] = _parse_value(text.strip())
 
 
 def _parse_value(text: str) -> Any:
@@ -440,21 +547,27 @@ def _explain(e: ValidationError) -> str:
 
 
 def _fields_of(section: str) -> list[str]:
-    if not section:
-        return list(Config.model_fields)
-    ann = Config.model_fields.get(section)
-    return list(ann.annotation.model_fields) if ann is not None else []
+    """Keys of a (possibly nested) table, e.g. 'model' or 'model.moe'."""
+    cls = Config
+    for part in section.split(".") if section else []:
+        field = cls.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        cls = field.annotation
+    return list(cls.model_fields)
 
 
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (unset optional keys are omitted)."""
     lines: list[str] = []
-    for section, values in cfg.model_dump().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
+    tables = list(cfg.model_dump().items())
+    while tables:
+        name, values = tables.pop(0)
+        lines.append(f"[{name}]")
+        nested = [(f"{name}.{k}", v) for k, v in values.items() if isinstance(v, dict)]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict)]
         lines.append("")
+        tables[:0] = nested  # [model.moe] right after [model]
     return "\n".join(lines)
 
 
@@ -472,15 +585,22 @@ def _toml_value(v: Any) -> str:
 
 def describe(cfg: Config | None = None) -> str:
     """`cfg` (default: the defaults) as TOML, each key with its description; an unset optional key
-    is a comment. What `teratrain train --print-config` prints: valid TOML a user can start from."""
+    is a comment, a nested section (model.moe) its own table after its parent's keys. What
+    `teratrain train --print-config` prints: valid TOML a user can start from."""
     cfg = cfg or Config()
     lines: list[str] = []
-    for section, field in Config.model_fields.items():
-        lines.append(f"[{section}]")
-        values = getattr(cfg, section)
-        for key, f in field.annotation.model_fields.items():
+    todo = [(section, getattr(cfg, section)) for section in Config.model_fields]
+    while todo:
+        name, values = todo.pop(0)
+        lines.append(f"[{name}]")
+        nested = []
+        for key, f in type(values).model_fields.items():
             value = getattr(values, key)
+            if isinstance(value, BaseModel):
+                nested.append((f"{name}.{key}", value))
+                continue
             text = f"{key} = {_toml_value(value)}" if value is not None else f"# {key} = (unset)"
             lines.append(f"{text:32} # {f.description}")
         lines.append("")
+        todo[:0] = nested
     return "\n".join(lines)

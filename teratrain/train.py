@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from teratrain import moe_metrics
 from teratrain.checkpoint.state import seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
 from teratrain.config import Config, ConfigError, load_config, to_toml
@@ -96,6 +97,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
         stats, local_loss = run_step(micro, cfg.memory.precision, lr)
         extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
+        extra.update(moe_metrics.step_metrics(model, rt))  # per MoE layer (collective over dp)
         loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
@@ -120,6 +122,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     if log:
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        moe_metrics.plot_moe_load(run_dir / "metrics.jsonl", run_dir / "moe_load.png")
     summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
     return {**summary, "engine": engine, "model": model}  # for tests and programmatic callers
 

@@ -37,8 +37,8 @@ def is_gpt2(hf: dict) -> bool:
     return hf.get("model_type") == "gpt2" or "n_embd" in hf
 
 
-def model_keys(hf: dict, path: Path) -> tuple[dict, dict, list[str]]:
-    """A HF config -> (our model section, expert counts, notes for the user)."""
+def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
+    """A HF config -> (our model section, notes for the user); Mixtral's experts become `moe`."""
     notes: list[str] = []
     if is_gpt2(hf):
         keys, seq = _HF_GPT2, hf.get("n_positions") or hf.get("n_ctx") or 1024
@@ -62,9 +62,11 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, dict, list[str]]:
         notes.append(f"model.seq_len={HF_SEQ_CAP} (config.json allows {seq}; set --set model.seq_len=N to plan longer)")
         seq = HF_SEQ_CAP
     model["seq_len"] = seq
-    experts = {"num_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or 1),
-               "top_k": int(hf.get("num_experts_per_tok") or 1)}
-    return model, experts, notes
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 1)
+    if experts > 1:  # Mixtral: softmax over the top-k router logits, every layer (models/moe.py softmax-topk)
+        model["moe"] = {"num_experts": experts, "top_k": int(hf.get("num_experts_per_tok") or 2),
+                        "router": "softmax-topk"}
+    return model, notes
 
 
 def _rope(hf: dict) -> dict:
@@ -113,7 +115,7 @@ def init_shape(folder: str, given: dict) -> dict:
                      "(config.json + *.safetensors).")
     hf = read_config_json(path)
     check_importable(hf, Path(folder))
-    model, _, _ = model_keys(hf, path)
+    model, _ = model_keys(hf, path)
     for key in SHAPE_KEYS:
         if key in given and key in model and given[key] != model[key]:
             raise ConfigError(f"model.{key}={given[key]!r} contradicts {path} ({model[key]!r}); leave model.{key} unset "

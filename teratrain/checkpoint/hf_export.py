@@ -57,6 +57,10 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
 
     run_dir, ckpt_dir = _locate(Path(ckpt))
     cfg = load_config(run_dir / "config.toml")
+    if cfg.model.moe.enabled:
+        raise ConfigError(f"{run_dir} trains a mixture-of-experts model (model.moe.num_experts="
+                          f"{cfg.model.moe.num_experts}), which export does not map to Hugging Face weights yet; "
+                          "use `teratrain generate --ckpt` on it, or export a dense model.")
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
     dest = Path(to)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain.models import moe
 from teratrain.models.layers import Attention, GeluMLP, KVCache, LayerNorm, RMSNorm, Rotary, SwiGLU
 
 if TYPE_CHECKING:
@@ -24,16 +25,17 @@ if TYPE_CHECKING:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)) (the MLP a mixture of
+    experts in the layers model.moe selects)."""
 
-    def __init__(self, cfg: "ModelConfig"):
+    def __init__(self, cfg: "ModelConfig", layer: int = 0):
         super().__init__()
         d, bias = cfg.d_model, cfg.use_bias
         self.attention_norm = _norm(cfg)
         self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout)
         self.ffn_norm = _norm(cfg)
         mlp = SwiGLU if cfg.arch == "llama" else GeluMLP
-        self.feed_forward = mlp(d, cfg.ffn_dim, bias, cfg.dropout)
+        self.feed_forward = moe.MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else mlp(d, cfg.ffn_dim, bias, cfg.dropout)
 
     def forward(self, h: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         h = h + self.attention(self.attention_norm(h), rope, cache, start)
@@ -76,7 +78,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = Blocks({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = Blocks({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         # Tied: the head reuses tok_embeddings.weight in forward(), so there is no second tensor to keep tied.
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -86,8 +88,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
         """tokens: (B, T) ids (or (B, T, d) hidden states on a pipeline stage without embeddings).
-        Returns the mean loss when `targets` (B, T) are given, else logits (B, T, V), or hidden
-        states on a stage without the head."""
+        Returns the mean loss when `targets` (B, T) are given (in training plus the MoE layers' aux
+        losses), else logits (B, T, V), or hidden states on a stage without the head."""
         T = tokens.shape[1]
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -96,7 +98,11 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         logits = self.head(h)
-        return logits if targets is None else self.criterion(logits, targets)  # (B, T, V) or ()
+        if targets is None:
+            return logits  # (B, T, V)
+        loss = self.criterion(logits, targets)  # ()
+        aux = moe.aux_loss(self) if self.training else None
+        return loss if aux is None else loss + aux
 
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Token (and learned position) embeddings, then dropout: (B, T) ids -> (B, T, d)."""
@@ -137,16 +143,19 @@ class Transformer(nn.Module):
 
 def init_param_(t: torch.Tensor, name: str, cfg: "ModelConfig", seed: int) -> None:
     """Init one parameter by name: norms 1, biases 0, residual-output projections (wo, w2) get
-    std/sqrt(2*n_layers) (GPT-2 paper, sec. 2.3), everything else N(0, init_std)."""
+    std/sqrt(2*n_layers) (GPT-2 paper, sec. 2.3), MoE routers as their paper says, everything
+    else N(0, init_std)."""
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    g = torch.Generator(device=t.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if leaf == "bias":
         t.zero_()
     elif parent.endswith("norm"):
         t.fill_(1.0)
+    elif parent == "router":
+        moe.init_router_(t, cfg, g)
     else:
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if parent in ("wo", "w2") else cfg.init_std
-        g = torch.Generator(device=t.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         t.normal_(0.0, std, generator=g)
 
 
@@ -186,7 +195,10 @@ class TiedHead(nn.Module):
 
 def count_params(cfg: "ModelConfig") -> dict[str, int]:
     """Parameter counts by arithmetic on the config (no tensors): total, embedding, and the
-    matmul parameters N that the PaLM FLOP formula uses (every weight a token multiplies, head included)."""
+    matmul parameters N that the PaLM FLOP formula uses (every weight a token multiplies, head
+    included: for MoE the active parameters, the router and the experts a token visits).
+    `active`: the parameters one token uses (all but the experts it skips; Mixtral 8x7B: 12.9 B of
+    46.7 B). `per_block` is a dense block's; `expert` counts every expert of every MoE layer."""
     d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
     b = 1 if cfg.use_bias else 0
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
@@ -200,7 +212,13 @@ def count_params(cfg: "ModelConfig") -> dict[str, int]:
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     total = emb + pos + L * block + norm + head
     matmul = L * (attn + mlp) + cfg.vocab_size * d  # head matmul, tied or not
-    return {"total": total, "embedding": emb + pos, "matmul": matmul, "per_block": block}
+    n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(L))
+    layer = moe.count_moe_block(cfg, mlp) if n_moe else {"total": mlp, "active": mlp}
+    total += n_moe * (layer["total"] - mlp)
+    matmul += n_moe * (layer["active"] - mlp)
+    skipped = n_moe * (cfg.moe.num_experts - cfg.moe.experts_per_token) * mlp
+    return {"total": total, "embedding": emb + pos, "matmul": matmul, "per_block": block,
+            "expert": n_moe * cfg.moe.num_experts * mlp, "active": total - skipped}
 
 
 def flops_per_token(cfg: "ModelConfig", seq_len: int | None = None) -> float:

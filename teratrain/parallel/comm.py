@@ -6,6 +6,8 @@ What runs:
 - `all_reduce`: every rank ends with the sum (ring: each rank sends 2(n-1)/n of the bytes).
 - `reduce_scatter`: rank r ends with the sum of slice r of every rank's input ((n-1)/n of the bytes).
 - `all_gather`: every rank ends with all ranks' slices laid end to end ((n-1)/n of the bytes).
+- `all_to_all`: rank r sends its i-th block of rows to rank i and receives rank i's r-th block;
+  blocks may differ in size, or be empty, per pair of ranks (up to (n-1)/n of the bytes move).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
             out.copy_(inp)
         return Done()
     return all_gather_single(out, inp, group=group, async_op=async_op) or Done()
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """out (sum(out_splits), ...) <- block i of every rank i's inp; inp's blocks (in_splits[r] rows
+    for rank r) leave in rank order. Synchronous. For a group of one this is a copy."""
+    if group_size(group) == 1:
+        out.copy_(inp)
+        return Done()
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    return Done()
 
 
 def any_rank(flag: bool, group, device) -> bool:
@@ -256,3 +268,36 @@ def gather_sequence(x, group):
 
 def reduce_scatter_sequence(x, group):
     return _ReduceScatterSequence.apply(x, group) if group_size(group) > 1 else x
+
+
+# ---------------------------------------------------------------- expert parallelism
+# GShard's dispatch and combine (Lepikhin et al. 2020, sec. 3.2): tokens go to the ranks holding
+# their experts and the outputs come back, one all-to-all each way, over the `ep` group.
+
+class _AllToAllRows(torch.autograd.Function):
+    """All-to-all of rows with variable (possibly zero) block sizes. Forward: this rank's x, in
+    blocks of in_splits[r] rows, goes to rank r; the out_splits[r] rows received from rank r are
+    laid end to end in rank order. Backward: the same exchange reversed (each gradient row returns
+    to the rank its row came from): an all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _rows_exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _rows_exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _rows_exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    all_to_all(out, x, out_splits, in_splits, group)
+    return out
+
+
+def all_to_all_rows(x, out_splits: list[int], in_splits: list[int], group):
+    """x (sum(in_splits), ...) -> (sum(out_splits), ...), autograd-aware (see _AllToAllRows)."""
+    return _AllToAllRows.apply(x, out_splits, in_splits, group) if group_size(group) > 1 else x

@@ -17,6 +17,7 @@ import torch
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine, weak_hook
 from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.expert import gather_experts
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
 from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_buckets, reduce_scale
 from teratrain.parallel.placement import gather_stages, placement, to_global
@@ -102,10 +103,11 @@ class DataParallelEngine(LocalEngine):
     # ---- tests and readers
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the model, whole (collective over tensor and pipeline parallelism)."""
+        """Every parameter of the model, whole (collective over tensor, expert and pipeline parallelism)."""
         params = dict(self.model.named_parameters())
-        return gather_stages({placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
-                              for n, t in self.training_values().items()}, self.mesh)
+        out = {placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
+               for n, t in self.training_values().items()}
+        return gather_stages(gather_experts(out, self.model, self.mesh, self.cross.device), self.mesh)
 
     def zero_grad(self) -> None:
         for b in self.buckets:

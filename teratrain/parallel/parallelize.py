@@ -28,6 +28,7 @@ from teratrain.memory.lora import LoraInit, apply_lora
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.expert import apply_ep, check_ep
 from teratrain.parallel.own_model import check_model, initial_values, retie, untie
 from teratrain.parallel.pipeline.split import apply_pipeline, check_split, ends_group, mark_stages
 from teratrain.parallel.placement import assign_defaults, materialize
@@ -48,6 +49,8 @@ def parallelize(model: nn.Module, rt, cfg):
         apply_tp(model, rt, cfg)
     if layout is not None:
         mark_stages(model, layout, ends_group(rt, layout) if cfg.model.tie_embeddings else None)
+    if cfg.model.moe.enabled:  # 3: records expert placements at any ep; ep > 1 also drops the others' experts
+        apply_ep(model, rt, cfg)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
@@ -60,11 +63,9 @@ def parallelize(model: nn.Module, rt, cfg):
 def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
-    if p.ep > 1:
-        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism is not available in this version; "
-                          "set parallel.ep=1.")
     check_tp(cfg)
     check_pipeline(cfg)
+    check_ep(cfg)
     why = zero_problem(p.zero, p.offload)
     if why:
         raise ConfigError(why)

@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from teratrain.config import ConfigError
+from teratrain.models.moe import MoE
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place, placement
-from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, RowParallel, SequenceShardPositions,
-                                          VocabParallelEmbedding, VocabParallelHead, VocabParallelLoss)
+from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,
+                                          SequenceShardPositions, VocabParallelEmbedding, VocabParallelHead,
+                                          VocabParallelLoss)
 
 # Per-block plan: module path inside a block -> style (what each style means: `_STYLES`).
 BLOCK_PLAN = {
@@ -46,6 +48,12 @@ MODEL_PLAN = {
 }
 # The seeds' forms turn every linear into one self-contained parallel layer; nothing else is split.
 FORM_STYLE = {"all-gather": "colwise_gather", "all-reduce": "rowwise_split"}
+# MoE blocks (models/moe.py) replace the feed_forward entries above. Megatron form: the router runs on
+# the whole (gathered) tokens on every tp rank (its gradient is partial over tp, like a sequence-
+# parallel norm's), each expert is split like the dense MLP, and the gated sum of the experts' partial
+# outputs leaves the region once. The seeds' forms leave MoE layers whole, replicated over tp.
+MOE_PLAN = {"feed_forward": "moe_region", "feed_forward.router": "moe_router"}
+EXPERT_PLAN = {"w1": "colwise", "w3": "colwise", "w2": "rowwise_partial", "dropout": "split_rng"}
 
 
 @dataclass
@@ -67,10 +75,21 @@ def apply_tp(model: nn.Module, rt, cfg) -> None:
     placement (global name and shape, which piece this rank holds, its gradient's group)."""
     ctx = TPContext(rt.mesh, rt.dims.tp, rt.coord("tp"), cfg.parallel.use_sp, cfg.parallel.tp_form, cfg.model)
     for key, block in model.layers.items():
-        for path, style in BLOCK_PLAN.items():
+        for path, style in _block_plan(block, ctx).items():
             _apply(block, path, style, ctx, f"layers.{key}.{path}")
     for path, style in MODEL_PLAN.items():
         _apply(model, path, style, ctx, path)
+
+
+def _block_plan(block: nn.Module, ctx: TPContext) -> dict[str, str]:
+    if not isinstance(block.feed_forward, MoE):
+        return BLOCK_PLAN
+    plan = {path: style for path, style in BLOCK_PLAN.items() if not path.startswith("feed_forward")}
+    if ctx.form == "megatron":
+        plan.update(MOE_PLAN)
+        plan.update({f"feed_forward.experts.{e}.{leaf}": style for e in block.feed_forward.experts
+                     for leaf, style in EXPERT_PLAN.items()})
+    return plan
 
 
 def _apply(root: nn.Module, path: str, style: str, ctx: TPContext, name: str) -> None:
@@ -173,11 +192,42 @@ def _region(module, ctx, name):
     return None
 
 
+def _moe_region(module, ctx, name):
+    """The tokens enter once (every tp rank routes all of them the same way); the experts' gated
+    partial sums leave once. The aux loss, computed whole on every tp rank, gets 1/tp of its gradient
+    on each, since the router's gradients are summed over tp."""
+    entry, exit = _entry(ctx), _exit(ctx)
+    module.register_forward_pre_hook(lambda m, args: (entry(args[0]), *args[1:]))
+
+    def leave(m, args, out):
+        m.aux_loss = _grad_scaled(m.aux_loss, 1.0 / ctx.tp)
+        return exit(out)
+
+    module.register_forward_hook(leave)
+    return None
+
+
+def _grad_scaled(t: torch.Tensor, s: float) -> torch.Tensor:
+    """t's value with s times its gradient."""
+    return t * s + (t * (1 - s)).detach()
+
+
+def _rowwise_partial(linear, ctx, name):
+    """An expert's w2: its rows of the partial product, no reduction (the MoE region reduces the
+    gated sum); the whole bias is added on tp rank 0 only, so its gradient is partial over tp."""
+    w = _split(linear, ctx, name, 1, ctx.tp)
+    return PartialRowParallel(w, _bias(linear, ctx, name, None, partial=True), ctx.rank == 0)
+
+
 def _sequence_norm(module, ctx, name):
     """Under sequence parallelism a norm sees T/tp tokens: its weight's gradient is partial over tp."""
-    if ctx.sp:
-        for leaf, p in module.named_parameters():
-            place(p, placement(p).with_(group="dp_tp", tied=()))
+    return _partial_over_tp(module) if ctx.sp else None
+
+
+def _partial_over_tp(module):
+    """Each tp rank's gradient of these (replicated) parameters is a part of the whole: sum over dp and tp."""
+    for p in module.parameters():
+        place(p, placement(p).with_(group="dp_tp", tied=()))
     return None
 
 
@@ -197,6 +247,10 @@ _STYLES = {
                                                    exit=lambda x: comm.reduce_from_tp(x, ctx.group), partial=False),
     "region": lambda m, ctx, name: _region(m, ctx, name) if ctx.form == "megatron" else None,
     "sequence_norm": _sequence_norm,
+    "moe_region": _moe_region,
+    "moe_router": lambda m, ctx, name: _partial_over_tp(m),
+    "rowwise_partial": _rowwise_partial,
+    "split_rng": lambda m, ctx, name: ForkedRNG(m, ctx.rank) if m.p > 0 else None,  # a split hidden activation
     "head_rng": lambda m, ctx, name: _rng(m, ctx, ctx.form == "megatron"),  # local heads under the megatron form
     "sequence_rng": lambda m, ctx, name: _rng(m, ctx, ctx.sp),
     "vocab_embedding": lambda m, ctx, name: VocabParallelEmbedding(

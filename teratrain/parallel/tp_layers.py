@@ -54,6 +54,20 @@ class RowParallel(_Parallel):
         return y + self.bias if self.bias is not None else y
 
 
+class PartialRowParallel(nn.Module):
+    """y = X' W'^T (+ b on one rank): a row-parallel product left unreduced, for a caller that sums
+    it later (an expert, whose gated outputs the MoE layer reduces at once). The bias is added on the
+    rank given `add_bias` and multiplied by zero elsewhere, so every rank builds the same graph."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, add_bias: bool):
+        super().__init__()
+        self.weight, self.bias, self.bias_share = weight, bias, 1.0 if add_bias else 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return y + self.bias * self.bias_share if self.bias is not None else y
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, hi) of the (padded) embedding on each rank: a token outside the range looks up
     zeros here and its row on the rank that holds it; `exit` sums the ranks' outputs (all-reduce,

@@ -8,6 +8,7 @@ import torch
 
 from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.parallel.comm import all_gather
+from teratrain.parallel.expert import gather_experts
 from teratrain.parallel.placement import gather_stages, placement, to_global
 
 
@@ -49,7 +50,7 @@ class ZeroCheckpointMixin:
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole, on CPU (collective: all ranks call it; pipeline
-        stages exchange their parts), by global name. With master weights the fp32 masters are
+        stages exchange their parts, ep ranks their experts), by global name. With master weights the fp32 masters are
         gathered, since they are the values training continues from."""
         out = {}
         for g in self.groups:
@@ -59,7 +60,7 @@ class ZeroCheckpointMixin:
             for q, v in zip(g.params, g.views(full)):
                 pl = placement(q)
                 out[pl.name] = to_global(v, pl, self.mesh).cpu().clone()
-        return gather_stages(out, self.mesh)
+        return gather_stages(gather_experts(out, self.model, self.mesh, self.device), self.mesh)
 
 
 def _slots(g, views: list[torch.Tensor]) -> list[Slot]:

@@ -134,16 +134,16 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
 
 def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1) -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
-    holds until that block's backward. Biases are cast too but not saved. For MoE, every local
-    expert (num_experts / ep) is assumed to receive tokens."""
+    holds until that block's backward. Biases are cast too but not saved. For MoE (a mean block),
+    every local expert (num_experts / ep) is assumed to receive tokens."""
     if not w.autocast_copies:
         return 0
     c = shape.cfg
     d, kvd = c.d_model, c.kv_heads * c.head_dim
     attn = d * (d + 2 * kvd) + d * d
     mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
-    experts = max(1, shape.num_experts // ep)
-    return (attn + experts * mlp) * w.compute // tp
+    mlps = 1 + (max(1, shape.num_experts // ep) - 1) * shape.moe_share
+    return int((attn + mlps * mlp) * w.compute) // tp
 
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",

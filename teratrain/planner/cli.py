@@ -104,9 +104,9 @@ def _inputs(args) -> tuple:
             raise ConfigError("--params replaces the model shape; pass either a config.json or --params, not both.")
         cfg = load_config(args.config, args.overrides)
         return cfg, ModelShape(cfg=None, bare_params=int(args.params), name="bare parameter count"), []
-    cfg, experts, notes = load(args.config, args.model, args.overrides)
+    cfg, notes = load(args.config, args.model, args.overrides)
     name = args.model or (args.config.rsplit("/", 1)[-1] if args.config else cfg.model.preset)
-    return cfg, shape_of(cfg, experts, name), notes
+    return cfg, shape_of(cfg, name), notes
 
 
 def _gpu(args):
@@ -129,27 +129,28 @@ def _gpu(args):
 
 def _default_gpus(fixed: dict) -> int:
     n = 1
-    for key in ("dp", "tp", "pp", "ep"):
+    for key in ("dp", "tp", "pp"):  # ep borrows data-parallel ranks
         n *= fixed.get(key, 1)
     return n
 
 
 def _runnable_today(best: Candidate, fitting: list[Candidate]) -> list[str]:
-    """The planner also describes layouts the trainer cannot run yet (tensor, pipeline, expert
-    parallelism): then name the fastest fitting layout it can run now."""
+    """The planner also describes layouts the trainer cannot run yet (pipeline parallelism): then
+    name the fastest fitting layout it can run now."""
     def runnable(c: Candidate) -> bool:
-        return c.layout.tp == c.layout.pp == c.layout.ep == 1
+        return c.layout.pp == 1
 
     if runnable(best):
         return []
     now = next((c for c in fitting if runnable(c)), None)
     if now is None:
-        return ["the chosen layout needs tensor/pipeline/expert parallelism, which this version of teratrain "
-                "cannot run yet, and no data-parallel/ZeRO layout fits"]
+        return ["the chosen layout needs pipeline parallelism, which this version of teratrain "
+                "cannot run yet, and no layout without it fits"]
     lay = now.layout
-    return [f"the chosen layout needs tensor/pipeline/expert parallelism, not yet in the trainer; the fastest it "
-            f"runs today: dp={lay.dp} zero={lay.zero} micro_batch={lay.micro_batch} recompute={lay.recompute} "
-            f"offload={lay.offload} ({now.memory.total / 2**30:.1f} GiB, {now.time.step_time_s:.3f} s/step)"]
+    return [f"the chosen layout needs pipeline parallelism, not yet in the trainer; the fastest it "
+            f"runs today: dp={lay.dp} tp={lay.tp} ep={lay.ep} zero={lay.zero} micro_batch={lay.micro_batch} "
+            f"recompute={lay.recompute} offload={lay.offload} ({now.memory.total / 2**30:.1f} GiB, "
+            f"{now.time.step_time_s:.3f} s/step)"]
 
 
 def _name(shape: ModelShape) -> str:

@@ -13,23 +13,26 @@ from teratrain.config import Config, _toml_value, load_config
 from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.layout import Layout, ModelShape, Training
 
-def hf_model(path: Path) -> tuple[dict, dict, list[str]]:
-    """A HF config.json -> (model section, expert counts, notes for the user): the mapping
-    `model.init_from` and `teratrain export` use too (checkpoint/hf_config.py)."""
+
+def hf_model(path: Path) -> tuple[dict, list[str]]:
+    """A HF config.json -> (model section, notes for the user): the mapping `model.init_from` and
+    `teratrain export` use too (checkpoint/hf_config.py); Mixtral's experts become model.moe."""
     return model_keys(read_config_json(path), path)
 
 
-def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Config, dict, list[str]]:
-    """Config from TOML / config.json / preset plus --set; returns (cfg, experts, notes). A
-    config.json's shape enters as `model.*` overrides placed before the user's own --set."""
-    experts, notes = {"num_experts": 1, "top_k": 1}, []
+def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Config, list[str]]:
+    """Config from TOML / config.json / preset plus --set; returns (cfg, notes). A config.json's
+    shape enters as `model.*` overrides placed before the user's own --set."""
+    notes: list[str] = []
     if path and path.endswith(".json"):
-        model, experts, notes = hf_model(Path(path))
+        model, notes = hf_model(Path(path))
+        moe = model.pop("moe", {})
         shape_sets = [f"model.{k}={_literal(v)}" for k, v in model.items()]
-        return load_config(None, shape_sets + list(overrides)), experts, notes
+        shape_sets += [f"model.moe.{k}={_literal(v)}" for k, v in moe.items()]
+        return load_config(None, shape_sets + list(overrides)), notes
     if preset:
         overrides = [f"model.preset={preset}"] + list(overrides)
-    return load_config(path, overrides), experts, notes
+    return load_config(path, overrides), notes
 
 
 def _literal(v) -> str:
@@ -37,9 +40,8 @@ def _literal(v) -> str:
     return _toml_value(v) if isinstance(v, (bool, dict)) else json.dumps(v)
 
 
-def shape_of(cfg: Config, experts: dict, name: str = "") -> ModelShape:
-    return ModelShape(cfg=cfg.model, num_experts=experts["num_experts"], top_k=experts["top_k"],
-                      name=name or cfg.model.preset)
+def shape_of(cfg: Config, name: str = "") -> ModelShape:
+    return ModelShape(cfg=cfg.model, name=name or cfg.model.preset)
 
 
 PLAN_PRECISION = "bf16"  # GPUs train in bf16; the config's fp32 default is for CPU runs
@@ -84,7 +86,7 @@ def fixed_of(cfg: Config) -> dict:
 def layout_of(cfg: Config, gpus: int = 1) -> Layout:
     """The layout a config describes when nothing is searched (defaults for unset degrees)."""
     p = cfg.parallel
-    dp = p.dp or max(1, gpus // (p.tp * p.pp * p.ep))
+    dp = p.dp or max(1, gpus // (p.tp * p.pp))
     per_replica = max(1, cfg.train.global_batch // dp)
     mb = min(cfg.train.micro_batch, per_replica)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero, micro_batch=mb,

@@ -10,51 +10,51 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from teratrain.memory.precision import uses_master_weights
+from teratrain.models.moe import router_param_names, router_rows
 from teratrain.models.transformer import count_params
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)  # hashed by identity: the planner caches per shape
 class ModelShape:
-    """The model as the planner sees it: a `ModelConfig` (None for `--params N`), plus expert
-    counts for mixture-of-experts shapes read from a HF config.json (ModelConfig has no experts yet)."""
+    """The model as the planner sees it: a `ModelConfig` (None for `--params N`), mixture of experts
+    included (`model.moe`, also filled from a HF Mixtral config.json)."""
 
     cfg: object | None  # teratrain.config.ModelConfig
     bare_params: int = 0  # --params N: parameter count with no shape (model states only)
-    num_experts: int = 1  # experts per MoE layer (1 = dense MLP)
-    top_k: int = 1  # experts each token is routed to
     name: str = ""
 
     @property
     def is_bare(self) -> bool:
         return self.cfg is None
 
-    def mlp_weights(self) -> int:
-        """Parameters of one dense MLP (one expert): 3 matrices for SwiGLU, 2 for GELU, plus biases."""
-        c = self.cfg
-        mats = 3 if c.arch == "llama" else 2
-        bias = ((mats - 1) * c.ffn_dim + c.d_model) if c.use_bias else 0
-        return mats * c.d_model * c.ffn_dim + bias
+    @property
+    def num_experts(self) -> int:
+        """Experts per MoE layer (1: a dense model)."""
+        return 1 if self.is_bare else self.cfg.moe.num_experts
+
+    @property
+    def top_k(self) -> int:
+        """Experts each token visits in an MoE layer."""
+        return 1 if self.is_bare or self.num_experts == 1 else self.cfg.moe.experts_per_token
+
+    @property
+    def moe_share(self) -> float:
+        """Fraction of the blocks that hold experts (model.moe.every)."""
+        if self.num_experts == 1:
+            return 0.0
+        return sum(self.cfg.moe.is_moe_layer(i) for i in range(self.cfg.n_layers)) / self.cfg.n_layers
 
     def counts(self) -> dict[str, int]:
         return dict(self._counts)
 
     @cached_property
     def _counts(self) -> dict[str, int]:
-        """`count_params` of the dense config, with the MLP replaced by `num_experts` experts and a
-        router (d x E) per layer for MoE shapes. `matmul` counts the weights one token multiplies
-        (top_k experts), which is what the PaLM FLOP formula wants."""
+        """`count_params` (MoE layers included: `total` counts every expert, `active` what one token
+        uses, `matmul` the weights a token multiplies, which is what the PaLM FLOP formula wants)."""
         if self.is_bare:
             n = self.bare_params
-            return {"total": n, "embedding": 0, "matmul": n, "per_block": 0, "expert": 0}
-        base = dict(count_params(self.cfg))
-        base["expert"] = 0
-        if self.num_experts > 1:
-            L, d, mlp = self.cfg.n_layers, self.cfg.d_model, self.mlp_weights()
-            router = d * self.num_experts
-            base["total"] += L * ((self.num_experts - 1) * mlp + router)
-            base["matmul"] += L * ((self.top_k - 1) * mlp + router)
-            base["per_block"] += (self.num_experts - 1) * mlp + router
-            base["expert"] = L * self.num_experts * mlp
-        return base
+            return {"total": n, "embedding": 0, "matmul": n, "per_block": 0, "expert": 0, "active": n}
+        return dict(count_params(self.cfg))
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return self._shapes
@@ -63,7 +63,7 @@ class ModelShape:
     def _shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter tensor of our Transformer in `named_parameters()` order,
         nn.Linear weights as (out, in). ZeRO's bucketing and per-tensor optimizer state follow it.
-        MoE shapes repeat the MLP per expert and add a router (d -> E)."""
+        An MoE block's feed-forward is its router (models/moe.py) and every expert's MLP."""
         if self.is_bare:
             return []
         c = self.cfg
@@ -75,17 +75,21 @@ class ModelShape:
 
         mlp_names = [("w1", ff, d), ("w3", ff, d), ("w2", d, ff)] if c.arch == "llama" else [("w1", ff, d), ("w2", d, ff)]
         mlp = [t for n, o, i in mlp_names for t in linear(n, o, i)]
+        moe = []
         if self.num_experts > 1:
-            mlp = [(f"router.{n}", s) for n, s in [("weight", (self.num_experts, d))]] + \
-                [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp]
-        block = ([(f"attention_norm.{n}", s) for n, s in norm]
-                 + [(f"attention.{n}", s) for m, o, i in (("wq", q, d), ("wk", kv, d), ("wv", kv, d), ("wo", d, q))
-                    for n, s in linear(m, o, i)]
-                 + [(f"ffn_norm.{n}", s) for n, s in norm] + [(f"feed_forward.{n}", s) for n, s in mlp])
+            rows = router_rows(c.moe)
+            moe = [(f"router.{n}", (rows, d)) for n in router_param_names(c.moe)]
+            moe += [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp]
+        head = ([(f"attention_norm.{n}", s) for n, s in norm]
+                + [(f"attention.{n}", s) for m, o, i in (("wq", q, d), ("wk", kv, d), ("wv", kv, d), ("wo", d, q))
+                   for n, s in linear(m, o, i)]
+                + [(f"ffn_norm.{n}", s) for n, s in norm])
         out = [("tok_embeddings.weight", (c.vocab_size, d))]
         if c.arch == "gpt2":
             out.append(("pos_embeddings.weight", (c.seq_len, d)))
-        out += [(f"layers.{i}.{n}", s) for i in range(c.n_layers) for n, s in block]
+        for i in range(c.n_layers):
+            ffn = moe if c.moe.is_moe_layer(i) else mlp
+            out += [(f"layers.{i}.{n}", s) for n, s in head + [(f"feed_forward.{n}", s) for n, s in ffn]]
         out += [(f"norm.{n}", s) for n, s in norm]
         if not c.tie_embeddings:
             out.append(("output.weight", (c.vocab_size, d)))
@@ -94,7 +98,8 @@ class ModelShape:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One way to run a step. Degrees multiply to the GPU count: dp * tp * pp * ep."""
+    """One way to run a step. Degrees multiply to the GPU count: dp * tp * pp; ep divides dp (expert
+    parallelism borrows data-parallel ranks, as in mesh.py)."""
 
     dp: int = 1
     tp: int = 1
@@ -113,7 +118,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

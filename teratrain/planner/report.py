@@ -34,7 +34,11 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     w = train.widths(lay.zero, lay.offload)
     local = m.terms["local_params"]
     dp = f"1/dp of them (ZeRO-{lay.zero}, dp={lay.dp})"
+    if lay.ep > 1:
+        dp = dp[:-1] + f"; experts 1/(dp/ep), ep={lay.ep})"
     params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
+    if lay.ep > 1:
+        params += f"; 1/{lay.ep} of the experts"
     if lay.offload == "params":
         params += "; the shard lives in CPU memory"
     if m.terms.get("weight_versions", 1) > 1:
@@ -112,7 +116,8 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
 def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, advice, notes) -> str:
     lay, m, t = best.layout, best.memory, best.time
     n = shape.counts()["total"]
-    head = f"teratrain plan: {shape.name} ({n / 1e9:.3g} B params) on {gpus} x {gpu.name.upper()} ({gpu_mem:g} GiB)"
+    active = f", {shape.counts()['active'] / 1e9:.3g} B active per token" if shape.num_experts > 1 else ""
+    head = f"teratrain plan: {shape.name} ({n / 1e9:.3g} B params{active}) on {gpus} x {gpu.name.upper()} ({gpu_mem:g} GiB)"
     if not shape.is_bare:
         head += f", global batch {train.global_batch} x {shape.cfg.seq_len} tokens"
     out = [head + f", {train.precision}, {train.optimizer}", "",
@@ -149,7 +154,8 @@ def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, a
 
 def as_json(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, advice, notes) -> dict:
     m, t = best.memory, best.time
-    return {"model": shape.name, "num_params": shape.counts()["total"], "gpus": gpus, "gpu": gpu.name,
+    return {"model": shape.name, "num_params": shape.counts()["total"], "num_active_params": shape.counts()["active"],
+            "gpus": gpus, "gpu": gpu.name,
             "gpu_mem_gib": gpu_mem, "precision": train.precision, "optimizer_name": train.optimizer,
             "global_batch": train.global_batch, "seq_len": None if shape.is_bare else shape.cfg.seq_len,
             **{k: getattr(m, k) for k in ("params", "grads", "optimizer", "activations", "buffers", "allowance",

@@ -1,8 +1,8 @@
 """Pick a layout: enumerate the degrees the user left unset, drop what does not fit, rank by time.
 
 Search space (each dimension only where the user did not fix it):
-- dp x tp x pp x ep = GPUs; tp within a node and dividing the query and key/value heads and d_ff
-  (Megatron-LM's split); pp dividing the layers; ep dividing the experts (1 for dense models);
+- dp x tp x pp = GPUs; tp within a node and dividing the query and key/value heads and d_ff
+  (Megatron-LM's split); pp dividing the layers; ep dividing dp and the experts (1 for dense models);
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
 - micro-batch (a divisor of the per-replica batch, up to 64 sequences) and recomputation policy;
 - sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.).
@@ -49,7 +49,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[int, int, int, int]]:
-    """(dp, tp, pp, ep) with dp*tp*pp*ep = gpus that the model's shape allows."""
+    """(dp, tp, pp, ep) with dp*tp*pp = gpus that the model's shape allows; ep divides dp and the
+    experts (expert parallelism borrows data-parallel ranks)."""
     c = shape.cfg
     out = []
     for tp in [fixed["tp"]] if "tp" in fixed else _divisors(min(gpus, gpu.gpus_per_node)):
@@ -60,15 +61,13 @@ def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[
                 continue
             if shape.is_bare and (tp > 1 or pp > 1) and not ("tp" in fixed or "pp" in fixed):
                 continue  # a bare count has no layers to split: data parallel + ZeRO only
-            eps = [fixed["ep"]] if "ep" in fixed else [e for e in _divisors(shape.num_experts)]
-            for ep in eps:
-                rest = tp * pp * ep
-                if gpus % rest:
-                    continue
-                dp = gpus // rest
-                if "dp" in fixed and fixed["dp"] != dp:
-                    continue
-                out.append((dp, tp, pp, ep))
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp:
+                continue
+            eps = [fixed["ep"]] if "ep" in fixed else _divisors(shape.num_experts)
+            out += [(dp, tp, pp, ep) for ep in eps if dp % ep == 0]
     return out
 
 
@@ -128,7 +127,10 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refus
         ok = [d for d in _divisors(min(gpus, 64)) if not (c.n_heads % d or c.kv_heads % d or c.ffn_dim % d)]
         return (f"parallel.tp={tp} must divide model.n_heads ({c.n_heads}), model.n_kv_heads ({c.kv_heads}) and "
                 f"the MLP width ({c.ffn_dim}); set parallel.tp to one of {', '.join(map(str, ok))}.")
-    prod = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp", "ep"))
+    prod = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp"))
+    if "ep" in fixed and (fixed.get("dp", gpus // max(1, prod)) % fixed["ep"] or shape.num_experts % fixed["ep"]):
+        return (f"parallel.ep={fixed['ep']} must divide the data-parallel degree and model.moe.num_experts "
+                f"({shape.num_experts}); choose an ep that divides both.")
     if gpus % prod or ("dp" in fixed and prod != gpus):
         return (f"the fixed degrees multiply to {prod}, which does not {'equal' if 'dp' in fixed else 'divide'} "
                 f"--gpus {gpus}; change --gpus or the parallel.* degrees.")

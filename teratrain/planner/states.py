@@ -54,8 +54,8 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
     why = zero_problem(lay.zero, lay.offload)
     if why:
         raise PlanError(why.split(";")[0])
-    if train.lora and not _exact(shape, lay):
-        raise PlanError("the planner counts LoRA adapters on a whole shape without pipeline or expert parallelism")
+    if train.lora and shape.is_bare:
+        raise PlanError("the planner counts LoRA adapters on a model shape, not on a bare parameter count")
     if shape.is_bare and train.optimizer in WHOLE_PARAM_OPTIMIZERS:
         raise PlanError(f"optim.name={train.optimizer} factors each matrix by its rows and columns, which a bare "
                         "parameter count does not give")
@@ -70,18 +70,10 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
             raise PlanError("parallel.zero=3 does not compose with pipeline parallelism (parallelize.py says why)")
 
 
-def _split_of(name: str, lay: Layout) -> int:
-    """How many ways tensor/expert parallelism splits one block parameter (Megatron-LM sec. 3):
-    column-parallel wq/wk/wv/w1/w3 and row-parallel wo/w2 weights by tp; row-parallel biases
-    (added after the all-reduce), norms and the router replicated; experts also by ep."""
-    if "norm" in name or "router" in name or name.endswith(("wo.bias", "w2.bias")):
-        return 1
-    return lay.tp * (lay.ep if ".experts." in name else 1)
-
-
 def _exact(shape: ModelShape, lay: Layout) -> bool:
-    """Layouts whose per-rank tensors come from the real transforms (planner/local.py)."""
-    return not shape.is_bare and shape.num_experts == 1 and lay.ep == 1
+    """Layouts whose per-rank tensors come from the real transforms (planner/local.py): every one
+    with a model shape (a bare parameter count has no tensors)."""
+    return not shape.is_bare
 
 
 def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller"):
@@ -90,7 +82,7 @@ def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = 
 
     def at(stage_rank: int):
         return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, lora, lay.pp, lay.virtual_stages,
-                             stage_rank)
+                             stage_rank, lay.ep)
     first, last = at(0), at(lay.pp - 1)
     if end == "fuller":
         end = "last" if sum(t.numel() for t in last) >= sum(t.numel() for t in first) else "first"
@@ -98,44 +90,18 @@ def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = 
 
 
 def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) -> dict[str, int]:
-    """Parameters a rank holds: the first and the last pipeline stage (`train` adds LoRA's adapters)."""
+    """Parameters a rank holds: the first and the last pipeline stage (`train` adds LoRA's adapters);
+    `block` is the largest block, `experts` the expert parameters (reduced over dp/ep ranks)."""
     if _exact(shape, lay):
         first, last = _tensors(shape, lay, train, "first"), _tensors(shape, lay, train, "last")
-        some = [k for k in dict.fromkeys(t.block for t in first) if k is not None][0]
+        keys = [k for k in dict.fromkeys(t.block for t in first) if k is not None]
+        experts = [t.numel() for t in first if t.group.startswith("ep_replicas")]
         return {"first": sum(t.numel() for t in first), "last": sum(t.numel() for t in last),
                 "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
-                "block": sum(t.numel() for t in first if t.block == some),
-                "layers": sum(1 for k in dict.fromkeys(t.block for t in first) if k is not None)}
-    return dict(_stage_params(shape, lay.tp, lay.pp, lay.ep))
-
-
-@lru_cache(maxsize=4096)
-def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int) -> tuple:
-    """Parameters held by the first and the last pipeline stage of one rank after tensor, pipeline
-    and expert sharding; the vocab-parallel embedding and head are split by tp. With tied
-    embeddings and pp > 1 the last stage keeps its own copy of the embedding matrix as the head."""
-    if shape.is_bare:
-        p = ceil_div(shape.bare_params, tp * pp * ep)
-        return tuple({"first": p, "last": p, "block": 0, "layers": 0, "root": p}.items())
-    c = shape.cfg
-    lay = Layout(tp=tp, pp=pp, ep=ep)
-    block = 0
-    for name, s in shape.param_shapes():
-        if name.startswith("layers.0."):
-            block += ceil_div(math.prod(s), _split_of(name, lay))
-    layers = ceil_div(c.n_layers, pp)
-    vocab_rows = ceil_div(c.vocab_size, tp)  # vocab-parallel pieces are whole rows, padded (tensor.py)
-    emb = vocab_rows * c.d_model + (c.seq_len * c.d_model if c.arch == "gpt2" else 0)
-    final_norm = c.d_model * (2 if c.arch == "gpt2" and c.use_bias else 1)
-    head = vocab_rows * c.d_model if (not c.tie_embeddings or pp > 1) else 0
-    if pp == 1:
-        root = emb + final_norm + head
-        out = {"first": layers * block + root, "last": layers * block + root, "root": root}
-    else:
-        out = {"first": layers * block + emb, "last": layers * block + final_norm + head, "root": max(emb, final_norm + head)}
-    return tuple({**out, "block": block, "layers": layers}.items())
-
-
+                "block": max(sum(t.numel() for t in first if t.block == k) for k in keys),
+                "layers": len(keys), "experts": sum(experts)}
+    p = ceil_div(shape.bare_params, lay.tp * lay.pp)
+    return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0}
 @dataclass(frozen=True)
 class _Sized:
     """A parameter as FlatGroup sees it, for layouts the planner approximates (1-D, trainable)."""
@@ -147,29 +113,26 @@ class _Sized:
         return math.prod(self.shape)
 
 
-def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list, int]]:
-    """(members, ranks sharing them) per ZeroEngine flat group. Exact without pipeline or expert
-    parallelism: the engine's grouping (parallel/zero.py `_make_groups`: by reduction group, tied
-    axes and trainability; stage 1/2 `ordered_buckets` counted in the compute dtype, stage 3 per
-    block then the root) over the tensors the real transforms leave on a rank. Pipeline and expert
-    layouts use the same rule over this rank's share, as 1-D sizes (approximation)."""
+def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> list[tuple[list, int, object]]:
+    """(members, ranks sharing them, gather unit) per ZeroEngine flat group: the engine's grouping
+    (parallel/zero.py `_make_groups`: by reduction group, tied axes and trainability; stage 1/2
+    `ordered_buckets` counted in the compute dtype, stage 3 per block then the root, a block's groups
+    gathered together) over the tensors the real transforms leave on a rank. A bare parameter count
+    is cut into bucket-sized 1-D groups."""
     w = train.widths(lay.zero, lay.offload)
     bucket_bytes = int(train.bucket_mb * 2**20)
     if _exact(shape, lay):
         tensors = _tensors(shape, lay, train)
         if lay.zero == 3:
             keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
-            units = [[t for t in tensors if t.block == key] for key in keys]  # last block first, root last
-            buckets = [b for unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
+            units = [(key, [t for t in tensors if t.block == key]) for key in keys]  # last block first, root last
+            buckets = [(key, b) for key, unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
         else:
-            buckets = ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)
-        return [([t for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp)) for b in buckets]
-    if lay.zero == 3 and not shape.is_bare:
-        sp = stage_params(shape, lay)
-        blocks = [([_Sized((sp["block"],))], lay.dp)] * sp["layers"]
-        return blocks + [([_Sized((local - sp["layers"] * sp["block"],))], lay.dp)]
+            buckets = [(None, b) for b in ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)]
+        return [([t for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp, lay.ep), key) for key, b in buckets]
     per = max(1, bucket_bytes // w.param)
-    return [([_Sized((per,))], lay.dp)] * (local // per) + ([([_Sized((local % per,))], lay.dp)] if local % per else [])
+    sizes = [per] * (local // per) + ([local % per] if local % per else [])
+    return [([_Sized((n,))], lay.dp, i) for i, n in enumerate(sizes)]
 
 
 def _key(t) -> tuple:
@@ -189,16 +152,20 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
     equal flat shards, or whole parameters dealt to ranks for Adafactor/SM3)."""
     lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1, sequence_parallel=sp, tp_form=form)
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS
-    groups = [FlatGroup([""] * len(m), m, n, 0, whole) for m, n in zero_groups(shape, train, lay, local)]
+    planned = zero_groups(shape, train, lay, local)
+    groups = [FlatGroup([""] * len(m), m, n, 0, whole) for m, n, _ in planned]
     trained = [g for g in groups if g.params[0].trainable]
     owned = tuple(g.shapes[pc.index] if whole else (pc.numel,) for g in trained for pc in g.pieces)
     sums = [g.numel for g in groups] or [0]
-    blocks = sums[:-1] if zero3 and len(sums) > 1 else sums
+    units: dict = {}  # stage 3 gathers every group of a block together (zero_gather.py)
+    for (_, _, key), g in zip(planned, groups):
+        units[key] = units.get(key, 0) + g.numel
+    blocks = [n for key, n in units.items() if key is not None] if zero3 and len(units) > 1 else sums
     return tuple({"shard": sum(g.shard_numel for g in trained), "pieces": len(owned), "owned": owned,
                   "padded": sum(g.padded for g in trained), "all_shard": sum(g.shard_numel for g in groups),
                   "all_padded": sum(g.padded for g in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
-                  "block": max(blocks), "blocks": len(blocks), "root": sums[-1]}.items())
+                  "block": max(blocks), "blocks": len(blocks), "root": units.get(None, 0) if zero3 and len(units) > 1 else sums[-1]}.items())
 
 
 def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, sharded: bool) -> int:
@@ -243,7 +210,7 @@ def _replica_states(shape, train: Training, lay: Layout, local: int, w, steps: i
 
 def _local_opt_elems(train: Training, shape: ModelShape, local: int) -> tuple[int, int]:
     """(optimizer elements, parameter tensors) of an unsharded replica holding `local` params of a
-    shape the planner approximates (bare counts, expert parallelism): scaled by local/total."""
+    bare parameter count: scaled by local/total."""
     full = [s for _, s in shape.param_shapes()]
     if not full:
         return optimizer_elems(train, [], local, False), 0

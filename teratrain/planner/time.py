@@ -10,6 +10,9 @@ Terms, each with its source or assumption:
   small models slower than their FLOPs say.
 - optimizer: the fused AdamW sweep streams params, grads and states: ~40 bytes/param (+12 with fp32
   masters) at hbm_gbps x mem efficiency.
+- MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs); expert
+  parallelism adds 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
+  backward; 6 when recomputation replays the forward), exposed; expert gradients reduce over dp/ep ranks.
 - communication, alpha-beta per collective (ring algorithms, Thakur et al. 2005): all-reduce moves
   2(n-1)/n of the bytes, reduce-scatter and all-gather (n-1)/n, over NVLink when the group fits in
   a node, else over the inter-node link. Data-parallel reductions overlap the backward of the last
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from teratrain.models.transformer import count_params, flops_per_token
+from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
@@ -80,9 +83,9 @@ def _link(gpu: GPU, span: int) -> tuple[float, float]:
 
 
 def model_flops(shape: ModelShape, tokens: float) -> float:
-    """PaLM FLOPs for `tokens` tokens (no recomputation); MoE counts the top_k experts a token visits."""
-    extra = 6 * (shape.counts()["matmul"] - count_params(shape.cfg)["matmul"])  # experts beyond the dense MLP
-    return (flops_per_token(shape.cfg) + extra) * tokens
+    """PaLM FLOPs for `tokens` tokens (no recomputation); MoE counts the active weights only: the
+    router and the top_k experts a token visits (count_params' `matmul`)."""
+    return flops_per_token(shape.cfg) * tokens
 
 
 def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
@@ -101,41 +104,62 @@ def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
 def _comm(shape, train, lay, gpu, w) -> dict[str, float]:
     """Seconds per step of each communication term (before overlap)."""
     c = shape.cfg
-    local = stage_params(shape, lay)["first"]
+    sp = stage_params(shape, lay)
     m = lay.num_microbatches
-    dp_bw, dp_a = _link(gpu, lay.dp * lay.tp * lay.ep)
-    red = train.reduce_bytes
-    buckets = max(1, int(local * red / (train.bucket_mb * 2**20)))
+    dp_bw, dp_a = _link(gpu, lay.dp * lay.tp)
     out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
-    if lay.zero == 0:
-        out["dp"] = _collective("all_reduce", lay.dp, local * red, dp_bw, dp_a, buckets)
-    else:  # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume)
-        rs = _collective("reduce_scatter", lay.dp, local * red, dp_bw, dp_a, buckets)
-        ag = _collective("all_gather", lay.dp, local * w.param, dp_bw, dp_a, buckets)
-        out["dp"] = rs * (1 if lay.zero == 1 else m)
-        if lay.zero < 3:
-            out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
-        else:
-            out["zero_gather"] = 2 * m * ag  # each block before its forward and again before its backward
+    # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
+    for n, ranks in ((sp["first"] - sp["experts"], lay.dp), (sp["experts"], lay.dp // lay.ep)):
+        for key, t in _dp_terms(train, lay, w, n, ranks, dp_bw, dp_a).items():
+            out[key] += t
     if shape.is_bare:
         return out
-    n = lay.micro_batch * c.seq_len
-    act = n * c.d_model * w.compute
+    act = lay.micro_batch * c.seq_len * c.d_model * w.compute
     tp_bw, tp_a = _link(gpu, lay.tp)
-    layers = stage_params(shape, lay)["layers"]
+    layers = sp["layers"]
     out["tp"] = m * layers * 4 * _collective("all_reduce", lay.tp, act, tp_bw, tp_a)
     if lay.pp > 1:
         out["pp"] = 2 * (m + lay.pp - 1) * p2p_s(shape, train, lay, gpu)
-    if shape.num_experts > 1:
-        ep_bw, ep_a = _link(gpu, lay.ep * lay.tp)
-        out["ep"] = m * layers * 4 * _collective("all_to_all", lay.ep, act * shape.top_k, ep_bw, ep_a)
+    if shape.num_experts > 1:  # dispatch and combine, forward and backward (and a replayed forward)
+        moe_layers = layers * shape.moe_share
+        per_layer = 6 if lay.recompute in ("full", "sqrt", "every-k") else 4
+        out["ep"] = m * moe_layers * per_layer * all_to_all_s(shape, train, lay, gpu)
     return out
+
+
+def _dp_terms(train, lay, w, local: int, ranks: int, bw: float, alpha: float) -> dict[str, float]:
+    """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`."""
+    red = train.reduce_bytes
+    buckets = max(1, int(local * red / (train.bucket_mb * 2**20)))
+    m = lay.num_microbatches
+    if lay.zero == 0:
+        return {"dp": _collective("all_reduce", ranks, local * red, bw, alpha, buckets)}
+    # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume)
+    rs = _collective("reduce_scatter", ranks, local * red, bw, alpha, buckets)
+    ag = _collective("all_gather", ranks, local * w.param, bw, alpha, buckets)
+    out = {"dp": rs * (1 if lay.zero == 1 else m)}
+    if lay.zero < 3:
+        out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
+    else:
+        out["zero_gather"] = 2 * m * ag  # each block before its forward and again before its backward
+    return out
+
+
+def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """One expert-parallel all-to-all of one micro-batch: each token's top_k routed copies,
+    (micro_batch x T x top_k, d) in the compute dtype, (ep-1)/ep of them leaving the rank (GShard's
+    dispatch or combine, parallel/expert.py; capacity drops ignored). Every tp rank sends the whole
+    (gathered) tokens to the ep peers of its own tp index."""
+    c = shape.cfg
+    rows = lay.micro_batch * c.seq_len * shape.top_k
+    bw, alpha = _link(gpu, lay.ep * lay.tp)
+    return _collective("all_to_all", lay.ep, rows * c.d_model * train.widths(lay.zero, lay.offload).compute, bw, alpha)
 
 
 def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d)."""
     act = lay.micro_batch * shape.cfg.seq_len * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
-    bw, alpha = _link(gpu, 2 * lay.dp * lay.ep * lay.tp)  # pp is the outermost mesh axis: neighbours are this far
+    bw, alpha = _link(gpu, 2 * lay.dp * lay.tp)  # pp is the outermost mesh axis: neighbours are this far
     return _collective("p2p", 2, act, bw, alpha)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from teratrain.config import load_config
 from teratrain.mesh import init_runtime
+from teratrain.models.moe import moe_layers, seed_routing
 from teratrain.models.transformer import Transformer
 from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import parallelize
@@ -46,30 +47,66 @@ def batches(cfg, steps: int, seed: int = 0):
 
 
 def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, freeze: tuple[str, ...] = (),
-                 skip_branch: bool = False) -> dict:
+                 skip_branch: bool = False, routing_seed: bool = False) -> dict:
     """`steps` optimizer steps; returns every step's mean loss and (rank 0) the final whole params.
     skip_branch: data-parallel rank 1 of 2 takes no gradient through layers.1's MLP (its output is
-    replaced by zeros); one process zeroes it for the same samples, which is the same math."""
+    replaced by zeros); one process zeroes it for the same samples, which is the same math.
+    routing_seed: MoE routers draw their randomness from a seed per (step, global micro-batch), the
+    same on every layout. MoE runs also return `moe`: routed choices dropped for capacity and expert
+    runs on zero rows, summed over data-parallel ranks."""
     cfg, rt, model, engine = build(overrides, freeze)
     tc = cfg.train
     per_rank = tc.global_batch // rt.dims.dp
     lo = rt.dp_rank * per_rank
     counter = _skip_branch(model, rt, tc) if skip_branch else None
     run_step = step_runner(model, engine, rt, cfg)  # train_step, or the pipeline executor (pp > 1)
+    seeds = _seed_routing(model, rt.dp_rank * per_rank // tc.micro_batch) if routing_seed else None
+    probe = _probe_moe(model)
     losses = []
-    for batch in batches(cfg, steps):
+    for step, batch in enumerate(batches(cfg, steps)):
         rows = batch[lo:lo + per_rank]
         micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
                  for i in range(0, per_rank, tc.micro_batch)]
         if counter is not None:
             counter[0] = 0
+        if seeds is not None:
+            seeds[:] = [step, 0]
         _, loss = run_step(micro, cfg.memory.precision, cfg.optim.lr)
         loss = loss.clone()
         all_reduce(loss, rt.dp_group, op=AVG)
         losses.append(float(loss))
     params = engine.full_params()
+    all_reduce(probe, rt.dp_group)  # tensor-parallel peers route the same tokens: count them once
     return {"losses": losses, "params": params if rank == 0 else None, "bytes": engine.last_state_bytes,
-            "skipped": engine.skipped_steps}
+            "skipped": engine.skipped_steps, "moe": dict(zip(("dropped", "idle_experts"), probe.tolist()))}
+
+
+def _seed_routing(model, first_micro: int) -> list[int]:
+    """Before each forward: seed the routers with (step, this micro-batch's index in the global batch)."""
+    state = [0, 0]  # step, micro-batches run this step
+
+    def hook(module, args):
+        seed_routing(module, state[0] * 1000 + first_micro + state[1])
+        state[1] += 1
+
+    model.register_forward_pre_hook(hook)
+    return state
+
+
+def _probe_moe(model) -> torch.Tensor:
+    """(2,) counts filled during training: capacity drops and experts run on zero rows (this rank)."""
+    probe = torch.zeros(2, dtype=torch.float64)
+    for _, layer in moe_layers(model):
+        run = layer.run_local
+
+        def counting(xs, counts, run=run):
+            probe[1] += sum(c == 0 for c in counts)
+            return run(xs, counts)
+
+        layer.run_local = counting
+        layer.register_forward_hook(lambda m, args, out: probe.__setitem__(0, probe[0] + m.pop_stats().get(
+            "dropped", torch.zeros(())).item()))
+    return probe
 
 
 def _skip_branch(model, rt, tc) -> list[int]:

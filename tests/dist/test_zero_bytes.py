@@ -37,7 +37,7 @@ def test_state_bytes_follow_zero_formulas(world, dist_workdir):
     psi = count_params(load_config(None, TINY).model)["total"]
     for i, (prec, stage) in enumerate(cases):
         cfg = load_config(None, TINY + runs[i][0])
-        planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, world),
+        planned = model_states(shape_of(cfg), training_of(cfg), layout_of(cfg, world),
                                device="cpu")
         rank0 = per_rank[0][i]["bytes"]
         keys = ("params", "grads", "optimizer")

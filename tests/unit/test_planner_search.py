@@ -15,7 +15,7 @@ H100 = GPUS["h100"]
 
 def _shape(preset: str, *sets: str):
     cfg = load_config(None, [f"model.preset={preset}", "memory.precision=bf16", *sets])
-    return shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg)
+    return shape_of(cfg), training_of(cfg)
 
 
 def test_ring_collectives_move_the_textbook_fraction():

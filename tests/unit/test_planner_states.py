@@ -33,7 +33,7 @@ def test_mixed_precision_adam_costs_16_bytes_per_param():
 def test_gpt2_1_5b_needs_about_24_gb_of_model_states():
     """Seed 003: 'for GPT-2 with 1.5B parameters, this equals 24GB'."""
     assert states_total(ModelShape(cfg=None, bare_params=1_500_000_000), MIXED_ADAM, Layout()) == 24 * GB
-    preset = shape_of(load_config(None, ["model.preset=gpt2-1.5b"]), {"num_experts": 1, "top_k": 1})
+    preset = shape_of(load_config(None, ["model.preset=gpt2-1.5b"]))
     total = states_total(preset, MIXED_ADAM, Layout())  # the real shape has 1.56 B params (tied embeddings)
     assert total == pytest.approx(24 * GB, rel=0.05)
 
@@ -73,7 +73,7 @@ def test_states_equal_local_engine_live_bytes(arch, precision, optim, extra):
     cfg = _cfg(arch, precision, optim, *extra)
     model, engine = build_engine(cfg)
     train_step(model, engine, [random_batch(cfg, 2)], precision, 1e-4)
-    pred = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), Layout(), device="cpu")
+    pred = model_states(shape_of(cfg), training_of(cfg), Layout(), device="cpu")
     assert _live(engine) == {k: pred[k] for k in ("params", "grads", "optimizer")}
 
 
@@ -96,7 +96,7 @@ def test_states_equal_zero_engine_live_bytes(arch, zero, offload):
     engine = parallelize(model, Runtime.single("cpu"), cfg)
     train_step(model, engine, [random_batch(cfg, 2)], "bf16", 1e-4)
     lay = Layout(zero=zero, offload=offload)
-    pred = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), lay, device="cpu")
+    pred = model_states(shape_of(cfg), training_of(cfg), lay, device="cpu")
     assert _live(engine) == {k: pred[k] for k in ("params", "grads", "optimizer")}
 
 
@@ -114,7 +114,7 @@ def test_sharding_divides_model_states():
 
 def test_optimizer_states_by_kind():
     cfg = load_config(None, ["model.preset=tiny"])
-    shape = shape_of(cfg, {"num_experts": 1, "top_k": 1})
+    shape = shape_of(cfg)
     n = shape.counts()["total"]
     fp32 = {name: model_states(shape, Training(precision="fp32", optimizer=name), Layout())["optimizer"]
             for name in ("adamw", "sgd", "adafactor", "sm3")}

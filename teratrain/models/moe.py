@@ -1,0 +1,360 @@
+"""Mixture-of-experts feed-forward layer: n experts, a router chosen by config, expert capacity.
+
+Single-device code. Expert parallelism (parallel/expert.py) replaces only `MoE.exchange`, which takes
+the tokens sorted by expert to the ranks that hold their experts and brings the outputs back.
+
+Routers (`model.moe.router`), each its paper's equations over the N tokens of one forward:
+- softmax-topk (Mixtral, Jiang et al. 2024): p = softmax(x W_r), the k largest renormalized to sum 1;
+  aux = n * sum_i f_i P_i with f_i the share of the N*k choices that picked expert i, P_i = mean_x p_i.
+- noisy-topk (Shazeer et al. 2017, sec. 2.1, 4, appendix A): H = x W_g + eps * Softplus(x W_noise),
+  eps ~ N(0, noise^2), G = Softmax(KeepTopK(H, k)); aux = CV(Importance)^2 + CV(Load)^2 with
+  Importance = sum_x G(x) and the smooth Load_i = sum_x Phi(((x W_g)_i - kth_excluding(H, k, i)) /
+  Softplus((x W_noise)_i)). W_g, W_noise start at zero. Noise (and the smooth load) in training only.
+- gshard-top2 (Lepikhin et al. 2020, Algorithm 1): g = softmax(x W_g); top-2, g1 and g2 divided by
+  g1 + g2; in training the second expert is used with probability min(1, 2 g2) (random routing);
+  aux = (1/E) sum_e (c_e / S) m_e per local group of S tokens (c_e: tokens whose first choice is e,
+  m_e: mean gate), averaged over the groups.
+- switch-top1 (Fedus et al. 2021, sec. 2.1-2.4): the top-1 expert of p = softmax(x W_r), output scaled
+  by p_i; aux = n * sum_i f_i P_i; router in fp32; init std sqrt(s / d_model) with s = 0.1.
+- hierarchical (Shazeer et al. 2017, appendix B): a noisy top-k gate over a groups and, in each group,
+  a noisy top-k gate over its b experts: y = sum_i sum_j G_p(x)_i G_i(x)_j E_ij(x) (eq. 12), aux =
+  CV(Importance_H)^2 + CV(Load_H)^2 (eqs. 13-14). Expert e = i * b + j.
+Every aux loss is multiplied by `aux_loss_weight`. CV^2 is the population variance over the squared mean.
+
+Capacity (GShard sec. 2.2, Switch sec. 2.2): the N tokens are split into `groups` contiguous local
+groups; of a group of S tokens an expert takes at most C = ceil(capacity_factor * K * S / n) of the K
+choices per token, first choices before second ones, then in token order (GShard's Algorithm 1). A
+dropped choice is not sent to its expert: its output is zero and the token passes through the
+residual connection. Drops are counted (`pop_stats`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from teratrain.config import ModelConfig, MoEConfig
+
+SWITCH_INIT_SCALE = 0.1  # Fedus et al. 2021, sec. 2.4: a tenth of the usual 1.0
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # (N, K) long: global expert of each choice, the most important choice first
+    weights: torch.Tensor  # (N, K) combine weight of each choice (used where `routed`)
+    routed: torch.Tensor  # (N, K) bool: sent to its expert (within capacity; GShard: and sampled)
+    aux_loss: torch.Tensor  # () weighted auxiliary loss
+    attempted: torch.Tensor  # () choices that asked for their expert (before the capacity cut)
+
+
+def cv_squared(x: torch.Tensor) -> torch.Tensor:
+    """Squared coefficient of variation, population variance / mean^2 (Shazeer et al. 2017, eq. 6)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.var(unbiased=False) / (x.mean() ** 2 + 1e-10)
+
+
+def within_capacity(experts: torch.Tensor, routed: torch.Tensor, num_experts: int, factor: float,
+                    groups: int) -> torch.Tensor:
+    """(N, K) bool: the routed choices that fit their expert's capacity in their local group."""
+    if factor <= 0:
+        return routed
+    N, K = experts.shape
+    keep = torch.zeros_like(routed)
+    for lo, hi in _group_bounds(N, groups):
+        S = hi - lo
+        cap = math.ceil(factor * K * S / num_experts)
+        e, r = experts[lo:hi].t(), routed[lo:hi].t()  # (K, S): choice-major, then token order
+        onehot = F.one_hot(e, num_experts) * r.unsqueeze(-1)  # (K, S, n)
+        seen = onehot.flatten(0, 1).cumsum(0).view(K, S, num_experts)  # choices of e so far, this one included
+        position = seen.gather(2, e.unsqueeze(-1)).squeeze(-1) - 1  # (K, S): slot in the expert's buffer
+        keep[lo:hi] = (r & (position < cap)).t()
+    return keep
+
+
+def _group_bounds(n: int, groups: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) of `groups` near-equal groups of n tokens (the first ones one longer)."""
+    size, extra = divmod(n, groups)
+    bounds, lo = [], 0
+    for g in range(groups):
+        hi = lo + size + (g < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+# ---------------------------------------------------------------- routers
+
+def router_rows(cfg: "MoEConfig") -> int:
+    """Rows of the router's matrices: one per expert (hierarchical: per group, then per expert)."""
+    return cfg.num_experts + (cfg.num_groups if cfg.router == "hierarchical" else 0)
+
+
+def router_param_names(cfg: "MoEConfig") -> list[str]:
+    """The router's parameters, each (router_rows, d_model): W_g, plus W_noise for noisy gates."""
+    return ["weight", "w_noise"] if cfg.router in ("noisy-topk", "hierarchical") else ["weight"]
+
+
+class Router(nn.Module):
+    """x (N, d) -> Routing. Subclasses implement `gate`; capacity and the aux weight are applied here."""
+
+    def __init__(self, cfg: "MoEConfig", d_model: int):
+        super().__init__()
+        self.n, self.k, self.fp32 = cfg.num_experts, cfg.k, cfg.router_dtype == "fp32"
+        self.capacity, self.groups, self.aux_weight = cfg.capacity, cfg.num_groups, cfg.aux_loss_weight
+        self.noise = cfg.noise_scale
+        for name in router_param_names(cfg):
+            setattr(self, name, nn.Parameter(torch.empty(router_rows(cfg), d_model)))
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None = None) -> Routing:
+        experts, weights, routed, aux = self.gate(x, gen)
+        kept = within_capacity(experts, routed, self.n, self.capacity, self.capacity_groups)
+        return Routing(experts, weights, kept, self.aux_weight * aux, routed.sum())
+
+    @property
+    def capacity_groups(self) -> int:
+        return self.groups
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x W^T: in fp32 with autocast off (Switch's selective precision), or in the compute dtype."""
+        if not self.fp32:
+            return F.linear(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), w.float())  # (N, rows)
+
+    def gate(self, x, gen):
+        raise NotImplementedError
+
+
+class SoftmaxTopK(Router):
+    def gate(self, x, gen):
+        probs = self.logits(x, self.weight).softmax(-1)  # (N, n)
+        top, experts = probs.topk(self.k, dim=-1)  # (N, k)
+        weights = top / top.sum(-1, keepdim=True)
+        f = F.one_hot(experts, self.n).sum((0, 1)).to(probs.dtype) / experts.numel()  # share of the N*k choices
+        aux = self.n * (f * probs.mean(0)).sum()
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux
+
+
+class SwitchTop1(Router):
+    def gate(self, x, gen):
+        probs = self.logits(x, self.weight).softmax(-1)  # (N, n)
+        p, expert = probs.max(-1)  # (N,)
+        f = F.one_hot(expert, self.n).to(probs.dtype).mean(0)  # fraction of tokens dispatched to each expert
+        aux = self.n * (f * probs.mean(0)).sum()  # Fedus et al. eq. 4 (times alpha = aux_loss_weight)
+        experts = expert.unsqueeze(1)
+        return experts, p.unsqueeze(1), torch.ones_like(experts, dtype=torch.bool), aux
+
+
+class GShardTop2(Router):
+    def gate(self, x, gen):
+        gates = self.logits(x, self.weight).softmax(-1)  # (N, E)
+        top, experts = gates.topk(2, dim=-1)
+        weights = top / top.sum(-1, keepdim=True)  # g1, g2 normalized
+        routed = torch.ones_like(experts, dtype=torch.bool)
+        if self.training:  # random routing: the second expert with probability 2 * g2
+            rnd = torch.rand(x.shape[0], device=x.device, generator=gen, dtype=weights.dtype)
+            routed[:, 1] = rnd < 2 * weights[:, 1].detach()
+        aux = []
+        for lo, hi in _group_bounds(x.shape[0], self.groups):
+            c = F.one_hot(experts[lo:hi, 0], self.n).to(gates.dtype).sum(0)  # tokens whose first choice is e
+            m = gates[lo:hi].mean(0)
+            aux.append((c / (hi - lo) * m).sum() / self.n)
+        return experts, weights, routed, torch.stack(aux).mean()
+
+
+def _noisy_topk(clean: torch.Tensor, noise_logits: torch.Tensor, k: int, scale: float, noisy: bool,
+                gen: torch.Generator | None):
+    """Shazeer et al.'s noisy top-k gate over the last dim (any leading dims). Returns the chosen
+    indices (.., k), their gates (.., k), the dense gates G (.., n) and each entry's contribution to
+    Load: Pr(still in the top k under new noise) (eq. 9-10) in training, else 1 if chosen."""
+    n = clean.shape[-1]
+    std = F.softplus(noise_logits) * scale
+    noisy = noisy and scale > 0
+    h = clean + torch.randn(clean.shape, device=clean.device, dtype=clean.dtype, generator=gen) * std if noisy else clean
+    top, idx = h.topk(min(k + 1, n), dim=-1)
+    gates = top[..., :k].softmax(-1)  # Softmax(KeepTopK(H, k)) restricted to the kept entries
+    dense = torch.zeros_like(clean).scatter(-1, idx[..., :k], gates)
+    if not noisy or k >= n:
+        return idx[..., :k], gates, dense, (dense > 0).to(clean.dtype)
+    # kth_excluding(H, k, i): the (k+1)-th value for an entry inside the top k, else the k-th
+    inside = h > top[..., k:k + 1]
+    threshold = torch.where(inside, top[..., k:k + 1], top[..., k - 1:k])
+    load = torch.special.ndtr((clean - threshold) / std)
+    return idx[..., :k], gates, dense, load
+
+
+class NoisyTopK(Router):
+    def gate(self, x, gen):
+        clean, noise = self.logits(x, self.weight), self.logits(x, self.w_noise)  # (N, n) each
+        experts, weights, dense, load = _noisy_topk(clean, noise, self.k, self.noise, self.training, gen)
+        aux = cv_squared(dense.sum(0)) + cv_squared(load.sum(0))  # importance, load (eqs. 6-11)
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux
+
+
+class Hierarchical(Router):
+    """Rows [0, a) of W_g / W_noise gate the a groups; rows a + i*b .. a + (i+1)*b gate group i's b experts."""
+
+    def __init__(self, cfg: "MoEConfig", d_model: int):
+        super().__init__(cfg, d_model)
+        self.a = cfg.num_groups
+        self.b = self.n // self.a
+
+    @property
+    def capacity_groups(self) -> int:
+        return 1  # `groups` are the expert groups here
+
+    def gate(self, x, gen):
+        N, a, b, k = x.shape[0], self.a, self.b, self.k
+        clean, noise = self.logits(x, self.weight), self.logits(x, self.w_noise)  # (N, a + n)
+        gi, gp, Gp, load_p = _noisy_topk(clean[:, :a], noise[:, :a], k, self.noise, self.training, gen)  # (N, k)
+        gj, gs, Gs, load_s = _noisy_topk(clean[:, a:].view(N, a, b), noise[:, a:].view(N, a, b), k, self.noise,
+                                         self.training, gen)  # every group's secondary gate: (N, a, k), (N, a, b)
+        pick = gi.unsqueeze(-1).expand(N, k, k)  # [x, p, q] -> the q-th choice inside group gi[x, p]
+        experts = (gi.unsqueeze(-1) * b + gj.gather(1, pick)).flatten(1)  # (N, k*k), primary choice major
+        weights = (gp.unsqueeze(-1) * gs.gather(1, pick)).flatten(1)
+        importance = (Gp.unsqueeze(-1) * Gs).sum(0)  # (a, b), eq. 13
+        member = (Gp > 0).to(load_s.dtype)  # (N, a): x in X^(i)
+        load = load_p.sum(0).unsqueeze(-1) * (member.unsqueeze(-1) * load_s).sum(0) / member.sum(0).clamp(min=1).unsqueeze(-1)  # eq. 14
+        aux = cv_squared(importance.flatten()) + cv_squared(load.flatten())
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux
+
+
+ROUTERS = {"softmax-topk": SoftmaxTopK, "noisy-topk": NoisyTopK, "gshard-top2": GShardTop2,
+           "switch-top1": SwitchTop1, "hierarchical": Hierarchical}
+
+
+@torch.no_grad()
+def init_router_(t: torch.Tensor, cfg: "ModelConfig", gen: torch.Generator) -> None:
+    """Router init by paper: Shazeer's W_g and W_noise start at zero (appendix A); Switch's router
+    draws from a normal truncated at 2 std with std sqrt(0.1 / d_model) (sec. 2.4); others N(0, init_std)."""
+    router = cfg.moe.router
+    if router in ("noisy-topk", "hierarchical"):
+        t.zero_()
+    elif router == "switch-top1":
+        std = math.sqrt(SWITCH_INIT_SCALE / cfg.d_model)
+        t.normal_(0.0, std, generator=gen).clamp_(-2 * std, 2 * std)
+    else:
+        t.normal_(0.0, cfg.init_std, generator=gen)
+
+
+# ---------------------------------------------------------------- experts and the layer
+
+class Expert(nn.Module):
+    """One expert: the block's MLP, SwiGLU w2(silu(w1 x) * w3 x) (llama) or GELU w2(gelu(w1 x)) (gpt2),
+    with dropout on its hidden activations (Switch's expert dropout, sec. 2.4)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool, dropout: float, gated: bool):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w3 = nn.Linear(d_model, d_ff, bias=bias) if gated else None
+        self.w2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.w1(x)) * self.w3(x) if self.w3 is not None else F.gelu(self.w1(x), approximate="tanh")
+        return self.w2(self.dropout(h))
+
+
+class MoE(nn.Module):
+    """The feed-forward layer of an MoE block: (B, T, d) -> (B, T, d). Experts live in a ModuleDict
+    keyed by global expert index, so expert parallelism keeps only its own without renaming any."""
+
+    def __init__(self, cfg: "ModelConfig", layer: int):
+        super().__init__()
+        m = cfg.moe
+        self.num_experts, self.layer = m.num_experts, layer
+        self.router = ROUTERS[m.router](m, cfg.d_model)
+        drop = cfg.dropout if m.expert_dropout is None else m.expert_dropout
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.d_model, cfg.ffn_dim, cfg.use_bias, drop, cfg.arch == "llama")
+                                      for e in range(m.num_experts)})
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.exchange = None  # expert parallelism: (xs, counts, run_local) -> outputs; None = all experts here
+        self.routing_seed: int | None = None  # draw router noise from a generator seeded per forward (seed_routing)
+        self.aux_loss: torch.Tensor | None = None  # of the latest forward; the model adds it to the loss
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        flat = x.reshape(-1, d)  # (N, d)
+        r = self.router(flat, self._generator(x.device))
+        K = r.experts.shape[1]
+        choice = r.routed.flatten().nonzero().squeeze(1)  # routed choices, token-major (id = token * K + j)
+        expert_of = r.experts.flatten()[choice]
+        order = torch.argsort(expert_of, stable=True)  # group by expert; token order within each
+        choice = choice[order]
+        counts = torch.bincount(expert_of[order], minlength=self.num_experts)  # (n,) tokens per expert
+        token = choice // K
+        xs = flat[token]  # (M, d), sorted by expert
+        if self.exchange is None:
+            ys = self.run_local(xs, counts.tolist())
+        else:
+            ys = self.exchange(xs, counts, self.run_local)
+        w = r.weights.flatten()[choice].to(ys.dtype)
+        out = ys.new_zeros(flat.shape[0], d).index_add(0, token, ys * w.unsqueeze(1))  # (N, d); dropped: zero
+        self.aux_loss = r.aux_loss
+        self._record(r, counts)
+        return self.dropout(out.view(x.shape))
+
+    def run_local(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run this module's experts, in key order, on consecutive row blocks of `counts[i]` rows each.
+        Every expert runs, also on zero rows, so every rank builds the same autograd graph (its
+        gradient hooks, and so the collectives they launch, fire in the same order everywhere)."""
+        chunks = xs.split(counts)
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.routing_seed is None:
+            return None  # the default generator (replayed by recomputation's preserve_rng_state)
+        return torch.Generator(device=device).manual_seed(self.routing_seed * 1_000_003 + self.layer)
+
+    @torch.no_grad()
+    def _record(self, r: Routing, counts: torch.Tensor) -> None:
+        """Accumulate the step's statistics (tensors on the device: no synchronization). Skipped in
+        evaluation and when recomputation replays this forward inside backward
+        (`torch._C._current_graph_task_id`, as teratrain.compat.in_backward: models/ does not import it)."""
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return
+        new = {"load": counts.double(), "dropped": (r.attempted - r.routed.sum()).double(),
+               "attempted": r.attempted.double(), "aux_loss": r.aux_loss.detach().double(),
+               "forwards": torch.ones((), dtype=torch.float64, device=counts.device)}
+        for key, value in new.items():
+            self.stats[key] = self.stats[key] + value if key in self.stats else value
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        """This rank's statistics since the last call: load (n,) routed tokens per expert, dropped and
+        attempted choices, summed aux loss and the forwards they came from; then reset."""
+        out, self.stats = self.stats, {}
+        return out
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """(global layer key, MoE) of every MoE block this model holds."""
+    return [(key, block.feed_forward) for key, block in model.layers.items() if isinstance(block.feed_forward, MoE)]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' weighted aux losses of the latest forward (None for a dense model)."""
+    losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack([a.float() for a in losses]).sum() if losses else None
+
+
+def seed_routing(model: nn.Module, seed: int | None) -> None:
+    """Draw every MoE layer's router randomness (noise, random routing) from generators seeded by
+    (seed, layer) at each forward, instead of the default generator: any layout then routes a given
+    micro-batch the same way. None returns to the default generator."""
+    for _, m in moe_layers(model):
+        m.routing_seed = seed
+
+
+def count_moe_block(cfg: "ModelConfig", mlp: int) -> dict[str, int]:
+    """Parameters of one MoE feed-forward layer given one expert's `mlp` count: total (router and
+    every expert) and active (the matmul weights one token multiplies: the router and its experts)."""
+    m = cfg.moe
+    router = len(router_param_names(m)) * router_rows(m) * cfg.d_model
+    return {"total": router + m.num_experts * mlp, "active": router + m.experts_per_token * mlp}

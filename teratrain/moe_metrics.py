@@ -1,0 +1,74 @@
+"""What a mixture-of-experts run reports: per MoE layer and optimizer step, the aux loss, the share of
+routed choices dropped for capacity and the expert load (tokens routed to each expert, over the
+whole global batch) in metrics.jsonl; a load heatmap, `moe_load.png`, at the end of the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from teratrain.metrics import read_metrics
+from teratrain.models.moe import moe_layers
+from teratrain.parallel.comm import all_reduce
+
+
+def step_metrics(model, rt) -> dict:
+    """This step's MoE statistics of every MoE layer this rank holds, summed over the data-parallel
+    ranks (tensor-parallel peers route the same tokens; an expert-parallel rank counts the tokens it
+    routes, wherever their experts live). Collective over dp; {} for a dense model. Resets the layers'
+    counters. Keys: `moe` {layer: {aux_loss, dropped, load}}, `moe_aux_loss` (summed over layers),
+    `moe_dropped` (over all layers)."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    n = layers[0][1].num_experts
+    rows = []
+    for _, layer in layers:
+        s = layer.pop_stats()
+        zero = torch.zeros((), dtype=torch.float64, device=rt.device)
+        rows.append(torch.cat([s.get("load", torch.zeros(n, dtype=torch.float64, device=rt.device)).to(rt.device),
+                               torch.stack([s.get(k, zero).to(rt.device)
+                                            for k in ("dropped", "attempted", "aux_loss", "forwards")])]))
+    table = torch.stack(rows)  # (layers, n + 4)
+    all_reduce(table, rt.dp_group)
+    out, dropped, attempted = {}, 0.0, 0.0
+    for (key, _), row in zip(layers, table.tolist()):
+        d, a, aux, forwards = row[n:]
+        out[f"layers.{key}"] = {"aux_loss": aux / max(forwards, 1), "dropped": d / a if a else 0.0,
+                                "load": [int(x) for x in row[:n]]}
+        dropped, attempted = dropped + d, attempted + a
+    return {"moe": out, "moe_aux_loss": sum(v["aux_loss"] for v in out.values()),
+            "moe_dropped": dropped / attempted if attempted else 0.0}
+
+
+def plot_moe_load(metrics_path: Path, out: Path) -> bool:
+    """moe_load.png: per MoE layer, each expert's share of the routed tokens at every step (a
+    balanced router is an even colour). Returns False when the run logged no MoE statistics."""
+    rows = [r for r in read_metrics(metrics_path) if r.get("moe")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(rows[-1]["moe"])
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 1.2 + 1.6 * len(keys)), squeeze=False, sharex=True)
+    for ax, key in zip(axes[:, 0], keys):
+        load = torch.tensor([r["moe"][key]["load"] for r in rows], dtype=torch.float64)  # (steps, n)
+        share = (load / load.sum(1, keepdim=True).clamp(min=1)).t().numpy()
+        n = share.shape[0]
+        im = ax.imshow(share, aspect="auto", origin="lower", cmap="viridis", vmin=0,
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, n - 0.5), interpolation="nearest")
+        last = rows[-1]["moe"][key]
+        ax.set_title(f"{key}: aux loss {last['aux_loss']:.4g}, {last['dropped']:.1%} of choices dropped "
+                     f"(last step); even share = {1 / n:.3f}", fontsize=9)
+        ax.set_ylabel("expert")
+        fig.colorbar(im, ax=ax, label="share of tokens", pad=0.01)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True

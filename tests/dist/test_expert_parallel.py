@@ -1,0 +1,94 @@
+"""Expert parallelism against one process on the same global batch: fp32, 6 AdamW steps with
+accumulation (2 micro-batches per rank at dp=2) and clipping; ep=2 and ep=4, with ZeRO, with dp > ep
+(expert replicas), with tensor parallelism and with recomputation; top-1 and top-2 routers with and
+without capacity drops, random routing seeded identically on every layout.
+
+Tolerance: 1e-5 relative on every step's loss and on every final parameter tensor (gathered whole,
+all experts), and on the gradients of one plain SGD step (read back as (p0 - p1) / lr)."""
+
+import pytest
+
+from harness import run_ranks
+from layout_workers import GPT2, train_random
+from test_tensor_parallel import TOL, max_rel_diff
+
+MOE = ["model.moe.num_experts=4", "optim.weight_decay=0.0"]
+TOP1 = MOE + ["model.moe.router=switch-top1", "model.moe.capacity_factor=1.0"]  # drops
+TOP1_ALL = MOE + ["model.moe.router=switch-top1", "model.moe.capacity_factor=0"]  # no limit: no drops
+TOP2 = MOE + ["model.moe.router=softmax-topk", "model.moe.capacity_factor=1.0", "model.moe.every=2"]
+TOP2_ALL = MOE + ["model.moe.router=softmax-topk"]
+GSHARD = MOE + ["model.moe.router=gshard-top2", "model.moe.groups=2"]  # random routing, drops
+NOISY = MOE + ["model.moe.router=noisy-topk", "model.moe.capacity_factor=1.0"]
+STEPS = 6
+
+
+def _many(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
+    return [train_random(rank, world, layout, **kw) for layout in layouts]
+
+
+def _compare(layouts: list[list[str]], world: int, **kw) -> list[dict]:
+    runs = run_ranks(_many, world, layouts, kw)[0]
+    refs = {}
+    for layout, got in zip(layouts, runs):
+        same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute")))
+        if same not in refs:
+            refs[same] = train_random(0, 1, list(same), **kw)
+        ref = refs[same]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+        assert loss_err < TOL, f"{layout}: losses differ by {loss_err:.2e}"
+        assert got["params"].keys() == ref["params"].keys()  # every expert, gathered from its rank
+        param_err = max_rel_diff(got["params"], ref["params"])
+        assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+        assert got["moe"]["dropped"] == ref["moe"]["dropped"], f"{layout}: capacity drops differ"
+    return runs
+
+
+def test_ep2_top1_top2_with_and_without_drops_zero_and_recompute():
+    layouts = [lay + ["parallel.ep=2"] for lay in (TOP1, TOP1_ALL, TOP2, TOP2_ALL, GSHARD, NOISY)]
+    layouts += [TOP2 + ["parallel.ep=2", f"parallel.zero={z}"] for z in (1, 2, 3)]
+    layouts += [TOP1 + ["parallel.ep=2", "parallel.zero=3"], GSHARD + ["parallel.ep=2", "memory.recompute=full"]]
+    runs = _compare(layouts, world=2, steps=STEPS, routing_seed=True)
+    drops = [r["moe"]["dropped"] for r in runs[:6]]
+    assert drops[0] > 0 and drops[2] > 0 and drops[4] > 0 and drops[5] > 0, f"drops {drops}: the cases must drop"
+    assert drops[1] == drops[3] == 0
+
+
+def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
+    """ep=4 (one expert per rank), ep=2 at dp=4 (each expert on two replicas: ep_replicas sums), ZeRO-2/3
+    there, and tp=2 x ep=2: megatron (experts split like the MLP, sequence parallel) on llama and gpt2
+    (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole)."""
+    gpt2 = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
+    layouts = [TOP2 + ["parallel.ep=4"], TOP1 + ["parallel.ep=4", "parallel.zero=3"],
+               TOP2 + ["parallel.ep=2"], GSHARD + ["parallel.ep=2", "parallel.zero=2"],
+               TOP2_ALL + ["parallel.ep=2", "parallel.zero=3"],
+               TOP2 + ["parallel.tp=2", "parallel.ep=2"], gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
+               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"]]
+    _compare(layouts, world=4, steps=STEPS, routing_seed=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_router_and_expert_gradients(world):
+    """One SGD step at lr 100 without momentum, decay or clipping: (p0 - p1) / lr is the gradient of
+    the global batch's loss; every expert's and router's equals one process's (not ep times it)."""
+    sgd = ["optim.name=sgd", "optim.lr=100", "optim.momentum=0", "train.grad_clip=0"]
+    layouts = [sgd + TOP2 + [f"parallel.ep={world}"], sgd + TOP1 + ["parallel.ep=2", "parallel.zero=2"]]
+    runs = run_ranks(_many, world, layouts, {"steps": 1})[0]
+    for layout, got in zip(layouts, runs):
+        same = [o for o in layout if not o.startswith("parallel.")]
+        p0, p1 = train_random(0, 1, same, steps=0)["params"], train_random(0, 1, same, steps=1)["params"]
+        grad = {k: (p0[k] - got["params"][k]) / 100 for k in p0 if ".router." in k or ".experts." in k}
+        ref = {k: (p0[k] - p1[k]) / 100 for k in grad}
+        assert any(".experts.3." in k for k in grad) and any(".router." in k for k in grad)
+        err = max_rel_diff(grad, ref, floor=1e-6)
+        assert err < TOL, f"{layout}: gradients differ by {err:.2e}"
+
+
+def test_experts_without_tokens_on_some_ranks():
+    """8 experts, top-1, one 4-token sequence per micro-batch: many experts receive no token on a rank
+    at some step; every rank still issues the same collectives (no hang) and the result equals one
+    process's. SGD: with 4-token micro-batches many gradients are near zero, whose rounding AdamW
+    would scale up to lr-sized steps (see test_zero_parity.py)."""
+    starve = ["model.moe.num_experts=8", "model.moe.router=switch-top1", "model.moe.capacity_factor=0",
+              "model.seq_len=4", "train.micro_batch=1", "optim.name=sgd", "optim.lr=0.05"]
+    runs = _compare([starve + ["parallel.ep=2"], starve + ["parallel.ep=2", "parallel.zero=2"]], world=2, steps=3)
+    assert all(r["moe"]["idle_experts"] > 0 for r in runs)

@@ -1,0 +1,329 @@
+"""Mixture-of-experts routers against written-out references of their papers' equations (per-token
+loops on fixed inputs, in fp64), the layer's output against its definition, and gradients through
+the router (autograd against finite differences)."""
+
+import math
+
+import pytest
+import torch
+
+from teratrain.config import ConfigError
+from teratrain.models import moe
+from teratrain.models.transformer import build_model, count_params
+from tests.helpers import make_config, model_config
+
+N, D = 12, 6  # tokens, width
+
+
+def layer(n=4, router="softmax-topk", seed=0, **keys) -> moe.MoE:
+    """An MoE layer in fp64 (router too) with a random router (the noisy routers' zero init would tie
+    every gate)."""
+    cfg = model_config(d_model=D, n_heads=3, n_kv_heads=3, d_ff=5,
+                       moe=dict(num_experts=n, router=router, router_dtype="compute", **keys))
+    m = moe.MoE(cfg, layer=0).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    return m
+
+
+def tokens(seed=1) -> torch.Tensor:
+    return torch.randn(N, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def softmax(v: list[float]) -> list[float]:
+    m = max(v)
+    e = [math.exp(a - m) for a in v]
+    return [a / sum(e) for a in e]
+
+
+def logits(W: torch.Tensor, x: torch.Tensor) -> list[list[float]]:
+    return [[sum(W[i, c].item() * x[t, c].item() for c in range(x.shape[1])) for i in range(W.shape[0])]
+            for t in range(x.shape[0])]
+
+
+def ranked(v: list[float]) -> list[int]:
+    return sorted(range(len(v)), key=lambda i: -v[i])
+
+
+def cv2(v: list[float]) -> float:
+    mean = sum(v) / len(v)
+    return sum((a - mean) ** 2 for a in v) / len(v) / (mean ** 2 + 1e-10)
+
+
+def phi(z: float) -> float:
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def check(r: moe.Routing, experts, weights, routed, aux, weight: float):
+    assert r.experts.tolist() == experts
+    kept = r.routed.tolist()
+    assert kept == routed
+    for t in range(N):
+        for j, ok in enumerate(routed[t]):
+            if ok:
+                assert r.weights[t, j].item() == pytest.approx(weights[t][j], rel=1e-12)
+    assert r.aux_loss.item() == pytest.approx(weight * aux, rel=1e-10)
+
+
+def test_softmax_topk_with_capacity():
+    m, x = layer(n=4, router="softmax-topk", capacity_factor=1.0, aux_loss_weight=0.3), tokens()
+    P = [softmax(v) for v in logits(m.router.weight, x)]
+    experts = [ranked(p)[:2] for p in P]
+    weights = [[p[e] / (p[a] + p[b]) for e in (a, b)] for p, (a, b) in zip(P, experts)]
+    cap, used, routed = math.ceil(1.0 * 2 * N / 4), [0] * 4, [[False, False] for _ in range(N)]
+    for j in range(2):  # first choices before second ones, token order within each
+        for t in range(N):
+            routed[t][j] = used[experts[t][j]] < cap
+            used[experts[t][j]] += 1
+    f = [sum(e.count(i) for e in experts) / (2 * N) for i in range(4)]
+    aux = 4 * sum(f[i] * sum(p[i] for p in P) / N for i in range(4))
+    check(m.router(x), experts, weights, routed, aux, 0.3)
+    assert not all(all(r) for r in routed), "the fixed input must overflow some expert"
+
+
+def test_switch_top1_capacity_and_aux():
+    """Fedus et al. eq. 4-5: aux = alpha * n * sum_i f_i P_i; capacity = factor * tokens / experts."""
+    m, x = layer(n=4, router="switch-top1", capacity_factor=1.0, aux_loss_weight=0.01), tokens()
+    P = [softmax(v) for v in logits(m.router.weight, x)]
+    experts = [[ranked(p)[0]] for p in P]
+    cap, used, routed = math.ceil(N / 4), [0] * 4, []
+    for (e,) in experts:
+        routed.append([used[e] < cap])
+        used[e] += 1
+    f = [sum(e == [i] for e in experts) / N for i in range(4)]
+    aux = 4 * sum(f[i] * sum(p[i] for p in P) / N for i in range(4))
+    check(m.router(x), experts, [[p[e]] for p, (e,) in zip(P, experts)], routed, aux, 0.01)
+    assert not all(r[0] for r in routed)
+
+
+def test_gshard_top2_algorithm_1_with_groups_and_random_routing():
+    """Lepikhin et al. Algorithm 1 per local group: capacity 2S/E per group (factor 1), first choices
+    first, the second with probability 2 * g2, aux = 1/E sum_e c_e/S m_e averaged over groups."""
+    E, G = 4, 2
+    m, x = layer(n=E, router="gshard-top2", groups=G, aux_loss_weight=0.1), tokens()
+    m.router.train()
+    rnd = torch.rand(N, generator=torch.Generator().manual_seed(7), dtype=torch.float64).tolist()
+    S = N // G
+    experts, weights, routed, aux = [], [], [], 0.0
+    for g in range(G):
+        gates = [softmax(v) for v in logits(m.router.weight, x[g * S:(g + 1) * S])]
+        C, c, combine = 2 * S // E, [0] * E, {}
+        for s, gs in enumerate(gates):
+            e1, e2 = ranked(gs)[:2]
+            g1, g2 = gs[e1] / (gs[e1] + gs[e2]), gs[e2] / (gs[e1] + gs[e2])
+            experts.append([e1, e2])
+            weights.append([g1, g2])
+            combine[s] = [c[e1] < C, False]
+            c[e1] += 1
+        m_e = [sum(gs[e] for gs in gates) / S for e in range(E)]
+        aux += sum(c[e] / S * m_e[e] for e in range(E)) / E / G
+        for s, gs in enumerate(gates):
+            e2 = experts[g * S + s][1]
+            if 2 * weights[g * S + s][1] > rnd[g * S + s]:
+                combine[s][1] = c[e2] < C
+                c[e2] += 1
+        routed += [combine[s] for s in range(S)]
+    r = m.router(x, torch.Generator().manual_seed(7))
+    check(r, experts, weights, routed, aux, 0.1)
+    assert sum(map(sum, routed)) < 2 * N
+
+
+def _noisy_reference(clean, raw_noise, noise_logits, k):
+    """Shazeer et al. eqs. 3-5 and 8-10 for one token: gates and each expert's Pr(in the top k)."""
+    sd = [math.log1p(math.exp(v)) for v in noise_logits]
+    H = [c + z * s for c, z, s in zip(clean, raw_noise, sd)]
+    top = ranked(H)[:k]
+    g = softmax([H[i] for i in top])
+    G = [0.0] * len(H)
+    for i, v in zip(top, g):
+        G[i] = v
+    load = []
+    for i in range(len(H)):
+        others = sorted((H[j] for j in range(len(H)) if j != i), reverse=True)
+        load.append(phi((clean[i] - others[k - 1]) / sd[i]))  # kth_excluding(H, k, i)
+    return top, g, G, load
+
+
+def test_noisy_topk_importance_and_smooth_load():
+    n, k = 5, 2
+    m, x = layer(n=n, router="noisy-topk", top_k=k, aux_loss_weight=0.2), tokens()
+    m.router.train()
+    z = torch.randn(N, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64).tolist()
+    clean, noise = logits(m.router.weight, x), logits(m.router.w_noise, x)
+    ref = [_noisy_reference(c, zz, nl, k) for c, zz, nl in zip(clean, z, noise)]
+    importance = [sum(G[i] for _, _, G, _ in ref) for i in range(n)]
+    load = [sum(L[i] for _, _, _, L in ref) for i in range(n)]
+    r = m.router(x, torch.Generator().manual_seed(3))
+    check(r, [top for top, *_ in ref], [g for _, g, *_ in ref], [[True] * k] * N, cv2(importance) + cv2(load), 0.2)
+
+
+def test_hierarchical_eqs_12_to_14():
+    a, b, k = 2, 3, 1
+    m, x = layer(n=a * b, router="hierarchical", groups=a, top_k=k, aux_loss_weight=0.5), tokens()
+    m.router.train()
+    gen = torch.Generator().manual_seed(5)
+    z_p = torch.randn(N, a, generator=gen, dtype=torch.float64).tolist()
+    z_s = torch.randn(N, a, b, generator=gen, dtype=torch.float64).tolist()
+    clean, noise = logits(m.router.weight, x), logits(m.router.w_noise, x)
+    experts, weights = [], []
+    imp = [[0.0] * b for _ in range(a)]
+    load_p, load_s, members = [0.0] * a, [[0.0] * b for _ in range(a)], [0] * a
+    for t in range(N):
+        top, g, Gp, Lp = _noisy_reference(clean[t][:a], z_p[t], noise[t][:a], k)
+        sec = [_noisy_reference(clean[t][a + i * b:a + (i + 1) * b], z_s[t][i], noise[t][a + i * b:a + (i + 1) * b], k)
+               for i in range(a)]
+        experts.append([i * b + j for i in top for j in sec[i][0]])
+        weights.append([gi * gj for gi, i in zip(g, top) for gj in sec[i][1]])
+        for i in range(a):
+            load_p[i] += Lp[i]
+            for j in range(b):
+                imp[i][j] += Gp[i] * sec[i][2][j]
+                if Gp[i] > 0:
+                    load_s[i][j] += sec[i][3][j]
+            members[i] += Gp[i] > 0
+    load = [load_p[i] * load_s[i][j] / max(members[i], 1) for i in range(a) for j in range(b)]
+    aux = cv2([v for row in imp for v in row]) + cv2(load)
+    r = m.router(x, torch.Generator().manual_seed(5))
+    check(r, experts, weights, [[True] * k * k] * N, aux, 0.5)
+
+
+@pytest.mark.parametrize("router, keys", [("softmax-topk", dict(capacity_factor=0.75)), ("switch-top1", {}),
+                                          ("gshard-top2", dict(groups=3)), ("noisy-topk", {}),
+                                          ("hierarchical", dict(groups=2, top_k=1))])
+def test_layer_output_is_the_gated_sum_and_dropped_tokens_pass_through(router, keys):
+    m = layer(n=4, router=router, **keys)
+    m.train()
+    m.routing_seed = 11
+    x = tokens().view(3, 4, D)
+    y = m(x).view(N, D)
+    r = m.router(x.view(N, D), m._generator(x.device))
+    for t in range(N):
+        want = sum(r.weights[t, j] * m.experts[str(int(r.experts[t, j]))](x.view(N, D)[t:t + 1])[0]
+                   for j in range(r.experts.shape[1]) if r.routed[t, j])
+        torch.testing.assert_close(y[t], want if torch.is_tensor(want) else torch.zeros(D, dtype=torch.float64))
+    stats = m.pop_stats()
+    assert stats["load"].tolist() == torch.bincount(r.experts[r.routed], minlength=4).double().tolist()
+    assert stats["dropped"].item() == r.attempted.item() - r.routed.sum().item()
+    assert m.pop_stats() == {}
+
+
+@pytest.mark.parametrize("router, keys", [("softmax-topk", dict(capacity_factor=1.0)), ("switch-top1", {}),
+                                          ("gshard-top2", {}), ("noisy-topk", {}),
+                                          ("hierarchical", dict(groups=2, top_k=1))])
+def test_gradients_through_the_router_match_finite_differences(router, keys):
+    """d(sum(y * c) + aux)/d(x, W_g, W_noise) by autograd equals central differences (fp64): the
+    gates, the aux losses and the smooth load carry the router's gradient."""
+    m = layer(n=4, router=router, **keys)
+    m.train()
+    m.routing_seed = 2  # the same noise and random routing at every evaluation
+    x = tokens().view(2, 6, D).requires_grad_()
+    c = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    params = [p for n, p in m.router.named_parameters()]
+
+    def f(x, *ws):
+        with torch.no_grad():
+            for p, w in zip(params, ws):
+                p.copy_(w)
+        return (m(x) * c).sum() + m.aux_loss
+
+    ws = [p.detach().clone().requires_grad_() for p in params]
+    out = (m(x) * c).sum() + m.aux_loss
+    grads = torch.autograd.grad(out, [x] + params)
+    eps = 1e-6
+    for i, (t, g) in enumerate(zip([x] + ws, grads)):
+        flat = t.detach().clone().view(-1)
+        for j in range(0, flat.numel(), max(1, flat.numel() // 7)):
+            args = [x.detach()] + [w.detach() for w in ws]
+            hi, lo = flat.clone(), flat.clone()
+            hi[j] += eps
+            lo[j] -= eps
+            args[i] = hi.view(t.shape)
+            f_hi = f(*args).item()
+            args[i] = lo.view(t.shape)
+            f_lo = f(*args).item()
+            assert g.view(-1)[j].item() == pytest.approx((f_hi - f_lo) / (2 * eps), rel=1e-5, abs=1e-7)
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_model_loss_adds_the_aux_losses_in_training_only():
+    cfg = model_config(moe=dict(num_experts=4, every=2, aux_loss_weight=0.5))
+    model = build_model(cfg, dtype=torch.float64)
+    x = torch.randint(0, 50, (2, 9))
+    model.train()
+    total = model(x[:, :-1], x[:, 1:])
+    aux = model.layers[1].feed_forward.aux_loss
+    model.eval()
+    ce = model(x[:, :-1], x[:, 1:])
+    assert not hasattr(model.layers[0].feed_forward, "router")  # every=2: layers 1, 3, ... hold experts
+    torch.testing.assert_close(total, ce + aux)
+    assert aux.item() > 0
+
+
+@pytest.mark.parametrize("keys", [dict(), dict(router="switch-top1", every=2), dict(router="noisy-topk"),
+                                  dict(router="hierarchical", num_experts=8, top_k=1), dict(arch="gpt2")], ids=str)
+def test_count_params_equals_the_module(keys):
+    arch = keys.pop("arch", "llama")
+    cfg = model_config(arch=arch, moe=dict(num_experts=keys.pop("num_experts", 4), **keys))
+    model = build_model(cfg)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_mixtral_preset_total_and_active_parameters():
+    """Jiang et al. 2024: 46.7B parameters, 12.9B active per token (embeddings included)."""
+    cfg = make_config("model.preset=mixtral-8x7b").model
+    c = count_params(cfg)
+    assert c["total"] == 46_702_792_704
+    assert c["active"] == c["matmul"] + c["embedding"] + (cfg.n_layers * 2 + 1) * cfg.d_model  # + norms
+    assert round(c["active"] / 1e9, 1) == 12.9
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["model.moe.router=switch-top1", "model.moe.top_k=2"], "top_k"),
+    (["model.moe.num_experts=4", "model.moe.top_k=5"], "exceeds"),
+    (["model.moe.num_experts=6", "model.moe.router=hierarchical", "model.moe.groups=4"], "groups"),
+    (["model.moe.noise=0.5"], "noise"),
+    (["model.moe.num_experts=4", "model.moe.every=9"], "every"),
+    (["model.moe.nm_experts=4"], "did you mean 'model.moe.num_experts'"),
+])
+def test_bad_moe_config_is_one_sentence(sets, words):
+    with pytest.raises(ConfigError) as e:
+        make_config(*sets)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_preset_moe_keys_merge_with_given_ones():
+    cfg = make_config("model.preset=mixtral-8x7b", "model.moe.capacity_factor=1.5")
+    assert (cfg.model.moe.num_experts, cfg.model.moe.k, cfg.model.moe.capacity) == (8, 2, 1.5)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["parallel.ep=2"], "needs a mixture-of-experts model"),
+    (["model.preset=moe-tiny", "parallel.ep=3"], "must divide model.moe.num_experts"),
+    (["model.preset=moe-tiny", "parallel.ep=2", "parallel.sync=local-sgd"], "parallel.sync=local-sgd"),
+])
+def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
+    from teratrain.parallel.parallelize import check_supported
+
+    with pytest.raises(ConfigError) as e:
+        check_supported(make_config(*sets))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_expert_major_order():
+    """Rows received by source rank then expert are listed by expert then source rank."""
+    from teratrain.parallel.expert import expert_major
+
+    recv = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 source ranks, 3 local experts
+    # source-major buffer: s0e0 s0e0 s0e2 | s1e0 s1e1 s1e1 s1e1 -> positions 0 1 2 | 3 4 5 6
+    assert expert_major(recv, 7).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert expert_major(torch.zeros(2, 2, dtype=torch.long), 0).tolist() == []
+
+
+def test_moe_under_pipeline_parallelism_is_refused():
+    """A pipeline stage without the head would drop its MoE layers' aux losses: refused until handled."""
+    from teratrain.parallel.expert import check_ep
+
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        check_ep(make_config("model.preset=moe-tiny", "parallel.pp=2"))

@@ -1,0 +1,82 @@
+"""The planner on mixture-of-experts models: total vs active parameters, FLOPs (and so MFU) of the
+active weights only, bytes per rank under expert parallelism, the all-to-all term, and layouts in
+which ep borrows data-parallel ranks."""
+
+import json
+
+import pytest
+
+from teratrain.config import load_config
+from teratrain.models.transformer import count_params
+from teratrain.planner.hardware import GPUS
+from teratrain.planner.inputs import load, shape_of, training_of
+from teratrain.planner.layout import Layout
+from teratrain.planner.search import evaluate, search
+from teratrain.planner.states import model_states
+from teratrain.planner.time import _collective, _link, all_to_all_s, model_flops
+
+H200 = GPUS["h200"]
+
+
+def _shape(*sets: str):
+    cfg = load_config(None, ["model.preset=mixtral-8x7b", "memory.precision=bf16", "model.seq_len=4096", *sets])
+    return shape_of(cfg), training_of(cfg)
+
+
+def test_counts_total_active_and_flops_of_active_weights():
+    shape, _ = _shape()
+    c = shape.counts()
+    assert (round(c["total"] / 1e9, 1), round(c["active"] / 1e9, 1)) == (46.7, 12.9)  # Jiang et al. 2024
+    L, d, T = 32, 4096, 4096
+    per_token = 6 * c["matmul"] + 12 * L * d * T  # PaLM appendix B on the active weights
+    assert model_flops(shape, 1000) == pytest.approx(1000 * per_token)
+    assert c["matmul"] < c["active"] < c["total"]
+
+
+def test_bytes_per_rank_under_ep():
+    """zero=0, bf16 autocast (fp32 params): a rank holds the dense weights and n/ep of each layer's
+    experts; ZeRO shards dense parameters over dp and experts over the dp/ep ranks that hold them."""
+    shape, train = _shape()
+    c = shape.counts()
+    dense = c["total"] - c["expert"]
+    for ep in (1, 2, 8):
+        st = model_states(shape, train, Layout(dp=8, ep=ep))
+        assert st["params"] == (dense + c["expert"] // ep) * 4
+    z3 = model_states(shape, train, Layout(dp=8, ep=2, zero=3))["params"]
+    assert z3 == pytest.approx((dense / 8 + c["expert"] / 2 / 4) * 2, rel=1e-3)
+
+
+def test_all_to_all_term():
+    """4 all-to-alls per MoE layer and micro-batch (dispatch, combine; forward, backward), each moving
+    (ep-1)/ep of micro_batch x T x top_k rows of d in bf16; none at ep=1; half with every=2."""
+    shape, train = _shape()
+    lay = Layout(dp=8, ep=4, micro_batch=2, num_microbatches=3)
+    bw, alpha = _link(H200, 4)
+    one = _collective("all_to_all", 4, 2 * 4096 * 2 * 4096 * 2, bw, alpha)
+    assert all_to_all_s(shape, train, lay, H200) == pytest.approx(one)
+    mem = evaluate(shape, train, lay, H200).memory
+    t = evaluate(shape, train, lay, H200).time
+    assert t.terms["comm_ep_s"] == pytest.approx(3 * 32 * 4 * one)
+    assert evaluate(shape, train, lay.with_(ep=1), H200).time.terms["comm_ep_s"] == 0
+    half, _ = _shape("model.moe.every=2")
+    assert evaluate(half, train, lay, H200).time.terms["comm_ep_s"] == pytest.approx(3 * 16 * 4 * one)
+    assert mem.total > 0
+
+
+def test_search_borrows_ep_from_dp():
+    shape, train = _shape("train.global_batch=64")
+    cands = search(shape, train, 8, H200, {"ep": 4})
+    assert cands and all(c.layout.gpus == 8 and c.layout.dp % 4 == 0 and c.layout.ep == 4 for c in cands)
+    assert {c.layout.ep for c in search(shape, train, 8, H200, {"tp": 1, "pp": 1})} == {1, 2, 4, 8}
+
+
+def test_hf_mixtral_config_becomes_model_moe(tmp_path):
+    hf = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "rope_theta": 1e6,
+          "max_position_embeddings": 32768, "num_local_experts": 8, "num_experts_per_tok": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    cfg, _ = load(str(path), None, [])
+    assert (cfg.model.moe.num_experts, cfg.model.moe.k, cfg.model.moe.router) == (8, 2, "softmax-topk")
+    preset = load_config(None, ["model.preset=mixtral-8x7b"]).model
+    assert count_params(cfg.model)["total"] == count_params(preset)["total"]
