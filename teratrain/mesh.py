@@ -152,7 +152,7 @@ class Mesh:
         """This rank's process group called `name` (None if it holds this rank alone)."""
         if name not in self._groups:
             ranks = self.ranks(name)
-            self._groups[name] = _new_group(ranks) if len(ranks) > 1 else None
+            self._groups[name] = new_group(ranks) if len(ranks) > 1 else None
         return self._groups[name]
 
     def create_standard_groups(self) -> None:
@@ -184,15 +184,35 @@ class Mesh:
             if inside and self.size(name) > 1:
                 self.group(name)
             elif self.dims.workers > 1:
-                _new_group([self.rank])
+                new_group([self.rank])
             out.append(name if inside else None)
         return out
 
 
-def _new_group(ranks: list[int]):
+def new_group(ranks: list[int], local: bool = True, **kwargs):
+    """A process group over `ranks`, made by its members alone (`local`) or by every process of the
+    job together."""
     import torch.distributed as dist
 
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return dist.new_group(ranks, use_local_synchronization=local, **kwargs)
+
+
+def align_group_names() -> None:
+    """Before a second run in the same processes (tests, notebooks): torch names a group its members
+    make alone after its ranks and how many groups the process already holds, and an earlier run in
+    which ranks had different roles (a parameter server, another stage) leaves them holding different
+    numbers, so the same group would get different names on its members and its creation would hang.
+    Every rank pads its count to the largest with groups of itself (never reused names: destroying
+    groups instead would reuse names whose rendezvous keys are still in the store)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    count = torch.tensor([len(c10d._world.pg_names)], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        count = count.cuda()
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    for _ in range(int(count.item()) - len(c10d._world.pg_names)):
+        new_group([dist.get_rank()])
 
 
 @dataclass
@@ -277,7 +297,9 @@ def init_runtime(cfg) -> Runtime:
     if world > 1:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if dist.is_initialized():
+            align_group_names()  # a run before this one in the same processes
+        else:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                                     device_id=device if device.type == "cuda" else None)

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.config import ConfigError
 from teratrain.memory.precision import has_inf_or_nan, make_scaler, param_dtype
+from teratrain.mesh import new_group
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes
 from teratrain.parallel.comm import all_reduce
@@ -100,8 +101,8 @@ def build(model, rt, cfg, init):
     """The engine of this rank: a server, or a worker (materialized here). Collective on all ranks."""
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     ranks = list(range(rt.world))
-    channel = dist.new_group(ranks, timeout=timeout, backend="gloo")
-    servers = dist.new_group(ranks[rt.dims.workers:], timeout=timeout, backend="gloo")
+    channel = new_group(ranks, local=False, timeout=timeout, backend="gloo")
+    servers = new_group(ranks[rt.dims.workers:], local=False, timeout=timeout, backend="gloo")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     owned = assign([p.numel() for _, p in named], rt.dims.num_servers)
     groups = [FlatGroup([named[i][0] for i in o], [named[i][1] for i in o], 1, 0) for o in owned]
