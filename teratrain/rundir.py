@@ -174,8 +174,8 @@ def remove_if_unused(path: Path) -> None:
 
 
 def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Config:
-    """The config a resumed run continues with: the saved `config.toml`, then the config file and
-    `overrides` on top. A new train.steps keeps the schedule's length unless optim.decay_steps is given."""
+    """The config a resumed run continues with: the saved `config.toml` (but parallel.dp, which follows
+    the processes launched), then the config file and `overrides` on top. A new train.steps keeps the schedule's length unless optim.decay_steps is given."""
     saved_path = Path(run_dir) / "config.toml"
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--out {run_dir} is a file; give the folder of the run to resume.")
@@ -184,6 +184,9 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Co
                           "--resume to start one there.")
     base, given = read_toml(saved_path), read_toml(config) if config else {}
     given = apply_overrides(given, overrides)
+    # the saved dp is what the launch gave (train.run records it): a resume at another process count
+    # (resharding) derives its own unless given
+    base = {**base, "parallel": {k: v for k, v in base.get("parallel", {}).items() if k != "dp"}}
     saved, cfg = validate(base), validate(_merge(base, given))
     if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}):
         cfg.optim.decay_steps = saved.schedule_steps

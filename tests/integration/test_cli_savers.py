@@ -20,14 +20,13 @@ def test_sm3_trains_and_resumes_bitwise(cli, tmp_path):
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0  # measured: 8.33 -> ~6.9
     assert [r["loss"] for r in metrics(resumed)] == losses
     a, b = checkpoint_tensors(straight), checkpoint_tensors(resumed)
-    accs = {k: v for k, v in a.items() if ".acc_" in k}
+    accs = {k: v for k, v in a.items() if k.startswith("optim.acc_")}
     assert accs and all(torch.equal(v, b[k]) for k, v in accs.items())
     # (4096, 64) embedding: one accumulator per row and per column, not per entry
-    assert sorted(v.numel() for k, v in accs.items() if k.startswith("optim.0.")) == [64, 4096]
+    assert sorted(v.numel() for k, v in accs.items() if k.endswith("/tok_embeddings.weight")) == [64, 4096]
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["optim.name=sm3", "parallel.zero=1"], ["optim.name=sm3", "parallel.zero"]),
     (["memory.compress_activations=int8", "train.compile=true"], ["memory.compress_activations", "train.compile"]),
     (["memory.compress_activations=int4"], ["memory.compress_activations"]),
 ])
