@@ -28,6 +28,7 @@ from teratrain.checkpoint.io import CheckpointError, find_valid, write_safetenso
 from teratrain.config import ConfigError, load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.fsio import atomic_write_bytes
+from teratrain.memory.lora import merge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -76,7 +77,7 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
         weight_map, total = {}, 0
         for i, keys in enumerate(shards):
             name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {key: _hf_tensor(reader, groups[key], DTYPES[dtype]) for key in keys}
+            tensors = {key: _hf_tensor(reader, groups[key], DTYPES[dtype], cfg.lora.alpha) for key in keys}
             write_safetensors(tmp / name, tensors, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(keys, name))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -116,10 +117,21 @@ def _plan_shards(index: Index, groups: dict, itemsize: int, max_bytes: int) -> l
     return shards
 
 
-def _hf_tensor(reader: Reader, members: list, dtype: torch.dtype) -> torch.Tensor:
-    parts = [reader.read(PARAM, name).to(dtype) for name, _ in members]
+def _hf_tensor(reader: Reader, members: list, dtype: torch.dtype, lora_alpha: float) -> torch.Tensor:
+    parts = [_merged(reader, name, lora_alpha).to(dtype) for name, _ in members]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return t.T.contiguous() if members[0][1].transpose else t
+
+
+def _merged(reader: Reader, name: str, lora_alpha: float) -> torch.Tensor:
+    """A parameter's values, with its LoRA adapters folded in where the checkpoint has them
+    (W + (alpha / r) B A, in fp32: a Hugging Face folder has no adapters)."""
+    w = reader.read(PARAM, name)
+    stem = name[: -len("weight")]
+    if not name.endswith(".weight") or reader.index.info(PARAM, stem + "lora_a") is None:
+        return w
+    return merge({name: w.float(), stem + "lora_a": reader.read(PARAM, stem + "lora_a"),
+                  stem + "lora_b": reader.read(PARAM, stem + "lora_b")}, lora_alpha)[name]
 
 
 def _tokenizer(run_dir: Path, cfg, out: Path) -> None:

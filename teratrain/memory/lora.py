@@ -105,6 +105,6 @@ def merge_from_checkpoint(model: nn.Module, ckpt_dir, alpha: float) -> None:
     from teratrain.checkpoint.consolidate import read_tensors
 
     for name, (a, b) in read_tensors(ckpt_dir, ".lora_a", ".lora_b"):
-        w = model.get_parameter(name + "weight")
+        w = model.get_parameter(name + ".weight")
         w += ((alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
 

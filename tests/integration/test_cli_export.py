@@ -76,3 +76,23 @@ def test_export_refuses_an_existing_folder(cli, trained_run, tmp_path):
     (tmp_path / "taken" / "x").write_text("x")
     proc = cli("export", "--ckpt", trained_run, "--to", tmp_path / "taken", expect_rc=None, in_process=True)
     assert_user_error(proc, "--to", "already exists")
+
+
+def test_export_of_a_lora_run_folds_the_adapters_in(cli, tmp_path):
+    """W + (alpha / r) B A for every adapted layer: the exported model gives the logits of the trained
+    model with its adapters (generate's merge), not those of the frozen base; generate runs on it."""
+    from safetensors.torch import load_file
+
+    from teratrain.memory.lora import merge_from_checkpoint
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    cli.train(run, "lora.rank=4", "optim.lr=0.01", "optim.warmup_steps=0", "train.eval_batches=0", steps=3)
+    cli("export", "--ckpt", run, "--to", out, in_process=True)
+    cfg = load_config(run / "config.toml")
+    model = our_model(run)
+    base_wq = model.layers["0"].attention.wq.weight.detach().clone()
+    merge_from_checkpoint(model, find_valid(run / "checkpoints")[0], cfg.lora.alpha)
+    assert_same_logits(model, out, 4096)
+    exported = load_file(out / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.allclose(exported, base_wq), "the adapters were not folded in"
+    assert cli("generate", "--ckpt", run, "--prompt", "def ", "--max-new-tokens", 4, in_process=True).stdout
