@@ -41,19 +41,22 @@ def add_export_parser(sub) -> None:
     e.add_argument("--to", required=True, help="folder to create")
     e.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weight dtype (default fp32: the masters)")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="split model.safetensors above this size (GB)")
+    e.add_argument("--merge", action="store_true", help="fold a LoRA run's adapters into the weights "
+                   "(W + alpha/r B A); required for such a run")
     e.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.max_shard_gb <= 0:
         raise ConfigError(f"--max-shard-gb must be positive, got {args.max_shard_gb}; pass e.g. --max-shard-gb 5.")
-    out = export(args.ckpt, args.to, args.dtype, int(args.max_shard_gb * 1e9))
+    out = export(args.ckpt, args.to, args.dtype, int(args.max_shard_gb * 1e9), args.merge)
     print(f"exported {out['checkpoint']} -> {out['folder']} ({out['shards']} shard(s), {out['bytes'] / 1e9:.2f} GB, "
           f"{out['architecture']})")
     return 0
 
 
-def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9) -> dict:
+def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9,
+           merge_lora: bool = False) -> dict:
     from teratrain.generate import _locate  # a run folder or one of its checkpoint folders
 
     run_dir, ckpt_dir = _locate(Path(ckpt))
@@ -62,6 +65,9 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
         raise ConfigError(f"{run_dir} trains a mixture-of-experts model (model.moe.num_experts="
                           f"{cfg.model.moe.num_experts}), which export does not map to Hugging Face weights yet; "
                           "use `teratrain generate --ckpt` on it, or export a dense model.")
+    if cfg.lora.rank and not merge_lora:
+        raise ConfigError(f"{run_dir} trained LoRA adapters (lora.rank={cfg.lora.rank}), which a Hugging Face "
+                          "folder holds only folded into the weights; pass --merge to fold them in.")
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
     dest = Path(to)

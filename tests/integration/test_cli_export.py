@@ -87,7 +87,8 @@ def test_export_of_a_lora_run_folds_the_adapters_in(cli, tmp_path):
 
     run, out = tmp_path / "run", tmp_path / "hf"
     cli.train(run, "lora.rank=4", "optim.lr=0.01", "optim.warmup_steps=0", "train.eval_batches=0", steps=3)
-    cli("export", "--ckpt", run, "--to", out, in_process=True)
+    assert_user_error(cli("export", "--ckpt", run, "--to", out, expect_rc=None, in_process=True), "--merge")
+    cli("export", "--ckpt", run, "--to", out, "--merge", in_process=True)
     cfg = load_config(run / "config.toml")
     model = our_model(run)
     base_wq = model.layers["0"].attention.wq.weight.detach().clone()
