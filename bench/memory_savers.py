@@ -60,16 +60,22 @@ def activation_row(base: list[str], recompute: str, compress: str, mb: int, args
     return row
 
 
-def optimizer_row(base: list[str], name: str, extra: list[str], mb: int, args, dev) -> dict:
-    cfg = config(base + [f"optim.name={name}", *extra])
+def _timed(cfg, mb: int, args, dev):
+    """A fresh engine for `cfg` and its step times on one random micro-batch of `mb` sequences."""
     fresh_memory(dev)
     model, engine = build_engine(cfg, dev)
     x, y = random_batch(cfg, mb, dev)
-    T = cfg.model.seq_len
     times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
                        args.warmup, args.steps, dev)
+    return model, engine, times
+
+
+def optimizer_row(base: list[str], name: str, extra: list[str], mb: int, args, dev) -> dict:
+    cfg = config(base + [f"optim.name={name}", *extra])
+    model, engine, times = _timed(cfg, mb, args, dev)
+    T = cfg.model.seq_len
     live = engine.state_bytes()["optimizer"]  # after the steps: Adafactor creates its state lazily
-    planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), Layout(),
+    planned = model_states(shape_of(cfg), training_of(cfg), Layout(),
                            device=dev.type)["optimizer"]
     opt_s = _optimizer_step_s(engine, args.steps, dev)
     row = {"optimizer": name, "settings": extra, "state_bytes": live, "state_bytes_planned": planned,
@@ -82,13 +88,9 @@ def optimizer_row(base: list[str], name: str, extra: list[str], mb: int, args, d
 def lora_row(sets: list[str], mb: int, args, dev) -> dict:
     """LoRA fine-tuning (memory/lora.py): model-state bytes (live and planned), peak and tokens/s."""
     cfg = config(sets)
-    fresh_memory(dev)
-    model, engine = build_engine(cfg, dev)
-    x, y = random_batch(cfg, mb, dev)
+    model, engine, times = _timed(cfg, mb, args, dev)
     T = cfg.model.seq_len
-    times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
-                       args.warmup, args.steps, dev)
-    planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), Layout(), device=dev.type)
+    planned = model_states(shape_of(cfg), training_of(cfg), Layout(), device=dev.type)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     row = {"settings": sets[-6:], "trainable_params": trainable, "params": count_params(cfg.model)["total"],
            "model_state_bytes": engine.last_state_bytes,

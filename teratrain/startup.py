@@ -34,7 +34,7 @@ def predict(cfg: Config, workers: int, device: torch.device | None = None):
         name = torch.cuda.get_device_name(device).upper()
         gpu = next((g for key, g in GPUS.items() if key.upper() in name), gpu)
         gpu = replace(gpu, memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)
-    shape = shape_of(cfg, {"num_experts": 1, "top_k": 1})
+    shape = shape_of(cfg)
     return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu).memory
 
 

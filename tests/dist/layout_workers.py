@@ -46,6 +46,25 @@ def batches(cfg, steps: int, seed: int = 0):
             for _ in range(steps)]
 
 
+def train_steps(cfg, rt, model, engine, steps: int, start: int = 0) -> list[float]:
+    """Steps start..steps-1 of `batches` with train_step, each rank on its share of the global
+    batch; the mean loss over data-parallel ranks of each step."""
+    from teratrain.optim.engine import train_step
+
+    tc, losses = cfg.train, []
+    per_rank = tc.global_batch // rt.dims.dp
+    lo = rt.dp_rank * per_rank
+    for batch in batches(cfg, steps)[start:]:
+        rows = batch[lo:lo + per_rank]
+        micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
+                 for i in range(0, per_rank, tc.micro_batch)]
+        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
+        loss = loss.clone()
+        all_reduce(loss, rt.dp_group, op=AVG)
+        losses.append(float(loss))
+    return losses
+
+
 def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, freeze: tuple[str, ...] = (),
                  skip_branch: bool = False, routing_seed: bool = False) -> dict:
     """`steps` optimizer steps; returns every step's mean loss and (rank 0) the final whole params.

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import torch
 
-from layout_workers import batches
+from layout_workers import train_steps
 from teratrain.checkpoint.training import restore_training, save_training
 from teratrain.config import load_config
 from teratrain.mesh import init_runtime
 from teratrain.models.protocol import CausalLM
-from teratrain.optim.engine import train_step
-from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import parallelize
 from teratrain.train import seed_everything
 
@@ -52,17 +50,7 @@ def train_own(rank: int, world: int, kind: str, overrides: list[str], steps: int
     model = make(kind, cfg)
     engine = parallelize(model, rt, cfg)
     start = restore_training(Path(resume_from) / "checkpoints", cfg, rt, engine, Path(resume_from)) if resume_from else 0
-    tc, losses = cfg.train, []
-    per_rank = tc.global_batch // rt.dims.dp
-    lo = rt.dp_rank * per_rank
-    for batch in batches(cfg, steps)[start:]:
-        rows = batch[lo:lo + per_rank]
-        micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
-                 for i in range(0, per_rank, tc.micro_batch)]
-        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
-        loss = loss.clone()
-        all_reduce(loss, rt.dp_group, op=AVG)
-        losses.append(float(loss))
+    losses = train_steps(cfg, rt, model, engine, steps, start)
     if save_to:
         save_training(Path(save_to) / "checkpoints", steps, cfg, rt, engine)
     params = engine.full_params()

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import torch
 
-from layout_workers import batches, build
+from layout_workers import build, train_steps
 from teratrain.checkpoint.training import restore_training, save_training
-from teratrain.optim.engine import train_step
-from teratrain.parallel.comm import AVG, all_reduce
 
 CONSTANT = ["optim.schedule=constant", "checkpoint.keep=5"]
 
@@ -25,17 +23,7 @@ def job(rank: int, world: int, overrides: list[str], steps: int, save_to: str | 
     start = restore_training(Path(resume_from) / "checkpoints", cfg, rt, engine, Path(resume_from)) if resume_from else 0
     if save_first:
         save_training(Path(save_first) / "checkpoints", start, cfg, rt, engine)
-    tc, losses = cfg.train, []
-    per_rank = tc.global_batch // rt.dims.dp
-    lo = rt.dp_rank * per_rank
-    for batch in batches(cfg, steps)[start:]:
-        rows = batch[lo:lo + per_rank]
-        micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
-                 for i in range(0, per_rank, tc.micro_batch)]
-        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
-        loss = loss.clone()
-        all_reduce(loss, rt.dp_group, op=AVG)
-        losses.append(float(loss))
+    losses = train_steps(cfg, rt, model, engine, steps, start)
     if save_to:
         save_training(Path(save_to) / "checkpoints", steps, cfg, rt, engine)
     return losses

@@ -90,7 +90,7 @@ def test_planner_bytes_per_stage_equal_live_bytes():
     live = run_ranks(_bytes, 2)
     for i, layout in enumerate(PLANNED):
         cfg = load_config(None, BASE + layout)
-        shape, lay, train = shape_of(cfg, {"num_experts": 1, "top_k": 1}), layout_of(cfg, 2), training_of(cfg)
+        shape, lay, train = shape_of(cfg), layout_of(cfg, 2), training_of(cfg)
         per_param = train.widths(lay.zero, lay.offload).param
         sp = stage_params(shape, lay)
         assert [live[r][i]["params"] for r in (0, 1)] == [sp["first"] * per_param, sp["last"] * per_param], layout

@@ -73,7 +73,7 @@ def test_planner_predicts_tensor_parallel_bytes(world):
     live = run_ranks(_bytes_of_layouts, world, layouts)[0]
     for lay, got in zip(layouts, live):
         cfg = load_config(None, BASE + lay)
-        planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, world),
+        planned = model_states(shape_of(cfg), training_of(cfg), layout_of(cfg, world),
                                device="cpu")
         keys = ("params", "grads", "optimizer")
         assert {k: got[k] for k in keys} == {k: planned[k] for k in keys}, lay

@@ -65,11 +65,11 @@ def test_planner_counts_lora_states(sets):
     cfg, model, engine = built(*LORA, *sets)
     b = tokens(1)[0]
     train_step(model, engine, [(b[:, :-1], b[:, 1:])], cfg.memory.precision, 0.01)
-    planned = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(cfg), layout_of(cfg, 1), device="cpu")
+    planned = model_states(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), device="cpu")
     live = engine.last_state_bytes
     assert {k: live[k] for k in ("params", "grads", "optimizer")} == {k: planned[k] for k in ("params", "grads", "optimizer")}
     if "lora.base_dtype=bf16" in sets:
         assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
-    full = model_states(shape_of(cfg, {"num_experts": 1, "top_k": 1}), training_of(load_config(None, SMALL + sets)),
+    full = model_states(shape_of(cfg), training_of(load_config(None, SMALL + sets)),
                         layout_of(cfg, 1), device="cpu")
     assert planned["optimizer"] < full["optimizer"] / 10  # model states shrink to the adapters
