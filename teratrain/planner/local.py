@@ -1,7 +1,7 @@
 """The parameters one rank holds, exactly as the engines see them: the model built on the meta device
-(no memory) and split by the real `apply_pipeline`, `apply_tp` and `apply_ep`, so the planner's byte counts follow
-every rule of the transform (vocabulary padding, replicated key/value heads, which gradients are
-partial) without restating them. No process group is created: the mesh is only asked for names."""
+(no memory) and split by the real `apply_pipeline`, `apply_tp` and `apply_ep`, so the planner's byte
+counts follow every rule of the transforms (vocabulary padding, replicated key/value heads, which
+gradients are partial, which experts a rank keeps) without restating them. No process group is created: the mesh is only asked for names."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
                   stage_rank: int = 0, ep: int = 1) -> tuple[LocalTensor, ...]:
     """The parameters of the rank at pipeline coordinate `stage_rank` and tensor-parallel and
     data-parallel coordinate 0, in registration order (every tp rank holds the same shapes: the last
-    vocabulary piece is padded; every ep rank as many experts). `lora` = Training.lora (rank, alpha, targets, dropout, base dtype), or () without
-    adapters. Pipeline stages hold equal block counts (parallel.partition=layers)."""
+    vocabulary piece is padded; every ep rank as many experts). `lora` = Training.lora (rank, alpha,
+    targets, dropout, base dtype), or () without adapters. Pipeline stages hold equal block counts (parallel.partition=layers)."""
     from teratrain.memory.lora import apply_lora
     from teratrain.mesh import Mesh, ParallelDims, Runtime
     from teratrain.models.transformer import Transformer

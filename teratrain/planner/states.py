@@ -102,6 +102,8 @@ def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) 
                 "layers": len(keys), "experts": sum(experts)}
     p = ceil_div(shape.bare_params, lay.tp * lay.pp)
     return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0}
+
+
 @dataclass(frozen=True)
 class _Sized:
     """A parameter as FlatGroup sees it, for layouts the planner approximates (1-D, trainable)."""
@@ -165,7 +167,8 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
                   "padded": sum(g.padded for g in trained), "all_shard": sum(g.shard_numel for g in groups),
                   "all_padded": sum(g.padded for g in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
-                  "block": max(blocks), "blocks": len(blocks), "root": units.get(None, 0) if zero3 and len(units) > 1 else sums[-1]}.items())
+                  "block": max(blocks), "blocks": len(blocks),
+                  "root": units.get(None, 0) if zero3 and len(units) > 1 else sums[-1]}.items())
 
 
 def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, sharded: bool) -> int:
