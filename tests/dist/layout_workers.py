@@ -47,10 +47,9 @@ def batches(cfg, steps: int, seed: int = 0):
 
 
 def train_steps(cfg, rt, model, engine, steps: int, start: int = 0) -> list[float]:
-    """Steps start..steps-1 of `batches` with train_step, each rank on its share of the global
-    batch; the mean loss over data-parallel ranks of each step."""
-    from teratrain.optim.engine import train_step
-
+    """Steps start..steps-1 of `batches` (train_step, or the pipeline executor at pp > 1), each rank
+    on its share of the global batch; the mean loss over data-parallel ranks of each step."""
+    run_step = step_runner(model, engine, rt, cfg)
     tc, losses = cfg.train, []
     per_rank = tc.global_batch // rt.dims.dp
     lo = rt.dp_rank * per_rank
@@ -58,7 +57,7 @@ def train_steps(cfg, rt, model, engine, steps: int, start: int = 0) -> list[floa
         rows = batch[lo:lo + per_rank]
         micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
                  for i in range(0, per_rank, tc.micro_batch)]
-        _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
+        _, loss = run_step(micro, cfg.memory.precision, cfg.optim.lr)
         loss = loss.clone()
         all_reduce(loss, rt.dp_group, op=AVG)
         losses.append(float(loss))

@@ -15,9 +15,9 @@ K, N = 3, 6  # save after K steps, continue to N
 TOL = 1e-5
 
 
-def reference() -> list[float]:
+def reference(overrides: list[str] = ()) -> list[float]:
     """The unchanged run: one process, N steps straight."""
-    return job(0, 1, [], N)
+    return job(0, 1, list(overrides), N)
 
 
 def assert_continues(losses: list[float], ref: list[float], what: str) -> None:
@@ -71,3 +71,25 @@ def test_tensor_parallel_to_data_parallel_and_back(tmp_path):
     original = logical_tensors(tp2)
     assert_same_tensors(original, logical_tensors(tp1), "tp=2 saved, resaved at tp=1")
     assert_same_tensors(original, logical_tensors(back), "tp=2 -> tp=1 -> tp=2")
+
+
+MOE = ["model.moe.num_experts=4"]  # softmax-topk without a capacity: routing is deterministic
+
+
+def test_pipeline_and_expert_layouts_reshard(tmp_path):
+    """pp=2 -> pp=1 x dp=2 (the stages' parts meet in one model); an MoE saved with its experts over
+    ep=2 ranks (ZeRO-1) -> ep=1 x dp=2 -> one process; and the tensors resaved are identical."""
+    ref, moe_ref = reference(), reference(MOE)
+    pp2, pp1, ep2, ep1 = (str(tmp_path / x) for x in ("pp2", "pp1", "ep2", "ep1"))
+    got = run_ranks(jobs, 2, [
+        dict(overrides=["parallel.pp=2"], steps=K, save_to=pp2),
+        dict(overrides=[], steps=N, resume_from=pp2, save_first=pp1),
+        dict(overrides=MOE + ["parallel.ep=2", "parallel.zero=1"], steps=K, save_to=ep2),
+        dict(overrides=MOE, steps=N, resume_from=ep2, save_first=ep1)])[0]
+    assert max(abs(x - y) / y for x, y in zip(got[0], ref[:K])) < TOL
+    assert_continues(got[1], ref, "pp=2 -> pp=1 x dp=2")
+    assert max(abs(x - y) / y for x, y in zip(got[2], moe_ref[:K])) < TOL
+    assert_continues(got[3], moe_ref, "ep=2 x dp=2 zero=1 -> ep=1 x dp=2")
+    assert_continues(job(0, 1, MOE, N, resume_from=ep2), moe_ref, "ep=2 x dp=2 -> one process")
+    assert_same_tensors(logical_tensors(pp2), logical_tensors(pp1), "saved at pp=2, resaved at pp=1")
+    assert_same_tensors(logical_tensors(ep2), logical_tensors(ep1), "saved at ep=2, resaved at ep=1")
