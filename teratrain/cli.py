@@ -15,7 +15,8 @@ from pathlib import Path
 
 from teratrain import __version__
 from teratrain.checkpoint import CheckpointError
-from teratrain.config import ConfigError, describe, load_config
+from teratrain.config import ConfigError, load_config
+from teratrain.config_toml import describe
 from teratrain.data.corpus import DataError
 from teratrain.launch import (Stopped, follow_parent, launch, rank, stop_on_signals, stopped_message, under_launcher,
                               write_report)

@@ -15,7 +15,8 @@ from torch import nn
 from teratrain import moe_metrics
 from teratrain.checkpoint.state import seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
-from teratrain.config import Config, ConfigError, load_config, to_toml
+from teratrain.config import Config, ConfigError, load_config
+from teratrain.config_toml import to_toml
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
 from teratrain.memory.precision import autocast

@@ -17,6 +17,7 @@ range (`sub_boxes`): a part row, whole rows, a part row, recursively.
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -133,15 +134,16 @@ def regions(piece: Piece) -> list[tuple[Box, tuple]]:
     return out
 
 
-class PieceSource:
+class PieceSource(abc.ABC):
     """An `init_fn` of given values (parallel/placement.py `init_local_`): it fills any piece of a
     parameter (a tensor-parallel slice, the flat range of it in a ZeRO-3 shard) by reading just that
     region, `region(name, start, stop, global shape)`, of the whole parameter."""
 
     buffers: dict[str, torch.Tensor] | None = None  # buffer values to restore, if the source has them
 
+    @abc.abstractmethod
     def region(self, name: str, start: tuple, stop: tuple, shape: tuple) -> torch.Tensor:
-        raise NotImplementedError
+        """Elements [start, stop) of the parameter `name`, whose global shape is `shape`."""
 
     def __call__(self, t: torch.Tensor, name: str) -> None:
         self.read_piece(t, Placement(name=name, global_shape=tuple(t.shape)))

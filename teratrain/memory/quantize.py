@@ -41,7 +41,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from teratrain.checkpoint.io import CheckpointError, sha256, write_safetensors
-from teratrain.config import Config, load_config, to_toml
+from teratrain.config import Config, load_config
+from teratrain.config_toml import to_toml
 from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
 from teratrain.models.transformer import Transformer
 

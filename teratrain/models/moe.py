@@ -30,6 +30,7 @@ residual connection. Drops are counted (`pop_stats`).
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -102,7 +103,7 @@ def router_param_names(cfg: "MoEConfig") -> list[str]:
     return ["weight", "w_noise"] if cfg.router in ("noisy-topk", "hierarchical") else ["weight"]
 
 
-class Router(nn.Module):
+class Router(nn.Module, abc.ABC):
     """x (N, d) -> Routing. Subclasses implement `gate`; capacity and the aux weight are applied here."""
 
     def __init__(self, cfg: "MoEConfig", d_model: int):
@@ -129,8 +130,9 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.float(), w.float())  # (N, rows)
 
-    def gate(self, x, gen):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def gate(self, x: torch.Tensor, gen: torch.Generator | None):
+        """(experts (N, K), weights (N, K), routed (N, K) bool before capacity, unweighted aux loss)."""
 
 
 class SoftmaxTopK(Router):

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from teratrain.checkpoint.hf_config import model_keys, read_config_json
-from teratrain.config import Config, _toml_value, load_config
+from teratrain.config import Config, load_config
+from teratrain.config_toml import toml_value
 from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.layout import Layout, ModelShape, Training
 
@@ -37,7 +38,7 @@ def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Co
 
 def _literal(v) -> str:
     """A TOML literal for a JSON value (a table: RoPE scaling)."""
-    return _toml_value(v) if isinstance(v, (bool, dict)) else json.dumps(v)
+    return toml_value(v) if isinstance(v, (bool, dict)) else json.dumps(v)
 
 
 def shape_of(cfg: Config, name: str = "") -> ModelShape:

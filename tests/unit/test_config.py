@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from teratrain.config import Config, ConfigError, load_config, to_toml
+from teratrain.config import Config, ConfigError, load_config
+from teratrain.config_toml import to_toml
 from teratrain.models.presets import PRESETS
 from tests.helpers import make_config
 

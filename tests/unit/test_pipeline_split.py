@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from teratrain.config import ConfigError, load_config, to_toml
+from teratrain.config import ConfigError, load_config
+from teratrain.config_toml import to_toml
 from teratrain.mesh import ParallelDims
 from teratrain.models.transformer import Transformer
 from teratrain.parallel.pipeline.split import apply_pipeline, check_split, stage_bounds
