@@ -175,7 +175,9 @@ def remove_if_unused(path: Path) -> None:
 
 def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Config:
     """The config a resumed run continues with: the saved `config.toml` (but parallel.dp, which follows
-    the processes launched), then the config file and `overrides` on top. A new train.steps keeps the schedule's length unless optim.decay_steps is given."""
+    the processes launched, and a saved stage split when the pipeline changes), then the config file
+    and `overrides` on top, nested tables key by key. A new train.steps keeps the schedule's length
+    unless optim.decay_steps is given."""
     saved_path = Path(run_dir) / "config.toml"
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--out {run_dir} is a file; give the folder of the run to resume.")
@@ -187,7 +189,12 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Co
     # the saved dp is what the launch gave (train.run records it): a resume at another process count
     # (resharding) derives its own unless given
     base = {**base, "parallel": {k: v for k, v in base.get("parallel", {}).items() if k != "dp"}}
-    saved, cfg = validate(base), validate(_merge(base, given))
+    saved, merged = validate(base), _merge(base, given)
+    merged["parallel"] = p = dict(merged.get("parallel", {}))
+    if "stage_layers" not in given.get("parallel", {}) and \
+            (p.get("pp"), p.get("virtual_stages")) != (saved.parallel.pp, saved.parallel.virtual_stages):
+        p.pop("stage_layers", None)  # a split of the old stages (resharding to another pp)
+    cfg = validate(merged)
     if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}):
         cfg.optim.decay_steps = saved.schedule_steps
     return cfg
@@ -204,14 +211,20 @@ def changes(old: dict, new: Config) -> list[str]:
 
 
 def _merge(base: dict, top: dict) -> dict:
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for section, values in top.items():
-        if isinstance(values, dict) and isinstance(out.get(section), dict):
-            out[section].update(values)
-        else:
-            out[section] = values
+    """`top` over `base`, tables merged key by key at every depth (a [model.moe] key given alone keeps
+    the saved table's others)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
-def _flat(raw: dict[str, Any]) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, values in raw.items() if isinstance(values, dict) for k, v in values.items()}
+def _flat(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf of the tables in `raw` (model.moe.top_k)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        elif prefix:
+            out[prefix + key] = value
+    return out

@@ -45,7 +45,9 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
     check_batch(cfg, rt.dims.dp)
     run_dir = agree_run_dir(out, resume, rt)
     if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
-        cfg.parallel.stage_layers = load_config(run_dir / "config.toml").parallel.stage_layers  # a profiled split
+        saved = load_config(run_dir / "config.toml").parallel  # a profiled split, kept for the same stages
+        if (saved.pp, saved.virtual_stages) == (cfg.parallel.pp, cfg.parallel.virtual_stages):
+            cfg.parallel.stage_layers = saved.stage_layers
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values

@@ -28,9 +28,9 @@ from teratrain.checkpoint.io import CheckpointError, find_valid, write_safetenso
 from teratrain.config import ConfigError, load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.fsio import atomic_write_bytes
-from teratrain.memory.lora import merge
+from teratrain.memory.lora import fold
+from teratrain.memory.precision import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -136,8 +136,7 @@ def _merged(reader: Reader, name: str, lora_alpha: float) -> torch.Tensor:
     stem = name[: -len("weight")]
     if not name.endswith(".weight") or reader.index.info(PARAM, stem + "lora_a") is None:
         return w
-    return merge({name: w.float(), stem + "lora_a": reader.read(PARAM, stem + "lora_a"),
-                  stem + "lora_b": reader.read(PARAM, stem + "lora_b")}, lora_alpha)[name]
+    return fold(w.float(), reader.read(PARAM, stem + "lora_a"), reader.read(PARAM, stem + "lora_b"), lora_alpha)
 
 
 def _tokenizer(run_dir: Path, cfg, out: Path) -> None:

@@ -120,19 +120,20 @@ class Reader:
     def plan(self, e: Entry) -> list[Copy]:
         """The copies that fill `e` from the stored pieces; CheckpointError unless they cover it exactly."""
         want, copies, covered = e.piece, [], 0
-        if self.index.info(e.kind, want.name) is None:
+        info = self.index.info(e.kind, want.name)
+        if info is None:
             raise CheckpointError(f"{self.index.dir.name} has no {e.logical}; it was written for another model.")
-        if tuple(self.index.info(e.kind, want.name)["shape"]) != want.shape:
-            raise CheckpointError(f"{self.index.dir.name}: {e.logical} has shape "
-                                  f"{self.index.info(e.kind, want.name)['shape']}, this run needs {list(want.shape)}.")
+        if tuple(info["shape"]) != want.shape:
+            raise CheckpointError(f"{self.index.dir.name}: {e.logical} has shape {info['shape']}, this run needs "
+                                  f"{list(want.shape)}.")
+        wanted = want.sub_boxes()
         for s in self.index.stored(e.kind, want.name, e.replica):
-            self._check_key(s, e)
-            for dst in want.sub_boxes():
-                for src in s.piece.sub_boxes():
-                    region = overlap(dst[0], dst[1], src[0], src[1], want.shape)
-                    if region:
-                        copies.append(Copy(s, src, dst, region))
-                        covered += math.prod(b - a for a, b in zip(*region))
+            found = [Copy(s, src, dst, region) for dst in wanted for src in s.piece.sub_boxes()
+                     if (region := overlap(dst[0], dst[1], src[0], src[1], want.shape))]
+            if found:  # only the files this rank reads are opened and checked
+                self._check_key(s, e)
+            copies += found
+            covered += sum(math.prod(b - a for a, b in zip(*c.region)) for c in found)
         if covered != want.in_bounds():
             raise CheckpointError(f"{self.index.dir.name}: the index covers {covered} of the {want.in_bounds()} "
                                   f"elements of {e.logical} this rank needs (a wrong or partial index).")

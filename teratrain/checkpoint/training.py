@@ -35,7 +35,7 @@ from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.pieces import Piece
 from teratrain.checkpoint.state import rng_state, seed_everything, set_rng_state
 from teratrain.config import Config, ConfigError, validate
-from teratrain.parallel.comm import any_rank_false, gather_objects
+from teratrain.parallel.comm import all_gather_objects, any_rank_false
 
 
 def save_training(root: Path, step: int, cfg: Config, rt, engine) -> Path:
@@ -71,7 +71,7 @@ def first_copies(entries: list[Entry], rt) -> list[Entry]:
     """Drop the pieces a lower rank also holds (identical copies: data-parallel replicas, tensors
     tied across tp ranks, replicated key/value heads), so each element is written once."""
     ids = [_identity(e) for e in entries]
-    everyone = gather_objects(ids, rt.world_group)
+    everyone = all_gather_objects(ids, rt.world_group)
     lower = set().union(*everyone[:rt.rank])
     return [e for e, i in zip(entries, ids) if i not in lower]
 

@@ -86,15 +86,19 @@ class LoraInit:
 
 
 @torch.no_grad()
+def fold(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """W + (alpha / r) B A, computed in fp32, in W's dtype."""
+    return (w.float() + (alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
+
+
+@torch.no_grad()
 def merge(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """Whole weights by name with adapters folded in: W <- W + (alpha / r) B A, adapters dropped."""
+    """Whole weights by name with adapters folded in (`fold`), adapters dropped."""
     out = {k: v for k, v in weights.items() if not k.endswith(ADAPTERS)}
     for name, a in weights.items():
         if name.endswith(".lora_a"):
             stem = name[: -len("lora_a")]
-            b = weights[stem + "lora_b"]
-            w = out[stem + "weight"]
-            out[stem + "weight"] = (w.float() + (alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
+            out[stem + "weight"] = fold(out[stem + "weight"], a, weights[stem + "lora_b"], alpha)
     return out
 
 
@@ -106,5 +110,5 @@ def merge_from_checkpoint(model: nn.Module, ckpt_dir, alpha: float) -> None:
 
     for name, (a, b) in read_tensors(ckpt_dir, ".lora_a", ".lora_b"):
         w = model.get_parameter(name + ".weight")
-        w += ((alpha / a.shape[0]) * (b.float() @ a.float())).to(w.dtype)
+        w.copy_(fold(w, a, b, alpha))
 

@@ -216,9 +216,8 @@ def count_params(cfg: "ModelConfig") -> dict[str, int]:
     layer = moe.count_moe_block(cfg, mlp) if n_moe else {"total": mlp, "active": mlp}
     total += n_moe * (layer["total"] - mlp)
     matmul += n_moe * (layer["active"] - mlp)
-    skipped = n_moe * (cfg.moe.num_experts - cfg.moe.experts_per_token) * mlp
     return {"total": total, "embedding": emb + pos, "matmul": matmul, "per_block": block,
-            "expert": n_moe * cfg.moe.num_experts * mlp, "active": total - skipped}
+            "expert": n_moe * cfg.moe.num_experts * mlp, "active": total - n_moe * (layer["total"] - layer["active"])}
 
 
 def flops_per_token(cfg: "ModelConfig", seq_len: int | None = None) -> float:

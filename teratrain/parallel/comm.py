@@ -103,16 +103,6 @@ def broadcast_object(obj, group):
     return box[0]
 
 
-def gather_objects(obj, group) -> list:
-    """Every rank's picklable `obj`, in rank order, on every rank of `group` (small control values,
-    e.g. which checkpoint pieces each rank holds)."""
-    if group_size(group) == 1:
-        return [obj]
-    out = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 # ---------------------------------------------------------------- autograd-aware collectives
 # Megatron-LM's tensor-parallel communication (Shoeybi et al. 2019, sec. 3; Korthikanti et al.
 # 2022 for the sequence-parallel pair). Each says what runs forward and what runs backward; `group`

@@ -143,9 +143,9 @@ def build_engine(model: nn.Module, rt, cfg, init=None):
         return ZeroEngine(model, cfg, rt, init)
     materialize(model, rt.device, init)
     if cfg.lora.rank and cfg.lora.base_dtype == "bf16":  # frozen weights stored in half the bytes
-        for p in model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(torch.bfloat16)
+        for q in model.parameters():
+            if not q.requires_grad:
+                q.data = q.data.to(torch.bfloat16)
     if rt.dims.workers == 1:  # one process: local SGD and all-reduce both reduce to the plain update
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
     if p.sync == "local-sgd":

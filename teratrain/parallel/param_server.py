@@ -58,7 +58,7 @@ from teratrain.mesh import new_group
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, clip_, sum_sq, tensor_bytes
 from teratrain.parallel.comm import all_reduce
-from teratrain.parallel.flat import FlatGroup
+from teratrain.parallel.flat import FlatGroup, deal
 from teratrain.parallel.placement import init_local_, materialize, placement
 
 # Both ends of the protocol live in this one file (past the ~300-line aim) so that every message's
@@ -85,16 +85,11 @@ class PSStats(StepStats):
 
 def assign(numels: list[int], num_servers: int) -> list[list[int]]:
     """Parameter indices per server: largest first onto the least-loaded server (LPT scheduling,
-    within 4/3 of the best balance), ties by index, so every rank derives the same split."""
+    within 4/3 of the best balance; flat.deal), ties by index, so every rank derives the same split."""
     if num_servers > len(numels):
         raise ConfigError(f"parallel.num_servers={num_servers} exceeds the model's {len(numels)} parameter tensors "
                           f"(servers own whole tensors); set parallel.num_servers <= {len(numels)}.")
-    load, owned = [0] * num_servers, [[] for _ in range(num_servers)]
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        s = min(range(num_servers), key=lambda s: (load[s], s))
-        owned[s].append(i)
-        load[s] += numels[i]
-    return [sorted(o) for o in owned]
+    return deal(numels, num_servers)
 
 
 def build(model, rt, cfg, init):

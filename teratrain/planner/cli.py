@@ -67,7 +67,6 @@ def cmd_plan(args) -> int:
         raise ConfigError(why)
     best = fitting[0]
     advice = _advice(cfg)
-    notes.extend(_runnable_today(best, fitting))
     if args.plot:
         from teratrain.planner.plot import plot_memory, what_if_base
 
@@ -132,25 +131,6 @@ def _default_gpus(fixed: dict) -> int:
     for key in ("dp", "tp", "pp"):  # ep borrows data-parallel ranks
         n *= fixed.get(key, 1)
     return n
-
-
-def _runnable_today(best: Candidate, fitting: list[Candidate]) -> list[str]:
-    """The planner also describes layouts the trainer cannot run yet (pipeline parallelism): then
-    name the fastest fitting layout it can run now."""
-    def runnable(c: Candidate) -> bool:
-        return c.layout.pp == 1
-
-    if runnable(best):
-        return []
-    now = next((c for c in fitting if runnable(c)), None)
-    if now is None:
-        return ["the chosen layout needs pipeline parallelism, which this version of teratrain "
-                "cannot run yet, and no layout without it fits"]
-    lay = now.layout
-    return [f"the chosen layout needs pipeline parallelism, not yet in the trainer; the fastest it "
-            f"runs today: dp={lay.dp} tp={lay.tp} ep={lay.ep} zero={lay.zero} micro_batch={lay.micro_batch} "
-            f"recompute={lay.recompute} offload={lay.offload} ({now.memory.total / 2**30:.1f} GiB, "
-            f"{now.time.step_time_s:.3f} s/step)"]
 
 
 def _name(shape: ModelShape) -> str:

@@ -76,6 +76,21 @@ def _exact(shape: ModelShape, lay: Layout) -> bool:
     return not shape.is_bare
 
 
+@lru_cache(maxsize=4096)
+def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, virtual_stages: int, ep: int) -> tuple:
+    """stage_params of a shaped model, once per distinct layout (the search asks for it per term)."""
+    first = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, 0, ep)
+    last = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, pp - 1, ep)
+    blocks: dict[str, int] = {}
+    for t in first:
+        if t.block is not None:
+            blocks[t.block] = blocks.get(t.block, 0) + t.numel()
+    return tuple({"first": sum(t.numel() for t in first), "last": sum(t.numel() for t in last),
+                  "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
+                  "block": max(blocks.values()), "layers": len(blocks),
+                  "experts": sum(t.numel() for t in first if t.group.startswith("ep_replicas"))}.items())
+
+
 def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller"):
     """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two."""
     lora = train.lora if train else ()
@@ -93,13 +108,8 @@ def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) 
     """Parameters a rank holds: the first and the last pipeline stage (`train` adds LoRA's adapters);
     `block` is the largest block, `experts` the expert parameters (reduced over dp/ep ranks)."""
     if _exact(shape, lay):
-        first, last = _tensors(shape, lay, train, "first"), _tensors(shape, lay, train, "last")
-        keys = [k for k in dict.fromkeys(t.block for t in first) if k is not None]
-        experts = [t.numel() for t in first if t.group.startswith("ep_replicas")]
-        return {"first": sum(t.numel() for t in first), "last": sum(t.numel() for t in last),
-                "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
-                "block": max(sum(t.numel() for t in first if t.block == k) for k in keys),
-                "layers": len(keys), "experts": sum(experts)}
+        return dict(_stage_params(shape, lay.tp, lay.sequence_parallel, lay.tp_form, train.lora if train else (),
+                                  lay.pp, lay.virtual_stages, lay.ep))
     p = ceil_div(shape.bare_params, lay.tp * lay.pp)
     return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0}
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from harness import run_ranks
 from teratrain.checkpoint import find_valid
@@ -17,7 +16,7 @@ from teratrain.generate import generate
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.states import model_states
 from teratrain.train import run
-from workers import TINY, losses, train_many
+from workers import TINY, assert_bitwise_resume, train_many
 
 MOE = TINY + ["model.moe.num_experts=4", "model.moe.router=noisy-topk", "model.moe.capacity_factor=1.0",
               "model.dropout=0.1", "model.moe.expert_dropout=0.2", "parallel.ep=2", "train.steps=8",
@@ -37,13 +36,7 @@ def straight_and_resumed(rank: int, world: int, zero: int, root: str) -> dict:
 def test_resume_consolidate_and_metrics(zero, dist_workdir):
     root = dist_workdir / f"moe-ep2-z{zero}"
     params = run_ranks(straight_and_resumed, 2, zero, str(root))[0]
-    assert losses(root / "straight") == losses(root / "resumed")
-    for rank in range(2):
-        name = f"step_00000008/rank{rank:05d}.safetensors"
-        a = load_file(str(root / "straight" / "checkpoints" / name))
-        b = load_file(str(root / "resumed" / "checkpoints" / name))
-        assert a.keys() == b.keys()
-        assert not [k for k in a if not torch.equal(a[k], b[k])], f"rank {rank}: tensors differ after resume"
+    assert_bitwise_resume(root, 8, 2)
 
     path, _ = find_valid(root / "straight" / "checkpoints")
     weights = full_model(path)

@@ -2,7 +2,6 @@
 planner's per-stage bytes against what each stage holds."""
 
 import torch
-from safetensors.torch import load_file
 
 from harness import run_ranks
 from layout_workers import BASE, build, train_random
@@ -11,7 +10,7 @@ from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.states import model_states, stage_params
 from teratrain.train import run
-from workers import TINY, losses
+from workers import TINY, assert_bitwise_resume
 
 # pp=2 x dp=2, ZeRO-1 sharding a tied embedding held at both ends, dropout on (each rank's RNG is
 # checkpointed); constant lr: a cosine schedule depends on train.steps, which the first half changes
@@ -28,14 +27,7 @@ def straight_and_resumed(rank: int, world: int, root: str) -> None:
 def test_resume_at_pp2_dp2_is_bitwise(dist_workdir):
     root = dist_workdir / "pp-resume"
     run_ranks(straight_and_resumed, 4, str(root))
-    assert losses(root / "straight") == losses(root / "resumed")
-    for rank in range(4):
-        name = f"step_00000006/rank{rank:05d}.safetensors"
-        a = load_file(str(root / "straight" / "checkpoints" / name))
-        b = load_file(str(root / "resumed" / "checkpoints" / name))
-        assert a.keys() == b.keys()
-        diff = [k for k in a if not (a[k] == b[k]).all()]
-        assert not diff, f"rank {rank}: tensors differ after resume: {diff[:5]}"
+    assert_bitwise_resume(root, 6, 4)
     assert (root / "straight" / "pipeline.png").stat().st_size > 10_000
 
 

@@ -24,6 +24,22 @@ def losses(out: str | Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_bitwise_resume(root: str | Path, step: int, world: int) -> None:
+    """`root/straight` and `root/resumed` (stopped and resumed) logged the same losses and wrote the
+    same tensors, bit for bit, into every rank's file of checkpoint `step`."""
+    from safetensors.torch import load_file
+
+    root = Path(root)
+    assert losses(root / "straight") == losses(root / "resumed")
+    for rank in range(world):
+        name = f"step_{step:08d}/rank{rank:05d}.safetensors"
+        a = load_file(str(root / "straight" / "checkpoints" / name))
+        b = load_file(str(root / "resumed" / "checkpoints" / name))
+        assert a.keys() == b.keys()
+        diff = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not diff, f"rank {rank}: tensors differ after resume: {diff[:5]}"
+
+
 def train_one(overrides: list[str], out: str, resume: bool = False) -> dict:
     """Train with the full trainer (`resume` as `--resume` does); return what every parity test compares."""
     summary = run(load_config(None, TINY + overrides), out, resume=resume)

@@ -152,7 +152,7 @@ class _Call:
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
         self.sends = []  # posted send batches: waited for when the list is done
         self.stats = None
-        self.versions = WeightVersions(ex.model, acts, ex.audit) if train and is_async(acts) else None
+        self.versions = WeightVersions(ex.model, acts) if train and is_async(acts) else None
         self.sync_at, self.seed_weight = _update_windows(acts, len(micro))
 
     def run(self) -> None:

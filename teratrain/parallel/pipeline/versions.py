@@ -32,7 +32,7 @@ class _Stashed(torch.autograd.Function):
 
 
 class WeightVersions:
-    def __init__(self, model: nn.Module, acts: tuple[Action, ...], audit: bool = False):
+    def __init__(self, model: nn.Module, acts: tuple[Action, ...]):
         self.named = list(model.named_parameters())
         self.last_use: dict[int, int] = {}
         for i, a in enumerate(acts):
@@ -40,8 +40,6 @@ class WeightVersions:
                 self.last_use[a.version] = i
         self.snaps: dict[int, list[torch.Tensor]] = {}
         self.newest = 0  # the version the parameters hold
-        self.sums: dict[int, float] = {}  # audit: checksum of each version when made
-        self.audit = audit
 
     def made(self, version: int, position: int) -> None:
         """The parameters now hold `version` (the call's start, or right after a STEP): keep a
@@ -49,8 +47,6 @@ class WeightVersions:
         self.newest = version
         if self.last_use.get(version, -1) > position:
             self.snaps[version] = [p.detach().clone() for _, p in self.named]
-            if self.audit:
-                self.sums[version] = checksum(self.snaps[version])
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
         """Every parameter as it was at `version` (by local name), differentiable into the parameter."""
