@@ -87,3 +87,9 @@ def test_lora_under_zero_and_tensor_parallelism():
     layers: B splits with a column-parallel W, A with a row-parallel one; ZeRO-2 and tp=2 on 2 ranks
     equal one process (the issue's cases), and ZeRO-3 with the frozen base sharded."""
     _compare([LORA + ["parallel.zero=2"], LORA + ["parallel.tp=2"], LORA + ["parallel.zero=3"]], world=2)
+
+
+def test_lora_with_a_bf16_base_under_data_parallelism():
+    """lora.base_dtype=bf16 (frozen weights stored in bf16 under bf16 autocast) on the plain
+    data-parallel engine, 2 ranks against one process on the same global batch."""
+    _compare([LORA + ["memory.precision=bf16", "lora.base_dtype=bf16"]], world=2)
