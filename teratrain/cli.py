@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.func(args)
         except BaseException as e:  # noqa: BLE001 - every way out is decided in one place
+            stopping["ending"] = True  # the launcher's SIGTERM must not interrupt the report of `e`
             return _exit_status(e, stopping["signum"])
 
 

@@ -58,11 +58,13 @@ class Stopped(BaseException):
 def stop_on_signals() -> Iterator[dict]:
     """Within the block, the first termination signal raises `Stopped`; later ones are ignored. Yields
     a dict whose "signum" is set once a signal arrived (an error raised while stopping, e.g. by a
-    collective whose peer has exited, is then part of the stop, not a failure of its own)."""
-    state: dict = {"signum": None}
+    collective whose peer has exited, is then part of the stop, not a failure of its own). Once the
+    caller sets "ending" (it is already deciding how the command ends), a signal raises nothing: it
+    would interrupt writing the report of the error being handled."""
+    state: dict = {"signum": None, "ending": False}
 
     def handler(signum, _frame):
-        if state["signum"] is None:
+        if state["signum"] is None and not state["ending"]:
             state["signum"] = signum
             raise Stopped(signum)
 
