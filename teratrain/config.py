@@ -300,7 +300,8 @@ class ParallelConfig(Section):
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="dtype of gradient reduction")
     overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
                                                  "for each one (to measure what the overlap saves)")
-    timeout_s: float = Field(600.0, gt=0.0, description="collective timeout in seconds")
+    timeout_s: float = Field(600.0, gt=0.0, description="seconds a collective or pipeline transfer may wait for its "
+                             "peers; then the job ends with one sentence naming the rank, the operation and its group")
     schedule: Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw"] = Field(
         "1f1b", description="pipeline schedule when pp > 1 (parallel/pipeline/schedules.py; pipedream and "
                             "pipedream-2bw are asynchronous)")

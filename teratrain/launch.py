@@ -131,12 +131,15 @@ def follow_parent() -> None:
     threading.Thread(target=watch, name="teratrain-parent-watch", daemon=True).start()
 
 
-def write_report(kind: str, message: str, exc: BaseException | None = None) -> None:
-    """In a rank under the launcher: leave what ended it for the launcher to report."""
+def write_report(kind: str, message: str, exc: BaseException | None = None, detail: str | None = None) -> None:
+    """In a rank under the launcher: leave what ended it for the launcher to report (`kind`: user,
+    crash, hang or signal; `detail` goes to error.log, as a crash's traceback does)."""
     folder = os.environ.get(REPORTS_ENV)
     if not folder:
         return
     report = {"rank": rank(), "time": time.time(), "kind": kind, "message": message}
+    if detail is not None:
+        report["traceback"] = detail
     if exc is not None and kind == "crash":
         tb = traceback.extract_tb(exc.__traceback__)
         report["where"] = f"{Path(tb[-1].filename).name}:{tb[-1].lineno} in {tb[-1].name}" if tb else ""
@@ -218,6 +221,10 @@ def _summarize(failures: dict, reports: Path, run_dir: Path) -> int:
             print(f"teratrain: error: {first['message']}", file=sys.stderr)
             return 2
         log = _write_tracebacks(errors, run_dir)
+        if first["kind"] == "hang":
+            print(f"teratrain: error: {first['message']}; the other ranks were stopped; every rank's waits and "
+                  f"stacks in {log}", file=sys.stderr)
+            return 1
         print(f"teratrain: error: rank {first['rank']} failed: {first['message']} (at {first['where']}); the other "
               f"ranks were stopped; full traceback in {log}", file=sys.stderr)
         return 1

@@ -122,8 +122,11 @@ class Mesh:
 
     dims: ParallelDims
     rank: int
+    timeout_s: float = 600.0  # parallel.timeout_s: every group's operations are watched for it (inflight.py)
     _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
+    _used: list = field(default_factory=list, repr=False)  # names asked for by a strategy, in order
+    _connected: set = field(default_factory=set, repr=False)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -150,16 +153,44 @@ class Mesh:
 
     def group(self, name: str):
         """This rank's process group called `name` (None if it holds this rank alone)."""
+        if name not in self._used:
+            self._used.append(name)
+        return self._make(name)
+
+    def _make(self, name: str):
         if name not in self._groups:
             ranks = self.ranks(name)
-            self._groups[name] = new_group(ranks) if len(ranks) > 1 else None
+            self._groups[name] = new_group(ranks, name=name, timeout_s=self.timeout_s) if len(ranks) > 1 else None
         return self._groups[name]
 
     def create_standard_groups(self) -> None:
         """Every standard group of this rank (GROUPS, then each `:gather` twin), in one fixed order."""
         for purpose in ("", ":gather"):
             for name in GROUPS:
-                self.group(name + purpose)
+                self._make(name + purpose)
+
+    def spans_stages(self, name: str) -> bool:
+        """Does group `name` hold ranks of several pipeline stages (a tied embedding's `pp_ends`)?"""
+        return len({self.dims.coords(r)["pp"] for r in self.ranks(name)}) > 1
+
+    def connect(self, device: torch.device) -> None:
+        """Set up the communicator of every group a strategy has asked for, now, in the order the
+        groups were created (the same on every member). NCCL sets a communicator up at a group's first
+        operation, and that set-up blocks the host until every member arrives: lazily, from a gradient
+        hook between a backward and the send a peer stage waits for, it deadlocks (ARCHITECTURE.md, NCCL
+        order). gloo connects when a group is made. Each member blocks here only on groups made before
+        this one, so the walk cannot cycle. Idempotent: later calls connect groups asked for since."""
+        if device.type != "cuda":
+            return
+        from teratrain.parallel.comm import all_reduce
+
+        names = sorted((n for n in self._used if n not in self._connected and self._groups.get(n) is not None),
+                       key=lambda n: list(self._groups).index(n))
+        one = torch.zeros(1, device=device)
+        for n in names:
+            all_reduce(one, self._groups[n])
+            torch.cuda.synchronize(device)
+            self._connected.add(n)
 
     def define(self, name: str, key: Callable[[dict[str, int]], object]) -> str:
         """Name a custom group: the workers whose coordinates give the same `key` as this rank's (e.g.
@@ -184,17 +215,21 @@ class Mesh:
             if inside and self.size(name) > 1:
                 self.group(name)
             elif self.dims.workers > 1:
-                new_group([self.rank])
+                new_group([self.rank], name="unused", timeout_s=self.timeout_s)
             out.append(name if inside else None)
         return out
 
 
-def new_group(ranks: list[int], local: bool = True, **kwargs):
+def new_group(ranks: list[int], name: str, timeout_s: float, local: bool = True, **kwargs):
     """A process group over `ranks`, made by its members alone (`local`) or by every process of the
-    job together."""
+    job together. Its description (`name` and ranks) is what a hang report names; torch's own timeout
+    is the backstop behind the watchdog's `timeout_s` (inflight.py)."""
     import torch.distributed as dist
 
-    return dist.new_group(ranks, use_local_synchronization=local, **kwargs)
+    from teratrain.parallel.inflight import backstop_s
+
+    return dist.new_group(ranks, use_local_synchronization=local, timeout=timedelta(seconds=backstop_s(timeout_s)),
+                          group_desc=f"{name} ranks {','.join(map(str, ranks))}", **kwargs)
 
 
 def align_group_names() -> None:
@@ -212,7 +247,7 @@ def align_group_names() -> None:
         count = count.cuda()
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     for _ in range(int(count.item()) - len(c10d._world.pg_names)):
-        new_group([dist.get_rank()])
+        new_group([dist.get_rank()], name="unused", timeout_s=600.0)
 
 
 @dataclass
@@ -271,7 +306,9 @@ class Runtime:
         if self.world > 1:
             import torch.distributed as dist
 
-            dist.barrier()
+            from teratrain.parallel.inflight import blocking
+
+            blocking("barrier", None, dist.barrier)
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -297,13 +334,16 @@ def init_runtime(cfg) -> Runtime:
     if world > 1:
         import torch.distributed as dist
 
+        from teratrain.parallel.inflight import backstop_s, start_watchdog
+
         if dist.is_initialized():
             align_group_names()  # a run before this one in the same processes
         else:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
+            dist.init_process_group(backend, timeout=timedelta(seconds=backstop_s(cfg.parallel.timeout_s)),
                                     device_id=device if device.type == "cuda" else None)
-    mesh = Mesh(dims, rank) if rank < dims.workers else None
+        start_watchdog(cfg.parallel.timeout_s, rank)
+    mesh = Mesh(dims, rank, timeout_s=cfg.parallel.timeout_s) if rank < dims.workers else None
     if mesh is not None and world > 1:
         mesh.create_standard_groups()
     return Runtime(rank=rank, world=world, local_rank=local_rank, device=device, dims=dims, mesh=mesh)

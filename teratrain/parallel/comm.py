@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from teratrain.compat import all_gather_single, reduce_scatter_single
+from teratrain.parallel import inflight
 
 
 SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
@@ -27,15 +28,28 @@ class Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _run(what: str, group, start, async_op: bool):
+    """Launch `start()` (a torch collective with async_op=True) registered with the hang watchdog
+    (inflight.py); return its handle, or wait for it here when `async_op` is False."""
+    handle = inflight.launch(what, group, start)
+    if async_op:
+        return handle
+    handle.wait()
+    return Done()
+
+
 def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=SUM):
     if group_size(group) == 1:  # sum, average and max of one value are the value
         return Done()
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op) or Done()
+    return _run("all-reduce", group, lambda: dist.all_reduce(t, op=op, group=group, async_op=True), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, op=SUM):
@@ -44,7 +58,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
     if group_size(group) == 1:
         out.copy_(inp)
         return Done()
-    return reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op) or Done()
+    return _run("reduce-scatter", group,
+                lambda: reduce_scatter_single(out, inp, op=op, group=group, async_op=True), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
@@ -53,7 +68,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
         if inp.data_ptr() != out.data_ptr():
             out.copy_(inp)
         return Done()
-    return all_gather_single(out, inp, group=group, async_op=async_op) or Done()
+    return _run("all-gather", group, lambda: all_gather_single(out, inp, group=group, async_op=True), async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
@@ -62,8 +77,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     if group_size(group) == 1:
         out.copy_(inp)
         return Done()
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-    return Done()
+    return _run("all-to-all", group,
+                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), False)
 
 
 def any_rank(flag: bool, group, device) -> bool:
@@ -82,7 +97,7 @@ def broadcast(t: torch.Tensor, src: int, group):
     """`t` of global rank `src` on every rank of `group`, in place."""
     if group_size(group) == 1:
         return Done()
-    return dist.broadcast(t, src=src, group=group) or Done()
+    return _run("broadcast", group, lambda: dist.broadcast(t, src=src, group=group, async_op=True), False)
 
 
 def all_gather_objects(obj, group) -> list:
@@ -90,7 +105,7 @@ def all_gather_objects(obj, group) -> list:
     if group_size(group) == 1:
         return [obj]
     out = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    inflight.blocking("all-gather of objects", group, lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
@@ -99,7 +114,7 @@ def broadcast_object(obj, group):
     if group_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
+    inflight.blocking("broadcast of objects", group, lambda: dist.broadcast_object_list(box, src=0, group=group))
     return box[0]
 
 

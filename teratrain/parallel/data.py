@@ -26,6 +26,9 @@ from teratrain.parallel.placement import gather_stages, placement, to_global
 class _Bucket:
     def __init__(self, key, params: list[torch.nn.Parameter], device, mesh):
         self.params, self.group = params, mesh.group(key[0])
+        # Reduced over several pipeline stages (a tied embedding): at the step, once every stage's
+        # backward is over, so no stage waits on it between a backward and a send its peer needs.
+        self.deferred = mesh.spans_stages(key[0])
         self.scale = reduce_scale(mesh, key[0])
         numel = sum(p.numel() for p in params)
         self.flat = torch.zeros(numel, dtype=params[0].dtype, device=device)
@@ -48,7 +51,7 @@ class DataParallelEngine(LocalEngine):
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         for _, p in self.named:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
-        self.order = LaunchOrder(self.buckets, self._launch)
+        self.order = LaunchOrder([b for b in self.buckets if not b.deferred], self._launch)
         self._inflight = []
         # After the all-reduce, gradients are replicated within each group: a norm over the world is
         # needed only when ranks hold different parameters (tensor/pipeline/expert parallelism).
@@ -56,9 +59,9 @@ class DataParallelEngine(LocalEngine):
         self.local_norm = rt.dims.workers == rt.dims.dp and all(b.group == self.mesh.group("dp") for b in self.buckets)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not self._sync:
-            return
         b = self._bucket_of[p]
+        if not self._sync or b.deferred:
+            return
         b.ready += 1
         if b.ready == len(b.params):
             self.order.mark_ready(b)
@@ -84,6 +87,9 @@ class DataParallelEngine(LocalEngine):
             self.order.flush()
 
     def step(self, lr: float):
+        for b in self.buckets:
+            if b.deferred:
+                self._launch(b)
         for item in self._inflight:
             self._complete(item)
         self._inflight = []

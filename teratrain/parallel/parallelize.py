@@ -15,6 +15,8 @@ Order, each with its reason:
 6. data parallel / ZeRO / local SGD / parameter server - outermost: hooks gradients of the final
    parameters and owns the update; it also materializes the meta-device model, so ZeRO-3 never holds
    more than one full block (and a parameter server only the parameters it owns).
+7. connect           - last, once every group is known: each group's communicator is set up in one
+                      order on every rank, never lazily mid-step (mesh.Mesh.connect).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def parallelize(model: nn.Module, rt, cfg):
         model.compile()
     engine = build_engine(model, rt, cfg, init)  # 6
     retie(model, aliases)
+    if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
+        rt.mesh.connect(rt.device)
     return engine
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -94,10 +93,9 @@ def assign(numels: list[int], num_servers: int) -> list[list[int]]:
 
 def build(model, rt, cfg, init):
     """The engine of this rank: a server, or a worker (materialized here). Collective on all ranks."""
-    timeout = timedelta(seconds=cfg.parallel.timeout_s)
-    ranks = list(range(rt.world))
-    channel = new_group(ranks, local=False, timeout=timeout, backend="gloo")
-    servers = new_group(ranks[rt.dims.workers:], local=False, timeout=timeout, backend="gloo")
+    timeout_s, ranks = cfg.parallel.timeout_s, list(range(rt.world))
+    channel = new_group(ranks, "ps_channel", timeout_s, local=False, backend="gloo")
+    servers = new_group(ranks[rt.dims.workers:], "ps_servers", timeout_s, local=False, backend="gloo")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     owned = assign([p.numel() for _, p in named], rt.dims.num_servers)
     groups = [FlatGroup([named[i][0] for i in o], [named[i][1] for i in o], 1, 0) for o in owned]

@@ -69,6 +69,9 @@ class _Group(FlatGroup):
         self.pg, self.gather_pg = mesh.group(pl.group), mesh.group(pl.group + ":gather")
         self.scale, self.placement = reduce_scale(mesh, pl.group), pl  # shared by every member (bucket key)
         self.trainable, self.block = params[0].requires_grad, block
+        # Reduced over several pipeline stages (a tied embedding): only once every stage's backward is
+        # over, at the step, so no stage waits on it between a backward and a send its peer needs.
+        self.deferred = self.trainable and mesh.spans_stages(pl.group)
 
 
 def _key(p: nn.Parameter) -> tuple:
@@ -105,7 +108,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self._acc_view_of = {q: v for g in self.trainable if g.grad_flat is not None for q, v in zip(g.params, g.acc_views)}
         for prm in self._group_of:
             prm.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
-        self.order = LaunchOrder(self.trainable, self._launch)
+        self.order = LaunchOrder([g for g in self.trainable if not g.deferred], self._launch)
         if self.stage == 3:
             self._install_gather_hooks()
         self._pending = []
@@ -157,7 +160,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         if not g.trainable:
             return
         g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=self.device)
-        if self.stage == 1:  # fp32 accumulation: p.grad is a view when params are fp32, else added in by the hook
+        if self.stage == 1 or g.deferred:  # fp32 accumulation: p.grad is a view when params are fp32, else added in
             g.grad_flat = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
             g.acc_views = g.views(g.grad_flat)
             if self.compute_dtype == torch.float32:
@@ -189,11 +192,11 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     # ------------------------------------------------------------------ backward side
     def _on_grad(self, prm: nn.Parameter) -> None:
         g = self._group_of[prm]
-        if self.stage == 1:
+        if g.grad_flat is not None:  # stage 1, or reduced at the step (deferred)
             if self.compute_dtype != torch.float32:  # low-precision grad: add it into the fp32 buffer
                 self._acc_view_of[prm].add_(prm.grad)
                 prm.grad = None
-            if not self._sync:  # full grads stay local across micro-steps; reduce once per step
+            if g.deferred or not self._sync:  # full grads stay local across micro-steps; reduce once per step
                 return
         g.ready += 1
         if g.ready == len(g.params):
@@ -201,7 +204,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     def _launch(self, g: _Group) -> None:
         g.ready = 0
-        if self.stage == 1:
+        if g.grad_flat is not None:
             self._reduce(g, g.grad_flat)
         else:
             self._reduce_grads(g)
@@ -255,6 +258,9 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float) -> StepStats:
+        for g in self.trainable:
+            if g.deferred:  # every stage's backward is over: reduce across stages now
+                self._launch(g)
         self._drain()
         if self.stage == 3:
             self._release_all()  # frozen groups whose block saw no backward

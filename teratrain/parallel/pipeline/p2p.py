@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from teratrain.parallel import inflight
+
 
 def link_name(src: int, dst: int) -> str:
     return f"pp_link{src}to{dst}"
@@ -50,22 +52,24 @@ class Links:
             group, global_peer = self.groups[link]
             by_link.setdefault(link, []).append(dist.P2POp(dist.isend if send else dist.irecv, t, global_peer, group))
         sends, recvs = [], []
-        for (src, _), batch in by_link.items():
-            posted = Batch(dist.batch_isend_irecv(batch), [op.tensor for op in batch])
+        for (src, dst), batch in by_link.items():
+            group, peer = self.groups[(src, dst)]
+            what = f"send to rank {peer}" if src == self.me else f"receive from rank {peer}"
+            posted = Batch(inflight.launch(what, group, lambda b=batch: dist.batch_isend_irecv(b)),
+                           [op.tensor for op in batch])
             (sends if src == self.me else recvs).append(posted)
         return sends, recvs
 
 
 class Batch:
-    """The works of one posted batch (NCCL coalesces a batch into one work, gloo keeps one per op)."""
+    """One posted batch (tracked by the hang watchdog, inflight.py) and its tensors."""
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]):
-        self.works, self.tensors = works, tensors  # a sent tensor must live until its send is over
+    def __init__(self, handle: "inflight.Handle", tensors: list[torch.Tensor]):
+        self.handle, self.tensors = handle, tensors  # a sent tensor must live until its send is over
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+        self.handle.wait()
 
     def done(self) -> bool:
         """Finished (never blocks)."""
-        return all(w.is_completed() for w in self.works)
+        return self.handle.is_completed()

@@ -58,7 +58,9 @@ def step_runner(model, engine, rt, cfg, run_dir: str | Path | None = None):
     executor (which also writes `pipeline.png` into `run_dir` when given)."""
     if rt.dims.pp == 1:
         return LocalSteps(model, engine)
-    return PipelineExecutor(model, engine, rt, cfg, run_dir)
+    executor = PipelineExecutor(model, engine, rt, cfg, run_dir)
+    rt.mesh.connect(rt.device)  # the pipeline group, before its first use at the end of a step
+    return executor
 
 
 class PipelineExecutor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from teratrain.parallel.pipeline.actions import COMPUTE, STEP, Action
+from teratrain.parallel.pipeline.actions import B, COMPUTE, F, STEP, Action
 
 
 class _Stashed(torch.autograd.Function):
@@ -72,3 +72,31 @@ def checksum(tensors) -> float:
 
 def is_async(acts: tuple[Action, ...]) -> bool:
     return any(a.kind == STEP for a in acts)
+
+
+def audit(records: list[dict], simulated_peak: int) -> list[str]:
+    """What breaks weight stashing in an executor's audit records (PipelineExecutor(audit=True)), for
+    any asynchronous schedule: a forward or backward that did not use the very tensors of the version
+    it names (the parameters right after the STEP that made it), a micro-batch whose backward used
+    other weights than its forward, a forward never followed by its backward, or more versions held
+    at once than the simulator predicts. Empty when all is well (first 10 problems otherwise)."""
+    problems = []
+    held = max((r["alive"] for r in records), default=simulated_peak)
+    if held != simulated_peak:
+        problems.append(f"held {held} weight versions at once, the simulator says {simulated_peak}")
+    for call in sorted({r["call"] for r in records}):
+        recs = [r for r in records if r["call"] == call]
+        made = {r["version"]: r["sum"] for r in recs if r["kind"] in ("START", STEP)}
+        forwards = {}
+        for r in recs:
+            if r["kind"] not in (F, B):
+                continue
+            where = f"call {call} rank {r['rank']} {r['kind']}(mb={r['mb']})"
+            if r["sum"] != made.get(r["version"]):
+                problems.append(f"{where} did not use version {r['version']}'s weights")
+            if r["kind"] == F:
+                forwards[r["mb"]] = r
+            elif (f := forwards.pop(r["mb"], None)) is None or (f["version"], f["sum"]) != (r["version"], r["sum"]):
+                problems.append(f"{where} used other weights than its forward")
+        problems += [f"call {call}: forward of mb {mb} had no backward" for mb in sorted(forwards)]
+    return problems[:10]

@@ -1,0 +1,328 @@
+"""The layout matrix: every strategy and every composition that fits the GPUs of one machine, each
+against one GPU on the same global batch, under NCCL, in one command and one JSON.
+
+    python bench/layouts.py --gpus 2 --tokens data.bin --out results/layouts_2gpu.json
+    python bench/layouts.py --smoke                   # 2 CPU processes over gloo, tiny shapes
+
+For each layout: fp32 for `--fp32-steps` steps (TF32 off: every step's loss within 1e-4 relative of
+one GPU's) and bf16 for `--bf16-steps` steps (within 2e-2), then bf16 tokens/s, MFU and the peak
+memory of the fullest rank. Asynchronous schedules (pipedream, pipedream-2bw) compute another
+function than one GPU does: they are checked against their own semantics instead (every forward and
+its backward use one weight version, versions are the parameters a STEP left, never more held than
+the simulator says: versions.audit) and their loss must fall.
+
+Every layout runs in the same worker processes (one torchrun job: starting a job per layout would
+cost more than the runs), through what `teratrain train` runs each step: `parallelize` and the
+step runner (`train_step`, or the pipeline executor), fed by the trainer's `Batches` from a token
+file (`--tokens`, uint16 ids below the vocabulary, e.g. written by `teratrain train`'s data cache);
+the one-GPU reference runs on every rank's own GPU as a world of one. NVLink multicast stays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+FP32_TOL, BF16_TOL = 1e-4, 2e-2
+# issue 18's shape: llama-1b width, 8 layers, 32k vocabulary; global batch 8 in micro-batches of 2
+MODEL = ["model.preset=llama-1b", "model.vocab_size=32000", "model.n_layers=8", "model.seq_len=2048"]
+SMOKE = ["model.preset=llama-1b", "model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.d_ff=128", "model.vocab_size=512", "model.seq_len=32"]
+SMALL = ["model.preset=llama-1b", "model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4",
+         "model.d_ff=512", "model.vocab_size=1024", "model.seq_len=128"]  # --small: tests/gpu, seconds per layout
+COMMON = ["train.global_batch=8", "train.micro_batch=2", "optim.lr=1e-4", "optim.warmup_steps=3",
+          "optim.schedule=constant", "train.eval_batches=0"]
+MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.capacity_factor=0"]
+MOE_SMOKE_WIDTH = ["model.d_ff=64"]
+MOE_WIDTH = ["model.d_ff=2816"]  # 8 experts of width 2816, top-2 (issue 23's shape)
+
+
+def layouts(gpus: int) -> list[dict]:
+    """(name, overrides, model, check) of every layout that fits `gpus` GPUs: single strategies at 2,
+    their pairs and triples at 4. `model`: dense or moe; `check`: parity or async."""
+    def L(name, sets, model="dense", check="parity"):
+        return {"name": name, "sets": sets, "model": model, "check": check}
+
+    pp = lambda s, *more: [f"parallel.pp={gpus if gpus == 2 else 2}", f"parallel.schedule={s}", *more]  # noqa: E731
+    inter = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
+    if gpus == 2:
+        return [L(f"dp2-zero{z}", [f"parallel.zero={z}"]) for z in range(4)] + [
+            L("tp2-megatron-sp", ["parallel.tp=2"]),
+            L("tp2-megatron", ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+            L("tp2-all-gather", ["parallel.tp=2", "parallel.tp_form=all-gather"]),
+            L("tp2-all-reduce", ["parallel.tp=2", "parallel.tp_form=all-reduce"]),
+            *[L(f"pp2-{s}", pp(s)) for s in ("naive", "gpipe", "1f1b", "zb-h1")],
+            L("pp2-interleaved", ["parallel.pp=2", *inter]),
+            L("pp2-1f1b-zero1", pp("1f1b", "parallel.zero=1")),  # the tied embedding's group spans both stages
+            L("pp2-1f1b-zero2", pp("1f1b", "parallel.zero=2")),
+            L("pp2-pipedream", pp("pipedream"), check="async"),
+            L("pp2-pipedream-2bw", pp("pipedream-2bw"), check="async"),
+            L("ep2", ["parallel.ep=2"], "moe"),
+            L("ep2-zero1", ["parallel.ep=2", "parallel.zero=1"], "moe"),
+        ]
+    return [
+        L("tp4", ["parallel.tp=4"]), L("dp4-zero3", ["parallel.zero=3"]),
+        L("pp4-interleaved", ["parallel.pp=4", *inter]), L("pp4-1f1b", ["parallel.pp=4"]),
+        L("ep4", ["parallel.ep=4"], "moe"),
+        *[L(f"tp2-dp2-zero{z}", ["parallel.tp=2", f"parallel.zero={z}"]) for z in (0, 1, 3)],
+        *[L(f"pp2-dp2-zero{z}", pp("1f1b", f"parallel.zero={z}")) for z in (0, 1, 2)],
+        L("pp2-dp2-zb-h1", pp("zb-h1", "parallel.zero=1")),
+        L("tp2-pp2-1f1b", pp("1f1b", "parallel.tp=2")), L("tp2-pp2-interleaved", ["parallel.pp=2", "parallel.tp=2", *inter]),
+        L("ep2-tp2", ["parallel.ep=2", "parallel.tp=2"], "moe"),
+        L("ep2-dp2-zero1", ["parallel.ep=2", "parallel.zero=1"], "moe"),
+    ]
+
+
+# ---------------------------------------------------------------- worker (one per rank, under torchrun)
+
+@functools.lru_cache(maxsize=4)
+def _token_file(path: str | None, vocab: int):
+    import numpy as np
+
+    if path:
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    # a learnable synthetic text (smoke runs): each token is 7 * previous + 3 mod V, with 1% noise
+    g = np.random.default_rng(0)
+    x = np.empty(200_000, dtype=np.int64)
+    x[0] = 1
+    noise = g.random(len(x)) < 0.01
+    for i in range(1, len(x)):
+        x[i] = g.integers(vocab) if noise[i] else (7 * x[i - 1] + 3) % vocab
+    return x.astype(np.uint16)
+
+
+def _config(args, layout: dict, precision: str):
+    from teratrain.config import load_config
+
+    base = SMOKE if args.smoke else SMALL if args.small else MODEL
+    moe = MOE + (MOE_SMOKE_WIDTH if args.smoke or args.small else MOE_WIDTH) if layout["model"] == "moe" else []
+    device = ["train.device=cpu"] if args.smoke else []
+    return load_config(None, base + COMMON + moe + device + [f"memory.precision={precision}"] + layout["sets"])
+
+
+def _train(cfg, rt, tokens, steps: int, audit: bool = False) -> dict:
+    """`steps` optimizer steps of the trainer's step path on this layout; every step's loss (mean over
+    data-parallel ranks), the step times, the peak memory of the fullest rank."""
+    import torch
+
+    from teratrain.checkpoint.state import seed_everything
+    from teratrain.data.loader import Batches
+    from teratrain.models.protocol import model_flops_per_token
+    from teratrain.models.transformer import Transformer
+    from teratrain.optim.lr import lr_at
+    from teratrain.parallel.comm import AVG, MAX, all_reduce
+    from teratrain.parallel.parallelize import parallelize
+    from teratrain.parallel.pipeline.runtime import PipelineExecutor, step_runner
+
+    seed_everything(cfg.train.seed + rt.dp_rank)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    engine = parallelize(model, rt, cfg)
+    if audit:
+        run_step = PipelineExecutor(model, engine, rt, cfg, audit=True)
+        rt.mesh.connect(rt.device)
+    else:
+        run_step = step_runner(model, engine, rt, cfg)
+    tc, dev = cfg.train, rt.device
+    batches = Batches(tokens, cfg.model.seq_len, tc.seed, tc.global_batch)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+        micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))
+        _, loss = run_step(micro, cfg.memory.precision, lr)
+        loss = loss.detach().float().clone()
+        all_reduce(loss, rt.dp_group, op=AVG)
+        losses.append(float(loss))  # synchronizes
+        times.append(time.perf_counter() - t0)
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else 0.0], device=dev)
+    all_reduce(peak, rt.group("world"), op=MAX)
+    out = {"losses": losses, "times": times, "peak_gib": float(peak) / 2**30,
+           "flops_per_token": model_flops_per_token(model, cfg.model), "tokens_per_step": tc.global_batch * cfg.model.seq_len}
+    if audit:
+        from teratrain.parallel.pipeline.simulate import peak_versions
+        from teratrain.parallel.pipeline.versions import audit as audit_versions
+
+        acts = run_step.schedule(len(micro)).ranks[run_step.rank]
+        out["audit"] = audit_versions(run_step.records, peak_versions(acts))
+    del run_step, engine, model
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+    return out
+
+
+def _runtime(cfg, single: bool):
+    from teratrain.mesh import Runtime, init_runtime, pick_device
+
+    if single:  # the one-GPU reference: a world of one on this rank's own device
+        return Runtime.single(pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0"))))
+    rt = init_runtime(cfg)
+    cfg.parallel.dp = rt.dims.dp
+    return rt
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b)) if a else math.nan
+
+
+def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int, args) -> dict:
+    import torch
+
+    from teratrain.metrics import peak_flops
+
+    warm = min(3, len(bf16["times"]) - 1)
+    step_s = statistics.median(bf16["times"][warm:])
+    tps = bf16["tokens_per_step"] / step_s
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    peak = peak_flops(dev, "bf16", None)
+    row = {"name": layout["name"], "sets": layout["sets"], "gpus": world, "check": layout["check"],
+           "bf16_losses": bf16["losses"], "tokens_per_s": round(tps, 1), "step_ms": round(step_s * 1e3, 2),
+           "mfu": round(bf16["flops_per_token"] * tps / (peak * world), 4) if peak else None,
+           "peak_gib": round(bf16["peak_gib"], 2)}
+    ref16 = refs[(layout["model"], "bf16")]
+    row["one_gpu_tokens_per_s"] = ref16["tokens_per_s"]
+    row["speedup_vs_one_gpu"] = round(tps / ref16["tokens_per_s"], 3)
+    if layout["check"] == "parity":
+        ref32 = refs[(layout["model"], "fp32")]
+        row.update(fp32_losses=fp32["losses"], fp32_ref=ref32["losses"], bf16_ref=ref16["losses"],
+                   fp32_rel_err=_rel(fp32["losses"], ref32["losses"]), bf16_rel_err=_rel(bf16["losses"], ref16["losses"]))
+        row["ok"] = row["fp32_rel_err"] < FP32_TOL and row["bf16_rel_err"] < BF16_TOL
+    else:
+        losses = bf16["losses"]
+        row["audit"] = bf16["audit"]
+        row["loss_fell"] = statistics.mean(losses[-3:]) < losses[0]
+        row["ok"] = not bf16["audit"] and row["loss_fell"] and all(map(math.isfinite, losses))
+    return row
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 arithmetic
+    torch.backends.cudnn.allow_tf32 = False
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    todo = [lay for lay in layouts(world) if not args.only or lay["name"] in args.only.split(",")]
+    refs: dict = {}
+    for model in sorted({lay["model"] for lay in todo}):
+        for precision, steps in (("fp32", args.fp32_steps), ("bf16", args.bf16_steps)):
+            cfg = _config(args, {"sets": [], "model": model}, precision)
+            res = _train(cfg, _runtime(cfg, single=True), _token_file(args.tokens, cfg.model.vocab_size), steps)
+            warm = min(3, len(res["times"]) - 1)
+            refs[(model, precision)] = {**res, "tokens_per_s": res["tokens_per_step"] / statistics.median(res["times"][warm:])}
+            _say(rank, f"one GPU, {model} {precision}: losses {[round(x, 4) for x in res['losses']]}")
+    rows = []
+    for lay in todo:
+        t0 = time.perf_counter()
+        try:
+            fp32 = None
+            if lay["check"] == "parity":
+                cfg = _config(args, lay, "fp32")
+                fp32 = _train(cfg, _runtime(cfg, False), _token_file(args.tokens, cfg.model.vocab_size), args.fp32_steps)
+            cfg = _config(args, lay, "bf16")
+            bf16 = _train(cfg, _runtime(cfg, False), _token_file(args.tokens, cfg.model.vocab_size), args.bf16_steps,
+                          audit=lay["check"] == "async")
+            row = _summary(lay, fp32, bf16, refs, world, args)
+        except Exception as e:  # noqa: BLE001 - a refused or failing layout is a row of the matrix, not the end
+            row = {"name": lay["name"], "sets": lay["sets"], "gpus": world, "ok": False,
+                   "error": f"{type(e).__name__}: {e}"[:500]}
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        if rank == 0:  # after every layout: a run cut short still leaves what it measured
+            _write(args.result, refs, rows, world, args)
+        _say(rank, f"{row['name']}: {'ok' if row['ok'] else 'FAILED'} "
+                   + (f"fp32 {row.get('fp32_rel_err', 0):.1e} bf16 {row.get('bf16_rel_err', 0):.1e} "
+                      f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"]))
+
+
+def _write(path: str, refs: dict, rows: list[dict], world: int, args) -> None:
+    import torch
+
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+            and not args.smoke else "cpu", "gpus": world, "model": _config(args, {"sets": [], "model": "dense"},
+                                                                           "bf16").model.model_dump(),
+            "common": COMMON, "moe": MOE, "fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL,
+            "one_gpu": {f"{m}-{p}": {"losses": r["losses"], "tokens_per_s": round(r["tokens_per_s"], 1),
+                                     "peak_gib": round(r["peak_gib"], 2)} for (m, p), r in refs.items()}}
+    Path(path).write_text(json.dumps({"info": info, "layouts": rows}, indent=1))
+
+
+def _say(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[layouts] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- driver
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs (processes); default every visible GPU")
+    ap.add_argument("--tokens", default=None, help="uint16 token file (real text); default a synthetic sequence")
+    ap.add_argument("--only", default=None, help="comma-separated layout names")
+    ap.add_argument("--fp32-steps", type=int, default=5)
+    ap.add_argument("--bf16-steps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="2 CPU processes over gloo, tiny shapes")
+    ap.add_argument("--small", action="store_true", help="small shapes on the GPUs (tests/gpu)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)  # worker: where rank 0 writes
+    args = ap.parse_args()
+    if "RANK" in os.environ:
+        return worker(args)
+    import torch
+
+    gpus = args.gpus or (2 if args.smoke else torch.cuda.device_count())
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "layouts.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               __file__, *sys.argv[1:], "--result", str(result)]
+        env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        if args.smoke:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        job = subprocess.run(cmd, env=env, cwd=ROOT)
+        if not result.exists():
+            sys.exit(f"bench/layouts.py: the job ended with status {job.returncode} before any layout finished")
+        data = json.loads(result.read_text())
+    text = json.dumps(data, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(table(data["layouts"]), file=sys.stderr)
+    sys.exit(0 if job.returncode == 0 and all(r["ok"] for r in data["layouts"]) else 1)
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of bench/README.md."""
+    out = ["| layout | GPUs | fp32 max rel. err (5 steps) | bf16 max rel. err (20 steps) | tokens/s | x one GPU | "
+           "MFU | peak GiB | ok |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['name']} | {r['gpus']} | {r['error'][:80]} | | | | | | no |")
+            continue
+        f32 = f"{r['fp32_rel_err']:.1e}" if "fp32_rel_err" in r else "own semantics"
+        b16 = f"{r['bf16_rel_err']:.1e}" if "bf16_rel_err" in r else ("audit ok, loss fell" if r["ok"] else str(r["audit"]))
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        out.append(f"| {r['name']} | {r['gpus']} | {f32} | {b16} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['speedup_vs_one_gpu']:.2f} | {mfu} | {r['peak_gib']} | {'yes' if r['ok'] else 'no'} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Every collective and transfer this process has launched and not yet seen complete, and the
+watchdog that turns a hang into one sentence.
+
+A hang is an operation a peer never joins (a rank waits in a reduction while its peer waits for a
+pipeline transfer: a cycle; or a peer that died or took another path). Under NCCL the host does not
+block in the operation itself: it blocks later, at whatever next waits for the GPU, so the stack of
+a hung rank says little. The operations do: comm.py and the pipeline's p2p register each one here
+(what, on which group, since when) with its torch `Work`, and a watchdog thread looks, once a
+second, at the oldest one not completed. Past `parallel.timeout_s` it names it, with the group's
+name and ranks (mesh.py gives every group a description), writes the launcher's report
+(launch.py) and ends the process; the launcher prints the earliest report as the job's one line.
+
+torch's own timeouts (the process groups' `timeout`, after which NCCL's watchdog aborts the
+process, and gloo's, after which the wait raises) are set longer (`backstop_s`), so ours speaks
+first; they remain in case this thread cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+POLL_S = 1.0
+PRUNE_AT = 64  # entries kept before completed ones are dropped on the way in
+
+
+def backstop_s(timeout_s: float) -> float:
+    """torch's own timeout for a configured `parallel.timeout_s`: later than the watchdog's."""
+    return timeout_s * 1.5 + 30.0
+
+
+class Op:
+    """One launched operation, pending until torch's `work` completes; once waited for, until the
+    current stream passes the point of the wait (NCCL: a wait only orders the stream) or, on a CPU
+    backend, at once. Waited works are let go: nothing here keeps their tensors alive."""
+
+    __slots__ = ("what", "group", "since", "work", "event", "returned")
+
+    def __init__(self, what: str, group):
+        self.what, self.group, self.since = what, group, time.monotonic()
+        self.work, self.event, self.returned = None, None, False
+
+    def done(self) -> bool:
+        try:
+            if self.returned:
+                return True
+            if self.event is not None:
+                return bool(self.event.query())
+            return self.work is not None and bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a failed work is over (its error surfaces where it is waited for)
+            return True
+
+    def waited(self) -> None:
+        import torch
+
+        self.work = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.returned = True
+
+
+class Handle:
+    """What comm.py and the pipeline return for an asynchronous operation: torch's work, tracked."""
+
+    __slots__ = ("work", "op")
+
+    def __init__(self, work, op: Op):
+        self.work, self.op = work, op
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.op.waited()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.op.done()
+
+
+_ops: deque[Op] = deque()
+_lock = threading.Lock()  # the main thread registers, the watchdog prunes
+
+
+class Works:
+    """Several works as one (gloo keeps one per operation of a batch_isend_irecv)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def launch(what: str, group, start) -> Handle:
+    """Register an operation on `group`, then `start()` it (a torch call with async_op=True, giving
+    a work or a list of works)."""
+    op = Op(what, group)
+    with _lock:
+        while _ops and _ops[0].done():  # the usual case: operations complete in launch order
+            _ops.popleft()
+        _ops.append(op)
+    if len(_ops) > PRUNE_AT:
+        _prune()
+    try:
+        work = start()
+        op.work = Works(work) if isinstance(work, list) else work
+    except BaseException:
+        op.returned = True
+        raise
+    return Handle(op.work, op)
+
+
+def blocking(what: str, group, call):
+    """Run a call that has no asynchronous form (object collectives), registered while inside."""
+    op = Op(what, group)
+    with _lock:
+        _ops.append(op)
+    try:
+        return call()
+    finally:
+        op.returned = True
+
+
+def _prune() -> None:
+    with _lock:
+        keep = [op for op in _ops if not op.done()]
+        _ops.clear()
+        _ops.extend(keep)
+
+
+def oldest_pending() -> Op | None:
+    _prune()
+    return _ops[0] if _ops else None
+
+
+def describe(group) -> str:
+    """'<name> (ranks 0, 1)' for a group mesh.py made, else its ranks."""
+    import torch.distributed as dist
+
+    desc = getattr(group, "group_desc", "") or ""
+    name = desc.split(" ")[0] if desc and not desc.startswith("undefined") else ""
+    try:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    except Exception:  # noqa: BLE001 - a group this rank is not in, or no process group at all
+        ranks = []
+    members = f"ranks {', '.join(map(str, ranks))}" if ranks else "its ranks"
+    return f"group {name} ({members})" if name else f"the group of {members}"
+
+
+def hang_message(op: Op, rank: int, timeout_s: float) -> str:
+    article = "an" if op.what[0] in "aeiou" else "a"
+    return (f"rank {rank} waited over parallel.timeout_s={timeout_s:g} s for {article} {op.what} on "
+            f"{describe(op.group)} that never completed: a peer never joined it (a hang, or a peer stuck elsewhere); "
+            "raise parallel.timeout_s if the wait was legitimate")
+
+
+_watch = {"timeout_s": None, "rank": 0, "thread": None}
+
+
+def start_watchdog(timeout_s: float, rank: int, on_hang=None) -> None:
+    """Watch this process's pending operations; call `on_hang(message)` (default: report and exit 1)
+    once the oldest has been pending for `timeout_s`. A later call (another run in the same
+    processes) only changes the timeout."""
+    _watch.update(timeout_s=timeout_s, rank=rank)
+    if _watch["thread"] is not None:
+        return
+    on_hang = on_hang or _report_and_exit
+
+    def watch():
+        while True:
+            time.sleep(POLL_S)
+            op, limit = oldest_pending(), _watch["timeout_s"]
+            if op is not None and time.monotonic() - op.since > limit:
+                on_hang(hang_message(op, _watch["rank"], limit))
+                return
+
+    _watch["thread"] = threading.Thread(target=watch, name="teratrain-hang-watch", daemon=True)
+    _watch["thread"].start()
+
+
+def _report_and_exit(message: str) -> None:
+    """Leave the launcher a report (with every thread's stack, for error.log), say it, exit 1."""
+    from teratrain.launch import under_launcher, write_report
+
+    main = threading.main_thread().ident
+    stacks = "".join(f"--- thread {'main' if ident == main else ident}\n" + "".join(traceback.format_stack(frame))
+                     for ident, frame in sys._current_frames().items())
+    write_report("hang", message, detail=stacks)
+    if not under_launcher():
+        print(f"teratrain: error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
