@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from teratrain.compat import reparametrize
 from teratrain.memory.precision import autocast
@@ -34,6 +35,7 @@ from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS
                                                  add_communication)
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
 from teratrain.parallel.pipeline.p2p import Links
+from teratrain.parallel.pipeline.saved import SplitSaved
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.stage import Chunk
 from teratrain.parallel.pipeline.timing import Clock, plot
@@ -150,6 +152,8 @@ class _Call:
         self.shape = ex.message_shape(micro[0][0])
         self.seq_len = micro[0][0].shape[1]
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
+        self.split = train and any(a.kind == I for a in acts)  # forwards record for I and W (saved.py)
+        self.saved: dict[tuple[int, int], SplitSaved] = {}
         self.sends = []  # posted send batches: waited for when the list is done
         self.stats = None
         self.versions = WeightVersions(ex.model, acts) if train and is_async(acts) else None
@@ -172,7 +176,7 @@ class _Call:
             posted = nxt
             if a is None:
                 break
-            with self.clock.span(a) if self.clock else contextlib.nullcontext():
+            with self.clock.span(a) if self.clock else contextlib.nullcontext(), record_function(f"pipeline.{a.kind}"):
                 self._compute(i, a)
             if self.versions is not None:
                 self.versions.release(i)
@@ -224,11 +228,15 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         x_tokens, y = self.micro[a.microbatch]
         w = self.versions.weights(a.version) if self.versions is not None else None
-        with self._using(w), autocast(self.precision, self.ex.device):
+        saved = SplitSaved() if self.split else None
+        with self._using(w), autocast(self.precision, self.ex.device), \
+                saved.recording() if saved is not None else contextlib.nullcontext():
             h0 = chunk.embed(x_tokens) if chunk.is_first else None
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
-            out = chunk.forward(x, y, self.seq_len)
+            out = chunk.forward(x, y, self.seq_len, segment=saved.segment if saved is not None else None)
+        if saved is not None:
+            self.saved[(a.chunk, a.microbatch)] = saved
         if chunk.is_last:
             self.losses[a.microbatch] = out.detach()
         else:
@@ -255,7 +263,8 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         state = self.states[(a.chunk, a.microbatch)]
         h0, x, out, _ = state
-        state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights())]
+        saved = self.saved.pop((a.chunk, a.microbatch))
+        state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights(), saved)]
         if not chunk.is_first:
             self.outbox[(B, a.microbatch, a.chunk)] = x.grad
 
