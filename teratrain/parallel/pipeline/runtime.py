@@ -83,6 +83,7 @@ class PipelineExecutor:
         self.run_dir, self.time_every_call, self.audit = run_dir, time_every_call, audit
         self.calls = 0
         self.intervals: list = []  # the last timed call's measured timeline, all ranks of this pipeline
+        self.host_intervals: list = []  # the same actions as the host issued them
         self.records: list[dict] = []  # asynchronous schedules: the weight version every action used
 
     # ------------------------------------------------------------------ the step
@@ -117,7 +118,9 @@ class PipelineExecutor:
         return loss
 
     def _after_timed(self, sched, clock: Clock) -> None:
-        self.intervals = [iv for ivs in all_gather_objects(clock.intervals(self.rank), self.pp_group) for iv in ivs]
+        got = all_gather_objects((clock.intervals(self.rank), clock.host_intervals(self.rank)), self.pp_group)
+        self.intervals = [iv for dev, _ in got for iv in dev]
+        self.host_intervals = [iv for _, host in got for iv in host]
         if self.run_dir is not None and self.rt.is_main:
             p = self.cfg.parallel
             chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""
