@@ -31,3 +31,14 @@ def test_only_a_waiting_consumer_measures_the_transfer():
     made = [Interval(0, 0.0, 1.0, "F", 0)]
     assert transfer_s(made + busy_until + [Interval(1, 2.5, 3.0, "F", 0)], 2, 2) == [0.0]
     assert transfer_s(made + [Interval(1, 1.3, 2.0, "F", 0)], 2, 2) == [pytest.approx(0.3)]
+
+
+def test_the_profile_account_splits_a_step_into_compute_exposed_communication_and_idle():
+    from bench.pipeline_profile import account
+
+    kernels = [(0.0, 2.0, "ampere_gemm"), (1.5, 3.0, "ncclDevKernel_SendRecv"), (3.5, 4.0, "elementwise"),
+               (3.6, 3.8, "ncclDevKernel_SendRecv")]  # a send hidden under compute
+    got = account(kernels)
+    assert got["span_s"] == 4.0 and got["compute_s"] == 2.5 and got["comm_s"] == pytest.approx(1.7)
+    assert got["exposed_comm_s"] == pytest.approx(1.0) and got["idle_s"] == pytest.approx(0.5)
+    assert got["compute_s"] + got["exposed_comm_s"] + got["idle_s"] == pytest.approx(got["span_s"])
