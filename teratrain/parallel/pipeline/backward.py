@@ -12,6 +12,9 @@ AccumulateGrad node (the engines' gradient hooks fire as in any backward):
 - W: for each group, backward from its intermediates' gradient edges with those kept gradients, into
   the group's weights only (autograd computes just the weight-side outputs of each node). When one
   intermediate of a group feeds another, the kept gradient replaces the sum so nothing counts twice.
+  Groups whose intermediates cannot reach one another (same depth: q, k and v's matmuls; a block's
+  gate and up projections) share one autograd call, which computes nothing between them: a Llama
+  block takes 6 calls instead of 9, each walking the graph below its roots.
 """
 
 from __future__ import annotations
@@ -85,7 +88,43 @@ def _groups(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> 
             below = _below(g["nodes"], inputs)
             above, _ = _closure(g["nodes"], rev, set())
             run_by_w |= below & above
-    return groups, run_by_w
+    return _batched(groups, _depths(set(by_node), inputs, rev)), run_by_w
+
+
+def _depths(intermediates: set, inputs: set, rev: dict) -> dict:
+    """For each input-closure node, the most intermediates on a path above it (toward the output),
+    itself excluded: if intermediate a reaches intermediate b, depth(b) > depth(a)."""
+    pending = {n: sum(1 for c in rev.get(n, ()) if c in inputs) for n in inputs}
+    todo = deque(n for n, k in pending.items() if k == 0)
+    depth = dict.fromkeys(inputs, 0)
+    while todo:
+        n = todo.popleft()
+        below = depth[n] + (n in intermediates)
+        for nxt, _ in n.next_functions:
+            if nxt in pending:
+                depth[nxt] = max(depth[nxt], below)
+                pending[nxt] -= 1
+                if pending[nxt] == 0:
+                    todo.append(nxt)
+    return depth
+
+
+def _batched(groups: list[dict], depth: dict) -> list[dict]:
+    """Groups of one intermediate at the same depth merged into one: none reaches another, so one
+    autograd call runs each one's weight half and nothing between them (fewer calls, each of
+    which walks the graph below its roots)."""
+    out, by_depth = [], {}
+    for g in groups:
+        if len(g["nodes"]) > 1:
+            out.append({**g, "clamp": True})
+            continue
+        d = depth[g["nodes"][0]]
+        if d not in by_depth:
+            by_depth[d] = {"weights": {}, "nodes": [], "clamp": False}
+            out.append(by_depth[d])
+        by_depth[d]["weights"].update(g["weights"])
+        by_depth[d]["nodes"] += g["nodes"]
+    return out
 
 
 def _below(starts: list[Node], within: set) -> set:
@@ -133,7 +172,7 @@ def backward_weight(groups: list[dict]) -> None:
         if not edges:
             continue
         handles = [node.register_prehook(lambda _, kept=kept: kept) for node, kept in zip(g["nodes"], g["grads"])
-                   if kept is not None] if len(g["nodes"]) > 1 else []
+                   if kept is not None] if g["clamp"] else []
         try:
             torch.autograd.backward(edges, grads, inputs=list(g["weights"].values()), retain_graph=n + 1 < len(groups))
         finally:
