@@ -26,7 +26,8 @@ Measured, for GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1 at m = 4, 8, 16 (one
 - stage_ms: per stage and action kind, the median device ms and the host ms to issue it.
 Derived:
 - zb_vs_1f1b: ZB-H1's tokens/s and peak memory over 1F1B's at each m (targets on 4 GPUs at m = 8:
-  >= 1.05 and <= 1.10), and per stage what the split backward costs: (I + W) / B, device and host;
+  >= 1.05 and <= 1.10), and per stage what the split backward costs: (I + W) / B, device and host
+  (stage 0 runs whole backwards: its input gradient goes nowhere, runtime.py);
 - one_gpu, one_f_one_b_vs_ideal: the whole model on one GPU (train_step over the same micro-batches)
   and 1F1B's per-GPU tokens/s over (1 - simulated bubble) x one GPU's (target >= 0.95);
 - interleaved_vs_torch: our interleaved 1F1B over torch.distributed.pipelining's
@@ -351,9 +352,9 @@ def derived(rows: list[dict], ones: list[dict], pp: int) -> dict:
         if name != "zb-h1" or ("1f1b", m) not in by:
             continue
         base = by[("1f1b", m)]
-        split = [{"I+W_over_B": round((z["I"] + z["W"]) / b["B"], 3),
+        split = [{"stage": s, "I+W_over_B": round((z["I"] + z["W"]) / b["B"], 3),
                   "host_I+W_over_B": round((z["I_host"] + z["W_host"]) / b["B_host"], 3)}
-                 for z, b in zip(r["stage_ms"], base["stage_ms"])]
+                 for s, (z, b) in enumerate(zip(r["stage_ms"], base["stage_ms"])) if "I" in z]  # stage 0 runs B
         zb.append({"m": m, "tokens_ratio": round(r["tokens_per_s"] / base["tokens_per_s"], 3),
                    "peak_ratio": round(r["peak_gib"] / base["peak_gib"], 3) if base["peak_gib"] else None,
                    "split_backward": split})

@@ -42,3 +42,4 @@ def test_the_profile_account_splits_a_step_into_compute_exposed_communication_an
     assert got["span_s"] == 4.0 and got["compute_s"] == 2.5 and got["comm_s"] == pytest.approx(1.7)
     assert got["exposed_comm_s"] == pytest.approx(1.0) and got["idle_s"] == pytest.approx(0.5)
     assert got["compute_s"] + got["exposed_comm_s"] + got["idle_s"] == pytest.approx(got["span_s"])
+

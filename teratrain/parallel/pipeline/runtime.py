@@ -150,6 +150,7 @@ class _Call:
     """One pass over this rank's action list."""
 
     def __init__(self, ex: PipelineExecutor, acts, micro, precision, lr, clock, train: bool):
+        acts = _unsplit_first_stage(acts, {c for c, chunk in enumerate(ex.chunks) if chunk.is_first})
         self.ex, self.acts, self.micro, self.precision, self.lr, self.clock, self.train = \
             ex, acts, micro, precision, lr, clock, train
         self.shape = ex.message_shape(micro[0][0])
@@ -310,6 +311,22 @@ def _comm_groups(acts) -> list[tuple[int, list[Action], Action | None]]:
         else:
             comm.append(a)
     return out + [(len(acts), comm, None)]
+
+
+def _unsplit_first_stage(acts, first: set[int]) -> tuple[Action, ...]:
+    """Stage 0's input gradient goes to no other rank (only to its own embedding), so splitting its
+    backward buys nothing: where W(mb) directly follows I(mb) on a chunk of `first`, with nothing
+    between them, run one full backward B(mb) in their place (the same gradients, without the split's
+    host time and kept gradients)."""
+    out: list[Action] = []
+    for a in acts:
+        prev = out[-1] if out else None
+        if a.kind == W and a.chunk in first and prev is not None and prev.kind == I and \
+                (prev.microbatch, prev.chunk, prev.version) == (a.microbatch, a.chunk, a.version):
+            out[-1] = Action(B, a.microbatch, a.chunk, version=a.version)
+        else:
+            out.append(a)
+    return tuple(out)
 
 
 def _update_windows(acts, m: int) -> tuple[set[int], float]:

@@ -75,9 +75,11 @@ def measured_costs(intervals: list[Interval], pp: int, num_stages: int, transfer
         by[(iv.kind, iv.chunk * pp + iv.rank)].append(iv.end - iv.start)
     med = lambda k, s: statistics.median(by[(k, s)]) if by[(k, s)] else 0.0  # noqa: E731
     fwd = [med(F, s) for s in range(num_stages)]
+    bwd = [med(B, s) if by[(B, s)] else med(I, s) + med(W, s) for s in range(num_stages)]
+    # a stage that ran whole backwards (the executor joins I and W on stage 0) says nothing about
+    # the split; there W follows I directly, so any share gives that rank the same timeline
     split = any(iv.kind == W for iv in intervals)
-    bwd = [med(I, s) + med(W, s) if split else med(B, s) for s in range(num_stages)]
-    wgrad = [med(W, s) for s in range(num_stages)] if split else None
+    wgrad = [med(W, s) if by[(W, s)] else bwd[s] / 2 for s in range(num_stages)] if split else None
     steps = [iv.end - iv.start for iv in intervals if iv.kind == STEP]
     send = transfer_s(intervals, pp, num_stages) if transfers else 0.0
     return Costs(forward_s=fwd, backward_s=bwd, weight_grad_s=wgrad, step_s=statistics.median(steps) if steps else 0.0,
