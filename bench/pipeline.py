@@ -1,32 +1,43 @@
-"""Pipeline schedules on every GPU of one host (pp = GPU count, dp = tp = 1), in one torchrun job.
+"""Pipeline schedules on every GPU of one host (pp = GPU count, dp = tp = 1), in one torchrun job,
+sized to the GPU it finds.
 
-    python bench/pipeline.py                      # launches itself on every GPU (needs >= 2)
-    torchrun --nproc-per-node=N bench/pipeline.py # the same, launched by hand (any pp = N)
+    python bench/pipeline.py --profile            # launches itself on every GPU (>= 2); ~4 min on 2
+    torchrun --nproc-per-node=N bench/pipeline.py # the same without the profile, launched by hand
     python bench/pipeline.py --smoke              # 2 CPU processes over gloo, tiny shapes: checks the script
-    python bench/pipeline.py --parity             # + NCCL parity of 1F1B, interleaved 1F1B, ZB-H1 vs 1 GPU
-    python bench/pipeline.py --parity-only        # only that (each part fits a 10-minute job)
+    python bench/pipeline.py --parity-only        # NCCL parity of 1F1B, interleaved 1F1B, ZB-H1 vs 1 GPU
 
-For GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1, and m in {4, 8, 16} micro-batches per step:
-- tokens/s: the median wall time of `--steps` whole steps (the engine's update included) after
-  `--warmup` steps, untimed inside (no event or barrier in the step);
-- measured bubble: from one more step timed per action (CUDA events on the compute stream, ranks
-  aligned by a barrier), the idle share of pp x (first start .. last end);
-- simulated bubble: the simulator run on the same schedule with that step's per-stage median action
-  times (parallel/pipeline/timing.py), so the two differ by what the simulator leaves out
-  (communication, launch gaps); `bubble_ratio` = measured / simulated.
-Then our interleaved 1F1B against `torch.distributed.pipelining.ScheduleInterleaved1F1B` on the same
-stages (the same chunk modules, split and optimizer step): `interleaved_vs_torch` = our tokens/s over
-torch's at each m (target >= 1.0).
-With --parity the launcher first trains, through `teratrain train`, 1F1B, interleaved 1F1B and ZB-H1
-at pp = GPU count against one GPU on the same global batch: llama-1b's width with 8 layers, bf16,
-20 steps; every step's loss within 2e-2 relative (bf16 keeps 8 mantissa bits, and the two runs
-accumulate in another order; the gloo tests show fp32 pipelining is bitwise).
-Model: a Llama of llama-1b's width (d 2048, 32 heads, 8 KV heads, d_ff 8192, 32k vocab) with 10
-layers per GPU, seq 2048, micro-batch 2, bf16 autocast over fp32 weights, no recomputation: GPipe at
-m=16 holds 16 micro-batches of activations, which the planner puts at 111 GiB of an H200's 140
-(`teratrain plan --model llama-1b --gpus 2 --gpu h200 --set model.n_layers=20 --set parallel.pp=2
---set parallel.schedule=gpipe --set train.micro_batch=2 --set train.global_batch=32 ...`). NVLink
-multicast stays off.
+Model: a Llama of llama-1b's width (d 2048, 32 heads, 8 KV heads, d_ff 8192, 32k vocab), seq 2048,
+micro-batch 2, bf16 autocast over fp32 weights, no recomputation. Its depth comes from the planner
+(`size_to_gpu`): the most layers, a multiple of 2 pp (interleaved chunks split evenly), whose
+largest schedule (GPipe at m = 16: every micro-batch's activations held) teratrain/planner/memory.py
+plans within 90% of the memory torch.cuda.mem_get_info reports, so an H100 (80 GB) and an H200
+(141 GB) each run the deepest model they hold.
+
+Measured, for GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1 at m = 4, 8, 16 (one model per schedule):
+- tokens/s: the median wall time of whole steps (the engine's update included), untimed inside,
+  after `--warmup` steps, as many as fit `--seconds` (3 to `--steps`); peak_gib: the fullest rank's
+  torch.cuda.max_memory_allocated over them, beside the planner's planned_gib (peak + allowance);
+  alloc_retries: the allocator's cache flushes (a synchronizing cudaFree: memory too tight);
+- bubble_measured: from one more step timed per action (CUDA events on the compute stream, ranks
+  aligned by a barrier), the idle share of pp x (first start .. last end); bubble_simulated: the
+  simulator (parallel/pipeline/simulate.py) on the same schedule fed with that step's per-stage
+  median action times and per-boundary transfer times (timing.py; `transfer_ms`), bubble_ratio =
+  measured / simulated (target within 10%), bubble_simulated_no_comm: the same without transfers;
+- stage_ms: per stage and action kind, the median device ms and the host ms to issue it.
+Derived:
+- zb_vs_1f1b: ZB-H1's tokens/s and peak memory over 1F1B's at each m (targets on 4 GPUs at m = 8:
+  >= 1.05 and <= 1.10), and per stage what the split backward costs: (I + W) / B, device and host
+  (stage 0 runs whole backwards: its input gradient goes nowhere, runtime.py);
+- one_gpu, one_f_one_b_vs_ideal: the whole model on one GPU (train_step over the same micro-batches)
+  and 1F1B's per-GPU tokens/s over (1 - simulated bubble) x one GPU's (target >= 0.95);
+- interleaved_vs_torch: our interleaved 1F1B over torch.distributed.pipelining's
+  ScheduleInterleaved1F1B on the same stages and optimizer step (target >= 1.0).
+--profile: one step of 1F1B and of ZB-H1 at m = 8 under torch.profiler, per rank: compute, exposed
+communication, idle, host time per action kind, heaviest kernels (bench/pipeline_profile.py).
+--parity-only: 1F1B, interleaved 1F1B and ZB-H1 through `teratrain train` at pp = N against 1 GPU on
+the same global batch (8 layers of that width, bf16, 20 steps, each loss within 2e-2 relative:
+bf16 accumulates in another order; the gloo tests show fp32 pipelining is exact). NVLink multicast
+stays off.
 """
 
 from __future__ import annotations
@@ -48,34 +59,82 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
-MICROBATCHES = [4, 8, 16]
-SMOKE_MICROBATCHES = [4, 8]  # --smoke: the script's paths, in less time
+MICROBATCHES, SMOKE_MICROBATCHES = [4, 8, 16], [4, 8]
+PROFILE_M, SMOKE_PROFILE_M = 8, 4
+WIDTH = ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048", "memory.precision=bf16"]
+SMOKE = ["model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512", "memory.precision=fp32",
+         "train.device=cpu"]
+MEMORY_FRACTION = 0.9
+GIB = 2**30
 
 
-def model_sets(pp: int, smoke: bool) -> list[str]:
-    if smoke:
-        return ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512",
-                "train.micro_batch=2", "memory.precision=fp32", "train.device=cpu"]
-    return ["model.preset=llama-1b", "model.vocab_size=32000", f"model.n_layers={10 * pp}", "model.seq_len=2048",
-            "train.micro_batch=2", "memory.precision=bf16"]
+def model_sets(layers: int, micro_batch: int, smoke: bool) -> list[str]:
+    return (SMOKE if smoke else WIDTH) + [f"model.n_layers={layers}", f"train.micro_batch={micro_batch}"]
+
+
+def _layout(schedule: str, pp: int, m: int, micro_batch: int) -> list[str]:
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    return [f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+            f"train.global_batch={m * micro_batch}"]
+
+
+def planned_gib(sets: list[str], gpu: str, pp: int = 1) -> float:
+    """The planner's total (peak + allowance) for the fullest rank of the layout `sets` describes."""
+    from teratrain.config import load_config
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import plan_memory
+
+    cfg = load_config(None, sets)
+    return plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, pp), GPUS[gpu]).total / GIB
+
+
+def size_to_gpu(pp: int, card_gib: float, gpu: str, ms: list[int]) -> dict:
+    """The deepest model (layers a multiple of 2 pp) whose largest schedule at the largest m the
+    planner puts within MEMORY_FRACTION of the card; micro-batch 2, else 1."""
+    limit = MEMORY_FRACTION * card_gib
+    for mb in (2, 1):
+        best = None
+        for layers in range(2 * pp, 64 * pp + 1, 2 * pp):
+            sets = model_sets(layers, mb, smoke=False)
+            worst = max(planned_gib(sets + _layout(s, pp, max(ms), mb), gpu, pp) for s in SCHEDULES)
+            if worst > limit:
+                break
+            best = {"layers": layers, "micro_batch": mb, "planned_gib": round(worst, 2)}
+        if best is not None:
+            one = planned_gib(model_sets(best["layers"], mb, smoke=False) + [f"train.global_batch={max(ms) * mb}"], gpu)
+            return {**best, "card_gib": round(card_gib, 2), "limit_gib": round(limit, 2), "gpu": gpu,
+                    "one_gpu_planned_gib": round(one, 2), "one_gpu_fits": one <= limit}
+    raise SystemExit(f"bench/pipeline.py: not even {2 * pp} layers fit {limit:.1f} GiB at micro-batch 1")
 
 
 _RUNTIME = []  # one runtime (and its process groups) for every model this job builds
 
 
-def build(sets: list[str]):
+def config(sets: list[str]):
     from teratrain.config import load_config
+
+    return load_config(None, sets + ["train.eval_batches=0", "metrics.progress=false", "optim.warmup_steps=0"])
+
+
+def runtime(sets: list[str]):
+    """This job's runtime, made once (its process groups serve every model built after)."""
     from teratrain.mesh import init_runtime
+
+    if not _RUNTIME:
+        _RUNTIME.append(init_runtime(config(sets)))
+    return _RUNTIME[0]
+
+
+def build(sets: list[str]):
     from teratrain.models.transformer import Transformer
     from teratrain.parallel.parallelize import parallelize
 
-    cfg = load_config(None, sets + ["train.eval_batches=0", "metrics.progress=false", "optim.warmup_steps=0"])
-    if not _RUNTIME:
-        _RUNTIME.append(init_runtime(cfg))
-    rt = _RUNTIME[0]
+    cfg, rt = config(sets), runtime(sets)
     cfg.parallel.dp = rt.dims.dp
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -83,86 +142,160 @@ def build(sets: list[str]):
     return cfg, rt, model, parallelize(model, rt, cfg)
 
 
-def batches(cfg, m: int, device):
+def micro_batches(cfg, m: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    rows = m * cfg.train.micro_batch
-    t = torch.randint(0, cfg.model.vocab_size, (rows, cfg.model.seq_len + 1), generator=g).to(device)
-    return t[:, :-1], t[:, 1:]
+    t = torch.randint(0, cfg.model.vocab_size, (m * cfg.train.micro_batch, cfg.model.seq_len + 1), generator=g)
+    t = t.to(device)
+    return list(zip(t[:, :-1].split(cfg.train.micro_batch), t[:, 1:].split(cfg.train.micro_batch)))
 
 
-def wall(step, steps: int, device) -> float:
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max(x: float, device) -> float:
+    """The largest x over every rank of the job."""
+    t = torch.tensor([float(x)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def step_time(step, args, device, agree: bool = True) -> tuple[float, int]:
+    """Median wall seconds of whole steps after `args.warmup`: as many as fit `args.seconds` (3 to
+    `args.steps`; with `agree`, the same count on every rank, from the slowest rank's warm-up)."""
+    t = 0.0
+    for _ in range(max(1, args.warmup)):
+        _sync(device)
         t0 = time.perf_counter()
         step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
+        t = time.perf_counter() - t0
+    n = max(3, min(args.steps, int(args.seconds / max(_max(t, device) if agree else t, 1e-6))))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), n
 
 
-def ours(base: list[str], schedule: str, m: int, args) -> dict:
-    """tokens/s, measured and simulated bubble of one schedule at m micro-batches."""
+def _memory_start(device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
+def _memory_end(device, retries0: int) -> tuple[float | None, int | None]:
+    if device.type != "cuda":
+        return None, None
+    peak = _max(torch.cuda.max_memory_allocated(device) / GIB, device)
+    return round(peak, 2), int(_max(torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries0, device))
+
+
+def stage_ms(device_ivs, host_ivs, pp: int, num_stages: int) -> list[dict]:
+    """Per stage: median device and host ms of each action kind."""
+    out = []
+    for s in range(num_stages):
+        row = {}
+        for kind in ("F", "B", "I", "W"):
+            dev = [iv.end - iv.start for iv in device_ivs if iv.kind == kind and iv.chunk * pp + iv.rank == s]
+            host = [iv.end - iv.start for iv in host_ivs if iv.kind == kind and iv.chunk * pp + iv.rank == s]
+            if dev:
+                row[kind] = round(statistics.median(dev) * 1e3, 3)
+                row[f"{kind}_host"] = round(statistics.median(host) * 1e3, 3)
+        out.append(row)
+    return out
+
+
+def ours(sets: list[str], schedule: str, ms: list[int], args) -> list[dict]:
+    """Per m: tokens/s, peak memory, measured and simulated bubble, per-stage action times."""
     from teratrain.parallel.pipeline.runtime import PipelineExecutor
     from teratrain.parallel.pipeline.simulate import bubble_fraction, simulate
     from teratrain.parallel.pipeline.timing import measured_costs
 
-    v = 2 if schedule == "interleaved-1f1b" else 1
-    cfg, rt, model, engine = build(base + [f"parallel.pp={args.pp}", f"parallel.schedule={schedule}",
-                                           f"parallel.virtual_stages={v}", f"train.global_batch={m * args.mb}"])
-    ex = PipelineExecutor(model, engine, rt, cfg, time_every_call=False)
-    x, y = batches(cfg, m, rt.device)
-    micro = list(zip(x.split(args.mb), y.split(args.mb)))
-    step = lambda: ex(micro, cfg.memory.precision, 1e-4)  # noqa: E731
-    wall(step, args.warmup, rt.device)
-    step_s = wall(step, args.steps, rt.device)
-    ex.time_every_call = True
-    step()
-    sched = ex.schedule(m)
-    simulated = simulate(sched, measured_costs(ex.intervals, sched.pp, sched.num_stages)).bubble_fraction
-    measured = bubble_fraction(ex.intervals, sched.pp)
-    out = {"schedule": schedule, "m": m, "tokens_per_s": round(m * args.mb * cfg.model.seq_len / step_s, 1),
-           "step_ms": round(step_s * 1e3, 2), "bubble_measured": round(measured, 4),
-           "bubble_simulated": round(simulated, 4),
-           "bubble_ratio": round(measured / simulated, 3) if simulated else None}
+    cfg, rt, model, engine = build(sets + _layout(schedule, args.pp, max(ms), args.mb))
+    ex = PipelineExecutor(model, engine, rt, cfg)
+    rows = []
+    for m in ms:
+        micro = micro_batches(cfg, m, rt.device)
+        step = lambda: ex(micro, cfg.memory.precision, 1e-4)  # noqa: E731
+        ex.time_every_call = False
+        retries = _memory_start(rt.device)
+        step_s, n = step_time(step, args, rt.device)
+        peak, retried = _memory_end(rt.device, retries)
+        ex.time_every_call = True
+        step()
+        sched = ex.schedule(m)
+        costs = measured_costs(ex.intervals, sched.pp, sched.num_stages)
+        simulated = simulate(sched, costs).bubble_fraction
+        no_comm = simulate(sched, measured_costs(ex.intervals, sched.pp, sched.num_stages, transfers=False))
+        measured = bubble_fraction(ex.intervals, sched.pp)
+        planned = planned_gib(sets + _layout(schedule, args.pp, m, args.mb), args.gpu, args.pp)
+        rows.append({"schedule": schedule, "m": m, "steps": n,
+                     "tokens_per_s": round(m * args.mb * cfg.model.seq_len / step_s, 1),
+                     "step_ms": round(step_s * 1e3, 2), "peak_gib": peak, "alloc_retries": retried,
+                     "planned_gib": round(planned, 2),
+                     "bubble_measured": round(measured, 4), "bubble_simulated": round(simulated, 4),
+                     "bubble_ratio": round(measured / simulated, 3) if simulated else None,
+                     "bubble_simulated_no_comm": round(no_comm.bubble_fraction, 4),
+                     "transfer_ms": [round(t * 1e3, 3) for t in costs.send_s],
+                     "stage_ms": stage_ms(ex.intervals, ex.host_intervals, sched.pp, sched.num_stages)})
     _free(model, engine, ex)
-    return out
+    return rows
 
 
-def torch_interleaved(base: list[str], m: int, args) -> float:
+def one_gpu(sets: list[str], ms: list[int], args, fits: bool) -> list[dict]:
+    """The whole model on one GPU (rank 0; the others wait): tokens/s of train_step over m micro-batches."""
+    from teratrain.optim.engine import train_step
+    from teratrain.planner.measure import build_engine
+
+    device = _RUNTIME[0].device
+    rows = []
+    if dist.get_rank() == 0 and fits:
+        cfg = config(sets + [f"train.global_batch={max(ms) * args.mb}"])
+        model, engine = build_engine(cfg, device)
+        for m in ms:
+            micro = micro_batches(cfg, m, device)
+            step_s, n = step_time(lambda: train_step(model, engine, micro, cfg.memory.precision, 1e-4), args, device,
+                                  agree=False)
+            rows.append({"m": m, "steps": n, "tokens_per_s": round(m * args.mb * cfg.model.seq_len / step_s, 1)})
+        _free(model, engine)
+    dist.barrier()
+    return rows
+
+
+def torch_interleaved(sets: list[str], m: int, args) -> float:
     """tokens/s of torch.distributed.pipelining's ScheduleInterleaved1F1B on our interleaved stages."""
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     from teratrain.memory.precision import autocast
     from teratrain.parallel.pipeline.stage import Chunk
 
-    cfg, rt, model, engine = build(base + [f"parallel.pp={args.pp}", "parallel.schedule=interleaved-1f1b",
-                                           "parallel.virtual_stages=2", f"train.global_batch={m * args.mb}"])
+    cfg, rt, model, engine = build(sets + _layout("interleaved-1f1b", args.pp, m, args.mb))
     layout = model.pipeline
     stages = [PipelineStage(TorchStage(Chunk(model, s, layout.num_stages, layout.bounds[s]), cfg), s, layout.num_stages,
                             rt.device, group=rt.group("pp")) for s in layout.stages]
     sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=lambda logits, y: model.criterion(logits, y))
-    x, y = batches(cfg, m, rt.device)
-    pp_rank = layout.rank
+    x, y = (torch.cat(t) for t in zip(*micro_batches(cfg, m, rt.device)))
     kw = {"return_outputs": False} if "return_outputs" in inspect.signature(sched.step).parameters else {}
 
     def step():
         with autocast(cfg.memory.precision, rt.device):
-            if pp_rank == 0:
+            if layout.rank == 0:
                 sched.step(x, **kw)
-            elif pp_rank == layout.pp - 1:
+            elif layout.rank == layout.pp - 1:
                 sched.step(target=y, **kw)
             else:
                 sched.step(**kw)
         engine.end_backward()
         engine.step(1e-4)
 
-    wall(step, args.warmup, rt.device)
-    tps = m * args.mb * cfg.model.seq_len / wall(step, args.steps, rt.device)
+    step_s, _ = step_time(step, args, rt.device)
     _free(model, engine, sched, stages)
-    return tps
+    return m * args.mb * cfg.model.seq_len / step_s
 
 
 class TorchStage(nn.Module):
@@ -183,6 +316,25 @@ class TorchStage(nn.Module):
         return m.head(h) if c.is_last else h
 
 
+def profiled(sets: list[str], schedule: str, m: int, args) -> list[dict]:
+    """One step of `schedule` at m under torch.profiler, every rank's account (rank order)."""
+    from pipeline_profile import profile_step
+
+    from teratrain.parallel.pipeline.runtime import PipelineExecutor
+
+    cfg, rt, model, engine = build(sets + _layout(schedule, args.pp, m, args.mb))
+    ex = PipelineExecutor(model, engine, rt, cfg)
+    micro = micro_batches(cfg, m, rt.device)
+    step = lambda: ex(micro, cfg.memory.precision, 1e-4)  # noqa: E731
+    for _ in range(max(3, args.warmup)):  # past the executor's two timed calls
+        step()
+    mine = profile_step(step, rt.device)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    _free(model, engine, ex)
+    return out
+
+
 def _free(*objs) -> None:
     import gc
 
@@ -192,30 +344,74 @@ def _free(*objs) -> None:
         torch.cuda.empty_cache()
 
 
+def derived(rows: list[dict], ones: list[dict], pp: int) -> dict:
+    """ZB-H1 against 1F1B, and 1F1B against one GPU, at each m."""
+    by = {(r["schedule"], r["m"]): r for r in rows}
+    zb, ideal = [], []
+    for (name, m), r in sorted(by.items()):
+        if name != "zb-h1" or ("1f1b", m) not in by:
+            continue
+        base = by[("1f1b", m)]
+        split = [{"stage": s, "I+W_over_B": round((z["I"] + z["W"]) / b["B"], 3),
+                  "host_I+W_over_B": round((z["I_host"] + z["W_host"]) / b["B_host"], 3)}
+                 for s, (z, b) in enumerate(zip(r["stage_ms"], base["stage_ms"])) if "I" in z]  # stage 0 runs B
+        zb.append({"m": m, "tokens_ratio": round(r["tokens_per_s"] / base["tokens_per_s"], 3),
+                   "peak_ratio": round(r["peak_gib"] / base["peak_gib"], 3) if base["peak_gib"] else None,
+                   "split_backward": split})
+    for one in ones:
+        r = by.get(("1f1b", one["m"]))
+        if r is not None:
+            best = (1 - r["bubble_simulated"]) * one["tokens_per_s"]
+            ideal.append({"m": one["m"], "per_gpu_tokens_per_s": round(r["tokens_per_s"] / pp, 1),
+                          "ideal_tokens_per_s": round(best, 1), "ratio": round(r["tokens_per_s"] / pp / best, 3)})
+    return {"zb_vs_1f1b": zb, "one_f_one_b_vs_ideal": ideal}
+
+
 def worker(args) -> None:
+    from teratrain.planner.hardware import GPUS
+
+    t0 = time.perf_counter()
     args.pp = int(os.environ["WORLD_SIZE"])
-    base = model_sets(args.pp, args.smoke)
-    args.mb = 2
     ms = SMOKE_MICROBATCHES if args.smoke else MICROBATCHES
-    rows = [ours(base, s, m, args) for s in SCHEDULES for m in ms]
+    rt = runtime(model_sets(2 * args.pp, 1, args.smoke) + [f"parallel.pp={args.pp}"])
+    sizing = {gpu: size_to_gpu(args.pp, GPUS[gpu].memory_gib, gpu, MICROBATCHES) for gpu in ("h100", "h200")} \
+        if args.smoke else _size_here(rt.device, args.pp, ms)  # smoke: what the GPUs would run
+    layers, args.mb = (4, 2) if args.smoke else (sizing["layers"], sizing["micro_batch"])
+    args.gpu = "h100" if args.smoke else sizing["gpu"]
+    sets = model_sets(layers, args.mb, args.smoke)
+    rows = [r for s in SCHEDULES for r in ours(sets, s, ms, args)]
+    ones = one_gpu(sets, ms, args, fits=args.smoke or sizing["one_gpu_fits"])
     versus = []
     for m in ms:
-        theirs = torch_interleaved(base, m, args)
+        theirs = torch_interleaved(sets, m, args)
         mine = next(r["tokens_per_s"] for r in rows if r["schedule"] == "interleaved-1f1b" and r["m"] == m)
         versus.append({"m": m, "ours_tokens_per_s": mine, "torch_tokens_per_s": round(theirs, 1),
                        "ratio": round(mine / theirs, 3)})
+    prof = {s: profiled(sets, s, SMOKE_PROFILE_M if args.smoke else PROFILE_M, args) for s in ("1f1b", "zb-h1")} \
+        if args.profile else None
     if int(os.environ["RANK"]) == 0:
-        result = {"bench": "pipeline", "pp": args.pp, "model": base, "torch": torch.__version__,
+        result = {"bench": "pipeline", "pp": args.pp, "model": sets, "sizing": sizing, "torch": torch.__version__,
                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  "schedules": rows, "interleaved_vs_torch": versus}
-        if args.parity_result:
-            result["parity"] = json.loads(Path(args.parity_result).read_text())
+                  "schedules": rows, **derived(rows, ones, args.pp), "one_gpu": ones,
+                  "interleaved_vs_torch": versus, "wall_s": round(time.perf_counter() - t0, 1)}
+        if prof is not None:
+            result["profile"] = {"m": SMOKE_PROFILE_M if args.smoke else PROFILE_M, **prof}
         text = json.dumps(result, indent=1)
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _size_here(device, pp: int, ms: list[int]) -> dict:
+    """size_to_gpu for this job's card (every rank takes rank 0's answer)."""
+    name = torch.cuda.get_device_name(device)
+    gpu = "h200" if "H200" in name else "a100" if "A100" in name else "h100"
+    card = torch.cuda.mem_get_info(device)[1] / GIB
+    sizing = [size_to_gpu(pp, card, gpu, ms) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(sizing, src=0)
+    return sizing[0]
 
 
 def parity(n: int, smoke: bool, steps: int) -> list[dict]:
@@ -249,15 +445,15 @@ def _train(nproc: int, sets: list[str], steps: int, out: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="one profiled step of 1F1B and ZB-H1 (torch.profiler)")
+    ap.add_argument("--seconds", type=float, default=4.0, help="timed seconds per (schedule, m), at least 3 steps")
+    ap.add_argument("--steps", type=int, default=10, help="most timed steps per (schedule, m)")
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out")
-    ap.add_argument("--parity", action="store_true", help="also train 3 schedules against one GPU first")
-    ap.add_argument("--parity-only", action="store_true", help="only the parity runs")
-    ap.add_argument("--parity-result", help=argparse.SUPPRESS)  # from the launcher to the torchrun job
+    ap.add_argument("--parity-only", action="store_true", help="only the parity runs through `teratrain train`")
     args = ap.parse_args()
     if args.smoke:
-        args.steps, args.warmup = 1, 1
+        args.steps, args.warmup, args.seconds = 3, 1, 0.0
     if "WORLD_SIZE" in os.environ:
         worker(args)
         return
@@ -271,12 +467,8 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(text)
         return
-    passed = [a for a in sys.argv[1:] if a != "--parity"]
-    if args.parity:  # the torchrun job puts it into its one JSON object
-        found = Path(tempfile.mkdtemp()) / "parity.json"
-        found.write_text(json.dumps(parity(n, args.smoke, 4 if args.smoke else 20)))
-        passed += ["--parity-result", str(found)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__, *passed]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
+           *sys.argv[1:]]
     env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     sys.exit(subprocess.call(cmd, env=env))
 

@@ -55,12 +55,20 @@ def test_bad_pipeline_layout_fails_before_launch(cli, tmp_path, sets, words):
 
 
 def test_bench_smoke():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline.py"), "--smoke"], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline.py"), "--smoke", "--profile"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
     rows = result["schedules"]
     assert {(r["schedule"], r["m"]) for r in rows} == {(s, m) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
                                                        for m in (4, 8)}
     assert all(r["tokens_per_s"] > 0 and 0 <= r["bubble_simulated"] < 1 and 0 <= r["bubble_measured"] < 1 for r in rows)
+    zb = next(r for r in rows if r["schedule"] == "zb-h1")
+    first, last = zb["stage_ms"]  # stage 0 joins I and W: its input gradient goes to no other rank
+    assert {"F", "B"} <= set(first) and {"F", "I", "W"} <= set(last) and len(zb["transfer_ms"]) == 1
     assert [v["m"] for v in result["interleaved_vs_torch"]] == [4, 8]
+    assert [z["m"] for z in result["zb_vs_1f1b"]] == [4, 8] and [o["m"] for o in result["one_gpu"]] == [4, 8]
+    h100, h200 = result["sizing"]["h100"], result["sizing"]["h200"]  # what the GPUs would run, by the planner
+    assert h200["layers"] > h100["layers"] >= 4 and all(s["planned_gib"] <= s["limit_gib"] for s in (h100, h200))
+    for name, kinds in (("1f1b", [{"F", "B"}, {"F", "B"}]), ("zb-h1", [{"F", "B"}, {"F", "I", "W"}])):
+        assert [set(r["host_ms"]) for r in result["profile"][name]] == kinds, result["profile"][name]

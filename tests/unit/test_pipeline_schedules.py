@@ -215,3 +215,14 @@ def test_costs_need_one_value_per_stage():
         simulate(build("1f1b", 4, 4), Costs(forward_s=[1.0, 1.0]))
     with pytest.raises(ValueError, match="cannot exceed"):
         simulate(build("zb-h1", 2, 2), Costs(backward_s=1.0, weight_grad_s=2.0))
+
+
+def test_the_first_stage_runs_whole_backwards_where_w_follows_i():
+    from teratrain.parallel.pipeline.runtime import _unsplit_first_stage
+
+    sched = build("zb-h1", 4, 8)
+    ranks = (_unsplit_first_stage(sched.ranks[0], {0}),) + sched.ranks[1:]
+    assert not any(a.kind in (I, W) for a in ranks[0]) and sum(a.kind == B for a in ranks[0]) == 8
+    assert all(_unsplit_first_stage(acts, set()) == acts for acts in sched.ranks[1:])
+    check(Schedule("zb-h1", 4, 8, 1, ranks))  # still a valid list for the other ranks' sends and receives
+    assert simulate(Schedule("zb-h1", 4, 8, 1, ranks), Costs()).makespan_s == simulate(sched, Costs()).makespan_s

@@ -9,6 +9,17 @@ posted (FIFO), which is the order the schedule lists them in; no tags are needed
 Sends are posted and never waited for until the end of the step (rule 1); receives are waited for
 before the next compute action (rule 2). Consecutive sends/receives of an action list are posted
 together, one `batch_isend_irecv` per link (a batch must stay within one process group).
+
+Streams (NCCL): each link's communicator runs its kernels on a stream of its own, never behind
+compute on the compute stream. Posting an op makes that stream wait for the work already queued on
+the compute stream, which a send needs (it sends what that work computed) and a receive pays little
+for: the executor posts it before the compute action that precedes its consumer is queued, so it
+waits only for the action before that one and its transfer overlaps the action between. `wait()`
+makes the compute stream, not the host, wait for the op to end, and a posted batch keeps its tensors
+referenced until it is done, so a buffer is neither freed nor reused under a running transfer.
+(Receiving on a side stream instead, free of the compute stream, was considered: it would start a
+receive's kernel earlier, spinning on SMs beside compute, and the transfer would still end in the
+same action's shadow; the profile in bench/pipeline.py --profile shows what communication is exposed.)
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from teratrain.compat import reparametrize
 from teratrain.memory.precision import autocast
@@ -34,6 +35,7 @@ from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS
                                                  add_communication)
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
 from teratrain.parallel.pipeline.p2p import Links
+from teratrain.parallel.pipeline.saved import SplitSaved
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.stage import Chunk
 from teratrain.parallel.pipeline.timing import Clock, plot
@@ -83,6 +85,7 @@ class PipelineExecutor:
         self.run_dir, self.time_every_call, self.audit = run_dir, time_every_call, audit
         self.calls = 0
         self.intervals: list = []  # the last timed call's measured timeline, all ranks of this pipeline
+        self.host_intervals: list = []  # the same actions as the host issued them
         self.records: list[dict] = []  # asynchronous schedules: the weight version every action used
 
     # ------------------------------------------------------------------ the step
@@ -117,7 +120,9 @@ class PipelineExecutor:
         return loss
 
     def _after_timed(self, sched, clock: Clock) -> None:
-        self.intervals = [iv for ivs in all_gather_objects(clock.intervals(self.rank), self.pp_group) for iv in ivs]
+        got = all_gather_objects((clock.intervals(self.rank), clock.host_intervals(self.rank)), self.pp_group)
+        self.intervals = [iv for dev, _ in got for iv in dev]
+        self.host_intervals = [iv for _, host in got for iv in host]
         if self.run_dir is not None and self.rt.is_main:
             p = self.cfg.parallel
             chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""
@@ -147,11 +152,14 @@ class _Call:
     """One pass over this rank's action list."""
 
     def __init__(self, ex: PipelineExecutor, acts, micro, precision, lr, clock, train: bool):
+        acts = _unsplit_first_stage(acts, {c for c, chunk in enumerate(ex.chunks) if chunk.is_first})
         self.ex, self.acts, self.micro, self.precision, self.lr, self.clock, self.train = \
             ex, acts, micro, precision, lr, clock, train
         self.shape = ex.message_shape(micro[0][0])
         self.seq_len = micro[0][0].shape[1]
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
+        self.split = train and any(a.kind == I for a in acts)  # forwards record for I and W (saved.py)
+        self.saved: dict[tuple[int, int], SplitSaved] = {}
         self.sends = []  # posted send batches: waited for when the list is done
         self.stats = None
         self.versions = WeightVersions(ex.model, acts) if train and is_async(acts) else None
@@ -174,7 +182,7 @@ class _Call:
             posted = nxt
             if a is None:
                 break
-            with self.clock.span(a) if self.clock else contextlib.nullcontext():
+            with self.clock.span(a) if self.clock else contextlib.nullcontext(), record_function(f"pipeline.{a.kind}"):
                 self._compute(i, a)
             if self.versions is not None:
                 self.versions.release(i)
@@ -226,11 +234,15 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         x_tokens, y = self.micro[a.microbatch]
         w = self.versions.weights(a.version) if self.versions is not None else None
-        with self._using(w), autocast(self.precision, self.ex.device):
+        saved = SplitSaved() if self.split else None
+        with self._using(w), autocast(self.precision, self.ex.device), \
+                saved.recording() if saved is not None else contextlib.nullcontext():
             h0 = chunk.embed(x_tokens) if chunk.is_first else None
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
-            out = chunk.forward(x, y, self.seq_len)
+            out = chunk.forward(x, y, self.seq_len, segment=saved.segment if saved is not None else None)
+        if saved is not None:
+            self.saved[(a.chunk, a.microbatch)] = saved
         if chunk.is_last:
             self.losses[a.microbatch] = out.detach()
         else:
@@ -257,7 +269,8 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         state = self.states[(a.chunk, a.microbatch)]
         h0, x, out, _ = state
-        state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights())]
+        saved = self.saved.pop((a.chunk, a.microbatch))
+        state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights(), saved)]
         if not chunk.is_first:
             self.outbox[(B, a.microbatch, a.chunk)] = x.grad
 
@@ -300,6 +313,22 @@ def _comm_groups(acts) -> list[tuple[int, list[Action], Action | None]]:
         else:
             comm.append(a)
     return out + [(len(acts), comm, None)]
+
+
+def _unsplit_first_stage(acts, first: set[int]) -> tuple[Action, ...]:
+    """Stage 0's input gradient goes to no other rank (only to its own embedding), so splitting its
+    backward buys nothing: where W(mb) directly follows I(mb) on a chunk of `first`, with nothing
+    between them, run one full backward B(mb) in their place (the same gradients, without the split's
+    host time and kept gradients)."""
+    out: list[Action] = []
+    for a in acts:
+        prev = out[-1] if out else None
+        if a.kind == W and a.chunk in first and prev is not None and prev.kind == I and \
+                (prev.microbatch, prev.chunk, prev.version) == (a.microbatch, a.chunk, a.version):
+            out[-1] = Action(B, a.microbatch, a.chunk, version=a.version)
+        else:
+            out.append(a)
+    return tuple(out)
 
 
 def _update_windows(acts, m: int) -> tuple[set[int], float]:

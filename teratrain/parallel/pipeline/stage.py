@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from teratrain.memory.recompute import RecomputedBlocks
+
 
 class Chunk:
     def __init__(self, model: nn.Module, stage: int, num_stages: int, blocks: range):
@@ -29,10 +31,19 @@ class Chunk:
         """Stage 0's embedding: (B, T) -> (B, T', d)."""
         return self.model.embed(tokens)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """This chunk's blocks on x (B, T', d); the last stage goes on to the mean loss over targets (B, T)."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, seq_len: int, segment=None) -> torch.Tensor:
+        """This chunk's blocks on x (B, T', d); the last stage goes on to the mean loss over targets (B, T).
+        `segment(fn, *args)`, when given, runs each recomputed segment of blocks in place of torch's
+        checkpoint (saved.py: the split backward replays each segment once)."""
         m = self.model
-        h = self.blocks(x, m.rope(0, seq_len) if m.rope is not None else None)
+        rope = m.rope(0, seq_len) if m.rope is not None else None
+        if segment is not None and isinstance(self.blocks, RecomputedBlocks):
+            blocks = list(self.blocks)
+            h = x
+            for i in range(0, len(blocks), self.blocks.k):
+                h = segment(_run_blocks, blocks[i:i + self.blocks.k], h, rope)
+        else:
+            h = self.blocks(x, rope)
         return m.criterion(m.head(h), targets) if self.is_last else h
 
     def weights(self) -> list[nn.Parameter]:
@@ -42,3 +53,9 @@ class Chunk:
         if self.is_last and self.model.output is None:
             mods.append(self.model.tok_embeddings)  # tied: the head is the embedding matrix
         return [p for mod in mods if mod is not None for p in mod.parameters() if p.requires_grad]
+
+
+def _run_blocks(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
+    for block in blocks:
+        h = block(h, rope)
+    return h

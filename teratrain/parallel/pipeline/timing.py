@@ -33,7 +33,9 @@ class Clock:
             self.zero.record()
         else:
             self.zero = time.perf_counter()
+        self.host_zero = time.perf_counter()
         self.spans: list[tuple] = []  # (start, end, action)
+        self.host: list[tuple[float, float]] = []  # per span: when the host issued it (perf_counter)
 
     def _now(self):
         if self.cuda:
@@ -44,9 +46,10 @@ class Clock:
 
     @contextmanager
     def span(self, action):
-        start = self._now()
+        t0, start = time.perf_counter(), self._now()
         yield
         self.spans.append((start, self._now(), action))
+        self.host.append((t0, time.perf_counter()))
 
     def intervals(self, rank: int) -> list[Interval]:
         """This rank's actions in seconds from time zero (on a GPU, waits for the device first)."""
@@ -57,19 +60,55 @@ class Clock:
             sec = lambda t: t - self.zero  # noqa: E731
         return [Interval(rank, sec(s), sec(e), a.kind, a.microbatch, a.chunk, a.version) for s, e, a in self.spans]
 
+    def host_intervals(self, rank: int) -> list[Interval]:
+        """This rank's actions as the host issued them (seconds from the clock's creation)."""
+        z = self.host_zero
+        return [Interval(rank, s - z, e - z, a.kind, a.microbatch, a.chunk, a.version)
+                for (s, e), (_, _, a) in zip(self.host, self.spans)]
 
-def measured_costs(intervals: list[Interval], pp: int, num_stages: int) -> Costs:
-    """Per-stage median seconds of F, B (or I + W) and STEP, as the simulator takes them."""
+
+def measured_costs(intervals: list[Interval], pp: int, num_stages: int, transfers: bool = True) -> Costs:
+    """Per-stage median seconds of F, B (or I + W) and STEP, as the simulator takes them, and (with
+    `transfers`) each boundary's transfer time from `transfer_s`."""
     by = defaultdict(list)
     for iv in intervals:
         by[(iv.kind, iv.chunk * pp + iv.rank)].append(iv.end - iv.start)
     med = lambda k, s: statistics.median(by[(k, s)]) if by[(k, s)] else 0.0  # noqa: E731
     fwd = [med(F, s) for s in range(num_stages)]
+    bwd = [med(B, s) if by[(B, s)] else med(I, s) + med(W, s) for s in range(num_stages)]
+    # a stage that ran whole backwards (the executor joins I and W on stage 0) says nothing about
+    # the split; there W follows I directly, so any share gives that rank the same timeline
     split = any(iv.kind == W for iv in intervals)
-    bwd = [med(I, s) + med(W, s) if split else med(B, s) for s in range(num_stages)]
-    wgrad = [med(W, s) for s in range(num_stages)] if split else None
+    wgrad = [med(W, s) if by[(W, s)] else bwd[s] / 2 for s in range(num_stages)] if split else None
     steps = [iv.end - iv.start for iv in intervals if iv.kind == STEP]
-    return Costs(forward_s=fwd, backward_s=bwd, weight_grad_s=wgrad, step_s=statistics.median(steps) if steps else 0.0)
+    send = transfer_s(intervals, pp, num_stages) if transfers else 0.0
+    return Costs(forward_s=fwd, backward_s=bwd, weight_grad_s=wgrad, step_s=statistics.median(steps) if steps else 0.0,
+                 send_s=send)
+
+
+def transfer_s(intervals: list[Interval], pp: int, num_stages: int) -> list[float]:
+    """Per boundary s | s+1: the least time from the end of an action whose result crossed it (F of
+    stage s, or B / I of stage s + 1) to the start of the action that consumed it, over the messages
+    the consumer's rank sat idle for (its previous action had ended before the message was made), so
+    slack is not mistaken for transfer; 0 where no rank ever waited."""
+    at = {(iv.kind, iv.chunk * pp + iv.rank, iv.microbatch): iv for iv in intervals}
+    prev_end: dict[tuple, float] = {}  # an action -> the end of the action before it on its rank
+    for rank in {iv.rank for iv in intervals}:
+        mine = sorted((iv for iv in intervals if iv.rank == rank), key=lambda iv: iv.start)
+        for a, b in zip(mine, mine[1:]):
+            prev_end[(b.kind, b.chunk * pp + b.rank, b.microbatch)] = a.end
+    best = [float("inf")] * (num_stages - 1)
+    for (kind, s, mb), iv in at.items():
+        if kind == F and s > 0:
+            made, boundary = at.get((F, s - 1, mb)), s - 1
+        elif kind in (B, I) and s < num_stages - 1:
+            made, boundary = at.get((B, s + 1, mb)) or at.get((I, s + 1, mb)), s
+        else:
+            continue
+        if made is None or made.rank == iv.rank or prev_end.get((kind, s, mb), -1.0) > made.end:
+            continue
+        best[boundary] = min(best[boundary], max(0.0, iv.start - made.end))
+    return [0.0 if b == float("inf") else b for b in best]
 
 
 def predicted(sched: Schedule, measured: list[Interval]) -> list[Interval]:
