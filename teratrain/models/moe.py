@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import in_backward
-from teratrain.models.grouped import fill, grouped_layout, row_align, run_experts, use_grouped
+from teratrain.models.grouped import compute_dtype, fill, grouped_layout, row_align, run_experts, use_grouped
 
 if TYPE_CHECKING:
     from teratrain.config import ModelConfig, MoEConfig
@@ -321,10 +321,11 @@ class MoE(nn.Module):
         N, K = r.experts.shape
         key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
         token = torch.arange(N * K, device=x.device) // K
+        rows = flat.to(compute_dtype(flat))  # the experts' first op casts anyway: move and gather half the bytes
         if self.exchange is None:
-            ys = self.run_local(flat, key, token)
+            ys = self.run_local(rows, key, token)
         else:
-            ys = self.exchange(flat, key, token, self.router.max_rows(N, K), self)
+            ys = self.exchange(rows, key, token, self.router.max_rows(N, K), self)
         sent = r.routed.reshape(-1, 1)
         ys = torch.where(sent, ys, 0.0)  # a choice not sent reads an undefined row (models/grouped.py)
         w = torch.where(r.routed, r.weights, 0.0).to(ys.dtype)

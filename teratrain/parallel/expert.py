@@ -28,6 +28,23 @@ seeds' tp forms leave experts whole, replicated over tp.
 No hang on an idle expert: an expert that receives no token still runs on zero rows, so every rank
 builds the same autograd graph and its gradient hooks launch the same collectives in the same order;
 the all-to-all takes empty blocks.
+
+The exchange and the host. `all_to_all_single` takes its split sizes as host integers, but the
+routed rows per rank are known only on the device, and reading them back stops the host from queueing
+further work until the GPU has caught up (the step turns host-bound). Two exchanges, by the router:
+- with a capacity (`capacity_factor` > 0): padded, no read-back. An expert takes at most C rows of a
+  micro-batch (C = its capacity summed over the local groups, known on the host before routing), so
+  every rank sends every expert C slots, `local * C` rows per peer, the unused slots zero (GShard's
+  fixed (E, C, d) dispatch buffers, sec. 3.2). The counts travel in a fixed-size all-to-all of
+  n integers that stays on the device and tells the receiver which slots hold rows; the experts then
+  run on exactly those (models/grouped.py). Costs factor * K * N rows per exchange instead of the
+  routed ones (with 1.25 and 25% of choices dropped, 1.7x the bytes), which NVLink absorbs better
+  than a stalled host; every rank of the ep group must route the same number of tokens (the
+  micro-batch shape), so that the slots agree.
+- without a capacity (dropless): exact, one read-back. A padded buffer would need N*K slots per
+  expert (any expert may take every token), ep times the rows. So the count all-to-all is followed
+  by one device-to-host copy of (rows from each peer, rows to each peer), the minimum the API
+  allows: one per layer and forward, none in backward (the splits are kept for it).
 """
 
 from __future__ import annotations
