@@ -271,7 +271,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.parity_steps = min(args.steps, 2), min(args.warmup, 1), min(args.parity_steps, 3)
-        args.instrumented_steps = min(args.instrumented_steps, 2)
+        args.instrumented_steps = min(args.instrumented_steps, 1)
     if "RANK" in os.environ:
         worker(args)
         return
