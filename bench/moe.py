@@ -24,7 +24,9 @@ Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all r
 FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
 memory; for each MoE the share of routed choices dropped for capacity and, at ep>1, the all-to-all's
 share of the step (the exchanges of counts and rows, forward and backward, timed by CUDA events on the
-compute stream around each, in separate instrumented steps: the time the step waits for them);
+compute stream around each, in separate instrumented steps: the time the step waits for them) and
+`moe_layer_host_syncs`, "none" when one MoE layer's forward and backward never wait for the device
+(torch.cuda.set_sync_debug_mode("error"); the dropless exchange reads its counts back by design);
 `moe_vs_dense`, each MoE's tokens/s over the dense model's (target >= 0.8); `experts_kernel`, grouped
 GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device
 machines require.
@@ -47,6 +49,7 @@ from common import fresh_memory, summarize, time_steps  # puts the checkout on s
 
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
+from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
@@ -159,6 +162,8 @@ def measure(sets: list[str], args) -> dict:
         out["dropped"] = round(dropped, 4)
         if args.profile and rt.dims.ep == 1:
             out["profile"] = _profile(step, rt.device)
+        if rt.device.type == "cuda":
+            out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
     del model, engine
     fresh_memory(rt.device)
@@ -207,6 +212,24 @@ def _timed_all_to_all(spans: list, device: torch.device):
         yield
     finally:
         comm.all_to_all = expert.all_to_all = original
+
+
+def _host_syncs(layer, tokens: int, cfg, device: torch.device) -> str:
+    """'none' when one MoE layer's forward and backward (and its exchange at ep > 1: every rank runs
+    this) wait for the device nowhere (torch.cuda.set_sync_debug_mode("error")), else the error."""
+    x = torch.randn(tokens, cfg.model.d_model, device=device, requires_grad=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with autocast(cfg.memory.precision, device):
+            y = layer(x.unsqueeze(0))
+        torch.autograd.grad(y.float().sum(), [x, *layer.parameters()])  # no accumulation: the engine's hooks stay out
+        return "none"
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        layer.pop_stats()
 
 
 def _profile(step, device: torch.device) -> dict:
