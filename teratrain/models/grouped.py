@@ -9,7 +9,7 @@ GPU works. (Only the loop fallback reads the group offsets back, once per call: 
 Layout. Each row (a token's choice, or a row received from an expert-parallel peer) has a key: its
 group (the local expert) or `num_groups` for a row that goes nowhere (dropped for capacity, not
 sampled by random routing, an empty slot of a padded exchange). `grouped_layout` gives each row its
-place in a buffer of `M + num_groups * (align - 1)` rows: group g's rows are consecutive, in their
+place in a buffer of `M + num_groups * (align - 1) + 1` rows: group g's rows are consecutive, in their
 input order, from a multiple of `align`; the rows that go nowhere lie past the last group's end,
 `offsets[-1]`. `slotted_layout` gives group g the fixed slots [g * slot, (g + 1) * slot) instead (the
 padded all-to-all of parallel/expert.py).
