@@ -75,7 +75,7 @@ def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tm
     """A mixture-of-experts run (softmax-topk experts in every layer) becomes a MixtralForCausalLM
     folder with transformers' logits equal to ours; model.init_from of it gives back every parameter."""
     run, out = tmp_path / "run", tmp_path / "hf"
-    cli.train(run, "model.moe.num_experts=4", "train.eval_batches=0", steps=3, in_process=True)
+    cli.train(run, "model.moe.num_experts=4", "train.eval_batches=0", steps=2, in_process=True)
     assert "MixtralForCausalLM" in cli("export", "--ckpt", run, "--to", out, in_process=True).stdout
     hf = assert_same_logits(our_model(run), out, 4096)
     assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
