@@ -1,25 +1,35 @@
-"""Mixture of experts under expert parallelism: an 8-expert top-2 model against the dense model with
-the same active FLOPs, in one torchrun job.
+"""Mixture of experts at ep=1 and ep>1 against the dense model with the same active FLOPs, in one
+torchrun job.
 
-    torchrun --nproc-per-node 2 bench/moe.py          # 2 GPUs, ep=2 (--ep N: any ep dividing the GPUs)
-    python bench/moe.py --smoke                       # 2 CPU processes over gloo, tiny shapes: checks the script
+    torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless (~3 min)
+    torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
+    python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
 
 Model (GPU): Llama-style, d_model 2048, 8 blocks, 16 heads (8 key/value), 32k vocab, 2048 tokens per
 sequence, bf16 autocast. MoE: every block's MLP is 8 SwiGLU experts of width 2816, top-2
 (`softmax-topk`, capacity factor 1.25); dense: one SwiGLU MLP of width 5632, so a token multiplies
-the same weights (plus the MoE router's 8 x 2048). Both run data parallel over every rank (the MoE
-with its experts spread over `--ep` of them), AdamW, on random tokens.
+the same weights (plus the MoE router's 8 x 2048). Every model runs data parallel over every rank,
+2 micro-batches per rank, AdamW, on random tokens; the micro-batch is sized from the GPU's memory
+(4 sequences from 60 GiB free, as on an H100 or H200; fewer below). The MoE runs at each `--ep`
+(default 1 and the process count): at ep=1 each rank holds every expert (no all-to-all); at ep>1
+the experts are spread and exchanged with the padded all-to-all of parallel/expert.py (a capacity:
+no read-back), and once more without a capacity (`_dropless`: exact rows after one count read-back
+per layer).
 
-First a parity check: 10 steps of the MoE at ep against one process on rank 0's GPU training the same
-global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as bench/multi_gpu.py
-allows; the fp32 smoke run is exact to ~1e-6).
+First a parity check: the MoE at the largest ep against one process on rank 0's GPU training the same
+global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as
+bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
 
-Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active FLOPs
-(PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time; for the
-MoE the all-to-all's share of the step (dispatch, combine and their backward, timed with the device
-synchronized around each exchange in separate, instrumented steps) and the share of routed choices
-dropped for capacity; and `moe_vs_dense`, the MoE's tokens/s over the dense model's (target >= 0.8).
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device machines require.
+Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active
+FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
+memory; for each MoE the share of routed choices dropped for capacity and, at ep>1, the all-to-all's
+share of the step (the exchanges of counts and rows, forward and backward, timed by CUDA events on the
+compute stream around each, in separate instrumented steps: the time the step waits for them) and
+`moe_layer_host_syncs`, "none" when one MoE layer's forward and backward never wait for the device
+(torch.cuda.set_sync_debug_mode("error"); the dropless exchange reads its counts back by design);
+`moe_vs_dense`, each MoE's tokens/s over the dense model's (target >= 0.8); `experts_kernel`, grouped
+GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device
+machines require.
 """
 
 from __future__ import annotations
@@ -37,7 +47,9 @@ from pathlib import Path
 import torch
 from common import fresh_memory, summarize, time_steps  # puts the checkout on sys.path
 
+from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
+from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
@@ -49,17 +61,31 @@ from teratrain.parallel.parallelize import parallelize  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GPU = ["model.n_layers=8", "model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.vocab_size=32000",
-       "model.seq_len=2048", "train.micro_batch=4", "memory.precision=bf16"]
+       "model.seq_len=2048", "memory.precision=bf16"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-         "model.seq_len=32", "train.micro_batch=2", "memory.precision=fp32", "train.device=cpu"]
+         "model.seq_len=32", "memory.precision=fp32", "train.device=cpu"]
 EXPERT_FF = {"gpu": 2816, "smoke": 64}
+MICRO_PER_RANK = 2  # micro-batches per rank and step
 
 
-def models(smoke: bool, ep: int) -> dict[str, list[str]]:
+def models(smoke: bool, eps: list[int]) -> dict[str, list[str]]:
+    """Each model's settings: the dense peer, the MoE at every ep, the largest ep once more dropless."""
     ff = EXPERT_FF["smoke" if smoke else "gpu"]
-    moe = [f"model.d_ff={ff}", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=softmax-topk",
-           "model.moe.capacity_factor=1.25", f"parallel.ep={ep}"]
-    return {"moe": moe, "dense": [f"model.d_ff={2 * ff}"]}
+    moe = [f"model.d_ff={ff}", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=softmax-topk"]
+    out = {"dense": [f"model.d_ff={2 * ff}"]}
+    out.update({f"moe_ep{ep}": moe + ["model.moe.capacity_factor=1.25", f"parallel.ep={ep}"] for ep in eps})
+    if max(eps) > 1:
+        out[f"moe_ep{max(eps)}_dropless"] = moe + ["model.moe.capacity_factor=0", f"parallel.ep={max(eps)}"]
+    return out
+
+
+def micro_batch(smoke: bool) -> int:
+    """Sequences per micro-batch: 4 of 2048 tokens from 60 GiB free (the MoE at ep=1, the largest,
+    peaks at 33 GiB with 4), else fewer; 2 of 32 in the smoke run."""
+    if smoke:
+        return 2
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    return 4 if free >= 60 else 2 if free >= 35 else 1
 
 
 def build(sets: list[str], single: bool = False):
@@ -90,6 +116,7 @@ def parity(sets: list[str], steps: int) -> dict | None:
         ref = _losses(*build(sets, single=True), batches)
         err = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
         out = {"steps": steps, "max_rel_loss_diff": err, "losses": got, "one_process": ref}
+    fresh_memory(rt.device)
     rt.barrier()
     return out
 
@@ -107,7 +134,7 @@ def _losses(cfg, rt, model, engine, batches: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def measure(sets: list[str], steps: int, warmup: int, instrument: bool) -> dict:
+def measure(sets: list[str], args) -> dict:
     """Build one model through parallelize() and time its optimizer steps on random tokens."""
     cfg, rt, model, engine = build(sets)
     tc, m = cfg.train, cfg.model
@@ -118,38 +145,66 @@ def measure(sets: list[str], steps: int, warmup: int, instrument: bool) -> dict:
     def step():
         train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
 
-    times = time_steps(step, warmup, steps, rt.device)
+    times = time_steps(step, args.warmup, args.steps, rt.device)
     tokens = tc.global_batch * m.seq_len
     out = summarize(times, tokens, flops_per_token(m), rt.device, cfg.memory.precision)
     out["mfu"] = round(out["mfu"] / rt.dims.workers, 4) if out["mfu"] else None  # peak of every rank
     out["step_ms_max_rank"] = _max_over_ranks(out["step_ms"], rt)
-    for _, layer in moe_layers(model):
-        layer.pop_stats()
-    if instrument and moe_layers(model):
-        exchanged = [0.0]
-        with _timed_all_to_all(exchanged, rt.device):
-            step_s = sum(time_steps(step, 0, steps, rt.device))
-        out["all_to_all_share"] = round(exchanged[0] / step_s, 4)
+    if moe_layers(model):
+        for _, layer in moe_layers(model):
+            layer.pop_stats()
+        if rt.dims.ep > 1:
+            out["all_to_all_share"] = _all_to_all_share(step, args.instrumented_steps, rt.device)
+        else:
+            time_steps(step, 0, 1, rt.device)  # one step's statistics
         stats = [layer.pop_stats() for _, layer in moe_layers(model)]
         dropped = sum(float(s["dropped"]) for s in stats) / max(1.0, sum(float(s["attempted"]) for s in stats))
         out["dropped"] = round(dropped, 4)
+        if args.profile and rt.dims.ep == 1:
+            out["profile"] = _profile(step, rt.device)
+        if rt.device.type == "cuda":
+            out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
     del model, engine
+    fresh_memory(rt.device)
     return out
 
 
+def _all_to_all_share(step, steps: int, device: torch.device) -> float:
+    """The all-to-alls' share of `steps` instrumented steps: CUDA events on the compute stream around
+    each exchange (no synchronization inside the step), summed after it; wall clock on a CPU."""
+    spans: list = []
+    t0 = time.perf_counter()
+    with _timed_all_to_all(spans, device):
+        for _ in range(steps):
+            step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    step_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        exchanged = sum(a.elapsed_time(b) for a, b in spans) / 1e3
+    else:
+        exchanged = sum(b - a for a, b in spans)
+    return round(exchanged / step_s, 4)
+
+
 @contextlib.contextmanager
-def _timed_all_to_all(acc: list[float], device: torch.device):
-    """Time every all-to-all (the counts exchange and both row exchanges, forward and backward)
-    with the device synchronized before and after it."""
+def _timed_all_to_all(spans: list, device: torch.device):
+    """Record (start, end) of every all-to-all (the counts exchange and both row exchanges, forward
+    and backward): CUDA events on the current stream, or host times on a CPU."""
     original = comm.all_to_all
 
     def timed(*args, **kwargs):
-        _sync(device)
-        t0 = time.perf_counter()
-        result = original(*args, **kwargs)
-        _sync(device)
-        acc[0] += time.perf_counter() - t0
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = original(*args, **kwargs)
+            end.record()
+            spans.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            result = original(*args, **kwargs)
+            spans.append((t0, time.perf_counter()))
         return result
 
     comm.all_to_all = expert.all_to_all = timed
@@ -159,9 +214,37 @@ def _timed_all_to_all(acc: list[float], device: torch.device):
         comm.all_to_all = expert.all_to_all = original
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _host_syncs(layer, tokens: int, cfg, device: torch.device) -> str:
+    """'none' when one MoE layer's forward and backward (and its exchange at ep > 1: every rank runs
+    this) wait for the device nowhere (torch.cuda.set_sync_debug_mode("error")), else the error."""
+    x = torch.randn(tokens, cfg.model.d_model, device=device, requires_grad=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with autocast(cfg.memory.precision, device):
+            y = layer(x.unsqueeze(0))
+        torch.autograd.grad(y.float().sum(), [x, *layer.parameters()])  # no accumulation: the engine's hooks stay out
+        return "none"
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        layer.pop_stats()
+
+
+def _profile(step, device: torch.device) -> dict:
+    """torch.profiler over 2 steps: host and device time, and the 12 ops with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        time_steps(step, 0, 2, device)
+    events = prof.key_averages()
+    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    top = sorted(events, key=lambda e: getattr(e, dev), reverse=True)[:12]
+    return {"host_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 1),
+            "device_ms": round(sum(getattr(e, dev) for e in events) / 1e3, 1),
+            "top_device_ms": {e.key: round(getattr(e, dev) / 1e3, 2) for e in top}}
 
 
 def _max_over_ranks(value: float, rt) -> float:
@@ -174,29 +257,44 @@ def worker(args) -> None:
     for key, value in NO_MULTICAST.items():  # before NCCL starts
         os.environ.setdefault(key, value)
     world = int(os.environ["WORLD_SIZE"])
-    base = (SMOKE if args.smoke else GPU) + [f"train.global_batch={args.global_batch or 2 * world * (1 if args.smoke else 4)}"]
-    moe_sets = base + models(args.smoke, args.ep)["moe"]
-    check = parity(moe_sets, args.parity_steps)
-    results = {name: measure(base + sets, args.steps, args.warmup, name == "moe")
-               for name, sets in models(args.smoke, args.ep).items()}
+    eps = sorted(set(args.ep or [1, world]))
+    if not args.smoke:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before reading its free memory
+    mb = micro_batch(args.smoke)
+    base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
+                                             f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
+    runs = models(args.smoke, eps)
+    check = parity(base + runs[f"moe_ep{max(eps)}"], args.parity_steps)
+    results = {name: measure(base + sets, args) for name, sets in runs.items()}
     if int(os.environ["RANK"]) == 0:
-        ratio = results["moe"]["tokens_per_s"] / results["dense"]["tokens_per_s"]
-        print(json.dumps({"world": world, "ep": args.ep, "smoke": args.smoke, "torch": torch.__version__,
-                          "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
-                          "parity": check, **results, "moe_vs_dense": round(ratio, 4)}))
+        dense = results["dense"]["tokens_per_s"]
+        ratios = {name: round(r["tokens_per_s"] / dense, 4) for name, r in results.items() if name != "dense"}
+        cuda = torch.cuda.is_available() and not args.smoke
+        print(json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
+                          "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
+                          "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
+                          "experts_kernel": "grouped_mm" if cuda and grouped_mm_without_sync(
+                              torch.device("cuda"), torch.bfloat16) else "loop",
+                          "parity": check, **results, "moe_vs_dense": ratios}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel degree (divides the process count)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per model")
+    p.add_argument("--ep", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="expert-parallel degrees to run, comma-separated, each dividing the process count "
+                        "(default: 1 and the process count)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks")
-    p.add_argument("--parity-steps", type=int, default=10, help="steps of the loss check against one process")
+    p.add_argument("--instrumented-steps", type=int, default=3, help="steps timing the all-to-alls (ep > 1)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
+                   "(default: 2 micro-batches per rank)")
+    p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process")
+    p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.parity_steps = min(args.steps, 2), min(args.warmup, 1), min(args.parity_steps, 3)
+        args.instrumented_steps = min(args.instrumented_steps, 1)
     if "RANK" in os.environ:
         worker(args)
         return

@@ -32,3 +32,20 @@ def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
     from torch.nn.utils.stateless import _reparametrize_module
 
     return _reparametrize_module(module, tensors)
+
+
+# Grouped GEMM (torch >= 2.8, the same private name in 2.11 and 2.13; 2.13 also has the public
+# F.grouped_mm, a thin wrapper of it): (M, K) rows x (G, K, N) weights, offs (G,) int32 cumulative
+# row counts; rows past offs[-1] are left uncomputed (their output memory is uninitialized).
+grouped_mm = getattr(torch, "_grouped_mm", None)
+GROUPED_MM_ROW_ALIGN = 8  # rows per group padded to 16 bytes of bf16, as torchtitan does for this kernel
+
+
+def grouped_mm_without_sync(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where torch._grouped_mm runs its CUTLASS kernel, which reads the offsets on the device:
+    bf16 on sm90 (Hopper) and sm100 (aten/src/ATen/native/cuda/GroupedBlas.cpp, `use_fast_path`).
+    Elsewhere (other GPUs, fp32, CPU) it falls back to a loop of matmuls that copies the offsets to
+    the host, so the caller's own loop is as good there."""
+    if grouped_mm is None or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)

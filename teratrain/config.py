@@ -74,6 +74,10 @@ class MoEConfig(Section):
                                           "switch-top1, no limit otherwise")
     aux_loss_weight: float = Field(0.01, ge=0.0, description="weight of each MoE layer's auxiliary load-balancing "
                                                              "loss in the training loss")
+    aux_loss_convention: Literal["ours", "transformers"] = Field(
+        "ours", description="ours: each layer's router loss (models/moe.py) times aux_loss_weight, summed over the "
+        "layers; transformers: Mixtral's load_balancing_loss_func, one loss over all layers' tokens together (per "
+        "layer top_k times ours), times aux_loss_weight = transformers' router_aux_loss_coef (softmax-topk only)")
     every: int = Field(1, ge=1, description="layer i is an MoE layer when (i + 1) % every == 0 (2 = GShard's "
                                             "every other layer)")
     expert_dropout: float | None = Field(None, ge=0.0, lt=1.0, description="dropout on the experts' hidden "
@@ -97,6 +101,9 @@ class MoEConfig(Section):
         if self.noise is not None and r not in ("noisy-topk", "hierarchical"):
             raise ConfigError(f"model.moe.noise only applies to the noisy-topk and hierarchical routers (this one is "
                               f"{r}); unset it or choose one of those routers.")
+        if self.aux_loss_convention == "transformers" and r != "softmax-topk":
+            raise ConfigError(f"model.moe.aux_loss_convention=transformers is Mixtral's loss, defined for the softmax-topk "
+                              f"router (this one is {r}); set model.moe.router=softmax-topk or aux_loss_convention=ours.")
         if n == 1:
             return self
         if r == "hierarchical":

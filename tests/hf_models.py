@@ -13,6 +13,7 @@ LLAMA = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_lay
              tie_word_embeddings=False)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16}
+MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
 GPT2 = dict(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
 
 
@@ -23,6 +24,17 @@ def save_llama(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "
     model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, **keys})).eval()
     _perturb_norms(model)
     model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def save_mixtral(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
+    """A Mixtral of LLAMA's shape with 4 experts of which each token takes 2."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**{**MIXTRAL, **keys})).eval()
+    _perturb_norms(model)
+    model.save_pretrained(path)
     return model
 
 

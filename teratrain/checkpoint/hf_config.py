@@ -1,9 +1,14 @@
 """Hugging Face config.json <-> teratrain's model section: the one mapping that `teratrain plan`,
 `model.init_from` and `teratrain export` share.
 
-Families: Llama (and Mistral, the same layout) and GPT-2. Both read `rope_theta`/`rope_scaling` as
-transformers 4 writes them and `rope_parameters` as transformers 5 does; export writes the 4 form,
-which 5 reads too.
+Families: Llama (and Mistral, the same layout), Mixtral (Mistral's layers with an 8-expert top-2
+feed-forward: model.moe with the softmax-topk router, no capacity limit) and GPT-2. All read
+`rope_theta`/`rope_scaling` as transformers 4 writes them and `rope_parameters` as transformers 5 does;
+export writes the 4 form, which 5 reads too.
+
+Not mapped: Qwen2-MoE (and its descendants), whose layers add what teratrain's decoder lacks: a shared
+expert with a sigmoid gate next to the routed ones, top-k weights left unnormalized
+(norm_topk_prob=false), and biases on q/k/v only.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 from teratrain.config import ROPE_SCALING_KEYS, ConfigError
 
 HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
-LLAMA_TYPES = ("llama", "mistral")
+LLAMA_TYPES = ("llama", "mistral", "mixtral")  # the decoder of models/transformer.py, arch = llama
 
 # HF config.json keys per family -> our model keys
 _HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -83,8 +88,10 @@ def check_importable(hf: dict, path: Path) -> None:
     """Refuse, in one sentence, a model whose weights or math teratrain's decoder does not reproduce."""
     kind = hf.get("model_type")
     if kind != "gpt2" and kind not in LLAMA_TYPES:
-        raise ConfigError(f"model.init_from: {path} holds a '{kind}' model; teratrain maps Llama-family "
-                     f"({', '.join(LLAMA_TYPES)}) and GPT-2 weights only.")
+        why = (" (a shared expert with a sigmoid gate, unnormalized top-k weights and q/k/v-only biases, which "
+               "teratrain's decoder lacks)") if kind == "qwen2_moe" else ""
+        raise ConfigError(f"model.init_from: {path} holds a '{kind}' model{why}; teratrain maps Llama, Mistral, "
+                          "Mixtral and GPT-2 weights only.")
     if kind == "gpt2":
         checks = [(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
                    f"activation {hf.get('activation_function')} (teratrain's GPT-2 uses tanh GELU)"),
@@ -132,6 +139,9 @@ def to_hf(m) -> dict:
     """config.json of a teratrain model config (transformers 4 keys; 5 reads them too)."""
     common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings}
     if m.arch == "gpt2":
+        if m.moe.enabled:
+            raise ConfigError("a GPT-2 model with experts has no Hugging Face layout (Mixtral's is Llama-style); "
+                              "export a model with model.arch=llama, or a dense GPT-2.")
         if not m.use_bias or m.kv_heads != m.n_heads:
             raise ConfigError("a GPT-2 model without biases or with grouped key/value heads has no Hugging Face GPT-2 "
                          "layout; export a model with model.bias=true and n_kv_heads = n_heads.")
@@ -140,8 +150,25 @@ def to_hf(m) -> dict:
                 "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new", "resid_pdrop": m.dropout,
                 "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, **common}
     rope = {"rope_scaling": {"rope_type": "llama3", **m.rope_scaling}} if m.rope_scaling else {}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.d_model,
-            "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-            "attention_bias": m.use_bias, "mlp_bias": m.use_bias, "attention_dropout": m.dropout, **rope, **common}
+    layers = {"hidden_size": m.d_model, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
+              "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
+              "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
+              "rope_theta": m.rope_theta, "attention_dropout": m.dropout, **rope, **common}
+    if m.moe.enabled:
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_mixtral(m), **layers}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": m.use_bias,
+            "mlp_bias": m.use_bias, **layers}
+
+
+def _mixtral(m) -> dict:
+    """The expert keys of a Mixtral config.json, after refusing what Mixtral cannot hold. The aux weight
+    becomes router_aux_loss_coef: exactly under the transformers convention; under ours divided by
+    top_k, the same weight per layer (transformers then pools the layers' tokens: README)."""
+    e = m.moe
+    if e.router != "softmax-topk" or e.every != 1 or m.use_bias:
+        raise ConfigError(f"Mixtral, the Hugging Face layout of mixture-of-experts models, has the softmax-topk router in "
+                          f"every layer and no biases (this model: model.moe.router={e.router}, model.moe.every="
+                          f"{e.every}, model.bias={str(m.use_bias).lower()}); export a model with those.")
+    coef = e.aux_loss_weight if e.aux_loss_convention == "transformers" else e.aux_loss_weight / e.k
+    return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.k, "router_aux_loss_coef": coef,
+            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}

@@ -1,6 +1,7 @@
 """`teratrain export --ckpt RUN --to DIR`: a trained run as a Hugging Face model folder that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (LlamaForCausalLM or GPT2LMHeadModel)
-and that gives the same logits.
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (LlamaForCausalLM, MixtralForCausalLM for
+a mixture-of-experts model, or GPT2LMHeadModel) and that gives the same logits (Mixtral routes without
+a capacity limit: a model trained with one gives the same logits where no choice overflows).
 
 Written: config.json (hf_config.py), model.safetensors, or `model-0000i-of-0000n.safetensors` shards
 of at most --max-shard-gb with model.safetensors.index.json, the run's tokenizer.json (and the
@@ -61,10 +62,6 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
 
     run_dir, ckpt_dir = _locate(Path(ckpt))
     cfg = load_config(run_dir / "config.toml")
-    if cfg.model.moe.enabled:
-        raise ConfigError(f"{run_dir} trains a mixture-of-experts model (model.moe.num_experts="
-                          f"{cfg.model.moe.num_experts}), which export does not map to Hugging Face weights yet; "
-                          "use `teratrain generate --ckpt` on it, or export a dense model.")
     if cfg.lora.rank and not merge_lora:
         raise ConfigError(f"{run_dir} trained LoRA adapters (lora.rank={cfg.lora.rank}), which a Hugging Face "
                           "folder holds only folded into the weights; pass --merge to fold them in.")

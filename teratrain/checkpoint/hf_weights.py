@@ -4,6 +4,9 @@ rank reads its slices) and written by `teratrain export`.
 Each of our parameters is a block of rows of one HF tensor, possibly transposed:
     Llama   model.layers.{i}.self_attn.q_proj.weight -> layers.{i}.attention.wq.weight (same layout: HF's
             Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses)
+    Mixtral model.layers.{i}.block_sparse_moe.gate.weight -> layers.{i}.feed_forward.router.weight,
+            ....block_sparse_moe.experts.{e}.w1.weight -> layers.{i}.feed_forward.experts.{e}.w1.weight (w2,
+            w3 alike): the layout transformers 4 and 5 both save (5 fuses the experts only in memory)
     GPT-2   transformer.h.{i}.attn.c_attn.weight (d, 3d), a Conv1D stored (in, out) -> transposed, rows
             [0, d) are wq, [d, 2d) wk, [2d, 3d) wv; the other Conv1D weights (c_proj, c_fc) are transposed;
             transformer.wpe.weight -> pos_embeddings.weight, its first model.seq_len rows.
@@ -56,16 +59,28 @@ def hf_names(m) -> dict[str, Source]:
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             out[f"{ours}.attention_norm.weight"] = Source(f"{hf}.input_layernorm.weight")
             out[f"{ours}.ffn_norm.weight"] = Source(f"{hf}.post_attention_layernorm.weight")
-            for theirs, mine in (("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
-                                 ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo"),
-                                 ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
-                                 ("mlp.down_proj", "feed_forward.w2")):
+            pairs = [("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
+                     ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo")]
+            if m.moe.is_moe_layer(i):
+                pairs += _mixtral_experts(m.moe.num_experts)
+            else:
+                pairs += [("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
+                          ("mlp.down_proj", "feed_forward.w2")]
+            for theirs, mine in pairs:
                 for leaf in leaves:
                     out[f"{ours}.{mine}.{leaf}"] = Source(f"{hf}.{theirs}.{leaf}")
         out["norm.weight"] = Source("model.norm.weight")
     if not m.tie_embeddings:
         out["output.weight"] = Source("lm_head.weight")
     return out
+
+
+def _mixtral_experts(n: int) -> list[tuple[str, str]]:
+    """(HF module, ours) of a Mixtral layer's router and experts: the same w1 (gate), w3 (up), w2 (down)."""
+    pairs = [("block_sparse_moe.gate", "feed_forward.router")]
+    for e in range(n):
+        pairs += [(f"block_sparse_moe.experts.{e}.{w}", f"feed_forward.experts.{e}.{w}") for w in ("w1", "w3", "w2")]
+    return pairs
 
 
 class HFWeights:

@@ -1,7 +1,9 @@
 """Mixture-of-experts feed-forward layer: n experts, a router chosen by config, expert capacity.
 
-Single-device code. Expert parallelism (parallel/expert.py) replaces only `MoE.exchange`, which takes
-the tokens sorted by expert to the ranks that hold their experts and brings the outputs back.
+Single-device code. The routed rows are laid out by expert on the device and run as grouped GEMMs
+(models/grouped.py), with no read-back to the host. Expert parallelism (parallel/expert.py) replaces
+only `MoE.exchange`, which takes each routed row to the rank that holds its expert and brings the
+output back.
 
 Routers (`model.moe.router`), each its paper's equations over the N tokens of one forward:
 - softmax-topk (Mixtral, Jiang et al. 2024): p = softmax(x W_r), the k largest renormalized to sum 1;
@@ -19,7 +21,10 @@ Routers (`model.moe.router`), each its paper's equations over the N tokens of on
 - hierarchical (Shazeer et al. 2017, appendix B): a noisy top-k gate over a groups and, in each group,
   a noisy top-k gate over its b experts: y = sum_i sum_j G_p(x)_i G_i(x)_j E_ij(x) (eq. 12), aux =
   CV(Importance_H)^2 + CV(Load_H)^2 (eqs. 13-14). Expert e = i * b + j.
-Every aux loss is multiplied by `aux_loss_weight`. CV^2 is the population variance over the squared mean.
+Every aux loss is multiplied by `aux_loss_weight` and the layers' losses are summed. CV^2 is the
+population variance over the squared mean. `aux_loss_convention = "transformers"` (softmax-topk) takes
+transformers' Mixtral loss instead: n * sum_e (c_e / T)(S_e / T) with c_e the choices of expert e, S_e
+its summed softmax and T the tokens, all pooled over the layers (per layer: k times ours).
 
 Capacity (GShard sec. 2.2, Switch sec. 2.2): the N tokens are split into `groups` contiguous local
 groups; of a group of S tokens an expert takes at most C = ceil(capacity_factor * K * S / n) of the K
@@ -39,6 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain.compat import in_backward
+from teratrain.models.grouped import compute_dtype, fill, grouped_layout, row_align, run_experts, use_grouped
+
 if TYPE_CHECKING:
     from teratrain.config import ModelConfig, MoEConfig
 
@@ -52,6 +60,7 @@ class Routing:
     routed: torch.Tensor  # (N, K) bool: sent to its expert (within capacity; GShard: and sampled)
     aux_loss: torch.Tensor  # () weighted auxiliary loss
     attempted: torch.Tensor  # () choices that asked for their expert (before the capacity cut)
+    probs: torch.Tensor | None = None  # (N, n) the softmax over all experts (softmax-topk, switch-top1)
 
 
 def cv_squared(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +87,16 @@ def within_capacity(experts: torch.Tensor, routed: torch.Tensor, num_experts: in
         position = seen.gather(0, e.reshape(1, -1)).view(K, S) - 1  # (K, S): slot in the expert's buffer
         keep[lo:hi] = (r & (position < cap)).t()
     return keep
+
+
+def capacity_rows(num_tokens: int, k: int, num_experts: int, factor: float, groups: int) -> int | None:
+    """The most rows one expert can take from N tokens (its capacity summed over the local groups, at
+    most one row per token), or None without a capacity limit. Known on the host: the size of a
+    padded exchange's slots (parallel/expert.py)."""
+    if factor <= 0:
+        return None
+    total = sum(math.ceil(factor * k * (hi - lo) / num_experts) for lo, hi in _group_bounds(num_tokens, groups))
+    return min(total, num_tokens)
 
 
 def _group_bounds(n: int, groups: int) -> list[tuple[int, int]]:
@@ -115,9 +134,13 @@ class Router(nn.Module, abc.ABC):
             setattr(self, name, nn.Parameter(torch.empty(router_rows(cfg), d_model)))
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None = None) -> Routing:
-        experts, weights, routed, aux = self.gate(x, gen)
+        experts, weights, routed, aux, probs = self.gate(x, gen)
         kept = within_capacity(experts, routed, self.n, self.capacity, self.capacity_groups)
-        return Routing(experts, weights, kept, self.aux_weight * aux, routed.sum())
+        return Routing(experts, weights, kept, self.aux_weight * aux, routed.sum(), probs)
+
+    def max_rows(self, num_tokens: int, k: int) -> int | None:
+        """Rows one expert takes at most from `num_tokens` tokens of k choices (None: no limit)."""
+        return capacity_rows(num_tokens, k, self.n, self.capacity, self.capacity_groups)
 
     @property
     def capacity_groups(self) -> int:
@@ -132,7 +155,8 @@ class Router(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def gate(self, x: torch.Tensor, gen: torch.Generator | None):
-        """(experts (N, K), weights (N, K), routed (N, K) bool before capacity, unweighted aux loss)."""
+        """(experts (N, K), weights (N, K), routed (N, K) bool before capacity, unweighted aux loss,
+        the softmax over all experts (N, n) or None for routers without one)."""
 
 
 class SoftmaxTopK(Router):
@@ -142,7 +166,7 @@ class SoftmaxTopK(Router):
         weights = top / top.sum(-1, keepdim=True)
         f = F.one_hot(experts, self.n).sum((0, 1)).to(probs.dtype) / experts.numel()  # share of the N*k choices
         aux = self.n * (f * probs.mean(0)).sum()
-        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, probs
 
 
 class SwitchTop1(Router):
@@ -152,7 +176,7 @@ class SwitchTop1(Router):
         f = F.one_hot(expert, self.n).to(probs.dtype).mean(0)  # fraction of tokens dispatched to each expert
         aux = self.n * (f * probs.mean(0)).sum()  # Fedus et al. eq. 4 (times alpha = aux_loss_weight)
         experts = expert.unsqueeze(1)
-        return experts, p.unsqueeze(1), torch.ones_like(experts, dtype=torch.bool), aux
+        return experts, p.unsqueeze(1), torch.ones_like(experts, dtype=torch.bool), aux, probs
 
 
 class GShardTop2(Router):
@@ -169,7 +193,7 @@ class GShardTop2(Router):
             c = F.one_hot(experts[lo:hi, 0], self.n).to(gates.dtype).sum(0)  # tokens whose first choice is e
             m = gates[lo:hi].mean(0)
             aux.append((c / (hi - lo) * m).sum() / self.n)
-        return experts, weights, routed, torch.stack(aux).mean()
+        return experts, weights, routed, torch.stack(aux).mean(), None
 
 
 def _noisy_topk(clean: torch.Tensor, noise_logits: torch.Tensor, k: int, scale: float, noisy: bool,
@@ -198,7 +222,7 @@ class NoisyTopK(Router):
         clean, noise = self.logits(x, self.weight), self.logits(x, self.w_noise)  # (N, n) each
         experts, weights, dense, load = _noisy_topk(clean, noise, self.k, self.noise, self.training, gen)
         aux = cv_squared(dense.sum(0)) + cv_squared(load.sum(0))  # importance, load (eqs. 6-11)
-        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None
 
 
 class Hierarchical(Router):
@@ -226,7 +250,7 @@ class Hierarchical(Router):
         member = (Gp > 0).to(load_s.dtype)  # (N, a): x in X^(i)
         load = load_p.sum(0).unsqueeze(-1) * (member.unsqueeze(-1) * load_s).sum(0) / member.sum(0).clamp(min=1).unsqueeze(-1)  # eq. 14
         aux = cv_squared(importance.flatten()) + cv_squared(load.flatten())
-        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None
 
 
 ROUTERS = {"softmax-topk": SoftmaxTopK, "noisy-topk": NoisyTopK, "gshard-top2": GShardTop2,
@@ -267,7 +291,11 @@ class Expert(nn.Module):
 
 class MoE(nn.Module):
     """The feed-forward layer of an MoE block: (B, T, d) -> (B, T, d). Experts live in a ModuleDict
-    keyed by global expert index, so expert parallelism keeps only its own without renaming any."""
+    keyed by global expert index, so expert parallelism keeps only its own without renaming any.
+
+    Dispatch (models/grouped.py): each of the N*K choices has a key, its expert or n when it is not
+    sent; the rows are laid out by expert on the device and the experts run as one grouped GEMM per
+    weight (or one by one: `kernel`); no device value is read back to the host."""
 
     def __init__(self, cfg: "ModelConfig", layer: int):
         super().__init__()
@@ -278,39 +306,61 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(cfg.d_model, cfg.ffn_dim, cfg.use_bias, drop, cfg.arch == "llama")
                                       for e in range(m.num_experts)})
         self.dropout = nn.Dropout(cfg.dropout)
-        self.exchange = None  # expert parallelism: (xs, counts, run_local) -> outputs; None = all experts here
+        self.convention, self.aux_weight = m.aux_loss_convention, m.aux_loss_weight
+        self.kernel = "auto"  # grouped GEMM where it runs without a read-back; "grouped" / "loop" force one
+        self.exchange = None  # expert parallelism: (flat, key, token, max_rows, moe) -> outputs; None = all here
         self.routing_seed: int | None = None  # draw router noise from a generator seeded per forward (seed_routing)
         self.aux_loss: torch.Tensor | None = None  # of the latest forward; the model adds it to the loss
+        self.balance: tuple | None = None  # transformers convention: (choices (n,), summed softmax (n,), tokens)
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
         flat = x.reshape(-1, d)  # (N, d)
         r = self.router(flat, self._generator(x.device))
-        K = r.experts.shape[1]
-        choice = r.routed.flatten().nonzero().squeeze(1)  # routed choices, token-major (id = token * K + j)
-        expert_of = r.experts.flatten()[choice]
-        order = torch.argsort(expert_of, stable=True)  # group by expert; token order within each
-        choice = choice[order]
-        counts = torch.bincount(expert_of[order], minlength=self.num_experts)  # (n,) tokens per expert
-        token = choice // K
-        xs = flat[token]  # (M, d), sorted by expert
+        N, K = r.experts.shape
+        key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
+        token = torch.arange(N * K, device=x.device) // K
+        rows = flat.to(compute_dtype(flat))  # the experts' first op casts anyway: move and gather half the bytes
         if self.exchange is None:
-            ys = self.run_local(xs, counts.tolist())
+            ys = self.run_local(rows, key, token)
         else:
-            ys = self.exchange(xs, counts, self.run_local)
-        w = r.weights.flatten()[choice].to(ys.dtype)
-        out = ys.new_zeros(flat.shape[0], d).index_add(0, token, ys * w.unsqueeze(1))  # (N, d); dropped: zero
-        self.aux_loss = r.aux_loss
-        self._record(r, counts)
+            ys = self.exchange(rows, key, token, self.router.max_rows(N, K), self)
+        sent = r.routed.reshape(-1, 1)
+        ys = torch.where(sent, ys, 0.0)  # a choice not sent reads an undefined row (models/grouped.py)
+        w = torch.where(r.routed, r.weights, 0.0).to(ys.dtype)
+        out = (ys.view(N, K, d) * w.unsqueeze(-1)).sum(1)  # (N, d); all choices dropped: zero
+        self._set_aux(r)
+        self._record(r, torch.zeros(self.num_experts + 1, dtype=torch.long, device=x.device)
+                     .scatter_add_(0, key, torch.ones_like(key))[:-1])
         return self.dropout(out.view(x.shape))
 
-    def run_local(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Run this module's experts, in key order, on consecutive row blocks of `counts[i]` rows each.
-        Every expert runs, also on zero rows, so every rank builds the same autograd graph (its
-        gradient hooks, and so the collectives they launch, fire in the same order everywhere)."""
-        chunks = xs.split(counts)
-        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks)])
+    def run_local(self, x: torch.Tensor, key: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Outputs (len(key), d) of this module's experts: row i is x[source[i]] (x[i] when source is
+        None) through the key[i]-th of them, in key order; a row of key len(self.experts) goes nowhere
+        and its output is undefined (the caller masks it)."""
+        experts = list(self.experts.values())
+        grouped = use_grouped(experts, x, self.kernel)
+        lay = grouped_layout(key, len(experts), row_align(grouped))
+        return run_experts(experts, fill(x, lay, source), lay.offsets, grouped)[lay.dest]
+
+    def _set_aux(self, r: Routing) -> None:
+        """The aux loss of this forward, by `model.moe.aux_loss_convention` (README, "Auxiliary loss")."""
+        if self.convention == "transformers":  # per layer n sum_e (choices_e / N) P_e; pooled over layers by aux_loss()
+            choices = torch.zeros(self.num_experts, device=r.experts.device).scatter_add_(
+                0, r.experts.flatten(), torch.ones(r.experts.numel(), device=r.experts.device))
+            self.balance = (choices, r.probs.float().sum(0), r.experts.shape[0])
+            self.aux_loss = _pooled_balance_loss([self], self.aux_weight)
+        else:
+            self.aux_loss = r.aux_loss
+
+    def scale_aux_grad(self, s: float) -> None:
+        """Keep the aux loss's value but s times its gradient (tensor parallelism: every tp rank
+        computes it whole, and the router's gradient is summed over tp)."""
+        self.aux_loss = _grad_scaled(self.aux_loss, s)
+        if self.balance is not None:
+            c, p, n = self.balance
+            self.balance = (c, _grad_scaled(p, s), n)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.routing_seed is None:
@@ -320,12 +370,11 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _record(self, r: Routing, counts: torch.Tensor) -> None:
         """Accumulate the step's statistics (tensors on the device: no synchronization). Skipped in
-        evaluation and when recomputation replays this forward inside backward
-        (`torch._C._current_graph_task_id`, as teratrain.compat.in_backward: models/ does not import it)."""
-        if not self.training or torch._C._current_graph_task_id() != -1:
+        evaluation and when recomputation replays this forward inside backward."""
+        if not self.training or in_backward():
             return
         new = {"load": counts.double(), "dropped": (r.attempted - r.routed.sum()).double(),
-               "attempted": r.attempted.double(), "aux_loss": r.aux_loss.detach().double(),
+               "attempted": r.attempted.double(), "aux_loss": self.aux_loss.detach().double(),
                "forwards": torch.ones((), dtype=torch.float64, device=counts.device)}
         for key, value in new.items():
             self.stats[key] = self.stats[key] + value if key in self.stats else value
@@ -337,15 +386,35 @@ class MoE(nn.Module):
         return out
 
 
+def _grad_scaled(t: torch.Tensor, s: float) -> torch.Tensor:
+    """t's value with s times its gradient."""
+    return t * s + (t * (1 - s)).detach()
+
+
+def _pooled_balance_loss(layers: list["MoE"], weight: float) -> torch.Tensor:
+    """transformers' Mixtral load_balancing_loss_func over these layers' latest forwards: the tokens of
+    all layers pooled, n * sum_e (choices_e / T) (summed softmax_e / T) with T the pooled tokens, times
+    `weight` (router_aux_loss_coef)."""
+    choices = torch.stack([m.balance[0] for m in layers]).sum(0)
+    probs = torch.stack([m.balance[1] for m in layers]).sum(0)
+    tokens = sum(m.balance[2] for m in layers)
+    return weight * layers[0].num_experts * (choices * probs).sum() / tokens ** 2
+
+
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """(global layer key, MoE) of every MoE block this model holds."""
     return [(key, block.feed_forward) for key, block in model.layers.items() if isinstance(block.feed_forward, MoE)]
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """Sum of the MoE layers' weighted aux losses of the latest forward (None for a dense model)."""
-    losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
-    return torch.stack([a.float() for a in losses]).sum() if losses else None
+    """The MoE layers' weighted aux loss of the latest forward (None for a dense model): the sum of
+    the layers' losses, or under the transformers convention one loss over all layers' tokens."""
+    layers = [m for _, m in moe_layers(model) if m.aux_loss is not None]
+    if not layers:
+        return None
+    if layers[0].convention == "transformers":
+        return _pooled_balance_loss(layers, layers[0].aux_weight)
+    return torch.stack([m.aux_loss.float() for m in layers]).sum()
 
 
 def seed_routing(model: nn.Module, seed: int | None) -> None:

@@ -28,6 +28,23 @@ seeds' tp forms leave experts whole, replicated over tp.
 No hang on an idle expert: an expert that receives no token still runs on zero rows, so every rank
 builds the same autograd graph and its gradient hooks launch the same collectives in the same order;
 the all-to-all takes empty blocks.
+
+The exchange and the host. `all_to_all_single` takes its split sizes as host integers, but the
+routed rows per rank are known only on the device, and reading them back stops the host from queueing
+further work until the GPU has caught up (the step turns host-bound). Two exchanges, by the router:
+- with a capacity (`capacity_factor` > 0): padded, no read-back. An expert takes at most C rows of a
+  micro-batch (C = its capacity summed over the local groups, known on the host before routing), so
+  every rank sends every expert C slots, `local * C` rows per peer, the unused slots zero (GShard's
+  fixed (E, C, d) dispatch buffers, sec. 3.2). The counts travel in a fixed-size all-to-all of
+  n integers that stays on the device and tells the receiver which slots hold rows; the experts then
+  run on exactly those (models/grouped.py). Costs factor * K * N rows per exchange instead of the
+  routed ones (with 1.25 and 25% of choices dropped, 1.7x the bytes), which NVLink absorbs better
+  than a stalled host; every rank of the ep group must route the same number of tokens (the
+  micro-batch shape), so that the slots agree.
+- without a capacity (dropless): exact, one read-back. A padded buffer would need N*K slots per
+  expert (any expert may take every token), ep times the rows. So the count all-to-all is followed
+  by one device-to-host copy of (rows from each peer, rows to each peer), the minimum the API
+  allows: one per layer and forward, none in backward (the splits are kept for it).
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import torch
 from torch import nn
 
 from teratrain.config import ConfigError
+from teratrain.models.grouped import fill, grouped_layout, slotted_layout
 from teratrain.models.moe import moe_layers
 from teratrain.parallel.comm import all_gather, all_to_all, all_to_all_rows
 from teratrain.parallel.placement import place, placement
@@ -55,34 +73,45 @@ class ExpertExchange:
     def group(self):
         return self.mesh.group("ep")
 
-    def __call__(self, xs: torch.Tensor, counts: torch.Tensor, run_local) -> torch.Tensor:
-        """xs (M, d): the routed rows sorted by global expert; counts (n,): rows per expert. Returns
-        the experts' outputs (M, d) in xs's order. run_local(rows, counts per local expert) runs
-        this rank's experts on consecutive row blocks."""
-        ep, local = self.ep, self.local
-        send = counts.view(ep, local)  # rows for each expert of each rank
-        recv = torch.empty_like(send)  # recv[s, j]: rows rank s sends to this rank's expert j
-        all_to_all(recv.view(-1), send.reshape(-1), [local] * ep, [local] * ep, self.group)
-        host = torch.cat([recv.reshape(-1), send.sum(1)]).tolist()  # the one device-to-host copy
-        sizes, send_rows = host[:ep * local], host[ep * local:]
-        recv_rows = [sum(sizes[s * local:(s + 1) * local]) for s in range(ep)]
-        per_expert = [sum(sizes[s * local + j] for s in range(ep)) for j in range(local)]
-        got = all_to_all_rows(xs, recv_rows, send_rows, self.group)  # (R, d): by source rank, then expert
-        order = expert_major(recv, sum(recv_rows))
-        ys = run_local(got[order], per_expert)  # (R, d), grouped by local expert
-        return all_to_all_rows(ys[torch.argsort(order)], send_rows, recv_rows, self.group)
+    def __call__(self, flat: torch.Tensor, key: torch.Tensor, token: torch.Tensor, slot: int | None, moe) -> torch.Tensor:
+        """flat (N, d) this rank's tokens; key (N*K,) the global expert of each choice (n: not sent);
+        token (N*K,) its token. Returns each choice's expert output (N*K, d), undefined where not sent.
+        `slot`: the most rows one expert can take (its capacity), or None without a limit."""
+        n = self.ep * self.local
+        counts = torch.zeros(n + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))[:n]
+        recv = torch.empty_like(counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
+        all_to_all(recv, counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # fixed size: no read-back
+        if slot is not None:
+            return self._padded(flat, key, token, recv.view(self.ep, self.local), slot, moe)
+        return self._counted(flat, key, token, counts, recv.view(self.ep, self.local), moe)
 
+    def _padded(self, flat, key, token, recv, slot: int, moe) -> torch.Tensor:
+        """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank."""
+        lay = slotted_layout(key, self.ep * self.local, slot)
+        block = self.local * slot
+        send = fill(flat, lay, token)[:-1]  # (ep * block, d): [rank][expert][slot], unused slots zero
+        got = all_to_all_rows(send, [block] * self.ep, [block] * self.ep, self.group)  # [source][expert][slot]
+        used = torch.arange(slot, device=key.device) < recv.unsqueeze(-1)  # (ep, local, slot)
+        experts = torch.arange(self.local, device=key.device).view(1, -1, 1)
+        ys = moe.run_local(got, torch.where(used, experts, self.local).flatten())
+        back = all_to_all_rows(ys, [block] * self.ep, [block] * self.ep, self.group)
+        return back[lay.dest.clamp(max=back.shape[0] - 1)]  # a choice not sent reads some row: masked later
 
-def expert_major(recv: torch.Tensor, total: int) -> torch.Tensor:
-    """Positions in a buffer of `total` rows laid out by source rank then expert (block [s, j] holds
-    recv[s, j] rows), listed by expert then source rank."""
-    ep, local = recv.shape
-    sizes = recv.reshape(-1)
-    starts = sizes.cumsum(0) - sizes  # of each block in the source-major buffer
-    blocks = torch.arange(ep * local, device=recv.device).view(ep, local).t().reshape(-1)  # expert-major
-    lengths = sizes[blocks]
-    first = (lengths.cumsum(0) - lengths).repeat_interleave(lengths, output_size=total)  # block start, expert-major
-    return starts[blocks].repeat_interleave(lengths, output_size=total) + torch.arange(total, device=recv.device) - first
+    def _counted(self, flat, key, token, counts, recv, moe) -> torch.Tensor:
+        """Exactly the routed rows, with split sizes read back to the host (all_to_all_single takes
+        them there): the layer's one device-to-host copy."""
+        lay = grouped_layout(key, self.ep * self.local)  # by global expert, so by destination rank
+        host = torch.cat([recv.flatten(), counts.view(self.ep, self.local).sum(1)]).tolist()
+        sizes, send_rows = host[:self.ep * self.local], host[self.ep * self.local:]
+        recv_rows = [sum(sizes[s * self.local:(s + 1) * self.local]) for s in range(self.ep)]
+        send = fill(flat, lay, token)[:sum(send_rows)]
+        got = all_to_all_rows(send, recv_rows, send_rows, self.group)  # (R, d): by source rank, then expert
+        experts = torch.arange(self.local, device=key.device).repeat(self.ep)
+        ys = moe.run_local(got, experts.repeat_interleave(recv.flatten(), output_size=sum(recv_rows)))
+        back = all_to_all_rows(ys, send_rows, recv_rows, self.group)
+        if back.shape[0] == 0:  # nothing sent: a row to gather from, still inside the graph
+            back = torch.cat([back, back.new_zeros(1, back.shape[1])])
+        return back[lay.dest.clamp(max=back.shape[0] - 1)]
 
 
 def apply_ep(model: nn.Module, rt, cfg) -> None:

@@ -200,16 +200,11 @@ def _moe_region(module, ctx, name):
     module.register_forward_pre_hook(lambda m, args: (entry(args[0]), *args[1:]))
 
     def leave(m, args, out):
-        m.aux_loss = _grad_scaled(m.aux_loss, 1.0 / ctx.tp)
+        m.scale_aux_grad(1.0 / ctx.tp)
         return exit(out)
 
     module.register_forward_hook(leave)
     return None
-
-
-def _grad_scaled(t: torch.Tensor, s: float) -> torch.Tensor:
-    """t's value with s times its gradient."""
-    return t * s + (t * (1 - s)).detach()
 
 
 def _rowwise_partial(linear, ctx, name):

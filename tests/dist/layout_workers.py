@@ -115,11 +115,11 @@ def _probe_moe(model) -> torch.Tensor:
     """(2,) counts filled during training: capacity drops and experts run on zero rows (this rank)."""
     probe = torch.zeros(2, dtype=torch.float64)
     for _, layer in moe_layers(model):
-        run = layer.run_local
+        run, local = layer.run_local, len(layer.experts)
 
-        def counting(xs, counts, run=run):
-            probe[1] += sum(c == 0 for c in counts)
-            return run(xs, counts)
+        def counting(x, key, source=None, run=run, local=local):
+            probe[1] += int((torch.bincount(key, minlength=local + 1)[:local] == 0).sum())
+            return run(x, key, source)
 
         layer.run_local = counting
         layer.register_forward_hook(lambda m, args, out: probe.__setitem__(0, probe[0] + m.pop_stats().get(

@@ -15,12 +15,15 @@ def test_moe_bench_smoke():
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (d["world"], d["ep"]) == (2, 2)
+    assert (d["world"], d["eps"]) == (2, [1, 2])
     assert d["parity"]["max_rel_loss_diff"] < 1e-5  # fp32: experts over 2 ranks equal one process
-    moe, dense = d["moe"], d["dense"]
-    assert moe["tokens_per_s"] > 0 and dense["tokens_per_s"] > 0
-    assert d["moe_vs_dense"] == round(moe["tokens_per_s"] / dense["tokens_per_s"], 4)
-    assert 0 < moe["all_to_all_share"] < 1 and 0 <= moe["dropped"] < 1
-    # the same active weights but each of the 2 layers' router (8 x d_model)
-    assert moe["active_params"] - dense["active_params"] == 2 * 8 * 64
-    assert moe["params"] > 2 * dense["params"]
+    dense = d["dense"]
+    assert set(d["moe_vs_dense"]) == {"moe_ep1", "moe_ep2", "moe_ep2_dropless"}
+    for name, ratio in d["moe_vs_dense"].items():
+        moe = d[name]
+        assert moe["tokens_per_s"] > 0 and ratio == round(moe["tokens_per_s"] / dense["tokens_per_s"], 4)
+        assert 0 <= moe["dropped"] < 1 and (moe["dropped"] == 0) == name.endswith("dropless")
+        assert ("all_to_all_share" in moe) == (name != "moe_ep1")
+        assert moe["active_params"] - dense["active_params"] == 2 * 8 * 64  # each of the 2 layers' router (8 x d_model)
+        assert moe["params"] > 2 * dense["params"]
+    assert 0 < d["moe_ep2"]["all_to_all_share"] < 1

@@ -1,7 +1,8 @@
 """Expert parallelism against one process on the same global batch: fp32, 6 AdamW steps with
 accumulation (2 micro-batches per rank at dp=2) and clipping; ep=2 and ep=4, with ZeRO, with dp > ep
 (expert replicas), with tensor parallelism and with recomputation; top-1 and top-2 routers with and
-without capacity drops, random routing seeded identically on every layout.
+without capacity drops (with one: the padded exchange, without: the counted one), random routing
+seeded identically on every layout.
 
 Tolerance: 1e-5 relative on every step's loss and on every final parameter tensor (gathered whole,
 all experts), and on the gradients of one plain SGD step (read back as (p0 - p1) / lr)."""
@@ -55,13 +56,15 @@ def test_ep2_top1_top2_with_and_without_drops_zero_and_recompute():
 
 def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
     """ep=4 (one expert per rank), ep=2 at dp=4 (each expert on two replicas: ep_replicas sums), ZeRO-2/3
-    there, and tp=2 x ep=2: megatron (experts split like the MLP, sequence parallel) on llama and gpt2
+    there, and tp=2 x ep=2: megatron (experts split like the MLP, sequence parallel) on llama, with the
+    transformers aux-loss convention (its pooled loss's gradient scaled by 1/tp like ours), and gpt2
     (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole)."""
     gpt2 = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
     layouts = [TOP2 + ["parallel.ep=4"], TOP1 + ["parallel.ep=4", "parallel.zero=3"],
                TOP2 + ["parallel.ep=2"], GSHARD + ["parallel.ep=2", "parallel.zero=2"],
                TOP2_ALL + ["parallel.ep=2", "parallel.zero=3"],
-               TOP2 + ["parallel.tp=2", "parallel.ep=2"], gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
+               TOP2 + ["model.moe.aux_loss_convention=transformers", "parallel.tp=2", "parallel.ep=2"],
+               gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
                TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"]]
     # Parameters within 2e-5: tp x ep with drops measured 1.2e-5 on one CPU (and under 1e-5 on another):
     # AdamW divides by sqrt(v), so entries with tiny second moments turn the tp reduction's 1e-7

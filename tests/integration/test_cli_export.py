@@ -71,6 +71,24 @@ def test_export_gpt2_in_shards_then_import_gives_the_same_parameters(cli, tmp_pa
         assert torch.equal(p, saved[name]), name
 
 
+def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tmp_path):
+    """A mixture-of-experts run (softmax-topk experts in every layer) becomes a MixtralForCausalLM
+    folder with transformers' logits equal to ours; model.init_from of it gives back every parameter."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    cli.train(run, "model.moe.num_experts=4", "train.eval_batches=0", steps=2, in_process=True)
+    assert "MixtralForCausalLM" in cli("export", "--ckpt", run, "--to", out, in_process=True).stdout
+    hf = assert_same_logits(our_model(run), out, 4096)
+    assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
+    cfg = load_config(None, [f"model.init_from={str(out)!r}"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assign_defaults(model)
+    materialize(model, "cpu", init_fn(cfg))
+    saved = full_model(find_valid(run / "checkpoints")[0])
+    assert saved.keys() == dict(model.named_parameters()).keys()
+    assert all(torch.equal(p, saved[name]) for name, p in model.named_parameters())
+
+
 def test_export_refuses_an_existing_folder(cli, trained_run, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("x")

@@ -9,7 +9,7 @@ from teratrain.models.transformer import Transformer
 from teratrain.parallel.parallelize import init_fn
 from teratrain.parallel.placement import assign_defaults, materialize
 from tests.helpers import make_config
-from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama
+from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral
 
 pytest.importorskip("transformers")
 
@@ -48,6 +48,42 @@ def test_gpt2_logits_match_transformers_from_shards(tmp_path):
     model = ours(tmp_path, "model.seq_len=16")
     assert model.cfg.arch == "gpt2" and model.cfg.tie_embeddings and model.pos_embeddings.weight.shape == (16, 32)
     assert_same_logits(model, hf)
+
+
+def test_mixtral_logits_match_transformers(tmp_path):
+    """Mixtral's router (block_sparse_moe.gate) and experts (w1, w3, w2 each) become softmax-topk MoE
+    layers without a capacity limit; the logits equal transformers' (which saves this layout in 4 and 5)."""
+    hf = save_mixtral(tmp_path)
+    model = ours(tmp_path, "model.seq_len=16")
+    m = model.cfg.moe
+    assert (m.num_experts, m.k, m.router, m.capacity, m.every) == (4, 2, "softmax-topk", 0, 1)
+    assert_same_logits(model, hf)
+
+
+def test_qwen2_moe_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}')
+    with pytest.raises(ConfigError, match="shared expert") as e:
+        make_config(f"model.init_from={str(tmp_path)!r}")
+    assert "Mixtral" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sets", [["model.moe.router=switch-top1"], ["model.moe.every=2"], ["model.bias=true"],
+                                  ["model.arch=gpt2", "model.bias=true", "model.n_kv_heads=4"]])
+def test_export_of_an_moe_model_mixtral_cannot_hold_is_one_sentence(sets):
+    from teratrain.checkpoint.hf_config import to_hf
+
+    with pytest.raises(ConfigError) as e:
+        to_hf(make_config("model.moe.num_experts=4", *sets).model)
+    assert "export a" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_export_maps_the_aux_weight_to_router_aux_loss_coef():
+    from teratrain.checkpoint.hf_config import to_hf
+
+    ours = to_hf(make_config("model.moe.num_experts=4", "model.moe.aux_loss_weight=0.02").model)
+    theirs = to_hf(make_config("model.moe.num_experts=4", "model.moe.aux_loss_weight=0.02",
+                               "model.moe.aux_loss_convention=transformers").model)
+    assert (ours["router_aux_loss_coef"], theirs["router_aux_loss_coef"]) == (0.01, 0.02)
 
 
 def test_shape_comes_from_config_json_and_explicit_keys_override(tmp_path):

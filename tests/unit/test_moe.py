@@ -261,6 +261,34 @@ def test_model_loss_adds_the_aux_losses_in_training_only():
     assert aux.item() > 0
 
 
+def test_transformers_convention_is_mixtrals_load_balancing_loss():
+    """aux_loss_convention=transformers, aux_loss_weight = router_aux_loss_coef: the model's aux loss is
+    coef x transformers' own load_balancing_loss_func (imported) over every layer's router logits,
+    value and gradient; for one layer alone theirs is top_k times ours."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    coef, k = 0.02, 2
+    cfg = model_config(n_layers=3, moe=dict(num_experts=4, top_k=k, aux_loss_weight=coef,
+                                            aux_loss_convention="transformers"))
+    model = build_model(cfg)
+    routers = [block.feed_forward.router for block in model.layers.values()]
+    inputs = []
+    for r in routers:
+        r.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    model.train()
+    x = torch.randint(0, 50, (2, 9))
+    model(x[:, :-1], x[:, 1:])
+    logits = tuple(torch.nn.functional.linear(h, r.weight) for h, r in zip(inputs, routers))
+    theirs = coef * mixtral.load_balancing_loss_func(logits, 4, k)
+    mine = moe.aux_loss(model)
+    torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0)
+    weights = [r.weight for r in routers]
+    for a, b in zip(torch.autograd.grad(mine, weights, retain_graph=True), torch.autograd.grad(theirs, weights)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    for h, r, lg in zip(inputs, routers, logits):  # one layer: theirs = k x ours (f: share of the N*k choices)
+        ours = r(h.detach()).aux_loss / r.aux_weight
+        torch.testing.assert_close(mixtral.load_balancing_loss_func((lg,), 4, k), k * ours, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("keys", [dict(), dict(router="switch-top1", every=2), dict(router="noisy-topk"),
                                   dict(router="hierarchical", num_experts=8, top_k=1), dict(arch="gpt2")], ids=str)
 def test_count_params_equals_the_module(keys):
@@ -311,14 +339,74 @@ def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_expert_major_order():
-    """Rows received by source rank then expert are listed by expert then source rank."""
-    from teratrain.parallel.expert import expert_major
+def test_layouts_group_rows_by_key_on_the_device():
+    """grouped_layout: group g's rows consecutive from a multiple of `align`, in input order, rows of
+    key G (nowhere) past offsets[-1]; slotted_layout: group g in slots [g * slot, ...), nowhere: one row."""
+    from teratrain.models.grouped import fill, grouped_layout, slotted_layout
 
-    recv = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 source ranks, 3 local experts
-    # source-major buffer: s0e0 s0e0 s0e2 | s1e0 s1e1 s1e1 s1e1 -> positions 0 1 2 | 3 4 5 6
-    assert expert_major(recv, 7).tolist() == [0, 1, 3, 4, 5, 6, 2]
-    assert expert_major(torch.zeros(2, 2, dtype=torch.long), 0).tolist() == []
+    key = torch.tensor([2, 0, 3, 2, 0, 2])  # 3 groups; 3 = nowhere
+    lay = grouped_layout(key, 3)
+    assert lay.dest.tolist() == [2, 0, 5, 3, 1, 4] and lay.offsets.tolist() == [2, 2, 5] and lay.rows == 7
+    lay = grouped_layout(key, 3, align=4)  # groups of 2, 0, 3 rows start at 0, 4, 4
+    assert lay.dest.tolist() == [4, 0, 8, 5, 1, 6] and lay.offsets.tolist() == [4, 4, 8] and lay.rows == 16
+    x = torch.arange(1.0, 7.0).unsqueeze(1)
+    assert fill(x, lay).squeeze(1).tolist() == [2, 5, 0, 0, 1, 4, 6, 0] + [0] * 8  # the nowhere row reads zero
+    slots = slotted_layout(key, 3, slot=3)
+    assert slots.dest.tolist() == [6, 0, 9, 7, 1, 8] and slots.rows == 10
+    assert grouped_layout(torch.zeros(0, dtype=torch.long), 2).offsets.tolist() == [0, 0]
+
+
+def reference_forward(m: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer as first written: the routed choices (nonzero, a read-back), sorted by expert, each
+    expert on its rows (split by counts read back), outputs weighted and summed per token."""
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    r = m.router(flat, m._generator(x.device))
+    K = r.experts.shape[1]
+    choice = r.routed.flatten().nonzero().squeeze(1)
+    expert_of = r.experts.flatten()[choice]
+    choice = choice[torch.argsort(expert_of, stable=True)]
+    counts = torch.bincount(r.experts.flatten()[choice], minlength=m.num_experts).tolist()
+    token = choice // K
+    ys = torch.cat([e(rows) for e, rows in zip(m.experts.values(), flat[token].split(counts))])
+    w = r.weights.flatten()[choice].unsqueeze(1)
+    return ys.new_zeros(flat.shape).index_add(0, token, ys * w).view(x.shape), r.aux_loss
+
+
+@pytest.mark.parametrize("tokens", [3, 10])
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+@pytest.mark.parametrize("router, keys", [("softmax-topk", {}), ("softmax-topk", dict(capacity_factor=0.5)),
+                                          ("switch-top1", dict(capacity_factor=0)), ("switch-top1", {}),
+                                          ("gshard-top2", dict(groups=2)), ("noisy-topk", dict(capacity_factor=1.0)),
+                                          ("hierarchical", dict(groups=2, top_k=1, capacity_factor=1.0))])
+def test_dispatch_equals_the_per_expert_loop_with_its_gradients(router, keys, kernel, tokens):
+    """Outputs and the gradients of x, the router and every expert equal the first version's (fp32,
+    1e-5), with and without capacity; 3 tokens of at most 2 choices leave experts of the 8 without a
+    row; `grouped` runs torch._grouped_mm (its CPU kernel, whose rows past the last group really are
+    uninitialized memory)."""
+    if kernel == "grouped" and getattr(torch, "_grouped_mm", None) is None:
+        pytest.skip("this torch has no grouped GEMM")
+    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12, bias=router == "switch-top1",
+                       moe=dict(num_experts=8, router=router, **keys))
+    m = moe.MoE(cfg, layer=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    m.train()
+    m.routing_seed, m.kernel = 4, kernel
+    x = torch.randn(1, tokens, 8, generator=g, requires_grad=True)
+    c = torch.randn(1, tokens, 8, generator=g)
+    params = [x] + list(m.parameters())
+    y = m(x)
+    got = torch.autograd.grad((y * c).sum() + m.aux_loss, params)
+    load = m.pop_stats()["load"]
+    y_ref, aux = reference_forward(m, x)
+    want = torch.autograd.grad((y_ref * c).sum() + aux, params, allow_unused=True)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for p, a, b in zip(params, got, want):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-5, atol=1e-6)
+    assert (load == 0).any() or tokens > 3
 
 
 def test_moe_under_pipeline_parallelism_is_refused():
