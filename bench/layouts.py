@@ -170,14 +170,19 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False) -> dict:
     return out
 
 
+_MESHES: dict = {}  # one runtime per layout shape: its groups (and their NCCL communicators) are reused
+
+
 def _runtime(cfg, single: bool):
-    from teratrain.mesh import Runtime, init_runtime, pick_device
+    from teratrain.mesh import ParallelDims, Runtime, init_runtime, pick_device
 
     if single:  # the one-GPU reference: a world of one on this rank's own device
         return Runtime.single(pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0"))))
-    rt = init_runtime(cfg)
-    cfg.parallel.dp = rt.dims.dp
-    return rt
+    dims = ParallelDims.from_config(cfg.parallel, int(os.environ["WORLD_SIZE"]))
+    if dims not in _MESHES:
+        _MESHES[dims] = init_runtime(cfg)
+    cfg.parallel.dp = dims.dp
+    return _MESHES[dims]
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -225,10 +230,12 @@ def worker(args) -> None:
     for model in sorted({lay["model"] for lay in todo}):
         for precision, steps in (("fp32", args.fp32_steps), ("bf16", args.bf16_steps)):
             cfg = _config(args, {"sets": [], "model": model}, precision)
+            t0 = time.perf_counter()
             res = _train(cfg, _runtime(cfg, single=True), _token_file(args.tokens, cfg.model.vocab_size), steps)
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
             warm = min(3, len(res["times"]) - 1)
             refs[(model, precision)] = {**res, "tokens_per_s": res["tokens_per_step"] / statistics.median(res["times"][warm:])}
-            _say(rank, f"one GPU, {model} {precision}: losses {[round(x, 4) for x in res['losses']]}")
+            _say(rank, f"one GPU, {model} {precision} ({res['wall_s']} s): losses {[round(x, 4) for x in res['losses']]}")
     rows = []
     for lay in todo:
         t0 = time.perf_counter()
@@ -248,7 +255,7 @@ def worker(args) -> None:
         rows.append(row)
         if rank == 0:  # after every layout: a run cut short still leaves what it measured
             _write(args.result, refs, rows, world, args)
-        _say(rank, f"{row['name']}: {'ok' if row['ok'] else 'FAILED'} "
+        _say(rank, f"{row['name']} ({row['wall_s']} s): {'ok' if row['ok'] else 'FAILED'} "
                    + (f"fp32 {row.get('fp32_rel_err', 0):.1e} bf16 {row.get('bf16_rel_err', 0):.1e} "
                       f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"]))
 
@@ -290,7 +297,7 @@ def main() -> None:
 
     gpus = args.gpus or (2 if args.smoke else torch.cuda.device_count())
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "layouts.json"
+        result = Path(args.out).resolve() if args.out else Path(tmp) / "layouts.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                __file__, *sys.argv[1:], "--result", str(result)]
         env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
@@ -300,10 +307,7 @@ def main() -> None:
         if not result.exists():
             sys.exit(f"bench/layouts.py: the job ended with status {job.returncode} before any layout finished")
         data = json.loads(result.read_text())
-    text = json.dumps(data, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    print(json.dumps(data, indent=1))
     print(table(data["layouts"]), file=sys.stderr)
     sys.exit(0 if job.returncode == 0 and all(r["ok"] for r in data["layouts"]) else 1)
 

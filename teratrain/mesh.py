@@ -127,6 +127,7 @@ class Mesh:
     _groups: dict = field(default_factory=dict, repr=False)
     _used: list = field(default_factory=list, repr=False)  # names asked for by a strategy, in order
     _connected: set = field(default_factory=set, repr=False)
+    _everywhere: set = field(default_factory=set, repr=False)  # names define_everywhere has made
 
     @property
     def coords(self) -> dict[str, int]:
@@ -206,10 +207,15 @@ class Mesh:
         others), e.g. one per pipeline link. Every worker calls this with the same list at the same
         point: torch names a group its members create alone after its ranks and how many groups each
         member created before it, so a rank outside a group (or alone in it) creates a group of itself
-        in its place and the counts stay equal everywhere. Returns this rank's names (None: outside)."""
+        in its place and the counts stay equal everywhere. Returns this rank's names (None: outside).
+        A name made before is not made again, on any rank (a mesh reused by several runs)."""
         out = []
         for name, key in defs:
             inside = key(self.coords) is not None
+            if name in self._everywhere:
+                out.append(name if inside else None)
+                continue
+            self._everywhere.add(name)
             if inside:
                 self.define(name, key)
             if inside and self.size(name) > 1:
