@@ -49,11 +49,17 @@ SMOKE = {"tiny": (["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", 
                    "model.seq_len=32", "model.vocab_size=512"], 2, 2)}
 COMMON = ["memory.precision=bf16", "train.grad_clip=1.0"]
 # name -> (implementation, overrides of the tp run)
+CHUNKED = ["parallel.tp_overlap=chunked"]
 VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
             "ours_sp": ("ours", ["parallel.sequence_parallel=true"]),
+            "ours_no_sp_chunked2": ("ours", ["parallel.sequence_parallel=false"] + CHUNKED),
+            "ours_sp_chunked2": ("ours", ["parallel.sequence_parallel=true"] + CHUNKED),
+            "ours_sp_chunked4": ("ours", ["parallel.sequence_parallel=true", "parallel.tp_overlap_chunks=4"] + CHUNKED),
             "dtensor_no_sp": ("dtensor", ["parallel.sequence_parallel=false"]),
             "dtensor_sp": ("dtensor", ["parallel.sequence_parallel=true"])}
-PAIRS = {"no_sp": ("ours_no_sp", "dtensor_no_sp"), "sp": ("ours_sp", "dtensor_sp")}
+PAIRS = {"no_sp": ("ours_no_sp", "dtensor_no_sp"), "sp": ("ours_sp", "dtensor_sp"),
+         "no_sp_chunked2": ("ours_no_sp_chunked2", "dtensor_no_sp"), "sp_chunked2": ("ours_sp_chunked2", "dtensor_sp"),
+         "sp_chunked4": ("ours_sp_chunked4", "dtensor_sp")}
 
 
 def ours(cfg, rt):
@@ -211,20 +217,22 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
 
 
 def parity(base: list[str], rt, steps: int) -> dict:
-    """Losses of our tp run against the same model on one device (rank 0 alone, bf16)."""
-    cfg = load_config(None, base + COMMON + [f"parallel.tp={rt.world}"])
-    step = ours(cfg, rt)
+    """Losses of our tp run, plain and overlapped (SP on), against the same model on one device
+    (rank 0 alone, bf16, micro-batch 2)."""
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1), generator=g).to(rt.device)
-               for _ in range(steps)]
-    tp_losses = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
-    del step
-    out = {"tp_losses": tp_losses}
+    vocab, T = load_config(None, base).model.vocab_size, load_config(None, base).model.seq_len
+    batches = [torch.randint(0, vocab, (2, T + 1), generator=g).to(rt.device) for _ in range(steps)]
+    out = {}
+    for tag, extra in (("tp", []), ("tp_chunked", CHUNKED)):
+        step = ours(load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra), rt)
+        out[f"{tag}_losses"] = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
+        del step
     if rt.rank == 0:
         ref = ours(load_config(None, base + COMMON), Runtime.single(rt.device))
-        ref_losses = [float(ref(b[:, :-1], b[:, 1:])) for b in batches]
-        out.update(one_gpu_losses=ref_losses,
-                   max_rel_diff=max(abs(a - b) / abs(b) for a, b in zip(tp_losses, ref_losses)))
+        out["one_gpu_losses"] = [float(ref(b[:, :-1], b[:, 1:])) for b in batches]
+        for tag in ("tp", "tp_chunked"):
+            out[f"{tag}_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(out[f"{tag}_losses"],
+                                                                                 out["one_gpu_losses"]))
         del ref
     fresh_memory(rt.device)
     dist.barrier()

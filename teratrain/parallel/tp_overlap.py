@@ -43,7 +43,7 @@ class _ColumnGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sp: bool, chunks: int, *params):
         weights, biases = params[0::2], params[1::2]
-        X, works = comm.start_seq_gather(x, group, chunks) if sp else (x.view_as(x), [])
+        X, works = comm.start_seq_gather(x, group, chunks) if sp else (x.contiguous().view_as(x), [])
         rows = X.view(-1, X.shape[-1])  # (N, d): gathered in place, contiguous
         unit = rows.shape[0] // (chunks if works else 1)
         ys = [rows.new_empty(rows.shape[0], w.shape[0]) for w in weights]
@@ -61,7 +61,8 @@ class _ColumnGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_full, *grad_ys):
         X, *weights = ctx.saved_tensors
-        rows, n_rows = X.view(-1, X.shape[-1]), X.shape[0] * X.shape[1]
+        rows = X.contiguous().view(-1, X.shape[-1])
+        n_rows = rows.shape[0]
         gys = [_rows(g) if g is not None else None for g in grad_ys]
         gx = _rows(grad_x_full) if grad_x_full is not None else None
         dx = rows.new_empty(rows.shape)
