@@ -57,6 +57,7 @@ VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
             "ours_sp_chunked4": ("ours", ["parallel.sequence_parallel=true", "parallel.tp_overlap_chunks=4"] + CHUNKED),
             "dtensor_no_sp": ("dtensor", ["parallel.sequence_parallel=false"]),
             "dtensor_sp": ("dtensor", ["parallel.sequence_parallel=true"])}
+SMOKE_PROFILED = ("ours_sp_chunked2", "dtensor_sp")  # --smoke --profile: enough to run the code path
 PAIRS = {"no_sp": ("ours_no_sp", "dtensor_no_sp"), "sp": ("ours_sp", "dtensor_sp"),
          "no_sp_chunked2": ("ours_no_sp_chunked2", "dtensor_no_sp"), "sp_chunked2": ("ours_sp_chunked2", "dtensor_sp"),
          "sp_chunked4": ("ours_sp_chunked4", "dtensor_sp")}
@@ -190,10 +191,11 @@ def run_shape(base: list[str], mb: int, rt, args) -> dict:
     warmup, steps = (1, 2) if args.smoke else (3, args.steps)
     out = {"shape": base, "micro_batch": mb}
     cfg1 = load_config(None, base + COMMON)
-    out["one_gpu"] = _run(one_gpu, cfg1, rt, mb, warmup, steps, 1, args.profile)
+    profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
+    out["one_gpu"] = _run(one_gpu, cfg1, rt, mb, warmup, steps, 1, profiled("one_gpu"))
     for name, (impl, extra) in VARIANTS.items():
         cfg = load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra)
-        out[name] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world, args.profile)
+        out[name] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world, profiled(name))
         out[name]["speedup_vs_one_gpu"] = round(out[name]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
         out[name]["per_gpu_efficiency"] = round(out[name]["speedup_vs_one_gpu"] / rt.world, 4)
     for tag, (a, b) in PAIRS.items():
