@@ -5,8 +5,11 @@ Three forms (`parallel.tp_form`), all splitting every linear layer's weight over
 - `megatron` (default): column-parallel then row-parallel. Attention is split by heads (query heads;
   grouped key/value heads too, replicated when tp exceeds them) and the MLP by its inner width, so a
   block costs one all-reduce forward and one backward per attention and per MLP (`f`/`g`); with
-  sequence parallelism those become all-gather / reduce-scatter of the sequence, and norms, dropout
-  and residuals run on sequence shards (T/tp tokens per rank).
+  sequence parallelism those become all-gather / reduce-scatter of the tokens, and norms, dropout
+  and residuals run on token shards (B*T/tp rows of the flattened batch per rank, comm.sequence_rows).
+  Region entries cast to the compute dtype once, before their collective. With
+  parallel.tp_overlap=chunked the region collectives are split into units under their GEMMs
+  (parallel/tp_overlap.py).
 - `all-gather` (the seeds' first form): each linear keeps W's columns W' and computes X W'; the
   outputs are all-gathered. Everything between linears is replicated.
 - `all-reduce` (the seeds' second form): X and W are split along the inner dimension and the partial
@@ -27,10 +30,10 @@ from teratrain.config import ConfigError
 from teratrain.models.moe import MoE
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place, placement
-from teratrain.parallel.tp_overlap import ColumnJoint
 from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,
                                           SequenceShardPositions, SequenceShards, VocabParallelEmbedding,
                                           VocabParallelHead, VocabParallelLoss, to_compute_dtype)
+from teratrain.parallel.tp_overlap import ColumnJoint
 
 # Per-block plan: module path inside a block -> style (what each style means: `_STYLES`).
 BLOCK_PLAN = {
@@ -361,3 +364,7 @@ def check_overlap(cfg) -> None:
     if cfg.train.compile:
         raise ConfigError("parallel.tp_overlap=chunked waits on its collectives from inside autograd functions, "
                           "which train.compile does not trace; set train.compile=false or parallel.tp_overlap=none.")
+    if p.pp > 1 and p.schedule == "zb-h1":  # its weight pass would rerun each function's collectives
+        raise ConfigError("parallel.schedule=zb-h1 splits each backward into an input and a weight pass, while "
+                          "parallel.tp_overlap=chunked computes both in one function with its collectives; set "
+                          "parallel.tp_overlap=none or another parallel.schedule.")
