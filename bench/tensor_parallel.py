@@ -166,7 +166,8 @@ def measure(step, cfg, rt, mb: int, warmup: int, steps: int, world: int) -> dict
     peak = peak_flops(rt.device, "bf16", None)
     mem = peak_gib(rt.device)
     return {"tokens_per_s": round(tps, 1), "tflops_per_gpu": round(tflops, 2),
-            "mfu": round(tflops * 1e12 / peak, 4) if peak else None, "step_ms": round(1e3 * statistics.median(times), 2),
+            "mfu": round(tflops * 1e12 / peak, 4) if peak else None,
+            "step_ms": round(1e3 * statistics.median(times), 2),
             "peak_gib": round(mem, 2) if mem else None}
 
 

@@ -354,7 +354,8 @@ def check_overlap(cfg) -> None:
         return
     if p.tp_form != "megatron":
         raise ConfigError(f"parallel.tp_overlap=chunked overlaps the megatron form's region collectives (this run "
-                          f"has parallel.tp_form={p.tp_form}); set parallel.tp_form=megatron or parallel.tp_overlap=none.")
+                          f"has parallel.tp_form={p.tp_form}); set parallel.tp_form=megatron or "
+                          f"parallel.tp_overlap=none.")
     pieces = p.tp_overlap_chunks * (p.tp if p.use_sp else 1)
     if m.seq_len % pieces:
         raise ConfigError(f"parallel.tp_overlap_chunks ({p.tp_overlap_chunks}) splits every "

@@ -115,7 +115,8 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, devi
 
 
 def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
-                  tp: int = 1, sp: bool = False, dropout: float = 0.0, form: str = "megatron") -> dict[str, list[Saved]]:
+                  tp: int = 1, sp: bool = False, dropout: float = 0.0,
+                  form: str = "megatron") -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2)."""
     c = shape.cfg

@@ -127,5 +127,6 @@ def _counting_overlaps(rank: int, world: int, layouts: list[list[str]], kw: dict
     runs = []
     for layout in layouts:
         before = dict(counts)
-        runs.append({**train_random(rank, world, layout, **kw), "overlapped": {k: counts[k] - before[k] for k in counts}})
+        run = train_random(rank, world, layout, **kw)
+        runs.append({**run, "overlapped": {k: counts[k] - before[k] for k in counts}})
     return runs
