@@ -1,19 +1,23 @@
-"""Our Megatron tensor parallelism against PyTorch's DTensor tensor parallelism (`parallelize_module`
-with colwise/rowwise plans, as torchtitan applies it) on the same model, shape and tokens, in the
-same run: tokens/s, TFLOP/s per GPU, peak memory; with and without sequence parallelism; plus NCCL
-loss parity of our tp against one GPU (bf16).
+"""Our Megatron tensor parallelism against PyTorch's DTensor tensor parallelism (torchtitan's plan:
+colwise/rowwise linears, `SequenceParallel` norms, `loss_parallel`, an optimizer stepping DTensors)
+and against one GPU, on the same model, shape and tokens, in one run: tokens/s, TFLOP/s per GPU,
+per-GPU efficiency against one GPU, peak memory; with and without sequence parallelism; plus NCCL
+loss parity of our tp against one GPU (bf16). Two shapes: the llama-8b width (n_layers sized so one
+GPU holds the model) and the llama-1b width (8 layers, seq 2048, micro-batch 2).
 
-    torchrun --nproc-per-node 2 bench/tensor_parallel.py --out bench/results/tp_h200x2.json
-    torchrun --nproc-per-node 2 bench/tensor_parallel.py --smoke     # gloo CPU, tiny shapes
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --out bench/results/tp_h100x2.json
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --profile    # + a trace summary per variant
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --smoke      # gloo CPU, tiny shapes
 
-Both run bf16 autocast over fp32 weights, fused AdamW, no clipping, the loss from vocab-parallel
-logits (ours: our vocab-parallel cross-entropy; DTensor: `loss_parallel`).
+Both sides: bf16 autocast over fp32 weights, AdamW built by teratrain's `build_optimizer` (fused
+where the device allows: on CPU too, so the smoke run steps the DTensor parameters exactly as the GPU
+run does), gradient clipping at 1.0 with the norm read back every step. One GPU: every rank runs the
+unsplit model on its own device at the same time (no communication); rank 0's figures are reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,19 +27,40 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import emit, env_info, fresh_memory, peak_gib, sync  # noqa: E402
+from trace_summary import profile_steps  # noqa: E402
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
-from teratrain.mesh import init_runtime  # noqa: E402
+from teratrain.mesh import Runtime, init_runtime  # noqa: E402
 from teratrain.metrics import peak_flops  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token, init_param_  # noqa: E402
+from teratrain.optim.build import build_optimizer  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
-SHAPE = ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"]
-SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-         "model.seq_len=32", "model.vocab_size=512"]
+# name -> (model overrides, micro-batch, most blocks: sized down to what one GPU holds)
+SHAPES = {"llama8b_width": (["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"], 1, 8),
+          "llama1b_width": (["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"], 2, 8)}
+SMOKE = {"tiny": (["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+                   "model.seq_len=32", "model.vocab_size=512"], 2, 2)}
+COMMON = ["memory.precision=bf16", "train.grad_clip=1.0"]
+# name -> (implementation, overrides of the tp run)
+CHUNKED = ["parallel.tp_overlap=chunked"]
+VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
+            "ours_sp": ("ours", ["parallel.sequence_parallel=true"]),
+            "ours_no_sp_chunked2": ("ours", ["parallel.sequence_parallel=false"] + CHUNKED),
+            "ours_sp_chunked2": ("ours", ["parallel.sequence_parallel=true"] + CHUNKED),
+            "ours_sp_chunked4": ("ours", ["parallel.sequence_parallel=true", "parallel.tp_overlap_chunks=4"] + CHUNKED),
+            "dtensor_no_sp": ("dtensor", ["parallel.sequence_parallel=false"]),
+            "dtensor_sp": ("dtensor", ["parallel.sequence_parallel=true"])}
+SMOKE_PROFILED = ("ours_sp_chunked2", "dtensor_sp")  # --smoke --profile: enough to run the code path
+PAIRS = {"no_sp": ("ours_no_sp", "dtensor_no_sp"), "sp": ("ours_sp", "dtensor_sp"),
+         "no_sp_chunked2": ("ours_no_sp_chunked2", "dtensor_no_sp"), "sp_chunked2": ("ours_sp_chunked2", "dtensor_sp"),
+         "sp_chunked4": ("ours_sp_chunked4", "dtensor_sp")}
 
 
 def ours(cfg, rt):
@@ -45,18 +70,50 @@ def ours(cfg, rt):
     return lambda x, y: train_step(model, engine, [(x, y)], "bf16", 1e-4)[1]
 
 
-def dtensor(cfg, rt, sp: bool):
-    """The torchtitan-style plan on the same Transformer class (its attention reads head counts from
-    the projections' shapes, so local shards need no change)."""
+def dtensor(cfg, rt):
+    """torchtitan's plan on the same Transformer class (its attention reads head counts from the
+    projections' shapes, so local shards need no change). Every parameter ends up a DTensor on the 1-D
+    mesh, the norms' too (Replicate), as the fused optimizer requires all of its tensors to be."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, loss_parallel, parallelize_module)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
 
     mesh = init_device_mesh(rt.device.type, (rt.world,))
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    _dtensor_plan(model, mesh, cfg.parallel.use_sp)
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:  # the fused optimizer (and clipping) would fail on, or mis-handle, a mix
+        raise RuntimeError(f"the DTensor plan left plain parameters: {', '.join(plain[:4])}")
+    model.to_empty(device=rt.device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init_param_(p.to_local(), name, cfg.model, 0)  # values differ from ours (sliced per rank): timing only
+    model.init_buffers(rt.device)
+    opt = build_optimizer(list(model.named_parameters()), cfg.optim)
+
+    def step(x, y):
+        with autocast("bf16", rt.device):
+            logits = model(x)
+        with loss_parallel():
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip, foreach=True)
+        float(norm.full_tensor())  # ours reads its norm back every step too
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _dtensor_plan(model, mesh, sp: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
     seq = Shard(1) if sp else Replicate()
+    norm = SequenceParallel if sp else None
     top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
     if sp:
@@ -65,80 +122,122 @@ def dtensor(cfg, rt, sp: bool):
     for block in model.layers:
         plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
                 "attention.wo": RowwiseParallel(output_layouts=seq), "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
-        if sp:
-            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                         "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                                         desired_input_layouts=(Replicate(), None, None, None)),
-                         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+                "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                # one entry per region: its gradient is reduced once, not once per projection
+                "attention": PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                                desired_input_layouts=(Replicate(), None, None, None)),
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
+        if norm:
+            plan.update({"attention_norm": norm(), "ffn_norm": norm()})
         parallelize_module(block, mesh, plan)
-    model.to_empty(device=rt.device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            init_param_(local, name, cfg.model, 0)  # values differ from ours (sliced per rank): timing only
-    model.init_buffers(rt.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=rt.device.type == "cuda")
-
-    def step(x, y):
-        with autocast("bf16", rt.device):
-            logits = model(x)
-        with loss_parallel():
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    if not sp:  # whole norms on every rank: Replicate DTensor weights, plain tensors in and out
+        for module in [model.norm] + [m for b in model.layers for m in (b.attention_norm, b.ffn_norm)]:
+            _replicate(module, mesh)
 
 
-def measure(step, cfg, rt, mb: int, warmup: int, steps: int) -> dict:
-    g = torch.Generator().manual_seed(0)  # every tp rank sees the same tokens
+def _replicate(module, mesh) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def enter(mod, inputs, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+
+    distribute_module(module, mesh, input_fn=enter, output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def one_gpu(cfg, rt):
+    return ours(cfg, Runtime.single(rt.device))
+
+
+def measure(step, cfg, rt, mb: int, warmup: int, steps: int, world: int) -> dict:
+    """Median step time of one tp group (every rank sees the same tokens) over `world` GPUs."""
+    g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1), generator=g).to(rt.device)
     times = []
     for i in range(warmup + steps):
-        _sync(rt)
+        sync(rt.device)
+        dist.barrier()
         t0 = time.perf_counter()
         step(x[:, :-1], x[:, 1:])
-        _sync(rt)
+        sync(rt.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    tps = mb * cfg.model.seq_len / statistics.median(times)  # one tp group: its tokens are the job's
-    tflops = tps * flops_per_token(cfg.model) / rt.world / 1e12
+    tps = mb * cfg.model.seq_len / statistics.median(times)
+    tflops = tps * flops_per_token(cfg.model) / world / 1e12
     peak = peak_flops(rt.device, "bf16", None)
-    mem = torch.cuda.max_memory_allocated(rt.device) / 2**30 if rt.device.type == "cuda" else None
+    mem = peak_gib(rt.device)
     return {"tokens_per_s": round(tps, 1), "tflops_per_gpu": round(tflops, 2),
-            "mfu": round(tflops * 1e12 / peak, 4) if peak else None, "step_ms": round(1e3 * statistics.median(times), 2),
+            "mfu": round(tflops * 1e12 / peak, 4) if peak else None,
+            "step_ms": round(1e3 * statistics.median(times), 2),
             "peak_gib": round(mem, 2) if mem else None}
 
 
-def _sync(rt) -> None:
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize()
+def fitting_layers(base: list[str], mb: int, most: int, device: torch.device) -> int:
+    """The most blocks (up to `most`) whose one-GPU run the planner fits in 85% of this GPU's memory."""
+    if device.type != "cuda":
+        return most
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import plan_memory
+
+    total = torch.cuda.mem_get_info(device)[1]
+    for n in range(most, 0, -1):
+        cfg = load_config(None, base + COMMON + [f"model.n_layers={n}", f"train.micro_batch={mb}",
+                                                 f"train.global_batch={mb}"])
+        if plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), GPUS["h100"]).total <= 0.85 * total:
+            return n
+    raise SystemExit("not even one block of this shape fits on one GPU of this machine")
+
+
+def run_shape(base: list[str], mb: int, rt, args) -> dict:
+    warmup, steps = (1, 2) if args.smoke else (3, args.steps)
+    out = {"shape": base, "micro_batch": mb}
+    cfg1 = load_config(None, base + COMMON)
+    profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
+    out["one_gpu"] = _run(one_gpu, cfg1, rt, mb, warmup, steps, 1, profiled("one_gpu"))
+    for name, (impl, extra) in VARIANTS.items():
+        cfg = load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra)
+        out[name] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world, profiled(name))
+        out[name]["speedup_vs_one_gpu"] = round(out[name]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
+        out[name]["per_gpu_efficiency"] = round(out[name]["speedup_vs_one_gpu"] / rt.world, 4)
+    for tag, (a, b) in PAIRS.items():
+        if a in out and b in out:
+            out[f"ours_vs_dtensor_{tag}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 4)
+    return out
+
+
+def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
+    fresh_memory(rt.device)
+    step = build(cfg, rt)
+    row = measure(step, cfg, rt, mb, warmup, steps, world)
+    if profile:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1), generator=g).to(rt.device)
+        row["profile"] = profile_steps(lambda: step(x[:, :-1], x[:, 1:]), rt.device)
+    del step
+    fresh_memory(rt.device)
     dist.barrier()
+    return row
 
 
 def parity(base: list[str], rt, steps: int) -> dict:
-    """Losses of our tp run against the same model on one device (rank 0 alone, bf16)."""
-    cfg = load_config(None, base + [f"parallel.tp={rt.world}"])
-    step = ours(cfg, rt)
+    """Losses of our tp run, plain and overlapped (SP on), against the same model on one device
+    (rank 0 alone, bf16, micro-batch 2)."""
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len + 1), generator=g).to(rt.device)
-               for _ in range(steps)]
-    tp_losses = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
-    out = {"tp_losses": tp_losses}
+    vocab, T = load_config(None, base).model.vocab_size, load_config(None, base).model.seq_len
+    batches = [torch.randint(0, vocab, (2, T + 1), generator=g).to(rt.device) for _ in range(steps)]
+    out = {}
+    for tag, extra in (("tp", []), ("tp_chunked", CHUNKED)):
+        step = ours(load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra), rt)
+        out[f"{tag}_losses"] = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
+        del step
     if rt.rank == 0:
-        from teratrain.mesh import Runtime
-
-        one = load_config(None, base)
-        with torch.device("meta"):
-            model = Transformer(one.model)
-        engine = parallelize(model, Runtime.single(rt.device), one)
-        ref = [float(train_step(model, engine, [(b[:, :-1], b[:, 1:])], "bf16", 1e-4)[1]) for b in batches]
-        out.update(one_gpu_losses=ref, max_rel_diff=max(abs(a - b) / abs(b) for a, b in zip(tp_losses, ref)))
-        del model, engine
+        ref = ours(load_config(None, base + COMMON), Runtime.single(rt.device))
+        out["one_gpu_losses"] = [float(ref(b[:, :-1], b[:, 1:])) for b in batches]
+        for tag in ("tp", "tp_chunked"):
+            out[f"{tag}_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(out[f"{tag}_losses"],
+                                                                                 out["one_gpu_losses"]))
+        del ref
+    fresh_memory(rt.device)
     dist.barrier()
     return out
 
@@ -146,43 +245,24 @@ def parity(base: list[str], rt, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=8, help="blocks of the llama-8b-width model (memory)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per variant (after 3 warm-up steps)")
+    ap.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="default: both")
+    ap.add_argument("--profile", action="store_true", help="add a torch.profiler summary of 2 steps per variant")
+    ap.add_argument("--smoke", action="store_true", help="gloo on CPU, tiny shapes")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    base = (SMOKE if args.smoke else SHAPE + [f"model.n_layers={args.layers}"]) + ["memory.precision=bf16"]
-    cfg0 = load_config(None, base + ["parallel.tp=2" if "WORLD_SIZE" not in os.environ else
-                                     f"parallel.tp={os.environ['WORLD_SIZE']}"])
-    rt = init_runtime(cfg0)
-    steps, warmup = (2, 1) if args.smoke else (args.steps, 3)
-    result = {"tp": rt.world, "shape": base, "micro_batch": args.micro_batch}
-    for sp in (False, True):
-        cfg = load_config(None, base + [f"parallel.tp={rt.world}", f"parallel.sequence_parallel={str(sp).lower()}"])
-        tag = "sp" if sp else "no_sp"
-        result[f"ours_{tag}"] = measure(ours(cfg, rt), cfg, rt, args.micro_batch, warmup, steps)
-        _free(rt)
-        result[f"dtensor_{tag}"] = measure(dtensor(cfg, rt, sp), cfg, rt, args.micro_batch, warmup, steps)
-        _free(rt)
-        result[f"ratio_{tag}"] = round(result[f"ours_{tag}"]["tokens_per_s"] / result[f"dtensor_{tag}"]["tokens_per_s"], 4)
-    parity_base = (SMOKE if args.smoke else SHAPE + ["model.n_layers=2", "model.seq_len=1024"]) + ["memory.precision=bf16"]
-    result["parity"] = parity(parity_base, rt, 3 if args.smoke else 10)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rt = init_runtime(load_config(None, [f"parallel.tp={world}"] + (["train.device=cpu"] if args.smoke else [])))
+    shapes = SMOKE if args.smoke else {k: SHAPES[k] for k in (args.shapes or SHAPES)}
+    result = {"tp": rt.world, "env": env_info(rt.device), "shapes": {}}
+    for name, (base, mb, most) in shapes.items():
+        layers = fitting_layers(base, mb, most, rt.device)
+        result["shapes"][name] = run_shape(base + [f"model.n_layers={layers}"], mb, rt, args)
+    small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
+    result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)
     if rt.rank == 0:
-        text = json.dumps(result, indent=1)
-        print(text, flush=True)
-        if args.out:
-            Path(args.out).write_text(text)
+        emit(result, args.out)
     dist.destroy_process_group()
-
-
-def _free(rt) -> None:
-    import gc
-
-    gc.collect()
-    if rt.device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(rt.device)
 
 
 if __name__ == "__main__":

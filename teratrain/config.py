@@ -295,6 +295,14 @@ class ParallelConfig(Section):
                                 "products of inner-dim splits all-reduced)")
     sequence_parallel: bool | None = Field(None, description="norms, dropout and residuals on sequence shards under tp "
                                                              "(Korthikanti et al. 2022); unset = on for tp_form=megatron")
+    tp_overlap: Literal["none", "chunked"] = Field(
+        "none", description="overlap tensor-parallel collectives with the matmuls that depend on them: chunked "
+                            "splits each region's gather / reduce-scatter (all-reduce without sequence "
+                            "parallelism) and its matmuls into parallel.tp_overlap_chunks pieces, one piece's "
+                            "communication running while the next one computes (Wang et al. 2022; "
+                            "parallel/tp_overlap.py); megatron form only")
+    tp_overlap_chunks: int = Field(2, ge=1, description="pieces per overlapped collective for tp_overlap=chunked; "
+                                                        "model.seq_len must be divisible by tp x this")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")
     ep: int = Field(1, ge=1, description="expert-parallel degree (divides dp: experts are spread over data-parallel ranks)")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")

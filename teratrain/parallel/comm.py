@@ -199,28 +199,50 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(out.unbind(0), dim=-1)
 
 
-def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, T/n, ...) on each rank -> (B, T, ...), shards in rank order. One flat all-gather; the
-    transpose back costs a copy only when B > 1."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    x = x.contiguous()
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    all_gather(out.view(-1), x.view(-1), group)
-    return out.transpose(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
-
-
-def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) of the sum."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    B, T = x.shape[:2]
-    chunks = x.reshape(B, n, T // n, *x.shape[2:]).transpose(0, 1).contiguous()  # (n, B, T/n, ...)
-    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    reduce_scatter(out.view(-1), chunks.view(-1), group)
+def _seq_gather(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor:
+    """(B, T/n, ...) sequence shards on each rank -> (B, T, ...). See `sequence_rows` for which tokens
+    a shard holds: each of the `chunks` units is one all-gather written in place, so no layout copy."""
+    out, works = start_seq_gather(x, group, chunks)
+    for w in works:
+        w.wait()
     return out
+
+
+def start_seq_gather(x: torch.Tensor, group, chunks: int = 1) -> tuple[torch.Tensor, list]:
+    """`_seq_gather` launched asynchronously: the output and one handle per unit (unit k of the
+    output may be read once handle k is waited for)."""
+    n = group_size(group)
+    if n == 1:
+        return x, []
+    pieces = x.contiguous().view(chunks, -1)  # (units, this rank's rows of a unit)
+    out = x.new_empty((chunks, n, pieces.shape[1]))
+    works = [all_gather(out[k].view(-1), pieces[k], group, async_op=True) for k in range(chunks)]
+    return out.view(x.shape[0], n * x.shape[1], *x.shape[2:]), works
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) shard of their sum: one
+    reduce-scatter per unit, each reading a contiguous block of rows, so no layout copy."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    units = x.contiguous().view(chunks, n, -1)  # (units, ranks, rows of a unit's block)
+    out = x.new_empty((chunks, units.shape[2]))
+    for k in range(chunks):
+        reduce_scatter(out[k], units[k].view(-1), group)
+    return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
+
+
+def sequence_rows(total: int, n: int, rank: int, chunks: int = 1) -> list[tuple[int, int]]:
+    """[start, end) ranges of the flattened (B*T) token rows that tp rank `rank` of `n` holds under
+    sequence parallelism (Korthikanti et al. 2022 shard the sequence; we shard the flattened batch,
+    which is the same set of tokens when B = 1): the rows form `chunks` units of total/chunks
+    consecutive rows, and rank r holds the r-th of each unit's n equal blocks. Norms, dropout and
+    residuals are per token, so any assignment is correct; this one makes every gather and
+    reduce-scatter a set of contiguous blocks (no transposes for B > 1), and its units are what the
+    chunked overlap (parallel/tp_overlap.py) pipelines."""
+    unit, block = total // chunks, total // (chunks * n)
+    return [(k * unit + rank * block, k * unit + (rank + 1) * block) for k in range(chunks)]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -228,13 +250,13 @@ class _GatherSequence(torch.autograd.Function):
     forward, reduce-scatter the (partial) gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_gather(x, group)
+    def forward(ctx, x, group, chunks):
+        ctx.group, ctx.chunks = group, chunks
+        return _seq_gather(x, group, chunks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_reduce_scatter(grad, ctx.group), None
+        return _seq_reduce_scatter(grad, ctx.group, ctx.chunks), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -242,13 +264,13 @@ class _ReduceScatterSequence(torch.autograd.Function):
     all-gather the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_reduce_scatter(x, group)
+    def forward(ctx, x, group, chunks):
+        ctx.group, ctx.chunks = group, chunks
+        return _seq_reduce_scatter(x, group, chunks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_gather(grad, ctx.group), None
+        return _seq_gather(grad, ctx.group, ctx.chunks), None, None
 
 
 def copy_to_tp(x, group):
@@ -267,12 +289,12 @@ def split_last_dim(x, group):
     return _SplitLastDim.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_sequence(x, group):
-    return _GatherSequence.apply(x, group) if group_size(group) > 1 else x
+def gather_sequence(x, group, chunks: int = 1):
+    return _GatherSequence.apply(x, group, chunks) if group_size(group) > 1 else x
 
 
-def reduce_scatter_sequence(x, group):
-    return _ReduceScatterSequence.apply(x, group) if group_size(group) > 1 else x
+def reduce_scatter_sequence(x, group, chunks: int = 1):
+    return _ReduceScatterSequence.apply(x, group, chunks) if group_size(group) > 1 else x
 
 
 # ---------------------------------------------------------------- expert parallelism

@@ -5,8 +5,11 @@ Three forms (`parallel.tp_form`), all splitting every linear layer's weight over
 - `megatron` (default): column-parallel then row-parallel. Attention is split by heads (query heads;
   grouped key/value heads too, replicated when tp exceeds them) and the MLP by its inner width, so a
   block costs one all-reduce forward and one backward per attention and per MLP (`f`/`g`); with
-  sequence parallelism those become all-gather / reduce-scatter of the sequence, and norms, dropout
-  and residuals run on sequence shards (T/tp tokens per rank).
+  sequence parallelism those become all-gather / reduce-scatter of the tokens, and norms, dropout
+  and residuals run on token shards (B*T/tp rows of the flattened batch per rank, comm.sequence_rows).
+  Region entries cast to the compute dtype once, before their collective. With
+  parallel.tp_overlap=chunked the region collectives are split into units under their GEMMs
+  (parallel/tp_overlap.py).
 - `all-gather` (the seeds' first form): each linear keeps W's columns W' and computes X W'; the
   outputs are all-gathered. Everything between linears is replicated.
 - `all-reduce` (the seeds' second form): X and W are split along the inner dimension and the partial
@@ -28,8 +31,9 @@ from teratrain.models.moe import MoE
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place, placement
 from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,
-                                          SequenceShardPositions, VocabParallelEmbedding, VocabParallelHead,
-                                          VocabParallelLoss)
+                                          SequenceShardPositions, SequenceShards, VocabParallelEmbedding,
+                                          VocabParallelHead, VocabParallelLoss, to_compute_dtype)
+from teratrain.parallel.tp_overlap import ColumnJoint
 
 # Per-block plan: module path inside a block -> style (what each style means: `_STYLES`).
 BLOCK_PLAN = {
@@ -64,6 +68,12 @@ class TPContext:
     sp: bool
     form: str
     cfg: object  # ModelConfig
+    chunks: int = 1  # units of the sequence-parallel token layout (comm.sequence_rows)
+    overlap: bool = False  # parallel.tp_overlap=chunked: parallel/tp_overlap.py
+
+    def __post_init__(self):
+        self.shards = SequenceShards(self.tp, self.rank, self.chunks) if self.sp else None
+        self.joints: dict[str, ColumnJoint] = {}  # region name -> its column-parallel projections
 
     @property
     def group(self):
@@ -73,7 +83,9 @@ class TPContext:
 def apply_tp(model: nn.Module, rt, cfg) -> None:
     """Swap the meta-device model's layers for tensor-parallel ones, recording each new parameter's
     placement (global name and shape, which piece this rank holds, its gradient's group)."""
-    ctx = TPContext(rt.mesh, rt.dims.tp, rt.coord("tp"), cfg.parallel.use_sp, cfg.parallel.tp_form, cfg.model)
+    p = cfg.parallel
+    ctx = TPContext(rt.mesh, rt.dims.tp, rt.coord("tp"), p.use_sp, p.tp_form, cfg.model, overlap_chunks(p),
+                    p.tp_overlap == "chunked")
     for key, block in model.layers.items():
         for path, style in _block_plan(block, ctx).items():
             _apply(block, path, style, ctx, f"layers.{key}.{path}")
@@ -105,14 +117,25 @@ def _apply(root: nn.Module, path: str, style: str, ctx: TPContext, name: str) ->
         setattr(owner, leaf, new)
 
 
-def _entry(ctx: TPContext):
-    """How activations enter a region whose ranks each need all of them."""
-    return (lambda x: comm.gather_sequence(x, ctx.group)) if ctx.sp else (lambda x: comm.copy_to_tp(x, ctx.group))
+def overlap_chunks(p) -> int:
+    """Units each overlapped collective is split into (1: not overlapped)."""
+    return p.tp_overlap_chunks if p.tp_overlap == "chunked" else 1
+
+
+def _entry(ctx: TPContext, cast: bool = True):
+    """How activations enter a region whose ranks each need all of them: cast once to the compute
+    dtype where only autocast matmuls read them (`cast`), then gathered (or Megatron's `f`)."""
+    def enter(x):
+        x = to_compute_dtype(x) if cast else x
+        return comm.gather_sequence(x, ctx.group, ctx.chunks) if ctx.sp else comm.copy_to_tp(x, ctx.group)
+    return enter
 
 
 def _exit(ctx: TPContext):
     """How a region's partial sums leave it."""
-    return (lambda x: comm.reduce_scatter_sequence(x, ctx.group)) if ctx.sp else (lambda x: comm.reduce_from_tp(x, ctx.group))
+    if ctx.sp:
+        return lambda x: comm.reduce_scatter_sequence(x, ctx.group, ctx.chunks)
+    return lambda x: comm.reduce_from_tp(x, ctx.group)
 
 
 def _split(linear: nn.Module, ctx: TPContext, name: str, dim: int, count: int, group: str = "dp",
@@ -162,8 +185,12 @@ def _bias(linear: nn.Linear, ctx: TPContext, name: str, split_like: Placement | 
 
 def _colwise(linear, ctx, name, count=None, entry=None, exit=None, group="dp"):
     w = _split(linear, ctx, name, 0, count or ctx.tp, group)
-    return ColumnParallel(w, _bias(linear, ctx, name, placement(w), False), entry, exit,
-                          _adapter(linear, ctx, name, w, row_split=False))
+    layer = ColumnParallel(w, _bias(linear, ctx, name, placement(w), False), entry, exit,
+                           _adapter(linear, ctx, name, w, row_split=False))
+    joint = ctx.joints.get(name.rpartition(".")[0])
+    if joint is not None:  # overlapped: computed with its region's other projections
+        joint.add(layer)
+    return layer
 
 
 def _colwise_kv(linear, ctx, name):
@@ -180,13 +207,21 @@ def _colwise_kv(linear, ctx, name):
 def _rowwise(linear, ctx, name, entry=None, exit=None, partial=None):
     w = _split(linear, ctx, name, 1, ctx.tp)
     partial = ctx.sp if partial is None else partial
-    return RowParallel(w, _bias(linear, ctx, name, None, partial), entry, exit or _exit(ctx),
-                       _adapter(linear, ctx, name, w, row_split=True))
+    layer = RowParallel(w, _bias(linear, ctx, name, None, partial), entry, exit or _exit(ctx),
+                        _adapter(linear, ctx, name, w, row_split=True))
+    if ctx.overlap and exit is None:  # the megatron exit, reduced unit by unit under the GEMM
+        layer.overlap = ctx
+    return layer
 
 
 def _region(module, ctx, name):
     """Activations enter the block's attention / MLP once (one `f` or one sequence all-gather shared
-    by all its column-parallel projections)."""
+    by all its column-parallel projections). Overlapped, the entry only casts: the projections'
+    joint runs the collective with their GEMMs."""
+    if ctx.overlap:
+        ctx.joints[name] = ColumnJoint(ctx)
+        module.register_forward_pre_hook(lambda m, args: (to_compute_dtype(args[0]), *args[1:]))
+        return None
     entry = _entry(ctx)
     module.register_forward_pre_hook(lambda m, args: (entry(args[0]), *args[1:]))
     return None
@@ -195,8 +230,9 @@ def _region(module, ctx, name):
 def _moe_region(module, ctx, name):
     """The tokens enter once (every tp rank routes all of them the same way); the experts' gated
     partial sums leave once. The aux loss, computed whole on every tp rank, gets 1/tp of its gradient
-    on each, since the router's gradients are summed over tp."""
-    entry, exit = _entry(ctx), _exit(ctx)
+    on each, since the router's gradients are summed over tp. The router computes in fp32 from its
+    input, so the tokens enter uncast."""
+    entry, exit = _entry(ctx, cast=False), _exit(ctx)
     module.register_forward_pre_hook(lambda m, args: (entry(args[0]), *args[1:]))
 
     def leave(m, args, out):
@@ -236,7 +272,8 @@ _STYLES = {
     "colwise": _colwise,
     "colwise_kv": _colwise_kv,
     "rowwise": _rowwise,
-    "colwise_gather": lambda m, ctx, name: _colwise(m, ctx, name, entry=lambda x: comm.copy_to_tp(x, ctx.group),
+    "colwise_gather": lambda m, ctx, name: _colwise(m, ctx, name,
+                                                    entry=lambda x: comm.copy_to_tp(to_compute_dtype(x), ctx.group),
                                                     exit=lambda x: comm.gather_last_dim(x, ctx.group)),
     "rowwise_split": lambda m, ctx, name: _rowwise(m, ctx, name, entry=lambda x: comm.split_last_dim(x, ctx.group),
                                                    exit=lambda x: comm.reduce_from_tp(x, ctx.group), partial=False),
@@ -249,7 +286,7 @@ _STYLES = {
     "head_rng": lambda m, ctx, name: _rng(m, ctx, ctx.form == "megatron"),  # local heads under the megatron form
     "sequence_rng": lambda m, ctx, name: _rng(m, ctx, ctx.sp),
     "vocab_embedding": lambda m, ctx, name: VocabParallelEmbedding(
-        _split(m, ctx, name, 0, ctx.tp), ctx.cfg.vocab_size, _exit(ctx)),
+        _split(m, ctx, name, 0, ctx.tp), ctx.cfg.vocab_size, _exit(ctx), ctx.shards),
     "sequence_positions": lambda m, ctx, name: _sequence_positions(m, ctx, name),
     "vocab_head": lambda m, ctx, name: _vocab_head(m, ctx, name),
     "vocab_loss": lambda m, ctx, name: VocabParallelLoss(ctx, ctx.rank, ctx.tp, ctx.cfg.vocab_size),
@@ -259,7 +296,7 @@ _STYLES = {
 def _sequence_positions(module, ctx, name):
     if not ctx.sp:
         return None
-    new = SequenceShardPositions(module.weight, ctx.rank, ctx.tp)  # keeps the parameter and its name
+    new = SequenceShardPositions(module.weight, ctx.shards)  # keeps the parameter and its name
     _sequence_norm(new, ctx, name)  # each rank adds only its tokens' positions: a partial gradient
     return new
 
@@ -267,6 +304,12 @@ def _sequence_positions(module, ctx, name):
 def _vocab_head(module, ctx, name):
     """The output projection as a column-parallel layer over the (padded) vocabulary: logits stay
     split across ranks, which the vocab-parallel loss consumes. Tied, the embedding's piece is it."""
+    if ctx.overlap:  # the entry only casts; the collective runs under the head's GEMM
+        if not isinstance(module, nn.Linear):
+            return VocabParallelHead(to_compute_dtype, overlap=ctx)
+        layer = _colwise(module, ctx, name, entry=to_compute_dtype)
+        ColumnJoint(ctx).add(layer)  # a joint of its own
+        return layer
     if isinstance(module, nn.Linear):
         return _colwise(module, ctx, name, entry=_entry(ctx))
     return VocabParallelHead(_entry(ctx))
@@ -296,3 +339,28 @@ def check_tp(cfg) -> None:
     for ok, why in checks:
         if not ok:
             raise ConfigError(f"{why}; choose another parallel.tp or change the model.")
+    check_overlap(cfg)
+
+
+def check_overlap(cfg) -> None:
+    """What parallel.tp_overlap=chunked needs (one sentence with the fix)."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp_overlap == "none" or p.tp == 1:
+        return
+    if p.tp_form != "megatron":
+        raise ConfigError(f"parallel.tp_overlap=chunked overlaps the megatron form's region collectives (this run "
+                          f"has parallel.tp_form={p.tp_form}); set parallel.tp_form=megatron or "
+                          f"parallel.tp_overlap=none.")
+    pieces = p.tp_overlap_chunks * (p.tp if p.use_sp else 1)
+    if m.seq_len % pieces:
+        raise ConfigError(f"parallel.tp_overlap_chunks ({p.tp_overlap_chunks}) splits every "
+                          f"{'sequence shard' if p.use_sp else 'sequence'} into pieces, so "
+                          f"{'parallel.tp x ' if p.use_sp else ''}parallel.tp_overlap_chunks ({pieces}) must divide "
+                          f"model.seq_len ({m.seq_len}); choose another parallel.tp_overlap_chunks.")
+    if cfg.train.compile:
+        raise ConfigError("parallel.tp_overlap=chunked waits on its collectives from inside autograd functions, "
+                          "which train.compile does not trace; set train.compile=false or parallel.tp_overlap=none.")
+    if p.pp > 1 and p.schedule == "zb-h1":  # its weight pass would rerun each function's collectives
+        raise ConfigError("parallel.schedule=zb-h1 splits each backward into an input and a weight pass, while "
+                          "parallel.tp_overlap=chunked computes both in one function with its collectives; set "
+                          "parallel.tp_overlap=none or another parallel.schedule.")

@@ -9,8 +9,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teratrain.parallel.comm import MAX, SUM, all_reduce
+from teratrain.parallel.comm import MAX, SUM, all_reduce, sequence_rows
 from teratrain.parallel.placement import placement
+from teratrain.parallel.tp_overlap import column_group, row_exit
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype autocast gives a matmul's fp32 input (unchanged outside autocast). A region
+    entry casts once, before its collective, so the collective moves half the bytes and the region's
+    linears share one cast instead of casting (and saving) a copy each."""
+    dev = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
+class SequenceShards:
+    """Which tokens this tp rank holds under sequence parallelism (comm.sequence_rows: rows of the
+    flattened batch). `batch`, the micro-batch's B, is recorded by the embedding of each forward:
+    learned positions need it to know which positions their rows are."""
+
+    def __init__(self, n: int, rank: int, chunks: int):
+        self.n, self.rank, self.chunks = n, rank, chunks
+        self.batch: int | None = None
+
+    def positions(self, length: int, device) -> torch.Tensor:
+        """Position in its sequence (of `length`) of each token row this rank holds, in order."""
+        spans = sequence_rows(self.batch * length, self.n, self.rank, self.chunks)
+        return torch.cat([torch.arange(a, b, device=device) for a, b in spans]) % length
 
 
 class _Parallel(nn.Module):
@@ -23,21 +49,32 @@ class _Parallel(nn.Module):
         self.entry, self.exit = entry, exit
         self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout = adapter or (None, None, 0.0, None)
 
-    def _adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _adapter_term(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.lora_a is None:
-            return y
-        return y + self.lora_scale * F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b)
+            return None
+        return self.lora_scale * F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b)
+
+    def _adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        term = self._adapter_term(x)
+        return y if term is None else y + term
 
 
 class ColumnParallel(_Parallel):
     """y = X W'^T + b' with W' this rank's rows of W (its output features): (.., d_in) -> (.., d_out/tp).
     `entry` brings X in (identity when a region hook already did), `exit` takes y out (identity:
     the output stays split; all-gather in the seeds' all-gather form). An adapter adds
-    s B' A X with B' this rank's rows of B and A whole."""
+    s B' A X with B' this rank's rows of B and A whole. Under parallel.tp_overlap=chunked, `joint`
+    (parallel/tp_overlap.py) computes it with the other projections of its region, the entry
+    collective overlapped with all of their GEMMs."""
+
+    joint = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is not None:
             x = self.entry(x)
+        if self.joint is not None:
+            x, y = self.joint.take(self, x)  # x: the whole region input, for the adapter
+            return self._adapted(x, y)
         y = self._adapted(x, F.linear(x, self.weight, self.bias))
         return self.exit(y) if self.exit is not None else y
 
@@ -51,12 +88,20 @@ class ColumnParallel(_Parallel):
 class RowParallel(_Parallel):
     """y = reduce(X' W'^T) + b with W' this rank's columns of W (its input features): the partial
     products of all ranks add up to X W^T; the whole bias is added once, after the reduction. An
-    adapter's partial s B A' X' (A' this rank's columns of A, B whole) joins the reduction."""
+    adapter's partial s B A' X' (A' this rank's columns of A, B whole) joins the reduction. With
+    `overlap` (the TPContext of parallel.tp_overlap=chunked) the reduction runs unit by unit under
+    the GEMM (parallel/tp_overlap.py)."""
+
+    overlap = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.entry is not None:
             x = self.entry(x)
-        y = self.exit(self._adapted(x, F.linear(x, self.weight)))
+        if self.overlap is not None:
+            c, x = self.overlap, to_compute_dtype(x)
+            y = row_exit(x, self.weight, self._adapter_term(x), c.group, c.sp, c.chunks)
+        else:
+            y = self.exit(self._adapted(x, F.linear(x, self.weight)))
         return y + self.bias if self.bias is not None else y
 
 
@@ -81,57 +126,72 @@ class PartialRowParallel(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, hi) of the (padded) embedding on each rank: a token outside the range looks up
     zeros here and its row on the rank that holds it; `exit` sums the ranks' outputs (all-reduce,
-    or reduce-scatter along the sequence under sequence parallelism)."""
+    or reduce-scatter along the sequence under sequence parallelism, which also records the batch
+    size in `shards`)."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, exit):
+    def __init__(self, weight: nn.Parameter, vocab_size: int, exit, shards: SequenceShards | None = None):
         super().__init__()
-        self.weight, self.exit = weight, exit
+        self.weight, self.exit, self.shards = weight, exit, shards
         self.lo, self.hi = placement(weight).bounds()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.shards is not None:
+            self.shards.batch = tokens.shape[0]
         outside = (tokens < self.lo) | (tokens >= self.hi)  # (B, T)
         h = F.embedding((tokens - self.lo).masked_fill(outside, 0), self.weight)  # (B, T, d)
         return self.exit(h.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
 class VocabParallelHead(nn.Module):
-    """The tied head: logits of this rank's vocabulary rows, through the embedding's own piece."""
+    """The tied head: logits of this rank's vocabulary rows, through the embedding's own piece.
+    With `overlap` (parallel.tp_overlap=chunked) `entry` only casts and the entry collective runs
+    under the head's GEMM (parallel/tp_overlap.py)."""
 
-    def __init__(self, entry):
+    def __init__(self, entry, overlap=None):
         super().__init__()
-        self.entry = entry
+        self.entry, self.overlap = entry, overlap
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.overlap is not None:
+            c = self.overlap
+            _, (y,) = column_group(self.entry(h), [weight], [None], c.group, c.sp, c.chunks)
+            return y  # (B, T, V/tp)
         return F.linear(self.entry(h), weight)  # (B, T, V/tp)
 
 
 class SequenceShardPositions(nn.Embedding):
-    """Learned positions under sequence parallelism: returns the rows of this rank's sequence shard
-    (the hidden states hold T/tp tokens). The weight stays whole (the same parameter object)."""
+    """Learned positions under sequence parallelism: the positions of this rank's tokens (the hidden
+    states hold B*T/tp token rows, viewed (B, T/tp, d)). The weight stays whole (the same parameter)."""
 
-    def __init__(self, weight: nn.Parameter, rank: int, tp: int):
+    def __init__(self, weight: nn.Parameter, shards: SequenceShards):
         super().__init__(*weight.shape, device="meta")
-        self.weight = weight
-        self.rank, self.tp = rank, tp
+        self.weight, self.shards = weight, shards
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return super().forward(positions).chunk(self.tp, dim=0)[self.rank]  # (T/tp, d)
+        mine = positions[self.shards.positions(positions.shape[0], positions.device)]
+        return super().forward(mine).view(self.shards.batch, -1, self.weight.shape[1])  # (B, T/tp, d)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy from logits split over the vocabulary (Megatron-LM): a max, a sum of
     exponentials and the target's logit are each all-reduced; nothing of size V is communicated.
-    logits (N, V/tp) fp32, targets (N,) global ids -> per-token loss (N,), equal on every rank.
-    Columns past the real vocabulary (padding) are -inf: they take no probability and no gradient."""
+    logits (N, V/tp) in the compute dtype, targets (N,) global ids -> per-token loss (N,) fp32, equal
+    on every rank. The softmax is computed in fp32 straight from the low-precision logits (the
+    subtraction of the max writes the fp32 tensor: no separate upcast copy) and the backward works in
+    that saved tensor (no clone). Columns past the real vocabulary (padding) are -inf: they take no
+    probability and no gradient."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, lo: int, num_real: int):
-        if num_real < logits.shape[1]:
-            logits = logits.clone()
-            logits[:, num_real:] = float("-inf")
-        m = logits.max(dim=1).values
+        n = logits.shape[0]
+        if num_real:
+            m = logits[:, :num_real].max(dim=1).values.float()
+        else:  # this rank holds only padding
+            m = torch.full((n,), float("-inf"), device=logits.device)
         all_reduce(m, group, op=MAX)
-        shifted = logits - m.unsqueeze(1)
+        shifted = torch.sub(logits, m.unsqueeze(1))  # (N, V/tp) fp32 by type promotion
+        if num_real < shifted.shape[1]:
+            shifted[:, num_real:] = float("-inf")
         here = (targets >= lo) & (targets < lo + logits.shape[1])
         local = (targets - lo).masked_fill(~here, 0)
         picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~here, 0.0)
@@ -141,14 +201,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         all_reduce(total, group, op=SUM)
         probs.div_(total.unsqueeze(1))
         ctx.save_for_backward(probs, local, here)
+        ctx.dtype, ctx.spent = logits.dtype, False
         return total.log() - picked
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.spent:  # the softmax was consumed in place below
+            raise RuntimeError("the vocab-parallel cross-entropy's backward ran twice on one graph")
+        ctx.spent = True
         probs, local, here = ctx.saved_tensors
-        g = probs.clone()  # d loss_i / d logit_ij = p_ij - [j == target_i]
-        g.scatter_add_(1, local.unsqueeze(1), -here.to(g.dtype).unsqueeze(1))
-        return g.mul_(grad.unsqueeze(1)), None, None, None, None
+        g = probs.scatter_add_(1, local.unsqueeze(1), -here.to(probs.dtype).unsqueeze(1))  # p_ij - [j == target_i]
+        if ctx.dtype == g.dtype:
+            return g.mul_(grad.unsqueeze(1)), None, None, None, None
+        out = torch.empty_like(g, dtype=ctx.dtype)  # scale and cast back in one pass
+        return torch.mul(g, grad.unsqueeze(1), out=out), None, None, None, None
 
 
 class VocabParallelLoss(nn.Module):
@@ -162,7 +228,7 @@ class VocabParallelLoss(nn.Module):
         self.num_real = min(piece, vocab_size - self.lo)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        losses = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.ctx.group,
+        losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), self.ctx.group,
                                                   self.lo, self.num_real)
         return losses.mean()
 

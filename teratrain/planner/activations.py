@@ -12,7 +12,10 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
   layer_norm in fp32), plus fp32 statistics;
 - with fp32 parameters under autocast, every linear layer casts its own copy of its input, so the
   norm output is saved once per consumer (3 times before wq/wk/wv, twice before w1/w3), and every
-  weight is cast to bf16 and held until its backward (`weight_copies`);
+  weight is cast to bf16 and held until its backward (`weight_copies`); under megatron tensor
+  parallelism the region entry casts once and the projections share that one input, which they
+  keep whole: sequence parallelism gathers it before them (as DTensor TP does; Megatron-LM instead
+  re-gathers it in backward), so it is not divided by tp;
 - SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
 `device` selects the two kernels that differ: CPU's composite rms_norm also keeps x*rstd, and
 CPU autocast runs layer_norm in bf16. The GPU numbers assume dropout inside attention is fused
@@ -90,20 +93,30 @@ def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device:
     return [Saved(n * c.d_model, 4 if out_fp32 else w.param)]  # one tensor, shared by every consumer
 
 
+def _region_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str, tp: int, sp: bool,
+                   form: str) -> list[Saved]:
+    """Saved inputs of the linears reading one norm output (n tokens) under tensor parallelism."""
+    if tp > 1 and form == "megatron":  # one cast at the region entry (parallel/tensor.py), all n tokens
+        return [Saved(n * shape.cfg.d_model, w.compute)]
+    return _div(_linear_inputs(shape, w, n, consumers, device), tp if sp else 1)
+
+
 def _div(items: list[Saved], k: int) -> list[Saved]:
     return [Saved(t.numel // k, t.itemsize, t.kind) for t in items] if k > 1 else items
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
-                tp: int = 1, sp: bool = False, dropout: float = 0.0, compress: str = "none") -> dict[str, int]:
+                tp: int = 1, sp: bool = False, dropout: float = 0.0, compress: str = "none",
+                form: str = "megatron") -> dict[str, int]:
     """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per term,
     as held under activation compression `compress`."""
-    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout),
+    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout, form=form),
                  compress, True, device)
 
 
 def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
-                  tp: int = 1, sp: bool = False, dropout: float = 0.0) -> dict[str, list[Saved]]:
+                  tp: int = 1, sp: bool = False, dropout: float = 0.0,
+                  form: str = "megatron") -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2)."""
     c = shape.cfg
@@ -113,12 +126,14 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     k_moe = shape.top_k if shape.num_experts > 1 else 1  # each token visits top_k experts
     out = {
         "attention_norm": _div(_norm_saved(shape, w, n, device), rep),
-        "qkv_inputs": _div(_linear_inputs(shape, w, n, 3, device), rep),  # wq, wk, wv
+        "qkv_inputs": _region_inputs(shape, w, n, 3, device, tp, sp, form),  # wq, wk, wv
         "q_k_v": _div([Saved(n * d, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)], tp),  # q, k after RoPE, v
         "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
         "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
-        "mlp_inputs": _div(_linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) * k_moe, rep),
+        "mlp_inputs": (_div(_linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) * k_moe, rep)
+                       if shape.num_experts > 1 else  # an MoE region's tokens enter uncast
+                       _region_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device, tp, sp, form)),
         # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
         "mlp_hidden": _div([Saved(n * ff, cb)] * (k_moe * (4 if c.arch == "llama" else 2)), tp),
     }
@@ -148,7 +163,7 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1) -> int
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                   tp: int = 1, sp: bool = False, dropout: float = 0.0, first: bool = True,
-                  last: bool = True, compress: str = "none") -> dict[str, int]:
+                  last: bool = True, compress: str = "none", form: str = "megatron") -> dict[str, int]:
     """Saved tensors outside the blocks: embedding ids on the first pipeline stage; final norm,
     head input, fp32 log-softmax (lm_loss upcasts the logits) and targets on the last. Compression
     encodes only the dropout mask here (memory/compression.py keeps the head exact)."""
@@ -164,7 +179,7 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
             out["embedding_dropout"] = [Saved(n * c.d_model, 1 if device == "cuda" else w.param, "mask")]
     if last:
         out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
-        out["head_input"] = _div(_linear_inputs(shape, w, n, 1, device), rep)
+        out["head_input"] = _region_inputs(shape, w, n, 1, device, tp, sp, form)
         out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
         out["targets"] = [Saved(n, INDEX_BYTES, "keep")]
     return _held(out, compress, False, device)

@@ -53,7 +53,8 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
     rt = Runtime(rank=rank, world=dims.world, local_rank=0, device=torch.device("meta"), dims=dims,
                  mesh=Mesh(dims, rank))
     cfg = SimpleNamespace(model=shape.cfg, parallel=SimpleNamespace(
-        use_sp=sp, tp_form=form, pp=pp, virtual_stages=virtual_stages, stage_layers=None, partition="layers"))
+        use_sp=sp, tp_form=form, pp=pp, virtual_stages=virtual_stages, stage_layers=None, partition="layers",
+        tp_overlap="none", tp_overlap_chunks=1))  # overlapping changes no parameter
     layout = apply_pipeline(model, rt, cfg) if pp > 1 else None
     if tp > 1:
         apply_tp(model, rt, cfg)

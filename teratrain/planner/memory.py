@@ -65,7 +65,8 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     w = train.widths(lay.zero, lay.offload)
     T = shape.cfg.seq_len
     n = lay.micro_batch * T
-    kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress)
+    kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress,
+              form=lay.tp_form)
     layers = stage_params(shape, lay)["layers"]
     blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw)
     first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)

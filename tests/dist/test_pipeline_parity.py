@@ -62,5 +62,6 @@ def test_pp4_and_pp2_with_dp2_or_tp2():
                 _pp("gpipe", "parallel.dp=2", "parallel.zero=2"),
                 GPT2_SGD + ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", *INTERLEAVED, "model.n_layers=4"]]
     layouts += [_pp("1f1b", "parallel.tp=2"), _pp("zb-h1", "parallel.tp=2", "parallel.sequence_parallel=false"),
+                _pp("1f1b", "parallel.tp=2", "parallel.tp_overlap=chunked", "memory.recompute=full"),
                 GPT2_SGD + ["parallel.pp=2", "parallel.tp=2", *INTERLEAVED, "model.n_layers=4"]]
     _compare(layouts, world=4)

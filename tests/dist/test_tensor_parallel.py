@@ -21,8 +21,8 @@ TOL = 1e-5
 GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 
 
-def _compare(layouts: list[list[str]], world: int, **kw) -> None:
-    runs = run_ranks(_many, world, layouts, kw)[0]
+def _compare(layouts: list[list[str]], world: int, worker=None, **kw) -> list[dict]:
+    runs = run_ranks(worker or _many, world, layouts, kw)[0]
     refs = {}
     for layout, got in zip(layouts, runs):
         same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute")))  # the math
@@ -34,6 +34,7 @@ def _compare(layouts: list[list[str]], world: int, **kw) -> None:
         assert got["params"].keys() == ref["params"].keys()
         param_err = max_rel_diff(got["params"], ref["params"])
         assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+    return runs
 
 
 def _many(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
@@ -42,19 +43,37 @@ def _many(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dic
 
 TP2 = [["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
        ["parallel.tp=2", "parallel.tp_form=all-gather"], ["parallel.tp=2", "parallel.tp_form=all-reduce"]]
+OVERLAP = ["parallel.tp_overlap=chunked"]
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=[\"wq\", \"wk\", \"wo\", \"w1\", \"w2\"]", "optim.name=sgd", "optim.lr=0.1"]
+TP2_OVERLAP = [["parallel.tp=2"] + OVERLAP,
+               ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_overlap_chunks=4"] + OVERLAP]
 
 
-def test_tp2_every_form_llama_and_gpt2():
+def test_tp2_every_form_and_overlap_llama_and_gpt2():
     """llama: GQA, untied head, no biases; gpt2: biases, learned positions, tied embeddings. gpt2
     runs SGD: its key bias has no true gradient (softmax is invariant to a shift shared by all keys
-    of a query), so its gradient is fp32 rounding, which AdamW would scale up to lr-sized steps."""
-    _compare(TP2 + [GPT2_SGD + lay for lay in TP2], world=2)
+    of a query), so its gradient is fp32 rounding, which AdamW would scale up to lr-sized steps.
+    parallel.tp_overlap=chunked (parallel/tp_overlap.py: collectives split into units under the
+    GEMMs, forward and backward) with sequence parallelism on (2 units: the chunked token layout,
+    over which gpt2's learned positions are looked up, its biases and tied head) and off (4 units of
+    rows); every other layout runs no overlapped function."""
+    layouts = TP2 + TP2_OVERLAP + [GPT2_SGD + lay for lay in TP2 + TP2_OVERLAP[:1]]
+    _assert_overlapped(layouts, _compare(layouts, world=2, worker=_counting_overlaps))
+
+
+def _assert_overlapped(layouts: list[list[str]], runs: list[dict]) -> None:
+    for layout, run in zip(layouts, runs):
+        # 10 steps of 4 micro-batches; each: 3 column joints (attention, MLP, head), 2 row exits per block of 2
+        want = {"column": 10 * 4 * 5, "row": 10 * 4 * 4} if OVERLAP[0] in layout else {"column": 0, "row": 0}
+        assert run["overlapped"] == want, layout
 
 
 def test_tp4_and_tp2_dp2_with_every_zero_stage():
     """tp=4 splits 2 key/value heads over 4 ranks (each replicated twice) and a vocabulary of 50
-    (padded to 52); tp=2 x dp=2 composes with ZeRO 0-3 and offload on a 2-D mesh."""
-    layouts = [["parallel.tp=4", "parallel.sequence_parallel=false"], ["parallel.tp=4"], GPT2_SGD + ["parallel.tp=4"]]
+    (padded to 52), also overlapped (parallel.tp_overlap=chunked); tp=2 x dp=2 composes with ZeRO 0-3
+    and offload on a 2-D mesh."""
+    layouts = [["parallel.tp=4", "parallel.sequence_parallel=false"], ["parallel.tp=4"], GPT2_SGD + ["parallel.tp=4"],
+               ["parallel.tp=4"] + OVERLAP]
     layouts += [["parallel.tp=2", f"parallel.zero={z}"] for z in (0, 1, 2, 3)]
     layouts += [["parallel.tp=2", "parallel.zero=3", "parallel.offload=params"],
                 ["parallel.tp=2", "parallel.zero=2", "parallel.sequence_parallel=false", "memory.recompute=full"],
@@ -79,17 +98,35 @@ def test_frozen_parameters_under_zero():
     _compare([[f"parallel.zero={z}"] for z in (0, 1, 2, 3)], world=2, freeze=frozen)
 
 
-LORA = ["lora.rank=4", "lora.alpha=8", "lora.targets=[\"wq\", \"wk\", \"wo\", \"w1\", \"w2\"]", "optim.name=sgd", "optim.lr=0.1"]
-
-
 def test_lora_under_zero_and_tensor_parallelism():
     """Adapters on column- (wq, wk with replicated kv heads at tp=4, w1) and row-parallel (wo, w2)
     layers: B splits with a column-parallel W, A with a row-parallel one; ZeRO-2 and tp=2 on 2 ranks
-    equal one process (the issue's cases), and ZeRO-3 with the frozen base sharded."""
-    _compare([LORA + ["parallel.zero=2"], LORA + ["parallel.tp=2"], LORA + ["parallel.zero=3"]], world=2)
+    equal one process (the issue's cases), also with the projections overlapped (the adapters read
+    the joint's gathered input and join the row exits' reduction), and ZeRO-3 with the frozen base
+    sharded."""
+    layouts = [LORA + ["parallel.zero=2"], LORA + ["parallel.tp=2"], LORA + TP2_OVERLAP[0], LORA + ["parallel.zero=3"]]
+    _assert_overlapped(layouts, _compare(layouts, world=2, worker=_counting_overlaps))
 
 
 def test_lora_with_a_bf16_base_under_data_parallelism():
     """lora.base_dtype=bf16 (frozen weights stored in bf16 under bf16 autocast) on the plain
     data-parallel engine, 2 ranks against one process on the same global batch."""
     _compare([LORA + ["memory.precision=bf16", "lora.base_dtype=bf16"]], world=2)
+
+
+def _counting_overlaps(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
+    """_many, counting the overlapped column groups and row exits each layout ran."""
+    from teratrain.parallel import tp_overlap
+
+    counts = {"column": 0, "row": 0}
+    for cls, key in ((tp_overlap._ColumnGroup, "column"), (tp_overlap._RowExit, "row")):
+        def counted(*args, apply=cls.apply, key=key):
+            counts[key] += 1
+            return apply(*args)
+        cls.apply = counted
+    runs = []
+    for layout in layouts:
+        before = dict(counts)
+        run = train_random(rank, world, layout, **kw)
+        runs.append({**run, "overlapped": {k: counts[k] - before[k] for k in counts}})
+    return runs

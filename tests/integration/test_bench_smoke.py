@@ -15,9 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_smoke(script, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "bench" / script),
-           "--smoke", "--out", str(out)]
+           "--smoke", "--out", str(out)] + (["--profile"] if script == "tensor_parallel.py" else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["tp"] == 2 and result["parity"]["max_rel_diff"] < 2e-2  # bf16 autocast
-    assert result["ours_sp"]["tokens_per_s"] > 0 and result["dtensor_sp"]["tokens_per_s"] > 0
+    assert result["tp"] == 2  # bf16 autocast: one process and tp, plain and overlapped, agree within 2e-2
+    assert result["parity"]["tp_max_rel_diff"] < 2e-2 and result["parity"]["tp_chunked_max_rel_diff"] < 2e-2
+    (shape,) = result["shapes"].values()
+    for variant in ("one_gpu", "ours_no_sp", "ours_sp", "ours_sp_chunked2", "ours_sp_chunked4", "dtensor_no_sp",
+                    "dtensor_sp"):
+        assert shape[variant]["tokens_per_s"] > 0, variant
+    assert shape["ours_sp_chunked2"]["profile"]["top_ops"] and shape["dtensor_sp"]["profile"]["top_ops"]

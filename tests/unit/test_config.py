@@ -195,3 +195,20 @@ def test_microbatches_at_launch_follow_dp_and_the_schedule():
         cfg.microbatches(dp=8)  # one micro-batch per step on each pipeline
     with pytest.raises(ConfigError, match="train.global_batch"):
         cfg.microbatches(dp=3)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["parallel.tp_form=all-gather", "parallel.sequence_parallel=false"], "parallel.tp_form=megatron"),
+    (["model.seq_len=12", "parallel.tp_overlap_chunks=4"], "must divide model.seq_len (12)"),
+    (["parallel.sequence_parallel=false", "model.seq_len=12", "parallel.tp_overlap_chunks=8"],
+     "parallel.tp_overlap_chunks (8) must divide"),
+    (["train.compile=true"], "train.compile=false or parallel.tp_overlap=none"),
+    (["parallel.pp=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1 splits"),
+])
+def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
+    from teratrain.parallel.parallelize import check_supported
+
+    with pytest.raises(ConfigError) as info:
+        check_supported(load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked"] + sets))
+    msg = str(info.value)
+    assert words in msg and msg.endswith(".") and "\n" not in msg

@@ -1,0 +1,90 @@
+"""Where a step's GPU time goes, from a torch.profiler trace: time in NCCL kernels and how much of it
+no compute kernel hides, time in pure data movement (casts, copies, cat, memcpy/memset), idle gaps
+(no kernel on any stream), and the top ops by their own device time. Without a GPU (the --smoke
+runs) the kernel figures are zero and the top ops are ranked by CPU time, so the code path runs.
+
+    summary = profile_steps(step, device, steps=2)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import DeviceType, ProfilerActivity, profile
+
+# Kernels that only move bytes. Casts and .contiguous() run as `direct_copy_kernel`, torch.cat as
+# `CatArrayBatchedCopy`, cross-device/stream copies as Memcpy; Memset zeroes buffers.
+COPY_MARKS = ("copy", "memcpy", "memset")
+
+
+def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> dict:
+    """Run step() `steps` times under the profiler (after one untraced call) and summarize per step."""
+    step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    out = kernel_account(kernels, steps)
+    out["top_ops"] = top_ops(prof, device, steps, top)
+    return out
+
+
+def kernel_account(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """(name, start_us, end_us) of every device kernel -> milliseconds per step by kind."""
+    nccl = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
+    copies = [(a, b) for n, a, b in kernels if "nccl" not in n.lower() and any(m in n.lower() for m in COPY_MARKS)]
+    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]  # copies occupy the GPU too
+    busy = _union([(a, b) for _, a, b in kernels])
+    window = (max(b for _, b in busy) - min(a for a, _ in busy)) if busy else 0.0
+    per = 1e-3 / steps  # us over all steps -> ms per step
+    nccl_u = _union(nccl)
+    return {"window_ms": round(window * per, 3), "busy_ms": round(_length(busy) * per, 3),
+            "idle_ms": round((window - _length(busy)) * per, 3),
+            "nccl_ms": round(_length(nccl_u) * per, 3),
+            "nccl_exposed_ms": round((_length(nccl_u) - _length(_intersect(nccl_u, _union(compute)))) * per, 3),
+            "copy_ms": round(_length(_union(copies)) * per, 3), "copy_kernels_per_step": len(copies) // steps,
+            "nccl_kernels_per_step": len(nccl) // steps, "kernels_per_step": len(kernels) // steps}
+
+
+def top_ops(prof, device: torch.device, steps: int, top: int) -> list[dict]:
+    """The ops with the most self device time (self CPU time without a GPU), per step."""
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return [{"op": e.key, "self_ms": round(getattr(e, attr) / 1e3 / steps, 3), "calls": e.count // steps}
+            for e in rows]
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two sorted, disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,24 @@
+"""bench/trace_summary.py's account of device kernels (the part a CPU run cannot exercise): NCCL
+time hidden by concurrent compute is not exposed, idle gaps are what no kernel covers, copies are
+recognized by name."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from trace_summary import kernel_account  # noqa: E402
+
+
+def test_exposed_nccl_idle_and_copies_per_step():
+    kernels = [("ampere_bf16_gemm", 0.0, 100.0), ("ncclDevKernel_AllGather_RING_LL", 50.0, 150.0),
+               ("void at::native::direct_copy_kernel_cuda", 200.0, 220.0),
+               ("ncclDevKernel_ReduceScatter_RING_LL", 230.0, 240.0)]
+    got = kernel_account(kernels, steps=2)  # microseconds over 2 steps -> ms per step
+    assert got["window_ms"] == 0.12  # 0..240 us
+    assert got["busy_ms"] == 0.09  # 0-150, 200-220, 230-240: 180 us
+    assert got["idle_ms"] == 0.03
+    assert got["nccl_ms"] == 0.055
+    assert got["nccl_exposed_ms"] == 0.03  # 100-150 and 230-240 run alone
+    assert got["copy_ms"] == 0.01
+    assert got["nccl_kernels_per_step"] == 1 and got["kernels_per_step"] == 2
