@@ -18,6 +18,7 @@ unsplit model on its own device at the same time (no communication); rank 0's fi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -44,7 +45,9 @@ from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
 # name -> (model overrides, micro-batch, most blocks: sized down to what one GPU holds)
 SHAPES = {"llama8b_width": (["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"], 1, 8),
-          "llama1b_width": (["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"], 2, 8)}
+          # untied head on both sides: torchtitan's Llama (the DTensor plan) has an `output` linear of its own
+          "llama1b_width": (["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048",
+                             "model.tie_embeddings=false"], 2, 8)}
 SMOKE = {"tiny": (["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
                    "model.seq_len=32", "model.vocab_size=512"], 2, 2)}
 COMMON = ["memory.precision=bf16", "train.grad_clip=1.0"]
@@ -258,6 +261,8 @@ def main() -> None:
     for name, (base, mb, most) in shapes.items():
         layers = fitting_layers(base, mb, most, rt.device)
         result["shapes"][name] = run_shape(base + [f"model.n_layers={layers}"], mb, rt, args)
+        if rt.rank == 0 and args.out:  # a run cut short keeps the shapes it measured
+            Path(args.out).write_text(json.dumps(result, indent=1))
     small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
     result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)
     if rt.rank == 0:
