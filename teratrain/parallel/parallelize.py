@@ -32,6 +32,7 @@ from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
 from teratrain.parallel.expert import apply_ep, check_ep
 from teratrain.parallel.own_model import check_model, initial_values, retie, untie
+from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES
 from teratrain.parallel.pipeline.split import apply_pipeline, check_split, ends_group, mark_stages
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
@@ -106,10 +107,10 @@ def check_pipeline(cfg) -> None:
     check_split(cfg)
     if p.pp == 1:
         return
-    if p.zero == 3:
-        raise ConfigError("parallel.zero=3 gathers each block's parameters around one forward and one backward in "
-                          "layer order, while a pipeline schedule interleaves several micro-batches' forwards and "
-                          "backwards on a stage; use parallel.zero<=2 with parallel.pp>1.")
+    if p.zero == 3 and p.schedule in ASYNC_SCHEDULES:
+        raise ConfigError(f"parallel.schedule={p.schedule} updates the weights in the middle of a step and keeps "
+                          "whole stashed copies of them, which parallel.zero=3 keeps sharded between steps; use a "
+                          "flush schedule (e.g. parallel.schedule=1f1b) or parallel.zero<=2.")
     if p.sync != "allreduce":
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas on every rank; set parallel.pp=1 or "
                           "parallel.sync=allreduce.")

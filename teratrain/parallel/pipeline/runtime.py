@@ -91,8 +91,9 @@ class PipelineExecutor:
         timed = self.time_every_call or self.calls < 2
         clock = Clock(self.device, self.pp_group) if timed else None
         call = _Call(self, sched.ranks[self.rank], micro_batches, precision, lr, clock, train=True)
-        call.run()
-        stats = call.stats if call.stats is not None else self.engine.step(lr)
+        with self.engine.pipeline_call(train=True):
+            call.run()
+            stats = call.stats if call.stats is not None else self.engine.step(lr)
         loss = self._broadcast_loss(call, len(micro_batches))
         if timed:
             self._after_timed(sched, clock)
@@ -105,7 +106,8 @@ class PipelineExecutor:
         v = self.layout.virtual_stages
         sched = _forward_only(self.pp, v)
         call = _Call(self, sched.ranks[self.rank], [(x, y)], self.cfg.memory.precision, 0.0, None, train=False)
-        call.run()
+        with self.engine.pipeline_call(train=False):
+            call.run()
         return self._broadcast_loss(call, 1)
 
     def _broadcast_loss(self, call: "_Call", m: int) -> torch.Tensor:
