@@ -344,7 +344,13 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the MoE layers' weighted aux losses of the latest forward (None for a dense model)."""
-    losses = [m.aux_loss for _, m in moe_layers(model) if m.aux_loss is not None]
+    return blocks_aux_loss(model.layers.values())
+
+
+def blocks_aux_loss(blocks) -> torch.Tensor | None:
+    """The same over some blocks (a pipeline stage's), in order; None when none of them is MoE."""
+    losses = [b.feed_forward.aux_loss for b in blocks
+              if isinstance(b.feed_forward, MoE) and b.feed_forward.aux_loss is not None]
     return torch.stack([a.float() for a in losses]).sum() if losses else None
 
 

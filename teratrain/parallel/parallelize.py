@@ -54,6 +54,8 @@ def parallelize(model: nn.Module, rt, cfg):
         mark_stages(model, layout, ends_group(rt, layout) if cfg.model.tie_embeddings else None)
     if cfg.model.moe.enabled:  # 3: records expert placements at any ep; ep > 1 also drops the others' experts
         apply_ep(model, rt, cfg)
+        if rt.dims.ep > 1:  # its all-to-all's group, asked for now so that step 7 connects it
+            rt.group("ep")
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix

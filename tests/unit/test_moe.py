@@ -319,11 +319,3 @@ def test_expert_major_order():
     # source-major buffer: s0e0 s0e0 s0e2 | s1e0 s1e1 s1e1 s1e1 -> positions 0 1 2 | 3 4 5 6
     assert expert_major(recv, 7).tolist() == [0, 1, 3, 4, 5, 6, 2]
     assert expert_major(torch.zeros(2, 2, dtype=torch.long), 0).tolist() == []
-
-
-def test_moe_under_pipeline_parallelism_is_refused():
-    """A pipeline stage without the head would drop its MoE layers' aux losses: refused until handled."""
-    from teratrain.parallel.expert import check_ep
-
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
-        check_ep(make_config("model.preset=moe-tiny", "parallel.pp=2"))

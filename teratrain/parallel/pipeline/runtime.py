@@ -15,7 +15,9 @@ stage y):
 - Flush schedules step the engine once after the list; asynchronous ones step at their STEPs, with
   weight versions kept by versions.py. The engine's gradient norm and inf check already reduce over
   every worker, so an overflow on any stage skips the step on all of them.
-- The step's loss (mean over micro-batches) is broadcast from the last stage to every stage.
+- The step's loss (mean over micro-batches) is summed over the pipeline's ranks onto every rank: the
+  last stage's cross-entropy plus every stage's MoE aux losses (in training, as the model's own
+  forward adds them; each stage's aux losses also enter its backward, stage.py `with_aux`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ import torch
 from teratrain.compat import reparametrize
 from teratrain.memory.precision import autocast
 from teratrain.optim.engine import train_step
-from teratrain.parallel.comm import all_gather_objects, broadcast
+from teratrain.parallel.comm import SUM, all_gather_objects, all_reduce
 from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS, SEND_F, SENDS, STEP, W, Action,
                                                  add_communication)
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
 from teratrain.parallel.pipeline.p2p import Links
 from teratrain.parallel.pipeline.schedules import build
-from teratrain.parallel.pipeline.stage import Chunk
+from teratrain.parallel.pipeline.stage import Chunk, with_aux
 from teratrain.parallel.pipeline.timing import Clock, plot
 from teratrain.parallel.pipeline.versions import WeightVersions, checksum, is_async
 
@@ -79,7 +81,6 @@ class PipelineExecutor:
         self.device = rt.device
         self.links = Links(rt.mesh, _links(self.pp, p.virtual_stages), rt.device)
         self.pp_group = rt.group("pp")
-        self.last_rank = rt.mesh.ranks("pp")[-1]  # global rank of this pipeline's last stage
         self.run_dir, self.time_every_call, self.audit = run_dir, time_every_call, audit
         self.calls = 0
         self.intervals: list = []  # the last timed call's measured timeline, all ranks of this pipeline
@@ -94,7 +95,7 @@ class PipelineExecutor:
         with self.engine.pipeline_call(train=True):
             call.run()
             stats = call.stats if call.stats is not None else self.engine.step(lr)
-        loss = self._broadcast_loss(call, len(micro_batches))
+        loss = self._step_loss(call, len(micro_batches))
         if timed:
             self._after_timed(sched, clock)
         self.calls += 1
@@ -108,14 +109,16 @@ class PipelineExecutor:
         call = _Call(self, sched.ranks[self.rank], [(x, y)], self.cfg.memory.precision, 0.0, None, train=False)
         with self.engine.pipeline_call(train=False):
             call.run()
-        return self._broadcast_loss(call, 1)
+        return self._step_loss(call, 1)
 
-    def _broadcast_loss(self, call: "_Call", m: int) -> torch.Tensor:
+    def _step_loss(self, call: "_Call", m: int) -> torch.Tensor:
+        """The mean loss over the m micro-batches, on every rank of the pipeline (collective over pp)."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.layout.holds_last:
-            loss = torch.stack([call.losses[mb] for mb in range(m)]).float().mean()
-        else:
-            loss = torch.empty((), dtype=torch.float32, device=self.device)
-        broadcast(loss, self.last_rank, self.pp_group)
+            loss += torch.stack([call.losses[mb] for mb in range(m)]).float().mean()
+        if call.aux:  # this rank's MoE layers
+            loss += torch.stack([call.aux[mb] for mb in range(m)]).mean()
+        all_reduce(loss, self.pp_group, op=SUM)
         return loss
 
     def _after_timed(self, sched, clock: Clock) -> None:
@@ -154,6 +157,7 @@ class _Call:
         self.shape = ex.message_shape(micro[0][0])
         self.seq_len = micro[0][0].shape[1]
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
+        self.aux = {}  # micro-batch -> this rank's MoE aux losses (detached), summed over its chunks
         self.sends = []  # posted send batches: waited for when the list is done
         self.stats = None
         self.versions = WeightVersions(ex.model, acts) if train and is_async(acts) else None
@@ -233,6 +237,12 @@ class _Call:
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
             out = chunk.forward(x, y, self.seq_len)
+            aux = chunk.aux_loss() if self.ex.model.training else None  # as Transformer.forward adds it
+        if aux is not None:
+            mb = a.microbatch
+            self.aux[mb] = aux.detach() if mb not in self.aux else self.aux[mb] + aux.detach()
+            if self.train:
+                out = with_aux(out, aux, self._loss_weight)
         if chunk.is_last:
             self.losses[a.microbatch] = out.detach()
         else:
@@ -241,10 +251,14 @@ class _Call:
             self.states[(a.chunk, a.microbatch)] = [h0, x, out, w]
             self._record(a, w)
 
+    def _loss_weight(self) -> float:
+        """d(update's mean loss)/d(one micro-batch's loss), times the fp16 loss scale."""
+        scaler = self.ex.engine.scaler
+        return (scaler.scale if scaler else 1.0) * self.seed_weight
+
     def _output_grad(self, chunk: Chunk, a: Action, out: torch.Tensor) -> torch.Tensor:
-        if chunk.is_last:  # d(update's mean loss)/d(this micro-batch's loss), times the fp16 loss scale
-            scaler = self.ex.engine.scaler
-            return torch.full_like(out, (scaler.scale if scaler else 1.0) * self.seed_weight)
+        if chunk.is_last:
+            return torch.full_like(out, self._loss_weight())
         return self.inbox.pop((B, a.microbatch, a.chunk))
 
     def _backward(self, a: Action) -> None:
