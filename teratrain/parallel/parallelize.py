@@ -119,9 +119,6 @@ def check_pipeline(cfg) -> None:
     if cfg.train.compile:
         raise ConfigError("train.compile compiles the model's whole forward, which a pipeline stage never runs; "
                           "set train.compile=false with parallel.pp>1.")
-    if cfg.memory.compress_activations != "none":
-        raise ConfigError("memory.compress_activations wraps a whole forward, which a pipeline stage never runs; "
-                          "set memory.compress_activations=none with parallel.pp>1.")
 
 
 def init_fn(cfg):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from teratrain.compat import reparametrize
+from teratrain.memory.compression import compressed_saves
 from teratrain.memory.precision import autocast
 from teratrain.optim.engine import train_step
 from teratrain.parallel.comm import SUM, all_gather_objects, all_reduce
@@ -232,10 +233,12 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         x_tokens, y = self.micro[a.microbatch]
         w = self.versions.weights(a.version) if self.versions is not None else None
-        with self._using(w), autocast(self.precision, self.ex.device):
+        with self._using(w), autocast(self.precision, self.ex.device), compressed_saves(self.ex.model) as codec:
             h0 = chunk.embed(x_tokens) if chunk.is_first else None
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
+            if codec is not None:
+                codec.starts_from(x)  # encoded as in one process, where it is the previous block's output
             out = chunk.forward(x, y, self.seq_len)
             aux = chunk.aux_loss() if self.ex.model.training else None  # as Transformer.forward adds it
         if aux is not None:

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from teratrain.memory.compression import watch_blocks
 from teratrain.models.moe import blocks_aux_loss
 
 
@@ -34,6 +35,7 @@ class Chunk:
         self.model, self.stage = model, stage
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.blocks = model.layers.part([str(i) for i in blocks])
+        watch_blocks(model, self.blocks)  # activation compression: these blocks are the stack's inside
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Stage 0's embedding: (B, T) -> (B, T', d)."""
