@@ -23,7 +23,7 @@ def step_metrics(model, rt) -> dict:
     layers = moe_layers(model)
     if rt.dims.pp > 1 and model.cfg.moe.enabled:  # pipelines run teratrain's own decoder only
         parts = all_gather_objects(_stage_rows(layers, rt), rt.group("pp"))  # a stage may hold no MoE layer
-        return _summary(dict(kv for part in parts for kv in part))
+        return _summary({key: row for part in parts for key, row in part.items()})
     return _summary(_stage_rows(layers, rt)) if layers else {}
 
 

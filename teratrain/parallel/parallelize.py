@@ -11,7 +11,8 @@ Order, each with its reason:
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them;
                       activation compression then hooks what the final blocks save for backward.
-5. compile          - traces the final module structure, checkpoints included.
+5. compile          - traces the final module structure, checkpoints included (under a pipeline each
+                      block: a stage never runs the model's whole forward).
 6. data parallel / ZeRO / local SGD / parameter server - outermost: hooks gradients of the final
    parameters and owns the update; it also materializes the meta-device model, so ZeRO-3 never holds
    more than one full block (and a parameter server only the parameters it owns).
@@ -58,8 +59,9 @@ def parallelize(model: nn.Module, rt, cfg):
             rt.group("ep")
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
-    if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
-        model.compile()
+    if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix; a pipeline stage
+        for module in [model] if layout is None else list(model.layers):  # never runs the whole forward:
+            module.compile()  # each of its blocks (as torchtitan compiles per transformer block)
     engine = build_engine(model, rt, cfg, init)  # 6
     retie(model, aliases)
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
@@ -116,9 +118,6 @@ def check_pipeline(cfg) -> None:
     if p.sync != "allreduce":
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas on every rank; set parallel.pp=1 or "
                           "parallel.sync=allreduce.")
-    if cfg.train.compile:
-        raise ConfigError("train.compile compiles the model's whole forward, which a pipeline stage never runs; "
-                          "set train.compile=false with parallel.pp>1.")
 
 
 def init_fn(cfg):
