@@ -112,9 +112,9 @@ class ZeroGatherMixin:
         if i + 1 < len(self.block_keys):
             for g in self._groups_of(i + 1):
                 self._start_gather(g)  # prefetch the next block
-        frozen = [g for g in self._groups_of(i) if not g.trainable]
         if self.step_resident:  # kept for the step: frozen groups are freed by step()
             return
+        frozen = [g for g in self._groups_of(i) if not g.trainable]
         h = args[0] if args else None
         if frozen and torch.is_grad_enabled() and isinstance(h, torch.Tensor) and h.requires_grad:
             h.register_hook(lambda grad: self._release_all(frozen))
