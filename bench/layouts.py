@@ -49,11 +49,14 @@ COMMON = ["train.global_batch=8", "train.micro_batch=2", "optim.lr=1e-4", "optim
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.capacity_factor=0"]
 MOE_SMOKE_WIDTH = ["model.d_ff=64"]
 MOE_WIDTH = ["model.d_ff=2816"]  # 8 experts of width 2816, top-2 (issue 23's shape)
+# models besides dense and moe, each with its own one-GPU reference: a tied embedding (at pp > 1 its
+# ZeRO-3 gather spans both end stages), int8 activation compression (it changes the math)
+MODELS = {"tied": ["model.tie_embeddings=true"], "int8": ["memory.compress_activations=int8"]}
 
 
 def layouts(gpus: int) -> list[dict]:
     """(name, overrides, model, check) of every layout that fits `gpus` GPUs: single strategies at 2,
-    their pairs and triples at 4. `model`: dense or moe; `check`: parity or async."""
+    their pairs and triples at 4. `model`: dense, moe, or one of MODELS; `check`: parity or async."""
     def L(name, sets, model="dense", check="parity"):
         return {"name": name, "sets": sets, "model": model, "check": check}
 
@@ -69,6 +72,10 @@ def layouts(gpus: int) -> list[dict]:
             L("pp2-interleaved", ["parallel.pp=2", *inter]),
             L("pp2-1f1b-zero1", pp("1f1b", "parallel.zero=1")),  # the tied embedding's group spans both stages
             L("pp2-1f1b-zero2", pp("1f1b", "parallel.zero=2")),
+            # at dp=1 ZeRO-3 shards only the tied embedding, over both end stages: the cross-stage gather
+            L("pp2-1f1b-zero3-tied", pp("1f1b", "parallel.zero=3"), "tied"),
+            L("pp2-1f1b-compile", pp("1f1b", "train.compile=true")),  # per block
+            L("pp2-1f1b-int8", pp("1f1b", "memory.compress_activations=int8"), "int8"),
             L("pp2-pipedream", pp("pipedream"), check="async"),
             L("pp2-pipedream-2bw", pp("pipedream-2bw"), check="async"),
             L("ep2", ["parallel.ep=2"], "moe"),
@@ -79,11 +86,12 @@ def layouts(gpus: int) -> list[dict]:
         L("pp4-interleaved", ["parallel.pp=4", *inter]), L("pp4-1f1b", ["parallel.pp=4"]),
         L("ep4", ["parallel.ep=4"], "moe"),
         *[L(f"tp2-dp2-zero{z}", ["parallel.tp=2", f"parallel.zero={z}"]) for z in (0, 1, 3)],
-        *[L(f"pp2-dp2-zero{z}", pp("1f1b", f"parallel.zero={z}")) for z in (0, 1, 2)],
+        *[L(f"pp2-dp2-zero{z}", pp("1f1b", f"parallel.zero={z}")) for z in (0, 1, 2, 3)],
         L("pp2-dp2-zb-h1", pp("zb-h1", "parallel.zero=1")),
         L("tp2-pp2-1f1b", pp("1f1b", "parallel.tp=2")), L("tp2-pp2-interleaved", ["parallel.pp=2", "parallel.tp=2", *inter]),
         L("ep2-tp2", ["parallel.ep=2", "parallel.tp=2"], "moe"),
         L("ep2-dp2-zero1", ["parallel.ep=2", "parallel.zero=1"], "moe"),
+        L("pp2-ep2", pp("1f1b", "parallel.ep=2"), "moe"),  # the all-to-all among each stage's dp ranks
     ]
 
 
@@ -111,7 +119,8 @@ def _config(args, layout: dict, precision: str):
     base = SMOKE if args.smoke else SMALL if args.small else MODEL
     moe = MOE + (MOE_SMOKE_WIDTH if args.smoke or args.small else MOE_WIDTH) if layout["model"] == "moe" else []
     device = ["train.device=cpu"] if args.smoke else []
-    return load_config(None, base + COMMON + moe + device + [f"memory.precision={precision}"] + layout["sets"])
+    return load_config(None, base + COMMON + moe + MODELS.get(layout["model"], []) + device
+                       + [f"memory.precision={precision}"] + layout["sets"])
 
 
 def _train(cfg, rt, tokens, steps: int, audit: bool = False) -> dict:

@@ -10,16 +10,26 @@ import torch
 
 from teratrain.metrics import read_metrics
 from teratrain.models.moe import moe_layers
-from teratrain.parallel.comm import all_reduce
+from teratrain.parallel.comm import all_gather_objects, all_reduce
 
 
 def step_metrics(model, rt) -> dict:
-    """This step's MoE statistics of every MoE layer this rank holds, summed over the data-parallel
-    ranks (tensor-parallel peers route the same tokens; an expert-parallel rank counts the tokens it
-    routes, wherever their experts live). Collective over dp; {} for a dense model. Resets the layers'
-    counters. Keys: `moe` {layer: {aux_loss, dropped, load}}, `moe_aux_loss` (summed over layers),
-    `moe_dropped` (over all layers)."""
+    """This step's MoE statistics of every MoE layer, summed over the data-parallel ranks
+    (tensor-parallel peers route the same tokens; an expert-parallel rank counts the tokens it
+    routes, wherever their experts live) and gathered from every pipeline stage. Collective over dp
+    (and pp for an MoE model: after the step, when no stage waits on another); {} for a dense model.
+    Resets the layers' counters. Keys: `moe` {layer: {aux_loss, dropped, load}}, `moe_aux_loss`
+    (summed over layers), `moe_dropped` (over all layers)."""
     layers = moe_layers(model)
+    if rt.dims.pp > 1 and model.cfg.moe.enabled:  # pipelines run teratrain's own decoder only
+        parts = all_gather_objects(_stage_rows(layers, rt), rt.group("pp"))  # a stage may hold no MoE layer
+        return _summary({key: row for part in parts for key, row in part.items()})
+    return _summary(_stage_rows(layers, rt)) if layers else {}
+
+
+def _stage_rows(layers, rt) -> dict[str, list[float]]:
+    """{layer key: [load per expert..., dropped, attempted, summed aux loss, forwards]} of this rank's
+    MoE layers, summed over dp (collective over dp)."""
     if not layers:
         return {}
     n = layers[0][1].num_experts
@@ -32,11 +42,17 @@ def step_metrics(model, rt) -> dict:
                                             for k in ("dropped", "attempted", "aux_loss", "forwards")])]))
     table = torch.stack(rows)  # (layers, n + 4)
     all_reduce(table, rt.dp_group)
+    return {key: row for (key, _), row in zip(layers, table.tolist())}
+
+
+def _summary(rows: dict[str, list[float]]) -> dict:
+    if not rows:
+        return {}
     out, dropped, attempted = {}, 0.0, 0.0
-    for (key, _), row in zip(layers, table.tolist()):
-        d, a, aux, forwards = row[n:]
+    for key in sorted(rows, key=int):  # global layer order
+        *load, d, a, aux, forwards = rows[key]
         out[f"layers.{key}"] = {"aux_loss": aux / max(forwards, 1), "dropped": d / a if a else 0.0,
-                                "load": [int(x) for x in row[:n]]}
+                                "load": [int(x) for x in load]}
         dropped, attempted = dropped + d, attempted + a
     return {"moe": out, "moe_aux_loss": sum(v["aux_loss"] for v in out.values()),
             "moe_dropped": dropped / attempted if attempted else 0.0}

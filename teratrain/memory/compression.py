@@ -20,6 +20,12 @@ re-gathers it before backward, so a saved parameter must stay the very tensor th
 Inside a recomputed region `torch.utils.checkpoint`'s own hooks take over (nothing is saved there);
 the region's inputs, which it does save, are encoded like any other saved tensor.
 
+Under pipeline parallelism a stage's forward starts from a leaf (the received activation, or the
+embedding output cut off from the graph, parallel/pipeline/stage.py): `starts_from` marks it as the
+activation it stands for, so it is encoded exactly as the same tensor is in one process, where it
+is an intermediate; each chunk's blocks are watched like the model's block stack (`watch_blocks`),
+and every forward of a micro-batch is one session.
+
 A tensor saved several times (the norm output read by wq, wk and wv, as (B*T, d) views) is encoded
 once: views are stored as (encoded root, size, stride, offset), the root in memory order.
 Held bytes per element: bool mask 1 -> 1/8, CPU float mask 4 -> 1/8, block activation k -> 1 + 4/BLOCK
@@ -100,32 +106,44 @@ class ActivationCodec:
         self.depth = 0  # > 0 while the block stack runs
         self._cache: dict[int, tuple] = {}
         self._state_ptrs: set[int] = set()
+        self._inputs: list[torch.Tensor] = []  # leaves this forward starts from (pipeline stages)
         layers = getattr(model, "layers", None)
         if layers is not None:
-            layers.register_forward_pre_hook(lambda *_: self._blocks(+1))
-            layers.register_forward_hook(lambda *_: self._blocks(-1))
+            self.watch(layers)
+
+    def watch(self, blocks: nn.Module) -> None:
+        """Count `blocks` (a block stack, or a pipeline chunk's part of it) as the inside of the stack."""
+        blocks.register_forward_pre_hook(lambda *_: self._blocks(+1))
+        blocks.register_forward_hook(lambda *_: self._blocks(-1))
 
     def _blocks(self, delta: int) -> None:
         self.depth += delta
+
+    def starts_from(self, x: torch.Tensor) -> None:
+        """This session's forward starts from the leaf `x`, an activation (not model state)."""
+        self._inputs.append(x)
+
+    def _is_input(self, root: torch.Tensor) -> bool:
+        return any(root is x for x in self._inputs)
 
     @contextlib.contextmanager
     def session(self):
         """Encode what this forward saves (enter around forward and loss, not backward)."""
         model = self.model()
         self._state_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]} - {0}
-        self._cache, self.depth = {}, 0
+        self._cache, self.depth, self._inputs = {}, 0, []
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield
+                yield self
         finally:
-            self._cache, self._state_ptrs = {}, set()
+            self._cache, self._state_ptrs, self._inputs = {}, set(), []
 
     # ---- the hooks
     def pack(self, t: torch.Tensor):
         root = t._base if t._base is not None else t
         if root.numel() < BLOCK or not (root.is_floating_point() or root.dtype == torch.bool):
             return t  # small tensors (the loss, per-row statistics of tiny batches) are not worth a code
-        if _is_model_state(root, self._state_ptrs):
+        if not self._is_input(root) and _is_model_state(root, self._state_ptrs):
             return t
         if not _dense(root) or not _inside(t, root):
             return t
@@ -150,7 +168,7 @@ class ActivationCodec:
         flat = torch.as_strided(root, (root.numel(),), (1,), root.storage_offset())  # memory order
         if root.dtype == torch.bool:
             return Encoded("bits", pack_bits(flat), None, flat.numel(), root.dtype)
-        if root.grad_fn is None:  # not differentiable: a mask or a statistic, never quantized
+        if root.grad_fn is None and not self._is_input(root):  # not differentiable: a mask or a statistic
             value = _mask_value(flat) if root.device.type == "cpu" else None
             if value is None:
                 return None
@@ -262,6 +280,14 @@ def apply_compression(model: nn.Module, mode: str) -> nn.Module:
 
 
 def compressed_saves(model: nn.Module):
-    """Context for one forward pass (+ loss): encodes what autograd saves, if the model has a codec."""
+    """Context for one forward pass (+ loss): encodes what autograd saves, if the model has a codec.
+    Gives the codec (None without one)."""
     codec = getattr(model, "activation_codec", None)
     return codec.session() if codec is not None else contextlib.nullcontext()
+
+
+def watch_blocks(model: nn.Module, blocks: nn.Module) -> None:
+    """A pipeline chunk's blocks run instead of `model.layers`: encode inside them as inside the stack."""
+    codec = getattr(model, "activation_codec", None)
+    if codec is not None:
+        codec.watch(blocks)

@@ -409,7 +409,13 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The MoE layers' weighted aux loss of the latest forward (None for a dense model): the sum of
     the layers' losses, or under the transformers convention one loss over all layers' tokens."""
-    layers = [m for _, m in moe_layers(model) if m.aux_loss is not None]
+    return blocks_aux_loss(model.layers.values())
+
+
+def blocks_aux_loss(blocks) -> torch.Tensor | None:
+    """The same over some blocks (a pipeline stage's), in order; None when none of them is MoE. The
+    transformers convention pools every layer's tokens, so a pipeline refuses it (parallelize.py)."""
+    layers = [b.feed_forward for b in blocks if isinstance(b.feed_forward, MoE) and b.feed_forward.aux_loss is not None]
     if not layers:
         return None
     if layers[0].convention == "transformers":

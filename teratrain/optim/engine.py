@@ -105,6 +105,12 @@ class EngineBase:
     def end_backward(self) -> None:
         """Called once a micro-batch's backward is over (engines launch what is still pending)."""
 
+    def pipeline_call(self, train: bool):
+        """Context around one call of the pipeline executor (a training step, or an evaluation
+        forward when not `train`), before any of its transfers: ZeRO-3 gathers a stage's parameters
+        there (zero_gather.py); other engines need nothing."""
+        return contextlib.nullcontext()
+
     @property
     def skipped_steps(self) -> int:
         return self.scaler.skipped_steps if self.scaler else 0

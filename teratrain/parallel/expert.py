@@ -15,6 +15,9 @@ and sends the outputs back (all-to-all), where they are weighted and summed. Rou
 dispatch, on the rank's own tokens, so capacity drops and random routing are the same as on one
 rank given the same micro-batch.
 
+Under pipeline parallelism the experts live inside the stage's blocks: `ep` and `ep_replicas` vary
+only dp coordinates, so every all-to-all and expert reduction stays among one stage's ranks.
+
 Gradients (placement.py's rule: sum over the group, divide by dp). A dense parameter is averaged over
 all dp ranks. An expert's gradient on its rank is already the sum of the contributions of all the
 tokens of its ep group (the all-to-all's backward brings them back), so expert parameters are summed
@@ -147,7 +150,7 @@ def gather_experts(full: dict[str, torch.Tensor], model: nn.Module, mesh, device
     the other ep ranks, gathered through `device`. Collective over `ep`; rank r's j-th expert is
     global expert r * n/ep + j."""
     group = mesh.group("ep") if mesh is not None else None
-    if group is None:
+    if group is None or not moe_layers(model):  # a pipeline stage without MoE layers (its ep peers neither)
         return full
     names = [(f"layers.{key}.feed_forward.experts.", j, int(e), f".{leaf}")
              for key, layer in moe_layers(model) for j, e in enumerate(layer.experts)
@@ -170,9 +173,6 @@ def gather_experts(full: dict[str, torch.Tensor], model: nn.Module, mesh, device
 def check_ep(cfg) -> None:
     """Refuse, with the fix, expert-parallel layouts this model or run cannot use."""
     p, m = cfg.parallel, cfg.model.moe
-    if m.enabled and p.pp > 1:  # a stage without the head would drop its MoE layers' aux losses
-        raise ConfigError(f"mixture-of-experts models do not run under pipeline parallelism yet (parallel.pp="
-                          f"{p.pp}); set parallel.pp=1 or model.moe.num_experts=1.")
     if p.ep == 1:
         return
     if not m.enabled:

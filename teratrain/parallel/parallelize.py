@@ -11,7 +11,8 @@ Order, each with its reason:
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them;
                       activation compression then hooks what the final blocks save for backward.
-5. compile          - traces the final module structure, checkpoints included.
+5. compile          - traces the final module structure, checkpoints included (under a pipeline each
+                      block: a stage never runs the model's whole forward).
 6. data parallel / ZeRO / local SGD / parameter server - outermost: hooks gradients of the final
    parameters and owns the update; it also materializes the meta-device model, so ZeRO-3 never holds
    more than one full block (and a parameter server only the parameters it owns).
@@ -32,6 +33,7 @@ from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
 from teratrain.parallel.expert import apply_ep, check_ep
 from teratrain.parallel.own_model import check_model, initial_values, retie, untie
+from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES
 from teratrain.parallel.pipeline.split import apply_pipeline, check_split, ends_group, mark_stages
 from teratrain.parallel.placement import assign_defaults, materialize
 from teratrain.parallel.tensor import apply_tp, check_tp
@@ -53,10 +55,13 @@ def parallelize(model: nn.Module, rt, cfg):
         mark_stages(model, layout, ends_group(rt, layout) if cfg.model.tie_embeddings else None)
     if cfg.model.moe.enabled:  # 3: records expert placements at any ep; ep > 1 also drops the others' experts
         apply_ep(model, rt, cfg)
+        if rt.dims.ep > 1:  # its all-to-all's group, asked for now so that step 7 connects it
+            rt.group("ep")
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
-    if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix
-        model.compile()
+    if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix; a pipeline stage
+        for module in [model] if layout is None else list(model.layers):  # never runs the whole forward:
+            module.compile()  # each of its blocks (as torchtitan compiles per transformer block)
     engine = build_engine(model, rt, cfg, init)  # 6
     retie(model, aliases)
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
@@ -106,19 +111,21 @@ def check_pipeline(cfg) -> None:
     check_split(cfg)
     if p.pp == 1:
         return
-    if p.zero == 3:
-        raise ConfigError("parallel.zero=3 gathers each block's parameters around one forward and one backward in "
-                          "layer order, while a pipeline schedule interleaves several micro-batches' forwards and "
-                          "backwards on a stage; use parallel.zero<=2 with parallel.pp>1.")
+    if p.zero == 3 and p.schedule in ASYNC_SCHEDULES:
+        raise ConfigError(f"parallel.schedule={p.schedule} updates the weights in the middle of a step and keeps "
+                          "whole stashed copies of them, which parallel.zero=3 keeps sharded between steps; use a "
+                          "flush schedule (e.g. parallel.schedule=1f1b) or parallel.zero<=2.")
     if p.sync != "allreduce":
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas on every rank; set parallel.pp=1 or "
                           "parallel.sync=allreduce.")
-    if cfg.train.compile:
-        raise ConfigError("train.compile compiles the model's whole forward, which a pipeline stage never runs; "
-                          "set train.compile=false with parallel.pp>1.")
-    if cfg.memory.compress_activations != "none":
-        raise ConfigError("memory.compress_activations wraps a whole forward, which a pipeline stage never runs; "
-                          "set memory.compress_activations=none with parallel.pp>1.")
+    if cfg.model.moe.enabled and cfg.model.moe.aux_loss_convention == "transformers":
+        raise ConfigError("model.moe.aux_loss_convention=transformers pools every MoE layer's tokens into one loss, "
+                          "which pipeline stages holding different layers cannot form; use aux_loss_convention=ours "
+                          "with parallel.pp>1 (README: MoE aux loss conventions).")
+    if cfg.memory.compress_activations != "none" and p.schedule == "zb-h1":
+        raise ConfigError("parallel.schedule=zb-h1 records what each forward saves to split its backward, which "
+                          "memory.compress_activations would encode out of its sight; use another schedule "
+                          "(e.g. 1f1b) or memory.compress_activations=none.")
 
 
 def init_fn(cfg):

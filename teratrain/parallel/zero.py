@@ -12,6 +12,7 @@ optimizer dtypes):
       1    k*Psi       4*Psi + 4*Psi/N         (4 + 8)*Psi/N
       2    k*Psi       4*Psi/N                 (4 + 8)*Psi/N
       3    0           4*Psi/N                 (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
+    3, pp>1  0         4*Psi + 4*Psi/N         (4 + 8)*Psi/N      (+ gathered: the stage, during the step)
 At stage 3 with fp32 masters on the device no low-precision shard is kept: gathers cast the master
 shard to the compute dtype (as FSDP2 does); without masters (fp32) the shard is the parameter (k*Psi/N),
 and with offload a k-byte shard stays beside the host masters.
@@ -20,7 +21,15 @@ Every stage accumulates micro-batch gradients in fp32. Stage 1 accumulates full 
 and reduce-scatters them once per step (no traffic on accumulation micro-steps). Stages 2/3
 reduce-scatter each group as soon as its gradients are complete in every backward (overlapping the
 rest of backward) and keep only their shard. Launches follow one fixed order on every rank
-(parallel/grads.py), whatever gradients exist. Stage 3's gathering is in zero_gather.py. Frozen
+(parallel/grads.py), whatever gradients exist. Stage 3's gathering is in zero_gather.py.
+
+Stage 3 under a pipeline schedule (`step_resident`), as torchtitan runs FSDP2 under its schedules:
+a stage runs the forwards and backwards of several micro-batches interleaved, so gathering a block
+around each of them would move its parameters 2m times a step. Instead a stage gathers its blocks
+once per step (at each chunk's first forward) and keeps them until their gradients are complete;
+gradients accumulate in full fp32 buffers, as at stage 1, and are reduce-scattered once, from the
+stage's last backward (a data-parallel group of the stage's own ranks), or at the step for a group
+spanning stages. Between steps a rank holds only its shards. Frozen
 parameters (requires_grad=False) are materialized like the rest (sharded at stage 3), get no
 gradient buffer, no master and no optimizer state.
 """
@@ -87,6 +96,9 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         p = cfg.parallel
         self.model, self.cfg, self.mesh, self.device = model, cfg, rt.mesh, rt.device
         self.stage, self.offload = p.zero, p.offload
+        self.step_resident = self.stage == 3 and rt.dims.pp > 1  # see the module docstring
+        # full fp32 gradients kept across micro-steps and reduced once per step
+        self.accumulates = self.stage == 1 or self.step_resident
         self.masters = cfg.use_master_weights  # with offload, always: the host copy is the master
         self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
         self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
@@ -160,7 +172,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         if not g.trainable:
             return
         g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=self.device)
-        if self.stage == 1 or g.deferred:  # fp32 accumulation: p.grad is a view when params are fp32, else added in
+        if self.accumulates or g.deferred:  # fp32 accumulation: p.grad is a view when params are fp32, else added in
             g.grad_flat = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
             g.acc_views = g.views(g.grad_flat)
             if self.compute_dtype == torch.float32:
@@ -192,7 +204,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     # ------------------------------------------------------------------ backward side
     def _on_grad(self, prm: nn.Parameter) -> None:
         g = self._group_of[prm]
-        if g.grad_flat is not None:  # stage 1, or reduced at the step (deferred)
+        if g.grad_flat is not None:  # stage 1, stage 3 under a pipeline, or reduced at the step (deferred)
             if self.compute_dtype != torch.float32:  # low-precision grad: add it into the fp32 buffer
                 self._acc_view_of[prm].add_(prm.grad)
                 prm.grad = None
@@ -206,13 +218,15 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         g.ready = 0
         if g.grad_flat is not None:
             self._reduce(g, g.grad_flat)
+            if self.step_resident:  # its gradients are complete: this step's backwards are done with it
+                self._release(g)
         else:
             self._reduce_grads(g)
 
     def end_backward(self) -> None:
         """Launch, in order, the groups whose gradients did not all arrive (parameters unused this
         micro-step, on this rank): every rank reduces every group once per reduction round."""
-        if self.stage >= 2 or self._sync:
+        if not self.accumulates or self._sync:
             self.order.flush()
 
     def _reduce_grads(self, g: _Group) -> None:

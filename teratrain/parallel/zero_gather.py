@@ -9,9 +9,20 @@ Gathers run on a process group of their own (`<group>:gather`), so their order n
 with the reductions', whose timing differs across ranks when a parameter goes unused on one.
 A trainable group is freed once its gradients are reduced; a frozen one once its block's backward
 is over (its input's gradient is computed), or at the step for a block no backward reached.
+
+Under a pipeline schedule (`step_resident`, zero.py) a block is gathered at its first forward of
+the step and kept until its gradients are reduced after the stage's last backward (a recomputation
+after that gathers it again), frozen ones until the step; evaluation frees each block after its
+forward. The executor brackets each of its calls with `pipeline_call`: the root groups (embedding,
+final norm, head) are gathered there, before anything else, since a tied embedding's gather group
+spans both end stages: gathered first thing on both ends, it waits on no stage's progress (under
+NCCL a rank blocks until its peers join; mid-step it could wait on a peer waiting for a transfer
+from this rank). The first block's gather is launched there too.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -72,6 +83,24 @@ class ZeroGatherMixin:
         for g in self.groups if groups is None else groups:
             self._release(g)
 
+    @contextlib.contextmanager
+    def pipeline_call(self, train: bool):
+        """Around one call of the pipeline executor (a training step or an evaluation forward)."""
+        if not self.step_resident:
+            yield
+            return
+        roots = self.block_groups[None]  # used outside any block's hooks (embed, head): wait for them here
+        spanning = [g for g in roots if self.mesh.spans_stages(g.placement.group)]
+        self._ensure_all(spanning)  # first: see above
+        for g in roots + (self._groups_of(0) if self.block_keys else []):
+            self._start_gather(g)
+        self._ensure_all(roots)
+        try:
+            yield
+        finally:
+            if not train:  # no backward, no step: nothing of this call is needed any more
+                self._release_all()
+
     def _after_model_forward(self) -> None:
         if not torch.is_grad_enabled():  # evaluation: no backward will need the root groups
             self._release_all(self.block_groups[None])
@@ -83,6 +112,8 @@ class ZeroGatherMixin:
         if i + 1 < len(self.block_keys):
             for g in self._groups_of(i + 1):
                 self._start_gather(g)  # prefetch the next block
+        if self.step_resident:  # kept for the step: frozen groups are freed by step()
+            return
         frozen = [g for g in self._groups_of(i) if not g.trainable]
         h = args[0] if args else None
         if frozen and torch.is_grad_enabled() and isinstance(h, torch.Tensor) and h.requires_grad:
@@ -90,6 +121,8 @@ class ZeroGatherMixin:
 
     def _after_forward(self, i: int, out) -> None:
         if in_backward():  # recomputation inside backward: this block's backward needs it next
+            return
+        if self.step_resident and torch.is_grad_enabled():  # kept across the step's micro-batches
             return
         if isinstance(out, (tuple, list)):  # a block of your own may return (hidden, extras...)
             out = out[0]

@@ -97,7 +97,7 @@ def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
 def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -> dict[str, int]:
     """Buffers of the engine that runs this layout (parallel/data.py, zero.py as of this writing):
     `gathered` all through forward and backward (ZeRO-3: the block in use, the prefetched one, the
-    root group), `during` backward (flat reduce buffers in flight, gradients waiting for their group
+    root group; under a pipeline the whole stage), `during` backward (flat reduce buffers in flight, gradients waiting for their group
     to complete), at the `end` of backward (the last, largest group) and `pending` until step()."""
     w = train.widths(lay.zero, lay.offload)
     red, k, dp = train.reduce_bytes, w.param, lay.dp
@@ -122,6 +122,10 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
     if lay.zero == 2:  # a tied embedding's gradient exists from the head's backward to the end
         out["during"] = flight * group * (red + temp) + group * k + tied * k
         out["end"] = z["biggest"] * (k + (red + temp if dp > 1 else 0)) + max(0, flight - 1) * group * red
+        return out
+    if lay.pp > 1:  # the stage stays gathered all step; fp32 accumulators reduced once, cast if need be
+        out["gathered"] = z["all_padded"] * k
+        out["end"] = min(MAX_INFLIGHT_REDUCES + 1, z["groups"]) * group * red if dp > 1 and red != 4 else 0
         return out
     root = z["root"]
     out["gathered"] = (min(2, z["blocks"]) * group + root) * k  # current + prefetched block, root group

@@ -14,7 +14,8 @@ Our engines differ in ways counted here, each mirrored from the code:
   per block plus a root group) each padded to a multiple of dp, so a rank holds ceil(numel/dp) of
   every group. Reduced gradient shards are fp32 (the optimizer's dtype); stage 1 also keeps full
   low-precision gradients. Offload moves masters and moments to pinned host memory plus a host copy
-  of the gradient shard; offload=params also moves stage-3 parameter shards there.
+  of the gradient shard; offload=params also moves stage-3 parameter shards there. Stage 3 under a
+  pipeline schedule keeps full fp32 gradient accumulators, as stage 1 does (zero.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
 from teratrain.parallel.parallelize import zero_problem
 from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
-from teratrain.parallel.pipeline.schedules import problem
+from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 from teratrain.planner.local import group_size, local_tensors
 
@@ -66,8 +67,14 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         if shape.cfg is not None and shape.cfg.n_layers % (lay.pp * lay.virtual_stages):
             raise PlanError(f"{shape.cfg.n_layers} layers do not split evenly into {lay.pp * lay.virtual_stages} "
                             "pipeline stages")
-        if lay.zero == 3:
-            raise PlanError("parallel.zero=3 does not compose with pipeline parallelism (parallelize.py says why)")
+        if lay.zero == 3 and config_name(lay.schedule) in ASYNC_SCHEDULES:
+            raise PlanError(f"parallel.zero=3 does not compose with the asynchronous schedule {config_name(lay.schedule)} "
+                            "(parallelize.py says why)")
+
+
+def accumulates(lay: Layout) -> bool:
+    """Does ZeroEngine keep full fp32 gradients across micro-steps and reduce them once per step?"""
+    return lay.zero == 1 or (lay.zero == 3 and lay.pp > 1)
 
 
 def _exact(shape: ModelShape, lay: Layout) -> bool:
@@ -251,8 +258,9 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
         params = (z["all_shard"] - (shard if w.master and lay.offload == "none" else 0)) * w.param
     else:
         params = z["all_padded"] * w.param  # frozen groups too
-    # fp32 shard + full fp32 accumulators: every group at stage 1, those reduced across stages at the step otherwise
-    grads = shard * 4 + (padded if lay.zero == 1 else z["deferred_padded"]) * 4
+    # fp32 shard + full fp32 accumulators: every group at stage 1 and at stage 3 under a pipeline (reduced
+    # once per step), those reduced across stages at the step otherwise
+    grads = shard * 4 + (padded if accumulates(lay) else z["deferred_padded"]) * 4
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS

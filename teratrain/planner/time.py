@@ -34,7 +34,7 @@ from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.states import stage_params
+from teratrain.planner.states import accumulates, stage_params
 
 # aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
@@ -134,14 +134,15 @@ def _dp_terms(train, lay, w, local: int, ranks: int, bw: float, alpha: float) ->
     m = lay.num_microbatches
     if lay.zero == 0:
         return {"dp": _collective("all_reduce", ranks, local * red, bw, alpha, buckets)}
-    # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume)
+    # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume); under a
+    # pipeline ZeRO-3 gathers a stage once per step and reduces once (parallel/zero.py)
     rs = _collective("reduce_scatter", ranks, local * red, bw, alpha, buckets)
     ag = _collective("all_gather", ranks, local * w.param, bw, alpha, buckets)
-    out = {"dp": rs * (1 if lay.zero == 1 else m)}
+    out = {"dp": rs * (1 if accumulates(lay) else m)}
     if lay.zero < 3:
         out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
     else:
-        out["zero_gather"] = 2 * m * ag  # each block before its forward and again before its backward
+        out["zero_gather"] = ag * (1 if lay.pp > 1 else 2 * m)  # else each block before its forward and backward
     return out
 
 
@@ -206,7 +207,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     ops_s = eager_ops(shape, train, lay) * gpu.op_overhead_s
     busy = compute_s + ops_s
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather
-        comm["zero_gather"] = comm.get("zero_gather", 0.0) + 2 * lay.num_microbatches * shard * w.param / (gpu.pcie_gbps * 1e9)
+        gathers = 1 if lay.pp > 1 else 2 * lay.num_microbatches
+        comm["zero_gather"] = comm.get("zero_gather", 0.0) + gathers * shard * w.param / (gpu.pcie_gbps * 1e9)
     # Bucketed gradient reduces hide behind the last micro-batch's backward, ZeRO-3 gathers behind
     # all compute; both share the data-parallel links, so together they cannot hide more than `busy`.
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)

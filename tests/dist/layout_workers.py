@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from teratrain import moe_metrics
 from teratrain.config import load_config
 from teratrain.mesh import init_runtime
 from teratrain.models.moe import moe_layers, seed_routing
@@ -71,7 +72,8 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
     replaced by zeros); one process zeroes it for the same samples, which is the same math.
     routing_seed: MoE routers draw their randomness from a seed per (step, global micro-batch), the
     same on every layout. MoE runs also return `moe`: routed choices dropped for capacity and expert
-    runs on zero rows, summed over data-parallel ranks."""
+    runs on zero rows, summed over data-parallel ranks (and pipeline stages), and `moe_metrics`: the
+    trainer's MoE statistics of the whole run (every layer, whatever stage holds it)."""
     cfg, rt, model, engine = build(overrides, freeze)
     tc = cfg.train
     per_rank = tc.global_batch // rt.dims.dp
@@ -94,9 +96,13 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
         all_reduce(loss, rt.dp_group, op=AVG)
         losses.append(float(loss))
     params = engine.full_params()
+    probe[0] = _dropped(model)
+    stats = moe_metrics.step_metrics(model, rt) if cfg.model.moe.enabled else {}  # the whole run's, as logged
     all_reduce(probe, rt.dp_group)  # tensor-parallel peers route the same tokens: count them once
+    all_reduce(probe, rt.group("pp"))  # every pipeline stage's layers
     return {"losses": losses, "params": params if rank == 0 else None, "bytes": engine.last_state_bytes,
-            "skipped": engine.skipped_steps, "moe": dict(zip(("dropped", "idle_experts"), probe.tolist()))}
+            "skipped": engine.skipped_steps, "moe": dict(zip(("dropped", "idle_experts"), probe.tolist())),
+            "moe_metrics": stats}
 
 
 def _seed_routing(model, first_micro: int) -> list[int]:
@@ -112,7 +118,8 @@ def _seed_routing(model, first_micro: int) -> list[int]:
 
 
 def _probe_moe(model) -> torch.Tensor:
-    """(2,) counts filled during training: capacity drops and experts run on zero rows (this rank)."""
+    """(2,) counts filled during training: capacity drops (read by `_dropped` at the end) and experts
+    run on zero rows (this rank)."""
     probe = torch.zeros(2, dtype=torch.float64)
     for _, layer in moe_layers(model):
         run, local = layer.run_local, len(layer.experts)
@@ -122,9 +129,12 @@ def _probe_moe(model) -> torch.Tensor:
             return run(x, key, source)
 
         layer.run_local = counting
-        layer.register_forward_hook(lambda m, args, out: probe.__setitem__(0, probe[0] + m.pop_stats().get(
-            "dropped", torch.zeros(())).item()))
     return probe
+
+
+def _dropped(model) -> float:
+    """Routed choices this rank's MoE layers dropped for capacity since the start (their statistics)."""
+    return sum(float(layer.stats.get("dropped", 0.0)) for _, layer in moe_layers(model))
 
 
 def _skip_branch(model, rt, tc) -> list[int]:

@@ -71,7 +71,13 @@ PLANNED = [["parallel.pp=2"], ["parallel.pp=2", "model.arch=gpt2", "model.n_kv_h
            ["parallel.pp=2", "memory.precision=bf16", "parallel.zero=1", "model.n_layers=4"],
            # a tied embedding at ZeRO-2 keeps a full fp32 accumulator: it is reduced across stages at the step
            ["parallel.pp=2", "model.arch=gpt2", "model.n_kv_heads=4", "model.tie_embeddings=true", "parallel.zero=2",
-            "memory.precision=bf16"]]
+            "memory.precision=bf16"],
+           # ZeRO-3: full fp32 accumulators on every stage (reduced once per step), shards at rest; the tied
+           # embedding sharded over both ends; bf16 keeps no parameter shard beside the fp32 master
+           ["parallel.pp=2", "parallel.zero=3"],
+           ["parallel.pp=2", "model.arch=gpt2", "model.n_kv_heads=4", "model.tie_embeddings=true", "parallel.zero=3",
+            "memory.precision=bf16", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+            "model.n_layers=4"]]
 
 
 def _bytes(rank: int, world: int) -> list[dict]:
@@ -79,17 +85,19 @@ def _bytes(rank: int, world: int) -> list[dict]:
 
 
 def test_planner_bytes_per_stage_equal_live_bytes():
-    """Each stage's live parameter bytes are the planner's count for that end of the pipeline, and
-    the planner's model states (worst rank) equal the fuller stage's live params, grads and
-    optimizer state, byte for byte (AdamW step counters and ZeRO-1's flat groups included)."""
+    """Each stage's live parameter bytes are the planner's count for that end of the pipeline (whole
+    parameters below ZeRO-3), and the planner's model states (the fuller stage) equal that stage's
+    live params, grads and optimizer state, byte for byte (AdamW step counters and the flat groups
+    included; ZeRO-3: shards and full fp32 accumulators)."""
     live = run_ranks(_bytes, 2)
     for i, layout in enumerate(PLANNED):
         cfg = load_config(None, BASE + layout)
         shape, lay, train = shape_of(cfg), layout_of(cfg, 2), training_of(cfg)
         per_param = train.widths(lay.zero, lay.offload).param
         sp = stage_params(shape, lay)
-        assert [live[r][i]["params"] for r in (0, 1)] == [sp["first"] * per_param, sp["last"] * per_param], layout
+        if lay.zero < 3:
+            assert [live[r][i]["params"] for r in (0, 1)] == [sp["first"] * per_param, sp["last"] * per_param], layout
         planned = model_states(shape, train, lay, device="cpu")
-        worst = max((live[r][i] for r in (0, 1)), key=lambda b: b["params"])
+        worst = live[1 if sp["last"] >= sp["first"] else 0][i]  # the planner's rule (states.py `_tensors`)
         assert {k: worst[k] for k in ("params", "grads", "optimizer")} == \
             {k: planned[k] for k in ("params", "grads", "optimizer")}, layout

@@ -77,17 +77,17 @@ MOE = ["model.moe.num_experts=4"]  # softmax-topk without a capacity: routing is
 
 
 def test_pipeline_and_expert_layouts_reshard(tmp_path):
-    """pp=2 -> pp=1 x dp=2 (the stages' parts meet in one model); an MoE saved with its experts over
+    """pp=2 with ZeRO-3 -> pp=1 x dp=2 (the stages' shards meet in one model); an MoE saved with its experts over
     ep=2 ranks (ZeRO-1) -> ep=1 x dp=2 -> one process; and the tensors resaved are identical."""
     ref, moe_ref = reference(), reference(MOE)
     pp2, pp1, ep2, ep1 = (str(tmp_path / x) for x in ("pp2", "pp1", "ep2", "ep1"))
     got = run_ranks(jobs, 2, [
-        dict(overrides=["parallel.pp=2"], steps=K, save_to=pp2),
+        dict(overrides=["parallel.pp=2", "parallel.zero=3"], steps=K, save_to=pp2),
         dict(overrides=[], steps=N, resume_from=pp2, save_first=pp1),
         dict(overrides=MOE + ["parallel.ep=2", "parallel.zero=1"], steps=K, save_to=ep2),
         dict(overrides=MOE, steps=N, resume_from=ep2, save_first=ep1)])[0]
     assert max(abs(x - y) / y for x, y in zip(got[0], ref[:K])) < TOL
-    assert_continues(got[1], ref, "pp=2 -> pp=1 x dp=2")
+    assert_continues(got[1], ref, "pp=2 zero=3 -> pp=1 x dp=2")
     assert max(abs(x - y) / y for x, y in zip(got[2], moe_ref[:K])) < TOL
     assert_continues(got[3], moe_ref, "ep=2 x dp=2 zero=1 -> ep=1 x dp=2")
     assert_continues(job(0, 1, MOE, N, resume_from=ep2), moe_ref, "ep=2 x dp=2 -> one process")

@@ -42,7 +42,7 @@ BAD_LAYOUTS = [
     (["parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4",
       "train.micro_batch=8"],  # 1 micro-batch per step, fewer than the 2 ranks
      ["interleaved-1f1b", "multiple of parallel.pp=2"]),
-    (["parallel.pp=2", "parallel.zero=3"], ["parallel.zero=3", "parallel.zero<=2"]),
+    (["parallel.pp=2", "parallel.zero=3", "parallel.schedule=pipedream"], ["parallel.zero=3", "parallel.zero<=2"]),
     (["parallel.pp=2", "parallel.stage_layers=[2,1]"], ["parallel.stage_layers=[2, 1]", "model.n_layers"]),
 ]
 

@@ -330,6 +330,8 @@ def test_preset_moe_keys_merge_with_given_ones():
     (["parallel.ep=2"], "needs a mixture-of-experts model"),
     (["model.preset=moe-tiny", "parallel.ep=3"], "must divide model.moe.num_experts"),
     (["model.preset=moe-tiny", "parallel.ep=2", "parallel.sync=local-sgd"], "parallel.sync=local-sgd"),
+    (["model.preset=moe-tiny", "parallel.pp=2", "model.moe.aux_loss_convention=transformers"],
+     "aux_loss_convention=ours with parallel.pp>1"),
 ])
 def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
     from teratrain.parallel.parallelize import check_supported
@@ -407,11 +409,3 @@ def test_dispatch_equals_the_per_expert_loop_with_its_gradients(router, keys, ke
     for p, a, b in zip(params, got, want):
         torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-5, atol=1e-6)
     assert (load == 0).any() or tokens > 3
-
-
-def test_moe_under_pipeline_parallelism_is_refused():
-    """A pipeline stage without the head would drop its MoE layers' aux losses: refused until handled."""
-    from teratrain.parallel.expert import check_ep
-
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
-        check_ep(make_config("model.preset=moe-tiny", "parallel.pp=2"))

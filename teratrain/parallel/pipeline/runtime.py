@@ -15,7 +15,9 @@ stage y):
 - Flush schedules step the engine once after the list; asynchronous ones step at their STEPs, with
   weight versions kept by versions.py. The engine's gradient norm and inf check already reduce over
   every worker, so an overflow on any stage skips the step on all of them.
-- The step's loss (mean over micro-batches) is broadcast from the last stage to every stage.
+- The step's loss (mean over micro-batches) is summed over the pipeline's ranks onto every rank: the
+  last stage's cross-entropy plus every stage's MoE aux losses (in training, as the model's own
+  forward adds them; each stage's aux losses also enter its backward, stage.py `with_aux`).
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ import torch
 from torch.profiler import record_function
 
 from teratrain.compat import reparametrize
+from teratrain.memory.compression import compressed_saves
 from teratrain.memory.precision import autocast
 from teratrain.optim.engine import train_step
-from teratrain.parallel.comm import all_gather_objects, broadcast
+from teratrain.parallel.comm import SUM, all_gather_objects, all_reduce
 from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS, SEND_F, SENDS, STEP, W, Action,
                                                  add_communication)
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
 from teratrain.parallel.pipeline.p2p import Links
 from teratrain.parallel.pipeline.saved import SplitSaved
 from teratrain.parallel.pipeline.schedules import build
-from teratrain.parallel.pipeline.stage import Chunk
+from teratrain.parallel.pipeline.stage import Chunk, with_aux
 from teratrain.parallel.pipeline.timing import Clock, plot
 from teratrain.parallel.pipeline.versions import WeightVersions, checksum, is_async
 
@@ -81,7 +84,6 @@ class PipelineExecutor:
         self.device = rt.device
         self.links = Links(rt.mesh, _links(self.pp, p.virtual_stages), rt.device)
         self.pp_group = rt.group("pp")
-        self.last_rank = rt.mesh.ranks("pp")[-1]  # global rank of this pipeline's last stage
         self.run_dir, self.time_every_call, self.audit = run_dir, time_every_call, audit
         self.calls = 0
         self.intervals: list = []  # the last timed call's measured timeline, all ranks of this pipeline
@@ -94,9 +96,10 @@ class PipelineExecutor:
         timed = self.time_every_call or self.calls < 2
         clock = Clock(self.device, self.pp_group) if timed else None
         call = _Call(self, sched.ranks[self.rank], micro_batches, precision, lr, clock, train=True)
-        call.run()
-        stats = call.stats if call.stats is not None else self.engine.step(lr)
-        loss = self._broadcast_loss(call, len(micro_batches))
+        with self.engine.pipeline_call(train=True):
+            call.run()
+            stats = call.stats if call.stats is not None else self.engine.step(lr)
+        loss = self._step_loss(call, len(micro_batches))
         if timed:
             self._after_timed(sched, clock)
         self.calls += 1
@@ -108,15 +111,18 @@ class PipelineExecutor:
         v = self.layout.virtual_stages
         sched = _forward_only(self.pp, v)
         call = _Call(self, sched.ranks[self.rank], [(x, y)], self.cfg.memory.precision, 0.0, None, train=False)
-        call.run()
-        return self._broadcast_loss(call, 1)
+        with self.engine.pipeline_call(train=False):
+            call.run()
+        return self._step_loss(call, 1)
 
-    def _broadcast_loss(self, call: "_Call", m: int) -> torch.Tensor:
+    def _step_loss(self, call: "_Call", m: int) -> torch.Tensor:
+        """The mean loss over the m micro-batches, on every rank of the pipeline (collective over pp)."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.layout.holds_last:
-            loss = torch.stack([call.losses[mb] for mb in range(m)]).float().mean()
-        else:
-            loss = torch.empty((), dtype=torch.float32, device=self.device)
-        broadcast(loss, self.last_rank, self.pp_group)
+            loss += torch.stack([call.losses[mb] for mb in range(m)]).float().mean()
+        if call.aux:  # this rank's MoE layers
+            loss += torch.stack([call.aux[mb] for mb in range(m)]).mean()
+        all_reduce(loss, self.pp_group, op=SUM)
         return loss
 
     def _after_timed(self, sched, clock: Clock) -> None:
@@ -160,6 +166,7 @@ class _Call:
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
         self.split = train and any(a.kind == I for a in acts)  # forwards record for I and W (saved.py)
         self.saved: dict[tuple[int, int], SplitSaved] = {}
+        self.aux = {}  # micro-batch -> this rank's MoE aux losses (detached), summed over its chunks
         self.sends = []  # posted send batches: waited for when the list is done
         self.stats = None
         self.versions = WeightVersions(ex.model, acts) if train and is_async(acts) else None
@@ -234,15 +241,23 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         x_tokens, y = self.micro[a.microbatch]
         w = self.versions.weights(a.version) if self.versions is not None else None
-        saved = SplitSaved() if self.split else None
-        with self._using(w), autocast(self.precision, self.ex.device), \
+        saved = SplitSaved() if self.split else None  # (compression is refused with a split backward)
+        with self._using(w), autocast(self.precision, self.ex.device), compressed_saves(self.ex.model) as codec, \
                 saved.recording() if saved is not None else contextlib.nullcontext():
             h0 = chunk.embed(x_tokens) if chunk.is_first else None
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
+            if codec is not None:
+                codec.starts_from(x)  # encoded as in one process, where it is the previous block's output
             out = chunk.forward(x, y, self.seq_len, segment=saved.segment if saved is not None else None)
+            aux = chunk.aux_loss() if self.ex.model.training else None  # as Transformer.forward adds it
         if saved is not None:
             self.saved[(a.chunk, a.microbatch)] = saved
+        if aux is not None:
+            mb = a.microbatch
+            self.aux[mb] = aux.detach() if mb not in self.aux else self.aux[mb] + aux.detach()
+            if self.train:
+                out = with_aux(out, aux, self._loss_weight)
         if chunk.is_last:
             self.losses[a.microbatch] = out.detach()
         else:
@@ -251,10 +266,14 @@ class _Call:
             self.states[(a.chunk, a.microbatch)] = [h0, x, out, w]
             self._record(a, w)
 
+    def _loss_weight(self) -> float:
+        """d(update's mean loss)/d(one micro-batch's loss), times the fp16 loss scale."""
+        scaler = self.ex.engine.scaler
+        return (scaler.scale if scaler else 1.0) * self.seed_weight
+
     def _output_grad(self, chunk: Chunk, a: Action, out: torch.Tensor) -> torch.Tensor:
-        if chunk.is_last:  # d(update's mean loss)/d(this micro-batch's loss), times the fp16 loss scale
-            scaler = self.ex.engine.scaler
-            return torch.full_like(out, (scaler.scale if scaler else 1.0) * self.seed_weight)
+        if chunk.is_last:
+            return torch.full_like(out, self._loss_weight())
         return self.inbox.pop((B, a.microbatch, a.chunk))
 
     def _backward(self, a: Action) -> None:

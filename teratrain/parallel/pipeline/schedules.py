@@ -40,6 +40,8 @@ from teratrain.parallel.pipeline.actions import B, F, I, STEP, W, Action, Schedu
 CONFIG_NAMES = {"naive": "naive", "gpipe": "gpipe", "1f1b": "one_f_one_b", "interleaved-1f1b": "interleaved_1f1b",
                 "zb-h1": "zb_h1", "pipedream": "pipedream", "pipedream-2bw": "pipedream_2bw"}
 
+ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")  # update the weights inside a step (weight versions)
+
 
 def config_name(name: str) -> str:
     """The `parallel.schedule` spelling of a schedule given by function or config name."""

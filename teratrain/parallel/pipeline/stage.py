@@ -11,14 +11,24 @@ parameters per rank, by global name.
 T' = T, or T / tp under sequence parallelism. Stage 0 cuts the graph after the embedding, so every
 stage has an input leaf `x`: the input-gradient pass (ZB-H1's I) ends there and the weight pass (W)
 then finishes the embedding's gradient from x.grad.
+
+Mixture of experts: one process's loss is the cross-entropy plus every MoE layer's weighted aux loss
+(models/transformer.py), so each stage's aux losses must enter its own backward, whether or not it
+holds the head. `with_aux` ties them to the chunk's output as Megatron's MoEAuxLossAutoScaler does:
+identity forward, and a backward that also seeds the aux losses with the weight the loss has in the
+update (1 / micro-batches, times the fp16 loss scale), so B, and ZB-H1's I and W, need no second root.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
+from teratrain.memory.compression import watch_blocks
 from teratrain.memory.recompute import RecomputedBlocks
+from teratrain.models.moe import blocks_aux_loss
 
 
 class Chunk:
@@ -26,6 +36,7 @@ class Chunk:
         self.model, self.stage = model, stage
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.blocks = model.layers.part([str(i) for i in blocks])
+        watch_blocks(model, self.blocks)  # activation compression: these blocks are the stack's inside
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Stage 0's embedding: (B, T) -> (B, T', d)."""
@@ -46,6 +57,10 @@ class Chunk:
             h = self.blocks(x, rope)
         return m.criterion(m.head(h), targets) if self.is_last else h
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of this chunk's MoE aux losses from its latest forward (None: no MoE layer here)."""
+        return blocks_aux_loss(self.blocks.values())
+
     def weights(self) -> list[nn.Parameter]:
         """Trainable parameters used after the input leaf x (blocks, and the head on the last stage):
         those whose gradient the weight pass computes."""
@@ -59,3 +74,20 @@ def _run_blocks(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
     for block in blocks:
         h = block(h, rope)
     return h
+def with_aux(out: torch.Tensor, aux: torch.Tensor, weight: Callable[[], float]) -> torch.Tensor:
+    """`out` (its value), whose backward also gives `aux` the gradient `weight()` (read then: the
+    loss scale may change between a micro-batch's forward and its backward)."""
+    return _AuxLoss.apply(out, aux, weight)
+
+
+class _AuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, aux, weight):
+        ctx.weight = weight
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux_meta
+        return grad, torch.full((), ctx.weight(), dtype=dtype, device=device), None
