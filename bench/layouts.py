@@ -66,6 +66,7 @@ def layouts(gpus: int) -> list[dict]:
         return [L(f"dp2-zero{z}", [f"parallel.zero={z}"]) for z in range(4)] + [
             L("tp2-megatron-sp", ["parallel.tp=2"]),
             L("tp2-megatron", ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+            L("tp2-megatron-sp-overlap", ["parallel.tp=2", "parallel.tp_overlap=chunked"]),
             L("tp2-all-gather", ["parallel.tp=2", "parallel.tp_form=all-gather"]),
             L("tp2-all-reduce", ["parallel.tp=2", "parallel.tp_form=all-reduce"]),
             *[L(f"pp2-{s}", pp(s)) for s in ("naive", "gpipe", "1f1b", "zb-h1")],
