@@ -1,8 +1,8 @@
 """`teratrain plan`: what fits, how fast, and why, before anything is launched.
 
     teratrain plan [CONFIG.toml|config.json] [--model PRESET | --params N] [--gpus N] [--gpu-mem GiB]
-                   [--gpu h100|h200|a100] [--set KEY=VALUE ...] [--hw KEY=VALUE ...] [--json] [--plot FILE]
-                   [--schedule-plot FILE] [--top K]
+                   [--gpu h100|h200|a100] [--host-mem GiB] [--set KEY=VALUE ...] [--hw KEY=VALUE ...]
+                   [--hw-file FILE] [--json] [--plot FILE] [--schedule-plot FILE] [--top K]
 
 Degrees set in the config or with --set are kept; the others are searched (search.py). Bad input
 and "nothing fits" exit 2 with one sentence (ConfigError, printed by teratrain.cli.main).
@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 
 from teratrain.config import ConfigError, load_config
-from teratrain.planner.hardware import GPUS, gpu_with, hw_keys
+from teratrain.planner.hardware import GPUS, gpu_with, host_memory_gib, hw_keys
 from teratrain.planner.inputs import fixed_of, load, shape_of, training_of
 from teratrain.planner.layout import ModelShape
 from teratrain.planner.memory import GIB
 from teratrain.planner.report import as_json, render
-from teratrain.planner.search import Candidate, batch_advice, search, smallest_gpu_count
+from teratrain.planner.search import Candidate, batch_advice, gpus_per_node, search, smallest_gpu_count
 from teratrain.planner.states import PlanError
 
 
@@ -32,6 +32,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--gpus", type=int, help="GPUs to plan for (default: the product of the degrees set, else 1)")
     p.add_argument("--gpu-mem", type=float, help="usable memory per GPU in GiB (default: the --gpu's)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU preset for peak FLOP/s and bandwidths")
+    p.add_argument("--host-mem", type=float, help="host memory per node in GiB that offloaded (pinned) state must "
+                   "fit, for all the node's GPUs together (default: this machine's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tp=2 (a key set here is not searched)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
@@ -53,16 +55,18 @@ def cmd_plan(args) -> int:
     fixed = fixed_of(cfg)
     gpus = args.gpus or _default_gpus(fixed)
     train = training_of(cfg, notes)
+    host_mem = _host_mem(args, notes)
     try:
-        cands = search(shape, train, gpus, gpu, fixed, gpu_mem)
+        cands = search(shape, train, gpus, gpu, fixed, gpu_mem, host_mem)
     except PlanError as e:
         raise ConfigError(str(e)) from None
     fitting = [c for c in cands if c.fits]
+    limits = (gpu_mem, host_mem)
     if not fitting:
-        why = _nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands)
+        why = _nothing_fits(shape, train, gpus, gpu, fixed, limits, cands)
         if args.json:  # the leanest layout, with "fits": false, for scripts; the sentence still goes to stderr
             least = min(cands, key=lambda c: c.memory.total)
-            print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, gpu_mem, least, cands, args.top, None, notes),
+            print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, least, cands, args.top, None, notes),
                               "fits": False, "error": why}))
         raise ConfigError(why)
     best = fitting[0]
@@ -87,11 +91,24 @@ def cmd_plan(args) -> int:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
     if args.json:
-        print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes),
+        print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes),
                           "fits": True}))
     else:
-        print(render(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes))
+        print(render(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes))
     return 0
+
+
+def _host_mem(args, notes: list[str]) -> float | None:
+    """--host-mem, else this machine's memory (said in the notes), else None (not checked)."""
+    if args.host_mem is not None:
+        if args.host_mem <= 0:
+            raise ConfigError(f"--host-mem {args.host_mem:g} must be a positive size in GiB, e.g. --host-mem 2048.")
+        return args.host_mem
+    found = host_memory_gib()
+    if found is None:
+        notes.append("host memory unknown (no /proc/meminfo): offloaded state is not checked against it; give "
+                     "--host-mem")
+    return found
 
 
 def _inputs(args) -> tuple:
@@ -143,16 +160,29 @@ def _advice(cfg) -> dict | None:
     return batch_advice(o.lr, rule, o.base_batch, cfg.train.global_batch, o.warmup_steps)
 
 
-def _nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands: list[Candidate]) -> str:
-    """One sentence: the least memory any layout needs, and the GPU count or change that fits."""
-    least = min(cands, key=lambda c: c.memory.total)
-    lay = least.layout
-    need = least.memory.total / GIB
-    more = smallest_gpu_count(shape, train, gpus, gpu, fixed, gpu_mem)
+def _nothing_fits(shape, train, gpus, gpu, fixed, limits: tuple, cands: list[Candidate]) -> str:
+    """One sentence: the least memory any layout needs (on the GPU, or on the host when every layout
+    that fits the GPUs offloads more than the host holds), and the GPU count or change that fits."""
+    gpu_mem, host_mem = limits
+    on_gpu = [c for c in cands if c.memory.total <= gpu_mem * GIB]
+    more = smallest_gpu_count(shape, train, gpus, gpu, fixed, gpu_mem, host_mem_gib=host_mem)
     fix = f"plan with --gpus {more}" if more else "use a smaller model or a larger --gpu-mem"
     kept = [k for k in ("zero", "recompute", "micro_batch", "offload", "tp", "pp") if k in fixed]
     if kept:
         fix += f", or unset {', '.join(kept)} so the planner may change {'it' if len(kept) == 1 else 'them'}"
+    if on_gpu:  # they all offload more than the host holds
+        least = min(on_gpu, key=lambda c: c.memory.host)
+        per = gpus_per_node(least.layout, gpu)
+        return (f"no layout of {_name(shape)} fits both {gpu_mem:g} GiB per GPU and {host_mem:,.4g} GiB of host "
+                f"memory on {gpus} GPU(s): every layout that fits the GPUs offloads, and the leanest on the host "
+                f"({_layout_words(least.layout)}) pins {per} x {least.memory.host / GIB:,.1f} = "
+                f"{least.host_per_node(gpu) / GIB:,.1f} GiB per node; {fix}, or give --host-mem if the training "
+                "machines have more.")
+    least = min(cands, key=lambda c: c.memory.total)
     return (f"no layout of {_name(shape)} fits {gpu_mem:g} GiB per GPU on {gpus} GPU(s): the leanest "
-            f"(dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} recompute={lay.recompute} offload={lay.offload} "
-            f"micro_batch={lay.micro_batch}) needs {need:.1f} GiB; {fix}.")
+            f"({_layout_words(least.layout)}) needs {least.memory.total / GIB:.1f} GiB; {fix}.")
+
+
+def _layout_words(lay) -> str:
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} recompute={lay.recompute} offload={lay.offload} "
+            f"micro_batch={lay.micro_batch}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
 
@@ -104,3 +105,23 @@ _RANGES = {"flops_max": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_ef
 
 def hw_keys() -> list[str]:
     return sorted({f.name for f in fields(GPU)} - {"name", "peak_tflops"})
+
+
+def host_memory_gib() -> float | None:
+    """This machine's memory in GiB (MemTotal, capped by a cgroup v2 limit), or None where unknown.
+    The total, not what is free now: every rank of a job, started at slightly different moments,
+    must plan the same layout, and the pinned buffers are allocated before the run grows."""
+    total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max" and total is not None:
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass
+    return total / 2**30 if total else None
