@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from teratrain.config import ConfigError, load_config
-from teratrain.planner.hardware import GPUS, gpu_with, host_memory_gib, hw_keys
+from teratrain.planner.hardware import GPUS, gpu_with, host_memory_gib, hw_keys, read_hw_file
 from teratrain.planner.inputs import fixed_of, load, shape_of, training_of
 from teratrain.planner.layout import ModelShape
 from teratrain.planner.memory import GIB
@@ -31,13 +31,17 @@ def add_plan_parser(subparsers) -> None:
     src.add_argument("--params", type=float, help="bare parameter count, e.g. 1.5e9: model states only")
     p.add_argument("--gpus", type=int, help="GPUs to plan for (default: the product of the degrees set, else 1)")
     p.add_argument("--gpu-mem", type=float, help="usable memory per GPU in GiB (default: the --gpu's)")
-    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU preset for peak FLOP/s and bandwidths")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset for peak FLOP/s and bandwidths (default: the "
+                   "--hw-file's, else h100)")
     p.add_argument("--host-mem", type=float, help="host memory per node in GiB that offloaded (pinned) state must "
                    "fit, for all the node's GPUs together (default: this machine's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tp=2 (a key set here is not searched)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override a hardware assumption ({', '.join(hw_keys())})")
+    p.add_argument("--hw-file", metavar="FILE", help="hardware terms measured on the machine: a "
+                   "bench/planner_validate.py result (its collectives, PCIe and CPU optimizer speed) or a JSON "
+                   "{key: number} object; --hw flags override it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE", help="write a stacked bar chart of memory per GPU (PNG)")
     p.add_argument("--schedule-plot", metavar="FILE", help="draw the chosen layout's pipeline step as simulated "
@@ -48,7 +52,7 @@ def add_plan_parser(subparsers) -> None:
 
 def cmd_plan(args) -> int:
     cfg, shape, notes = _inputs(args)
-    gpu = _gpu(args)
+    gpu = _gpu(args, notes)
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else gpu.memory_gib
     if gpu_mem <= 0 or (args.gpus is not None and args.gpus < 1) or args.top < 1:
         raise ConfigError("--gpu-mem, --gpus and --top must be positive; pass e.g. --gpus 8 --gpu-mem 80.")
@@ -125,8 +129,18 @@ def _inputs(args) -> tuple:
     return cfg, shape_of(cfg, name), notes
 
 
-def _gpu(args):
-    hw = {}
+def _gpu(args, notes: list[str]):
+    """The GPU preset with the --hw-file's terms, then the --hw flags, applied."""
+    hw, preset = {}, None
+    if args.hw_file:
+        try:
+            hw, preset = read_hw_file(args.hw_file)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        notes.append(f"hardware terms from {args.hw_file}: {', '.join(f'{k}={v:.4g}' for k, v in sorted(hw.items()))}")
+    if preset is not None and preset not in GPUS:
+        raise ConfigError(f"--hw-file {args.hw_file} names GPU preset {preset!r}; choose one of {', '.join(GPUS)} "
+                          "with --gpu.")
     for item in args.hw:
         key, sep, val = item.partition("=")
         try:
@@ -136,7 +150,7 @@ def _gpu(args):
         if not sep:
             raise ConfigError(f"--hw '{item}' is not KEY=NUMBER; write e.g. --hw inter_node_gbps=25.")
     try:
-        return gpu_with(args.gpu, hw)
+        return gpu_with(args.gpu or preset or "h100", hw)
     except KeyError as e:
         raise ConfigError(f"--hw {e.args[0]} is not a hardware assumption; use one of {', '.join(hw_keys())}.") from None
     except ValueError as e:

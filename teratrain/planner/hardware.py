@@ -8,6 +8,11 @@ effective per-GPU figures, one direction, in GB/s (1e9 bytes/s):
 - inter_node_gbps: one 400 Gb/s InfiniBand NIC per GPU (8 per node) = 50 GB/s (A100 nodes: 200 Gb/s, 25);
 - hbm_gbps: datasheet HBM bandwidth (H100 SXM 3350, H200 4800, A100-80GB 2039).
 alpha_*_s are per-message latencies of the alpha-beta model (Hockney 1994): t = alpha + bytes / beta.
+
+Measured terms: `bench/planner_validate.py --gpus N` times each collective on the machine and fits
+one alpha (per ring step) and one bus bandwidth per kind (`<kind>_alpha_s`, `<kind>_gbps`); given
+(`teratrain plan --hw-file RESULT.json`, or `--hw all_reduce_gbps=...`), they replace nvlink_gbps
+and alpha_intra_s for that kind inside a node.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +38,17 @@ class GPU:
     gpus_per_node: int = 8
     alpha_intra_s: float = 5e-6
     alpha_inter_s: float = 15e-6
+    # Collectives as measured inside a node (see the module docstring); None: nvlink_gbps, alpha_intra_s
+    all_reduce_gbps: float | None = None
+    all_reduce_alpha_s: float | None = None
+    reduce_scatter_gbps: float | None = None
+    reduce_scatter_alpha_s: float | None = None
+    all_gather_gbps: float | None = None
+    all_gather_alpha_s: float | None = None
+    all_to_all_gbps: float | None = None
+    all_to_all_alpha_s: float | None = None
+    p2p_gbps: float | None = None
+    p2p_alpha_s: float | None = None
     # Time-model constants, CALIBRATED on one H200 (torch 2.11, eager, bf16 autocast) with
     # bench/planner_validate.py; docs/planner.md ("Validation") has the table they come from. H100 and
     # A100 use the same values until measured there.
@@ -66,6 +84,14 @@ class GPU:
     def sustained_flops(self, precision: str, d_model: int) -> float:
         return self.peak_flops(precision) * self.efficiency(precision, d_model)
 
+    def link(self, kind: str, span: int) -> tuple[float, float]:
+        """(GB/s, alpha per ring step) of collective `kind` over a group whose ranks spread over `span`
+        consecutive GPUs: inside a node the kind's measured terms when given, else NVLink's."""
+        if span > self.gpus_per_node:
+            return self.inter_node_gbps, self.alpha_inter_s
+        gbps, alpha = getattr(self, f"{kind}_gbps"), getattr(self, f"{kind}_alpha_s")
+        return (self.nvlink_gbps if gbps is None else gbps), (self.alpha_intra_s if alpha is None else alpha)
+
 
 def _gpu(name: str, table_key: str, **kw) -> GPU:
     return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], **kw)
@@ -98,7 +124,8 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 
 
 # latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
-_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "context_gib", "fragmentation", "gpus_per_node"}
+_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "context_gib", "fragmentation", "gpus_per_node",
+                 *(f"{k}_alpha_s" for k in COLLECTIVES)}
 _RANGES = {"flops_max": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
            "gpus_per_node": (1.0, math.inf)}
 
@@ -125,3 +152,28 @@ def host_memory_gib() -> float | None:
     except (OSError, ValueError):
         pass
     return total / 2**30 if total else None
+
+
+def read_hw_file(path: str) -> tuple[dict[str, float], str | None]:
+    """Hardware terms from a JSON file: a `bench/planner_validate.py` result (its "hw" object, which
+    holds what the run measured, and its "gpu" preset) or a flat {"key": number} object. Returns
+    (overrides, preset name or None); raises ValueError with one sentence on bad content."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hw-file {path} cannot be read as JSON ({e}); pass a planner_validate result or a "
+                         "{\"key\": number} object.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--hw-file {path} holds no JSON object; pass a planner_validate result or a "
+                         "{\"key\": number} object.")
+    hw, preset = data.get("hw", data), data.get("gpu_preset")
+    if not isinstance(hw, dict):
+        raise ValueError(f"--hw-file {path}: \"hw\" is not an object of hardware terms.")
+    known = set(hw_keys())
+    bad = [k for k, v in hw.items() if k not in known or isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise ValueError(f"--hw-file {path}: {bad[0]!r} is not a hardware term with a number; use keys among "
+                         f"{', '.join(sorted(known))}.")
+    return {k: (int(v) if k == "gpus_per_node" else float(v)) for k, v in hw.items()}, preset

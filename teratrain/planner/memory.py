@@ -67,18 +67,19 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     n = lay.micro_batch * T
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress)
     layers = stage_params(shape, lay)["layers"]
-    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw)
+    bkw = {**kw, "form": lay.tp_form}  # the blocks' tensors depend on the tp form, the rest does not
+    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
-    per_block = act.block_saved(shape, w, n, T, **kw)
-    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep)
+    per_block = act.block_saved(shape, w, n, T, **bkw)
+    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
     return {"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy,
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
-            "recompute": act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw),
+            "recompute": act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw),
             **{f"block.{k}": v for k, v in per_block.items()}}
 
 
@@ -89,7 +90,8 @@ def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
     n = lay.micro_batch * c.seq_len
     k = shape.top_k if shape.num_experts > 1 else 1
-    mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // lay.tp
+    split = lay.tp if lay.tp_form == "megatron" else 1  # the seeds' forms gather the MLP's hidden whole
+    mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // split
     return mlp + 2 * n * c.d_model * 4 // (lay.tp if lay.sequence_parallel else 1)
 
 
