@@ -14,7 +14,8 @@ import json
 
 from teratrain.config import ConfigError, load_config
 from teratrain.planner.hardware import GPUS, gpu_with, host_memory_gib, hw_keys, read_hw_file
-from teratrain.planner.inputs import fixed_of, load, shape_of, training_of
+from teratrain.planner.auto import KEYS, command_line, train_command
+from teratrain.planner.inputs import PLAN_PRECISION, fixed_of, load, model_sets, shape_of, training_of
 from teratrain.planner.layout import ModelShape
 from teratrain.planner.memory import GIB
 from teratrain.planner.report import as_json, render
@@ -67,7 +68,7 @@ def cmd_plan(args) -> int:
     fitting = [c for c in cands if c.fits]
     limits = (gpu_mem, host_mem)
     if not fitting:
-        why = _nothing_fits(shape, train, gpus, gpu, fixed, limits, cands)
+        why = nothing_fits(shape, train, gpus, gpu, fixed, limits, cands)
         if args.json:  # the leanest layout, with "fits": false, for scripts; the sentence still goes to stderr
             least = min(cands, key=lambda c: c.memory.total)
             print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, least, cands, args.top, None, notes),
@@ -94,12 +95,28 @@ def cmd_plan(args) -> int:
         if p.weight_version_every is not None:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
+    command = _train_command(args, cfg, shape, best, gpus, gpu, fixed)
     if args.json:
         print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes),
-                          "fits": True}))
+                          "fits": True, "train_command": command}))
     else:
         print(render(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes))
+        print(f"Train it: {command_line(command)}" if command else
+              "Train it: a bare parameter count has no model to train; plan a preset or a config for the command.")
     return 0
+
+
+def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dict) -> list[str] | None:
+    """`teratrain train` with the plan's model, the user's settings and the chosen layout."""
+    if shape.is_bare:
+        return None
+    toml = args.config if args.config and not args.config.endswith(".json") else None
+    sets, _ = model_sets(args.config, args.model)
+    sets += args.overrides
+    if "precision" not in cfg.memory.model_fields_set:  # planned for bf16; the trainer's default is fp32
+        sets.append(f"memory.precision={PLAN_PRECISION}")
+    given = tuple(key for field, key in KEYS.items() if field in fixed)
+    return train_command(toml, sets, best.layout, gpus, gpu.gpus_per_node, given)
 
 
 def _host_mem(args, notes: list[str]) -> float | None:
@@ -174,7 +191,7 @@ def _advice(cfg) -> dict | None:
     return batch_advice(o.lr, rule, o.base_batch, cfg.train.global_batch, o.warmup_steps)
 
 
-def _nothing_fits(shape, train, gpus, gpu, fixed, limits: tuple, cands: list[Candidate]) -> str:
+def nothing_fits(shape, train, gpus, gpu, fixed, limits: tuple, cands: list[Candidate]) -> str:
     """One sentence: the least memory any layout needs (on the GPU, or on the host when every layout
     that fits the GPUs offloads more than the host holds), and the GPU count or change that fits."""
     gpu_mem, host_mem = limits

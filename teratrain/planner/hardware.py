@@ -104,6 +104,14 @@ GPUS = {
 }
 
 
+def gpu_for_device(device_name: str, total_bytes: int) -> GPU:
+    """The preset whose name the device's name contains (H100 constants for any other GPU), with the
+    device's own memory."""
+    upper = device_name.upper()
+    gpu = next((g for key, g in GPUS.items() if key.upper() in upper), GPUS["h100"])
+    return replace(gpu, memory_gib=total_bytes / 2**30)
+
+
 def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
     """A preset with `--hw key=value` overrides applied (unknown keys raise KeyError)."""
     gpu = GPUS[name]

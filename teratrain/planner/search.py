@@ -5,7 +5,8 @@ Search space (each dimension only where the user did not fix it):
   (Megatron-LM's split); pp dividing the layers; ep dividing dp and the experts (1 for dense models);
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
 - micro-batch (a divisor of the per-replica batch, up to 64 sequences) and recomputation policy;
-- sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.).
+- sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.),
+  unless the user turned it off or chose one of the seeds' tp forms (parallel.tp_form).
 A layout fits when its predicted total (peak + allowance) is at most the GPU memory and, when it
 offloads, the pinned host memory of the GPUs one node holds (host bytes per GPU x GPUs per node) is
 at most the host's memory (`host_mem_gib`; None: not checked).
@@ -112,7 +113,7 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
                         base = {k: v for k, v in fixed.items() if k in Layout.__dataclass_fields__}
                         base.update(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, offload=offload, micro_batch=mb,
                                     recompute=rc, num_microbatches=per_replica // mb,
-                                    sequence_parallel=fixed.get("sequence_parallel", tp > 1))
+                                    sequence_parallel=tp > 1 and fixed.get("sequence_parallel", True))
                         lay = Layout(**base)
                         try:
                             check_layout(shape, train, lay)
