@@ -96,21 +96,23 @@ def _div(items: list[Saved], k: int) -> list[Saved]:
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                 tp: int = 1, sp: bool = False, dropout: float = 0.0, compress: str = "none",
-                form: str = "megatron") -> dict[str, int]:
+                form: str = "megatron", ep: int = 1) -> dict[str, int]:
     """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per term,
     as held under activation compression `compress`."""
-    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout, form=form),
-                 compress, True, device)
+    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout, form=form,
+                               ep=ep), compress, True, device)
 
 
 def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
-                  tp: int = 1, sp: bool = False, dropout: float = 0.0, form: str = "megatron") -> dict[str, list[Saved]]:
+                  tp: int = 1, sp: bool = False, dropout: float = 0.0, form: str = "megatron",
+                  ep: int = 1) -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
-    The seeds' forms (parallel.tp_form, parallel/tensor.py) split only the linear layers: see
-    `_seeds_form`."""
+    Our column-parallel linears keep the all-gathered input whole (Megatron-LM gathers it again in
+    backward instead), so their saved inputs are never split. The seeds' forms (parallel.tp_form,
+    parallel/tensor.py) split only the linear layers: see `_seeds_form`."""
     if tp > 1 and form != "megatron":
-        return _seeds_form(shape, w, tokens, seq_len, device, tp, dropout, form)
+        return _seeds_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
     c = shape.cfg
     n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
     kvd = c.kv_heads * c.head_dim
@@ -118,27 +120,46 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     k_moe = shape.top_k if shape.num_experts > 1 else 1  # each token visits top_k experts
     out = {
         "attention_norm": _div(_norm_saved(shape, w, n, device), rep),
-        "qkv_inputs": _div(_linear_inputs(shape, w, n, 3, device), rep),  # wq, wk, wv
+        "qkv_inputs": _linear_inputs(shape, w, n, 3, device),  # wq, wk, wv (gathered whole under SP)
         "q_k_v": _div([Saved(n * d, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)], tp),  # q, k after RoPE, v
         "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
         "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
-        "mlp_inputs": _div(_linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) * k_moe, rep),
+        "mlp_inputs": _linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) * k_moe,
         # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
         "mlp_hidden": _div([Saved(n * ff, cb)] * (k_moe * (4 if c.arch == "llama" else 2)), tp),
     }
     if c.arch == "llama" and cb != 4:
         out["rope_casts"] = [Saved(seq_len * c.head_dim, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
     if shape.num_experts > 1:
-        out["router"] = _div([Saved(n * shape.num_experts, 4, "keep")], rep)  # fp32 router logits/probabilities
+        out.update(_moe_saved(shape, w, n, ep))
     if dropout > 0:
         mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask, the CPU kernel a float one
         out["dropout_masks"] = _div([Saved(n * d, mask, "mask")] * 2, rep)  # after wo and after w2
     return out
 
 
+def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[Saved]]:
+    """What an MoE layer (models/moe.py) keeps besides its experts' inputs and hidden activations, for
+    n tokens routed to top_k experts each (M = n x top_k rows, capacity drops ignored; the router
+    seen whole on every tp rank): the router's input (cast to fp32 for an fp32 router) and its
+    probabilities, the top-k indices and weights, the load vector of the aux loss; to combine, the
+    experts' outputs and the gate weights they are multiplied by, the weighted outputs (index_add
+    keeps its source), and the row indices of dispatch and combine (two more under expert
+    parallelism, which reorders the rows it receives). A rank's experts are assumed to receive M
+    rows (balanced routing): read off the autograd graph of softmax-topk routing."""
+    c = shape.cfg
+    k, m = shape.top_k, n * shape.top_k
+    router_bytes = 4 if c.moe.router_dtype == "fp32" else w.compute
+    return {"router": [Saved(n * c.d_model, router_bytes), Saved(n * shape.num_experts, 4, "keep"),
+                       Saved(n * k, INDEX_BYTES, "keep"), Saved(n * k, 4, "keep"), Saved(n, 4, "keep")],
+            "moe_combine": [Saved(m * c.d_model, w.compute)] * 2 + [Saved(m, w.compute, "keep")]
+            + [Saved(m, INDEX_BYTES, "keep")] * (4 if ep > 1 else 2),
+            "aux_loss": [Saved(shape.num_experts, 4, "keep")]}
+
+
 def _seeds_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str, tp: int, dropout: float,
-                form: str) -> dict[str, list[Saved]]:
+                form: str, ep: int) -> dict[str, list[Saved]]:
     """A block under the seeds' forms keeps what one device keeps, except what its split linears see.
     all-gather: each linear reads the whole input (a view, the tensor one device saves too) and its
     output is all-gathered whole, so nothing changes. all-reduce: each linear reads its own contiguous
@@ -146,7 +167,7 @@ def _seeds_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str,
     place of the whole input; the tensors the attention core and the activation function keep stay
     whole, and only w2's input (SwiGLU's product, GELU's output) is no longer kept whole. An MoE
     layer stays whole and replicated (parallel/tensor.py)."""
-    out = block_tensors(shape, w, n, seq_len, device=device, dropout=dropout)
+    out = block_tensors(shape, w, n, seq_len, device=device, dropout=dropout, ep=ep)
     if form == "all-gather":
         return out
     c, cb = shape.cfg, w.compute
@@ -197,9 +218,11 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
             out["embedding_dropout"] = [Saved(n * c.d_model, 1 if device == "cuda" else w.param, "mask")]
     if last:
         out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
-        out["head_input"] = _div(_linear_inputs(shape, w, n, 1, device), rep)
+        out["head_input"] = _linear_inputs(shape, w, n, 1, device)  # gathered whole under SP
         out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
-        out["targets"] = [Saved(n, INDEX_BYTES, "keep")]
+        out["targets"] = [Saved(n, INDEX_BYTES, "keep")]  # under tp: the local target ids
+        if tp > 1:  # the vocab-parallel loss (parallel/tp_layers.py) also masks the targets outside its piece
+            out["target_masks"] = [Saved(n, 1, "keep")] * 2
     return _held(out, compress, False, device)
 
 
@@ -222,7 +245,7 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     k, v are the checkpoint's inputs and the output is wo's input, so they stay)."""
     per = block_saved(shape, w, tokens, seq_len, **kw)
     tp = kw.get("tp", 1)
-    copies = weight_copies(shape, w, tp, form=kw.get("form", "megatron"))
+    copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"))
     if policy == "none":
         return {"blocks": n_layers * sum(per.values()), "weight_copies": n_layers * copies}
     if policy == "selective":
@@ -243,7 +266,7 @@ def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int
     k = min(n_layers, segment_size(policy, n_layers, every))
     kw = {**kw, "compress": "none"}  # the replay runs in backward, outside the compression hooks
     per = sum(block_saved(shape, w, tokens, seq_len, **kw).values())
-    return k * (per + weight_copies(shape, w, kw.get("tp", 1), form=kw.get("form", "megatron")))
+    return k * (per + weight_copies(shape, w, kw.get("tp", 1), kw.get("ep", 1), kw.get("form", "megatron")))
 
 
 def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, policy: str, every: int,

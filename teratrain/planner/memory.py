@@ -67,7 +67,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     n = lay.micro_batch * T
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress)
     layers = stage_params(shape, lay)["layers"]
-    bkw = {**kw, "form": lay.tp_form}  # the blocks' tensors depend on the tp form, the rest does not
+    bkw = {**kw, "form": lay.tp_form, "ep": lay.ep}  # the blocks' tensors depend on these, the rest does not
     blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
@@ -206,3 +206,15 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
                            activations=acts, buffers=bufs, allowance=allowance, total=peak + allowance,
                            peak_allocated=peak, host=st["host"], phase=phase, at_peak=at_peak,
                            phases={k: sum(v.values()) for k, v in phases.items()}, terms=terms)
+
+
+def forward_saved(shape: ModelShape, train: Training, lay: Layout, device: str = "cuda") -> int:
+    """Bytes one micro-batch's forward keeps for backward on a rank of a layout without a pipeline,
+    as `saved_tensors_hooks` count them (planner.measure.saved_bytes, parameters excluded): the
+    blocks' and the two ends' saved tensors and the autocast weight copies, and (fp32 compute, no
+    segment recomputation) the RoPE tables SDPA's inputs are views of."""
+    saved = _saved(shape, train, lay, device)
+    total = saved["blocks"] + saved["first"] + saved["copies"]
+    if train.widths(lay.zero, lay.offload).compute == 4 and lay.recompute in ("none", "selective"):
+        total += act.rope_tables(shape)
+    return total

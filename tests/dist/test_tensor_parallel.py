@@ -8,7 +8,10 @@ change fp32 summation order; AdamW with eps=1e-6 amplifies it least, see test_ze
 import pytest
 
 from harness import run_ranks
-from layout_workers import GPT2, train_random
+from layout_workers import BASE, GPT2, train_random
+from teratrain.config import load_config
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.memory import forward_saved
 
 
 def max_rel_diff(a: dict, b: dict, floor: float = 1e-3) -> float:
@@ -21,7 +24,7 @@ TOL = 1e-5
 GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 
 
-def _compare(layouts: list[list[str]], world: int, **kw) -> None:
+def _compare(layouts: list[list[str]], world: int, **kw) -> list[dict]:
     runs = run_ranks(_many, world, layouts, kw)[0]
     refs = {}
     for layout, got in zip(layouts, runs):
@@ -34,6 +37,7 @@ def _compare(layouts: list[list[str]], world: int, **kw) -> None:
         assert got["params"].keys() == ref["params"].keys()
         param_err = max_rel_diff(got["params"], ref["params"])
         assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+    return runs
 
 
 def _many(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
@@ -47,8 +51,13 @@ TP2 = [["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2", 
 def test_tp2_every_form_llama_and_gpt2():
     """llama: GQA, untied head, no biases; gpt2: biases, learned positions, tied embeddings. gpt2
     runs SGD: its key bias has no true gradient (softmax is invariant to a shift shared by all keys
-    of a query), so its gradient is fp32 rounding, which AdamW would scale up to lr-sized steps."""
-    _compare(TP2 + [GPT2_SGD + lay for lay in TP2], world=2)
+    of a query), so its gradient is fp32 rounding, which AdamW would scale up to lr-sized steps.
+    The bytes autograd keeps for one micro-batch on rank 0 equal the planner's count for each form
+    exactly (planner.memory.forward_saved: gathered linear inputs, the vocab-parallel loss's masks)."""
+    layouts = TP2 + [GPT2_SGD + lay for lay in TP2]
+    for layout, got in zip(layouts, _compare(layouts, world=2, count_saved=True)):
+        cfg = load_config(None, BASE + layout)
+        assert got["saved"] == forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), "cpu"), layout
 
 
 def test_tp4_and_tp2_dp2_with_every_zero_stage():
