@@ -32,3 +32,11 @@ def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
     from torch.nn.utils.stateless import _reparametrize_module
 
     return _reparametrize_module(module, tensors)
+
+
+def host_empty_cache() -> None:
+    """Give the pinned host blocks the caching host allocator keeps back to the OS (a private call
+    in both versions; absent from a build without it, where nothing is cached to give back)."""
+    release = getattr(torch._C, "_host_emptyCache", None)
+    if release is not None and torch.cuda.is_available():
+        release()

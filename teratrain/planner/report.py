@@ -118,7 +118,8 @@ def _host_line(gpu: GPU, c: Candidate, host_mem: float | None) -> str:
     node = f"offloaded state, not on the GPU; x {per} GPUs per node = {c.host_per_node(gpu) / GIB:,.1f} GiB"
     if host_mem is None:
         return node + " (host memory not checked)"
-    return node + (f" of the host's {host_mem:,.4g} GiB" if c.host_fits else f": exceeds the host's {host_mem:,.4g} GiB")
+    return node + (f" of the host's {host_mem:,.4g} GiB" if c.host_fits
+                   else f": exceeds the host's {host_mem:,.4g} GiB")
 
 
 def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, top, advice, notes) -> str:
