@@ -44,7 +44,7 @@ def validate_gpus(args) -> dict:
     rows = [r for r in rows_for(n, smoke) if not args.only or args.only in r.name]
     steps = 1 if smoke else STEPS
     if smoke:
-        layers, est = 4, [{"est_s": 5.0}] * len(rows)
+        layers, est = 2 * n, [{"est_s": 5.0}] * len(rows)  # pp x virtual stages divide it
     else:  # the rows' share of the budget; the rest goes to start-up, NCCL and the machine's terms
         layers, est = size_layers(rows, n, gpu, 0.65 * args.budget_s, WARMUP + steps)
     payload = [{"name": r.name, "held_out": r.held_out, "sets": full_sets(r, layers, smoke), "est_s": e["est_s"],
@@ -70,7 +70,7 @@ def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str,
     from planner_rows import dense
 
     if smoke:
-        tiny = COMMON + dense(4, True)
+        tiny = COMMON + dense(2 * n, True)
         return [("tiny a", tiny + [f"train.global_batch={4 * n}"]), ("tiny b", tiny + [f"train.global_batch={2 * n}"])]
     out = [("llama-1b", COMMON + ["model.preset=llama-1b", "memory.precision=bf16", f"train.global_batch={8 * n}"])]
     for preset in ("llama-70b", "llama-8b"):

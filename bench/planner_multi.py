@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,14 +65,26 @@ def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: i
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                __file__, "--worker", str(work / "plan.json")]
         env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-        done = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=max(60.0, deadline - time.time() + 300))
+        returncode = _launch(cmd, env, max(60.0, deadline - time.time() + 2 * timeout_s + 60))
         machine = _read(events, results, machine)
         pending = [r for r in pending if r["name"] not in results]
-        if done.returncode == 0:
+        if returncode == 0:
             break
     for r in pending:
         results[r["name"]] = {"skipped": "not run: the time budget or the launches ran out"}
     return machine, results
+
+
+def _launch(cmd: list[str], env: dict, limit_s: float) -> int:
+    """Run the torchrun job (its output goes to stderr: stdout carries the one JSON object); past
+    `limit_s` (the deadline plus two collective timeouts: a stalled job ends by itself before that)
+    end its whole process group, workers included, so no process keeps a GPU."""
+    job = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True)
+    try:
+        return job.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        return job.wait()
 
 
 def _read(events: Path, results: dict, machine: dict | None) -> dict | None:

@@ -31,7 +31,7 @@ class Row:
 
 def dense(layers: int, smoke: bool = False) -> list[str]:
     if smoke:
-        return ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=128",
+        return [f"model.n_layers={layers}", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=128",
                 "model.seq_len=32", "model.vocab_size=512", "memory.precision=fp32", "train.device=cpu"]
     return ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048", f"model.n_layers={layers}",
             "memory.precision=bf16"]
