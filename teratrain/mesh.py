@@ -124,6 +124,7 @@ class Mesh:
     rank: int
     _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
+    _everywhere: set = field(default_factory=set, repr=False)  # names define_everywhere already made
 
     @property
     def coords(self) -> dict[str, int]:
@@ -175,16 +176,20 @@ class Mesh:
         others), e.g. one per pipeline link. Every worker calls this with the same list at the same
         point: torch names a group its members create alone after its ranks and how many groups each
         member created before it, so a rank outside a group (or alone in it) creates a group of itself
-        in its place and the counts stay equal everywhere. Returns this rank's names (None: outside)."""
+        in its place and the counts stay equal everywhere. A name made by an earlier call is made by
+        no rank again (its members hold it; the others must not count a group of themselves for it).
+        Returns this rank's names (None: outside)."""
         out = []
         for name, key in defs:
             inside = key(self.coords) is not None
-            if inside:
-                self.define(name, key)
-            if inside and self.size(name) > 1:
-                self.group(name)
-            elif self.dims.workers > 1:
-                new_group([self.rank])
+            if name not in self._everywhere:  # a second call (another executor on this mesh) makes none again
+                self._everywhere.add(name)
+                if inside:
+                    self.define(name, key)
+                if inside and self.size(name) > 1:
+                    self.group(name)
+                elif self.dims.workers > 1:
+                    new_group([self.rank])
             out.append(name if inside else None)
         return out
 
