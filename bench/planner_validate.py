@@ -1,4 +1,4 @@
-"""Planner vs reality on one GPU: predicted peak memory and step time against measured ones.
+"""Planner vs reality: predicted peak memory and step time against measured ones, on one GPU or N.
 
 For each config: build the model as `teratrain train` does for one process (meta device ->
 parallelize(): recompute, then LocalEngine or ZeroEngine; planner.measure.build_engine), run warm-up steps, time steps with
@@ -10,6 +10,19 @@ layout. Prints one JSON object (rows with predicted / measured / error %).
     python bench/planner_validate.py --smoke    # tiny shapes on CPU: proves the script runs
 
 The H200 rows calibrate the calibrated defaults of teratrain/planner/hardware.py:GPU and are tabulated in docs/planner.md.
+
+Several GPUs of one host (bench/planner_modes.py; one torchrun job, rows in the same processes):
+
+    python bench/planner_validate.py --gpus 2 --out r.json --table   # >= 20 layouts (planner_rows.py), ~4 min
+    python bench/planner_validate.py --gpus 2 --check-pick --hw-file r.json --out pick.json --table
+    python bench/planner_validate.py --refit r.json                  # the constants r.json would change
+    python bench/planner_validate.py --gpus 2 --smoke [--check-pick] # 2 gloo CPU processes, tiny shapes
+
+--gpus N first measures the machine's collectives (all-reduce, reduce-scatter, all-gather, all-to-all,
+point-to-point at 5 sizes), PCIe and CPU AdamW, writes them under "hw" (which `teratrain plan
+--hw-file r.json` reads), then each layout next to the planner's prediction with those terms.
+--check-pick measures the planner's pick and its next 5 candidates for llama-1b and for the largest
+Llama the N GPUs fit: the pick must be the fastest measured or within 5% of it (issue 24).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from teratrain.planner.inputs import layout_of, shape_of, training_of  # noqa: E
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.planner.measure import build_engine, random_batch, saved_bytes  # noqa: E402
 from teratrain.planner.search import evaluate  # noqa: E402
+from machine import host_adam, pcie_gbps  # noqa: E402
 
 GIB = 2**30
 # (name, --set overrides). bf16 unless stated; sizes chosen to span GPU-bound and host-bound steps.
@@ -168,32 +182,6 @@ def _err(pred: float, meas: float) -> float:
     return round(100.0 * (pred - meas) / meas, 2) if meas else float("nan")
 
 
-def host_adam(numel: int = 50_000_000, steps: int = 3) -> float:
-    """Parameters per second of fused AdamW on this host's CPU (the offload step's speed)."""
-    p = torch.zeros(numel, requires_grad=True)
-    p.grad = torch.randn(numel)
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    return numel * steps / (time.perf_counter() - t0)
-
-
-def pcie_gbps(nbytes: int = 2**30) -> float:
-    """GB/s of pinned host<->device copies (the mean of both directions)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    rates = []
-    for dst, src in ((dev, host), (host, dev)) * 2:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    return statistics.mean(rates[2:])
-
-
 def markdown(out: dict) -> str:
     """The validation table for docs/planner.md and bench/README.md."""
     lines = [f"{out['device']}, torch {out['torch']}; host: PCIe {out['measured_host'].get('pcie_gbps', 0):.0f} GB/s, "
@@ -221,7 +209,21 @@ def main() -> int:
     ap.add_argument("--table", action="store_true", help="also print the markdown table (after the JSON)")
     ap.add_argument("--hw", default="{}", help=argparse.SUPPRESS)  # internal: measured host numbers
     ap.add_argument("--host", action="store_true", help=argparse.SUPPRESS)  # internal: measure them
+    ap.add_argument("--gpus", type=int, help="validate layouts on this many GPUs of this host (2 or 4)")
+    ap.add_argument("--check-pick", action="store_true", help="with --gpus: measure the planner's pick and the "
+                    "next 5 candidates")
+    ap.add_argument("--hw-file", help="with --check-pick: plan with the terms a --gpus run measured")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="with --gpus: wall-time budget in seconds")
+    ap.add_argument("--refit", metavar="RESULT", help="print what a --gpus result would change in the planner")
+    ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
+    if args.refit:
+        from teratrain.planner.refit import refit, render
+
+        print(render(refit(json.loads(Path(args.refit).read_text()))))
+        return 0
+    if args.gpus:
+        return _several(args)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     configs = dict(SMOKE_CONFIGS if device.type == "cpu" else GPU_CONFIGS)
     if args.one:
@@ -261,6 +263,27 @@ def main() -> int:
     print(json.dumps(out, indent=1))
     if args.table:
         print(markdown(out))
+    return 0
+
+
+def _several(args) -> int:
+    """--gpus N [--check-pick]: one JSON object (and the table), written to --out too."""
+    import planner_modes
+    from teratrain.planner.hardware import read_hw_file
+
+    if args.check_pick:
+        hw = read_hw_file(args.hw_file)[0] if args.hw_file else {}
+        out = planner_modes.check_pick(args, hw)
+        table = planner_modes.pick_markdown(out)
+    else:
+        out = planner_modes.validate_gpus(args)
+        table = planner_modes.markdown(out)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.table:
+        print(table)
     return 0
 
 

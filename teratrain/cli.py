@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     t.add_argument("--print-config", action="store_true",
                    help="print the config that would run (file, preset, --set, a resumed run's own) and exit")
+    t.add_argument("--auto-note", help=argparse.SUPPRESS)  # from the launcher to its ranks: parallel.auto's choice
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample text from a trained run")
@@ -136,14 +137,21 @@ def cmd_train(args) -> int:
         cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
     else:
         cfg = load_config(args.config, _overrides(args))
+    launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
+    world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    notes, auto_sets = [args.auto_note] if args.auto_note else [], []
+    if cfg.parallel.auto and not args.auto_note:  # the ranks of a launch get the launcher's choice
+        from teratrain.planner.auto import for_job
+
+        choice = for_job(cfg, world, world if launching else int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        notes, auto_sets = [choice.note], choice.sets()
     if args.print_config:
         print(describe(cfg))
         return 0
-    launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
-    _check_before_start(cfg, args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
+    _check_before_start(cfg, world)
     if launching:
         with rundir.own(run_dir or rundir.fresh_run_dir(), args.resume, created=run_dir is None) as d:
-            return launch(_rank_argv(args, d), args.nproc, d)
+            return launch(_rank_argv(args, d, auto_sets, notes), args.nproc, d)
     from teratrain.train import run
 
     follow_parent()
@@ -153,7 +161,7 @@ def cmd_train(args) -> int:
     try:
         with rundir.own(run_dir, args.resume, created=not args.out and not args.resume) if owner else nullcontext(), \
                 rundir.member(run_dir):
-            summary = run(cfg, run_dir, args.resume)
+            summary = run(cfg, run_dir, args.resume, notes=notes)
     except Stopped as e:
         e.run_dir = run_dir  # for the message: where to resume from
         raise
@@ -186,10 +194,12 @@ def _check_before_start(cfg, world: int) -> None:
     check_host_memory(cfg, dims.workers, int(os.environ.get("LOCAL_WORLD_SIZE", world)), on_cpu)
 
 
-def _rank_argv(args, run_dir: Path) -> list[str]:
-    """This command as each rank runs it, with the run directory the launcher chose and owns."""
+def _rank_argv(args, run_dir: Path, auto_sets: list[str] = (), notes: list[str] = ()) -> list[str]:
+    """This command as each rank runs it, with the run directory the launcher chose and owns, and the
+    layout parallel.auto chose there (so every rank runs the same one without planning again)."""
     argv = ["train"] + ([args.config] if args.config else [])
-    argv += [x for o in _overrides(args) for x in ("--set", o)]
+    argv += [x for o in _overrides(args) + list(auto_sets) for x in ("--set", o)]
+    argv += [x for note in notes[:1] for x in ("--auto-note", note)]
     return argv + ["--out", str(run_dir)] + (["--resume"] if args.resume else [])
 
 

@@ -49,3 +49,11 @@ def grouped_mm_without_sync(device: torch.device, dtype: torch.dtype) -> bool:
     if grouped_mm is None or device.type != "cuda" or dtype != torch.bfloat16:
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def host_empty_cache() -> None:
+    """Give the pinned host blocks the caching host allocator keeps back to the OS (a private call
+    in both versions; absent from a build without it, where nothing is cached to give back)."""
+    release = getattr(torch._C, "_host_emptyCache", None)
+    if release is not None and torch.cuda.is_available():
+        release()

@@ -287,6 +287,9 @@ class MemoryConfig(Section):
 
 
 class ParallelConfig(Section):
+    auto: bool = Field(False, description="take every parallel.* degree, parallel.zero, parallel.offload, "
+                       "train.micro_batch and memory.recompute not given here from the planner's fastest layout "
+                       "that fits the job's processes and devices (docs/planner.md); given keys are kept")
     dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (ranks that split every layer's weights)")
     tp_form: Literal["megatron", "all-gather", "all-reduce"] = Field(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,15 +24,14 @@ GIB = 2**30
 def predict(cfg: Config, workers: int, device: torch.device | None = None):
     """The planner's MemoryBreakdown of one rank of this run; on a GPU `device`, with the preset its
     name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one)."""
-    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.hardware import GPUS, gpu_for_device
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.search import evaluate
 
     gpu = GPUS["h100"]
     if device is not None and device.type == "cuda":
-        name = torch.cuda.get_device_name(device).upper()
-        gpu = next((g for key, g in GPUS.items() if key.upper() in name), gpu)
-        gpu = replace(gpu, memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB)
+        props = torch.cuda.get_device_properties(device)
+        gpu = gpu_for_device(props.name, props.total_memory)
     shape = shape_of(cfg)
     return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu).memory
 
@@ -80,7 +78,7 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
                           "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
 
 
-def summary(cfg: Config, rt, run_dir: Path, start: int) -> str:
+def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = ()) -> str:
     """The start-up lines of a run (see the module docstring)."""
     from teratrain.models.transformer import count_params
 
@@ -90,10 +88,12 @@ def summary(cfg: Config, rt, run_dir: Path, start: int) -> str:
     where = f"{rt.device.type}" + (f" ({torch.cuda.get_device_name(rt.device)}, {gpus} visible)"
                                    if rt.device.type == "cuda" else "")
     accum = t.global_batch // (t.micro_batch * d.dp)
+    model_parallel = f" tp={d.tp} pp={d.pp} ep={d.ep}" if (d.tp, d.pp, d.ep) != (1, 1, 1) else ""
     lines = [f"model: {m.preset} ({m.arch}, {m.n_layers} layers, d_model {m.d_model}), {n / 1e6:,.2f} M parameters",
              f"device: {where}, {rt.world} process(es)",
-             f"layout: dp={d.dp} zero={p.zero} offload={p.offload} sync={p.sync} precision={cfg.memory.precision} "
-             f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}",
+             f"layout: dp={d.dp}{model_parallel} zero={p.zero} offload={p.offload} sync={p.sync} "
+             f"precision={cfg.memory.precision} recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch "
+             f"{t.micro_batch}", *notes,
              f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per "
              f"step, {t.steps} steps",
              _memory_line(cfg, rt),
@@ -133,6 +133,6 @@ def _memory_line(cfg: Config, rt) -> str:
     return line
 
 
-def print_summary(cfg: Config, rt, run_dir: Path, start: int) -> None:
+def print_summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = ()) -> None:
     if rt.is_main:
-        print(summary(cfg, rt, run_dir, start), file=sys.stderr, flush=True)
+        print(summary(cfg, rt, run_dir, start, notes), file=sys.stderr, flush=True)

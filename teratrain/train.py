@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -35,10 +36,16 @@ from teratrain.startup import print_summary
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
-        model_fn: Callable[[Config], nn.Module] | None = None) -> dict:
+        model_fn: Callable[[Config], nn.Module] | None = None, notes: list[str] | None = None) -> dict:
     """Train as configured; returns a summary (with the `engine` and `model`). Collective: every rank
     of the job calls it. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
-    teratrain's decoder of `cfg.model`."""
+    teratrain's decoder of `cfg.model`. `notes` are start-up lines (the CLI's parallel.auto choice);
+    without them, parallel.auto is resolved here."""
+    if cfg.parallel.auto and notes is None:
+        from teratrain.planner.auto import for_job
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        notes = [for_job(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))).note]
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
@@ -69,7 +76,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
-    print_summary(cfg, rt, run_dir, start)
+    print_summary(cfg, rt, run_dir, start, notes or [])
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
         engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))

@@ -107,18 +107,23 @@ def _div(items: list[Saved], k: int) -> list[Saved]:
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                 tp: int = 1, sp: bool = False, dropout: float = 0.0, compress: str = "none",
-                form: str = "megatron") -> dict[str, int]:
+                form: str = "megatron", ep: int = 1) -> dict[str, int]:
     """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per term,
     as held under activation compression `compress`."""
-    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout, form=form),
-                 compress, True, device)
+    return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout, form=form,
+                               ep=ep), compress, True, device)
 
 
 def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
-                  tp: int = 1, sp: bool = False, dropout: float = 0.0,
-                  form: str = "megatron") -> dict[str, list[Saved]]:
+                  tp: int = 1, sp: bool = False, dropout: float = 0.0, form: str = "megatron",
+                  ep: int = 1) -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
-    parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2)."""
+    parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
+    Our column-parallel linears keep the all-gathered input whole (Megatron-LM gathers it again in
+    backward instead), so their saved inputs are never split. The seeds' forms (parallel.tp_form,
+    parallel/tensor.py) split only the linear layers: see `_seeds_form`."""
+    if tp > 1 and form != "megatron":
+        return _seeds_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
     c = shape.cfg
     n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
     kvd = c.kv_heads * c.head_dim
@@ -140,25 +145,72 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     if c.arch == "llama" and cb != 4:
         out["rope_casts"] = [Saved(seq_len * c.head_dim, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
     if shape.num_experts > 1:
-        out["router"] = _div([Saved(n * shape.num_experts, 4, "keep")], rep)  # fp32 router logits/probabilities
+        out.update(_moe_saved(shape, w, n, ep))
     if dropout > 0:
         mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask, the CPU kernel a float one
         out["dropout_masks"] = _div([Saved(n * d, mask, "mask")] * 2, rep)  # after wo and after w2
     return out
 
 
-def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1) -> int:
+def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[Saved]]:
+    """What an MoE layer (models/moe.py) keeps besides its experts' inputs and hidden activations, for
+    n tokens routed to top_k experts each (M = n x top_k rows, capacity drops ignored; the router
+    seen whole on every tp rank): the router's input (cast to fp32 for an fp32 router) and its
+    probabilities, the top-k indices and weights, the load vector of the aux loss; to combine, the
+    experts' outputs and the gate weights they are multiplied by, the weighted outputs (index_add
+    keeps its source), and the row indices of dispatch and combine (two more under expert
+    parallelism, which reorders the rows it receives). A rank's experts are assumed to receive M
+    rows (balanced routing): read off the autograd graph of softmax-topk routing."""
+    c = shape.cfg
+    k, m = shape.top_k, n * shape.top_k
+    router_bytes = 4 if c.moe.router_dtype == "fp32" else w.compute
+    return {"router": [Saved(n * c.d_model, router_bytes), Saved(n * shape.num_experts, 4, "keep"),
+                       Saved(n * k, INDEX_BYTES, "keep"), Saved(n * k, 4, "keep"), Saved(n, 4, "keep")],
+            "moe_combine": [Saved(m * c.d_model, w.compute)] * 2 + [Saved(m, w.compute, "keep")]
+            + [Saved(m, INDEX_BYTES, "keep")] * (4 if ep > 1 else 2),
+            "aux_loss": [Saved(shape.num_experts, 4, "keep")]}
+
+
+def _seeds_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str, tp: int, dropout: float,
+                form: str, ep: int) -> dict[str, list[Saved]]:
+    """A block under the seeds' forms keeps what one device keeps, except what its split linears see.
+    all-gather: each linear reads the whole input (a view, the tensor one device saves too) and its
+    output is all-gathered whole, so nothing changes. all-reduce: each linear reads its own contiguous
+    1/tp slice of the input's last dimension (`split_last_dim`), which it saves in the compute dtype in
+    place of the whole input; the tensors the attention core and the activation function keep stay
+    whole, and only w2's input (SwiGLU's product, GELU's output) is no longer kept whole. An MoE
+    layer stays whole and replicated (parallel/tensor.py)."""
+    out = block_tensors(shape, w, n, seq_len, device=device, dropout=dropout, ep=ep)
+    if form == "all-gather":
+        return out
+    c, cb = shape.cfg, w.compute
+    q = c.n_heads * c.head_dim
+    out["qkv_inputs"] = [Saved(n * c.d_model // tp, cb)] * 3
+    out["wo_input"] = [Saved(n * q // tp, cb)]
+    if shape.num_experts == 1:
+        llama = c.arch == "llama"
+        out["mlp_inputs"] = [Saved(n * c.d_model // tp, cb)] * (2 if llama else 1)
+        out["mlp_hidden"] = [Saved(n * c.ffn_dim, cb)] * (3 if llama else 1) + [Saved(n * c.ffn_dim // tp, cb)]
+    return out
+
+
+def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron") -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
     holds until that block's backward. Biases are cast too but not saved. For MoE (a mean block),
-    every local expert (num_experts / ep) is assumed to receive tokens."""
+    every local expert (num_experts / ep) is assumed to receive tokens; the seeds' tp forms leave
+    MoE layers whole."""
     if not w.autocast_copies:
         return 0
     c = shape.cfg
     d, kvd = c.d_model, c.kv_heads * c.head_dim
     attn = d * (d + 2 * kvd) + d * d
     mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
-    mlps = 1 + (max(1, shape.num_experts // ep) - 1) * shape.moe_share
-    return int((attn + mlps * mlp) * w.compute) // tp
+    if shape.num_experts == 1:
+        return int((attn + mlp) * w.compute) // tp
+    experts = (max(1, shape.num_experts // ep) - 1) * shape.moe_share * mlp  # beyond one MLP's worth
+    mlp_tp = tp if form == "megatron" else 1
+    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + \
+        int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp
 
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
@@ -181,7 +233,9 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
         out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
         out["head_input"] = _region_inputs(shape, w, n, 1, device, tp, sp, form)
         out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
-        out["targets"] = [Saved(n, INDEX_BYTES, "keep")]
+        out["targets"] = [Saved(n, INDEX_BYTES, "keep")]  # under tp: the local target ids
+        if tp > 1:  # the vocab-parallel loss (parallel/tp_layers.py) also masks the targets outside its piece
+            out["target_masks"] = [Saved(n, 1, "keep")] * 2
     return _held(out, compress, False, device)
 
 
@@ -204,7 +258,7 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     k, v are the checkpoint's inputs and the output is wo's input, so they stay)."""
     per = block_saved(shape, w, tokens, seq_len, **kw)
     tp = kw.get("tp", 1)
-    copies = weight_copies(shape, w, tp)
+    copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"))
     if policy == "none":
         return {"blocks": n_layers * sum(per.values()), "weight_copies": n_layers * copies}
     if policy == "selective":
@@ -225,7 +279,7 @@ def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int
     k = min(n_layers, segment_size(policy, n_layers, every))
     kw = {**kw, "compress": "none"}  # the replay runs in backward, outside the compression hooks
     per = sum(block_saved(shape, w, tokens, seq_len, **kw).values())
-    return k * (per + weight_copies(shape, w, kw.get("tp", 1)))
+    return k * (per + weight_copies(shape, w, kw.get("tp", 1), kw.get("ep", 1), kw.get("form", "megatron")))
 
 
 def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, policy: str, every: int,

@@ -1,8 +1,8 @@
 """`teratrain plan`: what fits, how fast, and why, before anything is launched.
 
     teratrain plan [CONFIG.toml|config.json] [--model PRESET | --params N] [--gpus N] [--gpu-mem GiB]
-                   [--gpu h100|h200|a100] [--set KEY=VALUE ...] [--hw KEY=VALUE ...] [--json] [--plot FILE]
-                   [--schedule-plot FILE] [--top K]
+                   [--gpu h100|h200|a100] [--host-mem GiB] [--set KEY=VALUE ...] [--hw KEY=VALUE ...]
+                   [--hw-file FILE] [--json] [--plot FILE] [--schedule-plot FILE] [--top K]
 
 Degrees set in the config or with --set are kept; the others are searched (search.py). Bad input
 and "nothing fits" exit 2 with one sentence (ConfigError, printed by teratrain.cli.main).
@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 
 from teratrain.config import ConfigError, load_config
-from teratrain.planner.hardware import GPUS, gpu_with, hw_keys
-from teratrain.planner.inputs import fixed_of, load, shape_of, training_of
+from teratrain.planner.hardware import GPUS, gpu_with, host_memory_gib, hw_keys, read_hw_file
+from teratrain.planner.auto import KEYS, command_line, train_command
+from teratrain.planner.inputs import PLAN_PRECISION, fixed_of, load, model_sets, shape_of, training_of
 from teratrain.planner.layout import ModelShape
 from teratrain.planner.memory import GIB
 from teratrain.planner.report import as_json, render
-from teratrain.planner.search import Candidate, batch_advice, search, smallest_gpu_count
+from teratrain.planner.search import Candidate, batch_advice, gpus_per_node, search, smallest_gpu_count
 from teratrain.planner.states import PlanError
 
 
@@ -31,11 +32,17 @@ def add_plan_parser(subparsers) -> None:
     src.add_argument("--params", type=float, help="bare parameter count, e.g. 1.5e9: model states only")
     p.add_argument("--gpus", type=int, help="GPUs to plan for (default: the product of the degrees set, else 1)")
     p.add_argument("--gpu-mem", type=float, help="usable memory per GPU in GiB (default: the --gpu's)")
-    p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU preset for peak FLOP/s and bandwidths")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset for peak FLOP/s and bandwidths (default: the "
+                   "--hw-file's, else h100)")
+    p.add_argument("--host-mem", type=float, help="host memory per node in GiB that offloaded (pinned) state must "
+                   "fit, for all the node's GPUs together (default: this machine's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tp=2 (a key set here is not searched)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override a hardware assumption ({', '.join(hw_keys())})")
+    p.add_argument("--hw-file", metavar="FILE", help="hardware terms measured on the machine: a "
+                   "bench/planner_validate.py result (its collectives, PCIe and CPU optimizer speed) or a JSON "
+                   "{key: number} object; --hw flags override it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE", help="write a stacked bar chart of memory per GPU (PNG)")
     p.add_argument("--schedule-plot", metavar="FILE", help="draw the chosen layout's pipeline step as simulated "
@@ -46,23 +53,25 @@ def add_plan_parser(subparsers) -> None:
 
 def cmd_plan(args) -> int:
     cfg, shape, notes = _inputs(args)
-    gpu = _gpu(args)
+    gpu = _gpu(args, notes)
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else gpu.memory_gib
     if gpu_mem <= 0 or (args.gpus is not None and args.gpus < 1) or args.top < 1:
         raise ConfigError("--gpu-mem, --gpus and --top must be positive; pass e.g. --gpus 8 --gpu-mem 80.")
     fixed = fixed_of(cfg)
     gpus = args.gpus or _default_gpus(fixed)
     train = training_of(cfg, notes)
+    host_mem = _host_mem(args, notes)
     try:
-        cands = search(shape, train, gpus, gpu, fixed, gpu_mem)
+        cands = search(shape, train, gpus, gpu, fixed, gpu_mem, host_mem)
     except PlanError as e:
         raise ConfigError(str(e)) from None
     fitting = [c for c in cands if c.fits]
+    limits = (gpu_mem, host_mem)
     if not fitting:
-        why = _nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands)
+        why = nothing_fits(shape, train, gpus, gpu, fixed, limits, cands)
         if args.json:  # the leanest layout, with "fits": false, for scripts; the sentence still goes to stderr
             least = min(cands, key=lambda c: c.memory.total)
-            print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, gpu_mem, least, cands, args.top, None, notes),
+            print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, least, cands, args.top, None, notes),
                               "fits": False, "error": why}))
         raise ConfigError(why)
     best = fitting[0]
@@ -86,12 +95,41 @@ def cmd_plan(args) -> int:
         if p.weight_version_every is not None:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
+    command = _train_command(args, cfg, shape, best, gpus, gpu, fixed)
     if args.json:
-        print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes),
-                          "fits": True}))
+        print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes),
+                          "fits": True, "train_command": command}))
     else:
-        print(render(shape, train, cfg, gpu, gpus, gpu_mem, best, cands, args.top, advice, notes))
+        print(render(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes))
+        print(f"Train it: {command_line(command)}" if command else
+              "Train it: a bare parameter count has no model to train; plan a preset or a config for the command.")
     return 0
+
+
+def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dict) -> list[str] | None:
+    """`teratrain train` with the plan's model, the user's settings and the chosen layout."""
+    if shape.is_bare:
+        return None
+    toml = args.config if args.config and not args.config.endswith(".json") else None
+    sets, _ = model_sets(args.config, args.model)
+    sets += args.overrides
+    if "precision" not in cfg.memory.model_fields_set:  # planned for bf16; the trainer's default is fp32
+        sets.append(f"memory.precision={PLAN_PRECISION}")
+    given = tuple(key for field, key in KEYS.items() if field in fixed)
+    return train_command(toml, sets, best.layout, gpus, gpu.gpus_per_node, given)
+
+
+def _host_mem(args, notes: list[str]) -> float | None:
+    """--host-mem, else this machine's memory (said in the notes), else None (not checked)."""
+    if args.host_mem is not None:
+        if args.host_mem <= 0:
+            raise ConfigError(f"--host-mem {args.host_mem:g} must be a positive size in GiB, e.g. --host-mem 2048.")
+        return args.host_mem
+    found = host_memory_gib()
+    if found is None:
+        notes.append("host memory unknown (no /proc/meminfo): offloaded state is not checked against it; give "
+                     "--host-mem")
+    return found
 
 
 def _inputs(args) -> tuple:
@@ -108,8 +146,18 @@ def _inputs(args) -> tuple:
     return cfg, shape_of(cfg, name), notes
 
 
-def _gpu(args):
-    hw = {}
+def _gpu(args, notes: list[str]):
+    """The GPU preset with the --hw-file's terms, then the --hw flags, applied."""
+    hw, preset = {}, None
+    if args.hw_file:
+        try:
+            hw, preset = read_hw_file(args.hw_file)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        notes.append(f"hardware terms from {args.hw_file}: {', '.join(f'{k}={v:.4g}' for k, v in sorted(hw.items()))}")
+    if preset is not None and preset not in GPUS:
+        raise ConfigError(f"--hw-file {args.hw_file} names GPU preset {preset!r}; choose one of {', '.join(GPUS)} "
+                          "with --gpu.")
     for item in args.hw:
         key, sep, val = item.partition("=")
         try:
@@ -119,7 +167,7 @@ def _gpu(args):
         if not sep:
             raise ConfigError(f"--hw '{item}' is not KEY=NUMBER; write e.g. --hw inter_node_gbps=25.")
     try:
-        return gpu_with(args.gpu, hw)
+        return gpu_with(args.gpu or preset or "h100", hw)
     except KeyError as e:
         raise ConfigError(f"--hw {e.args[0]} is not a hardware assumption; use one of {', '.join(hw_keys())}.") from None
     except ValueError as e:
@@ -143,16 +191,29 @@ def _advice(cfg) -> dict | None:
     return batch_advice(o.lr, rule, o.base_batch, cfg.train.global_batch, o.warmup_steps)
 
 
-def _nothing_fits(shape, train, gpus, gpu, fixed, gpu_mem, cands: list[Candidate]) -> str:
-    """One sentence: the least memory any layout needs, and the GPU count or change that fits."""
-    least = min(cands, key=lambda c: c.memory.total)
-    lay = least.layout
-    need = least.memory.total / GIB
-    more = smallest_gpu_count(shape, train, gpus, gpu, fixed, gpu_mem)
+def nothing_fits(shape, train, gpus, gpu, fixed, limits: tuple, cands: list[Candidate]) -> str:
+    """One sentence: the least memory any layout needs (on the GPU, or on the host when every layout
+    that fits the GPUs offloads more than the host holds), and the GPU count or change that fits."""
+    gpu_mem, host_mem = limits
+    on_gpu = [c for c in cands if c.memory.total <= gpu_mem * GIB]
+    more = smallest_gpu_count(shape, train, gpus, gpu, fixed, gpu_mem, host_mem_gib=host_mem)
     fix = f"plan with --gpus {more}" if more else "use a smaller model or a larger --gpu-mem"
     kept = [k for k in ("zero", "recompute", "micro_batch", "offload", "tp", "pp") if k in fixed]
     if kept:
         fix += f", or unset {', '.join(kept)} so the planner may change {'it' if len(kept) == 1 else 'them'}"
+    if on_gpu:  # they all offload more than the host holds
+        least = min(on_gpu, key=lambda c: c.memory.host)
+        per = gpus_per_node(least.layout, gpu)
+        return (f"no layout of {_name(shape)} fits both {gpu_mem:g} GiB per GPU and {host_mem:,.4g} GiB of host "
+                f"memory on {gpus} GPU(s): every layout that fits the GPUs offloads, and the leanest on the host "
+                f"({_layout_words(least.layout)}) pins {per} x {least.memory.host / GIB:,.1f} = "
+                f"{least.host_per_node(gpu) / GIB:,.1f} GiB per node; {fix}, or give --host-mem if the training "
+                "machines have more.")
+    least = min(cands, key=lambda c: c.memory.total)
     return (f"no layout of {_name(shape)} fits {gpu_mem:g} GiB per GPU on {gpus} GPU(s): the leanest "
-            f"(dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} recompute={lay.recompute} offload={lay.offload} "
-            f"micro_batch={lay.micro_batch}) needs {need:.1f} GiB; {fix}.")
+            f"({_layout_words(least.layout)}) needs {least.memory.total / GIB:.1f} GiB; {fix}.")
+
+
+def _layout_words(lay) -> str:
+    return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} recompute={lay.recompute} offload={lay.offload} "
+            f"micro_batch={lay.micro_batch}")

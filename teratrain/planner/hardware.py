@@ -8,14 +8,22 @@ effective per-GPU figures, one direction, in GB/s (1e9 bytes/s):
 - inter_node_gbps: one 400 Gb/s InfiniBand NIC per GPU (8 per node) = 50 GB/s (A100 nodes: 200 Gb/s, 25);
 - hbm_gbps: datasheet HBM bandwidth (H100 SXM 3350, H200 4800, A100-80GB 2039).
 alpha_*_s are per-message latencies of the alpha-beta model (Hockney 1994): t = alpha + bytes / beta.
+
+Measured terms: `bench/planner_validate.py --gpus N` times each collective on the machine and fits
+one alpha (per ring step) and one bus bandwidth per kind (`<kind>_alpha_s`, `<kind>_gbps`); given
+(`teratrain plan --hw-file RESULT.json`, or `--hw all_reduce_gbps=...`), they replace nvlink_gbps
+and alpha_intra_s for that kind inside a node.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +38,17 @@ class GPU:
     gpus_per_node: int = 8
     alpha_intra_s: float = 5e-6
     alpha_inter_s: float = 15e-6
+    # Collectives as measured inside a node (see the module docstring); None: nvlink_gbps, alpha_intra_s
+    all_reduce_gbps: float | None = None
+    all_reduce_alpha_s: float | None = None
+    reduce_scatter_gbps: float | None = None
+    reduce_scatter_alpha_s: float | None = None
+    all_gather_gbps: float | None = None
+    all_gather_alpha_s: float | None = None
+    all_to_all_gbps: float | None = None
+    all_to_all_alpha_s: float | None = None
+    p2p_gbps: float | None = None
+    p2p_alpha_s: float | None = None
     # Time-model constants, CALIBRATED on one H200 (torch 2.11, eager, bf16 autocast) with
     # bench/planner_validate.py; docs/planner.md ("Validation") has the table they come from. H100 and
     # A100 use the same values until measured there.
@@ -65,6 +84,14 @@ class GPU:
     def sustained_flops(self, precision: str, d_model: int) -> float:
         return self.peak_flops(precision) * self.efficiency(precision, d_model)
 
+    def link(self, kind: str, span: int) -> tuple[float, float]:
+        """(GB/s, alpha per ring step) of collective `kind` over a group whose ranks spread over `span`
+        consecutive GPUs: inside a node the kind's measured terms when given, else NVLink's."""
+        if span > self.gpus_per_node:
+            return self.inter_node_gbps, self.alpha_inter_s
+        gbps, alpha = getattr(self, f"{kind}_gbps"), getattr(self, f"{kind}_alpha_s")
+        return (self.nvlink_gbps if gbps is None else gbps), (self.alpha_intra_s if alpha is None else alpha)
+
 
 def _gpu(name: str, table_key: str, **kw) -> GPU:
     return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], **kw)
@@ -75,6 +102,14 @@ GPUS = {
     "h200": _gpu("h200", "H200", memory_gib=140.4, hbm_gbps=4800, nvlink_gbps=450, pcie_gbps=55, inter_node_gbps=50),
     "a100": _gpu("a100", "A100", memory_gib=79.2, hbm_gbps=2039, nvlink_gbps=300, pcie_gbps=25, inter_node_gbps=25),
 }
+
+
+def gpu_for_device(device_name: str, total_bytes: int) -> GPU:
+    """The preset whose name the device's name contains (H100 constants for any other GPU), with the
+    device's own memory."""
+    upper = device_name.upper()
+    gpu = next((g for key, g in GPUS.items() if key.upper() in upper), GPUS["h100"])
+    return replace(gpu, memory_gib=total_bytes / 2**30)
 
 
 def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
@@ -97,10 +132,56 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 
 
 # latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
-_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "context_gib", "fragmentation", "gpus_per_node"}
+_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "context_gib", "fragmentation", "gpus_per_node",
+                 *(f"{k}_alpha_s" for k in COLLECTIVES)}
 _RANGES = {"flops_max": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
            "gpus_per_node": (1.0, math.inf)}
 
 
 def hw_keys() -> list[str]:
     return sorted({f.name for f in fields(GPU)} - {"name", "peak_tflops"})
+
+
+def host_memory_gib() -> float | None:
+    """This machine's memory in GiB (MemTotal, capped by a cgroup v2 limit), or None where unknown.
+    The total, not what is free now: every rank of a job, started at slightly different moments,
+    must plan the same layout, and the pinned buffers are allocated before the run grows."""
+    total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max" and total is not None:
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass
+    return total / 2**30 if total else None
+
+
+def read_hw_file(path: str) -> tuple[dict[str, float], str | None]:
+    """Hardware terms from a JSON file: a `bench/planner_validate.py` result (its "hw" object, which
+    holds what the run measured, and its "gpu" preset) or a flat {"key": number} object. Returns
+    (overrides, preset name or None); raises ValueError with one sentence on bad content."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hw-file {path} cannot be read as JSON ({e}); pass a planner_validate result or a "
+                         "{\"key\": number} object.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--hw-file {path} holds no JSON object; pass a planner_validate result or a "
+                         "{\"key\": number} object.")
+    hw, preset = data.get("hw", data), data.get("gpu_preset")
+    if not isinstance(hw, dict):
+        raise ValueError(f"--hw-file {path}: \"hw\" is not an object of hardware terms.")
+    known = set(hw_keys())
+    bad = [k for k, v in hw.items() if k not in known or isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise ValueError(f"--hw-file {path}: {bad[0]!r} is not a hardware term with a number; use keys among "
+                         f"{', '.join(sorted(known))}.")
+    return {k: (int(v) if k == "gpus_per_node" else float(v)) for k, v in hw.items()}, preset

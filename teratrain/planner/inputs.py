@@ -24,16 +24,18 @@ def hf_model(path: Path) -> tuple[dict, list[str]]:
 def load(path: str | None, preset: str | None, overrides: list[str]) -> tuple[Config, list[str]]:
     """Config from TOML / config.json / preset plus --set; returns (cfg, notes). A config.json's
     shape enters as `model.*` overrides placed before the user's own --set."""
-    notes: list[str] = []
+    sets, notes = model_sets(path, preset)
+    return load_config(None if path and path.endswith(".json") else path, sets + list(overrides)), notes
+
+
+def model_sets(path: str | None, preset: str | None) -> tuple[list[str], list[str]]:
+    """(--set items that give the model of a config.json or a preset, notes for the user)."""
     if path and path.endswith(".json"):
         model, notes = hf_model(Path(path))
         moe = model.pop("moe", {})
         shape_sets = [f"model.{k}={_literal(v)}" for k, v in model.items()]
-        shape_sets += [f"model.moe.{k}={_literal(v)}" for k, v in moe.items()]
-        return load_config(None, shape_sets + list(overrides)), notes
-    if preset:
-        overrides = [f"model.preset={preset}"] + list(overrides)
-    return load_config(path, overrides), notes
+        return shape_sets + [f"model.moe.{k}={_literal(v)}" for k, v in moe.items()], notes
+    return ([f"model.preset={preset}"] if preset else []), []
 
 
 def _literal(v) -> str:
@@ -75,6 +77,9 @@ def fixed_of(cfg: Config) -> dict:
         if key in p.model_fields_set and getattr(p, key) is not None:
             out[key] = getattr(p, key)
     out["schedule"] = CONFIG_NAMES[p.schedule]  # never searched: the default is 1F1B
+    out["tp_form"] = p.tp_form  # never searched: sequence parallelism follows it where tp > 1
+    if p.sequence_parallel is not None or p.tp_form != "megatron":
+        out["sequence_parallel"] = p.tp_form == "megatron" and p.sequence_parallel is not False
     if "micro_batch" in t.model_fields_set:
         out["micro_batch"] = t.micro_batch
     if "recompute" in m.model_fields_set:

@@ -23,10 +23,13 @@ def build_engine(cfg, device: str | torch.device = "cpu"):
     return model, parallelize(model, Runtime.single(device), cfg)
 
 
-def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
+                targets_in_model: bool = False) -> int:
     """Bytes of distinct storages autograd keeps from forward to backward for one micro-batch
     (loss included), parameters excluded (they are model states, counted elsewhere). With activation
-    compression (memory/compression.py), what its encoder returns is what is kept and counted."""
+    compression (memory/compression.py), what its encoder returns is what is kept and counted.
+    `targets_in_model`: the loss as training computes it, model(x, y) (a parallelized model's own
+    criterion, e.g. the vocab-parallel loss), rather than lm_loss of the whole logits."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     codec = getattr(model, "activation_codec", None)
     seen: dict[int, int] = {}
@@ -44,7 +47,7 @@ def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precis
     model.train()
     with compressed_saves(model), torch.autograd.graph.saved_tensors_hooks(pack, ActivationCodec.unpack):
         with autocast(precision, x.device):  # the innermost hooks (the counter) are the ones autograd calls
-            loss = lm_loss(model(x), y)
+            loss = model(x, y) if targets_in_model else lm_loss(model(x), y)
     del loss
     return sum(seen.values())
 

@@ -68,18 +68,19 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress,
               form=lay.tp_form)
     layers = stage_params(shape, lay)["layers"]
-    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw)
+    bkw = {**kw, "form": lay.tp_form, "ep": lay.ep}  # the blocks' tensors depend on these, the rest does not
+    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
-    per_block = act.block_saved(shape, w, n, T, **kw)
-    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep)
+    per_block = act.block_saved(shape, w, n, T, **bkw)
+    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
     return {"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy,
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
-            "recompute": act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **kw),
+            "recompute": act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw),
             **{f"block.{k}": v for k, v in per_block.items()}}
 
 
@@ -90,7 +91,8 @@ def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
     n = lay.micro_batch * c.seq_len
     k = shape.top_k if shape.num_experts > 1 else 1
-    mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // lay.tp
+    split = lay.tp if lay.tp_form == "megatron" else 1  # the seeds' forms gather the MLP's hidden whole
+    mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // split
     return mlp + 2 * n * c.d_model * 4 // (lay.tp if lay.sequence_parallel else 1)
 
 
@@ -209,3 +211,15 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
                            activations=acts, buffers=bufs, allowance=allowance, total=peak + allowance,
                            peak_allocated=peak, host=st["host"], phase=phase, at_peak=at_peak,
                            phases={k: sum(v.values()) for k, v in phases.items()}, terms=terms)
+
+
+def forward_saved(shape: ModelShape, train: Training, lay: Layout, device: str = "cuda") -> int:
+    """Bytes one micro-batch's forward keeps for backward on a rank of a layout without a pipeline,
+    as `saved_tensors_hooks` count them (planner.measure.saved_bytes, parameters excluded): the
+    blocks' and the two ends' saved tensors and the autocast weight copies, and (fp32 compute, no
+    segment recomputation) the RoPE tables SDPA's inputs are views of."""
+    saved = _saved(shape, train, lay, device)
+    total = saved["blocks"] + saved["first"] + saved["copies"]
+    if train.widths(lay.zero, lay.offload).compute == 4 and lay.recompute in ("none", "selective"):
+        total += act.rope_tables(shape)
+    return total

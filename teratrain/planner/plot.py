@@ -9,7 +9,8 @@ from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import GIB, plan_memory
-from teratrain.planner.time import TimeBreakdown, p2p_s
+from teratrain.planner.comm import p2p_s
+from teratrain.planner.time import TimeBreakdown
 
 KINDS = [("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
          ("optimizer", "optimizer state", "#C44E52"), ("activations", "activations", "#8172B2"),

@@ -6,7 +6,7 @@ from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
-from teratrain.planner.search import Candidate
+from teratrain.planner.search import Candidate, gpus_per_node
 
 OPT_BYTES = {"adamw": "AdamW m + v (8 B/param)", "sgd": "SGD momentum (4 B/param)",
              "adafactor": "Adafactor row + column sums", "sm3": "SM3 row + column accumulators"}
@@ -113,7 +113,17 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
     return out
 
 
-def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, advice, notes) -> str:
+def _host_line(gpu: GPU, c: Candidate, host_mem: float | None) -> str:
+    per = gpus_per_node(c.layout, gpu)
+    node = f"offloaded state, not on the GPU; x {per} GPUs per node = {c.host_per_node(gpu) / GIB:,.1f} GiB"
+    if host_mem is None:
+        return node + " (host memory not checked)"
+    return node + (f" of the host's {host_mem:,.4g} GiB" if c.host_fits
+                   else f": exceeds the host's {host_mem:,.4g} GiB")
+
+
+def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, top, advice, notes) -> str:
+    gpu_mem, host_mem = limits
     lay, m, t = best.layout, best.memory, best.time
     n = shape.counts()["total"]
     active = f", {shape.counts()['active'] / 1e9:.3g} B active per token" if shape.num_experts > 1 else ""
@@ -127,7 +137,7 @@ def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, a
         out.append(f"  {name:22}{_gib(held)}{_gib(peak)}  {why}")
     out.append(f"  {'total':22}{'':8}{_gib(m.total)}  must fit {gpu_mem:g} GiB; the peak falls at: {m.phase}")
     if m.host:
-        out.append(f"  {'host (pinned CPU)':22}{_gib(m.host)}{'':9}  offloaded state, not on the GPU")
+        out.append(f"  {'host (pinned CPU)':22}{_gib(m.host)}{'':9}  {_host_line(gpu, best, host_mem)}")
     out += ["", f"{'Time per step':24}{'s':>8}"]
     for name, sec, why in time_lines(shape, train, gpu, best):
         out.append(f"  {name:22}{sec:8.4f}  {why}")
@@ -142,8 +152,10 @@ def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, a
                    f"{L.recompute:10}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
                    + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}"))
     rejected = [c for c in cands if not c.fits]
+    on_host = sum(not c.host_fits for c in rejected)
     if rejected:
-        out.append(f"  ({len(rejected)} layouts exceed {gpu_mem:g} GiB)")
+        out.append(f"  ({len(rejected)} layouts exceed {gpu_mem:g} GiB" + (
+            f" or the host's {host_mem:,.4g} GiB: {on_host} of them by their pinned host memory)" if on_host else ")"))
     if advice:
         out += ["", f"Batch advice: LR {advice['base_lr']:g} was tuned at global batch {advice['base_batch']}; at "
                 f"{advice['global_batch']} use lr={advice['lr']:.3g} ({advice['rule']} rule; linear gives "
@@ -152,11 +164,13 @@ def render(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, a
     return "\n".join(out)
 
 
-def as_json(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, advice, notes) -> dict:
+def as_json(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, top, advice, notes) -> dict:
+    gpu_mem, host_mem = limits
     m, t = best.memory, best.time
     return {"model": shape.name, "num_params": shape.counts()["total"], "num_active_params": shape.counts()["active"],
-            "gpus": gpus, "gpu": gpu.name,
-            "gpu_mem_gib": gpu_mem, "precision": train.precision, "optimizer_name": train.optimizer,
+            "gpus": gpus, "gpu": gpu.name, "gpu_mem_gib": gpu_mem, "host_mem_gib": host_mem,
+            "host_per_node": best.host_per_node(gpu), "host_fits": best.host_fits,
+            "precision": train.precision, "optimizer_name": train.optimizer,
             "global_batch": train.global_batch, "seq_len": None if shape.is_bare else shape.cfg.seq_len,
             **{k: getattr(m, k) for k in ("params", "grads", "optimizer", "activations", "buffers", "allowance",
                                           "total", "peak_allocated", "host", "phase", "at_peak", "phases")},
@@ -164,6 +178,7 @@ def as_json(shape, train, cfg, gpu, gpus, gpu_mem, best: Candidate, cands, top, 
             "tokens_per_s": None if shape.is_bare else t.tokens_per_s,
             "mfu": None if shape.is_bare else t.mfu, "time": t.as_dict(), "layout": best.layout.as_dict(),
             "candidates": [{"layout": c.layout.as_dict(), "total": c.memory.total, "fits": c.fits,
+                            "host": c.memory.host, "host_fits": c.host_fits,
                             "step_time_s": c.time.step_time_s, "mfu": c.time.mfu} for c in cands[:top]],
             "num_candidates": len(cands), "num_fitting": sum(c.fits for c in cands),
             "batch_advice": advice, "assumptions": {k: v for k, v in gpu.__dict__.items()}, "notes": notes}

@@ -5,8 +5,11 @@ Search space (each dimension only where the user did not fix it):
   (Megatron-LM's split); pp dividing the layers; ep dividing dp and the experts (1 for dense models);
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
 - micro-batch (a divisor of the per-replica batch, up to 64 sequences) and recomputation policy;
-- sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.).
-A layout fits when its predicted total (peak + allowance) is at most the GPU memory.
+- sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.),
+  unless the user turned it off or chose one of the seeds' tp forms (parallel.tp_form).
+A layout fits when its predicted total (peak + allowance) is at most the GPU memory and, when it
+offloads, the pinned host memory of the GPUs one node holds (host bytes per GPU x GPUs per node) is
+at most the host's memory (`host_mem_gib`; None: not checked).
 """
 
 from __future__ import annotations
@@ -30,18 +33,30 @@ class Candidate:
     layout: Layout
     memory: MemoryBreakdown
     time: TimeBreakdown
-    fits: bool
+    fits: bool  # on the GPU and on the host
+    host_fits: bool = True  # the pinned host memory of one node's GPUs fits the host
+
+    def host_per_node(self, gpu: GPU) -> int:
+        """Pinned host bytes of the GPUs of this layout that share one node."""
+        return self.memory.host * gpus_per_node(self.layout, gpu)
 
     def sort_key(self) -> tuple:
         # fastest first (to 0.1%); among equals, less communication, then less memory
         return (not self.fits, float(f"{self.time.step_time_s:.3g}"), self.time.comm_s, self.memory.total)
 
 
-def evaluate(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, gpu_mem_gib: float | None = None) -> Candidate:
-    mem = plan_memory(shape, train, lay, gpu)
+def gpus_per_node(lay: Layout, gpu: GPU) -> int:
+    """GPUs of this layout on one node: all of them up to a node's worth."""
+    return min(lay.gpus, gpu.gpus_per_node)
+
+
+def evaluate(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, gpu_mem_gib: float | None = None,
+             host_mem_gib: float | None = None, device: str = "cuda") -> Candidate:
+    mem = plan_memory(shape, train, lay, gpu, device)
     tim = plan_time(shape, train, lay, gpu, mem)
     cap = (gpu_mem_gib if gpu_mem_gib is not None else gpu.memory_gib) * GIB
-    return Candidate(lay, mem, tim, mem.total <= cap)
+    host_ok = host_mem_gib is None or mem.host * gpus_per_node(lay, gpu) <= host_mem_gib * GIB
+    return Candidate(lay, mem, tim, mem.total <= cap and host_ok, host_ok)
 
 
 def _divisors(n: int) -> list[int]:
@@ -98,7 +113,7 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
                         base = {k: v for k, v in fixed.items() if k in Layout.__dataclass_fields__}
                         base.update(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, offload=offload, micro_batch=mb,
                                     recompute=rc, num_microbatches=per_replica // mb,
-                                    sequence_parallel=fixed.get("sequence_parallel", tp > 1))
+                                    sequence_parallel=tp > 1 and fixed.get("sequence_parallel", True))
                         lay = Layout(**base)
                         try:
                             check_layout(shape, train, lay)
@@ -110,10 +125,12 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
 
 
 def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
-           gpu_mem_gib: float | None = None) -> list[Candidate]:
+           gpu_mem_gib: float | None = None, host_mem_gib: float | None = None,
+           device: str = "cuda") -> list[Candidate]:
     """Every candidate layout, fitting ones first, each group fastest first."""
     refused: list[str] = []
-    cands = [evaluate(shape, train, lay, gpu, gpu_mem_gib) for lay in layouts(shape, train, gpus, gpu, fixed, refused)]
+    cands = [evaluate(shape, train, lay, gpu, gpu_mem_gib, host_mem_gib, device)
+             for lay in layouts(shape, train, gpus, gpu, fixed, refused)]
     if not cands:
         raise PlanError(_why_empty(shape, train, gpus, fixed, refused))
     return sorted(cands, key=Candidate.sort_key)
@@ -143,7 +160,7 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refus
 
 
 def smallest_gpu_count(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
-                       gpu_mem_gib: float, limit: int = 4096) -> int | None:
+                       gpu_mem_gib: float, limit: int = 4096, host_mem_gib: float | None = None) -> int | None:
     """The fewest GPUs (doubling from `gpus`) at which some layout fits, or None up to `limit`."""
     n = gpus * 2
     free = {k: v for k, v in fixed.items() if k not in ("dp",)}
@@ -151,7 +168,7 @@ def smallest_gpu_count(shape: ModelShape, train: Training, gpus: int, gpu: GPU, 
         batch = max(train.global_batch, n)  # a data-parallel rank needs at least one sequence
         t = Training(**{**train.__dict__, "global_batch": batch})
         try:
-            if any(c.fits for c in search(shape, t, n, gpu, free, gpu_mem_gib)):
+            if any(c.fits for c in search(shape, t, n, gpu, free, gpu_mem_gib, host_mem_gib)):
                 return n
         except PlanError:
             pass

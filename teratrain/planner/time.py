@@ -4,7 +4,9 @@ Terms, each with its source or assumption:
 - compute: model FLOPs (PaLM appendix B: 6N + 12*L*H*Q*T per token, N the matmul weights a token
   multiplies), plus one more forward of what recomputation replays (Chen et al. 2016; selective
   recomputation replays only the attention core, 4*L*H*Q*T per token), at the datasheet peak times
-  a sustained efficiency that grows with the width d, calibrated on the H200 (the calibrated defaults of hardware.GPU).
+  a sustained efficiency that grows with the width d, calibrated on the H200 (the calibrated defaults of
+  hardware.GPU). Pipeline stages split all of it; tensor parallelism splits the matmul weights' part,
+  and the attention core's only in the megatron form (the seeds' forms gather every head everywhere).
 - eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
   matmuls, some HBM time; a calibrated cost per op (ops counted from our Block). This is what makes
   small models slower than their FLOPs say.
@@ -13,11 +15,10 @@ Terms, each with its source or assumption:
 - MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs); expert
   parallelism adds 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
   backward; 6 when recomputation replays the forward), exposed; expert gradients reduce over dp/ep ranks.
-- communication, alpha-beta per collective (ring algorithms, Thakur et al. 2005): all-reduce moves
-  2(n-1)/n of the bytes, reduce-scatter and all-gather (n-1)/n, over NVLink when the group fits in
-  a node, else over the inter-node link. Data-parallel reductions overlap the backward of the last
+- communication: every collective of the step, alpha-beta priced per ring (planner/comm.py says
+  which, from measured terms when given). Data-parallel reductions overlap the backward of the last
   micro-batch (bucketed, Li et al. 2020); ZeRO-3 gathers overlap compute (prefetch); tensor-parallel
-  all-reduces (Megatron-LM: 2 forward + 2 backward per layer) and pipeline sends are exposed.
+  collectives, pipeline sends and all-to-alls are exposed.
 - pipeline bubble: the idle share of the step in the simulated schedule (planner/pipeline.py over
   parallel/pipeline/simulate.py, even stages): (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019),
   (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023).
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
+from teratrain.planner.comm import step_comm
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -65,103 +67,37 @@ class TimeBreakdown:
         return asdict(self)
 
 
-def _collective(kind: str, n: int, nbytes: float, gbps: float, alpha: float, messages: int = 1) -> float:
-    """Ring alpha-beta time of one collective over n ranks moving `nbytes` per rank."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    frac = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-            "all_to_all": (n - 1) / n, "p2p": 1.0}[kind]
-    steps = {"all_reduce": 2 * (n - 1), "p2p": 1}.get(kind, n - 1)
-    return messages * steps * alpha + frac * nbytes / (gbps * 1e9)
-
-
-def _link(gpu: GPU, span: int) -> tuple[float, float]:
-    """(GB/s, alpha) for a group whose ranks spread over `span` consecutive GPUs."""
-    if span <= gpu.gpus_per_node:
-        return gpu.nvlink_gbps, gpu.alpha_intra_s
-    return gpu.inter_node_gbps, gpu.alpha_inter_s
-
-
 def model_flops(shape: ModelShape, tokens: float) -> float:
     """PaLM FLOPs for `tokens` tokens (no recomputation); MoE counts the active weights only: the
     router and the top_k experts a token visits (count_params' `matmul`)."""
     return flops_per_token(shape.cfg) * tokens
 
 
+def attention_flops(shape: ModelShape, tokens: float) -> float:
+    """The attention core's share of the model FLOPs, 12*L*H*Q*T per token (PaLM appendix B)."""
+    c = shape.cfg
+    return 12 * c.n_layers * c.n_heads * c.head_dim * c.seq_len * tokens
+
+
 def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
     """The extra forward recomputation adds: the blocks (2N_blocks + 4LHQT per token), or only the
     attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5)."""
     c = shape.cfg
-    attn = 4 * c.n_layers * c.n_heads * c.head_dim * c.seq_len
+    attn = attention_flops(shape, tokens) / 3
     if lay.recompute == "none":
         return 0.0
     if lay.recompute == "selective":
-        return attn * tokens
+        return attn
     blocks = shape.counts()["matmul"] - c.vocab_size * c.d_model
-    return (2 * blocks + attn) * tokens
+    return 2 * blocks * tokens + attn
 
 
-def _comm(shape, train, lay, gpu, w) -> dict[str, float]:
-    """Seconds per step of each communication term (before overlap)."""
-    c = shape.cfg
-    sp = stage_params(shape, lay)
-    m = lay.num_microbatches
-    dp_bw, dp_a = _link(gpu, lay.dp * lay.tp)
-    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
-    # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
-    for n, ranks in ((sp["first"] - sp["experts"], lay.dp), (sp["experts"], lay.dp // lay.ep)):
-        for key, t in _dp_terms(train, lay, w, n, ranks, dp_bw, dp_a).items():
-            out[key] += t
-    if shape.is_bare:
-        return out
-    act = lay.micro_batch * c.seq_len * c.d_model * w.compute
-    tp_bw, tp_a = _link(gpu, lay.tp)
-    layers = sp["layers"]
-    out["tp"] = m * layers * 4 * _collective("all_reduce", lay.tp, act, tp_bw, tp_a)
-    if lay.pp > 1:
-        out["pp"] = 2 * (m + lay.pp - 1) * p2p_s(shape, train, lay, gpu)
-    if shape.num_experts > 1:  # dispatch and combine, forward and backward (and a replayed forward)
-        moe_layers = layers * shape.moe_share
-        per_layer = 6 if lay.recompute in ("full", "sqrt", "every-k") else 4
-        out["ep"] = m * moe_layers * per_layer * all_to_all_s(shape, train, lay, gpu)
-    return out
-
-
-def _dp_terms(train, lay, w, local: int, ranks: int, bw: float, alpha: float) -> dict[str, float]:
-    """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`."""
-    red = train.reduce_bytes
-    buckets = max(1, int(local * red / (train.bucket_mb * 2**20)))
-    m = lay.num_microbatches
-    if lay.zero == 0:
-        return {"dp": _collective("all_reduce", ranks, local * red, bw, alpha, buckets)}
-    # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume); under a
-    # pipeline ZeRO-3 gathers a stage once per step and reduces once (parallel/zero.py)
-    rs = _collective("reduce_scatter", ranks, local * red, bw, alpha, buckets)
-    ag = _collective("all_gather", ranks, local * w.param, bw, alpha, buckets)
-    out = {"dp": rs * (1 if accumulates(lay) else m)}
-    if lay.zero < 3:
-        out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
-    else:
-        out["zero_gather"] = ag * (1 if lay.pp > 1 else 2 * m)  # else each block before its forward and backward
-    return out
-
-
-def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
-    """One expert-parallel all-to-all of one micro-batch: each token's top_k routed copies,
-    (micro_batch x T x top_k, d) in the compute dtype, (ep-1)/ep of them leaving the rank (GShard's
-    dispatch or combine, parallel/expert.py; capacity drops ignored). Every tp rank sends the whole
-    (gathered) tokens to the ep peers of its own tp index."""
-    c = shape.cfg
-    rows = lay.micro_batch * c.seq_len * shape.top_k
-    bw, alpha = _link(gpu, lay.ep * lay.tp)
-    return _collective("all_to_all", lay.ep, rows * c.d_model * train.widths(lay.zero, lay.offload).compute, bw, alpha)
-
-
-def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
-    """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d)."""
-    act = lay.micro_batch * shape.cfg.seq_len * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
-    bw, alpha = _link(gpu, 2 * lay.dp * lay.tp)  # pp is the outermost mesh axis: neighbours are this far
-    return _collective("p2p", 2, act, bw, alpha)
+def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> float:
+    """One rank's share of `flops` of which `attn` are the attention core: pipeline stages split all,
+    tensor parallelism the matmul weights, and the attention core only in the megatron form (the
+    seeds' forms gather every head on every rank)."""
+    split_attn = lay.tp if lay.tp_form == "megatron" else 1
+    return ((flops - attn) / lay.tp + attn / split_attn) / lay.pp
 
 
 def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
@@ -194,15 +130,17 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
     opt_s = 0.0 if lay.offload != "none" else shard * (OPTIMIZER_BYTES_PER_PARAM + (12 if w.master else 0)) / hbm
     offload_s = _offload_s(train, lay, gpu, shard)
-    comm = _comm(shape, train, lay, gpu, w) if lay.gpus > 1 else {}
+    comm = step_comm(shape, train, lay, gpu) if lay.gpus > 1 else {}
     if shape.is_bare:  # no shape, no FLOPs: only the model-state traffic can be timed
         c_s = sum(comm.values())
         return TimeBreakdown(0.0, 0.0, opt_s, c_s, c_s, 0.0, offload_s, opt_s + offload_s + c_s, 0.0, 0.0, 0.0,
                              {"note": "bare parameter count: no compute term"})
     c = shape.cfg
     tokens = lay.micro_batch * c.seq_len * lay.num_microbatches  # per data-parallel replica
-    flops = model_flops(shape, tokens) / (lay.tp * lay.pp)
-    replay = recompute_flops(shape, lay, tokens) / (lay.tp * lay.pp)
+    attn = attention_flops(shape, tokens)
+    flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
+    replay_attn = attn / 3 if lay.recompute != "none" else 0.0
+    replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
     compute_s = (flops + replay) / gpu.sustained_flops(train.precision, c.d_model)
     ops_s = eager_ops(shape, train, lay) * gpu.op_overhead_s
     busy = compute_s + ops_s

@@ -16,6 +16,7 @@ from teratrain.models.transformer import Transformer
 from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import parallelize
 from teratrain.parallel.pipeline.runtime import step_runner
+from teratrain.planner.measure import saved_bytes
 from teratrain.train import seed_everything
 
 # Small enough for 4 ranks on 2 cores; GQA (4 query / 2 key-value heads) and a vocabulary that
@@ -66,14 +67,16 @@ def train_steps(cfg, rt, model, engine, steps: int, start: int = 0) -> list[floa
 
 
 def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, freeze: tuple[str, ...] = (),
-                 skip_branch: bool = False, routing_seed: bool = False) -> dict:
+                 skip_branch: bool = False, routing_seed: bool = False, count_saved: bool = False) -> dict:
     """`steps` optimizer steps; returns every step's mean loss and (rank 0) the final whole params.
     skip_branch: data-parallel rank 1 of 2 takes no gradient through layers.1's MLP (its output is
     replaced by zeros); one process zeroes it for the same samples, which is the same math.
     routing_seed: MoE routers draw their randomness from a seed per (step, global micro-batch), the
     same on every layout. MoE runs also return `moe`: routed choices dropped for capacity and expert
     runs on zero rows, summed over data-parallel ranks (and pipeline stages), and `moe_metrics`: the
-    trainer's MoE statistics of the whole run (every layer, whatever stage holds it)."""
+    trainer's MoE statistics of the whole run (every layer, whatever stage holds it). count_saved:
+    also `saved`, the bytes autograd keeps for one micro-batch's forward on this rank
+    (planner.measure.saved_bytes)."""
     cfg, rt, model, engine = build(overrides, freeze)
     tc = cfg.train
     per_rank = tc.global_batch // rt.dims.dp
@@ -100,9 +103,10 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
     stats = moe_metrics.step_metrics(model, rt) if cfg.model.moe.enabled else {}  # the whole run's, as logged
     all_reduce(probe, rt.dp_group)  # tensor-parallel peers route the same tokens: count them once
     all_reduce(probe, rt.group("pp"))  # every pipeline stage's layers
+    saved = saved_bytes(model, *micro[0], cfg.memory.precision, targets_in_model=True) if count_saved else None
     return {"losses": losses, "params": params if rank == 0 else None, "bytes": engine.last_state_bytes,
             "skipped": engine.skipped_steps, "moe": dict(zip(("dropped", "idle_experts"), probe.tolist())),
-            "moe_metrics": stats}
+            "moe_metrics": stats, "saved": saved}
 
 
 def _seed_routing(model, first_micro: int) -> list[int]:

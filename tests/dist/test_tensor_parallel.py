@@ -8,7 +8,10 @@ change fp32 summation order; AdamW with eps=1e-6 amplifies it least, see test_ze
 import pytest
 
 from harness import run_ranks
-from layout_workers import GPT2, train_random
+from layout_workers import BASE, GPT2, train_random
+from teratrain.config import load_config
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.memory import forward_saved
 
 
 def max_rel_diff(a: dict, b: dict, floor: float = 1e-3) -> float:
@@ -56,15 +59,22 @@ def test_tp2_every_form_and_overlap_llama_and_gpt2():
     parallel.tp_overlap=chunked (parallel/tp_overlap.py: collectives split into units under the
     GEMMs, forward and backward) with sequence parallelism on (2 units: the chunked token layout,
     over which gpt2's learned positions are looked up, its biases and tied head) and off (4 units of
-    rows); every other layout runs no overlapped function."""
+    rows); every other layout runs no overlapped function.
+    The bytes autograd keeps for one micro-batch on rank 0 equal the planner's count for each form
+    exactly (planner.memory.forward_saved: gathered linear inputs, the vocab-parallel loss's masks)."""
     layouts = TP2 + TP2_OVERLAP + [GPT2_SGD + lay for lay in TP2 + TP2_OVERLAP[:1]]
-    _assert_overlapped(layouts, _compare(layouts, world=2, worker=_counting_overlaps))
+    runs = _compare(layouts, world=2, worker=_counting_overlaps, count_saved=True)
+    _assert_overlapped(layouts, runs)
+    for layout, got in zip(layouts, runs):
+        cfg = load_config(None, BASE + layout)
+        assert got["saved"] == forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), "cpu"), layout
 
 
 def _assert_overlapped(layouts: list[list[str]], runs: list[dict]) -> None:
     for layout, run in zip(layouts, runs):
-        # 10 steps of 4 micro-batches; each: 3 column joints (attention, MLP, head), 2 row exits per block of 2
-        want = {"column": 10 * 4 * 5, "row": 10 * 4 * 4} if OVERLAP[0] in layout else {"column": 0, "row": 0}
+        # 10 steps of 4 micro-batches and the counted forward; each: 3 column joints (attention, MLP,
+        # head), 2 row exits per block of 2
+        want = {"column": 41 * 5, "row": 41 * 4} if OVERLAP[0] in layout else {"column": 0, "row": 0}
         assert run["overlapped"] == want, layout
 
 

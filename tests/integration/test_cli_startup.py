@@ -30,3 +30,15 @@ def test_summary_and_plain_log_lines(cli, tmp_path):
     assert f"resumed from step 4 of {run}; changed since then: train.steps: 4 -> 6" in resumed
     assert "metrics.progress: True -> False" in resumed
     assert not any(ln.startswith("step ") for ln in resumed.splitlines())
+
+
+def test_auto_layout_is_chosen_said_and_recorded(cli, tmp_path):
+    """parallel.auto on CPU: the unset layout keys follow the CPU rule (docs/planner.md), the summary
+    says so and what was kept, and the run directory's config records the choice."""
+    run = tmp_path / "auto"
+    err = cli.train(run, "parallel.auto=true", "parallel.zero=1", "train.eval_batches=0", steps=1, in_process=True).stderr
+    assert ("teratrain: auto layout: dp=1 tp=1 pp=1 ep=1 offload=none recompute=none chosen, the simplest of "
+            in err), err
+    assert "kept as given: parallel.zero, train.micro_batch" in err and "layout: dp=1 zero=1" in err
+    saved = load_config(run / "config.toml")
+    assert (saved.parallel.auto, saved.parallel.dp, saved.parallel.zero, saved.memory.recompute) == (True, 1, 1, "none")

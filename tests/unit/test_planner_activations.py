@@ -44,6 +44,20 @@ def test_saved_bytes_match_hooks(arch, precision, masters, policy):
     assert _predicted(cfg, 2) == pytest.approx(measured, rel=0.05)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_saved_bytes_match_hooks(ep):
+    """A top-2 MoE block (4 experts): router, dispatch and combine tensors as autograd keeps them, in one
+    process (exact to the loss scalar); expert parallelism adds two index tensors per layer."""
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import forward_saved as rank_saved
+
+    cfg = _cfg("llama", "fp32", False, "none", 16, 2, "model.moe.num_experts=4", "model.moe.top_k=2")
+    model, _ = build_engine(cfg)
+    measured = saved_bytes(model, *random_batch(cfg, 2), "fp32", targets_in_model=True)
+    predicted = rank_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1).with_(dp=ep, ep=ep, micro_batch=2), "cpu")
+    assert predicted - measured == (0 if ep == 1 else 2 * 2 * 64 * 8) - 4  # 2 layers x 2 x (2 x 32 rows) int64
+
+
 def test_flash_attention_keeps_no_seq_by_seq_scores():
     """Doubling T doubles what a block keeps (it would quadruple a T x T term)."""
     cfg = _cfg("llama", "fp32", False, "none", seq_len=64, n_layers=1)

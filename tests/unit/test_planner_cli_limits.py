@@ -40,3 +40,21 @@ def test_bare_count_with_fixed_degrees_needs_no_batch(capsys):
     d = plan_json(capsys, "--params", "1e9", "--set", "parallel.dp=64", "--set", "parallel.zero=3")
     assert d["layout"]["dp"] == 64 and d["layout"]["zero"] == 3
     assert d["optimizer"] == pytest.approx(12e9 / 64, rel=0.01)  # fp32 masters + moments (no 2-byte copy at stage 3)
+
+
+OFFLOADING = ["--model", "gpt2-124m", "--gpus", "2", "--gpu-mem", "2.2", "--set", "train.global_batch=8",
+              "--set", "parallel.tp=1", "--set", "parallel.pp=1"]  # only offloading layouts fit 2.2 GiB
+
+
+def test_offloaded_state_of_a_node_must_fit_the_host(capsys):
+    """Pinned host bytes per GPU x the node's GPUs are held against --host-mem: a plan that fits says
+    so, and one that no host of that size can hold is refused in one sentence naming the need."""
+    d = plan_json(capsys, *OFFLOADING, "--host-mem", "100", "--top", "100")
+    assert d["layout"]["offload"] != "none" and d["host_fits"] and d["host_mem_gib"] == 100
+    assert d["host_per_node"] == 2 * d["host"] > 0
+    leanest = min(c["host"] for c in d["candidates"] if c["fits"])
+    rc, out, err = plan(capsys, *OFFLOADING, "--host-mem", f"{0.99 * 2 * leanest / GIB:.4f}")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "of host memory on 2 GPU(s)" in err and f"pins 2 x {leanest / GIB:,.1f}" in err
+    rc, _, err = plan(capsys, *OFFLOADING, "--host-mem", "-1")
+    assert rc == 2 and "--host-mem" in err

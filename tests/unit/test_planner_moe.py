@@ -13,7 +13,8 @@ from teratrain.planner.inputs import load, shape_of, training_of
 from teratrain.planner.layout import Layout
 from teratrain.planner.search import evaluate, search
 from teratrain.planner.states import model_states
-from teratrain.planner.time import _collective, _link, all_to_all_s, model_flops
+from teratrain.planner.comm import all_to_all_s, collective
+from teratrain.planner.time import model_flops
 
 H200 = GPUS["h200"]
 
@@ -51,8 +52,8 @@ def test_all_to_all_term():
     (ep-1)/ep of micro_batch x T x top_k rows of d in bf16; none at ep=1; half with every=2."""
     shape, train = _shape()
     lay = Layout(dp=8, ep=4, micro_batch=2, num_microbatches=3)
-    bw, alpha = _link(H200, 4)
-    one = _collective("all_to_all", 4, 2 * 4096 * 2 * 4096 * 2, bw, alpha)
+    bw, alpha = H200.link("all_to_all", 4)
+    one = collective("all_to_all", 4, 2 * 4096 * 2 * 4096 * 2, bw, alpha)
     assert all_to_all_s(shape, train, lay, H200) == pytest.approx(one)
     mem = evaluate(shape, train, lay, H200).memory
     t = evaluate(shape, train, lay, H200).time

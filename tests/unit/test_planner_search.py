@@ -8,7 +8,8 @@ from teratrain.planner.inputs import shape_of, training_of
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import GIB, in_flight, plan_memory
 from teratrain.planner.search import batch_advice, evaluate, search
-from teratrain.planner.time import _bubble, _collective, model_flops, recompute_flops
+from teratrain.planner.comm import collective as _collective
+from teratrain.planner.time import _bubble, model_flops, recompute_flops
 
 H100 = GPUS["h100"]
 

@@ -1,0 +1,113 @@
+"""What the planner needs to know of this machine, measured: collective bandwidth and latency among
+its GPUs, the host link (PCIe) and the CPU optimizer's speed.
+
+Collectives: every rank of a process group calls `measure`: all-reduce, reduce-scatter, all-gather and all-to-all
+over the whole group, and point-to-point sends (rank 2i to rank 2i+1, all pairs at once, as pipeline
+stages send), each through teratrain.parallel.comm (the wrappers the engines use) at a few sizes.
+A size is the whole tensor, as the planner counts it (planner/comm.py: an all-reduce's tensor, an
+all-gather's output, a reduce-scatter's input, an all-to-all's input, one message). Each time is
+the mean of `iters` back-to-back calls after 3 warm-up calls, the slowest rank's. nccl-tests'
+quantities come with each row: algorithm bandwidth bytes/t and bus bandwidth fraction x bytes/t
+(Thakur et al.'s ring fraction). `teratrain.planner.refit.fit_collectives` turns the rows into the
+alpha-beta terms the planner takes (`<kind>_gbps`, `<kind>_alpha_s`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from teratrain.parallel import comm
+from teratrain.planner.comm import FRACTION
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
+SIZES = (2**16, 2**20, 2**23, 2**26, 2**28)  # 64 KiB .. 256 MiB
+SMOKE_SIZES = (2**10, 2**14, 2**18)
+
+
+def _op(kind: str, nbytes: int, device: torch.device):
+    """A closure running one collective of `kind` on a `nbytes` tensor (bf16 on GPUs, fp32 on CPU)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elems = max(n, nbytes // dtype.itemsize) // n * n  # a multiple of the group size
+    whole = torch.ones(elems, dtype=dtype, device=device)
+    piece = torch.ones(elems // n, dtype=dtype, device=device)
+    group = dist.group.WORLD
+    if kind == "all_reduce":
+        return lambda: comm.all_reduce(whole, group)
+    if kind == "reduce_scatter":
+        return lambda: comm.reduce_scatter(piece, whole, group)
+    if kind == "all_gather":
+        return lambda: comm.all_gather(whole, piece, group)
+    if kind == "all_to_all":
+        out, splits = torch.empty_like(whole), [elems // n] * n
+        return lambda: comm.all_to_all(out, whole, splits, splits, group)
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    if peer >= n:  # an odd rank out: it waits at the barrier only
+        return lambda: None
+    send = rank % 2 == 0
+    return lambda: (dist.send if send else dist.recv)(whole, peer)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_one(kind: str, nbytes: int, device: torch.device, iters: int) -> float:
+    """Seconds per call of one collective, the slowest rank's."""
+    op = _op(kind, nbytes, device)
+    for _ in range(3):
+        op()
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        op()
+    _sync(device)
+    took = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
+
+
+def measure(device: torch.device, sizes=SIZES, iters: int = 20) -> list[dict]:
+    """One row per (kind, size): bytes, seconds, algorithm and bus bandwidth in GB/s."""
+    n = dist.get_world_size()
+    rows = []
+    for kind in KINDS:
+        for nbytes in sizes:
+            t = time_one(kind, nbytes, device, iters if nbytes < 2**26 else max(3, iters // 4))
+            group = 2 if kind == "p2p" else n
+            rows.append({"kind": kind, "ranks": group, "bytes": nbytes, "seconds": t,
+                         "algbw_gbps": round(nbytes / t / 1e9, 3),
+                         "busbw_gbps": round(FRACTION[kind](group) * nbytes / t / 1e9, 3)})
+    return rows
+
+
+def host_adam(numel: int = 50_000_000, steps: int = 3) -> float:
+    """Parameters per second of fused AdamW on this host's CPU (the offload step's speed)."""
+    p = torch.zeros(numel, requires_grad=True)
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return numel * steps / (time.perf_counter() - t0)
+
+
+def pcie_gbps(nbytes: int = 2**30, device: torch.device | str = "cuda") -> float:
+    """GB/s of pinned host<->device copies (the mean of both directions)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for dst, src in ((dev, host), (host, dev)) * 2:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.mean(rates[2:])

@@ -1,0 +1,268 @@
+"""Measuring layouts on N GPUs of one host in as few torchrun jobs as possible, for
+bench/planner_validate.py --gpus N and --check-pick.
+
+The driver (`run_rows`) writes a plan (rows with their --set items, steps, a deadline) and launches
+one torchrun job of N processes which measures the machine (bench/machine.py: collectives, PCIe,
+CPU AdamW) and then every row in turn in the same processes, writing one JSON line per event. A job
+that dies (a rank out of memory stalls its peers until the NCCL watchdog ends them) loses only the
+row it was in: the driver records that row and relaunches the rest, at most 3 launches in all.
+Rank 0 decides before each row whether the deadline leaves time for it (the planner's estimate), and
+every rank follows.
+
+Per row, every rank builds the model as `teratrain train` does (meta device, parallelize(), the
+trainer's step runner: train_step or the pipeline executor), runs `warmup` steps, resets the peak
+counter, runs `steps` synchronized steps, and reports the peak `max_memory_allocated` above what was
+allocated before the row, the allocator's reserved peak, what lives outside the allocator (CUDA
+context, NCCL), its step times and, for pp = 1 without ZeRO-3, the bytes autograd saves for one
+micro-batch's forward (planner.measure.saved_bytes). The row's figures are the largest peak of any
+rank and the slowest rank's median step. Rows with the same degrees share one runtime (its process
+groups and NCCL communicators); before each row the ranks align their group counters
+(mesh.align_group_names) so the groups a row makes get the same names on every member.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GIB = 2**30
+LAUNCHES = 3
+
+
+# ---------------------------------------------------------------- driver
+
+def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: int, deadline: float,
+             measure_machine: bool, timeout_s: int = 180) -> tuple[dict | None, dict[str, dict]]:
+    """Measure `rows` ({"name", "sets", "est_s"}) on `nproc` processes: (machine record or None,
+    name -> measured figures, or {"error"} / {"skipped"})."""
+    work = Path(tempfile.mkdtemp(prefix="planner-validate-"))
+    events = work / "events.jsonl"
+    machine, results, pending = None, {}, list(rows)
+    for _ in range(LAUNCHES):
+        if not pending or time.time() > deadline:
+            break
+        plan = {"rows": pending, "steps": steps, "warmup": warmup, "deadline": deadline, "out": str(events),
+                "device": "cpu" if smoke else "cuda", "smoke": smoke, "timeout_s": timeout_s,
+                "measure_machine": measure_machine and machine is None}
+        (work / "plan.json").write_text(json.dumps(plan))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               __file__, "--worker", str(work / "plan.json")]
+        env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        returncode = _launch(cmd, env, max(60.0, deadline - time.time() + 2 * timeout_s + 60))
+        machine = _read(events, results, machine)
+        pending = [r for r in pending if r["name"] not in results]
+        if returncode == 0:
+            break
+    for r in pending:
+        results[r["name"]] = {"skipped": "not run: the time budget or the launches ran out"}
+    return machine, results
+
+
+def _launch(cmd: list[str], env: dict, limit_s: float) -> int:
+    """Run the torchrun job (its output goes to stderr: stdout carries the one JSON object); past
+    `limit_s` (the deadline plus two collective timeouts: a stalled job ends by itself before that)
+    end its whole process group, workers included, so no process keeps a GPU."""
+    job = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True)
+    try:
+        return job.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        return job.wait()
+
+
+def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
+    """Fold the job's events into `results`; a row started and never finished died with the job."""
+    started = None
+    for line in events.read_text().splitlines() if events.exists() else []:
+        e = json.loads(line)
+        kind = e.pop("record")
+        if kind == "machine":
+            machine = e
+        elif kind == "start":
+            started = e["name"]
+        elif kind in ("row", "skipped"):
+            results[e.pop("name")] = e if kind == "row" else {"skipped": "not run: the time budget ran out"}
+            started = None
+    if started is not None and started not in results:
+        results[started] = {"error": "the job ended during this row (a rank out of memory stalls the others until "
+                                     "the NCCL watchdog ends the job); its log is above"}
+    return machine
+
+
+# ---------------------------------------------------------------- worker (one per GPU, under torchrun)
+
+def worker(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local) if plan["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=plan["timeout_s"]),
+                            device_id=device if device.type == "cuda" else None)
+    out = open(plan["out"], "a") if rank == 0 else None
+
+    def emit(record: dict) -> None:
+        if out is not None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+    if plan["measure_machine"]:
+        emit({"record": "machine", **machine_terms(device, plan["smoke"])})
+    runtimes: dict = {}
+    for row in plan["rows"]:
+        if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
+            emit({"record": "skipped", "name": row["name"]})
+            continue
+        emit({"record": "start", "name": row["name"]})
+        emit({"record": "row", "name": row["name"], **measure_row(row, plan, device, runtimes)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _agree(go: bool, device: torch.device) -> bool:
+    """Rank 0's decision, on every rank."""
+    flag = torch.tensor([1 if go else 0], device=device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def machine_terms(device: torch.device, smoke: bool) -> dict:
+    """Collectives, and on GPUs the host link and CPU optimizer as every rank sees them at once (the
+    slowest rank's figures: offload runs on every rank together)."""
+    from machine import SIZES, SMOKE_SIZES, host_adam, measure, pcie_gbps
+
+    out = {"collectives": measure(device, SMOKE_SIZES if smoke else SIZES, 3 if smoke else 20),
+           "world": dist.get_world_size()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        mine = torch.tensor([pcie_gbps(device=device), host_adam()], dtype=torch.float64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        out.update(device=props.name, total_bytes=props.total_memory, pcie_gbps=float(mine[0]),
+                   host_adam_params_per_s=float(mine[1]))
+    return out
+
+
+def _runtime(cfg, runtimes: dict):
+    """The runtime of these degrees: made once (init_runtime), then shared with its process groups."""
+    from teratrain.mesh import ParallelDims, align_group_names, init_runtime
+
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    if dims not in runtimes:
+        runtimes[dims] = init_runtime(cfg)  # it aligns the group counters itself
+    else:
+        align_group_names()
+    return runtimes[dims]
+
+
+def _free(device: torch.device) -> int:
+    """Collect the last row's objects and return the cached device and pinned host blocks (offload
+    rows of different sizes would otherwise pile pinned memory up); what stays allocated."""
+    from teratrain.compat import host_empty_cache
+
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    host_empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def _batches(cfg, rt, device: torch.device) -> list:
+    """This rank's micro-batches (the same on the tp ranks and stages of one data-parallel replica)."""
+    g = torch.Generator().manual_seed(1000 + rt.dp_rank)
+    mb, T, V = cfg.train.micro_batch, cfg.model.seq_len, cfg.model.vocab_size
+    tokens = [torch.randint(0, V, (mb, T + 1), generator=g) for _ in range(cfg.microbatches(rt.dims.dp))]
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
+
+
+def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> dict:
+    from teratrain.config import load_config
+    from teratrain.models.transformer import Transformer
+    from teratrain.parallel.parallelize import parallelize
+    from teratrain.parallel.pipeline.runtime import step_runner
+    from teratrain.planner.measure import saved_bytes
+
+    cfg = load_config(None, row["sets"] + [f"parallel.timeout_s={plan['timeout_s']}"])
+    rt = _runtime(cfg, runtimes)
+    cfg.parallel.dp = rt.dims.dp
+    base = _free(device)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    engine = parallelize(model, rt, cfg)
+    runner = step_runner(model, engine, rt, cfg)
+    micro, precision = _batches(cfg, rt, device), cfg.memory.precision
+    for _ in range(plan["warmup"]):
+        runner(micro, precision, 1e-4)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(plan["steps"]):
+        t0 = time.perf_counter()
+        runner(micro, precision, 1e-4)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times]}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        mine.update(peak=(torch.cuda.max_memory_allocated(device) - base) / GIB,
+                    reserved=torch.cuda.max_memory_reserved(device) / GIB,
+                    outside=(total - free - torch.cuda.memory_reserved(device)) / GIB)
+    if rt.dims.pp == 1 and cfg.parallel.zero < 3:  # a forward on every rank: collective under tp and ep
+        mine["saved"] = saved_bytes(model, *micro[0], precision, targets_in_model=True)
+    alive = weakref.ref(model)
+    del runner, engine, model, micro
+    mine["left_gib"] = (_free(device) - base) / GIB  # what the row left allocated (should be ~0)
+    mine["model_freed"] = alive() is None  # else something (a hook, a cache) keeps the row's model alive
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return _combine(ranks)
+
+
+def _combine(ranks: list[dict]) -> dict:
+    """The row's figures: the fullest rank's peak, the slowest rank's step."""
+    slowest = max(ranks, key=lambda r: r["step_s"])
+    out = {"measured_step_s": slowest["step_s"], "step_times_s": slowest["times"],
+           "step_s_per_rank": [round(r["step_s"], 5) for r in ranks],
+           "model_freed": all(r["model_freed"] for r in ranks)}
+    if "peak" in ranks[0]:
+        out.update(measured_peak_gib=max(r["peak"] for r in ranks),
+                   measured_peak_per_rank_gib=[round(r["peak"], 3) for r in ranks],
+                   measured_reserved_gib=max(r["reserved"] for r in ranks),
+                   outside_allocator_gib=max(r["outside"] for r in ranks),
+                   left_allocated_gib=max(r["left_gib"] for r in ranks))
+    if "saved" in ranks[0]:
+        out["measured_saved_bytes"] = max(r["saved"] for r in ranks)
+        out["measured_saved_per_rank"] = [r["saved"] for r in ranks]
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        worker(sys.argv[2])
+    else:
+        sys.exit("bench/planner_multi.py is run by bench/planner_validate.py --gpus N (or --check-pick)")

@@ -1,0 +1,209 @@
+"""`parallel.auto = true`: the layout keys a user left unset, taken from the planner's pick for the job.
+
+The keys: every parallel.* degree (dp, tp, pp, ep), parallel.zero, parallel.offload, train.micro_batch
+and memory.recompute. A key given (in the TOML or with --set) is kept; the planner searches the rest
+(search.py) for the processes of the job and:
+- on GPUs, takes the fastest layout whose predicted total fits the memory of the device found and whose
+  pinned host memory (offload) of one node's GPUs fits the host's memory (MemTotal), exactly as
+  `teratrain plan --gpus <processes> --gpu-mem <device memory> --host-mem <host memory>` would;
+- on CPU, where the planner's GPU time model means nothing, follows one rule: tp = pp = ep = 1 and no
+  offload (plain data parallelism over the processes), then the simplest layout whose predicted memory
+  per process fits the host's memory divided by the processes on it: the lowest ZeRO stage, then no
+  recomputation before selective, sqrt, full, then the largest micro-batch.
+Layouts the engines refuse for this run (parallelize.check_supported, e.g. MoE with a pipeline) are
+passed over. The choice is written into the config, so the run directory's config.toml records it and
+--resume keeps it. `teratrain plan` prints the `teratrain train` command of its pick (`train_command`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+from dataclasses import dataclass, replace
+
+from teratrain.config import Config, ConfigError
+from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, host_memory_gib
+from teratrain.planner.inputs import fixed_of, shape_of, training_of
+from teratrain.planner.layout import Layout
+from teratrain.planner.memory import GIB
+from teratrain.planner.search import RECOMPUTE_SEARCHED, Candidate, search
+from teratrain.planner.states import PlanError
+
+# Layout field -> the config key it comes from (and goes back to)
+KEYS = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "ep": "parallel.ep",
+        "zero": "parallel.zero", "offload": "parallel.offload", "micro_batch": "train.micro_batch",
+        "recompute": "memory.recompute"}
+CPU_FIXED = {"tp": 1, "pp": 1, "ep": 1, "offload": "none"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the job runs on: a GPU (None on CPU), memory per device, the host's memory, processes per node."""
+
+    gpu: GPU | None
+    device_mem_gib: float
+    host_mem_gib: float | None
+    procs_per_node: int
+
+
+@dataclass
+class AutoChoice:
+    chosen: dict[str, object]  # config key -> the value the planner chose
+    kept: list[str]  # config keys the user gave
+    note: str  # the start-up summary's line
+
+    def sets(self) -> list[str]:
+        """--set items that give the chosen keys."""
+        return [f"{k}={_literal(v)}" for k, v in self.chosen.items()]
+
+
+def layout_sets(lay: Layout, skip: tuple[str, ...] = ()) -> list[str]:
+    """--set items that make a run take layout `lay` (minus the config keys in `skip`)."""
+    out = [f"{key}={_literal(getattr(lay, field))}" for field, key in KEYS.items() if key not in skip]
+    if lay.recompute == "every-k" and "memory.recompute_every" not in skip:
+        out.append(f"memory.recompute_every={lay.recompute_every}")
+    return out
+
+
+def _literal(v) -> str:
+    return str(v)  # --set reads a bare word (none, full) as a string
+
+
+def job_target(cfg: Config, procs_per_node: int) -> Target:
+    """The devices of this job as the planner sees them (no CUDA context is made: only the device's
+    properties are read)."""
+    import torch
+
+    host = host_memory_gib()
+    if cfg.train.device == "cpu" or not torch.cuda.is_available():
+        per_proc = host / procs_per_node if host is not None else math.inf
+        return Target(None, per_proc, None, procs_per_node)
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+    gpu = gpu_for_device(props.name, props.total_memory)
+    return Target(gpu, gpu.memory_gib, host, procs_per_node)
+
+
+def for_job(cfg: Config, world: int, procs_per_node: int) -> AutoChoice:
+    """`resolve` for the devices this process sees."""
+    return resolve(cfg, world, job_target(cfg, procs_per_node))
+
+
+def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
+    """Choose the keys `cfg` leaves unset (module docstring), write them into `cfg`, and say why."""
+    p = cfg.parallel
+    if p.sync != "allreduce":
+        raise ConfigError(f"parallel.auto plans all-reduce data parallelism, but parallel.sync={p.sync}; unset "
+                          "parallel.sync or set parallel.auto=false and give the layout.")
+    fixed = fixed_of(cfg)
+    kept = [key for field, key in KEYS.items() if field in fixed]
+    if len(kept) == len(KEYS):
+        return AutoChoice({}, kept, "auto layout: every layout key is given, nothing left to choose")
+    on_cpu = target.gpu is None
+    if on_cpu:
+        fixed = {**{k: v for k, v in CPU_FIXED.items() if k not in fixed}, **fixed}
+    shape, train = shape_of(cfg), training_of(cfg)
+    gpu = target.gpu or replace(GPUS["h100"], context_gib=0.0)  # on CPU: memory arithmetic only
+    try:
+        cands = search(shape, train, world, gpu, fixed, target.device_mem_gib, target.host_mem_gib,
+                       "cpu" if on_cpu else "cuda")
+    except PlanError as e:
+        raise ConfigError(f"parallel.auto: {e}") from None
+    fitting = [c for c in cands if c.fits]
+    if on_cpu:
+        fitting.sort(key=_cpu_rule)
+    best = next((c for c in fitting if _runnable(cfg, c.layout)), None)
+    if best is None:
+        raise ConfigError(_nothing(shape, world, target, kept, cands))
+    chosen = {key: getattr(best.layout, field) for field, key in KEYS.items() if key not in kept}
+    _apply(cfg, chosen)
+    if best.layout.recompute == "every-k" and "recompute" not in fixed:
+        cfg.memory.recompute_every = best.layout.recompute_every
+    return AutoChoice(chosen, kept, _note(chosen, kept, best, len(fitting), world, target))
+
+
+def _cpu_rule(c: Candidate) -> tuple:
+    lay = c.layout
+    rc = RECOMPUTE_SEARCHED.index(lay.recompute) if lay.recompute in RECOMPUTE_SEARCHED else len(RECOMPUTE_SEARCHED)
+    return lay.zero, rc, -lay.micro_batch
+
+
+def _runnable(cfg: Config, lay: Layout) -> bool:
+    from teratrain.parallel.parallelize import check_supported
+
+    trial = cfg.model_copy(deep=True)
+    try:
+        _apply(trial, {key: getattr(lay, field) for field, key in KEYS.items()})
+        check_supported(trial)
+        trial.microbatches(lay.dp)
+    except (ConfigError, ValueError):
+        return False
+    return True
+
+
+def _apply(cfg: Config, values: dict[str, object]) -> None:
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+
+
+def _note(chosen: dict, kept: list[str], best: Candidate, fitting: int, world: int, target: Target) -> str:
+    picked = " ".join(f"{k.split('.')[1]}={v}" for k, v in chosen.items())  # every key is unique after its dot
+    m, t = best.memory, best.time
+    if target.gpu is None:
+        why = (f"the simplest of {fitting} layouts that fit {target.device_mem_gib:,.1f} GiB per process on this "
+               f"CPU host (rule: plain data parallelism, lowest ZeRO stage, least recomputation, largest "
+               f"micro-batch); planner: {(m.peak_allocated + m.host) / GIB:,.2f} GiB per process")
+    else:
+        why = (f"the fastest of {fitting} layouts that fit for {world} process(es) on {target.gpu.name.upper()} "
+               f"({target.device_mem_gib:,.1f} GiB); planner: {m.total / GIB:,.2f} GiB per GPU, "
+               f"{t.step_time_s:,.3f} s per step, MFU {t.mfu:.1%}")
+        if m.host:
+            why += f", {m.host / GIB:,.1f} GiB pinned host memory per GPU"
+    given = f"; kept as given: {', '.join(kept)}" if kept else ""
+    return f"auto layout: {picked or 'nothing'} chosen, {why}{given}"
+
+
+def _nothing(shape, world: int, target: Target, kept: list[str], cands: list[Candidate]) -> str:
+    """One sentence: why no layout can be chosen for this job, and what to change."""
+    fitting = [c for c in cands if c.fits]
+    if fitting:  # they fit, but the engines refuse every one of them for this run
+        return (f"parallel.auto: the {len(fitting)} layouts of {world} process(es) that fit cannot run this "
+                "configuration (e.g. a mixture of experts under a pipeline); give parallel.pp or set "
+                "parallel.auto=false with a layout of your own.")
+    least = min(cands, key=lambda c: c.memory.total)
+    if target.gpu is None:
+        return (f"parallel.auto: no layout of {shape.name} fits the {target.device_mem_gib:,.1f} GiB of host memory "
+                f"each of the {target.procs_per_node} process(es) on this CPU host has: the leanest needs "
+                f"{least.memory.total / GIB:,.1f} GiB; use a smaller model or fewer processes per host.")
+    on_gpu = [c for c in cands if c.memory.total <= target.device_mem_gib * GIB]
+    unset = f", or unset {', '.join(kept)} so the planner may change them" if kept else ""
+    if on_gpu:
+        lean = min(on_gpu, key=lambda c: c.memory.host)
+        return (f"parallel.auto: every layout of {shape.name} that fits the GPUs of this job offloads more than the "
+                f"host's {target.host_mem_gib:,.0f} GiB (the leanest pins {lean.memory.host / GIB:,.1f} GiB per GPU); "
+                f"launch on more GPUs{unset}.")
+    return (f"parallel.auto: no layout of {shape.name} fits the {target.device_mem_gib:,.1f} GiB of each GPU on "
+            f"{world} process(es): the leanest ({_words(least.layout)}) needs {least.memory.total / GIB:,.1f} GiB; "
+            f"launch more processes (`teratrain plan` with this config and --gpus finds how many){unset}.")
+
+
+def _words(lay: Layout) -> str:
+    return " ".join(f"{field}={getattr(lay, field)}" for field in KEYS)
+
+
+def train_command(config: str | None, sets: list[str], lay: Layout, gpus: int, gpus_per_node: int,
+                  skip: tuple[str, ...]) -> list[str]:
+    """The argv that trains with layout `lay` on `gpus` GPUs: `teratrain train --nproc N` on one node,
+    torchrun on every node beyond that. `config` (a TOML file) and `sets` (--set items) describe the
+    model and the run; `skip` are the config keys they already give."""
+    args = ([config] if config else []) + [a for s in sets + layout_sets(lay, skip) for a in ("--set", s)]
+    if gpus <= gpus_per_node:
+        return ["teratrain", "train", *(["--nproc", str(gpus)] if gpus > 1 else []), *args]
+    nodes = -(-gpus // gpus_per_node)
+    return ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={gpus_per_node}", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=HEAD_NODE:29500", "-m", "teratrain", "train", *args]
+
+
+def command_line(argv: list[str]) -> str:
+    return shlex.join(argv)

@@ -1,0 +1,149 @@
+"""Communication time of one step: every collective our engines and layers issue, alpha-beta priced.
+
+Each collective is a ring (Thakur et al. 2005): all-reduce moves 2(n-1)/n of the bytes in 2(n-1)
+steps, reduce-scatter, all-gather and all-to-all (n-1)/n in n-1 steps, a send/receive the bytes in
+one. t = steps x alpha + fraction x bytes / bandwidth (Hockney 1994), with bandwidth and alpha of
+the link the group spans (hardware.GPU.link: the kind's measured terms inside a node when given,
+else NVLink; the inter-node link across nodes).
+
+What is counted per step, and where it comes from in our code:
+- data parallelism (parallel/data.py, zero.py): gradients all-reduced in buckets (ZeRO-0), reduce-
+  scattered once per step (ZeRO-1) or per micro-step (ZeRO-2/3, ZeRO sec. 7), updated shards
+  all-gathered after the step (ZeRO-1/2) or each block gathered before its forward and again before
+  its backward (ZeRO-3); expert parameters over the dp/ep ranks holding them;
+- tensor parallelism (parallel/tensor.py, by parallel.tp_form), per layer and micro-batch:
+  megatron: an attention and an MLP region, each entered and left once each way (Shoeybi et al. 2019:
+  one all-reduce forward and one backward per region; with sequence parallelism an all-gather and a
+  reduce-scatter instead, Korthikanti et al. 2022); the seeds' all-gather form: every linear's
+  output all-gathered forward, its input's gradient all-reduced backward; the all-reduce form: every
+  output all-reduced forward, its input's gradient all-gathered backward. Recomputation that replays
+  the blocks replays their forward collectives. The vocab-parallel embedding and head cross once more
+  each (and the loss all-reduces three per-token vectors);
+- pipeline: an activation forward and its gradient backward across every stage boundary, for each
+  micro-batch and model chunk (2 x (v x m + p - 1) on the critical path);
+- expert parallelism: 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
+  backward; 6 when recomputation replays the forward).
+"""
+
+from __future__ import annotations
+
+from teratrain.planner.hardware import GPU
+from teratrain.planner.layout import Layout, ModelShape, Training
+from teratrain.planner.states import accumulates, stage_params
+
+FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+            "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "p2p": lambda n: 1}
+REPLAYING = ("full", "sqrt", "every-k")  # policies whose backward reruns the blocks' forward
+
+
+def collective(kind: str, n: int, nbytes: float, gbps: float, alpha: float, messages: int = 1) -> float:
+    """Ring alpha-beta time of one collective over n ranks moving `nbytes` per rank (the whole
+    tensor: an all-gather's output, a reduce-scatter's input), in `messages` pieces."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return messages * STEPS[kind](n) * alpha + FRACTION[kind](n) * nbytes / (gbps * 1e9)
+
+
+def on_link(gpu: GPU, kind: str, n: int, span: int, nbytes: float, messages: int = 1) -> float:
+    """`collective` over the link a group of n ranks spread over `span` consecutive GPUs uses."""
+    return collective(kind, n, nbytes, *gpu.link(kind, span), messages)
+
+
+def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict[str, float]:
+    """Seconds per step of each communication term (before overlap)."""
+    w = train.widths(lay.zero, lay.offload)
+    sp = stage_params(shape, lay)
+    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
+    # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
+    for n, ranks in ((sp["first"] - sp["experts"], lay.dp), (sp["experts"], lay.dp // lay.ep)):
+        for key, t in dp_terms(train, lay, w, n, ranks, gpu).items():
+            out[key] += t
+    if shape.is_bare:
+        return out
+    m, layers = lay.num_microbatches, sp["layers"]
+    out["tp"] = m * tp_per_microbatch(shape, train, lay, gpu, layers)
+    if lay.pp > 1:
+        out["pp"] = 2 * (lay.virtual_stages * m + lay.pp - 1) * p2p_s(shape, train, lay, gpu)
+    if shape.num_experts > 1:
+        per_layer = 6 if lay.recompute in REPLAYING else 4
+        out["ep"] = m * layers * shape.moe_share * per_layer * all_to_all_s(shape, train, lay, gpu)
+    return out
+
+
+def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU) -> dict[str, float]:
+    """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`, which
+    are tp GPUs apart (the mesh's dp axis is outside tp)."""
+    red = train.reduce_bytes
+    buckets = max(1, int(local * red / (train.bucket_mb * 2**20)))
+    m, span = lay.num_microbatches, ranks * lay.tp
+    if lay.zero == 0:
+        return {"dp": on_link(gpu, "all_reduce", ranks, span, local * red, buckets)}
+    # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume); under a
+    # pipeline ZeRO-3 gathers a stage once per step and reduces once (parallel/zero.py)
+    rs = on_link(gpu, "reduce_scatter", ranks, span, local * red, buckets)
+    ag = on_link(gpu, "all_gather", ranks, span, local * w.param, buckets)
+    out = {"dp": rs * (1 if accumulates(lay) else m)}
+    if lay.zero < 3:
+        out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
+    else:
+        out["zero_gather"] = ag * (1 if lay.pp > 1 else 2 * m)  # else each block before its forward and backward
+    return out
+
+
+def _linears(shape: ModelShape, moe_layer: bool) -> list[tuple[int, int]]:
+    """(in, out) features of every linear layer of one block that tensor parallelism splits (an MoE
+    layer's experts stay whole under the seeds' forms, parallel/tensor.py)."""
+    c = shape.cfg
+    d, q, kv, ff = c.d_model, c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ffn_dim
+    attn = [(d, q), (d, kv), (d, kv), (q, d)]
+    if moe_layer:
+        return attn
+    return attn + ([(d, ff), (d, ff), (ff, d)] if c.arch == "llama" else [(d, ff), (ff, d)])
+
+
+def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, layers: int) -> float:
+    """Tensor-parallel collectives of one micro-batch on one stage of `layers` blocks (module docstring)."""
+    if lay.tp == 1:
+        return 0.0
+    c, tp = shape.cfg, lay.tp
+    n = lay.micro_batch * c.seq_len
+    cb = train.widths(lay.zero, lay.offload).compute
+    fwd_passes = 2 if lay.recompute in REPLAYING else 1
+
+    def coll(kind: str, nbytes: float) -> float:
+        return on_link(gpu, kind, tp, tp, nbytes)
+
+    act = n * c.d_model * cb
+    # one crossing of a region boundary, forward or backward (entry and exit of a region are one each way)
+    unit = coll("all_gather", act) + coll("reduce_scatter", act) if lay.sequence_parallel else coll("all_reduce", act)
+    vocab = 2 * unit + 3 * coll("all_reduce", n * 4)  # the embedding's exit and the head's entry; the loss's vectors
+    if lay.tp_form == "megatron":  # two regions a block, each crossed once per forward pass and once backward
+        return layers * 2 * (fwd_passes + 1) * unit + vocab
+    fwd, bwd = ("all_gather", "all_reduce") if lay.tp_form == "all-gather" else ("all_reduce", "all_gather")
+    moe = shape.moe_share if shape.num_experts > 1 else 0.0
+    per_block = 0.0
+    for share, lin in ((1 - moe, _linears(shape, False)), (moe, _linears(shape, True))):
+        if share:
+            per_block += share * sum(fwd_passes * coll(fwd, n * o * cb) + coll(bwd, n * i * cb) for i, o in lin)
+    return layers * per_block + vocab
+
+
+def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """One expert-parallel all-to-all of one micro-batch: each token's top_k routed copies,
+    (micro_batch x T x top_k, d) in the compute dtype, (ep-1)/ep of them leaving the rank (GShard's
+    dispatch or combine, parallel/expert.py; capacity drops ignored). Every tp rank sends the whole
+    (gathered) tokens to the ep peers of its own tp index."""
+    c = shape.cfg
+    rows = lay.micro_batch * c.seq_len * shape.top_k
+    nbytes = rows * c.d_model * train.widths(lay.zero, lay.offload).compute
+    return on_link(gpu, "all_to_all", lay.ep, lay.ep * lay.tp, nbytes)
+
+
+def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d),
+    T/tp tokens under sequence parallelism (parallel/pipeline/runtime.py)."""
+    tokens = lay.micro_batch * shape.cfg.seq_len // (lay.tp if lay.sequence_parallel else 1)  # a sequence shard
+    act = tokens * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
+    return on_link(gpu, "p2p", 2, 2 * lay.dp * lay.tp, act)  # pp is the outermost mesh axis: neighbours are this far

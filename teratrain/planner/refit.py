@@ -1,0 +1,163 @@
+"""Refit the planner from measurements: collective terms from timed collectives, time constants from
+a `bench/planner_validate.py --gpus N` result, and what each change does to the errors.
+
+    python bench/planner_validate.py --refit RESULT.json
+
+- Collectives (`fit_collectives`): per kind, t = steps(n) x alpha + fraction(n) x bytes / bandwidth
+  (planner/comm.py's ring model) fitted to the timed sizes by least squares on the relative error
+  (the sizes span four orders of magnitude: an absolute fit would ignore the small ones). The planner
+  takes the result as `<kind>_gbps` and `<kind>_alpha_s` (`teratrain plan --hw-file RESULT.json`).
+- Time constants (`refit`): the calibrated efficiencies and per-op cost of hardware.GPU, fitted by
+  coordinate descent (each constant in turn on a shrinking multiplicative grid) to minimise the
+  squared relative step-time error of the rows NOT marked held-out, with the measured hardware terms
+  in place; the held-out rows' errors before and after show whether the change generalizes.
+- Memory has no fitted constant but the allowance: `context_gib` from the median memory measured
+  outside the allocator (CUDA context and NCCL's buffers; a row's count also holds the communicators
+  of earlier rows in the same processes, hence the median), `fragmentation` from the median
+  reserved/allocated - 1.
+Nothing is written: the report says which constants the measurements would change, and to what.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from teratrain.planner.comm import FRACTION, STEPS
+from teratrain.planner.hardware import GPU, gpu_for_device, hw_keys
+
+FITTED = ("flops_max", "flops_d_half", "op_overhead_s", "mem_efficiency")
+BOUNDS = {"flops_max": (0.05, 1.0), "mem_efficiency": (0.05, 1.0), "flops_d_half": (1.0, 1e5),
+          "op_overhead_s": (0.0, 1e-3)}
+
+
+def fit_alpha_beta(kind: str, ranks: int, sizes: list[float], seconds: list[float]) -> dict:
+    """(GB/s, alpha per ring step) of one collective from its timed sizes; max relative residual."""
+    xs = [FRACTION[kind](ranks) * b for b in sizes]
+    ws = [1.0 / t**2 for t in seconds]  # weights of a relative-error fit
+    sw, sx, sxx = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * x * x for w, x in zip(ws, xs))
+    st, sxt = sum(w * t for w, t in zip(ws, seconds)), sum(w * x * t for w, x, t in zip(ws, xs, seconds))
+    det = sw * sxx - sx * sx
+    a, c = (st * sxx - sx * sxt) / det, (sw * sxt - sx * st) / det
+    if a < 0:  # no negative latency: the bandwidth alone
+        a, c = 0.0, sxt / sxx
+    if c <= 0:  # no bandwidth term resolvable at these sizes: the latency alone
+        a, c = st / sw, 1e-15
+    worst = max(abs(a + c * x - t) / t for x, t in zip(xs, seconds))
+    return {"gbps": 1.0 / (c * 1e9), "alpha_s": a / STEPS[kind](ranks), "max_rel_err": worst, "ranks": ranks}
+
+
+def fit_collectives(rows: list[dict]) -> dict:
+    """The planner's terms from `bench/collectives.py` rows: {"hw": {key: value}, "fit": {kind: ...}}."""
+    fits = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        fits[kind] = fit_alpha_beta(kind, mine[0]["ranks"], [r["bytes"] for r in mine], [r["seconds"] for r in mine])
+    hw = {}
+    for kind, f in fits.items():
+        hw[f"{kind}_gbps"], hw[f"{kind}_alpha_s"] = f["gbps"], f["alpha_s"]
+    return {"hw": hw, "fit": fits}
+
+
+def result_gpu(result: dict) -> GPU:
+    """The GPU a planner_validate result ran on, with what it measured (its "hw")."""
+    gpu = gpu_for_device(result["device"], int(result["device_mem_gib"] * 2**30))
+    known = set(hw_keys())
+    return replace(gpu, **{k: v for k, v in result.get("hw", {}).items() if k in known})
+
+
+def _prepared(result: dict) -> list[tuple]:
+    """(shape, train, layout, row) of every measured row, built once (the search caches by shape)."""
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+
+    out = []
+    for row in result["rows"]:
+        if row.get("measured_step_s"):
+            cfg = load_config(None, row["sets"])
+            out.append((shape_of(cfg), training_of(cfg), layout_of(cfg, result["gpus"]), row))
+    return out
+
+
+def step_errors(gpu: GPU, prepared: list[tuple]) -> list[float]:
+    """Relative step-time errors (predicted - measured) / measured, one per row."""
+    from teratrain.planner.search import evaluate
+
+    return [evaluate(s, t, lay, gpu).time.step_time_s / row["measured_step_s"] - 1 for s, t, lay, row in prepared]
+
+
+def _loss(gpu: GPU, prepared: list[tuple]) -> float:
+    return sum(e * e for e in step_errors(gpu, prepared))
+
+
+def _fit(gpu: GPU, prepared: list[tuple], max_passes: int = 40) -> GPU:
+    """Coordinate descent: each constant in turn moves by the factors s^-2..s^2 (within its bounds)
+    to the least squared relative error; s halves (in log) after a pass that improved nothing, down to
+    0.1%. The width at which the efficiency reaches half its maximum is fitted only when the rows
+    span several widths (one width cannot tell it from the maximum)."""
+    widths = {p[0].cfg.d_model for p in prepared}
+    keys = [k for k in FITTED if k != "flops_d_half" or len(widths) > 1]
+    step, best = 2.0, _loss(gpu, prepared)
+    for _ in range(max_passes):
+        improved = False
+        for key in keys:
+            lo, hi = BOUNDS[key]
+            now = getattr(gpu, key)
+            trials = [min(hi, max(lo, now * step**k)) for k in (-2, -1, 1, 2)] if now else [1e-6, 3e-6, 1e-5]
+            for value in trials:
+                trial = replace(gpu, **{key: value})
+                loss = _loss(trial, prepared)
+                if loss < best * (1 - 1e-9):
+                    gpu, best, improved = trial, loss, True
+        if not improved:
+            step = step**0.5
+            if step < 1.001:
+                break
+    return gpu
+
+
+def _stats(errs: list[float]) -> dict:
+    a = [abs(e) for e in errs]
+    return {"rows": len(a), "max_abs_pct": round(100 * max(a), 1) if a else None,
+            "median_abs_pct": round(100 * statistics.median(a), 1) if a else None}
+
+
+def refit(result: dict) -> dict:
+    """What the measurements of `result` would change (module docstring), and the errors before and after."""
+    preset = gpu_for_device(result["device"], int(result["device_mem_gib"] * 2**30))
+    measured = result_gpu(result)
+    prepared = _prepared(result)
+    fit_rows = [p for p in prepared if not p[3].get("held_out")]
+    held = [p for p in prepared if p[3].get("held_out")]
+    fitted = _fit(measured, fit_rows) if fit_rows else measured
+    changes = {k: [getattr(preset, k), v] for k, v in result.get("hw", {}).items() if getattr(preset, k, None) != v}
+    changes.update({k: [getattr(measured, k), getattr(fitted, k)] for k in FITTED
+                    if getattr(fitted, k) != getattr(measured, k)})
+    outside = [r["outside_allocator_gib"] for r in result["rows"] if r.get("outside_allocator_gib") is not None]
+    frag = [r["measured_reserved_gib"] / r["measured_peak_gib"] - 1 for r in result["rows"]
+            if r.get("measured_reserved_gib") and r.get("measured_peak_gib")]
+    if outside:
+        changes["context_gib"] = [preset.context_gib, round(statistics.median(outside), 3)]
+    if frag:
+        changes["fragmentation"] = [preset.fragmentation, round(statistics.median(frag), 3)]
+    errors = {}
+    for name, gpu in (("assumed", preset), ("measured terms", measured), ("refit", fitted)):
+        errors[name] = {"fit rows": _stats(step_errors(gpu, fit_rows)), "held-out rows": _stats(step_errors(gpu, held))}
+    flags = " ".join(f"--hw {k}={v[1]:.6g}" for k, v in changes.items())
+    return {"changes": changes, "step_time_errors": errors, "hw_flags": flags}
+
+
+def _num(v) -> str:
+    return "unset (NVLink's)" if v is None else f"{v:.6g}"
+
+
+def render(report: dict) -> str:
+    lines = ["Constants the measurements would change (old -> new):"]
+    lines += [f"  {k:24} {_num(old)} -> {_num(new)}" for k, (old, new) in report["changes"].items()]
+    lines.append("Step-time error |predicted/measured - 1| (max, median), by constants used:")
+    for name, groups in report["step_time_errors"].items():
+        parts = [f"{g}: {s['rows']} rows, max {s['max_abs_pct']}%, median {s['median_abs_pct']}%"
+                 for g, s in groups.items() if s["rows"]]
+        lines.append(f"  {name:16} " + "; ".join(parts))
+    lines.append(f"As flags: teratrain plan ... {report['hw_flags']}")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""The planner's communication terms: measured collective terms replace NVLink's inside a node (from
+--hw or a --hw-file), and every tensor-parallel form is priced by the collectives its layers issue."""
+
+import json
+
+import pytest
+
+from teratrain.config import load_config
+from teratrain.planner.comm import collective, p2p_s, tp_per_microbatch
+from teratrain.planner.hardware import GPUS, gpu_with, read_hw_file
+from teratrain.planner.inputs import shape_of, training_of
+from teratrain.planner.layout import Layout
+from tests.unit.test_planner_cli import plan_json
+
+H100 = GPUS["h100"]
+
+
+def test_measured_terms_replace_nvlink_for_their_kind_inside_a_node():
+    gpu = gpu_with("h100", {"all_gather_gbps": 120.0, "all_gather_alpha_s": 2e-5})
+    assert gpu.link("all_gather", 8) == (120.0, 2e-5)
+    assert gpu.link("all_reduce", 8) == (H100.nvlink_gbps, H100.alpha_intra_s)  # not measured: NVLink
+    assert gpu.link("all_gather", 16) == (H100.inter_node_gbps, H100.alpha_inter_s)  # across nodes
+
+
+def _llama(*sets):
+    cfg = load_config(None, ["model.preset=llama-1b", "memory.precision=bf16", *sets])
+    return shape_of(cfg), training_of(cfg)
+
+
+def test_tensor_parallel_forms_issue_their_layers_collectives():
+    """Per block and micro-batch: megatron crosses 2 regions each way (all-reduces, or an all-gather
+    and a reduce-scatter each under sequence parallelism), a third time forward when the blocks are
+    replayed; the all-gather form gathers every linear's output forward and all-reduces its input's
+    gradient backward, the all-reduce form the other way round."""
+    shape, train = _llama()
+    c, n = shape.cfg, 2 * shape.cfg.seq_len
+    d, kv, ff = c.d_model, c.kv_heads * c.head_dim, c.ffn_dim
+    gbps, alpha = H100.link("all_reduce", 2)
+
+    def coll(kind, elems):
+        return collective(kind, 2, elems * 2, gbps, alpha)  # bf16
+
+    vocab_plain = 2 * coll("all_reduce", n * d) + 3 * coll("all_reduce", n * 2)  # n fp32 values = 2n bf16 elements
+    lay = Layout(tp=2, micro_batch=2)
+    ar = coll("all_reduce", n * d)
+    assert tp_per_microbatch(shape, train, lay, H100, 4) == pytest.approx(4 * 4 * ar + vocab_plain)
+    replay = tp_per_microbatch(shape, train, lay.with_(recompute="full"), H100, 4)
+    assert replay == pytest.approx(4 * 6 * ar + vocab_plain)
+    sp = tp_per_microbatch(shape, train, lay.with_(sequence_parallel=True), H100, 4)
+    unit = coll("all_gather", n * d) + coll("reduce_scatter", n * d)
+    assert sp == pytest.approx(4 * 4 * unit + 2 * unit + 3 * coll("all_reduce", n * 2))
+    outs, ins = [d, kv, kv, d, ff, ff, d], [d, d, d, d, d, d, ff]
+    gather = sum(coll("all_gather", n * o) + coll("all_reduce", n * i) for o, i in zip(outs, ins))
+    reduce = sum(coll("all_reduce", n * o) + coll("all_gather", n * i) for o, i in zip(outs, ins))
+    for form, per_block in (("all-gather", gather), ("all-reduce", reduce)):
+        got = tp_per_microbatch(shape, train, lay.with_(tp_form=form), H100, 4)
+        assert got == pytest.approx(4 * per_block + vocab_plain), form
+
+
+def test_pipeline_send_is_a_sequence_shard_under_sequence_parallelism():
+    shape, train = _llama()
+    whole = p2p_s(shape, train, Layout(pp=2, micro_batch=2), H100)
+    shard = p2p_s(shape, train, Layout(pp=2, tp=2, micro_batch=2, sequence_parallel=True), H100)
+    gbps, alpha = H100.link("p2p", 2)
+    assert whole == pytest.approx(alpha + 2 * shape.cfg.seq_len * shape.cfg.d_model * 2 / (gbps * 1e9))
+    assert shard - alpha == pytest.approx((whole - alpha) / 2)
+
+
+def test_hw_file_feeds_the_plan(capsys, tmp_path):
+    """A planner_validate result's "hw" and "gpu_preset" become the plan's assumptions; --hw wins."""
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"gpu_preset": "h200", "hw": {"all_reduce_gbps": 123.0, "pcie_gbps": 31.5}}))
+    assert read_hw_file(str(path)) == ({"all_reduce_gbps": 123.0, "pcie_gbps": 31.5}, "h200")
+    d = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--hw-file", str(path), "--hw", "pcie_gbps=20")
+    assert d["gpu"] == "h200" and d["assumptions"]["all_reduce_gbps"] == 123.0 and d["assumptions"]["pcie_gbps"] == 20
+    (tmp_path / "flat.json").write_text(json.dumps({"p2p_gbps": 300}))
+    assert read_hw_file(str(tmp_path / "flat.json")) == ({"p2p_gbps": 300.0}, None)
+    (tmp_path / "bad.json").write_text(json.dumps({"hw": {"warp_gbps": 1}}))
+    with pytest.raises(ValueError, match="'warp_gbps' is not a hardware term"):
+        read_hw_file(str(tmp_path / "bad.json"))

@@ -1,0 +1,62 @@
+"""Refitting the planner from measurements: collective terms recovered from timed sizes, time
+constants refitted on the rows not held out, and the report of what would change."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from teratrain.config import load_config
+from teratrain.planner.comm import collective
+from teratrain.planner.hardware import GPUS, read_hw_file
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.refit import fit_alpha_beta, fit_collectives, refit, render, result_gpu
+from teratrain.planner.search import evaluate
+
+SIZES = [2**16, 2**20, 2**23, 2**26, 2**28]
+
+
+def test_alpha_beta_recovered_from_timed_sizes():
+    """Times made by the ring model itself give back its bandwidth and per-step latency."""
+    for kind, ranks in (("all_reduce", 4), ("all_gather", 2), ("p2p", 2)):
+        times = [collective(kind, ranks, b, 180.0, 7e-6) for b in SIZES]
+        f = fit_alpha_beta(kind, ranks, SIZES, times)
+        assert f["gbps"] == pytest.approx(180.0, rel=1e-6) and f["alpha_s"] == pytest.approx(7e-6, rel=1e-6)
+        assert f["max_rel_err"] < 1e-9
+    rows = [{"kind": "all_to_all", "ranks": 2, "bytes": b, "seconds": collective("all_to_all", 2, b, 90.0, 0.0)}
+            for b in SIZES]
+    hw = fit_collectives(rows)["hw"]
+    assert hw["all_to_all_gbps"] == pytest.approx(90.0) and hw["all_to_all_alpha_s"] == pytest.approx(0.0, abs=1e-12)
+
+
+def _result(scale: float) -> dict:
+    """A planner_validate result whose 'measured' steps are the planner's own times x `scale` (as if
+    the GPU sustained 1/scale of the assumed FLOP rate), with one row held out."""
+    sets = ["model.preset=llama-1b", "model.n_layers=4", "model.vocab_size=32000", "memory.precision=bf16"]
+    rows = [{"name": f"mb{mb}", "held_out": mb == 4, "sets": sets + [f"train.global_batch={2 * mb}",
+                                                                        f"train.micro_batch={mb}"]}
+            for mb in (1, 2, 4)]
+    result = {"device": "NVIDIA H100 80GB HBM3", "device_mem_gib": 79.2, "gpus": 2, "rows": rows,
+              "hw": {"all_reduce_gbps": 200.0, "pcie_gbps": 40.0}}
+    gpu = result_gpu(result)
+    for r in rows:
+        cfg = load_config(None, r["sets"])
+        r["measured_step_s"] = scale * evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), gpu).time.step_time_s
+    return result
+
+
+def test_refit_says_what_changes_and_improves_the_held_out_row(tmp_path):
+    result = _result(1.25)
+    report = refit(result)
+    assert report["changes"]["all_reduce_gbps"] == [None, 200.0] and report["changes"]["pcie_gbps"] == [55, 40.0]
+    assert report["changes"]["flops_max"][1] < GPUS["h100"].flops_max  # slower than assumed: a lower efficiency
+    errs = report["step_time_errors"]
+    assert errs["measured terms"]["held-out rows"]["max_abs_pct"] == pytest.approx(20.0, abs=0.5)  # 1/1.25 - 1
+    assert errs["refit"]["held-out rows"]["max_abs_pct"] < 5 and errs["refit"]["fit rows"]["rows"] == 2
+    text = render(report)
+    assert "flops_max" in text and "unset (NVLink's) -> 200" in text and "--hw pcie_gbps=40" in text
+    # the terms the planner would take, through the same file reader `teratrain plan --hw-file` uses
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert read_hw_file(str(path))[0] == {"all_reduce_gbps": 200.0, "pcie_gbps": 40.0}
+    assert replace(GPUS["h100"], **read_hw_file(str(path))[0]).link("all_reduce", 2)[0] == 200.0
