@@ -12,9 +12,13 @@ Our engines differ in ways counted here, each mirrored from the code:
   Fused AdamW adds one 4-byte `step` tensor per parameter tensor.
 - ZeroEngine (parallel/zero.py): flat groups (stage 1/2: buckets of ~parallel.bucket_mb; stage 3: one
   per block plus a root group) each padded to a multiple of dp, so a rank holds ceil(numel/dp) of
-  every group. Reduced gradient shards are fp32 (the optimizer's dtype); stage 1 also keeps full
-  low-precision gradients. Offload moves masters and moments to pinned host memory plus a host copy
-  of the gradient shard; offload=params also moves stage-3 parameter shards there.
+  every group. Gradients are in parallel.grad_dtype (fp32 by default, 4 bytes; bf16, 2): stage 1
+  keeps the full buffer and reduce-scatters it in place (its shard is a range of it, Megatron-LM's
+  distributed optimizer), stages 2/3 keep the shard. With grad_dtype=bf16, stages 1 and 2 are the
+  paper's formulas exactly; stage 3 is 2*Psi/N below them (no 2-byte parameter shard beside the
+  fp32 master), and with fp32 gradients its total equals the paper's 16*Psi/N. Offload moves
+  masters and moments to pinned host memory plus a host copy of the gradient shard; offload=params
+  also moves stage-3 parameter shards there.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from functools import lru_cache
 
 from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
-from teratrain.parallel.parallelize import zero_problem
+from teratrain.parallel.parallelize import grad_dtype_problem, zero_problem
 from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
 from teratrain.parallel.pipeline.schedules import problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
@@ -51,7 +55,9 @@ def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
 
 
 def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
-    why = zero_problem(lay.zero, lay.offload)
+    grad_dtype = "bf16" if train.grad_bytes == 2 else "fp32"
+    low = train.precision != "fp32" and train.uses_masters(lay.zero, lay.offload)
+    why = zero_problem(lay.zero, lay.offload) or grad_dtype_problem(grad_dtype, lay.zero, low)
     if why:
         raise PlanError(why.split(";")[0])
     if train.lora and shape.is_bare:
@@ -248,7 +254,7 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
         params = (z["all_shard"] - (shard if w.master and lay.offload == "none" else 0)) * w.param
     else:
         params = z["all_padded"] * w.param  # frozen groups too
-    grads = shard * 4 + (padded * 4 if lay.zero == 1 else 0)  # fp32 shard (+ stage 1's full fp32 accumulator)
+    grads = (padded if lay.zero == 1 else shard) * train.grad_bytes  # stage 1: the buffer its shard is a range of
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS
