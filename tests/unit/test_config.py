@@ -195,3 +195,19 @@ def test_microbatches_at_launch_follow_dp_and_the_schedule():
         cfg.microbatches(dp=8)  # one micro-batch per step on each pipeline
     with pytest.raises(ConfigError, match="train.global_batch"):
         cfg.microbatches(dp=3)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["parallel.grad_dtype=bf16", "memory.precision=bf16"], ("parallel.grad_dtype=bf16", "parallel.zero>=1")),
+    (["parallel.grad_dtype=bf16", "parallel.zero=1"], ("parallel.grad_dtype=bf16", "memory.precision=bf16")),
+    (["parallel.grad_dtype=bf16", "parallel.zero=2", "memory.precision=bf16", "memory.master_weights=false"],
+     ("fp32", "parallel.grad_dtype=fp32")),
+])
+def test_bf16_gradients_need_zero_and_low_precision_parameters(sets, words):
+    """parallel.grad_dtype=bf16 needs a ZeRO engine and bf16/fp16 parameters: one sentence with the fix."""
+    from teratrain.parallel.parallelize import check_supported
+
+    with pytest.raises(ConfigError) as info:
+        check_supported(load_config(None, sets))
+    assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+    check_supported(load_config(None, ["parallel.grad_dtype=bf16", "parallel.zero=1", "memory.precision=fp16"]))
