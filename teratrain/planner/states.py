@@ -43,7 +43,8 @@ class PlanError(ValueError):
 def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
     """Per-rank model-state bytes exactly as the ZeRO paper counts them (sec. 5.1, Figure 1):
     2-byte params and grads, K bytes of optimizer state per parameter. Our engines differ where
-    states.model_states says (fp32 gradient shards, stage 1's full gradients); this is the reference."""
+    states.model_states says (4-byte gradients unless parallel.grad_dtype=bf16; no 2-byte parameter
+    shard at stage 3); this is the reference."""
     params, grads, opt = 2 * psi, 2 * psi, k * psi
     if stage >= 1:
         opt /= dp
