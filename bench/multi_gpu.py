@@ -21,7 +21,7 @@ default needs two jobs: N processes, then one.
             blocks one block deeper than ZeRO-3 without offload fits on the N GPUs (planned), or as deep
             as 70% of host memory holds at 12 bytes/param of masters and moments, or 48 blocks (time),
             whichever is smallest; 3 steps: tokens/s, peak GPU memory, and whether the plan says it
-            fits without offload (2 x H100: 40 blocks, 8.7B parameters, which it does not).
+            fits without offload (2 x H100: 40 blocks, 9.0B parameters, which it does not).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device machines require.
 """
 

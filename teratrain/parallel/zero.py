@@ -341,6 +341,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             opt.step()
             for view in g.opt_views:
                 view.grad = None
+            del grad  # a bf16 shard's fp32 copy goes before the next group's is made
             if self.stage >= 2:
                 g.grad_shard = None  # updated: its memory returns before the next group's copy
 
