@@ -214,11 +214,15 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     def end_backward(self) -> None:
         """Launch, in order, the groups whose gradients did not all arrive (parameters unused this
-        micro-step, on this rank): every rank reduces every group once per reduction round. Then
-        wait for the reductions, so their inputs are not held through the next forward."""
+        micro-step, on this rank): every rank reduces every group once per reduction round. At
+        stage 3, then wait for the reductions, so their block-sized inputs are not held through the
+        next forward. Not at stages 1/2, which pipeline stages use: there a rank waiting on its
+        data-parallel peers between a pipeline send and receive could close a cycle of waits (gloo
+        waits block the process); their inputs are bucket-sized and wait for the next launch or the step."""
         if self.stage >= 2 or self._sync:
             self.order.flush()
-            self._drain()
+            if self.stage == 3:
+                self._drain()
 
     def _reduce_grads(self, g: _Group) -> None:
         """Stage 2/3: send the group's gradients (a missing one counts as zero) to the shards. The
