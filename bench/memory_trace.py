@@ -69,12 +69,12 @@ def _cuda(step, dev: torch.device) -> dict:
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
-    torch.cuda.memory._record_memory_history("all", context="all", stacks="python", max_entries=2_000_000,
-                                             clear_history=True)
-    try:
+    torch.cuda.memory._record_memory_history("all", context="all", stacks="python", max_entries=2_000_000)
+    try:  # the history may still hold an earlier recording's events (no clear_history in every torch): skip them
+        start = len(_trace(dev))
         step()
         torch.cuda.synchronize(dev)
-        trace = torch.cuda.memory._snapshot(dev)["device_traces"][dev.index or 0]
+        trace = _trace(dev)[start:]
     finally:
         torch.cuda.memory._record_memory_history(None)
     events = [("alloc" if e["action"] == "alloc" else "free", e["addr"], e["size"], site_of(e.get("frames", [])))
@@ -83,6 +83,10 @@ def _cuda(step, dev: torch.device) -> dict:
     out.update(max_allocated_mib=round(torch.cuda.max_memory_allocated(dev) / MIB, 3),
                max_reserved_mib=round(torch.cuda.max_memory_reserved(dev) / MIB, 3))
     return out
+
+
+def _trace(dev: torch.device) -> list[dict]:
+    return torch.cuda.memory._snapshot(dev)["device_traces"][dev.index or 0]
 
 
 def _cpu(step) -> dict:
