@@ -174,12 +174,12 @@ def main() -> None:
             model_8b = SMOKE if args.smoke else LLAMA_8B + [f"model.n_layers={layers}"]
             models = {"zero1-llama1b": (model_1b, 1, 4), f"zero3-llama8b-{layers}-blocks": (model_8b, 3, 1)}
             many, one = [], []
+            if "scaling" in only:  # first: each layout's process groups stay (mesh.py), with NCCL's buffers
+                many += scaling_runs(n, dict(reversed(models.items())), steps + 3, many=True)
+                one += scaling_runs(n, models, steps + 3, many=False)
             if "parity" in only:
                 many += parity_runs(n, model_1b, steps)
                 one += parity_runs(n, model_1b, steps)
-            if "scaling" in only:
-                many += scaling_runs(n, models, steps + 3, many=True)
-                one += scaling_runs(n, models, steps + 3, many=False)
             got_many, got_one = run_layouts(n, many, work, "many"), run_layouts(1, one, work, "one")
             if "parity" in only:
                 result["parity"] = parity_table(got_many, got_one)
