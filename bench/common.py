@@ -87,3 +87,31 @@ def emit(obj: dict, out: str | None = None) -> None:
     print(text, flush=True)
     if out:
         Path(out).write_text(text)
+
+
+def gpu_memory_bytes() -> int:
+    """Total memory of GPU 0, asked in a short-lived process, so a driver that launches torchrun
+    jobs holds no CUDA context on a GPU its children use."""
+    import subprocess
+
+    code = "import torch; print(torch.cuda.mem_get_info(0)[1])"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def planned_bytes(sets: list[str], dp: int) -> int:
+    """The memory one GPU needs for the layout of `sets` at data-parallel degree `dp`, as teratrain's
+    planner predicts it (peak allocated plus its allowance for the CUDA context and fragmentation)."""
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import plan_memory
+
+    cfg = config(sets + [f"parallel.dp={dp}"])
+    return plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, dp)).total
+
+
+def fit_layers(sets: list[str], dp: int, total_bytes: int, fraction: float = 0.75) -> int:
+    """The most blocks (up to the shape's own) whose planned memory (planned_bytes) fits `fraction`
+    of `total_bytes` (the rest: room for allocator fragmentation and a peer's own buffers)."""
+    for n in range(config(sets).model.n_layers, 0, -1):
+        if planned_bytes(sets + [f"model.n_layers={n}"], dp) <= fraction * total_bytes:
+            return n
+    raise SystemExit(f"not one block of {sets} fits {fraction:.0%} of {total_bytes / 2**30:.0f} GiB at dp={dp}")

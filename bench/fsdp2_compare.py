@@ -1,14 +1,24 @@
-"""Our ZeRO-3 against PyTorch FSDP2 (`fully_shard`) on the same model, shape and batch. Run under
-torchrun (bench/multi_gpu.py does); rank 0 writes one JSON object to --result.
+"""Our ZeRO-3 against PyTorch FSDP2 (`fully_shard`) on the same model, shape and batch, under torchrun;
+rank 0 prints one JSON object (and writes it with --out).
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out results/fsdp2_h100x2.json
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke     # gloo CPU processes, tiny shape
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
-fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens.
+fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
+(32k vocabulary, seq 4096, micro-batch 1) is cut to the most blocks whose planned peak (our planner,
+ZeRO-3 at this dp) fits 75% of the GPU found (H100 80 GB, H200 141 GB), the same for both sides.
+Each side: build, 3 warm-up steps, `--steps` timed steps, then one step with allocation tracing
+(bench/memory_trace.py): the peak and the largest allocation sites alive at it, next to the peak
+allocated/reserved of the whole run, and the model states each side holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -18,16 +28,22 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import fit_layers  # noqa: E402
+from memory_trace import traced_step  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.mesh import init_runtime  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
-from teratrain.optim.engine import train_step  # noqa: E402
+from teratrain.optim.engine import tensor_bytes, train_step  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
 SHAPES = {"llama-8b": ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"],
           "llama-1b": ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"]}
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512"]
+RUN = ["memory.precision=bf16", "parallel.zero=3"]
+GIB = 2**30
+FIT = 0.75  # of the GPU's memory for the planned peak: room for FSDP2's own buffers and the allocator's
 
 
 def ours(cfg, rt):
@@ -38,7 +54,11 @@ def ours(cfg, rt):
     def step(x, y):
         train_step(model, engine, [(x, y)], "bf16", 1e-4)
 
-    return step
+    def states() -> int:
+        held = engine.last_state_bytes
+        return held["params"] + held["grads"] + held["optimizer"]
+
+    return step, states
 
 
 def fsdp2(cfg, rt):
@@ -59,61 +79,102 @@ def fsdp2(cfg, rt):
     model.init_buffers(rt.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=rt.device.type == "cuda")
+    held = {}
 
     def step(x, y):
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not held:  # as ours counts them: sharded params (the fp32 masters), grads before the update
+            local = [p.to_local() for p in model.parameters()]
+            held["states"] = tensor_bytes(local) + tensor_bytes(p.grad.to_local() for p in model.parameters())
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step
+    def states() -> int:
+        moments = [t.to_local() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+        return held["states"] + tensor_bytes(moments)
+
+    return step, states
 
 
 def measure(build, cfg, rt, mb: int, warmup: int, steps: int) -> dict:
+    gc.collect()
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(rt.device)
-    step = build(cfg, rt)
+    start = torch.cuda.memory_allocated(rt.device) if rt.device.type == "cuda" else 0
+    step, states = build(cfg, rt)
     g = torch.Generator().manual_seed(rt.rank)
     x = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1), generator=g).to(rt.device)
     times = []
     for i in range(warmup + steps):
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(rt)
         dist.barrier()
         t0 = time.perf_counter()
         step(x[:, :-1], x[:, 1:])
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(rt)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    peak = torch.tensor([torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else 0.0], device=rt.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = _max_over_ranks(torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else 0, rt)
+    reserved = _max_over_ranks(torch.cuda.max_memory_reserved(rt.device) if rt.device.type == "cuda" else 0, rt)
+    dist.barrier()
+    trace = traced_step(lambda: step(x[:, :-1], x[:, 1:]), rt.device)
     tps = mb * cfg.model.seq_len * rt.world / statistics.median(times)
     return {"tokens_per_s": tps, "tflops_per_gpu": tps * flops_per_token(cfg.model) / rt.world / 1e12,
-            "step_ms": 1e3 * statistics.median(times), "peak_gib_max_over_ranks": float(peak) / 2**30}
+            "step_ms": 1e3 * statistics.median(times), "peak_gib_max_over_ranks": peak / GIB,
+            "reserved_gib_max_over_ranks": reserved / GIB, "model_state_gib": states() / GIB,
+            "allocated_gib_before_build": start / GIB, "traced_step_rank0": trace}
+
+
+def _sync(rt) -> None:
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+
+
+def _max_over_ranks(value: float, rt) -> float:
+    t = torch.tensor([float(value)], device=rt.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--result", required=True)
+    ap.add_argument("--out", help="also write the JSON here (rank 0)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--model", choices=sorted(SHAPES), default="llama-8b")
-    ap.add_argument("--layers", type=int, help="fewer blocks (to fit fewer GPUs)")
+    ap.add_argument("--layers", type=int, help="blocks of the model (default: as many as fit, see the docstring)")
+    ap.add_argument("--set", action="append", default=[], help="a config override on top of the shape")
     args = ap.parse_args()
-    shape = SMOKE if args.smoke else SHAPES[args.model] + ([f"model.n_layers={args.layers}"] if args.layers else [])
-    cfg = load_config(None, shape + ["memory.precision=bf16", "parallel.zero=3"])
+    if not args.smoke:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():  # FSDP2 needs a process group even on one GPU (ours needs none then)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo" if args.smoke else "nccl")
+    world = dist.get_world_size()
+    batch = [f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}"]
+    if args.smoke:
+        shape = SMOKE
+    else:
+        fit = SHAPES[args.model] + RUN + batch
+        layers = args.layers or fit_layers(fit, world, torch.cuda.mem_get_info()[1], FIT)
+        shape = SHAPES[args.model] + [f"model.n_layers={layers}"]
+    shape += args.set
+    cfg = load_config(None, shape + RUN + batch)
     rt = init_runtime(cfg)
-    rows = {name: measure(build, cfg, rt, args.micro_batch, 3, args.steps) for name, build in (("ours_zero3", ours), ("fsdp2", fsdp2))}
-    rows["tokens_per_s_ratio_ours_over_fsdp2"] = rows["ours_zero3"]["tokens_per_s"] / rows["fsdp2"]["tokens_per_s"]
+    rows = {"ours_zero3": measure(ours, cfg, rt, args.micro_batch, 3, args.steps)}
+    rows["fsdp2"] = measure(fsdp2, cfg, rt, args.micro_batch, 3, args.steps)
+    a, b = rows["ours_zero3"], rows["fsdp2"]
+    rows["tokens_per_s_ratio_ours_over_fsdp2"] = a["tokens_per_s"] / b["tokens_per_s"]
+    rows["peak_ratio_ours_over_fsdp2"] = a["peak_gib_max_over_ranks"] / max(b["peak_gib_max_over_ranks"], 1e-9)
     if rt.rank == 0:
-        Path(args.result).write_text(json.dumps({"gpus": rt.world, "shape": shape, "micro_batch": args.micro_batch, **rows},
-                                                indent=1))
+        device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
+        text = json.dumps({"bench": "fsdp2_compare", "gpus": rt.world, "device": device, "torch": torch.__version__,
+                           "shape": shape, "micro_batch": args.micro_batch, **rows}, indent=1)
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text)
     dist.destroy_process_group()
 
 

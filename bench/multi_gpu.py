@@ -1,19 +1,27 @@
-"""Data parallelism and ZeRO on several GPUs of one host, under NCCL, in one call.
+"""Data parallelism and ZeRO on several GPUs of one host, under NCCL; prints one JSON object.
 
-    python bench/multi_gpu.py                    # every GPU of the machine (needs >= 2)
-    python bench/multi_gpu.py --smoke            # 2 CPU processes over gloo, tiny shapes: checks the script
+    python bench/multi_gpu.py --out results/multi_gpu_h100x2.json                  # parity + scaling, ~3 min on 2 GPUs
+    python bench/multi_gpu.py --only offload --out results/multi_gpu_offload_h100x2.json    # ~2-3 min
+    python bench/multi_gpu.py --only fsdp2 --out results/fsdp2_h100x2.json         # bench/fsdp2_compare.py, ~2 min
+    python bench/multi_gpu.py --smoke --only parity,scaling,offload,fsdp2          # 2 CPU processes over gloo
 
-Experiments (each a torchrun job; the driver prints one JSON object, the table goes to bench/README.md):
-1. parity:  llama-1b shape (32k vocab), bf16, 20 steps, ZeRO 0-3 on N GPUs vs 1 GPU on the same global
-            batch (the 1-GPU run accumulates N micro-batches). bf16 tolerance: every step's loss within
-            2e-2 relative (bf16 keeps 8 mantissa bits; reduction order differs between the layouts).
-2. scaling: weak scaling (same micro-batch per GPU) of ZeRO-1 on llama-1b and ZeRO-3 on llama-8b:
-            tokens/s per GPU at N over 1 GPU (target >= 0.90), and at N with `parallel.overlap_comm`
-            off, which shows what overlapping the reductions with backward saves.
-3. fsdp2:   our ZeRO-3 against PyTorch FSDP2 (`fully_shard` per block + root, bf16 params, fp32
-            reduce, fused AdamW) on the same model, shape and batch: tokens/s ratio and peak memory.
-4. offload: the largest Llama-8B-block model that ZeRO-3 + `parallel.offload=optimizer` trains on N
-            GPUs (sized from host memory: 12 bytes/param of masters + moments), with its tokens/s.
+Every GPU of the machine (N >= 2) takes part. Layouts run one after another inside one torchrun job
+per world size (bench/random_steps.py: the same random-token global batch at every layout), so the
+default needs two jobs: N processes, then one.
+1. parity:  llama-1b shape (32k vocab, seq 2048), bf16, 10 steps, ZeRO 0-3 on N GPUs vs 1 GPU on the
+            same global batch (the 1-GPU run accumulates N micro-batches of 2). bf16 tolerance: every
+            step's loss within 2e-2 relative (8 mantissa bits; the reduction order differs).
+2. scaling: weak scaling (the same micro-batch per GPU) of ZeRO-1 on llama-1b (micro-batch 4) and of
+            ZeRO-3 on Llama-8B blocks (seq 4096, micro-batch 1; as many blocks as one GPU holds at
+            ZeRO-3, planned, so the 1-GPU baseline runs): tokens/s per GPU at N over 1 GPU (target
+            >= 0.95), and at N with `parallel.overlap_comm=false`, which shows what overlapping the
+            reductions with backward saves.
+3. fsdp2:   bench/fsdp2_compare.py: our ZeRO-3 against PyTorch FSDP2 on the same model and batch.
+4. offload: ZeRO-3 with `parallel.offload=optimizer` (full recompute, seq 2048) on a stack of Llama-8B
+            blocks one block deeper than ZeRO-3 without offload fits on the N GPUs (planned), or as deep
+            as 70% of host memory holds at 12 bytes/param of masters and moments, or 48 blocks (time),
+            whichever is smallest; 3 steps: tokens/s, peak GPU memory, and whether the plan says it
+            fits without offload (2 x H100: 40 blocks, 9.0B parameters, which it does not).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device machines require.
 """
 
@@ -22,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,12 +37,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-LLAMA_1B = ["model.preset=llama-1b", "model.vocab_size=32000"]
+LLAMA_1B = ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"]
 LLAMA_8B = ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"]
-SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=4096"]
-COMMON = ["memory.precision=bf16", "train.eval_batches=0", "metrics.progress=false", "optim.warmup_steps=5"]
+SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512",
+         "train.device=cpu"]
+COMMON = ["memory.precision=bf16", "optim.warmup_steps=0", "optim.lr=3e-4"]
+PARITY_TOL = 2e-2
+BLOCK_PARAMS = 218_112_000  # a Llama-8B block (d 4096, d_ff 14336, 8 KV heads)
+OFFLOAD_MAX_LAYERS = 48  # 10.5B parameters: building the host state and 3 CPU AdamW steps stay ~3 min
 
 
 def torchrun(nproc: int, args: list[str], timeout_s: int = 1800) -> None:
@@ -44,87 +56,145 @@ def torchrun(nproc: int, args: list[str], timeout_s: int = 1800) -> None:
     subprocess.run(cmd, check=True, env=env, timeout=timeout_s, cwd=ROOT)
 
 
-def train(nproc: int, sets: list[str], steps: int, work: Path, name: str) -> list[dict]:
-    """`teratrain train` on nproc processes; its metrics.jsonl records."""
-    out = work / name
-    args = ["-m", "teratrain", "train", "--out", str(out), "--steps", str(steps)]
-    torchrun(nproc, args + [a for s in COMMON + sets for a in ("--set", s)])
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def run_layouts(nproc: int, runs: list[dict], work: Path, tag: str) -> dict:
+    """Each run ({"name", "sets", "steps"}) in one torchrun job of nproc processes; name -> summary."""
+    spec = work / f"{tag}.runs.json"
+    spec.write_text(json.dumps(runs))
+    torchrun(nproc, [__file__, "--phase", str(spec), "--result", str(work / f"{tag}.json")])
+    return json.loads((work / f"{tag}.json").read_text())
 
 
-def tokens_per_s(rows: list[dict], skip: int = 3) -> float:
-    return statistics.median(r["tokens_per_s"] for r in rows[skip:] or rows)
+def phase(spec: str, result: str) -> None:
+    """Under torchrun: every run of the spec, one after another; rank 0 writes the summaries."""
+    from random_steps import Run
+
+    out = {}
+    for r in json.loads(Path(spec).read_text()):
+        run = Run(r["sets"])
+        out[r["name"]] = run.summary(run.steps(0, r["steps"]), skip=r.get("skip", 3))
+        run.close()
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(result).write_text(json.dumps(out))
 
 
-def parity(n: int, model: list[str], steps: int, work: Path) -> list[dict]:
+def parity_runs(n: int, model: list[str], steps: int) -> list[dict]:
+    return [{"name": f"parity-zero{z}", "steps": steps,
+             "sets": model + COMMON + [f"parallel.zero={z}", f"train.global_batch={2 * n}", "train.micro_batch=2"]}
+            for z in range(4)]
+
+
+def scaling_runs(n: int, models: dict, steps: int, many: bool) -> list[dict]:
+    """`many`: the N-GPU runs (with and without overlap), else the 1-GPU baselines."""
     out = []
-    for zero in range(4):
-        sets = model + [f"parallel.zero={zero}", f"train.global_batch={2 * n}", "train.micro_batch=2"]
-        many, one = train(n, sets, steps, work, f"par{zero}-{n}"), train(1, sets, steps, work, f"par{zero}-1")
-        err = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(many, one))
-        out.append({"zero": zero, "gpus": n, "max_rel_loss_diff": err, "within_2e-2": err <= 2e-2,
-                    "final_loss": [many[-1]["loss"], one[-1]["loss"]]})
+    for tag, (model, zero, mb) in models.items():
+        sets = model + COMMON + [f"parallel.zero={zero}", f"train.micro_batch={mb}"]
+        if many:
+            out.append({"name": tag, "steps": steps, "sets": sets + [f"train.global_batch={mb * n}"]})
+            out.append({"name": f"{tag}-serial", "steps": steps,
+                        "sets": sets + [f"train.global_batch={mb * n}", "parallel.overlap_comm=false"]})
+        else:
+            out.append({"name": tag, "steps": steps, "sets": sets + [f"train.global_batch={mb}"]})
     return out
 
 
-def scaling(n: int, model: list[str], zero: int, mb: int, steps: int, work: Path, tag: str) -> dict:
-    sets = model + [f"parallel.zero={zero}", f"train.micro_batch={mb}"]
-    one = train(1, sets + [f"train.global_batch={mb}"], steps, work, f"{tag}-1")
-    many = train(n, sets + [f"train.global_batch={mb * n}"], steps, work, f"{tag}-{n}")
-    serial = train(n, sets + [f"train.global_batch={mb * n}", "parallel.overlap_comm=false"], steps, work, f"{tag}-{n}-serial")
-    per_gpu = tokens_per_s(many) / n
-    return {"run": tag, "zero": zero, "gpus": n, "tokens_per_s_per_gpu_1": tokens_per_s(one), "tokens_per_s_per_gpu_n": per_gpu,
-            "weak_scaling_efficiency": per_gpu / tokens_per_s(one), "tokens_per_s_per_gpu_n_no_overlap": tokens_per_s(serial) / n,
-            "overlap_speedup": tokens_per_s(many) / tokens_per_s(serial),
-            "peak_gib_n": max(r["peak_mem_bytes"] for r in many) / 2**30}
+def parity_table(many: dict, one: dict) -> list[dict]:
+    rows = []
+    for z in range(4):
+        a, b = many[f"parity-zero{z}"]["losses"], one[f"parity-zero{z}"]["losses"]
+        err = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        rows.append({"zero": z, "max_rel_loss_diff": err, f"within_{PARITY_TOL}": err <= PARITY_TOL,
+                     "final_loss": [a[-1], b[-1]]})
+    return rows
 
 
-def offload(n: int, steps: int, work: Path, smoke: bool) -> dict:
-    """Size the model from host memory (12 B/param of masters + moments, 80% of RAM), then train it."""
-    if smoke:
-        layers, sets = 2, SMOKE
-    else:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        per_layer = 218_112_000  # a Llama-8B block (d 4096, d_ff 14336, 8 KV heads)
-        layers = int(0.8 * host / 12 / per_layer)
-        sets = LLAMA_8B[:2] + [f"model.n_layers={layers}", "model.seq_len=2048"]
-    sets = sets + ["parallel.zero=3", "parallel.offload=optimizer", "memory.recompute=full",
-                   "train.micro_batch=1", f"train.global_batch={4 * n}"]
-    rows = train(n, sets, steps, work, "offload")
-    return {"gpus": n, "n_layers": layers, "model_state_bytes": rows[0]["model_state_bytes"],
-            "tokens_per_s": tokens_per_s(rows, skip=1), "peak_gib": max(r["peak_mem_bytes"] for r in rows) / 2**30}
+def scaling_table(n: int, models: dict, many: dict, one: dict) -> list[dict]:
+    rows = []
+    for tag, (model, zero, mb) in models.items():
+        per_gpu = many[tag]["tokens_per_s"] / n
+        rows.append({"run": tag, "zero": zero, "micro_batch": mb, "shape": model, "gpus": n,
+                     "tokens_per_s_per_gpu_1": one[tag]["tokens_per_s"], "tokens_per_s_per_gpu_n": per_gpu,
+                     "weak_scaling_efficiency": per_gpu / one[tag]["tokens_per_s"],
+                     "tokens_per_s_per_gpu_n_no_overlap": many[f"{tag}-serial"]["tokens_per_s"] / n,
+                     "overlap_speedup": many[tag]["tokens_per_s"] / many[f"{tag}-serial"]["tokens_per_s"],
+                     "peak_gib_1": one[tag]["peak_gib"], "peak_gib_n": many[tag]["peak_gib"]})
+    return rows
+
+
+def offload_sets(n: int, gpu_bytes: int | None) -> tuple[list[str], dict]:
+    """Llama-8B blocks one deeper than ZeRO-3 fits on n GPUs without offload, capped by host memory."""
+    from common import fit_layers
+
+    run = ["memory.recompute=full", "train.micro_batch=1", f"train.global_batch={2 * n}", "parallel.zero=3"] + COMMON
+    if gpu_bytes is None:  # smoke
+        return SMOKE + run + ["parallel.offload=optimizer"], {"n_layers": 2}
+    base = LLAMA_8B[:2] + ["model.seq_len=2048"] + run
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    by_host = int(0.7 * host / 12 / BLOCK_PARAMS)
+    most = int(n * gpu_bytes / (16 * BLOCK_PARAMS)) + 1  # 16 bytes/param of model states over n GPUs
+    try:
+        beyond = fit_layers(base + [f"model.n_layers={most}"], n, gpu_bytes, fraction=1.0) + 1
+    except SystemExit:
+        beyond = 1
+    layers = min(beyond, by_host, OFFLOAD_MAX_LAYERS)
+    info = {"n_layers": layers, "layers_fitting_without_offload_planned": beyond - 1, "layers_host_holds": by_host,
+            "fits_without_offload_planned": layers < beyond}
+    return base + [f"model.n_layers={layers}", "parallel.offload=optimizer"], info
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--only", default="parity,scaling,fsdp2,offload")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--only", default="parity,scaling", help="comma-separated: parity, scaling, fsdp2, offload")
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.phase:
+        phase(args.phase, args.result)
+        return
     import torch
 
     n = 2 if args.smoke else torch.cuda.device_count()
     if n < 2:
         sys.exit("bench/multi_gpu.py needs at least 2 GPUs (or --smoke for CPU processes)")
-    model_1b, model_8b = (SMOKE, SMOKE) if args.smoke else (LLAMA_1B, LLAMA_8B)
+    from common import fit_layers, gpu_memory_bytes
+
+    gpu_bytes = None if args.smoke else gpu_memory_bytes()
     steps = 4 if args.smoke else args.steps
-    result = {"bench": "multi_gpu", "gpus": n, "torch": torch.__version__}
+    only = args.only.split(",")
+    result = {"bench": "multi_gpu", "gpus": n, "torch": torch.__version__,
+              "gpu_memory_gib": gpu_bytes / 2**30 if gpu_bytes else None}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        only = args.only.split(",")
-        if "parity" in only:
-            result["parity"] = parity(n, model_1b, steps, work)
-        if "scaling" in only:
-            result["scaling"] = [scaling(n, model_1b, 1, 4, steps, work, "zero1-llama1b"),
-                                 scaling(n, model_8b, 3, 1, steps, work, "zero3-llama8b")]
+        if "parity" in only or "scaling" in only:
+            model_1b = SMOKE if args.smoke else LLAMA_1B
+            one_gpu = LLAMA_8B + COMMON + ["parallel.zero=3", "train.micro_batch=1", "train.global_batch=1"]
+            layers = 2 if args.smoke else fit_layers(one_gpu, 1, gpu_bytes)
+            model_8b = SMOKE if args.smoke else LLAMA_8B + [f"model.n_layers={layers}"]
+            models = {"zero1-llama1b": (model_1b, 1, 4), f"zero3-llama8b-{layers}-blocks": (model_8b, 3, 1)}
+            many, one = [], []
+            if "scaling" in only:  # first: each layout's process groups stay (mesh.py), with NCCL's buffers
+                many += scaling_runs(n, dict(reversed(models.items())), steps + 3, many=True)
+                one += scaling_runs(n, models, steps + 3, many=False)
+            if "parity" in only:
+                many += parity_runs(n, model_1b, steps)
+                one += parity_runs(n, model_1b, steps)
+            got_many, got_one = run_layouts(n, many, work, "many"), run_layouts(1, one, work, "one")
+            if "parity" in only:
+                result["parity"] = parity_table(got_many, got_one)
+            if "scaling" in only:
+                result["scaling"] = scaling_table(n, models, got_many, got_one)
         if "fsdp2" in only:
             res = work / "fsdp2.json"
-            torchrun(n, [__file__.replace("multi_gpu.py", "fsdp2_compare.py"), "--result", str(res)]
-                     + (["--smoke"] if args.smoke else []))
+            smoke = ["--smoke"] if args.smoke else []
+            torchrun(n, [str(ROOT / "bench" / "fsdp2_compare.py"), "--out", str(res)] + smoke)
             result["fsdp2"] = json.loads(res.read_text())
         if "offload" in only:
-            result["offload"] = offload(n, min(steps, 4), work, args.smoke)
+            sets, info = offload_sets(n, gpu_bytes)
+            got = run_layouts(n, [{"name": "offload", "steps": 3, "skip": 1, "sets": sets}], work, "offload")["offload"]
+            result["offload"] = {**info, "gpus": n, "tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gib"],
+                                 "step_s": got["step_s"], "model_state_bytes": got["model_state_bytes"]}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

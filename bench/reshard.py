@@ -1,7 +1,11 @@
 """Resharding checkpoints: a llama-1b run saved at (dp=N, ZeRO-3) resumes at (dp=1, ZeRO-1).
 
-    python bench/reshard.py                  # every GPU of the machine saves (>= 2), then one GPU resumes
+    python bench/reshard.py                  # every GPU of the machine saves (>= 2), then one GPU resumes: ~2 min on 2
     python bench/reshard.py --smoke          # 2 CPU processes over gloo, then 1, tiny shape, fp32
+
+The micro-batch (4, else 2, else 1; global batch 8) is the largest at which the resuming layout is
+planned to fit 75% of the GPU found. The checkpoint (fp32 masters and AdamW moments, 14.9 GB for
+llama-1b) goes to a temporary folder (or under --work).
 
 Two torchrun jobs on fixed random tokens (the same global batch at every layout):
 1. save:   dp=N, parallel.zero=3, bf16 with fp32 masters; `--steps` steps, a timed logical checkpoint
@@ -27,10 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-LLAMA_1B = ["model.preset=llama-1b", "model.vocab_size=32000", "memory.precision=bf16", "train.micro_batch=4",
-            "train.global_batch=8"]
+LLAMA_1B = ["model.preset=llama-1b", "model.vocab_size=32000", "memory.precision=bf16", "train.global_batch=8"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32",
          "model.vocab_size=512", "train.micro_batch=2", "train.global_batch=8", "train.device=cpu"]
 COMMON = ["optim.lr=3e-4", "optim.warmup_steps=0", "optim.schedule=constant", "checkpoint.keep=1"]
@@ -48,23 +52,12 @@ def torchrun(nproc: int, args: list[str], timeout_s: int = 3600) -> None:
 def phase(args) -> None:
     import torch
 
+    from random_steps import Run
     from teratrain.checkpoint import io
     from teratrain.checkpoint.training import restore_training, save_training
-    from teratrain.config import load_config
-    from teratrain.mesh import init_runtime
-    from teratrain.models.transformer import Transformer
-    from teratrain.optim.engine import train_step
-    from teratrain.parallel.comm import AVG, all_reduce
-    from teratrain.parallel.parallelize import parallelize
-    from teratrain.train import seed_everything
 
-    cfg = load_config(None, json.loads(args.sets))
-    rt = init_runtime(cfg)
-    cfg.parallel.dp = rt.dims.dp
-    seed_everything(cfg.train.seed + rt.dp_rank)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    engine = parallelize(model, rt, cfg)
+    run = Run(json.loads(args.sets))
+    cfg, rt, engine = run.cfg, run.rt, run.engine
     root, out = Path(args.work) / "checkpoints", {}
 
     def timed(fn):
@@ -76,22 +69,8 @@ def phase(args) -> None:
         rt.barrier()
         return result, time.perf_counter() - t0
 
-    def steps(first: int, count: int) -> list[float]:
-        tc, losses = cfg.train, []
-        per_rank = tc.global_batch // rt.dims.dp
-        for step in range(first, first + count):
-            g = torch.Generator().manual_seed(1000 + step)  # step's global batch: the same for every layout
-            batch = torch.randint(0, cfg.model.vocab_size, (tc.global_batch, cfg.model.seq_len + 1), generator=g)
-            rows = batch[rt.dp_rank * per_rank:(rt.dp_rank + 1) * per_rank].to(rt.device)
-            micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
-                     for i in range(0, per_rank, tc.micro_batch)]
-            _, loss = train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
-            all_reduce(loss, rt.dp_group, op=AVG)
-            losses.append(float(loss))
-        return losses
-
     if args.phase == "save":
-        out["first_losses"] = steps(0, args.steps)
+        out["first_losses"] = run.steps(0, args.steps)["losses"]
         path, out["save_s"] = timed(lambda: save_training(root, args.steps, cfg, rt, engine))
         out["bytes"] = sum(f.stat().st_size for f in path.iterdir())
     else:
@@ -99,13 +78,26 @@ def phase(args) -> None:
         assert start == args.steps, start
         path = root / (root / "latest").read_text().strip()
         _, out["digest_s"] = timed(lambda: io.verify(path, rt.rank, rt.world))  # the digest check alone
-    out["losses"] = steps(args.steps, args.more)
+    out["losses"] = run.steps(args.steps, args.more)["losses"]
     out["layout"] = {"dp": rt.dims.dp, "zero": cfg.parallel.zero, "world": rt.world}
+    out["peak_gib"] = run.summary({"step_s": [1.0]})["peak_gib"]
     if rt.is_main:
         Path(args.work, f"{args.phase}.json").write_text(json.dumps(out))
 
 
 # ---------------------------------------------------------------- the driver
+
+def micro_batch(resume_gpus: int) -> int:
+    """The largest of 4, 2, 1 at which the resuming layout (the fuller one: ZeRO-1 on fewer GPUs) is
+    planned to fit 75% of the GPU found, so the run fits H100 (80 GB) and H200 (141 GB) alike."""
+    from common import gpu_memory_bytes, planned_bytes
+
+    gpu = gpu_memory_bytes()
+    for mb in (4, 2):
+        if planned_bytes(LLAMA_1B + COMMON + [f"train.micro_batch={mb}", "parallel.zero=1"], resume_gpus) <= 0.75 * gpu:
+            return mb
+    return 1
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -124,7 +116,10 @@ def main() -> None:
         return
     import torch
 
-    shape, tol = (SMOKE, 1e-5) if args.smoke else (LLAMA_1B, 2e-2)
+    if args.smoke:
+        shape, tol = SMOKE, 1e-5
+    else:
+        shape, tol = LLAMA_1B + [f"train.micro_batch={micro_batch(args.resume_gpus)}"], 2e-2
     n = args.gpus or (2 if args.smoke else torch.cuda.device_count())
     if n < 2 and not args.smoke:
         raise SystemExit("bench/reshard.py needs at least 2 GPUs for the saving run (or --smoke)")
@@ -145,6 +140,8 @@ def main() -> None:
               "load_gb_per_s_without_digests": round(gb / max(resume["load_s"] - resume["digest_s"], 1e-9), 3),
               "losses_before": save["first_losses"], "losses_unchanged": save["losses"],
               "losses_resumed": resume["losses"], "max_rel_loss_diff": diff, "tolerance": tol, "ok": diff <= tol,
+              "micro_batch": next(int(s.split("=")[1]) for s in shape if s.startswith("train.micro_batch")),
+              "peak_gib": {"save": save["peak_gib"], "resume": resume["peak_gib"]},
               "torch": torch.__version__}
     text = json.dumps(result, indent=1)
     print(text, flush=True)

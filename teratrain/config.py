@@ -316,6 +316,10 @@ class ParallelConfig(Section):
     num_servers: int = Field(1, ge=1, description="param-server: ranks acting as servers")
     bucket_mb: float = Field(25.0, gt=0.0, description="gradient bucket size in MiB")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="dtype of gradient reduction")
+    grad_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="ZeRO: dtype of the gradient buffer micro-batches accumulate in (stage 1: the full "
+                            "buffer, reduce-scattered in place; 2/3: the shard); bf16 halves it (the ZeRO paper's "
+                            "2 bytes) at 8 mantissa bits, upcast to fp32 one group at a time for the update")
     overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
                                                  "for each one (to measure what the overlap saves)")
     timeout_s: float = Field(600.0, gt=0.0, description="seconds a collective or pipeline transfer may wait for its "

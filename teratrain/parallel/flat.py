@@ -22,9 +22,13 @@ import torch
 from torch import nn
 
 
-# Flat buffers whose collective is still running, per engine: launching another first waits for the
-# oldest. This bounds the transient memory (e.g. fp32 reduce copies of bf16 grads) to a few buckets.
+# Reduce inputs alive at once, per engine, which bounds the transient memory (fp32 reduce copies of
+# bf16 grads). DataParallelEngine: collectives still running after a launch (launching another first
+# waits for the oldest). ZeroEngine: inputs alive at once, the one being made included (it waits for
+# the oldest before making it): a few buckets at stages 1/2, one block at stage 3, as FSDP2 keeps by
+# default (a block's fp32 reduce input is twice its bf16 parameters: 0.87 GB for a Llama-8B block).
 MAX_INFLIGHT_REDUCES = 2
+BLOCK_REDUCES_IN_FLIGHT = 1
 
 
 @dataclass
@@ -57,6 +61,7 @@ class FlatGroup:
         self.padded = self.shard_numel * world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.pieces = self._pieces()
+        self.gaps = _gaps(self.offsets, self.numels, self.padded)
 
     def _pieces(self) -> list[Piece]:
         out = []
@@ -75,10 +80,15 @@ class FlatGroup:
         return [shard[pc.shard_lo:pc.shard_lo + pc.numel] for pc in self.pieces]
 
     def flatten(self, tensors: list[torch.Tensor | None], dtype: torch.dtype, device) -> torch.Tensor:
-        """Tensors shaped like the params (None = zeros) copied into a new (padded,) buffer."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        """Tensors shaped like the params (None = zeros) copied into a new (padded,) buffer; only
+        the padding and the missing tensors' ranges are zeroed (one pass over the bytes, not two)."""
+        flat = torch.empty(self.padded, dtype=dtype, device=device)
+        for lo, hi in self.gaps:
+            flat[lo:hi].zero_()
         for view, t in zip(self.views(flat), tensors):
-            if t is not None:
+            if t is None:
+                view.zero_()
+            else:
                 view.copy_(t)
         return flat
 
@@ -93,6 +103,16 @@ def deal(numels: list[int], world: int) -> list[list[int]]:
         bins[r].append(i)
         load[r] += numels[i]
     return [sorted(b) for b in bins]
+
+
+def _gaps(offsets: list[int], numels: list[int], padded: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of a (padded,) buffer that no parameter covers (padding)."""
+    out, pos = [], 0
+    for lo, n in sorted(zip(offsets, numels)):
+        if lo > pos:
+            out.append((pos, lo))
+        pos = max(pos, lo + n)
+    return out + ([(pos, padded)] if pos < padded else [])
 
 
 def _spans(bins: list[list[int]]) -> list[tuple[int, int]]:

@@ -75,7 +75,7 @@ def check_supported(cfg) -> None:
     check_tp(cfg)
     check_pipeline(cfg)
     check_ep(cfg)
-    why = zero_problem(p.zero, p.offload)
+    why = zero_problem(p.zero, p.offload) or grad_dtype_problem(p.grad_dtype, p.zero, low_params(cfg))
     if why:
         raise ConfigError(why)
     if p.zero == 3 and cfg.train.compile:
@@ -102,6 +102,26 @@ def zero_problem(zero: int, offload: str) -> str | None:
                 "set parallel.zero=3 or parallel.offload=optimizer.")
     if offload != "none" and zero == 0:
         return "parallel.offload needs a ZeRO engine to own the sharded optimizer; set parallel.zero>=1."
+    return None
+
+
+def low_params(cfg) -> bool:
+    """Are the model's trainable parameters (and so their gradients) in bf16/fp16?"""
+    return cfg.memory.precision != "fp32" and cfg.use_master_weights
+
+
+def grad_dtype_problem(grad_dtype: str, zero: int, low: bool) -> str | None:
+    """Why parallel.grad_dtype cannot apply (one sentence with the fix), or None; `low`: the
+    parameters are bf16/fp16 (low_params). The planner refuses the same layouts."""
+    if grad_dtype == "fp32":
+        return None
+    if zero == 0:
+        return (f"parallel.grad_dtype={grad_dtype} sets the ZeRO engines' gradient buffer, and with parallel.zero=0 "
+                "gradients take the parameters' dtype; set parallel.zero>=1 or parallel.grad_dtype=fp32.")
+    if not low:
+        return (f"parallel.grad_dtype={grad_dtype} stores the gradients of bf16/fp16 parameters, and this run's are "
+                "fp32 (memory.precision=fp32 or memory.master_weights=false); set memory.precision=bf16 or "
+                "parallel.grad_dtype=fp32.")
     return None
 
 

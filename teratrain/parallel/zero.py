@@ -5,33 +5,39 @@ Parameters are grouped into `FlatGroup`s that share a reduction group (parallel/
 whether they train (stage 1/2: buckets of ~`parallel.bucket_mb` in the compute dtype; stage 3: per
 transformer block plus root groups for embeddings/final norm/head), and each group is split into
 equal contiguous shards over the ranks of its reduction group (N of them: dp for most parameters).
-Per rank, for Psi trainable parameters (k bytes each in the compute dtype, 4 for fp32 masters and
-optimizer dtypes):
+Per rank, for Psi trainable parameters (k bytes each in the compute dtype; g bytes per gradient,
+`parallel.grad_dtype`: 4 for fp32, 2 for bf16; 4 for fp32 masters and optimizer dtypes):
 
-    stage  params      grads                  optimizer (masters + moments)
-      1    k*Psi       4*Psi + 4*Psi/N         (4 + 8)*Psi/N
-      2    k*Psi       4*Psi/N                 (4 + 8)*Psi/N
-      3    0           4*Psi/N                 (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
-    3, pp>1  0         4*Psi + 4*Psi/N         (4 + 8)*Psi/N      (+ gathered: the stage, during the step)
-At stage 3 with fp32 masters on the device no low-precision shard is kept: gathers cast the master
-shard to the compute dtype (as FSDP2 does); without masters (fp32) the shard is the parameter (k*Psi/N),
-and with offload a k-byte shard stays beside the host masters.
+    stage  params      grads        optimizer (masters + moments)
+      1    k*Psi       g*Psi         (4 + 8)*Psi/N
+      2    k*Psi       g*Psi/N       (4 + 8)*Psi/N
+      3    0           g*Psi/N       (4 + 8)*Psi/N      (+ gathered: 2 blocks and the root group)
+    3, pp>1  0         g*Psi         (4 + 8)*Psi/N      (+ gathered: the stage, during the step)
+Stage 1 reduce-scatters its full gradient buffer in place: rank r's range of the buffer receives the
+reduced shard (NCCL's in-place reduce-scatter), so no second buffer exists (Megatron-LM's distributed
+optimizer: 2 + 4 + 12/N bytes per parameter with fp32 gradients; with bf16 ones, the ZeRO paper's
+2 + 2 + 12/N). At stage 3 with fp32 masters on the device no low-precision shard is kept: gathers
+cast the master shard to the compute dtype (as FSDP2 does); without masters (fp32) the shard is the
+parameter (k*Psi/N), and with offload a k-byte shard stays beside the host masters.
 
-Every stage accumulates micro-batch gradients in fp32. Stage 1 accumulates full gradients locally
+Micro-batch gradients accumulate in the gradient dtype. Stage 1 accumulates full gradients locally
 and reduce-scatters them once per step (no traffic on accumulation micro-steps). Stages 2/3
 reduce-scatter each group as soon as its gradients are complete in every backward (overlapping the
-rest of backward) and keep only their shard. Launches follow one fixed order on every rank
-(parallel/grads.py), whatever gradients exist. Stage 3's gathering is in zero_gather.py.
+rest of backward) and keep only their shard, which exists from the step's first reduction to the
+group's update (as FSDP2's sharded gradients: the activation peak at the start of backward holds
+none). bf16 gradients are cast to fp32 one group at a time for the update. Launches follow one fixed
+order on every rank (parallel/grads.py), whatever gradients exist. Stage 3's gathering is in
+zero_gather.py. Frozen parameters (requires_grad=False) are materialized like the rest (sharded at
+stage 3), get no gradient buffer, no master and no optimizer state.
 
 Stage 3 under a pipeline schedule (`step_resident`), as torchtitan runs FSDP2 under its schedules:
 a stage runs the forwards and backwards of several micro-batches interleaved, so gathering a block
 around each of them would move its parameters 2m times a step. Instead a stage gathers its blocks
 once per step (at each chunk's first forward) and keeps them until their gradients are complete;
-gradients accumulate in full fp32 buffers, as at stage 1, and are reduce-scattered once, from the
-stage's last backward (a data-parallel group of the stage's own ranks), or at the step for a group
-spanning stages. Between steps a rank holds only its shards. Frozen
-parameters (requires_grad=False) are materialized like the rest (sharded at stage 3), get no
-gradient buffer, no master and no optimizer state.
+gradients accumulate in full buffers, as at stage 1 (reduce-scattered in place), once, from the
+stage's last backward (a data-parallel group of the stage's own ranks). A group spanning pipeline
+stages (a tied embedding) keeps such a buffer at any stage and is reduced at the step (`deferred`).
+Between steps a rank holds only its shards.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from teratrain.models.protocol import init_buffers
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES, FlatGroup
+from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES, FlatGroup
 from teratrain.parallel.grads import CrossRank, LaunchOrder, ordered_buckets, reduce_scale
 from teratrain.parallel.placement import init_local_, placement
 from teratrain.parallel.zero_gather import ZeroGatherMixin
@@ -63,8 +69,8 @@ class _Group(FlatGroup):
     param_flat: torch.Tensor | None = None  # stage 1/2: full params, compute dtype
     param_shard: torch.Tensor | None = None  # stage 3: this rank's params, compute dtype (unless the master is)
     full: torch.Tensor | None = None  # stage 3: gather target; storage is 0 bytes when released
-    grad_flat: torch.Tensor | None = None  # stage 1: full grads, fp32
-    grad_shard: torch.Tensor | None = None  # reduced grads of this rank's shard, optimizer dtype
+    grad_flat: torch.Tensor | None = None  # stage 1: full grads, gradient dtype (reduced in place)
+    grad_shard: torch.Tensor | None = None  # reduced grads of this rank's shard (stage 1: a view of grad_flat)
     master: torch.Tensor | None = None  # fp32 master shard (mixed precision)
     ready: int = 0
     fresh: bool = True  # grad_shard holds nothing of this step yet (the next write may overwrite)
@@ -96,14 +102,17 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         p = cfg.parallel
         self.model, self.cfg, self.mesh, self.device = model, cfg, rt.mesh, rt.device
         self.stage, self.offload = p.zero, p.offload
-        self.step_resident = self.stage == 3 and rt.dims.pp > 1  # see the module docstring
-        # full fp32 gradients kept across micro-steps and reduced once per step
-        self.accumulates = self.stage == 1 or self.step_resident
         self.masters = cfg.use_master_weights  # with offload, always: the host copy is the master
         self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
         self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
         self.reduce_dtype, self.overlap = DTYPES[p.reduce_dtype], p.overlap_comm
+        self.grad_dtype = DTYPES[p.grad_dtype]  # gradient buffer and accumulation (parallelize.py checks it)
+        # reduce inputs alive at once: one block-sized one at stage 3 (FSDP2's default), a few buckets else
+        self.in_flight = BLOCK_REDUCES_IN_FLIGHT if self.stage == 3 else MAX_INFLIGHT_REDUCES
         self.host = torch.device("cpu")
+        self.step_resident = self.stage == 3 and rt.dims.pp > 1  # see the module docstring
+        # full gradients kept across micro-steps and reduced (in place) once per step
+        self.accumulates = self.stage == 1 or self.step_resident
         # Row/column statistics (Adafactor, SM3) need whole matrices: shard by whole parameters (flat.py)
         self.whole = cfg.optim.name in WHOLE_PARAM_OPTIMIZERS
         self.groups = self._make_groups(model, p.bucket_mb)
@@ -114,7 +123,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.trainable]
         if self.offload != "none":
             self.host_update = HostUpdate([g.shard_numel for g in self.trainable], self.device, self.opt_dtype,
-                                          self.compute_dtype)
+                                          self.compute_dtype)  # bf16 grad shards are cast as they are copied
         self.scaler = make_scaler(cfg.memory)
         self._group_of = {prm: g for g in self.trainable for prm in g.params}
         self._acc_view_of = {q: v for g in self.trainable if g.grad_flat is not None for q, v in zip(g.params, g.acc_views)}
@@ -169,15 +178,15 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             g.param_flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             _bind(g, g.param_flat, self.model)
         del full32
-        if not g.trainable:
+        if not g.trainable or not (self.accumulates or g.deferred):  # stage 2/3 shards: made by the step's first reduction
             return
-        g.grad_shard = torch.zeros(g.shard_numel, dtype=self.opt_dtype, device=self.device)
-        if self.accumulates or g.deferred:  # fp32 accumulation: p.grad is a view when params are fp32, else added in
-            g.grad_flat = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
-            g.acc_views = g.views(g.grad_flat)
-            if self.compute_dtype == torch.float32:
-                for q, view in zip(g.params, g.acc_views):
-                    q.grad = view
+        # p.grad is a view of the buffer when the dtypes agree (autograd adds in place), else the hook adds it in
+        g.grad_flat = torch.zeros(g.padded, dtype=self.grad_dtype, device=self.device)
+        g.grad_shard = g.grad_flat[g.lo:g.hi]  # the in-place reduce-scatter's output range
+        g.acc_views = g.views(g.grad_flat)
+        if self.compute_dtype == self.grad_dtype:
+            for q, view in zip(g.params, g.acc_views):
+                q.grad = view
 
     def _opt_target(self, g: _Group) -> torch.Tensor:
         """The tensor the optimizer updates for this group's shard (the values training continues from)."""
@@ -186,12 +195,10 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     def _build_optimizer(self, g: _Group, optim_cfg):
         """An optimizer over this rank's pieces of the group (views of the flat shard, so sharding
         is exact for elementwise optimizers), each piece's gradient a view of the gradient shard.
-        Offloaded, the gradients are bound to host staging buffers at each step instead."""
+        The gradients are bound at each step (`_update`): the shard's own views, an fp32 copy of a
+        bf16 shard, or (offloaded) host staging buffers."""
         g.opt_views = [_mark_decay(self._shaped(v, g, pc), g.shapes[pc.index])
                        for v, pc in zip(g.shard_views(self._opt_target(g)), g.pieces)]
-        if self.offload == "none":
-            for view, grad, pc in zip(g.opt_views, g.shard_views(g.grad_shard), g.pieces):
-                view.grad = self._shaped(grad, g, pc)
         if not g.opt_views:  # this rank's shard is all padding (tiny groups, many ranks)
             return None
         return build_optimizer([(g.names[pc.index], v) for v, pc in zip(g.opt_views, g.pieces)], optim_cfg)
@@ -205,7 +212,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     def _on_grad(self, prm: nn.Parameter) -> None:
         g = self._group_of[prm]
         if g.grad_flat is not None:  # stage 1, stage 3 under a pipeline, or reduced at the step (deferred)
-            if self.compute_dtype != torch.float32:  # low-precision grad: add it into the fp32 buffer
+            if self.compute_dtype != self.grad_dtype:  # add the grad into the buffer (of the gradient dtype)
                 self._acc_view_of[prm].add_(prm.grad)
                 prm.grad = None
             if g.deferred or not self._sync:  # full grads stay local across micro-steps; reduce once per step
@@ -217,7 +224,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     def _launch(self, g: _Group) -> None:
         g.ready = 0
         if g.grad_flat is not None:
-            self._reduce(g, g.grad_flat)
+            self._reduce_in_place(g)
             if self.step_resident:  # its gradients are complete: this step's backwards are done with it
                 self._release(g)
         else:
@@ -225,40 +232,77 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     def end_backward(self) -> None:
         """Launch, in order, the groups whose gradients did not all arrive (parameters unused this
-        micro-step, on this rank): every rank reduces every group once per reduction round."""
+        micro-step, on this rank): every rank reduces every group once per reduction round. At
+        stage 3, then wait for the reductions, so their block-sized inputs are not held through the
+        next forward. Not at stages 1/2, which pipeline stages use: there a rank waiting on its
+        data-parallel peers between a pipeline send and receive could close a cycle of waits (gloo
+        waits block the process); their inputs are bucket-sized and wait for the next launch or the step."""
         if not self.accumulates or self._sync:
             self.order.flush()
+            if self.stage == 3 and not self.step_resident:
+                self._drain()
 
     def _reduce_grads(self, g: _Group) -> None:
-        """Stage 2/3: send the group's gradients (a missing one counts as zero) to the shards, free them."""
+        """Stage 2/3: send the group's gradients (a missing one counts as zero) to the shards. The
+        gradients, and at stage 3 the gathered parameters, are freed once copied, before the shard
+        and the reduction's buffers are allocated (as FSDP2 frees them after its copy-in)."""
+        flat = None
         if g.pg is None:  # nothing to reduce: land the gradients in the shard directly
             self._accumulate_local(g)
         else:
-            self._reduce(g, g.flatten([q.grad for q in g.params], self.reduce_dtype, self.device))
+            self._make_room()
+            flat = g.flatten([q.grad for q in g.params], self.reduce_dtype, self.device)
         for q in g.params:
             q.grad = None
         if self.stage == 3:
             self._release(g)
+        if flat is not None:
+            self._reduce(g, flat)
 
     def _accumulate_local(self, g: _Group) -> None:
         """A group of one rank, stage 2/3: the shard is the whole group; copy (first micro-step) or add."""
+        if g.fresh:
+            g.grad_shard = torch.empty(g.shard_numel, dtype=self.grad_dtype, device=self.device)
         dst = g.views(g.grad_shard)
         src = [q.grad if q.grad is not None else torch.zeros_like(q) for q in g.params]
         (torch._foreach_copy_ if g.fresh else torch._foreach_add_)(dst, src)
         g.fresh = False
 
+    def _reduce_in_place(self, g: _Group) -> None:
+        """Stage 1 (and every group with a full buffer): reduce-scatter (averaging) the full gradient buffer into this rank's own range of
+        it, asynchronously. In another reduce dtype a cast copy is reduced in place instead, and
+        `_drain` copies its range back into the buffer."""
+        if g.pg is None:  # the buffer is the shard: nothing to reduce
+            return
+        self._make_room()
+        buf = g.grad_flat if g.grad_flat.dtype == self.reduce_dtype else g.grad_flat.to(self.reduce_dtype)
+        handle = reduce_scatter(buf[g.lo:g.hi], buf, g.pg, async_op=True, op=AVG)
+        self._launched(handle, g, None if buf is g.grad_flat else buf[g.lo:g.hi], True, buf)
+
     def _reduce(self, g: _Group, flat: torch.Tensor) -> None:
-        """Reduce-scatter (averaging) one group's flat gradient into its shard, asynchronously. The
-        first reduction of a step writes straight into the shard; later ones (accumulation
-        micro-steps of stage 2/3) go through a temporary that `_drain` adds in."""
-        if flat.dtype != self.reduce_dtype and g.pg is not None:
-            flat = flat.to(self.reduce_dtype)
-        first, direct = g.fresh, g.fresh and (g.grad_shard.dtype == self.reduce_dtype or g.pg is None)
-        out = g.grad_shard if direct else torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        """Stage 2/3: reduce-scatter (averaging) one group's flat gradient into its shard,
+        asynchronously. The first reduction of a step makes the shard and writes straight into it;
+        later ones (accumulation micro-steps), or a reduce dtype other than the shard's, go through
+        a temporary that `_drain` copies or adds in."""
+        first = g.fresh
+        if first:
+            g.grad_shard = torch.empty(g.shard_numel, dtype=self.grad_dtype, device=self.device)
+        direct = first and g.grad_shard.dtype == flat.dtype
+        out = g.grad_shard if direct else torch.empty(g.shard_numel, dtype=flat.dtype, device=self.device)
         g.fresh = False
         handle = reduce_scatter(out, flat, g.pg, async_op=True, op=AVG)
-        self._pending.append((handle, g, None if direct else out, first, flat))
-        if len(self._pending) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # no overlap: wait right here
+        self._launched(handle, g, None if direct else out, first, flat)
+
+    def _launched(self, handle, g: _Group, out: torch.Tensor | None, first: bool, flat: torch.Tensor) -> None:
+        self._pending.append((handle, g, out, first, flat))  # `flat` stays alive until its reduction is over
+        if not self.overlap:  # wait right here (to measure what the overlap saves)
+            self._drain()
+
+    def _make_room(self) -> None:
+        """Before a new reduce input is made: wait for the oldest reductions until fewer than
+        `in_flight` are pending, so at most that many inputs are alive at once (their memory is
+        reused by the next one; FSDP2 keeps one block's)."""
+        while len(self._pending) >= self.in_flight:
             self._drain(1)
 
     def _drain(self, n: int | None = None) -> None:
@@ -312,9 +356,19 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         if self.offload != "none":
             self.host_update.step((g, opt, self._shard_params(g)) for g, opt in zip(self.trainable, self.optimizers))
             return
-        for opt in self.optimizers:
-            if opt is not None:
-                opt.step()
+        for g, opt in zip(self.trainable, self.optimizers):
+            if opt is None:
+                continue
+            # the shard's own views; a bf16 shard is cast to the optimizer's fp32 one group at a time
+            grad = g.grad_shard if g.grad_shard.dtype == self.opt_dtype else g.grad_shard.to(self.opt_dtype)
+            for view, piece, pc in zip(g.opt_views, g.shard_views(grad), g.pieces):
+                view.grad = self._shaped(piece, g, pc)
+            opt.step()
+            for view in g.opt_views:
+                view.grad = None
+            del grad  # a bf16 shard's fp32 copy goes before the next group's is made
+            if g.grad_flat is None:
+                g.grad_shard = None  # updated: its memory returns before the next group's copy
 
     def _shard_params(self, g: _Group) -> torch.Tensor | None:
         """This rank's shard of the group's compute-dtype parameters (None at stage 3 when only the
@@ -336,10 +390,11 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
 
     def zero_grad(self) -> None:
         for g in self.trainable:
-            g.fresh = True  # the next reduction overwrites the shard: no memset needed
+            g.fresh = True  # the next reduction makes the shard anew (stage 2/3) or overwrites it (stage 1)
             if g.grad_flat is not None:
                 g.grad_flat.zero_()
             else:
+                g.grad_shard = None
                 for q in g.params:
                     q.grad = None
 

@@ -7,8 +7,9 @@ The root groups (embeddings, final norm, head) stay gathered from the start of f
 gradients are reduced at the end of backward, as the head and the embedding use them at both ends.
 Gathers run on a process group of their own (`<group>:gather`), so their order never interleaves
 with the reductions', whose timing differs across ranks when a parameter goes unused on one.
-A trainable group is freed once its gradients are reduced; a frozen one once its block's backward
-is over (its input's gradient is computed), or at the step for a block no backward reached.
+A trainable group is freed once its gradients are copied into their reduce-scatter input (before
+that reduction's buffers are allocated); a frozen one once its block's backward is over (its input's
+gradient is computed), or at the step for a block no backward reached.
 
 Under a pipeline schedule (`step_resident`, zero.py) a block is gathered at its first forward of
 the step and kept until its gradients are reduced after the stage's last backward (a recomputation

@@ -60,6 +60,7 @@ def training_of(cfg: Config, notes: list[str] | None = None) -> Training:
     return Training(precision=precision, master_weights=cfg.memory.master_weights,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum, global_batch=cfg.train.global_batch,
                     bucket_mb=cfg.parallel.bucket_mb, reduce_bytes=bytes_of[cfg.parallel.reduce_dtype],
+                    grad_bytes=bytes_of[cfg.parallel.grad_dtype],
                     dropout=cfg.model.dropout, compress=cfg.memory.compress_activations,
                     lora=_lora_of(cfg))
 

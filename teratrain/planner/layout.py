@@ -158,6 +158,7 @@ class Training:
     global_batch: int = 32  # sequences per optimizer step
     bucket_mb: float = 25.0
     reduce_bytes: int = 4  # parallel.reduce_dtype width
+    grad_bytes: int = 4  # parallel.grad_dtype width: ZeRO's gradient buffer (stage 1) or shard (2/3)
     dropout: float = 0.0
     compress: str = "none"  # memory.compress_activations: none | lossless | int8 | fp8
     lora: tuple = ()  # (rank, alpha, targets, dropout, base_dtype) when lora.rank > 0

@@ -8,8 +8,9 @@ The peak is the largest of a few moments of a step, each the sum of what is aliv
   activation gradients (and a recomputed segment) are in flight;
 - end of backward: gradients of every parameter, little activation left;
 - optimizer step: params + grads + optimizer state, plus fp32 gradient copies for master weights.
-A single-micro-batch LocalEngine allocates gradients while backward frees activations, so grads and
-activations are never both whole; every other engine keeps grads (or their buckets) all along.
+A single-micro-batch LocalEngine, and ZeRO-2/3 (whose gradient shards are made by each step's first
+reduction and freed by its update), allocate gradients while backward frees activations, so grads
+and activations are never both whole; every other engine keeps grads (or their buckets) all along.
 Model states come from states.py, saved tensors from activations.py. Nothing is alive on the GPU
 outside torch's allocator but the CUDA context; `allowance` adds it and fragmentation.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
+from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
 from teratrain.planner import activations as act
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU, GPUS
@@ -111,14 +112,17 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
             out["end"] = min(MAX_INFLIGHT_REDUCES + 1, ceil_div(local, bucket)) * min(bucket, local) * red
         return out
     z = zero_summary(shape, train, lay, local)
-    if lay.zero == 1:  # full grads stay local; their cast copies are reduced a few groups at a time
-        if dp > 1 and red != k:
-            out["end"] = min(MAX_INFLIGHT_REDUCES + 1, z["groups"]) * z["typical"] * red
+    g = train.grad_bytes
+    if lay.zero == 1:  # reduced in place; in another reduce dtype, cast copies a few groups at a time
+        if dp > 1 and red != g:
+            out["end"] = min(MAX_INFLIGHT_REDUCES, z["groups"]) * z["typical"] * red
         return out
-    # dp > 1: each completed group is flattened into a new reduce-dtype buffer, at most 3 in flight;
-    # after the first micro-step the result lands in a shard-sized temporary. dp = 1 copies in place.
-    flight = min(MAX_INFLIGHT_REDUCES + 1, z["groups"]) if dp > 1 else 0
-    temp = red // dp if lay.num_microbatches > 1 else 0
+    # dp > 1: each completed group is flattened into a new reduce-dtype buffer, at most `in_flight` of
+    # them alive (zero.py waits for the oldest first); the result lands in a shard-sized temporary
+    # after the first micro-step, or when the shard's dtype differs. dp = 1 copies in place.
+    in_flight = BLOCK_REDUCES_IN_FLIGHT if lay.zero == 3 else MAX_INFLIGHT_REDUCES
+    flight = min(in_flight, z["groups"]) if dp > 1 else 0
+    temp = red // dp if lay.num_microbatches > 1 or red != g else 0
     group = z["typical"] if lay.zero == 2 else z["block"]  # stage 2: bucket-sized groups; 3: blocks
     tied = shape.cfg.vocab_size * shape.cfg.d_model if shape.cfg is not None and shape.cfg.tie_embeddings else 0
     if lay.zero == 2:  # a tied embedding's gradient exists from the head's backward to the end
@@ -143,7 +147,8 @@ def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
     n = lay.micro_batch * c.seq_len
     V = c.vocab_size
     k_inflight = in_flight(lay)
-    progressive = lay.zero == 0 and lay.dp == 1 and lay.pp == 1 and lay.num_microbatches == 1
+    one_pass = lay.pp == 1 and lay.num_microbatches == 1
+    progressive = one_pass and (lay.zero >= 2 or (lay.zero == 0 and lay.dp == 1))
     grads_held = st["gpu_grads"]
     base = {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
             "grads": 0 if progressive else grads_held}
@@ -156,27 +161,37 @@ def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
     fwd_copies = saved["all_copies"] + int((k_inflight - 1) * saved["copies"])
     loss_fwd = n * V * w.compute // lay.tp + (n * V * 4 // lay.tp if w.compute != 4 else 0)
     loss_bwd = 2 * n * V * 4 // lay.tp  # fp32 grads of log_softmax's output and input
-    head_grad = V * c.d_model * w.grad // lay.tp if progressive else 0
+    head_grad = 0  # what exists of the gradients when the first block's backward starts
+    if progressive and lay.zero == 0:
+        head_grad = V * c.d_model * w.grad // lay.tp
+    elif progressive and lay.zero == 2:  # the head's bucket is reduced at once; ZeRO-3 reduces the root last
+        head_grad = ceil_div(V * c.d_model // lay.tp, lay.dp) * train.grad_bytes
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
     return {
         "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
-        "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd + eng["during"]},
+        # before any parameter's gradient exists: the engines' reduce buffers come with the blocks'
+        "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd},
         "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - saved["log_softmax"],
                                  "buffers": module + copies + T_layer + eng["during"]},
         "end of backward": {**base, "grads": grads_held, "activations": saved["embed_side"] + saved["per_block"],
                             "buffers": module + T_layer + eng["end"] + eng["pending"]},
         "optimizer step": {**base, "grads": grads_held, "activations": 0,
-                           "buffers": act.rope_tables(shape) + eng["pending"] + _step_temporaries(train, lay, st)},
+                           "buffers": act.rope_tables(shape) + eng["pending"]
+                                      + _step_temporaries(shape, train, lay, st)},
     }
 
 
-def _step_temporaries(train: Training, lay: Layout, st: dict) -> int:
+def _step_temporaries(shape: ModelShape, train: Training, lay: Layout, st: dict) -> int:
     """LocalEngine/DataParallelEngine with masters: fp32 copies of every gradient for the step
-    (optim/engine.py:_fp32_grads). ZeRO already reduces into fp32 shards."""
+    (optim/engine.py:_fp32_grads). ZeRO with fp32 gradients updates from the shards themselves; with
+    bf16 ones, from an fp32 copy of one group's shard at a time."""
     w = train.widths(lay.zero, lay.offload)
     if lay.zero == 0 and w.master:
         local = st["local_params"]
         return local * 4 - (local * w.grad if lay.dp == 1 else 0)  # LocalEngine frees the low-precision grads
+    if lay.zero >= 1 and train.grad_bytes != 4 and lay.offload == "none":
+        z = zero_summary(shape, train, lay, st["local_params"])
+        return ceil_div(z["biggest"], lay.dp) * 4
     return 0
 
 
@@ -191,7 +206,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
     if shape.is_bare:
         phases = {"optimizer step": {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
                                      "grads": st["gpu_grads"], "activations": 0,
-                                     "buffers": eng["pending"] + _step_temporaries(train, lay, st)}}
+                                     "buffers": eng["pending"] + _step_temporaries(shape, train, lay, st)}}
         saved = {}
     else:
         saved = _saved(shape, train, lay, device)

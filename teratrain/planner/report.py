@@ -46,7 +46,12 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     if lay.zero == 0:
         grads = f"{w.grad} B/param, held from backward to the optimizer step"
     else:
-        grads = "fp32 shard, " + dp + (f" + full {w.param}-B gradients (stage 1)" if lay.zero == 1 else "")
+        kind = "fp32" if train.grad_bytes == 4 else "bf16"
+        if lay.zero == 1:
+            grads = f"full {kind} buffer, reduce-scattered in place (its 1/dp range is the shard; ZeRO-1)"
+        else:
+            grads = f"{kind} shard, {dp}" + (", made by backward, freed by the update" if lay.num_microbatches == 1
+                                                and lay.pp == 1 else "")
     master = "fp32 master 4 B + " if w.master else ""
     opt = f"{master}{OPT_BYTES.get(train.optimizer, train.optimizer)}" + (f", {dp}" if lay.zero else "")
     if lay.offload != "none":

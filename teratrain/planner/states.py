@@ -12,10 +12,14 @@ Our engines differ in ways counted here, each mirrored from the code:
   Fused AdamW adds one 4-byte `step` tensor per parameter tensor.
 - ZeroEngine (parallel/zero.py): flat groups (stage 1/2: buckets of ~parallel.bucket_mb; stage 3: one
   per block plus a root group) each padded to a multiple of dp, so a rank holds ceil(numel/dp) of
-  every group. Reduced gradient shards are fp32 (the optimizer's dtype); stage 1 also keeps full
-  low-precision gradients. Offload moves masters and moments to pinned host memory plus a host copy
-  of the gradient shard; offload=params also moves stage-3 parameter shards there. Stage 3 under a
-  pipeline schedule keeps full fp32 gradient accumulators, as stage 1 does (zero.py).
+  every group. Gradients are in parallel.grad_dtype (fp32 by default, 4 bytes; bf16, 2): stage 1
+  keeps the full buffer and reduce-scatters it in place (its shard is a range of it, Megatron-LM's
+  distributed optimizer), stages 2/3 keep the shard. With grad_dtype=bf16, stages 1 and 2 are the
+  paper's formulas exactly; stage 3 is 2*Psi/N below them (no 2-byte parameter shard beside the
+  fp32 master), and with fp32 gradients its total equals the paper's 16*Psi/N. Offload moves
+  masters and moments to pinned host memory plus a host copy of the gradient shard; offload=params
+  also moves stage-3 parameter shards there. Stage 3 under a
+  pipeline schedule keeps the full buffers, as stage 1 does (zero.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from functools import lru_cache
 
 from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
-from teratrain.parallel.parallelize import zero_problem
+from teratrain.parallel.parallelize import grad_dtype_problem, zero_problem
 from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
@@ -40,7 +44,8 @@ class PlanError(ValueError):
 def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
     """Per-rank model-state bytes exactly as the ZeRO paper counts them (sec. 5.1, Figure 1):
     2-byte params and grads, K bytes of optimizer state per parameter. Our engines differ where
-    states.model_states says (fp32 gradient shards, stage 1's full gradients); this is the reference."""
+    states.model_states says (4-byte gradients unless parallel.grad_dtype=bf16; no 2-byte parameter
+    shard at stage 3); this is the reference."""
     params, grads, opt = 2 * psi, 2 * psi, k * psi
     if stage >= 1:
         opt /= dp
@@ -52,7 +57,9 @@ def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
 
 
 def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
-    why = zero_problem(lay.zero, lay.offload)
+    grad_dtype = "bf16" if train.grad_bytes == 2 else "fp32"
+    low = train.precision != "fp32" and train.uses_masters(lay.zero, lay.offload)
+    why = zero_problem(lay.zero, lay.offload) or grad_dtype_problem(grad_dtype, lay.zero, low)
     if why:
         raise PlanError(why.split(";")[0])
     if train.lora and shape.is_bare:
@@ -175,8 +182,8 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
     groups = [FlatGroup([""] * len(m), m, n, 0, whole) for m, n, _ in planned]
     trained = [g for g in groups if g.params[0].trainable]
     # groups reduced at the step across pipeline stages keep a full fp32 accumulator at every stage (zero.py)
-    deferred = sum(g.padded for (m, _, _), g in zip(planned, groups)
-                   if g.params[0].trainable and getattr(m[0], "group", None) == "pp_ends")
+    spans = [g for (m, _, _), g in zip(planned, groups)
+             if g.params[0].trainable and getattr(m[0], "group", None) == "pp_ends"]
     owned = tuple(g.shapes[pc.index] if whole else (pc.numel,) for g in trained for pc in g.pieces)
     sums = [g.numel for g in groups] or [0]
     units: dict = {}  # stage 3 gathers every group of a block together (zero_gather.py)
@@ -184,7 +191,9 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
         units[key] = units.get(key, 0) + g.numel
     blocks = [n for key, n in units.items() if key is not None] if zero3 and len(units) > 1 else sums
     return tuple({"shard": sum(g.shard_numel for g in trained), "pieces": len(owned), "owned": owned,
-                  "padded": sum(g.padded for g in trained), "deferred_padded": deferred, "all_shard": sum(g.shard_numel for g in groups),
+                  "padded": sum(g.padded for g in trained),
+                  "deferred_padded": sum(g.padded for g in spans), "deferred_shard": sum(g.shard_numel for g in spans),
+                  "all_shard": sum(g.shard_numel for g in groups),
                   "all_padded": sum(g.padded for g in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
                   "block": max(blocks), "blocks": len(blocks),
@@ -258,9 +267,10 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
         params = (z["all_shard"] - (shard if w.master and lay.offload == "none" else 0)) * w.param
     else:
         params = z["all_padded"] * w.param  # frozen groups too
-    # fp32 shard + full fp32 accumulators: every group at stage 1 and at stage 3 under a pipeline (reduced
-    # once per step), those reduced across stages at the step otherwise
-    grads = shard * 4 + (padded if accumulates(lay) else z["deferred_padded"]) * 4
+    # stage 1 and stage 3 under a pipeline keep every group's full buffer (the shard is a range of it),
+    # stage 2/3 the shard, but for groups reduced across pipeline stages at the step (a full buffer)
+    kept = padded if accumulates(lay) else shard - z["deferred_shard"] + z["deferred_padded"]
+    grads = kept * train.grad_bytes
     host_grad = shard * 4 if lay.offload != "none" and device == "cuda" else 0
     owned = z["owned"]  # whole parameters under Adafactor/SM3 (factored), else 1-D flat pieces
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS

@@ -84,8 +84,15 @@ def _straggler(slow: bool, delay_s: float):
 
 
 def reference(overrides: list[str], out: str) -> dict:
-    """The same training in this (single) process: world size 1, no ZeRO, no data parallelism."""
-    r = train_one(overrides + ["parallel.zero=0", "parallel.offload=none"], out)
+    """The same training in this (single) process: world size 1, no ZeRO, no data parallelism. On one
+    thread, as every rank runs (harness.py): CPU kernels split their sums by thread, and with the
+    pytest process's 2 threads AdamW (eps=1e-6) turned that rounding into 1.1e-5 parameter differences."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = train_one(overrides + ["parallel.zero=0", "parallel.offload=none"], out)
+    finally:
+        torch.set_num_threads(threads)
     r["losses"] = losses(out)
     return r
 

@@ -212,3 +212,19 @@ def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
         check_supported(load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked"] + sets))
     msg = str(info.value)
     assert words in msg and msg.endswith(".") and "\n" not in msg
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["parallel.grad_dtype=bf16", "memory.precision=bf16"], ("parallel.grad_dtype=bf16", "parallel.zero>=1")),
+    (["parallel.grad_dtype=bf16", "parallel.zero=1"], ("parallel.grad_dtype=bf16", "memory.precision=bf16")),
+    (["parallel.grad_dtype=bf16", "parallel.zero=2", "memory.precision=bf16", "memory.master_weights=false"],
+     ("fp32", "parallel.grad_dtype=fp32")),
+])
+def test_bf16_gradients_need_zero_and_low_precision_parameters(sets, words):
+    """parallel.grad_dtype=bf16 needs a ZeRO engine and bf16/fp16 parameters: one sentence with the fix."""
+    from teratrain.parallel.parallelize import check_supported
+
+    with pytest.raises(ConfigError) as info:
+        check_supported(load_config(None, sets))
+    assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+    check_supported(load_config(None, ["parallel.grad_dtype=bf16", "parallel.zero=1", "memory.precision=fp16"]))

@@ -44,17 +44,57 @@ def test_zero_paper_figure_1(stage, expected_gb):
     assert zero_paper_bytes(7.5e9, 64, stage) / GB == pytest.approx(expected_gb, abs=0.05)
 
 
-@pytest.mark.parametrize("stage, extra_gb", [(0, 0.0), (1, 15.47), (2, 0.23), (3, 0.0)])
+@pytest.mark.parametrize("stage, extra_gb", [(0, 0.0), (1, 15.0), (2, 0.23), (3, 0.0)])
 def test_zero_engine_differs_from_the_paper_only_where_documented(stage, extra_gb):
-    """Our ZeroEngine reduces into fp32 gradient shards (4 B, not 2, per sharded grad) and stage 1
-    accumulates the full gradients in fp32 (4 B, not 2: every stage accumulates micro-batches in
-    fp32, so a config's numerics do not depend on the stage); stage 3 keeps no 2-byte parameter
-    shard beside the fp32 master (gathers cast it), which evens out its fp32 gradient shard: the
-    planner says so, to the byte."""
+    """With the default parallel.grad_dtype=fp32 our ZeroEngine keeps 4-byte gradients, not 2: stage
+    1's full buffer (reduce-scattered in place, Megatron-LM's distributed optimizer: 2 + 4 + 12/N)
+    and stage 2's shard; stage 3 keeps no 2-byte parameter shard beside the fp32 master (gathers
+    cast it), which evens out its fp32 gradient shard: the planner says so, to the byte."""
     shape = ModelShape(cfg=None, bare_params=7_500_000_000)
     ours = states_total(shape, MIXED_ADAM, Layout(dp=64, zero=stage))
     paper = zero_paper_bytes(7.5e9, 64, stage)
     assert (ours - paper) / GB == pytest.approx(extra_gb, abs=0.01)
+
+
+# ZeRO paper (Rajbhandari et al. 2020), Table 1, the 7.5B-parameter model: GB per device by DP degree
+# for P_os, P_os+g, P_os+g+p (mixed-precision Adam, K = 12).
+TABLE_1_7_5B = {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5), 64: (31.4, 16.6, 1.88),
+                256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)}
+
+
+@pytest.mark.parametrize("dp", sorted(TABLE_1_7_5B))
+def test_zero_paper_table_1_with_bf16_gradients(dp):
+    """parallel.grad_dtype=bf16 gives the paper's 2-byte gradients: stages 1 and 2 plan (and hold:
+    tests/dist/test_zero_bytes.py) its Table 1 exactly; stage 3 does with fp32 gradients (0 + 4 +
+    12 bytes per parameter over N instead of 2 + 2 + 12), and 2 bytes/N below it with bf16 ones."""
+    shape = ModelShape(cfg=None, bare_params=7_500_000_000)
+    bf16_grads = Training(precision="bf16", optimizer="adamw", grad_bytes=2)
+    for stage, printed in zip((1, 2, 3), TABLE_1_7_5B[dp]):
+        train = MIXED_ADAM if stage == 3 else bf16_grads
+        planned = states_total(shape, train, Layout(dp=dp, zero=stage)) / GB
+        decimals = len(str(printed).partition(".")[2])  # as precise as the table prints it
+        assert round(planned, decimals) == printed, (dp, stage, planned)
+    lay = Layout(dp=dp, zero=3)
+    below = states_total(shape, MIXED_ADAM, lay) - states_total(shape, bf16_grads, lay)
+    assert below == pytest.approx(2 * 7.5e9 / dp, rel=1e-6)
+
+
+def test_zero_1_states_megatron_and_paper():
+    """The issue's figures for Psi = 7.5B at dp=4 (fp16, ZeRO-1): 67.5 GB with fp32 gradients
+    (2 + 4 + 12/4 bytes per parameter, Megatron-LM's distributed optimizer), 52.5 GB with bf16."""
+    shape = ModelShape(cfg=None, bare_params=7_500_000_000)
+    for grad_bytes, want in ((4, 67.5), (2, 52.5)):
+        train = Training(precision="fp16", optimizer="adamw", grad_bytes=grad_bytes)
+        assert states_total(shape, train, Layout(dp=4, zero=1)) / GB == pytest.approx(want, abs=1e-3)
+
+
+def test_bf16_gradients_need_zero_and_low_precision_parameters():
+    shape = ModelShape(cfg=None, bare_params=10**6)
+    for train, lay in ((Training(precision="bf16", grad_bytes=2), Layout(zero=0)),
+                       (Training(precision="fp32", grad_bytes=2), Layout(zero=1)),
+                       (Training(precision="bf16", master_weights=False, grad_bytes=2), Layout(zero=2))):
+        with pytest.raises(PlanError, match="grad_dtype"):
+            model_states(shape, train, lay)
 
 
 def _cfg(arch, precision, optim, *extra):
@@ -85,12 +125,15 @@ def _live(engine) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("zero, offload", [(1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "params")])
-def test_states_equal_zero_engine_live_bytes(arch, zero, offload):
+@pytest.mark.parametrize("zero, offload, grads", [(1, "none", "fp32"), (2, "none", "fp32"), (3, "none", "fp32"),
+                                                  (2, "optimizer", "fp32"), (3, "params", "fp32"),
+                                                  (1, "none", "bf16"), (3, "params", "bf16")])
+def test_states_equal_zero_engine_live_bytes(arch, zero, offload, grads):
     """One process (dp = 1, no process group): every stage's buffers and dtypes, byte for byte.
     dp > 1 (flat.py's ceil(numel/dp) padding per group) is checked on 2 and 4 gloo ranks in
     tests/dist/test_zero_bytes.py."""
-    cfg = _cfg(arch, "bf16", "adamw", f"parallel.zero={zero}", f"parallel.offload={offload}", "parallel.bucket_mb=0.05")
+    cfg = _cfg(arch, "bf16", "adamw", f"parallel.zero={zero}", f"parallel.offload={offload}", "parallel.bucket_mb=0.05",
+               f"parallel.grad_dtype={grads}")
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = parallelize(model, Runtime.single("cpu"), cfg)
