@@ -58,7 +58,9 @@ def test_cpu_job_follows_the_stated_rule():
 
 def test_layouts_the_engines_refuse_are_passed_over_and_other_sync_modes_are_refused():
     moe = load_config(None, ["model.preset=moe-tiny", "parallel.auto=true"])
-    assert not _runnable(moe, Layout(pp=2, dp=1, micro_batch=16, num_microbatches=2))  # MoE under a pipeline
+    pooled = load_config(None, ["model.preset=moe-tiny", "parallel.auto=true", "model.moe.aux_loss_convention=transformers"])
+    assert _runnable(moe, Layout(pp=2, dp=1, micro_batch=16, num_microbatches=2))
+    assert not _runnable(pooled, Layout(pp=2, dp=1, micro_batch=16, num_microbatches=2))  # one loss over all stages
     assert _runnable(moe, Layout(dp=2, ep=2, micro_batch=16))
     with pytest.raises(ConfigError, match="parallel.auto plans all-reduce"):
         resolve(load_config(None, ["parallel.auto=true", "parallel.sync=local-sgd"]), 2, Target(H100, 79.2, None, 2))
