@@ -30,7 +30,7 @@ from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import check_supported, parallelize
 from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.progress import Progress
-from teratrain.rundir import agree_run_dir
+from teratrain.rundir import agree_run_dir, remove_if_unused
 from teratrain.startup import print_summary
 
 
@@ -43,7 +43,17 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
+    existed = out is not None and Path(out).exists()
     run_dir = agree_run_dir(out, resume, rt)
+    try:
+        return _run(cfg, rt, run_dir, resume, model_fn)
+    except BaseException:
+        if rt.is_main and not existed:  # a run that fails before its first step leaves no folder behind
+            remove_if_unused(run_dir)
+        raise
+
+
+def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn) -> dict:
     if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
         saved = load_config(run_dir / "config.toml").parallel  # a profiled split, kept for the same stages
         if (saved.pp, saved.virtual_stages) == (cfg.parallel.pp, cfg.parallel.virtual_stages):
@@ -69,7 +79,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
-    print_summary(cfg, rt, run_dir, start)
+    print_summary(cfg, rt, run_dir, start, own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
         engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
