@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from teratrain.models.presets import PRESETS
+from teratrain.models.presets import PRESETS, give_way
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -176,7 +176,8 @@ class ModelConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        """Fill keys the user did not give from the named preset."""
+        """Fill keys the user did not give from the named preset (but those that give way to a choice
+        of the user's: presets.give_way)."""
         if not isinstance(data, dict):
             return data
         name = data.get("preset", "tiny")
@@ -184,7 +185,7 @@ class ModelConfig(Section):
             close = difflib.get_close_matches(str(name), PRESETS, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"model.preset '{name}' is unknown; {hint}choose one of {', '.join(PRESETS)}.")
-        preset = PRESETS[name]
+        preset = give_way(PRESETS[name], data)
         hf = {}
         if data.get("init_from"):  # a Hugging Face model's shape, under the keys given here
             from teratrain.checkpoint.hf_config import init_shape
