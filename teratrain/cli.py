@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="TOML config file")
     t.add_argument("--out", help="run directory (default runs/<timestamp>)")
     t.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
-    t.add_argument("--nproc", type=int, default=1, help="launch N local processes through torchrun")
+    t.add_argument("--nproc", type=int, help="launch N local processes through torchrun (default 1; with --resume, "
+                                             "as many as the run's checkpoint was written by)")
     t.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint of --out")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
@@ -129,7 +130,7 @@ def _overrides(args) -> list[str]:
 def cmd_train(args) -> int:
     from teratrain import rundir
 
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is not a process count; give --nproc 1 or more.")
     run_dir = Path(args.out) if args.out else rundir.newest_run() if args.resume else None
     if args.resume:
@@ -139,11 +140,12 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(describe(cfg))
         return 0
-    launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
-    _check_before_start(cfg, args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
+    nproc = args.nproc or (rundir.processes(run_dir) if args.resume else 1)
+    launching = nproc > 1 and "WORLD_SIZE" not in os.environ
+    _check_before_start(cfg, nproc if launching else int(os.environ.get("WORLD_SIZE", "1")))
     if launching:
         with rundir.own(run_dir or rundir.fresh_run_dir(), args.resume, created=run_dir is None) as d:
-            return launch(_rank_argv(args, d), args.nproc, d)
+            return launch(_rank_argv(args, d), nproc, d, cfg.checkpoint.stop_timeout_s)
     from teratrain.train import run
 
     follow_parent()

@@ -351,8 +351,14 @@ class DataConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every: int = Field(0, ge=0, description="steps between checkpoints (0 = only at the end)")
+    every: int | None = Field(None, ge=0, description="steps between checkpoints (0 = only at the end and on a stop "
+                              "signal); unset = by time, every checkpoint.every_minutes")
+    every_minutes: float = Field(10.0, gt=0.0, description="minutes of training between checkpoints when "
+                                 "checkpoint.every is unset (the ranks agree each step whether it is time)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+    stop_timeout_s: float = Field(60.0, gt=0.0, description="seconds a job stopped by SIGTERM/SIGINT/SIGHUP has to "
+                                  "finish its step and write a checkpoint before it exits without one (a second "
+                                  "signal exits at once)")
 
 
 class MetricsConfig(Section):

@@ -8,8 +8,8 @@
   process per job holds it: the `--nproc` launcher, else rank 0 (`teratrain.launch` says which).
   Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
   launcher by the seconds they take to stop.
-- `--resume` starts from the run's saved `config.toml`; a config file and `--set` given with it apply
-  on top (the start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
+- `--resume` starts from the run's saved `config.toml`, on as many processes as wrote its newest
+  checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
   `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it.
 """
 
@@ -67,6 +67,16 @@ def newest_run(root: Path = RUNS) -> Path:
         raise ConfigError(f"--resume found no run with a checkpoint under {root}/; pass --out DIR of the run to "
                           "resume.")
     return max(runs, key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime)
+
+
+def processes(run_dir: Path) -> int:
+    """How many processes wrote the run's newest checkpoint (what `--resume` launches unless --nproc
+    says otherwise); 1 when it has none."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        return int(json.loads((root / (root / "latest").read_text().strip() / "meta.json").read_text())["world"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
 
 
 def fresh_run_dir(root: Path = RUNS) -> Path:
