@@ -41,7 +41,19 @@ def check_out(out: str | Path, resume: bool) -> Path:
         raise ConfigError(f"--out {path} is a file; give a folder for the run.")
     if not resume and _has_checkpoints(path):
         raise ConfigError(f"--out {path} already holds a run; pass --resume to continue it or choose another --out.")
+    if not resume and logged_steps(path):
+        raise ConfigError(f"--out {path} holds a run that stopped before its first checkpoint (its metrics.jsonl "
+                          "logs steps, but nothing can resume them); delete the folder to start over there, or "
+                          "choose another --out.")
     return path
+
+
+def logged_steps(path: Path) -> bool:
+    """Whether a run in `path` logged a step (its metrics.jsonl is not empty)."""
+    try:
+        return (Path(path) / "metrics.jsonl").stat().st_size > 0
+    except OSError:
+        return False
 
 
 def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:

@@ -209,6 +209,8 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
         bad.append(path)
     if not tried:
         fix = "train without --resume to start the run" if resuming else "train the run until it saves one"
+        if resuming and (root.parent / "metrics.jsonl").is_file() and (root.parent / "metrics.jsonl").stat().st_size:
+            fix = f"it stopped before its first checkpoint: delete {root.parent} and train without --resume to start over"
         raise CheckpointError(f"no usable checkpoint in '{root}' (it holds none); {fix}.")
     fix = (f"move or delete {root} to start the run over in the same folder, or train into another --out"
            if resuming else "point --ckpt at another run or checkpoint folder")
