@@ -9,7 +9,8 @@
   Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
   launcher by the seconds they take to stop.
 - `--resume` starts from the run's saved `config.toml`, on as many processes as wrote its newest
-  checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
+  checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the
+  start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
   `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it.
 """
 

@@ -147,7 +147,8 @@ def test_bin_with_a_broken_sidecar(cli, tmp_path):
 
 def test_an_empty_bin_is_one_sentence(cli, tmp_path):
     (tmp_path / "tok.bin").write_bytes(b"")
-    proc = cli.train(tmp_path / "run", f"data.path=\"{tmp_path / 'tok.bin'}\"", steps=1, expect_rc=None, in_process=True)
+    proc = cli.train(tmp_path / "run", f"data.path=\"{tmp_path / 'tok.bin'}\"", steps=1, expect_rc=None,
+                     in_process=True)
     assert_user_error(proc, "tok.bin", "is empty")
 
 

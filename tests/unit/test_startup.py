@@ -44,4 +44,5 @@ def test_summary_names_every_degree_and_the_model_started_from():
     text = startup.summary(cfg, rt, Path("runs/x"), 0)
     assert "layout: dp=1 tp=2 pp=2 (zb-h1) ep=1 zero=0" in text
     hf = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": "~/models/Llama-3.2-1B"})})
-    assert "teratrain: model: Llama-3.2-1B from model.init_from (llama, 4 layers" in startup.summary(hf, rt, Path("x"), 0)
+    text = startup.summary(hf, rt, Path("x"), 0)
+    assert "teratrain: model: Llama-3.2-1B from model.init_from (llama, 4 layers" in text
