@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("--ckpt", required=True, help="run directory (or one of its checkpoint folders)")
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--max-new-tokens", type=int,
+                   help="tokens to generate (default: 200, or as many as the model's context holds)")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
     g.add_argument("--seed", type=int, default=0)
@@ -200,7 +201,7 @@ def cmd_generate(args) -> int:
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
                              ("--temperature", args.temperature, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}; give a value >= {low}.")
 
     text = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)

@@ -149,6 +149,12 @@ def test_generate_says_what_does_not_fit_the_context(cli, trained_run):
     assert "generating at most 1" in proc.stderr
 
 
+def test_generate_with_its_defaults_does_not_warn(cli, trained_run):
+    """The default length fills the context (64 tokens here) instead of warning that 200 do not fit."""
+    proc = cli("generate", "--ckpt", trained_run, "--prompt", "def main(", "--temperature", 0, in_process=True)
+    assert proc.stderr == "" and len(proc.stdout) > len("def main(")
+
+
 def test_generate_errors_advise_generate_flags(cli, trained_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
