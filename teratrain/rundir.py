@@ -11,7 +11,8 @@
 - `--resume` starts from the run's saved `config.toml`, on as many processes as wrote its newest
   checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the
   start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
-  `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it.
+  `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it
+  or that schedule ended within its warmup.
 """
 
 from __future__ import annotations
@@ -218,7 +219,10 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Co
             (p.get("pp"), p.get("virtual_stages")) != (saved.parallel.pp, saved.parallel.virtual_stages):
         p.pop("stage_layers", None)  # a split of the old stages (resharding to another pp)
     cfg = validate(merged)
-    if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}):
+    # a run whose schedule ended within its warmup never began to decay: pinned, its lr would fall
+    # from the peak to min_lr_ratio x peak in one step after the warmup; it spans the new length instead
+    decayed = saved.schedule_steps > saved.optim.warmup_steps
+    if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}) and decayed:
         cfg.optim.decay_steps = saved.schedule_steps
     return cfg
 
