@@ -112,13 +112,9 @@ def stop_after_step(timeout_s: float) -> Iterator[dict]:
     """The training loop's block: a stop signal is recorded (state["signum"]) rather than raised, so
     that the ranks can finish the step, agree and save before they exit (train.py); the stop must end
     within `timeout_s` of the signal. Outside a `stop_on_signals` block (the library's `run()` called
-    from a script) the handlers are installed here for the loop's duration."""
+    from a script, which may handle signals its own way) signals are left alone."""
     if _active is None:
-        if threading.current_thread() is not threading.main_thread():  # no handlers: nothing to defer
-            yield {"signum": None}
-            return
-        with stop_on_signals(), stop_after_step(timeout_s) as state:
-            yield state
+        yield {"signum": None}
         return
     state = _active
     state.update(defer=state["signum"] is None, timeout_s=timeout_s)
