@@ -373,7 +373,8 @@ class CheckpointConfig(Section):
     every: int | None = Field(None, ge=0, description="steps between checkpoints (0 = only at the end and on a stop "
                               "signal); unset = by time, every checkpoint.every_minutes")
     every_minutes: float = Field(10.0, gt=0.0, description="minutes of training between checkpoints when "
-                                 "checkpoint.every is unset (the ranks agree each step whether it is time)")
+                                 "checkpoint.every is unset (the ranks agree each step whether it is time; not "
+                                 "an asynchronous parameter server's, whose workers run steps apart)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
     stop_timeout_s: float = Field(60.0, gt=0.0, description="seconds a job stopped by SIGTERM/SIGINT/SIGHUP has to "
                                   "finish its step and write a checkpoint before it exits without one (a second "

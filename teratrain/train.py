@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -83,7 +84,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn) -> dic
     print_summary(cfg, rt, run_dir, start, own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
-        with stop_after_step(cfg.checkpoint.stop_timeout_s) as stop:  # a stop: serve until the workers saved
+        with _stop_after_step(cfg) as stop:  # a stop: serve until the workers saved
             engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
         if stop["signum"]:
             raise Stopped(stop["signum"])
@@ -106,7 +107,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
     last, saved_at = {}, time.monotonic()
-    with stop_after_step(cfg.checkpoint.stop_timeout_s) as stop:
+    with _stop_after_step(cfg) as stop:
         for step in range(start, tc.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule,
@@ -181,15 +182,31 @@ def _record(step: int, stats, local_loss, lr: float, model, engine, rt: Runtime,
             "loss_scale": stats.loss_scale, "tokens": done * tokens_per_step, "step_time_s": dt, **extra}
 
 
+def _lockstep(cfg: Config) -> bool:
+    """Whether the workers may agree at every step: not those of an asynchronous parameter server
+    (parallel.staleness unset or > 0), which run steps apart by design."""
+    return cfg.parallel.sync != "param-server" or cfg.parallel.staleness == 0
+
+
+def _stop_after_step(cfg: Config):
+    """Stop signals wait for the end of the step where the workers can agree on it; elsewhere they
+    stop the process at once (the last checkpoint stays intact)."""
+    return stop_after_step(cfg.checkpoint.stop_timeout_s) if _lockstep(cfg) else nullcontext({"signum": None})
+
+
 def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int) -> tuple[int, bool]:
     """(the signal that stopped any rank, else 0; whether a checkpoint is due at step `done`), the same
     on every worker: one all-reduce of two numbers per step, since a signal reaches ranks at different
-    times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up."""
+    times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up. An
+    asynchronous parameter server's workers agree on nothing between checkpoints: steps only."""
     ck = cfg.checkpoint
+    by_steps = bool(ck.every and done % ck.every == 0)
+    if not _lockstep(cfg):
+        return 0, by_steps
     by_time = ck.every is None and time.monotonic() - saved_at >= 60 * ck.every_minutes
     flags = torch.tensor([stop["signum"] or 0, int(by_time)], dtype=torch.int64, device=rt.device)
     all_reduce(flags, rt.group("world"), op=MAX)
-    return int(flags[0]), bool(flags[1]) or bool(ck.every and done % ck.every == 0)
+    return int(flags[0]), bool(flags[1]) or by_steps
 
 
 def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:

@@ -28,3 +28,10 @@ def test_every_n_steps_still_works_and_replaces_the_clock():
     assert [_stop_or_save(NO_STOP, long_ago, cfg, RT, d)[1] for d in range(1, 11)] == [False] * 4 + [True] + \
         [False] * 4 + [True]
     assert _stop_or_save({"signum": 15}, time.monotonic(), make_config("checkpoint.every=0"), RT, 3) == (15, False)
+
+
+def test_an_asynchronous_parameter_server_never_agrees_by_time():
+    """Its workers run steps apart: a per-step agreement would hold them in lockstep."""
+    cfg = make_config("parallel.sync=param-server")  # staleness unset: asynchronous
+    assert _stop_or_save({"signum": 15}, time.monotonic() - 3600, cfg, RT, 3) == (0, False)
+    assert _stop_or_save(NO_STOP, 0.0, make_config("parallel.sync=param-server", "checkpoint.every=3"), RT, 3)[1]
