@@ -56,6 +56,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
 
 
 def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn) -> dict:
+    """run() once the run directory is agreed: data, model, restore, summary, then the loop (or serve)."""
     if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
         saved = load_config(run_dir / "config.toml").parallel  # a profiled split, kept for the same stages
         if (saved.pp, saved.virtual_stages) == (cfg.parallel.pp, cfg.parallel.virtual_stages):
