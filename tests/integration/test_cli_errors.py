@@ -162,13 +162,6 @@ def test_truncated_hf_weights_are_one_sentence(cli, tmp_path):
     assert_user_error(proc, "model.safetensors", "truncated")
 
 
-def test_a_missing_init_from_folder_is_named_as_missing(cli, tmp_path):
-    proc = cli("train", "--out", tmp_path / "run", "--set", f"model.init_from={str(tmp_path / 'nope')!r}",
-               expect_rc=None, in_process=True)
-    line = assert_user_error(proc, "model.init_from", "does not exist")
-    assert "has no config.json" not in line
-
-
 def test_a_run_stopped_before_its_first_checkpoint_is_not_reused(cli, tmp_path):
     """Its folder holds logged steps but nothing to resume: a fresh run there would silently mix two
     runs' metrics; it is refused, and so is --resume, each with the fix."""
