@@ -223,7 +223,7 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
             fix = (f"it stopped before its first checkpoint: delete {root.parent} and train without --resume to "
                    "start over")
         raise CheckpointError(f"no usable checkpoint in '{root}' (it holds none); {fix}.")
-    fix = (f"move or delete {root} to start the run over in the same folder, or train into another --out"
+    fix = (f"move or delete {root.parent} to start the run over there, or train into another --out"
            if resuming else "point --ckpt at another run or checkpoint folder")
     raise CheckpointError(f"no usable checkpoint in '{root}' ({'; '.join(tried)}); {fix}.")
 
