@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="TOML config file")
     t.add_argument("--out", help="run directory (default runs/<timestamp>)")
     t.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
-    t.add_argument("--nproc", type=int, default=1, help="launch N local processes through torchrun")
+    t.add_argument("--nproc", type=int, help="launch N local processes through torchrun (default 1; with --resume, "
+                                             "as many as the run's checkpoint was written by)")
     t.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint of --out")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("--ckpt", required=True, help="run directory (or one of its checkpoint folders)")
     g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--max-new-tokens", type=int,
+                   help="tokens to generate (default: 200, or as many as the model's context holds)")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0 = all)")
     g.add_argument("--seed", type=int, default=0)
@@ -130,15 +132,16 @@ def _overrides(args) -> list[str]:
 def cmd_train(args) -> int:
     from teratrain import rundir
 
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is not a process count; give --nproc 1 or more.")
     run_dir = Path(args.out) if args.out else rundir.newest_run() if args.resume else None
     if args.resume:
         cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
     else:
         cfg = load_config(args.config, _overrides(args))
-    launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
-    world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    nproc = args.nproc or (rundir.processes(run_dir) if args.resume else 1)
+    launching = nproc > 1 and "WORLD_SIZE" not in os.environ
+    world = nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
     notes, auto_sets = [args.auto_note] if args.auto_note else [], []
     if cfg.parallel.auto and not args.auto_note:  # the ranks of a launch get the launcher's choice
         from teratrain.planner.auto import for_job
@@ -151,7 +154,7 @@ def cmd_train(args) -> int:
     _check_before_start(cfg, world)
     if launching:
         with rundir.own(run_dir or rundir.fresh_run_dir(), args.resume, created=run_dir is None) as d:
-            return launch(_rank_argv(args, d, auto_sets, notes), args.nproc, d)
+            return launch(_rank_argv(args, d, auto_sets, notes), nproc, d, cfg.checkpoint.stop_timeout_s)
     from teratrain.train import run
 
     follow_parent()
@@ -208,7 +211,7 @@ def cmd_generate(args) -> int:
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
                              ("--temperature", args.temperature, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}; give a value >= {low}.")
 
     text = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)

@@ -19,7 +19,12 @@ from teratrain.models.sampling import sample
 from teratrain.models.transformer import build_model
 
 
-def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+DEFAULT_NEW_TOKENS = 200  # unless the context holds fewer after the prompt (then silently fewer)
+
+
+def generate(run: str, prompt: str, max_new_tokens: int | None, temperature: float, top_k: int, seed: int) -> str:
+    """A continuation of `prompt`: `max_new_tokens` tokens (said when the context cannot hold them), or,
+    unset, DEFAULT_NEW_TOKENS or as many as the context holds after the prompt."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, run_dir, model = load_model(run, device)
     tok_path = run_dir / "tokenizer.json"
@@ -32,7 +37,8 @@ def generate(run: str, prompt: str, max_new_tokens: int, temperature: float, top
         raise CheckpointError(f"{tok_path} is unreadable ({str(e)[:80]}); copy the tokenizer.json the run was "
                               "trained with back into the run folder.") from None
     ids = tokenizer.encode(prompt).ids if prompt else [tokenizer.token_to_id(EOT) or 0]
-    _warn_context(len(ids), max_new_tokens, cfg.model.seq_len)
+    room = _warn_context(len(ids), max_new_tokens, cfg.model.seq_len)
+    max_new_tokens = max_new_tokens or min(DEFAULT_NEW_TOKENS, room)
     out = sample(model, ids, max_new_tokens, temperature, top_k or None, seed, stop_token=tokenizer.token_to_id(EOT))
     return tokenizer.decode(out)
 
@@ -55,17 +61,19 @@ def load_model(run: str | Path, device: torch.device) -> tuple[Config, Path, nn.
     return cfg, run_dir, model
 
 
-def _warn_context(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+def _warn_context(prompt_tokens: int, max_new_tokens: int | None, context: int) -> int:
     """The model attends to at most model.seq_len positions (it was trained at that length): say what
-    of the request fits instead of cutting it silently."""
+    of the request fits instead of cutting it silently. Returns the tokens the context holds after
+    the prompt."""
     kept = min(prompt_tokens, context - 1)
     if prompt_tokens > kept:
         print(f"teratrain: warning: the prompt is {prompt_tokens} tokens but the model's context (model.seq_len) is "
               f"{context}; only its last {kept} tokens are used.", file=sys.stderr)
-    if kept + max_new_tokens > context:
+    if max_new_tokens is not None and kept + max_new_tokens > context:
         print(f"teratrain: warning: --max-new-tokens {max_new_tokens} does not fit the model's context of {context} "
               f"tokens (model.seq_len) after a {kept}-token prompt; generating at most {context - kept}.",
               file=sys.stderr)
+    return context - kept
 
 
 def _locate(path: Path) -> tuple[Path, Path | None]:

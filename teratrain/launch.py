@@ -8,10 +8,15 @@ signals, and one sentence when a rank fails.
   (`torch.distributed.run.run`), its own log lines silenced. Ranks find the launcher's pid and a
   report folder in their environment (LAUNCHER_ENV, REPORTS_ENV).
 - A rank watches its parent: when the launcher dies, even by kill -9, the rank stops as on SIGTERM
-  (torchrun starts ranks in new sessions, so nothing else would reach them).
-- SIGTERM, SIGINT and SIGHUP raise `Stopped` once in the main thread (a second signal is ignored while
-  the first is handled); the process exits 128 + signal number. Checkpoints are written atomically,
-  so the last complete one is intact; one message is printed, by the launcher or else by rank 0.
+  (torchrun starts ranks in new sessions, so nothing else would reach them); if it was already
+  stopping (the launcher gave up: a second Ctrl-C), it exits at once.
+- SIGTERM, SIGINT and SIGHUP stop a process. During training (`stop_after_step`) the ranks finish the
+  step, agree that one of them was signalled (a small all-reduce each step, train.py), write a
+  checkpoint and exit 128 + signal number, within checkpoint.stop_timeout_s of the signal; elsewhere
+  (start-up), and on a second signal in a process of its own, `Stopped` is raised at once.
+  Checkpoints are written atomically, so the last complete one is intact whenever the stop is cut
+  short; one message names the checkpoint and the command that continues the job, printed by the
+  launcher or else by rank 0.
 - A rank under the launcher prints nothing when it fails: it writes a report (kind, message, time,
   traceback), and the launcher prints one sentence for the job: a rank that died without a report
   (killed), else the earliest error, else the signal that stopped it. Under plain torchrun each rank
@@ -37,8 +42,12 @@ from typing import Iterator
 LAUNCHER_ENV = "TERATRAIN_LAUNCHER_PID"
 REPORTS_ENV = "TERATRAIN_REPORTS"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-SHUTDOWN_GRACE_S = 10.0  # a stopped rank that has not exited by then (a hung collective) exits hard
+SHUTDOWN_GRACE_S = 10.0  # outside training, a stopped rank that has not exited by then (a hung collective) exits hard
+AGENT_MARGIN_S = 15  # torchrun waits this much longer than the ranks' own bound before it SIGKILLs them
 PARENT_POLL_S = 0.5
+
+_active: dict | None = None  # the state of the innermost stop_on_signals block (for the parent watch)
+_STARTED = time.time()  # this process's start: a checkpoint written since is this job's
 
 
 class Stopped(BaseException):
@@ -56,26 +65,41 @@ class Stopped(BaseException):
 
 @contextmanager
 def stop_on_signals() -> Iterator[dict]:
-    """Within the block, the first termination signal raises `Stopped`; later ones are ignored. Yields
-    a dict whose "signum" is set once a signal arrived (an error raised while stopping, e.g. by a
-    collective whose peer has exited, is then part of the stop, not a failure of its own). Once the
-    caller sets "ending" (it is already deciding how the command ends), a signal raises nothing: it
-    would interrupt writing the report of the error being handled."""
-    state: dict = {"signum": None, "ending": False}
+    """Within the block, the first termination signal raises `Stopped`, or, while "defer" is set (the
+    training loop: `stop_after_step`), is only recorded for the loop to act on at the end of the step.
+    A later signal raises `Stopped` at once in a process of its own, and is ignored in a rank under an
+    agent (torchrun forwards the signal a scheduler also sent every rank; the agent's SIGKILL, or the
+    launcher's death, ends a rank that takes too long). Yields a dict whose "signum" is set once a
+    signal arrived (an error raised while stopping, e.g. by a collective whose peer has exited, is then
+    part of the stop, not a failure of its own). Once the caller sets "ending" (it is already deciding
+    how the command ends), a signal raises nothing: it would interrupt writing the report of the error
+    being handled. "timeout_s" bounds a stop (`_exit_if_stuck`)."""
+    global _active
+    state: dict = {"signum": None, "ending": False, "defer": False, "pending": False, "timeout_s": SHUTDOWN_GRACE_S}
 
     def handler(signum, _frame):
-        if state["signum"] is None and not state["ending"]:
+        if state["ending"]:
+            return
+        if state["signum"] is None:
             state["signum"] = signum
+            if state["defer"]:
+                state["pending"] = True
+                return
             raise Stopped(signum)
+        if state["pending"] and "WORLD_SIZE" not in os.environ:  # again while the step ends and saves
+            state.update(pending=False, defer=False)
+            raise Stopped(state["signum"])
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield state
         return
     old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    wake = _exit_if_stuck() if "WORLD_SIZE" in os.environ else None
+    wake = _exit_if_stuck(state) if "WORLD_SIZE" in os.environ else None
+    outer, _active = _active, state
     try:
         yield state
     finally:
+        _active = outer
         for s, h in old.items():
             signal.signal(s, h)
         if wake is not None:
@@ -83,11 +107,29 @@ def stop_on_signals() -> Iterator[dict]:
             os.close(wake[1])
 
 
-def _exit_if_stuck() -> tuple[int, int]:
+@contextmanager
+def stop_after_step(timeout_s: float) -> Iterator[dict]:
+    """The training loop's block: a stop signal is recorded (state["signum"]) rather than raised, so
+    that the ranks can finish the step, agree and save before they exit (train.py); the stop must end
+    within `timeout_s` of the signal. Outside a `stop_on_signals` block (the library's `run()` called
+    from a script, which may handle signals its own way) signals are left alone."""
+    if _active is None:
+        yield {"signum": None}
+        return
+    state = _active
+    state.update(defer=state["signum"] is None, timeout_s=timeout_s)
+    try:
+        yield state
+    finally:
+        state.update(defer=False, pending=False, timeout_s=SHUTDOWN_GRACE_S)
+
+
+def _exit_if_stuck(state: dict) -> tuple[int, int]:
     """A rank blocked in a collective whose peer is gone runs no Python, so its signal handler would
-    wait (up to parallel.timeout_s). CPython writes each signal's number to the wakeup fd at once, from
-    C; a thread reading it ends the process SHUTDOWN_GRACE_S later if it is still there (checkpoints
-    are atomic: nothing is lost). Returns (the previous wakeup fd, our write end)."""
+    wait (up to parallel.timeout_s), and a rank saving at a stop may take too long. CPython writes each
+    signal's number to the wakeup fd at once, from C; a thread reading it ends the process
+    state["timeout_s"] after the first stop signal if it is still there (checkpoints are atomic: a save
+    cut short leaves the previous one). Returns (the previous wakeup fd, our write end)."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     previous = signal.set_wakeup_fd(w)
@@ -95,7 +137,7 @@ def _exit_if_stuck() -> tuple[int, int]:
     def watch():
         while got := os.read(r, 1):  # b"" once the block ends normally and the write end is closed
             if got[0] in STOP_SIGNALS:
-                time.sleep(SHUTDOWN_GRACE_S)
+                time.sleep(state["timeout_s"])
                 os._exit(128 + got[0])
         os.close(r)
 
@@ -126,7 +168,10 @@ def follow_parent() -> None:
     def watch():
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
+        stopping = _active is not None and _active["signum"]
+        if stopping:  # the launcher gave up on this stop (a second Ctrl-C): end now
+            os._exit(128 + stopping)
+        os.kill(os.getpid(), signal.SIGTERM)  # stop as on SIGTERM: finish the step and save
 
     threading.Thread(target=watch, name="teratrain-parent-watch", daemon=True).start()
 
@@ -150,19 +195,42 @@ def write_report(kind: str, message: str, exc: BaseException | None = None, deta
 
 
 def stopped_message(signum: int, run_dir: Path | None) -> str:
+    """The one line a stopped job ends with: the checkpoint it wrote at the stop (or the last complete
+    one) and the command that continues the same job."""
     name = signal.Signals(signum).name
     latest = run_dir / "checkpoints" / "latest" if run_dir else None
-    if latest is not None and latest.is_file():
-        return (f"teratrain: stopped by {name}; the last complete checkpoint ({latest.read_text().strip()}) is intact; "
-                f"continue with: teratrain train --out {run_dir} --resume")
-    return f"teratrain: stopped by {name} before the first checkpoint was written."
+    if latest is None or not latest.is_file():
+        left = f"; {run_dir} holds no checkpoint to resume: delete it to start again there" \
+            if run_dir is not None and run_dir.is_dir() else ""
+        return f"teratrain: stopped by {name} before the first checkpoint was written{left}."
+    ckpt = latest.parent / latest.read_text().strip()
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+        now = meta.get("stopped_by") == name and (ckpt / "meta.json").stat().st_mtime >= _STARTED
+    except (OSError, ValueError):
+        meta, now = {}, False
+    what = f"at step {meta['step']}: wrote checkpoint {ckpt.name}" if now else \
+        f"the last complete checkpoint ({ckpt.name}) is intact"
+    return f"teratrain: stopped by {name} {what}; continue with: {resume_command(run_dir, meta.get('world', 1))}"
+
+
+def resume_command(run_dir: Path, world: int) -> str:
+    """The command that continues the run in `run_dir` as the job that wrote its checkpoint ran it:
+    the same processes (under a multi-machine torchrun: the same torchrun command)."""
+    if "WORLD_SIZE" in os.environ and not under_launcher() and \
+            os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) != os.environ["WORLD_SIZE"]:
+        return f"the same torchrun command with --out {run_dir} --resume"
+    return "teratrain train" + (f" --nproc {world}" if world > 1 else "") + f" --out {run_dir} --resume"
 
 
 # ---------------------------------------------------------------- the launcher
 
-def launch(argv: list[str], nproc: int, run_dir: Path) -> int:
+def launch(argv: list[str], nproc: int, run_dir: Path, stop_timeout_s: float) -> int:
     """Run `python -m teratrain <argv>` on `nproc` local ranks with torchrun's agent in this process;
-    returns the job's exit status after printing at most one line about how it ended."""
+    returns the job's exit status after printing at most one line about how it ended. The agent
+    forwards a stop signal to the ranks and SIGKILLs those still running AGENT_MARGIN_S after their
+    own bound, `stop_timeout_s` (torch >= 2.12 reads the wait from TORCH_ELASTIC_SHUTDOWN_TIMEOUT;
+    older versions wait 30 s)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -170,6 +238,7 @@ def launch(argv: list[str], nproc: int, run_dir: Path) -> int:
     reports = Path(tempfile.mkdtemp(prefix="teratrain-reports-"))
     saved_env = dict(os.environ)
     os.environ.update({LAUNCHER_ENV: str(os.getpid()), REPORTS_ENV: str(reports)})
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(stop_timeout_s) + AGENT_MARGIN_S))
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
                        "-m", "teratrain", *argv])
     try:

@@ -44,22 +44,28 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLog:
-    """metrics.jsonl (one object per optimizer step, flushed) and optional TensorBoard events."""
+    """metrics.jsonl (one object per optimizer step, flushed) and optional TensorBoard events. Files are
+    made at the first record, so a run that fails before its first step leaves none (rundir.remove_if_unused)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, append: bool):
-        self.path = run_dir / "metrics.jsonl"
-        self.file = open(self.path, "a" if append else "w")
-        self.tb = None
-        if tensorboard:
+        self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
+        self.tensorboard, self.mode = tensorboard, "a" if append else "w"
+        self.file = self.tb = None
+
+    def _open(self) -> None:
+        self.file = open(self.path, self.mode)
+        if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 print("teratrain: warning: metrics.tensorboard needs `pip install tensorboard`; skipping it",
                       file=sys.stderr)
             else:
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
+        if self.file is None:
+            self._open()
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -68,7 +74,8 @@ class MetricsLog:
                     self.tb.add_scalar(k, v, record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -8,9 +8,11 @@
   process per job holds it: the `--nproc` launcher, else rank 0 (`teratrain.launch` says which).
   Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
   launcher by the seconds they take to stop.
-- `--resume` starts from the run's saved `config.toml`; a config file and `--set` given with it apply
-  on top (the start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
-  `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it.
+- `--resume` starts from the run's saved `config.toml`, on as many processes as wrote its newest
+  checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the
+  start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
+  `train.steps` keeps the run's original schedule length (`optim.decay_steps`) unless the user sets it
+  or that schedule ended within its warmup.
 """
 
 from __future__ import annotations
@@ -41,7 +43,19 @@ def check_out(out: str | Path, resume: bool) -> Path:
         raise ConfigError(f"--out {path} is a file; give a folder for the run.")
     if not resume and _has_checkpoints(path):
         raise ConfigError(f"--out {path} already holds a run; pass --resume to continue it or choose another --out.")
+    if not resume and logged_steps(path):
+        raise ConfigError(f"--out {path} holds a run that stopped before its first checkpoint (its metrics.jsonl "
+                          "logs steps, but nothing can resume them); delete the folder to start over there, or "
+                          "choose another --out.")
     return path
+
+
+def logged_steps(path: Path) -> bool:
+    """Whether a run in `path` logged a step (its metrics.jsonl is not empty)."""
+    try:
+        return (Path(path) / "metrics.jsonl").stat().st_size > 0
+    except OSError:
+        return False
 
 
 def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:
@@ -67,6 +81,16 @@ def newest_run(root: Path = RUNS) -> Path:
         raise ConfigError(f"--resume found no run with a checkpoint under {root}/; pass --out DIR of the run to "
                           "resume.")
     return max(runs, key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime)
+
+
+def processes(run_dir: Path) -> int:
+    """How many processes wrote the run's newest checkpoint (what `--resume` launches unless --nproc
+    says otherwise); 1 when it has none."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        return int(json.loads((root / (root / "latest").read_text().strip() / "meta.json").read_text())["world"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
 
 
 def fresh_run_dir(root: Path = RUNS) -> Path:
@@ -195,7 +219,10 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Co
             (p.get("pp"), p.get("virtual_stages")) != (saved.parallel.pp, saved.parallel.virtual_stages):
         p.pop("stage_layers", None)  # a split of the old stages (resharding to another pp)
     cfg = validate(merged)
-    if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}):
+    # a run whose schedule ended within its warmup never began to decay: pinned, its lr would fall
+    # from the peak to min_lr_ratio x peak in one step after the warmup; it spans the new length instead
+    decayed = saved.schedule_steps > saved.optim.warmup_steps
+    if cfg.train.steps != saved.train.steps and "decay_steps" not in given.get("optim", {}) and decayed:
         cfg.optim.decay_steps = saved.schedule_steps
     return cfg
 

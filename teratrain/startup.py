@@ -1,7 +1,8 @@
 """What a run says before its first step, and the one check made before a model is built.
 
-The summary (rank 0, stderr) names the model and its parameter count, the device and process count,
-the layout (dp, zero, offload, precision, recompute, accumulation), the tokens per step, the memory
+The summary (rank 0, stderr) names the model (the preset, the `model.init_from` folder, or the class of
+a model of the user's own) and its parameter count, the device and process count, the layout (dp, tp,
+pp and its schedule, ep, zero, offload, precision, recompute, accumulation), the tokens per step, the memory
 per process the planner predicts (teratrain.planner: the same arithmetic as `teratrain plan`) and a
 warning when that will not fit the device, and the step a resumed run continues from. The planner
 only informs: if it cannot model a layout, the run goes on with a warning.
@@ -15,24 +16,27 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from teratrain.config import Config, ConfigError
 
 GIB = 2**30
 
 
-def predict(cfg: Config, workers: int, device: torch.device | None = None):
+def predict(cfg: Config, workers: int, device: torch.device | None = None, params: int | None = None):
     """The planner's MemoryBreakdown of one rank of this run; on a GPU `device`, with the preset its
-    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one)."""
+    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one).
+    `params`: a model of the user's own, known by its parameter count only (model states, no activations)."""
     from teratrain.planner.hardware import GPUS, gpu_for_device
     from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.layout import ModelShape
     from teratrain.planner.search import evaluate
 
     gpu = GPUS["h100"]
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = gpu_for_device(props.name, props.total_memory)
-    shape = shape_of(cfg)
+    shape = shape_of(cfg) if params is None else ModelShape(cfg=None, bare_params=params, name="own model")
     return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu).memory
 
 
@@ -78,27 +82,44 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
                           "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
 
 
-def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = ()) -> str:
-    """The start-up lines of a run (see the module docstring)."""
-    from teratrain.models.transformer import count_params
-
+def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
+            own: nn.Module | None = None) -> str:
+    """The start-up lines of a run (see the module docstring); `own`: a model of the user's own
+    (`run(model_fn=...)`), described instead of `cfg.model`."""
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, rt.dims
-    n = count_params(m)["total"]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     where = f"{rt.device.type}" + (f" ({torch.cuda.get_device_name(rt.device)}, {gpus} visible)"
                                    if rt.device.type == "cuda" else "")
     accum = t.global_batch // (t.micro_batch * d.dp)
-    model_parallel = f" tp={d.tp} pp={d.pp} ep={d.ep}" if (d.tp, d.pp, d.ep) != (1, 1, 1) else ""
-    lines = [f"model: {m.preset} ({m.arch}, {m.n_layers} layers, d_model {m.d_model}), {n / 1e6:,.2f} M parameters",
+    degrees = f"dp={d.dp} tp={d.tp} pp={d.pp}" + (f" ({p.schedule})" if d.pp > 1 else "") + f" ep={d.ep}"
+    params = _param_count(own) if own is not None else None
+    lines = [_model_line(m, own, params),
              f"device: {where}, {rt.world} process(es)",
-             f"layout: dp={d.dp}{model_parallel} zero={p.zero} offload={p.offload} sync={p.sync} "
-             f"precision={cfg.memory.precision} recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch "
-             f"{t.micro_batch}", *notes,
+             f"layout: {degrees} zero={p.zero} offload={p.offload} sync={p.sync} precision={cfg.memory.precision} "
+             f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}", *notes,
              f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per "
              f"step, {t.steps} steps",
-             _memory_line(cfg, rt),
+             _memory_line(cfg, rt, params),
              _resumed(cfg, run_dir, start) if start else f"run directory: {run_dir}"]
     return "\n".join(f"teratrain: {line}" for line in lines)
+
+
+def _model_line(m, own: nn.Module | None, params: int | None) -> str:
+    """What is trained: the user's own model by its class, a Hugging Face start by its folder, else
+    the preset (its shape as configured)."""
+    from teratrain.models.transformer import count_params
+
+    if own is not None:
+        name = type(getattr(own, "hf", own)).__name__  # teratrain.CausalLM: the transformers model inside
+        return f"model: {name} (your own, from model_fn), {params / 1e6:,.2f} M parameters"
+    name = f"{Path(m.init_from).expanduser().name} from model.init_from" if m.init_from else m.preset
+    n = count_params(m)["total"]
+    return f"model: {name} ({m.arch}, {m.n_layers} layers, d_model {m.d_model}), {n / 1e6:,.2f} M parameters"
+
+
+def _param_count(model: nn.Module) -> int:
+    """Parameters of a model as built (on the meta device or a real one), tied ones once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def _resumed(cfg: Config, run_dir: Path, start: int) -> str:
@@ -114,25 +135,29 @@ def _resumed(cfg: Config, run_dir: Path, start: int) -> str:
     return line + (f"; changed since then: {'; '.join(diff)}" if diff else "; settings unchanged")
 
 
-def _memory_line(cfg: Config, rt) -> str:
+def _memory_line(cfg: Config, rt, params: int | None = None) -> str:
     try:
-        mem = predict(cfg, rt.dims.workers, rt.device)
+        mem = predict(cfg, rt.dims.workers, rt.device, params)
     except Exception as e:  # noqa: BLE001 - never stop a run because the planner cannot model it
         return f"warning: the planner could not predict memory for this layout ({type(e).__name__}: {e})"
     if rt.device.type == "cuda":
         have = torch.cuda.get_device_properties(rt.device).total_memory
-        line = f"predicted memory per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
+        what = "memory" if params is None else "model states (activations not counted)"
+        line = f"predicted {what} per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
         fits = mem.total <= have
         return line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"
     need = _host_bytes(mem, rt.device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     avail = host_available_bytes()
     line = f"predicted memory per process: {need / GIB:,.2f} GiB (planner)"
+    if params is not None:
+        line = f"predicted model states per process: {need / GIB:,.2f} GiB (planner; activations not counted)"
     if avail is not None and need * local > avail:
         return f"warning: {line}: {local} process(es) need more than the {avail / GIB:,.1f} GiB free on this machine"
     return line
 
 
-def print_summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = ()) -> None:
+def print_summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
+                  own: nn.Module | None = None) -> None:
     if rt.is_main:
-        print(summary(cfg, rt, run_dir, start, notes), file=sys.stderr, flush=True)
+        print(summary(cfg, rt, run_dir, start, notes, own), file=sys.stderr, flush=True)

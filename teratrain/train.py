@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +21,7 @@ from teratrain.config import Config, ConfigError, load_config
 from teratrain.config_toml import to_toml
 from teratrain.data.loader import Batches, prepare
 from teratrain.fsio import atomic_write_bytes
+from teratrain.launch import Stopped, stop_after_step
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
@@ -27,11 +29,11 @@ from teratrain.models.protocol import model_flops_per_token
 from teratrain.models.transformer import Transformer
 from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
-from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.comm import AVG, MAX, all_reduce
 from teratrain.parallel.parallelize import check_supported, parallelize
 from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.progress import Progress
-from teratrain.rundir import agree_run_dir
+from teratrain.rundir import agree_run_dir, remove_if_unused
 from teratrain.startup import print_summary
 
 
@@ -50,7 +52,18 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
+    existed = out is not None and Path(out).exists()
     run_dir = agree_run_dir(out, resume, rt)
+    try:
+        return _run(cfg, rt, run_dir, resume, model_fn)
+    except BaseException:
+        if rt.is_main and not existed:  # a run that fails before its first step leaves no folder behind
+            remove_if_unused(run_dir)
+        raise
+
+
+def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn) -> dict:
+    """run() once the run directory is agreed: data, model, restore, summary, then the loop (or serve)."""
     if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
         saved = load_config(run_dir / "config.toml").parallel  # a profiled split, kept for the same stages
         if (saved.pp, saved.virtual_stages) == (cfg.parallel.pp, cfg.parallel.virtual_stages):
@@ -76,10 +89,13 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
-    print_summary(cfg, rt, run_dir, start, notes or [])
+    print_summary(cfg, rt, run_dir, start, notes or [], own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
-        engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
+        with _stop_after_step(cfg) as stop:  # a stop: serve until the workers saved
+            engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
+        if stop["signum"]:
+            raise Stopped(stop["signum"])
         return {"run_dir": str(run_dir), "step": None, "engine": engine}
     summary = _loop(cfg, rt, model, engine, data, run_dir, start)
     if hasattr(engine, "close"):  # e.g. a parameter-server worker signs off
@@ -98,36 +114,34 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
     run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
-    last = {}
-    for step in range(start, tc.steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule,
-                   cfg.optim.min_lr_ratio)
-        model.train()
-        micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
-        stats, local_loss = run_step(micro, cfg.memory.precision, lr)
-        extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
-        extra.update(moe_metrics.step_metrics(model, rt))  # per MoE layer (collective over dp)
-        loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize(rt.device)
-        dt = time.perf_counter() - t0
-        done = step + 1
-        tps = tokens_per_step / dt
-        last = {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": tps,
-                "mfu": flops_tok * tps / (peak * rt.dims.workers) if peak else None,
-                "grad_norm": stats.grad_norm if not stats.skipped else None,
-                "peak_mem_bytes": peak_memory_bytes(rt.device), "skipped_steps": engine.skipped_steps,
-                "loss_scale": stats.loss_scale, "tokens": done * tokens_per_step, "step_time_s": dt, **extra}
-        if step == start:
-            last["model_state_bytes"] = engine.last_state_bytes
-        if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
-            last["eval_loss"] = evaluate(model, val_batches, cfg, rt, run_step.forward_loss)
-        if log:
-            log.write(last)
-        progress.step(done, loss_val, tps, lr, last.get("eval_loss"))
-        if done == tc.steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
-            _save(run_dir, done, cfg, rt, engine)
+    last, saved_at = {}, time.monotonic()
+    with _stop_after_step(cfg) as stop:
+        for step in range(start, tc.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule,
+                       cfg.optim.min_lr_ratio)
+            model.train()
+            micro = list(train_batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
+            stats, local_loss = run_step(micro, cfg.memory.precision, lr)
+            last = _record(step, stats, local_loss, lr, model, engine, rt, t0, tokens_per_step,
+                           flops_tok * tokens_per_step / (peak * rt.dims.workers) if peak else None)
+            done = step + 1
+            if step == start:
+                last["model_state_bytes"] = engine.last_state_bytes
+            if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
+                last["eval_loss"] = evaluate(model, val_batches, cfg, rt, run_step.forward_loss)
+            if log:
+                log.write(last)
+            progress.step(done, last["loss"], last["tokens_per_s"], lr, last.get("eval_loss"))
+            signum, due = _stop_or_save(stop, saved_at, cfg, rt, done)
+            if done == tc.steps or due or signum:
+                _save(run_dir, done, cfg, rt, engine, stopped_by=signum)
+                saved_at = time.monotonic()
+            if signum and done < tc.steps:  # every rank saved this step's checkpoint: now exit
+                progress.close()
+                if hasattr(engine, "close"):  # a parameter-server worker signs off, so its servers exit too
+                    engine.close()
+                raise Stopped(signum)
     progress.close()
     if log:
         log.close()
@@ -158,6 +172,51 @@ def evaluate(model, batches: Batches, cfg: Config, rt: Runtime, forward_loss=Non
     return float(total[0] / total[1])
 
 
+def _record(step: int, stats, local_loss, lr: float, model, engine, rt: Runtime, t0: float, tokens_per_step: int,
+            mfu_seconds: float | None) -> dict:
+    """The metrics.jsonl record of the step begun at `t0` (a collective: losses and MoE statistics are
+    averaged); `mfu_seconds`: the step time at which MFU would be 1."""
+    extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
+    extra.update(moe_metrics.step_metrics(model, rt))  # per MoE layer (collective over dp)
+    loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+    dt = time.perf_counter() - t0
+    done = step + 1
+    return {"step": done, "loss": loss_val, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+            "mfu": mfu_seconds / dt if mfu_seconds is not None else None,
+            "grad_norm": stats.grad_norm if not stats.skipped else None,
+            "peak_mem_bytes": peak_memory_bytes(rt.device), "skipped_steps": engine.skipped_steps,
+            "loss_scale": stats.loss_scale, "tokens": done * tokens_per_step, "step_time_s": dt, **extra}
+
+
+def _lockstep(cfg: Config) -> bool:
+    """Whether the workers may agree at every step: not those of an asynchronous parameter server
+    (parallel.staleness unset or > 0), which run steps apart by design."""
+    return cfg.parallel.sync != "param-server" or cfg.parallel.staleness == 0
+
+
+def _stop_after_step(cfg: Config):
+    """Stop signals wait for the end of the step where the workers can agree on it; elsewhere they
+    stop the process at once (the last checkpoint stays intact)."""
+    return stop_after_step(cfg.checkpoint.stop_timeout_s) if _lockstep(cfg) else nullcontext({"signum": None})
+
+
+def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int) -> tuple[int, bool]:
+    """(the signal that stopped any rank, else 0; whether a checkpoint is due at step `done`), the same
+    on every worker: one all-reduce of two numbers per step, since a signal reaches ranks at different
+    times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up. An
+    asynchronous parameter server's workers agree on nothing between checkpoints: steps only."""
+    ck = cfg.checkpoint
+    by_steps = bool(ck.every and done % ck.every == 0)
+    if not _lockstep(cfg):
+        return 0, by_steps
+    by_time = ck.every is None and time.monotonic() - saved_at >= 60 * ck.every_minutes
+    flags = torch.tensor([stop["signum"] or 0, int(by_time)], dtype=torch.int64, device=rt.device)
+    all_reduce(flags, rt.group("world"), op=MAX)
+    return int(flags[0]), bool(flags[1]) or by_steps
+
+
 def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
     x = x.clone()
     all_reduce(x, rt.dp_group, op=AVG)
@@ -170,8 +229,8 @@ def check_batch(cfg: Config, dp: int) -> None:
     cfg.microbatches(dp)
 
 
-def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine) -> None:
-    save_training(run_dir / "checkpoints", step, cfg, rt, engine)
+def _save(run_dir: Path, step: int, cfg: Config, rt: Runtime, engine, stopped_by: int = 0) -> None:
+    save_training(run_dir / "checkpoints", step, cfg, rt, engine, stopped_by)
 
 
 def _restore(run_dir: Path, cfg: Config, rt: Runtime, engine) -> int:

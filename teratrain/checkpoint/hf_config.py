@@ -118,8 +118,9 @@ def init_shape(folder: str, given: dict) -> dict:
     if not path.is_file():
         if all(k in given for k in SHAPE_KEYS):
             return {}
-        raise ConfigError(f"model.init_from '{folder}' has no config.json; point it at a Hugging Face model folder "
-                     "(config.json + *.safetensors).")
+        what = "has no config.json" if path.parent.is_dir() else "does not exist"
+        raise ConfigError(f"model.init_from '{folder}' {what}; point it at a Hugging Face model folder "
+                          "(config.json + *.safetensors).")
     hf = read_config_json(path)
     check_importable(hf, Path(folder))
     model, _ = model_keys(hf, path)

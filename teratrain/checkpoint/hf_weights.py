@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.pieces import PieceSource
@@ -94,7 +94,7 @@ class HFWeights:
         else:
             files = {}
             for f in sorted(self.dir.glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as h:
+                with _open(f) as h:
                     files.update({k: f.name for k in h.keys()})
         if not files:
             raise CheckpointError(f"model.init_from '{folder}' holds no *.safetensors weights; save the model with "
@@ -115,8 +115,11 @@ class HFWeights:
         key = self._resolve(key)
         name = self.files[key]
         if name not in self._open:
-            self._open[name] = safe_open(str(self.dir / name), framework="pt")
-        return self._open[name].get_slice(key)
+            self._open[name] = _open(self.dir / name)
+        try:
+            return self._open[name].get_slice(key)
+        except SafetensorError as e:
+            raise _unreadable(self.dir / name, e) from None
 
     def read(self, src: Source, lo: tuple[int, ...], hi: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Region [lo, hi) of our tensor of global shape `shape` that `src` holds."""
@@ -134,6 +137,18 @@ class HFWeights:
         if src.transpose:
             return sl[slice(a[1], b[1]), slice(a[0], b[0])].T
         return sl[tuple(slice(x, y) for x, y in zip(a, b))]
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"model.init_from: {path} is not a readable safetensors file ({e}); it may be "
+                           "truncated: download or save it again.")
 
 
 class HFInit(PieceSource):

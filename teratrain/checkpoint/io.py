@@ -95,8 +95,7 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
         atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps({**meta, "file": own}).encode())
     except OSError as e:  # a full disk, a quota: drop the partial folder (it would only fill the disk more)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {name} in {root} ({e.strerror}); free space or raise the "
-                              "quota, then continue with --resume: the last complete checkpoint is intact.") from None
+        raise _disk_full(root, name, e) from None
     barrier()
     if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
         from teratrain.checkpoint.index import FORMAT, INDEX, merge_rank  # (index.py imports this module)
@@ -121,6 +120,17 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
         _prune(root, keep, step)
     barrier()
     return final
+
+
+def _disk_full(root: Path, name: str, e: OSError) -> CheckpointError:
+    latest = root / "latest"
+    if latest.is_file():
+        then = (f"then continue with --resume: the last complete checkpoint ({latest.read_text().strip()}) is "
+                "intact.")
+    else:
+        then = f"this run has no earlier checkpoint to resume, so delete {root.parent} and train it again."
+    return CheckpointError(f"could not write checkpoint {name} in {root} ({e.strerror}); free space or raise the "
+                           f"quota; {then}")
 
 
 def _prune(root: Path, keep: int, current: int) -> None:
@@ -209,8 +219,11 @@ def find_valid(root: Path, rank: int = 0, agree: Callable[[bool], bool] = lambda
         bad.append(path)
     if not tried:
         fix = "train without --resume to start the run" if resuming else "train the run until it saves one"
+        if resuming and (root.parent / "metrics.jsonl").is_file() and (root.parent / "metrics.jsonl").stat().st_size:
+            fix = (f"it stopped before its first checkpoint: delete {root.parent} and train without --resume to "
+                   "start over")
         raise CheckpointError(f"no usable checkpoint in '{root}' (it holds none); {fix}.")
-    fix = (f"move or delete {root} to start the run over in the same folder, or train into another --out"
+    fix = (f"move or delete {root.parent} to start the run over there, or train into another --out"
            if resuming else "point --ckpt at another run or checkpoint folder")
     raise CheckpointError(f"no usable checkpoint in '{root}' ({'; '.join(tried)}); {fix}.")
 

@@ -23,6 +23,7 @@ the degrees they were saved with.
 from __future__ import annotations
 
 import hashlib
+import signal
 from pathlib import Path
 
 import torch
@@ -38,8 +39,9 @@ from teratrain.config import Config, ConfigError, validate
 from teratrain.parallel.comm import all_gather_objects, any_rank_false
 
 
-def save_training(root: Path, step: int, cfg: Config, rt, engine) -> Path:
-    """Write checkpoint `step` of the run (collective over every rank of the job)."""
+def save_training(root: Path, step: int, cfg: Config, rt, engine, stopped_by: int = 0) -> Path:
+    """Write checkpoint `step` of the run (collective over every rank of the job); `stopped_by`: the
+    signal the job saves for before it exits (recorded for the message that names this checkpoint)."""
     meta = engine.state_meta()  # first: the parameter-server worker's SAVE makes its servers join
     entries, scalars = save_entries(engine.holdings())
     tensors, pieces = encode(first_copies(entries, rt))
@@ -48,7 +50,9 @@ def save_training(root: Path, step: int, cfg: Config, rt, engine) -> Path:
     meta.update(pieces=pieces, scalars=scalars, rng=rng_meta, step=step,
                 data={"next_step": step, "samples_seen": step * cfg.train.global_batch})
     return io.save(root, step, rt.rank, rt.world, tensors, meta, cfg.checkpoint.keep,
-                   global_meta={"dims": vars(rt.dims), "config": cfg.model_dump()}, barrier=rt.barrier)
+                   global_meta={"dims": vars(rt.dims), "config": cfg.model_dump(),
+                                **({"stopped_by": signal.Signals(stopped_by).name} if stopped_by else {})},
+                   barrier=rt.barrier)
 
 
 def encode(entries: list[Entry]) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -137,6 +137,9 @@ def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
     else:
         raise DataError(f"data.path '{path}' has no {side.name} to say its dtype, and model.vocab_size {vocab_size} "
                         f"does not fit uint16; write {side.name} with {{\"dtype\": \"uint32\"}} beside it.")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"data.path '{path}' is empty; write the token ids into it (e.g. "
+                        f"np.array(ids, dtype=np.{dtype.name}).tofile(...)) or point data.path at another file.")
     if os.path.getsize(path) % dtype.itemsize:
         raise DataError(f"data.path '{path}' is not a whole number of {dtype.name} tokens; write it with numpy "
                         f"as {dtype.name} or give its dtype in {side.name}.")

@@ -402,8 +402,13 @@ def _pooled_balance_loss(layers: list["MoE"], weight: float) -> torch.Tensor:
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
-    """(global layer key, MoE) of every MoE block this model holds."""
-    return [(key, block.feed_forward) for key, block in model.layers.items() if isinstance(block.feed_forward, MoE)]
+    """(global layer key, MoE) of every MoE block this model holds; none for a model of the user's own
+    (models/protocol.py), whose blocks are not teratrain's (a ModuleDict of blocks by global index)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        return []
+    return [(key, block.feed_forward) for key, block in layers.items()
+            if isinstance(getattr(block, "feed_forward", None), MoE)]
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -5,7 +5,8 @@ Mixtral 8x7B (Jiang et al. 2024, table 1 and its config.json), Switch-Base-8 (Fe
 T5-Base's width with 8 experts in every other feed-forward layer; ours is decoder-only, GELU, 12 blocks,
 where the paper's is an encoder-decoder with 12 + 12). `moe-tiny` is `tiny` with 8 top-2 experts of half
 its MLP width, so its active parameters per token equal tiny's.
-Any key given next to `model.preset` overrides the preset's value (`model.moe` key by key).
+Any key given next to `model.preset` overrides the preset's value (`model.moe` key by key), and a
+preset's value that belongs to a choice the user changed gives way (`give_way`).
 """
 
 _GPT2 = dict(arch="gpt2", vocab_size=50257, seq_len=1024, tie_embeddings=True, bias=True, norm_eps=1e-5)
@@ -34,3 +35,23 @@ PRESETS: dict[str, dict] = {
                          vocab_size=32000, seq_len=32768, rope_theta=1e6, bias=False, norm_eps=1e-5,
                          tie_embeddings=False, moe=dict(num_experts=8, top_k=2, router="softmax-topk")),
 }
+
+# The preset's settings of a router: another model.moe.router takes its own defaults for them.
+ROUTER_KEYS = ("top_k", "capacity_factor", "groups", "noise")
+
+
+def give_way(preset: dict, given: dict) -> dict:
+    """The preset's keys that stand, given the user's `given` model keys: keys the user set replace the
+    preset's (the caller merges them), and these preset keys are dropped (their defaults apply) so that
+    a preset never contradicts an explicit choice:
+    - model.moe.top_k, capacity_factor, groups, noise when the user chose another model.moe.router
+      (they were the preset router's settings: moe-tiny's top_k=2 is not switch-top1's 1);
+    - model.n_kv_heads when it does not divide the user's model.n_heads (grouped heads then off)."""
+    out = dict(preset)
+    moe, mine = preset.get("moe"), given.get("moe")
+    if isinstance(moe, dict) and isinstance(mine, dict) and mine.get("router", moe.get("router")) != moe.get("router"):
+        out["moe"] = {k: v for k, v in moe.items() if k not in ROUTER_KEYS}
+    kv, heads = preset.get("n_kv_heads"), given.get("n_heads")
+    if kv and isinstance(heads, int) and heads > 0 and "n_kv_heads" not in given and heads % kv:
+        out.pop("n_kv_heads")
+    return out

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from tests.helpers import flip_byte
+from tests.helpers import flip_byte, truncate
+from tests.hf_models import save_llama
 from tests.integration.runner import assert_user_error
 
 
@@ -142,3 +143,32 @@ def test_bin_with_a_broken_sidecar(cli, tmp_path):
     (tmp_path / "tok.json").write_text("{bad")
     proc = cli.train(tmp_path / "run", f"data.path=\"{tmp_path / 'tok.bin'}\"", steps=1, expect_rc=None, in_process=True)
     assert_user_error(proc, "tok.json")
+
+
+def test_an_empty_bin_is_one_sentence(cli, tmp_path):
+    (tmp_path / "tok.bin").write_bytes(b"")
+    proc = cli.train(tmp_path / "run", f"data.path=\"{tmp_path / 'tok.bin'}\"", steps=1, expect_rc=None,
+                     in_process=True)
+    assert_user_error(proc, "tok.bin", "is empty")
+
+
+def test_truncated_hf_weights_are_one_sentence(cli, tmp_path):
+    """In one process (under --nproc the launcher already said it in one line, but with exit 1)."""
+    pytest.importorskip("transformers")
+    save_llama(tmp_path / "hf", vocab_size=4096)  # the cached tokenizer's size
+    truncate(tmp_path / "hf" / "model.safetensors")
+    proc = cli("train", "--out", tmp_path / "run", "--steps", 1, "--set", f"model.init_from={str(tmp_path / 'hf')!r}",
+               "--set", f"data.cache_dir={cli.cache!r}", expect_rc=None, in_process=True)
+    assert_user_error(proc, "model.safetensors", "truncated")
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_reused(cli, tmp_path):
+    """Its folder holds logged steps but nothing to resume: a fresh run there would silently mix two
+    runs' metrics; it is refused, and so is --resume, each with the fix."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3}\n')
+    assert_user_error(cli.train(run, steps=1, expect_rc=None, in_process=True), "before its first checkpoint", "delete")
+    assert (run / "metrics.jsonl").read_text().startswith('{"step": 1')
+    assert_user_error(cli.train(run, steps=1, resume=True, expect_rc=None, in_process=True), f"delete {run}")

@@ -26,8 +26,9 @@ from tests.integration.runner import assert_user_error, metrics
 
 pytestmark = pytest.mark.slow
 
-# a job that runs until stopped: a checkpoint every 2 steps, no evaluation
-LONG = ["checkpoint.every=2", "train.eval_batches=0", "train.steps=100000"]
+# a job that runs until stopped, no evaluation; its checkpoints by time (every 10 minutes) never come
+# in a test: a checkpoint exists only if the job writes one when it is stopped
+LONG = ["train.eval_batches=0", "train.steps=100000"]
 
 
 def train_argv(cli, out: Path | None, *sets: str, nproc: int = 1) -> list[str]:
@@ -83,8 +84,10 @@ def wait_for(what, timeout: float = 90.0, every: float = 0.2):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
-def wait_for_checkpoint(run: Path, proc: subprocess.Popen) -> None:
-    wait_for(lambda: (run / "checkpoints" / "latest").exists() or proc.poll() is not None)
+def wait_for_a_step(run: Path, proc: subprocess.Popen) -> None:
+    """Until the job has logged its first step."""
+    path = run / "metrics.jsonl"
+    wait_for(lambda: (path.exists() and path.stat().st_size > 0) or proc.poll() is not None)
     assert proc.poll() is None, proc.communicate()
 
 
@@ -101,6 +104,15 @@ def assert_resumable(run: Path) -> int:
     path, meta = find_valid(run / "checkpoints")
     assert path.name == (run / "checkpoints" / "latest").read_text()
     return meta["step"]
+
+
+def assert_saved_at_the_stop(run: Path, stderr: str, resume: str) -> int:
+    """The stopped job wrote a checkpoint of its last logged step, and its line names it and the command
+    `resume` that continues the job. Returns the step."""
+    step = assert_resumable(run)
+    assert step == metrics(run)[-1]["step"] >= 1
+    assert f"at step {step}: wrote checkpoint step_{step:08d}; continue with: {resume}" in stderr, stderr
+    return step
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
@@ -120,7 +132,7 @@ def test_default_run_names_are_unique(cli, tmp_path):
 def test_a_second_writer_is_refused_and_sigterm_stops_a_run_cleanly(cli, jobs, tmp_path):
     run = tmp_path / "run"
     job = jobs(run, *LONG)
-    wait_for_checkpoint(run, job)
+    wait_for_a_step(run, job)
 
     second = cli.train(run, steps=3, resume=True, expect_rc=None)
     assert_user_error(second, f"pid {job.pid}", socket.gethostname(), "in use")
@@ -130,8 +142,7 @@ def test_a_second_writer_is_refused_and_sigterm_stops_a_run_cleanly(cli, jobs, t
     _, err = job.communicate(timeout=60)
     assert job.returncode == 143, err
     assert_one_stop_line(err, "SIGTERM")
-    step = assert_resumable(run)
-    assert f"step_{step:08d}" in err and f"--out {run} --resume" in err
+    step = assert_saved_at_the_stop(run, err, f"teratrain train --out {run} --resume")
 
     cli.train(run, steps=step + 1, resume=True)  # the lock died with the job
     assert metrics(run)[-1]["step"] == step + 1
@@ -141,7 +152,7 @@ def test_a_second_writer_is_refused_and_sigterm_stops_a_run_cleanly(cli, jobs, t
 def test_killing_the_launcher_ends_its_ranks(jobs, tmp_path):
     run = tmp_path / "run"
     launcher = jobs(run, *LONG, nproc=2)
-    wait_for_checkpoint(run, launcher)
+    wait_for_a_step(run, launcher)
     ranks = [p for p in pids_running(str(run)) if p != launcher.pid]  # (and torchrun, were it a process)
     assert len(ranks) >= 2
 
@@ -150,24 +161,25 @@ def test_killing_the_launcher_ends_its_ranks(jobs, tmp_path):
     wait_for(lambda: not any(p in pids_running(str(run)) for p in ranks), timeout=30)
     with own(run, resume=True):  # the run directory is free again
         pass
-    assert_resumable(run)
+    assert_resumable(run)  # the ranks saved before they stopped
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
 @pytest.mark.parametrize("who", ["launcher", "every process"])
 def test_sigterm_ends_a_multi_process_job_with_one_message(jobs, tmp_path, who):
     """A user's SIGTERM reaches the launcher only (torchrun forwards it); a scheduler's reaches every
-    process at once. Either way: exit 143, one line, an intact checkpoint."""
+    process at once (and the launcher forwards it again). Either way: the ranks finish the step and
+    save it, exit 143, one line naming the checkpoint and the command with the job's process count."""
     run = tmp_path / "run"
     launcher = jobs(run, *LONG, nproc=2)
-    wait_for_checkpoint(run, launcher)
+    wait_for_a_step(run, launcher)
     for pid in [launcher.pid] if who == "launcher" else pids_running(str(run)):
         os.kill(pid, signal.SIGTERM)
     _, err = launcher.communicate(timeout=90)
     assert launcher.returncode == 143, err
     assert_one_stop_line(err, "SIGTERM")
     wait_for(lambda: not pids_running(str(run)), timeout=30)
-    assert_resumable(run)
+    assert_saved_at_the_stop(run, err, f"teratrain train --nproc 2 --out {run} --resume")
 
 
 def test_a_failing_rank_is_named_in_one_sentence(cli, jobs, tmp_path):
@@ -202,7 +214,7 @@ def test_a_rank_killed_without_a_word_is_named(jobs, tmp_path):
     not the connection errors the other rank then sees."""
     run = tmp_path / "run"
     launcher = jobs(run, *LONG, nproc=2)
-    wait_for_checkpoint(run, launcher)
+    wait_for_a_step(run, launcher)
     env = {p: (Path("/proc") / str(p) / "environ").read_bytes().split(b"\0") for p in pids_running(str(run))}
     (victim,) = [p for p, e in env.items() if b"RANK=1" in e]
     os.kill(victim, signal.SIGKILL)

@@ -1,6 +1,6 @@
-"""--resume at another layout through the CLI: a run saved by 2 processes with ZeRO-3 continues in one
-process (another precision and ZeRO stage too), equal to the run that never changed layout; an
-unusable newest checkpoint (a truncated piece of another rank's file, a wrong index) is skipped with a
+"""--nproc and --resume at another layout through the CLI: a run saved by 2 processes with ZeRO-3 (equal
+to one process while it runs) continues in one process (another precision and ZeRO stage too), equal
+to the run that never changed layout; an unusable newest checkpoint (a truncated piece of another rank's file, a wrong index) is skipped with a
 warning and the previous one is used."""
 
 import hashlib
@@ -18,10 +18,15 @@ SETS = ["optim.schedule=constant", "optim.warmup_steps=2", "train.eval_batches=0
 
 
 def test_zero3_on_two_processes_resumes_in_one(cli, tmp_path):
+    """`--nproc 2` with ZeRO-3 trains like one process (the same losses on the same global batch, half
+    the parameters per rank, a file per rank), then continues in one process."""
     straight, run = tmp_path / "straight", tmp_path / "run"
     cli.train(straight, *SETS, steps=6)
-    cli.train(run, *SETS, "parallel.zero=3", steps=3, nproc=2)
-    proc = cli.train(run, *SETS, "parallel.zero=0", steps=6, resume=True)
+    two = cli.train(run, *SETS, "parallel.zero=3", steps=3, nproc=2)
+    assert "done: 3 steps" in two.stdout
+    assert metrics(run)[0]["model_state_bytes"]["params"] < 0.51 * metrics(straight)[0]["model_state_bytes"]["params"]
+    assert (run / "checkpoints" / "step_00000003" / "rank00001.safetensors").exists()
+    proc = cli.train(run, *SETS, "parallel.zero=0", steps=6, resume=True, nproc=1)
     assert "Traceback" not in proc.stderr
     a, b = metrics(straight), metrics(run)
     assert [r["step"] for r in b] == list(range(1, 7))
@@ -57,7 +62,7 @@ def test_a_truncated_piece_or_a_wrong_index_falls_back(cli, tmp_path):
     meta["files"]["index.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (newest / "meta.json").write_text(json.dumps(meta))
 
-    proc = cli.train(run, *SETS, "parallel.zero=0", "checkpoint.every=2", steps=7, resume=True)
+    proc = cli.train(run, *SETS, "parallel.zero=0", "checkpoint.every=2", steps=7, resume=True, nproc=1)
 
     assert "Traceback" not in proc.stderr and "teratrain: warning:" in proc.stderr, proc.stderr
     assert "resuming from step_00000002" in proc.stderr, proc.stderr

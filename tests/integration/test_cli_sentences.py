@@ -112,9 +112,9 @@ def test_every_checkpoint_corrupt_advises_a_fix_that_works(cli, trained_run, tmp
     for ckpt in (run / "checkpoints").glob("step_*"):
         flip_byte(ckpt / "rank00000.safetensors")
     line = assert_user_error(cli.train(run, steps=60, resume=True, expect_rc=None, in_process=True),
-                             "no usable checkpoint", f"delete {run / 'checkpoints'}")
+                             "no usable checkpoint", f"delete {run} to")
     assert "train without --resume" not in line
-    shutil.rmtree(run / "checkpoints")  # the advice
+    shutil.rmtree(run)  # the advice (the folder's metrics of the lost steps go with it)
     cli.train(run, "train.eval_batches=0", steps=1)
 
 
@@ -147,6 +147,12 @@ def test_generate_says_what_does_not_fit_the_context(cli, trained_run):
                "--temperature", 0, in_process=True)
     assert "model.seq_len" in proc.stderr and "only its last 63 tokens" in proc.stderr
     assert "generating at most 1" in proc.stderr
+
+
+def test_generate_with_its_defaults_does_not_warn(cli, trained_run):
+    """The default length fills the context (64 tokens here) instead of warning that 200 do not fit."""
+    proc = cli("generate", "--ckpt", trained_run, "--prompt", "def main(", "--temperature", 0, in_process=True)
+    assert proc.stderr == "" and len(proc.stdout) > len("def main(")
 
 
 def test_generate_errors_advise_generate_flags(cli, trained_run, tmp_path):

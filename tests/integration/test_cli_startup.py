@@ -16,8 +16,8 @@ def test_summary_and_plain_log_lines(cli, tmp_path):
     n = count_params(load_config(run / "config.toml").model)["total"]
     for words in (f"teratrain: model: tiny (llama, 2 layers, d_model 64), {n / 1e6:,.2f} M parameters",
                   "teratrain: device: cpu, 1 process(es)",
-                  "layout: dp=1 zero=0 offload=none sync=allreduce precision=fp32 recompute=none, accumulation 2 x "
-                  "micro-batch 4", "8 sequences x 64 tokens = 512 tokens per step, 4 steps",
+                  "layout: dp=1 tp=1 pp=1 ep=1 zero=0 offload=none sync=allreduce precision=fp32 recompute=none, "
+                  "accumulation 2 x micro-batch 4", "8 sequences x 64 tokens = 512 tokens per step, 4 steps",
                   "teratrain: predicted memory per process:", f"run directory: {run}"):
         assert words in err, (words, err)
     assert "\r" not in err, "no carriage-return redraws in a log file"

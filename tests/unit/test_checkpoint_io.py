@@ -148,3 +148,27 @@ def test_latest_pointer_is_tried_first(three_steps):
     (three_steps / "latest").write_text("step_00000002")
     assert candidates(three_steps)[0].name == "step_00000002"
     assert find_valid(three_steps)[0].name == "step_00000002"
+
+
+def test_a_full_disk_names_the_intact_checkpoint_only_when_there_is_one(tmp_path, monkeypatch):
+    import errno
+
+    from teratrain.checkpoint import io
+
+    root = tmp_path / "run" / "checkpoints"
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(io, "write_safetensors", full)
+        with pytest.raises(CheckpointError) as first:
+            save(root, 2, 0, 1, sample_tensors(), {"step": 2}, keep=2)
+    line = str(first.value)
+    assert "No space left" in line and "intact" not in line and "no earlier checkpoint" in line
+    assert f"delete {root.parent}" in line and not list(root.glob("*.tmp"))
+
+    save(root, 2, 0, 1, sample_tensors(), {"step": 2}, keep=2)
+    monkeypatch.setattr(io, "write_safetensors", full)
+    with pytest.raises(CheckpointError, match=r"--resume: the last complete checkpoint \(step_00000002\) is intact"):
+        save(root, 4, 0, 1, sample_tensors(), {"step": 4}, keep=2)

@@ -87,6 +87,21 @@ def test_preset_fills_keys_and_given_keys_override_it():
     assert cfg.model.n_layers == 2
 
 
+def test_a_preset_gives_way_to_a_conflicting_choice_of_the_user():
+    """moe-tiny's top_k=2 is its router's setting: choosing switch-top1 takes switch's 1 (the README
+    example used to exit 2 blaming a key the user never set); a top_k the user gives still conflicts."""
+    moe = make_config("model.preset=moe-tiny", "model.moe.router=switch-top1").model.moe
+    assert (moe.router, moe.k, moe.num_experts, moe.capacity) == ("switch-top1", 1, 8, 1.25)
+    assert make_config("model.preset=moe-tiny").model.moe.k == 2  # the preset's own router keeps its top_k
+    base8 = make_config("model.preset=switch-base-8", "model.moe.router=gshard-top2").model.moe
+    assert (base8.capacity, base8.every) == (1.0, 2)  # gshard's own capacity; the layer pattern stays
+    assert "model.moe.top_k=2" in config_error("model.preset=moe-tiny", "model.moe.router=switch-top1",
+                                               "model.moe.top_k=2")
+    # tiny's grouped heads (2) give way to a head count they do not divide; one they divide keeps them
+    assert make_config("model.d_model=96", "model.n_heads=3").model.kv_heads == 3
+    assert make_config("model.n_heads=8").model.kv_heads == 2
+
+
 def test_missing_file(tmp_path):
     msg = config_error(path=tmp_path / "nope.toml")
     assert "nope.toml" in msg and "does not exist" in msg

@@ -107,8 +107,11 @@ def test_an_unsupported_model_or_missing_folder_is_one_sentence(tmp_path):
     save_llama(tmp_path, hidden_act="gelu")
     with pytest.raises(ConfigError, match="hidden_act gelu"):
         make_config(f"model.init_from={str(tmp_path)!r}")
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match="nowhere' does not exist"):
         make_config(f"model.init_from={str(tmp_path / 'nowhere')!r}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        make_config(f"model.init_from={str(tmp_path / 'empty')!r}")
 
 
 def test_the_folder_tokenizer_is_used(tmp_path):

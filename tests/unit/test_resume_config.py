@@ -3,10 +3,12 @@ tables key by key, and the layout keys that follow the launch dropped."""
 
 from teratrain.config import load_config, read_toml
 from teratrain.config_toml import to_toml
+from teratrain.optim.lr import lr_at
 from teratrain.rundir import changes, resume_config
 
 
 def saved_run(tmp_path, *sets):
+    tmp_path.mkdir(exist_ok=True)
     cfg = load_config(None, list(sets))
     cfg.parallel.dp = 2  # what train.run records
     (tmp_path / "config.toml").write_text(to_toml(cfg))
@@ -27,3 +29,16 @@ def test_a_stage_split_is_dropped_when_the_pipeline_changes(tmp_path):
     run = saved_run(tmp_path, "model.n_layers=4", "parallel.pp=2", "parallel.stage_layers=[3, 1]")
     assert resume_config(run, None, []).parallel.stage_layers == [3, 1]
     assert resume_config(run, None, ["parallel.pp=1"]).parallel.stage_layers is None
+
+
+def test_a_run_resumed_before_its_warmup_ended_does_not_drop_its_lr(tmp_path):
+    """A 4-step run with 30 warmup steps, resumed to 60: pinning the schedule to 4 steps would take the
+    lr from its peak to min_lr_ratio x peak in one step after the warmup. Its decay had not begun, so
+    the schedule spans the new length: the warmup goes on, then the cosine decays smoothly."""
+    run = saved_run(tmp_path, "optim.lr=1e-4", "optim.warmup_steps=30", "train.steps=4")
+    cfg = resume_config(run, None, ["train.steps=60"])
+    assert cfg.schedule_steps == 60
+    lrs = [lr_at(s, 1e-4, 30, cfg.schedule_steps, "cosine", 0.1) for s in range(60)]
+    assert max(lrs) == 1e-4 and max(a - b for a, b in zip(lrs, lrs[1:])) < 0.1 * 1e-4  # no step falls by 90%
+    done = saved_run(tmp_path / "past", "optim.warmup_steps=2", "train.steps=4")  # decay begun: pinned
+    assert resume_config(done, None, ["train.steps=8"]).schedule_steps == 4

@@ -4,10 +4,11 @@ summary warns instead of failing (a layout that will not fit, a planner that can
 from pathlib import Path
 
 import pytest
+import torch
 
 from teratrain import startup
 from teratrain.config import ConfigError
-from teratrain.mesh import Runtime
+from teratrain.mesh import Mesh, ParallelDims, Runtime
 from tests.helpers import make_config
 
 
@@ -32,3 +33,16 @@ def test_a_planner_failure_is_a_warning_not_a_stop(monkeypatch):
     text = startup.summary(make_config(), Runtime.single("cpu"), Path("runs/x"), 0)
     assert "warning: the planner could not predict memory" in text and "ZeroDivisionError" in text
     startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=True)  # no plan, no refusal
+
+
+def test_summary_names_every_degree_and_the_model_started_from():
+    """A tp=2 run reads tp=2 (not `dp=1 zero=0` alone), a pipeline names its schedule, and a run
+    started from a Hugging Face folder is called by that folder, not by the default preset."""
+    cfg = make_config("parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb-h1", "train.global_batch=64")
+    dims = ParallelDims(dp=1, tp=2, pp=2)
+    rt = Runtime(rank=0, world=4, local_rank=0, device=torch.device("cpu"), dims=dims, mesh=Mesh(dims, 0))
+    text = startup.summary(cfg, rt, Path("runs/x"), 0)
+    assert "layout: dp=1 tp=2 pp=2 (zb-h1) ep=1 zero=0" in text
+    hf = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": "~/models/Llama-3.2-1B"})})
+    text = startup.summary(hf, rt, Path("x"), 0)
+    assert "teratrain: model: Llama-3.2-1B from model.init_from (llama, 4 layers" in text

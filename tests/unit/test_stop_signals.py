@@ -1,13 +1,17 @@
 """launch.stop_on_signals: the first SIGTERM raises Stopped, and none raises once the command is
 already ending (a launcher's SIGTERM arriving while a rank writes the report of its own error made
-that report a traceback; seen in CI as a flaky test_a_rank_killed_without_a_word_is_named)."""
+that report a traceback; seen in CI as a flaky test_a_rank_killed_without_a_word_is_named); in the
+training loop a signal waits for the step's end, a second one does not, and the stop is bounded."""
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from teratrain.launch import Stopped, stop_on_signals
+from teratrain.launch import Stopped, stop_after_step, stop_on_signals
 
 
 def test_first_signal_raises_stopped():
@@ -24,3 +28,35 @@ def test_no_signal_raises_once_the_command_is_ending():
         for _ in range(1000):  # give the handler its chance to run between bytecodes
             pass
     assert state["signum"] is None
+
+
+def _let_handlers_run():
+    for _ in range(1000):
+        pass
+
+
+def test_during_training_a_signal_is_recorded_and_a_second_one_stops_at_once():
+    """In the training loop the first signal waits for the step to end (the ranks then save); a
+    second one, in a process of its own, does not wait for the save."""
+    with stop_on_signals() as state:
+        with stop_after_step(timeout_s=30) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            _let_handlers_run()
+            assert stop["signum"] == signal.SIGTERM and stop["pending"]
+            with pytest.raises(Stopped):
+                os.kill(os.getpid(), signal.SIGINT)
+                _let_handlers_run()
+        assert state["signum"] == signal.SIGTERM and not state["pending"]
+
+
+def test_a_stop_that_takes_too_long_exits_hard(tmp_path):
+    """A rank (WORLD_SIZE set) still busy stop_timeout_s after the signal is ended by the watch thread
+    with 128 + signal, whatever its main thread is doing."""
+    script = ("import os, signal, time\n"
+              "from teratrain.launch import stop_on_signals, stop_after_step\n"
+              "with stop_on_signals(), stop_after_step(timeout_s=0.5):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(60)\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "WORLD_SIZE": "2"}, timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 30
