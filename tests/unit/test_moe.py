@@ -341,19 +341,48 @@ def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
 
 def test_layouts_group_rows_by_key_on_the_device():
     """grouped_layout: group g's rows consecutive from a multiple of `align`, in input order, rows of
-    key G (nowhere) past offsets[-1]; slotted_layout: group g in slots [g * slot, ...), nowhere: one row."""
-    from teratrain.models.grouped import fill, grouped_layout, slotted_layout
+    key G (nowhere) in none; slotted_layout: group g in slots [g * slot, ...). `dest` and `src` are
+    each other's inverse on the sent rows; dispatch reads zero where a buffer row holds none."""
+    from teratrain.models.permute import dispatch, grouped_layout, slotted_layout
 
     key = torch.tensor([2, 0, 3, 2, 0, 2])  # 3 groups; 3 = nowhere
     lay = grouped_layout(key, 3)
-    assert lay.dest.tolist() == [2, 0, 5, 3, 1, 4] and lay.offsets.tolist() == [2, 2, 5] and lay.rows == 7
+    assert lay.dest.tolist() == [2, 0, 0, 3, 1, 4] and lay.offsets.tolist() == [2, 2, 5] and lay.rows == 7
+    assert lay.src.tolist() == [1, 4, 0, 3, 5, 6, 6] and lay.counts.tolist() == [2, 0, 3]
     lay = grouped_layout(key, 3, align=4)  # groups of 2, 0, 3 rows start at 0, 4, 4
-    assert lay.dest.tolist() == [4, 0, 8, 5, 1, 6] and lay.offsets.tolist() == [4, 4, 8] and lay.rows == 16
+    assert lay.dest.tolist() == [4, 0, 0, 5, 1, 6] and lay.offsets.tolist() == [4, 4, 8] and lay.rows == 16
     x = torch.arange(1.0, 7.0).unsqueeze(1)
-    assert fill(x, lay).squeeze(1).tolist() == [2, 5, 0, 0, 1, 4, 6, 0] + [0] * 8  # the nowhere row reads zero
+    assert dispatch(x, lay).squeeze(1).tolist() == [2, 5, 0, 0, 1, 4, 6, 0] + [0] * 8  # no row: zero
+    assert dispatch(x[::2], lay, k=2).squeeze(1).tolist() == [1, 5, 0, 0, 1, 3, 5, 0] + [0] * 8  # row i of x[i // 2]
     slots = slotted_layout(key, 3, slot=3)
-    assert slots.dest.tolist() == [6, 0, 9, 7, 1, 8] and slots.rows == 10
+    assert slots.dest.tolist() == [6, 0, 0, 7, 1, 8] and slots.rows == 9
+    assert slots.src.tolist() == [1, 4, 6, 6, 6, 6, 0, 3, 5] and slots.offsets.tolist() == [3, 6, 9]
     assert grouped_layout(torch.zeros(0, dtype=torch.long), 2).offsets.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_permutations_backward_are_gathers_equal_to_autograds_indexing(k):
+    """dispatch / combine against the same maps written with advanced indexing (whose backward is an
+    accumulating index_put_), values and gradients, with rows not sent, padding and empty groups."""
+    from teratrain.models.permute import combine, dispatch, grouped_layout
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 5, 3
+    key = torch.tensor([1, 3, 0, 3, 1, 1, 3, 1, 0, 3])[:n * k]  # 3 groups, 3 = nowhere; group 2 empty
+    lay = grouped_layout(key, 3, align=4)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(lay.rows, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    cb, co = torch.randn(lay.rows, d, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((dispatch(x, lay, k) * cb).sum() + (combine(y, lay, w, k) * co).sum(), [x, y, w])
+    sent = key < 3
+    src = torch.full((lay.rows,), n, dtype=torch.long)
+    src[lay.dest[sent]] = torch.arange(n * k)[sent] // k
+    buf = torch.cat([x, x.new_zeros(1, d)])[src]
+    mine = torch.where(sent.unsqueeze(1), y[lay.dest], 0.0) * torch.where(sent, w.flatten(), 0.0).unsqueeze(1)
+    want = torch.autograd.grad((buf * cb).sum() + (mine.view(n, k, d).sum(1) * co).sum(), [x, y, w])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 def reference_forward(m: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
