@@ -91,9 +91,27 @@ def _gmm(x: torch.Tensor, linears: list[nn.Module], offsets: torch.Tensor, dtype
          group: torch.Tensor | None) -> torch.Tensor:
     """x W_g^T (+ b_g) for each row of group g: one grouped GEMM over the stacked (G, out, in) weights."""
     parts = [affine(m) for m in linears]
-    w = torch.stack([p[0].to(dtype) for p in parts])  # (G, out, in)
+    w = _StackCast.apply(dtype, *[p[0] for p in parts])  # (G, out, in)
     y = compat.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (rows, out)
     if group is None:
         return y
     b = torch.stack([p[1].to(dtype) for p in parts] + [parts[0][1].new_zeros(w.shape[1], dtype=dtype)])
     return y + b[group]
+
+
+class _StackCast(torch.autograd.Function):
+    """torch.stack([w.to(dtype) for w in ws]) in one pass: each weight is cast straight into its slot
+    (the stack of casts read and wrote every expert weight twice per forward, 2 bytes a parameter
+    each way in bf16). Backward: each slot's gradient, cast back to its weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, dtype, *ws):
+        out = ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
+        for slot, w in zip(out, ws):
+            slot.copy_(w)
+        ctx.dtypes = [w.dtype for w in ws]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *(g.to(t) for g, t in zip(grad, ctx.dtypes)))
