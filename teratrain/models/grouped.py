@@ -78,7 +78,7 @@ def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor) -
     x = x.to(dtype)
     group = None
     if experts[0].w1.bias is not None:  # each row's expert, for its bias (len(experts): past the end)
-        group = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=torch.int32), right=True)
+        group = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype), right=True)
     h = _gmm(x, [e.w1 for e in experts], offsets, dtype, group)
     if experts[0].w3 is not None:
         h = F.silu(h) * _gmm(x, [e.w3 for e in experts], offsets, dtype, group)
@@ -95,8 +95,7 @@ def _gmm(x: torch.Tensor, linears: list[nn.Module], offsets: torch.Tensor, dtype
     y = compat.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (rows, out)
     if group is None:
         return y
-    b = torch.stack([p[1].to(dtype) for p in parts] + [parts[0][1].new_zeros(w.shape[1], dtype=dtype)])
-    return y + b[group]
+    return _GroupBias.apply(y, _StackCast.apply(dtype, *[p[1] for p in parts]), group)
 
 
 class _StackCast(torch.autograd.Function):
@@ -115,3 +114,24 @@ class _StackCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (None, *(g.to(t) for g, t in zip(grad, ctx.dtypes)))
+
+
+class _GroupBias(torch.autograd.Function):
+    """y + b[g] on each row of group g (rows past the groups: + 0). Backward: b's gradient, the sum of
+    its group's rows, as one (G, rows) x (rows, out) GEMM against the rows' one-hot groups (advanced
+    indexing's backward would sort the row indices and walk each group's run serially; a segmented
+    sum would accumulate in bf16). The rows past the groups, whose gradient the grouped GEMM leaves
+    undefined, are zeroed first: their one-hot row is zero, but zero times NaN is not."""
+
+    @staticmethod
+    def forward(ctx, y, b, group):
+        ctx.save_for_backward(group)
+        ctx.groups = b.shape[0]
+        return y + torch.cat([b, b.new_zeros(1, b.shape[1])]).index_select(0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (group,) = ctx.saved_tensors
+        past = (group == ctx.groups).unsqueeze(1)
+        onehot = F.one_hot(group, ctx.groups + 1)[:, :ctx.groups].to(grad.dtype)  # (rows, G)
+        return grad, onehot.t() @ grad.masked_fill(past, 0), None
