@@ -385,6 +385,37 @@ def test_permutations_backward_are_gathers_equal_to_autograds_indexing(k):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+def test_no_scatter_add_in_the_layers_backward(kernel):
+    """Forward and backward of a layer with capacity drops and biases run no accumulating index_put
+    (advanced indexing's backward: sorted, each run of equal rows walked serially on CUDA), no
+    index_add and no scatter_add: every data movement is a gather."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if kernel == "grouped" and getattr(torch, "_grouped_mm", None) is None:
+        pytest.skip("this torch has no grouped GEMM")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=16, bias=True,
+                       moe=dict(num_experts=8, router="softmax-topk", capacity_factor=0.5))
+    m = moe.MoE(cfg, layer=0).train()
+    m.kernel = kernel
+    x = torch.randn(1, 10, 8, requires_grad=True)
+    with Ops() as ops:
+        (m(x).sum() + m.aux_loss).backward()
+    assert "aten.index_select" in ops.seen and m.pop_stats()["dropped"] > 0
+    assert not ops.seen & {"aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten.index_add",
+                           "aten.index_add_", "aten.scatter_add", "aten.scatter_add_"}
+
+
 def reference_forward(m: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer as first written: the routed choices (nonzero, a read-back), sorted by expert, each
     expert on its rows (split by counts read back), outputs weighted and summed per token."""
