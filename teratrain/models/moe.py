@@ -1,9 +1,9 @@
 """Mixture-of-experts feed-forward layer: n experts, a router chosen by config, expert capacity.
 
-Single-device code. The routed rows are laid out by expert on the device and run as grouped GEMMs
-(models/grouped.py), with no read-back to the host. Expert parallelism (parallel/expert.py) replaces
-only `MoE.exchange`, which takes each routed row to the rank that holds its expert and brings the
-output back.
+Single-device code. The routed rows are laid out by expert on the device (models/permute.py) and
+run as grouped GEMMs (models/grouped.py), with no read-back to the host. Expert parallelism
+(parallel/expert.py) replaces only `MoE.exchange`, which takes each routed row to the rank that
+holds its expert and brings the output back.
 
 Routers (`model.moe.router`), each its paper's equations over the N tokens of one forward:
 - softmax-topk (Mixtral, Jiang et al. 2024): p = softmax(x W_r), the k largest renormalized to sum 1;
@@ -294,9 +294,11 @@ class MoE(nn.Module):
     """The feed-forward layer of an MoE block: (B, T, d) -> (B, T, d). Experts live in a ModuleDict
     keyed by global expert index, so expert parallelism keeps only its own without renaming any.
 
-    Dispatch (models/grouped.py): each of the N*K choices has a key, its expert or n when it is not
-    sent; the rows are laid out by expert on the device and the experts run as one grouped GEMM per
-    weight (or one by one: `kernel`); no device value is read back to the host."""
+    Dispatch: each of the N*K choices has a key, its expert or n when it is not sent; the rows are
+    laid out by expert on the device by a permutation whose forward and backward are gathers
+    (models/permute.py), the experts run as one grouped GEMM per weight (or one by one: `kernel`;
+    models/grouped.py), and the outputs are gathered back, weighted and summed per token; no device
+    value is read back to the host."""
 
     def __init__(self, cfg: "ModelConfig", layer: int):
         super().__init__()

@@ -74,7 +74,8 @@ class ExpertExchange:
     def group(self):
         return self.mesh.group("ep")
 
-    def __call__(self, flat: torch.Tensor, key: torch.Tensor, k: int, slot: int | None, moe) -> tuple[torch.Tensor, Layout]:
+    def __call__(self, flat: torch.Tensor, key: torch.Tensor, k: int, slot: int | None,
+                 moe) -> tuple[torch.Tensor, Layout]:
         """flat (N, d) this rank's tokens; key (N*k,) the global expert of each choice (n: not sent).
         Returns the experts' outputs laid out by the returned layout (`combine` takes them to the
         choices). `slot`: the most rows one expert can take (its capacity), or None without a limit."""

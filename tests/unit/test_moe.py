@@ -373,7 +373,8 @@ def test_permutations_backward_are_gathers_equal_to_autograds_indexing(k):
     x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(lay.rows, d, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.rand(n, k, generator=g, dtype=torch.float64, requires_grad=True)
-    cb, co = torch.randn(lay.rows, d, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64)
+    cb = torch.randn(lay.rows, d, generator=g, dtype=torch.float64)
+    co = torch.randn(n, d, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((dispatch(x, lay, k) * cb).sum() + (combine(y, lay, w, k) * co).sum(), [x, y, w])
     sent = key < 3
     src = torch.full((lay.rows,), n, dtype=torch.long)
