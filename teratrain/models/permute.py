@@ -26,16 +26,17 @@ The two permutations, with N = M / k tokens of k choices each (choice c = t * k 
   `dest`, a mask, a sum over the (N, k, d) view.
 - `combine(y, lay, w, k)`: out[t] = sum_i w[t, i] y[dest[t*k + i]] over the sent choices (w None:
   k = 1, weight 1, a plain unpermute). The rows nobody reads (past offsets[-1]: uninitialized memory
-  of the grouped GEMM) are masked out, by a select (a product with zero would keep a NaN). Backward:
+  of the grouped GEMM) are masked out by a fill (a product with zero would keep a NaN). Backward:
   grad_y[j] = w[src[j]] grad_out[src[j] // k], a gather by `src` times the weight (zero where src[j]
   = M); grad_w[c] = <y[dest[c]], grad_out[t]>.
 
-Copies per MoE layer at ep=1 (M = N k routed choices, R >= M buffer rows, d wide; forward + backward):
-dispatch: 1 N-row copy (the cast to the compute dtype, with the zero row appended: it was a cast and a
-concatenation before), 1 R-row gather; backward 1 M-row gather, 1 M-row mask, 1 sum to N rows (the
-cast back included). Combine: 1 M-row gather, 1 M-row mask, the weighted sum (a product and a sum);
-backward 1 R-row gather, 1 R-row product, grad_w's product and sum. Before: the same forward gathers
-plus an R-row index_put write of the zero row's long index, and two accumulating index_put_ backwards.
+Copies per MoE layer at ep=1 (N tokens, M = N k choices, R >= M buffer rows, all d wide), forward:
+1 N-row copy (the cast to the compute dtype with the zero row appended; before, a cast and a
+concatenation), 1 R-row gather (dispatch); 1 M-row gather, 1 M-row mask, a product and a sum over k
+(combine). Backward: 1 R-row gather and 1 R-row product (combine), grad_w's product and sum over d;
+1 M-row gather, 1 M-row mask, 1 sum over k that also casts back (dispatch). Before: the same forward
+(with a select in place of the mask), and in backward two accumulating index_put_ (R and N + 1 rows)
+and a select, where now there are gathers and masks.
 """
 
 from __future__ import annotations
