@@ -67,8 +67,10 @@ def run_experts(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor
     if grouped:
         return _grouped(experts, x, offsets)
     ends = offsets.tolist()  # the loop's one read-back
-    outs = [e(x[a:b]) for e, a, b in zip(experts, [0] + ends[:-1], ends)]
-    return torch.cat(outs + [outs[0].new_zeros(x.shape[0] - ends[-1], outs[0].shape[1])])
+    sizes = [b - a for a, b in zip([0] + ends[:-1], ends)] + [x.shape[0] - ends[-1]]
+    parts = x.split(sizes)  # backward: one concatenation (slices would each add a whole zero buffer)
+    outs = [e(p) for e, p in zip(experts, parts)]
+    return torch.cat(outs + [outs[0].new_zeros(sizes[-1], outs[0].shape[1])])
 
 
 def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
