@@ -1,9 +1,9 @@
 """Mixture-of-experts feed-forward layer: n experts, a router chosen by config, expert capacity.
 
-Single-device code. The routed rows are laid out by expert on the device and run as grouped GEMMs
-(models/grouped.py), with no read-back to the host. Expert parallelism (parallel/expert.py) replaces
-only `MoE.exchange`, which takes each routed row to the rank that holds its expert and brings the
-output back.
+Single-device code. The routed rows are laid out by expert on the device (models/permute.py) and
+run as grouped GEMMs (models/grouped.py), with no read-back to the host. Expert parallelism
+(parallel/expert.py) replaces only `MoE.exchange`, which takes each routed row to the rank that
+holds its expert and brings the output back.
 
 Routers (`model.moe.router`), each its paper's equations over the N tokens of one forward:
 - softmax-topk (Mixtral, Jiang et al. 2024): p = softmax(x W_r), the k largest renormalized to sum 1;
@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import in_backward
-from teratrain.models.grouped import compute_dtype, fill, grouped_layout, row_align, run_experts, use_grouped
+from teratrain.models.grouped import compute_dtype, row_align, run_experts, use_grouped
+from teratrain.models.permute import Layout, combine, dispatch, grouped_layout
 
 if TYPE_CHECKING:
     from teratrain.config import ModelConfig, MoEConfig
@@ -293,9 +294,11 @@ class MoE(nn.Module):
     """The feed-forward layer of an MoE block: (B, T, d) -> (B, T, d). Experts live in a ModuleDict
     keyed by global expert index, so expert parallelism keeps only its own without renaming any.
 
-    Dispatch (models/grouped.py): each of the N*K choices has a key, its expert or n when it is not
-    sent; the rows are laid out by expert on the device and the experts run as one grouped GEMM per
-    weight (or one by one: `kernel`); no device value is read back to the host."""
+    Dispatch: each of the N*K choices has a key, its expert or n when it is not sent; the rows are
+    laid out by expert on the device by a permutation whose forward and backward are gathers
+    (models/permute.py), the experts run as one grouped GEMM per weight (or one by one: `kernel`;
+    models/grouped.py), and the outputs are gathered back, weighted and summed per token; no device
+    value is read back to the host."""
 
     def __init__(self, cfg: "ModelConfig", layer: int):
         super().__init__()
@@ -308,41 +311,35 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.convention, self.aux_weight = m.aux_loss_convention, m.aux_loss_weight
         self.kernel = "auto"  # grouped GEMM where it runs without a read-back; "grouped" / "loop" force one
-        self.exchange = None  # expert parallelism: (flat, key, token, max_rows, moe) -> outputs; None = all here
+        self.exchange = None  # expert parallelism: (flat, key, k, max_rows, moe) -> (outputs, layout); None: all here
         self.routing_seed: int | None = None  # draw router noise from a generator seeded per forward (seed_routing)
         self.aux_loss: torch.Tensor | None = None  # of the latest forward; the model adds it to the loss
         self.balance: tuple | None = None  # transformers convention: (choices (n,), summed softmax (n,), tokens)
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1]
-        flat = x.reshape(-1, d)  # (N, d)
+        flat = x.reshape(-1, x.shape[-1])  # (N, d)
         r = self.router(flat, self._generator(x.device))
         N, K = r.experts.shape
         key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
-        token = torch.arange(N * K, device=x.device) // K
-        rows = flat.to(compute_dtype(flat))  # the experts' first op casts anyway: move and gather half the bytes
         if self.exchange is None:
-            ys = self.run_local(rows, key, token)
+            ys, lay = self.run_local(flat, key, K)
         else:
-            ys = self.exchange(rows, key, token, self.router.max_rows(N, K), self)
-        sent = r.routed.reshape(-1, 1)
-        ys = torch.where(sent, ys, 0.0)  # a choice not sent reads an undefined row (models/grouped.py)
+            ys, lay = self.exchange(flat, key, K, self.router.max_rows(N, K), self)
         w = torch.where(r.routed, r.weights, 0.0).to(ys.dtype)
-        out = (ys.view(N, K, d) * w.unsqueeze(-1)).sum(1)  # (N, d); all choices dropped: zero
+        out = combine(ys, lay, w, K)  # (N, d); all choices dropped: zero
         self._set_aux(r)
-        self._record(r, torch.zeros(self.num_experts + 1, dtype=torch.long, device=x.device)
-                     .scatter_add_(0, key, torch.ones_like(key))[:-1])
+        self._record(r, lay.counts)
         return self.dropout(out.view(x.shape))
 
-    def run_local(self, x: torch.Tensor, key: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
-        """Outputs (len(key), d) of this module's experts: row i is x[source[i]] (x[i] when source is
-        None) through the key[i]-th of them, in key order; a row of key len(self.experts) goes nowhere
-        and its output is undefined (the caller masks it)."""
+    def run_local(self, x: torch.Tensor, key: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, Layout]:
+        """This module's experts on rows of x: input row i (x[i // k]) goes to the key[i]-th of them,
+        nowhere for key len(self.experts). Returns the experts' outputs laid out by the returned
+        layout (models/permute.py: `combine` brings them back to the input rows)."""
         experts = list(self.experts.values())
         grouped = use_grouped(experts, x, self.kernel)
         lay = grouped_layout(key, len(experts), row_align(grouped))
-        return run_experts(experts, fill(x, lay, source), lay.offsets, grouped)[lay.dest]
+        return run_experts(experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped), lay
 
     def _set_aux(self, r: Routing) -> None:
         """The aux loss of this forward, by `model.moe.aux_loss_convention` (README, "Auxiliary loss")."""

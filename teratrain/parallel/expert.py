@@ -48,6 +48,11 @@ further work until the GPU has caught up (the step turns host-bound). Two exchan
   expert (any expert may take every token), ep times the rows. So the count all-to-all is followed
   by one device-to-host copy of (rows from each peer, rows to each peer), the minimum the API
   allows: one per layer and forward, none in backward (the splits are kept for it).
+Either way the rows are put into the send buffer, regrouped by local expert on the receiver, and
+brought back by permutations whose backward is a gather too (models/permute.py). The padded path
+measured 0.22x dense on 2 x H100 when those were advanced indexing: every empty slot read one shared
+zero row (and every dropped choice one shared last row), so each backward's sort-based index_put_
+walked runs as long as the empty slots serially, three times per layer (bench/README.md).
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ import torch
 from torch import nn
 
 from teratrain.config import ConfigError
-from teratrain.models.grouped import fill, grouped_layout, slotted_layout
+from teratrain.models.grouped import compute_dtype
+from teratrain.models.permute import Layout, combine, dispatch, grouped_layout, slotted_layout
 from teratrain.models.moe import moe_layers
 from teratrain.parallel.comm import all_gather, all_to_all, all_to_all_rows
 from teratrain.parallel.placement import place, placement
@@ -76,45 +82,43 @@ class ExpertExchange:
     def group(self):
         return self.mesh.group("ep")
 
-    def __call__(self, flat: torch.Tensor, key: torch.Tensor, token: torch.Tensor, slot: int | None, moe) -> torch.Tensor:
-        """flat (N, d) this rank's tokens; key (N*K,) the global expert of each choice (n: not sent);
-        token (N*K,) its token. Returns each choice's expert output (N*K, d), undefined where not sent.
-        `slot`: the most rows one expert can take (its capacity), or None without a limit."""
+    def __call__(self, flat: torch.Tensor, key: torch.Tensor, k: int, slot: int | None,
+                 moe) -> tuple[torch.Tensor, Layout]:
+        """flat (N, d) this rank's tokens; key (N*k,) the global expert of each choice (n: not sent).
+        Returns the experts' outputs laid out by the returned layout (`combine` takes them to the
+        choices). `slot`: the most rows one expert can take (its capacity), or None without a limit."""
         n = self.ep * self.local
-        counts = torch.zeros(n + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))[:n]
-        recv = torch.empty_like(counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
-        all_to_all(recv, counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # fixed size: no read-back
+        lay = slotted_layout(key, n, slot) if slot is not None else grouped_layout(key, n)  # by destination rank
+        recv = torch.empty_like(lay.counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
+        all_to_all(recv, lay.counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # no read-back
         if slot is not None:
-            return self._padded(flat, key, token, recv.view(self.ep, self.local), slot, moe)
-        return self._counted(flat, key, token, counts, recv.view(self.ep, self.local), moe)
+            return self._padded(flat, lay, k, recv.view(self.ep, self.local), slot, moe)
+        return self._counted(flat, lay, k, recv.view(self.ep, self.local), moe)
 
-    def _padded(self, flat, key, token, recv, slot: int, moe) -> torch.Tensor:
+    def _padded(self, flat, lay: Layout, k: int, recv, slot: int, moe) -> tuple[torch.Tensor, Layout]:
         """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank."""
-        lay = slotted_layout(key, self.ep * self.local, slot)
         block = self.local * slot
-        send = fill(flat, lay, token)[:-1]  # (ep * block, d): [rank][expert][slot], unused slots zero
+        send = dispatch(flat, lay, k, compute_dtype(flat))  # (ep * block, d): [rank][expert][slot], unused zero
         got = all_to_all_rows(send, [block] * self.ep, [block] * self.ep, self.group)  # [source][expert][slot]
-        used = torch.arange(slot, device=key.device) < recv.unsqueeze(-1)  # (ep, local, slot)
-        experts = torch.arange(self.local, device=key.device).view(1, -1, 1)
-        ys = moe.run_local(got, torch.where(used, experts, self.local).flatten())
-        back = all_to_all_rows(ys, [block] * self.ep, [block] * self.ep, self.group)
-        return back[lay.dest.clamp(max=back.shape[0] - 1)]  # a choice not sent reads some row: masked later
+        used = torch.arange(slot, device=flat.device) < recv.unsqueeze(-1)  # (ep, local, slot)
+        experts = torch.arange(self.local, device=flat.device).view(1, -1, 1)
+        ys = combine(*moe.run_local(got, torch.where(used, experts, self.local).flatten()))  # unused slots: zero
+        return all_to_all_rows(ys, [block] * self.ep, [block] * self.ep, self.group), lay
 
-    def _counted(self, flat, key, token, counts, recv, moe) -> torch.Tensor:
+    def _counted(self, flat, lay: Layout, k: int, recv, moe) -> tuple[torch.Tensor, Layout]:
         """Exactly the routed rows, with split sizes read back to the host (all_to_all_single takes
         them there): the layer's one device-to-host copy."""
-        lay = grouped_layout(key, self.ep * self.local)  # by global expert, so by destination rank
-        host = torch.cat([recv.flatten(), counts.view(self.ep, self.local).sum(1)]).tolist()
+        host = torch.cat([recv.flatten(), lay.counts.view(self.ep, self.local).sum(1)]).tolist()
         sizes, send_rows = host[:self.ep * self.local], host[self.ep * self.local:]
         recv_rows = [sum(sizes[s * self.local:(s + 1) * self.local]) for s in range(self.ep)]
-        send = fill(flat, lay, token)[:sum(send_rows)]
+        send = dispatch(flat, lay.first(sum(send_rows)), k, compute_dtype(flat))  # the sent rows lead the layout
         got = all_to_all_rows(send, recv_rows, send_rows, self.group)  # (R, d): by source rank, then expert
-        experts = torch.arange(self.local, device=key.device).repeat(self.ep)
-        ys = moe.run_local(got, experts.repeat_interleave(recv.flatten(), output_size=sum(recv_rows)))
+        experts = torch.arange(self.local, device=flat.device).repeat(self.ep)
+        ys = combine(*moe.run_local(got, experts.repeat_interleave(recv.flatten(), output_size=sum(recv_rows))))
         back = all_to_all_rows(ys, send_rows, recv_rows, self.group)
-        if back.shape[0] == 0:  # nothing sent: a row to gather from, still inside the graph
+        if back.shape[0] == 0:  # nothing sent: a row for the choices not sent to read (masked), inside the graph
             back = torch.cat([back, back.new_zeros(1, back.shape[1])])
-        return back[lay.dest.clamp(max=back.shape[0] - 1)]
+        return back, lay.first(back.shape[0])
 
 
 def apply_ep(model: nn.Module, rt, cfg) -> None:

@@ -128,9 +128,9 @@ def _probe_moe(model) -> torch.Tensor:
     for _, layer in moe_layers(model):
         run, local = layer.run_local, len(layer.experts)
 
-        def counting(x, key, source=None, run=run, local=local):
+        def counting(x, key, k=1, run=run, local=local):
             probe[1] += int((torch.bincount(key, minlength=local + 1)[:local] == 0).sum())
-            return run(x, key, source)
+            return run(x, key, k)
 
         layer.run_local = counting
     return probe

@@ -343,19 +343,80 @@ def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
 
 def test_layouts_group_rows_by_key_on_the_device():
     """grouped_layout: group g's rows consecutive from a multiple of `align`, in input order, rows of
-    key G (nowhere) past offsets[-1]; slotted_layout: group g in slots [g * slot, ...), nowhere: one row."""
-    from teratrain.models.grouped import fill, grouped_layout, slotted_layout
+    key G (nowhere) in none; slotted_layout: group g in slots [g * slot, ...). `dest` and `src` are
+    each other's inverse on the sent rows; dispatch reads zero where a buffer row holds none."""
+    from teratrain.models.permute import dispatch, grouped_layout, slotted_layout
 
     key = torch.tensor([2, 0, 3, 2, 0, 2])  # 3 groups; 3 = nowhere
     lay = grouped_layout(key, 3)
-    assert lay.dest.tolist() == [2, 0, 5, 3, 1, 4] and lay.offsets.tolist() == [2, 2, 5] and lay.rows == 7
+    assert lay.dest.tolist() == [2, 0, 0, 3, 1, 4] and lay.offsets.tolist() == [2, 2, 5] and lay.rows == 7
+    assert lay.src.tolist() == [1, 4, 0, 3, 5, 6, 6] and lay.counts.tolist() == [2, 0, 3]
     lay = grouped_layout(key, 3, align=4)  # groups of 2, 0, 3 rows start at 0, 4, 4
-    assert lay.dest.tolist() == [4, 0, 8, 5, 1, 6] and lay.offsets.tolist() == [4, 4, 8] and lay.rows == 16
+    assert lay.dest.tolist() == [4, 0, 0, 5, 1, 6] and lay.offsets.tolist() == [4, 4, 8] and lay.rows == 16
     x = torch.arange(1.0, 7.0).unsqueeze(1)
-    assert fill(x, lay).squeeze(1).tolist() == [2, 5, 0, 0, 1, 4, 6, 0] + [0] * 8  # the nowhere row reads zero
+    assert dispatch(x, lay).squeeze(1).tolist() == [2, 5, 0, 0, 1, 4, 6, 0] + [0] * 8  # no row: zero
+    assert dispatch(x[::2], lay, k=2).squeeze(1).tolist() == [1, 5, 0, 0, 1, 3, 5, 0] + [0] * 8  # row i of x[i // 2]
     slots = slotted_layout(key, 3, slot=3)
-    assert slots.dest.tolist() == [6, 0, 9, 7, 1, 8] and slots.rows == 10
+    assert slots.dest.tolist() == [6, 0, 0, 7, 1, 8] and slots.rows == 9
+    assert slots.src.tolist() == [1, 4, 6, 6, 6, 6, 0, 3, 5] and slots.offsets.tolist() == [3, 6, 9]
     assert grouped_layout(torch.zeros(0, dtype=torch.long), 2).offsets.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_permutations_backward_are_gathers_equal_to_autograds_indexing(k):
+    """dispatch / combine against the same maps written with advanced indexing (whose backward is an
+    accumulating index_put_), values and gradients, with rows not sent, padding and empty groups."""
+    from teratrain.models.permute import combine, dispatch, grouped_layout
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 5, 3
+    key = torch.tensor([1, 3, 0, 3, 1, 1, 3, 1, 0, 3])[:n * k]  # 3 groups, 3 = nowhere; group 2 empty
+    lay = grouped_layout(key, 3, align=4)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(lay.rows, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    cb = torch.randn(lay.rows, d, generator=g, dtype=torch.float64)
+    co = torch.randn(n, d, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((dispatch(x, lay, k) * cb).sum() + (combine(y, lay, w, k) * co).sum(), [x, y, w])
+    sent = key < 3
+    src = torch.full((lay.rows,), n, dtype=torch.long)
+    src[lay.dest[sent]] = torch.arange(n * k)[sent] // k
+    buf = torch.cat([x, x.new_zeros(1, d)])[src]
+    mine = torch.where(sent.unsqueeze(1), y[lay.dest], 0.0) * torch.where(sent, w.flatten(), 0.0).unsqueeze(1)
+    want = torch.autograd.grad((buf * cb).sum() + (mine.view(n, k, d).sum(1) * co).sum(), [x, y, w])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+def test_no_scatter_add_in_the_layers_backward(kernel):
+    """Forward and backward of a layer with capacity drops and biases run no accumulating index_put
+    (advanced indexing's backward: sorted, each run of equal rows walked serially on CUDA), no
+    index_add and no scatter_add: every data movement is a gather."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if kernel == "grouped" and getattr(torch, "_grouped_mm", None) is None:
+        pytest.skip("this torch has no grouped GEMM")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=16, bias=True,
+                       moe=dict(num_experts=8, router="softmax-topk", capacity_factor=0.5))
+    m = moe.MoE(cfg, layer=0).train()
+    m.kernel = kernel
+    x = torch.randn(1, 10, 8, requires_grad=True)
+    with Ops() as ops:
+        (m(x).sum() + m.aux_loss).backward()
+    assert "aten.index_select" in ops.seen and m.pop_stats()["dropped"] > 0
+    assert not ops.seen & {"aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten.index_add",
+                           "aten.index_add_", "aten.scatter_add", "aten.scatter_add_"}
 
 
 def reference_forward(m: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

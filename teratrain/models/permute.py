@@ -1,0 +1,174 @@
+"""Routed rows laid out by expert, and back: permutations whose forward and backward are both plain
+row gathers (MegaBlocks, Gale et al. 2023, sec. 5: gather / scatter kernels that are each other's
+backward; Megatron-Core's moe permute / unpermute). No scatter-add, no atomics, no sort in backward.
+
+Why. Advanced indexing `x[idx]` has as backward an accumulating `index_put_`, which on CUDA sorts
+the indices and gives each run of equal indices to one warp that walks it serially: every row that
+goes nowhere (a capacity drop, a padding row, an empty slot of a padded exchange) read one shared
+zero row, so its gradient was a run as long as the drops. On 2 x H100 that backward and the sort
+around it were the two largest items of the MoE step (bench/README.md, "Mixture of experts").
+
+Layout. Each of M input rows (a token's choice, or a row received from an expert-parallel peer) has
+a key: its group (the local expert) or `num_groups` for a row that goes nowhere (dropped for
+capacity, not sampled by random routing, an empty slot of a padded exchange). A layout is a partial
+bijection between the M input rows and `rows` buffer rows, stored both ways so that each direction
+is a gather: `dest` (M,) the buffer row of each input row (0 for a row not sent, read only under the
+`sent` mask) and `src` (rows,) the input row of each buffer row (M for a buffer row that holds none:
+a padding row, a row past the last group, an empty slot). `grouped_layout` puts group g's rows
+consecutively, in input order, from a multiple of `align`, in a buffer of `M + num_groups * (align -
+1) + 1` rows whose rows past `offsets[-1]` no group covers; `slotted_layout` gives group g the fixed
+slots [g * slot, (g + 1) * slot).
+
+The two permutations, with N = M / k tokens of k choices each (choice c = t * k + i of token t):
+- `dispatch(x, lay, k)`: buffer row j holds x[src[j] // k], or zero where src[j] = M (padding rows
+  compute on zeros: finite, and their output gradient is zero, so they add nothing to any weight's
+  gradient). Backward: grad_x[t] = sum_i grad_buf[dest[t*k + i]] over its sent choices: a gather by
+  `dest`, a mask, a sum over the (N, k, d) view.
+- `combine(y, lay, w, k)`: out[t] = sum_i w[t, i] y[dest[t*k + i]] over the sent choices (w None:
+  k = 1, weight 1, a plain unpermute). The rows nobody reads (past offsets[-1]: uninitialized memory
+  of the grouped GEMM) are masked out by a fill (a product with zero would keep a NaN). Backward:
+  grad_y[j] = w[src[j]] grad_out[src[j] // k], a gather by `src` times the weight (zero where src[j]
+  = M); grad_w[c] = <y[dest[c]], grad_out[t]>.
+
+Copies per MoE layer at ep=1 (N tokens, M = N k choices, R >= M buffer rows, all d wide), forward:
+1 N-row copy (the cast to the compute dtype with the zero row appended; before, a cast and a
+concatenation), 1 R-row gather (dispatch); 1 M-row gather, 1 M-row mask, a product and a sum over k
+(combine). Backward: 1 R-row gather and 1 R-row product (combine), grad_w's product and sum over d;
+1 M-row gather, 1 M-row mask, 1 sum over k that also casts back (dispatch). Before: the same forward
+(with a select in place of the mask), and in backward two accumulating index_put_ (R and N + 1 rows)
+and a select, where now there are gathers and masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Layout:
+    dest: torch.Tensor  # (M,) long: the buffer row of each input row (0 where not sent)
+    src: torch.Tensor  # (rows,) long: the input row of each buffer row, M where none
+    offsets: torch.Tensor  # (G,) int32: where each group's rows end (cumulative; the grouped GEMM's `offs`)
+    rows: int  # buffer rows, known on the host
+    sent: torch.Tensor  # (M,) bool: the row belongs to a group (else it goes nowhere)
+    counts: torch.Tensor  # (G,) long: rows of each group
+
+    def first(self, rows: int) -> "Layout":
+        """The same layout cut to its first `rows` buffer rows, which must hold every sent row."""
+        return Layout(self.dest, self.src[:rows], self.offsets, rows, self.sent, self.counts)
+
+
+def _sorted(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order (M + 1,): the input rows by key, stably, then M; bounds (G + 1,): where each key starts
+    in that order, bounds[G] the sent rows; sorted_key (M,)). Searches, no scatter-add."""
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=key.dtype))
+    return torch.cat([order, order.new_full((1,), key.numel())]), bounds, sorted_key
+
+
+def _dest(order: torch.Tensor, sorted_key: torch.Tensor, bounds: torch.Tensor, starts: torch.Tensor,
+          num_groups: int) -> torch.Tensor:
+    """(M,) each input row's buffer row: its group's start plus its rank in the group; 0 if not sent.
+    A scatter of distinct indices (the inverse permutation), M integers."""
+    m = sorted_key.numel()
+    place = torch.arange(m, device=order.device) - bounds[sorted_key] + starts[sorted_key]
+    place = torch.where(sorted_key < num_groups, place, 0)
+    return torch.empty_like(place).scatter_(0, order[:m], place)
+
+
+def _src(order: torch.Tensor, bounds: torch.Tensor, group: torch.Tensor, rank: torch.Tensor,
+         counts: torch.Tensor) -> torch.Tensor:
+    """(rows,) each buffer row's input row (M where none), from its group and rank in the group."""
+    g = group.clamp(max=counts.numel() - 1)
+    valid = (group < counts.numel()) & (rank < counts[g])
+    return order[torch.where(valid, bounds[g] + rank, order.numel() - 1)]
+
+
+def grouped_layout(key: torch.Tensor, num_groups: int, align: int = 1) -> Layout:
+    """Rows of key g < num_groups to group g, each group from a multiple of `align`; key num_groups to none."""
+    order, bounds, sorted_key = _sorted(key, num_groups)
+    counts = bounds[1:] - bounds[:-1]
+    size = (counts + align - 1) // align * align
+    ends = size.cumsum(0)
+    starts = torch.cat([ends - size, ends.new_zeros(1)])  # (G + 1,): key num_groups has no start
+    rows = key.numel() + num_groups * (align - 1) + 1  # + 1: never empty (a rank may receive no row)
+    j = torch.arange(rows, device=key.device)
+    group = torch.searchsorted(ends, j, right=True)  # G past the last group
+    src = _src(order, bounds, group, j - starts[group], counts)
+    dest = _dest(order, sorted_key, bounds, starts, num_groups)
+    return Layout(dest, src, ends.to(torch.int32), rows, key < num_groups, counts)
+
+
+def slotted_layout(key: torch.Tensor, num_groups: int, slot: int) -> Layout:
+    """Rows of key g < num_groups to slots [g * slot, g * slot + count_g); key num_groups to none. The
+    caller guarantees count_g <= slot (the expert capacity)."""
+    order, bounds, sorted_key = _sorted(key, num_groups)
+    counts = bounds[1:] - bounds[:-1]
+    starts = torch.arange(num_groups + 1, device=key.device) * slot
+    j = torch.arange(num_groups * slot, device=key.device)
+    src = _src(order, bounds, j // slot, j % slot, counts)
+    dest = _dest(order, sorted_key, bounds, starts, num_groups)
+    return Layout(dest, src, starts[1:].to(torch.int32), num_groups * slot, key < num_groups, counts)
+
+
+# ---------------------------------------------------------------- the two permutations
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dest, sent, k: int, dtype: torch.dtype):
+        n, d = x.shape
+        table = x.new_empty(n + 1, d, dtype=dtype)  # x in the compute dtype, then the zero row
+        table[:n].copy_(x)
+        table[n].zero_()
+        ctx.save_for_backward(dest, sent)
+        ctx.k, ctx.dtype = k, x.dtype
+        return table.index_select(0, src // k)  # src = M = n * k: row n, zero
+
+    @staticmethod
+    def backward(ctx, grad):
+        dest, sent = ctx.saved_tensors
+        g = grad.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # a row not sent: no gradient
+        if ctx.k > 1:
+            g = g.view(-1, ctx.k, g.shape[1]).sum(1, dtype=ctx.dtype)
+        return g.to(ctx.dtype), None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, src, dest, sent, k: int):
+        g = y.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # (M, d): zero where not sent
+        ctx.k, ctx.rows, ctx.weighted = k, y.shape[0], w is not None
+        if w is None:
+            ctx.save_for_backward(src)
+            return g
+        ctx.save_for_backward(src, g, w)
+        return g * w if k == 1 else (g.view(w.shape[0], k, -1) * w.unsqueeze(-1)).sum(1)  # (N, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, *saved = ctx.saved_tensors
+        m, d = grad.shape[0] * ctx.k, grad.shape[1]
+        if m == 0:  # no input row: nothing to gather from
+            return grad.new_zeros(ctx.rows, d), (torch.zeros_like(saved[1]) if saved else None), None, None, None, None
+        g = grad.index_select(0, (src // ctx.k).clamp(max=grad.shape[0] - 1))  # (rows, d); src = M: any row...
+        if not ctx.weighted:
+            return g.masked_fill_((src == m).unsqueeze(1), 0), None, None, None, None, None  # ... then zero
+        kept, w = saved
+        scale = torch.cat([w.flatten(), w.new_zeros(1)])[src]  # ... times weight zero
+        grad_w = (kept.view(-1, ctx.k, d) * grad.unsqueeze(1)).sum(-1) if ctx.needs_input_grad[1] else None
+        return g.mul_(scale.unsqueeze(1)), grad_w, None, None, None, None
+
+
+def dispatch(x: torch.Tensor, lay: Layout, k: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(lay.rows, d) in `dtype` (x's by default): buffer row j holds x[lay.src[j] // k], zero where it
+    holds no row. x: (M / k, d), each row the source of its k consecutive input rows."""
+    return _Dispatch.apply(x, lay.src, lay.dest, lay.sent, k, dtype or x.dtype)
+
+
+def combine(y: torch.Tensor, lay: Layout, weights: torch.Tensor | None = None, k: int = 1) -> torch.Tensor:
+    """(M / k, d): each input row's buffer row of y, zero where not sent, weighted by `weights` (M / k,
+    k) and summed over each token's k rows; weights None: k = 1, the rows unweighted (an unpermute)."""
+    return _Combine.apply(y, weights, lay.src, lay.dest, lay.sent, k)
