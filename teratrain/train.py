@@ -55,14 +55,14 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
     existed = out is not None and Path(out).exists()
     run_dir = agree_run_dir(out, resume, rt)
     try:
-        return _run(cfg, rt, run_dir, resume, model_fn)
+        return _run(cfg, rt, run_dir, resume, model_fn, notes or [])
     except BaseException:
         if rt.is_main and not existed:  # a run that fails before its first step leaves no folder behind
             remove_if_unused(run_dir)
         raise
 
 
-def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn) -> dict:
+def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes: list[str]) -> dict:
     """run() once the run directory is agreed: data, model, restore, summary, then the loop (or serve)."""
     if resume and (run_dir / "config.toml").exists() and cfg.parallel.stage_layers is None:
         saved = load_config(run_dir / "config.toml").parallel  # a profiled split, kept for the same stages
@@ -89,7 +89,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn) -> dic
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
-    print_summary(cfg, rt, run_dir, start, notes or [], own=model if model_fn is not None else None)
+    print_summary(cfg, rt, run_dir, start, notes, own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
         with _stop_after_step(cfg) as stop:  # a stop: serve until the workers saved
