@@ -136,8 +136,7 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
         "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
         "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
-        "mlp_inputs": (_div(_linear_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device) * k_moe, rep)
-                       if shape.num_experts > 1 else  # an MoE region's tokens enter uncast
+        "mlp_inputs": ([] if shape.num_experts > 1 else  # an MoE layer's: its dispatch buffer (_moe_saved)
                        _region_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device, tp, sp, form)),
         # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
         "mlp_hidden": _div([Saved(n * ff, cb)] * (k_moe * (4 if c.arch == "llama" else 2)), tp),
@@ -153,21 +152,25 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
 
 
 def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[Saved]]:
-    """What an MoE layer (models/moe.py) keeps besides its experts' inputs and hidden activations, for
-    n tokens routed to top_k experts each (M = n x top_k rows, capacity drops ignored; the router
-    seen whole on every tp rank): the router's input (cast to fp32 for an fp32 router) and its
-    probabilities, the top-k indices and weights, the load vector of the aux loss; to combine, the
-    experts' outputs and the gate weights they are multiplied by, the weighted outputs (index_add
-    keeps its source), and the row indices of dispatch and combine (two more under expert
-    parallelism, which reorders the rows it receives). A rank's experts are assumed to receive M
-    rows (balanced routing): read off the autograd graph of softmax-topk routing."""
+    """What an MoE layer (models/moe.py, models/permute.py) keeps besides its experts' hidden
+    activations, for n tokens routed to top_k experts each (M = n x top_k rows, capacity drops
+    ignored; the router seen whole on every tp rank): the router's input (cast to fp32 for an fp32
+    router) and its probabilities, the top-k indices and weights, the load vector of the aux loss;
+    the experts' input buffer (M rows and the zero row that choices sent nowhere read, shared by the
+    experts' first linears); to combine, the laid-out expert outputs, the gate weights, the
+    permutation both ways (M destinations, M + 1 sources) and two masks of the choices sent (two more
+    index tensors under expert parallelism, which lays out the rows it receives again). A rank's
+    experts are assumed to receive M rows (balanced routing): read off the autograd graph of
+    softmax-topk routing."""
     c = shape.cfg
     k, m = shape.top_k, n * shape.top_k
     router_bytes = 4 if c.moe.router_dtype == "fp32" else w.compute
     return {"router": [Saved(n * c.d_model, router_bytes), Saved(n * shape.num_experts, 4, "keep"),
                        Saved(n * k, INDEX_BYTES, "keep"), Saved(n * k, 4, "keep"), Saved(n, 4, "keep")],
-            "moe_combine": [Saved(m * c.d_model, w.compute)] * 2 + [Saved(m, w.compute, "keep")]
-            + [Saved(m, INDEX_BYTES, "keep")] * (4 if ep > 1 else 2),
+            "moe_dispatch": [Saved((m + 1) * c.d_model, w.compute)],
+            "moe_combine": [Saved(m * c.d_model, w.compute), Saved(m, w.compute, "keep"), Saved(m, INDEX_BYTES, "keep"),
+                            Saved(m + 1, INDEX_BYTES, "keep"), Saved(m, 1, "keep"), Saved(m, 1, "keep")]
+            + [Saved(m, INDEX_BYTES, "keep")] * (2 if ep > 1 else 0),
             "aux_loss": [Saved(shape.num_experts, 4, "keep")]}
 
 
