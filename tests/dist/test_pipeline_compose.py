@@ -20,36 +20,17 @@ which a pipeline stage never runs."""
 
 import pytest
 
-from harness import run_ranks
-from layout_workers import GPT2, train_random
-from test_tensor_parallel import TOL, max_rel_diff
+from test_pipeline_parity import GPT2_SGD, _compare as compare
+from test_tensor_parallel import TOL
 
-STEPS = 2
-GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 INTERLEAVED = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4"]
 MOE = ["model.moe.num_experts=4", "optim.weight_decay=0.0"]
 TOP1 = MOE + ["model.moe.router=switch-top1", "model.moe.capacity_factor=1.0"]  # every layer, drops
 TOP2_HALF = MOE + ["model.moe.router=softmax-topk", "model.moe.capacity_factor=1.0", "model.moe.every=2"]
 
 
-def _many(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:
-    return [train_random(rank, world, layout, steps=STEPS) for layout in layouts]
-
-
 def _compare(layouts: list[list[str]], world: int) -> None:
-    runs = run_ranks(_many, world, layouts)[0]
-    refs = {}
-    for layout, got in zip(layouts, runs):
-        same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute")))
-        if same not in refs:
-            refs[same] = train_random(0, 1, list(same), steps=STEPS)
-        ref = refs[same]
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-        assert loss_err < TOL, f"{layout}: losses differ by {loss_err:.2e}"
-        assert got["params"].keys() == ref["params"].keys(), f"{layout}: the gathered model misses parameters"
-        param_err = max_rel_diff(got["params"], ref["params"])
-        assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
-        _same_moe_statistics(layout, got, ref)
+    compare(layouts, world, _same_moe_statistics)
 
 
 def _same_moe_statistics(layout, got: dict, ref: dict) -> None:

@@ -19,7 +19,8 @@ GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 UNEVEN = ["model.n_layers=3", "parallel.partition=profiled"]  # 3 blocks over 2 stages: 2 + 1 or 1 + 2
 
 
-def _compare(layouts: list[list[str]], world: int) -> None:
+def _compare(layouts: list[list[str]], world: int, check=None) -> None:
+    """Each layout against one process (`check(layout, got, ref)`: more to compare, e.g. MoE statistics)."""
     runs = run_ranks(_many, world, layouts)[0]
     refs = {}
     for layout, got in zip(layouts, runs):
@@ -32,6 +33,8 @@ def _compare(layouts: list[list[str]], world: int) -> None:
         assert got["params"].keys() == ref["params"].keys(), f"{layout}: the gathered model misses parameters"
         param_err = max_rel_diff(got["params"], ref["params"])
         assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+        if check is not None:
+            check(layout, got, ref)
 
 
 def _many(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:

@@ -39,6 +39,6 @@ def test_auto_layout_is_chosen_said_and_recorded(cli, tmp_path):
     err = cli.train(run, "parallel.auto=true", "parallel.zero=1", "train.eval_batches=0", steps=1, in_process=True).stderr
     assert ("teratrain: auto layout: dp=1 tp=1 pp=1 ep=1 offload=none recompute=none chosen, the simplest of "
             in err), err
-    assert "kept as given: parallel.zero, train.micro_batch" in err and "layout: dp=1 zero=1" in err
+    assert "kept as given: parallel.zero, train.micro_batch" in err and "layout: dp=1 tp=1 pp=1 ep=1 zero=1" in err
     saved = load_config(run / "config.toml")
     assert (saved.parallel.auto, saved.parallel.dp, saved.parallel.zero, saved.memory.recompute) == (True, 1, 1, "none")

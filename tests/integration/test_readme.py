@@ -66,7 +66,7 @@ def test_quick_tour(cli, tmp_path, monkeypatch):
         assert "Traceback" not in proc.stderr and "warning" not in proc.stderr, (argv, proc.stderr)
     assert [r["step"] for r in metrics(tmp_path / "runs" / "a")] == [1, 2, 3, 4]
     assert (tmp_path / "hf" / "my-model" / "config.json").is_file()
-    assert len(list((tmp_path / "runs").iterdir())) == 4  # runs/a and three of default names
+    assert len(list((tmp_path / "runs").iterdir())) == 5  # runs/a and four of default names
 
 
 def test_moe_example(cli, tmp_path):
