@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from teratrain.models.presets import PRESETS, give_way
@@ -514,94 +514,6 @@ def _divisor_near(n: int, k: int) -> int:
 
 # ---------------------------------------------------------------- loading, overrides, saving
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read an optional TOML file, apply `section.key=value` overrides, validate."""
-    return validate(apply_overrides(read_toml(path) if path is not None else {}, overrides))
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
-    try:
-        return tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` strings to a raw config dict (in place); returns it."""
-    for item in overrides:
-        _apply_override(raw, item)
-    return raw
-
-
-def validate(raw: dict[str, Any]) -> Config:
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_explain(e)) from None
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
-    parts = key.strip().split(".")
-    nested = len(parts) == 3 and bool(_fields_of(".".join(parts[:2])))  # section.table.key, e.g. model.moe.top_k
-    if not sep or not (len(parts) == 2 or nested) or not all(parts):
-        raise ConfigError(f"--set '{item}' is not of the form section.key=value (section.table.key=value for a "
-                          "nested table such as model.moe); write e.g. --set optim.lr=3e-4.")
-    if parts[0] not in Config.model_fields:
-        raise ConfigError(f"unknown config section '{parts[0]}' in --set {item}; use one of {', '.join(Config.model_fields)}.")
-    table = raw
-    for part in parts[:-1]:
-        table = table.setdefault(part, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"--set {item}: '{'.'.join(parts[:-1])}' was given as a value, not a table; "
-                              "give its keys one by one.")
-    table[parts[-1]] = _parse_value(text.strip())
-
-
-def _parse_value(text: str) -> Any:
-    """A TOML literal when it is one (3, 3e-4, true, "x"), else the bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-_TYPE_WORDS = {"int_parsing": "an integer", "int_from_float": "an integer", "float_parsing": "a number",
-               "bool_parsing": "true or false", "string_type": "a string", "int_type": "an integer",
-               "float_type": "a number", "bool_type": "true or false"}
-
-
-def _explain(e: ValidationError) -> str:
-    """Turn pydantic's first error into one sentence naming the key and the fix."""
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
-    kind, given = err["type"], err.get("input")
-    if kind == "extra_forbidden":
-        section, _, name = loc.rpartition(".")
-        fields = _fields_of(section)
-        close = difflib.get_close_matches(name, fields, n=1)
-        hint = f"did you mean '{section + '.' if section else ''}{close[0]}'?" if close else f"known keys: {', '.join(fields)}."
-        return f"unknown config key '{loc}'; {hint}"
-    if isinstance(err.get("ctx", {}).get("error"), ConfigError):
-        return str(err["ctx"]["error"])
-    if kind in _TYPE_WORDS:
-        return f"config key '{loc}' must be {_TYPE_WORDS[kind]}, got {given!r}; fix its value."
-    if kind == "literal_error":
-        return f"config key '{loc}' got {given!r}; {err['msg'].lower().replace('input ', 'it ')}."
-    if kind == "model_type" or kind == "dict_type":
-        return f"config key '{loc}' must be a [section] table, got {given!r}; write it as a TOML table."
-    return f"config key '{loc}' is invalid ({err['msg'].lower()}, got {given!r}); fix its value."
-
-
-def _fields_of(section: str) -> list[str]:
-    """Keys of a (possibly nested) table, e.g. 'model' or 'model.moe'."""
-    cls = Config
-    for part in section.split(".") if section else []:
-        field = cls.model_fields.get(part)
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
-            return []
-        cls = field.annotation
-    return list(cls.model_fields)
+# Reading config input (TOML files, --set items, pydantic's errors as one sentence) lives in
+# config_input.py; imported here last, as it builds on the classes above.
+from teratrain.config_input import apply_overrides, load_config, read_toml, validate  # noqa: E402,F401

@@ -27,7 +27,6 @@ from teratrain.mesh import Runtime, init_runtime
 from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
 from teratrain.models.protocol import model_flops_per_token
 from teratrain.models.transformer import Transformer
-from teratrain.optim.engine import train_step
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, MAX, all_reduce
 from teratrain.parallel.parallelize import check_supported, parallelize

@@ -36,7 +36,7 @@ from teratrain.planner.comm import step_comm
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.states import accumulates, stage_params
+from teratrain.planner.states import stage_params
 
 # aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
