@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from teratrain.parallel import inflight
 from teratrain.parallel.pipeline.actions import B, F, I, STEP, W, Schedule
 from teratrain.parallel.pipeline.simulate import Costs, Interval, bubble_fraction, simulate
 
@@ -26,7 +27,7 @@ class Clock:
     def __init__(self, device: torch.device, group):
         self.cuda = device.type == "cuda"
         if group is not None:
-            dist.barrier(group=group)
+            inflight.blocking("barrier", group, lambda: dist.barrier(group=group))
         if self.cuda:
             torch.cuda.synchronize(device)
             self.zero = torch.cuda.Event(enable_timing=True)
