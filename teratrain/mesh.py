@@ -125,7 +125,7 @@ class Mesh:
     timeout_s: float = 600.0  # parallel.timeout_s: every group's operations are watched for it (inflight.py)
     _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
-    _used: list = field(default_factory=list, repr=False)  # names asked for by a strategy, in order
+    _used: set = field(default_factory=set, repr=False)  # names a strategy asked for
     _connected: set = field(default_factory=set, repr=False)
     _everywhere: set = field(default_factory=set, repr=False)  # names define_everywhere has made
 
@@ -154,8 +154,7 @@ class Mesh:
 
     def group(self, name: str):
         """This rank's process group called `name` (None if it holds this rank alone)."""
-        if name not in self._used:
-            self._used.append(name)
+        self._used.add(name)
         return self._make(name)
 
     def _make(self, name: str):
@@ -185,10 +184,9 @@ class Mesh:
             return
         from teratrain.parallel.comm import all_reduce
 
-        names = sorted((n for n in self._used if n not in self._connected and self._groups.get(n) is not None),
-                       key=lambda n: list(self._groups).index(n))
+        names = [n for n, g in self._groups.items() if g is not None and n in self._used and n not in self._connected]
         one = torch.zeros(1, device=device)
-        for n in names:
+        for n in names:  # dicts keep insertion order: the order the groups were made
             all_reduce(one, self._groups[n])
             torch.cuda.synchronize(device)
             self._connected.add(n)

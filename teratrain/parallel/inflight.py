@@ -33,61 +33,6 @@ def backstop_s(timeout_s: float) -> float:
     return timeout_s * 1.5 + 30.0
 
 
-class Op:
-    """One launched operation, pending until torch's `work` completes; once waited for, until the
-    current stream passes the point of the wait (NCCL: a wait only orders the stream) or, on a CPU
-    backend, at once. Waited works are let go: nothing here keeps their tensors alive."""
-
-    __slots__ = ("what", "group", "since", "work", "event", "returned")
-
-    def __init__(self, what: str, group):
-        self.what, self.group, self.since = what, group, time.monotonic()
-        self.work, self.event, self.returned = None, None, False
-
-    def done(self) -> bool:
-        try:
-            if self.returned:
-                return True
-            if self.event is not None:
-                return bool(self.event.query())
-            return self.work is not None and bool(self.work.is_completed())
-        except Exception:  # noqa: BLE001 - a failed work is over (its error surfaces where it is waited for)
-            return True
-
-    def waited(self) -> None:
-        import torch
-
-        self.work = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.returned = True
-
-
-class Handle:
-    """What comm.py and the pipeline return for an asynchronous operation: torch's work, tracked."""
-
-    __slots__ = ("work", "op")
-
-    def __init__(self, work, op: Op):
-        self.work, self.op = work, op
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            self.op.waited()
-        return True
-
-    def is_completed(self) -> bool:
-        return self.op.done()
-
-
-_ops: deque[Op] = deque()
-_lock = threading.Lock()  # the main thread registers, the watchdog prunes
-
-
 class Works:
     """Several works as one (gloo keeps one per operation of a batch_isend_irecv)."""
 
@@ -103,23 +48,63 @@ class Works:
         return all(w.is_completed() for w in self.works)
 
 
-def launch(what: str, group, start) -> Handle:
+class Op:
+    """One launched operation, and the handle its caller waits on. Pending until torch's `work`
+    completes; once waited for, until the current stream passes the point of the wait (NCCL: a wait
+    only orders the stream) or, on a CPU backend, at once. A waited work is let go: nothing here
+    keeps its tensors alive."""
+
+    __slots__ = ("what", "group", "since", "work", "event", "returned")
+
+    def __init__(self, what: str, group):
+        self.what, self.group, self.since = what, group, time.monotonic()
+        self.work, self.event, self.returned = None, None, False
+
+    def is_completed(self) -> bool:
+        try:
+            if self.returned:
+                return True
+            if self.event is not None:
+                return bool(self.event.query())
+            return self.work is not None and bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a failed work is over (its error surfaces where it is waited for)
+            return True
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self.event = torch.cuda.Event()
+                self.event.record()
+            else:
+                self.returned = True
+        return True
+
+
+_ops: deque[Op] = deque()
+_lock = threading.Lock()  # the main thread registers, the watchdog prunes
+
+
+def launch(what: str, group, start) -> Op:
     """Register an operation on `group`, then `start()` it (a torch call with async_op=True, giving
-    a work or a list of works)."""
+    a work or a list of works); returns its handle."""
     op = Op(what, group)
     with _lock:
-        while _ops and _ops[0].done():  # the usual case: operations complete in launch order
+        while _ops and _ops[0].is_completed():  # the usual case: operations complete in launch order
             _ops.popleft()
         _ops.append(op)
     if len(_ops) > PRUNE_AT:
         _prune()
     try:
         work = start()
-        op.work = Works(work) if isinstance(work, list) else work
     except BaseException:
         op.returned = True
         raise
-    return Handle(op.work, op)
+    op.work = Works(work) if isinstance(work, list) else work
+    return op
 
 
 def blocking(what: str, group, call):
@@ -135,7 +120,7 @@ def blocking(what: str, group, call):
 
 def _prune() -> None:
     with _lock:
-        keep = [op for op in _ops if not op.done()]
+        keep = [op for op in _ops if not op.is_completed()]
         _ops.clear()
         _ops.extend(keep)
 
@@ -169,21 +154,19 @@ def hang_message(op: Op, rank: int, timeout_s: float) -> str:
 _watch = {"timeout_s": None, "rank": 0, "thread": None}
 
 
-def start_watchdog(timeout_s: float, rank: int, on_hang=None) -> None:
-    """Watch this process's pending operations; call `on_hang(message)` (default: report and exit 1)
-    once the oldest has been pending for `timeout_s`. A later call (another run in the same
-    processes) only changes the timeout."""
+def start_watchdog(timeout_s: float, rank: int) -> None:
+    """Watch this process's pending operations; report and exit once the oldest has been pending for
+    `timeout_s`. A later call (another run in the same processes) only changes the timeout."""
     _watch.update(timeout_s=timeout_s, rank=rank)
     if _watch["thread"] is not None:
         return
-    on_hang = on_hang or _report_and_exit
 
     def watch():
         while True:
             time.sleep(POLL_S)
             op, limit = oldest_pending(), _watch["timeout_s"]
             if op is not None and time.monotonic() - op.since > limit:
-                on_hang(hang_message(op, _watch["rank"], limit))
+                _report_and_exit(hang_message(op, _watch["rank"], limit))
                 return
 
     _watch["thread"] = threading.Thread(target=watch, name="teratrain-hang-watch", daemon=True)

@@ -75,7 +75,7 @@ class Links:
 class Batch:
     """One posted batch (tracked by the hang watchdog, inflight.py) and its tensors."""
 
-    def __init__(self, handle: "inflight.Handle", tensors: list[torch.Tensor]):
+    def __init__(self, handle: "inflight.Op", tensors: list[torch.Tensor]):
         self.handle, self.tensors = handle, tensors  # a sent tensor must live until its send is over
 
     def wait(self) -> None:
