@@ -270,12 +270,15 @@ def worker(args) -> None:
         dense = results["dense"]["tokens_per_s"]
         ratios = {name: round(r["tokens_per_s"] / dense, 4) for name, r in results.items() if name != "dense"}
         cuda = torch.cuda.is_available() and not args.smoke
-        print(json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
-                          "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
-                          "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
-                          "experts_kernel": "grouped_mm" if cuda and grouped_mm_without_sync(
-                              torch.device("cuda"), torch.bfloat16) else "loop",
-                          "parity": check, **results, "moe_vs_dense": ratios}))
+        text = json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
+                           "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
+                           "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
+                           "experts_kernel": "grouped_mm" if cuda and grouped_mm_without_sync(
+                               torch.device("cuda"), torch.bfloat16) else "loop",
+                           "parity": check, **results, "moe_vs_dense": ratios})
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text)
 
 
 def main() -> None:
@@ -291,6 +294,7 @@ def main() -> None:
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")
+    p.add_argument("--out", help="also write the JSON here (rank 0)")
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.parity_steps = min(args.steps, 2), min(args.warmup, 1), min(args.parity_steps, 3)

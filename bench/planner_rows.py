@@ -124,7 +124,10 @@ def rows_4() -> list[Row]:
 
 
 SMOKE = ("dp2 zero1", "dp2 zero3", "tp2 megatron+sp", "tp2 megatron", "tp2 all-gather", "tp2 all-reduce",
-         "pp2 1f1b m4", "pp2 interleaved v2 m4", "moe dp2 ep2")
+         "pp2 1f1b m4", "pp2 interleaved v2 m4", "moe dp2 ep2",
+         # at 4: each composition's code path once
+         "dp4 zero3", "tp4 megatron+sp", "tp2 dp2 zero1", "pp4 1f1b m4", "pp4 interleaved v2 m8", "pp4 zb-h1 m8",
+         "pp2 dp2 1f1b m4 zero1", "pp2 tp2 1f1b m4", "moe dp4 ep4", "moe tp2 dp2 ep2")
 
 
 def rows_for(gpus: int, smoke: bool = False) -> list[Row]:

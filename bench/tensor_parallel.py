@@ -48,7 +48,7 @@ SHAPES = {"llama8b_width": (["model.preset=llama-8b", "model.vocab_size=32000", 
           # untied head on both sides: torchtitan's Llama (the DTensor plan) has an `output` linear of its own
           "llama1b_width": (["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048",
                              "model.tie_embeddings=false"], 2, 8)}
-SMOKE = {"tiny": (["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+SMOKE = {"tiny": (["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=128",
                    "model.seq_len=32", "model.vocab_size=512"], 2, 2)}
 COMMON = ["memory.precision=bf16", "train.grad_clip=1.0"]
 # name -> (implementation, overrides of the tp run)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The several-GPU benchmarks of one machine, piece by piece, each under its own time limit, so one device
+# call runs what fits and a piece that overruns costs only its own figures. Results go to OUTDIR:
+# one JSON per piece and one log of them all (suite.log); every piece prints its wall time.
+#
+#   bash bench/gpu_suite.sh OUTDIR matrix moe pipeline        # pieces in the order given
+#   SMOKE=1 bash bench/gpu_suite.sh /tmp/s matrix moe         # the same commands on CPU (gloo, tiny shapes)
+#   BUDGET=580 bash bench/gpu_suite.sh OUTDIR matrix moe      # all pieces within 580 s: each piece's limit is cut
+#                                                             # to what is left, one with under 60 s left is skipped
+#
+# Pieces (N = every visible GPU; seconds = the limit of each):
+#   matrix     bench/layouts.py --gpus N on real text (.bench_data/llama32k.bin when present)   570 s
+#   tp         bench/tensor_parallel.py at tp=N, both widths, with a profile                    300 s
+#   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
+#   pipeline   bench/pipeline.py at pp=N                                                         240 s
+#   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
+#   planner    bench/planner_validate.py --gpus N, then its --check-pick on what it measured    420 s
+#   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
+#   reshard    bench/reshard.py (dp=N ZeRO-3 saved, dp=1 resumed)                                200 s
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$(realpath -m "${1:?usage: bench/gpu_suite.sh OUTDIR PIECE...}"); shift
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+py=${PYTHON:-python3}
+if [ -n "${SMOKE:-}" ]; then n=${GPUS:-2}; smoke=--smoke; else n=${GPUS:-$($py -c 'import torch; print(torch.cuda.device_count())')}; smoke=; fi
+tokens=(); [ -z "$smoke" ] && [ -f .bench_data/llama32k.bin ] && tokens=(--tokens .bench_data/llama32k.bin)
+tr=("$py" -m torch.distributed.run --standalone --nproc-per-node "$n")
+eps=$(seq -s, 1 "$n" | awk -F, '{s="1"; for (i = 2; i <= NF; i *= 2) s = s "," i; print s}')
+
+budget=${BUDGET:-100000}
+piece() {  # name limit command...: run one piece, its output appended to OUTDIR/suite.log
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS left=$((budget - SECONDS))
+    if [ "$left" -lt 60 ]; then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$out/suite.log"; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "== $name (limit ${limit}s): $*" | tee -a "$out/suite.log"
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$out/.piece.log" 2>&1
+    local rc=$?
+    cat "$out/.piece.log" >>"$out/suite.log"
+    echo "== $name: status $rc after $((SECONDS - t0)) s" | tee -a "$out/suite.log"
+    grep -v '^[][{} "]' "$out/.piece.log" | tail -n 20  # the end of the log, without the JSON
+    rm -f "$out/.piece.log"
+}
+
+for p in "$@"; do
+    case $p in
+        matrix)   piece matrix 570 "$py" bench/layouts.py --gpus "$n" "${tokens[@]}" $smoke --out "$out/layouts.json" ;;
+        tp)       piece tp 300 "${tr[@]}" bench/tensor_parallel.py --profile $smoke --out "$out/tp.json" ;;
+        moe)      piece moe 240 "${tr[@]}" bench/moe.py --ep "$eps" $smoke --out "$out/moe.json" ;;
+        pipeline) piece pipeline 240 "$py" bench/pipeline.py $smoke --out "$out/pipeline.json" ;;
+        fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
+                  piece fsdp2_1b 150 "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 $smoke \
+                      --out "$out/fsdp2_1b.json" ;;
+        planner)  piece planner 270 "$py" bench/planner_validate.py --gpus "$n" --budget-s 200 $smoke --table \
+                      --out "$out/planner.json"
+                  piece pick 150 "$py" bench/planner_validate.py --gpus "$n" --check-pick --hw-file "$out/planner.json" \
+                      $smoke --table --out "$out/pick.json" ;;
+        scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
+        reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, tp, moe, pipeline, fsdp2, planner, scaling, reshard)"; exit 2 ;;
+    esac
+done
