@@ -13,7 +13,12 @@ the simulator says: versions.audit) and their loss must fall.
 
 Each model's one-GPU bf16 run is repeated with every step's micro-batches in reverse order: the same
 sum of gradients, rounded in another order. How far the two drift apart (`noise_floor`) is what bf16
-rounding alone does to that model over `--bf16-steps` steps; a layout's bf16 error is read against it.
+rounding alone does to that model over `--bf16-steps` steps, on one GPU, with no parallelism at all.
+A layout's bf16 error must stay within 2e-2 or, where one GPU's own floor is already above that, within
+FLOOR_FACTOR times the floor. The dense model's floor is ~1e-3, so 2e-2 holds it; the MoE model's is
+~2.6e-2 on an H200 (top-2 routing turns rounding differences into different experts, and the runs
+part), so no implementation can keep an MoE layout within 2e-2 of one GPU in bf16 over 20 steps. Its
+parity proof is the fp32 check, which holds it within 1e-4 like every other layout.
 
 Every layout runs in the same worker processes (one torchrun job: starting a job per layout would
 cost more than the runs), through what `teratrain train` runs each step: `parallelize` and the
@@ -42,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FP32_TOL, BF16_TOL = 1e-4, 2e-2
+FLOOR_FACTOR = 2  # two runs that each drift from the exact trajectory by ~floor lie up to ~2 floors apart
 # issue 18's shape: llama-1b width, 8 layers, 32k vocabulary; global batch 8 in micro-batches of 2
 MODEL = ["model.preset=llama-1b", "model.vocab_size=32000", "model.n_layers=8", "model.seq_len=2048"]
 SMOKE = ["model.preset=llama-1b", "model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4",
@@ -210,6 +216,11 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b)) if a else math.nan
 
 
+def bf16_tol(row: dict) -> float:
+    """A parity row's bf16 tolerance: 2e-2, or FLOOR_FACTOR one-GPU noise floors where that is more."""
+    return max(BF16_TOL, FLOOR_FACTOR * row.get("bf16_noise_floor", 0.0))
+
+
 def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int, args) -> dict:
     import torch
 
@@ -232,7 +243,8 @@ def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int
         row.update(fp32_losses=fp32["losses"], fp32_ref=ref32["losses"], bf16_ref=ref16["losses"],
                    fp32_rel_err=_rel(fp32["losses"], ref32["losses"]), bf16_rel_err=_rel(bf16["losses"], ref16["losses"]))
         row["bf16_noise_floor"] = ref16["noise_floor"]
-        row["ok"] = row["fp32_rel_err"] < FP32_TOL and row["bf16_rel_err"] < BF16_TOL
+        row["bf16_tol"] = bf16_tol(row)
+        row["ok"] = row["fp32_rel_err"] < FP32_TOL and row["bf16_rel_err"] < row["bf16_tol"]
     else:
         losses = bf16["losses"]
         row["audit"] = bf16["audit"]
@@ -352,8 +364,9 @@ def table(rows: list[dict]) -> str:
         b16 = (f"{r['bf16_rel_err']:.1e} ({r['bf16_noise_floor']:.1e})" if "bf16_rel_err" in r
                else ("audit ok, loss fell" if r["ok"] else str(r["audit"])))
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        ok = r["ok"] if "bf16_rel_err" not in r else r["fp32_rel_err"] < FP32_TOL and r["bf16_rel_err"] < bf16_tol(r)
         out.append(f"| {r['name']} | {r['gpus']} | {f32} | {b16} | {r['tokens_per_s']:,.0f} | "
-                   f"{r['speedup_vs_one_gpu']:.2f} | {mfu} | {r['peak_gib']} | {'yes' if r['ok'] else 'no'} |")
+                   f"{r['speedup_vs_one_gpu']:.2f} | {mfu} | {r['peak_gib']} | {'yes' if ok else 'no'} |")
     return "\n".join(out)
 
 

@@ -11,7 +11,7 @@ default needs two jobs: N processes, then one.
 1. parity:  llama-1b shape (32k vocab, seq 2048), bf16, 10 steps, ZeRO 0-3 on N GPUs vs 1 GPU on the
             same global batch (the 1-GPU run accumulates N micro-batches of 2). bf16 tolerance: every
             step's loss within 2e-2 relative (8 mantissa bits; the reduction order differs).
-2. scaling: weak scaling (the same micro-batch per GPU) of ZeRO-1 on llama-1b (micro-batch 4) and of
+2. scaling: weak scaling (the same micro-batch per GPU) of ZeRO-1, 2 and 3 on llama-1b (micro-batch 4) and of
             ZeRO-3 on Llama-8B blocks (seq 4096, micro-batch 1; as many blocks as one GPU holds at
             ZeRO-3, planned, so the 1-GPU baseline runs): tokens/s per GPU at N over 1 GPU (target
             >= 0.95), and at N with `parallel.overlap_comm=false`, which shows what overlapping the
@@ -172,7 +172,8 @@ def main() -> None:
             one_gpu = LLAMA_8B + COMMON + ["parallel.zero=3", "train.micro_batch=1", "train.global_batch=1"]
             layers = 2 if args.smoke else fit_layers(one_gpu, 1, gpu_bytes)
             model_8b = SMOKE if args.smoke else LLAMA_8B + [f"model.n_layers={layers}"]
-            models = {"zero1-llama1b": (model_1b, 1, 4), f"zero3-llama8b-{layers}-blocks": (model_8b, 3, 1)}
+            models = {**{f"zero{z}-llama1b": (model_1b, z, 4) for z in (1, 2, 3)},
+                      f"zero3-llama8b-{layers}-blocks": (model_8b, 3, 1)}
             many, one = [], []
             if "scaling" in only:  # first: each layout's process groups stay (mesh.py), with NCCL's buffers
                 many += scaling_runs(n, dict(reversed(models.items())), steps + 3, many=True)
