@@ -116,7 +116,7 @@ def simulate(sched: Schedule, costs: Costs = Costs()) -> Timeline:
                     sent = issued.get(x)
                     if sent is None:
                         break
-                    c = max(c, sent + y)
+                    c = max(c, max(sent, reached[r]) + y if costs.rendezvous else sent + y)
                 elif op == "send":
                     issued[x] = c
                 else:
