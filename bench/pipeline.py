@@ -31,7 +31,10 @@ Derived:
 - one_gpu, one_f_one_b_vs_ideal: the whole model on one GPU (train_step over the same micro-batches)
   and 1F1B's per-GPU tokens/s over (1 - simulated bubble) x one GPU's (target >= 0.95);
 - interleaved_vs_torch: our interleaved 1F1B over torch.distributed.pipelining's
-  ScheduleInterleaved1F1B on the same stages and optimizer step (target >= 1.0).
+  ScheduleInterleaved1F1B on the same stages and optimizer step (target >= 1.0);
+- recv_at_use_vs_ahead: GPipe and 1F1B at m = 8 with receives posted one action ahead
+  (parallel.pipeline_recv=ahead) against the default (posted where used, p2p.py): tokens/s and per
+  stage F and B device ms.
 --profile: one step of 1F1B and of ZB-H1 at m = 8 under torch.profiler, per rank: compute, exposed
 communication, idle, host time per action kind, heaviest kernels (bench/pipeline_profile.py).
 --parity-only: 1F1B, interleaved 1F1B and ZB-H1 through `teratrain train` at pp = N against 1 GPU on
@@ -229,7 +232,8 @@ def ours(sets: list[str], schedule: str, ms: list[int], args) -> list[dict]:
         ex.time_every_call = True
         step()
         sched = ex.schedule(m)
-        costs = measured_costs(ex.intervals, sched.pp, sched.num_stages)
+        rdv = cfg.parallel.pipeline_recv == "at_use"  # the simulator's model of when transfers start
+        costs = measured_costs(ex.intervals, sched.pp, sched.num_stages, rendezvous=rdv)
         simulated = simulate(sched, costs).bubble_fraction
         no_comm = simulate(sched, measured_costs(ex.intervals, sched.pp, sched.num_stages, transfers=False))
         measured = bubble_fraction(ex.intervals, sched.pp)
@@ -245,6 +249,22 @@ def ours(sets: list[str], schedule: str, ms: list[int], args) -> list[dict]:
                      "stage_ms": stage_ms(ex.intervals, ex.host_intervals, sched.pp, sched.num_stages)})
     _free(model, engine, ex)
     return rows
+
+
+def recv_modes(sets: list[str], rows: list[dict], m: int, args) -> list[dict]:
+    """GPipe and 1F1B at m with receives posted one action ahead (parallel.pipeline_recv=ahead)
+    against the default rows (posted where used): tokens/s and per-stage F and B device ms (p2p.py:
+    a receive posted ahead spins beside the action it was meant to hide under)."""
+    out = []
+    for name in ("gpipe", "1f1b"):
+        at_use = next(r for r in rows if r["schedule"] == name and r["m"] == m)
+        ahead = ours(sets + ["parallel.pipeline_recv=ahead"], name, [m], args)[0]
+        fb = lambda r: [{k: st[k] for k in ("F", "B") if k in st} for st in r["stage_ms"]]  # noqa: E731
+        out.append({"schedule": name, "m": m, "at_use_tokens_per_s": at_use["tokens_per_s"],
+                    "ahead_tokens_per_s": ahead["tokens_per_s"],
+                    "at_use_over_ahead": round(at_use["tokens_per_s"] / ahead["tokens_per_s"], 3),
+                    "stage_ms_at_use": fb(at_use), "stage_ms_ahead": fb(ahead)})
+    return out
 
 
 def one_gpu(sets: list[str], ms: list[int], args, fits: bool) -> list[dict]:
@@ -381,6 +401,7 @@ def worker(args) -> None:
     sets = model_sets(layers, args.mb, args.smoke)
     rows = [r for s in SCHEDULES for r in ours(sets, s, ms, args)]
     ones = one_gpu(sets, ms, args, fits=args.smoke or sizing["one_gpu_fits"])
+    recv = recv_modes(sets, rows, SMOKE_PROFILE_M if args.smoke else PROFILE_M, args)
     versus = []
     for m in ms:
         theirs = torch_interleaved(sets, m, args)
@@ -393,7 +414,8 @@ def worker(args) -> None:
         result = {"bench": "pipeline", "pp": args.pp, "model": sets, "sizing": sizing, "torch": torch.__version__,
                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "schedules": rows, **derived(rows, ones, args.pp), "one_gpu": ones,
-                  "interleaved_vs_torch": versus, "wall_s": round(time.perf_counter() - t0, 1)}
+                  "interleaved_vs_torch": versus, "recv_at_use_vs_ahead": recv,
+                  "wall_s": round(time.perf_counter() - t0, 1)}
         if prof is not None:
             result["profile"] = {"m": SMOKE_PROFILE_M if args.smoke else PROFILE_M, **prof}
         text = json.dumps(result, indent=1)

@@ -363,6 +363,11 @@ class ParallelConfig(Section):
                                              "versions (at least pp; unset = pp)")
     vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "
                                                    "entered stage 0 with")
+    pipeline_recv: Literal["at_use", "ahead"] = Field(
+        "at_use", description="when a pipeline stage posts a receive: at_use, after the action before the one that "
+                              "uses it (the transfer is on the critical path when the sender was early); ahead, one "
+                              "action earlier (the transfer hides under that action, but under NCCL the receive's "
+                              "kernel holds SMs while it waits for the peer, slowing that action)")
 
     @model_validator(mode="after")
     def _check_schedule(self) -> "ParallelConfig":

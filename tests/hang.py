@@ -41,8 +41,7 @@ def _rank(rank: int, port: int, reports: str, kind: str, device: str, timeout_s:
         time.sleep(12 * timeout_s)
         os._exit(0)
     if kind == "receive":
-        _, recvs = links.post([(False, 1, torch.empty(4, device=rt.device))])
-        recvs[0].wait()
+        links.post([(False, 1, torch.empty(4, device=rt.device))])[0].wait()
     else:
         all_reduce(torch.ones(4, device=rt.device), rt.dp_group, async_op=True).wait()
     if rt.device.type == "cuda":

@@ -52,6 +52,8 @@ def test_every_flush_schedule_at_pp2():
     layouts = [_pp(s) for s in ("naive", "gpipe", "1f1b", "zb-h1")]
     layouts += [["parallel.pp=2", *INTERLEAVED, "model.n_layers=4"],
                 _pp("1f1b", *UNEVEN), _pp("zb-h1", *UNEVEN, "memory.recompute=full"),
+                _pp("1f1b", "parallel.pipeline_recv=ahead"),  # receives posted one action early (p2p.py)
+                ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4", "parallel.pipeline_recv=ahead"],
                 GPT2_SGD + _pp("zb-h1"), GPT2_SGD + _pp("1f1b", "parallel.zero=2"), GPT2_SGD + ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4",
                                                      "memory.recompute=selective"]]
     _compare(layouts, world=2)

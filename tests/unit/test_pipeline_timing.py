@@ -12,14 +12,16 @@ from teratrain.parallel.pipeline.timing import measured_costs, transfer_s
 
 @pytest.mark.parametrize("name,pp,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("zb-h1", 4, 8, 1),
                                          ("interleaved-1f1b", 2, 4, 2), ("1f1b", 3, 5, 1)])
-def test_a_simulated_timeline_round_trips_through_measured_costs(name, pp, m, v):
+@pytest.mark.parametrize("rendezvous", [False, True])
+def test_a_simulated_timeline_round_trips_through_measured_costs(name, pp, m, v, rendezvous):
     S = pp * v
     send = [0.05 * (s + 1) for s in range(S - 1)]
     costs = Costs(forward_s=[1.0 + 0.1 * s for s in range(S)], backward_s=[2.0 + 0.3 * s for s in range(S)],
-                  weight_grad_s=[0.9 + 0.1 * s for s in range(S)] if name == "zb-h1" else None, send_s=send)
+                  weight_grad_s=[0.9 + 0.1 * s for s in range(S)] if name == "zb-h1" else None, send_s=send,
+                  rendezvous=rendezvous)
     sched = build(name, pp, m, v)
     measured = simulate(sched, costs).intervals
-    got = measured_costs(measured, pp, S)
+    got = measured_costs(measured, pp, S, rendezvous=rendezvous)
     assert got.send_s == pytest.approx(send)
     again = simulate(sched, got)
     assert again.bubble_fraction == pytest.approx(bubble_fraction(measured, pp))

@@ -6,20 +6,31 @@ NCCL runs one communicator's operations in order on one stream, so with a shared
 wait behind a receive in the other direction. Within a link, messages match in the order they are
 posted (FIFO), which is the order the schedule lists them in; no tags are needed.
 
-Sends are posted and never waited for until the end of the step (rule 1); receives are waited for
-before the next compute action (rule 2). Consecutive sends/receives of an action list are posted
-together, one `batch_isend_irecv` per link (a batch must stay within one process group).
+Sends are posted right after the action that computed them and waited for at the end of the step
+(rule 1); receives are waited for before the compute action that uses them (rule 2). Every rank posts
+in the order of its list, so a link's messages are posted in the same order at both ends. What the
+executor posts at one point goes in one `batch_isend_irecv` per link (a batch must stay within one
+process group, and with one group per direction a send and a receive never share one).
 
 Streams (NCCL): each link's communicator runs its kernels on a stream of its own, never behind
 compute on the compute stream. Posting an op makes that stream wait for the work already queued on
-the compute stream, which a send needs (it sends what that work computed) and a receive pays little
-for: the executor posts it before the compute action that precedes its consumer is queued, so it
-waits only for the action before that one and its transfer overlaps the action between. `wait()`
-makes the compute stream, not the host, wait for the op to end, and a posted batch keeps its tensors
-referenced until it is done, so a buffer is neither freed nor reused under a running transfer.
-(Receiving on a side stream instead, free of the compute stream, was considered: it would start a
-receive's kernel earlier, spinning on SMs beside compute, and the transfer would still end in the
-same action's shadow; the profile in bench/pipeline.py --profile shows what communication is exposed.)
+the compute stream, which a send needs (it sends what that work computed). `wait()` makes the compute
+stream, not the host, wait for the op to end, and a posted batch keeps its tensors referenced until it
+is done, so a buffer is neither freed nor reused under a running transfer.
+
+When to post a receive (`parallel.pipeline_recv`, runtime.py `plan`). NCCL moves a message with a
+kernel on each side, and the one posted first spins on its SMs until the other is posted. `at_use`
+(the default) posts a receive once the action before its consumer is queued: its kernel starts when
+that action ends, while the consumer waits for it anyway, and the transfer (about 0.1 ms for a
+16 MiB activation over NVLink, bench/results/pipeline_h100x2.json) is exposed when the message was
+ready before. `ahead` posts it one action earlier so that the transfer hides under that action, but
+while the peer has not sent yet its kernel spins beside that action and slows it. On 2 x H100 (same
+file) 1F1B's last stage ran its B in 25.4 ms with the next receive spinning beside it, against
+21.5 ms under GPipe, where nothing spins beside it; stage 0 its F in 10.8 ms (a receive spinning
+beside it) against 8.8 ms under GPipe, whose B on stage 0 has the spinning receive instead (22.5 ms
+against 18.8 ms): 3.9 ms of each 36 ms micro-batch on the rank that sets 1F1B's pace.
+Megatron's non-interleaved 1F1B, too, receives where it uses a message (send_forward_recv_backward
+after the forward); its interleaved schedule's `overlap_p2p_comm` is our `ahead`.
 """
 
 from __future__ import annotations
@@ -50,26 +61,25 @@ class Links:
                 self.groups[(src, dst)] = (mesh.group(name), peer)
         warm = [(src == self.me, dst if src == self.me else src, torch.zeros(1, device=device))
                 for src, dst in sorted(self.groups)]
-        for batch in sum(self.post(warm), []):
+        for batch in set(self.post(warm)):
             batch.wait()
 
-    def post(self, ops: list[tuple[bool, int, torch.Tensor]]) -> tuple[list["Batch"], list["Batch"]]:
-        """Post (is_send, peer pipeline coordinate, tensor) operations, one batch per link; returns
-        (send batches, receive batches), each with `.wait()` (a directed link's batch on one rank is
+    def post(self, ops: list[tuple[bool, int, torch.Tensor]]) -> list["Batch"]:
+        """Post (is_send, peer pipeline coordinate, tensor) operations in their order, one batch per
+        link; returns each op's batch (ops on one link share it; a directed link's batch on one rank is
         all sends or all receives)."""
         by_link: dict[tuple[int, int], list] = {}
         for send, peer, t in ops:
             link = (self.me, peer) if send else (peer, self.me)
             group, global_peer = self.groups[link]
             by_link.setdefault(link, []).append(dist.P2POp(dist.isend if send else dist.irecv, t, global_peer, group))
-        sends, recvs = [], []
+        posted = {}
         for (src, dst), batch in by_link.items():
             group, peer = self.groups[(src, dst)]
             what = f"send to rank {peer}" if src == self.me else f"receive from rank {peer}"
-            posted = Batch(inflight.launch(what, group, lambda b=batch: dist.batch_isend_irecv(b)),
-                           [op.tensor for op in batch])
-            (sends if src == self.me else recvs).append(posted)
-        return sends, recvs
+            posted[(src, dst)] = Batch(inflight.launch(what, group, lambda b=batch: dist.batch_isend_irecv(b)),
+                                       [op.tensor for op in batch])
+        return [posted[(self.me, peer) if send else (peer, self.me)] for send, peer, _ in ops]
 
 
 class Batch:

@@ -83,6 +83,7 @@ class PipelineExecutor:
         self.dtype = next(iter(self.chunks[0].blocks.parameters())).dtype
         self.device = rt.device
         self.links = Links(rt.mesh, _links(self.pp, p.virtual_stages), rt.device)
+        self.recv_ahead = p.pipeline_recv == "ahead"  # when receives are posted (p2p.py)
         self.pp_group = rt.group("pp")
         self.run_dir, self.time_every_call, self.audit = run_dir, time_every_call, audit
         self.calls = 0
@@ -134,7 +135,7 @@ class PipelineExecutor:
             chunks = f" x {p.virtual_stages} chunks" if p.virtual_stages > 1 else ""
             title = (f"{p.schedule}: pp={self.pp}{chunks}, {sched.num_microbatches} micro-batches; measured step "
                      "(below) and the simulator's prediction from the same per-stage action times (above)")
-            plot(Path(self.run_dir) / "pipeline.png", sched, self.intervals, title)
+            plot(Path(self.run_dir) / "pipeline.png", sched, self.intervals, title, rendezvous=not self.recv_ahead)
 
     def message_shape(self, x: torch.Tensor) -> tuple[int, int, int]:
         B, T = x.shape
@@ -167,40 +168,36 @@ class _Call:
         self.split = train and any(a.kind == I for a in acts)  # forwards record for I and W (saved.py)
         self.saved: dict[tuple[int, int], SplitSaved] = {}
         self.aux = {}  # micro-batch -> this rank's MoE aux losses (detached), summed over its chunks
-        self.sends = []  # posted send batches: waited for when the list is done
+        self.sends = []  # posted send batches: waited for when the list is done (or dropped once done)
         self.stats = None
         self.versions = WeightVersions(ex.model, acts) if train and is_async(acts) else None
         self.sync_at, self.seed_weight = _update_windows(acts, len(micro))
 
     def run(self) -> None:
-        """Walk the list. Before compute action k: post the sends listed before it, wait for its
-        receives, and post the receives listed before action k+1, so their transfer overlaps
-        action k (posting early keeps each link's order and needs only their buffers)."""
+        """Walk the list as `plan` orders its communication (p2p.py says when receives are posted)."""
         if self.versions is not None:
             self.versions.made(0, -1)
             self._record(Action("START", -1, version=0), None)
-        steps = _comm_groups(self.acts)
-        posted = self._post([a for a in steps[0][1] if a.kind in RECVS])
-        for k, (i, comm, a) in enumerate(steps):
-            self._post([c for c in comm if c.kind in SENDS])
-            nxt = self._post([c for c in steps[k + 1][1] if c.kind in RECVS]) if k + 1 < len(steps) else []
-            for batch in posted:
-                batch.wait()
-            posted = nxt
-            if a is None:
-                break
-            with self.clock.span(a) if self.clock else contextlib.nullcontext(), record_function(f"pipeline.{a.kind}"):
-                self._compute(i, a)
-            if self.versions is not None:
-                self.versions.release(i)
+        posted: dict[Action, object] = {}  # a posted receive -> its batch
+        for step in plan(self.acts, ahead=self.ex.recv_ahead):
+            if step[0] == "post":
+                posted.update(self._post(step[1]))
+            elif step[0] == "wait":
+                for batch in {posted.pop(r) for r in step[1]}:
+                    batch.wait()
+            else:
+                _, i, a = step
+                with self.clock.span(a) if self.clock else contextlib.nullcontext(), \
+                        record_function(f"pipeline.{a.kind}"):
+                    self._compute(i, a)
+                if self.versions is not None:
+                    self.versions.release(i)
         for batch in self.sends:
             batch.wait()
 
-    def _post(self, comm: list[Action]) -> list:
-        """Post sends (of tensors already computed) or receives (into new buffers); returns the
-        receive batches."""
-        if not comm:
-            return []
+    def _post(self, comm: list[Action]) -> dict[Action, object]:
+        """Post sends (of tensors already computed) and receives (into new buffers), in list order;
+        returns each receive's batch."""
         ops = []
         for a in comm:
             key = (F if a.kind in (RECV_F, SEND_F) else B, a.microbatch, a.chunk)
@@ -214,9 +211,10 @@ class _Call:
                 buf = torch.empty(self.shape, dtype=self.ex.dtype, device=self.ex.device)
                 self.inbox[key] = buf
                 ops.append((False, a.peer, buf))
-        sends, recvs = self.ex.links.post(ops)
+        batches = self.ex.links.post(ops)
+        sends = list(dict.fromkeys(b for (send, _, _), b in zip(ops, batches) if send))
         self.sends = [b for b in self.sends if not b.done()] + sends  # a finished send lets go of its tensor
-        return recvs
+        return {a: b for a, (send, _, _), b in zip(comm, ops, batches) if not send}
 
     def _compute(self, i: int, a: Action) -> None:
         if a.kind == F:
@@ -319,6 +317,24 @@ class _Call:
         if self.ex.audit:
             rec["sum"] = checksum(w.values()) if w is not None else checksum(p for _, p in v.named)
         self.ex.records.append(rec)
+
+
+def plan(acts, ahead: bool) -> list[tuple]:
+    """The executor's walk of one action list: ("post", communication), ("wait", receives) and
+    ("run", position, compute action or STEP), in order. Everything is posted in list order, so each
+    directed link's messages are posted in the same order at both ends (actions.py rule 3); sends go
+    right after the action that made them; each receive is waited for just before the compute action
+    it is listed before, and posted after the action before that one (`ahead`: before it, so that its
+    transfer overlaps it)."""
+    steps = _comm_groups(acts)
+    recvs = lambda comm: [c for c in comm if c.kind in RECVS]  # noqa: E731
+    out: list[tuple] = [("post", recvs(steps[0][1]))] if ahead else []
+    for k, (i, comm, a) in enumerate(steps):
+        now = [c for c in comm if c.kind in SENDS] if ahead else list(comm)
+        if ahead and k + 1 < len(steps):
+            now += recvs(steps[k + 1][1])
+        out += [("post", now), ("wait", recvs(comm))] + ([("run", i, a)] if a is not None else [])
+    return [step for step in out if step[0] == "run" or step[1]]  # no empty posts or waits
 
 
 def _comm_groups(acts) -> list[tuple[int, list[Action], Action | None]]:

@@ -5,7 +5,9 @@ Execution model (the one an executor must honour, actions.py rules 1-3):
 - a compute action (F, B, I, W, STEP) starts when the rank reaches it and takes its stage's time;
 - a SEND takes no rank time and never blocks: the message leaves when the rank reaches the SEND;
 - a RECV waits until its matching SEND was issued plus the transfer time of that boundary, then
-  takes no further time (so the rank is idle while it waits).
+  takes no further time (so the rank is idle while it waits). With `Costs.rendezvous` (the executor's
+  default, parallel.pipeline_recv=at_use, p2p.py) the transfer starts only once the receiving rank has
+  reached the RECV too: a RECV reached after its message was sent then costs the transfer time.
 A list that cannot complete (every unfinished rank waits on a RECV whose SEND is never reached)
 raises `Deadlock`, naming the ranks, the actions they wait at, and the cycle they form.
 
@@ -32,6 +34,7 @@ class Costs:
     weight_grad_s: Number | None = None  # W; unset = half of B. I takes B - W
     send_s: Number = 0.0  # transfer of the activation (or its gradient) across boundary s | s+1
     step_s: float = 0.0  # one optimizer STEP on a rank
+    rendezvous: bool = False  # a transfer starts when both its SEND and its RECV are reached
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
         def vec(x: Number, what: str, n: int) -> list[float]:
@@ -100,6 +103,7 @@ def simulate(sched: Schedule, costs: Costs = Costs()) -> Timeline:
     pp = sched.pp
     ops = _compile(sched, costs)
     pos, clock = [0] * pp, [0.0] * pp
+    reached = [0.0] * pp  # when each rank ended its last compute action: where it posts the RECVs after it
     issued: dict[tuple, float] = {}
     runs: list[list[tuple]] = [[] for _ in range(pp)]  # (start, end, action) per rank
     while True:
@@ -112,12 +116,13 @@ def simulate(sched: Schedule, costs: Costs = Costs()) -> Timeline:
                     sent = issued.get(x)
                     if sent is None:
                         break
-                    c = max(c, sent + y)
+                    c = max(c, max(sent, reached[r]) + y if costs.rendezvous else sent + y)
                 elif op == "send":
                     issued[x] = c
                 else:
                     run.append((c, c + y, x))
                     c += y
+                    reached[r] = c
                 i += 1
             progress |= i > pos[r]
             pos[r], clock[r] = i, c

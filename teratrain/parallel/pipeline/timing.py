@@ -68,9 +68,11 @@ class Clock:
                 for (s, e), (_, _, a) in zip(self.host, self.spans)]
 
 
-def measured_costs(intervals: list[Interval], pp: int, num_stages: int, transfers: bool = True) -> Costs:
+def measured_costs(intervals: list[Interval], pp: int, num_stages: int, transfers: bool = True,
+                   rendezvous: bool = False) -> Costs:
     """Per-stage median seconds of F, B (or I + W) and STEP, as the simulator takes them, and (with
-    `transfers`) each boundary's transfer time from `transfer_s`."""
+    `transfers`) each boundary's transfer time from `transfer_s`; `rendezvous`: the executor posted
+    receives where they are used (simulate.py)."""
     by = defaultdict(list)
     for iv in intervals:
         by[(iv.kind, iv.chunk * pp + iv.rank)].append(iv.end - iv.start)
@@ -84,7 +86,7 @@ def measured_costs(intervals: list[Interval], pp: int, num_stages: int, transfer
     steps = [iv.end - iv.start for iv in intervals if iv.kind == STEP]
     send = transfer_s(intervals, pp, num_stages) if transfers else 0.0
     return Costs(forward_s=fwd, backward_s=bwd, weight_grad_s=wgrad, step_s=statistics.median(steps) if steps else 0.0,
-                 send_s=send)
+                 send_s=send, rendezvous=rendezvous)
 
 
 def transfer_s(intervals: list[Interval], pp: int, num_stages: int) -> list[float]:
@@ -112,15 +114,15 @@ def transfer_s(intervals: list[Interval], pp: int, num_stages: int) -> list[floa
     return [0.0 if b == float("inf") else b for b in best]
 
 
-def predicted(sched: Schedule, measured: list[Interval]) -> list[Interval]:
+def predicted(sched: Schedule, measured: list[Interval], rendezvous: bool = False) -> list[Interval]:
     """The simulator's timeline of `sched` with the measured per-stage action times."""
-    return simulate(sched, measured_costs(measured, sched.pp, sched.num_stages)).intervals
+    return simulate(sched, measured_costs(measured, sched.pp, sched.num_stages, rendezvous=rendezvous)).intervals
 
 
-def plot(path, sched: Schedule, measured: list[Interval], title: str) -> float:
+def plot(path, sched: Schedule, measured: list[Interval], title: str, rendezvous: bool = False) -> float:
     """Write the measured timeline under the simulator's prediction; returns the measured bubble."""
     from teratrain.parallel.pipeline.plot import plot_timeline
 
-    plot_timeline(str(path), predicted(sched, measured), measured, num_ranks=sched.pp, title=title,
+    plot_timeline(str(path), predicted(sched, measured, rendezvous), measured, num_ranks=sched.pp, title=title,
                   unit="ms", scale=1e3)
     return bubble_fraction(measured, sched.pp)
