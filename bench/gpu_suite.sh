@@ -10,6 +10,8 @@
 #
 # Pieces (N = every visible GPU; seconds = the limit of each):
 #   matrix     bench/layouts.py --gpus N on real text (.bench_data/llama32k.bin when present)   570 s
+#              (MATRIX_GPUS=2 MATRIX_ONLY=ep2,ep2-zero1: fewer GPUs, chosen layouts)
+#   small      the same matrix at small shapes (what tests/gpu/test_layouts_nccl.py runs)        300 s
 #   tp         bench/tensor_parallel.py at tp=N, both widths, with a profile                    300 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
 #   pipeline   bench/pipeline.py at pp=N                                                         240 s
@@ -46,7 +48,10 @@ piece() {  # name limit command...: run one piece, its output appended to OUTDIR
 
 for p in "$@"; do
     case $p in
-        matrix)   piece matrix 570 "$py" bench/layouts.py --gpus "$n" "${tokens[@]}" $smoke --out "$out/layouts.json" ;;
+        matrix)   piece matrix 570 "$py" bench/layouts.py --gpus "${MATRIX_GPUS:-$n}" ${MATRIX_ONLY:+--only "$MATRIX_ONLY"} \
+                      "${tokens[@]}" $smoke --out "$out/layouts${MATRIX_GPUS:+_$MATRIX_GPUS}.json" ;;
+        small)    piece small 300 "$py" bench/layouts.py --gpus "$n" --small --fp32-steps 3 --bf16-steps 5 $smoke \
+                      --out "$out/layouts_small.json" ;;
         tp)       piece tp 300 "${tr[@]}" bench/tensor_parallel.py --profile $smoke --out "$out/tp.json" ;;
         moe)      piece moe 240 "${tr[@]}" bench/moe.py --ep "$eps" $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py $smoke --out "$out/pipeline.json" ;;
@@ -59,6 +64,6 @@ for p in "$@"; do
                       $smoke --table --out "$out/pick.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, tp, moe, pipeline, fsdp2, planner, scaling, reshard)"; exit 2 ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, moe, pipeline, fsdp2, planner, scaling, reshard)"; exit 2 ;;
     esac
 done
