@@ -8,8 +8,10 @@ and what one training step of a tp=2 model costs the host with and without seque
 
 Per collective (tiny tensors, so the figures are host time): `issue_us` is the time to launch one of
 `burst` asynchronous collectives in a row (nothing waited in between: the host runs ahead, as in a
-training step, and every one of them is pending in the registry at once), `wait_us` the time to then
-wait for each. Per step: the model of `--fake` is 8 tiny blocks at tp=2 (bf16 autocast, AdamW,
+training step, and every one of them is pending in the registry at once; on a GPU a spin kernel keeps
+the device busy meanwhile, so none completes early), `wait_us` the time to then wait for each (under
+NCCL a wait only orders the stream). The fake process group's works never complete before their wait,
+so the same holds there. Per step: the model of `--fake` is 8 tiny blocks at tp=2 (bf16 autocast, AdamW,
 clipping); under the fake process group collectives cost nothing, so the step time is the host's own
 work, the same code path as on GPUs. The JSON gives each figure for ours and for raw where both exist.
 """
@@ -65,6 +67,8 @@ def collectives(group, device, burst: int, rounds: int) -> dict:
             for r in range(rounds + 2):
                 _sync(device)
                 dist.barrier(group)
+                if device.type == "cuda":  # the device busy for ~50 ms: every collective of the burst stays pending
+                    torch.cuda._sleep(100_000_000)
                 t0 = time.perf_counter()
                 works = [call() for _ in range(burst)]
                 t1 = time.perf_counter()
@@ -109,8 +113,9 @@ def registry(bursts=(16, 64, 128, 256, 1024), calls: int = 20000) -> dict:
 
 
 def watchdog_share(seconds: float = 3.0, pending: int = 200) -> dict:
-    """Main-thread throughput of a pure-Python loop with `pending` operations registered, without and
-    with the watchdog thread polling them (it competes for the GIL)."""
+    """What the watchdog thread takes from the main thread (it holds the GIL while it polls): the cost
+    of one poll with `pending` operations registered, its share of the poll interval, and the measured
+    change in a pure-Python loop's throughput once the thread runs (noise-level on a shared machine)."""
 
     class Pending:
         def wait(self):
@@ -129,11 +134,16 @@ def watchdog_share(seconds: float = 3.0, pending: int = 200) -> dict:
     inflight.reset()
     for _ in range(pending):
         inflight.launch("all-reduce", None, Pending)
+    t0 = time.perf_counter()
+    for _ in range(100):
+        inflight.oldest_pending()  # what the watchdog does once per poll
+    poll_us = (time.perf_counter() - t0) / 100 * 1e6
     alone = spin()
     inflight.start_watchdog(3600.0, 0)
     watched = spin()
     inflight.reset()
-    return {"pending": pending, "poll_s": inflight.POLL_S, "slowdown": round(1 - watched / alone, 4)}
+    return {"pending": pending, "poll_s": inflight.POLL_S, "poll_us": round(poll_us, 1),
+            "share": round(poll_us * 1e-6 / inflight.POLL_S, 6), "measured_slowdown": round(1 - watched / alone, 4)}
 
 
 def step_host(steps: int) -> dict:
@@ -174,7 +184,9 @@ def main() -> None:
 
         os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-        result = {"backend": "fake", "registry": registry(), "step": step_host(5 if args.smoke else 20),
+        burst, rounds = (16, 3) if args.smoke else (146, 20)
+        result = {"backend": "fake", "collectives": collectives(dist.group.WORLD, torch.device("cpu"), burst, rounds),
+                  "registry": registry(), "step": step_host(5 if args.smoke else 20),
                   "watchdog": watchdog_share(1.0 if args.smoke else 3.0)}
         emit(result, args.out)
         return

@@ -59,13 +59,13 @@ def top_ops(prof, device: torch.device, steps: int, top: int) -> list[dict]:
 
 
 def host_account(prof, steps: int, top: int = 10) -> dict:
-    """Where the host's time goes, per step: the CUDA runtime calls (cudaLaunchKernel, and any that
+    """Where the host's time goes, per step: the CUDA runtime and driver calls (cudaLaunchKernel, and any that
     block the host: cudaStreamSynchronize, cudaEventSynchronize, cudaMemcpy, cudaMalloc, cudaFree...)
     by total time, and the ops with the most self CPU time. A device that idles while the host is
     busy (issue 20) shows here as the call or op that took the time."""
-    rows = prof.key_averages()
-    runtime = sorted((e for e in rows if e.key.startswith("cuda")), key=lambda e: e.cpu_time_total, reverse=True)
-    ops = sorted((e for e in rows if not e.key.startswith("cuda")), key=lambda e: e.self_cpu_time_total, reverse=True)
+    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.cpu_time_total > 0]
+    runtime = sorted((e for e in rows if e.key.startswith("cu")), key=lambda e: e.cpu_time_total, reverse=True)
+    ops = sorted((e for e in rows if not e.key.startswith("cu")), key=lambda e: e.self_cpu_time_total, reverse=True)
     per = 1e-3 / steps
     return {"runtime_calls": [{"call": e.key, "ms": round(e.cpu_time_total * per, 3), "calls": e.count // steps}
                               for e in runtime[:top]],
