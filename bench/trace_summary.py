@@ -29,6 +29,7 @@ def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> 
                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     out = kernel_account(kernels, steps)
     out["top_ops"] = top_ops(prof, device, steps, top)
+    out["host"] = host_account(prof, steps)
     return out
 
 
@@ -55,6 +56,21 @@ def top_ops(prof, device: torch.device, steps: int, top: int) -> list[dict]:
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
     return [{"op": e.key, "self_ms": round(getattr(e, attr) / 1e3 / steps, 3), "calls": e.count // steps}
             for e in rows]
+
+
+def host_account(prof, steps: int, top: int = 10) -> dict:
+    """Where the host's time goes, per step: the CUDA runtime and driver calls (cudaLaunchKernel, and any that
+    block the host: cudaStreamSynchronize, cudaEventSynchronize, cudaMemcpy, cudaMalloc, cudaFree...)
+    by total time, and the ops with the most self CPU time. A device that idles while the host is
+    busy (issue 20) shows here as the call or op that took the time."""
+    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.cpu_time_total > 0]
+    runtime = sorted((e for e in rows if e.key.startswith("cu")), key=lambda e: e.cpu_time_total, reverse=True)
+    ops = sorted((e for e in rows if not e.key.startswith("cu")), key=lambda e: e.self_cpu_time_total, reverse=True)
+    per = 1e-3 / steps
+    return {"runtime_calls": [{"call": e.key, "ms": round(e.cpu_time_total * per, 3), "calls": e.count // steps}
+                              for e in runtime[:top]],
+            "top_cpu_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total * per, 3), "calls": e.count // steps}
+                            for e in ops[:top]]}
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

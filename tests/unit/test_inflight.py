@@ -1,0 +1,35 @@
+"""The hang registry (parallel/inflight.py) costs a launch O(1) however many operations are pending:
+the host runs a step's collectives ahead of the GPU, and a registry that looked at every pending one
+on each launch made the step quadratic in its collectives (issue 20)."""
+
+from __future__ import annotations
+
+from teratrain.parallel import inflight
+
+
+class _Work:
+    def __init__(self, done: bool):
+        self.done, self.asked = done, 0
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return self.done
+
+
+def test_launches_ask_pending_operations_a_bounded_number_of_times():
+    inflight.reset()
+    pending = [_Work(False) for _ in range(1000)]
+    for w in pending:  # a long step's worth, none complete yet
+        inflight.launch("all-gather", None, lambda w=w: w)
+    done = _Work(True)
+    for _ in range(4000):
+        inflight.launch("reduce-scatter", None, lambda: done).wait()
+    asked = sum(w.asked for w in pending)
+    assert asked <= 3 * (1000 + 4000), f"pending operations were asked {asked} times over 5000 launches"
+    op = inflight.oldest_pending()
+    assert op is not None and op.what == "all-gather"  # still named by the watchdog
+    assert len(inflight._ops) == 1000  # completed ones dropped, pending ones kept
+    inflight.reset()
