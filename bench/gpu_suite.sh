@@ -14,6 +14,7 @@
 #   small      the same matrix at small shapes (what tests/gpu/test_layouts_nccl.py runs)        300 s
 #   tp         bench/tensor_parallel.py at tp=N, both widths, with a profile                    300 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
+#   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
 #   pipeline   bench/pipeline.py at pp=N                                                         240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
 #   planner    bench/planner_validate.py --gpus N, then its --check-pick on what it measured    420 s
@@ -53,6 +54,7 @@ for p in "$@"; do
         small)    piece small 300 "$py" bench/layouts.py --gpus "$n" --small --fp32-steps 3 --bf16-steps 5 $smoke \
                       --out "$out/layouts_small.json" ;;
         tp)       piece tp 300 "${tr[@]}" bench/tensor_parallel.py --profile $smoke --out "$out/tp.json" ;;
+        comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
         moe)      piece moe 240 "${tr[@]}" bench/moe.py --ep "$eps" $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py $smoke --out "$out/pipeline.json" ;;
         fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
@@ -64,6 +66,6 @@ for p in "$@"; do
                       $smoke --table --out "$out/pick.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, moe, pipeline, fsdp2, planner, scaling, reshard)"; exit 2 ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, comm, moe, pipeline, fsdp2, planner, scaling, reshard)"; exit 2 ;;
     esac
 done
