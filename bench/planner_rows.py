@@ -54,16 +54,19 @@ def _dp(gb: int, mb: int, *extra: str) -> tuple[str, ...]:
     return (f"train.global_batch={gb}", f"train.micro_batch={mb}", *extra)
 
 
+def _dp_rows(n: int) -> list[Row]:
+    """Data parallelism over n GPUs: each ZeRO stage at 4 sequences per GPU in micro-batches of 2, plus
+    ZeRO-3 with full recompute at micro-batch 4 and ZeRO-2 with the optimizer offloaded (held out)."""
+    return [*[Row(f"dp{n} zero{z}", _dp(4 * n, 2, f"parallel.zero={z}")) for z in range(4)],
+            Row(f"dp{n} zero3 mb4 full", _dp(4 * n, 4, "parallel.zero=3", "memory.recompute=full"), True),
+            Row(f"dp{n} zero2 offload", _dp(2 * n, 2, "parallel.zero=2", "parallel.offload=optimizer"), True)]
+
+
 def rows_2() -> list[Row]:
     """Every form of each parallelism 2 GPUs hold, and what composes on 2."""
     tp = ("parallel.tp=2",)
     return [
-        Row("dp2 zero0", _dp(8, 2, "parallel.zero=0")),
-        Row("dp2 zero1", _dp(8, 2, "parallel.zero=1")),
-        Row("dp2 zero2", _dp(8, 2, "parallel.zero=2")),
-        Row("dp2 zero3", _dp(8, 2, "parallel.zero=3")),
-        Row("dp2 zero3 mb4 full", _dp(8, 4, "parallel.zero=3", "memory.recompute=full"), True),
-        Row("dp2 zero2 offload", _dp(4, 2, "parallel.zero=2", "parallel.offload=optimizer"), True),
+        *_dp_rows(2),
         Row("tp2 megatron+sp", _dp(4, 2, *tp)),
         Row("tp2 megatron", _dp(4, 2, *tp, "parallel.sequence_parallel=false")),
         Row("tp2 all-gather", _dp(4, 2, *tp, "parallel.tp_form=all-gather")),
@@ -92,12 +95,7 @@ def rows_4() -> list[Row]:
     """The 2-GPU forms at 4, and their compositions: tp x dp, pp x dp, pp x tp, ep x dp, ep x tp x dp."""
     tp2, tp4 = ("parallel.tp=2",), ("parallel.tp=4",)
     return [
-        Row("dp4 zero0", _dp(16, 2, "parallel.zero=0")),
-        Row("dp4 zero1", _dp(16, 2, "parallel.zero=1")),
-        Row("dp4 zero2", _dp(16, 2, "parallel.zero=2")),
-        Row("dp4 zero3", _dp(16, 2, "parallel.zero=3")),
-        Row("dp4 zero3 mb4 full", _dp(16, 4, "parallel.zero=3", "memory.recompute=full"), True),
-        Row("dp4 zero2 offload", _dp(8, 2, "parallel.zero=2", "parallel.offload=optimizer"), True),
+        *_dp_rows(4),
         Row("tp4 megatron+sp", _dp(4, 2, *tp4)),
         Row("tp4 megatron", _dp(4, 2, *tp4, "parallel.sequence_parallel=false"), True),
         Row("tp4 all-gather", _dp(4, 2, *tp4, "parallel.tp_form=all-gather"), True),
