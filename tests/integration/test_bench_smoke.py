@@ -2,6 +2,7 @@
 so the scripts the GPU runs use are tested code. The GPU figures themselves are in bench/README.md."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,19 @@ def test_bench_smoke(script, tmp_path):
                     "dtensor_sp"):
         assert shape[variant]["tokens_per_s"] > 0, variant
     assert shape["ours_sp_chunked2"]["profile"]["top_ops"] and shape["dtensor_sp"]["profile"]["top_ops"]
+
+
+def test_gpu_suite_runs_the_layout_matrix_and_the_collectives_on_cpu(tmp_path):
+    """bench/gpu_suite.sh, the one command a GPU machine runs, in its CPU form: the matrix (one dense and
+    one MoE layout, each against one process with its bf16 noise floor) and the collectives' host time."""
+    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "MATRIX_ONLY": "dp2-zero1,ep2"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "matrix", "comm"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "layouts.json").read_text())["layouts"]}
+    assert set(rows) == {"dp2-zero1", "ep2"} and all(r["ok"] for r in rows.values()), rows
+    assert all(r["fp32_rel_err"] < 1e-4 and 0 <= r["bf16_noise_floor"] < r["bf16_tol"] for r in rows.values())
+    collectives = json.loads((tmp_path / "comm_host.json").read_text())["collectives"]
+    assert collectives["all_reduce_ours"]["issue_us"] > 0
+    log = (tmp_path / "suite.log").read_text()
+    assert "== matrix: status 0" in log and "== comm: status 0" in log
