@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
+from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner import activations as act
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU, GPUS
@@ -77,7 +78,10 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     per_block = act.block_saved(shape, w, n, T, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
-    return {"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy,
+    split = lay.pp > 1 and config_name(lay.schedule) == "zb-h1"
+    w_pass = act.weight_pass_held(shape, w, layers, n, T, last=True, tp=lay.tp, sp=lay.sequence_parallel,
+                                  dropout=train.dropout, form=lay.tp_form, ep=lay.ep) if split else 0
+    return {"w_pass_last": w_pass,"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy,
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
@@ -153,8 +157,10 @@ def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
     base = {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
             "grads": 0 if progressive else grads_held}
     module = act.rope_tables(shape) + eng["gathered"]
-    # pipeline: the first stage holds k micro-batches, the last one (and the loss); take the worse
-    S = int(max(k_inflight * (saved["blocks"] + saved["first"]), saved["blocks"] + saved["last"]))
+    # pipeline: the first stage holds k micro-batches, the last one (and the loss); take the worse.
+    # ZB-H1's last stage also holds pp - 1 micro-batches waiting for their W (weight_pass_held)
+    last = saved["blocks"] + saved["last"] + (lay.pp - 1) * saved["w_pass_last"]
+    S = int(max(k_inflight * (saved["blocks"] + saved["first"]), last))
     copies = int(k_inflight * saved["copies"])
     # autocast caches every weight cast until the forward's autocast context exits, even under
     # checkpointing (the recomputed segments cast again in backward)

@@ -112,15 +112,17 @@ def _depths(intermediates: set, inputs: set, rev: dict) -> dict:
 def _batched(groups: list[dict], depth: dict) -> list[dict]:
     """Groups of one intermediate at the same depth merged into one: none reaches another, so one
     autograd call runs each one's weight half and nothing between them (fewer calls, each of
-    which walks the graph below its roots)."""
+    which walks the graph below its roots). Groups of vectors only (norm scales) stay apart: I
+    computes them (`early`)."""
     out, by_depth = [], {}
     for g in groups:
+        early = all(w.dim() <= 1 for w in g["weights"].values())
         if len(g["nodes"]) > 1:
-            out.append({**g, "clamp": True})
+            out.append({**g, "clamp": True, "early": early})
             continue
-        d = depth[g["nodes"][0]]
+        d = (depth[g["nodes"][0]], early)
         if d not in by_depth:
-            by_depth[d] = {"weights": {}, "nodes": [], "clamp": False}
+            by_depth[d] = {"weights": {}, "nodes": [], "clamp": False, "early": early}
             out.append(by_depth[d])
         by_depth[d]["weights"].update(g["weights"])
         by_depth[d]["nodes"] += g["nodes"]
@@ -142,7 +144,13 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
                    weights: list[torch.Tensor], saved: SplitSaved | None = None) -> list[dict]:
     """I: set x.grad to d(out)/dx (given d(out) = `grad`, or `grad` as the seed of a scalar loss) and
     return what W needs. With `saved` (the forward ran under `saved.recording()`), the tensors only
-    I needed are freed as it goes."""
+    I needed are freed as it goes.
+
+    Groups of vectors only (`early`: RMSNorm/LayerNorm scales, whose weight gradient is one
+    elementwise product and a sum) are computed here, right after I, into gradients of their own
+    size: deferred, each would hold two activation-sized tensors (its normalized input and the
+    gradient arriving at it, fp32 under autocast) for a gradient of d numbers, about a third of what
+    a Llama block's W holds otherwise. W then accumulates them (backward_weight)."""
     groups, run_by_w = _groups(out, x, weights)
     handles = []
     for g in groups:
@@ -157,24 +165,46 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     finally:
         for h in handles:
             h.remove()
+    early = [g for g in groups if g["early"]]
+    for g in early:
+        g["done"] = _weight_grads(g, lambda edges, grads, ws: torch.autograd.grad(
+            edges, ws, grads, retain_graph=True, allow_unused=True))
+        g["grads"] = None
+    if saved is not None:
+        saved.release([node for g in early for node in g["nodes"]])
     return groups
 
 
+def _weight_grads(g: dict, run):
+    """run(edges, grads, weights) from the group's intermediates with their kept gradients (None
+    when no gradient reached them). A group of several intermediates clamps each to its kept
+    gradient, so that what flows from one into another does not count twice."""
+    edges, grads = [], []
+    for node, kept in zip(g["nodes"], g["grads"]):
+        for i, t in enumerate(kept or ()):
+            if t is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(t)
+    if not edges:
+        return None
+    handles = [node.register_prehook(lambda _, kept=kept: kept) for node, kept in zip(g["nodes"], g["grads"])
+               if kept is not None] if g["clamp"] else []
+    try:
+        return run(edges, grads, list(g["weights"].values()))
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def backward_weight(groups: list[dict]) -> None:
-    """W: accumulate every group's weight gradients into `.grad` (through AccumulateGrad)."""
+    """W: accumulate every group's weight gradients into `.grad` (through AccumulateGrad, so the
+    engines' gradient hooks fire here, as in a whole backward); an early group's, computed by I."""
     for n, g in enumerate(groups):
-        edges, grads = [], []
-        for node, kept in zip(g["nodes"], g["grads"]):
-            for i, t in enumerate(kept or ()):
-                if t is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(t)
-        if not edges:
+        if g["early"]:
+            pairs = [(w, d) for w, d in zip(g["weights"].values(), g["done"] or ()) if d is not None]
+            if pairs:
+                torch.autograd.backward([w for w, _ in pairs], [d for _, d in pairs])
             continue
-        handles = [node.register_prehook(lambda _, kept=kept: kept) for node, kept in zip(g["nodes"], g["grads"])
-                   if kept is not None] if g["clamp"] else []
-        try:
-            torch.autograd.backward(edges, grads, inputs=list(g["weights"].values()), retain_graph=n + 1 < len(groups))
-        finally:
-            for h in handles:
-                h.remove()
+        retain = any(not h["early"] for h in groups[n + 1:])
+        _weight_grads(g, lambda edges, grads, ws: torch.autograd.backward(edges, grads, inputs=ws,
+                                                                          retain_graph=retain))

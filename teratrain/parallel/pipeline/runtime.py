@@ -167,6 +167,7 @@ class _Call:
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
         self.split = train and any(a.kind == I for a in acts)  # forwards record for I and W (saved.py)
         self.saved: dict[tuple[int, int], SplitSaved] = {}
+        self.casts: dict = {}  # weight casts shared by the step's micro-batches (SplitSaved)
         self.aux = {}  # micro-batch -> this rank's MoE aux losses (detached), summed over its chunks
         self.sends = []  # posted send batches: waited for when the list is done (or dropped once done)
         self.stats = None
@@ -239,7 +240,7 @@ class _Call:
         chunk = self.ex.chunks[a.chunk]
         x_tokens, y = self.micro[a.microbatch]
         w = self.versions.weights(a.version) if self.versions is not None else None
-        saved = SplitSaved() if self.split else None  # (compression is refused with a split backward)
+        saved = SplitSaved(self.casts) if self.split else None  # (compression is refused with a split backward)
         with self._using(w), autocast(self.precision, self.ex.device), compressed_saves(self.ex.model) as codec, \
                 saved.recording() if saved is not None else contextlib.nullcontext():
             h0 = chunk.embed(x_tokens) if chunk.is_first else None
@@ -288,8 +289,8 @@ class _Call:
         h0, x, out, _ = state
         saved = self.saved.pop((a.chunk, a.microbatch))
         state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights(), saved)]
-        if not chunk.is_first:
-            self.outbox[(B, a.microbatch, a.chunk)] = x.grad
+        if not chunk.is_first:  # sent, and not needed by W: let it go once it is
+            self.outbox[(B, a.microbatch, a.chunk)], x.grad = x.grad, None
 
     def _weight_grad(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]

@@ -101,13 +101,41 @@ class _Segment:
         return out
 
 
-class SplitSaved:
-    """The saved tensors of one micro-batch's forward on one chunk (use `recording()` around it)."""
+_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+                     "ExpandBackward0"})
 
-    def __init__(self):
+
+def cast_key(t: torch.Tensor) -> tuple | None:
+    """If `t` is (a view of) a copy of a parameter in another dtype (autocast's cast of a weight),
+    a key naming that parameter, its version and the view; else None."""
+    node = t.grad_fn
+    while node is not None and node.name() in _VIEWS:
+        node = node.next_functions[0][0]
+    if node is None or node.name() != "ToCopyBackward0":
+        return None
+    p = getattr(node.next_functions[0][0], "variable", None)  # an AccumulateGrad node's parameter
+    if p is None or p.dtype == t.dtype or p.device != t.device:
+        return None
+    return id(p), p._version, t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class SplitSaved:
+    """The saved tensors of one micro-batch's forward on one chunk (use `recording()` around it).
+
+    `casts`, shared by every micro-batch of one step: autocast casts the weights again in each
+    micro-batch's forward, and each graph saves its own copy (a linear's backward keeps its weight),
+    which a micro-batch waiting for W would hold although W (x^T dY) never reads it; ZB-H1's rank r
+    holds r micro-batches waiting for W beside its pp - r in flight, so pp copies in all where 1F1B
+    holds pp - r. The weights do not change within a flush step, so every micro-batch's holder
+    takes the first micro-batch's copy (the same values) and its own is freed after its forward.
+    """
+
+    def __init__(self, casts: dict | None = None):
         self.holders: list[_Holder] = []
+        self.casts = casts
         self._segment: _Segment | None = None
         self._keep: set | None = None  # during I: the nodes whose tensors W needs
+        self._kept: dict = {}  # node -> the holders it unpacked during I and kept (release)
 
     def recording(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -129,6 +157,18 @@ class SplitSaved:
         finally:
             self._keep = None
 
+    def release(self, nodes) -> None:
+        """After I: drop what `nodes` (kept through I) saved, which no later pass runs, and forget
+        which node kept what (the map references the graph, whose saved tensors reference this
+        object through the unpack hook: a cycle through C++ that Python's collector cannot see)."""
+        for node in nodes:
+            for h in self._kept.pop(node, ()):
+                if h.segment is None:
+                    h.tensor = None
+                elif h.segment.tensors is not None:
+                    h.segment.tensors[h.index] = None
+        self._kept = {}
+
     def held_bytes(self, exclude: frozenset = frozenset()) -> int:
         """Bytes of the distinct storages held (a tensor saved twice counts once), the recomputed
         segments' inputs included, leaving out the storages in `exclude` (data pointers: the
@@ -146,6 +186,9 @@ class SplitSaved:
     def _pack(self, t: torch.Tensor) -> _Holder:
         seg = self._segment
         if seg is None:  # detached: the holder must not keep the graph (and so itself) alive
+            key = cast_key(t) if self.casts is not None else None
+            if key is not None:
+                t = self.casts.setdefault(key, t)
             h = _Holder(t.detach(), None, 0)
         else:
             h = _Holder(None, seg, seg.count)
@@ -163,7 +206,10 @@ class SplitSaved:
                 t = h.segment.tensors[h.index]
         if t is None:
             raise RuntimeError("the split backward dropped a saved tensor after I that a later pass needs")
-        if self._keep is not None and torch._C._current_autograd_node() not in self._keep:
+        node = torch._C._current_autograd_node() if self._keep is not None else None
+        if node is not None and node in self._keep:
+            self._kept.setdefault(node, []).append(h)
+        elif self._keep is not None:
             if h.segment is None:
                 h.tensor = None
             else:
