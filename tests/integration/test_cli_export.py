@@ -36,6 +36,20 @@ def assert_same_logits(ours, folder, vocab):
     return hf
 
 
+def assert_import_gives_back_the_run(run, folder, *sets):
+    """A model built from model.init_from of the exported `folder` (on the meta device, then
+    materialized on the CPU) holds exactly the parameters of the run's last valid checkpoint."""
+    cfg = load_config(None, [f"model.init_from={str(folder)!r}", *sets])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assign_defaults(model)
+    materialize(model, "cpu", init_fn(cfg))
+    saved = full_model(find_valid(run / "checkpoints")[0])
+    assert saved.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[name]), name
+
+
 def test_export_llama_loads_in_transformers_with_the_same_logits(cli, trained_run, tmp_path):
     out = tmp_path / "hf"
     proc = cli("export", "--ckpt", trained_run, "--to", out, in_process=True)
@@ -60,15 +74,7 @@ def test_export_gpt2_in_shards_then_import_gives_the_same_parameters(cli, tmp_pa
     assert len(set(index["weight_map"].values())) > 1 and "transformer.h.0.attn.c_attn.weight" in index["weight_map"]
     assert_same_logits(our_model(run), out, 4096)
 
-    cfg = load_config(None, [f"model.init_from={str(out)!r}", "model.seq_len=64"])
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    assign_defaults(model)
-    materialize(model, "cpu", init_fn(cfg))
-    saved = full_model(find_valid(run / "checkpoints")[0])
-    assert saved.keys() == dict(model.named_parameters()).keys()
-    for name, p in model.named_parameters():
-        assert torch.equal(p, saved[name]), name
+    assert_import_gives_back_the_run(run, out, "model.seq_len=64")
 
 
 def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tmp_path):
@@ -79,14 +85,7 @@ def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tm
     assert "MixtralForCausalLM" in cli("export", "--ckpt", run, "--to", out, in_process=True).stdout
     hf = assert_same_logits(our_model(run), out, 4096)
     assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
-    cfg = load_config(None, [f"model.init_from={str(out)!r}"])
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    assign_defaults(model)
-    materialize(model, "cpu", init_fn(cfg))
-    saved = full_model(find_valid(run / "checkpoints")[0])
-    assert saved.keys() == dict(model.named_parameters()).keys()
-    assert all(torch.equal(p, saved[name]) for name, p in model.named_parameters())
+    assert_import_gives_back_the_run(run, out)
 
 
 def test_export_refuses_an_existing_folder(cli, trained_run, tmp_path):
