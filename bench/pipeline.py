@@ -64,6 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from common import sync, time_steps  # noqa: E402
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 MICROBATCHES, SMOKE_MICROBATCHES = [4, 8, 16], [4, 8]
@@ -152,11 +154,6 @@ def micro_batches(cfg, m: int, device) -> list[tuple[torch.Tensor, torch.Tensor]
     return list(zip(t[:, :-1].split(cfg.train.micro_batch), t[:, 1:].split(cfg.train.micro_batch)))
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _max(x: float, device) -> float:
     """The largest x over every rank of the job."""
     t = torch.tensor([float(x)], device=device)
@@ -169,19 +166,13 @@ def step_time(step, args, device, agree: bool = True) -> tuple[float, int]:
     `args.steps`; with `agree`, the same count on every rank, from the slowest rank's warm-up)."""
     t = 0.0
     for _ in range(max(1, args.warmup)):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         t = time.perf_counter() - t0
     n = max(3, min(args.steps, int(args.seconds / max(_max(t, device) if agree else t, 1e-6))))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), n
+    return statistics.median(time_steps(step, 0, n, device)), n
 
 
 def _memory_start(device) -> int:

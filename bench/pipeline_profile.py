@@ -10,6 +10,7 @@ spends issuing each kind of action. bench/pipeline.py --profile puts it in its J
 - span_s: first kernel start to last kernel end = compute_s + exposed_comm_s + idle_s.
 `host_ms`: per action kind (the "pipeline.F" ... ranges the executor marks), the mean host time to
 issue one action; on a GPU the host runs ahead of the device unless this exceeds the device time.
+The span arithmetic (union, length, minus) and the profiler's activities serve bench/trace_summary.py too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import warnings
 from typing import Callable, Iterable
 
 import torch
+
+
+def activities(device: torch.device) -> list:
+    """What torch.profiler records: the host, and the device kernels where there is a GPU."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
 
 def union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -66,12 +74,12 @@ def account(kernels: list[tuple[float, float, str]]) -> dict:
 def profile_step(step: Callable[[], None], device: torch.device, top: int = 8) -> dict:
     """Profile the second of two calls of step() (the first warms the profiler up)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import profile, schedule
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     got = []  # the active step's events, taken before the profiler clears them at the cycle's end
-    with warnings.catch_warnings(), profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1),
-                 on_trace_ready=lambda p: got.append((p.events(), p.key_averages()))) as prof:
+    with warnings.catch_warnings(), profile(
+            activities=activities(device), schedule=schedule(wait=0, warmup=1, active=1),
+            on_trace_ready=lambda p: got.append((p.events(), p.key_averages()))) as prof:
         warnings.simplefilter("ignore")  # "the profiler clears events at the end of each cycle": taken above
         for _ in range(2):
             step()

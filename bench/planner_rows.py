@@ -54,34 +54,37 @@ def _dp(gb: int, mb: int, *extra: str) -> tuple[str, ...]:
     return (f"train.global_batch={gb}", f"train.micro_batch={mb}", *extra)
 
 
-def _dp_rows(n: int) -> list[Row]:
-    """Data parallelism over n GPUs: each ZeRO stage at 4 sequences per GPU in micro-batches of 2, plus
-    ZeRO-3 with full recompute at micro-batch 4 and ZeRO-2 with the optimizer offloaded (held out)."""
-    return [*[Row(f"dp{n} zero{z}", _dp(4 * n, 2, f"parallel.zero={z}")) for z in range(4)],
-            Row(f"dp{n} zero3 mb4 full", _dp(4 * n, 4, "parallel.zero=3", "memory.recompute=full"), True),
-            Row(f"dp{n} zero2 offload", _dp(2 * n, 2, "parallel.zero=2", "parallel.offload=optimizer"), True)]
+def _zero_rows(dp: int) -> list[Row]:
+    """Data parallelism at degree `dp` in every ZeRO stage (2 micro-batches of 2 per rank), the
+    recomputing ZeRO-3 at micro-batch 4 and the optimizer offload at one micro-batch per rank."""
+    gb = 4 * dp
+    return [
+        *(Row(f"dp{dp} zero{z}", _dp(gb, 2, f"parallel.zero={z}")) for z in range(4)),
+        Row(f"dp{dp} zero3 mb4 full", _dp(gb, 4, "parallel.zero=3", "memory.recompute=full"), True),
+        Row(f"dp{dp} zero2 offload", _dp(gb // 2, 2, "parallel.zero=2", "parallel.offload=optimizer"), True),
+    ]
+
+
+def _sweep(schedule: str, pp: int, ms: tuple[int, ...]) -> list[Row]:
+    """One schedule at each micro-batch count of `ms`; the largest is held out (refit.py never fits on it)."""
+    label = "interleaved v2" if schedule == "interleaved-1f1b" else schedule
+    return [Row(f"pp{pp} {label} m{m}", _pp(schedule, pp, m), m == ms[-1]) for m in ms]
 
 
 def rows_2() -> list[Row]:
     """Every form of each parallelism 2 GPUs hold, and what composes on 2."""
     tp = ("parallel.tp=2",)
     return [
-        *_dp_rows(2),
+        *_zero_rows(2),
         Row("tp2 megatron+sp", _dp(4, 2, *tp)),
         Row("tp2 megatron", _dp(4, 2, *tp, "parallel.sequence_parallel=false")),
         Row("tp2 all-gather", _dp(4, 2, *tp, "parallel.tp_form=all-gather")),
         Row("tp2 all-reduce", _dp(4, 2, *tp, "parallel.tp_form=all-reduce"), True),
         Row("tp2 sp mb4 selective", _dp(8, 4, *tp, "memory.recompute=selective"), True),
-        Row("pp2 gpipe m2", _pp("gpipe", 2, 2)),
-        Row("pp2 gpipe m4", _pp("gpipe", 2, 4)),
-        Row("pp2 gpipe m8", _pp("gpipe", 2, 8), True),
-        Row("pp2 1f1b m2", _pp("1f1b", 2, 2)),
-        Row("pp2 1f1b m4", _pp("1f1b", 2, 4)),
-        Row("pp2 1f1b m8", _pp("1f1b", 2, 8), True),
-        Row("pp2 interleaved v2 m4", _pp("interleaved-1f1b", 2, 4)),
-        Row("pp2 interleaved v2 m8", _pp("interleaved-1f1b", 2, 8), True),
-        Row("pp2 zb-h1 m4", _pp("zb-h1", 2, 4)),
-        Row("pp2 zb-h1 m8", _pp("zb-h1", 2, 8), True),
+        *_sweep("gpipe", 2, (2, 4, 8)),
+        *_sweep("1f1b", 2, (2, 4, 8)),
+        *_sweep("interleaved-1f1b", 2, (4, 8)),
+        *_sweep("zb-h1", 2, (4, 8)),
         Row("pp2 1f1b m4 full", _pp("1f1b", 2, 4, extra=("memory.recompute=full",)), True),
         Row("pp2 pipedream-2bw m4", _pp("pipedream-2bw", 2, 4), True),
         Row("moe dp2 ep1", _dp(4, 2, "parallel.ep=1"), moe=True),
@@ -95,19 +98,15 @@ def rows_4() -> list[Row]:
     """The 2-GPU forms at 4, and their compositions: tp x dp, pp x dp, pp x tp, ep x dp, ep x tp x dp."""
     tp2, tp4 = ("parallel.tp=2",), ("parallel.tp=4",)
     return [
-        *_dp_rows(4),
+        *_zero_rows(4),
         Row("tp4 megatron+sp", _dp(4, 2, *tp4)),
         Row("tp4 megatron", _dp(4, 2, *tp4, "parallel.sequence_parallel=false"), True),
         Row("tp4 all-gather", _dp(4, 2, *tp4, "parallel.tp_form=all-gather"), True),
         Row("tp2 dp2 zero1", _dp(8, 2, *tp2, "parallel.zero=1")),
         Row("tp2 dp2 zero3", _dp(8, 2, *tp2, "parallel.zero=3"), True),
-        Row("pp4 1f1b m4", _pp("1f1b", 4, 4)),
-        Row("pp4 1f1b m8", _pp("1f1b", 4, 8)),
-        Row("pp4 1f1b m16", _pp("1f1b", 4, 16), True),
-        Row("pp4 gpipe m4", _pp("gpipe", 4, 4)),
-        Row("pp4 gpipe m8", _pp("gpipe", 4, 8), True),
-        Row("pp4 interleaved v2 m8", _pp("interleaved-1f1b", 4, 8)),
-        Row("pp4 interleaved v2 m16", _pp("interleaved-1f1b", 4, 16), True),
+        *_sweep("1f1b", 4, (4, 8, 16)),
+        *_sweep("gpipe", 4, (4, 8)),
+        *_sweep("interleaved-1f1b", 4, (8, 16)),
         Row("pp4 zb-h1 m8", _pp("zb-h1", 4, 8)),
         Row("pp4 pipedream-2bw m8", _pp("pipedream-2bw", 4, 8), True),
         Row("pp2 dp2 1f1b m4 zero1", _pp("1f1b", 2, 4, dp=2, extra=("parallel.zero=1",))),

@@ -9,7 +9,10 @@ runs) the kernel figures are zero and the top ops are ranked by CPU time, so the
 from __future__ import annotations
 
 import torch
-from torch.profiler import DeviceType, ProfilerActivity, profile
+from torch.profiler import DeviceType, profile
+
+from common import sync  # bench/ is on sys.path wherever this module is imported
+from pipeline_profile import activities, length, minus, union
 
 # Kernels that only move bytes. Casts and .contiguous() run as `direct_copy_kernel`, torch.cat as
 # `CatArrayBatchedCopy`, cross-device/stream copies as Memcpy; Memset zeroes buffers.
@@ -19,12 +22,11 @@ COPY_MARKS = ("copy", "memcpy", "memset")
 def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> dict:
     """Run step() `steps` times under the profiler (after one untraced call) and summarize per step."""
     step()
-    _sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    sync(device)
+    with profile(activities=activities(device)) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        sync(device)
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     out = kernel_account(kernels, steps)
@@ -38,15 +40,15 @@ def kernel_account(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     nccl = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
     copies = [(a, b) for n, a, b in kernels if "nccl" not in n.lower() and any(m in n.lower() for m in COPY_MARKS)]
     compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]  # copies occupy the GPU too
-    busy = _union([(a, b) for _, a, b in kernels])
+    busy = union([(a, b) for _, a, b in kernels])
     window = (max(b for _, b in busy) - min(a for a, _ in busy)) if busy else 0.0
     per = 1e-3 / steps  # us over all steps -> ms per step
-    nccl_u = _union(nccl)
-    return {"window_ms": round(window * per, 3), "busy_ms": round(_length(busy) * per, 3),
-            "idle_ms": round((window - _length(busy)) * per, 3),
-            "nccl_ms": round(_length(nccl_u) * per, 3),
-            "nccl_exposed_ms": round((_length(nccl_u) - _length(_intersect(nccl_u, _union(compute)))) * per, 3),
-            "copy_ms": round(_length(_union(copies)) * per, 3), "copy_kernels_per_step": len(copies) // steps,
+    nccl_u = union(nccl)
+    return {"window_ms": round(window * per, 3), "busy_ms": round(length(busy) * per, 3),
+            "idle_ms": round((window - length(busy)) * per, 3),
+            "nccl_ms": round(length(nccl_u) * per, 3),
+            "nccl_exposed_ms": round(minus(nccl_u, union(compute)) * per, 3),
+            "copy_ms": round(length(union(copies)) * per, 3), "copy_kernels_per_step": len(copies) // steps,
             "nccl_kernels_per_step": len(nccl) // steps, "kernels_per_step": len(kernels) // steps}
 
 
@@ -71,36 +73,3 @@ def host_account(prof, steps: int, top: int = 10) -> dict:
                               for e in runtime[:top]],
             "top_cpu_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total * per, 3), "calls": e.count // steps}
                             for e in ops[:top]]}
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intersection of two sorted, disjoint interval lists."""
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if a < b:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -20,29 +20,27 @@ GPT2 = dict(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_t
 def save_llama(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "torch.nn.Module":
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, **keys})).eval()
-    _perturb_norms(model)
-    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
-    return model
+    return _save(path, LlamaForCausalLM, LlamaConfig(**{**LLAMA, **keys}), seed, shard)
 
 
 def save_mixtral(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
     """A Mixtral of LLAMA's shape with 4 experts of which each token takes 2."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**{**MIXTRAL, **keys})).eval()
-    _perturb_norms(model)
-    model.save_pretrained(path)
-    return model
+    return _save(path, MixtralForCausalLM, MixtralConfig(**{**MIXTRAL, **keys}), seed, None)
 
 
 def save_gpt2(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "torch.nn.Module":
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    return _save(path, GPT2LMHeadModel, GPT2Config(**{**GPT2, **keys}), seed, shard)
+
+
+def _save(path: Path, model_class, config, seed: int, shard: str | None) -> "torch.nn.Module":
+    """A model of `config` initialized from `seed`, its norms and biases perturbed, saved at `path`
+    (in shards of at most `shard`, e.g. "20KB", where given)."""
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**{**GPT2, **keys})).eval()
+    model = model_class(config).eval()
     _perturb_norms(model)
     model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     return model

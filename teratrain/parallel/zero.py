@@ -335,7 +335,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self._update(lr)
         if first:  # optimizers that create their state lazily (Adafactor) have it only now
             self.last_state_bytes["optimizer"] = self.state_bytes()["optimizer"]
-        self._publish()
+        self._publish(self.trainable, cast=self.offload == "none")
         self.zero_grad()
         return self._stepped(norm)
 
@@ -375,13 +375,13 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         fp32 master shard is kept: gathers cast it, FSDP2's layout, 2 bytes per parameter / N less)."""
         return g.param_shard if self.stage == 3 else g.param_flat[g.lo:g.hi]
 
-    def _publish(self) -> None:
-        """Updated shards back to the compute parameters: cast masters (already done by the host
-        update when offloaded), then all-gather the full parameters (stage 1/2)."""
+    def _publish(self, groups: list[_Group], cast: bool) -> None:
+        """The shards of `groups` back to the compute parameters: cast the masters (with `cast`; after
+        an update the offloaded host update already did), then all-gather the full parameters (stage 1/2)."""
         handles = []
-        for g in self.trainable:
-            mine = self._shard_params(g)
-            if mine is not None and g.master is not None and self.offload == "none":
+        for g in groups:
+            mine = self._shard_params(g)  # None at stage 3 when gathers cast the master itself
+            if cast and mine is not None and g.master is not None:
                 mine.copy_(g.master)
             if self.stage < 3:
                 handles.append(all_gather(g.param_flat, mine, g.gather_pg, async_op=True))

@@ -14,7 +14,7 @@ from teratrain.parallel.placement import gather_stages, placement, to_global
 
 class ZeroCheckpointMixin:
     """Mixed into ZeroEngine; relies on its `groups`, `trainable`, `optimizers`, `stage`, `scaler`,
-    `mesh`, `_shard_params(g)` and `_opt_target(g)`."""
+    `mesh`, `_shard_params(g)`, `_opt_target(g)` and `_publish(groups, cast)`."""
 
     def holdings(self) -> Holdings:
         """This rank's shard of every group: the masters (or the compute-dtype parameters where there
@@ -34,16 +34,8 @@ class ZeroCheckpointMixin:
 
     def loaded(self, meta: dict) -> None:
         """The restored shards to the compute parameters: cast the masters, all-gather (stage 1/2)."""
-        handles = []
         with torch.no_grad():
-            for g in self.groups:
-                mine = self._shard_params(g)  # None at stage 3 when gathers cast the master itself
-                if mine is not None and g.master is not None:
-                    mine.copy_(g.master)
-                if self.stage < 3:
-                    handles.append(all_gather(g.param_flat, mine, g.gather_pg, async_op=True))
-        for h in handles:
-            h.wait()
+            self._publish(self.groups, cast=True)
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
 

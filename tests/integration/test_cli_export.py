@@ -26,8 +26,19 @@ def our_model(run):
     return model.eval()
 
 
-def assert_imports_every_parameter(run, folder, *sets):
-    """model.init_from of an exported folder builds exactly the run's saved parameters."""
+def assert_same_logits(ours, folder, vocab):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(tokens), hf(tokens).logits
+    err = float((a - b).norm() / b.norm())
+    assert err < 1e-5, f"logits differ by {err:.2e}"
+    return hf
+
+
+def assert_import_gives_back_the_run(run, folder, *sets):
+    """A model built from model.init_from of the exported `folder` (on the meta device, then
+    materialized on the CPU) holds exactly the parameters of the run's last valid checkpoint."""
     cfg = load_config(None, [f"model.init_from={str(folder)!r}", *sets])
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -37,16 +48,6 @@ def assert_imports_every_parameter(run, folder, *sets):
     assert saved.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         assert torch.equal(p, saved[name]), name
-
-
-def assert_same_logits(ours, folder, vocab):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    tokens = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = ours(tokens), hf(tokens).logits
-    err = float((a - b).norm() / b.norm())
-    assert err < 1e-5, f"logits differ by {err:.2e}"
-    return hf
 
 
 def test_export_llama_loads_in_transformers_with_the_same_logits(cli, trained_run, tmp_path):
@@ -73,7 +74,7 @@ def test_export_gpt2_in_shards_then_import_gives_the_same_parameters(cli, tmp_pa
     assert len(set(index["weight_map"].values())) > 1 and "transformer.h.0.attn.c_attn.weight" in index["weight_map"]
     assert_same_logits(our_model(run), out, 4096)
 
-    assert_imports_every_parameter(run, out, "model.seq_len=64")
+    assert_import_gives_back_the_run(run, out, "model.seq_len=64")
 
 
 def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tmp_path):
@@ -84,7 +85,7 @@ def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tm
     assert "MixtralForCausalLM" in cli("export", "--ckpt", run, "--to", out, in_process=True).stdout
     hf = assert_same_logits(our_model(run), out, 4096)
     assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
-    assert_imports_every_parameter(run, out)
+    assert_import_gives_back_the_run(run, out)
 
 
 def test_export_refuses_an_existing_folder(cli, trained_run, tmp_path):
