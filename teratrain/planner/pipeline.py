@@ -8,6 +8,10 @@ half of the backward. What it reads off the timeline:
   ZB-H1: (p-1)/(3m+p-1) at these ratios), which time.py adds on top of the busy time;
 - in flight: the most micro-batches whose activations one rank holds, in whole-stage units
   (interleaved chunks count 1/v each: p + (p-1)/v, Korthikanti et al. 2022 sec. 4.2.3);
+- held at each end (`end_held`): on the first and the last rank, the (chunks, end-chunk) pairs held
+  at each moment of the rank's own action list, so memory.py can weigh the end stage's extra tensors
+  (the last stage's logits and loss) by how many of its micro-batches are alive: GPipe's last rank
+  holds all m with their logits, 1F1B's one, ZB-H1's p (their W not yet run);
 - weight versions: the most copies of a stage's weights an asynchronous schedule keeps.
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from teratrain.parallel.pipeline.actions import B, F, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, simulate
 from teratrain.planner.layout import Layout
@@ -39,6 +44,30 @@ def summary(lay: Layout) -> tuple[float, float, int]:
     if lay.pp == 1:  # accumulation without a pipeline: one micro-batch at a time, nothing idle
         return 0.0, 1.0, 1
     return _summary(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, backward_ratio(lay))
+
+
+@lru_cache(maxsize=1024)
+def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int], ...]:
+    chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
+    held: set = set()
+    states = set()
+    for a in _build(schedule, pp, m, v).ranks[rank]:
+        if a.kind == F:
+            held.add((a.microbatch, a.chunk))
+        elif a.kind in (B, W):  # a split backward frees at W (simulate.peak_activations)
+            held.discard((a.microbatch, a.chunk))
+        states.add((len(held), sum(1 for _, c in held if c == chunk)))
+    return tuple(sorted(states))
+
+
+def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int], ...]:
+    """Every (stage-equivalents held, micro-batches of the end chunk held) a pipeline's first (or, with
+    `last`, last) rank passes through; one pair (1, 1) without a pipeline."""
+    if lay.pp == 1:
+        return ((1.0, 1),)
+    v = lay.virtual_stages
+    rank = lay.pp - 1 if last else 0
+    return tuple((n / v, e) for n, e in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
 
 
 def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:
