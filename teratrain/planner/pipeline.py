@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.parallel.pipeline.actions import B, F, W
+from teratrain.parallel.pipeline.actions import B, F, I, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, simulate
 from teratrain.planner.layout import Layout
@@ -58,6 +58,16 @@ def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[
             held.discard((a.microbatch, a.chunk))
         states.add((len(held), sum(1 for _, c in held if c == chunk)))
     return tuple(sorted(states))
+
+
+@lru_cache(maxsize=256)
+def _splits(schedule: str, pp: int, m: int, v: int) -> bool:
+    return any(a.kind == I for a in _build(schedule, pp, m, v).ranks[0])
+
+
+def splits_backward(lay: Layout) -> bool:
+    """Does the schedule split each backward into I and W (ZB-H1)?"""
+    return lay.pp > 1 and _splits(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
 
 
 def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int], ...]:

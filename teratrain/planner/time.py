@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.comm import step_comm
+from teratrain.planner.comm import step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -45,6 +45,9 @@ from teratrain.planner.states import stage_params
 OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (84, 145), ("llama", "low"): (78, 137),
                  ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (55, 111), ("gpt2", "low"): (39, 93)}
 OPS_OUTSIDE = 60
+# an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
+# GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
+OPS_MOE_EXTRA = (105, 57)
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 8  # fused AdamW: read p, g, m, v, write p, m, v (fp32); norm; clip
 
 
@@ -106,11 +109,34 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
     w = train.widths(lay.zero, lay.offload)
     mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
-    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    fwd, bwd = _block_ops(shape, mode)
     replay = fwd if lay.recompute in ("full", "sqrt", "every-k") else 0
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
     return (layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors
+
+
+def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
+    """(forward, backward) ops of an average block: MoE layers add theirs (OPS_MOE_EXTRA)."""
+    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    share = shape.moe_share if shape.num_experts > 1 else 0.0
+    return fwd + share * OPS_MOE_EXTRA[0], bwd + share * OPS_MOE_EXTRA[1]
+
+
+def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
+    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s), every
+    tensor-parallel collective with its autograd function and launch (gpu.host_collective_s), and
+    under a split backward (ZB-H1's I and W, parallel/pipeline/backward.py) the walk of each
+    micro-batch's graph that finds the weight groups, about one op's cost per forward op. When the
+    GPU's work per op is short (tensor parallelism splits every matmul) the GPU waits on this."""
+    n_tp = lay.num_microbatches * tp_per_microbatch(shape, train, lay, None, stage_params(shape, lay)["layers"],
+                                                    count=True)
+    walk = 0.0
+    if lay.pp > 1 and pipeline.splits_backward(lay):
+        w = train.widths(lay.zero, lay.offload)
+        mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
+        walk = stage_params(shape, lay)["layers"] * _block_ops(shape, mode)[0] * lay.num_microbatches
+    return (ops + walk) * gpu.host_op_s + n_tp * gpu.host_collective_s
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
@@ -142,7 +168,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     replay_attn = attn / 3 if lay.recompute != "none" else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
     compute_s = (flops + replay) / gpu.sustained_flops(train.precision, c.d_model)
-    ops_s = eager_ops(shape, train, lay) * gpu.op_overhead_s
+    ops = eager_ops(shape, train, lay)
+    ops_s = ops * gpu.op_overhead_s
     busy = compute_s + ops_s
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather
         gathers = 1 if lay.pp > 1 else 2 * lay.num_microbatches
@@ -152,14 +179,19 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
     exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
+    # eager execution: the GPU runs what the host has issued, so a rank's timeline is the slower of
+    # the two (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is not)
+    issue_s = host_s(shape, train, lay, gpu, ops)
+    critical = max(busy + exposed, issue_s)
     bubble_frac = _bubble(lay)
-    bubble_s = (busy + exposed) * bubble_frac / (1 - bubble_frac)
-    step = busy + exposed + bubble_s + opt_s + offload_s
+    bubble_s = critical * bubble_frac / (1 - bubble_frac)
+    step = critical + bubble_s + opt_s + offload_s
     global_tokens = train.global_batch * c.seq_len
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
-                         {"recompute_flops": replay, **{f"comm_{k}_s": v for k, v in comm.items()}})
+                         {"recompute_flops": replay, "host_s": issue_s,
+                          **{f"comm_{k}_s": v for k, v in comm.items()}})
 
 
 def _bubble(lay: Layout) -> float:
