@@ -12,7 +12,10 @@ half of the backward. What it reads off the timeline:
   at each moment of the rank's own action list, so memory.py can weigh the end stage's extra tensors
   (the last stage's logits and loss) by how many of its micro-batches are alive: GPipe's last rank
   holds all m with their logits, 1F1B's one, ZB-H1's p (their W not yet run);
-- weight versions: the most copies of a stage's weights an asynchronous schedule keeps.
+- weight versions: the most copies of a stage's weights an asynchronous schedule keeps;
+- makespan: the step of real stages, which are not even: the last one also runs the LM head and the
+  loss (at llama-1b's width and 32k vocabulary the head is as much work as one block, so the last of
+  4 stages of 8 layers does 3 blocks' work where the average is 2.25) and sets the pace.
 """
 
 from __future__ import annotations
@@ -78,6 +81,17 @@ def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int], ...]:
     v = lay.virtual_stages
     rank = lay.pp - 1 if last else 0
     return tuple((n / v, e) for n, e in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
+
+
+def makespan(lay: Layout, rank_s: float, last_extra_s: float) -> float:
+    """Seconds of a step in which every rank's own work (all micro-batches, forward and backward) takes
+    `rank_s` and the last stage's `last_extra_s` more (the LM head and the loss, which the model's
+    last stage alone runs): the simulated schedule over uneven stages, idle time included."""
+    m, v, r = lay.num_microbatches, lay.virtual_stages, backward_ratio(lay)
+    per = [rank_s / m / v] * (lay.pp * v)
+    per[-1] += last_extra_s / m  # the model's last stage: chunk v-1 of the last rank
+    costs = Costs(forward_s=[t / (1 + r) for t in per], backward_s=[t * r / (1 + r) for t in per])
+    return simulate(_build(lay.schedule, lay.pp, m, v), costs).makespan_s
 
 
 def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:

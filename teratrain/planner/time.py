@@ -19,9 +19,13 @@ Terms, each with its source or assumption:
   which, from measured terms when given). Data-parallel reductions overlap the backward of the last
   micro-batch (bucketed, Li et al. 2020); ZeRO-3 gathers overlap compute (prefetch); tensor-parallel
   collectives, pipeline sends and all-to-alls are exposed.
-- pipeline bubble: the idle share of the step in the simulated schedule (planner/pipeline.py over
-  parallel/pipeline/simulate.py, even stages): (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019),
-  (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023).
+- pipeline bubble: the idle time of the simulated schedule (planner/pipeline.py over
+  parallel/pipeline/simulate.py): (p-1)/(m+p-1) of the step for GPipe and 1F1B on even stages (Huang
+  et al. 2019), (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023);
+  the stages are simulated as they are, the last one running the LM head besides its blocks.
+- host: eager PyTorch issues every op from Python; where the GPU's work per op is short (tensor
+  parallelism splits each matmul tp ways) the GPU waits on the host, so a rank's time is the larger
+  of its GPU time and the host's issue time (per op, per tensor-parallel collective: hardware.GPU).
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
@@ -80,6 +84,12 @@ def attention_flops(shape: ModelShape, tokens: float) -> float:
     """The attention core's share of the model FLOPs, 12*L*H*Q*T per token (PaLM appendix B)."""
     c = shape.cfg
     return 12 * c.n_layers * c.n_heads * c.head_dim * c.seq_len * tokens
+
+
+def head_flops(shape: ModelShape, tokens: float) -> float:
+    """The LM head's share of the model FLOPs: forward and backward of the (d, V) matmul, 6*d*V per
+    token (never recomputed: the policies replay blocks)."""
+    return 6 * shape.cfg.d_model * shape.cfg.vocab_size * tokens
 
 
 def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
@@ -183,8 +193,13 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # the two (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is not)
     issue_s = host_s(shape, train, lay, gpu, ops)
     critical = max(busy + exposed, issue_s)
-    bubble_frac = _bubble(lay)
-    bubble_s = critical * bubble_frac / (1 - bubble_frac)
+    bubble_s = 0.0
+    if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one
+        head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
+            train.precision, c.d_model)
+        even = max(busy - head_s / lay.pp + exposed, issue_s)
+        bubble_s = pipeline.makespan(lay, even, max(busy - head_s / lay.pp + head_s + exposed, issue_s) - even) \
+            - critical
     step = critical + bubble_s + opt_s + offload_s
     global_tokens = train.global_batch * c.seq_len
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
