@@ -23,7 +23,7 @@ from pathlib import Path
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
 
-HOST_OP_S, HOST_COLLECTIVE_S = 2.4e-5, 2.0e-4
+HOST_OP_S, HOST_COLLECTIVE_S = 1.2e-5, 6.0e-4
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 
 
@@ -59,6 +59,9 @@ class GPU:
     flops_max: float = 0.84  # bf16/fp16 efficiency at infinite width
     flops_d_half: float = 1100.0  # width at which bf16/fp16 reaches half of flops_max
     flops_efficiency_fp32: float = 0.80
+    # MoE layers' expert FLOPs run at this fraction of the dense rate: derived from bench/moe.py's
+    # dense vs ep=1 MoE steps on 4 x H200 (bench/results/moe_h200x4.json, the same active FLOPs)
+    moe_efficiency: float = 0.54
     mem_efficiency: float = 0.67  # fraction of HBM bandwidth the fused optimizer sweep reaches
     # cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
     # op the model issues (time.OPS_PER_BLOCK)
@@ -141,7 +144,7 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 # latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
 _LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib", "fragmentation", "gpus_per_node",
                  *(f"{k}_alpha_s" for k in COLLECTIVES)}
-_RANGES = {"flops_max": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
+_RANGES = {"flops_max": (0.0, 1.0), "moe_efficiency": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
            "gpus_per_node": (1.0, math.inf)}
 
 

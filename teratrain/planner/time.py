@@ -12,7 +12,9 @@ Terms, each with its source or assumption:
   small models slower than their FLOPs say.
 - optimizer: the fused AdamW sweep streams params, grads and states: ~40 bytes/param (+12 with fp32
   masters) at hbm_gbps x mem efficiency.
-- MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs); expert
+- MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs), the
+  experts' at gpu.moe_efficiency of the dense rate (grouped GEMMs of a few hundred rows per expert,
+  the permutations around them: measured by bench/moe.py against the dense model); expert
   parallelism adds 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
   backward; 6 when recomputation replays the forward), exposed; expert gradients reduce over dp/ep ranks.
 - communication: every collective of the step, alpha-beta priced per ring (planner/comm.py says
@@ -86,6 +88,16 @@ def attention_flops(shape: ModelShape, tokens: float) -> float:
     return 12 * c.n_layers * c.n_heads * c.head_dim * c.seq_len * tokens
 
 
+def moe_flops(shape: ModelShape, tokens: float) -> float:
+    """The MoE layers' expert FLOPs of the model FLOPs: each token's top_k expert MLPs, forward and
+    backward (6 per weight), in every MoE layer."""
+    if shape.num_experts == 1:
+        return 0.0
+    c = shape.cfg
+    mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.ffn_dim
+    return 6 * tokens * c.n_layers * shape.moe_share * shape.top_k * mlp
+
+
 def head_flops(shape: ModelShape, tokens: float) -> float:
     """The LM head's share of the model FLOPs: forward and backward of the (d, V) matmul, 6*d*V per
     token (never recomputed: the policies replay blocks)."""
@@ -136,8 +148,9 @@ def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
     """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s), every
     tensor-parallel collective with its autograd function and launch (gpu.host_collective_s), and
-    under a split backward (ZB-H1's I and W, parallel/pipeline/backward.py) the walk of each
-    micro-batch's graph that finds the weight groups, about one op's cost per forward op. When the
+    under a split backward (ZB-H1's I and W, parallel/pipeline/backward.py) the Python walk of each
+    micro-batch's backward graph that finds the weight groups, about one op's cost per node (one
+    node per backward op). When the
     GPU's work per op is short (tensor parallelism splits every matmul) the GPU waits on this."""
     n_tp = lay.num_microbatches * tp_per_microbatch(shape, train, lay, None, stage_params(shape, lay)["layers"],
                                                     count=True)
@@ -145,7 +158,7 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     if lay.pp > 1 and pipeline.splits_backward(lay):
         w = train.widths(lay.zero, lay.offload)
         mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
-        walk = stage_params(shape, lay)["layers"] * _block_ops(shape, mode)[0] * lay.num_microbatches
+        walk = stage_params(shape, lay)["layers"] * _block_ops(shape, mode)[1] * lay.num_microbatches
     return (ops + walk) * gpu.host_op_s + n_tp * gpu.host_collective_s
 
 
@@ -177,7 +190,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
     replay_attn = attn / 3 if lay.recompute != "none" else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
-    compute_s = (flops + replay) / gpu.sustained_flops(train.precision, c.d_model)
+    moe = rank_flops(shape, lay, moe_flops(shape, tokens), 0.0)  # the experts' share, at their own rate
+    compute_s = (flops + replay + moe * (1 / gpu.moe_efficiency - 1)) / gpu.sustained_flops(train.precision, c.d_model)
     ops = eager_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
     busy = compute_s + ops_s
@@ -189,17 +203,18 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
     exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
-    # eager execution: the GPU runs what the host has issued, so a rank's timeline is the slower of
-    # the two (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is not)
+    # eager execution: the GPU runs what the host has issued, so a rank's step is the longer of the
+    # two timelines (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is
+    # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
+    # on issuing meanwhile, so a host-bound pipeline hides its bubble.
     issue_s = host_s(shape, train, lay, gpu, ops)
-    critical = max(busy + exposed, issue_s)
+    critical = max(busy + exposed, issue_s) + _readback_s(shape, train, lay, gpu, busy)
     bubble_s = 0.0
     if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one
         head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
             train.precision, c.d_model)
-        even = max(busy - head_s / lay.pp + exposed, issue_s)
-        bubble_s = pipeline.makespan(lay, even, max(busy - head_s / lay.pp + head_s + exposed, issue_s) - even) \
-            - critical
+        even = busy - head_s / lay.pp + exposed
+        bubble_s = max(0.0, pipeline.makespan(lay, even, head_s) - critical)
     step = critical + bubble_s + opt_s + offload_s
     global_tokens = train.global_batch * c.seq_len
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
@@ -207,6 +222,19 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
                          global_tokens / step, mfu, flops,
                          {"recompute_flops": replay, "host_s": issue_s,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
+
+
+def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy: float) -> float:
+    """Dropless expert parallelism reads each MoE layer's counts back to the host in the forward
+    (parallel/expert.py): the host waits for the GPU there and the GPU then waits for the host, so
+    the forward loses the overlap of the two: the shorter of its host time and its GPU time (the
+    forward is 1 of the 1 + backward_ratio parts of the compute)."""
+    if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
+        return 0.0
+    w = train.widths(lay.zero, lay.offload)
+    mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
+    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, mode)[0] + OPS_OUTSIDE) * lay.num_microbatches
+    return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
 
 
 def _bubble(lay: Layout) -> float:
