@@ -193,8 +193,12 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     # autocast caches every weight cast until the forward's autocast context exits, even under
     # checkpointing (the recomputed segments cast again in backward): the running micro-batch holds all
     fwd_copies = saved["all_copies"] - saved["head_copy"] + head_copy + copies - (block_copies + head_copy)
-    loss_fwd = (n * V * w.compute // lay.tp + (n * V * 4 // lay.tp if w.compute != 4 else 0)) if last else 0
-    loss_bwd = 2 * n * V * 4 // lay.tp if last else 0  # fp32 grads of log_softmax's output and input
+    if lay.tp == 1:  # lm_loss: the logits, their fp32 copy; backward, fp32 grads of log_softmax's output and input
+        loss_fwd, loss_bwd = n * V * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
+    else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax, the saved tensor, straight from
+        # the logits and turns it into the gradient in place, cast to the logits' dtype
+        loss_fwd = loss_bwd = n * V * w.compute // lay.tp
+    loss_fwd, loss_bwd = (loss_fwd, loss_bwd) if last else (0, 0)
     head_grad = 0  # what exists of the gradients when the first block's backward starts
     if progressive and lay.zero == 0:
         head_grad = V * c.d_model * w.grad // lay.tp
