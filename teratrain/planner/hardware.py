@@ -23,7 +23,6 @@ from pathlib import Path
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
 
-HOST_OP_S, HOST_COLLECTIVE_S = 1.2e-5, 6.0e-4
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 
 
@@ -66,12 +65,14 @@ class GPU:
     # cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
     # op the model issues (time.OPS_PER_BLOCK)
     op_overhead_s: float = 6.75e-6
-    # Host time to issue one eager op (Python, dispatcher, autocast, launch), and one tensor-parallel
-    # collective (its autograd function, the watchdog's registration, the NCCL launch, the stream
-    # wait): the GPU waits on these where its own work per op is short. CALIBRATED on the fit rows
-    # of bench/results/planner_validate_h200x4.json (4 x H200, torch 2.11; planner/refit.py)
-    host_op_s: float = HOST_OP_S
-    host_collective_s: float = HOST_COLLECTIVE_S
+    # Host time to issue one eager op (Python, dispatcher, autocast, launch), and the cost of one
+    # tensor-parallel collective on the critical path (its autograd function, the watchdog's
+    # registration, the NCCL launch; the compute stream waits on it at once, so the ranks' host skew
+    # and the queue's refill land there too): the GPU waits on these where its own work per op is
+    # short. CALIBRATED: least squared relative step error over the fit rows of the one-GPU and the
+    # 4-GPU H200 validations (bench/results/planner_validate_h200.json, _h200x4.json; torch 2.11)
+    host_op_s: float = 1.2e-5
+    host_collective_s: float = 6.0e-4
     # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
     # handles outside the allocator (0.75 GiB measured on the H200, torch 2.11; NCCL adds more on
     # several GPUs), and fragmentation, the "fragmented memory" of ZeRO sec. 3.2: the allocator's
@@ -142,10 +143,10 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 
 
 # latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
-_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib", "fragmentation", "gpus_per_node",
-                 *(f"{k}_alpha_s" for k in COLLECTIVES)}
-_RANGES = {"flops_max": (0.0, 1.0), "moe_efficiency": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
-           "gpus_per_node": (1.0, math.inf)}
+_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib",
+                 "fragmentation", "gpus_per_node", *(f"{k}_alpha_s" for k in COLLECTIVES)}
+_RANGES = {"flops_max": (0.0, 1.0), "moe_efficiency": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0),
+           "mem_efficiency": (0.0, 1.0), "gpus_per_node": (1.0, math.inf)}
 
 
 def hw_keys() -> list[str]:

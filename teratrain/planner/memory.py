@@ -11,7 +11,9 @@ The peak is the largest of a few moments of a step, each the sum of what is aliv
 A single-micro-batch LocalEngine, and ZeRO-2/3 (whose gradient shards are made by each step's first
 reduction and freed by its update), allocate gradients while backward frees activations, so grads
 and activations are never both whole; every other engine keeps grads (or their buckets) all along.
-Model states come from states.py, saved tensors from activations.py. Nothing is alive on the GPU
+Under a pipeline the first and the last rank are evaluated each with its own stage's states and the
+micro-batches its own action list holds (`_ends`). Model states come from states.py, saved tensors
+from activations.py. Nothing is alive on the GPU
 outside torch's allocator but the CUDA context; `allowance` adds it and fragmentation.
 """
 
@@ -140,7 +142,7 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
     return out
 
 
-def _ends(shape: ModelShape, lay: Layout, st: dict, saved: dict) -> list[dict]:
+def _ends(shape: ModelShape, lay: Layout, saved: dict) -> list[dict]:
     """The ranks whose peak can be the job's: one without a pipeline; with one, the first and the last
     pipeline rank (a middle rank holds no more micro-batches than the first in any of our schedules,
     and no embedding, head or loss). Each end: its share of the fuller stage's model states (states.py
@@ -163,7 +165,7 @@ def _ends(shape: ModelShape, lay: Layout, st: dict, saved: dict) -> list[dict]:
 
 def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
     """What is alive at each candidate peak moment, by kind (of each pipeline end: `_ends`)."""
-    ends = _ends(shape, lay, st, saved)
+    ends = _ends(shape, lay, saved)
     out = {}
     for end in ends:
         name = "" if len(ends) == 1 else (" (last stage)" if end["last"] else " (first stage)")
@@ -193,10 +195,10 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     # autocast caches every weight cast until the forward's autocast context exits, even under
     # checkpointing (the recomputed segments cast again in backward): the running micro-batch holds all
     fwd_copies = saved["all_copies"] - saved["head_copy"] + head_copy + copies - (block_copies + head_copy)
-    if lay.tp == 1:  # lm_loss: the logits, their fp32 copy; backward, fp32 grads of log_softmax's output and input
+    if lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
         loss_fwd, loss_bwd = n * V * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
-    else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax, the saved tensor, straight from
-        # the logits and turns it into the gradient in place, cast to the logits' dtype
+    else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax (the saved tensor) straight
+        # from the logits and turns it into the gradient in place, cast to the logits' dtype
         loss_fwd = loss_bwd = n * V * w.compute // lay.tp
     loss_fwd, loss_bwd = (loss_fwd, loss_bwd) if last else (0, 0)
     head_grad = 0  # what exists of the gradients when the first block's backward starts

@@ -125,17 +125,21 @@ def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> flo
     return ((flops - attn) / lay.tp + attn / split_attn) / lay.pp
 
 
+def _mode(train: Training, lay: Layout) -> str:
+    """Which OPS_PER_BLOCK column a layout's precision uses."""
+    w = train.widths(lay.zero, lay.offload)
+    return "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
+
+
 def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     """Ops one rank issues per step: every block's forward and backward per micro-batch, the
     forward again when a segment is recomputed, the embedding/head/loss, and the optimizer step's
     per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
-    w = train.widths(lay.zero, lay.offload)
-    mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
-    fwd, bwd = _block_ops(shape, mode)
+    fwd, bwd = _block_ops(shape, _mode(train, lay))
     replay = fwd if lay.recompute in ("full", "sqrt", "every-k") else 0
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
-    return (layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors
+    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors)
 
 
 def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
@@ -150,15 +154,13 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     tensor-parallel collective with its autograd function and launch (gpu.host_collective_s), and
     under a split backward (ZB-H1's I and W, parallel/pipeline/backward.py) the Python walk of each
     micro-batch's backward graph that finds the weight groups, about one op's cost per node (one
-    node per backward op). When the
-    GPU's work per op is short (tensor parallelism splits every matmul) the GPU waits on this."""
+    node per backward op). When the GPU's work per op is short (tensor parallelism splits every
+    matmul) the GPU waits on this."""
     n_tp = lay.num_microbatches * tp_per_microbatch(shape, train, lay, None, stage_params(shape, lay)["layers"],
                                                     count=True)
     walk = 0.0
     if lay.pp > 1 and pipeline.splits_backward(lay):
-        w = train.widths(lay.zero, lay.offload)
-        mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
-        walk = stage_params(shape, lay)["layers"] * _block_ops(shape, mode)[1] * lay.num_microbatches
+        walk = stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[1] * lay.num_microbatches
     return (ops + walk) * gpu.host_op_s + n_tp * gpu.host_collective_s
 
 
@@ -231,12 +233,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    w = train.widths(lay.zero, lay.offload)
-    mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
-    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, mode)[0] + OPS_OUTSIDE) * lay.num_microbatches
+    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[0] + OPS_OUTSIDE) \
+        * lay.num_microbatches
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
-
-
-def _bubble(lay: Layout) -> float:
-    """Idle share of the step, from the simulated schedule."""
-    return pipeline.summary(lay)[0]
