@@ -150,18 +150,23 @@ def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
 
 
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
-    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s), every
-    tensor-parallel collective with its autograd function and launch (gpu.host_collective_s), and
-    under a split backward (ZB-H1's I and W, parallel/pipeline/backward.py) the Python walk of each
-    micro-batch's backward graph that finds the weight groups, about one op's cost per node (one
-    node per backward op). When the GPU's work per op is short (tensor parallelism splits every
-    matmul) the GPU waits on this."""
+    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
+    every tensor-parallel collective with its autograd function and launch (gpu.host_collective_s).
+    When the GPU's work per op is short (tensor parallelism splits every matmul) the GPU waits on it."""
     n_tp = lay.num_microbatches * tp_per_microbatch(shape, train, lay, None, stage_params(shape, lay)["layers"],
                                                     count=True)
-    walk = 0.0
-    if lay.pp > 1 and pipeline.splits_backward(lay):
-        walk = stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[1] * lay.num_microbatches
-    return (ops + walk) * gpu.host_op_s + n_tp * gpu.host_collective_s
+    return ops * gpu.host_op_s + n_tp * gpu.host_collective_s
+
+
+def split_walk_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """A split backward (ZB-H1's I and W, parallel/pipeline/backward.py) walks each micro-batch's
+    backward graph in Python to find the weight groups, about one op's host cost per node (one node
+    per backward op). The GPU waits for it: W exists to fill the time the stage would idle, so when
+    the rank reaches it there is nothing queued for the GPU to run meanwhile."""
+    if not pipeline.splits_backward(lay):
+        return 0.0
+    nodes = stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[1] * lay.num_microbatches
+    return nodes * gpu.host_op_s
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
@@ -210,12 +215,13 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
     # on issuing meanwhile, so a host-bound pipeline hides its bubble.
     issue_s = host_s(shape, train, lay, gpu, ops)
-    critical = max(busy + exposed, issue_s) + _readback_s(shape, train, lay, gpu, busy)
+    waits = _readback_s(shape, train, lay, gpu, busy) + split_walk_s(shape, train, lay, gpu)  # GPU waits on host
+    critical = max(busy + exposed, issue_s) + waits
     bubble_s = 0.0
     if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one
         head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
             train.precision, c.d_model)
-        even = busy - head_s / lay.pp + exposed
+        even = busy - head_s / lay.pp + exposed + waits
         bubble_s = max(0.0, pipeline.makespan(lay, even, head_s) - critical)
     step = critical + bubble_s + opt_s + offload_s
     global_tokens = train.global_batch * c.seq_len
