@@ -296,26 +296,3 @@ def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, polic
     if w.compute == 4 and policy in ("none", "selective"):
         total += rope_tables(shape)  # fp32 RoPE reads the buffers themselves: views of them are saved
     return total
-
-
-def weight_pass_held(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, *, last: bool,
-                     tp: int = 1, **kw) -> int:
-    """Bytes a split backward keeps of one micro-batch from its I to its W (ZB-H1, Qi et al. 2023
-    sec. 2; parallel/pipeline/saved.py and backward.py): each linear's input and the gradient of its
-    output, in the compute dtype; norm scales are done in I and the weight casts are shared by the
-    step's micro-batches (counted with the in-flight ones). On the last stage also the head's input
-    and the (tokens, vocab) gradient of the logits."""
-    c = shape.cfg
-    t = block_tensors(shape, w, tokens, seq_len, tp=tp, **kw)
-    size = lambda items: sum(x.numel * x.itemsize for x in items)  # noqa: E731
-    gated = c.arch == "llama"
-    k_moe = shape.top_k if shape.num_experts > 1 else 1
-    inputs = size(t["qkv_inputs"]) + size(t["attention_out"]) + size(t.get("mlp_inputs", []))
-    inputs += size(t["mlp_hidden"]) // (4 if gated else 2)  # the second linear's input
-    kvd = c.kv_heads * c.head_dim
-    out_grads = (2 * c.d_model + 2 * kvd) * tokens * w.compute // tp  # wq, wk, wv, wo
-    out_grads += k_moe * ((2 if gated else 1) * c.ffn_dim // tp + c.d_model) * tokens * w.compute
-    held = n_layers * (inputs + out_grads)
-    if last:
-        held += tokens * (c.d_model + c.vocab_size // tp) * w.compute
-    return held

@@ -103,8 +103,10 @@ def _linears(shape: ModelShape, moe_layer: bool) -> list[tuple[int, int]]:
     return attn + ([(d, ff), (d, ff), (ff, d)] if c.arch == "llama" else [(d, ff), (ff, d)])
 
 
-def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, layers: int) -> float:
-    """Tensor-parallel collectives of one micro-batch on one stage of `layers` blocks (module docstring)."""
+def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None, layers: int,
+                      count: bool = False) -> float:
+    """Tensor-parallel collectives of one micro-batch on one stage of `layers` blocks (module
+    docstring): their seconds, or with `count` how many are launched."""
     if lay.tp == 1:
         return 0.0
     c, tp = shape.cfg, lay.tp
@@ -113,7 +115,7 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU,
     fwd_passes = 2 if lay.recompute in REPLAYING else 1
 
     def coll(kind: str, nbytes: float) -> float:
-        return on_link(gpu, kind, tp, tp, nbytes)
+        return 1.0 if count else on_link(gpu, kind, tp, tp, nbytes)
 
     act = n * c.d_model * cb
     # one crossing of a region boundary, forward or backward (entry and exit of a region are one each way)

@@ -58,10 +58,21 @@ class GPU:
     flops_max: float = 0.84  # bf16/fp16 efficiency at infinite width
     flops_d_half: float = 1100.0  # width at which bf16/fp16 reaches half of flops_max
     flops_efficiency_fp32: float = 0.80
+    # MoE layers' expert FLOPs run at this fraction of the dense rate: derived from bench/moe.py's
+    # dense vs ep=1 MoE steps on 4 x H200 (bench/results/moe_h200x4.json, the same active FLOPs)
+    moe_efficiency: float = 0.54
     mem_efficiency: float = 0.67  # fraction of HBM bandwidth the fused optimizer sweep reaches
     # cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
     # op the model issues (time.OPS_PER_BLOCK)
     op_overhead_s: float = 6.75e-6
+    # Host time to issue one eager op (Python, dispatcher, autocast, launch), and the cost of one
+    # tensor-parallel collective on the critical path (its autograd function, the watchdog's
+    # registration, the NCCL launch; the compute stream waits on it at once, so the ranks' host skew
+    # and the queue's refill land there too): the GPU waits on these where its own work per op is
+    # short. CALIBRATED: least squared relative step error over the fit rows of the one-GPU and the
+    # 4-GPU H200 validations (bench/results/planner_validate_h200.json, _h200x4.json; torch 2.11)
+    host_op_s: float = 1.2e-5
+    host_collective_s: float = 6.0e-4
     # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
     # handles outside the allocator (0.75 GiB measured on the H200, torch 2.11; NCCL adds more on
     # several GPUs), and fragmentation, the "fragmented memory" of ZeRO sec. 3.2: the allocator's
@@ -132,10 +143,10 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 
 
 # latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
-_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "context_gib", "fragmentation", "gpus_per_node",
-                 *(f"{k}_alpha_s" for k in COLLECTIVES)}
-_RANGES = {"flops_max": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0), "mem_efficiency": (0.0, 1.0),
-           "gpus_per_node": (1.0, math.inf)}
+_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib",
+                 "fragmentation", "gpus_per_node", *(f"{k}_alpha_s" for k in COLLECTIVES)}
+_RANGES = {"flops_max": (0.0, 1.0), "moe_efficiency": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0),
+           "mem_efficiency": (0.0, 1.0), "gpus_per_node": (1.0, math.inf)}
 
 
 def hw_keys() -> list[str]:

@@ -11,7 +11,9 @@ The peak is the largest of a few moments of a step, each the sum of what is aliv
 A single-micro-batch LocalEngine, and ZeRO-2/3 (whose gradient shards are made by each step's first
 reduction and freed by its update), allocate gradients while backward frees activations, so grads
 and activations are never both whole; every other engine keeps grads (or their buckets) all along.
-Model states come from states.py, saved tensors from activations.py. Nothing is alive on the GPU
+Under a pipeline the first and the last rank are evaluated each with its own stage's states and the
+micro-batches its own action list holds (`_ends`). Model states come from states.py, saved tensors
+from activations.py. Nothing is alive on the GPU
 outside torch's allocator but the CUDA context; `allowance` adds it and fragmentation.
 """
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
-from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner import activations as act
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU, GPUS
@@ -78,10 +79,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     per_block = act.block_saved(shape, w, n, T, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
-    split = lay.pp > 1 and config_name(lay.schedule) == "zb-h1"
-    w_pass = act.weight_pass_held(shape, w, layers, n, T, last=True, tp=lay.tp, sp=lay.sequence_parallel,
-                                  dropout=train.dropout, form=lay.tp_form, ep=lay.ep) if split else 0
-    return {"w_pass_last": w_pass,"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy,
+    return {"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy, "head_copy": head_copy,
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
@@ -144,42 +142,80 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
     return out
 
 
+def _ends(shape: ModelShape, lay: Layout, saved: dict) -> list[dict]:
+    """The ranks whose peak can be the job's: one without a pipeline; with one, the first and the last
+    pipeline rank (a middle rank holds no more micro-batches than the first in any of our schedules,
+    and no embedding, head or loss). Each end: its share of the fuller stage's model states (states.py
+    counts the fuller stage; state bytes are linear in the parameters), and the moment of its own
+    action list at which its saved tensors are largest (pipeline.end_held: GPipe's last rank holds all
+    m micro-batches with their logits, 1F1B's only one)."""
+    if lay.pp == 1:
+        return [{"scale": 1.0, "k": 1.0, "ends": 1, "last": True, "first": True}]
+    sp = stage_params(shape, lay)
+    fuller = max(sp["first"], sp["last"])
+    out = []
+    for last in (False, True):
+        extra = saved["last"] + saved["head_copy"] if last else saved["first"]
+        per_stage = saved["blocks"] + saved["copies"] - saved["head_copy"]
+        k, e = max(pipeline.end_held(lay, last), key=lambda ke: ke[0] * per_stage + ke[1] * extra)
+        out.append({"scale": sp["last" if last else "first"] / fuller, "k": k, "ends": e, "last": last,
+                    "first": not last})
+    return out
+
+
 def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
-    """What is alive at each candidate peak moment, by kind."""
+    """What is alive at each candidate peak moment, by kind (of each pipeline end: `_ends`)."""
+    ends = _ends(shape, lay, saved)
+    out = {}
+    for end in ends:
+        name = "" if len(ends) == 1 else (" (last stage)" if end["last"] else " (first stage)")
+        for phase, kinds in _end_phases(shape, train, lay, st, saved, eng, end).items():
+            out[phase + name] = kinds
+    return out
+
+
+def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[str, int]]:
+    """What is alive at each candidate peak moment on one pipeline end (or the one rank), by kind."""
     w = train.widths(lay.zero, lay.offload)
     c = shape.cfg
     n = lay.micro_batch * c.seq_len
     V = c.vocab_size
-    k_inflight = in_flight(lay)
+    k, ends, last, scale = end["k"], end["ends"], end["last"], end["scale"]
     one_pass = lay.pp == 1 and lay.num_microbatches == 1
     progressive = one_pass and (lay.zero >= 2 or (lay.zero == 0 and lay.dp == 1))
-    grads_held = st["gpu_grads"]
-    base = {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
+    grads_held = int(st["gpu_grads"] * scale)
+    base = {"params": int(st["gpu_params"] * scale), "optimizer": int(st["gpu_optimizer"] * scale),
             "grads": 0 if progressive else grads_held}
     module = act.rope_tables(shape) + eng["gathered"]
-    # pipeline: the first stage holds k micro-batches, the last one (and the loss); take the worse.
-    # ZB-H1's last stage also holds pp - 1 micro-batches waiting for their W (weight_pass_held)
-    last = saved["blocks"] + saved["last"] + (lay.pp - 1) * saved["w_pass_last"]
-    S = int(max(k_inflight * (saved["blocks"] + saved["first"]), last))
-    copies = int(k_inflight * saved["copies"])
+    head_copy = saved["head_copy"] if last else 0
+    own_end = saved["last"] if last else saved["first"]
+    S = int(k * saved["blocks"] + ends * own_end)
+    block_copies = saved["copies"] - saved["head_copy"]
+    copies = int(k * block_copies + ends * head_copy)
     # autocast caches every weight cast until the forward's autocast context exits, even under
-    # checkpointing (the recomputed segments cast again in backward)
-    fwd_copies = saved["all_copies"] + int((k_inflight - 1) * saved["copies"])
-    loss_fwd = n * V * w.compute // lay.tp + (n * V * 4 // lay.tp if w.compute != 4 else 0)
-    loss_bwd = 2 * n * V * 4 // lay.tp  # fp32 grads of log_softmax's output and input
+    # checkpointing (the recomputed segments cast again in backward): the running micro-batch holds all
+    fwd_copies = saved["all_copies"] - saved["head_copy"] + head_copy + copies - (block_copies + head_copy)
+    if lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
+        loss_fwd, loss_bwd = n * V * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
+    else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax (the saved tensor) straight
+        # from the logits and turns it into the gradient in place, cast to the logits' dtype
+        loss_fwd = loss_bwd = n * V * w.compute // lay.tp
+    loss_fwd, loss_bwd = (loss_fwd, loss_bwd) if last else (0, 0)
     head_grad = 0  # what exists of the gradients when the first block's backward starts
     if progressive and lay.zero == 0:
         head_grad = V * c.d_model * w.grad // lay.tp
     elif progressive and lay.zero == 2:  # the head's bucket is reduced at once; ZeRO-3 reduces the root last
         head_grad = ceil_div(V * c.d_model // lay.tp, lay.dp) * train.grad_bytes
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
+    log_softmax = saved["log_softmax"] * ends if last else 0
+    embed_side = saved["embed_side"] if end["first"] else 0
     return {
         "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
         # before any parameter's gradient exists: the engines' reduce buffers come with the blocks'
         "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd},
-        "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - saved["log_softmax"],
+        "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - log_softmax,
                                  "buffers": module + copies + T_layer + eng["during"]},
-        "end of backward": {**base, "grads": grads_held, "activations": saved["embed_side"] + saved["per_block"],
+        "end of backward": {**base, "grads": grads_held, "activations": embed_side + saved["per_block"],
                             "buffers": module + T_layer + eng["end"] + eng["pending"]},
         "optimizer step": {**base, "grads": grads_held, "activations": 0,
                            "buffers": act.rope_tables(shape) + eng["pending"]

@@ -8,13 +8,21 @@ half of the backward. What it reads off the timeline:
   ZB-H1: (p-1)/(3m+p-1) at these ratios), which time.py adds on top of the busy time;
 - in flight: the most micro-batches whose activations one rank holds, in whole-stage units
   (interleaved chunks count 1/v each: p + (p-1)/v, Korthikanti et al. 2022 sec. 4.2.3);
-- weight versions: the most copies of a stage's weights an asynchronous schedule keeps.
+- held at each end (`end_held`): on the first and the last rank, the (chunks, end-chunk) pairs held
+  at each moment of the rank's own action list, so memory.py can weigh the end stage's extra tensors
+  (the last stage's logits and loss) by how many of its micro-batches are alive: GPipe's last rank
+  holds all m with their logits, 1F1B's one, ZB-H1's p (their W not yet run);
+- weight versions: the most copies of a stage's weights an asynchronous schedule keeps;
+- makespan: the step of real stages, which are not even: the last one also runs the LM head and the
+  loss (at llama-1b's width and 32k vocabulary the head is as much work as one block, so the last of
+  4 stages of 8 layers does 3 blocks' work where the average is 2.25) and sets the pace.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
+from teratrain.parallel.pipeline.actions import B, F, I, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, simulate
 from teratrain.planner.layout import Layout
@@ -39,6 +47,51 @@ def summary(lay: Layout) -> tuple[float, float, int]:
     if lay.pp == 1:  # accumulation without a pipeline: one micro-batch at a time, nothing idle
         return 0.0, 1.0, 1
     return _summary(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, backward_ratio(lay))
+
+
+@lru_cache(maxsize=1024)
+def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int], ...]:
+    chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
+    held: set = set()
+    states = set()
+    for a in _build(schedule, pp, m, v).ranks[rank]:
+        if a.kind == F:
+            held.add((a.microbatch, a.chunk))
+        elif a.kind in (B, W):  # a split backward frees at W (simulate.peak_activations)
+            held.discard((a.microbatch, a.chunk))
+        states.add((len(held), sum(1 for _, c in held if c == chunk)))
+    return tuple(sorted(states))
+
+
+@lru_cache(maxsize=256)
+def _splits(schedule: str, pp: int, m: int, v: int) -> bool:
+    return any(a.kind == I for a in _build(schedule, pp, m, v).ranks[0])
+
+
+def splits_backward(lay: Layout) -> bool:
+    """Does the schedule split each backward into I and W (ZB-H1)?"""
+    return lay.pp > 1 and _splits(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
+
+
+def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int], ...]:
+    """Every (stage-equivalents held, micro-batches of the end chunk held) a pipeline's first (or, with
+    `last`, last) rank passes through; one pair (1, 1) without a pipeline."""
+    if lay.pp == 1:
+        return ((1.0, 1),)
+    v = lay.virtual_stages
+    rank = lay.pp - 1 if last else 0
+    return tuple((n / v, e) for n, e in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
+
+
+def makespan(lay: Layout, rank_s: float, last_extra_s: float) -> float:
+    """Seconds of a step in which every rank's own work (all micro-batches, forward and backward) takes
+    `rank_s` and the last stage's `last_extra_s` more (the LM head and the loss, which the model's
+    last stage alone runs): the simulated schedule over uneven stages, idle time included."""
+    m, v, r = lay.num_microbatches, lay.virtual_stages, backward_ratio(lay)
+    per = [rank_s / m / v] * (lay.pp * v)
+    per[-1] += last_extra_s / m  # the model's last stage: chunk v-1 of the last rank
+    costs = Costs(forward_s=[t / (1 + r) for t in per], backward_s=[t * r / (1 + r) for t in per])
+    return simulate(_build(lay.schedule, lay.pp, m, v), costs).makespan_s
 
 
 def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:

@@ -11,10 +11,12 @@ a `bench/planner_validate.py --gpus N` result, and what each change does to the 
   coordinate descent (each constant in turn on a shrinking multiplicative grid) to minimise the
   squared relative step-time error of the rows NOT marked held-out, with the measured hardware terms
   in place; the held-out rows' errors before and after show whether the change generalizes.
-- Memory has no fitted constant but the allowance: `context_gib` from the median memory measured
-  outside the allocator (CUDA context and NCCL's buffers; a row's count also holds the communicators
-  of earlier rows in the same processes, hence the median), `fragmentation` from the median
-  reserved/allocated - 1.
+- Memory has no fitted constant but the allowance: `context_gib` from the memory measured outside
+  the allocator (CUDA context and NCCL's buffers): the median of a one-GPU result (a process per
+  config), the smallest of a several-GPU one, whose rows run one after another in the same
+  processes, each row's count holding the communicators of every earlier row (4.9 GiB at the first
+  of 28 rows on 4 x H200, 38 GiB at the last); `fragmentation` from the median reserved/allocated - 1
+  (the allocator's cache is emptied and its peaks reset between rows, so that ratio is per row).
 Nothing is written: the report says which constants the measurements would change, and to what.
 """
 
@@ -26,9 +28,9 @@ from dataclasses import replace
 from teratrain.planner.comm import FRACTION, STEPS
 from teratrain.planner.hardware import GPU, gpu_for_device, hw_keys
 
-FITTED = ("flops_max", "flops_d_half", "op_overhead_s", "mem_efficiency")
+FITTED = ("flops_max", "flops_d_half", "op_overhead_s", "mem_efficiency", "host_op_s", "host_collective_s")
 BOUNDS = {"flops_max": (0.05, 1.0), "mem_efficiency": (0.05, 1.0), "flops_d_half": (1.0, 1e5),
-          "op_overhead_s": (0.0, 1e-3)}
+          "op_overhead_s": (0.0, 1e-3), "host_op_s": (0.0, 1e-3), "host_collective_s": (0.0, 1e-2)}
 
 
 def fit_alpha_beta(kind: str, ranks: int, sizes: list[float], seconds: list[float]) -> dict:
@@ -137,7 +139,8 @@ def refit(result: dict) -> dict:
     frag = [r["measured_reserved_gib"] / r["measured_peak_gib"] - 1 for r in result["rows"]
             if r.get("measured_reserved_gib") and r.get("measured_peak_gib")]
     if outside:
-        changes["context_gib"] = [preset.context_gib, round(statistics.median(outside), 3)]
+        own = min(outside) if result.get("gpus", 1) > 1 else statistics.median(outside)
+        changes["context_gib"] = [preset.context_gib, round(own, 3)]
     if frag:
         changes["fragmentation"] = [preset.fragmentation, round(statistics.median(frag), 3)]
     errors = {}

@@ -12,16 +12,22 @@ Terms, each with its source or assumption:
   small models slower than their FLOPs say.
 - optimizer: the fused AdamW sweep streams params, grads and states: ~40 bytes/param (+12 with fp32
   masters) at hbm_gbps x mem efficiency.
-- MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs); expert
+- MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs), the
+  experts' at gpu.moe_efficiency of the dense rate (grouped GEMMs of a few hundred rows per expert,
+  the permutations around them: measured by bench/moe.py against the dense model); expert
   parallelism adds 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
   backward; 6 when recomputation replays the forward), exposed; expert gradients reduce over dp/ep ranks.
 - communication: every collective of the step, alpha-beta priced per ring (planner/comm.py says
   which, from measured terms when given). Data-parallel reductions overlap the backward of the last
   micro-batch (bucketed, Li et al. 2020); ZeRO-3 gathers overlap compute (prefetch); tensor-parallel
   collectives, pipeline sends and all-to-alls are exposed.
-- pipeline bubble: the idle share of the step in the simulated schedule (planner/pipeline.py over
-  parallel/pipeline/simulate.py, even stages): (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019),
-  (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023).
+- pipeline bubble: the idle time of the simulated schedule (planner/pipeline.py over
+  parallel/pipeline/simulate.py): (p-1)/(m+p-1) of the step for GPipe and 1F1B on even stages (Huang
+  et al. 2019), (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023);
+  the stages are simulated as they are, the last one running the LM head besides its blocks.
+- host: eager PyTorch issues every op from Python; where the GPU's work per op is short (tensor
+  parallelism splits each matmul tp ways) the GPU waits on the host, so a rank's time is the larger
+  of its GPU time and the host's issue time (per op, per tensor-parallel collective: hardware.GPU).
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
@@ -32,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.comm import step_comm
+from teratrain.planner.comm import step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -45,6 +51,9 @@ from teratrain.planner.states import stage_params
 OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (84, 145), ("llama", "low"): (78, 137),
                  ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (55, 111), ("gpt2", "low"): (39, 93)}
 OPS_OUTSIDE = 60
+# an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
+# GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
+OPS_MOE_EXTRA = (105, 57)
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 8  # fused AdamW: read p, g, m, v, write p, m, v (fp32); norm; clip
 
 
@@ -79,6 +88,22 @@ def attention_flops(shape: ModelShape, tokens: float) -> float:
     return 12 * c.n_layers * c.n_heads * c.head_dim * c.seq_len * tokens
 
 
+def moe_flops(shape: ModelShape, tokens: float) -> float:
+    """The MoE layers' expert FLOPs of the model FLOPs: each token's top_k expert MLPs, forward and
+    backward (6 per weight), in every MoE layer."""
+    if shape.num_experts == 1:
+        return 0.0
+    c = shape.cfg
+    mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.ffn_dim
+    return 6 * tokens * c.n_layers * shape.moe_share * shape.top_k * mlp
+
+
+def head_flops(shape: ModelShape, tokens: float) -> float:
+    """The LM head's share of the model FLOPs: forward and backward of the (d, V) matmul, 6*d*V per
+    token (never recomputed: the policies replay blocks)."""
+    return 6 * shape.cfg.d_model * shape.cfg.vocab_size * tokens
+
+
 def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
     """The extra forward recomputation adds: the blocks (2N_blocks + 4LHQT per token), or only the
     attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5)."""
@@ -100,17 +125,48 @@ def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> flo
     return ((flops - attn) / lay.tp + attn / split_attn) / lay.pp
 
 
+def _mode(train: Training, lay: Layout) -> str:
+    """Which OPS_PER_BLOCK column a layout's precision uses."""
+    w = train.widths(lay.zero, lay.offload)
+    return "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
+
+
 def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     """Ops one rank issues per step: every block's forward and backward per micro-batch, the
     forward again when a segment is recomputed, the embedding/head/loss, and the optimizer step's
     per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
-    w = train.widths(lay.zero, lay.offload)
-    mode = "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
-    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    fwd, bwd = _block_ops(shape, _mode(train, lay))
     replay = fwd if lay.recompute in ("full", "sqrt", "every-k") else 0
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
-    return (layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors
+    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors)
+
+
+def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
+    """(forward, backward) ops of an average block: MoE layers add theirs (OPS_MOE_EXTRA)."""
+    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    share = shape.moe_share if shape.num_experts > 1 else 0.0
+    return fwd + share * OPS_MOE_EXTRA[0], bwd + share * OPS_MOE_EXTRA[1]
+
+
+def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
+    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
+    every tensor-parallel collective with its autograd function and launch (gpu.host_collective_s).
+    When the GPU's work per op is short (tensor parallelism splits every matmul) the GPU waits on it."""
+    n_tp = lay.num_microbatches * tp_per_microbatch(shape, train, lay, None, stage_params(shape, lay)["layers"],
+                                                    count=True)
+    return ops * gpu.host_op_s + n_tp * gpu.host_collective_s
+
+
+def split_walk_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """A split backward (ZB-H1's I and W, parallel/pipeline/backward.py) walks each micro-batch's
+    backward graph in Python to find the weight groups, about one op's host cost per node (one node
+    per backward op). The GPU waits for it: W exists to fill the time the stage would idle, so when
+    the rank reaches it there is nothing queued for the GPU to run meanwhile."""
+    if not pipeline.splits_backward(lay):
+        return 0.0
+    nodes = stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[1] * lay.num_microbatches
+    return nodes * gpu.host_op_s
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
@@ -141,8 +197,10 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
     replay_attn = attn / 3 if lay.recompute != "none" else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
-    compute_s = (flops + replay) / gpu.sustained_flops(train.precision, c.d_model)
-    ops_s = eager_ops(shape, train, lay) * gpu.op_overhead_s
+    moe = rank_flops(shape, lay, moe_flops(shape, tokens), 0.0)  # the experts' share, at their own rate
+    compute_s = (flops + replay + moe * (1 / gpu.moe_efficiency - 1)) / gpu.sustained_flops(train.precision, c.d_model)
+    ops = eager_ops(shape, train, lay)
+    ops_s = ops * gpu.op_overhead_s
     busy = compute_s + ops_s
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather
         gathers = 1 if lay.pp > 1 else 2 * lay.num_microbatches
@@ -152,16 +210,35 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
     exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
-    bubble_frac = _bubble(lay)
-    bubble_s = (busy + exposed) * bubble_frac / (1 - bubble_frac)
-    step = busy + exposed + bubble_s + opt_s + offload_s
+    # eager execution: the GPU runs what the host has issued, so a rank's step is the longer of the
+    # two timelines (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is
+    # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
+    # on issuing meanwhile, so a host-bound pipeline hides its bubble.
+    issue_s = host_s(shape, train, lay, gpu, ops)
+    waits = _readback_s(shape, train, lay, gpu, busy) + split_walk_s(shape, train, lay, gpu)  # GPU waits on host
+    critical = max(busy + exposed, issue_s) + waits
+    bubble_s = 0.0
+    if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one
+        head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
+            train.precision, c.d_model)
+        even = busy - head_s / lay.pp + exposed + waits
+        bubble_s = max(0.0, pipeline.makespan(lay, even, head_s) - critical)
+    step = critical + bubble_s + opt_s + offload_s
     global_tokens = train.global_batch * c.seq_len
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
-                         {"recompute_flops": replay, **{f"comm_{k}_s": v for k, v in comm.items()}})
+                         {"recompute_flops": replay, "host_s": issue_s,
+                          **{f"comm_{k}_s": v for k, v in comm.items()}})
 
 
-def _bubble(lay: Layout) -> float:
-    """Idle share of the step, from the simulated schedule."""
-    return pipeline.summary(lay)[0]
+def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy: float) -> float:
+    """Dropless expert parallelism reads each MoE layer's counts back to the host in the forward
+    (parallel/expert.py): the host waits for the GPU there and the GPU then waits for the host, so
+    the forward loses the overlap of the two: the shorter of its host time and its GPU time (the
+    forward is 1 of the 1 + backward_ratio parts of the compute)."""
+    if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
+        return 0.0
+    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[0] + OPS_OUTSIDE) \
+        * lay.num_microbatches
+    return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))

@@ -9,7 +9,8 @@ from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import GIB, in_flight, plan_memory
 from teratrain.planner.search import batch_advice, evaluate, search
 from teratrain.planner.comm import collective as _collective
-from teratrain.planner.time import _bubble, model_flops, recompute_flops
+from teratrain.planner.pipeline import summary
+from teratrain.planner.time import model_flops, recompute_flops
 
 H100 = GPUS["h100"]
 
@@ -28,8 +29,8 @@ def test_ring_collectives_move_the_textbook_fraction():
 
 
 def test_pipeline_bubble_and_in_flight_microbatches():
-    assert _bubble(Layout(pp=4, num_microbatches=8)) == pytest.approx(3 / 11)  # GPipe: (p-1)/(m+p-1)
-    assert _bubble(Layout(pp=4, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2)) == \
+    assert summary(Layout(pp=4, num_microbatches=8))[0] == pytest.approx(3 / 11)  # GPipe: (p-1)/(m+p-1)
+    assert summary(Layout(pp=4, num_microbatches=8, schedule="interleaved_1f1b", virtual_stages=2))[0] == \
         pytest.approx(3 / 19)
     assert in_flight(Layout(pp=4, num_microbatches=8, schedule="gpipe")) == 8
     assert in_flight(Layout(pp=4, num_microbatches=8)) == 4  # 1F1B holds at most p
@@ -39,7 +40,7 @@ def test_pipeline_bubble_and_in_flight_microbatches():
 def test_planner_reads_every_schedule_off_the_simulator():
     """ZB-H1 with backward = 2 forwards (I = W = F): (p-1)/(3m+p-1) (Qi et al. 2023); 2BW with m = 2p
     keeps two copies of the stage's weights; pp=1 accumulation holds one micro-batch."""
-    assert _bubble(Layout(pp=4, num_microbatches=8, schedule="zb_h1")) == pytest.approx(3 / 27)
+    assert summary(Layout(pp=4, num_microbatches=8, schedule="zb_h1"))[0] == pytest.approx(3 / 27)
     assert in_flight(Layout(pp=4, num_microbatches=8, schedule="zb_h1")) == 4
     assert in_flight(Layout(pp=1, num_microbatches=8, schedule="gpipe")) == 1
     shape, train = _shape("llama-1b")

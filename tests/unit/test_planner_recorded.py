@@ -1,0 +1,51 @@
+"""The planner against recorded GPU measurements: bench/results/planner_validate_h200x4.json (28
+layouts of `bench/planner_validate.py --gpus 4` on 4 x H200, torch 2.11) recomputed here with today's
+planner and the terms that run measured. A change to the memory or time model that loses a row the
+model now predicts within issue 24's targets (peak memory 5%, step time 15%) fails here; the counts
+are what the model reached (docs/planner.md has the table), fit rows and held-out rows apart."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from teratrain.planner.refit import _prepared, result_gpu
+from teratrain.planner.search import evaluate
+
+RESULT = Path(__file__).resolve().parents[2] / "bench" / "results" / "planner_validate_h200x4.json"
+# (fit rows, held-out rows) within the target, of (15, 13)
+REACHED = {"peak": (15, 12), "step": (13, 9)}
+TARGET = {"peak": 0.05, "step": 0.15}
+
+
+@pytest.fixture(scope="module")
+def errors() -> list[dict]:
+    result = json.loads(RESULT.read_text())
+    gpu = result_gpu(result)
+    out = []
+    for shape, train, lay, row in _prepared(result):
+        cand = evaluate(shape, train, lay, gpu)
+        out.append({"name": row["name"], "held_out": row["held_out"],
+                    "peak": cand.memory.peak_allocated / 2**30 / row["measured_peak_gib"] - 1,
+                    "step": cand.time.step_time_s / row["measured_step_s"] - 1})
+    return out
+
+
+@pytest.mark.parametrize("what", ["peak", "step"])
+def test_recorded_rows_stay_within_the_targets(errors, what):
+    fit = [e for e in errors if not e["held_out"]]
+    held = [e for e in errors if e["held_out"]]
+    assert (len(fit), len(held)) == (15, 13)
+    got = tuple(sum(abs(e[what]) <= TARGET[what] for e in group) for group in (fit, held))
+    missed = {e["name"]: round(100 * e[what], 1) for e in errors if abs(e[what]) > TARGET[what]}
+    assert got[0] >= REACHED[what][0] and got[1] >= REACHED[what][1], f"{what}: {got} within target; out: {missed}"
+
+
+def test_pipeline_memory_follows_the_schedule(errors):
+    """Every pipeline schedule's peak within 5%, these four within 4%: GPipe's last rank holds all m
+    micro-batches with their logits, 1F1B's first rank p of them, ZB-H1 p on every rank until W
+    (planner/memory.py); before, the planner gave every pp4 schedule of m <= p the same peak."""
+    pipes = {e["name"]: e["peak"] for e in errors if e["name"].startswith("pp4")}
+    assert len(pipes) == 9 and max(abs(v) for v in pipes.values()) < 0.05
+    for name in ("pp4 1f1b m4", "pp4 gpipe m4", "pp4 gpipe m8", "pp4 zb-h1 m8"):
+        assert abs(pipes[name]) < 0.04, (name, pipes[name])
