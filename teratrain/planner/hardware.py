@@ -70,7 +70,10 @@ class GPU:
     # registration, the NCCL launch; the compute stream waits on it at once, so the ranks' host skew
     # and the queue's refill land there too): the GPU waits on these where its own work per op is
     # short. CALIBRATED: least squared relative step error over the fit rows of the one-GPU and the
-    # 4-GPU H200 validations (bench/results/planner_validate_h200.json, _h200x4.json; torch 2.11)
+    # 4-GPU H200 validations (bench/results/planner_validate_h200.json, _h200x4.json; torch 2.11).
+    # host_collective_s predicts without explaining: the tp=4 profile (bench/README.md, tensor
+    # parallelism) finds that time on the GPU, in all-reduces ~10x slower inside the step than
+    # alone, with the host ahead; read it as what one tp collective costs a step on this machine.
     host_op_s: float = 1.2e-5
     host_collective_s: float = 6.0e-4
     # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
