@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.parallel.pipeline.actions import B, F, I, W
+from teratrain.parallel.pipeline.actions import I
 from teratrain.parallel.pipeline.schedules import build
-from teratrain.parallel.pipeline.simulate import Costs, Timeline, simulate
+from teratrain.parallel.pipeline.simulate import Costs, Timeline, held, simulate
 from teratrain.planner.layout import Layout
 
 
@@ -52,15 +52,7 @@ def summary(lay: Layout) -> tuple[float, float, int]:
 @lru_cache(maxsize=1024)
 def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int], ...]:
     chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
-    held: set = set()
-    states = set()
-    for a in _build(schedule, pp, m, v).ranks[rank]:
-        if a.kind == F:
-            held.add((a.microbatch, a.chunk))
-        elif a.kind in (B, W):  # a split backward frees at W (simulate.peak_activations)
-            held.discard((a.microbatch, a.chunk))
-        states.add((len(held), sum(1 for _, c in held if c == chunk)))
-    return tuple(sorted(states))
+    return tuple(sorted(set(held(_build(schedule, pp, m, v).ranks[rank], chunk))))
 
 
 @lru_cache(maxsize=256)

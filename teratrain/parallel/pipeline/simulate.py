@@ -18,7 +18,7 @@ virtual stages, give each chunk's own time (1/v of a whole-rank stage for an eve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from teratrain.parallel.pipeline.actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, STEP, W, Action, Schedule
 
@@ -162,14 +162,21 @@ def _compile(sched: Schedule, costs: Costs) -> list[list[tuple]]:
     return out
 
 
-def peak_activations(acts: Sequence[Action]) -> int:
-    """Most (micro-batch, chunk) pairs whose forward ran and whose backward (B, or W when split)
-    has not: a rank runs one action at a time, so list order gives the exact peak."""
-    held = peak = 0
+def held(acts: Sequence[Action], chunk: int = 0) -> Iterator[tuple[int, int]]:
+    """After each action of a rank's list: how many (micro-batch, chunk) pairs have run their forward
+    and not yet their backward (B, or W when split), and how many of them are of `chunk`. A rank
+    runs one action at a time, so list order gives the exact counts."""
+    n = of_chunk = 0
     for a in acts:
-        held += (a.kind == F) - (a.kind in (B, W))
-        peak = max(peak, held)
-    return peak
+        step = (a.kind == F) - (a.kind in (B, W))
+        n += step
+        of_chunk += step if a.chunk == chunk else 0
+        yield n, of_chunk
+
+
+def peak_activations(acts: Sequence[Action]) -> int:
+    """Most (micro-batch, chunk) pairs a rank holds at once (`held`)."""
+    return max((n for n, _ in held(acts)), default=0)
 
 
 def peak_versions(acts: Sequence[Action]) -> int:
