@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit  # noqa: E402
+from common import emit, sync, time_steps  # noqa: E402
 
 from teratrain.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 from teratrain.parallel import comm, inflight  # noqa: E402
@@ -43,9 +43,17 @@ STEP_VARIANTS = {"no_sp": ["parallel.sequence_parallel=false"], "sp": ["parallel
                  "sp_chunked2": ["parallel.sequence_parallel=true", "parallel.tp_overlap=chunked"]}
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _Work:
+    """A stand-in for torch's work: completed or pending as told (the registry's own cost, no backend)."""
+
+    def __init__(self, done: bool = False):
+        self.done = done
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return self.done
 
 
 def collectives(group, device, burst: int, rounds: int) -> dict:
@@ -65,7 +73,7 @@ def collectives(group, device, burst: int, rounds: int) -> dict:
         for tag, call in (("raw", raw), ("ours", ours)):
             issue, wait = [], []
             for r in range(rounds + 2):
-                _sync(device)
+                sync(device)
                 dist.barrier(group)
                 if device.type == "cuda":  # the device busy for ~50 ms: every collective of the burst stays pending
                     torch.cuda._sleep(100_000_000)
@@ -87,23 +95,12 @@ def collectives(group, device, burst: int, rounds: int) -> dict:
 def registry(bursts=(16, 64, 128, 256, 1024), calls: int = 20000) -> dict:
     """Microseconds to register (and wait for) one operation while `k` others are still pending, with
     a trivial work: the registry's own cost, free of any backend."""
-
-    class Pending:
-        done = False
-
-        def wait(self):
-            return True
-
-        def is_completed(self):
-            return self.done
-
     out = {}
-    done = Pending()
-    done.done = True
+    done = _Work(done=True)
     for k in bursts:
         inflight.reset()
         for _ in range(k):
-            inflight.launch("all-reduce", None, Pending)
+            inflight.launch("all-reduce", None, _Work)
         t0 = time.perf_counter()
         for _ in range(calls):
             inflight.launch("all-gather", None, lambda: done).wait()
@@ -117,13 +114,6 @@ def watchdog_share(seconds: float = 3.0, pending: int = 200) -> dict:
     of one poll with `pending` operations registered, its share of the poll interval, and the measured
     change in a pure-Python loop's throughput once the thread runs (noise-level on a shared machine)."""
 
-    class Pending:
-        def wait(self):
-            return True
-
-        def is_completed(self):
-            return False
-
     def spin() -> float:
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
@@ -133,7 +123,7 @@ def watchdog_share(seconds: float = 3.0, pending: int = 200) -> dict:
 
     inflight.reset()
     for _ in range(pending):
-        inflight.launch("all-reduce", None, Pending)
+        inflight.launch("all-reduce", None, _Work)
     t0 = time.perf_counter()
     for _ in range(100):
         inflight.oldest_pending()  # what the watchdog does once per poll
@@ -162,13 +152,9 @@ def step_host(steps: int) -> dict:
             model = Transformer(cfg.model)
         engine = parallelize(model, rt, cfg)
         x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1), generator=torch.Generator().manual_seed(0))
-        times = []
-        for i in range(steps + 3):
-            t0 = time.perf_counter()
-            train_step(model, engine, [(x[:, :-1], x[:, 1:])], "bf16", 1e-4)
-            if i >= 3:
-                times.append((time.perf_counter() - t0) * 1e3)
-        out[name] = {"step_ms": round(statistics.median(times), 3)}
+        times = time_steps(lambda: train_step(model, engine, [(x[:, :-1], x[:, 1:])], "bf16", 1e-4), 3, steps,
+                           torch.device("cpu"))
+        out[name] = {"step_ms": round(statistics.median(times) * 1e3, 3)}
     return out
 
 
