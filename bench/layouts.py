@@ -11,9 +11,11 @@ function than one GPU does: they are checked against their own semantics instead
 its backward use one weight version, versions are the parameters a STEP left, never more held than
 the simulator says: versions.audit) and their loss must fall.
 
-Each model's one-GPU bf16 run is repeated with every step's micro-batches in reverse order: the same
-sum of gradients, rounded in another order. How far the two drift apart (`noise_floor`) is what bf16
-rounding alone does to that model over `--bf16-steps` steps, on one GPU, with no parallelism at all.
+Each model's one-GPU bf16 run is repeated twice: once as it was (`repeatable`: the same bits, which
+needs every kernel to be deterministic; bench/determinism.py says which are not), once with every
+step's micro-batches in reverse order (the same sum of gradients, rounded in another order). The wider
+of the two drifts (`noise_floor`) is what bf16 rounding alone does to that model over `--bf16-steps`
+steps, on one GPU, with no parallelism at all.
 A layout's bf16 error must stay within 2e-2 or, where one GPU's own floor is already above that, within
 FLOOR_FACTOR times the floor. The dense model's floor is ~1e-3, so 2e-2 holds it; the MoE model's is
 ~2.6e-2 on an H200 (top-2 routing turns rounding differences into different experts, and the runs
@@ -276,9 +278,7 @@ def worker(args) -> None:
             warm = min(3, len(res["times"]) - 1)
             refs[(model, precision)] = {**res, "tokens_per_s": res["tokens_per_step"] / statistics.median(res["times"][warm:])}
             if precision == "bf16":  # how far one GPU drifts from itself when only the rounding changes
-                again = _train(cfg, _runtime(cfg, single=True), _token_file(args.tokens, cfg.model.vocab_size), steps,
-                               reverse=True)
-                refs[(model, precision)]["noise_floor"] = _rel(again["losses"], res["losses"])
+                refs[(model, precision)].update(_noise_floor(cfg, args, steps, res["losses"]))
             _say(rank, f"one GPU, {model} {precision} ({res['wall_s']} s): losses {[round(x, 4) for x in res['losses']]}"
                        + (f", noise floor {refs[(model, precision)]['noise_floor']:.1e}" if precision == "bf16" else ""))
     rows = []
@@ -305,6 +305,15 @@ def worker(args) -> None:
                       f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"]))
 
 
+def _noise_floor(cfg, args, steps: int, losses: list[float]) -> dict:
+    """One GPU against itself: the same run again (the same bits where every kernel is deterministic)
+    and with each step's micro-batches reversed. The floor is the wider of the two drifts."""
+    runs = {order: _train(cfg, _runtime(cfg, single=True), _token_file(args.tokens, cfg.model.vocab_size), steps,
+                          reverse=order == "reversed")["losses"] for order in ("again", "reversed")}
+    return {"noise_floor": max(_rel(r, losses) for r in runs.values()), "repeatable": runs["again"] == losses,
+            "floor_by_order": {order: _rel(r, losses) for order, r in runs.items()}}
+
+
 def _write(path: str, refs: dict, rows: list[dict], world: int, args) -> None:
     import torch
 
@@ -313,7 +322,8 @@ def _write(path: str, refs: dict, rows: list[dict], world: int, args) -> None:
                                                                            "bf16").model.model_dump(),
             "common": COMMON, "moe": MOE, "fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL,
             "one_gpu": {f"{m}-{p}": {"losses": r["losses"], "tokens_per_s": round(r["tokens_per_s"], 1),
-                                     "peak_gib": round(r["peak_gib"], 2), "noise_floor": r.get("noise_floor")}
+                                     "peak_gib": round(r["peak_gib"], 2), "noise_floor": r.get("noise_floor"),
+                                     "repeatable": r.get("repeatable"), "floor_by_order": r.get("floor_by_order")}
                         for (m, p), r in refs.items()}}
     Path(path).write_text(json.dumps({"info": info, "layouts": rows}, indent=1))
 

@@ -194,17 +194,28 @@ def fitting_layers(base: list[str], mb: int, most: int, device: torch.device) ->
 def run_shape(base: list[str], mb: int, rt, args) -> dict:
     warmup, steps = (1, 2) if args.smoke else (3, args.steps)
     out = {"shape": base, "micro_batch": mb}
-    cfg1 = load_config(None, base + COMMON)
     profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
-    out["one_gpu"] = _run(one_gpu, cfg1, rt, mb, warmup, steps, 1, profiled("one_gpu"))
-    for name, (impl, extra) in VARIANTS.items():
-        cfg = load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra)
-        out[name] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world, profiled(name))
-        out[name]["speedup_vs_one_gpu"] = round(out[name]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
-        out[name]["per_gpu_efficiency"] = round(out[name]["speedup_vs_one_gpu"] / rt.world, 4)
+    for compiled in (False, True) if args.compile else (False,):
+        tag = "_compiled" if compiled else ""
+        extra_all = ["train.compile=true"] if compiled else []
+        one = "one_gpu" + tag
+        out[one] = _run(one_gpu, load_config(None, base + COMMON + extra_all), rt, mb, warmup, steps, 1, profiled(one))
+        for name, (impl, extra) in VARIANTS.items():
+            if (args.variants and name not in args.variants) or (compiled and impl == "dtensor"):
+                continue  # compiled DTensor blocks fail in backward (torch 2.13: a plain grad where a DTensor is due)
+            cfg = load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra + extra_all)
+            row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world,
+                                         profiled(name + tag))
+            row["speedup_vs_one_gpu"] = round(row["tokens_per_s"] / out[one]["tokens_per_s"], 4)
+            row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
+            if compiled:  # the same layout, eager in the same run: what compiling is worth to each
+                row["vs_eager"] = round(row["tokens_per_s"] / out[name]["tokens_per_s"], 4)
+        if compiled:
+            out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
     for tag, (a, b) in PAIRS.items():
-        if a in out and b in out:
-            out[f"ours_vs_dtensor_{tag}"] = round(out[a]["tokens_per_s"] / out[b]["tokens_per_s"], 4)
+        for c in ("", "_compiled"):
+            if a + c in out and b + c in out:
+                out[f"ours_vs_dtensor_{tag}{c}"] = round(out[a + c]["tokens_per_s"] / out[b + c]["tokens_per_s"], 4)
     return out
 
 
@@ -252,7 +263,16 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="default: both")
     ap.add_argument("--profile", action="store_true", help="add a torch.profiler summary of 2 steps per variant")
     ap.add_argument("--smoke", action="store_true", help="gloo on CPU, tiny shapes")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=None,
+                    help=f"comma-separated subset of {','.join(VARIANTS)} (one GPU always runs); default all")
+    ap.add_argument("--compile", action="store_true",
+                    help="run ours and one GPU once more with train.compile, reported as NAME_compiled with vs_eager "
+                         "(DTensor's compiled blocks fail in backward on torch 2.13, so its rows stay eager)")
+    ap.add_argument("--no-parity", action="store_true", help="skip the loss check against one GPU")
     args = ap.parse_args()
+    unknown = set(args.variants or ()) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown --variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rt = init_runtime(load_config(None, [f"parallel.tp={world}"] + (["train.device=cpu"] if args.smoke else [])))
@@ -264,7 +284,8 @@ def main() -> None:
         if rt.rank == 0 and args.out:  # a run cut short keeps the shapes it measured
             Path(args.out).write_text(json.dumps(result, indent=1))
     small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
-    result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)
+    if not args.no_parity:
+        result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)
     if rt.rank == 0:
         emit(result, args.out)
     dist.destroy_process_group()
