@@ -15,11 +15,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch.distributed import _functional_collectives as funcol
+
 from teratrain.compat import all_gather_single, reduce_scatter_single
 from teratrain.parallel import inflight
 
 
 SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
+_FUNCOL_OPS = {SUM: "sum", AVG: "avg", MAX: "max"}
+
+
+def traced() -> bool:
+    """Whether torch.compile is tracing this call (`train.compile`). Then each collective is the
+    functional collective of the same name, which the compiler puts into its graph (and may overlap
+    with independent kernels), not a c10d call with the hang watchdog's registry around it: that
+    Python (clocks, CUDA events) cannot be traced, and every collective would split the compiled
+    graph there, each split costing the host more than the eager op it replaced (measured in
+    bench/README.md, "Tensor parallelism"). NCCL's own watchdog still times the collectives out.
+    The result is the same: in place into the caller's tensor, and `async_op` gets a handle that is
+    already done (the compiler orders the wait)."""
+    return torch.compiler.is_compiling()
 
 
 class Done:
@@ -49,6 +64,9 @@ def _run(what: str, group, start, async_op: bool):
 def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=SUM):
     if group_size(group) == 1:  # sum, average and max of one value are the value
         return Done()
+    if traced():
+        t.copy_(funcol.all_reduce(t, _FUNCOL_OPS[op], group))
+        return Done()
     return _run("all-reduce", group, lambda: dist.all_reduce(t, op=op, group=group, async_op=True), async_op)
 
 
@@ -57,6 +75,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
     (world*n,). For a group of one this is a copy, which also converts dtypes."""
     if group_size(group) == 1:
         out.copy_(inp)
+        return Done()
+    if traced():
+        out.copy_(funcol.reduce_scatter_tensor(inp, _FUNCOL_OPS[op], 0, group))
         return Done()
     return _run("reduce-scatter", group,
                 lambda: reduce_scatter_single(out, inp, op=op, group=group, async_op=True), async_op)
@@ -67,6 +88,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
     if group_size(group) == 1:
         if inp.data_ptr() != out.data_ptr():
             out.copy_(inp)
+        return Done()
+    if traced():
+        out.copy_(funcol.all_gather_tensor(inp, 0, group))
         return Done()
     return _run("all-gather", group, lambda: all_gather_single(out, inp, group=group, async_op=True), async_op)
 
@@ -134,6 +158,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if traced():
+            return funcol.all_reduce(grad, "sum", ctx.group), None
         grad = grad.contiguous()
         all_reduce(grad, ctx.group)
         return grad, None
@@ -145,6 +171,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        if traced():  # out of place: the compiler plans the buffers
+            return funcol.all_reduce(x, "sum", group)
         if x.is_contiguous():  # a fresh partial product nothing else reads: reduce it in place
             ctx.mark_dirty(x)
         else:

@@ -141,3 +141,30 @@ def _counting_overlaps(rank: int, world: int, layouts: list[list[str]], kw: dict
         run = train_random(rank, world, layout, **kw)
         runs.append({**run, "overlapped": {k: counts[k] - before[k] for k in counts}})
     return runs
+
+
+def test_tp2_compiled_is_one_graph_and_matches_one_process():
+    """train.compile under tensor parallelism: every tp collective (the f/g pair, the sequence-parallel
+    gather and reduce-scatter, the vocab-parallel loss's all-reduces) is traced as a functional
+    collective (parallel/comm.py, `traced`), so the model compiles with fullgraph=True: no graph
+    break at any collective, forward or backward. The compiler here is aot_eager (the traced forward
+    and backward graphs run eagerly: inductor would compile for ~90 s on 2 cores and add nothing to
+    what is checked: the graphs and their collectives). Losses and parameters match one process."""
+    _compare([["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2"]], world=2, worker=_traced,
+             steps=2)
+
+
+def _traced(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
+    import torch
+    import torch._dynamo
+
+    compile_module = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **_: compile_module(self, backend="aot_eager", fullgraph=True)
+    try:
+        runs = []
+        for layout in layouts:
+            torch._dynamo.reset()
+            runs.append(train_random(rank, world, layout + ["train.compile=true"], **kw))
+        return runs
+    finally:
+        torch.nn.Module.compile = compile_module
