@@ -253,6 +253,8 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient L2 norm to this (0 = off)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     compile: bool = Field(False, description="torch.compile the model")
+    deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
+                                "cuDNN attention's backward is not by default); some kernels run slower")
 
 
 class OptimConfig(Section):

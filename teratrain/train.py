@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from teratrain import moe_metrics
-from teratrain.checkpoint.state import seed_everything
+from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
 from teratrain.config import Config, ConfigError, load_config
 from teratrain.config_toml import to_toml
@@ -69,6 +69,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
             cfg.parallel.stage_layers = saved.stage_layers
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
+    deterministic_algorithms(cfg.train.deterministic)
     if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values
         model = model_fn(cfg)
     else:

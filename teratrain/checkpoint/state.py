@@ -19,6 +19,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def deterministic_algorithms(on: bool) -> None:
+    """`train.deterministic`: the same bits from the same inputs on a GPU, run after run. Off by
+    default, as in torch: cuDNN's attention backward (what scaled_dot_product_attention runs on
+    Hopper in bf16) accumulates with atomic adds in whatever order its blocks finish, so two runs
+    part in the last bit from the first step, and top-k routing turns that into other experts
+    (bench/determinism.py measured it; bench/README.md, "Determinism"). On, torch picks deterministic
+    kernels everywhere and refuses an op that has none; cuBLAS needs a fixed workspace for it, set
+    here before its first matmul."""
+    if on:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
 def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     """Every RNG stream a training step may draw from: Python, NumPy, torch CPU and CUDA."""
     tensors = {"rng.torch_cpu": torch.get_rng_state()}

@@ -136,3 +136,20 @@ def test_models_never_import_torch_distributed():
     """models/ is single-device code; strategies wrap it from outside (ARCHITECTURE.md)."""
     for f in Path(teratrain.models.__file__).parent.glob("*.py"):
         assert "torch.distributed" not in f.read_text(), f.name
+
+
+def test_train_deterministic_switches_torch_to_deterministic_kernels_and_back():
+    """train.deterministic (checkpoint/state.py): on, torch refuses nondeterministic kernels (an op
+    without a deterministic one raises) and cuBLAS gets its fixed workspace; the next run without it
+    turns it off again (the flag is process-wide)."""
+    import os
+
+    from teratrain.checkpoint.state import deterministic_algorithms
+
+    try:
+        deterministic_algorithms(True)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+    finally:
+        deterministic_algorithms(False)
+    assert not torch.are_deterministic_algorithms_enabled()
