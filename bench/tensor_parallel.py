@@ -221,8 +221,15 @@ def run_shape(base: list[str], mb: int, rt, args) -> dict:
 
 def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     fresh_memory(rt.device)
+    if cfg.train.compile:
+        from torch._dynamo.utils import counters
+        counters.clear()
     step = build(cfg, rt)
     row = measure(step, cfg, rt, mb, warmup, steps, world)
+    if cfg.train.compile:  # every break is a graph boundary the host pays for on each step (bench/README.md)
+        breaks = counters["graph_break"]
+        row["graph_breaks"] = {"count": sum(breaks.values()),
+                               "reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
     if profile:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1), generator=g).to(rt.device)

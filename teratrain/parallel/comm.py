@@ -222,14 +222,21 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    all_gather(out.view(-1), x.view(-1), group)
+    if traced():  # out of place (a copy into a view of a fresh buffer splits torch 2.11's graph)
+        out = funcol.all_gather_tensor(x, 0, group).view(n, *x.shape)
+    else:
+        out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+        all_gather(out.view(-1), x.view(-1), group)
     return torch.cat(out.unbind(0), dim=-1)
 
 
 def _seq_gather(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor:
     """(B, T/n, ...) sequence shards on each rank -> (B, T, ...). See `sequence_rows` for which tokens
     a shard holds: each of the `chunks` units is one all-gather written in place, so no layout copy."""
+    n = group_size(group)
+    if n > 1 and traced():  # unit k's rank blocks side by side, out of place
+        out = funcol.all_gather_tensor(x.contiguous().view(chunks, -1), 1, group)
+        return out.view(x.shape[0], n * x.shape[1], *x.shape[2:])
     out, works = start_seq_gather(x, group, chunks)
     for w in works:
         w.wait()
@@ -254,6 +261,9 @@ def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor
     n = group_size(group)
     if n == 1:
         return x
+    if traced():  # unit k's block r to rank r, out of place
+        out = funcol.reduce_scatter_tensor(x.contiguous().view(chunks, -1), "sum", 1, group)
+        return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
     units = x.contiguous().view(chunks, n, -1)  # (units, ranks, rows of a unit's block)
     out = x.new_empty((chunks, units.shape[2]))
     for k in range(chunks):

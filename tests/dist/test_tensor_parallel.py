@@ -145,13 +145,13 @@ def _counting_overlaps(rank: int, world: int, layouts: list[list[str]], kw: dict
 
 def test_tp2_compiled_is_one_graph_and_matches_one_process():
     """train.compile under tensor parallelism: every tp collective (the f/g pair, the sequence-parallel
-    gather and reduce-scatter, the vocab-parallel loss's all-reduces) is traced as a functional
+    gather and reduce-scatter, the all-gather form's, the vocab-parallel loss's all-reduces) is traced as a functional
     collective (parallel/comm.py, `traced`), so the model compiles with fullgraph=True: no graph
     break at any collective, forward or backward. The compiler here is aot_eager (the traced forward
     and backward graphs run eagerly: inductor would compile for ~90 s on 2 cores and add nothing to
     what is checked: the graphs and their collectives). Losses and parameters match one process."""
-    _compare([["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2"]], world=2, worker=_traced,
-             steps=2)
+    _compare([["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2"],
+              ["parallel.tp=2", "parallel.tp_form=all-gather"]], world=2, worker=_traced, steps=2)
 
 
 def _traced(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
