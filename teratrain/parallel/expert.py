@@ -53,6 +53,46 @@ brought back by permutations whose backward is a gather too (models/permute.py).
 measured 0.22x dense on 2 x H100 when those were advanced indexing: every empty slot read one shared
 zero row (and every dropped choice one shared last row), so each backward's sort-based index_put_
 walked runs as long as the empty slots serially, three times per layer (bench/README.md).
+
+The exchange pipelined with the experts (`parallel.ep_overlap_chunks` = C; the pipelining of
+Tutel, Hwang et al. 2023, and of DeepSpeed-MoE, Rajbhandari et al. 2022). Whole, the two
+all-to-alls and the experts run one after the other: at ep=4 the exchange was 29% of the step on 4 x
+H200, all of it waited for. Cut, every expert's part of the exchange is split into C near-equal
+pieces (models/permute.py `piece_bounds`): with a capacity slots [slot c / C, slot (c+1) / C) of
+every expert, dropless rows [r c / C, r (c+1) / C) of each (rank, expert) block of r rows, whose
+sizes the one read-back already brought to the host (no read-back per chunk). `chunk_major` lays the
+send buffer out piece after piece, so chunk c is a contiguous block that is itself a valid exchange
+([rank][expert][rows]), and the combined rows come back in that same order, read by the same layout.
+Every rank cuts the same C pieces (empty ones too) and issues the same collectives in the same order.
+
+    forward (NCCL stream):  d0 d1 d2 d3 c0 c1 c2 c3          d: dispatch, c: combine, e: experts
+    forward (compute):         e0 e1 e2 e3                   e_c waits for d_c only; c_c launched after e_c
+    backward: the same with the reverse exchanges (combine's first) and each piece's expert backward
+
+Exposed: the first dispatch and the last combine, about 2/C of the exchange, where the experts of a
+piece take longer than its exchange.
+
+How the backward overlaps: through the autograd graph, not a hand-written backward. An exchange is two
+nodes (comm.launch_rows, comm.land_rows): the launch's forward starts the all-to-all, the landing's
+forward waits for it; in backward the landing's node launches the reverse all-to-all and returns at
+once, the launch's node waits for it. The engine runs ready nodes latest-created first, so backward
+runs: every combine's reverse launched (their landing nodes are the newest), then piece C-1's
+landing wait, its experts' backward, its dispatch's reverse launched (that landing node is newer
+than piece C-2's combine launch), then piece C-2's... and the reverse dispatches landed last: the
+forward schedule mirrored, each piece's expert backward under the other pieces' exchanges. A custom
+Function around the whole layer could force the same order, but would have to run the experts'
+backward itself (a nested autograd call per piece, whose weight gradients would each fire the
+data-parallel hooks) and rebuild the grouped GEMMs' saved state; the graph keeps one node per weight,
+accumulated over the pieces before its hook fires once. The expert weights are stacked for the
+grouped GEMMs once per layer forward (models/grouped.py `stack_experts`), after the dispatches are
+launched, so casting them runs under the first dispatch and the pieces share it.
+
+Default 1. Cutting costs C times the launches of the exchange and of the expert pass (argsort,
+gathers, three grouped GEMMs per piece, forward and backward) and one copy of the combined rows; it
+gains where a piece's experts take as long as its exchange. At ep=1 there is no exchange and the
+setting does nothing, but at ep>1 with small micro-batches (the exchange latency-bound, the pieces'
+GEMMs too small to fill the GPU) a cut exchange can be slower, so a default above 1 is not safe
+without a measurement of the model at hand (bench/moe.py reports both).
 """
 
 from __future__ import annotations
