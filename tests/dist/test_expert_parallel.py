@@ -71,7 +71,8 @@ def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
     """ep=4 (one expert per rank), ep=2 at dp=4 (each expert on two replicas: ep_replicas sums), ZeRO-2/3
     there, and tp=2 x ep=2: megatron (experts split like the MLP, sequence parallel) on llama, with the
     transformers aux-loss convention (its pooled loss's gradient scaled by 1/tp like ours), and gpt2
-    (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole)."""
+    (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole);
+    the chunked exchange (parallel.ep_overlap_chunks) dropless at ep=4 and under megatron tp x ep."""
     gpt2 = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
     layouts = [TOP2 + ["parallel.ep=4"], TOP1 + ["parallel.ep=4", "parallel.zero=3"],
                TOP2 + ["parallel.ep=2"], GSHARD + ["parallel.ep=2", "parallel.zero=2"],
@@ -79,7 +80,8 @@ def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
                TOP2 + ["model.moe.aux_loss_convention=transformers", "parallel.tp=2", "parallel.ep=2"],
                gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
                TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"],
-               TOP2_ALL + ["parallel.ep=4", "parallel.ep_overlap_chunks=2"]]  # dropless, chunked, 4 ranks
+               TOP2_ALL + ["parallel.ep=4", "parallel.ep_overlap_chunks=2"],  # dropless, chunked, 4 ranks
+               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.ep_overlap_chunks=3"]]  # chunked under megatron tp
     # Parameters within 2e-5: tp x ep with drops measured 1.2e-5 on one CPU (and under 1e-5 on another):
     # AdamW divides by sqrt(v), so entries with tiny second moments turn the tp reduction's 1e-7
     # rounding differences into ~1e-5 relative steps. Losses stay within 1e-5.
