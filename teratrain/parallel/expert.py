@@ -64,6 +64,7 @@ sizes the one read-back already brought to the host (no read-back per chunk). `c
 send buffer out piece after piece, so chunk c is a contiguous block that is itself a valid exchange
 ([rank][expert][rows]), and the combined rows come back in that same order, read by the same layout.
 Every rank cuts the same C pieces (empty ones too) and issues the same collectives in the same order.
+The result is the whole exchange's, but for the experts' dropout masks, drawn piece by piece.
 
     forward (NCCL stream):  d0 d1 d2 d3 c0 c1 c2 c3          d: dispatch, c: combine, e: experts
     forward (compute):         e0 e1 e2 e3                   e_c waits for d_c only; c_c launched after e_c
