@@ -2,7 +2,7 @@
 torchrun job.
 
     torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless (~3 min)
-    torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~4 min)
+    torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
     torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
 
@@ -15,9 +15,9 @@ the same weights (plus the MoE router's 8 x 2048). Every model runs data paralle
 (default 1 and the process count): at ep=1 each rank holds every expert (no all-to-all); at ep>1
 the experts are spread and exchanged with the padded all-to-all of parallel/expert.py (a capacity:
 no read-back), and once more without a capacity (`_dropless`: exact rows after one count read-back
-per layer). Every MoE run at ep>1 runs again with its exchange cut into `--a2a-chunks` pipelined
-pieces (`_chunks4`: parallel.ep_overlap_chunks=4, each piece's all-to-all under another piece's
-experts, forward and backward).
+per layer). Every MoE run at ep>1 runs again for each `--a2a-chunks` setting (default 2 and 4) with
+its exchange cut into that many pipelined pieces (`_chunks4`: parallel.ep_overlap_chunks=4, each
+piece's all-to-all under another piece's experts, forward and backward).
 
 First a parity check: the MoE at the largest ep (chunked, where it is) against one process on rank 0's GPU training the same
 global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as
@@ -334,9 +334,9 @@ def main() -> None:
                         "(default: 1 and the process count)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--a2a-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[4],
+    p.add_argument("--a2a-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4],
                    help="parallel.ep_overlap_chunks settings to run each MoE at ep > 1 with, besides 1 "
-                        "(comma-separated; default 4)")
+                        "(comma-separated; default 2,4)")
     p.add_argument("--instrumented-steps", type=int, default=3, help="steps timing the all-to-alls (ep > 1)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
                    "(default: 2 micro-batches per rank)")

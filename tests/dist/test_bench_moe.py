@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_moe_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4"],
+                         capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
