@@ -1,7 +1,8 @@
 """Mixture of experts at ep=1 and ep>1 against the dense model with the same active FLOPs, in one
 torchrun job.
 
-    torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless (~3 min)
+    torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless, the ep=2
+                                                       # runs also chunked (~4 min; 3 without the chunked runs)
     torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
     torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
