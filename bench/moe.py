@@ -20,9 +20,9 @@ per layer). Every MoE run at ep>1 runs again for each `--a2a-chunks` setting (de
 its exchange cut into that many pipelined pieces (`_chunks4`: parallel.ep_overlap_chunks=4, each
 piece's all-to-all under another piece's experts, forward and backward).
 
-First a parity check: the MoE at the largest ep (chunked, where it is) against one process on rank 0's GPU training the same
-global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as
-bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
+First a parity check: the MoE at the largest ep (chunked, where it is) against one process on rank 0's
+GPU training the same global batches (every step's loss; the GPU run is bf16, so expect ~1e-2
+relative, as bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
 
 Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active
 FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
@@ -322,9 +322,9 @@ def _overlap(results: dict) -> dict:
         if "_chunks" not in name:
             continue
         whole = results[name.split("_chunks")[0]]
+        speed = round(r["tokens_per_s"] / whole["tokens_per_s"], 4)
         out[name.removeprefix("moe_")] = {"share_chunks1": whole["all_to_all_share"],
-                                          "share_chunked": r["all_to_all_share"],
-                                          "tokens_per_s_vs_chunks1": round(r["tokens_per_s"] / whole["tokens_per_s"], 4)}
+                                          "share_chunked": r["all_to_all_share"], "tokens_per_s_vs_chunks1": speed}
     return out
 
 

@@ -369,7 +369,8 @@ class _LandRows(torch.autograd.Function):
         return grad, None
 
 
-def launch_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[torch.Tensor, RowExchange]:
+def launch_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group) -> tuple[torch.Tensor, RowExchange]:
     """Start an all-to-all of rows, autograd-aware: x (sum(in_splits), ...), in blocks of in_splits[r]
     rows for rank r, -> (sum(out_splits), ...) received in rank order, readable after `land_rows`.
     Backward: the same exchange reversed, launched by land_rows' backward and waited for by this one's,

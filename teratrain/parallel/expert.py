@@ -105,7 +105,8 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.models.grouped import compute_dtype
-from teratrain.models.permute import Layout, chunk_major, combine, dispatch, grouped_layout, piece_bounds, slotted_layout
+from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, grouped_layout, piece_bounds,
+                                      slotted_layout)
 from teratrain.models.moe import moe_layers
 from teratrain.parallel import comm
 from teratrain.parallel.comm import all_gather
