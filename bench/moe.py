@@ -1,7 +1,9 @@
 """Mixture of experts at ep=1 and ep>1 against the dense model with the same active FLOPs, in one
 torchrun job.
 
-    torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless (~3 min)
+    torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless, the ep=2
+                                                       # runs also chunked (~4 min; 3 without the chunked runs)
+    torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
     torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
 
@@ -14,20 +16,26 @@ the same weights (plus the MoE router's 8 x 2048). Every model runs data paralle
 (default 1 and the process count): at ep=1 each rank holds every expert (no all-to-all); at ep>1
 the experts are spread and exchanged with the padded all-to-all of parallel/expert.py (a capacity:
 no read-back), and once more without a capacity (`_dropless`: exact rows after one count read-back
-per layer).
+per layer). Every MoE run at ep>1 runs again for each `--a2a-chunks` setting (default 2 and 4) with
+its exchange cut into that many pipelined pieces (`_chunks4`: parallel.ep_overlap_chunks=4, each
+piece's all-to-all under another piece's experts, forward and backward).
 
-First a parity check: the MoE at the largest ep against one process on rank 0's GPU training the same
-global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as
-bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
+First a parity check: the MoE at the largest ep (chunked, where it is) against one process on rank 0's
+GPU training the same global batches (every step's loss; the GPU run is bf16, so expect ~1e-2
+relative, as bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
 
 Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active
 FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
 memory; for each MoE the share of routed choices dropped for capacity and, at ep>1, the all-to-all's
-share of the step (the exchanges of counts and rows, forward and backward, timed by CUDA events on the
-compute stream around each, in separate instrumented steps: the time the step waits for them) and
+exposed share of the step (`all_to_all_share`: the exchanges of counts and rows, forward and backward,
+whole or by chunk, each launched asynchronously and timed by CUDA events on the compute stream just
+before and after its wait, in separate instrumented steps: the time the compute stream stands still
+for them, not the NCCL kernels' durations, which overlap compute once chunked) and
 `moe_layer_host_syncs`, "none" when one MoE layer's forward and backward never wait for the device
 (torch.cuda.set_sync_debug_mode("error"); the dropless exchange reads its counts back by design);
-`moe_vs_dense`, each MoE's tokens/s over the dense model's (target >= 0.8); `experts_kernel`, grouped
+`moe_vs_dense`, each MoE's tokens/s over the dense model's (target >= 0.8); `a2a_overlap`, per chunked
+run, the exposed share whole (`share_chunks1`) and chunked (`share_chunked`; target < 0.15 at ep=4)
+and `tokens_per_s_vs_chunks1`, the chunked run's tokens/s over the whole one's; `experts_kernel`, grouped
 GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device
 machines require.
 """
@@ -54,7 +62,7 @@ from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
-from teratrain.parallel import comm, expert  # noqa: E402
+from teratrain.parallel import comm  # noqa: E402
 from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
 
@@ -68,14 +76,17 @@ EXPERT_FF = {"gpu": 2816, "smoke": 64}
 MICRO_PER_RANK = 2  # micro-batches per rank and step
 
 
-def models(smoke: bool, eps: list[int]) -> dict[str, list[str]]:
-    """Each model's settings: the dense peer, the MoE at every ep, the largest ep once more dropless."""
+def models(smoke: bool, eps: list[int], chunks: list[int]) -> dict[str, list[str]]:
+    """Each model's settings: the dense peer, the MoE at every ep, the largest ep once more dropless,
+    and every MoE at ep > 1 once more per `chunks` setting (parallel.ep_overlap_chunks)."""
     ff = EXPERT_FF["smoke" if smoke else "gpu"]
     moe = [f"model.d_ff={ff}", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=softmax-topk"]
     out = {"dense": [f"model.d_ff={2 * ff}"]}
     out.update({f"moe_ep{ep}": moe + ["model.moe.capacity_factor=1.25", f"parallel.ep={ep}"] for ep in eps})
     if max(eps) > 1:
         out[f"moe_ep{max(eps)}_dropless"] = moe + ["model.moe.capacity_factor=0", f"parallel.ep={max(eps)}"]
+    for name in [n for n in out if n.startswith("moe_") and n != "moe_ep1"]:
+        out.update({f"{name}_chunks{c}": out[name] + [f"parallel.ep_overlap_chunks={c}"] for c in chunks if c > 1})
     return out
 
 
@@ -171,8 +182,8 @@ def measure(sets: list[str], args) -> dict:
 
 
 def _all_to_all_share(step, steps: int, device: torch.device) -> float:
-    """The all-to-alls' share of `steps` instrumented steps: CUDA events on the compute stream around
-    each exchange (no synchronization inside the step), summed after it; wall clock on a CPU."""
+    """The exchanges' exposed share of `steps` instrumented steps: the time the compute stream waits
+    for them (`_timed_all_to_all`), summed after the steps, over their wall time."""
     spans: list = []
     t0 = time.perf_counter()
     with _timed_all_to_all(spans, device):
@@ -188,30 +199,50 @@ def _all_to_all_share(step, steps: int, device: torch.device) -> float:
     return round(exchanged / step_s, 4)
 
 
-@contextlib.contextmanager
-def _timed_all_to_all(spans: list, device: torch.device):
-    """Record (start, end) of every all-to-all (the counts exchange and both row exchanges, forward
-    and backward): CUDA events on the current stream, or host times on a CPU."""
-    original = comm.all_to_all
+class _TimedWait:
+    """A collective's handle whose wait is timed: CUDA events on the compute stream just before and
+    after `wait()` (which makes that stream wait for NCCL's), so the span is how long the compute
+    stream stood still for the exchange: all of it for an exchange waited for at once, the part not
+    hidden under the compute queued in between for a launched-then-landed chunk. Host time on a CPU."""
 
-    def timed(*args, **kwargs):
-        if device.type == "cuda":
+    def __init__(self, work, spans: list, device: torch.device):
+        self.work, self.spans, self.cuda = work, spans, device.type == "cuda"
+
+    def wait(self) -> bool:
+        if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            result = original(*args, **kwargs)
+            self.work.wait()
             end.record()
-            spans.append((start, end))
+            self.spans.append((start, end))
         else:
             t0 = time.perf_counter()
-            result = original(*args, **kwargs)
-            spans.append((t0, time.perf_counter()))
-        return result
+            self.work.wait()
+            self.spans.append((t0, time.perf_counter()))
+        return True
 
-    comm.all_to_all = expert.all_to_all = timed
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+@contextlib.contextmanager
+def _timed_all_to_all(spans: list, device: torch.device):
+    """Time the wait of every all-to-all (the counts exchange and every row exchange, forward and
+    backward, whole or by chunk): each is launched asynchronously and its handle's wait timed."""
+    original = comm.all_to_all
+
+    def timed(out, inp, out_splits, in_splits, group, async_op=False):
+        work = _TimedWait(original(out, inp, out_splits, in_splits, group, async_op=True), spans, device)
+        if async_op:
+            return work
+        work.wait()
+        return comm.Done()
+
+    comm.all_to_all = timed
     try:
         yield
     finally:
-        comm.all_to_all = expert.all_to_all = original
+        comm.all_to_all = original
 
 
 def _host_syncs(layer, tokens: int, cfg, device: torch.device) -> str:
@@ -263,8 +294,9 @@ def worker(args) -> None:
     mb = micro_batch(args.smoke)
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
-    runs = models(args.smoke, eps)
-    check = parity(base + runs[f"moe_ep{max(eps)}"], args.parity_steps)
+    runs = models(args.smoke, eps, args.a2a_chunks)
+    checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
+    check = parity(base + runs.get(checked, runs[f"moe_ep{max(eps)}"]), args.parity_steps)
     results = {name: measure(base + sets, args) for name, sets in runs.items()}
     if int(os.environ["RANK"]) == 0:
         dense = results["dense"]["tokens_per_s"]
@@ -275,10 +307,25 @@ def worker(args) -> None:
                            "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
                            "experts_kernel": "grouped_mm" if cuda and grouped_mm_without_sync(
                                torch.device("cuda"), torch.bfloat16) else "loop",
-                           "parity": check, **results, "moe_vs_dense": ratios})
+                           "parity": check, **results, "moe_vs_dense": ratios,
+                           "a2a_overlap": _overlap(results)})
         print(text)
         if args.out:
             Path(args.out).write_text(text)
+
+
+def _overlap(results: dict) -> dict:
+    """Per MoE run at ep > 1 and chunk setting: the exposed all-to-all share whole (chunks=1) and
+    chunked, and the chunked run's tokens/s over the whole one's."""
+    out = {}
+    for name, r in results.items():
+        if "_chunks" not in name:
+            continue
+        whole = results[name.split("_chunks")[0]]
+        speed = round(r["tokens_per_s"] / whole["tokens_per_s"], 4)
+        out[name.removeprefix("moe_")] = {"share_chunks1": whole["all_to_all_share"],
+                                          "share_chunked": r["all_to_all_share"], "tokens_per_s_vs_chunks1": speed}
+    return out
 
 
 def main() -> None:
@@ -288,6 +335,9 @@ def main() -> None:
                         "(default: 1 and the process count)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--a2a-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4],
+                   help="parallel.ep_overlap_chunks settings to run each MoE at ep > 1 with, besides 1 "
+                        "(comma-separated; default 2,4)")
     p.add_argument("--instrumented-steps", type=int, default=3, help="steps timing the all-to-alls (ep > 1)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
                    "(default: 2 micro-batches per rank)")

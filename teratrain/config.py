@@ -330,6 +330,10 @@ class ParallelConfig(Section):
                                                         "model.seq_len must be divisible by tp x this")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")
     ep: int = Field(1, ge=1, description="expert-parallel degree (divides dp: experts are spread over data-parallel ranks)")
+    ep_overlap_chunks: int = Field(1, ge=1, description="pieces each MoE layer's all-to-all exchange is cut into at "
+                                   "ep > 1, one piece's dispatch and combine running under another piece's experts, "
+                                   "forward and backward (Tutel, DeepSpeed-MoE; parallel/expert.py); 1 = one "
+                                   "exchange each way, nothing overlapped; no effect at ep=1")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
     offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
     sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")

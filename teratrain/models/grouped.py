@@ -60,12 +60,14 @@ def use_grouped(experts: list[nn.Module], x: torch.Tensor, kernel: str) -> bool:
     return aligned and compat.grouped_mm_without_sync(x.device, compute_dtype(x))
 
 
-def run_experts(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, grouped: bool) -> torch.Tensor:
+def run_experts(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, grouped: bool,
+                stacks: dict | None = None) -> torch.Tensor:
     """Expert g on rows [offsets[g-1], offsets[g]) of x (rows, d); outputs (rows, d_out), undefined
     past offsets[-1]. Every expert enters the autograd graph, also on zero rows, so every rank builds
-    the same graph (its gradient hooks, and the collectives they launch, fire in the same order)."""
+    the same graph (its gradient hooks, and the collectives they launch, fire in the same order).
+    `stacks`: the grouped GEMMs' weights from `stack_experts`, when several calls share them."""
     if grouped:
-        return _grouped(experts, x, offsets)
+        return _grouped(experts, x, offsets, stacks or stack_experts(experts, compute_dtype(x)))
     ends = offsets.tolist()  # the loop's one read-back
     sizes = [b - a for a, b in zip([0] + ends[:-1], ends)] + [x.shape[0] - ends[-1]]
     parts = x.split(sizes)  # backward: one concatenation (slices would each add a whole zero buffer)
@@ -73,31 +75,41 @@ def run_experts(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor
     return torch.cat(outs + [outs[0].new_zeros(sizes[-1], outs[0].shape[1])])
 
 
-def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def stack_experts(experts: list[nn.Module], dtype: torch.dtype) -> dict:
+    """Each weight of the experts' MLP as one (G, out, in) stack in `dtype` (and its biases (G, out),
+    or None), by leaf (w1, w3, w2). Built once per forward of a layer: a chunked exchange
+    (parallel/expert.py) runs the experts once per chunk on the same stacks, where a stack per call
+    would cast every expert weight once per chunk."""
+    out = {}
+    for leaf in ("w1", "w3", "w2"):
+        if getattr(experts[0], leaf) is None:
+            continue
+        parts = [affine(getattr(e, leaf)) for e in experts]
+        biases = None if parts[0][1] is None else _StackCast.apply(dtype, *[p[1] for p in parts])
+        out[leaf] = (_StackCast.apply(dtype, *[p[0] for p in parts]), biases)
+    return out
+
+
+def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, stacks: dict) -> torch.Tensor:
     """The Expert MLP (models/moe.py) of every group at once: SwiGLU w2(silu(w1 x) * w3 x) or GELU
     w2(gelu(w1 x)), with the experts' dropout on the hidden activations."""
-    dtype = compute_dtype(x)
-    x = x.to(dtype)
+    x = x.to(compute_dtype(x))
     group = None
-    if experts[0].w1.bias is not None:  # each row's expert, for its bias (len(experts): past the end)
+    if stacks["w1"][1] is not None:  # each row's expert, for its bias (len(experts): past the end)
         group = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype), right=True)
-    h = _gmm(x, [e.w1 for e in experts], offsets, dtype, group)
-    if experts[0].w3 is not None:
-        h = F.silu(h) * _gmm(x, [e.w3 for e in experts], offsets, dtype, group)
+    h = _gmm(x, *stacks["w1"], offsets, group)
+    if "w3" in stacks:
+        h = F.silu(h) * _gmm(x, *stacks["w3"], offsets, group)
     else:
         h = F.gelu(h, approximate="tanh")
-    return _gmm(experts[0].dropout(h), [e.w2 for e in experts], offsets, dtype, group)
+    return _gmm(experts[0].dropout(h), *stacks["w2"], offsets, group)
 
 
-def _gmm(x: torch.Tensor, linears: list[nn.Module], offsets: torch.Tensor, dtype: torch.dtype,
+def _gmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, offsets: torch.Tensor,
          group: torch.Tensor | None) -> torch.Tensor:
     """x W_g^T (+ b_g) for each row of group g: one grouped GEMM over the stacked (G, out, in) weights."""
-    parts = [affine(m) for m in linears]
-    w = _StackCast.apply(dtype, *[p[0] for p in parts])  # (G, out, in)
     y = compat.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (rows, out)
-    if group is None:
-        return y
-    return _GroupBias.apply(y, _StackCast.apply(dtype, *[p[1] for p in parts]), group)
+    return y if b is None else _GroupBias.apply(y, b, group)
 
 
 class _StackCast(torch.autograd.Function):

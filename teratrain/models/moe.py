@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import in_backward
-from teratrain.models.grouped import compute_dtype, row_align, run_experts, use_grouped
+from teratrain.models.grouped import compute_dtype, row_align, run_experts, stack_experts, use_grouped
 from teratrain.models.permute import Layout, combine, dispatch, grouped_layout
 
 if TYPE_CHECKING:
@@ -332,14 +332,22 @@ class MoE(nn.Module):
         self._record(r, lay.counts)
         return self.dropout(out.view(x.shape))
 
-    def run_local(self, x: torch.Tensor, key: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, Layout]:
+    def run_local(self, x: torch.Tensor, key: torch.Tensor, k: int = 1,
+                  stacks: dict | None = None) -> tuple[torch.Tensor, Layout]:
         """This module's experts on rows of x: input row i (x[i // k]) goes to the key[i]-th of them,
         nowhere for key len(self.experts). Returns the experts' outputs laid out by the returned
-        layout (models/permute.py: `combine` brings them back to the input rows)."""
+        layout (models/permute.py: `combine` brings them back to the input rows). `stacks`: from
+        `stacked`, shared by several calls of one forward."""
         experts = list(self.experts.values())
         grouped = use_grouped(experts, x, self.kernel)
         lay = grouped_layout(key, len(experts), row_align(grouped))
-        return run_experts(experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped), lay
+        return run_experts(experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped, stacks), lay
+
+    def stacked(self, x: torch.Tensor) -> dict | None:
+        """This module's expert weights stacked for the grouped GEMMs of run_local on rows like x (None
+        where the experts run one by one): a chunked exchange runs the experts once per chunk."""
+        experts = list(self.experts.values())
+        return stack_experts(experts, compute_dtype(x)) if use_grouped(experts, x, self.kernel) else None
 
     def _set_aux(self, r: Routing) -> None:
         """The aux loss of this forward, by `model.moe.aux_loss_convention` (README, "Auxiliary loss")."""

@@ -114,6 +114,37 @@ def slotted_layout(key: torch.Tensor, num_groups: int, slot: int) -> Layout:
     return Layout(dest, src, starts[1:].to(torch.int32), num_groups * slot, key < num_groups, counts)
 
 
+def piece_bounds(extent, chunks: int):
+    """Where each of `chunks` near-equal pieces of `extent` rows starts, and the end: extent * c // chunks
+    for c = 0..chunks (host integers, or a tensor of extents -> (chunks + 1, *extent.shape))."""
+    if isinstance(extent, torch.Tensor):
+        c = torch.arange(chunks + 1, device=extent.device).view(-1, *[1] * extent.dim())
+        return extent.unsqueeze(0) * c // chunks
+    return [extent * c // chunks for c in range(chunks + 1)]
+
+
+def chunk_major(lay: Layout, extents: torch.Tensor, chunks: int) -> Layout:
+    """`lay` with its buffer reordered for a chunked exchange (parallel/expert.py): group g's extents[g]
+    buffer rows (its rows, or its slots), which `lay` holds contiguously, groups in order from row 0
+    (grouped_layout with align 1, slotted_layout), are cut into `chunks` pieces by `piece_bounds`, and
+    the buffer holds piece 0 of every group in group order, then piece 1 of every group, ... Rows past
+    the last group keep their place. `offsets` becomes the ends of the chunks * G pieces in that order.
+    A permutation of buffer rows, computed on the device: `dest` and `src` are gathered through it."""
+    G, rows = extents.numel(), lay.rows
+    ends = lay.offsets.long()
+    lo = piece_bounds(extents, chunks)  # (C + 1, G)
+    sizes = (lo[1:] - lo[:-1]).flatten()  # (C * G,) piece c of group g at c * G + g
+    piece_ends = sizes.cumsum(0)
+    j = torch.arange(rows, device=extents.device)
+    g = torch.searchsorted(ends, j, right=True).clamp(max=G - 1)  # rows past the groups: masked below
+    q = j - (ends - extents)[g]  # rank in its group's extent
+    c = (((q + 1) * chunks - 1) // extents[g].clamp(min=1)).clamp(0, chunks - 1)  # lo[c] <= q < lo[c + 1]
+    piece = c * G + g
+    perm = torch.where(j < ends[-1], piece_ends[piece] - sizes[piece] + q - lo[c, g], j)  # (rows,) new row of each
+    src = torch.empty_like(lay.src).scatter_(0, perm, lay.src)
+    return Layout(perm[lay.dest], src, piece_ends.to(torch.int32), rows, lay.sent, lay.counts)
+
+
 # ---------------------------------------------------------------- the two permutations
 
 class _Dispatch(torch.autograd.Function):

@@ -95,14 +95,15 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
     return _run("all-gather", group, lambda: all_gather_single(out, inp, group=group, async_op=True), async_op)
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+               async_op: bool = False):
     """out (sum(out_splits), ...) <- block i of every rank i's inp; inp's blocks (in_splits[r] rows
-    for rank r) leave in rank order. Synchronous. For a group of one this is a copy."""
+    for rank r) leave in rank order. For a group of one this is a copy."""
     if group_size(group) == 1:
         out.copy_(inp)
         return Done()
     return _run("all-to-all", group,
-                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), False)
+                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), async_op)
 
 
 def any_rank(flag: bool, group, device) -> bool:
@@ -337,32 +338,85 @@ def reduce_scatter_sequence(x, group, chunks: int = 1):
 
 # ---------------------------------------------------------------- expert parallelism
 # GShard's dispatch and combine (Lepikhin et al. 2020, sec. 3.2): tokens go to the ranks holding
-# their experts and the outputs come back, one all-to-all each way, over the `ep` group.
+# their experts and the outputs come back, one all-to-all each way (or one per chunk: expert.py
+# pipelines them, Tutel's and DeepSpeed-MoE's overlap), over the `ep` group. Launch and landing are
+# two autograd nodes, so compute placed between them runs under the exchange, forward and backward.
 
-class _AllToAllRows(torch.autograd.Function):
-    """All-to-all of rows with variable (possibly zero) block sizes. Forward: this rank's x, in
-    blocks of in_splits[r] rows, goes to rank r; the out_splits[r] rows received from rank r are
-    laid end to end in rank order. Backward: the same exchange reversed (each gradient row returns
-    to the rank its row came from): an all-to-all with the splits swapped."""
+class RowExchange:
+    """One all-to-all of rows between its launch and its landing: the splits (out_splits[r] rows come
+    from rank r, in_splits[r] go to it), the group, and while in flight the torch work with the two
+    tensors it reads and writes, held until the work is waited for (so the caching allocator cannot
+    hand their memory to the compute stream while NCCL still uses it, whatever torch's own policy)."""
+
+    __slots__ = ("out_splits", "in_splits", "group", "work", "held")
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group):
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work = self.held = None
+
+    def start(self, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+        """Launch the exchange of x (reverse: the way back, splits swapped); the returned rows are
+        valid once `finish` has run."""
+        out_splits, in_splits = (self.in_splits, self.out_splits) if reverse else (self.out_splits, self.in_splits)
+        x = x.contiguous()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.work = all_to_all(out, x, out_splits, in_splits, self.group, async_op=True)
+        self.held = (x, out)
+        return out
+
+    def finish(self) -> torch.Tensor:
+        """Order the current stream after the exchange (NCCL), or block until it is done (gloo);
+        returns the received rows."""
+        self.work.wait()
+        out = self.held[1]
+        self.work = self.held = None
+        return out
+
+
+class _LaunchRows(torch.autograd.Function):
+    """Forward: launch the exchange; its output is valid only after the paired `_LandRows`. Backward:
+    land the reverse exchange that `_LandRows`'s backward launched, whose received rows are x's
+    gradient (the gradient arriving here only carries the order)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _rows_exchange(x, out_splits, in_splits, group)
+    def forward(ctx, x, ex):
+        ctx.ex = ex
+        return ex.start(x)
+
+    @staticmethod
+    def backward(ctx, _carrier):
+        return ctx.ex.finish(), None
+
+
+class _LandRows(torch.autograd.Function):
+    """Forward: wait for the exchange `_LaunchRows` launched (identity on its rows). Backward: launch
+    the reverse exchange of the gradient (each row back to the rank it came from) and return at once,
+    so that the autograd engine runs other ready work before `_LaunchRows`'s backward waits for it.
+    What it returns is the gradient itself, unread: the reverse exchange's rows have the launch's
+    input shape and reach it through the shared `RowExchange`."""
+
+    @staticmethod
+    def forward(ctx, y, ex):
+        ex.finish()
+        ctx.ex = ex
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _rows_exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        ctx.ex.start(grad, reverse=True)
+        return grad, None
 
 
-def _rows_exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    all_to_all(out, x, out_splits, in_splits, group)
-    return out
+def launch_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group) -> tuple[torch.Tensor, RowExchange]:
+    """Start an all-to-all of rows, autograd-aware: x (sum(in_splits), ...), in blocks of in_splits[r]
+    rows for rank r, -> (sum(out_splits), ...) received in rank order, readable after `land_rows`.
+    Backward: the same exchange reversed, launched by land_rows' backward and waited for by this one's,
+    so that work between the two runs under it in both directions."""
+    ex = RowExchange(out_splits, in_splits, group)
+    return _LaunchRows.apply(x, ex), ex
 
 
-def all_to_all_rows(x, out_splits: list[int], in_splits: list[int], group):
-    """x (sum(in_splits), ...) -> (sum(out_splits), ...), autograd-aware (see _AllToAllRows)."""
-    return _AllToAllRows.apply(x, out_splits, in_splits, group) if group_size(group) > 1 else x
+def land_rows(y: torch.Tensor, ex: RowExchange) -> torch.Tensor:
+    """The rows of `launch_rows`, once arrived."""
+    return _LandRows.apply(y, ex)

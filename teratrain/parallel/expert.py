@@ -53,6 +53,47 @@ brought back by permutations whose backward is a gather too (models/permute.py).
 measured 0.22x dense on 2 x H100 when those were advanced indexing: every empty slot read one shared
 zero row (and every dropped choice one shared last row), so each backward's sort-based index_put_
 walked runs as long as the empty slots serially, three times per layer (bench/README.md).
+
+The exchange pipelined with the experts (`parallel.ep_overlap_chunks` = C; the pipelining of
+Tutel, Hwang et al. 2023, and of DeepSpeed-MoE, Rajbhandari et al. 2022). Whole, the two
+all-to-alls and the experts run one after the other: at ep=4 the exchange was 29% of the step on 4 x
+H200, all of it waited for. Cut, every expert's part of the exchange is split into C near-equal
+pieces (models/permute.py `piece_bounds`): with a capacity slots [slot c / C, slot (c+1) / C) of
+every expert, dropless rows [r c / C, r (c+1) / C) of each (rank, expert) block of r rows, whose
+sizes the one read-back already brought to the host (no read-back per chunk). `chunk_major` lays the
+send buffer out piece after piece, so chunk c is a contiguous block that is itself a valid exchange
+([rank][expert][rows]), and the combined rows come back in that same order, read by the same layout.
+Every rank cuts the same C pieces (empty ones too) and issues the same collectives in the same order.
+The result is the whole exchange's, but for the experts' dropout masks, drawn piece by piece.
+
+    forward (NCCL stream):  d0 d1 d2 d3 c0 c1 c2 c3          d: dispatch, c: combine, e: experts
+    forward (compute):         e0 e1 e2 e3                   e_c waits for d_c only; c_c launched after e_c
+    backward: the same with the reverse exchanges (combine's first) and each piece's expert backward
+
+Exposed: the first dispatch and the last combine, about 2/C of the exchange, where the experts of a
+piece take longer than its exchange.
+
+How the backward overlaps: through the autograd graph, not a hand-written backward. An exchange is two
+nodes (comm.launch_rows, comm.land_rows): the launch's forward starts the all-to-all, the landing's
+forward waits for it; in backward the landing's node launches the reverse all-to-all and returns at
+once, the launch's node waits for it. The engine runs ready nodes latest-created first, so backward
+runs: every combine's reverse launched (their landing nodes are the newest), then piece C-1's
+landing wait, its experts' backward, its dispatch's reverse launched (that landing node is newer
+than piece C-2's combine launch), then piece C-2's... and the reverse dispatches landed last: the
+forward schedule mirrored, each piece's expert backward under the other pieces' exchanges. A custom
+Function around the whole layer could force the same order, but would have to run the experts'
+backward itself (a nested autograd call per piece, whose weight gradients would each fire the
+data-parallel hooks) and rebuild the grouped GEMMs' saved state; the graph keeps one node per weight,
+accumulated over the pieces before its hook fires once. The expert weights are stacked for the
+grouped GEMMs once per layer forward (models/grouped.py `stack_experts`), after the dispatches are
+launched, so casting them runs under the first dispatch and the pieces share it.
+
+Default 1. Cutting costs C times the launches of the exchange and of the expert pass (argsort,
+gathers, three grouped GEMMs per piece, forward and backward) and one copy of the combined rows; it
+gains where a piece's experts take as long as its exchange. At ep=1 there is no exchange and the
+setting does nothing, but at ep>1 with small micro-batches (the exchange latency-bound, the pieces'
+GEMMs too small to fill the GPU) a cut exchange can be slower, so a default above 1 is not safe
+without a measurement of the model at hand (bench/moe.py reports both).
 """
 
 from __future__ import annotations
@@ -64,9 +105,11 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.models.grouped import compute_dtype
-from teratrain.models.permute import Layout, combine, dispatch, grouped_layout, slotted_layout
+from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, grouped_layout, piece_bounds,
+                                      slotted_layout)
 from teratrain.models.moe import moe_layers
-from teratrain.parallel.comm import all_gather, all_to_all, all_to_all_rows
+from teratrain.parallel import comm
+from teratrain.parallel.comm import all_gather
 from teratrain.parallel.placement import place, placement
 
 
@@ -77,6 +120,7 @@ class ExpertExchange:
     mesh: object  # the group is looked up at the first exchange: the planner applies this without one
     ep: int
     local: int  # experts per rank
+    chunks: int = 1  # parallel.ep_overlap_chunks: pieces of the exchange pipelined with the experts
 
     @property
     def group(self):
@@ -90,35 +134,74 @@ class ExpertExchange:
         n = self.ep * self.local
         lay = slotted_layout(key, n, slot) if slot is not None else grouped_layout(key, n)  # by destination rank
         recv = torch.empty_like(lay.counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
-        all_to_all(recv, lay.counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # no read-back
+        comm.all_to_all(recv, lay.counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # no read-back
         if slot is not None:
             return self._padded(flat, lay, k, recv.view(self.ep, self.local), slot, moe)
         return self._counted(flat, lay, k, recv.view(self.ep, self.local), moe)
 
     def _padded(self, flat, lay: Layout, k: int, recv, slot: int, moe) -> tuple[torch.Tensor, Layout]:
-        """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank."""
-        block = self.local * slot
-        send = dispatch(flat, lay, k, compute_dtype(flat))  # (ep * block, d): [rank][expert][slot], unused zero
-        got = all_to_all_rows(send, [block] * self.ep, [block] * self.ep, self.group)  # [source][expert][slot]
-        used = torch.arange(slot, device=flat.device) < recv.unsqueeze(-1)  # (ep, local, slot)
+        """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank;
+        chunk c carries slots [lo_c, lo_c+1) of every expert (`piece_bounds`)."""
+        n, lo = self.ep * self.local, piece_bounds(slot, self.chunks)
+        if self.chunks > 1:
+            lay = chunk_major(lay, torch.full((n,), slot, device=flat.device), self.chunks)
+        send = dispatch(flat, lay, k, compute_dtype(flat))  # (n * slot, d): [chunk][rank][expert][slot], unused zero
+        blocks = [self.local * (b - a) for a, b in zip(lo, lo[1:])]
         experts = torch.arange(self.local, device=flat.device).view(1, -1, 1)
-        ys = combine(*moe.run_local(got, torch.where(used, experts, self.local).flatten()))  # unused slots: zero
-        return all_to_all_rows(ys, [block] * self.ep, [block] * self.ep, self.group), lay
+
+        def experts_on(c: int, got: torch.Tensor, stacks) -> torch.Tensor:  # got: [source][expert][slot of chunk c]
+            used = torch.arange(lo[c], lo[c + 1], device=flat.device) < recv.unsqueeze(-1)  # (ep, local, slots)
+            return combine(*moe.run_local(got, torch.where(used, experts, self.local).flatten(), stacks=stacks))
+
+        return self._pipeline(send, [([b] * self.ep, [b] * self.ep) for b in blocks], experts_on, moe), lay
 
     def _counted(self, flat, lay: Layout, k: int, recv, moe) -> tuple[torch.Tensor, Layout]:
         """Exactly the routed rows, with split sizes read back to the host (all_to_all_single takes
-        them there): the layer's one device-to-host copy."""
-        host = torch.cat([recv.flatten(), lay.counts.view(self.ep, self.local).sum(1)]).tolist()
-        sizes, send_rows = host[:self.ep * self.local], host[self.ep * self.local:]
-        recv_rows = [sum(sizes[s * self.local:(s + 1) * self.local]) for s in range(self.ep)]
-        send = dispatch(flat, lay.first(sum(send_rows)), k, compute_dtype(flat))  # the sent rows lead the layout
-        got = all_to_all_rows(send, recv_rows, send_rows, self.group)  # (R, d): by source rank, then expert
+        them there): the layer's one device-to-host copy, which also gives every chunk's splits."""
+        n, C = self.ep * self.local, self.chunks
+        host = torch.cat([recv.flatten(), lay.counts]).tolist()
+        got_rows, sent_rows = host[:n], host[n:]  # per (source, local expert), per (destination, its expert)
+        got, sent = _chunk_rows(got_rows, self.ep, C), _chunk_rows(sent_rows, self.ep, C)
+        splits = list(zip(got, sent))  # chunk c: (rows from each source, rows to each destination)
+        if C > 1:
+            lay = chunk_major(lay, lay.counts, C)
+        send = dispatch(flat, lay.first(sum(sent_rows)), k, compute_dtype(flat))  # the sent rows lead the layout
         experts = torch.arange(self.local, device=flat.device).repeat(self.ep)
-        ys = combine(*moe.run_local(got, experts.repeat_interleave(recv.flatten(), output_size=sum(recv_rows))))
-        back = all_to_all_rows(ys, send_rows, recv_rows, self.group)
+        pieces = piece_bounds(recv.flatten(), C)  # (C + 1, ep * local)
+
+        def experts_on(c: int, got: torch.Tensor, stacks) -> torch.Tensor:  # got: by source rank, then expert
+            key = experts.repeat_interleave(pieces[c + 1] - pieces[c], output_size=sum(splits[c][0]))
+            return combine(*moe.run_local(got, key, stacks=stacks))
+
+        back = self._pipeline(send, splits, experts_on, moe)
         if back.shape[0] == 0:  # nothing sent: a row for the choices not sent to read (masked), inside the graph
             back = torch.cat([back, back.new_zeros(1, back.shape[1])])
         return back, lay.first(back.shape[0])
+
+    def _pipeline(self, send: torch.Tensor, splits: list[tuple[list[int], list[int]]], experts_on,
+                  moe) -> torch.Tensor:
+        """send (rows, d) chunk after chunk; splits[c] = (rows chunk c receives from each rank, rows it
+        sends to each). Every chunk's dispatch is launched first; chunk c's experts
+        (experts_on(c, received rows, stacks) -> their outputs in the same row order) wait only for
+        dispatch c, and its combine is launched right after them, under chunk c + 1's experts.
+        Returns the combined rows, chunk after chunk. Backward mirrors it (module docstring)."""
+        pieces = send.split([sum(sent) for _, sent in splits]) if len(splits) > 1 else [send]
+        arriving = [comm.launch_rows(p, got, sent, self.group) for p, (got, sent) in zip(pieces, splits)]
+        stacks = moe.stacked(send)  # the weights cast once, under the first dispatch
+        leaving = []
+        for c, ((rows, ex), (got, sent)) in enumerate(zip(arriving, splits)):
+            ys = experts_on(c, comm.land_rows(rows, ex), stacks)
+            leaving.append(comm.launch_rows(ys, sent, got, self.group))
+        back = [comm.land_rows(rows, ex) for rows, ex in leaving]
+        return back[0] if len(back) == 1 else torch.cat(back)
+
+
+def _chunk_rows(rows: list[int], ep: int, chunks: int) -> list[list[int]]:
+    """[c][r]: rows of chunk c for (or from) rank r, given rows[r * local + j] for its expert j, each
+    block cut by piece_bounds."""
+    local = len(rows) // ep
+    bounds = [piece_bounds(x, chunks) for x in rows]
+    return [[sum(b[c + 1] - b[c] for b in bounds[r * local:(r + 1) * local]) for r in range(ep)] for c in range(chunks)]
 
 
 def apply_ep(model: nn.Module, rt, cfg) -> None:
@@ -136,7 +219,7 @@ def apply_ep(model: nn.Module, rt, cfg) -> None:
                 pl = placement(p)
                 place(p, pl.with_(group=_expert_group(pl.group, rt.mesh) if ep > 1 else pl.group, expert=int(key)))
         if ep > 1:
-            layer.exchange = ExpertExchange(rt.mesh, ep, local)
+            layer.exchange = ExpertExchange(rt.mesh, ep, local, cfg.parallel.ep_overlap_chunks)
 
 
 def _expert_group(group: str, mesh) -> str:

@@ -61,7 +61,8 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
     if layout is not None:  # a tied embedding at both ends: its gradient is summed over both (split.py)
         mark_stages(model, layout, "pp_ends" if shape.cfg.tie_embeddings and stage_rank in (0, pp - 1) else None)
     if shape.cfg.moe.enabled:
-        apply_ep(model, rt, SimpleNamespace(model=shape.cfg))
+        chunks = SimpleNamespace(ep_overlap_chunks=1)  # nor does chunking the exchange
+        apply_ep(model, rt, SimpleNamespace(model=shape.cfg, parallel=chunks))
     out = []
     for name, p in model.named_parameters():
         pl = placement(p)

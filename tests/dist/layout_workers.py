@@ -123,14 +123,14 @@ def _seed_routing(model, first_micro: int) -> list[int]:
 
 def _probe_moe(model) -> torch.Tensor:
     """(2,) counts filled during training: capacity drops (read by `_dropped` at the end) and experts
-    run on zero rows (this rank)."""
+    run on zero rows (this rank; per chunk under parallel.ep_overlap_chunks)."""
     probe = torch.zeros(2, dtype=torch.float64)
     for _, layer in moe_layers(model):
         run, local = layer.run_local, len(layer.experts)
 
-        def counting(x, key, k=1, run=run, local=local):
+        def counting(x, key, k=1, stacks=None, run=run, local=local):
             probe[1] += int((torch.bincount(key, minlength=local + 1)[:local] == 0).sum())
-            return run(x, key, k)
+            return run(x, key, k, stacks)
 
         layer.run_local = counting
     return probe

@@ -11,19 +11,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_moe_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4"],
+                         capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
     assert (d["world"], d["eps"]) == (2, [1, 2])
     assert d["parity"]["max_rel_loss_diff"] < 1e-5  # fp32: experts over 2 ranks equal one process
     dense = d["dense"]
-    assert set(d["moe_vs_dense"]) == {"moe_ep1", "moe_ep2", "moe_ep2_dropless"}
+    assert set(d["moe_vs_dense"]) == {"moe_ep1", "moe_ep2", "moe_ep2_dropless", "moe_ep2_chunks4",
+                                      "moe_ep2_dropless_chunks4"}
     for name, ratio in d["moe_vs_dense"].items():
         moe = d[name]
         assert moe["tokens_per_s"] > 0 and ratio == round(moe["tokens_per_s"] / dense["tokens_per_s"], 4)
-        assert 0 <= moe["dropped"] < 1 and (moe["dropped"] == 0) == name.endswith("dropless")
+        assert 0 <= moe["dropped"] < 1 and (moe["dropped"] == 0) == ("dropless" in name)
         assert ("all_to_all_share" in moe) == (name != "moe_ep1")
         assert moe["active_params"] - dense["active_params"] == 2 * 8 * 64  # each of the 2 layers' router (8 x d_model)
         assert moe["params"] > 2 * dense["params"]
     assert 0 < d["moe_ep2"]["all_to_all_share"] < 1
+    assert set(d["a2a_overlap"]) == {"ep2_chunks4", "ep2_dropless_chunks4"}  # chunked runs against whole ones
+    for name, o in d["a2a_overlap"].items():
+        whole, chunked = d[f"moe_{name.split('_chunks')[0]}"], d[f"moe_{name}"]
+        assert (o["share_chunks1"], o["share_chunked"]) == (whole["all_to_all_share"], chunked["all_to_all_share"])
+        assert 0 < o["share_chunked"] < 1
+        assert o["tokens_per_s_vs_chunks1"] == round(chunked["tokens_per_s"] / whole["tokens_per_s"], 4)

@@ -2,7 +2,8 @@
 accumulation (2 micro-batches per rank at dp=2) and clipping; ep=2 and ep=4, with ZeRO, with dp > ep
 (expert replicas), with tensor parallelism and with recomputation; top-1 and top-2 routers with and
 without capacity drops (with one: the padded exchange, without: the counted one), random routing
-seeded identically on every layout.
+seeded identically on every layout; the exchange whole and cut into pipelined chunks
+(parallel.ep_overlap_chunks), empty chunks included.
 
 Tolerance: 1e-5 relative on every step's loss and on every final parameter tensor (gathered whole,
 all experts), and on the gradients of one plain SGD step (read back as (p0 - p1) / lr)."""
@@ -45,27 +46,42 @@ def _compare(layouts: list[list[str]], world: int, param_tol: float = TOL, **kw)
 
 
 def test_ep2_top1_top2_with_and_without_drops_zero_and_recompute():
+    """The exchanges of ep=2, and the same cut into 2-4 pipelined chunks (parallel.ep_overlap_chunks):
+    padded and dropless, top-1 and top-2, with ZeRO-2 and recomputation, each equal to one process
+    and the chunked ones to their chunks=1 run (losses, capacity drops)."""
     layouts = [lay + ["parallel.ep=2"] for lay in (TOP1, TOP1_ALL, TOP2, TOP2_ALL, GSHARD, NOISY)]
     layouts += [TOP2 + ["parallel.ep=2", f"parallel.zero={z}"] for z in (1, 2, 3)]
     layouts += [TOP1 + ["parallel.ep=2", "parallel.zero=3"], GSHARD + ["parallel.ep=2", "memory.recompute=full"]]
-    runs = _compare(layouts, world=2, steps=STEPS, routing_seed=True)
+    chunked = [TOP1 + ["parallel.ep=2", "parallel.ep_overlap_chunks=3"],  # padded, top-1
+               TOP1_ALL + ["parallel.ep=2", "parallel.ep_overlap_chunks=3"],  # dropless, top-1
+               TOP2 + ["parallel.ep=2", "parallel.ep_overlap_chunks=2"],  # padded, top-2
+               TOP2_ALL + ["parallel.ep=2", "parallel.ep_overlap_chunks=2"],  # dropless, top-2
+               TOP2 + ["parallel.ep=2", "parallel.zero=2", "parallel.ep_overlap_chunks=4"],
+               GSHARD + ["parallel.ep=2", "memory.recompute=full", "parallel.ep_overlap_chunks=2"]]
+    runs = _compare(layouts + chunked, world=2, steps=STEPS, routing_seed=True)
     drops = [r["moe"]["dropped"] for r in runs[:6]]
     assert drops[0] > 0 and drops[2] > 0 and drops[4] > 0 and drops[5] > 0, f"drops {drops}: the cases must drop"
     assert drops[1] == drops[3] == 0
+    for whole, pieces in zip([runs[i] for i in (0, 1, 2, 3, 6, 10)], runs[len(layouts):]):  # chunks=1 vs C
+        err = max(abs(a - b) / abs(b) for a, b in zip(pieces["losses"], whole["losses"]))
+        assert err < TOL and pieces["moe"]["dropped"] == whole["moe"]["dropped"], f"chunked exchange: {err:.2e}"
 
 
 def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
     """ep=4 (one expert per rank), ep=2 at dp=4 (each expert on two replicas: ep_replicas sums), ZeRO-2/3
     there, and tp=2 x ep=2: megatron (experts split like the MLP, sequence parallel) on llama, with the
     transformers aux-loss convention (its pooled loss's gradient scaled by 1/tp like ours), and gpt2
-    (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole)."""
+    (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole);
+    the chunked exchange (parallel.ep_overlap_chunks) dropless at ep=4 and under megatron tp x ep."""
     gpt2 = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
     layouts = [TOP2 + ["parallel.ep=4"], TOP1 + ["parallel.ep=4", "parallel.zero=3"],
                TOP2 + ["parallel.ep=2"], GSHARD + ["parallel.ep=2", "parallel.zero=2"],
                TOP2_ALL + ["parallel.ep=2", "parallel.zero=3"],
                TOP2 + ["model.moe.aux_loss_convention=transformers", "parallel.tp=2", "parallel.ep=2"],
                gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
-               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"]]
+               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"],
+               TOP2_ALL + ["parallel.ep=4", "parallel.ep_overlap_chunks=2"],  # dropless, chunked, 4 ranks
+               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.ep_overlap_chunks=3"]]  # chunked under megatron tp
     # Parameters within 2e-5: tp x ep with drops measured 1.2e-5 on one CPU (and under 1e-5 on another):
     # AdamW divides by sqrt(v), so entries with tiny second moments turn the tp reduction's 1e-7
     # rounding differences into ~1e-5 relative steps. Losses stay within 1e-5.
@@ -96,5 +112,6 @@ def test_experts_without_tokens_on_some_ranks():
     would scale up to lr-sized steps (see test_zero_parity.py)."""
     starve = ["model.moe.num_experts=8", "model.moe.router=switch-top1", "model.moe.capacity_factor=0",
               "model.seq_len=4", "train.micro_batch=1", "optim.name=sgd", "optim.lr=0.05"]
-    runs = _compare([starve + ["parallel.ep=2"], starve + ["parallel.ep=2", "parallel.zero=2"]], world=2, steps=3)
+    runs = _compare([starve + ["parallel.ep=2"], starve + ["parallel.ep=2", "parallel.zero=2"],
+                     starve + ["parallel.ep=2", "parallel.ep_overlap_chunks=3"]], world=2, steps=3)  # empty chunks
     assert all(r["moe"]["idle_experts"] > 0 for r in runs)

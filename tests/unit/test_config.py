@@ -46,6 +46,7 @@ def test_unknown_section_in_toml_suggests_the_close_one(tmp_path):
     ("optim.lr=fast", "optim.lr", "number"),
     ("model.tie_embeddings=maybe", "model.tie_embeddings", "true or false"),
     ("memory.precision=fp8", "memory.precision", "fp16"),
+    ("parallel.ep_overlap_chunks=0", "parallel.ep_overlap_chunks", "greater than or equal to 1"),
 ])
 def test_wrong_type_names_the_key_and_what_it_must_be(override, key, word):
     msg = config_error(override)

@@ -470,3 +470,92 @@ def test_dispatch_equals_the_per_expert_loop_with_its_gradients(router, keys, ke
     for p, a, b in zip(params, got, want):
         torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-5, atol=1e-6)
     assert (load == 0).any() or tokens > 3
+
+
+class _OneRank:
+    """A mesh whose `ep` group is one process: the exchange's all-to-alls are copies."""
+
+    def group(self, axis):
+        return None
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+@pytest.mark.parametrize("keys", [dict(capacity_factor=0.75), dict(capacity_factor=0)])
+def test_chunked_exchange_equals_the_layer_without_one(keys, kernel):
+    """The expert-parallel exchange (parallel/expert.py) on a group of one, cut into 1, 3 and 7
+    chunks (7: empty chunks, more than some experts' rows), padded (a capacity) and dropless: outputs
+    and every gradient equal the layer's own dispatch (fp32, 1e-5). The chunk layouts, each chunk's
+    rows and keys, and the weights stacked once for all chunks are checked here; the collectives by
+    tests/dist/test_expert_parallel.py."""
+    from teratrain.parallel.expert import ExpertExchange
+
+    if kernel == "grouped" and getattr(torch, "_grouped_mm", None) is None:
+        pytest.skip("this torch has no grouped GEMM")
+    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12, bias=kernel == "grouped",
+                       moe=dict(num_experts=4, router="softmax-topk", **keys))
+    m = moe.MoE(cfg, layer=0).train()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    m.kernel = kernel
+    x = torch.randn(1, 10, 8, generator=g, requires_grad=True)
+    c = torch.randn(1, 10, 8, generator=g)
+    params = [x] + list(m.parameters())
+
+    def run(exchange):
+        m.exchange = exchange
+        y = m(x)
+        return [y, *torch.autograd.grad((y * c).sum() + m.aux_loss, params)]
+
+    want = run(None)
+    for chunks in (1, 3, 7):
+        for a, b in zip(run(ExpertExchange(_OneRank(), 1, 4, chunks)), want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_exchange_schedule_overlaps_forward_and_backward(monkeypatch):
+    """The order the pipelined exchange issues its work in, forward and backward (what the overlap
+    rests on, parallel/expert.py): every dispatch launched before the first expert pass, piece c's
+    experts after its own landing only, its combine launched right after them; in backward every
+    combine's reverse launched first, then per piece (last first) its landing, its experts' backward
+    and its dispatch's reverse launch, the dispatches landed last."""
+    from teratrain.parallel import comm
+    from teratrain.parallel.expert import ExpertExchange
+
+    log, names = [], {}
+    start, finish, run = comm.RowExchange.start, comm.RowExchange.finish, moe.MoE.run_local
+
+    def logged_start(ex, x, reverse=False):
+        log.append(("launch", names.setdefault(id(ex), len(names))))
+        return start(ex, x, reverse)
+
+    def logged_finish(ex):
+        log.append(("land", names[id(ex)]))
+        return finish(ex)
+
+    def logged_run(m, x, key, k=1, stacks=None):
+        piece = sum(1 for e in log if e[0] == "experts")
+        log.append(("experts", piece))
+        y, lay = run(m, x, key, k, stacks)
+        y.register_hook(lambda g: log.append(("experts backward", piece)))
+        return y, lay
+
+    monkeypatch.setattr(comm.RowExchange, "start", logged_start)
+    monkeypatch.setattr(comm.RowExchange, "finish", logged_finish)
+    monkeypatch.setattr(moe.MoE, "run_local", logged_run)
+    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12,
+                       moe=dict(num_experts=4, router="softmax-topk", capacity_factor=1.0))
+    m = moe.MoE(cfg, layer=0)
+    m.exchange = ExpertExchange(_OneRank(), 1, 4, 3)
+    y = m(torch.randn(1, 12, 8, requires_grad=True))
+    forward, log[:] = list(log), []
+    y.sum().backward()
+    # exchanges 0-2: the dispatches of pieces 0-2, 3-5: their combines
+    assert forward == [("launch", 0), ("launch", 1), ("launch", 2),
+                       ("land", 0), ("experts", 0), ("launch", 3), ("land", 1), ("experts", 1), ("launch", 4),
+                       ("land", 2), ("experts", 2), ("launch", 5), ("land", 3), ("land", 4), ("land", 5)]
+    assert log == [("launch", 5), ("launch", 4), ("launch", 3),
+                   ("land", 5), ("experts backward", 2), ("launch", 2), ("land", 4), ("experts backward", 1),
+                   ("launch", 1), ("land", 3), ("experts backward", 0), ("launch", 0),
+                   ("land", 2), ("land", 1), ("land", 0)]
