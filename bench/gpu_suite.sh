@@ -63,7 +63,7 @@ for p in "$@"; do
         fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
                   piece fsdp2_1b 150 "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 $smoke \
                       --out "$out/fsdp2_1b.json" ;;
-        planner)  piece planner 270 "$py" bench/planner_validate.py --gpus "$n" --budget-s 200 $smoke --table \
+        planner)  piece planner 270 "$py" bench/planner_validate.py --gpus "$n" --budget-s 230 $smoke --table \
                       --out "$out/planner.json"
                   piece pick 150 "$py" bench/planner_validate.py --gpus "$n" --check-pick --hw-file "$out/planner.json" \
                       $smoke --table --out "$out/pick.json" ;;
