@@ -210,6 +210,7 @@ def run_shape(base: list[str], mb: int, rt, args) -> dict:
             row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
             if compiled:  # the same layout, eager in the same run: what compiling is worth to each
                 row["vs_eager"] = round(row["tokens_per_s"] / out[name]["tokens_per_s"], 4)
+            args.keep(out)
         if compiled:
             out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
     for tag, (a, b) in PAIRS.items():
@@ -220,6 +221,9 @@ def run_shape(base: list[str], mb: int, rt, args) -> dict:
 
 
 def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
+    if rt.rank == 0:  # where a run cut short by a time limit stopped
+        print(f"[tp] tp={world} compile={cfg.train.compile} sp={cfg.parallel.use_sp if world > 1 else None} "
+              f"at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     fresh_memory(rt.device)
     if cfg.train.compile:
         from torch._dynamo.utils import counters
@@ -287,9 +291,13 @@ def main() -> None:
     result = {"tp": rt.world, "env": env_info(rt.device), "shapes": {}}
     for name, (base, mb, most) in shapes.items():
         layers = fitting_layers(base, mb, most, rt.device)
-        result["shapes"][name] = run_shape(base + [f"model.n_layers={layers}"], mb, rt, args)
-        if rt.rank == 0 and args.out:  # a run cut short keeps the shapes it measured
-            Path(args.out).write_text(json.dumps(result, indent=1))
+
+        def keep(partial: dict, name=name) -> None:  # a run cut short keeps every variant it measured
+            result["shapes"][name] = partial
+            if rt.rank == 0 and args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1))
+        args.keep = keep
+        keep(run_shape(base + [f"model.n_layers={layers}"], mb, rt, args))
     small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
     if not args.no_parity:
         result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)
