@@ -5,6 +5,9 @@ AccumulateGrad (hooks fire), equal to the full backward's to fp64 rounding, with
 under recomputation. And what the split costs: I + W run B's FLOPs (no forward replayed twice,
 whatever the recomputation policy), and after I the chunk holds less than its forward saved."""
 
+import collections
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,6 +17,7 @@ from teratrain.memory.recompute import apply_recompute
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
 from teratrain.parallel.pipeline.saved import SplitSaved
 from teratrain.parallel.pipeline.stage import Chunk
+from teratrain.parallel.pipeline.weight_rules import RULES
 from tests.helpers import small_model
 
 
@@ -111,3 +115,111 @@ def test_split_costs_the_flops_of_one_backward_and_frees_what_only_i_needed(reco
     w_flops, _ = _count(lambda: backward_weight(groups))
     assert abs((i_flops + w_flops) / b_flops - 1) < 0.02, (i_flops, w_flops, b_flops)
     assert after_i < 0.5 * everything.held_bytes(params), "after I the chunk should hold only what W needs"
+
+
+class _Kernels(TorchDispatchMode):
+    """The aten ops that launch a kernel on a GPU (all but views and aliases), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func._overloadpacket.__name__ not in ("detach", "alias"):
+            self.count[func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _engine_calls_and_kernels(fn, monkeypatch) -> tuple[int, collections.Counter]:
+    calls, run = [], torch.autograd.graph._engine_run_backward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "_engine_run_backward", counting)
+    monkeypatch.setattr(torch.autograd.graph, "_engine_run_backward", counting)
+    with _Kernels() as k:
+        fn()
+    monkeypatch.undo()
+    return len(calls), k.count
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_split_runs_the_kernels_of_one_backward_in_one_engine_call_each(blocks, monkeypatch):
+    """I + W launch exactly B's kernels, op by op (no recomputation, copy or cast more), under bf16
+    autocast over fp32 weights as the executor runs them, and I and W are one autograd call each
+    whatever the depth (one call per weight group walked the graph below it: O(blocks^2) per W)."""
+    model, chunk = _chunk("llama", "none", last=True, dtype=torch.float32, n_layers=blocks)
+    chunk = Chunk(model, stage=1, num_stages=2, blocks=range(blocks))
+    x0, y, seed = (t.float() if t.is_floating_point() else t for t in _inputs(last=True))
+    for p in chunk.weights():
+        p.grad = torch.zeros_like(p)  # accumulated into, as for every micro-batch after a step's first
+
+    def forward(saved=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _forward(chunk, x0, y, saved)
+
+    x, out = forward()
+    b_calls, b_kernels = _engine_calls_and_kernels(lambda: torch.autograd.backward(out, seed), monkeypatch)
+    saved = SplitSaved({})
+    x, out = forward(saved)
+    plan = []
+    i_calls, i_kernels = _engine_calls_and_kernels(
+        lambda: plan.append(backward_input(out, seed, x, chunk.weights(), saved)), monkeypatch)
+    w_calls, w_kernels = _engine_calls_and_kernels(lambda: backward_weight(plan[0]), monkeypatch)
+    assert i_kernels + w_kernels == b_kernels
+    assert (i_calls, w_calls) == (b_calls, b_calls)
+
+
+def _rules_graph(ws: dict, x: torch.Tensor) -> torch.Tensor:
+    """Every weight-side case of weight_rules.py, and one node without a rule (bmm, run by autograd)."""
+    h = ws["left_t"].t() @ (ws["left"] @ x)                         # MmBackward0, weight on the left (side 0)
+    h = torch.nn.functional.linear(h, ws["lin"], ws["bias"])        # AddmmBackward0: weight and bias
+    h = torch.addmm(ws["bias"], h, ws["right"], beta=0.5, alpha=2)  # AddmmBackward0, row-major weight, alpha, beta
+    h = ws["scale"] * h * ws["scale"]                               # MulBackward0, weight on both sides
+    h = torch.nn.functional.layer_norm(h, (h.shape[-1],), ws["ln_w"], ws["ln_b"])
+    return torch.bmm(h.unsqueeze(0), ws["batched"].unsqueeze(0)).squeeze(0)  # BmmBackward0: autograd
+
+
+def test_weight_rules_equal_autograd_and_a_shared_weight_without_rule_is_refused():
+    g = torch.Generator().manual_seed(0)
+    shapes = {"left": (6, 6), "left_t": (6, 6), "lin": (5, 5), "bias": (5,), "right": (5, 5), "scale": (5,), "ln_w": (5,),
+              "ln_b": (5,), "batched": (5, 4)}
+    ws = {k: torch.randn(s, dtype=torch.float64, generator=g).requires_grad_() for k, s in shapes.items()}
+    x0, seed = torch.randn(6, 5, dtype=torch.float64, generator=g), torch.randn(6, 4, dtype=torch.float64, generator=g)
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward(_rules_graph(ws, x), seed)
+    full = {k: w.grad.clone() for k, w in ws.items()}
+    full_x = x.grad.clone()
+    for w in ws.values():
+        w.grad = None
+    x = x0.clone().requires_grad_()
+    plan = backward_input(_rules_graph(ws, x), seed, x, list(ws.values()))
+    assert torch.allclose(x.grad, full_x, rtol=1e-12, atol=1e-14)
+    assert {item.node.name() for item in plan} == set(RULES) - {"FusedRmsNormBackward0"} | {"BmmBackward0"}
+    backward_weight(plan)
+    for k, w in ws.items():
+        assert torch.allclose(w.grad, full[k], rtol=1e-12, atol=1e-14), k
+
+    x = x0.clone().requires_grad_()
+    shared = ws["left"][:5, :5].unsqueeze(0)  # one node feeding two nodes without a rule
+    out = torch.bmm(torch.bmm(x.unsqueeze(0), shared), shared)
+    with pytest.raises(RuntimeError, match="no weight-gradient rule for BmmBackward0"):
+        backward_input(out.squeeze(0), torch.ones(6, 5, dtype=torch.float64), x, list(ws.values()))
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_fused_rms_norm_rule_equals_autograd(keepdim):
+    """F.rms_norm's CUDA kernel (FusedRmsNormBackward0, absent on CPU): the rule on a node holding what
+    it saves, against autograd through torch's composite of the same op; its rstd with or without
+    the trailing 1."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 8, generator=g), torch.randn(8, generator=g).requires_grad_()
+    seed = torch.randn(2, 3, 8, generator=g)
+    y, rstd = torch._fused_rms_norm(x, [8], w, 1e-5)
+    (ref,) = torch.autograd.grad(y, w, seed)
+    node = SimpleNamespace(_saved_input=x, _saved_result1=rstd if keepdim else rstd.squeeze(-1),
+                           _saved_normalized_shape=[8], _saved_weight=w.detach())
+    (got,) = RULES["FusedRmsNormBackward0"](node, (seed, None), [1])
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
