@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 
 from teratrain.compat import backward_from
 from teratrain.parallel.pipeline.saved import SplitSaved
@@ -56,21 +56,25 @@ class _Intermediate:
     """One intermediate: its weight-side edges (output index, edge), the gradient kept in I, and
     (early) the weight-side gradients computed in I."""
 
-    __slots__ = ("node", "sides", "edges", "early", "kept", "done")
+    __slots__ = ("node", "rule", "sides", "edges", "early", "kept", "done")
 
     def __init__(self, node: Node, kids: tuple, sides: list[int], early: bool):
-        self.node, self.sides, self.early = node, sides, early
+        self.node, self.rule, self.sides, self.early = node, RULES.get(node.name()), sides, early
         self.edges = [GradientEdge(*kids[i]) for i in sides]
         self.kept = self.done = None
+
+    def outputs(self) -> range:
+        """The node's outputs whose gradient W needs: a rule's node has one differentiable output
+        (derivatives.yaml: a norm's mean and rstd are not), another node all of them."""
+        return range(1) if self.rule is not None else range(len(self.node._input_metadata))
 
     def weight_grads(self) -> list[torch.Tensor | None]:
         """The node's gradients into its weight-side edges, from the kept gradient, shaped and typed
         as those edges take them."""
         if self.kept is None or all(g is None for g in self.kept):
             return [None] * len(self.sides)
-        rule = RULES.get(self.node.name())
-        if rule is not None:
-            got = rule(self.node, self.kept, self.sides)
+        if self.rule is not None:
+            got = self.rule(self.node, self.kept, self.sides)
         else:
             roots = [(GradientEdge(self.node, i), g) for i, g in enumerate(self.kept) if g is not None]
             got = torch.autograd.grad([e for e, _ in roots], self.edges, [g for _, g in roots],
@@ -93,16 +97,16 @@ _CLOSURE = (False, False, "input closure")  # _plan's mark of the closure: leads
 def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> list[_Intermediate]:
     """The intermediates of the graph under `out`, in one walk. Each node outside the input closure
     is marked (leads to a weight of `weights`, all of those vectors: norm scales, biases)."""
-    x_node = get_gradient_edge(x).node
-    leaves = {get_gradient_edge(w).node: (True, w.dim() <= 1) for w in weights}
+    wanted = {id(w): (True, w.dim() <= 1) for w in weights}
     mark: dict = {}
     found = []
     order = _postorder(out.grad_fn)
     for node, kids in order:
-        if node in leaves:
-            mark[node] = leaves[node]
+        if not kids:  # a leaf's AccumulateGrad (its `variable`), or a node that feeds nothing
+            v = getattr(node, "variable", None)
+            mark[node] = _CLOSURE if v is x else wanted.get(id(v), (False, True))
             continue
-        inside, reach, vectors = node is x_node, False, True
+        inside, reach, vectors = False, False, True
         for child, _ in kids:
             m = mark.get(child)
             if m is _CLOSURE:
@@ -146,17 +150,13 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     and the gradient arriving at it, fp32 under autocast) for a gradient of d numbers, about a third
     of what a Llama block's W holds otherwise. W then accumulates them (backward_weight)."""
     plan = _plan(out, x, weights)
-    handles = []
+    edges = [GradientEdge(item.node, i) for item in plan for i in item.outputs()]
+    with saved.dropping({item.node for item in plan}) if saved is not None else contextlib.nullcontext():
+        got = torch.autograd.grad(out, [x, *edges], grad, retain_graph=True, allow_unused=True)
+    x.grad, k = got[0], 1
     for item in plan:
-        def keep(grad_outputs, item=item):
-            item.kept = grad_outputs
-        handles.append(item.node.register_prehook(keep))
-    try:
-        with saved.dropping({item.node for item in plan}) if saved is not None else contextlib.nullcontext():
-            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-    finally:
-        for h in handles:
-            h.remove()
+        n = len(item.outputs())
+        item.kept, k = got[k:k + n], k + n
     early = [item for item in plan if item.early]
     for item in early:
         item.done, item.kept = item.weight_grads(), None
