@@ -184,8 +184,8 @@ def _rules_graph(ws: dict, x: torch.Tensor) -> torch.Tensor:
 
 def test_weight_rules_equal_autograd_and_a_shared_weight_without_rule_is_refused():
     g = torch.Generator().manual_seed(0)
-    shapes = {"left": (6, 6), "left_t": (6, 6), "lin": (5, 5), "bias": (5,), "right": (5, 5), "scale": (5,), "ln_w": (5,),
-              "ln_b": (5,), "batched": (5, 4)}
+    shapes = {"left": (6, 6), "left_t": (6, 6), "lin": (5, 5), "bias": (5,), "right": (5, 5), "scale": (5,),
+              "ln_w": (5,), "ln_b": (5,), "batched": (5, 4)}
     ws = {k: torch.randn(s, dtype=torch.float64, generator=g).requires_grad_() for k, s in shapes.items()}
     x0, seed = torch.randn(6, 5, dtype=torch.float64, generator=g), torch.randn(6, 4, dtype=torch.float64, generator=g)
     x = x0.clone().requires_grad_()

@@ -6,8 +6,9 @@ input its node saved and the output gradient I kept (the paper's W), nothing els
 - The graph's nodes that reach the input leaf x are the "input closure"; its nodes with an edge
   leaving it toward a trainable weight (e.g. the matmul of `x @ W.T`, whose other edge leads to
   the weight's cast and AccumulateGrad) are the "intermediates". One walk of the graph finds them.
-- I: autograd.grad(out -> x) with a pre-hook on every intermediate that keeps the gradient arriving
-  there (the graph is retained, but what only I needed is freed as I runs: saved.py).
+- I: one autograd.grad from out to x and to a gradient edge at every intermediate, which hands back
+  the gradient arriving there beside x's (the graph is retained, but what only I needed is freed as
+  I runs: saved.py).
 - W: each intermediate's weight-side outputs by the node's own derivative formula (`weight_rules.py`:
   the formulas of torch's derivatives.yaml, on the node's saved tensors and the kept gradient),
   then ONE autograd call rooted at those weight-side edges, which runs only what lies between
@@ -17,8 +18,8 @@ input its node saved and the output gradient I kept (the paper's W), nothing els
 
 Why not autograd from the intermediates: each call walks the whole graph below its roots, and
 intermediates at different depths need separate calls (one call would run everything between
-them again), so W cost O(blocks^2) graph nodes per micro-batch: on CPU, a 16-block stage's W took
-twice B's host time (bench/README.md, "What the split backward costs").
+them again), so W cost O(blocks^2) graph nodes per micro-batch: on CPU, I + W took 3.2 x B's host
+time at 10 blocks (bench/README.md, "What I + W do beyond B").
 """
 
 from __future__ import annotations
