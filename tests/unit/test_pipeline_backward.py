@@ -223,3 +223,26 @@ def test_fused_rms_norm_rule_equals_autograd(keepdim):
                            _saved_normalized_shape=[8], _saved_weight=w.detach())
     (got,) = RULES["FusedRmsNormBackward0"](node, (seed, None), [1])
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rule_whose_node_lacks_what_it_reads_falls_back_to_autograd(monkeypatch):
+    """Another torch may save a node's tensors under other names: then autograd runs that node into
+    its weight-side edges, with the same gradients."""
+    from teratrain.parallel.pipeline import weight_rules
+
+    monkeypatch.setitem(weight_rules._READS, "MmBackward0", ("_saved_self", "_saved_in_another_torch"))
+    monkeypatch.setattr(weight_rules, "_usable", {})
+    model, chunk = _chunk("llama", "none", last=False)
+    x0, y, seed = _inputs(last=False)
+    x, out = _forward(chunk, x0, y)
+    torch.autograd.backward(out, seed)
+    full = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    saved = SplitSaved()
+    x, out = _forward(chunk, x0, y, saved)
+    plan = backward_input(out, seed, x, chunk.weights(), saved)
+    assert {item.node.name() for item in plan if item.rule is None} == {"MmBackward0"}
+    backward_weight(plan)
+    for n, p in model.named_parameters():
+        if n in full:
+            assert torch.allclose(p.grad, full[n], rtol=1e-10, atol=1e-14), n

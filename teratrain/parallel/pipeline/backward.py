@@ -31,7 +31,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from teratrain.compat import backward_from
 from teratrain.parallel.pipeline.saved import SplitSaved
-from teratrain.parallel.pipeline.weight_rules import RULES
+from teratrain.parallel.pipeline.weight_rules import rule_for
 
 
 def _postorder(root: Node) -> list[tuple[Node, tuple]]:
@@ -60,7 +60,7 @@ class _Intermediate:
     __slots__ = ("node", "rule", "sides", "edges", "early", "kept", "done")
 
     def __init__(self, node: Node, kids: tuple, sides: list[int], early: bool):
-        self.node, self.rule, self.sides, self.early = node, RULES.get(node.name()), sides, early
+        self.node, self.rule, self.sides, self.early = node, rule_for(node), sides, early
         self.edges = [GradientEdge(*kids[i]) for i in sides]
         self.kept = self.done = None
 
@@ -120,7 +120,7 @@ def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> li
         mark[node] = _CLOSURE
         if reach:
             found.append((node, kids, [i for i, (c, _) in enumerate(kids) if mark.get(c, _CLOSURE)[0]]))
-    if any(node.name() not in RULES for node, _, _ in found):
+    if any(rule_for(node) is None for node, _, _ in found):
         _check_fallback(found, order)
     return [_Intermediate(node, kids, sides, early=all(mark[kids[i][0]][1] for i in sides))
             for node, kids, sides in found]
@@ -134,7 +134,7 @@ def _check_fallback(found: list, order: list) -> None:
         for c, _ in kids:
             parents[c] = parents.get(c, 0) + 1
     for node, kids, sides in found:
-        if node.name() not in RULES and any(parents[kids[i][0]] > 1 for i in sides):
+        if rule_for(node) is None and any(parents[kids[i][0]] > 1 for i in sides):
             raise RuntimeError(f"the split backward has no weight-gradient rule for {node.name()}, whose weight "
                                "another node also uses: add one to parallel/pipeline/weight_rules.py")
 

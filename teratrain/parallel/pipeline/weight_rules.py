@@ -91,3 +91,22 @@ def _fused_rms_norm(node, grads, sides):
 
 RULES = {"MmBackward0": _mm, "AddmmBackward0": _addmm, "MulBackward0": _mul,
          "NativeLayerNormBackward0": _layer_norm, "FusedRmsNormBackward0": _fused_rms_norm}
+_READS = {"MmBackward0": ("_saved_self", "_saved_mat2", "_saved_self_sym_sizes", "_saved_self_sym_strides",
+                          "_saved_mat2_sym_sizes", "_saved_mat2_sym_strides"),
+          "AddmmBackward0": ("_saved_mat1", "_saved_mat2", "_saved_alpha", "_saved_beta", "_saved_mat1_sym_sizes",
+                             "_saved_mat1_sym_strides", "_saved_mat2_sym_sizes", "_saved_mat2_sym_strides"),
+          "MulBackward0": ("_saved_self", "_saved_other"),
+          "NativeLayerNormBackward0": ("_saved_input", "_saved_normalized_shape", "_saved_result1", "_saved_result2",
+                                       "_saved_weight", "_saved_bias"),
+          "FusedRmsNormBackward0": ("_saved_input", "_saved_normalized_shape", "_saved_result1")}
+_usable: dict[str, bool] = {}
+
+
+def rule_for(node):
+    """The node's rule, if its kind has one and the node holds what the rule reads (checked once per
+    kind and process, by name: another torch may save under other names; then autograd runs it)."""
+    name = node.name()
+    rule = RULES.get(name)
+    if rule is not None and name not in _usable:
+        _usable[name] = set(_READS[name]) <= set(dir(node))
+    return rule if rule is not None and _usable[name] else None
