@@ -8,7 +8,8 @@ One JSON object:
 - `account`: per pass (B; I; W; I + W) on the stage, over the aten ops it dispatches: FLOPs (torch's
   formulas, flop_counter), ops (every aten op), kernels (ops that launch one on a GPU: all but
   views, detach and other aliases), bytes made by copies (copy_, _to_copy, clone, cat, contiguous),
-  autograd engine calls; `kernels_by_op` where I + W and B differ;
+  autograd engine calls (W's start at weight-side edges: each walks a transpose, a cast and an
+  AccumulateGrad, not the activations' graph); `kernels_by_op` where I + W and B differ;
 - `host_ms`: the stage at a width where compute is negligible (d 32, 8 tokens), so the CPU time of a
   pass is what the host spends issuing it: per m in 4, 8, 16 the median ms of B, I and W over m
   micro-batches run as ZB-H1's last stage holds them at worst (m forwards, m I's, then m W's: every W

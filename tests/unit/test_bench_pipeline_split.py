@@ -23,5 +23,5 @@ def test_pipeline_split_account_smoke(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     ratio = result["account"]["I+W_over_B"]
     assert ratio["flops"] == ratio["kernels"] == ratio["copy_bytes"] == 1 and not result["account"]["kernels_by_op"]
-    assert result["account"]["I"]["engine_calls"] == result["account"]["W"]["engine_calls"] == 1
+    assert result["account"]["I"]["engine_calls"] == result["account"]["B"]["engine_calls"] == 1
     assert all(row["B"] > 0 and row["I"] > 0 and row["W"] > 0 for row in result["host_ms"].values())

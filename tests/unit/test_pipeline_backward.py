@@ -130,26 +130,40 @@ class _Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _engine_calls_and_kernels(fn, monkeypatch) -> tuple[int, collections.Counter]:
+def _engine_calls_and_kernels(fn, monkeypatch) -> tuple[list, collections.Counter]:
+    """fn()'s autograd engine calls (their roots) and kernels."""
     calls, run = [], torch.autograd.graph._engine_run_backward
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return run(*args, **kwargs)
+    def counting(roots, *args, **kwargs):
+        calls.append(list(roots))
+        return run(roots, *args, **kwargs)
 
     monkeypatch.setattr(torch.autograd, "_engine_run_backward", counting)
     monkeypatch.setattr(torch.autograd.graph, "_engine_run_backward", counting)
     with _Kernels() as k:
         fn()
     monkeypatch.undo()
-    return len(calls), k.count
+    return calls, k.count
+
+
+def _reaches(root, target) -> bool:
+    seen, todo = {root}, [root]
+    while todo:
+        for child, _ in todo.pop().next_functions:
+            if child is target:
+                return True
+            if child is not None and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return False
 
 
 @pytest.mark.parametrize("blocks", [2, 4])
-def test_split_runs_the_kernels_of_one_backward_in_one_engine_call_each(blocks, monkeypatch):
+def test_split_runs_the_kernels_of_one_backward_and_walks_the_graph_once(blocks, monkeypatch):
     """I + W launch exactly B's kernels, op by op (no recomputation, copy or cast more), under bf16
-    autocast over fp32 weights as the executor runs them, and I and W are one autograd call each
-    whatever the depth (one call per weight group walked the graph below it: O(blocks^2) per W)."""
+    autocast over fp32 weights as the executor runs them; I is one autograd call, and no call of W
+    starts where it could walk the activations' graph (none of its roots reaches the stage input:
+    one call per weight group from the intermediates walked the graph below each, O(blocks^2))."""
     model, chunk = _chunk("llama", "none", last=True, dtype=torch.float32, n_layers=blocks)
     chunk = Chunk(model, stage=1, num_stages=2, blocks=range(blocks))
     x0, y, seed = (t.float() if t.is_floating_point() else t for t in _inputs(last=True))
@@ -167,9 +181,14 @@ def test_split_runs_the_kernels_of_one_backward_in_one_engine_call_each(blocks, 
     plan = []
     i_calls, i_kernels = _engine_calls_and_kernels(
         lambda: plan.append(backward_input(out, seed, x, chunk.weights(), saved)), monkeypatch)
+    x_node = torch.autograd.graph.get_gradient_edge(x).node
+    assert all(t.grad_fn is None for item in plan[0] for t in item.done or () if t is not None), \
+        "what I hands to W must not carry a graph (it would hold the gradients it was made from)"
     w_calls, w_kernels = _engine_calls_and_kernels(lambda: backward_weight(plan[0]), monkeypatch)
     assert i_kernels + w_kernels == b_kernels
-    assert (i_calls, w_calls) == (b_calls, b_calls)
+    assert len(i_calls) == len(b_calls) == 1
+    w_roots = [edge.node for roots in w_calls for edge in roots]
+    assert w_roots and not any(_reaches(node, x_node) for node in w_roots)
 
 
 def _rules_graph(ws: dict, x: torch.Tensor) -> torch.Tensor:

@@ -75,11 +75,12 @@ class _Intermediate:
         if self.kept is None or all(g is None for g in self.kept):
             return [None] * len(self.sides)
         if self.rule is not None:
-            got = self.rule(self.node, self.kept, self.sides)
-        else:
-            roots = [(GradientEdge(self.node, i), g) for i, g in enumerate(self.kept) if g is not None]
-            got = torch.autograd.grad([e for e, _ in roots], self.edges, [g for _, g in roots],
-                                      retain_graph=True, allow_unused=True)
+            with torch.no_grad():  # a saved tensor comes back requiring grad: record no graph on it
+                got = self.rule(self.node, self.kept, self.sides)
+                return [None if g is None else _fit(g, e) for g, e in zip(got, self.edges)]
+        roots = [(GradientEdge(self.node, i), g) for i, g in enumerate(self.kept) if g is not None]
+        got = torch.autograd.grad([e for e, _ in roots], self.edges, [g for _, g in roots],
+                                  retain_graph=True, allow_unused=True)
         return [None if g is None else _fit(g, e) for g, e in zip(got, self.edges)]
 
 
@@ -166,11 +167,17 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     return plan
 
 
+_HELD = 4  # W's gradients waiting for accumulation: at most about this many of its largest
+
+
 def backward_weight(plan: list[_Intermediate]) -> None:
     """W: every intermediate's weight-side gradients (an early one's, computed by I), accumulated
-    into `.grad` by one autograd call through the weights' AccumulateGrad nodes (the engines'
-    gradient hooks fire here, as in a whole backward)."""
-    roots, grads = [], []
+    into `.grad` through the weights' AccumulateGrad nodes (the engines' gradient hooks fire here, as
+    in a whole backward). One autograd call takes the gradients made since the last one once they
+    hold `_HELD` times the largest of them: one call for all would hold every weight's gradient at
+    once (a stage's parameters in bf16 beside B's peak), one per gradient would pay the engine's
+    start per weight."""
+    roots, grads, held, largest = [], [], 0, 0
     for item in plan:
         got = item.done if item.early else item.weight_grads()
         item.kept = item.done = None
@@ -178,5 +185,10 @@ def backward_weight(plan: list[_Intermediate]) -> None:
             if g is not None:
                 roots.append(edge)
                 grads.append(g)
+                size = g.numel() * g.element_size()
+                held, largest = held + size, max(largest, size)
+        if held >= _HELD * largest and roots:
+            backward_from(roots, grads)
+            roots, grads, held = [], [], 0
     if roots:
         backward_from(roots, grads)
