@@ -35,6 +35,8 @@ Derived:
 - recv_at_use_vs_ahead: GPipe and 1F1B at m = 8 with receives posted one action ahead
   (parallel.pipeline_recv=ahead) against the default (posted where used, p2p.py): tokens/s and per
   stage F and B device ms.
+`--schedules 1f1b zb-h1`: only those schedules on the same model (ZB-H1 against 1F1B in about two
+minutes on 4 GPUs), without the comparisons that need the others.
 --profile: one step of 1F1B and of ZB-H1 at m = 8 under torch.profiler, per rank: compute, exposed
 communication, idle, host time per action kind, heaviest kernels (bench/pipeline_profile.py).
 --parity-only: 1F1B, interleaved 1F1B and ZB-H1 through `teratrain train` at pp = N against 1 GPU on
@@ -390,15 +392,16 @@ def worker(args) -> None:
     layers, args.mb = (4, 2) if args.smoke else (sizing["layers"], sizing["micro_batch"])
     args.gpu = "h100" if args.smoke else sizing["gpu"]
     sets = model_sets(layers, args.mb, args.smoke)
-    rows = [r for s in SCHEDULES for r in ours(sets, s, ms, args)]
-    ones = one_gpu(sets, ms, args, fits=args.smoke or sizing["one_gpu_fits"])
-    recv = recv_modes(sets, rows, SMOKE_PROFILE_M if args.smoke else PROFILE_M, args)
-    versus = []
-    for m in ms:
-        theirs = torch_interleaved(sets, m, args)
-        mine = next(r["tokens_per_s"] for r in rows if r["schedule"] == "interleaved-1f1b" and r["m"] == m)
-        versus.append({"m": m, "ours_tokens_per_s": mine, "torch_tokens_per_s": round(theirs, 1),
-                       "ratio": round(mine / theirs, 3)})
+    rows = [r for s in args.schedules for r in ours(sets, s, ms, args)]
+    ones, recv, versus = [], [], []
+    if args.schedules == SCHEDULES:  # the comparisons with other peers: only in the whole run
+        ones = one_gpu(sets, ms, args, fits=args.smoke or sizing["one_gpu_fits"])
+        recv = recv_modes(sets, rows, SMOKE_PROFILE_M if args.smoke else PROFILE_M, args)
+        for m in ms:
+            theirs = torch_interleaved(sets, m, args)
+            mine = next(r["tokens_per_s"] for r in rows if r["schedule"] == "interleaved-1f1b" and r["m"] == m)
+            versus.append({"m": m, "ours_tokens_per_s": mine, "torch_tokens_per_s": round(theirs, 1),
+                           "ratio": round(mine / theirs, 3)})
     prof = {s: profiled(sets, s, SMOKE_PROFILE_M if args.smoke else PROFILE_M, args) for s in ("1f1b", "zb-h1")} \
         if args.profile else None
     if int(os.environ["RANK"]) == 0:
@@ -464,7 +467,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out")
     ap.add_argument("--parity-only", action="store_true", help="only the parity runs through `teratrain train`")
+    ap.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=SCHEDULES,
+                    help="only these (the same model); one_gpu, interleaved_vs_torch and recv_at_use_vs_ahead "
+                         "need all four")
     args = ap.parse_args()
+    args.schedules = [s for s in SCHEDULES if s in args.schedules]
     if args.smoke:
         args.steps, args.warmup, args.seconds = 3, 1, 0.0
     if "WORLD_SIZE" in os.environ:

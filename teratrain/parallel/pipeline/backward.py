@@ -1,210 +1,194 @@
 """Backward split in two (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2): I computes
 only the gradient of the stage's input, which the previous stage is waiting for; W, later, the
-gradients of the weights. The same algorithm as torch.distributed.pipelining's `_backward.py`,
-written against public autograd APIs so that W accumulates through each parameter's own
-AccumulateGrad node (the engines' gradient hooks fire as in any backward):
+gradients of the weights: for each linear `x @ W.T` the one GEMM dW = dY^T x, from the layer
+input its node saved and the output gradient I kept (the paper's W), nothing else.
 
-- the graph's nodes reachable forward from the input leaf x are the "input closure"; for each
-  weight, the first nodes of that closure its gradient path meets are its "intermediates" (e.g. the
-  matmul of `x @ W.T`); weights that share an intermediate form one group;
-- I: autograd.grad(out -> x) with a pre-hook on every intermediate that keeps the gradient arriving
-  there (the graph is retained, but what only I needed is freed as I runs: saved.py);
-- W: for each group, backward from its intermediates' gradient edges with those kept gradients, into
-  the group's weights only (autograd computes just the weight-side outputs of each node). When one
-  intermediate of a group feeds another, the kept gradient replaces the sum so nothing counts twice.
-  Groups whose intermediates cannot reach one another (same depth: q, k and v's matmuls; a block's
-  gate and up projections) share one autograd call, which computes nothing between them: a Llama
-  block takes 6 calls instead of 9, each walking the graph below its roots.
+- The graph's nodes that reach the input leaf x are the "input closure"; its nodes with an edge
+  leaving it toward a trainable weight (e.g. the matmul of `x @ W.T`, whose other edge leads to
+  the weight's cast and AccumulateGrad) are the "intermediates". One walk of the graph finds them.
+- I: one autograd.grad from out to x and to a gradient edge at every intermediate, which hands back
+  the gradient arriving there beside x's (the graph is retained, but what only I needed is freed as
+  I runs: saved.py).
+- W: each intermediate's weight-side outputs by the node's own derivative formula (`weight_rules.py`:
+  the formulas of torch's derivatives.yaml, on the node's saved tensors and the kept gradient),
+  then ONE autograd call rooted at those weight-side edges, which runs only what lies between
+  them and the weights (a transpose, autocast's cast back to fp32) and their AccumulateGrad nodes,
+  so the engines' gradient hooks fire as in a whole backward. An intermediate of another kind is
+  run by autograd from its kept gradient into its weight-side edges only.
+
+Why not autograd from the intermediates: each call walks the whole graph below its roots, and
+intermediates at different depths need separate calls (one call would run everything between
+them again), so W cost O(blocks^2) graph nodes per micro-batch: on CPU, I + W took 3.2 x B's host
+time at 10 blocks (bench/README.md, "What I + W do beyond B").
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict, deque
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from teratrain.compat import backward_from
 from teratrain.parallel.pipeline.saved import SplitSaved
+from teratrain.parallel.pipeline.weight_rules import rule_for
 
 
-def _node(t: torch.Tensor) -> Node:
-    """A tensor's grad_fn, or a leaf's AccumulateGrad node (made through a view when needed)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
+def _postorder(root: Node) -> list[tuple[Node, tuple]]:
+    """Every node under `root` with its next_functions, each after all the nodes it feeds gradient into."""
+    order, seen = [], {root}
+    stack = [(root, root.next_functions, 0)]
+    while stack:
+        node, kids, i = stack.pop()
+        while i < len(kids):
+            child = kids[i][0]
+            i += 1
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((node, kids, i))
+                stack.append((child, child.next_functions, 0))
+                break
+        else:
+            order.append((node, kids))
+    return order
 
 
-def _consumers(root: Node) -> dict[Node, list[Node]]:
-    """Reverse edges of the graph under `root`: node -> the nodes that feed gradient into it."""
-    rev: dict[Node, list[Node]] = defaultdict(list)
-    seen, todo = {root}, deque([root])
-    while todo:
-        node = todo.popleft()
-        for nxt, _ in node.next_functions:
-            if nxt is not None:
-                rev[nxt].append(node)
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-    return rev
+class _Intermediate:
+    """One intermediate: its weight-side edges (output index, edge), the gradient kept in I, and
+    (early) the weight-side gradients computed in I."""
+
+    __slots__ = ("node", "rule", "sides", "edges", "early", "kept", "done")
+
+    def __init__(self, node: Node, kids: tuple, sides: list[int], early: bool):
+        self.node, self.rule, self.sides, self.early = node, rule_for(node), sides, early
+        self.edges = [GradientEdge(*kids[i]) for i in sides]
+        self.kept = self.done = None
+
+    def outputs(self) -> range:
+        """The node's outputs whose gradient W needs: a rule's node has one differentiable output
+        (derivatives.yaml: a norm's mean and rstd are not), another node all of them."""
+        return range(1) if self.rule is not None else range(len(self.node._input_metadata))
+
+    def weight_grads(self) -> list[torch.Tensor | None]:
+        """The node's gradients into its weight-side edges, from the kept gradient, shaped and typed
+        as those edges take them."""
+        if self.kept is None or all(g is None for g in self.kept):
+            return [None] * len(self.sides)
+        if self.rule is not None:
+            with torch.no_grad():  # a saved tensor comes back requiring grad: record no graph on it
+                got = self.rule(self.node, self.kept, self.sides)
+                return [None if g is None else _fit(g, e) for g, e in zip(got, self.edges)]
+        roots = [(GradientEdge(self.node, i), g) for i, g in enumerate(self.kept) if g is not None]
+        got = torch.autograd.grad([e for e, _ in roots], self.edges, [g for _, g in roots],
+                                  retain_graph=True, allow_unused=True)
+        return [None if g is None else _fit(g, e) for g, e in zip(got, self.edges)]
 
 
-def _closure(starts: list[Node], rev: dict, stop: set) -> tuple[set, set]:
-    """Nodes reachable from `starts` along reverse edges, not entering `stop`; and the `stop` nodes met."""
-    seen, met, todo = set(starts), set(), deque(starts)
-    while todo:
-        for nxt in rev.get(todo.popleft(), ()):
-            if nxt in stop:
-                met.add(nxt)
-            elif nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen, met
+def _fit(g: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
+    """`g` summed over broadcast dimensions and cast as the edge's input takes it (what autograd's
+    engine does to a node's outputs)."""
+    meta = edge.node._input_metadata[edge.output_nr]
+    if tuple(g.shape) != tuple(meta.shape):
+        g = g.sum_to_size(meta.shape)
+    return g if g.dtype == meta.dtype else g.to(meta.dtype)
 
 
-def _groups(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[list[dict], set]:
-    """The weight groups, and the nodes W runs in the input closure: every intermediate, and the
-    nodes between two intermediates of one group (the kept gradient replaces what flows there)."""
-    rev = _consumers(out.grad_fn)
-    inputs, _ = _closure([_node(x)], rev, set())
-    by_node: dict[Node, dict] = {}
-    for w in weights:
-        acc = _node(w)
-        _, met = _closure([acc], rev, inputs)
-        group = {"weights": {acc: w}, "nodes": set(met)}
-        for node in met:  # merge with every group already meeting one of these nodes
-            other = by_node.get(node)
-            if other is not None and other is not group:
-                group["weights"].update(other["weights"])
-                group["nodes"] |= other["nodes"]
-        for node in group["nodes"]:
-            by_node[node] = group
-    unique = {id(g): g for g in by_node.values()}
-    groups = [{"weights": g["weights"], "nodes": list(g["nodes"])} for g in unique.values()]
-    run_by_w = set(by_node)
-    for g in groups:
-        if len(g["nodes"]) > 1:
-            below = _below(g["nodes"], inputs)
-            above, _ = _closure(g["nodes"], rev, set())
-            run_by_w |= below & above
-    return _batched(groups, _depths(set(by_node), inputs, rev)), run_by_w
+_CLOSURE = (False, False, "input closure")  # _plan's mark of the closure: leads to no weight *outside* it
 
 
-def _depths(intermediates: set, inputs: set, rev: dict) -> dict:
-    """For each input-closure node, the most intermediates on a path above it (toward the output),
-    itself excluded: if intermediate a reaches intermediate b, depth(b) > depth(a)."""
-    pending = {n: sum(1 for c in rev.get(n, ()) if c in inputs) for n in inputs}
-    todo = deque(n for n, k in pending.items() if k == 0)
-    depth = dict.fromkeys(inputs, 0)
-    while todo:
-        n = todo.popleft()
-        below = depth[n] + (n in intermediates)
-        for nxt, _ in n.next_functions:
-            if nxt in pending:
-                depth[nxt] = max(depth[nxt], below)
-                pending[nxt] -= 1
-                if pending[nxt] == 0:
-                    todo.append(nxt)
-    return depth
-
-
-def _batched(groups: list[dict], depth: dict) -> list[dict]:
-    """Groups of one intermediate at the same depth merged into one: none reaches another, so one
-    autograd call runs each one's weight half and nothing between them (fewer calls, each of
-    which walks the graph below its roots). Groups of vectors only (norm scales) stay apart: I
-    computes them (`early`)."""
-    out, by_depth = [], {}
-    for g in groups:
-        early = all(w.dim() <= 1 for w in g["weights"].values())
-        if len(g["nodes"]) > 1:
-            out.append({**g, "clamp": True, "early": early})
+def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> list[_Intermediate]:
+    """The intermediates of the graph under `out`, in one walk. Each node outside the input closure
+    is marked (leads to a weight of `weights`, all of those vectors: norm scales, biases)."""
+    wanted = {id(w): (True, w.dim() <= 1) for w in weights}
+    mark: dict = {}
+    found = []
+    order = _postorder(out.grad_fn)
+    for node, kids in order:
+        if not kids:  # a leaf's AccumulateGrad (its `variable`), or a node that feeds nothing
+            v = getattr(node, "variable", None)
+            mark[node] = _CLOSURE if v is x else wanted.get(id(v), (False, True))
             continue
-        d = (depth[g["nodes"][0]], early)
-        if d not in by_depth:
-            by_depth[d] = {"weights": {}, "nodes": [], "clamp": False, "early": early}
-            out.append(by_depth[d])
-        by_depth[d]["weights"].update(g["weights"])
-        by_depth[d]["nodes"] += g["nodes"]
-    return out
+        inside, reach, vectors = False, False, True
+        for child, _ in kids:
+            m = mark.get(child)
+            if m is _CLOSURE:
+                inside = True
+            elif m is not None and m[0]:
+                reach, vectors = True, vectors and m[1]
+        if not inside:
+            mark[node] = (reach, vectors)
+            continue
+        mark[node] = _CLOSURE
+        if reach:
+            found.append((node, kids, [i for i, (c, _) in enumerate(kids) if mark.get(c, _CLOSURE)[0]]))
+    if any(rule_for(node) is None for node, _, _ in found):
+        _check_fallback(found, order)
+    return [_Intermediate(node, kids, sides, early=all(mark[kids[i][0]][1] for i in sides))
+            for node, kids, sides in found]
 
 
-def _below(starts: list[Node], within: set) -> set:
-    """Nodes reachable from `starts` along next_functions (toward the input), inside `within`."""
-    seen, todo = set(starts), deque(starts)
-    while todo:
-        for nxt, _ in todo.popleft().next_functions:
-            if nxt is not None and nxt in within and nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
+def _check_fallback(found: list, order: list) -> None:
+    """An intermediate without a rule is run by autograd into its weight-side edges; where another node
+    also feeds such an edge's node, that run would go through the input side to it: refuse."""
+    parents: dict = {}
+    for _, kids in order:
+        for c, _ in kids:
+            parents[c] = parents.get(c, 0) + 1
+    for node, kids, sides in found:
+        if rule_for(node) is None and any(parents[kids[i][0]] > 1 for i in sides):
+            raise RuntimeError(f"the split backward has no weight-gradient rule for {node.name()}, whose weight "
+                               "another node also uses: add one to parallel/pipeline/weight_rules.py")
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
-                   weights: list[torch.Tensor], saved: SplitSaved | None = None) -> list[dict]:
+                   weights: list[torch.Tensor], saved: SplitSaved | None = None) -> list[_Intermediate]:
     """I: set x.grad to d(out)/dx (given d(out) = `grad`, or `grad` as the seed of a scalar loss) and
     return what W needs. With `saved` (the forward ran under `saved.recording()`), the tensors only
     I needed are freed as it goes.
 
-    Groups of vectors only (`early`: RMSNorm/LayerNorm scales, whose weight gradient is one
-    elementwise product and a sum) are computed here, right after I, into gradients of their own
-    size: deferred, each would hold two activation-sized tensors (its normalized input and the
-    gradient arriving at it, fp32 under autocast) for a gradient of d numbers, about a third of what
-    a Llama block's W holds otherwise. W then accumulates them (backward_weight)."""
-    groups, run_by_w = _groups(out, x, weights)
-    handles = []
-    for g in groups:
-        g["grads"] = [None] * len(g["nodes"])
-        for i, node in enumerate(g["nodes"]):
-            def keep(grad_outputs, g=g, i=i):
-                g["grads"][i] = grad_outputs
-            handles.append(node.register_prehook(keep))
-    try:
-        with saved.dropping(run_by_w) if saved is not None else contextlib.nullcontext():
-            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-    finally:
-        for h in handles:
-            h.remove()
-    early = [g for g in groups if g["early"]]
-    for g in early:
-        g["done"] = _weight_grads(g, lambda edges, grads, ws: torch.autograd.grad(
-            edges, ws, grads, retain_graph=True, allow_unused=True))
-        g["grads"] = None
+    Intermediates whose weights are all vectors (`early`: RMSNorm/LayerNorm scales, whose weight
+    gradient is one elementwise product and a sum) are computed here, right after I, into gradients
+    of their own size: deferred, each would hold two activation-sized tensors (its normalized input
+    and the gradient arriving at it, fp32 under autocast) for a gradient of d numbers, about a third
+    of what a Llama block's W holds otherwise. W then accumulates them (backward_weight)."""
+    plan = _plan(out, x, weights)
+    edges = [GradientEdge(item.node, i) for item in plan for i in item.outputs()]
+    with saved.dropping({item.node for item in plan}) if saved is not None else contextlib.nullcontext():
+        got = torch.autograd.grad(out, [x, *edges], grad, retain_graph=True, allow_unused=True)
+    x.grad, k = got[0], 1
+    for item in plan:
+        n = len(item.outputs())
+        item.kept, k = got[k:k + n], k + n
+    early = [item for item in plan if item.early]
+    for item in early:
+        item.done, item.kept = item.weight_grads(), None
     if saved is not None:
-        saved.release([node for g in early for node in g["nodes"]])
-    return groups
+        saved.release([item.node for item in early])
+    return plan
 
 
-def _weight_grads(g: dict, run):
-    """run(edges, grads, weights) from the group's intermediates with their kept gradients (None
-    when no gradient reached them). A group of several intermediates clamps each to its kept
-    gradient, so that what flows from one into another does not count twice."""
-    edges, grads = [], []
-    for node, kept in zip(g["nodes"], g["grads"]):
-        for i, t in enumerate(kept or ()):
-            if t is not None:
-                edges.append(GradientEdge(node, i))
-                grads.append(t)
-    if not edges:
-        return None
-    handles = [node.register_prehook(lambda _, kept=kept: kept) for node, kept in zip(g["nodes"], g["grads"])
-               if kept is not None] if g["clamp"] else []
-    try:
-        return run(edges, grads, list(g["weights"].values()))
-    finally:
-        for h in handles:
-            h.remove()
+_HELD = 4  # W's gradients waiting for accumulation: at most about this many of its largest
 
 
-def backward_weight(groups: list[dict]) -> None:
-    """W: accumulate every group's weight gradients into `.grad` (through AccumulateGrad, so the
-    engines' gradient hooks fire here, as in a whole backward); an early group's, computed by I."""
-    for n, g in enumerate(groups):
-        if g["early"]:
-            pairs = [(w, d) for w, d in zip(g["weights"].values(), g["done"] or ()) if d is not None]
-            if pairs:
-                torch.autograd.backward([w for w, _ in pairs], [d for _, d in pairs])
-            continue
-        retain = any(not h["early"] for h in groups[n + 1:])
-        _weight_grads(g, lambda edges, grads, ws: torch.autograd.backward(edges, grads, inputs=ws,
-                                                                          retain_graph=retain))
+def backward_weight(plan: list[_Intermediate]) -> None:
+    """W: every intermediate's weight-side gradients (an early one's, computed by I), accumulated
+    into `.grad` through the weights' AccumulateGrad nodes (the engines' gradient hooks fire here, as
+    in a whole backward). One autograd call takes the gradients made since the last one once they
+    hold `_HELD` times the largest of them: one call for all would hold every weight's gradient at
+    once (a stage's parameters in bf16 beside B's peak), one per gradient would pay the engine's
+    start per weight."""
+    roots, grads, held, largest = [], [], 0, 0
+    for item in plan:
+        got = item.done if item.early else item.weight_grads()
+        item.kept = item.done = None
+        for edge, g in zip(item.edges, got):
+            if g is not None:
+                roots.append(edge)
+                grads.append(g)
+                size = g.numel() * g.element_size()
+                held, largest = held + size, max(largest, size)
+        if held >= _HELD * largest and roots:
+            backward_from(roots, grads)
+            roots, grads, held = [], [], 0
+    if roots:
+        backward_from(roots, grads)

@@ -10,8 +10,9 @@ runs, a tensor unpacked by any other node is dropped right after (no later pass 
 from I to W the stage holds the intermediates' tensors only.
 
 Recomputation (memory.recompute = full, every-k, sqrt): torch's checkpoint keys what it recomputes
-by autograd graph task, and W makes one autograd call per weight group, so every call would replay
-its segment's forward again (measured on a 4-block Llama chunk: I + W = 3.4 x B's FLOPs). Here a
+by autograd graph task, and W reads the intermediates' saved inputs outside I's task, so W would
+replay the segments' forwards again (measured on a 4-block Llama chunk when W made one autograd call
+per weight group: I + W = 3.4 x B's FLOPs). Here a
 segment (`SplitSaved.segment`) saves nothing in the forward; on its first unpack its forward is
 replayed once from its detached inputs, with the forward's RNG and autocast state (Chen et al. 2016),
 and the replayed tensors are dropped as above. I + W then replay each segment once, as B does.
