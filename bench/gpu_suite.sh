@@ -17,7 +17,7 @@
 #   determinism  bench/determinism.py: which kernels repeat bit for bit (one GPU)                  90 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
 #   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
-#   pipeline   bench/pipeline.py at pp=N                                                         240 s
+#   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
 #   planner    bench/planner_validate.py --gpus N, then its --check-pick on what it measured    420 s
 #   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
@@ -59,7 +59,7 @@ for p in "$@"; do
         determinism) piece determinism 90 "$py" bench/determinism.py $smoke --out "$out/determinism.json" ;;
         comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
         moe)      piece moe 240 "${tr[@]}" bench/moe.py --ep "$eps" $smoke --out "$out/moe.json" ;;
-        pipeline) piece pipeline 240 "$py" bench/pipeline.py $smoke --out "$out/pipeline.json" ;;
+        pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
         fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
                   piece fsdp2_1b 150 "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 $smoke \
                       --out "$out/fsdp2_1b.json" ;;
