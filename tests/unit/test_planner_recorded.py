@@ -12,15 +12,20 @@ import pytest
 from teratrain.planner.refit import _prepared, result_gpu
 from teratrain.planner.search import evaluate
 
-RESULT = Path(__file__).resolve().parents[2] / "bench" / "results" / "planner_validate_h200x4.json"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+RESULT = RESULTS / "planner_validate_h200x4.json"
 # (fit rows, held-out rows) within the target, of (15, 13)
 REACHED = {"peak": (15, 12), "step": (13, 9)}
 TARGET = {"peak": 0.05, "step": 0.15}
+# The same 28 layouts on 4 x H100 (the next session, after the refit from the H200 rows: every row out
+# of sample for the card). Its ZB-H1 row ran after ZB-H1's memory change, which the planner does not
+# count yet (+25%), and its tp rows on a host faster than the fitted per-collective cost (+20-28%).
+H100 = RESULTS / "planner_validate_h100x4.json"
+REACHED_H100 = {"peak": (14, 12), "step": (12, 10)}
 
 
-@pytest.fixture(scope="module")
-def errors() -> list[dict]:
-    result = json.loads(RESULT.read_text())
+def _errors(path: Path) -> list[dict]:
+    result = json.loads(path.read_text())
     gpu = result_gpu(result)
     out = []
     for shape, train, lay, row in _prepared(result):
@@ -31,14 +36,21 @@ def errors() -> list[dict]:
     return out
 
 
+@pytest.fixture(scope="module")
+def errors() -> list[dict]:
+    return _errors(RESULT)
+
+
 @pytest.mark.parametrize("what", ["peak", "step"])
-def test_recorded_rows_stay_within_the_targets(errors, what):
-    fit = [e for e in errors if not e["held_out"]]
-    held = [e for e in errors if e["held_out"]]
+@pytest.mark.parametrize("card", ["h200", "h100"])
+def test_recorded_rows_stay_within_the_targets(errors, what, card):
+    rows, reached = (errors, REACHED) if card == "h200" else (_errors(H100), REACHED_H100)
+    fit = [e for e in rows if not e["held_out"]]
+    held = [e for e in rows if e["held_out"]]
     assert (len(fit), len(held)) == (15, 13)
     got = tuple(sum(abs(e[what]) <= TARGET[what] for e in group) for group in (fit, held))
-    missed = {e["name"]: round(100 * e[what], 1) for e in errors if abs(e[what]) > TARGET[what]}
-    assert got[0] >= REACHED[what][0] and got[1] >= REACHED[what][1], f"{what}: {got} within target; out: {missed}"
+    missed = {e["name"]: round(100 * e[what], 1) for e in rows if abs(e[what]) > TARGET[what]}
+    assert got[0] >= reached[what][0] and got[1] >= reached[what][1], f"{what}: {got} within target; out: {missed}"
 
 
 def test_pipeline_memory_follows_the_schedule(errors):
