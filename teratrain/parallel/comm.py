@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed import _functional_collectives as funcol
 
 from teratrain.compat import all_gather_single, reduce_scatter_single
@@ -223,7 +222,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    if traced():  # out of place (a copy into a view of a fresh buffer splits torch 2.11's graph)
+    if traced():  # out of place: one graph on torch 2.13; on 2.11 in place split it at every collective
         out = funcol.all_gather_tensor(x, 0, group).view(n, *x.shape)
     else:
         out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
