@@ -222,7 +222,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
-    if traced():  # out of place: one graph on torch 2.13; on 2.11 in place split it at every collective
+    if traced():  # out of place (one graph on torch 2.13; the in-place form left 2.11 a graph per collective)
         out = funcol.all_gather_tensor(x, 0, group).view(n, *x.shape)
     else:
         out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
