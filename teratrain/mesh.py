@@ -154,7 +154,8 @@ class Mesh:
 
     def group(self, name: str):
         """This rank's process group called `name` (None if it holds this rank alone)."""
-        self._used.add(name)
+        if name not in self._used:  # a lookup of a known group mutates nothing (compiled, checkpointed code)
+            self._used.add(name)
         return self._make(name)
 
     def _make(self, name: str):

@@ -149,9 +149,12 @@ def test_tp2_compiled_is_one_graph_and_matches_one_process():
     collective (parallel/comm.py, `traced`), so the model compiles with fullgraph=True: no graph
     break at any collective, forward or backward. The compiler here is aot_eager (the traced forward
     and backward graphs run eagerly: inductor would compile for ~90 s on 2 cores and add nothing to
-    what is checked: the graphs and their collectives). Losses and parameters match one process."""
+    what is checked: the graphs and their collectives). Also under full recomputation (the checkpointed
+    blocks look the tp group up inside the checkpoint, which must mutate nothing) and ZeRO-1. Losses
+    and parameters match one process."""
     _compare([["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2"],
-              ["parallel.tp=2", "parallel.tp_form=all-gather"]], world=2, worker=_traced, steps=2)
+              ["parallel.tp=2", "parallel.tp_form=all-gather"], ["parallel.tp=2", "memory.recompute=full"],
+              ["parallel.tp=2", "parallel.zero=1"]], world=2, worker=_traced, steps=2)
 
 
 def _traced(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
