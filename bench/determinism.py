@@ -23,7 +23,6 @@ One JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import emit  # noqa: E402  (bench/, the script's own folder)
 from teratrain import compat  # noqa: E402
 from teratrain.checkpoint.state import deterministic_algorithms  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
@@ -41,17 +41,21 @@ SHAPES = {"gpu": {"batch": 2, "seq": 2048, "d": 2048, "heads": 16, "kv": 8, "ff"
           "smoke": {"batch": 2, "seq": 32, "d": 64, "heads": 4, "kv": 2, "ff": 64, "layers": 2, "vocab": 256}}
 
 
-def _twice(fn, *inputs: torch.Tensor) -> dict:
-    """fn(*inputs) -> tensor or tuple of tensors; its outputs and the inputs' gradients, twice: equal bits?"""
+def _twice(fn, *inputs: torch.Tensor, module: torch.nn.Module | None = None) -> dict:
+    """fn(*inputs) -> tensor or tuple of tensors, forward and backward twice on the same inputs: are its
+    outputs, the inputs' gradients and (with `module`) its parameters' gradients the same bits?"""
     runs = []
     for _ in range(2):
+        if module is not None:
+            module.zero_grad(set_to_none=True)
         xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
         out = fn(*xs)
         outs = out if isinstance(out, tuple) else (out,)
         torch.manual_seed(1)
         probes = [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in outs]
         sum((o.float() * p.float()).sum() for o, p in zip(outs, probes)).backward()
-        runs.append([o.detach() for o in outs] + [x.grad for x in xs if x.grad is not None])
+        params = [] if module is None else [p.grad.detach().clone() for p in module.parameters() if p.grad is not None]
+        runs.append([o.detach() for o in outs] + [x.grad for x in xs if x.grad is not None] + params)
     return _compare(*runs)
 
 
@@ -96,32 +100,17 @@ def probe_moe_layer(s: dict, dev, dtype, kernel: str) -> dict:
     def run(x):
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
             return layer(x)
-    return _twice_with_params(run, layer, x)
+    return _twice(run, x, module=layer)
 
 
 def probe_step(s: dict, dev, dtype, moe: bool) -> dict:
     model = _model(s, moe, dev)
     tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), device=dev)
 
-    def run(_):
+    def run():
         with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
             return model(tokens[:, :-1], tokens[:, 1:])
-    return _twice_with_params(run, model, torch.zeros((), device=dev))
-
-
-def _twice_with_params(fn, module, x: torch.Tensor) -> dict:
-    """Like _twice, but the gradients compared are the module's parameters' (and x's)."""
-    runs = []
-    for _ in range(2):
-        module.zero_grad(set_to_none=True)
-        xi = x.detach().clone().requires_grad_(x.dim() > 0)
-        out = fn(xi)
-        torch.manual_seed(1)
-        probe = torch.randn_like(out, dtype=torch.float32)
-        (out.float() * probe).sum().backward()
-        grads = [p.grad.detach().clone() for p in module.parameters() if p.grad is not None]
-        runs.append([out.detach()] + ([xi.grad] if xi.grad is not None else []) + grads)
-    return _compare(*runs)
+    return _twice(run, module=model)
 
 
 def probes(s: dict, dev, dtype) -> dict:
@@ -154,10 +143,7 @@ def main() -> None:
         deterministic_algorithms(flag)
         torch.manual_seed(0)
         result["deterministic_algorithms" if flag else "default"] = probes(s, dev, dtype)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

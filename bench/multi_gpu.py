@@ -158,7 +158,7 @@ def main() -> None:
     n = 2 if args.smoke else torch.cuda.device_count()
     if n < 2:
         sys.exit("bench/multi_gpu.py needs at least 2 GPUs (or --smoke for CPU processes)")
-    from common import fit_layers, gpu_memory_bytes
+    from common import emit, fit_layers, gpu_memory_bytes
 
     gpu_bytes = None if args.smoke else gpu_memory_bytes()
     steps = 4 if args.smoke else args.steps
@@ -196,10 +196,7 @@ def main() -> None:
             got = run_layouts(n, [{"name": "offload", "steps": 3, "skip": 1, "sets": sets}], work, "offload")["offload"]
             result["offload"] = {**info, "gpus": n, "tokens_per_s": got["tokens_per_s"], "peak_gib": got["peak_gib"],
                                  "step_s": got["step_s"], "model_state_bytes": got["model_state_bytes"]}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,9 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from common import emit  # noqa: E402
 from teratrain.parallel.pipeline import backward as split  # noqa: E402
 from teratrain.parallel.pipeline.saved import SplitSaved  # noqa: E402
 from teratrain.parallel.pipeline.stage import Chunk  # noqa: E402
@@ -174,10 +175,7 @@ def main() -> None:
     for row in result["host_ms"].values():
         row["I+W_over_B"] = round((row["I"] + row.get("W", row["W_last"])) / row["B"], 3)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,8 @@ def fitting_layers(base: list[str], mb: int, most: int, device: torch.device) ->
     raise SystemExit("not even one block of this shape fits on one GPU of this machine")
 
 
-def run_shape(base: list[str], mb: int, rt, args) -> dict:
+def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
+    """Every variant of one shape; `keep(out)` after each, so a run cut short keeps what it measured."""
     warmup, steps = (1, 2) if args.smoke else (3, args.steps)
     out = {"shape": base, "micro_batch": mb}
     profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
@@ -210,7 +211,7 @@ def run_shape(base: list[str], mb: int, rt, args) -> dict:
             row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
             if compiled:  # the same layout, eager in the same run: what compiling is worth to each
                 row["vs_eager"] = round(row["tokens_per_s"] / out[name]["tokens_per_s"], 4)
-            args.keep(out)
+            keep(out)
         if compiled:
             out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
     for tag, (a, b) in PAIRS.items():
@@ -292,12 +293,11 @@ def main() -> None:
     for name, (base, mb, most) in shapes.items():
         layers = fitting_layers(base, mb, most, rt.device)
 
-        def keep(partial: dict, name=name) -> None:  # a run cut short keeps every variant it measured
+        def keep(partial: dict, name=name) -> None:
             result["shapes"][name] = partial
             if rt.rank == 0 and args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
-        args.keep = keep
-        keep(run_shape(base + [f"model.n_layers={layers}"], mb, rt, args))
+        keep(run_shape(base + [f"model.n_layers={layers}"], mb, rt, args, keep))
     small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
     if not args.no_parity:
         result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)

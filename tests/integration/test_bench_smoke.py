@@ -43,3 +43,18 @@ def test_gpu_suite_runs_the_layout_matrix_and_the_collectives_on_cpu(tmp_path):
     assert collectives["all_reduce_ours"]["issue_us"] > 0
     log = (tmp_path / "suite.log").read_text()
     assert "== matrix: status 0" in log and "== comm: status 0" in log
+
+
+def test_determinism_probe_on_cpu(tmp_path):
+    """bench/determinism.py's CPU form: every probe runs (grouped_mm has no CPU kernel of its own: none) in
+    both modes, and a CPU's kernels repeat bit for bit, so every probe must say so (the GPU's cuDNN
+    attention backward does not: bench/README.md)."""
+    out = tmp_path / "determinism.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "determinism.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for mode in ("default", "deterministic_algorithms"):
+        probes = result[mode]
+        assert probes.pop("grouped_mm") is None and len(probes) == 5
+        assert all(p["bitwise_equal"] and p["max_abs_diff"] == 0.0 for p in probes.values()), (mode, probes)
