@@ -55,16 +55,6 @@ def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[
     return tuple(sorted(set(held(_build(schedule, pp, m, v).ranks[rank], chunk))))
 
 
-@lru_cache(maxsize=256)
-def _splits(schedule: str, pp: int, m: int, v: int) -> bool:
-    return any(a.kind == I for a in _build(schedule, pp, m, v).ranks[0])
-
-
-def splits_backward(lay: Layout) -> bool:
-    """Does the schedule split each backward into I and W (ZB-H1)?"""
-    return lay.pp > 1 and _splits(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
-
-
 def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int], ...]:
     """Every (stage-equivalents held, micro-batches of the end chunk held) a pipeline's first (or, with
     `last`, last) rank passes through; one pair (1, 1) without a pipeline."""

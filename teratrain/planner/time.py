@@ -158,17 +158,6 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     return ops * gpu.host_op_s + n_tp * gpu.host_collective_s
 
 
-def split_walk_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
-    """A split backward (ZB-H1's I and W, parallel/pipeline/backward.py) walks each micro-batch's
-    backward graph in Python to find the weight groups, about one op's host cost per node (one node
-    per backward op). The GPU waits for it: W exists to fill the time the stage would idle, so when
-    the rank reaches it there is nothing queued for the GPU to run meanwhile."""
-    if not pipeline.splits_backward(lay):
-        return 0.0
-    nodes = stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[1] * lay.num_microbatches
-    return nodes * gpu.host_op_s
-
-
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
     """ZeroEngine with offload: fp32 gradient shards down to pinned host memory, the CPU optimizer,
     the fp32 masters back up. The engine copies one group ahead of the CPU step, but on the H200
@@ -215,7 +204,9 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
     # on issuing meanwhile, so a host-bound pipeline hides its bubble.
     issue_s = host_s(shape, train, lay, gpu, ops)
-    waits = _readback_s(shape, train, lay, gpu, busy) + split_walk_s(shape, train, lay, gpu)  # GPU waits on host
+    # ZB-H1's split backward costs nothing extra: I is one autograd call and W launches B's own weight
+    # kernels (parallel/pipeline/backward.py; I + W measured at 1.03-1.05x B on 4 x H100, bench/README.md)
+    waits = _readback_s(shape, train, lay, gpu, busy)  # the GPU waits on the host
     critical = max(busy + exposed, issue_s) + waits
     bubble_s = 0.0
     if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one

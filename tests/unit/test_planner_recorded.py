@@ -4,6 +4,7 @@ planner and the terms that run measured. A change to the memory or time model th
 model now predicts within issue 24's targets (peak memory 5%, step time 15%) fails here; the counts
 are what the model reached (docs/planner.md has the table), fit rows and held-out rows apart."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,15 +16,23 @@ from teratrain.planner.search import evaluate
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 RESULT = RESULTS / "planner_validate_h200x4.json"
 # (fit rows, held-out rows) within the target, of (15, 13)
-REACHED = {"peak": (15, 12), "step": (13, 9)}
+REACHED = {"peak": (15, 12), "step": (12, 8)}  # step: without BEFORE_ZB_REWRITE's two rows
 TARGET = {"peak": 0.05, "step": 0.15}
 # The same 28 layouts on 4 x H100 (the next session, after the refit from the H200 rows: every row out
 # of sample for the card). Its ZB-H1 row ran after ZB-H1's memory change, which the planner does not
 # count yet (+25%), and its tp rows on a host faster than the fitted per-collective cost (+20-28%).
 H100 = RESULTS / "planner_validate_h100x4.json"
 REACHED_H100 = {"peak": (14, 12), "step": (12, 10)}
+# The H200 rows of ZB-H1 ran the weight pass before it became one autograd call plus B's own weight
+# kernels (parallel/pipeline/weight_rules.py): code that no longer exists, so their step times are not
+# compared (their memory is).
+BEFORE_ZB_REWRITE = {"pp4 zb-h1 m8", "pp2 tp2 zb-h1 m8"}
+# 27 layouts of `bench/planner_validate.py --gpus 2` on 2 x H200 (this planner never fitted to them)
+H200X2 = RESULTS / "planner_validate_h200x2.json"
+REACHED_H200X2 = {"peak": (14, 9), "step": (11, 10)}
 
 
+@functools.cache
 def _errors(path: Path) -> list[dict]:
     result = json.loads(path.read_text())
     gpu = result_gpu(result)
@@ -42,12 +51,16 @@ def errors() -> list[dict]:
 
 
 @pytest.mark.parametrize("what", ["peak", "step"])
-@pytest.mark.parametrize("card", ["h200", "h100"])
+@pytest.mark.parametrize("card", ["h200", "h100", "h200x2"])
 def test_recorded_rows_stay_within_the_targets(errors, what, card):
-    rows, reached = (errors, REACHED) if card == "h200" else (_errors(H100), REACHED_H100)
+    rows, reached, sizes = {"h200": (errors, REACHED, (15, 13)), "h100": (_errors(H100), REACHED_H100, (15, 13)),
+                            "h200x2": (_errors(H200X2), REACHED_H200X2, (15, 12))}[card]
+    if card == "h200" and what == "step":
+        rows = [e for e in rows if e["name"] not in BEFORE_ZB_REWRITE]
+        sizes = (14, 12)
     fit = [e for e in rows if not e["held_out"]]
     held = [e for e in rows if e["held_out"]]
-    assert (len(fit), len(held)) == (15, 13)
+    assert (len(fit), len(held)) == sizes
     got = tuple(sum(abs(e[what]) <= TARGET[what] for e in group) for group in (fit, held))
     missed = {e["name"]: round(100 * e[what], 1) for e in rows if abs(e[what]) > TARGET[what]}
     assert got[0] >= reached[what][0] and got[1] >= reached[what][1], f"{what}: {got} within target; out: {missed}"
