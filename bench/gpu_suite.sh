@@ -13,7 +13,8 @@
 #              (MATRIX_GPUS=2 MATRIX_ONLY=ep2,ep2-zero1: fewer GPUs, chosen layouts)
 #   small      the same matrix at small shapes (what tests/gpu/test_layouts_nccl.py runs)        300 s
 #   tp         bench/tensor_parallel.py at tp=N, both widths, with a profile                    300 s
-#              (TP_ARGS replaces `--profile`, e.g. "--shapes llama1b_width --compile --no-parity")
+#              (TP_ARGS replaces `--profile`, e.g. "--shapes llama1b_width --compile default,reduce-overhead";
+#              TP_LIMIT replaces the 300 s)
 #   determinism  bench/determinism.py: which kernels repeat bit for bit (one GPU)                  90 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
 #   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
@@ -55,7 +56,7 @@ for p in "$@"; do
                       "${tokens[@]}" $smoke --out "$out/layouts${MATRIX_GPUS:+_$MATRIX_GPUS}.json" ;;
         small)    piece small 300 "$py" bench/layouts.py --gpus "$n" --small --fp32-steps 3 --bf16-steps 5 $smoke \
                       --out "$out/layouts_small.json" ;;
-        tp)       piece tp 300 "${tr[@]}" bench/tensor_parallel.py ${TP_ARGS:---profile} $smoke --out "$out/tp.json" ;;
+        tp)       piece tp "${TP_LIMIT:-300}" "${tr[@]}" bench/tensor_parallel.py ${TP_ARGS:---profile} $smoke --out "$out/tp.json" ;;
         determinism) piece determinism 90 "$py" bench/determinism.py $smoke --out "$out/determinism.json" ;;
         comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
         moe)      piece moe 240 "${tr[@]}" bench/moe.py --ep "$eps" $smoke --out "$out/moe.json" ;;

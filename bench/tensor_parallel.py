@@ -51,6 +51,8 @@ SHAPES = {"llama8b_width": (["model.preset=llama-8b", "model.vocab_size=32000", 
 SMOKE = {"tiny": (["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=128",
                    "model.seq_len=32", "model.vocab_size=512"], 2, 2)}
 COMMON = ["memory.precision=bf16", "train.grad_clip=1.0"]
+# --compile's modes: train.compile_mode -> the suffix of the rows it measures
+MODE_TAGS = {"default": "_compiled", "reduce-overhead": "_graphed", "max-autotune-no-cudagraphs": "_autotuned"}
 # name -> (implementation, overrides of the tp run)
 CHUNKED = ["parallel.tp_overlap=chunked"]
 VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
@@ -66,11 +68,12 @@ PAIRS = {"no_sp": ("ours_no_sp", "dtensor_no_sp"), "sp": ("ours_sp", "dtensor_sp
          "sp_chunked4": ("ours_sp_chunked4", "dtensor_sp")}
 
 
-def ours(cfg, rt):
+def ours(cfg, rt, micro: int = 1):
+    """Our step; `micro` > 1 splits the batch into that many micro-batches (gradient accumulation)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = parallelize(model, rt, cfg)
-    return lambda x, y: train_step(model, engine, [(x, y)], "bf16", 1e-4)[1]
+    return lambda x, y: train_step(model, engine, list(zip(x.chunk(micro), y.chunk(micro))), "bf16", 1e-4)[1]
 
 
 def dtensor(cfg, rt):
@@ -196,9 +199,9 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
     warmup, steps = (1, 2) if args.smoke else (3, args.steps)
     out = {"shape": base, "micro_batch": mb}
     profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
-    for compiled in (False, True) if args.compile else (False,):
-        tag = "_compiled" if compiled else ""
-        extra_all = ["train.compile=true"] if compiled else []
+    for mode in [None] + (args.compile or []):
+        compiled, tag = mode is not None, MODE_TAGS.get(mode, "")
+        extra_all = ["train.compile=true", f"train.compile_mode={mode}"] if compiled else []
         one = "one_gpu" + tag
         out[one] = _run(one_gpu, load_config(None, base + COMMON + extra_all), rt, mb, warmup, steps, 1, profiled(one))
         for name, (impl, extra) in VARIANTS.items():
@@ -211,11 +214,14 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
             row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
             if compiled:  # the same layout, eager in the same run: what compiling is worth to each
                 row["vs_eager"] = round(row["tokens_per_s"] / out[name]["tokens_per_s"], 4)
+                row["vs_one_gpu_same_mode"] = round(row["tokens_per_s"] / out[one]["tokens_per_s"], 4)
+                row["speedup_vs_one_gpu"] = round(row["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
+                row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
             keep(out)
         if compiled:
             out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
     for tag, (a, b) in PAIRS.items():
-        for c in ("", "_compiled"):
+        for c in ("",) + tuple(MODE_TAGS.values()):
             if a + c in out and b + c in out:
                 out[f"ours_vs_dtensor_{tag}{c}"] = round(out[a + c]["tokens_per_s"] / out[b + c]["tokens_per_s"], 4)
     return out
@@ -245,21 +251,25 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     return row
 
 
-def parity(base: list[str], rt, steps: int) -> dict:
-    """Losses of our tp run, plain and overlapped (SP on), against the same model on one device
-    (rank 0 alone, bf16, micro-batch 2)."""
+def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
+    """Losses of our tp run, plain, overlapped (SP on) and under each --compile mode, against the same
+    model on one device (rank 0 alone, eager, bf16). Each step accumulates 2 micro-batches of 1
+    sequence: a CUDA graph replay (reduce-overhead) overwrites what the previous one returned, so the
+    accumulation is what a graphed step can get wrong."""
     g = torch.Generator().manual_seed(1)
     vocab, T = load_config(None, base).model.vocab_size, load_config(None, base).model.seq_len
     batches = [torch.randint(0, vocab, (2, T + 1), generator=g).to(rt.device) for _ in range(steps)]
+    runs = {"tp": [], "tp_chunked": CHUNKED}
+    runs.update({"tp" + MODE_TAGS[m]: ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
     out = {}
-    for tag, extra in (("tp", []), ("tp_chunked", CHUNKED)):
-        step = ours(load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra), rt)
+    for tag, extra in runs.items():
+        step = ours(load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra), rt, micro=2)
         out[f"{tag}_losses"] = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
         del step
     if rt.rank == 0:
-        ref = ours(load_config(None, base + COMMON), Runtime.single(rt.device))
+        ref = ours(load_config(None, base + COMMON), Runtime.single(rt.device), micro=2)
         out["one_gpu_losses"] = [float(ref(b[:, :-1], b[:, 1:])) for b in batches]
-        for tag in ("tp", "tp_chunked"):
+        for tag in runs:
             out[f"{tag}_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(out[f"{tag}_losses"],
                                                                                  out["one_gpu_losses"]))
         del ref
@@ -277,12 +287,16 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="gloo on CPU, tiny shapes")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated subset of {','.join(VARIANTS)} (one GPU always runs); default all")
-    ap.add_argument("--compile", action="store_true",
-                    help="run ours and one GPU once more with train.compile, reported as NAME_compiled with vs_eager "
-                         "(DTensor's compiled blocks fail in backward on torch 2.13, so its rows stay eager)")
+    ap.add_argument("--compile", nargs="?", const="default", type=lambda s: s.split(","), default=None,
+                    help="run ours and one GPU once more per train.compile_mode given (comma-separated; default: "
+                         "default), reported as NAME_compiled / _graphed (reduce-overhead) / _autotuned with "
+                         "vs_eager, and speedup_vs_one_gpu against eager one GPU (DTensor's compiled blocks fail in "
+                         "backward on torch 2.13, so its rows stay eager)")
     ap.add_argument("--no-parity", action="store_true", help="skip the loss check against one GPU")
     args = ap.parse_args()
     unknown = set(args.variants or ()) - set(VARIANTS)
+    if set(args.compile or ()) - set(MODE_TAGS):
+        ap.error(f"unknown --compile mode in {args.compile}; choose from {', '.join(MODE_TAGS)}")
     if unknown:
         ap.error(f"unknown --variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -300,7 +314,8 @@ def main() -> None:
         keep(run_shape(base + [f"model.n_layers={layers}"], mb, rt, args, keep))
     small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
     if not args.no_parity:
-        result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8)
+        result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8,
+                                  args.compile or [])
     if rt.rank == 0:
         emit(result, args.out)
     dist.destroy_process_group()

@@ -253,6 +253,9 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient L2 norm to this (0 = off)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     compile: bool = Field(False, description="torch.compile the model")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile's mode with train.compile (reduce-overhead: CUDA graphs replay each "
+        "compiled forward and backward with one launch, for host-bound steps such as tensor parallelism)")
     deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
                                 "cuDNN attention's backward is not by default); some kernels run slower")
 
@@ -469,6 +472,9 @@ class Config(Section):
         if self.memory.compress_activations != "none" and self.train.compile:
             raise ConfigError("memory.compress_activations runs Python saved-tensor hooks that train.compile does not "
                               "trace; set train.compile=false or memory.compress_activations=none.")
+        if self.train.compile_mode != "default" and not self.train.compile:
+            raise ConfigError(f"train.compile_mode={self.train.compile_mode} is a mode of train.compile; set "
+                              "train.compile=true or leave train.compile_mode at default.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
         if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":

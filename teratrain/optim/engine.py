@@ -156,7 +156,8 @@ class LocalEngine(EngineBase):
     # Subclasses whose `p.grad` are views into communication buffers keep them between steps.
     persistent_grads = False
 
-    def __init__(self, model: nn.Module, optim_cfg, memory_cfg, grad_clip: float, master_weights: bool):
+    def __init__(self, model: nn.Module, optim_cfg, memory_cfg, grad_clip: float, master_weights: bool,
+                 graphed: bool = False):
         self.model, self.grad_clip = model, grad_clip
         assign_defaults(model)  # a model built outside parallelize() is one whole replica
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -170,6 +171,12 @@ class LocalEngine(EngineBase):
         self.optimizer = build_optimizer(zip([n for n, _ in self.named], targets), optim_cfg)
         self.scaler = make_scaler(memory_cfg)
         self.last_state_bytes: dict[str, int] | None = None
+        if graphed:  # CUDA graph replays (train.compile_mode=reduce-overhead) return gradients in the graph's
+            # pool, which autograd would adopt as .grad and the next replay overwrite (pytorch#169545):
+            # gradients live in buffers of their own, accumulated into in place and zeroed after each step
+            self.persistent_grads = True
+            for _, p in self.named:
+                p.grad = torch.zeros_like(p)
 
     # ---- update side
     def grads(self) -> list[torch.Tensor]:
@@ -208,8 +215,11 @@ class LocalEngine(EngineBase):
         return out
 
     def zero_grad(self) -> None:
-        for _, p in self.named:
-            p.grad = None
+        if self.persistent_grads:
+            torch._foreach_zero_([p.grad for _, p in self.named])
+        else:
+            for _, p in self.named:
+                p.grad = None
         for m in self.masters or ():
             m.grad = None
 
@@ -264,5 +274,6 @@ def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precis
             with autocast(precision, x.device), compressed_saves(model):
                 loss = model(x, y)
             engine.backward(loss / len(micro_batches))
-        total = loss.detach() if total is None else total + loss.detach()
+        total = loss.detach().clone() if total is None else total + loss.detach()  # a CUDA graph's output
+        # (train.compile_mode=reduce-overhead) is overwritten by the next micro-batch's replay: copied out
     return engine.step(lr), total / len(micro_batches)

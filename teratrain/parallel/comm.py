@@ -20,8 +20,10 @@ from teratrain.compat import all_gather_single, reduce_scatter_single
 from teratrain.parallel import inflight
 
 
-SUM, AVG, MAX = dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX
-_FUNCOL_OPS = {SUM: "sum", AVG: "avg", MAX: "max"}
+# Reductions by name, the functional collectives' own spelling: a compiled graph reads a string,
+# while hashing or comparing c10d's ReduceOp breaks it on torch 2.11 (a graph per loss all-reduce)
+SUM, AVG, MAX = "sum", "avg", "max"
+_C10D_OPS = {SUM: dist.ReduceOp.SUM, AVG: dist.ReduceOp.AVG, MAX: dist.ReduceOp.MAX}
 
 
 def traced() -> bool:
@@ -64,9 +66,9 @@ def all_reduce(t: torch.Tensor, group, async_op: bool = False, op=SUM):
     if group_size(group) == 1:  # sum, average and max of one value are the value
         return Done()
     if traced():
-        t.copy_(funcol.all_reduce(t, _FUNCOL_OPS[op], group))
+        t.copy_(funcol.all_reduce(t, op, group))
         return Done()
-    return _run("all-reduce", group, lambda: dist.all_reduce(t, op=op, group=group, async_op=True), async_op)
+    return _run("all-reduce", group, lambda: dist.all_reduce(t, op=_C10D_OPS[op], group=group, async_op=True), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, op=SUM):
@@ -76,10 +78,10 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
         out.copy_(inp)
         return Done()
     if traced():
-        out.copy_(funcol.reduce_scatter_tensor(inp, _FUNCOL_OPS[op], 0, group))
+        out.copy_(funcol.reduce_scatter_tensor(inp, op, 0, group))
         return Done()
     return _run("reduce-scatter", group,
-                lambda: reduce_scatter_single(out, inp, op=op, group=group, async_op=True), async_op)
+                lambda: reduce_scatter_single(out, inp, op=_C10D_OPS[op], group=group, async_op=True), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
@@ -234,9 +236,10 @@ def _seq_gather(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor:
     """(B, T/n, ...) sequence shards on each rank -> (B, T, ...). See `sequence_rows` for which tokens
     a shard holds: each of the `chunks` units is one all-gather written in place, so no layout copy."""
     n = group_size(group)
-    if n > 1 and traced():  # unit k's rank blocks side by side, out of place
-        out = funcol.all_gather_tensor(x.contiguous().view(chunks, -1), 1, group)
-        return out.view(x.shape[0], n * x.shape[1], *x.shape[2:])
+    if n > 1 and traced():  # unit k's rank blocks side by side, out of place; gathered along dim 0, as
+        # another dim makes torch 2.11 call a helper dynamo will not trace (a graph break per collective)
+        out = funcol.all_gather_tensor(x.contiguous().view(chunks, -1), 0, group).view(n, chunks, -1)
+        return out.transpose(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])  # a view when chunks == 1
     out, works = start_seq_gather(x, group, chunks)
     for w in works:
         w.wait()
@@ -261,8 +264,9 @@ def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor
     n = group_size(group)
     if n == 1:
         return x
-    if traced():  # unit k's block r to rank r, out of place
-        out = funcol.reduce_scatter_tensor(x.contiguous().view(chunks, -1), "sum", 1, group)
+    if traced():  # unit k's block r to rank r, out of place, scattered along dim 0 (as in _seq_gather)
+        blocks = x.contiguous().view(chunks, n, -1).transpose(0, 1).contiguous()  # no copy when chunks == 1
+        out = funcol.reduce_scatter_tensor(blocks, "sum", 0, group)
         return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
     units = x.contiguous().view(chunks, n, -1)  # (units, ranks, rows of a unit's block)
     out = x.new_empty((chunks, units.shape[2]))

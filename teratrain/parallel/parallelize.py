@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, rt, cfg):
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix; a pipeline stage
         for module in [model] if layout is None else list(model.layers):  # never runs the whole forward:
-            module.compile()  # each of its blocks (as torchtitan compiles per transformer block)
+            module.compile(mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
     engine = build_engine(model, rt, cfg, init)  # 6
     retie(model, aliases)
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
@@ -78,6 +78,10 @@ def check_supported(cfg) -> None:
     why = zero_problem(p.zero, p.offload) or grad_dtype_problem(p.grad_dtype, p.zero, low_params(cfg))
     if why:
         raise ConfigError(why)
+    if cfg.train.compile_mode == "reduce-overhead" and p.pp > 1:
+        raise ConfigError("train.compile_mode=reduce-overhead keeps one static pool of saved activations per CUDA "
+                          "graph, and a pipeline keeps several micro-batches in flight; set parallel.pp=1 or "
+                          "train.compile_mode=default.")
     if p.zero == 3 and cfg.train.compile:
         raise ConfigError("train.compile does not trace ZeRO-3's gather/free hooks; set train.compile=false "
                           "or parallel.zero<=2.")
@@ -178,7 +182,8 @@ def build_engine(model: nn.Module, rt, cfg, init=None):
             if not q.requires_grad:
                 q.data = q.data.to(torch.bfloat16)
     if rt.dims.workers == 1:  # one process: local SGD and all-reduce both reduce to the plain update
-        return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
+        return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights,
+                           graphed=cfg.train.compile_mode == "reduce-overhead")
     if p.sync == "local-sgd":
         from teratrain.parallel.sync import LocalSGDEngine
 
