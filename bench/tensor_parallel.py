@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import emit, env_info, fresh_memory, peak_gib, sync  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
 
+from teratrain.compat import release_compiled  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime  # noqa: E402
@@ -232,8 +233,9 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
         print(f"[tp] tp={world} compile={cfg.train.compile} sp={cfg.parallel.use_sp if world > 1 else None} "
               f"at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     fresh_memory(rt.device)
-    if cfg.train.compile:
-        from torch._dynamo.utils import counters
+    if cfg.train.compile:  # a fresh compile per variant: the earlier variants' graphs (and CUDA graphs)
+        from torch._dynamo.utils import counters  # go, and dynamo's recompile limit is never reached
+        release_compiled()
         counters.clear()
     step = build(cfg, rt)
     row = measure(step, cfg, rt, mb, warmup, steps, world)
@@ -318,6 +320,7 @@ def main() -> None:
                                   args.compile or [])
     if rt.rank == 0:
         emit(result, args.out)
+    release_compiled()  # before the process group: CUDA graphs holding NCCL work hang its destruction
     dist.destroy_process_group()
 
 

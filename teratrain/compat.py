@@ -66,3 +66,18 @@ def backward_from(edges: list, grads: list) -> None:
     private, with the same arguments in 2.11 and 2.13."""
     torch.autograd.graph._engine_run_backward(tuple(edges), tuple(grads), False, False, (), allow_unreachable=True,
                                               accumulate_grad=True)
+
+
+def release_compiled() -> None:
+    """Drop torch.compile's compiled code and its CUDA graph trees (private, the same in 2.11 and
+    2.13). Graphs that captured NCCL collectives keep the communicators in use: destroying the process
+    group behind them, or exiting, hangs (pytorch#115388), so a graphed run releases them first."""
+    import gc
+
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        from torch._inductor import cudagraph_trees
+
+        torch.cuda.synchronize()
+        cudagraph_trees.reset_cudagraph_trees()
+    gc.collect()

@@ -17,6 +17,7 @@ from torch import nn
 from teratrain import moe_metrics
 from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
+from teratrain.compat import release_compiled
 from teratrain.config import Config, ConfigError, load_config
 from teratrain.config_toml import to_toml
 from teratrain.data.loader import Batches, prepare
@@ -97,7 +98,11 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         if stop["signum"]:
             raise Stopped(stop["signum"])
         return {"run_dir": str(run_dir), "step": None, "engine": engine}
-    summary = _loop(cfg, rt, model, engine, data, run_dir, start)
+    try:
+        summary = _loop(cfg, rt, model, engine, data, run_dir, start)
+    finally:  # stopped or failed too: CUDA graphs holding NCCL work would hang the exit
+        if cfg.train.compile_mode == "reduce-overhead":
+            release_compiled()
     if hasattr(engine, "close"):  # e.g. a parameter-server worker signs off
         engine.close()
     return summary
