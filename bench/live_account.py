@@ -6,7 +6,8 @@ kinds it belongs to, by following what the executor holds (runtime._Call), never
 - w_inputs: the tensors each pending W reads besides its kept gradient (Qi et al. 2023 sec. 2: a
   linear's input; an intermediate without a rule: all its node saved), the head's apart (head_input);
 - w_grads: the output gradients kept for pending W's (and weight gradients I made early), the
-  head's apart (logit_grad: the (tokens, vocab) gradient of the logits);
+  head's apart (logit_grad: the (tokens, vocab) gradient of the logits; head_weight_grad: the head's
+  weight gradient, where I makes it: parallel/pipeline/stage.py `early_weights`);
 - inflight: tensors saved by the forwards of micro-batches whose backward (B or I) has not run;
 - w_extra: anything else a pending W's state keeps alive (what the retained graph still saves, the
   stage input leaf): what the split holds beyond what W needs;
@@ -21,7 +22,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from teratrain.parallel.pipeline.backward import _Intermediate, _postorder
 
-KINDS = ("casts", "inflight", "w_inputs", "w_grads", "head_input", "logit_grad", "w_extra", "messages", "other")
+KINDS = ("casts", "inflight", "w_inputs", "w_grads", "head_input", "logit_grad", "head_weight_grad", "w_extra",
+         "messages", "other")
 _READ_INPUTS = {"MmBackward0": ("_saved_self",), "AddmmBackward0": ("_saved_mat1",),
                 "MulBackward0": ("_saved_self", "_saved_other")}  # what a pending rule reads besides the weight cast
 
@@ -55,10 +57,14 @@ def graph_saved(root) -> list[torch.Tensor]:
 
 def _pending(plan: list[_Intermediate], vocab: int) -> dict[str, list]:
     """A pending W's state, by kind: the inputs its rules read, its kept gradients, the head's apart."""
-    out = {"w_inputs": [], "w_grads": [], "head_input": [], "logit_grad": []}
+    out = {"w_inputs": [], "w_grads": [], "head_input": [], "logit_grad": [], "head_weight_grad": []}
     for item in plan:
-        grads = [g for g in (item.kept or ()) if g is not None] + [g for g in (item.done or ()) if g is not None]
-        head = any(g.shape[-1] == vocab and g.dim() >= 2 for g in grads)
+        kept = [g for g in (item.kept or ()) if g is not None]
+        done = [g for g in (item.done or ()) if g is not None]
+        head = any(vocab in g.shape and g.dim() >= 2 for g in kept + done)
+        if head:
+            out["head_weight_grad"] += done
+            done = []
         if item.early or item.kept is None:
             inputs = []
         elif item.rule is not None:
@@ -66,7 +72,7 @@ def _pending(plan: list[_Intermediate], vocab: int) -> dict[str, list]:
         else:
             inputs = saved_of(item.node)
         out["head_input" if head else "w_inputs"] += inputs
-        out["logit_grad" if head else "w_grads"] += grads
+        out["logit_grad" if head else "w_grads"] += kept + done
     return out
 
 

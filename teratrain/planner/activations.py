@@ -173,9 +173,13 @@ def pending_block(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
 def pending_head(shape: ModelShape, w: Widths, tokens: int, *, device: str = "cuda", tp: int = 1, sp: bool = False,
                  form: str = "megatron", **_) -> int:
     """Bytes the output projection holds for a pending W: its input and the (tokens, vocab) gradient of
-    the logits, in the compute dtype (vocab-parallel under tp)."""
+    the logits, or, where that is larger (parallel/pipeline/stage.py `early_weights`: above about d
+    tokens), its (vocab, d) weight gradient made in I; in the compute dtype, vocab-parallel under tp."""
+    d, v = shape.cfg.d_model, shape.cfg.vocab_size // tp
+    if tokens * (v + d) > v * d:
+        return v * d * w.compute
     head_input = _region_inputs(shape, w, tokens, 1, device, tp, sp, form)
-    return sum(t.numel * t.itemsize for t in head_input) + tokens * shape.cfg.vocab_size * w.compute // tp
+    return sum(t.numel * t.itemsize for t in head_input) + tokens * v * w.compute
 
 
 def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[Saved]]:
