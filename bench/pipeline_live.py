@@ -2,6 +2,8 @@
 1F1B against ZB-H1 (issue 22: ZB-H1 at no more than 1F1B's peak + 10%).
 
     python bench/pipeline_live.py              # 4 gloo processes, llama-1b's proportions scaled down
+    python bench/pipeline_live.py --account    # and after each action, the live bytes by kind (live_account.py)
+    python bench/pipeline_live.py --layers 16  # 4 blocks a stage, as bench/pipeline.py's model on 4 x H100
     python bench/pipeline_live.py --smoke      # 2 processes, tiny: checks the script
 
 Every tensor storage the step allocates is registered by a TorchDispatchMode (each op's outputs,
