@@ -48,6 +48,7 @@ stays off.
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -56,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -120,6 +122,7 @@ def size_to_gpu(pp: int, card_gib: float, gpu: str, ms: list[int]) -> dict:
 
 
 _RUNTIME = []  # one runtime (and its process groups) for every model this job builds
+_BUILT: list = []  # a weak reference to every model built, to check that none outlives its measurement
 
 
 def config(sets: list[str]):
@@ -143,9 +146,11 @@ def build(sets: list[str]):
 
     cfg, rt = config(sets), runtime(sets)
     cfg.parallel.dp = rt.dims.dp
+    _collect()
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    _BUILT.append(weakref.ref(model))
     return cfg, rt, model, parallelize(model, rt, cfg)
 
 
@@ -240,7 +245,6 @@ def ours(sets: list[str], schedule: str, ms: list[int], args) -> list[dict]:
                      "bubble_simulated_no_comm": round(no_comm.bubble_fraction, 4),
                      "transfer_ms": [round(t * 1e3, 3) for t in costs.send_s],
                      "stage_ms": stage_ms(ex.intervals, ex.host_intervals, sched.pp, sched.num_stages)})
-    _free(model, engine, ex)
     return rows
 
 
@@ -269,13 +273,13 @@ def one_gpu(sets: list[str], ms: list[int], args, fits: bool) -> list[dict]:
     rows = []
     if dist.get_rank() == 0 and fits:
         cfg = config(sets + [f"train.global_batch={max(ms) * args.mb}"])
+        _collect()
         model, engine = build_engine(cfg, device)
         for m in ms:
             micro = micro_batches(cfg, m, device)
             step_s, n = step_time(lambda: train_step(model, engine, micro, cfg.memory.precision, 1e-4), args, device,
                                   agree=False)
             rows.append({"m": m, "steps": n, "tokens_per_s": round(m * args.mb * cfg.model.seq_len / step_s, 1)})
-        _free(model, engine)
     dist.barrier()
     return rows
 
@@ -307,7 +311,6 @@ def torch_interleaved(sets: list[str], m: int, args) -> float:
         engine.step(1e-4)
 
     step_s, _ = step_time(step, args, rt.device)
-    _free(model, engine, sched, stages)
     return m * args.mb * cfg.model.seq_len / step_s
 
 
@@ -344,15 +347,18 @@ def profiled(sets: list[str], schedule: str, m: int, args) -> list[dict]:
     mine = profile_step(step, rt.device)
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
-    _free(model, engine, ex)
     return out
 
 
-def _free(*objs) -> None:
-    import gc
-
-    del objs
+def _collect() -> None:
+    """Free the models measured before (a model, its engine and executor hold reference cycles, so
+    they outlive their function until a full collection; alive, the model states of the previous
+    schedule counted in the next one's peak: ZB-H1 "1.35x" 1F1B's on 4 x H100 was 1F1B's stage left
+    allocated), and fail if one is still alive."""
     gc.collect()
+    if any(ref() is not None for ref in _BUILT):
+        raise RuntimeError("bench/pipeline.py: a model measured before is still alive; its memory would count "
+                           "in the next measurement")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

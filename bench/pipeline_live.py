@@ -2,6 +2,8 @@
 1F1B against ZB-H1 (issue 22: ZB-H1 at no more than 1F1B's peak + 10%).
 
     python bench/pipeline_live.py              # 4 gloo processes, llama-1b's proportions scaled down
+    python bench/pipeline_live.py --account    # and after each action, the live bytes by kind (live_account.py)
+    python bench/pipeline_live.py --layers 16  # 4 blocks a stage, as bench/pipeline.py's model on 4 x H100
     python bench/pipeline_live.py --smoke      # 2 processes, tiny: checks the script
 
 Every tensor storage the step allocates is registered by a TorchDispatchMode (each op's outputs,
@@ -32,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from live_account import account  # noqa: E402
+
 MIB = 2**20
 FULL = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=1024", "model.vocab_size=4000",
         "model.seq_len=256", "model.n_layers=8", "train.micro_batch=2"]
@@ -43,21 +47,25 @@ COMMON = ["memory.precision=bf16", "train.device=cpu", "model.tie_embeddings=tru
 class LiveBytes(TorchDispatchMode):
     """The bytes of the storages made under it that are still alive; the most at any op's end."""
 
-    def __init__(self):
+    def __init__(self, params: set[int] = frozenset()):
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
+        self.peak = self.action_peak = 0
+        self.params, self.casts = params, set()  # parameters' storages; live copies of them in another dtype
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if any(r.alias_info is not None for r in func._schema.returns):
             return out  # a view or an in-place result: its storage is counted where it was made (or predates the step)
+        cast = func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.params
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 s = t.untyped_storage()
                 if s.data_ptr() not in self.refs or self.refs[s.data_ptr()][0].expired():
                     self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        self.peak = max(self.peak, self.now())
+                    (self.casts.add if cast else self.casts.discard)(s.data_ptr())
+        now = self.now()
+        self.peak, self.action_peak = max(self.peak, now), max(self.action_peak, now)
         return out
 
     def now(self) -> int:
@@ -67,8 +75,9 @@ class LiveBytes(TorchDispatchMode):
         return sum(n for _, n in self.refs.values())
 
 
-def measure(sets: list[str], schedule: str, m: int) -> dict:
-    """Two steps of `schedule` with m micro-batches; the second one's live bytes on this rank."""
+def measure(sets: list[str], schedule: str, m: int, by_kind: bool = False) -> dict:
+    """Two steps of `schedule` with m micro-batches; the second one's live bytes on this rank (with
+    `by_kind`, after each action also by kind, live_account.py, and the most held during it)."""
     from pipeline import build, micro_batches
 
     from teratrain.parallel.pipeline import runtime as rt_mod
@@ -78,11 +87,15 @@ def measure(sets: list[str], schedule: str, m: int) -> dict:
     micro = micro_batches(cfg, m, rt.device)
     step(micro, cfg.memory.precision, 1e-4)
     trace, compute = [], rt_mod._Call._compute
-    mode = LiveBytes()
+    mode = LiveBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
 
     def counted(call, i, a):
+        mode.action_peak = 0
         compute(call, i, a)
-        trace.append((f"{a.kind}{a.microbatch}", round(mode.now() / MIB, 3)))
+        row = [f"{a.kind}{a.microbatch}", round(mode.now() / MIB, 3)]
+        if by_kind:
+            row += [round(mode.action_peak / MIB, 3), account(call, mode.refs, mode.casts, cfg.model.vocab_size)]
+        trace.append(row)
 
     rt_mod._Call._compute = counted
     try:
@@ -90,17 +103,20 @@ def measure(sets: list[str], schedule: str, m: int) -> dict:
             step(micro, cfg.memory.precision, 1e-4)
     finally:
         rt_mod._Call._compute = compute
-    return {"peak_mib": round(mode.peak / MIB, 3), "after_each_action_mib": trace}
+    key = "after_each_action_mib" + ("_peak_during_by_kind" if by_kind else "")
+    return {"peak_mib": round(mode.peak / MIB, 3), key: trace}
 
 
 def worker(args) -> None:
     import torch.distributed as dist
 
     sets = (SMOKE if args.smoke else FULL) + COMMON + [f"parallel.pp={int(os.environ['WORLD_SIZE'])}"]
+    if args.layers:
+        sets.append(f"model.n_layers={args.layers}")
     out = {}
     for schedule in ("1f1b", "zb-h1"):
         for m in args.microbatches:
-            mine = measure(sets, schedule, m)  # the first builds the runtime (process groups)
+            mine = measure(sets, schedule, m, args.account)  # the first builds the runtime (process groups)
             got = [None] * dist.get_world_size()
             dist.all_gather_object(got, mine)
             out[f"{schedule} m={m}"] = got
@@ -120,6 +136,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--layers", type=int, help="model.n_layers (default 8; 4 with --smoke)")
+    ap.add_argument("--account", action="store_true", help="after each action, the live bytes by kind (live_account.py)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ:

@@ -151,6 +151,37 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     return out
 
 
+def pending_block(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda", tp: int = 1,
+                  sp: bool = False, form: str = "megatron", **_) -> int | None:
+    """Bytes one dense Block holds for a pending weight-gradient pass (ZB-H1's W, Qi et al. 2023 sec. 2;
+    parallel/pipeline/backward.py): per linear, its saved input and the gradient of its output, in the
+    compute dtype (the norm scales' gradients, d numbers each, are made in I). Column-parallel outputs
+    are split by tp, the row-parallel ones' gradients (wo, w2) whole. None where this is not read off
+    the graph (MoE layers, the seeds' tp forms): the caller then counts a whole forward's tensors."""
+    if shape.num_experts > 1 or (tp > 1 and form != "megatron"):
+        return None
+    c, cb, n = shape.cfg, w.compute, tokens
+    saved = block_tensors(shape, w, n, seq_len, device=device, tp=tp, sp=sp, form=form)
+    w2_input = [Saved(n * c.ffn_dim // tp, cb)]  # SwiGLU's product, GELU's output: one of mlp_hidden
+    inputs = saved["qkv_inputs"] + saved["attention_out"] + saved["mlp_inputs"] + w2_input
+    kvd = c.kv_heads * c.head_dim
+    column = c.n_heads * c.head_dim + 2 * kvd + (2 if c.arch == "llama" else 1) * c.ffn_dim  # q, k, v; w1 (w3)
+    grads = n * column * cb // tp + 2 * n * c.d_model * cb  # + wo's and w2's output gradients
+    return sum(t.numel * t.itemsize for t in inputs) + grads
+
+
+def pending_head(shape: ModelShape, w: Widths, tokens: int, *, device: str = "cuda", tp: int = 1, sp: bool = False,
+                 form: str = "megatron", **_) -> int:
+    """Bytes the output projection holds for a pending W: its input and the (tokens, vocab) gradient of
+    the logits, or, where that is larger (parallel/pipeline/stage.py `early_weights`: above about d
+    tokens), its (vocab, d) weight gradient made in I; in the compute dtype, vocab-parallel under tp."""
+    d, v = shape.cfg.d_model, shape.cfg.vocab_size // tp
+    if tokens * (v + d) > v * d:
+        return v * d * w.compute
+    head_input = _region_inputs(shape, w, tokens, 1, device, tp, sp, form)
+    return sum(t.numel * t.itemsize for t in head_input) + tokens * v * w.compute
+
+
 def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[Saved]]:
     """What an MoE layer (models/moe.py, models/permute.py) keeps besides its experts' hidden
     activations, for n tokens routed to top_k experts each (M = n x top_k rows, capacity drops

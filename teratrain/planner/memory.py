@@ -79,7 +79,13 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     per_block = act.block_saved(shape, w, n, T, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
+    pending = act.pending_block(shape, w, n, T, **bkw)
+    if pending is None:  # not read off the graph: a whole forward's tensors
+        pending_blocks = blocks["blocks"]
+    else:  # a recomputed segment's input stays with its holders (parallel/pipeline/saved.py) until W
+        pending_blocks = layers * pending + (blocks["blocks"] if lay.recompute not in ("none", "selective") else 0)
     return {"blocks": blocks["blocks"], "copies": blocks["weight_copies"] + head_copy, "head_copy": head_copy,
+            "pending_blocks": pending_blocks, "pending_last": act.pending_head(shape, w, n, **kw),
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
@@ -150,16 +156,24 @@ def _ends(shape: ModelShape, lay: Layout, saved: dict) -> list[dict]:
     action list at which its saved tensors are largest (pipeline.end_held: GPipe's last rank holds all
     m micro-batches with their logits, 1F1B's only one)."""
     if lay.pp == 1:
-        return [{"scale": 1.0, "k": 1.0, "ends": 1, "last": True, "first": True}]
+        return [{"scale": 1.0, "k": 1.0, "ends": 1, "last": True, "first": True, "split": False, "k_pend": 0,
+                 "e_pend": 0}]
     sp = stage_params(shape, lay)
     fuller = max(sp["first"], sp["last"])
     out = []
     for last in (False, True):
-        extra = saved["last"] + saved["head_copy"] if last else saved["first"]
-        per_stage = saved["blocks"] + saved["copies"] - saved["head_copy"]
-        k, e = max(pipeline.end_held(lay, last), key=lambda ke: ke[0] * per_stage + ke[1] * extra)
+        split = last and pipeline.splits_backward(lay)  # (the first stage runs whole backwards: runtime.py)
+        copies = 0 if split else saved["copies"] - saved["head_copy"]  # split: one shared set (saved.py)
+        extra = saved["last"] + (0 if split else saved["head_copy"]) if last else saved["first"]
+        per_stage = saved["blocks"] + copies
+        pend_end = saved["pending_last"] if split else 0
+
+        def held(h):
+            return h[0] * per_stage + h[1] * extra + h[2] * saved["pending_blocks"] + h[3] * pend_end
+
+        k, e, k_pend, e_pend = max(pipeline.end_held(lay, last), key=held)
         out.append({"scale": sp["last" if last else "first"] / fuller, "k": k, "ends": e, "last": last,
-                    "first": not last})
+                    "first": not last, "split": split, "k_pend": k_pend if split else 0, "e_pend": e_pend if split else 0})
     return out
 
 
@@ -180,21 +194,14 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     c = shape.cfg
     n = lay.micro_batch * c.seq_len
     V = c.vocab_size
-    k, ends, last, scale = end["k"], end["ends"], end["last"], end["scale"]
+    ends, last, scale = end["ends"], end["last"], end["scale"]
     one_pass = lay.pp == 1 and lay.num_microbatches == 1
     progressive = one_pass and (lay.zero >= 2 or (lay.zero == 0 and lay.dp == 1))
     grads_held = int(st["gpu_grads"] * scale)
     base = {"params": int(st["gpu_params"] * scale), "optimizer": int(st["gpu_optimizer"] * scale),
             "grads": 0 if progressive else grads_held}
     module = act.rope_tables(shape) + eng["gathered"]
-    head_copy = saved["head_copy"] if last else 0
-    own_end = saved["last"] if last else saved["first"]
-    S = int(k * saved["blocks"] + ends * own_end)
-    block_copies = saved["copies"] - saved["head_copy"]
-    copies = int(k * block_copies + ends * head_copy)
-    # autocast caches every weight cast until the forward's autocast context exits, even under
-    # checkpointing (the recomputed segments cast again in backward): the running micro-batch holds all
-    fwd_copies = saved["all_copies"] - saved["head_copy"] + head_copy + copies - (block_copies + head_copy)
+    S, copies, fwd_copies = _held_at(saved, end)
     if lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
         loss_fwd, loss_bwd = n * V * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
     else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax (the saved tensor) straight
@@ -221,6 +228,32 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
                            "buffers": act.rope_tables(shape) + eng["pending"]
                                       + _step_temporaries(shape, train, lay, st)},
     }
+
+
+def _held_at(saved: dict, end: dict) -> tuple[int, int, int]:
+    """At the fullest moment of one pipeline end (`_ends`): the saved activations (in flight, and
+    waiting for W), the autocast weight copies held, and those alive during a forward."""
+    last = end["last"]
+    head_copy = saved["head_copy"] if last else 0
+    own_end = saved["last"] if last else saved["first"]
+    S = int(end["k"] * saved["blocks"] + end["ends"] * own_end + end["k_pend"] * saved["pending_blocks"]
+            + end["e_pend"] * saved["pending_last"])
+    block_copies = saved["copies"] - saved["head_copy"]
+    running = saved["all_copies"] - saved["head_copy"] + head_copy
+    if end["split"]:  # one set shared by the step's micro-batches; the running forward casts its own first
+        return S, block_copies + head_copy, block_copies + head_copy + running
+    copies = int(end["k"] * block_copies + end["ends"] * head_copy)
+    # autocast caches every weight cast until the forward's autocast context exits, even under
+    # checkpointing (the recomputed segments cast again in backward): the running micro-batch holds all
+    return S, copies, running + copies - (block_copies + head_copy)
+
+
+def held_for_backward(shape: ModelShape, train: Training, lay: Layout, device: str = "cuda") -> dict[str, int]:
+    """Bytes each end of a pipeline ("first", "last") holds for its backward passes at its fullest
+    moment between two actions: saved activations in flight, ZB-H1's state waiting for W, autocast's
+    weight copies (what bench/pipeline_live.py counts, live, after each action)."""
+    saved = _saved(shape, train, lay, device)
+    return {("last" if end["last"] else "first"): sum(_held_at(saved, end)[:2]) for end in _ends(shape, lay, saved)}
 
 
 def _step_temporaries(shape: ModelShape, train: Training, lay: Layout, st: dict) -> int:

@@ -8,10 +8,11 @@ half of the backward. What it reads off the timeline:
   ZB-H1: (p-1)/(3m+p-1) at these ratios), which time.py adds on top of the busy time;
 - in flight: the most micro-batches whose activations one rank holds, in whole-stage units
   (interleaved chunks count 1/v each: p + (p-1)/v, Korthikanti et al. 2022 sec. 4.2.3);
-- held at each end (`end_held`): on the first and the last rank, the (chunks, end-chunk) pairs held
-  at each moment of the rank's own action list, so memory.py can weigh the end stage's extra tensors
-  (the last stage's logits and loss) by how many of its micro-batches are alive: GPipe's last rank
-  holds all m with their logits, 1F1B's one, ZB-H1's p (their W not yet run);
+- held at each end (`end_held`): on the first and the last rank, the (chunks, end-chunk) pairs in
+  flight and those waiting for W at each moment of the rank's own action list, so memory.py can weigh
+  the end stage's extra tensors (the last stage's logits and loss) by how many of its micro-batches
+  are alive: GPipe's last rank holds all m with their logits, 1F1B's one, ZB-H1's one in flight and
+  p - 1 waiting for W (which hold only W's inputs and gradients: backward.py);
 - weight versions: the most copies of a stage's weights an asynchronous schedule keeps;
 - makespan: the step of real stages, which are not even: the last one also runs the LM head and the
   loss (at llama-1b's width and 32k vocabulary the head is as much work as one block, so the last of
@@ -24,7 +25,7 @@ from functools import lru_cache
 
 from teratrain.parallel.pipeline.actions import I
 from teratrain.parallel.pipeline.schedules import build
-from teratrain.parallel.pipeline.simulate import Costs, Timeline, held, simulate
+from teratrain.parallel.pipeline.simulate import Costs, Timeline, held_split, simulate
 from teratrain.planner.layout import Layout
 
 
@@ -50,19 +51,30 @@ def summary(lay: Layout) -> tuple[float, float, int]:
 
 
 @lru_cache(maxsize=1024)
-def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int], ...]:
+def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
     chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
-    return tuple(sorted(set(held(_build(schedule, pp, m, v).ranks[rank], chunk))))
+    return tuple(sorted(set(held_split(_build(schedule, pp, m, v).ranks[rank], chunk))))
 
 
-def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int], ...]:
-    """Every (stage-equivalents held, micro-batches of the end chunk held) a pipeline's first (or, with
-    `last`, last) rank passes through; one pair (1, 1) without a pipeline."""
+@lru_cache(maxsize=256)
+def _splits(schedule: str, pp: int, m: int, v: int) -> bool:
+    return any(a.kind == I for a in _build(schedule, pp, m, v).ranks[0])
+
+
+def splits_backward(lay: Layout) -> bool:
+    """Does the schedule split each backward into I and W (ZB-H1)?"""
+    return lay.pp > 1 and _splits(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
+
+
+def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int], ...]:
+    """Every (stage-equivalents in flight, micro-batches of the end chunk in flight, stage-equivalents
+    waiting for W, of the end chunk waiting for W) a pipeline's first (or, with `last`, last) rank
+    passes through (simulate.held_split); one (1, 1, 0, 0) without a pipeline."""
     if lay.pp == 1:
-        return ((1.0, 1),)
+        return ((1.0, 1, 0.0, 0),)
     v = lay.virtual_stages
     rank = lay.pp - 1 if last else 0
-    return tuple((n / v, e) for n, e in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
+    return tuple((n / v, e, w / v, we) for n, e, w, we in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
 
 
 def makespan(lay: Layout, rank_s: float, last_extra_s: float) -> float:

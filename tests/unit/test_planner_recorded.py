@@ -15,12 +15,16 @@ from teratrain.planner.search import evaluate
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 RESULT = RESULTS / "planner_validate_h200x4.json"
-# (fit rows, held-out rows) within the target, of (15, 13)
-REACHED = {"peak": (15, 12), "step": (12, 8)}  # step: without BEFORE_ZB_REWRITE's two rows
+# (fit rows, held-out rows) within the target, of (15, 13). Its two ZB-H1 rows ran before ZB-H1's memory
+# change (every micro-batch held whole until its W), which the planner no longer counts (-23.0%, -9.1%).
+REACHED = {"peak": (14, 11), "step": (12, 8)}  # step: without BEFORE_ZB_REWRITE's two rows
 TARGET = {"peak": 0.05, "step": 0.15}
 # The same 28 layouts on 4 x H100 (the next session, after the refit from the H200 rows: every row out
-# of sample for the card). Its ZB-H1 row ran after ZB-H1's memory change, which the planner does not
-# count yet (+25%), and its tp rows on a host faster than the fitted per-collective cost (+20-28%).
+# of sample for the card). Its ZB-H1 rows ran after ZB-H1's memory change but before the head's weight
+# gradient moved into I (parallel/pipeline/stage.py `early_weights`) and the received activation was
+# freed at I: the planner, which counts both, is 6.7% and 2.5% under them (counting the code those rows
+# ran, 1.9% and 1.0% under; +25.4% and +4.3% before it counted what W waits with). Its tp rows ran on a
+# host faster than the fitted per-collective cost (+20-28%).
 H100 = RESULTS / "planner_validate_h100x4.json"
 REACHED_H100 = {"peak": (14, 12), "step": (12, 10)}
 # The H200 rows of ZB-H1 ran the weight pass before it became one autograd call plus B's own weight
@@ -29,7 +33,7 @@ REACHED_H100 = {"peak": (14, 12), "step": (12, 10)}
 BEFORE_ZB_REWRITE = {"pp4 zb-h1 m8", "pp2 tp2 zb-h1 m8"}
 # 27 layouts of `bench/planner_validate.py --gpus 2` on 2 x H200 (this planner never fitted to them)
 H200X2 = RESULTS / "planner_validate_h200x2.json"
-REACHED_H200X2 = {"peak": (14, 9), "step": (11, 10)}
+REACHED_H200X2 = {"peak": (15, 10), "step": (11, 10)}
 
 
 @functools.cache
@@ -67,10 +71,11 @@ def test_recorded_rows_stay_within_the_targets(errors, what, card):
 
 
 def test_pipeline_memory_follows_the_schedule(errors):
-    """Every pipeline schedule's peak within 5%, these four within 4%: GPipe's last rank holds all m
-    micro-batches with their logits, 1F1B's first rank p of them, ZB-H1 p on every rank until W
-    (planner/memory.py); before, the planner gave every pp4 schedule of m <= p the same peak."""
-    pipes = {e["name"]: e["peak"] for e in errors if e["name"].startswith("pp4")}
-    assert len(pipes) == 9 and max(abs(v) for v in pipes.values()) < 0.05
-    for name in ("pp4 1f1b m4", "pp4 gpipe m4", "pp4 gpipe m8", "pp4 zb-h1 m8"):
+    """Every pipeline schedule's peak within 5%, these three within 4%: GPipe's last rank holds all m
+    micro-batches with their logits, 1F1B's first rank p of them (planner/memory.py); before, the
+    planner gave every pp4 schedule of m <= p the same peak. ZB-H1's rows ran older code (above):
+    what its ranks hold is checked against live bytes on CPU (tests/dist/test_pipeline_held_planner.py)."""
+    pipes = {e["name"]: e["peak"] for e in errors if e["name"].startswith("pp4") and "zb-h1" not in e["name"]}
+    assert len(pipes) == 8 and max(abs(v) for v in pipes.values()) < 0.05
+    for name in ("pp4 1f1b m4", "pp4 gpipe m4", "pp4 gpipe m8"):
         assert abs(pipes[name]) < 0.04, (name, pipes[name])

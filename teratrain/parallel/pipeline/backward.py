@@ -96,10 +96,12 @@ def _fit(g: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
 _CLOSURE = (False, False, "input closure")  # _plan's mark of the closure: leads to no weight *outside* it
 
 
-def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor]) -> list[_Intermediate]:
+def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], early=()) -> list[_Intermediate]:
     """The intermediates of the graph under `out`, in one walk. Each node outside the input closure
-    is marked (leads to a weight of `weights`, all of those vectors: norm scales, biases)."""
-    wanted = {id(w): (True, w.dim() <= 1) for w in weights}
+    is marked (leads to a weight of `weights`, all of those made in I: vectors (norm scales, biases)
+    or in `early`)."""
+    now = {id(w) for w in early}
+    wanted = {id(w): (True, w.dim() <= 1 or id(w) in now) for w in weights}
     mark: dict = {}
     found = []
     order = _postorder(out.grad_fn)
@@ -141,7 +143,7 @@ def _check_fallback(found: list, order: list) -> None:
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
-                   weights: list[torch.Tensor], saved: SplitSaved | None = None) -> list[_Intermediate]:
+                   weights: list[torch.Tensor], saved: SplitSaved | None = None, early=()) -> list[_Intermediate]:
     """I: set x.grad to d(out)/dx (given d(out) = `grad`, or `grad` as the seed of a scalar loss) and
     return what W needs. With `saved` (the forward ran under `saved.recording()`), the tensors only
     I needed are freed as it goes.
@@ -150,8 +152,9 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     gradient is one elementwise product and a sum) are computed here, right after I, into gradients
     of their own size: deferred, each would hold two activation-sized tensors (its normalized input
     and the gradient arriving at it, fp32 under autocast) for a gradient of d numbers, about a third
-    of what a Llama block's W holds otherwise. W then accumulates them (backward_weight)."""
-    plan = _plan(out, x, weights)
+    of what a Llama block's W holds otherwise. So are those of the weights in `early` (the last
+    stage's output projection, stage.py `early_weights`). W then accumulates them (backward_weight)."""
+    plan = _plan(out, x, weights, early)
     edges = [GradientEdge(item.node, i) for item in plan for i in item.outputs()]
     with saved.dropping({item.node for item in plan}) if saved is not None else contextlib.nullcontext():
         got = torch.autograd.grad(out, [x, *edges], grad, retain_graph=True, allow_unused=True)

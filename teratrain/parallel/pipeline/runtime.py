@@ -288,9 +288,14 @@ class _Call:
         state = self.states[(a.chunk, a.microbatch)]
         h0, x, out, _ = state
         saved = self.saved.pop((a.chunk, a.microbatch))
-        state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights(), saved)]
+        early = chunk.early_weights(self.micro[a.microbatch][0].numel())
+        state[2:] = [None, backward_input(out, self._output_grad(chunk, a, out), x, chunk.weights(), saved, early)]
         if not chunk.is_first:  # sent, and not needed by W: let it go once it is
             self.outbox[(B, a.microbatch, a.chunk)], x.grad = x.grad, None
+            # The received activation is I-only too, but the retained graph holds the leaf (its
+            # AccumulateGrad) until W: give the leaf an empty storage. A tensor W reads that shares
+            # the storage (a saved alias) keeps it, so this frees it only where nothing else holds it.
+            x.data = x.new_empty(0)
 
     def _weight_grad(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]

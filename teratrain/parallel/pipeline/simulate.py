@@ -166,12 +166,24 @@ def held(acts: Sequence[Action], chunk: int = 0) -> Iterator[tuple[int, int]]:
     """After each action of a rank's list: how many (micro-batch, chunk) pairs have run their forward
     and not yet their backward (B, or W when split), and how many of them are of `chunk`. A rank
     runs one action at a time, so list order gives the exact counts."""
-    n = of_chunk = 0
+    for n, of_chunk, pending, pending_of_chunk in held_split(acts, chunk):
+        yield n + pending, of_chunk + pending_of_chunk
+
+
+def held_split(acts: Sequence[Action], chunk: int = 0) -> Iterator[tuple[int, int, int, int]]:
+    """`held`, split where the backward is: after each action, the pairs in flight (forward run, no
+    B or I yet) and of them of `chunk`, then the pairs waiting for W (I run, W not) and of `chunk`.
+    A pair waiting for W holds less than one in flight (backward.py: W's inputs and gradients)."""
+    n = of_chunk = pending = pending_of_chunk = 0
     for a in acts:
-        step = (a.kind == F) - (a.kind in (B, W))
-        n += step
-        of_chunk += step if a.chunk == chunk else 0
-        yield n, of_chunk
+        mine = a.chunk == chunk
+        into, out_of = a.kind == F, a.kind in (B, I)
+        n += into - out_of
+        of_chunk += (into - out_of) * mine
+        waits = (a.kind == I) - (a.kind == W)
+        pending += waits
+        pending_of_chunk += waits * mine
+        yield n, of_chunk, pending, pending_of_chunk
 
 
 def peak_activations(acts: Sequence[Action]) -> int:

@@ -70,6 +70,23 @@ class Chunk:
         return [p for mod in mods if mod is not None for p in mod.parameters() if p.requires_grad]
 
 
+    def early_weights(self, tokens: int) -> list[nn.Parameter]:
+        """Matrices whose gradient ZB-H1's I makes at once (backward.py `early`; vectors always are):
+        on the last stage the output projection's (tied: the embedding matrix), when its (vocab, d)
+        gradient is smaller than what its W would wait with, the (tokens, vocab) gradient of the
+        logits and the (tokens, d) input, i.e. above about d tokens per micro-batch. ZB-H1 keeps every
+        stage at 1F1B's peak only if a micro-batch waiting for W holds alike on every stage (Qi et al.
+        2023 sec. 2.1); the logit gradient made the last stage's larger (bench/README.md, "What ZB-H1
+        keeps alive"). The head's GEMM moves from W into I on the stage that already runs the head,
+        the slowest of an even split, whose work sets the pace: the simulator shows no longer step
+        there, and (p-1) x the GEMM where the split makes the last stage no slower than the others."""
+        if not self.is_last:
+            return []
+        head = self.model.output if self.model.output is not None else self.model.tok_embeddings
+        return [p for p in head.parameters() if p.requires_grad and p.dim() == 2
+                and tokens * (p.shape[0] + p.shape[1]) > p.shape[0] * p.shape[1]]
+
+
 def _run_blocks(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
     for block in blocks:
         h = block(h, rope)
