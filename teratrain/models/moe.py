@@ -376,8 +376,8 @@ class MoE(nn.Module):
     def _record(self, r: Routing, counts: torch.Tensor) -> None:
         """Accumulate the step's statistics (tensors on the device: no synchronization). Skipped in
         evaluation and when recomputation replays this forward inside backward."""
-        if not self.training or in_backward():
-            return
+        if not self.training or (not torch.compiler.is_compiling() and in_backward()):
+            return  # compiled: recomputation replays the traced graph, never this Python
         new = {"load": counts.double(), "dropped": (r.attempted - r.routed.sum()).double(),
                "attempted": r.attempted.double(), "aux_loss": self.aux_loss.detach().double(),
                "forwards": torch.ones((), dtype=torch.float64, device=counts.device)}
