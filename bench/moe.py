@@ -6,6 +6,8 @@ torchrun job.
     torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
     torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
+    torchrun --nproc-per-node 2 bench/moe.py --compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2
+                                                       # the same models compiled (train.compile): ~3 min
 
 Model (GPU): Llama-style, d_model 2048, 8 blocks, 16 heads (8 key/value), 32k vocab, 2048 tokens per
 sequence, bf16 autocast. MoE: every block's MLP is 8 SwiGLU experts of width 2816, top-2
@@ -38,6 +40,16 @@ run, the exposed share whole (`share_chunks1`) and chunked (`share_chunked`; tar
 and `tokens_per_s_vs_chunks1`, the chunked run's tokens/s over the whole one's; `experts_kernel`, grouped
 GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device
 machines require.
+
+`--compile`: every model once more with train.compile (`NAME_compiled`; `--compile-only` drops the
+eager runs), and the parity check compiled. Each compiled run reports `graph_breaks` (count, compiled
+graphs, the top reasons, as bench/tensor_parallel.py does; 0 breaks is the point: the MoE step was
+host-bound, and a compiled graph launches its kernels without Python in between) and `vs_eager`
+where its eager run is in the job; `moe_vs_dense` then compares compiled with compiled. The
+all-to-all's share is not timed in compiled runs (its waits are inside the graph), nor the layer's
+host syncs. Compiled, the dropless exchange at ep > 1 is the padded one with N slots per expert
+(parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
+graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -318,20 +330,29 @@ def worker(args) -> None:
     runs = {name: sets for name, sets in runs.items() if not args.only or name in args.only}
     if args.compile:  # every model once more compiled (or only compiled), named NAME_compiled
         runs = {**({} if args.compile_only else runs), **{f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}}
-    results = {name: measure(base + sets, args) for name, sets in runs.items()}
+    results = {}
+    for name, sets in runs.items():
+        results[name] = measure(base + sets, args)
+        if int(os.environ["RANK"]) == 0 and args.out and len(results) < len(runs):  # a run cut short by a time
+            Path(args.out).write_text(_report(args, world, eps, mb, check, results, partial=True))  # limit keeps these
     if int(os.environ["RANK"]) == 0:
-        ratios = _vs_dense(results)
-        cuda = torch.cuda.is_available() and not args.smoke
-        text = json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
-                           "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
-                           "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
-                           "experts_kernel": "grouped_mm" if cuda and grouped_mm_without_sync(
-                               torch.device("cuda"), torch.bfloat16) else "loop",
-                           "parity": check, **results, "moe_vs_dense": ratios,
-                           "a2a_overlap": _overlap(results)})
+        text = _report(args, world, eps, mb, check, results)
         print(text)
         if args.out:
             Path(args.out).write_text(text)
+
+
+def _report(args, world: int, eps: list[int], mb: int, check: dict | None, results: dict, partial: bool = False) -> str:
+    """The JSON object of the runs measured so far (`partial`: more were due)."""
+    cuda = torch.cuda.is_available() and not args.smoke
+    hopper = cuda and grouped_mm_without_sync(torch.device("cuda"), torch.bfloat16)
+    return json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
+                       "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
+                       "experts_kernel": "grouped_mm" if hopper else "loop",
+                       "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
+                       **({"partial": True} if partial else {}),
+                       "parity": check, **results, "moe_vs_dense": _vs_dense(results), "a2a_overlap": _overlap(results)})
 
 
 def _vs_dense(results: dict) -> dict:
