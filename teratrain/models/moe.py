@@ -384,10 +384,19 @@ class MoE(nn.Module):
         for key, value in new.items():
             self.stats[key] = self.stats[key] + value if key in self.stats else value
 
+    def start_stats(self, device: torch.device) -> None:
+        """Zero statistics on `device`, before the first forward (parallelize does it). From then on their
+        keys and shapes stay the same (`pop_stats` resets them to zeros), so a compiled forward traces
+        one graph, not one that creates them and one that adds to them."""
+        zero = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
+        self.stats = {"load": zero(self.num_experts), "dropped": zero(), "attempted": zero(), "aux_loss": zero(),
+                      "forwards": zero()}
+
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """This rank's statistics since the last call: load (n,) routed tokens per expert, dropped and
-        attempted choices, summed aux loss and the forwards they came from; then reset."""
-        out, self.stats = self.stats, {}
+        attempted choices, summed aux loss and the forwards they came from; then reset (to zeros of
+        the same keys, or to none where there were none)."""
+        out, self.stats = self.stats, {key: torch.zeros_like(value) for key, value in self.stats.items()}
         return out
 
 

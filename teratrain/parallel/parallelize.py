@@ -67,6 +67,8 @@ def parallelize(model: nn.Module, rt, cfg):
         for module in [model] if layout is None else list(model.layers):  # never runs the whole forward:
             module.compile()  # each of its blocks (as torchtitan compiles per transformer block)
     engine = build_engine(model, rt, cfg, init)  # 6
+    for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
+        layer.start_stats(rt.device)
     retie(model, aliases)
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
         rt.mesh.connect(rt.device)

@@ -206,7 +206,7 @@ def test_layer_output_is_the_gated_sum_and_dropped_tokens_pass_through(router, k
     stats = m.pop_stats()
     assert stats["load"].tolist() == torch.bincount(r.experts[r.routed], minlength=4).double().tolist()
     assert stats["dropped"].item() == r.attempted.item() - r.routed.sum().item()
-    assert m.pop_stats() == {}
+    assert not any(v.any() for v in m.pop_stats().values())  # reset to zeros
 
 
 @pytest.mark.parametrize("router, keys", [("softmax-topk", dict(capacity_factor=1.0)), ("switch-top1", {}),
@@ -580,5 +580,6 @@ def test_grouped_mm_loop_op_equals_torchs_grouped_mm_with_gradients():
     assert torch.allclose(got[:9], ref[:9], atol=1e-6) and not got[9:].any()
     gx, gw = torch.autograd.grad((got[:9] * up[:9]).sum(), [x, w])
     rx, rw = torch.autograd.grad((ref[:9] * up[:9]).sum(), [x, w])
-    assert torch.allclose(gx, rx, atol=1e-6) and torch.allclose(gw, rw, atol=1e-6)
+    assert torch.allclose(gx[:9], rx[:9], atol=1e-6) and not gx[9:].any()  # torch's: undefined past the groups
+    assert torch.allclose(gw, rw, atol=1e-6)
     torch.library.opcheck(grouped_mm_loop, (x, w, offs))
