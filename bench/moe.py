@@ -22,9 +22,10 @@ per layer). Every MoE run at ep>1 runs again for each `--a2a-chunks` setting (de
 its exchange cut into that many pipelined pieces (`_chunks4`: parallel.ep_overlap_chunks=4, each
 piece's all-to-all under another piece's experts, forward and backward).
 
-First a parity check: the MoE at the largest ep (chunked, where it is) against one process on rank 0's
-GPU training the same global batches (every step's loss; the GPU run is bf16, so expect ~1e-2
-relative, as bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
+After the timed runs (a run cut short keeps them: the JSON is written after each), a parity check:
+the MoE at the largest ep (chunked, where it is) against one process on rank 0's GPU training the
+same global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as
+bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
 
 Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active
 FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
@@ -42,7 +43,8 @@ GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0
 machines require.
 
 `--compile`: every model once more with train.compile (`NAME_compiled`; `--compile-only` drops the
-eager runs), and the parity check compiled. Each compiled run reports `graph_breaks` (count, compiled
+eager runs), and the parity check compiled. Each compiled run reports `first_step_s` (the compile,
+mostly) and `graph_breaks` (count, compiled
 graphs, the top reasons, as bench/tensor_parallel.py does; 0 breaks is the point: the MoE step was
 host-bound, and a compiled graph launches its kernels without Python in between) and `vs_eager`
 where its eager run is in the job; `moe_vs_dense` then compares compiled with compiled. The
@@ -178,7 +180,8 @@ def measure(sets: list[str], args) -> dict:
     def step():
         train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
 
-    times = time_steps(step, args.warmup + compiled, args.steps, rt.device)  # compiled: its first step compiles
+    first_s = time_steps(step, 0, 1, rt.device)[0] if compiled else None  # compiled: its first step compiles
+    times = time_steps(step, args.warmup, args.steps, rt.device)
     tokens = tc.global_batch * m.seq_len
     out = summarize(times, tokens, flops_per_token(m), rt.device, cfg.memory.precision)
     out["mfu"] = round(out["mfu"] / rt.dims.workers, 4) if out["mfu"] else None  # peak of every rank
@@ -199,6 +202,7 @@ def measure(sets: list[str], args) -> dict:
             out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
     if compiled:  # as bench/tensor_parallel.py reports them
+        out["first_step_s"] = round(first_s, 1)  # the compile, mostly
         breaks = counters["graph_break"]
         out["graph_breaks"] = {"count": sum(breaks.values()), "graphs": counters["stats"]["unique_graphs"],
                                "reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
@@ -325,16 +329,16 @@ def worker(args) -> None:
         torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
     runs = models(args.smoke, eps, args.a2a_chunks)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
-    check = parity(base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else []),
-                   args.parity_steps)
+    checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
     runs = {name: sets for name, sets in runs.items() if not args.only or name in args.only}
     if args.compile:  # every model once more compiled (or only compiled), named NAME_compiled
         runs = {**({} if args.compile_only else runs), **{f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}}
     results = {}
-    for name, sets in runs.items():
+    for name, sets in runs.items():  # the speeds first: a run cut short by a time limit keeps those it measured
         results[name] = measure(base + sets, args)
-        if int(os.environ["RANK"]) == 0 and args.out and len(results) < len(runs):  # a run cut short by a time
-            Path(args.out).write_text(_report(args, world, eps, mb, check, results, partial=True))  # limit keeps these
+        if int(os.environ["RANK"]) == 0 and args.out:
+            Path(args.out).write_text(_report(args, world, eps, mb, None, results, partial=True))
+    check = parity(checked, args.parity_steps)
     if int(os.environ["RANK"]) == 0:
         text = _report(args, world, eps, mb, check, results)
         print(text)

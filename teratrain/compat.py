@@ -72,7 +72,8 @@ def compile_checkpoint_side_effects() -> None:
     """Let torch.compile trace a checkpointed block that writes module attributes (an MoE layer's aux
     loss and statistics) without replaying those writes when the backward recomputes the block, as
     eager recomputation skips them (MoE._record) and as torchtitan sets for its MoE. A dynamo setting
-    of the process (both 2.11 and 2.13 have it; a build without it keeps the graph break)."""
+    of the process (present in 2.13, checked here; a build without it keeps the graph break at the
+    checkpoint, which then runs eager)."""
     import torch._dynamo
 
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
