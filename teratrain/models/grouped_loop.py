@@ -3,8 +3,8 @@ one custom operator (torch.library), for where torch's own `_grouped_mm` cannot 
 
 Why. Under train.compile the experts run as grouped GEMMs (models/grouped.py), since the loop of
 expert modules reads the group offsets back to the host, which would end the compiled graph at every
-MoE layer. torch's `_grouped_mm` traces only in bf16 (its meta function refuses other dtypes, torch
-2.11 and 2.13), so an fp32 run (the CPU tests' parity checks, an fp32 GPU run) would have no traceable
+MoE layer. torch's `_grouped_mm` traces only in bf16 (its meta function refuses other dtypes: torch 2.13,
+checked here), so an fp32 run (the CPU tests' parity checks, an fp32 GPU run) would have no traceable
 grouped GEMM. This operator is opaque to the compiler: its fake function gives the output's shape,
 which depends on no data, and its implementation reads the offsets back inside the operator, as
 torch's own fallback off Hopper does. So the graph holds one node, and the read-back happens where

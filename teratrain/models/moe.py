@@ -388,14 +388,14 @@ class MoE(nn.Module):
         """Zero statistics on `device`, before the first forward (parallelize does it). From then on their
         keys and shapes stay the same (`pop_stats` resets them to zeros), so a compiled forward traces
         one graph, not one that creates them and one that adds to them."""
-        zero = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
-        self.stats = {"load": zero(self.num_experts), "dropped": zero(), "attempted": zero(), "aux_loss": zero(),
-                      "forwards": zero()}
+        kw = {"dtype": torch.float64, "device": device}
+        self.stats = {"load": torch.zeros(self.num_experts, **kw),  # the keys in _record's order
+                      **{key: torch.zeros((), **kw) for key in ("dropped", "attempted", "aux_loss", "forwards")}}
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """This rank's statistics since the last call: load (n,) routed tokens per expert, dropped and
-        attempted choices, summed aux loss and the forwards they came from; then reset (to zeros of
-        the same keys, or to none where there were none)."""
+        attempted choices, summed aux loss and the forwards they came from; then reset to zeros of
+        the same keys (empty stays empty)."""
         out, self.stats = self.stats, {key: torch.zeros_like(value) for key, value in self.stats.items()}
         return out
 
