@@ -332,7 +332,8 @@ def worker(args) -> None:
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
     runs = {name: sets for name, sets in runs.items() if not args.only or name in args.only}
     if args.compile:  # every model once more compiled (or only compiled), named NAME_compiled
-        runs = {**({} if args.compile_only else runs), **{f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}}
+        compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
+        runs = compiled if args.compile_only else {**runs, **compiled}
     results = {}
     for name, sets in runs.items():  # the speeds first: a run cut short by a time limit keeps those it measured
         results[name] = measure(base + sets, args)
@@ -356,7 +357,8 @@ def _report(args, world: int, eps: list[int], mb: int, check: dict | None, resul
                        "experts_kernel": "grouped_mm" if hopper else "loop",
                        "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
                        **({"partial": True} if partial else {}),
-                       "parity": check, **results, "moe_vs_dense": _vs_dense(results), "a2a_overlap": _overlap(results)})
+                       "parity": check, **results, "moe_vs_dense": _vs_dense(results),
+                       "a2a_overlap": _overlap(results)})
 
 
 def _vs_dense(results: dict) -> dict:
