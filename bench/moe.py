@@ -6,6 +6,8 @@ torchrun job.
     torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
     torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
+    torchrun --nproc-per-node 2 bench/moe.py --compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2
+                                                       # the same models compiled (train.compile): ~3 min
 
 Model (GPU): Llama-style, d_model 2048, 8 blocks, 16 heads (8 key/value), 32k vocab, 2048 tokens per
 sequence, bf16 autocast. MoE: every block's MLP is 8 SwiGLU experts of width 2816, top-2
@@ -20,9 +22,10 @@ per layer). Every MoE run at ep>1 runs again for each `--a2a-chunks` setting (de
 its exchange cut into that many pipelined pieces (`_chunks4`: parallel.ep_overlap_chunks=4, each
 piece's all-to-all under another piece's experts, forward and backward).
 
-First a parity check: the MoE at the largest ep (chunked, where it is) against one process on rank 0's
-GPU training the same global batches (every step's loss; the GPU run is bf16, so expect ~1e-2
-relative, as bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
+After the timed runs (a run cut short keeps them: the JSON is written after each), a parity check:
+the MoE at the largest ep (chunked, where it is) against one process on rank 0's GPU training the
+same global batches (every step's loss; the GPU run is bf16, so expect ~1e-2 relative, as
+bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
 
 Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active
 FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
@@ -38,6 +41,17 @@ run, the exposed share whole (`share_chunks1`) and chunked (`share_chunked`; tar
 and `tokens_per_s_vs_chunks1`, the chunked run's tokens/s over the whole one's; `experts_kernel`, grouped
 GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device
 machines require.
+
+`--compile`: every model once more with train.compile (`NAME_compiled`; `--compile-only` drops the
+eager runs), and the parity check compiled. Each compiled run reports `first_step_s` (the compile,
+mostly) and `graph_breaks` (count, compiled
+graphs, the top reasons, as bench/tensor_parallel.py does; 0 breaks is the point: the MoE step was
+host-bound, and a compiled graph launches its kernels without Python in between) and `vs_eager`
+where its eager run is in the job; `moe_vs_dense` then compares compiled with compiled. The
+all-to-all's share is not timed in compiled runs (its waits are inside the graph), nor the layer's
+host syncs. Compiled, the dropless exchange at ep > 1 is the padded one with N slots per expert
+(parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
+graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -65,6 +79,8 @@ from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel import comm  # noqa: E402
 from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
+import torch._dynamo  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -74,6 +90,7 @@ SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_
          "model.seq_len=32", "memory.precision=fp32", "train.device=cpu"]
 EXPERT_FF = {"gpu": 2816, "smoke": 64}
 MICRO_PER_RANK = 2  # micro-batches per rank and step
+COMPILED = ["train.compile=true"]
 
 
 def models(smoke: bool, eps: list[int], chunks: list[int]) -> dict[str, list[str]]:
@@ -102,7 +119,8 @@ def micro_batch(smoke: bool) -> int:
 def build(sets: list[str], single: bool = False):
     """(cfg, runtime, model, engine) through parallelize(); `single`: one process on this rank's
     device (the reference of the parity check), whatever the job's size."""
-    cfg = load_config(None, sets + ["optim.warmup_steps=0", "metrics.progress=false"] + (["parallel.ep=1"] if single else []))
+    single_sets = ["parallel.ep=1", "train.compile=false"]  # the reference runs eager
+    cfg = load_config(None, sets + ["optim.warmup_steps=0", "metrics.progress=false"] + (single_sets if single else []))
     rt = Runtime.single(pick_device(cfg.train.device, int(os.environ["LOCAL_RANK"]))) if single else init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     torch.manual_seed(cfg.train.seed + rt.dp_rank)
@@ -114,6 +132,7 @@ def build(sets: list[str], single: bool = False):
 def parity(sets: list[str], steps: int) -> dict | None:
     """Every step's loss of the job (experts over ep ranks) against one process on rank 0 training
     the same global batches (random tokens), as micro-batches in the same order. Rank 0 returns it."""
+    torch._dynamo.reset()
     cfg, rt, model, engine = build(sets)
     tc, m = cfg.train, cfg.model
     g = torch.Generator().manual_seed(0)
@@ -146,7 +165,12 @@ def _losses(cfg, rt, model, engine, batches: list[torch.Tensor]) -> list[float]:
 
 
 def measure(sets: list[str], args) -> dict:
-    """Build one model through parallelize() and time its optimizer steps on random tokens."""
+    """Build one model through parallelize() and time its optimizer steps on random tokens; compiled
+    (train.compile): also its graph breaks, every one a return to Python on each step."""
+    compiled = "train.compile=true" in sets
+    if compiled:  # forget the previous models' graphs: each model would count towards dynamo's recompile limit
+        torch._dynamo.reset()  # (8 per function), past which it runs the forward eager without a word
+        counters.clear()
     cfg, rt, model, engine = build(sets)
     tc, m = cfg.train, cfg.model
     num_micro = tc.global_batch // (tc.micro_batch * rt.dims.dp)
@@ -156,6 +180,7 @@ def measure(sets: list[str], args) -> dict:
     def step():
         train_step(model, engine, micro, cfg.memory.precision, cfg.optim.lr)
 
+    first_s = time_steps(step, 0, 1, rt.device)[0] if compiled else None  # compiled: its first step compiles
     times = time_steps(step, args.warmup, args.steps, rt.device)
     tokens = tc.global_batch * m.seq_len
     out = summarize(times, tokens, flops_per_token(m), rt.device, cfg.memory.precision)
@@ -164,7 +189,7 @@ def measure(sets: list[str], args) -> dict:
     if moe_layers(model):
         for _, layer in moe_layers(model):
             layer.pop_stats()
-        if rt.dims.ep > 1:
+        if rt.dims.ep > 1 and not compiled:  # compiled, the exchanges' waits are inside the graph: not timed
             out["all_to_all_share"] = _all_to_all_share(step, args.instrumented_steps, rt.device)
         else:
             time_steps(step, 0, 1, rt.device)  # one step's statistics
@@ -173,9 +198,14 @@ def measure(sets: list[str], args) -> dict:
         out["dropped"] = round(dropped, 4)
         if args.profile and rt.dims.ep == 1:
             out["profile"] = _profile(step, rt.device)
-        if rt.device.type == "cuda":
+        if rt.device.type == "cuda" and not compiled:  # the layer alone runs eager: said for the eager rows
             out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
+    if compiled:  # as bench/tensor_parallel.py reports them
+        out["first_step_s"] = round(first_s, 1)  # the compile, mostly
+        breaks = counters["graph_break"]
+        out["graph_breaks"] = {"count": sum(breaks.values()), "graphs": counters["stats"]["unique_graphs"],
+                               "reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
     del model, engine
     fresh_memory(rt.device)
     return out
@@ -294,24 +324,55 @@ def worker(args) -> None:
     mb = micro_batch(args.smoke)
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
+    if args.compile and args.smoke:  # trace as on the GPU, run the graphs eagerly (the tests' backend):
+        compile_module = torch.nn.Module.compile  # inductor would compile C++ for minutes on 2 cores
+        torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
     runs = models(args.smoke, eps, args.a2a_chunks)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
-    check = parity(base + runs.get(checked, runs[f"moe_ep{max(eps)}"]), args.parity_steps)
-    results = {name: measure(base + sets, args) for name, sets in runs.items()}
+    checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
+    runs = {name: sets for name, sets in runs.items() if not args.only or name in args.only}
+    if args.compile:  # every model once more compiled (or only compiled), named NAME_compiled
+        compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
+        runs = compiled if args.compile_only else {**runs, **compiled}
+    results = {}
+    for name, sets in runs.items():  # the speeds first: a run cut short by a time limit keeps those it measured
+        results[name] = measure(base + sets, args)
+        if int(os.environ["RANK"]) == 0 and args.out:
+            Path(args.out).write_text(_report(args, world, eps, mb, None, results, partial=True))
+    check = parity(checked, args.parity_steps)
     if int(os.environ["RANK"]) == 0:
-        dense = results["dense"]["tokens_per_s"]
-        ratios = {name: round(r["tokens_per_s"] / dense, 4) for name, r in results.items() if name != "dense"}
-        cuda = torch.cuda.is_available() and not args.smoke
-        text = json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
-                           "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
-                           "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
-                           "experts_kernel": "grouped_mm" if cuda and grouped_mm_without_sync(
-                               torch.device("cuda"), torch.bfloat16) else "loop",
-                           "parity": check, **results, "moe_vs_dense": ratios,
-                           "a2a_overlap": _overlap(results)})
+        text = _report(args, world, eps, mb, check, results)
         print(text)
         if args.out:
             Path(args.out).write_text(text)
+
+
+def _report(args, world: int, eps: list[int], mb: int, check: dict | None, results: dict, partial: bool = False) -> str:
+    """The JSON object of the runs measured so far (`partial`: more were due)."""
+    cuda = torch.cuda.is_available() and not args.smoke
+    hopper = cuda and grouped_mm_without_sync(torch.device("cuda"), torch.bfloat16)
+    return json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
+                       "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
+                       "experts_kernel": "grouped_mm" if hopper else "loop",
+                       "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
+                       **({"partial": True} if partial else {}),
+                       "parity": check, **results, "moe_vs_dense": _vs_dense(results),
+                       "a2a_overlap": _overlap(results)})
+
+
+def _vs_dense(results: dict) -> dict:
+    """Each MoE's tokens/s over the dense model's, compiled against compiled and eager against eager;
+    and `vs_eager` on every compiled run whose eager run is in the same job."""
+    ratios = {}
+    for name, r in results.items():
+        tag = "_compiled" if name.endswith("_compiled") else ""
+        eager = results.get(name.removesuffix("_compiled")) if tag else None
+        if eager is not None:
+            r["vs_eager"] = round(r["tokens_per_s"] / eager["tokens_per_s"], 4)
+        if not name.startswith("dense") and "dense" + tag in results:
+            ratios[name] = round(r["tokens_per_s"] / results["dense" + tag]["tokens_per_s"], 4)
+    return ratios
 
 
 def _overlap(results: dict) -> dict:
@@ -319,12 +380,13 @@ def _overlap(results: dict) -> dict:
     chunked, and the chunked run's tokens/s over the whole one's."""
     out = {}
     for name, r in results.items():
-        if "_chunks" not in name:
+        head, chunked, tail = name.partition("_chunks")
+        whole = results.get(head + tail.lstrip("0123456789"))  # the same run with the exchange whole
+        if not chunked or whole is None:
             continue
-        whole = results[name.split("_chunks")[0]]
         speed = round(r["tokens_per_s"] / whole["tokens_per_s"], 4)
-        out[name.removeprefix("moe_")] = {"share_chunks1": whole["all_to_all_share"],
-                                          "share_chunked": r["all_to_all_share"], "tokens_per_s_vs_chunks1": speed}
+        out[name.removeprefix("moe_")] = {"share_chunks1": whole.get("all_to_all_share"),
+                                          "share_chunked": r.get("all_to_all_share"), "tokens_per_s_vs_chunks1": speed}
     return out
 
 
@@ -343,6 +405,12 @@ def main() -> None:
                    "(default: 2 micro-batches per rank)")
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
+    p.add_argument("--compile", action="store_true",
+                   help="run every model once more with train.compile (NAME_compiled: graph breaks, vs_eager, "
+                        "moe_vs_dense against the compiled dense model); the parity check runs compiled")
+    p.add_argument("--compile-only", action="store_true", help="with --compile: only the compiled runs")
+    p.add_argument("--only", type=lambda s: s.split(","), default=None,
+                   help="models to time, comma-separated (e.g. dense,moe_ep1,moe_ep2; default all)")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")
     p.add_argument("--out", help="also write the JSON here (rank 0)")
     args = p.parse_args()

@@ -81,3 +81,15 @@ def release_compiled() -> None:
         torch.cuda.synchronize()
         cudagraph_trees.reset_cudagraph_trees()
     gc.collect()
+
+
+def compile_checkpoint_side_effects() -> None:
+    """Let torch.compile trace a checkpointed block that writes module attributes (an MoE layer's aux
+    loss and statistics) without replaying those writes when the backward recomputes the block, as
+    eager recomputation skips them (MoE._record) and as torchtitan sets for its MoE. A dynamo setting
+    of the process (present in 2.13, checked here; a build without it keeps the graph break at the
+    checkpoint, which then runs eager)."""
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain import compat
+from teratrain.models.grouped_loop import grouped_mm_loop
 
 
 def row_align(grouped: bool) -> int:
@@ -48,13 +49,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def use_grouped(experts: list[nn.Module], x: torch.Tensor, kernel: str) -> bool:
     """Whether `experts` run as grouped GEMMs: `kernel` "grouped" wherever torch has one (tests force it
     on the CPU), "loop" never, "auto" where it needs no read-back (compat.grouped_mm_without_sync) and
-    the weights' rows are 16-byte aligned (8 bf16 values) as its kernel requires."""
+    the weights' rows are 16-byte aligned (8 bf16 values) as its kernel requires. Under torch.compile
+    "auto" is grouped wherever torch has one: the loop's read-back of the offsets would end the graph
+    there (a graph break: a Python round trip per layer, what compiling is meant to remove), while
+    the grouped op is one node of the graph whatever kernel runs it (its own fallback off Hopper
+    reads the offsets back inside the op)."""
     if kernel == "loop" or compat.grouped_mm is None:
         return False
     parts = [affine(getattr(e, leaf)) for e in experts for leaf in ("w1", "w3", "w2") if getattr(e, leaf) is not None]
     if any(p is None for p in parts):
         return False
-    if kernel == "grouped":
+    if kernel == "grouped" or torch.compiler.is_compiling():
         return True
     aligned = all(s % compat.GROUPED_MM_ROW_ALIGN == 0 for w, _ in parts for s in w.shape)
     return aligned and compat.grouped_mm_without_sync(x.device, compute_dtype(x))
@@ -108,7 +113,10 @@ def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, s
 def _gmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, offsets: torch.Tensor,
          group: torch.Tensor | None) -> torch.Tensor:
     """x W_g^T (+ b_g) for each row of group g: one grouped GEMM over the stacked (G, out, in) weights."""
-    y = compat.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (rows, out)
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # torch's op traces in bf16 only
+        y = grouped_mm_loop(x, w.transpose(-2, -1).contiguous(), offsets)
+    else:
+        y = compat.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (rows, out)
     return y if b is None else _GroupBias.apply(y, b, group)
 
 

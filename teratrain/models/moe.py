@@ -376,18 +376,27 @@ class MoE(nn.Module):
     def _record(self, r: Routing, counts: torch.Tensor) -> None:
         """Accumulate the step's statistics (tensors on the device: no synchronization). Skipped in
         evaluation and when recomputation replays this forward inside backward."""
-        if not self.training or in_backward():
-            return
+        if not self.training or (not torch.compiler.is_compiling() and in_backward()):
+            return  # compiled: recomputation replays the traced graph, never this Python
         new = {"load": counts.double(), "dropped": (r.attempted - r.routed.sum()).double(),
                "attempted": r.attempted.double(), "aux_loss": self.aux_loss.detach().double(),
                "forwards": torch.ones((), dtype=torch.float64, device=counts.device)}
         for key, value in new.items():
             self.stats[key] = self.stats[key] + value if key in self.stats else value
 
+    def start_stats(self, device: torch.device) -> None:
+        """Zero statistics on `device`, before the first forward (parallelize does it). From then on their
+        keys and shapes stay the same (`pop_stats` resets them to zeros), so a compiled forward traces
+        one graph, not one that creates them and one that adds to them."""
+        kw = {"dtype": torch.float64, "device": device}
+        self.stats = {"load": torch.zeros(self.num_experts, **kw),  # the keys in _record's order
+                      **{key: torch.zeros((), **kw) for key in ("dropped", "attempted", "aux_loss", "forwards")}}
+
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """This rank's statistics since the last call: load (n,) routed tokens per expert, dropped and
-        attempted choices, summed aux loss and the forwards they came from; then reset."""
-        out, self.stats = self.stats, {}
+        attempted choices, summed aux loss and the forwards they came from; then reset to zeros of
+        the same keys (empty stays empty)."""
+        out, self.stats = self.stats, {key: torch.zeros_like(value) for key, value in self.stats.items()}
         return out
 
 

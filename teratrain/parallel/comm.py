@@ -103,6 +103,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_s
     if group_size(group) == 1:
         out.copy_(inp)
         return Done()
+    if traced():
+        out.copy_(funcol.all_to_all_single(inp.contiguous(), out_splits, in_splits, group))
+        return Done()
     return _run("all-to-all", group,
                 lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), async_op)
 
@@ -415,11 +418,15 @@ def launch_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     """Start an all-to-all of rows, autograd-aware: x (sum(in_splits), ...), in blocks of in_splits[r]
     rows for rank r, -> (sum(out_splits), ...) received in rank order, readable after `land_rows`.
     Backward: the same exchange reversed, launched by land_rows' backward and waited for by this one's,
-    so that work between the two runs under it in both directions."""
+    so that work between the two runs under it in both directions. Traced (`traced`): one functional
+    all-to-all whose autograd formula is the reverse all-to-all, and no exchange object (the compiler
+    orders the wait; land_rows passes the rows through)."""
+    if traced():
+        return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group), None
     ex = RowExchange(out_splits, in_splits, group)
     return _LaunchRows.apply(x, ex), ex
 
 
-def land_rows(y: torch.Tensor, ex: RowExchange) -> torch.Tensor:
-    """The rows of `launch_rows`, once arrived."""
-    return _LandRows.apply(y, ex)
+def land_rows(y: torch.Tensor, ex: RowExchange | None) -> torch.Tensor:
+    """The rows of `launch_rows`, once arrived (traced: already the functional collective's output)."""
+    return y if ex is None else _LandRows.apply(y, ex)

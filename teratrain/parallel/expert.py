@@ -48,6 +48,12 @@ further work until the GPU has caught up (the step turns host-bound). Two exchan
   expert (any expert may take every token), ep times the rows. So the count all-to-all is followed
   by one device-to-host copy of (rows from each peer, rows to each peer), the minimum the API
   allows: one per layer and forward, none in backward (the splits are kept for it).
+  Under train.compile a read-back would end the compiled graph at every layer (and a split size
+  from data cannot be traced), so there the dropless exchange is the padded one with N slots per
+  expert: a token's k choices are k different experts, so no expert takes more than N rows and
+  nothing is dropped (the same rows and results as the counted exchange). It moves n * N rows per
+  rank where N * k are routed (n / k times the bytes: 4x for 8 experts, top-2), the price of a
+  step the host no longer waits in.
 Either way the rows are put into the send buffer, regrouped by local expert on the receiver, and
 brought back by permutations whose backward is a gather too (models/permute.py). The padded path
 measured 0.22x dense on 2 x H100 when those were advanced indexing: every empty slot read one shared
@@ -132,6 +138,8 @@ class ExpertExchange:
         Returns the experts' outputs laid out by the returned layout (`combine` takes them to the
         choices). `slot`: the most rows one expert can take (its capacity), or None without a limit."""
         n = self.ep * self.local
+        if slot is None and comm.traced():  # dropless, compiled: padded to the most an expert can take
+            slot = flat.shape[0]
         lay = slotted_layout(key, n, slot) if slot is not None else grouped_layout(key, n)  # by destination rank
         recv = torch.empty_like(lay.counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
         comm.all_to_all(recv, lay.counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # no read-back

@@ -25,10 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from teratrain import compat
 from teratrain.config import ConfigError
 from teratrain.memory.compression import apply_compression
 from teratrain.memory.lora import LoraInit, apply_lora
 from teratrain.memory.recompute import apply_recompute
+from teratrain.models.moe import moe_layers
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
 from teratrain.parallel.expert import apply_ep, check_ep
@@ -60,9 +62,13 @@ def parallelize(model: nn.Module, rt, cfg):
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix; a pipeline stage
+        if cfg.memory.recompute != "none" and moe_layers(model):  # a recomputed MoE block writes its aux loss
+            compat.compile_checkpoint_side_effects()
         for module in [model] if layout is None else list(model.layers):  # never runs the whole forward:
             module.compile(mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
     engine = build_engine(model, rt, cfg, init)  # 6
+    for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
+        layer.start_stats(rt.device)
     retie(model, aliases)
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
         rt.mesh.connect(rt.device)

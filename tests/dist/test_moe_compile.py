@@ -1,0 +1,66 @@
+"""train.compile with mixture-of-experts layers: the whole model traces with fullgraph=True (no graph
+break: no read-back of routed counts, the all-to-all a functional collective whose backward is the
+reverse all-to-all) and trains as one process does, at ep=1 and ep=2, top-1 and top-2, with and
+without a capacity, with and without recomputation. (The other routers, gpt2's biased experts and
+ep=2 top-1 compile too; left out to keep this test's compiles few.)
+
+The compiler is aot_eager, as in test_tensor_parallel.py: the traced forward and backward graphs run
+eagerly (inductor would take minutes on 2 cores and check nothing more about the graphs). fp32, so the
+experts' grouped GEMM is models/grouped_loop.py's operator (torch's `_grouped_mm` traces in bf16 only:
+its CUTLASS kernel and its trace on Hopper are checked by bench/moe.py --compile on the GPUs).
+
+Tolerance: 1e-5 relative on every step's loss and every final parameter tensor (test_tensor_parallel's
+TOL); the graph-break counter (torch._dynamo.utils.counters) must stay at zero."""
+
+from harness import run_ranks
+from layout_workers import train_random
+from test_expert_parallel import TOP1, TOP2, TOP2_ALL
+from test_tensor_parallel import TOL, max_rel_diff
+
+STEPS = 2
+
+
+def _compiled(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
+    """Each layout with train.compile (aot_eager, fullgraph), with its graph-break count."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    compile_module = torch.nn.Module.compile
+    torch.nn.Module.compile = lambda self, **_: compile_module(self, backend="aot_eager", fullgraph=True)
+    try:
+        runs = []
+        for layout in layouts:
+            torch._dynamo.reset()
+            counters.clear()
+            run = train_random(rank, world, layout + ["train.compile=true"], **kw)
+            runs.append({**run, "graph_breaks": sum(counters["graph_break"].values()),
+                         "graphs": counters["stats"]["unique_graphs"]})
+        return runs
+    finally:
+        torch.nn.Module.compile = compile_module
+
+
+def _compare(layouts: list[list[str]], world: int) -> None:
+    runs = run_ranks(_compiled, world, layouts, {"steps": STEPS})[0]
+    refs = {}
+    for layout, got in zip(layouts, runs):
+        assert (got["graph_breaks"], got["graphs"]) == (0, 1), layout  # compiled, whole, and once
+        same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute")))
+        if same not in refs:  # one process, eager
+            refs[same] = train_random(0, 1, list(same), steps=STEPS)
+        ref = refs[same]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
+        assert loss_err < TOL, f"{layout}: losses differ by {loss_err:.2e}"
+        param_err = max_rel_diff(got["params"], ref["params"])
+        assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
+
+
+def test_moe_compiled_is_one_graph_at_ep1_and_ep2():
+    """ep=1 (dp=2, every expert on each rank): top-1 with drops under full recomputation (the block
+    writes its aux loss and statistics inside the checkpoint). ep=2 (the all-to-all traced): top-2
+    dropless (compiled: the padded exchange with N slots per expert), and top-2 with a capacity,
+    recomputed, its exchange cut in 2 pipelined chunks."""
+    layouts = [TOP1 + ["memory.recompute=full"], TOP2_ALL + ["parallel.ep=2"],
+               TOP2 + ["parallel.ep=2", "memory.recompute=full", "parallel.ep_overlap_chunks=2"]]
+    _compare(layouts, world=2)
