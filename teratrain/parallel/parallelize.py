@@ -88,6 +88,10 @@ def check_supported(cfg) -> None:
         raise ConfigError("train.compile_mode=reduce-overhead keeps one static pool of saved activations per CUDA "
                           "graph, and a pipeline keeps several micro-batches in flight; set parallel.pp=1 or "
                           "train.compile_mode=default.")
+    if cfg.train.compile_mode == "reduce-overhead" and p.sync != "allreduce":
+        raise ConfigError(f"train.compile_mode=reduce-overhead needs engines that keep their own gradient buffers, "
+                          f"and parallel.sync={p.sync} adopts the graphs' gradients; set parallel.sync=allreduce or "
+                          "train.compile_mode=default.")
     if p.zero == 3 and cfg.train.compile:
         raise ConfigError("train.compile does not trace ZeRO-3's gather/free hooks; set train.compile=false "
                           "or parallel.zero<=2.")

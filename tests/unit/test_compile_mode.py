@@ -18,10 +18,12 @@ def test_a_mode_without_compile_is_refused():
         make_config("train.compile_mode=reduce-overhead")
 
 
-def test_graphs_with_a_pipeline_are_refused():
-    cfg = make_config("train.compile=true", "train.compile_mode=reduce-overhead", "parallel.pp=2",
-                      "model.n_layers=2", "train.global_batch=4", "train.micro_batch=2")
-    with pytest.raises(ConfigError, match="parallel.pp=1"):
+@pytest.mark.parametrize("keys, fix", [(("parallel.pp=2", "model.n_layers=2"), "parallel.pp=1"),
+                                       (("parallel.dp=2", "parallel.sync=local-sgd"), "parallel.sync=allreduce")])
+def test_graphs_with_a_pipeline_or_another_sync_are_refused(keys, fix):
+    cfg = make_config("train.compile=true", "train.compile_mode=reduce-overhead", "train.global_batch=4",
+                      "train.micro_batch=2", *keys)
+    with pytest.raises(ConfigError, match=fix):
         check_supported(cfg)
 
 
