@@ -69,7 +69,6 @@ class Chunk:
             mods.append(self.model.tok_embeddings)  # tied: the head is the embedding matrix
         return [p for mod in mods if mod is not None for p in mod.parameters() if p.requires_grad]
 
-
     def early_weights(self, tokens: int) -> list[nn.Parameter]:
         """Matrices whose gradient ZB-H1's I makes at once (backward.py `early`; vectors always are):
         on the last stage the output projection's (tied: the embedding matrix), when its (vocab, d)
