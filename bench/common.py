@@ -26,6 +26,28 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def fresh_compile() -> None:
+    """Before a compiled run: forget the earlier runs' compiled code and CUDA graphs (each would count
+    towards dynamo's recompile limit, 8 per function, past which it runs eager without a word) and
+    zero dynamo's counters, so `graph_breaks` reports this run alone."""
+    from torch._dynamo.utils import counters
+
+    from teratrain.compat import release_compiled
+
+    release_compiled()
+    counters.clear()
+
+
+def graph_breaks() -> dict:
+    """The graph breaks since `fresh_compile`: their count, the compiled graphs, the top 5 reasons. Every
+    break is a return to Python the host pays on each step (bench/README.md, tensor parallelism)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {"count": sum(breaks.values()), "graphs": counters["stats"]["unique_graphs"],
+            "reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
+
+
 def fresh_memory(dev: torch.device) -> None:
     gc.collect()
     if dev.type == "cuda":

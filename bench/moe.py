@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import fresh_memory, summarize, time_steps  # puts the checkout on sys.path
+from common import fresh_compile, fresh_memory, graph_breaks, summarize, time_steps  # puts the checkout on sys.path
 
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
@@ -79,8 +79,6 @@ from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel import comm  # noqa: E402
 from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
-import torch._dynamo  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -132,7 +130,7 @@ def build(sets: list[str], single: bool = False):
 def parity(sets: list[str], steps: int) -> dict | None:
     """Every step's loss of the job (experts over ep ranks) against one process on rank 0 training
     the same global batches (random tokens), as micro-batches in the same order. Rank 0 returns it."""
-    torch._dynamo.reset()
+    fresh_compile()
     cfg, rt, model, engine = build(sets)
     tc, m = cfg.train, cfg.model
     g = torch.Generator().manual_seed(0)
@@ -168,9 +166,8 @@ def measure(sets: list[str], args) -> dict:
     """Build one model through parallelize() and time its optimizer steps on random tokens; compiled
     (train.compile): also its graph breaks, every one a return to Python on each step."""
     compiled = "train.compile=true" in sets
-    if compiled:  # forget the previous models' graphs: each model would count towards dynamo's recompile limit
-        torch._dynamo.reset()  # (8 per function), past which it runs the forward eager without a word
-        counters.clear()
+    if compiled:
+        fresh_compile()
     cfg, rt, model, engine = build(sets)
     tc, m = cfg.train, cfg.model
     num_micro = tc.global_batch // (tc.micro_batch * rt.dims.dp)
@@ -201,11 +198,9 @@ def measure(sets: list[str], args) -> dict:
         if rt.device.type == "cuda" and not compiled:  # the layer alone runs eager: said for the eager rows
             out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
-    if compiled:  # as bench/tensor_parallel.py reports them
+    if compiled:
         out["first_step_s"] = round(first_s, 1)  # the compile, mostly
-        breaks = counters["graph_break"]
-        out["graph_breaks"] = {"count": sum(breaks.values()), "graphs": counters["stats"]["unique_graphs"],
-                               "reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
+        out["graph_breaks"] = graph_breaks()
     del model, engine
     fresh_memory(rt.device)
     return out

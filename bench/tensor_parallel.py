@@ -31,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit, env_info, fresh_memory, peak_gib, sync  # noqa: E402
+from common import emit, env_info, fresh_compile, fresh_memory, graph_breaks, peak_gib, sync  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
 
 from teratrain.compat import release_compiled  # noqa: E402
@@ -233,16 +233,12 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
         print(f"[tp] tp={world} compile={cfg.train.compile} sp={cfg.parallel.use_sp if world > 1 else None} "
               f"at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     fresh_memory(rt.device)
-    if cfg.train.compile:  # a fresh compile per variant: the earlier variants' graphs (and CUDA graphs)
-        from torch._dynamo.utils import counters  # go, and dynamo's recompile limit is never reached
-        release_compiled()
-        counters.clear()
+    if cfg.train.compile:
+        fresh_compile()
     step = build(cfg, rt)
     row = measure(step, cfg, rt, mb, warmup, steps, world)
-    if cfg.train.compile:  # every break is a graph boundary the host pays for on each step (bench/README.md)
-        breaks = counters["graph_break"]
-        row["graph_breaks"] = {"count": sum(breaks.values()),
-                               "reasons": dict(sorted(breaks.items(), key=lambda kv: -kv[1])[:5])}
+    if cfg.train.compile:
+        row["graph_breaks"] = graph_breaks()
     if profile:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1), generator=g).to(rt.device)

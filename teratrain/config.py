@@ -259,6 +259,11 @@ class TrainConfig(Section):
     deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
                                 "cuDNN attention's backward is not by default); some kernels run slower")
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Does the compiled model replay as CUDA graphs (train.compile_mode=reduce-overhead)?"""
+        return self.compile and self.compile_mode == "reduce-overhead"
+
 
 class OptimConfig(Section):
     name: Literal["adamw", "sgd", "adafactor", "sm3"] = Field("adamw", description="optimizer (sm3: Anil et al. 2019, "

@@ -144,7 +144,7 @@ def _memory_line(cfg: Config, rt, params: int | None = None) -> str:
         have = torch.cuda.get_device_properties(rt.device).total_memory
         what = "memory" if params is None else "model states (activations not counted)"
         line = f"predicted {what} per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
-        if cfg.train.compile_mode == "reduce-overhead":  # measured: +2 to +44% (bench/README.md, CUDA graphs)
+        if cfg.train.cuda_graphs:  # measured: +2 to +44% (bench/README.md, CUDA graphs)
             line += "; eager: CUDA graphs keep pools of their own on top"
         fits = mem.total <= have
         return line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"

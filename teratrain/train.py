@@ -101,7 +101,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
     try:
         summary = _loop(cfg, rt, model, engine, data, run_dir, start)
     finally:  # stopped or failed too: CUDA graphs holding NCCL work would hang the exit
-        if cfg.train.compile_mode == "reduce-overhead":
+        if cfg.train.cuda_graphs:
             release_compiled()
     if hasattr(engine, "close"):  # e.g. a parameter-server worker signs off
         engine.close()

@@ -164,7 +164,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if traced():
-            return funcol.all_reduce(grad, "sum", ctx.group), None
+            return funcol.all_reduce(grad, SUM, ctx.group), None
         grad = grad.contiguous()
         all_reduce(grad, ctx.group)
         return grad, None
@@ -177,7 +177,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         if traced():  # out of place: the compiler plans the buffers
-            return funcol.all_reduce(x, "sum", group)
+            return funcol.all_reduce(x, SUM, group)
         if x.is_contiguous():  # a fresh partial product nothing else reads: reduce it in place
             ctx.mark_dirty(x)
         else:
@@ -269,7 +269,7 @@ def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor
         return x
     if traced():  # unit k's block r to rank r, out of place, scattered along dim 0 (as in _seq_gather)
         blocks = x.contiguous().view(chunks, n, -1).transpose(0, 1).contiguous()  # no copy when chunks == 1
-        out = funcol.reduce_scatter_tensor(blocks, "sum", 0, group)
+        out = funcol.reduce_scatter_tensor(blocks, SUM, 0, group)
         return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
     units = x.contiguous().view(chunks, n, -1)  # (units, ranks, rows of a unit's block)
     out = x.new_empty((chunks, units.shape[2]))

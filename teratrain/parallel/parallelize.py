@@ -84,11 +84,11 @@ def check_supported(cfg) -> None:
     why = zero_problem(p.zero, p.offload) or grad_dtype_problem(p.grad_dtype, p.zero, low_params(cfg))
     if why:
         raise ConfigError(why)
-    if cfg.train.compile_mode == "reduce-overhead" and p.pp > 1:
+    if cfg.train.cuda_graphs and p.pp > 1:
         raise ConfigError("train.compile_mode=reduce-overhead keeps one static pool of saved activations per CUDA "
                           "graph, and a pipeline keeps several micro-batches in flight; set parallel.pp=1 or "
                           "train.compile_mode=default.")
-    if cfg.train.compile_mode == "reduce-overhead" and p.sync != "allreduce":
+    if cfg.train.cuda_graphs and p.sync != "allreduce":
         raise ConfigError(f"train.compile_mode=reduce-overhead needs engines that keep their own gradient buffers, "
                           f"and parallel.sync={p.sync} adopts the graphs' gradients; set parallel.sync=allreduce or "
                           "train.compile_mode=default.")
@@ -193,7 +193,7 @@ def build_engine(model: nn.Module, rt, cfg, init=None):
                 q.data = q.data.to(torch.bfloat16)
     if rt.dims.workers == 1:  # one process: local SGD and all-reduce both reduce to the plain update
         return LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights,
-                           graphed=cfg.train.compile_mode == "reduce-overhead")
+                           graphed=cfg.train.cuda_graphs)
     if p.sync == "local-sgd":
         from teratrain.parallel.sync import LocalSGDEngine
 

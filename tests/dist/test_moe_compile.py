@@ -15,34 +15,13 @@ TOL); the graph-break counter (torch._dynamo.utils.counters) must stay at zero."
 from harness import run_ranks
 from layout_workers import train_random
 from test_expert_parallel import TOP1, TOP2, TOP2_ALL
-from test_tensor_parallel import TOL, max_rel_diff
+from test_tensor_parallel import TOL, compiled_worker, max_rel_diff
 
 STEPS = 2
 
 
-def _compiled(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
-    """Each layout with train.compile (aot_eager, fullgraph), with its graph-break count."""
-    import torch
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    compile_module = torch.nn.Module.compile
-    torch.nn.Module.compile = lambda self, **_: compile_module(self, backend="aot_eager", fullgraph=True)
-    try:
-        runs = []
-        for layout in layouts:
-            torch._dynamo.reset()
-            counters.clear()
-            run = train_random(rank, world, layout + ["train.compile=true"], **kw)
-            runs.append({**run, "graph_breaks": sum(counters["graph_break"].values()),
-                         "graphs": counters["stats"]["unique_graphs"]})
-        return runs
-    finally:
-        torch.nn.Module.compile = compile_module
-
-
 def _compare(layouts: list[list[str]], world: int) -> None:
-    runs = run_ranks(_compiled, world, layouts, {"steps": STEPS})[0]
+    runs = run_ranks(compiled_worker, world, layouts, {"steps": STEPS})[0]
     refs = {}
     for layout, got in zip(layouts, runs):
         assert (got["graph_breaks"], got["graphs"]) == (0, 1), layout  # compiled, whole, and once

@@ -154,12 +154,15 @@ def test_tp2_compiled_is_one_graph_and_matches_one_process():
     and parameters match one process."""
     _compare([["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2"],
               ["parallel.tp=2", "parallel.tp_form=all-gather"], ["parallel.tp=2", "memory.recompute=full"],
-              ["parallel.tp=2", "parallel.zero=1"]], world=2, worker=_traced, steps=2)
+              ["parallel.tp=2", "parallel.zero=1"]], world=2, worker=compiled_worker, steps=2)
 
 
-def _traced(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
+def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:
+    """Each layout with train.compile (aot_eager, fullgraph), with its graph breaks and compiled graphs
+    (test_moe_compile.py uses it too)."""
     import torch
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     compile_module = torch.nn.Module.compile
     torch.nn.Module.compile = lambda self, **_: compile_module(self, backend="aot_eager", fullgraph=True)
@@ -167,7 +170,10 @@ def _traced(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[d
         runs = []
         for layout in layouts:
             torch._dynamo.reset()
-            runs.append(train_random(rank, world, layout + ["train.compile=true"], **kw))
+            counters.clear()
+            run = train_random(rank, world, layout + ["train.compile=true"], **kw)
+            runs.append({**run, "graph_breaks": sum(counters["graph_break"].values()),
+                         "graphs": counters["stats"]["unique_graphs"]})
         return runs
     finally:
         torch.nn.Module.compile = compile_module

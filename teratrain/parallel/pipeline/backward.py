@@ -162,11 +162,11 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
     for item in plan:
         n = len(item.outputs())
         item.kept, k = got[k:k + n], k + n
-    early = [item for item in plan if item.early]
-    for item in early:
+    now = [item for item in plan if item.early]
+    for item in now:
         item.done, item.kept = item.weight_grads(), None
     if saved is not None:
-        saved.release([item.node for item in early])
+        saved.release([item.node for item in now])
     return plan
 
 
