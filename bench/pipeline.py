@@ -18,8 +18,10 @@ Measured, for GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1 at m = 4, 8, 16 (one
   after `--warmup` steps, as many as fit `--seconds` (3 to `--steps`); peak_gib: the fullest rank's
   torch.cuda.max_memory_allocated over them, beside the planner's planned_gib (peak + allowance);
   alloc_retries: the allocator's cache flushes (a synchronizing cudaFree: memory too tight);
-- bubble_measured: from one more step timed per action (CUDA events on the compute stream, ranks
-  aligned by a barrier), the idle share of pp x (first start .. last end); bubble_simulated: the
+- bubble_measured: from three more steps timed per action (CUDA events on the compute stream, ranks
+  aligned by a barrier), the idle share of pp x (first start .. last end) of the median one (one
+  timed step alone let a stall on one rank read as bubble: 1.75x the simulator's once on 4 x H200,
+  in a run whose untimed steps were faster than 1F1B's; bubbles_timed lists all three); bubble_simulated: the
   simulator (parallel/pipeline/simulate.py) on the same schedule fed with that step's per-stage
   median action times and per-boundary transfer times (timing.py; `transfer_ms`), bubble_ratio =
   measured / simulated (target within 10%), bubble_simulated_no_comm: the same without transfers;
@@ -78,6 +80,7 @@ WIDTH = ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"
 SMOKE = ["model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512", "memory.precision=fp32",
          "train.device=cpu"]
 MEMORY_FRACTION = 0.9
+TIMED_STEPS = 3  # steps timed per action for the bubble; the median one is kept
 GIB = 2**30
 
 
@@ -228,23 +231,28 @@ def ours(sets: list[str], schedule: str, ms: list[int], args) -> list[dict]:
         step_s, n = step_time(step, args, rt.device)
         peak, retried = _memory_end(rt.device, retries)
         ex.time_every_call = True
-        step()
         sched = ex.schedule(m)
+        timed = []  # TIMED_STEPS steps timed per action; the one of median measured bubble is kept
+        for _ in range(TIMED_STEPS):
+            step()
+            timed.append((bubble_fraction(ex.intervals, sched.pp), ex.intervals, ex.host_intervals))
+        timed.sort(key=lambda t: t[0])
+        measured, intervals, host_intervals = timed[len(timed) // 2]
         rdv = cfg.parallel.pipeline_recv == "at_use"  # the simulator's model of when transfers start
-        costs = measured_costs(ex.intervals, sched.pp, sched.num_stages, rendezvous=rdv)
+        costs = measured_costs(intervals, sched.pp, sched.num_stages, rendezvous=rdv)
         simulated = simulate(sched, costs).bubble_fraction
-        no_comm = simulate(sched, measured_costs(ex.intervals, sched.pp, sched.num_stages, transfers=False))
-        measured = bubble_fraction(ex.intervals, sched.pp)
+        no_comm = simulate(sched, measured_costs(intervals, sched.pp, sched.num_stages, transfers=False))
         planned = planned_gib(sets + _layout(schedule, args.pp, m, args.mb), args.gpu, args.pp)
         rows.append({"schedule": schedule, "m": m, "steps": n,
                      "tokens_per_s": round(m * args.mb * cfg.model.seq_len / step_s, 1),
                      "step_ms": round(step_s * 1e3, 2), "peak_gib": peak, "alloc_retries": retried,
                      "planned_gib": round(planned, 2),
                      "bubble_measured": round(measured, 4), "bubble_simulated": round(simulated, 4),
+                     "bubbles_timed": [round(t[0], 4) for t in timed],
                      "bubble_ratio": round(measured / simulated, 3) if simulated else None,
                      "bubble_simulated_no_comm": round(no_comm.bubble_fraction, 4),
                      "transfer_ms": [round(t * 1e3, 3) for t in costs.send_s],
-                     "stage_ms": stage_ms(ex.intervals, ex.host_intervals, sched.pp, sched.num_stages)})
+                     "stage_ms": stage_ms(intervals, host_intervals, sched.pp, sched.num_stages)})
     return rows
 
 
