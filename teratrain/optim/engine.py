@@ -209,10 +209,14 @@ class LocalEngine(EngineBase):
         out = []
         for m, (_, p) in zip(self.masters, self.named):
             m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-            if not self.persistent_grads:
+            if not self.keeps_grad(p):
                 p.grad = None  # free the low-precision copy before the optimizer allocates anything
             out.append(m.grad)
         return out
+
+    def keeps_grad(self, p: nn.Parameter) -> bool:
+        """Whether `p.grad` is a buffer kept between steps (zeroed after the update, never freed)."""
+        return self.persistent_grads
 
     def zero_grad(self) -> None:
         if self.persistent_grads:

@@ -23,6 +23,11 @@ from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_
 from teratrain.parallel.placement import gather_stages, placement, to_global
 
 
+def _nothing_to_do(mesh, group: str) -> bool:
+    """A bucket of `group` neither reduces nor rescales (this rank alone, the average over dp = 1)."""
+    return mesh.group(group) is None and reduce_scale(mesh, group) == 1 and not mesh.spans_stages(group)
+
+
 class _Bucket:
     def __init__(self, key, params: list[torch.nn.Parameter], device, mesh):
         self.params, self.group = params, mesh.group(key[0])
@@ -40,16 +45,21 @@ class _Bucket:
 
 
 class DataParallelEngine(LocalEngine):
-    persistent_grads = True
+    """Gradients that a group reduces live in flat buckets kept between steps. Those with nothing to
+    reduce or scale (a group of this rank alone: tensor or pipeline parallelism without dp) stay
+    autograd's own and are freed after each update, as in one process: a bucket kept for them held
+    4 bytes a parameter through the next forward (the llama-8b-width tp=2 peak over DTensor TP's,
+    bench/README.md). CUDA graph replays need every gradient in a buffer of its own (engine.py)."""
 
     def __init__(self, model, cfg, rt):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)
         self.mesh = rt.mesh
         self.reduce_dtype, self.overlap = DTYPES[cfg.parallel.reduce_dtype], cfg.parallel.overlap_comm
         buckets = ordered_buckets(self.named, int(cfg.parallel.bucket_mb * 2**20), group_key)
-        self.buckets = [_Bucket(b.key, [p for _, p in b.members], rt.device, self.mesh) for b in buckets]
+        kept = [b for b in buckets if cfg.train.cuda_graphs or not _nothing_to_do(self.mesh, b.key[0])]
+        self.buckets = [_Bucket(b.key, [p for _, p in b.members], rt.device, self.mesh) for b in kept]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        for _, p in self.named:
+        for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         self.order = LaunchOrder([b for b in self.buckets if not b.deferred], self._launch)
         self._inflight = []
@@ -93,6 +103,9 @@ class DataParallelEngine(LocalEngine):
         for item in self._inflight:
             self._complete(item)
         self._inflight = []
+        for _, p in self.named:  # one this step did not reach steps on a zero gradient, as a bucket's would
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         return super().step(lr)
 
     # ---- cross-rank parts of the update
@@ -115,8 +128,14 @@ class DataParallelEngine(LocalEngine):
                for n, t in self.training_values().items()}
         return gather_stages(gather_experts(out, self.model, self.mesh, self.cross.device), self.mesh)
 
+    def keeps_grad(self, p: torch.nn.Parameter) -> bool:
+        return p in self._bucket_of
+
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.flat.zero_()
+        for _, p in self.named:
+            if p not in self._bucket_of:
+                p.grad = None
         for m in self.masters or ():
             m.grad = None

@@ -8,7 +8,7 @@ change fp32 summation order; AdamW with eps=1e-6 amplifies it least, see test_ze
 import pytest
 
 from harness import run_ranks
-from layout_workers import BASE, GPT2, train_random
+from layout_workers import BASE, GPT2, build, train_random, train_steps
 from teratrain.config import load_config
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.memory import forward_saved
@@ -141,6 +141,36 @@ def _counting_overlaps(rank: int, world: int, layouts: list[list[str]], kw: dict
         run = train_random(rank, world, layout, **kw)
         runs.append({**run, "overlapped": {k: counts[k] - before[k] for k in counts}})
     return runs
+
+
+def _held_grads(rank: int, world: int, layouts: list[list[str]]) -> list[tuple[set, set, set]]:
+    """Per layout, after 2 steps: the parameters holding a gradient, those whose gradient is a kept
+    buffer, and all of them (by name)."""
+    out = []
+    for layout in layouts:
+        cfg, rt, model, engine = build(layout)
+        if not cfg.train.compile:
+            train_steps(cfg, rt, model, engine, 2)
+        named = list(model.named_parameters())
+        out.append(({n for n, p in named if p.grad is not None}, {n for n, p in named if engine.keeps_grad(p)},
+                    {n for n, _ in named}))
+    return out
+
+
+def test_tp_alone_frees_the_gradients_it_has_nothing_to_reduce():
+    """At dp=1 no group reduces a tensor-parallel weight's gradient: it stays autograd's and is freed
+    after the update, as in one process (a flat buffer held it through the next forward: 4 bytes a
+    parameter over DTensor TP's peak). With sequence parallelism the norms' gradients are summed over
+    the tp group and keep their bucket; under CUDA graphs every gradient keeps one (engine.py)."""
+    graphed = ["parallel.tp=2", "train.compile=true", "train.compile_mode=reduce-overhead"]
+    no_sp, sp, graphs = run_ranks(_held_grads, 2, [["parallel.tp=2", "parallel.sequence_parallel=false"],
+                                                   ["parallel.tp=2", "parallel.sequence_parallel=true"], graphed])[0]
+    held, kept, every = no_sp
+    assert held == kept == set()
+    held, kept, every = sp
+    assert held == kept and kept and all("norm" in n for n in kept), kept
+    held, kept, every = graphs
+    assert kept == every
 
 
 def test_tp2_compiled_is_one_graph_and_matches_one_process():
