@@ -325,7 +325,7 @@ def worker(args) -> None:
     runs = models(args.smoke, eps, args.a2a_chunks)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
-    runs = {name: sets for name, sets in runs.items() if not args.only or name in args.only}
+    runs = {name: sets for name, sets in runs.items() if not args.parity_only and (not args.only or name in args.only)}
     if args.compile:  # every model once more compiled (or only compiled), named NAME_compiled
         compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
         runs = compiled if args.compile_only else {**runs, **compiled}
@@ -398,6 +398,7 @@ def main() -> None:
     p.add_argument("--instrumented-steps", type=int, default=3, help="steps timing the all-to-alls (ep > 1)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
                    "(default: 2 micro-batches per rank)")
+    p.add_argument("--parity-only", action="store_true", help="only the parity check, no timed runs")
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
     p.add_argument("--compile", action="store_true",

@@ -83,6 +83,24 @@ def release_compiled() -> None:
     gc.collect()
 
 
+# inductor's passes that move collectives against compute, in the order torch's config recommends
+# (torch/_inductor/config.py); a build that lacks one runs the others
+OVERLAP_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+                  "reorder_communication_preserving_peak_memory")
+
+
+def compile_comm_overlap(enabled: bool) -> list[str]:
+    """Set inductor's compute/communication reordering for what this process compiles next (a
+    process-wide setting: each parallelize() call states it); returns the passes it runs."""
+    import torch._inductor.comms as comms
+    import torch._inductor.config as inductor
+
+    passes = [p for p in OVERLAP_PASSES if enabled and hasattr(comms, p)]
+    inductor.reorder_for_compute_comm_overlap = bool(passes)
+    inductor.reorder_for_compute_comm_overlap_passes = passes
+    return passes
+
+
 def compile_checkpoint_side_effects() -> None:
     """Let torch.compile trace a checkpointed block that writes module attributes (an MoE layer's aux
     loss and statistics) without replaying those writes when the backward recomputes the block, as

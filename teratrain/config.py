@@ -256,6 +256,10 @@ class TrainConfig(Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile (reduce-overhead: CUDA graphs replay each "
         "compiled forward and backward with one launch, for host-bound steps such as tensor parallelism)")
+    compile_overlap: bool = Field(False, description="with train.compile: inductor moves each collective's launch "
+                                  "earlier and its wait later, within peak memory, so that work not needing it runs "
+                                  "under it (a tensor-parallel backward's input-gradient all-reduce under the weight "
+                                  "gradient's GEMM); torch's prototype passes, off by default")
     deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
                                 "cuDNN attention's backward is not by default); some kernels run slower")
 
@@ -477,6 +481,9 @@ class Config(Section):
         if self.memory.compress_activations != "none" and self.train.compile:
             raise ConfigError("memory.compress_activations runs Python saved-tensor hooks that train.compile does not "
                               "trace; set train.compile=false or memory.compress_activations=none.")
+        if self.train.compile_overlap and not self.train.compile:
+            raise ConfigError("train.compile_overlap reorders what train.compile generates; set train.compile=true "
+                              "or train.compile_overlap=false.")
         if self.train.compile_mode != "default" and not self.train.compile:
             raise ConfigError(f"train.compile_mode={self.train.compile_mode} is a mode of train.compile; set "
                               "train.compile=true or leave train.compile_mode at default.")

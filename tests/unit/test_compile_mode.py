@@ -82,3 +82,22 @@ def test_without_its_own_buffers_a_replay_overwrites_the_accumulated_gradient():
     """The failure the graphed engine exists for (pytorch#169545): autograd adopts the first
     micro-batch's replayed gradient as .grad, and the next replay overwrites it before it is added to."""
     assert _train(graphed=False) != pytest.approx(_reference(), abs=1e-3)
+
+
+def test_compile_overlap_needs_compile_and_sets_inductor_for_the_next_compile():
+    """train.compile_overlap is a setting of compiled code: refused alone; parallelize() states it to
+    inductor (process-wide) before each compile, on and off."""
+    import torch._inductor.config as inductor
+
+    from teratrain import compat
+
+    with pytest.raises(ConfigError, match="train.compile_overlap"):
+        make_config("train.compile_overlap=true")
+    make_config("train.compile=true", "train.compile_overlap=true")
+    try:
+        passes = compat.compile_comm_overlap(True)
+        assert passes and set(passes) <= set(compat.OVERLAP_PASSES)
+        assert inductor.reorder_for_compute_comm_overlap and inductor.reorder_for_compute_comm_overlap_passes == passes
+    finally:
+        assert compat.compile_comm_overlap(False) == []
+    assert not inductor.reorder_for_compute_comm_overlap and inductor.reorder_for_compute_comm_overlap_passes == []
