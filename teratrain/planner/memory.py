@@ -196,10 +196,16 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     V = c.vocab_size
     ends, last, scale = end["ends"], end["last"], end["scale"]
     one_pass = lay.pp == 1 and lay.num_microbatches == 1
-    progressive = one_pass and (lay.zero >= 2 or (lay.zero == 0 and lay.dp == 1))
+    # Gradients with no group to reduce them (zero 0 at dp 1: tp or pp alone) are autograd's, made in the
+    # first backward (parallel/data.py); so where every forward comes first (one pass, GPipe) they are
+    # not there at the forward's end. A tied embedding split over a pipeline's two ends keeps its
+    # bucket, reduced over the ends at the step. (CUDA graphs keep every buffer: not modelled.)
+    no_buffer = lay.zero == 0 and lay.dp == 1
+    tied_kept = V * c.d_model * w.grad // lay.tp if no_buffer and lay.pp > 1 and c.tie_embeddings else 0
+    progressive = (one_pass and lay.zero >= 2) or (no_buffer and (one_pass or lay.schedule == "gpipe"))
     grads_held = int(st["gpu_grads"] * scale)
     base = {"params": int(st["gpu_params"] * scale), "optimizer": int(st["gpu_optimizer"] * scale),
-            "grads": 0 if progressive else grads_held}
+            "grads": tied_kept if progressive else grads_held}
     module = act.rope_tables(shape) + eng["gathered"]
     S, copies, fwd_copies = _held_at(saved, end)
     if lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
@@ -209,7 +215,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         loss_fwd = loss_bwd = n * V * w.compute // lay.tp
     loss_fwd, loss_bwd = (loss_fwd, loss_bwd) if last else (0, 0)
     head_grad = 0  # what exists of the gradients when the first block's backward starts
-    if progressive and lay.zero == 0:
+    if progressive and lay.zero == 0 and last and not tied_kept:
         head_grad = V * c.d_model * w.grad // lay.tp
     elif progressive and lay.zero == 2:  # the head's bucket is reduced at once; ZeRO-3 reduces the root last
         head_grad = ceil_div(V * c.d_model // lay.tp, lay.dp) * train.grad_bytes

@@ -161,12 +161,18 @@ def test_tp_alone_frees_the_gradients_it_has_nothing_to_reduce():
     """At dp=1 no group reduces a tensor-parallel weight's gradient: it stays autograd's and is freed
     after the update, as in one process (a flat buffer held it through the next forward: 4 bytes a
     parameter over DTensor TP's peak). With sequence parallelism the norms' gradients are summed over
-    the tp group and keep their bucket; under CUDA graphs every gradient keeps one (engine.py)."""
+    the tp group and keep their bucket, as does a pipeline's tied embedding (summed over its two ends);
+    under CUDA graphs every gradient keeps one (engine.py). The planner counts the same
+    (tests/unit/test_planner_recorded.py: GPipe's peaks after this change within 0.2%)."""
     graphed = ["parallel.tp=2", "train.compile=true", "train.compile_mode=reduce-overhead"]
-    no_sp, sp, graphs = run_ranks(_held_grads, 2, [["parallel.tp=2", "parallel.sequence_parallel=false"],
-                                                   ["parallel.tp=2", "parallel.sequence_parallel=true"], graphed])[0]
+    gpipe = ["parallel.pp=2", "parallel.schedule=gpipe", "model.tie_embeddings=true"]
+    no_sp, sp, graphs, pipe = run_ranks(_held_grads, 2, [["parallel.tp=2", "parallel.sequence_parallel=false"],
+                                                         ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                                         graphed, gpipe])[0]
     held, kept, every = no_sp
     assert held == kept == set()
+    held, kept, every = pipe  # pp alone likewise, but the tied embedding: reduced over the two ends
+    assert held == kept == {"tok_embeddings.weight"}, kept
     held, kept, every = sp
     assert held == kept and kept and all("norm" in n for n in kept), kept
     held, kept, every = graphs

@@ -17,7 +17,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 RESULT = RESULTS / "planner_validate_h200x4.json"
 # (fit rows, held-out rows) within the target, of (15, 13). Its two ZB-H1 rows ran before ZB-H1's memory
 # change (every micro-batch held whole until its W), which the planner no longer counts (-23.0%, -9.1%).
-REACHED = {"peak": (14, 11), "step": (12, 8)}  # step: without BEFORE_ZB_REWRITE's two rows
+REACHED = {"peak": (13, 10), "step": (12, 8)}  # step: without BEFORE_ZB_REWRITE's two rows
 TARGET = {"peak": 0.05, "step": 0.15}
 # The same 28 layouts on 4 x H100 (the next session, after the refit from the H200 rows: every row out
 # of sample for the card). Its ZB-H1 rows ran after ZB-H1's memory change but before the head's weight
@@ -26,14 +26,23 @@ TARGET = {"peak": 0.05, "step": 0.15}
 # ran, 1.9% and 1.0% under; +25.4% and +4.3% before it counted what W waits with). Its tp rows ran on a
 # host faster than the fitted per-collective cost (+20-28%).
 H100 = RESULTS / "planner_validate_h100x4.json"
-REACHED_H100 = {"peak": (14, 12), "step": (12, 10)}
+REACHED_H100 = {"peak": (13, 11), "step": (12, 10)}
 # The H200 rows of ZB-H1 ran the weight pass before it became one autograd call plus B's own weight
 # kernels (parallel/pipeline/weight_rules.py): code that no longer exists, so their step times are not
 # compared (their memory is).
 BEFORE_ZB_REWRITE = {"pp4 zb-h1 m8", "pp2 tp2 zb-h1 m8"}
 # 27 layouts of `bench/planner_validate.py --gpus 2` on 2 x H200 (this planner never fitted to them)
 H200X2 = RESULTS / "planner_validate_h200x2.json"
-REACHED_H200X2 = {"peak": (15, 10), "step": (11, 10)}
+REACHED_H200X2 = {"peak": (13, 9), "step": (11, 10)}
+# GPipe at dp = 1 ran with a flat gradient buffer the data-parallel engine has since stopped keeping
+# where nothing reduces it (parallel/data.py): the planner now counts no gradients before the first
+# backward, 2.6-9.4% under those rows' peaks. Their memory is compared instead with the pipeline
+# bench's rows measured after the change (test_pipeline_bench_peaks_after_the_gradient_change).
+PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
+
+
+def ran_gradient_buffer(lay) -> bool:
+    return lay.dp == 1 and lay.zero == 0 and lay.schedule == "gpipe"
 
 
 @functools.cache
@@ -43,7 +52,7 @@ def _errors(path: Path) -> list[dict]:
     out = []
     for shape, train, lay, row in _prepared(result):
         cand = evaluate(shape, train, lay, gpu)
-        out.append({"name": row["name"], "held_out": row["held_out"],
+        out.append({"name": row["name"], "held_out": row["held_out"], "old_buffer": ran_gradient_buffer(lay),
                     "peak": cand.memory.peak_allocated / 2**30 / row["measured_peak_gib"] - 1,
                     "step": cand.time.step_time_s / row["measured_step_s"] - 1})
     return out
@@ -62,6 +71,10 @@ def test_recorded_rows_stay_within_the_targets(errors, what, card):
     if card == "h200" and what == "step":
         rows = [e for e in rows if e["name"] not in BEFORE_ZB_REWRITE]
         sizes = (14, 12)
+    if what == "peak":
+        sizes = tuple(n - sum(e["old_buffer"] and e["held_out"] == held for e in rows)
+                      for n, held in zip(sizes, (False, True)))
+        rows = [e for e in rows if not e["old_buffer"]]
     fit = [e for e in rows if not e["held_out"]]
     held = [e for e in rows if e["held_out"]]
     assert (len(fit), len(held)) == sizes
@@ -71,11 +84,36 @@ def test_recorded_rows_stay_within_the_targets(errors, what, card):
 
 
 def test_pipeline_memory_follows_the_schedule(errors):
-    """Every pipeline schedule's peak within 5%, these three within 4%: GPipe's last rank holds all m
-    micro-batches with their logits, 1F1B's first rank p of them (planner/memory.py); before, the
-    planner gave every pp4 schedule of m <= p the same peak. ZB-H1's rows ran older code (above):
-    what its ranks hold is checked against live bytes on CPU (tests/dist/test_pipeline_held_planner.py)."""
-    pipes = {e["name"]: e["peak"] for e in errors if e["name"].startswith("pp4") and "zb-h1" not in e["name"]}
-    assert len(pipes) == 8 and max(abs(v) for v in pipes.values()) < 0.05
-    for name in ("pp4 1f1b m4", "pp4 gpipe m4", "pp4 gpipe m8"):
-        assert abs(pipes[name]) < 0.04, (name, pipes[name])
+    """Every pipeline schedule's peak within 5%, 1F1B's at m = 4 within 4%: 1F1B's first rank holds p
+    micro-batches (planner/memory.py); before, the planner gave every pp4 schedule of m <= p the same
+    peak. ZB-H1's rows ran older code (above): what its ranks hold is checked against live bytes on
+    CPU (tests/dist/test_pipeline_held_planner.py); GPipe's ran the old gradient buffer (above)."""
+    pipes = {e["name"]: e["peak"] for e in errors
+             if e["name"].startswith("pp4") and "zb-h1" not in e["name"] and not e["old_buffer"]}
+    assert len(pipes) == 6 and max(abs(v) for v in pipes.values()) < 0.05
+    assert abs(pipes["pp4 1f1b m4"]) < 0.04, pipes["pp4 1f1b m4"]
+
+
+def test_pipeline_bench_peaks_after_the_gradient_change():
+    """bench/pipeline.py's 12 rows on 2 H200s (GPipe, 1F1B, interleaved 1F1B, ZB-H1 at m = 4, 8, 16;
+    20 llama-1b-width layers), measured after the data-parallel engine stopped keeping gradients
+    nothing reduces: the planner's peak of each within 1% (GPipe's was 2-7% over with the buffer
+    counted; every row within 0.7% now)."""
+    import sys
+
+    sys.path.insert(0, str(RESULTS.parent))
+    from pipeline import GIB, _layout, model_sets  # bench/pipeline.py: the configs it measured
+
+    from teratrain.config import load_config
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import plan_memory
+
+    result = json.loads(PIPELINE.read_text())
+    layers, mb = result["sizing"]["layers"], result["sizing"]["micro_batch"]
+    errors = {}
+    for row in result["schedules"]:
+        cfg = load_config(None, model_sets(layers, mb, smoke=False) + _layout(row["schedule"], 2, row["m"], mb))
+        planned = plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), GPUS["h200"]).peak_allocated
+        errors[(row["schedule"], row["m"])] = planned / GIB / row["peak_gib"] - 1
+    assert len(errors) == 12 and max(abs(e) for e in errors.values()) < 0.01, errors
