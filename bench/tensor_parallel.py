@@ -258,7 +258,7 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
 
 
 def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
-    """Losses of our tp run, plain, overlapped (SP on) and under each --compile mode, against the same
+    """Losses of our tp run, plain and overlapped (SP on), eager and under each --compile mode, against the same
     model on one device (rank 0 alone, eager, bf16). Each step accumulates 2 micro-batches of 1
     sequence: a CUDA graph replay (reduce-overhead) overwrites what the previous one returned, so the
     accumulation is what a graphed step can get wrong."""
@@ -267,6 +267,7 @@ def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
     batches = [torch.randint(0, vocab, (2, T + 1), generator=g).to(rt.device) for _ in range(steps)]
     runs = {"tp": [], "tp_chunked": CHUNKED}
     runs.update({"tp" + MODE_TAGS[m]: ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
+    runs.update({"tp_chunked" + MODE_TAGS[m]: CHUNKED + ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
     out = {}
     for tag, extra in runs.items():
         step = ours(load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra), rt, micro=2)

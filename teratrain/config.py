@@ -259,7 +259,8 @@ class TrainConfig(Section):
     compile_overlap: bool = Field(False, description="with train.compile: inductor moves each collective's launch "
                                   "earlier and its wait later, within peak memory, so that work not needing it runs "
                                   "under it (a tensor-parallel backward's input-gradient all-reduce under the weight "
-                                  "gradient's GEMM); torch's prototype passes, off by default")
+                                  "gradient's GEMM); torch's prototype passes, off by default (on with "
+                                  "parallel.tp_overlap=chunked, whose pieces they schedule)")
     deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
                                 "cuDNN attention's backward is not by default); some kernels run slower")
 
@@ -337,7 +338,8 @@ class ParallelConfig(Section):
                             "splits each region's gather / reduce-scatter (all-reduce without sequence "
                             "parallelism) and its matmuls into parallel.tp_overlap_chunks pieces, one piece's "
                             "communication running while the next one computes (Wang et al. 2022; "
-                            "parallel/tp_overlap.py); megatron form only")
+                            "parallel/tp_overlap.py); megatron form only. Under train.compile the pieces are "
+                            "traced and inductor schedules them (train.compile_overlap's passes, turned on)")
     tp_overlap_chunks: int = Field(2, ge=1, description="pieces per overlapped collective for tp_overlap=chunked; "
                                                         "model.seq_len must be divisible by tp x this")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")

@@ -64,7 +64,9 @@ def parallelize(model: nn.Module, rt, cfg):
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix; a pipeline stage
         if cfg.memory.recompute != "none" and moe_layers(model):  # a recomputed MoE block writes its aux loss
             compat.compile_checkpoint_side_effects()
-        compat.compile_comm_overlap(cfg.train.compile_overlap)
+        # traced collectives are waited for where issued; the passes move the waits to the use, which is
+        # what lets a chunked tp region's pieces overlap (parallel/tp_overlap.py)
+        compat.compile_comm_overlap(cfg.train.compile_overlap or cfg.parallel.tp_overlap == "chunked")
         for module in [model] if layout is None else list(model.layers):  # never runs the whole forward:
             module.compile(mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
     engine = build_engine(model, rt, cfg, init)  # 6

@@ -357,9 +357,6 @@ def check_overlap(cfg) -> None:
                           f"{'sequence shard' if p.use_sp else 'sequence'} into pieces, so "
                           f"{'parallel.tp x ' if p.use_sp else ''}parallel.tp_overlap_chunks ({pieces}) must divide "
                           f"model.seq_len ({m.seq_len}); choose another parallel.tp_overlap_chunks.")
-    if cfg.train.compile:
-        raise ConfigError("parallel.tp_overlap=chunked waits on its collectives from inside autograd functions, "
-                          "which train.compile does not trace; set train.compile=false or parallel.tp_overlap=none.")
     if p.pp > 1 and p.schedule == "zb-h1":  # its weight pass would rerun each function's collectives
         raise ConfigError("parallel.schedule=zb-h1 splits each backward into an input and a weight pass, while "
                           "parallel.tp_overlap=chunked computes both in one function with its collectives; set "

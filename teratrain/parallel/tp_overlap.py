@@ -28,6 +28,7 @@ No symmetric memory and no multicast: NVLink SHARP stays off on our machines.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from teratrain.parallel import comm
 
@@ -173,12 +174,47 @@ def column_group(x: torch.Tensor, weights: list, biases: list, group, sp: bool, 
     params = []
     for w, b in zip(weights, biases):
         params += [w.to(x.dtype), b.to(x.dtype) if b is not None else None]
+    if comm.traced():
+        return _traced_column_group(x, params, group, sp, chunks)
     X, *ys = _ColumnGroup.apply(x, group, sp, chunks, *params)
     return X, ys
 
 
 def row_exit(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | None, group, sp: bool, chunks: int):
+    if comm.traced():
+        return _traced_row_exit(x, w.to(x.dtype), extra, group, sp, chunks)
     return _RowExit.apply(x, w.to(x.dtype), extra, group, sp, chunks)
+
+
+# Under torch.compile the units are written as plain differentiable ops over traced (functional)
+# collectives: the graph holds unit k's collective beside the GEMMs of another unit, in the order the
+# eager functions above issue them, and the compiled CUDA graph replays it with the collectives on
+# NCCL's stream, waited for only where a unit is used. Autograd differentiates unit by unit: each
+# unit's gather reduce-scatters its input gradient (all-reduces without SP) as soon as it exists.
+
+def _traced_column_group(x: torch.Tensor, params: list, group, sp: bool, chunks: int):
+    weights, biases = params[0::2], params[1::2]
+    units = x.reshape(chunks, -1, x.shape[-1]).unbind(0)  # (sequence_rows: unit k is every rank's block k)
+    if sp:
+        gathered = [comm.gather_sequence(u.unsqueeze(0), group).squeeze(0) for u in units]  # all issued first
+    else:
+        gathered = [comm.copy_to_tp(u, group) for u in units]
+    ys = [torch.cat([F.linear(X, w, b) for X in gathered]) for w, b in zip(weights, biases)]
+    full = torch.cat(gathered)  # the region input, all tokens (read only by adapters: dropped otherwise)
+    shape = (x.shape[0], full.shape[0] // x.shape[0])
+    return full.view(*shape, -1), [y.view(*shape, -1) for y in ys]
+
+
+def _traced_row_exit(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | None, group, sp: bool, chunks: int):
+    rows = x.reshape(chunks, -1, x.shape[-1]).unbind(0)
+    extras = extra.reshape(chunks, -1, extra.shape[-1]).unbind(0) if extra is not None else [None] * chunks
+    outs = []
+    for r, e in zip(rows, extras):
+        partial = F.linear(r, w) if e is None else F.linear(r, w) + e
+        outs.append(comm.reduce_scatter_sequence(partial.unsqueeze(0), group).squeeze(0) if sp
+                    else comm.reduce_from_tp(partial, group))
+    n = comm.group_size(group) if sp else 1
+    return torch.cat(outs).view(x.shape[0], x.shape[1] // n, w.shape[0])
 
 
 class ColumnJoint:

@@ -186,11 +186,54 @@ def test_tp2_compiled_is_one_graph_and_matches_one_process():
     break at any collective, forward or backward. The compiler here is aot_eager (the traced forward
     and backward graphs run eagerly: inductor would compile for ~90 s on 2 cores and add nothing to
     what is checked: the graphs and their collectives). Also under full recomputation (the checkpointed
-    blocks look the tp group up inside the checkpoint, which must mutate nothing) and ZeRO-1. Losses
-    and parameters match one process."""
+    blocks look the tp group up inside the checkpoint, which must mutate nothing), ZeRO-1, and the
+    chunked overlap with and without SP (parallel/tp_overlap.py: traced, each unit's collective a
+    functional one beside another unit's GEMMs). Losses and parameters match one process."""
     _compare([["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2"],
               ["parallel.tp=2", "parallel.tp_form=all-gather"], ["parallel.tp=2", "memory.recompute=full"],
-              ["parallel.tp=2", "parallel.zero=1"]], world=2, worker=compiled_worker, steps=2)
+              ["parallel.tp=2", "parallel.zero=1"], ["parallel.tp=2"] + OVERLAP,
+              ["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_overlap_chunks=4"] + OVERLAP],
+             world=2, worker=compiled_worker, steps=2)
+
+
+def _scheduled(rank: int, world: int, layout: list[str]) -> list[str]:
+    """The order inductor (the default backend) launches collectives, waits and GEMMs in, per compiled
+    graph (forward, backward) of a 1-block model: AG / RS / AR issued, w a wait, mm a GEMM."""
+    import re
+
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor import graph
+
+    torch._inductor.config.fx_graph_cache = False  # a cached graph is loaded, not lowered: nothing to read
+    torch._functorch.config.enable_autograd_cache = False
+    codes, compile_to_module = [], graph.GraphLowering.compile_to_module
+
+    def spy(self, *args, **kwargs):
+        module = compile_to_module(self, *args, **kwargs)
+        codes.append(open(module.__file__).read())
+        return module
+
+    graph.GraphLowering.compile_to_module = spy
+    try:
+        train_random(rank, world, layout + ["train.compile=true", "model.n_layers=1"], steps=1)
+    finally:
+        graph.GraphLowering.compile_to_module = compile_to_module
+    names = {"all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS", "all_reduce": "AR", "wait_tensor": "w"}
+    pattern = re.compile(r"_c10d_functional\.(\w+)\.default\(|extern_kernels\.(mm|addmm)\(")
+    return [" ".join(names.get(m[0], m[0]) if m[0] else "mm" for m in pattern.findall(code)) for code in codes]
+
+
+def test_chunked_overlap_compiled_issues_the_next_piece_before_waiting():
+    """parallel.tp_overlap=chunked under train.compile (inductor, SP): a traced collective is waited
+    for where issued, so without reordering each piece's all-gather is waited for before the next is
+    issued; the passes tp_overlap turns on (compat.compile_comm_overlap) issue both gathers before the
+    first wait, and the exit's first reduce-scatter before the second piece's GEMM."""
+    plain, chunked = run_ranks(_scheduled, 2, ["parallel.tp=2"])[0], \
+        run_ranks(_scheduled, 2, ["parallel.tp=2", "parallel.tp_overlap=chunked"])[0]
+    forward = chunked[0]
+    assert "AG AG w mm w mm" in forward and "RS mm RS" in forward, forward
+    assert "AG AG" not in plain[0], plain[0]
 
 
 def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:

@@ -218,7 +218,6 @@ def test_microbatches_at_launch_follow_dp_and_the_schedule():
     (["model.seq_len=12", "parallel.tp_overlap_chunks=4"], "must divide model.seq_len (12)"),
     (["parallel.sequence_parallel=false", "model.seq_len=12", "parallel.tp_overlap_chunks=8"],
      "parallel.tp_overlap_chunks (8) must divide"),
-    (["train.compile=true"], "train.compile=false or parallel.tp_overlap=none"),
     (["parallel.pp=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1 splits"),
 ])
 def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
