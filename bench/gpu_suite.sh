@@ -17,7 +17,8 @@
 #              TP_LIMIT replaces the 300 s)
 #   determinism  bench/determinism.py: which kernels repeat bit for bit (one GPU)                  90 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
-#              (MOE_ARGS: more arguments, e.g. "--compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2")
+#              (MOE_ARGS: more arguments, e.g. "--compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2";
+#              MOE_LIMIT replaces the 240 s: four compiled models and the compiled parity check need ~330 s)
 #   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
 #   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
@@ -60,7 +61,7 @@ for p in "$@"; do
         tp)       piece tp "${TP_LIMIT:-300}" "${tr[@]}" bench/tensor_parallel.py ${TP_ARGS:---profile} $smoke --out "$out/tp.json" ;;
         determinism) piece determinism 90 "$py" bench/determinism.py $smoke --out "$out/determinism.json" ;;
         comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
-        moe)      piece moe 240 "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
+        moe)      piece moe "${MOE_LIMIT:-240}" "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
         fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
                   piece fsdp2_1b 150 "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 $smoke \

@@ -319,6 +319,7 @@ def worker(args) -> None:
     mb = micro_batch(args.smoke)
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
+    base += args.set  # every model, dense and MoE alike (e.g. memory.master_weights=true)
     if args.compile and args.smoke:  # trace as on the GPU, run the graphs eagerly (the tests' backend):
         compile_module = torch.nn.Module.compile  # inductor would compile C++ for minutes on 2 cores
         torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
@@ -346,7 +347,7 @@ def _report(args, world: int, eps: list[int], mb: int, check: dict | None, resul
     """The JSON object of the runs measured so far (`partial`: more were due)."""
     cuda = torch.cuda.is_available() and not args.smoke
     hopper = cuda and grouped_mm_without_sync(torch.device("cuda"), torch.bfloat16)
-    return json.dumps({"world": world, "eps": eps, "smoke": args.smoke, "torch": torch.__version__,
+    return json.dumps({"world": world, "eps": eps, "set": args.set, "smoke": args.smoke, "torch": torch.__version__,
                        "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
                        "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
                        "experts_kernel": "grouped_mm" if hopper else "loop",
@@ -399,6 +400,9 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
                    "(default: 2 micro-batches per rank)")
     p.add_argument("--parity-only", action="store_true", help="only the parity check, no timed runs")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key for every model, dense and MoE (repeatable), e.g. memory.master_weights=true "
+                        "(bf16 weights: no per-micro-batch cast of the 2.6x larger MoE) or parallel.reduce_dtype=bf16")
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
     p.add_argument("--compile", action="store_true",
