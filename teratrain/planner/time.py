@@ -28,6 +28,8 @@ Terms, each with its source or assumption:
 - host: eager PyTorch issues every op from Python; where the GPU's work per op is short (tensor
   parallelism splits each matmul tp ways) the GPU waits on the host, so a rank's time is the larger
   of its GPU time and the host's issue time (per op, per tensor-parallel collective: hardware.GPU).
+  Under CUDA graphs (train.compile_mode=reduce-overhead) the host issues nothing per op. Compiling
+  without graphs (fewer, fused kernels) is not modelled.
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
@@ -203,7 +205,10 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # two timelines (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is
     # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
     # on issuing meanwhile, so a host-bound pipeline hides its bubble.
-    issue_s = host_s(shape, train, lay, gpu, ops)
+    # CUDA graphs (train.compile_mode=reduce-overhead) replay the step with one launch per graph: the
+    # host issues nothing per op, and the GPU's timeline is the step (graphed tp on 2 and 4 H200s: the
+    # planner 0.4-9.7% over it, tests/unit/test_planner_recorded.py). Their memory pools are not modelled.
+    issue_s = 0.0 if train.graphed else host_s(shape, train, lay, gpu, ops)
     # ZB-H1's split backward costs nothing extra: I is one autograd call and W launches B's own weight
     # kernels (parallel/pipeline/backward.py; I + W measured at 1.03-1.05x B on 4 x H100, bench/README.md)
     waits = _readback_s(shape, train, lay, gpu, busy)  # the GPU waits on the host
