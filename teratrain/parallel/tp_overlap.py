@@ -187,10 +187,11 @@ def row_exit(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | None, group
 
 
 # Under torch.compile the units are written as plain differentiable ops over traced (functional)
-# collectives: the graph holds unit k's collective beside the GEMMs of another unit, in the order the
-# eager functions above issue them, and the compiled CUDA graph replays it with the collectives on
-# NCCL's stream, waited for only where a unit is used. Autograd differentiates unit by unit: each
-# unit's gather reduce-scatters its input gradient (all-reduces without SP) as soon as it exists.
+# collectives, in the order the eager functions above issue them. A traced collective is waited for
+# where it is issued; inductor's overlap passes (turned on with this mode: parallelize.py) move each
+# wait to the unit's use, so one unit's collective runs on NCCL's stream under another unit's GEMMs.
+# Autograd differentiates unit by unit: each unit's gather reduce-scatters its input gradient
+# (all-reduces without SP) as soon as it exists.
 
 def _traced_column_group(x: torch.Tensor, params: list, group, sp: bool, chunks: int):
     weights, biases = params[0::2], params[1::2]

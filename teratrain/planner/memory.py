@@ -199,8 +199,8 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     # Gradients with no group to reduce them (zero 0 at dp 1: tp or pp alone) are autograd's, made in the
     # first backward (parallel/data.py); so where every forward comes first (one pass, GPipe) they are
     # not there at the forward's end. A tied embedding split over a pipeline's two ends keeps its
-    # bucket, reduced over the ends at the step. (CUDA graphs keep every buffer: not modelled.)
-    no_buffer = lay.zero == 0 and lay.dp == 1
+    # bucket, reduced over the ends at the step; CUDA graphs keep every buffer (their pools: not modelled).
+    no_buffer = lay.zero == 0 and lay.dp == 1 and not train.graphed
     tied_kept = V * c.d_model * w.grad // lay.tp if no_buffer and lay.pp > 1 and c.tie_embeddings else 0
     progressive = (one_pass and lay.zero >= 2) or (no_buffer and (one_pass or lay.schedule == "gpipe"))
     grads_held = int(st["gpu_grads"] * scale)
