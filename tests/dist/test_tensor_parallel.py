@@ -157,10 +157,10 @@ def _held_grads(rank: int, world: int, layouts: list[list[str]]) -> list[tuple[s
     return out
 
 
-def test_tp_alone_frees_the_gradients_it_has_nothing_to_reduce():
-    """At dp=1 no group reduces a tensor-parallel weight's gradient: it stays autograd's and is freed
-    after the update, as in one process (a flat buffer held it through the next forward: 4 bytes a
-    parameter over DTensor TP's peak). With sequence parallelism the norms' gradients are summed over
+def test_gradients_with_nothing_to_reduce_are_freed_between_steps():
+    """At dp=1 no group reduces a tensor- or pipeline-parallel weight's gradient: it stays autograd's
+    and is freed after the update, as in one process (a flat buffer held it through the next forward:
+    4 bytes a parameter over DTensor TP's peak). With sequence parallelism the norms' gradients are summed over
     the tp group and keep their bucket, as does a pipeline's tied embedding (summed over its two ends);
     under CUDA graphs every gradient keeps one (engine.py). The planner counts the same
     (tests/unit/test_planner_recorded.py: GPipe's peaks after this change within 0.2%)."""
