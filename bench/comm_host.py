@@ -187,7 +187,9 @@ def main() -> None:
               "collectives": collectives(group, device, burst, rounds)}
     if dist.get_rank() == 0:
         emit(result, args.out)
-    dist.destroy_process_group()
+    from teratrain.mesh import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fit_layers  # noqa: E402
 from memory_trace import traced_step  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
-from teratrain.mesh import init_runtime  # noqa: E402
+from teratrain.mesh import init_runtime, shutdown  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
 from teratrain.optim.engine import tensor_bytes, train_step  # noqa: E402
 from teratrain.parallel.parallelize import parallelize  # noqa: E402
@@ -175,7 +175,7 @@ def main() -> None:
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -431,7 +431,9 @@ def worker(args) -> None:
         if args.out:
             Path(args.out).write_text(text)
     dist.barrier()
-    dist.destroy_process_group()
+    from teratrain.mesh import shutdown
+
+    shutdown()
 
 
 def _size_here(device, pp: int, ms: list[int]) -> dict:

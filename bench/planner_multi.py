@@ -133,7 +133,9 @@ def worker(plan_path: str) -> None:
         emit({"record": "start", "name": row["name"]})
         emit({"record": "row", "name": row["name"], **measure_row(row, plan, device, runtimes)})
     dist.barrier()
-    dist.destroy_process_group()
+    from teratrain.mesh import shutdown
+
+    shutdown()
 
 
 def _agree(go: bool, device: torch.device) -> bool:

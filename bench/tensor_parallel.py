@@ -37,7 +37,7 @@ from trace_summary import profile_steps  # noqa: E402
 from teratrain.compat import release_compiled  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
-from teratrain.mesh import Runtime, init_runtime  # noqa: E402
+from teratrain.mesh import Runtime, init_runtime, shutdown  # noqa: E402
 from teratrain.metrics import peak_flops  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token, init_param_  # noqa: E402
 from teratrain.optim.build import build_optimizer  # noqa: E402
@@ -326,7 +326,7 @@ def main() -> None:
     if rt.rank == 0:
         emit(result, args.out)
     release_compiled()  # before the process group: CUDA graphs holding NCCL work hang its destruction
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -35,10 +35,9 @@ def _entry(fn, rank: int, world: int, port: int, results, args) -> None:
     except BaseException:  # noqa: BLE001 - report everything, including assertion errors
         results.put((rank, traceback.format_exc(), None))
     finally:
-        import torch.distributed as dist
+        from teratrain.mesh import shutdown
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 300.0) -> list:
