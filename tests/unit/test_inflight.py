@@ -33,3 +33,32 @@ def test_launches_ask_pending_operations_a_bounded_number_of_times():
     assert op is not None and op.what == "all-gather"  # still named by the watchdog
     assert len(inflight._ops) == 1000  # completed ones dropped, pending ones kept
     inflight.reset()
+
+
+def test_shutdown_forgets_the_groups_before_destroying_them(tmp_path):
+    """mesh.shutdown: the registry's operations hold their groups; left there, a destroyed gloo group
+    is freed in the interpreter's teardown, where its threads abort the process."""
+    import sys
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from teratrain.mesh import shutdown
+    from teratrain.parallel import comm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        comm.all_reduce(torch.ones(2), group, async_op=True).wait()  # size 1: nothing registered
+        inflight.launch("all-reduce", group, lambda: dist.all_reduce(torch.ones(2), group=group, async_op=True)).wait()
+        assert any(op.group is group for op in inflight._ops)
+        held = weakref.ref(group)
+        del group
+        shutdown()
+        assert not dist.is_initialized() and not inflight._ops
+        assert held() is None, sys.getrefcount(held())  # nothing of ours keeps it past its destruction
+    finally:
+        inflight.reset()
+        if dist.is_initialized():
+            dist.destroy_process_group()
