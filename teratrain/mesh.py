@@ -321,7 +321,7 @@ def shutdown() -> None:
     (parallel/inflight.py keeps completed ones until it prunes, and each holds its group). A group
     still referenced once destroyed is freed in the interpreter's teardown, where gloo's threads abort
     the process ("terminate called without an active exception": 1 run in 8 of the tp bench's smoke
-    with chunked overlap, none in 48 once forgotten)."""
+    with chunked overlap, none in 44 once forgotten)."""
     import torch.distributed as dist
 
     from teratrain.parallel import inflight

@@ -153,9 +153,6 @@ class LocalEngine(EngineBase):
     """One replica's update. With `master_weights`, the model holds low-precision params and grads,
     and the optimizer steps fp32 copies that are written back after each step."""
 
-    # Subclasses whose `p.grad` are views into communication buffers keep them between steps.
-    persistent_grads = False
-
     def __init__(self, model: nn.Module, optim_cfg, memory_cfg, grad_clip: float, master_weights: bool,
                  graphed: bool = False):
         self.model, self.grad_clip = model, grad_clip
@@ -171,10 +168,10 @@ class LocalEngine(EngineBase):
         self.optimizer = build_optimizer(zip([n for n, _ in self.named], targets), optim_cfg)
         self.scaler = make_scaler(memory_cfg)
         self.last_state_bytes: dict[str, int] | None = None
+        self.persistent_grads = graphed
         if graphed:  # CUDA graph replays (train.compile_mode=reduce-overhead) return gradients in the graph's
             # pool, which autograd would adopt as .grad and the next replay overwrite (pytorch#169545):
             # gradients live in buffers of their own, accumulated into in place and zeroed after each step
-            self.persistent_grads = True
             for _, p in self.named:
                 p.grad = torch.zeros_like(p)
 

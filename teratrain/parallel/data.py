@@ -23,11 +23,6 @@ from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_
 from teratrain.parallel.placement import gather_stages, placement, to_global
 
 
-def _nothing_to_do(mesh, group: str) -> bool:
-    """A bucket of `group` neither reduces nor rescales (this rank alone, the average over dp = 1)."""
-    return mesh.group(group) is None and reduce_scale(mesh, group) == 1 and not mesh.spans_stages(group)
-
-
 class _Bucket:
     def __init__(self, key, params: list[torch.nn.Parameter], device, mesh):
         self.params, self.group = params, mesh.group(key[0])
@@ -56,9 +51,11 @@ class DataParallelEngine(LocalEngine):
         self.mesh = rt.mesh
         self.reduce_dtype, self.overlap = DTYPES[cfg.parallel.reduce_dtype], cfg.parallel.overlap_comm
         buckets = ordered_buckets(self.named, int(cfg.parallel.bucket_mb * 2**20), group_key)
-        kept = [b for b in buckets if cfg.train.cuda_graphs or not _nothing_to_do(self.mesh, b.key[0])]
+        # a group of this rank alone at dp = 1 neither reduces nor rescales (reduce_scale: size / dp)
+        kept = [b for b in buckets if cfg.train.cuda_graphs or self.mesh.size(b.key[0]) > 1 or rt.dims.dp > 1]
         self.buckets = [_Bucket(b.key, [p for _, p in b.members], rt.device, self.mesh) for b in kept]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._plain = [p for _, p in self.named if p not in self._bucket_of]  # autograd's own gradients
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         self.order = LaunchOrder([b for b in self.buckets if not b.deferred], self._launch)
@@ -103,7 +100,7 @@ class DataParallelEngine(LocalEngine):
         for item in self._inflight:
             self._complete(item)
         self._inflight = []
-        for _, p in self.named:  # one this step did not reach steps on a zero gradient, as a bucket's would
+        for p in self._plain:  # one this step did not reach steps on a zero gradient, as a bucket's would
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return super().step(lr)
@@ -134,8 +131,7 @@ class DataParallelEngine(LocalEngine):
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.flat.zero_()
-        for _, p in self.named:
-            if p not in self._bucket_of:
-                p.grad = None
+        for p in self._plain:
+            p.grad = None
         for m in self.masters or ():
             m.grad = None

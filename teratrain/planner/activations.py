@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
+from teratrain.parallel.pipeline.stage import grad_in_i
 from teratrain.planner.layout import ModelShape, Widths, ceil_div
 
 INDEX_BYTES = 8  # token ids and targets are int64
@@ -176,7 +177,7 @@ def pending_head(shape: ModelShape, w: Widths, tokens: int, *, device: str = "cu
     the logits, or, where that is larger (parallel/pipeline/stage.py `early_weights`: above about d
     tokens), its (vocab, d) weight gradient made in I; in the compute dtype, vocab-parallel under tp."""
     d, v = shape.cfg.d_model, shape.cfg.vocab_size // tp
-    if tokens * (v + d) > v * d:
+    if grad_in_i(tokens, v, d):
         return v * d * w.compute
     head_input = _region_inputs(shape, w, tokens, 1, device, tp, sp, form)
     return sum(t.numel * t.itemsize for t in head_input) + tokens * v * w.compute

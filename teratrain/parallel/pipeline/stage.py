@@ -82,8 +82,14 @@ class Chunk:
         if not self.is_last:
             return []
         head = self.model.output if self.model.output is not None else self.model.tok_embeddings
-        return [p for p in head.parameters() if p.requires_grad and p.dim() == 2
-                and tokens * (p.shape[0] + p.shape[1]) > p.shape[0] * p.shape[1]]
+        return [p for p in head.parameters() if p.requires_grad and p.dim() == 2 and grad_in_i(tokens, *p.shape)]
+
+
+def grad_in_i(tokens: int, rows: int, cols: int) -> bool:
+    """Is a (rows, cols) matrix's gradient smaller than what its W would wait with, the (tokens, rows)
+    gradient of its output and its (tokens, cols) input? (`Chunk.early_weights`; the planner's
+    activations.pending_head counts by the same rule.)"""
+    return tokens * (rows + cols) > rows * cols
 
 
 def _run_blocks(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
