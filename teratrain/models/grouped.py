@@ -127,10 +127,15 @@ class _StackCast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dtype, *ws):
+        ctx.dtypes = [w.dtype for w in ws]
+        if torch.compiler.is_compiling():
+            # Traced, the slot copies become a select_scatter per weight, which inductor fuses into one
+            # kernel that loads every weight for every element (8 experts: 8x the reads; 34 ms of a
+            # 707 ms profile on 4 x H200). A stack of casts lowers to one pass writing each slot once.
+            return torch.stack([w.to(dtype) for w in ws])
         out = ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
         for slot, w in zip(out, ws):
             slot.copy_(w)
-        ctx.dtypes = [w.dtype for w in ws]
         return out
 
     @staticmethod

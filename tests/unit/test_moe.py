@@ -583,3 +583,34 @@ def test_grouped_mm_loop_op_equals_torchs_grouped_mm_with_gradients():
     assert torch.allclose(gx[:9], rx[:9], atol=1e-6) and not gx[9:].any()  # torch's: undefined past the groups
     assert torch.allclose(gw, rw, atol=1e-6)
     torch.library.opcheck(grouped_mm_loop, (x, w, offs))
+
+
+def test_stacked_expert_weights_compile_to_one_read_of_each_weight():
+    """models/grouped.py's stack of the experts' weights (cast to bf16) under inductor: one kernel that
+    reads each weight once, not the select_scatter chain a slot-by-slot copy traces to (which loads every
+    weight for every element: 8x the reads with 8 experts). Values and gradients equal eager's."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
+
+    from teratrain.models.grouped import _StackCast
+
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(16, 8, generator=g, requires_grad=True) for _ in range(4)]
+    x = torch.randn(4, 3, 8, generator=g).to(torch.bfloat16)
+
+    def f(*ws):
+        return torch.bmm(x, _StackCast.apply(torch.bfloat16, *ws).transpose(1, 2)).float().square().sum()
+
+    caches = torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache
+    torch._inductor.config.fx_graph_cache = torch._functorch.config.enable_autograd_cache = False
+    try:
+        torch._dynamo.reset()
+        got, codes = run_and_get_code(torch.compile(f, fullgraph=True), *ws)
+    finally:
+        torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache = caches
+    assert codes and not any("select" in line for line in codes[0].splitlines() if "_fused_" in line), codes[0]
+    ref = f(*ws)
+    assert torch.allclose(got, ref, rtol=1e-6)
+    grads, refs = torch.autograd.grad(got, ws), torch.autograd.grad(ref, ws)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads, refs))
