@@ -355,7 +355,7 @@ def worker(args) -> None:
         results[name] = measure(base + sets, args)
         if int(os.environ["RANK"]) == 0 and args.out:
             Path(args.out).write_text(_report(args, world, eps, mb, None, results, partial=True))
-    check = parity(checked, args.parity_steps)
+    check = parity(checked, args.parity_steps) if args.parity_steps > 0 else None
     if int(os.environ["RANK"]) == 0:
         text = _report(args, world, eps, mb, check, results)
         print(text)
@@ -423,7 +423,7 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every model, dense and MoE (repeatable), e.g. memory.master_weights=true "
                         "(bf16 weights: no per-micro-batch cast of the 2.6x larger MoE) or parallel.reduce_dtype=bf16")
-    p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process")
+    p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process (0: none)")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
     p.add_argument("--compile", action="store_true",
                    help="run every model once more with train.compile (NAME_compiled: graph breaks, vs_eager, "
