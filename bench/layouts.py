@@ -349,7 +349,10 @@ def main() -> None:
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)  # worker: where rank 0 writes
     args = ap.parse_args()
     if "RANK" in os.environ:
-        return worker(args)
+        from teratrain.mesh import shutdown
+
+        worker(args)
+        return shutdown()  # before exit: a live group is freed in teardown, where its threads abort
     import torch
 
     gpus = args.gpus or (2 if args.smoke else torch.cuda.device_count())

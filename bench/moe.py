@@ -74,6 +74,7 @@ from common import fresh_compile, fresh_memory, graph_breaks, summarize, time_st
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
+from teratrain.mesh import shutdown  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
@@ -439,6 +440,7 @@ def main() -> None:
         args.instrumented_steps = min(args.instrumented_steps, 1)
     if "RANK" in os.environ:
         worker(args)
+        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
         return
     if not args.smoke:
         sys.exit("launch the GPU measurement with torchrun, e.g. torchrun --nproc-per-node 2 bench/moe.py")

@@ -151,7 +151,10 @@ def main() -> None:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
+        from teratrain.mesh import shutdown
+
         phase(args.phase, args.result)
+        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
         return
     import torch
 

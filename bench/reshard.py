@@ -112,7 +112,10 @@ def main() -> None:
     ap.add_argument("--sets", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
+        from teratrain.mesh import shutdown
+
         phase(args)
+        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
         return
     import torch
 
