@@ -229,23 +229,26 @@ def _seeds_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str,
     return out
 
 
-def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron") -> int:
+def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron",
+                  device: str = "cuda") -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
     holds until that block's backward. Biases are cast too but not saved. For MoE (a mean block),
     every local expert (num_experts / ep) is assumed to receive tokens; the seeds' tp forms leave
-    MoE layers whole."""
-    if not w.autocast_copies:
-        return 0
+    MoE layers whole. The experts' grouped GEMM (models/grouped.py: bf16 on a GPU) stacks the local
+    experts' weights into one (experts, out, in) operand, saved for backward: a copy also where
+    autocast makes none (bf16 parameters)."""
     c = shape.cfg
     d, kvd = c.d_model, c.kv_heads * c.head_dim
     attn = d * (d + 2 * kvd) + d * d
     mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
     if shape.num_experts == 1:
-        return int((attn + mlp) * w.compute) // tp
+        return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
     experts = (max(1, shape.num_experts // ep) - 1) * shape.moe_share * mlp  # beyond one MLP's worth
     mlp_tp = tp if form == "megatron" else 1
-    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + \
-        int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp
+    stacked = int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp
+    if not w.autocast_copies:
+        return stacked if device == "cuda" and w.compute == 2 else 0
+    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + stacked
 
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
@@ -293,7 +296,7 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     k, v are the checkpoint's inputs and the output is wo's input, so they stay)."""
     per = block_saved(shape, w, tokens, seq_len, **kw)
     tp = kw.get("tp", 1)
-    copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"))
+    copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"), kw.get("device", "cuda"))
     if policy == "none":
         return {"blocks": n_layers * sum(per.values()), "weight_copies": n_layers * copies}
     if policy == "selective":
@@ -314,7 +317,8 @@ def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int
     k = min(n_layers, segment_size(policy, n_layers, every))
     kw = {**kw, "compress": "none"}  # the replay runs in backward, outside the compression hooks
     per = sum(block_saved(shape, w, tokens, seq_len, **kw).values())
-    return k * (per + weight_copies(shape, w, kw.get("tp", 1), kw.get("ep", 1), kw.get("form", "megatron")))
+    return k * (per + weight_copies(shape, w, kw.get("tp", 1), kw.get("ep", 1), kw.get("form", "megatron"),
+                                    kw.get("device", "cuda")))
 
 
 def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, policy: str, every: int,

@@ -77,7 +77,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
     per_block = act.block_saved(shape, w, n, T, **bkw)
-    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form)
+    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
     pending = act.pending_block(shape, w, n, T, **bkw)
     if pending is None:  # not read off the graph: a whole forward's tensors
@@ -148,16 +148,18 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
     return out
 
 
-def _ends(shape: ModelShape, lay: Layout, saved: dict) -> list[dict]:
+def _ends(shape: ModelShape, lay: Layout, saved: dict, grads: int = 0) -> list[dict]:
     """The ranks whose peak can be the job's: one without a pipeline; with one, the first and the last
     pipeline rank (a middle rank holds no more micro-batches than the first in any of our schedules,
     and no embedding, head or loss). Each end: its share of the fuller stage's model states (states.py
     counts the fuller stage; state bytes are linear in the parameters), and the moment of its own
     action list at which its saved tensors are largest (pipeline.end_held: GPipe's last rank holds all
-    m micro-batches with their logits, 1F1B's only one)."""
+    m micro-batches with their logits, 1F1B's only one). `grads`: the fuller stage's gradient bytes
+    that appear with its first backward (no buffer holds them before: `_no_buffer`), weighed in when
+    choosing that moment; the end says whether a backward has run by then (`made`)."""
     if lay.pp == 1:
         return [{"scale": 1.0, "k": 1.0, "ends": 1, "last": True, "first": True, "split": False, "k_pend": 0,
-                 "e_pend": 0}]
+                 "e_pend": 0, "made": lay.num_microbatches > 1}]
     sp = stage_params(shape, lay)
     fuller = max(sp["first"], sp["last"])
     out = []
@@ -168,18 +170,22 @@ def _ends(shape: ModelShape, lay: Layout, saved: dict) -> list[dict]:
         per_stage = saved["blocks"] + copies
         pend_end = saved["pending_last"] if split else 0
 
-        def held(h):
-            return h[0] * per_stage + h[1] * extra + h[2] * saved["pending_blocks"] + h[3] * pend_end
+        scale = sp["last" if last else "first"] / fuller
 
-        k, e, k_pend, e_pend = max(pipeline.end_held(lay, last), key=held)
-        out.append({"scale": sp["last" if last else "first"] / fuller, "k": k, "ends": e, "last": last,
-                    "first": not last, "split": split, "k_pend": k_pend if split else 0, "e_pend": e_pend if split else 0})
+        def held(h):
+            return (h[0] * per_stage + h[1] * extra + h[2] * saved["pending_blocks"] + h[3] * pend_end
+                    + h[4] * grads * scale)
+
+        k, e, k_pend, e_pend, made = max(pipeline.end_held(lay, last), key=held)
+        out.append({"scale": scale, "k": k, "ends": e, "last": last, "first": not last, "split": split,
+                    "k_pend": k_pend if split else 0, "e_pend": e_pend if split else 0, "made": made})
     return out
 
 
 def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
     """What is alive at each candidate peak moment, by kind (of each pipeline end: `_ends`)."""
-    ends = _ends(shape, lay, saved)
+    grads = 0 if not _no_buffer(train, lay) else st["gpu_grads"]
+    ends = _ends(shape, lay, saved, grads)
     out = {}
     for end in ends:
         name = "" if len(ends) == 1 else (" (last stage)" if end["last"] else " (first stage)")
@@ -196,13 +202,13 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     V = c.vocab_size
     ends, last, scale = end["ends"], end["last"], end["scale"]
     one_pass = lay.pp == 1 and lay.num_microbatches == 1
-    # Gradients with no group to reduce them (zero 0 at dp 1: tp or pp alone) are autograd's, made in the
-    # first backward (parallel/data.py); so where every forward comes first (one pass, GPipe) they are
-    # not there at the forward's end. A tied embedding split over a pipeline's two ends keeps its
-    # bucket, reduced over the ends at the step; CUDA graphs keep every buffer (their pools: not modelled).
-    no_buffer = lay.zero == 0 and lay.dp == 1 and not train.graphed
+    # Gradients with no group to reduce them are made in the rank's first backward (`_no_buffer`); so
+    # where the fullest moment comes before any (one pass, GPipe, 1F1B's first rank at m = p) they are
+    # not there. A tied embedding split over a pipeline's two ends keeps its bucket, reduced over the
+    # ends at the step.
+    no_buffer = _no_buffer(train, lay)
     tied_kept = V * c.d_model * w.grad // lay.tp if no_buffer and lay.pp > 1 and c.tie_embeddings else 0
-    progressive = (one_pass and lay.zero >= 2) or (no_buffer and (one_pass or lay.schedule == "gpipe"))
+    progressive = (one_pass and lay.zero >= 2) or (no_buffer and not end["made"])
     grads_held = int(st["gpu_grads"] * scale)
     base = {"params": int(st["gpu_params"] * scale), "optimizer": int(st["gpu_optimizer"] * scale),
             "grads": tied_kept if progressive else grads_held}
@@ -234,6 +240,13 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
                            "buffers": act.rope_tables(shape) + eng["pending"]
                                       + _step_temporaries(shape, train, lay, st)},
     }
+
+
+def _no_buffer(train: Training, lay: Layout) -> bool:
+    """Gradients with no group to reduce them (zero 0 at dp 1: tp or pp alone) are autograd's, made in
+    the first backward and freed after the step (parallel/data.py); CUDA graphs keep every buffer
+    (their pools: not modelled)."""
+    return lay.zero == 0 and lay.dp == 1 and not train.graphed
 
 
 def _held_at(saved: dict, end: dict) -> tuple[int, int, int]:

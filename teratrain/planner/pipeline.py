@@ -12,7 +12,9 @@ half of the backward. What it reads off the timeline:
   flight and those waiting for W at each moment of the rank's own action list, so memory.py can weigh
   the end stage's extra tensors (the last stage's logits and loss) by how many of its micro-batches
   are alive: GPipe's last rank holds all m with their logits, 1F1B's one, ZB-H1's one in flight and
-  p - 1 waiting for W (which hold only W's inputs and gradients: backward.py);
+  p - 1 waiting for W (which hold only W's inputs and gradients: backward.py); and whether the rank
+  has run a backward by then (gradients made in backward exist: 1F1B's first rank at m = p reaches
+  its fullest moment before any, at m > p again after one);
 - weight versions: the most copies of a stage's weights an asynchronous schedule keeps;
 - makespan: the step of real stages, which are not even: the last one also runs the LM head and the
   loss (at llama-1b's width and 32k vocabulary the head is as much work as one block, so the last of
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.parallel.pipeline.actions import I
+from teratrain.parallel.pipeline.actions import B, I, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, held_split, simulate
 from teratrain.planner.layout import Layout
@@ -51,9 +53,14 @@ def summary(lay: Layout) -> tuple[float, float, int]:
 
 
 @lru_cache(maxsize=1024)
-def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int, int, int, bool], ...]:
     chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
-    return tuple(sorted(set(held_split(_build(schedule, pp, m, v).ranks[rank], chunk))))
+    acts = _build(schedule, pp, m, v).ranks[rank]
+    out, made = set(), False
+    for a, h in zip(acts, held_split(acts, chunk)):
+        made = made or a.kind in (B, W)  # the rank's weight gradients exist from its first B (or W)
+        out.add((*h, made))
+    return tuple(sorted(out))
 
 
 @lru_cache(maxsize=256)
@@ -66,15 +73,17 @@ def splits_backward(lay: Layout) -> bool:
     return lay.pp > 1 and _splits(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
 
 
-def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int], ...]:
+def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int, bool], ...]:
     """Every (stage-equivalents in flight, micro-batches of the end chunk in flight, stage-equivalents
-    waiting for W, of the end chunk waiting for W) a pipeline's first (or, with `last`, last) rank
-    passes through (simulate.held_split); one (1, 1, 0, 0) without a pipeline."""
+    waiting for W, of the end chunk waiting for W, whether a B or W has run yet: the rank's weight
+    gradients exist) a pipeline's first (or, with `last`, last) rank passes through
+    (simulate.held_split); one (1, 1, 0, 0, m > 1) without a pipeline."""
     if lay.pp == 1:
-        return ((1.0, 1, 0.0, 0),)
+        return ((1.0, 1, 0.0, 0, lay.num_microbatches > 1),)
     v = lay.virtual_stages
     rank = lay.pp - 1 if last else 0
-    return tuple((n / v, e, w / v, we) for n, e, w, we in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
+    return tuple((n / v, e, w / v, we, made)
+                 for n, e, w, we, made in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
 
 
 def makespan(lay: Layout, rank_s: float, last_extra_s: float) -> float:
