@@ -99,6 +99,20 @@ def host_adam(numel: int = 50_000_000, steps: int = 3) -> float:
     return numel * steps / (time.perf_counter() - t0)
 
 
+def host_cast(numel: int = 50_000_000, steps: int = 3, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Parameters per second of the host's fp32 -> `dtype` cast into a pinned buffer (the offload
+    step's copy of each stepped master shard, memory/offload.py)."""
+    from teratrain.compat import pinned_empty
+
+    src = torch.randn(numel)
+    dst = pinned_empty(numel, dtype) if torch.cuda.is_available() else torch.empty(numel, dtype=dtype)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        dst.copy_(src)
+    return numel * steps / (time.perf_counter() - t0)
+
+
 def pcie_gbps(nbytes: int = 2**30, device: torch.device | str = "cuda") -> float:
     """GB/s of pinned host<->device copies (the mean of both directions)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

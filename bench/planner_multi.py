@@ -148,16 +148,16 @@ def _agree(go: bool, device: torch.device) -> bool:
 def machine_terms(device: torch.device, smoke: bool) -> dict:
     """Collectives, and on GPUs the host link and CPU optimizer as every rank sees them at once (the
     slowest rank's figures: offload runs on every rank together)."""
-    from machine import SIZES, SMOKE_SIZES, host_adam, measure, pcie_gbps
+    from machine import SIZES, SMOKE_SIZES, host_adam, host_cast, measure, pcie_gbps
 
     out = {"collectives": measure(device, SMOKE_SIZES if smoke else SIZES, 3 if smoke else 20),
            "world": dist.get_world_size()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        mine = torch.tensor([pcie_gbps(device=device), host_adam()], dtype=torch.float64, device=device)
+        mine = torch.tensor([pcie_gbps(device=device), host_adam(), host_cast()], dtype=torch.float64, device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MIN)
         out.update(device=props.name, total_bytes=props.total_memory, pcie_gbps=float(mine[0]),
-                   host_adam_params_per_s=float(mine[1]))
+                   host_adam_params_per_s=float(mine[1]), host_cast_params_per_s=float(mine[2]))
     return out
 
 

@@ -40,7 +40,7 @@ def measured_hw(machine: dict | None) -> tuple[dict, dict]:
         return {}, {}
     fitted = fit_collectives(machine["collectives"])
     hw = dict(fitted["hw"])
-    for key in ("pcie_gbps", "host_adam_params_per_s"):
+    for key in ("pcie_gbps", "host_adam_params_per_s", "host_cast_params_per_s"):
         if key in machine:
             hw[key] = machine[key]
     return hw, fitted["fit"]

@@ -86,6 +86,10 @@ class GPU:
     # machine gives its one GPU (~130 GB/s of host memory traffic); assumed 2e9 when 8 ranks share
     # a node's CPUs and memory bandwidth (~75 GB/s each)
     host_adam_params_per_s: float = 2e9
+    # the host's fp32 -> compute-dtype cast of each stepped master shard into the pinned staging
+    # buffer (memory/offload.py), parameters per second per rank; 0: twice host_adam_params_per_s
+    # (one CPU core: fused AdamW 0.57, the cast 1.16 G params/s; bench/machine.py measures both)
+    host_cast_params_per_s: float = 0.0
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_tflops[precision] * 1e12
@@ -147,6 +151,7 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 
 # latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
 _LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib",
+                 "host_cast_params_per_s",
                  "fragmentation", "gpus_per_node", *(f"{k}_alpha_s" for k in COLLECTIVES)}
 _RANGES = {"flops_max": (0.0, 1.0), "moe_efficiency": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0),
            "mem_efficiency": (0.0, 1.0), "gpus_per_node": (1.0, math.inf)}

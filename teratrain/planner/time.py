@@ -161,13 +161,17 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
-    """ZeroEngine with offload: fp32 gradient shards down to pinned host memory, the CPU optimizer,
-    the fp32 masters back up. The engine copies one group ahead of the CPU step, but on the H200
-    host the three ran one after another (bench/planner_validate.py), so they add up."""
+    """ZeroEngine with offload (memory/offload.py): the gradient shards down to pinned host memory,
+    the CPU optimizer, the host's cast of the masters into the parameters' dtype, and those back up.
+    The engine copies one group ahead of the CPU step, but on the H200 host the steps ran one after
+    another (bench/planner_validate.py), so they add up. The cast was missing: the offload rows on
+    4 x H200 were 28% over the planner, and a CPU core casts at about twice its AdamW rate."""
     if lay.offload == "none":
         return 0.0
+    w = train.widths(lay.zero, lay.offload)
     pcie = gpu.pcie_gbps * 1e9
-    return shard * 4 / pcie + shard / gpu.host_adam_params_per_s + shard * 4 / pcie
+    cast = gpu.host_cast_params_per_s or 2 * gpu.host_adam_params_per_s
+    return shard * w.grad / pcie + shard / gpu.host_adam_params_per_s + shard / cast + shard * w.param / pcie
 
 
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:

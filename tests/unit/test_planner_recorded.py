@@ -33,7 +33,12 @@ REACHED_H100 = {"peak": (9, 7), "step": (12, 10)}
 BEFORE_ZB_REWRITE = {"pp4 zb-h1 m8", "pp2 tp2 zb-h1 m8"}
 # 27 layouts of `bench/planner_validate.py --gpus 2` on 2 x H200 (this planner never fitted to them)
 H200X2 = RESULTS / "planner_validate_h200x2.json"
-REACHED_H200X2 = {"peak": (9, 5), "step": (11, 10)}
+REACHED_H200X2 = {"peak": (9, 5), "step": (11, 9)}
+# Offload steps since the planner counts the host's cast of the masters (planner/time.py `_offload_s`,
+# at twice the measured AdamW rate where a run did not measure the cast): 4 x H200 -28% -> -4%, the
+# older 4 x H200 run -38% -> -18%, 4 x H100 -42% -> -25%, but 2 x H200 -9% -> +27% (its held-out
+# offload row leaves the step count). The runs disagree on the host's speed; bench/machine.py now
+# measures the cast on each machine (host_cast_params_per_s).
 # Pipelines at dp = 1 (zero 0) in the three files above ran with a flat gradient buffer the
 # data-parallel engine has since stopped keeping where nothing reduces it (parallel/data.py): the
 # planner now counts no gradients until a rank's first backward (GPipe; 1F1B's first rank at m = p).
@@ -42,7 +47,7 @@ REACHED_H200X2 = {"peak": (9, 5), "step": (11, 10)}
 # backward and the experts' stacked weights in bf16) and the pipeline bench's
 # (test_pipeline_bench_peaks_after_the_gradient_change).
 SESSION6 = RESULTS / "planner_validate_h200x4_session6.json"
-REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 11)}
+REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
 PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
 
 
