@@ -116,3 +116,25 @@ def test_batch_advice_scales_lr_and_warmup():
     assert adv["lr"] == pytest.approx(6e-4) and adv["lr_linear"] == pytest.approx(1.2e-3)
     assert adv["warmup_steps"] == 200
     assert batch_advice(3e-4, "sqrt", None, 1024, 100) is None
+
+
+def test_pipeline_ends_say_when_their_gradients_exist():
+    """pipeline.end_held marks each moment of a rank's action list with whether a backward (B or W)
+    has run: gradients nothing buffers appear then (memory.py weighs them into the fullest moment).
+    1F1B's first rank at m = p holds its p micro-batches before any backward; at m > p it holds p
+    again after one. GPipe runs every forward first. The last rank runs a backward after its first
+    forward. ZB-H1's gradients come with W."""
+    from teratrain.planner.pipeline import end_held
+
+    def fullest(lay, last=False):
+        states = end_held(lay, last)
+        most = max(s[0] for s in states)
+        return {s[4] for s in states if s[0] == most}
+
+    assert fullest(Layout(pp=4, num_microbatches=4)) == {False}
+    assert fullest(Layout(pp=4, num_microbatches=8)) == {False, True}
+    assert fullest(Layout(pp=4, num_microbatches=8, schedule="gpipe")) == {False}
+    assert fullest(Layout(pp=4, num_microbatches=8), last=True) == {False, True}
+    zb = end_held(Layout(pp=4, num_microbatches=8, schedule="zb_h1"), False)
+    assert any(s[4] for s in zb) and not all(s[4] for s in zb)
+    assert end_held(Layout(num_microbatches=4), False) == ((1.0, 1, 0.0, 0, True),)
