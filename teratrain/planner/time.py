@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.comm import step_comm, tp_per_microbatch
+from teratrain.planner.comm import REPLAYING, step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -153,11 +153,15 @@ def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
 
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
     """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
-    every tensor-parallel collective with its autograd function and launch (gpu.host_collective_s).
-    When the GPU's work per op is short (tensor parallelism splits every matmul) the GPU waits on it."""
-    n_tp = lay.num_microbatches * tp_per_microbatch(shape, train, lay, None, stage_params(shape, lay)["layers"],
-                                                    count=True)
-    return ops * gpu.host_op_s + n_tp * gpu.host_collective_s
+    every tensor- or expert-parallel collective with its autograd function and launch
+    (gpu.host_collective_s; an MoE layer's dispatch and combine all-to-alls, each way, go through
+    the same wrapper as tp's). When the GPU's work per op is short (tensor parallelism splits every
+    matmul) the GPU waits on it."""
+    layers = stage_params(shape, lay)["layers"]
+    n = tp_per_microbatch(shape, train, lay, None, layers, count=True)
+    if shape.num_experts > 1 and lay.ep > 1:
+        n += layers * shape.moe_share * (6 if lay.recompute in REPLAYING else 4)
+    return ops * gpu.host_op_s + lay.num_microbatches * n * gpu.host_collective_s
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
