@@ -179,3 +179,17 @@ def test_eager_tp_step_times_at_the_8b_width():
                 errors[(result, name)] = planned.time.step_time_s * 1e3 / shape[name]["step_ms"] - 1
     assert len(errors) == 11
     assert sum(abs(e) <= TARGET["step"] for e in errors.values()) >= 10, errors
+
+
+def test_validation_picture(tmp_path):
+    """bench/planner_plot.py draws the session-6 rows against today's planner and counts the rows in
+    each band as the tests above do."""
+    import sys
+
+    sys.path.insert(0, str(RESULTS.parent))
+    from planner_plot import plot
+
+    counts = plot(json.loads(SESSION6.read_text()), tmp_path / "v.png")
+    errors = _errors(SESSION6)
+    assert counts == {"rows": 28, **{f"{w}_within": sum(abs(e[w]) <= TARGET[w] for e in errors) for w in TARGET}}
+    assert (tmp_path / "v.png").stat().st_size > 10_000
