@@ -51,8 +51,8 @@ where its eager run is in the job; `moe_vs_dense` then compares compiled with co
 all-to-all's waits are inside the graph, so compiled runs at ep > 1 report instead
 `all_to_all_kernel_share`: the NCCL all-to-all kernels' device time over the wall time of 2
 profiled steps (the exposed share with the exchange whole; an upper bound when chunked). The layer's
-host syncs are not checked compiled. Compiled, the dropless exchange at ep > 1 is the padded one with N slots per expert
-(parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
+host syncs are not checked compiled. Compiled, the dropless exchange at ep > 1 is the padded one
+with N slots per expert (parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
 graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
 """
 
@@ -74,8 +74,7 @@ from common import fresh_compile, fresh_memory, graph_breaks, summarize, time_st
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
-from teratrain.mesh import shutdown  # noqa: E402
-from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
+from teratrain.mesh import Runtime, init_runtime, pick_device, shutdown  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
