@@ -175,7 +175,8 @@ def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
     w = train.widths(lay.zero, lay.offload)
     pcie = gpu.pcie_gbps * 1e9
     cast = gpu.host_cast_params_per_s or 2 * gpu.host_adam_params_per_s
-    return shard * w.grad / pcie + shard / gpu.host_adam_params_per_s + shard / cast + shard * w.param / pcie
+    up = shard * w.param / pcie if lay.offload == "optimizer" else 0.0  # offload=params: the shard stays on
+    return shard * w.grad / pcie + shard / gpu.host_adam_params_per_s + shard / cast + up  # the host (zero_gather)
 
 
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:
