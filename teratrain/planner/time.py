@@ -175,8 +175,9 @@ def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
     w = train.widths(lay.zero, lay.offload)
     pcie = gpu.pcie_gbps * 1e9
     cast = gpu.host_cast_params_per_s or 2 * gpu.host_adam_params_per_s
-    up = shard * w.param / pcie if lay.offload == "optimizer" else 0.0  # offload=params: the shard stays on
-    return shard * w.grad / pcie + shard / gpu.host_adam_params_per_s + shard / cast + up  # the host (zero_gather)
+    # offload=params keeps the parameter shard on the host: no upload here (its gathers are zero_gather)
+    up = shard * w.param / pcie if lay.offload == "optimizer" else 0.0
+    return shard * w.grad / pcie + shard / gpu.host_adam_params_per_s + shard / cast + up
 
 
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:
