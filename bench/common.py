@@ -27,7 +27,7 @@ def sync(dev: torch.device) -> None:
 
 
 def fresh_compile() -> None:
-    """Before a compiled run: forget the earlier runs' compiled code and CUDA graphs (each would count
+    """Before a run: forget the earlier runs' compiled code and CUDA graphs (each would count
     towards dynamo's recompile limit, 8 per function, past which it runs eager without a word) and
     zero dynamo's counters, so `graph_breaks` reports this run alone."""
     from torch._dynamo.utils import counters

@@ -352,7 +352,8 @@ def main() -> None:
         from teratrain.mesh import shutdown
 
         worker(args)
-        return shutdown()  # before exit: a live group is freed in teardown, where its threads abort
+        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
+        return
     import torch
 
     gpus = args.gpus or (2 if args.smoke else torch.cuda.device_count())

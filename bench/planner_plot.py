@@ -42,6 +42,9 @@ def plot(result: dict, out: Path) -> dict:
     import matplotlib.pyplot as plt
 
     rows = points(result)
+    if not rows:
+        raise SystemExit("bench/planner_plot.py: the result has no measured rows; pass a planner_validate.py --gpus N "
+                         "result whose layouts ran.")
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     within = {}
     for ax, (what, unit) in zip(axes, (("peak", "GiB"), ("step", "ms"))):

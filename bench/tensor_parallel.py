@@ -237,8 +237,10 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     if rt.rank == 0:  # where a run cut short by a time limit stopped
         print(f"[tp] tp={world} compile={cfg.train.compile} sp={cfg.parallel.use_sp if world > 1 else None} "
               f"at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
-    fresh_compile()  # first: a previous run's CUDA graph pools stay allocated until released, and
-    fresh_memory(rt.device)  # a peak reset with them alive counts them in this run's peak
+    # release first: a previous run's CUDA graph pools stay allocated until released, and a peak
+    # reset while they are alive counts them in this run's peak
+    fresh_compile()
+    fresh_memory(rt.device)
     step = build(cfg, rt)
     row = measure(step, cfg, rt, mb, warmup, steps, world)
     if cfg.train.compile:

@@ -121,9 +121,10 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, offsets: torc
 
 
 class _StackCast(torch.autograd.Function):
-    """torch.stack([w.to(dtype) for w in ws]) in one pass: each weight is cast straight into its slot
-    (the stack of casts read and wrote every expert weight twice per forward, 2 bytes a parameter
-    each way in bf16). Backward: each slot's gradient, cast back to its weight's dtype."""
+    """torch.stack([w.to(dtype) for w in ws]) in one pass. Eager, each weight is cast straight into its
+    slot (a stack of separate casts read and wrote every expert weight twice per forward); compiled,
+    it is the stack of casts, which inductor lowers to one pass. Backward: each slot's gradient, cast
+    back to its weight's dtype."""
 
     @staticmethod
     def forward(ctx, dtype, *ws):

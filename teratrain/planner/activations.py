@@ -247,7 +247,7 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     mlp_tp = tp if form == "megatron" else 1
     stacked = int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp
     if not w.autocast_copies:
-        return stacked if device == "cuda" and w.compute == 2 else 0
+        return stacked if device == "cuda" and w.bf16 else 0
     return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + stacked
 
 

@@ -91,6 +91,10 @@ class GPU:
     # (one CPU core: fused AdamW 0.57, the cast 1.16 G params/s; bench/machine.py measures both)
     host_cast_params_per_s: float = 0.0
 
+    def host_cast_rate(self) -> float:
+        """host_cast_params_per_s, or twice the AdamW rate where not measured (0)."""
+        return self.host_cast_params_per_s or 2 * self.host_adam_params_per_s
+
     def peak_flops(self, precision: str) -> float:
         return self.peak_tflops[precision] * 1e12
 
@@ -149,7 +153,8 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
     return replace(gpu, **overrides)
 
 
-# latencies, allowances and overheads may be zero; fractions of a peak are at most 1; the rest divide
+# latencies, allowances and overheads may be zero (host_cast_params_per_s: 0 = twice the AdamW rate);
+# fractions of a peak are at most 1; the rest divide
 _LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib",
                  "host_cast_params_per_s",
                  "fragmentation", "gpus_per_node", *(f"{k}_alpha_s" for k in COLLECTIVES)}

@@ -137,14 +137,15 @@ class Widths:
     compute: int  # matmul outputs: 2 under bf16/fp16 autocast, 4 in fp32
     master: int  # fp32 master copy per param in the optimizer (0 without masters)
     autocast_copies: bool  # fp32 params under autocast: each linear casts its weight and input
+    bf16: bool = False  # computes in bf16, where the experts run as grouped GEMMs (models/grouped.py)
 
 
 def widths(precision: str, master_weights: bool) -> Widths:
     low = precision != "fp32"
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
-        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False)
-    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low)
+        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=precision == "bf16")
+    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=precision == "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)

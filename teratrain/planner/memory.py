@@ -155,11 +155,12 @@ def _ends(shape: ModelShape, lay: Layout, saved: dict, grads: int = 0) -> list[d
     counts the fuller stage; state bytes are linear in the parameters), and the moment of its own
     action list at which its saved tensors are largest (pipeline.end_held: GPipe's last rank holds all
     m micro-batches with their logits, 1F1B's only one). `grads`: the fuller stage's gradient bytes
-    that appear with its first backward (no buffer holds them before: `_no_buffer`), weighed in when
-    choosing that moment; the end says whether a backward has run by then (`made`)."""
+    that appear chunk by chunk with their first backward (no buffer holds them before: `_no_buffer`),
+    weighed in when choosing that moment; the end says what share of them exists then (`made`)."""
     if lay.pp == 1:
+        made = pipeline.end_held(lay, True)[0][4]
         return [{"scale": 1.0, "k": 1.0, "ends": 1, "last": True, "first": True, "split": False, "k_pend": 0,
-                 "e_pend": 0, "made": lay.num_microbatches > 1}]
+                 "e_pend": 0, "made": made}]
     sp = stage_params(shape, lay)
     fuller = max(sp["first"], sp["last"])
     out = []
@@ -202,16 +203,18 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     V = c.vocab_size
     ends, last, scale = end["ends"], end["last"], end["scale"]
     one_pass = lay.pp == 1 and lay.num_microbatches == 1
-    # Gradients with no group to reduce them are made in the rank's first backward (`_no_buffer`); so
-    # where the fullest moment comes before any (one pass, GPipe, 1F1B's first rank at m = p) they are
-    # not there. A tied embedding split over a pipeline's two ends keeps its bucket, reduced over the
-    # ends at the step.
+    # Gradients with no group to reduce them are made by each chunk's first backward (`_no_buffer`);
+    # so where the fullest moment comes before any (one pass, GPipe, 1F1B's first rank at m = p) they
+    # are not there, and an interleaved rank has only its backward-run chunks' then. A tied embedding
+    # split over a pipeline's two ends keeps its bucket, reduced over the ends at the step. Not counted:
+    # ZB-H1's last stage makes an untied head's gradient in I (stage.grad_in_i), before its first W.
     no_buffer = _no_buffer(train, lay)
     tied_kept = V * c.d_model * w.grad // lay.tp if no_buffer and lay.pp > 1 and c.tie_embeddings else 0
-    progressive = (one_pass and lay.zero >= 2) or (no_buffer and not end["made"])
+    progressive = (one_pass and lay.zero >= 2) or (no_buffer and end["made"] == 0)
     grads_held = int(st["gpu_grads"] * scale)
+    grads_now = max(tied_kept, int(grads_held * end["made"])) if no_buffer else grads_held
     base = {"params": int(st["gpu_params"] * scale), "optimizer": int(st["gpu_optimizer"] * scale),
-            "grads": tied_kept if progressive else grads_held}
+            "grads": tied_kept if progressive else grads_now}
     module = act.rope_tables(shape) + eng["gathered"]
     S, copies, fwd_copies = _held_at(saved, end)
     if lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends

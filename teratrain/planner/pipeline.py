@@ -12,9 +12,10 @@ half of the backward. What it reads off the timeline:
   flight and those waiting for W at each moment of the rank's own action list, so memory.py can weigh
   the end stage's extra tensors (the last stage's logits and loss) by how many of its micro-batches
   are alive: GPipe's last rank holds all m with their logits, 1F1B's one, ZB-H1's one in flight and
-  p - 1 waiting for W (which hold only W's inputs and gradients: backward.py); and whether the rank
-  has run a backward by then (gradients made in backward exist: 1F1B's first rank at m = p reaches
-  its fullest moment before any, at m > p again after one);
+  p - 1 waiting for W (which hold only W's inputs and gradients: backward.py); and the share of the
+  rank's chunks that have run a backward by then (their gradients exist: 1F1B's first rank at m = p
+  reaches its fullest moment before any, at m > p again after one; an interleaved rank's chunks
+  one by one; an asynchronous schedule's update frees them);
 - weight versions: the most copies of a stage's weights an asynchronous schedule keeps;
 - makespan: the step of real stages, which are not even: the last one also runs the LM head and the
   loss (at llama-1b's width and 32k vocabulary the head is as much work as one block, so the last of
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.parallel.pipeline.actions import B, I, W
+from teratrain.parallel.pipeline.actions import B, I, STEP, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, held_split, simulate
 from teratrain.planner.layout import Layout
@@ -53,13 +54,16 @@ def summary(lay: Layout) -> tuple[float, float, int]:
 
 
 @lru_cache(maxsize=1024)
-def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int, int, int, bool], ...]:
+def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int, int, int, float], ...]:
     chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
     acts = _build(schedule, pp, m, v).ranks[rank]
-    out, made = set(), False
+    out, made = set(), set()
     for a, h in zip(acts, held_split(acts, chunk)):
-        made = made or a.kind in (B, W)  # the rank's weight gradients exist from its first B (or W)
-        out.add((*h, made))
+        if a.kind in (B, W):  # a chunk's weight gradients exist from its first B (or W)
+            made.add(a.chunk)
+        elif a.kind == STEP:  # the update frees gradients no buffer holds (asynchronous schedules)
+            made.clear()
+        out.add((*h, len(made) / v))
     return tuple(sorted(out))
 
 
@@ -73,13 +77,14 @@ def splits_backward(lay: Layout) -> bool:
     return lay.pp > 1 and _splits(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
 
 
-def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int, bool], ...]:
+def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int, float], ...]:
     """Every (stage-equivalents in flight, micro-batches of the end chunk in flight, stage-equivalents
-    waiting for W, of the end chunk waiting for W, whether a B or W has run yet: the rank's weight
-    gradients exist) a pipeline's first (or, with `last`, last) rank passes through
-    (simulate.held_split); one (1, 1, 0, 0, m > 1) without a pipeline."""
+    waiting for W, of the end chunk waiting for W, the share of the rank's chunks whose weight
+    gradients exist: those that ran a B or W since the last update) a pipeline's first (or, with
+    `last`, last) rank passes through (simulate.held_split); one (1, 1, 0, 0, 1 if m > 1 else 0)
+    without a pipeline (accumulation: the next micro-batch's forward runs beside the gradients)."""
     if lay.pp == 1:
-        return ((1.0, 1, 0.0, 0, lay.num_microbatches > 1),)
+        return ((1.0, 1, 0.0, 0, 1.0 if lay.num_microbatches > 1 else 0.0),)
     v = lay.virtual_stages
     rank = lay.pp - 1 if last else 0
     return tuple((n / v, e, w / v, we, made)

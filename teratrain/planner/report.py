@@ -113,10 +113,9 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
         out.append(("pipeline bubble", t.bubble_s, f"{share:.1%} of the pipelined time idle in the simulated "
                     f"{_schedule_str(lay)}, m={lay.num_microbatches} (even stages)"))
     if t.offload_s:
-        cast = gpu.host_cast_params_per_s or 2 * gpu.host_adam_params_per_s
         out.append(("offload", t.offload_s, f"PCIe at {gpu.pcie_gbps:g} GB/s, the CPU optimizer "
                     f"({gpu.host_adam_params_per_s / 1e9:g} G params/s) and the host's cast of the masters "
-                    f"({cast / 1e9:g} G params/s)"))
+                    f"({gpu.host_cast_rate() / 1e9:g} G params/s)"))
     return out
 
 

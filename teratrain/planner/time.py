@@ -154,30 +154,31 @@ def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
     """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
     every tensor- or expert-parallel collective with its autograd function and launch
-    (gpu.host_collective_s; an MoE layer's dispatch and combine all-to-alls, each way, go through
-    the same wrapper as tp's). When the GPU's work per op is short (tensor parallelism splits every
-    matmul) the GPU waits on it."""
+    (gpu.host_collective_s). An MoE layer's all-to-alls go through the same wrapper as tp's: each
+    forward exchanges the counts, dispatches and combines (3; again when a recomputed segment
+    replays it), each backward returns the two (parallel/expert.py). parallel.ep_overlap_chunks,
+    which multiplies the dispatch and combine, is not modelled. When the GPU's work per op is short
+    (tensor parallelism splits every matmul) the GPU waits on it."""
     layers = stage_params(shape, lay)["layers"]
     n = tp_per_microbatch(shape, train, lay, None, layers, count=True)
     if shape.num_experts > 1 and lay.ep > 1:
-        n += layers * shape.moe_share * (6 if lay.recompute in REPLAYING else 4)
+        n += layers * shape.moe_share * (3 * (2 if lay.recompute in REPLAYING else 1) + 2)
     return ops * gpu.host_op_s + lay.num_microbatches * n * gpu.host_collective_s
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
-    """ZeroEngine with offload (memory/offload.py): the gradient shards down to pinned host memory,
-    the CPU optimizer, the host's cast of the masters into the parameters' dtype, and those back up.
-    The engine copies one group ahead of the CPU step, but on the H200 host the steps ran one after
-    another (bench/planner_validate.py), so they add up. The cast was missing: the offload rows on
-    4 x H200 were 28% over the planner, and a CPU core casts at about twice its AdamW rate."""
+    """ZeroEngine with offload (memory/offload.py): the gradient shards (parallel.grad_dtype) down to
+    pinned host memory, the CPU optimizer, the host's cast of the masters into the parameters' dtype,
+    and those back up. The engine copies one group ahead of the CPU step, but on the H200 host the
+    steps ran one after another (bench/planner_validate.py), so they add up. The cast was missing: the
+    4 x H200 offload row measured 28% above the planner, and a CPU core casts at about twice its
+    AdamW rate."""
     if lay.offload == "none":
         return 0.0
-    w = train.widths(lay.zero, lay.offload)
     pcie = gpu.pcie_gbps * 1e9
-    cast = gpu.host_cast_params_per_s or 2 * gpu.host_adam_params_per_s
     # offload=params keeps the parameter shard on the host: no upload here (its gathers are zero_gather)
-    up = shard * w.param / pcie if lay.offload == "optimizer" else 0.0
-    return shard * w.grad / pcie + shard / gpu.host_adam_params_per_s + shard / cast + up
+    up = shard * train.widths(lay.zero, lay.offload).param / pcie if lay.offload == "optimizer" else 0.0
+    return shard * train.grad_bytes / pcie + shard / gpu.host_adam_params_per_s + shard / gpu.host_cast_rate() + up
 
 
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:

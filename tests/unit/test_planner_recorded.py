@@ -182,8 +182,8 @@ def test_eager_tp_step_times_at_the_8b_width():
 
 
 def test_validation_picture(tmp_path):
-    """bench/planner_plot.py draws the session-6 rows against today's planner and counts the rows in
-    each band as the tests above do."""
+    """Smoke test of bench/planner_plot.py: it draws the session-6 rows against today's planner and
+    counts the rows in each band as the tests above do."""
     import sys
 
     sys.path.insert(0, str(RESULTS.parent))

@@ -119,11 +119,13 @@ def test_batch_advice_scales_lr_and_warmup():
 
 
 def test_pipeline_ends_say_when_their_gradients_exist():
-    """pipeline.end_held marks each moment of a rank's action list with whether a backward (B or W)
-    has run: gradients nothing buffers appear then (memory.py weighs them into the fullest moment).
-    1F1B's first rank at m = p holds its p micro-batches before any backward; at m > p it holds p
-    again after one. GPipe runs every forward first. The last rank runs a backward after its first
-    forward. ZB-H1's gradients come with W."""
+    """pipeline.end_held gives each moment of a rank's action list the share of its chunks that have
+    run a backward (B, or W when split) since the last update: gradients nothing buffers exist for
+    those (memory.py weighs them into the fullest moment). 1F1B's first rank at m = p holds its p
+    micro-batches before any backward, at m > p again after one; GPipe runs every forward first; the
+    last rank runs a backward after its first forward; ZB-H1's first rank has run an I, not yet a W,
+    with 3 in flight; an interleaved rank's chunks start their backwards one after the other;
+    PipeDream's updates free what the backwards made."""
     from teratrain.planner.pipeline import end_held
 
     def fullest(lay, last=False):
@@ -131,10 +133,13 @@ def test_pipeline_ends_say_when_their_gradients_exist():
         most = max(s[0] for s in states)
         return {s[4] for s in states if s[0] == most}
 
-    assert fullest(Layout(pp=4, num_microbatches=4)) == {False}
-    assert fullest(Layout(pp=4, num_microbatches=8)) == {False, True}
-    assert fullest(Layout(pp=4, num_microbatches=8, schedule="gpipe")) == {False}
-    assert fullest(Layout(pp=4, num_microbatches=8), last=True) == {False, True}
-    zb = end_held(Layout(pp=4, num_microbatches=8, schedule="zb_h1"), False)
-    assert any(s[4] for s in zb) and not all(s[4] for s in zb)
-    assert end_held(Layout(num_microbatches=4), False) == ((1.0, 1, 0.0, 0, True),)
+    assert fullest(Layout(pp=4, num_microbatches=4)) == {0.0}
+    assert fullest(Layout(pp=4, num_microbatches=8)) == {0.0, 1.0}
+    assert fullest(Layout(pp=4, num_microbatches=8, schedule="gpipe")) == {0.0}
+    assert fullest(Layout(pp=4, num_microbatches=8), last=True) == {0.0, 1.0}
+    assert (3.0, 3, 1.0, 1, 0.0) in end_held(Layout(pp=4, num_microbatches=8, schedule="zb_h1"), False)
+    interleaved = end_held(Layout(pp=4, num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2), False)
+    assert (2.0, 4, 0.0, 0, 0.5) in interleaved and fullest(Layout(pp=4, num_microbatches=4,
+                                                                   schedule="interleaved_1f1b", virtual_stages=2)) == {0.0}
+    assert fullest(Layout(pp=4, num_microbatches=8, schedule="pipedream")) == {0.0}
+    assert end_held(Layout(num_microbatches=4), False) == ((1.0, 1, 0.0, 0, 1.0),)
