@@ -184,8 +184,10 @@ def _err(pred: float, meas: float) -> float:
 
 def markdown(out: dict) -> str:
     """The validation table for docs/planner.md and bench/README.md."""
-    lines = [f"{out['device']}, torch {out['torch']}; host: PCIe {out['measured_host'].get('pcie_gbps', 0):.0f} GB/s, "
-             f"CPU AdamW {out['measured_host']['host_adam_params_per_s'] / 1e9:.2f} G params/s", "",
+    host = out["measured_host"]
+    cast = f", cast {host['host_cast_params_per_s'] / 1e9:.2f}" if "host_cast_params_per_s" in host else ""
+    lines = [f"{out['device']}, torch {out['torch']}; host: PCIe {host.get('pcie_gbps', 0):.0f} GB/s, "
+             f"CPU AdamW {host['host_adam_params_per_s'] / 1e9:.2f}{cast} G params/s", "",
              "| config | peak GiB meas / pred (err) | step ms meas / pred (err) | saved err | "
              "reserved+context GiB meas / pred total (err) |", "|---|---|---|---|---|"]
     for r in out["rows"]:
