@@ -50,7 +50,8 @@ host-bound, and a compiled graph launches its kernels without Python in between)
 where its eager run is in the job; `moe_vs_dense` then compares compiled with compiled. The
 all-to-all's waits are inside the graph, so compiled runs at ep > 1 report instead
 `all_to_all_kernel_share`: the NCCL all-to-all kernels' device time over the wall time of 2
-profiled steps (the exposed share with the exchange whole; an upper bound when chunked). The layer's
+profiled steps (the exposed share with the exchange whole; an upper bound when chunked), and
+`all_to_all_exposed_share`, the part of it under no compute kernel (bench/trace_summary.py). The layer's
 host syncs are not checked compiled. Compiled, the dropless exchange at ep > 1 is the padded one
 with N slots per expert (parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
 graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
@@ -193,7 +194,7 @@ def measure(sets: list[str], args) -> dict:
         else:
             time_steps(step, 0, 1, rt.device)  # one step's statistics
         if rt.dims.ep > 1 and compiled and rt.device.type == "cuda":
-            out["all_to_all_kernel_share"] = _all_to_all_kernel_share(step, rt.device)
+            out.update(_all_to_all_kernel_share(step, rt.device))
         stats = [layer.pop_stats() for _, layer in moe_layers(model)]
         dropped = sum(float(s["dropped"]) for s in stats) / max(1.0, sum(float(s["attempted"]) for s in stats))
         out["dropped"] = round(dropped, 4)
@@ -228,20 +229,20 @@ def _all_to_all_share(step, steps: int, device: torch.device) -> float:
     return round(exchanged / step_s, 4)
 
 
-def _all_to_all_kernel_share(step, device: torch.device) -> float:
-    """Compiled runs at ep > 1, whose exchanges are waited for inside the graph: the NCCL all-to-all
-    kernels' device time (NCCL runs all_to_all as grouped send/recv) over the wall time of 2 profiled
-    steps. With the exchange whole the experts wait for it, so this is its exposed share; where chunks
-    overlap it with expert compute, an upper bound."""
-    from torch.profiler import ProfilerActivity, profile
+def _all_to_all_kernel_share(step, device: torch.device) -> dict:
+    """Compiled runs at ep > 1, whose exchanges are waited for inside the graph: over the wall time of
+    2 profiled steps, the time NCCL's all-to-all kernels run (NCCL runs all_to_all as grouped
+    send/recv; with the exchange whole the experts wait for it, so this is its exposed share, an upper
+    bound where chunks overlap it) and the part of it under no compute kernel."""
+    from pipeline_profile import length, minus, union
+    from trace_summary import traced_kernels
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = sum(time_steps(step, 0, 2, device))
-    events = prof.key_averages()
-    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels = [e for e in events if e.key.startswith("nccl") and "Kernel" in e.key]
-    exchanged = sum(getattr(e, dev) for e in kernels if "SendRecv" in e.key or "AllToAll" in e.key) / 1e6
-    return round(exchanged / wall, 4)
+    _, kernels, wall = traced_kernels(step, device)
+    exchange = ("sendrecv", "alltoall")
+    a2a = union([(a, b) for n, a, b in kernels if "nccl" in n.lower() and any(k in n.lower() for k in exchange)])
+    compute = union([(a, b) for n, a, b in kernels if "nccl" not in n.lower()])
+    return {"all_to_all_kernel_share": round(length(a2a) / 1e6 / wall, 4),
+            "all_to_all_exposed_share": round(minus(a2a, compute) / 1e6 / wall, 4)}
 
 
 class _TimedWait:

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import emit, env_info, fresh_compile, fresh_memory, graph_breaks, peak_gib, sync  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
 
-from teratrain.compat import release_compiled  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime, shutdown  # noqa: E402
@@ -324,7 +323,6 @@ def main() -> None:
                                   args.compile or [])
     if rt.rank == 0:
         emit(result, args.out)
-    release_compiled()  # before the process group: CUDA graphs holding NCCL work hang its destruction
     shutdown()
 
 

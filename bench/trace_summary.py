@@ -8,6 +8,8 @@ runs) the kernel figures are zero and the top ops are ranked by CPU time, so the
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.profiler import DeviceType, profile
 
@@ -19,16 +21,25 @@ from pipeline_profile import activities, length, minus, union
 COPY_MARKS = ("copy", "memcpy", "memset")
 
 
-def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> dict:
-    """Run step() `steps` times under the profiler (after one untraced call) and summarize per step."""
+def traced_kernels(step, device: torch.device, steps: int = 2) -> tuple:
+    """Run step() `steps` times under the profiler (after one untraced call): the profile, every
+    device kernel as (name, start_us, end_us), and the traced steps' wall seconds."""
     step()
     sync(device)
     with profile(activities=activities(device)) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             step()
         sync(device)
+        wall = time.perf_counter() - t0
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return prof, kernels, wall
+
+
+def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> dict:
+    """Run step() `steps` times under the profiler (after one untraced call) and summarize per step."""
+    prof, kernels, _ = traced_kernels(step, device, steps)
     out = kernel_account(kernels, steps)
     out["top_ops"] = top_ops(prof, device, steps, top)
     out["host"] = host_account(prof, steps)

@@ -168,6 +168,9 @@ def cmd_train(args) -> int:
     except Stopped as e:
         e.run_dir = run_dir  # for the message: where to resume from
         raise
+    from teratrain.mesh import shutdown
+
+    shutdown()  # before exit: a process group still referenced is freed in teardown, where its threads abort
     if rank() == 0:
         ev = summary.get("eval_loss")
         print(f"done: {summary['step']} steps, loss {summary['loss']:.4f}"

@@ -317,15 +317,18 @@ class Runtime:
 
 
 def shutdown() -> None:
-    """Destroy this process's groups, after forgetting the operations registered on them
-    (parallel/inflight.py keeps completed ones until it prunes, and each holds its group). A group
-    still referenced once destroyed is freed in the interpreter's teardown, where gloo's threads abort
-    the process ("terminate called without an active exception": 1 run in 8 of the tp bench's smoke
-    with chunked overlap, none in 44 once forgotten)."""
+    """Destroy this process's groups, after releasing what still uses them: compiled code and its
+    CUDA graphs (graphs that captured NCCL work hang the group's destruction: compat.release_compiled),
+    and the operations parallel/inflight.py registered (it keeps completed ones until it prunes, and
+    each holds its group). A group still referenced once destroyed is freed in the interpreter's
+    teardown, where gloo's threads abort the process ("terminate called without an active
+    exception": 1 run in 8 of the tp bench's smoke with chunked overlap, none in 44 once forgotten)."""
     import torch.distributed as dist
 
+    from teratrain.compat import release_compiled
     from teratrain.parallel import inflight
 
+    release_compiled()
     inflight.reset()
     if dist.is_initialized():
         dist.destroy_process_group()

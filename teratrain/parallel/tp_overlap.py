@@ -175,7 +175,7 @@ def column_group(x: torch.Tensor, weights: list, biases: list, group, sp: bool, 
     for w, b in zip(weights, biases):
         params += [w.to(x.dtype), b.to(x.dtype) if b is not None else None]
     if comm.traced():
-        return _traced_column_group(x, params, group, sp, chunks)
+        return _traced_column_group(x, params[0::2], params[1::2], group, sp, chunks)
     X, *ys = _ColumnGroup.apply(x, group, sp, chunks, *params)
     return X, ys
 
@@ -193,8 +193,7 @@ def row_exit(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor | None, group
 # Autograd differentiates unit by unit: each unit's gather reduce-scatters its input gradient
 # (all-reduces without SP) as soon as it exists.
 
-def _traced_column_group(x: torch.Tensor, params: list, group, sp: bool, chunks: int):
-    weights, biases = params[0::2], params[1::2]
+def _traced_column_group(x: torch.Tensor, weights: list, biases: list, group, sp: bool, chunks: int):
     units = x.reshape(chunks, -1, x.shape[-1]).unbind(0)  # (sequence_rows: unit k is every rank's block k)
     if sp:
         gathered = [comm.gather_sequence(u.unsqueeze(0), group).squeeze(0) for u in units]  # all issued first

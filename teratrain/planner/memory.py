@@ -185,8 +185,7 @@ def _ends(shape: ModelShape, lay: Layout, saved: dict, grads: int = 0) -> list[d
 
 def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
     """What is alive at each candidate peak moment, by kind (of each pipeline end: `_ends`)."""
-    grads = 0 if not _no_buffer(train, lay) else st["gpu_grads"]
-    ends = _ends(shape, lay, saved, grads)
+    ends = _ends(shape, lay, saved, st["gpu_grads"] if _no_buffer(train, lay) else 0)
     out = {}
     for end in ends:
         name = "" if len(ends) == 1 else (" (last stage)" if end["last"] else " (first stage)")
