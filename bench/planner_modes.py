@@ -15,7 +15,7 @@ import torch
 
 from planner_multi import run_rows
 from planner_report import compare, device_gpu, markdown, measured_hw, pick_check, summary
-from planner_rows import BUILD_S, COMMON, full_sets, rows_for, size_layers
+from planner_rows import BUILD_S, COMMON, full_sets, probe_rows, rows_for, size_layers
 
 WARMUP, STEPS = 2, 4
 
@@ -51,7 +51,8 @@ def validate_gpus(args) -> dict:
                 "gpus": n} for r, e in zip(rows, est)]
     refused = _checked(payload)
     machine, results = run_rows([p for p in payload if p["name"] not in refused], n, smoke=smoke, steps=steps,
-                                warmup=1 if smoke else WARMUP, deadline=deadline, measure_machine=True)
+                                warmup=1 if smoke else WARMUP, deadline=deadline, measure_machine=True,
+                                probes=probe_rows(n, smoke))
     results.update(refused)
     hw, fits = measured_hw(machine)
     if machine and "device" in machine:

@@ -3,9 +3,10 @@ bench/planner_validate.py --gpus N and --check-pick.
 
 The driver (`run_rows`) writes a plan (rows with their --set items, steps, a deadline) and launches
 one torchrun job of N processes which measures the machine (bench/machine.py: collectives, PCIe,
-CPU AdamW) and then every row in turn in the same processes, writing one JSON line per event. A job
-that dies (a rank out of memory stalls its peers until the NCCL watchdog ends them) loses only the
-row it was in: the driver records that row and relaunches the rest, at most 3 launches in all.
+CPU AdamW and the host's cast; then the host probe's rows, planner_rows.probe_rows) and then every
+row in turn in the same processes, writing one JSON line per event. A job that dies (a rank out of
+memory stalls its peers until the NCCL watchdog ends them) loses only the row it was in: the driver
+records that row and relaunches the rest, at most 3 launches in all.
 Rank 0 decides before each row whether the deadline leaves time for it (the planner's estimate), and
 every rank follows.
 
@@ -49,9 +50,10 @@ LAUNCHES = 3
 # ---------------------------------------------------------------- driver
 
 def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: int, deadline: float,
-             measure_machine: bool, timeout_s: int = 180) -> tuple[dict | None, dict[str, dict]]:
+             measure_machine: bool, probes: list[dict] = (), timeout_s: int = 180) -> tuple[dict | None, dict[str, dict]]:
     """Measure `rows` ({"name", "sets", "est_s"}) on `nproc` processes: (machine record or None,
-    name -> measured figures, or {"error"} / {"skipped"})."""
+    name -> measured figures, or {"error"} / {"skipped"}). With `measure_machine`, the machine's terms
+    first, and the host probe's rows (`probes`, planner_rows.probe_rows) in its record."""
     work = Path(tempfile.mkdtemp(prefix="planner-validate-"))
     events = work / "events.jsonl"
     machine, results, pending = None, {}, list(rows)
@@ -60,7 +62,7 @@ def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: i
             break
         plan = {"rows": pending, "steps": steps, "warmup": warmup, "deadline": deadline, "out": str(events),
                 "device": "cpu" if smoke else "cuda", "smoke": smoke, "timeout_s": timeout_s,
-                "measure_machine": measure_machine and machine is None}
+                "measure_machine": measure_machine and machine is None, "probes": list(probes)}
         (work / "plan.json").write_text(json.dumps(plan))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                __file__, "--worker", str(work / "plan.json")]
@@ -123,9 +125,15 @@ def worker(plan_path: str) -> None:
             out.write(json.dumps(record) + "\n")
             out.flush()
 
-    if plan["measure_machine"]:
-        emit({"record": "machine", **machine_terms(device, plan["smoke"])})
     runtimes: dict = {}
+    if plan["measure_machine"]:
+        from planner_rows import PROBE_STEPS, PROBE_WARMUP
+
+        machine = machine_terms(device, plan["smoke"])
+        probe = {**plan, "steps": PROBE_STEPS, "warmup": PROBE_WARMUP}
+        machine["host_probe"] = [{"name": p["name"], "sets": p["sets"], **measure_row(p, probe, device, runtimes)}
+                                 for p in plan["probes"]]
+        emit({"record": "machine", **machine})
     for row in plan["rows"]:
         if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
             emit({"record": "skipped", "name": row["name"]})

@@ -2,8 +2,8 @@
 to the planner's prediction for the same config, the errors, the pick check, the markdown tables.
 
 Predictions use the GPU found (its preset's constants, its memory) with what the job measured in
-place of the assumptions: the fitted collective terms, PCIe and the CPU optimizer's speed
-(`predicted_*`); `predicted_step_s_assumed` is the same prediction with the preset's assumed terms.
+place of the assumptions: the fitted collective terms, PCIe, the CPU optimizer's and the host cast's
+speed, and the host's cost per eager op and per tp collective from the host probe (`predicted_*`); `predicted_step_s_assumed` is the same prediction with the preset's assumed terms.
 Errors are (predicted - measured) / measured, in percent. Peak = `max_memory_allocated` (fullest
 rank) against the planner's peak_allocated; total = reserved + outside the allocator (the job's
 smallest: later rows' counts hold earlier rows' communicators) against the planner's total (peak +
@@ -20,7 +20,7 @@ import torch
 
 from teratrain.planner.memory import forward_saved
 from teratrain.planner.hardware import GPU, GPUS, gpu_for_device
-from teratrain.planner.refit import fit_collectives
+from teratrain.planner.refit import fit_collectives, fit_host
 
 GIB = 2**30
 TARGETS = {"peak": 5.0, "step": 15.0}  # issue 24: within 5% (memory) and 15% (step time)
@@ -43,6 +43,10 @@ def measured_hw(machine: dict | None) -> tuple[dict, dict]:
     for key in ("pcie_gbps", "host_adam_params_per_s", "host_cast_params_per_s"):
         if key in machine:
             hw[key] = machine[key]
+    if machine.get("host_probe"):
+        host = fit_host(machine["host_probe"], machine["world"])
+        hw.update(host["hw"])
+        fitted["fit"]["host"] = host["fit"]
     return hw, fitted["fit"]
 
 

@@ -134,6 +134,27 @@ def rows_for(gpus: int, smoke: bool = False) -> list[Row]:
     return [r for r in rows if r.name in SMOKE] if smoke else rows
 
 
+# The host probe (planner_multi.py, before the rows): the dense model's structure at a width where every
+# kernel takes a few microseconds, so a step's time is the host's time to issue it. One layout without
+# tensor parallelism gives the host's cost per eager op, the tp layouts (plain and sequence-parallel,
+# whose collectives differ in number) its cost per tp collective on this machine
+# (teratrain/planner/refit.py `fit_host`).
+PROBE_LAYERS = 4
+PROBE_STEPS, PROBE_WARMUP = 10, 3
+
+
+def probe_rows(gpus: int, smoke: bool = False) -> list[dict]:
+    """The host probe's rows: names and --set items."""
+    model = ["model.preset=llama-1b", f"model.n_layers={PROBE_LAYERS}", "model.d_model=256", "model.n_heads=16",
+             "model.n_kv_heads=4", "model.d_ff=512", "model.seq_len=128", "model.vocab_size=1024"]
+    model += ["memory.precision=fp32", "train.device=cpu"] if smoke else ["memory.precision=bf16"]
+    tp = f"parallel.tp={gpus}"
+    layouts = {"probe dp": (f"parallel.dp={gpus}",), f"probe tp{gpus}": (tp, "parallel.sequence_parallel=false"),
+               f"probe tp{gpus} sp": (tp, "parallel.sequence_parallel=true")}
+    return [{"name": name, "sets": COMMON + model + list(_dp(2 * gpus if "dp" in name else 2, 1, *lay)),
+             "est_s": 0.0} for name, lay in layouts.items()]
+
+
 def full_sets(row: Row, layers: int, smoke: bool) -> list[str]:
     """Every --set item of a row: common settings, its model, its layout."""
     return COMMON + (moe(layers, smoke) if row.moe else dense(layers, smoke)) + list(row.sets)

@@ -26,7 +26,7 @@ import statistics
 from dataclasses import replace
 
 from teratrain.planner.comm import FRACTION, STEPS
-from teratrain.planner.hardware import GPU, gpu_for_device, hw_keys
+from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, hw_keys
 
 FITTED = ("flops_max", "flops_d_half", "op_overhead_s", "mem_efficiency", "host_op_s", "host_collective_s")
 BOUNDS = {"flops_max": (0.05, 1.0), "mem_efficiency": (0.05, 1.0), "flops_d_half": (1.0, 1e5),
@@ -59,6 +59,40 @@ def fit_collectives(rows: list[dict]) -> dict:
     for kind, f in fits.items():
         hw[f"{kind}_gbps"], hw[f"{kind}_alpha_s"] = f["gbps"], f["alpha_s"]
     return {"hw": hw, "fit": fits}
+
+
+def fit_host(probes: list[dict], gpus: int) -> dict:
+    """The host's issue costs from the host probe (bench/planner_rows.py `probe_rows`: a model whose
+    kernels take microseconds, so each step is the host's time): {"hw": {"host_op_s",
+    "host_collective_s"}, "fit": per probe row, its ops, collectives, measured and fitted seconds}.
+    The counts are the planner's own (time.eager_ops and the collectives time.host_s charges), so the
+    fitted costs mean what the planner means by them: the probe without tensor parallelism gives the
+    cost per op, and the tp probes, by least squares, the cost per tp collective beyond its ops."""
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.time import eager_ops, host_s
+
+    counted = []
+    for row in probes:
+        if not row.get("measured_step_s"):
+            continue
+        cfg = load_config(None, row["sets"])
+        shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
+        ops = eager_ops(shape, train, lay)
+        only = replace(GPUS["h100"], host_op_s=0.0, host_collective_s=1.0)  # counts the collectives
+        counted.append({"name": row["name"], "ops": ops, "collectives": host_s(shape, train, lay, only, ops),
+                        "measured_s": row["measured_step_s"]})
+    plain = [c for c in counted if not c["collectives"]]
+    if not plain:
+        return {"hw": {}, "fit": counted}
+    per_op = statistics.median(c["measured_s"] / c["ops"] for c in plain)
+    tp = [c for c in counted if c["collectives"]]
+    per_coll = max(0.0, sum(c["collectives"] * (c["measured_s"] - c["ops"] * per_op) for c in tp)
+                   / sum(c["collectives"] ** 2 for c in tp)) if tp else None
+    for c in counted:
+        c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0)
+    hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {})}
+    return {"hw": hw, "fit": counted}
 
 
 def result_gpu(result: dict) -> GPU:

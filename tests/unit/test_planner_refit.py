@@ -60,3 +60,32 @@ def test_refit_says_what_changes_and_improves_the_held_out_row(tmp_path):
     path.write_text(json.dumps(result))
     assert read_hw_file(str(path))[0] == {"all_reduce_gbps": 200.0, "pcie_gbps": 40.0}
     assert replace(GPUS["h100"], **read_hw_file(str(path))[0]).link("all_reduce", 2)[0] == 200.0
+
+
+def test_host_costs_recovered_from_the_host_probe():
+    """The host probe's rows (bench/planner_rows.py) timed as the planner's own host time with known
+    costs per op and per tp collective give those costs back; the tp probes issue collectives (SP
+    more than plain tp) and the same ops as the probe without tp."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from planner_rows import probe_rows
+
+    from teratrain.planner.refit import fit_host
+    from teratrain.planner.time import eager_ops, host_s
+
+    truth = replace(GPUS["h200"], host_op_s=21e-6, host_collective_s=0.35e-3)
+    rows = []
+    for gpus in (2, 4):
+        for row in probe_rows(gpus):
+            cfg = load_config(None, row["sets"])
+            shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
+            rows.append({**row, "measured_step_s": host_s(shape, train, lay, truth, eager_ops(shape, train, lay))})
+        fit = fit_host(rows[-3:], gpus)
+        assert fit["hw"]["host_op_s"] == pytest.approx(21e-6, rel=1e-9)
+        assert fit["hw"]["host_collective_s"] == pytest.approx(0.35e-3, rel=1e-9)
+        dp, tp, sp = fit["fit"]
+        assert dp["collectives"] == 0 < tp["collectives"] < sp["collectives"] and dp["ops"] == tp["ops"]
+    # without the probe that has no tp, nothing is fitted
+    assert fit_host(rows[-2:], 4)["hw"] == {}
