@@ -23,6 +23,8 @@
 #   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
 #   planner    bench/planner_validate.py --gpus N, then its --check-pick on what it measured    420 s
+#   stepprof   bench/step_profile.py: host issue time, GPU idle and NCCL per rank of chosen layouts 240 s
+#              (STEPPROF_ROWS: the layouts, default the host probe's and the eager MoE rows; STEPPROF_LAYERS)
 #   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
 #   reshard    bench/reshard.py (dp=N ZeRO-3 saved, dp=1 resumed)                                200 s
 set -uo pipefail
@@ -70,8 +72,12 @@ for p in "$@"; do
                       --out "$out/planner.json"
                   piece pick 150 "$py" bench/planner_validate.py --gpus "$n" --check-pick --hw-file "$out/planner.json" \
                       $smoke --table --out "$out/pick.json" ;;
+        stepprof) if [ -n "${STEPPROF_ROWS:-}" ]; then IFS=';' read -ra rows <<< "$STEPPROF_ROWS"
+                  else rows=("probe dp" "probe tp$n" "probe tp$n sp" "moe dp$n ep$((n / 2))" "moe dp$n ep$n"); fi
+                  piece stepprof 240 "${tr[@]}" bench/step_profile.py --rows "${rows[@]}" --layers "${STEPPROF_LAYERS:-16}" \
+                      $smoke --out "$out/step_profile.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, comm, moe, pipeline, fsdp2, planner, scaling, reshard)"; exit 2 ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, comm, moe, pipeline, fsdp2, planner, stepprof, scaling, reshard)"; exit 2 ;;
     esac
 done

@@ -202,32 +202,41 @@ def _batches(cfg, rt, device: torch.device) -> list:
     return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
 
 
-def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> dict:
+def build_row(sets: list[str], timeout_s: float, device: torch.device, runtimes: dict) -> tuple:
+    """A row's config, runtime, model, engine and micro-batches, built as `teratrain train` builds
+    them, and step(): one optimizer step on this rank's micro-batches."""
     from teratrain.config import load_config
     from teratrain.models.transformer import Transformer
     from teratrain.parallel.parallelize import parallelize
     from teratrain.parallel.pipeline.runtime import step_runner
-    from teratrain.planner.measure import saved_bytes
 
-    cfg = load_config(None, row["sets"] + [f"parallel.timeout_s={plan['timeout_s']}"])
+    cfg = load_config(None, sets + [f"parallel.timeout_s={timeout_s}"])
     rt = _runtime(cfg, runtimes)
     cfg.parallel.dp = rt.dims.dp
-    base = _free(device)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = parallelize(model, rt, cfg)
     runner = step_runner(model, engine, rt, cfg)
     micro, precision = _batches(cfg, rt, device), cfg.memory.precision
+    return cfg, rt, model, engine, micro, lambda: runner(micro, precision, 1e-4)
+
+
+def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> dict:
+    from teratrain.planner.measure import saved_bytes
+
+    base = _free(device)
+    cfg, rt, model, engine, micro, step = build_row(row["sets"], plan["timeout_s"], device, runtimes)
+    precision = cfg.memory.precision
     for _ in range(plan["warmup"]):
-        runner(micro, precision, 1e-4)
+        step()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(plan["steps"]):
         t0 = time.perf_counter()
-        runner(micro, precision, 1e-4)
+        step()
         _sync(device)
         times.append(time.perf_counter() - t0)
     mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times]}
@@ -239,7 +248,7 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     if rt.dims.pp == 1 and cfg.parallel.zero < 3:  # a forward on every rank: collective under tp and ep
         mine["saved"] = saved_bytes(model, *micro[0], precision, targets_in_model=True)
     alive = weakref.ref(model)
-    del runner, engine, model, micro
+    del step, engine, model, micro
     mine["left_gib"] = (_free(device) - base) / GIB  # what the row left allocated (should be ~0)
     mine["model_freed"] = alive() is None  # else something (a hook, a cache) keeps the row's model alive
     ranks = [None] * dist.get_world_size()

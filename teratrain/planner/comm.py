@@ -27,9 +27,12 @@ What is counted per step, and where it comes from in our code:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.planner.states import accumulates, stage_params
+from teratrain.parallel.grads import ordered_buckets
+from teratrain.planner.states import _tensors, accumulates, stage_params, zero_groups
 
 FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
             "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
@@ -57,8 +60,9 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     sp = stage_params(shape, lay)
     out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
     # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
-    for n, ranks in ((sp["first"] - sp["experts"], lay.dp), (sp["experts"], lay.dp // lay.ep)):
-        for key, t in dp_terms(train, lay, w, n, ranks, gpu).items():
+    for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.dp), (True, sp["experts"], lay.dp // lay.ep)):
+        messages = reduce_messages(shape, train, lay, experts, n)
+        for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages).items():
             out[key] += t
     if shape.is_bare:
         return out
@@ -72,18 +76,45 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     return out
 
 
-def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU) -> dict[str, float]:
+@lru_cache(maxsize=4096)
+def reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bool, local: int) -> tuple[int, int]:
+    """(reductions, gathers) that carry a rank's dense or expert gradients and parameters each pass:
+    the engines' own flat groups over the first stage's tensors. Buckets of ~parallel.bucket_mb
+    counted in the parameters' width, each tensor whole (parallel/grads.py `ordered_buckets`: a
+    weight larger than a bucket is a bucket of its own, so a 1b-width model has about 4 a block, not
+    the bytes over bucket_mb); ZeRO-3 reduces each block's groups and gathers the block as one unit
+    (parallel/zero_gather.py). A bare parameter count: bucket-sized pieces."""
+    if local <= 0:
+        return 0, 0
+    w = train.widths(lay.zero, lay.offload)
+    if shape.is_bare:
+        n = max(1, int(local * w.param / (train.bucket_mb * 2**20)))
+        return n, n
+    mine = lambda members: members[0].group.startswith("ep_replicas") == experts  # noqa: E731
+    if lay.zero == 0:  # DataParallel's buckets (parallel/data.py): by reduction group, in the parameters' width
+        tensors = [t for t in _tensors(shape, lay, train, "first") if t.trainable]
+        buckets = [b.members for b in ordered_buckets([(t.name, t) for t in tensors], int(train.bucket_mb * 2**20),
+                                                      lambda t: t.group, lambda t: w.param)]
+        n = sum(1 for b in buckets if mine([t for _, t in b]))
+        return n, n
+    groups = [(members, key) for members, _, key in zero_groups(shape, train, lay, local) if members[0].trainable
+              and mine(members)]
+    return len(groups), len({key for _, key in groups}) if lay.zero == 3 else len(groups)
+
+
+def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
+             messages: tuple[int, int] = (1, 1)) -> dict[str, float]:
     """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`, which
-    are tp GPUs apart (the mesh's dp axis is outside tp)."""
+    are tp GPUs apart (the mesh's dp axis is outside tp), in `messages` = (reductions, gathers)."""
     red = train.reduce_bytes
-    buckets = max(1, int(local * red / (train.bucket_mb * 2**20)))
+    buckets, gathers = (max(1, k) for k in messages)
     m, span = lay.num_microbatches, ranks * lay.tp
     if lay.zero == 0:
         return {"dp": on_link(gpu, "all_reduce", ranks, span, local * red, buckets)}
     # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume); under a
     # pipeline ZeRO-3 gathers a stage once per step and reduces once (parallel/zero.py)
     rs = on_link(gpu, "reduce_scatter", ranks, span, local * red, buckets)
-    ag = on_link(gpu, "all_gather", ranks, span, local * w.param, buckets)
+    ag = on_link(gpu, "all_gather", ranks, span, local * w.param, gathers)
     out = {"dp": rs * (1 if accumulates(lay) else m)}
     if lay.zero < 3:
         out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it

@@ -77,6 +77,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
     per_block = act.block_saved(shape, w, n, T, **bkw)
+    recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
     pending = act.pending_block(shape, w, n, T, **bkw)
@@ -89,7 +90,10 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
-            "recompute": act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw),
+            "recompute": recompute,
+            # what the first block still holds in its own backward: its activations, or where a segment is
+            # replayed only its stored input (the replayed activations are `recompute`, counted apart)
+            "first_block": sum(per_block.values()) + copies_block if not recompute else blocks["blocks"] // layers,
             **{f"block.{k}": v for k, v in per_block.items()}}
 
 
@@ -236,7 +240,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd},
         "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - log_softmax,
                                  "buffers": module + copies + T_layer + eng["during"]},
-        "end of backward": {**base, "grads": grads_held, "activations": embed_side + saved["per_block"],
+        "end of backward": {**base, "grads": grads_held, "activations": embed_side + saved["first_block"],
                             "buffers": module + T_layer + eng["end"] + eng["pending"]},
         "optimizer step": {**base, "grads": grads_held, "activations": 0,
                            "buffers": act.rope_tables(shape) + eng["pending"]

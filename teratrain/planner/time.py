@@ -106,6 +106,25 @@ def head_flops(shape: ModelShape, tokens: float) -> float:
     return 6 * shape.cfg.d_model * shape.cfg.vocab_size * tokens
 
 
+# HBM bytes the loss moves per logit (the last stage's (tokens, V/tp) logits), forward and backward,
+# counted from the code. lm_loss (models/transformer.py) under autocast: the fp32 upcast (read 2,
+# write 4), log_softmax (4 + 4), nll's dense fp32 gradient (4), log_softmax's backward (4 + 4 + 4) and
+# the cast back (4 + 2): 36; in fp32 the casts go: 24. The vocab-parallel loss (parallel/tp_layers.py):
+# the max (2), the shift into fp32 (2 + 4), exp in place (4 + 4), the sum (4), the division in place
+# (4 + 4), the backward's scaled cast (4 + 2): 34. No FLOP count sees it: at Llama 3's 128k vocabulary
+# and 16k tokens a micro-batch it is ~24 ms on an H200.
+LOSS_BYTES_PER_LOGIT = {"lm_loss": 36, "lm_loss_fp32": 24, "vocab_parallel": 34}
+
+
+def loss_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> float:
+    """Seconds of the memory-bound loss over one rank's logits for `tokens` tokens (its last stage)."""
+    if lay.tp > 1:
+        per = LOSS_BYTES_PER_LOGIT["vocab_parallel"]
+    else:
+        per = LOSS_BYTES_PER_LOGIT["lm_loss_fp32" if train.widths(lay.zero, lay.offload).compute == 4 else "lm_loss"]
+    return tokens * shape.cfg.vocab_size / lay.tp * per / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+
+
 def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
     """The extra forward recomputation adds: the blocks (2N_blocks + 4LHQT per token), or only the
     attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5)."""
@@ -203,7 +222,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     compute_s = (flops + replay + moe * (1 / gpu.moe_efficiency - 1)) / gpu.sustained_flops(train.precision, c.d_model)
     ops = eager_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
-    busy = compute_s + ops_s
+    loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here
+    busy = compute_s + ops_s + loss / lay.pp
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather
         gathers = 1 if lay.pp > 1 else 2 * lay.num_microbatches
         comm["zero_gather"] = comm.get("zero_gather", 0.0) + gathers * shard * w.param / (gpu.pcie_gbps * 1e9)
@@ -227,7 +247,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     bubble_s = 0.0
     if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one
         head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
-            train.precision, c.d_model)
+            train.precision, c.d_model) + loss
         even = busy - head_s / lay.pp + exposed + waits
         bubble_s = max(0.0, pipeline.makespan(lay, even, head_s) - critical)
     step = critical + bubble_s + opt_s + offload_s
@@ -235,7 +255,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
-                         {"recompute_flops": replay, "host_s": issue_s,
+                         {"recompute_flops": replay, "host_s": issue_s, "loss_s": loss,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
 
 

@@ -1,0 +1,104 @@
+"""Where an eager step's time goes on every rank, for layouts of bench/planner_validate.py: the
+host's time to issue the step against the step's wall time, the GPU's busy and idle time and its
+NCCL kernels, and the runtime calls and ops that take the host's time (cudaMalloc, a blocking
+synchronize, the autograd engine). Made to explain what the planner's host terms stand for: the
+host probe's rows (planner_rows.probe_rows: a model whose kernels take microseconds) and the
+validation rows the planner misses (eager MoE with expert parallelism).
+
+    torchrun --nproc-per-node 2 bench/step_profile.py --rows "probe dp" "probe tp2" "moe dp2 ep2" --out r.json
+    python -m torch.distributed.run --nproc-per-node 2 bench/step_profile.py --smoke --rows "probe tp2"
+
+Per row and rank: the median step (synchronized), the median time until the step call returned
+(the host's issue time: what the host did before it waited at the step's end), and a profile of 2
+steps (bench/trace_summary.py: kernel account and host account). Rows name planner_rows' layouts
+at `--layers` layers (the MoE rows take half, as planner_rows does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, sync  # noqa: E402
+from planner_multi import _free, build_row  # noqa: E402
+from planner_rows import full_sets, probe_rows, rows_for  # noqa: E402
+from trace_summary import profile_steps  # noqa: E402
+
+
+def row_sets(name: str, gpus: int, layers: int, smoke: bool) -> list[str]:
+    for p in probe_rows(gpus, smoke):
+        if p["name"] == name:
+            return p["sets"]
+    for r in rows_for(gpus):
+        if r.name == name:
+            return full_sets(r, layers, smoke)
+    raise SystemExit(f"--rows: no layout named {name!r} at {gpus} GPUs (planner_rows.py, or a probe row)")
+
+
+def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
+    for _ in range(warmup):
+        step()
+    sync(device)
+    issue, whole = [], []
+    for _ in range(steps):
+        dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        issue.append(time.perf_counter() - t0)
+        sync(device)
+        whole.append(time.perf_counter() - t0)
+    return {"step_ms": round(1e3 * statistics.median(whole), 3), "issue_ms": round(1e3 * statistics.median(issue), 3),
+            "steps_ms": [round(1e3 * t, 3) for t in whole]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", required=True)
+    ap.add_argument("--layers", type=int, default=16, help="the dense rows' layers (MoE rows: half)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--smoke", action="store_true", help="gloo on CPU, tiny shapes")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=180),
+                            device_id=device if cuda else None)
+    n = dist.get_world_size()
+    out = {"bench": "step_profile", "world": n, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+           "torch": torch.__version__, "layers": args.layers, "rows": {}}
+    runtimes: dict = {}
+    for name in args.rows:
+        sets = row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke)
+        _free(device)
+        *_, step = build_row(sets, 180, device, runtimes)
+        mine = measure(step, device, 1 if args.smoke else 3, 2 if args.smoke else args.steps)
+        mine["profile"] = profile_steps(step, device, steps=2, top=12)
+        del step
+        ranks = [None] * n
+        dist.all_gather_object(ranks, mine)
+        out["rows"][name] = {"sets": sets, "ranks": ranks}
+        if dist.get_rank() == 0:
+            print(f"{name}: step ms per rank {[r['step_ms'] for r in ranks]}, issue ms {[r['issue_ms'] for r in ranks]}, "
+                  f"GPU idle ms {[r['profile']['idle_ms'] for r in ranks]}", file=sys.stderr, flush=True)
+    if dist.get_rank() == 0:
+        emit(out, args.out)
+    from teratrain.mesh import shutdown
+
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
