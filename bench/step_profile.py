@@ -10,8 +10,11 @@ validation rows the planner misses (eager MoE with expert parallelism).
 
 Per row and rank: the median step (synchronized), the median time until the step call returned
 (the host's issue time: what the host did before it waited at the step's end), and a profile of 2
-steps (bench/trace_summary.py: kernel account and host account). Rows name planner_rows' layouts
-at `--layers` layers (the MoE rows take half, as planner_rows does).
+steps (bench/trace_summary.py: kernel account and host account), and the host's speed apart from
+any model (a Python loop, a small CPU op, a tiny kernel's launch), to tell a slower host from more
+work. Rows name planner_rows' layouts at `--layers` layers (the MoE rows take half, as planner_rows
+does), run in the order given in the same processes, as planner_validate runs its rows: a row named
+twice shows what the rows between did to it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,29 @@ def row_sets(name: str, gpus: int, layers: int, smoke: bool) -> list[str]:
         if r.name == name:
             return full_sets(r, layers, smoke)
     raise SystemExit(f"--rows: no layout named {name!r} at {gpus} GPUs (planner_rows.py, or a probe row)")
+
+
+def host_speed(device: torch.device, repeats: int = 3) -> dict:
+    """The host's speed at this moment, apart from any model: microseconds per iteration of a pure
+    Python loop, per small CPU tensor op, and per launch of a tiny device kernel (host side)."""
+    def best(fn, n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(n)
+            times.append((time.perf_counter() - t0) / n * 1e6)
+        return round(min(times), 4)
+
+    def py(n):
+        x = 0
+        for i in range(n):
+            x += i
+    cpu = torch.zeros(16)
+    x = torch.zeros(16, device=device)
+    out = {"python_loop_us": best(py, 200_000), "cpu_op_us": best(lambda n: [cpu.add_(1) for _ in range(n)], 5000),
+           "launch_us": best(lambda n: [x.add_(1) for _ in range(n)], 5000)}
+    sync(device)
+    return out
 
 
 def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
@@ -78,21 +104,23 @@ def main() -> None:
                             device_id=device if cuda else None)
     n = dist.get_world_size()
     out = {"bench": "step_profile", "world": n, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "torch": torch.__version__, "layers": args.layers, "rows": {}}
+           "torch": torch.__version__, "layers": args.layers, "rows": []}
     runtimes: dict = {}
     for name in args.rows:
         sets = row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke)
         _free(device)
         *_, step = build_row(sets, 180, device, runtimes)
         mine = measure(step, device, 1 if args.smoke else 3, 2 if args.smoke else args.steps)
+        mine["host_speed"] = host_speed(device)
         mine["profile"] = profile_steps(step, device, steps=2, top=12)
         del step
         ranks = [None] * n
         dist.all_gather_object(ranks, mine)
-        out["rows"][name] = {"sets": sets, "ranks": ranks}
+        out["rows"].append({"name": name, "sets": sets, "ranks": ranks})  # in order: a row may come again
         if dist.get_rank() == 0:
             print(f"{name}: step ms per rank {[r['step_ms'] for r in ranks]}, issue ms {[r['issue_ms'] for r in ranks]}, "
-                  f"GPU idle ms {[r['profile']['idle_ms'] for r in ranks]}", file=sys.stderr, flush=True)
+                  f"GPU idle ms {[r['profile']['idle_ms'] for r in ranks]}, host speed {[r['host_speed'] for r in ranks]}",
+                  file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         emit(out, args.out)
     from teratrain.mesh import shutdown
