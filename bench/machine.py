@@ -113,6 +113,20 @@ def host_cast(numel: int = 50_000_000, steps: int = 3, dtype: torch.dtype = torc
     return numel * steps / (time.perf_counter() - t0)
 
 
+def host_loop_us(n: int = 100_000, repeats: int = 3) -> float:
+    """The host CPU's speed at this moment: microseconds per iteration of a pure Python loop (the best
+    of `repeats`). A leased machine's host ran this 2x slower at some moments than at others within
+    one job (bench/README.md, the planner section), and an eager step that the host paces follows it."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(n):
+            x += i
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
 def pcie_gbps(nbytes: int = 2**30, device: torch.device | str = "cuda") -> float:
     """GB/s of pinned host<->device copies (the mean of both directions)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

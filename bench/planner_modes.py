@@ -57,7 +57,7 @@ def validate_gpus(args) -> dict:
     hw, fits = measured_hw(machine)
     if machine and "device" in machine:
         gpu = replace(gpu, memory_gib=machine["total_bytes"] / 2**30)
-    cmp = compare(payload, results, n, gpu, hw, smoke)
+    cmp = compare(payload, results, n, gpu, hw, smoke, fits.get("host_loop_us"))
     return {"bench": "planner_validate", "gpus": n, "device": machine.get("device", "cpu") if machine else "cpu",
             "device_mem_gib": gpu.memory_gib, "gpu_preset": gpu.name, "torch": torch.__version__,
             "model": f"llama-1b width, {layers} layers (MoE rows: 4 experts, {max(4, layers // 2)} layers)",

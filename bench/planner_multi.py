@@ -228,6 +228,9 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     base = _free(device)
     cfg, rt, model, engine, micro, step = build_row(row["sets"], plan["timeout_s"], device, runtimes)
     precision = cfg.memory.precision
+    from machine import host_loop_us
+
+    loops = [host_loop_us()]
     for _ in range(plan["warmup"]):
         step()
     _sync(device)
@@ -239,7 +242,8 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
         step()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times]}
+    loops.append(host_loop_us())
+    mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times], "loop_us": statistics.mean(loops)}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         mine.update(peak=(torch.cuda.max_memory_allocated(device) - base) / GIB,
@@ -261,7 +265,9 @@ def _combine(ranks: list[dict]) -> dict:
     slowest = max(ranks, key=lambda r: r["step_s"])
     out = {"measured_step_s": slowest["step_s"], "step_times_s": slowest["times"],
            "step_s_per_rank": [round(r["step_s"], 5) for r in ranks],
-           "model_freed": all(r["model_freed"] for r in ranks)}
+           "model_freed": all(r["model_freed"] for r in ranks),
+           # the host's speed around the row (machine.host_loop_us), the slowest rank's: it paces the ranks
+           "host_loop_us": max(r["loop_us"] for r in ranks), "host_loop_us_per_rank": [round(r["loop_us"], 5) for r in ranks]}
     if "peak" in ranks[0]:
         out.update(measured_peak_gib=max(r["peak"] for r in ranks),
                    measured_peak_per_rank_gib=[round(r["peak"], 3) for r in ranks],

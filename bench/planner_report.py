@@ -47,6 +47,7 @@ def measured_hw(machine: dict | None) -> tuple[dict, dict]:
         host = fit_host(machine["host_probe"], machine["world"])
         hw.update(host["hw"])
         fitted["fit"]["host"] = host["fit"]
+        fitted["fit"]["host_loop_us"] = host["host_loop_us"]
     return hw, fitted["fit"]
 
 
@@ -62,8 +63,19 @@ def _forward_saved(sets: list[str], lay, device: str) -> int:
     return forward_saved(shape_of(cfg), training_of(cfg), lay, device)
 
 
-def compare(rows: list[dict], results: dict, gpus: int, gpu: GPU, hw: dict, smoke: bool) -> list[dict]:
-    """Each row's measurement next to the planner's prediction (module docstring)."""
+def at_host_speed(gpu: GPU, row_loop_us: float | None, probe_loop_us: float | None) -> GPU | None:
+    """`gpu` with its host costs scaled to the host's speed while a row ran (bench/machine.py
+    `host_loop_us`) from its speed while the host probe ran; None where either was not measured."""
+    if not row_loop_us or not probe_loop_us:
+        return None
+    k = row_loop_us / probe_loop_us
+    return replace(gpu, host_op_s=gpu.host_op_s * k, host_collective_s=gpu.host_collective_s * k)
+
+
+def compare(rows: list[dict], results: dict, gpus: int, gpu: GPU, hw: dict, smoke: bool,
+            probe_loop_us: float | None = None) -> list[dict]:
+    """Each row's measurement next to the planner's prediction (module docstring); with the host's
+    speed while the probe ran, also the prediction at the host's speed while the row ran."""
     from planner_rows import predict
 
     measured_gpu = replace(gpu, **hw)
@@ -87,6 +99,10 @@ def compare(rows: list[dict], results: dict, gpus: int, gpu: GPU, hw: dict, smok
         if "measured_step_s" in res:
             r["step_err_pct"] = _err(r["predicted_step_s"], res["measured_step_s"])
             r["step_err_pct_assumed"] = _err(r["predicted_step_s_assumed"], res["measured_step_s"])
+            then = at_host_speed(measured_gpu, res.get("host_loop_us"), probe_loop_us)
+            if then is not None:
+                r["predicted_step_s_row_host"] = predict(row["sets"], gpus, then, device).time.step_time_s
+                r["step_err_pct_row_host"] = _err(r["predicted_step_s_row_host"], res["measured_step_s"])
         if "measured_peak_gib" in res:
             r["peak_err_pct"] = _err(r["predicted_peak_gib"], res["measured_peak_gib"])
             r["measured_total_gib"] = res["measured_reserved_gib"] + outside
@@ -102,7 +118,8 @@ def summary(rows: list[dict]) -> dict:
     """Worst and median |error| per quantity, for all rows, the fit rows and the held-out rows, and
     how many meet the issue's targets."""
     out = {}
-    for key in ("peak_err_pct", "step_err_pct", "step_err_pct_assumed", "total_err_pct", "saved_err_pct"):
+    for key in ("peak_err_pct", "step_err_pct", "step_err_pct_assumed", "step_err_pct_row_host", "total_err_pct",
+                "saved_err_pct"):
         for group, keep in (("all", lambda r: True), ("fit", lambda r: not r["held_out"]),
                             ("held_out", lambda r: r["held_out"])):
             errs = [abs(r[key]) for r in rows if keep(r) and r.get(key) is not None]
@@ -138,18 +155,21 @@ def markdown(out: dict) -> str:
     head = (f"{out['device']} x {out['gpus']}, torch {out['torch']}; model {out['model']}; measured: "
             + ", ".join(f"{k} {v:.4g}" for k, v in sorted(hw.items())))
     lines = [head, "", "| layout | held out | peak GiB meas / pred (err) | step ms meas / pred (err; assumed terms) | "
-             "saved err | reserved+outside GiB meas / pred total (err) |", "|---|---|---|---|---|---|"]
+             "step err at the row's host speed (host loop us) | saved err | reserved+outside GiB meas / pred total (err) |",
+             "|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         if "measured_step_s" not in r:
             why = r.get("error") or r.get("skipped")
-            lines.append(f"| {r['name']} | {'yes' if r['held_out'] else ''} | {why} | | | |")
+            lines.append(f"| {r['name']} | {'yes' if r['held_out'] else ''} | {why} | | | | |")
             continue
         peak = (f"{r['measured_peak_gib']:.2f} / {r['predicted_peak_gib']:.2f} ({r['peak_err_pct']:+.1f}%)"
                 if "measured_peak_gib" in r else f"- / {r['predicted_peak_gib']:.2f}")
         step = (f"{1e3 * r['measured_step_s']:.1f} / {1e3 * r['predicted_step_s']:.1f} ({r['step_err_pct']:+.1f}%; "
                 f"{r['step_err_pct_assumed']:+.1f}%)")
+        then = (f"{r['step_err_pct_row_host']:+.1f}% ({r['host_loop_us']:.4f})" if r.get("step_err_pct_row_host")
+                is not None else "-")
         saved = f"{r['saved_err_pct']:+.2f}%" if r.get("saved_err_pct") is not None else "-"
         total = (f"{r['measured_total_gib']:.2f} / {r['predicted_total_gib']:.2f} ({r['total_err_pct']:+.1f}%)"
                  if "measured_total_gib" in r else "-")
-        lines.append(f"| {r['name']} | {'yes' if r['held_out'] else ''} | {peak} | {step} | {saved} | {total} |")
+        lines.append(f"| {r['name']} | {'yes' if r['held_out'] else ''} | {peak} | {step} | {then} | {saved} | {total} |")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, sync  # noqa: E402
+from machine import host_loop_us  # noqa: E402
 from planner_multi import _free, build_row  # noqa: E402
 from planner_rows import full_sets, probe_rows, rows_for  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
@@ -58,13 +59,9 @@ def host_speed(device: torch.device, repeats: int = 3) -> dict:
             times.append((time.perf_counter() - t0) / n * 1e6)
         return round(min(times), 4)
 
-    def py(n):
-        x = 0
-        for i in range(n):
-            x += i
     cpu = torch.zeros(16)
     x = torch.zeros(16, device=device)
-    out = {"python_loop_us": best(py, 200_000), "cpu_op_us": best(lambda n: [cpu.add_(1) for _ in range(n)], 5000),
+    out = {"python_loop_us": round(host_loop_us(), 4), "cpu_op_us": best(lambda n: [cpu.add_(1) for _ in range(n)], 5000),
            "launch_us": best(lambda n: [x.add_(1) for _ in range(n)], 5000)}
     sync(device)
     return out

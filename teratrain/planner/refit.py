@@ -67,7 +67,9 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     "host_collective_s"}, "fit": per probe row, its ops, collectives, measured and fitted seconds}.
     The counts are the planner's own (time.eager_ops and the collectives time.host_s charges), so the
     fitted costs mean what the planner means by them: the probe without tensor parallelism gives the
-    cost per op, and the tp probes, by least squares, the cost per tp collective beyond its ops."""
+    cost per op, and the tp probes, by least squares, the cost per tp collective beyond its ops.
+    `host_loop_us`: the host's speed while the probe ran (bench/machine.py `host_loop_us`), the
+    reference against which a row run at another moment can be compared."""
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.time import eager_ops, host_s
@@ -92,7 +94,8 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     for c in counted:
         c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0)
     hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {})}
-    return {"hw": hw, "fit": counted}
+    loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
+    return {"hw": hw, "fit": counted, "host_loop_us": statistics.median(loops) if loops else None}
 
 
 def result_gpu(result: dict) -> GPU:
