@@ -49,10 +49,20 @@ REACHED_H200X2 = {"peak": (9, 5), "step": (11, 9)}
 SESSION6 = RESULTS / "planner_validate_h200x4_session6.json"
 REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
 PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
+# The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
+# 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
+# counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
+# four. The step misses are host-paced rows: tp2 megatron measured 150, 187 and 183 ms in the three
+# 16-layer runs, moe dp2 ep2 146, 87 and 113 ms, where every pipeline row stayed within 2%
+# (bench/README.md); moe dp2 ep1 is 15-18% under in every run.
+SESSION7 = {name: (RESULTS / f"planner_validate_h200x2_{name}.json", {"peak": (15, 12), "step": step})
+            for name, step in (("session7", (11, 11)), ("session7b", (13, 10)), ("session7d", (14, 12)),
+                               ("session7c", (14, 12)))}
+BEFORE_BUFFER_CHANGE = (RESULT, H100, H200X2)
 
 
 def ran_gradient_buffer(path: Path, lay) -> bool:
-    return path != SESSION6 and lay.dp == 1 and lay.zero == 0 and lay.pp > 1
+    return path in BEFORE_BUFFER_CHANGE and lay.dp == 1 and lay.zero == 0 and lay.pp > 1
 
 
 @functools.cache
@@ -74,11 +84,12 @@ def errors() -> list[dict]:
 
 
 @pytest.mark.parametrize("what", ["peak", "step"])
-@pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6"])
+@pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6", *SESSION7])
 def test_recorded_rows_stay_within_the_targets(errors, what, card):
     rows, reached, sizes = {"h200": (errors, REACHED, (15, 13)), "h100": (_errors(H100), REACHED_H100, (15, 13)),
                             "h200x2": (_errors(H200X2), REACHED_H200X2, (15, 12)),
-                            "h200-session6": (_errors(SESSION6), REACHED_SESSION6, (15, 13))}[card]
+                            "h200-session6": (_errors(SESSION6), REACHED_SESSION6, (15, 13)),
+                            **{k: (_errors(path), reached, (15, 12)) for k, (path, reached) in SESSION7.items()}}[card]
     if card == "h200" and what == "step":
         rows = [e for e in rows if e["name"] not in BEFORE_ZB_REWRITE]
         sizes = (14, 12)
@@ -92,6 +103,38 @@ def test_recorded_rows_stay_within_the_targets(errors, what, card):
     got = tuple(sum(abs(e[what]) <= TARGET[what] for e in group) for group in (fit, held))
     missed = {e["name"]: round(100 * e[what], 1) for e in rows if abs(e[what]) > TARGET[what]}
     assert got[0] >= reached[what][0] and got[1] >= reached[what][1], f"{what}: {got} within target; out: {missed}"
+
+
+PICKS = ["planner_pick_h200x2.json", "planner_pick_h200x4.json", "planner_pick_h100x4.json",
+         "planner_pick_h200x4_session6.json", "planner_pick_h200x2_session7.json", "planner_pick_h200x2_session7b.json",
+         "planner_pick_h200x2_session7d.json"]
+
+
+@pytest.mark.parametrize("result", PICKS)
+def test_recorded_pick_checks(result):
+    """The pick checks' measured candidates (llama-1b and llama-8b, the planner's 6 best of their run)
+    ranked by today's planner: the one it puts first is within 5% of the fastest measured (issue 24's
+    target), on every recorded machine. The 2 x H200 session-7 llama-8b check failed as run (ZeRO-3
+    picked, 1.062 of dp=1 x tp=2); counting the loss's pass over the 128k-vocabulary logits and the
+    engines' own buckets, the planner puts the measured 1.048 first."""
+    from dataclasses import replace
+
+    from teratrain.config import load_config
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+
+    data = json.loads((RESULTS / result).read_text())
+    gpu = replace(GPUS[data["gpu_preset"]], **data["hw"])
+    for model in data["models"]:
+        timed = [c for c in model["candidates"] if "measured_step_s" in c]
+        assert len(timed) >= 5, (result, model["model"])
+        planned = []
+        for c in timed:
+            cfg = load_config(None, c["sets"])
+            planned.append((evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, data["gpus"]), gpu).time.step_time_s,
+                            c["measured_step_s"]))
+        first = min(planned)[1]
+        assert first <= 1.05 * min(m for _, m in planned), (result, model["model"], first, planned)
 
 
 def test_pipeline_memory_follows_the_schedule():
