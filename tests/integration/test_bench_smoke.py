@@ -58,3 +58,36 @@ def test_determinism_probe_on_cpu(tmp_path):
         probes = result[mode]
         assert probes.pop("grouped_mm") is None and len(probes) == 5
         assert all(p["bitwise_equal"] and p["max_abs_diff"] == 0.0 for p in probes.values()), (mode, probes)
+
+
+def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
+    """bench/planner_validate.py --gpus 2 in its CPU form, one row: the job measures the machine, then
+    the host probe's three layouts, whose fit (refit.fit_host) becomes the run's host terms, and each
+    row records the host's speed around it and its prediction at that speed."""
+    out = tmp_path / "planner.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planner_validate.py"), "--gpus", "2", "--smoke",
+                           "--only", "tp2 megatron+sp", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    probe = result["collectives"]["fit"]["host"]
+    assert [p["name"] for p in probe] == ["probe dp", "probe tp2", "probe tp2 sp"]
+    assert probe[0]["collectives"] == 0 < probe[1]["collectives"] < probe[2]["collectives"]
+    assert result["hw"]["host_op_s"] > 0 and "host_collective_s" in result["hw"]
+    (row,) = result["rows"]
+    assert row["host_loop_us"] > 0 and row["predicted_step_s_row_host"] > 0 and row["measured_step_s"] > 0
+
+
+def test_step_profile_runs_rows_in_order_on_cpu(tmp_path):
+    """bench/step_profile.py through gpu_suite.sh's stepprof piece: a row named twice is measured twice,
+    in order, each with its host's issue time, a profile and the host's speed."""
+    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "STEPPROF_ROWS": "probe tp2;probe dp;probe tp2"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "stepprof"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["probe tp2", "probe dp", "probe tp2"]
+    for r in rows:
+        assert len(r["ranks"]) == 2
+        for rank in r["ranks"]:
+            assert 0 < rank["issue_ms"] <= rank["step_ms"] and rank["profile"]["top_ops"]
+            assert rank["host_speed"]["python_loop_us"] > 0
