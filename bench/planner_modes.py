@@ -12,7 +12,6 @@ import time
 from dataclasses import replace
 
 import torch
-
 from planner_multi import run_rows
 from planner_report import compare, device_gpu, markdown, measured_hw, pick_check, summary
 from planner_rows import BUILD_S, COMMON, full_sets, probe_rows, rows_for, size_layers
@@ -54,16 +53,16 @@ def validate_gpus(args) -> dict:
                                 warmup=1 if smoke else WARMUP, deadline=deadline, measure_machine=True,
                                 probes=probe_rows(n, smoke))
     results.update(refused)
-    hw, fits = measured_hw(machine)
+    hw, fits, host = measured_hw(machine)
     if machine and "device" in machine:
         gpu = replace(gpu, memory_gib=machine["total_bytes"] / 2**30)
-    cmp = compare(payload, results, n, gpu, hw, smoke, fits.get("host_loop_us"))
+    cmp = compare(payload, results, n, gpu, hw, smoke, host.get("host_loop_us"))
     return {"bench": "planner_validate", "gpus": n, "device": machine.get("device", "cpu") if machine else "cpu",
             "device_mem_gib": gpu.memory_gib, "gpu_preset": gpu.name, "torch": torch.__version__,
             "model": f"llama-1b width, {layers} layers (MoE rows: 4 experts, {max(4, layers // 2)} layers)",
             "steps": steps, "warmup": WARMUP, "hw": hw, "collectives": {"rows": (machine or {}).get("collectives", []),
                                                                       "fit": fits},
-            "rows": cmp, "summary": summary(cmp)}
+            "host_probe": host, "rows": cmp, "summary": summary(cmp)}
 
 
 def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str, list[str]]]:

@@ -50,7 +50,8 @@ LAUNCHES = 3
 # ---------------------------------------------------------------- driver
 
 def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: int, deadline: float,
-             measure_machine: bool, probes: list[dict] = (), timeout_s: int = 180) -> tuple[dict | None, dict[str, dict]]:
+             measure_machine: bool, probes: list[dict] = (),
+             timeout_s: int = 180) -> tuple[dict | None, dict[str, dict]]:
     """Measure `rows` ({"name", "sets", "est_s"}) on `nproc` processes: (machine record or None,
     name -> measured figures, or {"error"} / {"skipped"}). With `measure_machine`, the machine's terms
     first, and the host probe's rows (`probes`, planner_rows.probe_rows) in its record."""
@@ -97,6 +98,8 @@ def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
         kind = e.pop("record")
         if kind == "machine":
             machine = e
+        elif kind == "probe":  # the host probe's rows (planner_rows.probe_rows) join the machine's record
+            machine.setdefault("host_probe", []).append(e)
         elif kind == "start":
             started = e["name"]
         elif kind in ("row", "skipped"):
@@ -129,11 +132,10 @@ def worker(plan_path: str) -> None:
     if plan["measure_machine"]:
         from planner_rows import PROBE_STEPS, PROBE_WARMUP
 
-        machine = machine_terms(device, plan["smoke"])
+        emit({"record": "machine", **machine_terms(device, plan["smoke"])})  # kept if a probe ends the job
         probe = {**plan, "steps": PROBE_STEPS, "warmup": PROBE_WARMUP}
-        machine["host_probe"] = [{"name": p["name"], "sets": p["sets"], **measure_row(p, probe, device, runtimes)}
-                                 for p in plan["probes"]]
-        emit({"record": "machine", **machine})
+        for p in plan["probes"]:
+            emit({"record": "probe", "name": p["name"], "sets": p["sets"], **measure_row(p, probe, device, runtimes)})
     for row in plan["rows"]:
         if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
             emit({"record": "skipped", "name": row["name"]})
@@ -243,7 +245,8 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
         _sync(device)
         times.append(time.perf_counter() - t0)
     loops.append(host_loop_us())
-    mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times], "loop_us": statistics.mean(loops)}
+    mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times],
+            "loop_us": statistics.mean(loops)}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         mine.update(peak=(torch.cuda.max_memory_allocated(device) - base) / GIB,
@@ -267,7 +270,8 @@ def _combine(ranks: list[dict]) -> dict:
            "step_s_per_rank": [round(r["step_s"], 5) for r in ranks],
            "model_freed": all(r["model_freed"] for r in ranks),
            # the host's speed around the row (machine.host_loop_us), the slowest rank's: it paces the ranks
-           "host_loop_us": max(r["loop_us"] for r in ranks), "host_loop_us_per_rank": [round(r["loop_us"], 5) for r in ranks]}
+           "host_loop_us": max(r["loop_us"] for r in ranks),
+           "host_loop_us_per_rank": [round(r["loop_us"], 5) for r in ranks]}
     if "peak" in ranks[0]:
         out.update(measured_peak_gib=max(r["peak"] for r in ranks),
                    measured_peak_per_rank_gib=[round(r["peak"], 3) for r in ranks],

@@ -3,7 +3,9 @@ to the planner's prediction for the same config, the errors, the pick check, the
 
 Predictions use the GPU found (its preset's constants, its memory) with what the job measured in
 place of the assumptions: the fitted collective terms, PCIe, the CPU optimizer's and the host cast's
-speed, and the host's cost per eager op and per tp collective from the host probe (`predicted_*`); `predicted_step_s_assumed` is the same prediction with the preset's assumed terms.
+speed, and the host's cost per eager op and per tp collective from the host probe (`predicted_*`);
+`predicted_step_s_assumed` is the same prediction with the preset's assumed terms, and
+`predicted_step_s_row_host` the first with the host's costs scaled to its speed while the row ran.
 Errors are (predicted - measured) / measured, in percent. Peak = `max_memory_allocated` (fullest
 rank) against the planner's peak_allocated; total = reserved + outside the allocator (the job's
 smallest: later rows' counts hold earlier rows' communicators) against the planner's total (peak +
@@ -18,8 +20,8 @@ from dataclasses import replace
 
 import torch
 
-from teratrain.planner.memory import forward_saved
 from teratrain.planner.hardware import GPU, GPUS, gpu_for_device
+from teratrain.planner.memory import forward_saved
 from teratrain.planner.refit import fit_collectives, fit_host
 
 GIB = 2**30
@@ -34,21 +36,22 @@ def device_gpu(smoke: bool) -> GPU:
     return gpu_for_device(props.name, props.total_memory)
 
 
-def measured_hw(machine: dict | None) -> tuple[dict, dict]:
-    """(hardware terms the job measured, the collective fits)."""
+def measured_hw(machine: dict | None) -> tuple[dict, dict, dict]:
+    """(hardware terms the job measured, the collective fits, the host probe's fit: its rows and the
+    host's speed while it ran, refit.fit_host)."""
     if not machine:
-        return {}, {}
+        return {}, {}, {}
     fitted = fit_collectives(machine["collectives"])
     hw = dict(fitted["hw"])
     for key in ("pcie_gbps", "host_adam_params_per_s", "host_cast_params_per_s"):
         if key in machine:
             hw[key] = machine[key]
+    host = {}
     if machine.get("host_probe"):
-        host = fit_host(machine["host_probe"], machine["world"])
-        hw.update(host["hw"])
-        fitted["fit"]["host"] = host["fit"]
-        fitted["fit"]["host_loop_us"] = host["host_loop_us"]
-    return hw, fitted["fit"]
+        fit = fit_host(machine["host_probe"], machine["world"])
+        hw.update(fit["hw"])
+        host = {"rows": fit["fit"], "host_loop_us": fit["host_loop_us"]}
+    return hw, fitted["fit"], host
 
 
 def _err(pred: float, meas: float) -> float | None:
@@ -154,9 +157,10 @@ def markdown(out: dict) -> str:
     hw = out.get("hw", {})
     head = (f"{out['device']} x {out['gpus']}, torch {out['torch']}; model {out['model']}; measured: "
             + ", ".join(f"{k} {v:.4g}" for k, v in sorted(hw.items())))
-    lines = [head, "", "| layout | held out | peak GiB meas / pred (err) | step ms meas / pred (err; assumed terms) | "
-             "step err at the row's host speed (host loop us) | saved err | reserved+outside GiB meas / pred total (err) |",
-             "|---|---|---|---|---|---|---|"]
+    columns = ("layout", "held out", "peak GiB meas / pred (err)", "step ms meas / pred (err; assumed terms)",
+               "step err at the row's host speed (host loop us)", "saved err",
+               "reserved+outside GiB meas / pred total (err)")
+    lines = [head, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in out["rows"]:
         if "measured_step_s" not in r:
             why = r.get("error") or r.get("skipped")
@@ -171,5 +175,6 @@ def markdown(out: dict) -> str:
         saved = f"{r['saved_err_pct']:+.2f}%" if r.get("saved_err_pct") is not None else "-"
         total = (f"{r['measured_total_gib']:.2f} / {r['predicted_total_gib']:.2f} ({r['total_err_pct']:+.1f}%)"
                  if "measured_total_gib" in r else "-")
-        lines.append(f"| {r['name']} | {'yes' if r['held_out'] else ''} | {peak} | {step} | {then} | {saved} | {total} |")
+        cells = (r["name"], "yes" if r["held_out"] else "", peak, step, then, saved, total)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -149,10 +149,12 @@ def probe_rows(gpus: int, smoke: bool = False) -> list[dict]:
              "model.n_kv_heads=4", "model.d_ff=512", "model.seq_len=128", "model.vocab_size=1024"]
     model += ["memory.precision=fp32", "train.device=cpu"] if smoke else ["memory.precision=bf16"]
     tp = f"parallel.tp={gpus}"
-    layouts = {"probe dp": (f"parallel.dp={gpus}",), f"probe tp{gpus}": (tp, "parallel.sequence_parallel=false"),
-               f"probe tp{gpus} sp": (tp, "parallel.sequence_parallel=true")}
-    return [{"name": name, "sets": COMMON + model + list(_dp(2 * gpus if "dp" in name else 2, 1, *lay)),
-             "est_s": 0.0} for name, lay in layouts.items()]
+    # (global batch, layout): 2 micro-batches of one sequence on every rank
+    layouts = {"probe dp": (2 * gpus, (f"parallel.dp={gpus}",)),
+               f"probe tp{gpus}": (2, (tp, "parallel.sequence_parallel=false")),
+               f"probe tp{gpus} sp": (2, (tp, "parallel.sequence_parallel=true"))}
+    return [{"name": name, "sets": COMMON + model + list(_dp(batch, 1, *lay)), "est_s": 0.0}
+            for name, (batch, lay) in layouts.items()]
 
 
 def full_sets(row: Row, layers: int, smoke: bool) -> list[str]:

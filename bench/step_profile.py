@@ -8,8 +8,9 @@ validation rows the planner misses (eager MoE with expert parallelism).
     torchrun --nproc-per-node 2 bench/step_profile.py --rows "probe dp" "probe tp2" "moe dp2 ep2" --out r.json
     python -m torch.distributed.run --nproc-per-node 2 bench/step_profile.py --smoke --rows "probe tp2"
 
-Per row and rank: the median step (synchronized), the median time until the step call returned
-(the host's issue time: what the host did before it waited at the step's end), and a profile of 2
+Per row and rank: the median step (synchronized), the median time until the step call returned (the
+step ends by reading the gradient norm, so this waits for the GPU too: it is the host's issue time
+only where the host sets the pace), and a profile of 2
 steps (bench/trace_summary.py: kernel account and host account), and the host's speed apart from
 any model (a Python loop, a small CPU op, a tiny kernel's launch), to tell a slower host from more
 work. Rows name planner_rows' layouts at `--layers` layers (the MoE rows take half, as planner_rows
@@ -31,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, sync  # noqa: E402
-from machine import host_loop_us  # noqa: E402
-from planner_multi import _free, build_row  # noqa: E402
-from planner_rows import full_sets, probe_rows, rows_for  # noqa: E402
-from trace_summary import profile_steps  # noqa: E402
+from common import emit, sync
+from machine import host_loop_us
+from planner_multi import _free, build_row
+from planner_rows import full_sets, probe_rows, rows_for
+from trace_summary import profile_steps
 
 
 def row_sets(name: str, gpus: int, layers: int, smoke: bool) -> list[str]:
@@ -61,7 +62,8 @@ def host_speed(device: torch.device, repeats: int = 3) -> dict:
 
     cpu = torch.zeros(16)
     x = torch.zeros(16, device=device)
-    out = {"python_loop_us": round(host_loop_us(), 4), "cpu_op_us": best(lambda n: [cpu.add_(1) for _ in range(n)], 5000),
+    out = {"python_loop_us": round(host_loop_us(), 4),
+           "cpu_op_us": best(lambda n: [cpu.add_(1) for _ in range(n)], 5000),
            "launch_us": best(lambda n: [x.add_(1) for _ in range(n)], 5000)}
     sync(device)
     return out
@@ -106,18 +108,19 @@ def main() -> None:
     for name in args.rows:
         sets = row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke)
         _free(device)
-        *_, step = build_row(sets, 180, device, runtimes)
+        built = build_row(sets, 180, device, runtimes)
+        step = built[-1]
         mine = measure(step, device, 1 if args.smoke else 3, 2 if args.smoke else args.steps)
         mine["host_speed"] = host_speed(device)
         mine["profile"] = profile_steps(step, device, steps=2, top=12)
-        del step
+        del built, step  # the row's model, engine and batches go before the next row is built
         ranks = [None] * n
         dist.all_gather_object(ranks, mine)
         out["rows"].append({"name": name, "sets": sets, "ranks": ranks})  # in order: a row may come again
         if dist.get_rank() == 0:
-            print(f"{name}: step ms per rank {[r['step_ms'] for r in ranks]}, issue ms {[r['issue_ms'] for r in ranks]}, "
-                  f"GPU idle ms {[r['profile']['idle_ms'] for r in ranks]}, host speed {[r['host_speed'] for r in ranks]}",
-                  file=sys.stderr, flush=True)
+            each = {"step ms": [r["step_ms"] for r in ranks], "issue ms": [r["issue_ms"] for r in ranks],
+                    "GPU idle ms": [r["profile"]["idle_ms"] for r in ranks], "host speed": [r["host_speed"] for r in ranks]}
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in each.items()), file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         emit(out, args.out)
     from teratrain.mesh import shutdown

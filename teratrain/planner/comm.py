@@ -31,8 +31,7 @@ from functools import lru_cache
 
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.parallel.grads import ordered_buckets
-from teratrain.planner.states import _tensors, accumulates, stage_params, zero_groups
+from teratrain.planner.states import accumulates, dp_buckets, stage_params, zero_groups
 
 FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
             "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
@@ -79,27 +78,27 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
 @lru_cache(maxsize=4096)
 def reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bool, local: int) -> tuple[int, int]:
     """(reductions, gathers) that carry a rank's dense or expert gradients and parameters each pass:
-    the engines' own flat groups over the first stage's tensors. Buckets of ~parallel.bucket_mb
-    counted in the parameters' width, each tensor whole (parallel/grads.py `ordered_buckets`: a
-    weight larger than a bucket is a bucket of its own, so a 1b-width model has about 4 a block, not
-    the bytes over bucket_mb); ZeRO-3 reduces each block's groups and gathers the block as one unit
-    (parallel/zero_gather.py). A bare parameter count: bucket-sized pieces."""
+    the engines' own flat groups over the fuller pipeline end's tensors, as the memory model's
+    (states.zero_groups, states.dp_buckets). Buckets of ~parallel.bucket_mb counted in the
+    parameters' width, each tensor whole (parallel/grads.py `ordered_buckets`: a weight larger than a
+    bucket is a bucket of its own, so a 1b-width model has about 4 a block, not bytes / bucket_mb).
+    One all-gather per flat group: ZeRO 1/2 after the step, ZeRO-3 per block's group, its frozen
+    groups too (parallel/zero_gather.py). A bare parameter count: bucket-sized pieces."""
     if local <= 0:
         return 0, 0
-    w = train.widths(lay.zero, lay.offload)
     if shape.is_bare:
-        n = max(1, int(local * w.param / (train.bucket_mb * 2**20)))
+        n = max(1, int(local * train.widths(lay.zero, lay.offload).param / (train.bucket_mb * 2**20)))
         return n, n
-    mine = lambda members: members[0].group.startswith("ep_replicas") == experts  # noqa: E731
-    if lay.zero == 0:  # DataParallel's buckets (parallel/data.py): by reduction group, in the parameters' width
-        tensors = [t for t in _tensors(shape, lay, train, "first") if t.trainable]
-        buckets = [b.members for b in ordered_buckets([(t.name, t) for t in tensors], int(train.bucket_mb * 2**20),
-                                                      lambda t: t.group, lambda t: w.param)]
-        n = sum(1 for b in buckets if mine([t for _, t in b]))
+
+    def mine(members) -> bool:
+        return members[0].group.startswith("ep_replicas") == experts
+
+    if lay.zero == 0:
+        n = sum(1 for members in dp_buckets(shape, train, lay) if mine(members))
         return n, n
-    groups = [(members, key) for members, _, key in zero_groups(shape, train, lay, local) if members[0].trainable
-              and mine(members)]
-    return len(groups), len({key for _, key in groups}) if lay.zero == 3 else len(groups)
+    groups = [members for members, _, _ in zero_groups(shape, train, lay, local) if mine(members)]
+    trained = sum(1 for members in groups if members[0].trainable)
+    return trained, len(groups) if lay.zero == 3 else trained
 
 
 def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,

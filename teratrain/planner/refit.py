@@ -3,6 +3,8 @@ a `bench/planner_validate.py --gpus N` result, and what each change does to the 
 
     python bench/planner_validate.py --refit RESULT.json
 
+- Host costs (`fit_host`): the cost per eager op and per tensor-parallel collective from the host
+  probe's steps (bench/planner_rows.py `probe_rows`), with the planner's own counts.
 - Collectives (`fit_collectives`): per kind, t = steps(n) x alpha + fraction(n) x bytes / bandwidth
   (planner/comm.py's ring model) fitted to the timed sizes by least squares on the relative error
   (the sizes span four orders of magnitude: an absolute fit would ignore the small ones). The planner
@@ -74,6 +76,9 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.time import eager_ops, host_s
 
+    counting = replace(GPUS["h100"], host_op_s=0.0, host_collective_s=1.0)  # host_s then counts collectives
+    loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
+    loop_us = statistics.median(loops) if loops else None
     counted = []
     for row in probes:
         if not row.get("measured_step_s"):
@@ -81,12 +86,11 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
         cfg = load_config(None, row["sets"])
         shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
         ops = eager_ops(shape, train, lay)
-        only = replace(GPUS["h100"], host_op_s=0.0, host_collective_s=1.0)  # counts the collectives
-        counted.append({"name": row["name"], "ops": ops, "collectives": host_s(shape, train, lay, only, ops),
+        counted.append({"name": row["name"], "ops": ops, "collectives": host_s(shape, train, lay, counting, ops),
                         "measured_s": row["measured_step_s"]})
     plain = [c for c in counted if not c["collectives"]]
     if not plain:
-        return {"hw": {}, "fit": counted}
+        return {"hw": {}, "fit": counted, "host_loop_us": loop_us}
     per_op = statistics.median(c["measured_s"] / c["ops"] for c in plain)
     tp = [c for c in counted if c["collectives"]]
     per_coll = max(0.0, sum(c["collectives"] * (c["measured_s"] - c["ops"] * per_op) for c in tp)
@@ -94,8 +98,7 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     for c in counted:
         c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0)
     hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {})}
-    loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
-    return {"hw": hw, "fit": counted, "host_loop_us": statistics.median(loops) if loops else None}
+    return {"hw": hw, "fit": counted, "host_loop_us": loop_us}
 
 
 def result_gpu(result: dict) -> GPU:

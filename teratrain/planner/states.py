@@ -31,8 +31,8 @@ from functools import lru_cache
 from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
 from teratrain.parallel.parallelize import grad_dtype_problem, zero_problem
-from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
+from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 from teratrain.planner.local import group_size, local_tensors
 
@@ -159,6 +159,15 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
     per = max(1, bucket_bytes // w.param)
     sizes = [per] * (local // per) + ([local % per] if local % per else [])
     return [([_Sized((n,))], lay.dp, i) for i, n in enumerate(sizes)]
+
+
+def dp_buckets(shape: ModelShape, train: Training, lay: Layout) -> list[list]:
+    """DataParallel's buckets (parallel/data.py: ~parallel.bucket_mb by reduction group, counted in the
+    parameters' own width) over the trainable tensors of the fuller pipeline end: their members."""
+    w = train.widths(lay.zero, lay.offload)
+    tensors = [(t.name, t) for t in _tensors(shape, lay, train) if t.trainable]
+    return [[t for _, t in b.members]
+            for b in ordered_buckets(tensors, int(train.bucket_mb * 2**20), lambda t: t.group, lambda t: w.param)]
 
 
 def _key(t) -> tuple:

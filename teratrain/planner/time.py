@@ -111,17 +111,17 @@ def head_flops(shape: ModelShape, tokens: float) -> float:
 # write 4), log_softmax (4 + 4), nll's dense fp32 gradient (4), log_softmax's backward (4 + 4 + 4) and
 # the cast back (4 + 2): 36; in fp32 the casts go: 24. The vocab-parallel loss (parallel/tp_layers.py):
 # the max (2), the shift into fp32 (2 + 4), exp in place (4 + 4), the sum (4), the division in place
-# (4 + 4), the backward's scaled cast (4 + 2): 34. No FLOP count sees it: at Llama 3's 128k vocabulary
-# and 16k tokens a micro-batch it is ~24 ms on an H200.
-LOSS_BYTES_PER_LOGIT = {"lm_loss": 36, "lm_loss_fp32": 24, "vocab_parallel": 34}
+# (4 + 4), the backward's scaled cast (4 + 2): 34; in fp32 the max reads 4 and the backward scales in
+# place (4 + 4): 40. No FLOP count sees it: at Llama 3's 128k vocabulary and 16k tokens a micro-batch
+# it is ~24 ms on an H200. Each kernel is counted as one pass; a softmax over rows that wide may read a
+# row more than once, and under train.compile inductor fuses some passes (not modelled either way).
+LOSS_BYTES_PER_LOGIT = {"lm_loss": 36, "lm_loss_fp32": 24, "vocab_parallel": 34, "vocab_parallel_fp32": 40}
 
 
 def loss_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> float:
     """Seconds of the memory-bound loss over one rank's logits for `tokens` tokens (its last stage)."""
-    if lay.tp > 1:
-        per = LOSS_BYTES_PER_LOGIT["vocab_parallel"]
-    else:
-        per = LOSS_BYTES_PER_LOGIT["lm_loss_fp32" if train.widths(lay.zero, lay.offload).compute == 4 else "lm_loss"]
+    fp32 = "_fp32" if train.widths(lay.zero, lay.offload).compute == 4 else ""
+    per = LOSS_BYTES_PER_LOGIT[("vocab_parallel" if lay.tp > 1 else "lm_loss") + fp32]
     return tokens * shape.cfg.vocab_size / lay.tp * per / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
 
 

@@ -135,3 +135,22 @@ def test_compression_ratio_of_a_block():
         for term in ("q_k_v", "attention_out", "mlp_hidden"):
             assert plain[term] / packed[term] == pytest.approx(ratio), term
         assert packed["logsumexp"] == plain["logsumexp"]
+
+
+@pytest.mark.parametrize("policy", ["full", "sqrt", "every-k"])
+def test_end_of_backward_holds_one_segment_input_beside_the_replay(policy):
+    """In the first block's backward a replaying policy holds that segment's stored input (one hidden
+    state in the parameters' width) and the replayed segment (`recompute`, counted apart), not the
+    block's whole activations: the recomputing ZeRO-3 row on 2 x H200 was +11% over its peak when they
+    were counted (bench/results/planner_validate_h200x2_session7*.json, 3.2% under the rule)."""
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import _saved
+
+    cfg = load_config(None, ["model.preset=llama-1b", "model.n_layers=16", "model.vocab_size=32000",
+                             "memory.precision=bf16", f"memory.recompute={policy}", "memory.recompute_every=4",
+                             "train.micro_batch=2", "train.global_batch=2"])
+    train, lay = training_of(cfg), layout_of(cfg, 1)
+    saved = _saved(shape_of(cfg), train, lay, "cuda")
+    hidden = 2 * cfg.model.seq_len * cfg.model.d_model * train.widths(lay.zero, lay.offload).param
+    assert saved["first_block"] == hidden and saved["recompute"] >= saved["per_block"] > hidden
+    assert saved["blocks"] == hidden * {"full": 16, "sqrt": 4, "every-k": 4}[policy]
