@@ -95,6 +95,8 @@ def cmd_plan(args) -> int:
         if p.weight_version_every is not None:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
+    if best.time.terms.get("host_s", 0.0) > best.time.terms.get("gpu_s", 0.0) > 0:
+        notes.append(HOST_PACED)
     command = _train_command(args, cfg, shape, best, gpus, gpu, fixed)
     if args.json:
         print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes),
@@ -117,6 +119,15 @@ def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dic
         sets.append(f"memory.precision={PLAN_PRECISION}")
     given = tuple(key for field, key in KEYS.items() if field in fixed)
     return train_command(toml, sets, best.layout, gpus, gpu.gpus_per_node, given)
+
+
+# Measured on 2 x H200 (bench/README.md, the planner section, session 7): the same eager tensor- and
+# expert-parallel layouts ran 1.1-1.7x apart between runs while the host's own speed moved 2x, where
+# GPU-paced layouts (every pipeline) stayed within 2%.
+HOST_PACED = ("the chosen layout's eager step is host-paced (the host takes longer to issue its kernels and "
+              "collectives than the GPU to run them): it runs as fast as the host is at the moment, 1.1-1.7x apart "
+              "between runs on shared hosts; train.compile=true with train.compile_mode=reduce-overhead replays the "
+              "step as CUDA graphs and takes the host out")
 
 
 def _host_mem(args, notes: list[str]) -> float | None:

@@ -255,7 +255,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
-                         {"recompute_flops": replay, "host_s": issue_s, "loss_s": loss,
+                         {"recompute_flops": replay, "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
 
 

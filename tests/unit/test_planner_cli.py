@@ -121,3 +121,17 @@ def test_schedule_plot_draws_the_simulated_pipeline(capsys, tmp_path):
     assert "schedule=interleaved-1f1b v=2" in out and f"pipeline timeline written to {png}" in out
     rc, out, err = plan(capsys, "--params", "1e9", "--schedule-plot", str(png))
     assert rc == 2 and "--schedule-plot needs a model shape" in err
+
+
+def test_host_paced_layouts_are_said(capsys):
+    """A layout whose host takes longer to issue the step than its GPU to run it (tensor parallelism
+    splits every matmul, not the host's work) gets a 'host issue' line that says so and a note on what
+    that means for its speed; a data-parallel layout of the same model hides its host time."""
+    model = ["--model", "llama-1b", "--gpus", "2", "--set", "model.seq_len=2048", "--set", "train.global_batch=4",
+             "--set", "train.micro_batch=2"]
+    rc, out, _ = plan(capsys, *model, "--set", "parallel.tp=2", "--set", "parallel.dp=1")
+    assert rc == 0 and "host-paced" in next(line for line in out.splitlines() if "host issue" in line)
+    assert "Note: the chosen layout's eager step is host-paced" in out
+    d = plan_json(capsys, *model, "--set", "parallel.dp=2", "--set", "parallel.tp=1")
+    assert 0 < d["time"]["terms"]["host_s"] < d["time"]["terms"]["gpu_s"]
+    assert not any("host-paced" in n for n in d["notes"])
