@@ -225,13 +225,13 @@ def build_row(sets: list[str], timeout_s: float, device: torch.device, runtimes:
 
 
 def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> dict:
+    from machine import host_loop_us
+
     from teratrain.planner.measure import saved_bytes
 
     base = _free(device)
     cfg, rt, model, engine, micro, step = build_row(row["sets"], plan["timeout_s"], device, runtimes)
     precision = cfg.memory.precision
-    from machine import host_loop_us
-
     loops = [host_loop_us()]
     for _ in range(plan["warmup"]):
         step()

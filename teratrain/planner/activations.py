@@ -301,11 +301,16 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
         return {"blocks": n_layers * sum(per.values()), "weight_copies": n_layers * copies}
     if policy == "selective":
         return {"blocks": n_layers * (sum(per.values()) - per["logsumexp"]), "weight_copies": n_layers * copies}
-    k = segment_size(policy, n_layers, every)
     rep = tp if kw.get("sp") else 1
     hidden = Saved(tokens * shape.cfg.d_model // rep, w.param)  # residual stream in the params' dtype
     held = hidden.held(kw.get("compress", "none"), True, kw.get("device", "cuda"))  # a checkpoint input, in the stack
-    return {"blocks": ceil_div(n_layers, k) * held, "weight_copies": 0}
+    return {"blocks": segments(policy, n_layers, every) * held, "weight_copies": 0}
+
+
+def segments(policy: str, n_layers: int, every: int) -> int:
+    """Checkpointed segments of a stage's blocks under a replaying policy (memory/recompute.py): each
+    keeps its input from forward to backward."""
+    return ceil_div(n_layers, min(n_layers, segment_size(policy, n_layers, every)))
 
 
 def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,

@@ -95,7 +95,7 @@ def cmd_plan(args) -> int:
         if p.weight_version_every is not None:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
-    if best.time.terms.get("host_s", 0.0) > best.time.terms.get("gpu_s", 0.0) > 0:
+    if best.time.host_paced:
         notes.append(HOST_PACED)
     command = _train_command(args, cfg, shape, best, gpus, gpu, fixed)
     if args.json:

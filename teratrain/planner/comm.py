@@ -31,7 +31,7 @@ from functools import lru_cache
 
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.planner.states import accumulates, dp_buckets, stage_params, zero_groups
+from teratrain.planner.states import accumulates, dp_buckets, is_expert, stage_params, zero_groups
 
 FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
             "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
@@ -89,20 +89,16 @@ def reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bo
     if shape.is_bare:
         n = max(1, int(local * train.widths(lay.zero, lay.offload).param / (train.bucket_mb * 2**20)))
         return n, n
-
-    def mine(members) -> bool:
-        return members[0].group.startswith("ep_replicas") == experts
-
     if lay.zero == 0:
-        n = sum(1 for members in dp_buckets(shape, train, lay) if mine(members))
+        n = sum(1 for members in dp_buckets(shape, train, lay) if is_expert(members[0]) == experts)
         return n, n
-    groups = [members for members, _, _ in zero_groups(shape, train, lay, local) if mine(members)]
+    groups = [members for members, _, _ in zero_groups(shape, train, lay, local) if is_expert(members[0]) == experts]
     trained = sum(1 for members in groups if members[0].trainable)
     return trained, len(groups) if lay.zero == 3 else trained
 
 
 def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
-             messages: tuple[int, int] = (1, 1)) -> dict[str, float]:
+             messages: tuple[int, int]) -> dict[str, float]:
     """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`, which
     are tp GPUs apart (the mesh's dp axis is outside tp), in `messages` = (reductions, gathers)."""
     red = train.reduce_bytes

@@ -141,11 +141,11 @@ class Widths:
 
 
 def widths(precision: str, master_weights: bool) -> Widths:
-    low = precision != "fp32"
+    low, bf16 = precision != "fp32", precision == "bf16"
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
-        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=precision == "bf16")
-    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=precision == "bf16")
+        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16)
+    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -78,8 +78,6 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
     per_block = act.block_saved(shape, w, n, T, **bkw)
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
-    segments = ceil_div(layers, min(layers, act.segment_size(lay.recompute, layers, lay.recompute_every))) \
-        if recompute else 1
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device)
     head_copy = act.head_weight_copy(shape, w, lay.tp)
     pending = act.pending_block(shape, w, n, T, **bkw)
@@ -95,7 +93,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
             "recompute": recompute,
             # what the first block still holds in its own backward: its activations, or where a segment is
             # replayed only the first segment's stored input (the replayed activations are `recompute`)
-            "first_block": sum(per_block.values()) + copies_block if not recompute else blocks["blocks"] // segments,
+            "first_block": sum(per_block.values()) + copies_block if not recompute else blocks["blocks"] // act.segments(lay.recompute, layers, lay.recompute_every),
             **{f"block.{k}": v for k, v in per_block.items()}}
 
 

@@ -28,7 +28,7 @@ import statistics
 from dataclasses import replace
 
 from teratrain.planner.comm import FRACTION, STEPS
-from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, hw_keys
+from teratrain.planner.hardware import GPU, gpu_for_device, hw_keys
 
 FITTED = ("flops_max", "flops_d_half", "op_overhead_s", "mem_efficiency", "host_op_s", "host_collective_s")
 BOUNDS = {"flops_max": (0.05, 1.0), "mem_efficiency": (0.05, 1.0), "flops_d_half": (1.0, 1e5),
@@ -67,16 +67,15 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     """The host's issue costs from the host probe (bench/planner_rows.py `probe_rows`: a model whose
     kernels take microseconds, so each step is the host's time): {"hw": {"host_op_s",
     "host_collective_s"}, "fit": per probe row, its ops, collectives, measured and fitted seconds}.
-    The counts are the planner's own (time.eager_ops and the collectives time.host_s charges), so the
+    The counts are the planner's own (time.eager_ops and time.issued_collectives), so the
     fitted costs mean what the planner means by them: the probe without tensor parallelism gives the
     cost per op, and the tp probes, by least squares, the cost per tp collective beyond its ops.
     `host_loop_us`: the host's speed while the probe ran (bench/machine.py `host_loop_us`), the
     reference against which a row run at another moment can be compared."""
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
-    from teratrain.planner.time import eager_ops, host_s
+    from teratrain.planner.time import eager_ops, issued_collectives
 
-    counting = replace(GPUS["h100"], host_op_s=0.0, host_collective_s=1.0)  # host_s then counts collectives
     loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
     loop_us = statistics.median(loops) if loops else None
     counted = []
@@ -85,9 +84,8 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
             continue
         cfg = load_config(None, row["sets"])
         shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
-        ops = eager_ops(shape, train, lay)
-        counted.append({"name": row["name"], "ops": ops, "collectives": host_s(shape, train, lay, counting, ops),
-                        "measured_s": row["measured_step_s"]})
+        counted.append({"name": row["name"], "ops": eager_ops(shape, train, lay),
+                        "collectives": issued_collectives(shape, train, lay), "measured_s": row["measured_step_s"]})
     plain = [c for c in counted if not c["collectives"]]
     if not plain:
         return {"hw": {}, "fit": counted, "host_loop_us": loop_us}

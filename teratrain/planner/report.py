@@ -112,10 +112,10 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
         share = t.bubble_s / (t.step_time_s - t.optimizer_s - t.offload_s)
         out.append(("pipeline bubble", t.bubble_s, f"{share:.1%} of the pipelined time idle in the simulated "
                     f"{_schedule_str(lay)}, m={lay.num_microbatches} (even stages)"))
-    host, busy = t.terms.get("host_s", 0.0), t.terms.get("gpu_s", 0.0)
-    if host:
-        paced = "the step waits on it: host-paced" if host > busy else f"under the GPU's {busy * 1e3:.1f} ms: hidden"
-        out.append(("host issue", host, f"eager ops at {gpu.host_op_s * 1e6:.1f} us, tp / ep collectives at "
+    if t.terms.get("host_s"):
+        busy = t.terms["gpu_s"]
+        paced = "the step waits on it: host-paced" if t.host_paced else f"under the GPU's {busy * 1e3:.1f} ms: hidden"
+        out.append(("host issue", t.terms["host_s"], f"eager ops at {gpu.host_op_s * 1e6:.1f} us, tp / ep collectives at "
                     f"{gpu.host_collective_s * 1e3:.2f} ms each; {paced}"))
     if t.offload_s:
         out.append(("offload", t.offload_s, f"PCIe at {gpu.pcie_gbps:g} GB/s, the CPU optimizer "

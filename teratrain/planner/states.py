@@ -102,7 +102,7 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
     return tuple({"first": sum(t.numel() for t in first), "last": sum(t.numel() for t in last),
                   "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
                   "block": max(blocks.values()), "layers": len(blocks),
-                  "experts": sum(t.numel() for t in first if t.group.startswith("ep_replicas"))}.items())
+                  "experts": sum(t.numel() for t in first if is_expert(t))}.items())
 
 
 def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller"):
@@ -159,6 +159,11 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
     per = max(1, bucket_bytes // w.param)
     sizes = [per] * (local // per) + ([local % per] if local % per else [])
     return [([_Sized((n,))], lay.dp, i) for i, n in enumerate(sizes)]
+
+
+def is_expert(t) -> bool:
+    """A tensor of the experts: reduced over the dp / ep ranks that hold it (planner/local.py)."""
+    return t.group.startswith("ep_replicas")
 
 
 def dp_buckets(shape: ModelShape, train: Training, lay: Layout) -> list[list]:

@@ -77,6 +77,11 @@ class TimeBreakdown:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def host_paced(self) -> bool:
+        """Eager, the host takes longer to issue the step than the GPU to run it."""
+        return self.terms.get("host_s", 0.0) > self.terms.get("gpu_s", 0.0) > 0
+
 
 def model_flops(shape: ModelShape, tokens: float) -> float:
     """PaLM FLOPs for `tokens` tokens (no recomputation); MoE counts the active weights only: the
@@ -170,19 +175,24 @@ def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
     return fwd + share * OPS_MOE_EXTRA[0], bwd + share * OPS_MOE_EXTRA[1]
 
 
-def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
-    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
-    every tensor- or expert-parallel collective with its autograd function and launch
-    (gpu.host_collective_s). An MoE layer's all-to-alls go through the same wrapper as tp's: each
-    forward exchanges the counts, dispatches and combines (3; again when a recomputed segment
-    replays it), each backward returns the two (parallel/expert.py). parallel.ep_overlap_chunks,
-    which multiplies the dispatch and combine, is not modelled. When the GPU's work per op is short
-    (tensor parallelism splits every matmul) the GPU waits on it."""
+def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float:
+    """Tensor- and expert-parallel collectives one rank issues per step, each with its autograd
+    function and launch. An MoE layer's all-to-alls go through the same wrapper as tp's: each forward
+    exchanges the counts, dispatches and combines (3; again when a recomputed segment replays it),
+    each backward returns the two (parallel/expert.py). parallel.ep_overlap_chunks, which multiplies
+    the dispatch and combine, is not modelled."""
     layers = stage_params(shape, lay)["layers"]
     n = tp_per_microbatch(shape, train, lay, None, layers, count=True)
     if shape.num_experts > 1 and lay.ep > 1:
         n += layers * shape.moe_share * (3 * (2 if lay.recompute in REPLAYING else 1) + 2)
-    return ops * gpu.host_op_s + lay.num_microbatches * n * gpu.host_collective_s
+    return lay.num_microbatches * n
+
+
+def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
+    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
+    every collective `issued_collectives` counts (gpu.host_collective_s). When the GPU's work per op
+    is short (tensor parallelism splits every matmul) the GPU waits on it."""
+    return ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
