@@ -81,7 +81,7 @@ from teratrain.models.transformer import Transformer, count_params, flops_per_to
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel import comm  # noqa: E402
 from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
-from teratrain.parallel.parallelize import parallelize  # noqa: E402
+from teratrain.parallel.parallelize import compile_scope, parallelize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -206,6 +206,7 @@ def measure(sets: list[str], args) -> dict:
     if compiled:
         out["first_step_s"] = round(first_s, 1)  # the compile, mostly
         out["graph_breaks"] = graph_breaks()
+        out["compile_scope"] = compile_scope(cfg, rt.dims.dp)  # model: one graph; block: each block apart
     del model, engine
     fresh_memory(rt.device)
     return out

@@ -256,6 +256,13 @@ class TrainConfig(Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile's mode with train.compile (reduce-overhead: CUDA graphs replay each "
         "compiled forward and backward with one launch, for host-bound steps such as tensor parallelism)")
+    compile_scope: Literal["auto", "model", "block"] = Field(
+        "auto", description="what train.compile traces as one graph: model = the whole forward (its compiled "
+        "backward hands every gradient over at its end, so data-parallel reductions start only then); block = each "
+        "block apart, and the decoder's final norm and loss (each block's gradients reach the engine as its backward "
+        "ends and their reductions overlap the rest, as in eager); auto = block where gradients are reduced over "
+        "data-parallel ranks during backward (parallel.dp > 1, parallel.overlap_comm, no CUDA graphs, no replaying "
+        "memory.recompute), else model. A pipeline stage always compiles its blocks")
     compile_overlap: bool = Field(False, description="with train.compile: inductor moves each collective's launch "
                                   "earlier and its wait later, within peak memory, so that work not needing it runs "
                                   "under it (a tensor-parallel backward's input-gradient all-reduce under the weight "
@@ -486,6 +493,16 @@ class Config(Section):
         if self.train.compile_overlap and not self.train.compile:
             raise ConfigError("train.compile_overlap reorders what train.compile generates; set train.compile=true "
                               "or train.compile_overlap=false.")
+        if self.train.compile_scope == "block":
+            why = ("train.compile_mode=reduce-overhead records one CUDA graph of the whole step" if self.train.cuda_graphs
+                   else f"memory.recompute={self.memory.recompute} checkpoints whole segments around the blocks"
+                   if self.memory.recompute in ("full", "every-k", "sqrt") else None)
+            if why:
+                raise ConfigError(f"train.compile_scope=block compiles each block apart, and {why}; set "
+                                  "train.compile_scope=auto (it picks model there).")
+        if self.train.compile_scope != "auto" and not self.train.compile:
+            raise ConfigError(f"train.compile_scope={self.train.compile_scope} is a setting of train.compile; set "
+                              "train.compile=true or leave train.compile_scope at auto.")
         if self.train.compile_mode != "default" and not self.train.compile:
             raise ConfigError(f"train.compile_mode={self.train.compile_mode} is a mode of train.compile; set "
                               "train.compile=true or leave train.compile_mode at default.")

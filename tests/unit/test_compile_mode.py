@@ -1,7 +1,8 @@
-"""train.compile_mode: its refusals, and the engine's gradient buffers under CUDA graph replays
-(reduce-overhead), which hand back each backward's gradients in the graph's own memory. A GPU is
-needed for real graphs (bench/tensor_parallel.py --compile reduce-overhead checks their losses);
-here a backward that returns one reused buffer, as a replay does, stands in for them."""
+"""train.compile_mode and train.compile_scope: their refusals, what each scope compiles, and the
+engine's gradient buffers under CUDA graph replays (reduce-overhead), which hand back each backward's
+gradients in the graph's own memory. A GPU is needed for real graphs (bench/tensor_parallel.py
+--compile reduce-overhead checks their losses); here a backward that returns one reused buffer, as a
+replay does, stands in for them."""
 
 import pytest
 import torch
@@ -9,8 +10,8 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.optim.engine import LocalEngine, train_step
-from teratrain.parallel.parallelize import check_supported
-from tests.helpers import make_config
+from teratrain.parallel.parallelize import check_supported, compile_scope, compile_units
+from tests.helpers import make_config, small_model
 
 
 def test_a_mode_without_compile_is_refused():
@@ -101,3 +102,38 @@ def test_compile_overlap_needs_compile_and_sets_inductor_for_the_next_compile():
     finally:
         assert compat.compile_comm_overlap(False) == []
     assert not inductor.reorder_for_compute_comm_overlap and inductor.reorder_for_compute_comm_overlap_passes == []
+
+
+@pytest.mark.parametrize("sets, dp, scope", [
+    ([], 2, "block"),  # gradients reduced from backward hooks: each block its own graph
+    ([], 1, "model"),  # nothing to reduce: one graph
+    (["parallel.overlap_comm=false"], 2, "model"),  # reductions wait for the backward anyway
+    (["memory.recompute=full"], 2, "model"),  # checkpointed segments around the blocks
+    (["memory.recompute=selective"], 2, "block"),  # inside each block
+    (["train.compile_mode=reduce-overhead"], 2, "model"),  # one CUDA graph of the step
+    (["parallel.sync=local-sgd", "parallel.sync_every=4"], 2, "model"),  # no per-step reduction
+    (["train.compile_scope=model"], 2, "model"),
+    (["train.compile_scope=block"], 1, "block"),
+])
+def test_compile_scope_auto_compiles_blocks_apart_where_backward_reduces(sets, dp, scope):
+    assert compile_scope(make_config("train.compile=true", *sets), dp) == scope
+
+
+def test_compile_units_of_each_scope():
+    """Scope block: every block, the final norm and the loss (the decoder's eager rest is the
+    embeddings and the output projection); model: the model; a pipeline stage: its blocks."""
+    model = small_model(n_layers=3)
+    block = compile_units(model, False, make_config("train.compile=true"), dp=2)
+    assert block == [*model.layers, model.norm, model.criterion]
+    assert compile_units(model, False, make_config("train.compile=true"), dp=1) == [model]
+    assert compile_units(model, True, make_config("train.compile=true"), dp=1) == list(model.layers)
+
+
+@pytest.mark.parametrize("sets, why", [
+    (["train.compile_scope=block"], "train.compile=true"),
+    (["train.compile=true", "train.compile_scope=block", "train.compile_mode=reduce-overhead"], "CUDA graph"),
+    (["train.compile=true", "train.compile_scope=block", "memory.recompute=sqrt"], "memory.recompute=sqrt"),
+])
+def test_compile_scope_refusals_name_the_fix(sets, why):
+    with pytest.raises(ConfigError, match=why):
+        make_config(*sets)
