@@ -22,6 +22,7 @@
 #   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
 #   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
+#   ddp        bench/ddp_compare.py at dp=N, eager and compiled (DDP_ARGS: more arguments)       240 s
 #   planner    bench/planner_validate.py --gpus N, then its --check-pick on what it measured    420 s
 #   stepprof   bench/step_profile.py: host issue time, GPU idle and NCCL per rank of chosen layouts 240 s
 #              (STEPPROF_ROWS: the layouts, default the host probe's and the eager MoE rows; STEPPROF_LAYERS)
@@ -65,6 +66,7 @@ for p in "$@"; do
         comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
         moe)      piece moe "${MOE_LIMIT:-240}" "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
+        ddp)      piece ddp 240 "${tr[@]}" bench/ddp_compare.py --compile ${DDP_ARGS:-} $smoke --out "$out/ddp.json" ;;
         fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
                   piece fsdp2_1b 150 "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 $smoke \
                       --out "$out/fsdp2_1b.json" ;;

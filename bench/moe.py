@@ -4,7 +4,7 @@ torchrun job.
     torchrun --nproc-per-node 2 bench/moe.py           # 2 GPUs: dense, MoE ep=1, ep=2, ep=2 dropless, the ep=2
                                                        # runs also chunked (~4 min; 3 without the chunked runs)
     torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
-    torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 MoE ep=1 steps
+    torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 steps of each model
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
     torchrun --nproc-per-node 2 bench/moe.py --compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2
                                                        # the same models compiled (train.compile): ~3 min
@@ -198,10 +198,10 @@ def measure(sets: list[str], args) -> dict:
         stats = [layer.pop_stats() for _, layer in moe_layers(model)]
         dropped = sum(float(s["dropped"]) for s in stats) / max(1.0, sum(float(s["attempted"]) for s in stats))
         out["dropped"] = round(dropped, 4)
-        if args.profile and rt.dims.ep == 1:
-            out["profile"] = _profile(step, rt.device)
         if rt.device.type == "cuda" and not compiled:  # the layer alone runs eager: said for the eager rows
             out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
+    if args.profile:
+        out["profile"] = _profile(step, rt.device)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
     if compiled:
         out["first_step_s"] = round(first_s, 1)  # the compile, mostly
@@ -311,18 +311,11 @@ def _host_syncs(layer, tokens: int, cfg, device: torch.device) -> str:
 
 
 def _profile(step, device: torch.device) -> dict:
-    """torch.profiler over 2 steps: host and device time, and the 12 ops with the most device time."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler over 2 steps (bench/trace_summary.py): per step, the GPU's busy and idle time, its
+    NCCL kernels' time and the part of it no compute kernel runs under, copies, and the top ops."""
+    from trace_summary import profile_steps
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        time_steps(step, 0, 2, device)
-    events = prof.key_averages()
-    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    top = sorted(events, key=lambda e: getattr(e, dev), reverse=True)[:12]
-    return {"host_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 1),
-            "device_ms": round(sum(getattr(e, dev) for e in events) / 1e3, 1),
-            "top_device_ms": {e.key: round(getattr(e, dev) / 1e3, 2) for e in top}}
+    return profile_steps(step, device, steps=2, top=12)
 
 
 def _max_over_ranks(value: float, rt) -> float:
@@ -426,7 +419,7 @@ def main() -> None:
                    help="a config key for every model, dense and MoE (repeatable), e.g. memory.master_weights=true "
                         "(bf16 weights: no per-micro-batch cast of the 2.6x larger MoE) or parallel.reduce_dtype=bf16")
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process (0: none)")
-    p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 MoE steps at ep=1")
+    p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 steps of each model")
     p.add_argument("--compile", action="store_true",
                    help="run every model once more with train.compile (NAME_compiled: graph breaks, vs_eager, "
                         "moe_vs_dense against the compiled dense model); the parity check runs compiled")

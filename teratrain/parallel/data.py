@@ -76,8 +76,17 @@ class DataParallelEngine(LocalEngine):
     def _launch(self, b: _Bucket) -> None:
         t = b.flat if b.flat.dtype == self.reduce_dtype or b.group is None else b.flat.to(self.reduce_dtype)
         self._inflight.append((all_reduce(t, b.group, async_op=True, op=AVG), b, t))
-        while len(self._inflight) > (MAX_INFLIGHT_REDUCES if self.overlap else 0):  # bound copies alive at once
-            self._complete(self._inflight.pop(0))
+        if not self.overlap:
+            self._complete(self._inflight.pop())
+            return
+        # Waiting for a reduction makes the compute stream wait for it: only copies (a bucket reduced in
+        # another dtype) are waited for mid-backward, to bound the copies alive at once; a bucket reduced
+        # in place holds nothing more and is waited for at the step.
+        copies = [i for i, (_, b, t) in enumerate(self._inflight) if t is not b.flat]
+        done = set(copies[:max(0, len(copies) - MAX_INFLIGHT_REDUCES)])
+        for i in sorted(done):
+            self._complete(self._inflight[i])
+        self._inflight = [item for i, item in enumerate(self._inflight) if i not in done]
 
     @staticmethod
     def _complete(item) -> None:

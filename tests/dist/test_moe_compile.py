@@ -1,8 +1,9 @@
 """train.compile with mixture-of-experts layers: the whole model (or at dp > 1 each block, the norm and
-the loss: train.compile_scope) traces with fullgraph=True (no graph break: no read-back of routed counts, the all-to-all a functional collective whose backward is the
-reverse all-to-all) and trains as one process does, at ep=1 and ep=2, top-1 and top-2, with and
-without a capacity, with and without recomputation. (The other routers, gpt2's biased experts and
-ep=2 top-1 compile too; left out to keep this test's compiles few.)
+the loss: train.compile_scope) traces with fullgraph=True (no graph break: no read-back of routed
+counts, the all-to-all a functional collective whose backward is the reverse all-to-all) and trains as
+one process does, at ep=1 and ep=2, top-1 and top-2, with and without a capacity, with and without
+recomputation. (The other routers, gpt2's biased experts and ep=2 top-1 compile too; left out to keep
+this test's compiles few.)
 
 The compiler is aot_eager, as in test_tensor_parallel.py: the traced forward and backward graphs run
 eagerly (inductor would take minutes on 2 cores and check nothing more about the graphs). fp32, so the
