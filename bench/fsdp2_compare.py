@@ -3,6 +3,7 @@ rank 0 prints one JSON object (and writes it with --out).
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out results/fsdp2_h100x2.json
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke     # gloo CPU processes, tiny shape
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile   # + both sides compiled block by block
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
 fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
@@ -10,7 +11,9 @@ fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same rando
 ZeRO-3 at this dp) fits 75% of the GPU found (H100 80 GB, H200 141 GB), the same for both sides.
 Each side: build, 3 warm-up steps, `--steps` timed steps, then one step with allocation tracing
 (bench/memory_trace.py): the peak and the largest allocation sites alive at it, next to the peak
-allocated/reserved of the whole run, and the model states each side holds.
+allocated/reserved of the whole run, and the model states each side holds. `--compile`: both once more
+with each block's forward compiled (ours: train.compile under ZeRO-3, its gather/free hooks eager
+around each block; FSDP2: torchtitan's order, `torch.compile` on each block, then `fully_shard`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fit_layers  # noqa: E402
+from common import fit_layers, fresh_compile  # noqa: E402
 from memory_trace import traced_step  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.mesh import init_runtime, shutdown  # noqa: E402
@@ -69,6 +72,9 @@ def fsdp2(cfg, rt):
     mesh = init_device_mesh(rt.device.type, (rt.world,))
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.train.compile:  # torchtitan's order: each block compiled, then sharded (its hooks outside the graph)
+        for key, block in list(model.layers.items()):
+            model.layers[key] = torch.compile(block)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -127,6 +133,12 @@ def measure(build, cfg, rt, mb: int, warmup: int, steps: int) -> dict:
             "allocated_gib_before_build": start / GIB, "traced_step_rank0": trace}
 
 
+def _ratios(rows: dict, ours_key: str, peer_key: str, tag: str) -> None:
+    a, b = rows[ours_key], rows[peer_key]
+    rows[f"tokens_per_s_ratio_ours_over_fsdp2{tag}"] = a["tokens_per_s"] / b["tokens_per_s"]
+    rows[f"peak_ratio_ours_over_fsdp2{tag}"] = a["peak_gib_max_over_ranks"] / max(b["peak_gib_max_over_ranks"], 1e-9)
+
+
 def _sync(rt) -> None:
     if rt.device.type == "cuda":
         torch.cuda.synchronize(rt.device)
@@ -147,7 +159,12 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(SHAPES), default="llama-8b")
     ap.add_argument("--layers", type=int, help="blocks of the model (default: as many as fit, see the docstring)")
     ap.add_argument("--set", action="append", default=[], help="a config override on top of the shape")
+    ap.add_argument("--compile", action="store_true", help="also both sides with each block compiled")
+    ap.add_argument("--compile-only", action="store_true", help="only the compiled runs")
     args = ap.parse_args()
+    if args.smoke and (args.compile or args.compile_only):  # trace as on the GPU, run eagerly (no C++ compiles)
+        compile_fn = torch.compile
+        torch.compile = lambda *a, **kw: compile_fn(*a, **{**kw, "backend": "aot_eager"})
     if not args.smoke:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():  # FSDP2 needs a process group even on one GPU (ours needs none then)
@@ -163,11 +180,18 @@ def main() -> None:
     shape += args.set
     cfg = load_config(None, shape + RUN + batch)
     rt = init_runtime(cfg)
-    rows = {"ours_zero3": measure(ours, cfg, rt, args.micro_batch, 3, args.steps)}
-    rows["fsdp2"] = measure(fsdp2, cfg, rt, args.micro_batch, 3, args.steps)
-    a, b = rows["ours_zero3"], rows["fsdp2"]
-    rows["tokens_per_s_ratio_ours_over_fsdp2"] = a["tokens_per_s"] / b["tokens_per_s"]
-    rows["peak_ratio_ours_over_fsdp2"] = a["peak_gib_max_over_ranks"] / max(b["peak_gib_max_over_ranks"], 1e-9)
+    rows = {}
+    if not args.compile_only:
+        rows["ours_zero3"] = measure(ours, cfg, rt, args.micro_batch, 3, args.steps)
+        rows["fsdp2"] = measure(fsdp2, cfg, rt, args.micro_batch, 3, args.steps)
+        _ratios(rows, "ours_zero3", "fsdp2", "")
+    if args.compile or args.compile_only:  # both sides compiled, each block apart
+        compiled = load_config(None, shape + RUN + batch + ["train.compile=true"])
+        fresh_compile()
+        rows["ours_zero3_compiled"] = measure(ours, compiled, rt, args.micro_batch, 3, args.steps)
+        fresh_compile()
+        rows["fsdp2_compiled"] = measure(fsdp2, compiled, rt, args.micro_batch, 3, args.steps)
+        _ratios(rows, "ours_zero3_compiled", "fsdp2_compiled", "_compiled")
     if rt.rank == 0:
         device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
         text = json.dumps({"bench": "fsdp2_compare", "gpus": rt.world, "device": device, "torch": torch.__version__,

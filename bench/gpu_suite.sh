@@ -22,6 +22,7 @@
 #   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
 #   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
+#              (FSDP2_ARGS: more arguments to both, e.g. "--compile --layers 16"; FSDP2_LIMIT replaces each 150 s)
 #   ddp        bench/ddp_compare.py at dp=N, eager and compiled (DDP_ARGS: more arguments)       240 s
 #   planner    bench/planner_validate.py --gpus N, then its --check-pick on what it measured    420 s
 #   stepprof   bench/step_profile.py: host issue time, GPU idle and NCCL per rank of chosen layouts 240 s
@@ -67,9 +68,10 @@ for p in "$@"; do
         moe)      piece moe "${MOE_LIMIT:-240}" "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
         ddp)      piece ddp 240 "${tr[@]}" bench/ddp_compare.py --compile ${DDP_ARGS:-} $smoke --out "$out/ddp.json" ;;
-        fsdp2)    piece fsdp2 150 "${tr[@]}" bench/fsdp2_compare.py $smoke --out "$out/fsdp2_8b.json"
-                  piece fsdp2_1b 150 "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 $smoke \
-                      --out "$out/fsdp2_1b.json" ;;
+        fsdp2)    piece fsdp2 "${FSDP2_LIMIT:-150}" "${tr[@]}" bench/fsdp2_compare.py ${FSDP2_ARGS:-} $smoke \
+                      --out "$out/fsdp2_8b.json"
+                  piece fsdp2_1b "${FSDP2_LIMIT:-150}" "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 \
+                      ${FSDP2_ARGS:-} $smoke --out "$out/fsdp2_1b.json" ;;
         planner)  piece planner 270 "$py" bench/planner_validate.py --gpus "$n" --budget-s 230 $smoke --table \
                       --out "$out/planner.json"
                   piece pick 150 "$py" bench/planner_validate.py --gpus "$n" --check-pick --hw-file "$out/planner.json" \

@@ -493,10 +493,16 @@ class Config(Section):
         if self.train.compile_overlap and not self.train.compile:
             raise ConfigError("train.compile_overlap reorders what train.compile generates; set train.compile=true "
                               "or train.compile_overlap=false.")
-        if self.train.compile_scope == "block":
+        zero3 = self.train.compile and self.parallel.zero == 3
+        if self.train.compile_scope == "block" or zero3:
             why = ("train.compile_mode=reduce-overhead records one CUDA graph of the whole step" if self.train.cuda_graphs
                    else f"memory.recompute={self.memory.recompute} checkpoints whole segments around the blocks"
-                   if self.memory.recompute in ("full", "every-k", "sqrt") else None)
+                   if self.memory.recompute in ("full", "every-k", "sqrt") else
+                   "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
+                   if zero3 and self.train.compile_scope == "model" else None)
+            if why and zero3:
+                raise ConfigError(f"train.compile with parallel.zero=3 compiles each block's forward apart, and {why}; "
+                                  "set train.compile=false, parallel.zero<=2, or the other setting named.")
             if why:
                 raise ConfigError(f"train.compile_scope=block compiles each block apart, and {why}; set "
                                   "train.compile_scope=auto (it picks model there).")

@@ -68,8 +68,12 @@ def parallelize(model: nn.Module, rt, cfg):
         # traced collectives are waited for where issued; the passes move the waits to the use, which is
         # what lets a chunked tp region's pieces overlap (parallel/tp_overlap.py)
         compat.compile_comm_overlap(cfg.train.compile_overlap or cfg.parallel.tp_overlap == "chunked")
+        mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
         for module in compile_units(model, layout is not None, cfg, rt.dims.dp):
-            module.compile(mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
+            if cfg.parallel.zero == 3:  # only the forward: ZeRO-3's gather and free hooks on each block run
+                module.forward = torch.compile(module.forward, mode=mode)  # around it, eager (zero_gather.py)
+            else:
+                module.compile(mode=mode)
     engine = build_engine(model, rt, cfg, init)  # 6
     for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
         layer.start_stats(rt.device)
@@ -85,8 +89,8 @@ def compile_scope(cfg, dp: int) -> str:
     (CUDA graphs record the whole step; a replaying recompute policy checkpoints segments of blocks),
     else `model`."""
     t, replaying = cfg.train, cfg.memory.recompute in ("full", "every-k", "sqrt")
-    if t.compile_scope != "auto":
-        return t.compile_scope
+    if t.compile_scope != "auto" or cfg.parallel.zero == 3:  # ZeRO-3: its hooks are on the blocks (config.py)
+        return "block" if cfg.parallel.zero == 3 else t.compile_scope
     reduces = dp > 1 and cfg.parallel.overlap_comm and cfg.parallel.sync == "allreduce"
     return "block" if reduces and not t.cuda_graphs and not replaying else "model"
 
@@ -126,9 +130,6 @@ def check_supported(cfg) -> None:
         raise ConfigError(f"train.compile_mode=reduce-overhead needs engines that keep their own gradient buffers, "
                           f"and parallel.sync={p.sync} adopts the graphs' gradients; set parallel.sync=allreduce or "
                           "train.compile_mode=default.")
-    if p.zero == 3 and cfg.train.compile:
-        raise ConfigError("train.compile does not trace ZeRO-3's gather/free hooks; set train.compile=false "
-                          "or parallel.zero<=2.")
     if p.sync != "allreduce" and p.zero:
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas and cannot shard them; "
                           "set parallel.zero=0 or parallel.sync=allreduce.")

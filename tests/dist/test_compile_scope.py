@@ -2,7 +2,8 @@
 dp=2 `auto` compiles each block apart (parallelize.compile_units), so the engine's gradient
 reductions are launched while the backward is still running through earlier blocks, where one
 compiled graph of the whole model hands every gradient over at its end; and the compiled run
-matches one eager process on the same global batch."""
+matches one eager process on the same global batch, with ZeRO-3 too (each block's forward compiled,
+its gather and free hooks eager around it)."""
 
 import torch
 
@@ -48,15 +49,17 @@ def launches_worker(rank: int, world: int, scope: str) -> dict:
         torch.nn.Module.compile = compile_module
 
 
-def test_block_scope_reduces_during_backward_and_matches_one_process():
+def test_block_scope_reduces_during_backward_and_matches_one_process_with_zero3_too():
     block, model = (run_ranks(launches_worker, 2, scope)[0] for scope in ("block", "model"))
     assert len(block["launched_after"]) == block["buckets"] > 6 and block["regions"] == 3 + 2, block
     # a reduction goes as soon as its bucket is complete, while blocks' backward is still to run
     early = [n for n in block["launched_after"] if n < block["regions"]]
     assert len(early) >= block["buckets"] // 2 and block["launched_after"][0] <= 2, block
     assert model["regions"] == 1 and set(model["launched_after"]) == {1}, model  # one graph: all at its end
-    got = run_ranks(compiled_worker, 2, [["model.n_layers=3"]], {"steps": 2})[0][0]
-    assert got["graph_breaks"] == 0 and got["graphs"] == 3, got  # the blocks' one graph, the norm's, the loss's
     ref = train_random(0, 1, ["model.n_layers=3"], steps=2)
-    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) < TOL
-    assert max_rel_diff(got["params"], ref["params"]) < TOL
+    # plain data parallelism, and ZeRO-3 (each block's forward compiled, its gather/free hooks eager around it)
+    for got in run_ranks(compiled_worker, 2, [["model.n_layers=3"], ["model.n_layers=3", "parallel.zero=3"]],
+                         {"steps": 2})[0]:
+        assert got["graph_breaks"] == 0 and got["graphs"] == 3, got  # the blocks' one graph, the norm's, the loss's
+        assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) < TOL
+        assert max_rel_diff(got["params"], ref["params"]) < TOL

@@ -243,8 +243,9 @@ def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    compile_module = torch.nn.Module.compile
+    compile_module, compile_fn = torch.nn.Module.compile, torch.compile  # ZeRO-3 compiles each block's forward
     torch.nn.Module.compile = lambda self, **_: compile_module(self, backend="aot_eager", fullgraph=True)
+    torch.compile = lambda fn, **_: compile_fn(fn, backend="aot_eager", fullgraph=True)
     try:
         runs = []
         for layout in layouts:
@@ -255,4 +256,4 @@ def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -
                          "graphs": counters["stats"]["unique_graphs"]})
         return runs
     finally:
-        torch.nn.Module.compile = compile_module
+        torch.nn.Module.compile, torch.compile = compile_module, compile_fn

@@ -114,6 +114,7 @@ def test_compile_overlap_needs_compile_and_sets_inductor_for_the_next_compile():
     (["parallel.sync=local-sgd", "parallel.sync_every=4"], 2, "model"),  # no per-step reduction
     (["train.compile_scope=model"], 2, "model"),
     (["train.compile_scope=block"], 1, "block"),
+    (["parallel.zero=3"], 1, "block"),  # its hooks are on the blocks: always each block apart
 ])
 def test_compile_scope_auto_compiles_blocks_apart_where_backward_reduces(sets, dp, scope):
     assert compile_scope(make_config("train.compile=true", *sets), dp) == scope
@@ -133,6 +134,9 @@ def test_compile_units_of_each_scope():
     (["train.compile_scope=block"], "train.compile=true"),
     (["train.compile=true", "train.compile_scope=block", "train.compile_mode=reduce-overhead"], "CUDA graph"),
     (["train.compile=true", "train.compile_scope=block", "memory.recompute=sqrt"], "memory.recompute=sqrt"),
+    (["train.compile=true", "parallel.zero=3", "train.compile_scope=model"], "gather and free hooks"),
+    (["train.compile=true", "parallel.zero=3", "memory.recompute=full"], "parallel.zero=3"),
+    (["train.compile=true", "parallel.zero=3", "train.compile_mode=reduce-overhead"], "parallel.zero=3"),
 ])
 def test_compile_scope_refusals_name_the_fix(sets, why):
     with pytest.raises(ConfigError, match=why):
