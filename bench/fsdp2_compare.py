@@ -104,7 +104,7 @@ def fsdp2(cfg, rt):
     return step, states
 
 
-def measure(build, cfg, rt, mb: int, warmup: int, steps: int) -> dict:
+def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12) -> dict:
     gc.collect()
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -125,7 +125,7 @@ def measure(build, cfg, rt, mb: int, warmup: int, steps: int) -> dict:
     peak = _max_over_ranks(torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else 0, rt)
     reserved = _max_over_ranks(torch.cuda.max_memory_reserved(rt.device) if rt.device.type == "cuda" else 0, rt)
     dist.barrier()
-    trace = traced_step(lambda: step(x[:, :-1], x[:, 1:]), rt.device)
+    trace = traced_step(lambda: step(x[:, :-1], x[:, 1:]), rt.device, top)
     tps = mb * cfg.model.seq_len * rt.world / statistics.median(times)
     return {"tokens_per_s": tps, "tflops_per_gpu": tps * flops_per_token(cfg.model) / rt.world / 1e12,
             "step_ms": 1e3 * statistics.median(times), "peak_gib_max_over_ranks": peak / GIB,
@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="a config override on top of the shape")
     ap.add_argument("--compile", action="store_true", help="also both sides with each block compiled")
     ap.add_argument("--compile-only", action="store_true", help="only the compiled runs")
+    ap.add_argument("--trace-top", type=int, default=12, help="allocation sites listed at each side's traced peak")
     args = ap.parse_args()
     if args.smoke and (args.compile or args.compile_only):  # trace as on the GPU, run eagerly (no C++ compiles)
         compile_fn = torch.compile
@@ -182,15 +183,15 @@ def main() -> None:
     rt = init_runtime(cfg)
     rows = {}
     if not args.compile_only:
-        rows["ours_zero3"] = measure(ours, cfg, rt, args.micro_batch, 3, args.steps)
-        rows["fsdp2"] = measure(fsdp2, cfg, rt, args.micro_batch, 3, args.steps)
+        rows["ours_zero3"] = measure(ours, cfg, rt, args.micro_batch, 3, args.steps, args.trace_top)
+        rows["fsdp2"] = measure(fsdp2, cfg, rt, args.micro_batch, 3, args.steps, args.trace_top)
         _ratios(rows, "ours_zero3", "fsdp2", "")
     if args.compile or args.compile_only:  # both sides compiled, each block apart
         compiled = load_config(None, shape + RUN + batch + ["train.compile=true"])
         fresh_compile()
-        rows["ours_zero3_compiled"] = measure(ours, compiled, rt, args.micro_batch, 3, args.steps)
+        rows["ours_zero3_compiled"] = measure(ours, compiled, rt, args.micro_batch, 3, args.steps, args.trace_top)
         fresh_compile()
-        rows["fsdp2_compiled"] = measure(fsdp2, compiled, rt, args.micro_batch, 3, args.steps)
+        rows["fsdp2_compiled"] = measure(fsdp2, compiled, rt, args.micro_batch, 3, args.steps, args.trace_top)
         _ratios(rows, "ours_zero3_compiled", "fsdp2_compiled", "_compiled")
     if rt.rank == 0:
         device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"

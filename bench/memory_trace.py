@@ -58,14 +58,14 @@ def site_of(frames: list[dict]) -> str:
     return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']}({f['name']})" for f in kept[:3]) or "?"
 
 
-def traced_step(step, dev: torch.device) -> dict:
-    """Run step() once, tracing allocations, and summarize its peak (peak_of)."""
+def traced_step(step, dev: torch.device, top: int = 12) -> dict:
+    """Run step() once, tracing allocations, and summarize its peak (peak_of, its `top` sites)."""
     if dev.type == "cuda":
-        return _cuda(step, dev)
-    return _cpu(step)
+        return _cuda(step, dev, top)
+    return _cpu(step, top)
 
 
-def _cuda(step, dev: torch.device) -> dict:
+def _cuda(step, dev: torch.device, top: int) -> dict:
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
@@ -79,7 +79,7 @@ def _cuda(step, dev: torch.device) -> dict:
         torch.cuda.memory._record_memory_history(None)
     events = [("alloc" if e["action"] == "alloc" else "free", e["addr"], e["size"], site_of(e.get("frames", [])))
               for e in trace if e["action"] in ("alloc", "free_requested")]
-    out = peak_of(events, before)
+    out = peak_of(events, before, top)
     out.update(max_allocated_mib=round(torch.cuda.max_memory_allocated(dev) / MIB, 3),
                max_reserved_mib=round(torch.cuda.max_memory_reserved(dev) / MIB, 3))
     return out
@@ -89,7 +89,7 @@ def _trace(dev: torch.device) -> list[dict]:
     return torch.cuda.memory._snapshot(dev)["device_traces"][dev.index or 0]
 
 
-def _cpu(step) -> dict:
+def _cpu(step, top: int) -> dict:
     """The profiler counts the allocations made while it runs (frees of older memory are not
     matched): `before` is 0 and the peak is what the step added. Frees on other threads (gloo's
     workers release the tensors of asynchronous collectives) are not events, but they lower the
@@ -118,4 +118,4 @@ def _cpu(step) -> dict:
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
     found.sort(key=lambda e: e[0])
-    return peak_of([e[1:5] for e in found], totals=[e[5] for e in found])
+    return peak_of([e[1:5] for e in found], top=top, totals=[e[5] for e in found])
