@@ -63,3 +63,13 @@ def test_block_scope_reduces_during_backward_and_matches_one_process_with_zero3_
         assert got["graph_breaks"] == 0 and got["graphs"] == 3, got  # the blocks' one graph, the norm's, the loss's
         assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) < TOL
         assert max_rel_diff(got["params"], ref["params"]) < TOL
+
+
+def test_zero3_compiled_under_a_pipeline_matches_one_process():
+    """pp=2 x dp=2 with ZeRO-3 (stages gathered for the step, parallel/zero_gather.py) and each block's
+    forward compiled: the same losses and parameters as one eager process."""
+    ref = train_random(0, 1, ["model.n_layers=4"], steps=2)
+    got = run_ranks(compiled_worker, 4, [["model.n_layers=4", "parallel.pp=2", "parallel.zero=3"]], {"steps": 2})[0][0]
+    assert got["graph_breaks"] == 0 and got["graphs"] == 1, got  # the blocks' one graph (a stage runs no head graph)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])) < TOL
+    assert max_rel_diff(got["params"], ref["params"]) < TOL
