@@ -79,7 +79,8 @@ def layouts(gpus: int) -> list[dict]:
     inter = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
     singles = [L(f"dp{n}-zero{z}", [f"parallel.zero={z}"]) for z in range(4)] + [
         # compiled block by block (train.compile_scope=auto at dp > 1); ZeRO-3's hooks eager around each block
-        L(f"dp{n}-compile", ["train.compile=true"]), L(f"dp{n}-zero3-compile", ["parallel.zero=3", "train.compile=true"]),
+        L(f"dp{n}-compile", ["train.compile=true"]),
+        L(f"dp{n}-zero3-compile", ["parallel.zero=3", "train.compile=true"]),
         L(f"tp{n}-megatron-sp", [f"parallel.tp={n}"]),
         L(f"tp{n}-megatron", [f"parallel.tp={n}", "parallel.sequence_parallel=false"]),
         L(f"tp{n}-megatron-sp-overlap", [f"parallel.tp={n}", "parallel.tp_overlap=chunked"]),

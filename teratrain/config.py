@@ -262,7 +262,8 @@ class TrainConfig(Section):
         "block apart, and the decoder's final norm and loss (each block's gradients reach the engine as its backward "
         "ends and their reductions overlap the rest, as in eager); auto = block where gradients are reduced over "
         "data-parallel ranks during backward (parallel.dp > 1, parallel.overlap_comm, no CUDA graphs, no replaying "
-        "memory.recompute), else model. A pipeline stage always compiles its blocks")
+        "memory.recompute), else model. A pipeline stage always compiles its blocks; ZeRO-3 always each block's "
+        "forward, its gather and free hooks eager around it")
     compile_overlap: bool = Field(False, description="with train.compile: inductor moves each collective's launch "
                                   "earlier and its wait later, within peak memory, so that work not needing it runs "
                                   "under it (a tensor-parallel backward's input-gradient all-reduce under the weight "
@@ -482,6 +483,26 @@ class Config(Section):
                 data = {**data, "data": {**section, "tokenizer": str(tok)}}
         return data
 
+    def compile_scope_problem(self) -> str | None:
+        """Why train.compile cannot compile each block apart here (one sentence with the fix), or None:
+        asked for with train.compile_scope=block, or needed by ZeRO-3, whose hooks are on the blocks.
+        Checked when the config is read and by parallelize.check_supported (layouts the planner tries)."""
+        t, zero3 = self.train, self.train.compile and self.parallel.zero == 3
+        if t.compile_scope != "block" and not zero3:
+            return None
+        if t.cuda_graphs:
+            why = "train.compile_mode=reduce-overhead records one CUDA graph of the whole step"
+        elif self.memory.recompute in ("full", "every-k", "sqrt"):
+            why = f"memory.recompute={self.memory.recompute} checkpoints whole segments around the blocks"
+        elif zero3 and t.compile_scope == "model":
+            why = "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
+        else:
+            return None
+        if zero3:
+            return (f"train.compile with parallel.zero=3 compiles each block's forward apart, and {why}; set "
+                    "train.compile=false, parallel.zero<=2, or the other setting named.")
+        return f"train.compile_scope=block compiles each block apart, and {why}; set train.compile_scope=auto."
+
     @model_validator(mode="after")
     def _check_cross(self) -> "Config":
         if self.optim.lr_scaling != "none" and self.optim.base_batch is None:
@@ -493,22 +514,12 @@ class Config(Section):
         if self.train.compile_overlap and not self.train.compile:
             raise ConfigError("train.compile_overlap reorders what train.compile generates; set train.compile=true "
                               "or train.compile_overlap=false.")
-        zero3 = self.train.compile and self.parallel.zero == 3
-        if self.train.compile_scope == "block" or zero3:
-            why = ("train.compile_mode=reduce-overhead records one CUDA graph of the whole step" if self.train.cuda_graphs
-                   else f"memory.recompute={self.memory.recompute} checkpoints whole segments around the blocks"
-                   if self.memory.recompute in ("full", "every-k", "sqrt") else
-                   "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
-                   if zero3 and self.train.compile_scope == "model" else None)
-            if why and zero3:
-                raise ConfigError(f"train.compile with parallel.zero=3 compiles each block's forward apart, and {why}; "
-                                  "set train.compile=false, parallel.zero<=2, or the other setting named.")
-            if why:
-                raise ConfigError(f"train.compile_scope=block compiles each block apart, and {why}; set "
-                                  "train.compile_scope=auto (it picks model there).")
         if self.train.compile_scope != "auto" and not self.train.compile:
             raise ConfigError(f"train.compile_scope={self.train.compile_scope} is a setting of train.compile; set "
                               "train.compile=true or leave train.compile_scope at auto.")
+        why = self.compile_scope_problem()
+        if why:
+            raise ConfigError(why)
         if self.train.compile_mode != "default" and not self.train.compile:
             raise ConfigError(f"train.compile_mode={self.train.compile_mode} is a mode of train.compile; set "
                               "train.compile=true or leave train.compile_mode at default.")

@@ -96,12 +96,24 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
     lines = [_model_line(m, own, params),
              f"device: {where}, {rt.world} process(es)",
              f"layout: {degrees} zero={p.zero} offload={p.offload} sync={p.sync} precision={cfg.memory.precision} "
-             f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}", *notes,
+             f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}"
+             + _compiled(cfg, d), *notes,
              f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per "
              f"step, {t.steps} steps",
              _memory_line(cfg, rt, params),
              _resumed(cfg, run_dir, start) if start else f"run directory: {run_dir}"]
     return "\n".join(f"teratrain: {line}" for line in lines)
+
+
+def _compiled(cfg: Config, dims) -> str:
+    """`, compiled (...)` with what train.compile traces as one graph (parallelize.compile_units), or ''."""
+    if not cfg.train.compile:
+        return ""
+    from teratrain.parallel.parallelize import compile_scope
+
+    scope = "each block" if dims.pp > 1 or compile_scope(cfg, dims.dp) == "block" else "the whole model"
+    graphs = ", CUDA graphs" if cfg.train.cuda_graphs else ""
+    return f", compiled ({scope}{graphs})"
 
 
 def _model_line(m, own: nn.Module | None, params: int | None) -> str:

@@ -24,9 +24,10 @@ from torch import nn
 
 # Reduce inputs alive at once, per engine, which bounds the transient memory (fp32 reduce copies of
 # bf16 grads). DataParallelEngine: reductions of copies still running after a launch (launching another
-# first waits for the oldest; a bucket reduced in place is waited for at the step). ZeroEngine: inputs alive at once, the one being made included (it waits for
-# the oldest before making it): a few buckets at stages 1/2, one block at stage 3, as FSDP2 keeps by
-# default (a block's fp32 reduce input is twice its bf16 parameters: 0.87 GB for a Llama-8B block).
+# first waits for the oldest; a bucket reduced in place is waited for at the step). ZeroEngine: inputs
+# alive at once, the one being made included (it waits for the oldest before making it): a few buckets
+# at stages 1/2, one block at stage 3, as FSDP2 keeps by default (a block's fp32 reduce input is twice
+# its bf16 parameters: 0.87 GB for a Llama-8B block).
 MAX_INFLIGHT_REDUCES = 2
 BLOCK_REDUCES_IN_FLIGHT = 1
 

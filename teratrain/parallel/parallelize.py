@@ -89,8 +89,10 @@ def compile_scope(cfg, dp: int) -> str:
     (CUDA graphs record the whole step; a replaying recompute policy checkpoints segments of blocks),
     else `model`."""
     t, replaying = cfg.train, cfg.memory.recompute in ("full", "every-k", "sqrt")
-    if t.compile_scope != "auto" or cfg.parallel.zero == 3:  # ZeRO-3: its hooks are on the blocks (config.py)
-        return "block" if cfg.parallel.zero == 3 else t.compile_scope
+    if cfg.parallel.zero == 3:  # its gather and free hooks are on the blocks (config.py refuses model)
+        return "block"
+    if t.compile_scope != "auto":
+        return t.compile_scope
     reduces = dp > 1 and cfg.parallel.overlap_comm and cfg.parallel.sync == "allreduce"
     return "block" if reduces and not t.cuda_graphs and not replaying else "model"
 
@@ -99,10 +101,10 @@ def compile_units(model: nn.Module, staged: bool, cfg, dp: int) -> list[nn.Modul
     """The modules train.compile compiles, each into graphs of its own. A pipeline stage (`staged`)
     never runs the whole forward: its blocks. Scope `model`: the whole model, one graph; its compiled
     backward runs as one autograd node and hands every gradient over at its end, so the engine's
-    bucketed reductions all start after the backward (MoE ep=1 on 2 x H200: 0.75x dense compiled
-    against 0.82x on one GPU, bench/README.md). Scope `block`: each block (one graph for all blocks
-    alike), and the built-in decoder's final norm and loss (the loss's fused pass over the logits);
-    embeddings and the output projection run eager (one kernel each)."""
+    bucketed reductions all start after the backward. Scope `block`: each block (one graph for all
+    blocks alike), and the built-in decoder's final norm and loss (the loss's fused pass over the
+    logits); embeddings and the output projection run eager (one kernel each). At dp=2 on 2 x H200
+    block was 0.7-2% faster than model and compiled in a third of the time (bench/README.md)."""
     if staged:
         return list(model.layers)
     if compile_scope(cfg, dp) == "model":
@@ -119,7 +121,8 @@ def check_supported(cfg) -> None:
     check_tp(cfg)
     check_pipeline(cfg)
     check_ep(cfg)
-    why = zero_problem(p.zero, p.offload) or grad_dtype_problem(p.grad_dtype, p.zero, low_params(cfg))
+    why = (zero_problem(p.zero, p.offload) or grad_dtype_problem(p.grad_dtype, p.zero, low_params(cfg))
+           or cfg.compile_scope_problem())
     if why:
         raise ConfigError(why)
     if cfg.train.cuda_graphs and p.pp > 1:

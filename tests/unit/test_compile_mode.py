@@ -141,3 +141,25 @@ def test_compile_units_of_each_scope():
 def test_compile_scope_refusals_name_the_fix(sets, why):
     with pytest.raises(ConfigError, match=why):
         make_config(*sets)
+
+
+def test_the_start_up_summary_says_what_is_compiled():
+    from types import SimpleNamespace
+
+    from teratrain.startup import _compiled
+
+    dims = lambda dp, pp=1: SimpleNamespace(dp=dp, pp=pp)  # noqa: E731
+    assert _compiled(make_config(), dims(2)) == ""
+    assert _compiled(make_config("train.compile=true"), dims(2)) == ", compiled (each block)"
+    assert _compiled(make_config("train.compile=true"), dims(1)) == ", compiled (the whole model)"
+    assert _compiled(make_config("train.compile=true", "train.compile_mode=reduce-overhead"),
+                     dims(1)) == ", compiled (the whole model, CUDA graphs)"
+
+
+def test_a_layout_tried_by_the_planner_is_checked_for_compiled_zero3():
+    """parallel.auto sets a candidate's keys on a copy of the config and asks check_supported: ZeRO-3
+    with a replaying recompute policy under train.compile is refused there too."""
+    cfg = make_config("train.compile=true")
+    cfg.parallel.zero, cfg.memory.recompute = 3, "full"
+    with pytest.raises(ConfigError, match="parallel.zero=3"):
+        check_supported(cfg)
