@@ -461,6 +461,27 @@ class LoraConfig(Section):
         return self
 
 
+def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: str, zero: int) -> str | None:
+    """Why train.compile cannot compile each block apart here (one sentence with the fix), or None:
+    asked for with train.compile_scope=block, or needed by ZeRO-3, whose hooks are on the blocks. The
+    planner refuses the same layouts through it (planner/states.py check_layout)."""
+    zero3 = compile and zero == 3
+    if scope != "block" and not zero3:
+        return None
+    if graphs:
+        why = "train.compile_mode=reduce-overhead records one CUDA graph of the whole step"
+    elif recompute in ("full", "every-k", "sqrt"):
+        why = f"memory.recompute={recompute} checkpoints whole segments around the blocks"
+    elif zero3 and scope == "model":
+        why = "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
+    else:
+        return None
+    if zero3:
+        return (f"train.compile with parallel.zero=3 compiles each block's forward apart, and {why}; set "
+                "train.compile=false, parallel.zero<=2, or the other setting named.")
+    return f"train.compile_scope=block compiles each block apart, and {why}; set train.compile_scope=auto."
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -484,24 +505,11 @@ class Config(Section):
         return data
 
     def compile_scope_problem(self) -> str | None:
-        """Why train.compile cannot compile each block apart here (one sentence with the fix), or None:
-        asked for with train.compile_scope=block, or needed by ZeRO-3, whose hooks are on the blocks.
-        Checked when the config is read and by parallelize.check_supported (layouts the planner tries)."""
-        t, zero3 = self.train, self.train.compile and self.parallel.zero == 3
-        if t.compile_scope != "block" and not zero3:
-            return None
-        if t.cuda_graphs:
-            why = "train.compile_mode=reduce-overhead records one CUDA graph of the whole step"
-        elif self.memory.recompute in ("full", "every-k", "sqrt"):
-            why = f"memory.recompute={self.memory.recompute} checkpoints whole segments around the blocks"
-        elif zero3 and t.compile_scope == "model":
-            why = "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
-        else:
-            return None
-        if zero3:
-            return (f"train.compile with parallel.zero=3 compiles each block's forward apart, and {why}; set "
-                    "train.compile=false, parallel.zero<=2, or the other setting named.")
-        return f"train.compile_scope=block compiles each block apart, and {why}; set train.compile_scope=auto."
+        """compile_scope_problem of this config (checked when it is read and by
+        parallelize.check_supported, for the layouts parallel.auto tries)."""
+        t = self.train
+        return compile_scope_problem(t.compile, t.compile_scope, t.cuda_graphs, self.memory.recompute,
+                                     self.parallel.zero)
 
     @model_validator(mode="after")
     def _check_cross(self) -> "Config":

@@ -62,7 +62,8 @@ def training_of(cfg: Config, notes: list[str] | None = None) -> Training:
                     bucket_mb=cfg.parallel.bucket_mb, reduce_bytes=bytes_of[cfg.parallel.reduce_dtype],
                     grad_bytes=bytes_of[cfg.parallel.grad_dtype],
                     dropout=cfg.model.dropout, compress=cfg.memory.compress_activations,
-                    lora=_lora_of(cfg), graphed=cfg.train.cuda_graphs)
+                    lora=_lora_of(cfg), graphed=cfg.train.cuda_graphs, compiled=cfg.train.compile,
+                    compile_scope=cfg.train.compile_scope)
 
 
 def _lora_of(cfg: Config) -> tuple:

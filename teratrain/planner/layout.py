@@ -164,6 +164,8 @@ class Training:
     compress: str = "none"  # memory.compress_activations: none | lossless | int8 | fp8
     lora: tuple = ()  # (rank, alpha, targets, dropout, base_dtype) when lora.rank > 0
     graphed: bool = False  # train.compile_mode=reduce-overhead: CUDA graphs replay the step (no host issue time)
+    compiled: bool = False  # train.compile (its time is planned as eager: see planner/time.py)
+    compile_scope: str = "auto"  # train.compile_scope
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from teratrain.config import compile_scope_problem
 from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
 from teratrain.parallel.parallelize import grad_dtype_problem, zero_problem
@@ -59,7 +60,8 @@ def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:
 def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
     grad_dtype = "bf16" if train.grad_bytes == 2 else "fp32"
     low = train.precision != "fp32" and train.uses_masters(lay.zero, lay.offload)
-    why = zero_problem(lay.zero, lay.offload) or grad_dtype_problem(grad_dtype, lay.zero, low)
+    why = (zero_problem(lay.zero, lay.offload) or grad_dtype_problem(grad_dtype, lay.zero, low)
+           or compile_scope_problem(train.compiled, train.compile_scope, train.graphed, lay.recompute, lay.zero))
     if why:
         raise PlanError(why.split(";")[0])
     if train.lora and shape.is_bare:

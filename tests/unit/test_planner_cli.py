@@ -135,3 +135,18 @@ def test_host_paced_layouts_are_said(capsys):
     d = plan_json(capsys, *model, "--set", "parallel.dp=2", "--set", "parallel.tp=1")
     assert 0 < d["time"]["terms"]["host_s"] < d["time"]["terms"]["gpu_s"]
     assert not any("host-paced" in n for n in d["notes"])
+
+
+def test_compiled_runs_are_said_to_be_planned_eager_and_refused_layouts_left_out(capsys):
+    """train.compile: the plan says its time is the eager step's; with ZeRO-3 it leaves out the
+    recompute policies the trainer refuses there (config.compile_scope_problem), so no candidate's
+    command fails at launch."""
+    d = plan_json(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "train.compile=true", "--set",
+                  "parallel.zero=3", "--set", "train.global_batch=8", "--top", "40")
+    assert any(n.startswith("train.compile is planned as the eager step") for n in d["notes"])
+    recomputes = {c["layout"]["recompute"] for c in d["candidates"]}
+    assert recomputes and not recomputes & {"full", "every-k", "sqrt"}, recomputes
+    eager = plan_json(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "parallel.zero=3", "--set",
+                      "train.global_batch=8", "--top", "40")
+    assert {c["layout"]["recompute"] for c in eager["candidates"]} & {"full", "sqrt"}
+    assert not any(n.startswith("train.compile") for n in eager["notes"])
