@@ -13,7 +13,8 @@ Each side: build, 3 warm-up steps, `--steps` timed steps, then one step with all
 (bench/memory_trace.py): the peak and the largest allocation sites alive at it, next to the peak
 allocated/reserved of the whole run, and the model states each side holds. `--compile`: both once more
 with each block's forward compiled (ours: train.compile under ZeRO-3, its gather/free hooks eager
-around each block; FSDP2: torchtitan's order, `torch.compile` on each block, then `fully_shard`).
+around each block, and the final norm and the loss; FSDP2: torchtitan's order, `torch.compile` on each
+block, then `fully_shard`, and the final norm and the loss compiled too).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def fsdp2(cfg, rt):
     if cfg.train.compile:  # torchtitan's order: each block compiled, then sharded (its hooks outside the graph)
         for key, block in list(model.layers.items()):
             model.layers[key] = torch.compile(block)
+        model.norm.compile()  # and, as ours (parallelize.compile_units) and torchtitan's loss, the final norm
+        model.criterion.compile()  # and the loss: a fused pass over the logits
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -164,8 +167,9 @@ def main() -> None:
     ap.add_argument("--trace-top", type=int, default=12, help="allocation sites listed at each side's traced peak")
     args = ap.parse_args()
     if args.smoke and (args.compile or args.compile_only):  # trace as on the GPU, run eagerly (no C++ compiles)
-        compile_fn = torch.compile
+        compile_fn, compile_module = torch.compile, torch.nn.Module.compile
         torch.compile = lambda *a, **kw: compile_fn(*a, **{**kw, "backend": "aot_eager"})
+        torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
     if not args.smoke:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():  # FSDP2 needs a process group even on one GPU (ours needs none then)

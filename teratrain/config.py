@@ -261,8 +261,8 @@ class TrainConfig(Section):
         "backward hands every gradient over at its end, so data-parallel reductions start only then); block = each "
         "block apart, and the decoder's final norm and loss (each block's gradients reach the engine as its backward "
         "ends and their reductions overlap the rest, as in eager); auto = block where gradients are reduced over "
-        "data-parallel ranks during backward (parallel.dp > 1, parallel.overlap_comm, no CUDA graphs, no replaying "
-        "memory.recompute), else model. A pipeline stage always compiles its blocks; ZeRO-3 always each block's "
+        "data-parallel ranks during backward (parallel.dp > 1, parallel.sync=allreduce, parallel.overlap_comm, no "
+        "CUDA graphs, no replaying memory.recompute), else model. A pipeline stage always compiles its blocks; ZeRO-3 always each block's "
         "forward, its gather and free hooks eager around it")
     compile_overlap: bool = Field(False, description="with train.compile: inductor moves each collective's launch "
                                   "earlier and its wait later, within peak memory, so that work not needing it runs "
@@ -471,7 +471,7 @@ def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: st
     if graphs:
         why = "train.compile_mode=reduce-overhead records one CUDA graph of the whole step"
     elif recompute in ("full", "every-k", "sqrt"):
-        why = f"memory.recompute={recompute} checkpoints whole segments around the blocks"
+        why = f"memory.recompute={recompute} replays checkpointed blocks in backward, not tested with compiled blocks"
     elif zero3 and scope == "model":
         why = "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
     else:

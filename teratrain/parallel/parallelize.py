@@ -110,9 +110,12 @@ def compile_units(model: nn.Module, staged: bool, cfg, dp: int) -> list[nn.Modul
     if compile_scope(cfg, dp) == "model":
         return [model]
     units = [block for _, block in blocks(model)]
+    if not units and cfg.train.compile_scope == "block":
+        raise ConfigError("train.compile_scope=block compiles each block apart, and this model has no blocks "
+                          "(models/protocol.py: teratrain_blocks() or a `layers` list); set train.compile_scope=auto.")
     if is_builtin(model):
         units += [model.norm, model.criterion]
-    return units or [model]
+    return units or [model]  # ZeRO-3 without blocks gathers the whole model around its forward
 
 
 def check_supported(cfg) -> None:

@@ -27,30 +27,36 @@ def compiled_nodes(loss: torch.Tensor) -> list:
     return out
 
 
-def launches_worker(rank: int, world: int, scope: str) -> dict:
-    """One compiled step: for each bucket reduction the engine launched, how many of the backward's
-    compiled regions had finished by then, and how many there are."""
+def launches_worker(rank: int, world: int, scopes: list[str]) -> dict:
+    """Per scope, one compiled step: for each bucket reduction the engine launched, how many of the
+    backward's compiled regions had finished by then, and how many there are."""
     compile_module = torch.nn.Module.compile
     torch.nn.Module.compile = lambda self, **_: compile_module(self, backend="aot_eager", fullgraph=True)
     try:
-        cfg, rt, model, engine = build(LAYOUT + [f"train.compile_scope={scope}"])
-        done, launched = [0], []
-        launch = engine.order.launch
-        engine.order.launch = lambda b: (launched.append(done[0]), launch(b))[-1]
-        rows = batches(cfg, 1)[0][rank * 4:rank * 4 + 2]
-        with engine.accumulate(last=True):
-            loss = model(rows[:, :-1], rows[:, 1:])
-            regions = compiled_nodes(loss)
-            for node in regions:
-                node.register_hook(lambda *_: done.__setitem__(0, done[0] + 1))
-            engine.backward(loss)
-        return {"launched_after": launched, "regions": len(regions), "buckets": len(engine.buckets)}
+        return {scope: _launches(rank, scope) for scope in scopes}
     finally:
         torch.nn.Module.compile = compile_module
 
 
+def _launches(rank: int, scope: str) -> dict:
+    torch._dynamo.reset()
+    cfg, rt, model, engine = build(LAYOUT + [f"train.compile_scope={scope}"])
+    done, launched = [0], []
+    launch = engine.order.launch
+    engine.order.launch = lambda b: (launched.append(done[0]), launch(b))[-1]
+    rows = batches(cfg, 1)[0][rank * 4:rank * 4 + 2]
+    with engine.accumulate(last=True):
+        loss = model(rows[:, :-1], rows[:, 1:])
+        regions = compiled_nodes(loss)
+        for node in regions:
+            node.register_hook(lambda *_: done.__setitem__(0, done[0] + 1))
+        engine.backward(loss)
+    return {"launched_after": launched, "regions": len(regions), "buckets": len(engine.buckets)}
+
+
 def test_block_scope_reduces_during_backward_and_matches_one_process_with_zero3_too():
-    block, model = (run_ranks(launches_worker, 2, scope)[0] for scope in ("block", "model"))
+    got = run_ranks(launches_worker, 2, ["block", "model"])[0]
+    block, model = got["block"], got["model"]
     assert len(block["launched_after"]) == block["buckets"] > 6 and block["regions"] == 3 + 2, block
     # a reduction goes as soon as its bucket is complete, while blocks' backward is still to run
     early = [n for n in block["launched_after"] if n < block["regions"]]

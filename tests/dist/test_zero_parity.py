@@ -43,7 +43,9 @@ def test_low_precision_reduction_stays_close(dist_workdir):
     temporary (the shard is fp32) and must replace, not add to, the previous step's shard. bf16 keeps
     8 mantissa bits, so the tolerance is 2e-2 relative (measured ~5e-3 to 9e-3)."""
     ref = reference(["optim.name=sgd", "optim.lr=0.01"], str(dist_workdir / "ref-bf16-reduce"))
-    layouts = [[f"parallel.zero={z}", "parallel.reduce_dtype=bf16"] for z in (0, 1, 2, 3)]
+    # zero=0 in many small buckets: more reductions of cast copies in flight than the engine lets run
+    layouts = [[f"parallel.zero={z}", "parallel.reduce_dtype=bf16"] + (["parallel.bucket_mb=0.001"] if z == 0 else [])
+               for z in (0, 1, 2, 3)]
     runs = [(["optim.name=sgd", "optim.lr=0.01"] + lay, str(dist_workdir / f"bf16-reduce-{i}")) for i, lay in enumerate(layouts)]
     for layout, got in zip(layouts, run_ranks(train_many, 2, runs)[0]):
         err = max_rel_diff(got["params"], ref["params"])

@@ -128,6 +128,10 @@ def test_compile_units_of_each_scope():
     assert block == [*model.layers, model.norm, model.criterion]
     assert compile_units(model, False, make_config("train.compile=true"), dp=1) == [model]
     assert compile_units(model, True, make_config("train.compile=true"), dp=1) == list(model.layers)
+    blockless = nn.Sequential(nn.Linear(4, 4))  # a model of your own with no blocks to find
+    assert compile_units(blockless, False, make_config("train.compile=true"), dp=2) == [blockless]
+    with pytest.raises(ConfigError, match="has no blocks"):
+        compile_units(blockless, False, make_config("train.compile=true", "train.compile_scope=block"), dp=2)
 
 
 @pytest.mark.parametrize("sets, why", [
