@@ -60,7 +60,20 @@ def kernel_account(kernels: list[tuple[str, float, float]], steps: int) -> dict:
             "nccl_ms": round(length(nccl_u) * per, 3),
             "nccl_exposed_ms": round(minus(nccl_u, union(compute)) * per, 3),
             "copy_ms": round(length(union(copies)) * per, 3), "copy_kernels_per_step": len(copies) // steps,
-            "nccl_kernels_per_step": len(nccl) // steps, "kernels_per_step": len(kernels) // steps}
+            "nccl_kernels_per_step": len(nccl) // steps, "kernels_per_step": len(kernels) // steps,
+            "top_copy_kernels": _top_names([k for k in kernels if "nccl" not in k[0].lower()
+                                            and any(m in k[0].lower() for m in COPY_MARKS)], steps)}
+
+
+def _top_names(kernels: list[tuple[str, float, float]], steps: int, top: int = 8) -> list[dict]:
+    """The kernels of one kind by name, the most device time first: ms per step and launches per step
+    (a fused kernel inductor names after a cast counts as a copy: its name says what it fuses)."""
+    by_name: dict[str, list[float]] = {}
+    for name, a, b in kernels:
+        by_name.setdefault(name, []).append(b - a)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"kernel": name[:160], "ms": round(sum(ts) * 1e-3 / steps, 3), "per_step": len(ts) / steps}
+            for name, ts in ranked]
 
 
 def top_ops(prof, device: torch.device, steps: int, top: int) -> list[dict]:

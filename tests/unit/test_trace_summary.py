@@ -22,3 +22,5 @@ def test_exposed_nccl_idle_and_copies_per_step():
     assert got["nccl_exposed_ms"] == 0.03  # 100-150 and 230-240 run alone
     assert got["copy_ms"] == 0.01
     assert got["nccl_kernels_per_step"] == 1 and got["kernels_per_step"] == 2
+    assert got["top_copy_kernels"] == [{"kernel": "void at::native::direct_copy_kernel_cuda", "ms": 0.01,
+                                        "per_step": 0.5}]
