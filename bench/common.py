@@ -38,6 +38,15 @@ def fresh_compile() -> None:
     counters.clear()
 
 
+def smoke_compile() -> None:
+    """torch.compile and nn.Module.compile with the aot_eager backend for the rest of this process: a
+    --smoke run traces the graphs as the GPU runs do and runs them eagerly (inductor would compile C++
+    for minutes on 2 cores)."""
+    compile_fn, compile_module = torch.compile, torch.nn.Module.compile
+    torch.compile = lambda *a, **kw: compile_fn(*a, **{**kw, "backend": "aot_eager"})
+    torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
+
+
 def graph_breaks() -> dict:
     """The graph breaks since `fresh_compile`: their count, the compiled graphs, the top 5 reasons. Every
     break is a return to Python the host pays on each step (bench/README.md, tensor parallelism)."""

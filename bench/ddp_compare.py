@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, env_info, fresh_compile, fresh_memory, graph_breaks, summarize, sync
+from common import emit, env_info, fresh_compile, fresh_memory, graph_breaks, smoke_compile, summarize, sync
 
 from teratrain.config import load_config
 from teratrain.memory.precision import autocast
@@ -77,11 +77,8 @@ def ddp(cfg, rt):
     return step
 
 
-def measure(build, sets: list[str], args, rt_box: list) -> dict:
+def measure(build, sets: list[str], args, rt) -> dict:
     cfg = load_config(None, sets)
-    if not rt_box:
-        rt_box.append(init_runtime(cfg))
-    rt = rt_box[0]
     cfg.parallel.dp = rt.dims.dp
     if cfg.train.compile:
         fresh_compile()
@@ -110,6 +107,8 @@ def measure(build, sets: list[str], args, rt_box: list) -> dict:
     out["losses"] = [round(v, 5) for v in losses]
     if cfg.train.compile:
         out["graph_breaks"] = graph_breaks()
+        if build is ours:
+            out["compile_scope"] = compile_scope(cfg, rt.dims.dp)
     return out
 
 
@@ -128,8 +127,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if args.smoke:
         args.micro_batch, args.steps, args.warmup = 2, 2, 1
-        torch.nn.Module.compile = _aot_eager(torch.nn.Module.compile)  # inductor would compile C++ for minutes
-        torch.compile = _aot_eager(torch.compile)
+        smoke_compile()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -140,12 +138,8 @@ def main() -> None:
         on = base + ["train.compile=true"]
         runs.update({"ours_compiled": (ours, on), "ours_compiled_whole": (ours, on + ["train.compile_scope=model"]),
                      "ddp_compiled": (ddp, on)})
-    rt_box, rows = [], {}
-    for name, (build, sets) in runs.items():
-        rows[name] = measure(build, sets, args, rt_box)
-        if name.startswith("ours") and "compile=true" in " ".join(sets):
-            rows[name]["compile_scope"] = compile_scope(load_config(None, sets), world)
-    rt = rt_box[0]
+    rt = init_runtime(load_config(None, base))
+    rows = {name: measure(build, sets, args, rt) for name, (build, sets) in runs.items()}
     for mine, peer in (("ours", "ddp"), ("ours_compiled", "ddp_compiled"), ("ours_compiled_whole", "ddp_compiled")):
         if mine in rows and peer in rows:
             a, b = rows[mine], rows[peer]
@@ -157,11 +151,6 @@ def main() -> None:
         emit({"bench": "ddp_compare", "gpus": world, **env_info(rt.device), "shape": base, "micro": args.micro,
               **rows}, args.out)
     shutdown()
-
-
-def _aot_eager(compile_fn):
-    """torch.compile / Module.compile with the aot_eager backend (the smoke run traces as on the GPU)."""
-    return lambda *a, **kw: compile_fn(*a, **{**kw, "backend": "aot_eager"})
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fit_layers, fresh_compile  # noqa: E402
+from common import fit_layers, fresh_compile, smoke_compile  # noqa: E402
 from memory_trace import traced_step  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.mesh import init_runtime, shutdown  # noqa: E402
@@ -166,10 +166,8 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true", help="only the compiled runs")
     ap.add_argument("--trace-top", type=int, default=12, help="allocation sites listed at each side's traced peak")
     args = ap.parse_args()
-    if args.smoke and (args.compile or args.compile_only):  # trace as on the GPU, run eagerly (no C++ compiles)
-        compile_fn, compile_module = torch.compile, torch.nn.Module.compile
-        torch.compile = lambda *a, **kw: compile_fn(*a, **{**kw, "backend": "aot_eager"})
-        torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
+    if args.smoke and (args.compile or args.compile_only):
+        smoke_compile()
     if not args.smoke:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():  # FSDP2 needs a process group even on one GPU (ours needs none then)

@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import fresh_compile, fresh_memory, graph_breaks, summarize, time_steps  # puts the checkout on sys.path
+from common import fresh_compile, fresh_memory, graph_breaks, smoke_compile, summarize, time_steps  # puts the checkout on sys.path
 
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
@@ -335,9 +335,8 @@ def worker(args) -> None:
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
     base += args.set  # every model, dense and MoE alike (e.g. memory.master_weights=true)
-    if args.compile and args.smoke:  # trace as on the GPU, run the graphs eagerly (the tests' backend):
-        compile_module = torch.nn.Module.compile  # inductor would compile C++ for minutes on 2 cores
-        torch.nn.Module.compile = lambda self, **kw: compile_module(self, **{**kw, "backend": "aot_eager"})
+    if args.compile and args.smoke:
+        smoke_compile()
     runs = models(args.smoke, eps, args.a2a_chunks)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])

@@ -461,6 +461,10 @@ class LoraConfig(Section):
         return self
 
 
+# memory.recompute policies whose backward reruns the blocks' forward (memory/recompute.py)
+REPLAYING = ("full", "every-k", "sqrt")
+
+
 def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: str, zero: int) -> str | None:
     """Why train.compile cannot compile each block apart here (one sentence with the fix), or None:
     asked for with train.compile_scope=block, or needed by ZeRO-3, whose hooks are on the blocks. The
@@ -470,7 +474,7 @@ def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: st
         return None
     if graphs:
         why = "train.compile_mode=reduce-overhead records one CUDA graph of the whole step"
-    elif recompute in ("full", "every-k", "sqrt"):
+    elif recompute in REPLAYING:
         why = f"memory.recompute={recompute} replays checkpointed blocks in backward, not tested with compiled blocks"
     elif zero3 and scope == "model":
         why = "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"

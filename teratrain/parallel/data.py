@@ -59,7 +59,8 @@ class DataParallelEngine(LocalEngine):
         for p in self._bucket_of:
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         self.order = LaunchOrder([b for b in self.buckets if not b.deferred], self._launch)
-        self._inflight = []
+        # reductions launched and not yet waited for: in place (waited for at the step) and of cast copies
+        self._inflight, self._copies = [], []  # (a few at a time: each wait makes the compute stream wait)
         # After the all-reduce, gradients are replicated within each group: a norm over the world is
         # needed only when ranks hold different parameters (tensor/pipeline/expert parallelism).
         self.cross = CrossRank(self.mesh, rt.device)
@@ -75,18 +76,15 @@ class DataParallelEngine(LocalEngine):
 
     def _launch(self, b: _Bucket) -> None:
         t = b.flat if b.flat.dtype == self.reduce_dtype or b.group is None else b.flat.to(self.reduce_dtype)
-        self._inflight.append((all_reduce(t, b.group, async_op=True, op=AVG), b, t))
+        item = (all_reduce(t, b.group, async_op=True, op=AVG), b, t)
         if not self.overlap:
-            self._complete(self._inflight.pop())
-            return
-        # Waiting for a reduction makes the compute stream wait for it: only copies (a bucket reduced in
-        # another dtype) are waited for mid-backward, to bound the copies alive at once; a bucket reduced
-        # in place holds nothing more and is waited for at the step.
-        copies = [i for i, (_, b, t) in enumerate(self._inflight) if t is not b.flat]
-        done = set(copies[:max(0, len(copies) - MAX_INFLIGHT_REDUCES)])
-        for i in sorted(done):
-            self._complete(self._inflight[i])
-        self._inflight = [item for i, item in enumerate(self._inflight) if i not in done]
+            self._complete(item)
+        elif t is b.flat:  # reduced in place: holds nothing more, waited for at the step
+            self._inflight.append(item)
+        else:  # a cast copy: bound the copies alive at once
+            self._copies.append(item)
+            while len(self._copies) > MAX_INFLIGHT_REDUCES:
+                self._complete(self._copies.pop(0))
 
     @staticmethod
     def _complete(item) -> None:
@@ -106,9 +104,9 @@ class DataParallelEngine(LocalEngine):
         for b in self.buckets:
             if b.deferred:
                 self._launch(b)
-        for item in self._inflight:
+        for item in self._inflight + self._copies:
             self._complete(item)
-        self._inflight = []
+        self._inflight, self._copies = [], []
         for p in self._plain:  # one this step did not reach steps on a zero gradient, as a bucket's would
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from teratrain import compat
-from teratrain.config import ConfigError
+from teratrain.config import REPLAYING, ConfigError
 from teratrain.memory.compression import apply_compression
 from teratrain.memory.lora import LoraInit, apply_lora
 from teratrain.memory.recompute import apply_recompute
@@ -88,7 +88,7 @@ def compile_scope(cfg, dp: int) -> str:
     from backward hooks (parallel/data.py, zero.py) and nothing stops a block from being its own graph
     (CUDA graphs record the whole step; a replaying recompute policy checkpoints segments of blocks),
     else `model`."""
-    t, replaying = cfg.train, cfg.memory.recompute in ("full", "every-k", "sqrt")
+    t, replaying = cfg.train, cfg.memory.recompute in REPLAYING
     if cfg.parallel.zero == 3:  # its gather and free hooks are on the blocks (config.py refuses model)
         return "block"
     if t.compile_scope != "auto":

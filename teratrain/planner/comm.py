@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from teratrain.config import REPLAYING
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.states import accumulates, dp_buckets, is_expert, stage_params, zero_groups
@@ -37,7 +38,6 @@ FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n:
             "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
          "all_to_all": lambda n: n - 1, "p2p": lambda n: 1}
-REPLAYING = ("full", "sqrt", "every-k")  # policies whose backward reruns the blocks' forward
 
 
 def collective(kind: str, n: int, nbytes: float, gbps: float, alpha: float, messages: int = 1) -> float:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from teratrain.config import REPLAYING
 from teratrain.parallel.pipeline.actions import B, I, STEP, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, held_split, simulate
@@ -34,7 +35,7 @@ from teratrain.planner.layout import Layout
 
 def backward_ratio(lay: Layout) -> float:
     """Backward time over forward time of one micro-batch on one stage."""
-    return 3.0 if lay.recompute in ("full", "every-k", "sqrt") else 2.0
+    return 3.0 if lay.recompute in REPLAYING else 2.0
 
 
 _build = lru_cache(maxsize=64)(build)  # the search asks for the same schedule at two backward ratios

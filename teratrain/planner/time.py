@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.comm import REPLAYING, step_comm, tp_per_microbatch
+from teratrain.config import REPLAYING
+from teratrain.planner.comm import step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -162,7 +163,7 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     forward again when a segment is recomputed, the embedding/head/loss, and the optimizer step's
     per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
     fwd, bwd = _block_ops(shape, _mode(train, lay))
-    replay = fwd if lay.recompute in ("full", "sqrt", "every-k") else 0
+    replay = fwd if lay.recompute in REPLAYING else 0
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors)
