@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from teratrain.config import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.config import REPLAYING
 from teratrain.planner.comm import step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
