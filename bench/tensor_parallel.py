@@ -55,6 +55,8 @@ COMMON = ["memory.precision=bf16", "train.grad_clip=1.0"]
 MODE_TAGS = {"default": "_compiled", "reduce-overhead": "_graphed", "max-autotune-no-cudagraphs": "_autotuned"}
 # name -> (implementation, overrides of the tp run)
 CHUNKED = ["parallel.tp_overlap=chunked"]
+ASYNC = ["parallel.tp_overlap=async"]
+COMPILED_ONLY = ("train.compile_overlap=true", ASYNC[0])  # settings of compiled code
 VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
             "ours_sp": ("ours", ["parallel.sequence_parallel=true"]),
             "ours_no_sp_chunked2": ("ours", ["parallel.sequence_parallel=false"] + CHUNKED),
@@ -63,6 +65,8 @@ VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
             # train.compile_overlap: inductor's collective reordering (compiled modes only)
             "ours_no_sp_reorder": ("ours", ["parallel.sequence_parallel=false", "train.compile_overlap=true"]),
             "ours_sp_reorder": ("ours", ["parallel.sequence_parallel=true", "train.compile_overlap=true"]),
+            # PyTorch's async TP: inductor fuses gathers and reduce-scatters with their GEMMs (compiled, CUDA)
+            "ours_sp_async": ("ours", ["parallel.sequence_parallel=true"] + ASYNC),
             "dtensor_no_sp": ("dtensor", ["parallel.sequence_parallel=false"]),
             "dtensor_sp": ("dtensor", ["parallel.sequence_parallel=true"])}
 SMOKE_PROFILED = ("ours_sp_chunked2", "dtensor_sp")  # --smoke --profile: enough to run the code path
@@ -202,23 +206,32 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
     warmup, steps = (1, 2) if args.smoke else (3, args.steps)
     out = {"shape": base, "micro_batch": mb}
     profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
+    batch = [f"train.micro_batch={mb}", f"train.global_batch={mb}"]  # what a step runs (async TP sizes on it)
     for mode in [None] + (args.compile or []):
         compiled, tag = mode is not None, MODE_TAGS.get(mode, "")
         extra_all = ["train.compile=true", f"train.compile_mode={mode}"] if compiled else []
         one = "one_gpu" + tag
-        out[one] = _run(one_gpu, load_config(None, base + COMMON + extra_all), rt, mb, warmup, steps, 1, profiled(one))
+        out[one] = _run(one_gpu, load_config(None, base + COMMON + batch + extra_all), rt, mb, warmup, steps, 1,
+                        profiled(one))
         for name, (impl, extra) in VARIANTS.items():
             if (args.variants and name not in args.variants) or (compiled and impl == "dtensor"):
                 continue  # compiled DTensor blocks fail in backward (torch 2.13: a plain grad where a DTensor is due)
-            if not compiled and "train.compile_overlap=true" in extra:
-                continue  # a setting of compiled code
-            cfg = load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra + extra_all)
-            row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world,
-                                         profiled(name + tag))
+            if (not compiled and any(o in extra for o in COMPILED_ONLY)) or (ASYNC[0] in extra and args.smoke):
+                continue  # a setting of compiled code; async TP needs CUDA symmetric memory
+            cfg = load_config(None, base + COMMON + batch + [f"parallel.tp={rt.world}"] + extra + extra_all)
+            try:
+                row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps,
+                                             rt.world, profiled(name + tag))
+            except Exception as e:  # async TP on a machine whose symmetric memory fails: say so, go on
+                if ASYNC[0] not in extra:
+                    raise
+                out[name + tag] = {"error": f"{type(e).__name__}: {e}"[:600]}
+                keep(out)
+                continue
             row["speedup_vs_one_gpu"] = round(row["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)  # eager
             row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
             if compiled:  # the same layout, eager in the same run: what compiling is worth to each
-                eager = out.get(name.removesuffix("_reorder"))  # the reordered rows' eager run is the plain one
+                eager = out.get(name.removesuffix("_reorder").removesuffix("_async"))  # their eager run: the plain one
                 if eager:
                     row["vs_eager"] = round(row["tokens_per_s"] / eager["tokens_per_s"], 4)
                 row["vs_one_gpu_same_mode"] = round(row["tokens_per_s"] / out[one]["tokens_per_s"], 4)
@@ -240,11 +253,17 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     # reset while they are alive counts them in this run's peak
     fresh_compile()
     fresh_memory(rt.device)
-    step = build(cfg, rt)
-    row = measure(step, cfg, rt, mb, warmup, steps, world)
+    fused, restore = count_fused()
+    try:
+        step = build(cfg, rt)
+        row = measure(step, cfg, rt, mb, warmup, steps, world)
+    finally:
+        restore()
     if cfg.train.compile:
         row["graph_breaks"] = graph_breaks()
         row["comm_reorder_passes"] = list(torch._inductor.config.reorder_for_compute_comm_overlap_passes)
+        if cfg.parallel.tp_overlap == "async":
+            row["async_tp"] = fused
     if profile:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, cfg.model.vocab_size, (mb, cfg.model.seq_len + 1), generator=g).to(rt.device)
@@ -253,6 +272,28 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     fresh_memory(rt.device)
     dist.barrier()
     return row
+
+
+def count_fused():
+    """({graphs, fused_all_gather_matmul, fused_matmul_reduce_scatter}, restore): what inductor's
+    async-TP pass leaves in the graphs it sees while this is on (it runs where tp_overlap=async)."""
+    from torch._inductor.fx_passes import post_grad
+
+    counts = {"graphs": 0, "fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
+    original = post_grad.micro_pipeline_tp_pass
+
+    def counting(graph):
+        original(graph)
+        counts["graphs"] += 1
+        for node in graph.nodes:
+            for key in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+                counts[key] += key in str(node.target)
+
+    post_grad.micro_pipeline_tp_pass = counting
+    return counts, lambda: setattr(post_grad, "micro_pipeline_tp_pass", original)
+
+
+PARITY_BATCH = ["train.micro_batch=1", "train.global_batch=2"]  # a parity step: 2 micro-batches of 1 sequence
 
 
 def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
@@ -266,13 +307,28 @@ def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
     runs = {"tp": [], "tp_chunked": CHUNKED}
     runs.update({"tp" + MODE_TAGS[m]: ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
     runs.update({"tp_chunked" + MODE_TAGS[m]: CHUNKED + ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
+    if rt.device.type == "cuda":  # async TP: symmetric memory
+        runs.update({"tp_async" + MODE_TAGS[m]: ASYNC + ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
     out = {}
-    for tag, extra in runs.items():
-        step = ours(load_config(None, base + COMMON + [f"parallel.tp={rt.world}"] + extra), rt, micro=2)
-        out[f"{tag}_losses"] = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
-        del step
+    for tag, extra in list(runs.items()):
+        fresh_compile()  # else dynamo reuses the previous run's graphs for this model's blocks, whatever changed
+        fused, restore = count_fused()
+        try:
+            step = ours(load_config(None, base + COMMON + PARITY_BATCH + [f"parallel.tp={rt.world}"] + extra), rt,
+                        micro=2)
+            out[f"{tag}_losses"] = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
+            if ASYNC[0] in extra:
+                out[f"{tag}_fused"] = fused
+        except Exception as e:  # as in run_shape: async TP's symmetric memory
+            if ASYNC[0] not in extra:
+                raise
+            out[f"{tag}_error"] = f"{type(e).__name__}: {e}"[:600]
+            del runs[tag]
+        finally:
+            restore()
+        step = None
     if rt.rank == 0:
-        ref = ours(load_config(None, base + COMMON), Runtime.single(rt.device), micro=2)
+        ref = ours(load_config(None, base + COMMON + PARITY_BATCH), Runtime.single(rt.device), micro=2)
         out["one_gpu_losses"] = [float(ref(b[:, :-1], b[:, 1:])) for b in batches]
         for tag in runs:
             out[f"{tag}_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(out[f"{tag}_losses"],
@@ -298,6 +354,7 @@ def main() -> None:
                          "vs_eager, and speedup_vs_one_gpu against eager one GPU (DTensor's compiled blocks fail in "
                          "backward on torch 2.13, so its rows stay eager)")
     ap.add_argument("--no-parity", action="store_true", help="skip the loss check against one GPU")
+    ap.add_argument("--parity-only", action="store_true", help="only the loss check (no timed variants)")
     args = ap.parse_args()
     unknown = set(args.variants or ()) - set(VARIANTS)
     if set(args.compile or ()) - set(MODE_TAGS):
@@ -316,7 +373,8 @@ def main() -> None:
             result["shapes"][name] = partial
             if rt.rank == 0 and args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
-        keep(run_shape(base + [f"model.n_layers={layers}"], mb, rt, args, keep))
+        if not args.parity_only:
+            keep(run_shape(base + [f"model.n_layers={layers}"], mb, rt, args, keep))
     small = next(iter(shapes.values()))[0] + ["model.n_layers=2"]
     if not args.no_parity:
         result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8,

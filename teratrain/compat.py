@@ -101,6 +101,67 @@ def compile_comm_overlap(enabled: bool) -> list[str]:
     return passes
 
 
+def compile_async_tp(group, workspace_bytes: int = 0) -> bool:
+    """Inductor's micro-pipeline pass (PyTorch's async TP) for what this process compiles next, over
+    `group`'s symmetric memory, or off with None (a process-wide setting: each parallelize() call states
+    it). The pass replaces an all-gather and the GEMMs that read it (a GEMM and the reduce-scatter after
+    it) with one fused op that moves the pieces with copy engines while the GEMM runs on the pieces
+    already there. The fused ops' workspace (`workspace_bytes`, a collective allocation) is made here:
+    first made while CUDA graph trees warm up, it would stay in their pool untracked, which they refuse
+    at the next recording. Returns whether it is on."""
+    import torch._inductor.config as inductor
+
+    inductor._micro_pipeline_tp = group is not None
+    mine = getattr(inductor.post_grad_custom_pre_pass, "uuid", lambda: None)() == FOLD_RESHAPES
+    if group is not None and inductor.post_grad_custom_pre_pass is None:
+        inductor.post_grad_custom_pre_pass = _fold_reshapes_pass()
+    elif group is None and mine:
+        inductor.post_grad_custom_pre_pass = None
+    if group is not None:
+        from torch.distributed import _symmetric_memory as symm
+
+        if not symm.is_symm_mem_enabled_for_group(group.group_name):  # on by default (and the call
+            symm.enable_symm_mem_for_group(group.group_name)  # deprecated) on torch 2.11
+        if workspace_bytes:
+            symm.get_symm_mem_workspace(group.group_name, min_size=workspace_bytes)
+    return group is not None
+
+
+def _fold_reshapes(graph) -> None:
+    """reshape(reshape(x)) -> reshape(x) in a post-grad graph. A sequence gather's rows (rows, d) are
+    viewed (B, T, d) for the block and back to (rows, d) by each linear; the async-TP pass looks for
+    GEMMs among the gathered tensor's own users, so the pair must go (the values are the same: a
+    reshape keeps the elements' order)."""
+    shape_ops = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+    def shape(node):
+        return getattr(node.meta.get("val"), "shape", None) if isinstance(node, torch.fx.Node) else None
+
+    for node in graph.nodes:
+        inner = node.args[0] if node.op == "call_function" and node.target in shape_ops else None
+        if isinstance(inner, torch.fx.Node) and inner.op == "call_function" and inner.target in shape_ops:
+            node.target, node.args = torch.ops.aten.reshape.default, (inner.args[0], *node.args[1:])
+            if shape(node) is not None and shape(node) == shape(node.args[0]):  # back where it started
+                node.replace_all_uses_with(node.args[0])
+    graph.eliminate_dead_code()
+
+
+FOLD_RESHAPES = "teratrain.compat.fold_reshapes.1"  # the FX graph cache keys compiled graphs on a pass's uuid
+
+
+def _fold_reshapes_pass():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class FoldReshapes(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            _fold_reshapes(graph)
+
+        def uuid(self) -> str:
+            return FOLD_RESHAPES
+
+    return FoldReshapes()
+
+
 def compile_checkpoint_side_effects() -> None:
     """Let torch.compile trace a checkpointed block that writes module attributes (an MoE layer's aux
     loss and statistics) without replaying those writes when the backward recomputes the block, as

@@ -341,13 +341,17 @@ class ParallelConfig(Section):
                                 "products of inner-dim splits all-reduced)")
     sequence_parallel: bool | None = Field(None, description="norms, dropout and residuals on sequence shards under tp "
                                                              "(Korthikanti et al. 2022); unset = on for tp_form=megatron")
-    tp_overlap: Literal["none", "chunked"] = Field(
+    tp_overlap: Literal["none", "chunked", "async"] = Field(
         "none", description="overlap tensor-parallel collectives with the matmuls that depend on them: chunked "
                             "splits each region's gather / reduce-scatter (all-reduce without sequence "
                             "parallelism) and its matmuls into parallel.tp_overlap_chunks pieces, one piece's "
                             "communication running while the next one computes (Wang et al. 2022; "
                             "parallel/tp_overlap.py); megatron form only. Under train.compile the pieces are "
-                            "traced and inductor schedules them (train.compile_overlap's passes, turned on)")
+                            "traced and inductor schedules them (train.compile_overlap's passes, turned on). "
+                            "async: PyTorch's async TP, under train.compile with sequence parallelism on CUDA "
+                            "GPUs: inductor fuses each sequence gather with the GEMMs that read it and each "
+                            "GEMM with the reduce-scatter after it, the pieces moved by copy engines through "
+                            "symmetric memory (no SMs taken from the GEMMs)")
     tp_overlap_chunks: int = Field(2, ge=1, description="pieces per overlapped collective for tp_overlap=chunked; "
                                                         "model.seq_len must be divisible by tp x this")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree")

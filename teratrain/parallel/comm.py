@@ -239,6 +239,10 @@ def _seq_gather(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor:
     """(B, T/n, ...) sequence shards on each rank -> (B, T, ...). See `sequence_rows` for which tokens
     a shard holds: each of the `chunks` units is one all-gather written in place, so no layout copy."""
     n = group_size(group)
+    if n > 1 and traced() and chunks == 1:  # the token rows gathered as one (rows, d) matrix, which the
+        # region's GEMMs read as it is: the pattern inductor's async TP fuses (parallel.tp_overlap=async)
+        rows = funcol.all_gather_tensor(x.reshape(-1, x.shape[-1]), 0, group)
+        return rows.view(x.shape[0], n * x.shape[1], *x.shape[2:])
     if n > 1 and traced():  # unit k's rank blocks side by side, out of place; gathered along dim 0, as
         # another dim makes torch 2.11 call a helper dynamo will not trace (a graph break per collective)
         out = funcol.all_gather_tensor(x.contiguous().view(chunks, -1), 0, group).view(n, chunks, -1)
@@ -267,6 +271,9 @@ def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor
     n = group_size(group)
     if n == 1:
         return x
+    if traced() and chunks == 1:  # the GEMM's (rows, d) output scattered by rows: inductor's async TP
+        out = funcol.reduce_scatter_tensor(x.reshape(-1, x.shape[-1]), SUM, 0, group)  # pattern (as above)
+        return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
     if traced():  # unit k's block r to rank r, out of place, scattered along dim 0 (as in _seq_gather)
         blocks = x.contiguous().view(chunks, n, -1).transpose(0, 1).contiguous()  # no copy when chunks == 1
         out = funcol.reduce_scatter_tensor(blocks, SUM, 0, group)

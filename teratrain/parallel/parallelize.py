@@ -47,6 +47,7 @@ def parallelize(model: nn.Module, rt, cfg):
     decoder or one of your own (models/protocol.py), on the meta device or, keeping its values, a real one."""
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
     check_model(model, cfg)
+    async_tp = async_tp_group(rt, cfg)  # before anything changes: it may refuse the device
     aliases = untie(model)  # shared parameters: one registration until the engine exists
     init = initial_values(model, lambda: init_fn(cfg))  # before anything moves the values
     apply_lora(model, cfg)  # 0: adapters on the single-device model, everything else frozen
@@ -68,6 +69,7 @@ def parallelize(model: nn.Module, rt, cfg):
         # traced collectives are waited for where issued; the passes move the waits to the use, which is
         # what lets a chunked tp region's pieces overlap (parallel/tp_overlap.py)
         compat.compile_comm_overlap(cfg.train.compile_overlap or cfg.parallel.tp_overlap == "chunked")
+        compat.compile_async_tp(async_tp, async_tp_workspace(cfg, rt.dims.tp) if async_tp is not None else 0)
         mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
         for module in compile_units(model, layout is not None, cfg, rt.dims.dp):
             if cfg.parallel.zero == 3:  # only the forward: ZeRO-3's gather and free hooks on each block run
@@ -81,6 +83,23 @@ def parallelize(model: nn.Module, rt, cfg):
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
         rt.mesh.connect(rt.device)
     return engine
+
+
+def async_tp_group(rt, cfg):
+    """The tp group whose symmetric memory parallel.tp_overlap=async fuses over, or None."""
+    if cfg.parallel.tp_overlap != "async" or rt.dims.tp == 1:
+        return None
+    if rt.device.type != "cuda":
+        raise ConfigError(f"parallel.tp_overlap=async moves its pieces through CUDA symmetric memory and this run is "
+                          f"on {rt.device.type}; set parallel.tp_overlap=none (or chunked).")
+    return rt.group("tp")
+
+
+def async_tp_workspace(cfg, tp: int) -> int:
+    """Bytes of symmetric memory async TP's fused ops need at most: a fused reduce-scatter's two output
+    pieces of (micro-batch x seq_len / tp) token rows of d_model, at 4 bytes (fp32 compute; bf16 needs
+    half). A gather's piece is one such block."""
+    return 2 * cfg.train.micro_batch * cfg.model.seq_len // tp * cfg.model.d_model * 4
 
 
 def compile_scope(cfg, dp: int) -> str:

@@ -343,14 +343,20 @@ def check_tp(cfg) -> None:
 
 
 def check_overlap(cfg) -> None:
-    """What parallel.tp_overlap=chunked needs (one sentence with the fix)."""
+    """What parallel.tp_overlap=chunked or async needs (one sentence with the fix)."""
     p, m = cfg.parallel, cfg.model
     if p.tp_overlap == "none" or p.tp == 1:
         return
     if p.tp_form != "megatron":
-        raise ConfigError(f"parallel.tp_overlap=chunked overlaps the megatron form's region collectives (this run "
-                          f"has parallel.tp_form={p.tp_form}); set parallel.tp_form=megatron or "
+        raise ConfigError(f"parallel.tp_overlap={p.tp_overlap} overlaps the megatron form's region collectives (this "
+                          f"run has parallel.tp_form={p.tp_form}); set parallel.tp_form=megatron or "
                           f"parallel.tp_overlap=none.")
+    if p.tp_overlap == "async":
+        if not cfg.train.compile or not p.use_sp:
+            raise ConfigError("parallel.tp_overlap=async is inductor's fusion of sequence parallelism's gathers and "
+                              "reduce-scatters with their GEMMs; set train.compile=true and "
+                              "parallel.sequence_parallel=true, or parallel.tp_overlap=none.")
+        return
     pieces = p.tp_overlap_chunks * (p.tp if p.use_sp else 1)
     if m.seq_len % pieces:
         raise ConfigError(f"parallel.tp_overlap_chunks ({p.tp_overlap_chunks}) splits every "

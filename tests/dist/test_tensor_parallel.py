@@ -5,10 +5,12 @@ Tolerance: 1e-5 relative on every step's loss and on every final parameter tenso
 tensors gathered whole). Measured: about 1e-7 on losses and 1e-7 to 2e-6 on parameters (the splits
 change fp32 summation order; AdamW with eps=1e-6 amplifies it least, see test_zero_parity.py)."""
 
-import pytest
+import functools
 
+import pytest
 from harness import run_ranks
 from layout_workers import BASE, GPT2, build, train_random, train_steps
+
 from teratrain.config import load_config
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.memory import forward_saved
@@ -196,14 +198,21 @@ def test_tp2_compiled_is_one_graph_and_matches_one_process():
              world=2, worker=compiled_worker, steps=2)
 
 
-def _scheduled(rank: int, world: int, layout: list[str]) -> list[str]:
+def _scheduled(rank: int, world: int, layout: list[str]) -> tuple[list[str], list[str]]:
     """The order inductor (the default backend) launches collectives, waits and GEMMs in, per compiled
-    graph (forward, backward) of a 1-block model: AG / RS / AR issued, w a wait, mm a GEMM."""
+    graph (forward, backward) of a 1-block model: AG / RS / AR issued, w a wait, mm a GEMM; and, under
+    parallel.tp_overlap=async, what the async-TP pass finds in each graph (test below)."""
     import re
 
     import torch._functorch.config
     import torch._inductor.config
+    import torch.distributed._symmetric_memory as symm
     from torch._inductor import graph
+    from torch._inductor.fx_passes import micro_pipeline_tp as tp_pass
+    from torch._inductor.fx_passes import post_grad
+
+    from teratrain import compat
+    from teratrain.parallel import parallelize
 
     torch._inductor.config.fx_graph_cache = False  # a cached graph is loaded, not lowered: nothing to read
     torch._functorch.config.enable_autograd_cache = False
@@ -214,14 +223,40 @@ def _scheduled(rank: int, world: int, layout: list[str]) -> list[str]:
         codes.append(open(module.__file__).read())
         return module
 
-    graph.GraphLowering.compile_to_module = spy
+    fusible = []  # per graph: what inductor's async-TP pass finds (its fusion needs NCCL, absent on CPU)
+
+    def tp_group(rt, cfg):  # parallel.tp_overlap=async on CPU, over no symmetric memory: what the pass finds
+        return rt.group("tp") if cfg.parallel.tp_overlap == "async" else None
+
+    def gathers(match):  # AGn: an all-gather whose result n GEMMs read
+        fusible[-1].append(f"AG{len(tp_pass._find_consumer_matmuls(match.res_node))}")
+
+    def scatters(match):  # RS1: a reduce-scatter of a GEMM's output (RS0: of something else)
+        fusible[-1].append(f"RS{int(tp_pass._find_producer_matmul(match.input_node) is not None)}")
+
+    def fused_in_graph(graph):
+        fusible.append([])
+        pass_(graph)
+
+    saved = (graph.GraphLowering.compile_to_module, parallelize.async_tp_group, symm.is_symm_mem_enabled_for_group,
+             symm.get_symm_mem_workspace, tp_pass.fuse_all_gather_matmul, tp_pass.fuse_matmul_reduce_scatter,
+             post_grad.micro_pipeline_tp_pass)
+    pass_ = saved[-1]
+    graph.GraphLowering.compile_to_module, parallelize.async_tp_group = spy, tp_group
+    symm.is_symm_mem_enabled_for_group, symm.get_symm_mem_workspace = lambda name: True, lambda name, min_size: None
+    tp_pass.fuse_all_gather_matmul, tp_pass.fuse_matmul_reduce_scatter = gathers, scatters
+    post_grad.micro_pipeline_tp_pass = fused_in_graph
     try:
         train_random(rank, world, layout + ["train.compile=true", "model.n_layers=1"], steps=1)
     finally:
-        graph.GraphLowering.compile_to_module = compile_to_module
+        (graph.GraphLowering.compile_to_module, parallelize.async_tp_group, symm.is_symm_mem_enabled_for_group,
+         symm.get_symm_mem_workspace, tp_pass.fuse_all_gather_matmul, tp_pass.fuse_matmul_reduce_scatter,
+         post_grad.micro_pipeline_tp_pass) = saved
+        compat.compile_async_tp(None)
     names = {"all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS", "all_reduce": "AR", "wait_tensor": "w"}
     pattern = re.compile(r"_c10d_functional\.(\w+)\.default\(|extern_kernels\.(mm|addmm)\(")
-    return [" ".join(names.get(m[0], m[0]) if m[0] else "mm" for m in pattern.findall(code)) for code in codes]
+    order = [" ".join(names.get(m[0], m[0]) if m[0] else "mm" for m in pattern.findall(code)) for code in codes]
+    return order, [" ".join(found) for found in fusible]
 
 
 def test_chunked_overlap_compiled_issues_the_next_piece_before_waiting():
@@ -229,11 +264,34 @@ def test_chunked_overlap_compiled_issues_the_next_piece_before_waiting():
     for where issued, so without reordering each piece's all-gather is waited for before the next is
     issued; the passes tp_overlap turns on (compat.compile_comm_overlap) issue both gathers before the
     first wait, and the exit's first reduce-scatter before the second piece's GEMM."""
-    plain, chunked = run_ranks(_scheduled, 2, ["parallel.tp=2"])[0], \
-        run_ranks(_scheduled, 2, ["parallel.tp=2", "parallel.tp_overlap=chunked"])[0]
-    forward = chunked[0]
+    plain, chunked, _ = _schedules()
+    forward = chunked[0][0]
     assert "AG AG w mm w mm" in forward and "RS mm RS" in forward, forward
-    assert "AG AG" not in plain[0], plain[0]
+    assert "AG AG" not in plain[0][0], plain[0][0]
+
+
+@functools.cache
+def _schedules() -> tuple:
+    """_scheduled of tp=2 with SP, plain, chunked and async: one inductor compile each, for two tests."""
+    return (run_ranks(_scheduled, 2, ["parallel.tp=2"])[0],
+            run_ranks(_scheduled, 2, ["parallel.tp=2", "parallel.tp_overlap=chunked"])[0],
+            run_ranks(_scheduled, 2, ["parallel.tp=2", "parallel.tp_overlap=async"])[0])
+
+
+def test_sequence_parallel_compiles_to_what_async_tp_fuses():
+    """parallel.tp_overlap=async turns on inductor's micro-pipeline pass, which fuses an all-gather with
+    the GEMMs that read its result and a GEMM with the reduce-scatter of its output (the fusion itself
+    needs NCCL, so on CPU only its search runs; AGn: a gather n GEMMs read, RS1: a reduce-scatter of a
+    GEMM's output). The traced sequence gather and reduce-scatter hand the GEMMs one (rows, d) matrix
+    (parallel/comm.py) and compat's reshape folding removes the block's (B, T, d) view between them, so
+    in one block's forward the attention's entry gather feeds its 3 projections, the MLP's its 2, the
+    head's 1, and both exits reduce-scatter a GEMM's output (the embedding's reduce-scatter has none);
+    backward, the exits' gathered gradients feed a GEMM each and the head's input gradient is
+    reduce-scattered from its GEMM."""
+    *_, (_, fusible) = _schedules()
+    forward, backward = (graph.split() for graph in fusible)
+    assert sorted(forward) == ["AG1", "AG2", "AG3", "RS0", "RS1", "RS1"], forward
+    assert backward.count("AG1") == 2 and backward.count("RS1") == 1, backward
 
 
 def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -> list[dict]:

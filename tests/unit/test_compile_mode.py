@@ -167,3 +167,28 @@ def test_a_layout_tried_by_the_planner_is_checked_for_compiled_zero3():
     cfg.parallel.zero, cfg.memory.recompute = 3, "full"
     with pytest.raises(ConfigError, match="parallel.zero=3"):
         check_supported(cfg)
+
+
+def test_fold_reshapes_hands_the_gathered_rows_to_the_gemms():
+    """compat._fold_reshapes (the post-grad pass parallel.tp_overlap=async adds): a (rows, d) tensor
+    viewed (B, T, d) for the block and back to rows by a linear reaches the GEMM directly, as
+    inductor's async-TP pass needs it; a reshape that lands elsewhere keeps one reshape of the source,
+    and the values do not change."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from teratrain.compat import _fold_reshapes
+
+    def block(rows, w):
+        x = rows.view(2, 16, 32)  # what the sequence gather hands the block
+        return x.reshape(32, 32) @ w, x.view(2, 512).sum(1)  # a linear's rows; another shape
+
+    rows, w = torch.randn(32, 32), torch.randn(32, 8)
+    gm = make_fx(block, tracing_mode="fake")(rows, w)
+    _fold_reshapes(gm.graph)
+    gm.recompile()
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    assert mm.args[0].op == "placeholder", gm.code  # the rows themselves
+    other = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList).args[0]
+    assert other.target == torch.ops.aten.reshape.default and other.args[0].op == "placeholder", gm.code
+    for got, want in zip(gm(rows, w), block(rows, w)):
+        torch.testing.assert_close(got, want)

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from teratrain.config import Config, ConfigError, load_config
 from teratrain.config_toml import to_toml
@@ -219,6 +220,11 @@ def test_microbatches_at_launch_follow_dp_and_the_schedule():
     (["parallel.sequence_parallel=false", "model.seq_len=12", "parallel.tp_overlap_chunks=8"],
      "parallel.tp_overlap_chunks (8) must divide"),
     (["parallel.pp=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1 splits"),
+    (["parallel.tp_overlap=async"], "set train.compile=true and parallel.sequence_parallel=true"),
+    (["parallel.tp_overlap=async", "train.compile=true", "parallel.sequence_parallel=false"],
+     "set train.compile=true and parallel.sequence_parallel=true"),
+    (["parallel.tp_overlap=async", "train.compile=true", "parallel.tp_form=all-reduce",
+      "parallel.sequence_parallel=false"], "parallel.tp_overlap=async overlaps the megatron form"),
 ])
 def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
     from teratrain.parallel.parallelize import check_supported
@@ -227,6 +233,20 @@ def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
         check_supported(load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked"] + sets))
     msg = str(info.value)
     assert words in msg and msg.endswith(".") and "\n" not in msg
+
+
+def test_async_tp_refuses_a_run_off_cuda():
+    """parallel.tp_overlap=async moves its pieces through CUDA symmetric memory: on another device,
+    parallelize refuses before it changes the model (one sentence with the fix)."""
+    from types import SimpleNamespace
+
+    from teratrain.parallel.parallelize import async_tp_group
+
+    cfg = load_config(None, ["parallel.tp=2", "parallel.tp_overlap=async", "train.compile=true"])
+    rt = SimpleNamespace(dims=SimpleNamespace(tp=2), device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="set parallel.tp_overlap=none"):
+        async_tp_group(rt, cfg)
+    assert async_tp_group(rt, load_config(None, ["parallel.tp=2", "train.compile=true"])) is None
 
 
 @pytest.mark.parametrize("sets, words", [
