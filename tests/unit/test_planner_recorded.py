@@ -48,6 +48,15 @@ REACHED_H200X2 = {"peak": (9, 5), "step": (11, 9)}
 # (test_pipeline_bench_peaks_after_the_gradient_change).
 SESSION6 = RESULTS / "planner_validate_h200x4_session6.json"
 REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
+# The same 28 layouts on 4 x H200 in session 9, with sessions 7 and 8's planner and engine changes:
+# every peak within 5%; the step misses are dp4 zero2/zero3 (-17%, -19%), the offload row (-16%) and the
+# three eager MoE rows (-24..-30%), all measured slower than session 6 (dp4 zero1 96 against 83 ms,
+# moe dp4 ep4 88 against 53). Not a regression of the code: session 6's code and today's, measured in
+# one job at 32 layers (planner_ab_session6_code_zero1_h200x4.json, planner_ab_session9_code_zero1_h200x4.json),
+# ran dp4 zero1 in 294 and 291 ms and moe dp4 ep4 zero1 in 217 and 200 ms: the 8-layer rows are paced
+# by their hosts, which differ run to run.
+SESSION9 = RESULTS / "planner_validate_h200x4_session9.json"
+REACHED_SESSION9 = {"peak": (15, 13), "step": (11, 11)}
 PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
@@ -86,11 +95,12 @@ def errors() -> list[dict]:
 
 
 @pytest.mark.parametrize("what", ["peak", "step"])
-@pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6", *SESSION7])
+@pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6", "h200-session9", *SESSION7])
 def test_recorded_rows_stay_within_the_targets(errors, what, card):
     rows, reached, sizes = {"h200": (errors, REACHED, (15, 13)), "h100": (_errors(H100), REACHED_H100, (15, 13)),
                             "h200x2": (_errors(H200X2), REACHED_H200X2, (15, 12)),
                             "h200-session6": (_errors(SESSION6), REACHED_SESSION6, (15, 13)),
+                            "h200-session9": (_errors(SESSION9), REACHED_SESSION9, (15, 13)),
                             **{k: (_errors(path), reached, (15, 12)) for k, (path, reached) in SESSION7.items()}}[card]
     if card == "h200" and what == "step":
         rows = [e for e in rows if e["name"] not in BEFORE_ZB_REWRITE]
@@ -109,7 +119,7 @@ def test_recorded_rows_stay_within_the_targets(errors, what, card):
 
 PICKS = ["planner_pick_h200x2.json", "planner_pick_h200x4.json", "planner_pick_h100x4.json",
          "planner_pick_h200x4_session6.json", "planner_pick_h200x2_session7.json", "planner_pick_h200x2_session7b.json",
-         "planner_pick_h200x2_session7d.json", "planner_pick_h200x2_session8.json"]
+         "planner_pick_h200x2_session7d.json", "planner_pick_h200x2_session8.json", "planner_pick_h200x4_session9.json"]
 
 
 @pytest.mark.parametrize("result", PICKS)
