@@ -4,6 +4,7 @@ rank 0 prints one JSON object (and writes it with --out).
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out results/fsdp2_h100x2.json
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke     # gloo CPU processes, tiny shape
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile   # + both sides compiled block by block
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --profile   # + each side's kernel account (torch.profiler)
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
 fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fit_layers, fresh_compile, smoke_compile  # noqa: E402
 from memory_trace import traced_step  # noqa: E402
+from trace_summary import profile_steps  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.mesh import init_runtime, shutdown  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
@@ -107,7 +109,7 @@ def fsdp2(cfg, rt):
     return step, states
 
 
-def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12) -> dict:
+def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12, profile: bool = False) -> dict:
     gc.collect()
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -129,8 +131,9 @@ def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12) -> 
     reserved = _max_over_ranks(torch.cuda.max_memory_reserved(rt.device) if rt.device.type == "cuda" else 0, rt)
     dist.barrier()
     trace = traced_step(lambda: step(x[:, :-1], x[:, 1:]), rt.device, top)
+    account = profile_steps(lambda: step(x[:, :-1], x[:, 1:]), rt.device) if profile else None
     tps = mb * cfg.model.seq_len * rt.world / statistics.median(times)
-    return {"tokens_per_s": tps, "tflops_per_gpu": tps * flops_per_token(cfg.model) / rt.world / 1e12,
+    return {**({"profile": account} if account else {}),"tokens_per_s": tps, "tflops_per_gpu": tps * flops_per_token(cfg.model) / rt.world / 1e12,
             "step_ms": 1e3 * statistics.median(times), "peak_gib_max_over_ranks": peak / GIB,
             "reserved_gib_max_over_ranks": reserved / GIB, "model_state_gib": states() / GIB,
             "allocated_gib_before_build": start / GIB, "traced_step_rank0": trace}
@@ -165,6 +168,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also both sides with each block compiled")
     ap.add_argument("--compile-only", action="store_true", help="only the compiled runs")
     ap.add_argument("--trace-top", type=int, default=12, help="allocation sites listed at each side's traced peak")
+    ap.add_argument("--profile", action="store_true", help="each side's kernel account of 2 steps (torch.profiler: "
+                                                           "busy, idle, NCCL exposed, copies, top ops)")
     args = ap.parse_args()
     if args.smoke and (args.compile or args.compile_only):
         smoke_compile()
@@ -184,16 +189,20 @@ def main() -> None:
     cfg = load_config(None, shape + RUN + batch)
     rt = init_runtime(cfg)
     rows = {}
+
+    def run(build, config) -> dict:
+        return measure(build, config, rt, args.micro_batch, 3, args.steps, args.trace_top, args.profile)
+
     if not args.compile_only:
-        rows["ours_zero3"] = measure(ours, cfg, rt, args.micro_batch, 3, args.steps, args.trace_top)
-        rows["fsdp2"] = measure(fsdp2, cfg, rt, args.micro_batch, 3, args.steps, args.trace_top)
+        rows["ours_zero3"] = run(ours, cfg)
+        rows["fsdp2"] = run(fsdp2, cfg)
         _ratios(rows, "ours_zero3", "fsdp2", "")
     if args.compile or args.compile_only:  # both sides compiled, each block apart
         compiled = load_config(None, shape + RUN + batch + ["train.compile=true"])
         fresh_compile()
-        rows["ours_zero3_compiled"] = measure(ours, compiled, rt, args.micro_batch, 3, args.steps, args.trace_top)
+        rows["ours_zero3_compiled"] = run(ours, compiled)
         fresh_compile()
-        rows["fsdp2_compiled"] = measure(fsdp2, compiled, rt, args.micro_batch, 3, args.steps, args.trace_top)
+        rows["fsdp2_compiled"] = run(fsdp2, compiled)
         _ratios(rows, "ours_zero3_compiled", "fsdp2_compiled", "_compiled")
     if rt.rank == 0:
         device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
