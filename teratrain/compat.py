@@ -111,11 +111,18 @@ def compile_async_tp(group, workspace_bytes: int = 0) -> bool:
     at the next recording. Returns whether it is on."""
     import torch._inductor.config as inductor
 
+    from teratrain.config import ConfigError
+
+    current = inductor.post_grad_custom_pre_pass
+    mine = getattr(current, "uuid", lambda: None)() == FOLD_RESHAPES
+    if group is not None and current is not None and not mine:
+        raise ConfigError("parallel.tp_overlap=async needs inductor's post_grad_custom_pre_pass (to fold the reshapes "
+                          "between its gathers and GEMMs) and this process has set one; unset "
+                          "torch._inductor.config.post_grad_custom_pre_pass or set parallel.tp_overlap=none.")
     inductor._micro_pipeline_tp = group is not None
-    mine = getattr(inductor.post_grad_custom_pre_pass, "uuid", lambda: None)() == FOLD_RESHAPES
-    if group is not None and inductor.post_grad_custom_pre_pass is None:
-        inductor.post_grad_custom_pre_pass = _fold_reshapes_pass()
-    elif group is None and mine:
+    if group is not None:
+        inductor.post_grad_custom_pre_pass = current if mine else _fold_reshapes_pass()
+    elif mine:
         inductor.post_grad_custom_pre_pass = None
     if group is not None:
         from torch.distributed import _symmetric_memory as symm
@@ -134,16 +141,24 @@ def _fold_reshapes(graph) -> None:
     reshape keeps the elements' order)."""
     shape_ops = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 
-    def shape(node):
-        return getattr(node.meta.get("val"), "shape", None) if isinstance(node, torch.fx.Node) else None
+    def shape(node):  # static sizes only: comparing symbolic ones would add guards
+        size = getattr(node.meta.get("val"), "shape", None) if isinstance(node, torch.fx.Node) else None
+        return tuple(size) if size is not None and all(isinstance(d, int) for d in size) else None
 
-    for node in graph.nodes:
+    inners, erased = {}, set()
+    for node in list(graph.nodes):
         inner = node.args[0] if node.op == "call_function" and node.target in shape_ops else None
         if isinstance(inner, torch.fx.Node) and inner.op == "call_function" and inner.target in shape_ops:
             node.target, node.args = torch.ops.aten.reshape.default, (inner.args[0], *node.args[1:])
+            inners[inner] = None
             if shape(node) is not None and shape(node) == shape(node.args[0]):  # back where it started
                 node.replace_all_uses_with(node.args[0])
-    graph.eliminate_dead_code()
+                graph.erase_node(node)
+                erased.add(node)
+    for inner in reversed(inners):  # only what this pass left without users (inductor runs no DCE here)
+        if inner not in erased and not inner.users:
+            graph.erase_node(inner)
+            erased.add(inner)
 
 
 FOLD_RESHAPES = "teratrain.compat.fold_reshapes.1"  # the FX graph cache keys compiled graphs on a pass's uuid

@@ -241,7 +241,7 @@ def _seq_gather(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor:
     n = group_size(group)
     if n > 1 and traced() and chunks == 1:  # the token rows gathered as one (rows, d) matrix, which the
         # region's GEMMs read as it is: the pattern inductor's async TP fuses (parallel.tp_overlap=async)
-        rows = funcol.all_gather_tensor(x.reshape(-1, x.shape[-1]), 0, group)
+        rows = funcol.all_gather_tensor(x.reshape(-1, x.shape[-1]).contiguous(), 0, group)
         return rows.view(x.shape[0], n * x.shape[1], *x.shape[2:])
     if n > 1 and traced():  # unit k's rank blocks side by side, out of place; gathered along dim 0, as
         # another dim makes torch 2.11 call a helper dynamo will not trace (a graph break per collective)
@@ -272,7 +272,7 @@ def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor
     if n == 1:
         return x
     if traced() and chunks == 1:  # the GEMM's (rows, d) output scattered by rows: inductor's async TP
-        out = funcol.reduce_scatter_tensor(x.reshape(-1, x.shape[-1]), SUM, 0, group)  # pattern (as above)
+        out = funcol.reduce_scatter_tensor(x.reshape(-1, x.shape[-1]).contiguous(), SUM, 0, group)  # (as above)
         return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
     if traced():  # unit k's block r to rank r, out of place, scattered along dim 0 (as in _seq_gather)
         blocks = x.contiguous().view(chunks, n, -1).transpose(0, 1).contiguous()  # no copy when chunks == 1

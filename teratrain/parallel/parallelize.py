@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, rt, cfg):
         # traced collectives are waited for where issued; the passes move the waits to the use, which is
         # what lets a chunked tp region's pieces overlap (parallel/tp_overlap.py)
         compat.compile_comm_overlap(cfg.train.compile_overlap or cfg.parallel.tp_overlap == "chunked")
-        compat.compile_async_tp(async_tp, async_tp_workspace(cfg, rt.dims.tp) if async_tp is not None else 0)
+        compat.compile_async_tp(async_tp, async_tp_workspace(cfg) if async_tp is not None else 0)
         mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
         for module in compile_units(model, layout is not None, cfg, rt.dims.dp):
             if cfg.parallel.zero == 3:  # only the forward: ZeRO-3's gather and free hooks on each block run
@@ -95,11 +95,13 @@ def async_tp_group(rt, cfg):
     return rt.group("tp")
 
 
-def async_tp_workspace(cfg, tp: int) -> int:
-    """Bytes of symmetric memory async TP's fused ops need at most: a fused reduce-scatter's two output
-    pieces of (micro-batch x seq_len / tp) token rows of d_model, at 4 bytes (fp32 compute; bf16 needs
-    half). A gather's piece is one such block."""
-    return 2 * cfg.train.micro_batch * cfg.model.seq_len // tp * cfg.model.d_model * 4
+def async_tp_workspace(cfg) -> int:
+    """Bytes of symmetric memory async TP's fused ops ask for at most: a micro-batch's token rows of
+    d_model at 4 bytes (fp32 compute; bf16 needs half). A fused reduce-scatter asks for two pieces of
+    rows/tp, a gather for one, and the multicast gather (where NVLink multicast is on) for all rows.
+    A larger batch than train.micro_batch under CUDA graphs would need more than was made: torch
+    refuses to grow it during a capture."""
+    return cfg.train.micro_batch * cfg.model.seq_len * cfg.model.d_model * 4
 
 
 def compile_scope(cfg, dp: int) -> str:

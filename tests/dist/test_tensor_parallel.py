@@ -198,10 +198,10 @@ def test_tp2_compiled_is_one_graph_and_matches_one_process():
              world=2, worker=compiled_worker, steps=2)
 
 
-def _scheduled(rank: int, world: int, layout: list[str]) -> tuple[list[str], list[str]]:
+def _scheduled(rank: int, world: int, layout: list[str]) -> tuple[list[str], list[str], dict]:
     """The order inductor (the default backend) launches collectives, waits and GEMMs in, per compiled
-    graph (forward, backward) of a 1-block model: AG / RS / AR issued, w a wait, mm a GEMM; and, under
-    parallel.tp_overlap=async, what the async-TP pass finds in each graph (test below)."""
+    graph (forward, backward) of a 1-block model: AG / RS / AR issued, w a wait, mm a GEMM; under
+    parallel.tp_overlap=async, what the async-TP pass finds in each graph (test below); and the run."""
     import re
 
     import torch._functorch.config
@@ -247,7 +247,7 @@ def _scheduled(rank: int, world: int, layout: list[str]) -> tuple[list[str], lis
     tp_pass.fuse_all_gather_matmul, tp_pass.fuse_matmul_reduce_scatter = gathers, scatters
     post_grad.micro_pipeline_tp_pass = fused_in_graph
     try:
-        train_random(rank, world, layout + ["train.compile=true", "model.n_layers=1"], steps=1)
+        run = train_random(rank, world, layout + ["train.compile=true", "model.n_layers=1"], steps=1)
     finally:
         (graph.GraphLowering.compile_to_module, parallelize.async_tp_group, symm.is_symm_mem_enabled_for_group,
          symm.get_symm_mem_workspace, tp_pass.fuse_all_gather_matmul, tp_pass.fuse_matmul_reduce_scatter,
@@ -256,7 +256,7 @@ def _scheduled(rank: int, world: int, layout: list[str]) -> tuple[list[str], lis
     names = {"all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS", "all_reduce": "AR", "wait_tensor": "w"}
     pattern = re.compile(r"_c10d_functional\.(\w+)\.default\(|extern_kernels\.(mm|addmm)\(")
     order = [" ".join(names.get(m[0], m[0]) if m[0] else "mm" for m in pattern.findall(code)) for code in codes]
-    return order, [" ".join(found) for found in fusible]
+    return order, [" ".join(found) for found in fusible], run
 
 
 def test_chunked_overlap_compiled_issues_the_next_piece_before_waiting():
@@ -287,9 +287,11 @@ def test_sequence_parallel_compiles_to_what_async_tp_fuses():
     in one block's forward the attention's entry gather feeds its 3 projections, the MLP's its 2, the
     head's 1, and both exits reduce-scatter a GEMM's output (the embedding's reduce-scatter has none);
     backward, the exits' gathered gradients feed a GEMM each and the head's input gradient is
-    reduce-scattered from its GEMM."""
-    *_, (_, fusible) = _schedules()
+    reduce-scattered from its GEMM. The step's loss and parameters equal the plain compiled run's."""
+    (_, _, plain), _, (_, fusible, run) = _schedules()
     forward, backward = (graph.split() for graph in fusible)
+    assert run["losses"] == pytest.approx(plain["losses"], rel=1e-6)  # the reshape folding changes no value
+    assert max_rel_diff(run["params"], plain["params"]) < 1e-6
     assert sorted(forward) == ["AG1", "AG2", "AG3", "RS0", "RS1", "RS1"], forward
     assert backward.count("AG1") == 2 and backward.count("RS1") == 1, backward
 

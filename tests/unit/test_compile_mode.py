@@ -192,3 +192,21 @@ def test_fold_reshapes_hands_the_gathered_rows_to_the_gemms():
     assert other.target == torch.ops.aten.reshape.default and other.args[0].op == "placeholder", gm.code
     for got, want in zip(gm(rows, w), block(rows, w)):
         torch.testing.assert_close(got, want)
+
+
+def test_async_tp_keeps_a_post_grad_pass_the_user_set():
+    """parallel.tp_overlap=async needs inductor's post_grad_custom_pre_pass for its reshape folding; one
+    the process set already is neither replaced nor silently left to stop the fusion: one sentence."""
+    import torch._inductor.config as inductor
+
+    from teratrain import compat
+    from teratrain.config import ConfigError
+
+    theirs = inductor.post_grad_custom_pre_pass = lambda graph: None
+    try:
+        with pytest.raises(ConfigError, match="post_grad_custom_pre_pass"):
+            compat.compile_async_tp(object())
+        assert inductor.post_grad_custom_pre_pass is theirs and not inductor._micro_pipeline_tp
+        assert not compat.compile_async_tp(None) and inductor.post_grad_custom_pre_pass is theirs
+    finally:
+        inductor.post_grad_custom_pre_pass = None

@@ -51,10 +51,10 @@ REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
 # The same 28 layouts on 4 x H200 in session 9, with sessions 7 and 8's planner and engine changes:
 # every peak within 5%; the step misses are dp4 zero2/zero3 (-17%, -19%), the offload row (-16%) and the
 # three eager MoE rows (-24..-30%), all measured slower than session 6 (dp4 zero1 96 against 83 ms,
-# moe dp4 ep4 88 against 53). Not a regression of the code: session 6's code and today's, measured in
-# one job at 32 layers (planner_ab_session6_code_zero1_h200x4.json, planner_ab_session9_code_zero1_h200x4.json),
-# ran dp4 zero1 in 294 and 291 ms and moe dp4 ep4 zero1 in 217 and 200 ms: the 8-layer rows are paced
-# by their hosts, which differ run to run.
+# moe dp4 ep4 88 against 53). Session 6's code and today's, measured in one job at 4x the layers
+# (planner_ab_session6_code_zero1_h200x4.json, planner_ab_session9_code_zero1_h200x4.json), agree within
+# 8% (dp4 zero1 294 and 291 ms, moe dp4 ep4 zero1 217 and 200); the 8-layer shapes, which the host
+# paces, were not compared in one job.
 SESSION9 = RESULTS / "planner_validate_h200x4_session9.json"
 REACHED_SESSION9 = {"peak": (15, 13), "step": (11, 11)}
 PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
