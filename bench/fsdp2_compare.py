@@ -131,12 +131,14 @@ def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12, pro
     reserved = _max_over_ranks(torch.cuda.max_memory_reserved(rt.device) if rt.device.type == "cuda" else 0, rt)
     dist.barrier()
     trace = traced_step(lambda: step(x[:, :-1], x[:, 1:]), rt.device, top)
-    account = profile_steps(lambda: step(x[:, :-1], x[:, 1:]), rt.device) if profile else None
     tps = mb * cfg.model.seq_len * rt.world / statistics.median(times)
-    return {**({"profile": account} if account else {}),"tokens_per_s": tps, "tflops_per_gpu": tps * flops_per_token(cfg.model) / rt.world / 1e12,
-            "step_ms": 1e3 * statistics.median(times), "peak_gib_max_over_ranks": peak / GIB,
-            "reserved_gib_max_over_ranks": reserved / GIB, "model_state_gib": states() / GIB,
-            "allocated_gib_before_build": start / GIB, "traced_step_rank0": trace}
+    row = {"tokens_per_s": tps, "tflops_per_gpu": tps * flops_per_token(cfg.model) / rt.world / 1e12,
+           "step_ms": 1e3 * statistics.median(times), "peak_gib_max_over_ranks": peak / GIB,
+           "reserved_gib_max_over_ranks": reserved / GIB, "model_state_gib": states() / GIB,
+           "allocated_gib_before_build": start / GIB, "traced_step_rank0": trace}
+    if profile:
+        row["profile"] = profile_steps(lambda: step(x[:, :-1], x[:, 1:]), rt.device)
+    return row
 
 
 def _ratios(rows: dict, ours_key: str, peer_key: str, tag: str) -> None:

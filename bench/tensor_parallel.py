@@ -18,6 +18,7 @@ unsplit model on its own device at the same time (no communication); rank 0's fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -246,12 +247,9 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     # reset while they are alive counts them in this run's peak
     fresh_compile()
     fresh_memory(rt.device)
-    fused, restore = count_fused()
-    try:
+    with fused_ops() as fused:
         step = build(cfg, rt)
         row = measure(step, cfg, rt, mb, warmup, steps, world)
-    finally:
-        restore()
     if cfg.train.compile:
         row["graph_breaks"] = graph_breaks()
         row["comm_reorder_passes"] = list(torch._inductor.config.reorder_for_compute_comm_overlap_passes)
@@ -267,10 +265,11 @@ def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     return row
 
 
-def count_fused():
-    """({graphs, fused_all_gather_matmul, fused_matmul_reduce_scatter}, restore): what inductor's
-    async-TP pass leaves in the graphs it sees while this is on (it runs where tp_overlap=async).
-    graphs = 0: inductor's cache served the compiled graphs and no pass ran, so nothing was counted."""
+@contextlib.contextmanager
+def fused_ops():
+    """{graphs, fused_all_gather_matmul, fused_matmul_reduce_scatter}: what inductor's async-TP pass
+    leaves in the graphs compiled within (it runs where tp_overlap=async). graphs = 0: inductor's
+    cache served the compiled graphs and no pass ran, so nothing was counted."""
     from torch._inductor.fx_passes import post_grad
 
     counts = {"graphs": 0, "fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
@@ -284,7 +283,10 @@ def count_fused():
                 counts[key] += key in str(node.target)
 
     post_grad.micro_pipeline_tp_pass = counting
-    return counts, lambda: setattr(post_grad, "micro_pipeline_tp_pass", original)
+    try:
+        yield counts
+    finally:
+        post_grad.micro_pipeline_tp_pass = original
 
 
 PARITY_BATCH = ["train.micro_batch=1", "train.global_batch=2"]  # a parity step: 2 micro-batches of 1 sequence
@@ -306,13 +308,10 @@ def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
     out = {}
     for tag, extra in runs.items():
         fresh_compile()  # else dynamo reuses the previous run's graphs for this model's blocks, whatever changed
-        fused, restore = count_fused()
-        try:
+        with fused_ops() as fused:
             step = ours(load_config(None, base + COMMON + PARITY_BATCH + [f"parallel.tp={rt.world}"] + extra), rt,
                         micro=2)
             out[f"{tag}_losses"] = [float(step(b[:, :-1], b[:, 1:])) for b in batches]
-        finally:
-            restore()
         if ASYNC[0] in extra:
             out[f"{tag}_fused"] = fused
         del step

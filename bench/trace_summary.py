@@ -49,7 +49,8 @@ def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> 
 def kernel_account(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     """(name, start_us, end_us) of every device kernel -> milliseconds per step by kind."""
     nccl = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
-    copies = [(a, b) for n, a, b in kernels if "nccl" not in n.lower() and any(m in n.lower() for m in COPY_MARKS)]
+    named_copies = [k for k in kernels if "nccl" not in k[0].lower() and any(m in k[0].lower() for m in COPY_MARKS)]
+    copies = [(a, b) for _, a, b in named_copies]
     compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]  # copies occupy the GPU too
     busy = union([(a, b) for _, a, b in kernels])
     window = (max(b for _, b in busy) - min(a for a, _ in busy)) if busy else 0.0
@@ -61,8 +62,7 @@ def kernel_account(kernels: list[tuple[str, float, float]], steps: int) -> dict:
             "nccl_exposed_ms": round(minus(nccl_u, union(compute)) * per, 3),
             "copy_ms": round(length(union(copies)) * per, 3), "copy_kernels_per_step": len(copies) // steps,
             "nccl_kernels_per_step": len(nccl) // steps, "kernels_per_step": len(kernels) // steps,
-            "top_copy_kernels": _top_names([k for k in kernels if "nccl" not in k[0].lower()
-                                            and any(m in k[0].lower() for m in COPY_MARKS)], steps)}
+            "top_copy_kernels": _top_names(named_copies, steps)}
 
 
 def _top_names(kernels: list[tuple[str, float, float]], steps: int, top: int = 8) -> list[dict]:

@@ -120,18 +120,18 @@ def compile_async_tp(group, workspace_bytes: int = 0) -> bool:
                           "between its gathers and GEMMs) and this process has set one; unset "
                           "torch._inductor.config.post_grad_custom_pre_pass or set parallel.tp_overlap=none.")
     inductor._micro_pipeline_tp = group is not None
-    if group is not None:
-        inductor.post_grad_custom_pre_pass = current if mine else _fold_reshapes_pass()
-    elif mine:
-        inductor.post_grad_custom_pre_pass = None
-    if group is not None:
-        from torch.distributed import _symmetric_memory as symm
+    if group is None:
+        if mine:
+            inductor.post_grad_custom_pre_pass = None
+        return False
+    inductor.post_grad_custom_pre_pass = current if mine else _fold_reshapes_pass()
+    from torch.distributed import _symmetric_memory as symm
 
-        if not symm.is_symm_mem_enabled_for_group(group.group_name):  # on by default (and the call
-            symm.enable_symm_mem_for_group(group.group_name)  # deprecated) on torch 2.11
-        if workspace_bytes:
-            symm.get_symm_mem_workspace(group.group_name, min_size=workspace_bytes)
-    return group is not None
+    if not symm.is_symm_mem_enabled_for_group(group.group_name):  # on by default (and the call
+        symm.enable_symm_mem_for_group(group.group_name)  # deprecated) on torch 2.11
+    if workspace_bytes:
+        symm.get_symm_mem_workspace(group.group_name, min_size=workspace_bytes)
+    return True
 
 
 def _fold_reshapes(graph) -> None:

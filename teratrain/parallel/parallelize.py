@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, rt, cfg):
         # traced collectives are waited for where issued; the passes move the waits to the use, which is
         # what lets a chunked tp region's pieces overlap (parallel/tp_overlap.py)
         compat.compile_comm_overlap(cfg.train.compile_overlap or cfg.parallel.tp_overlap == "chunked")
-        compat.compile_async_tp(async_tp, async_tp_workspace(cfg) if async_tp is not None else 0)
+        compat.compile_async_tp(async_tp, async_tp_workspace(cfg))
         mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
         for module in compile_units(model, layout is not None, cfg, rt.dims.dp):
             if cfg.parallel.zero == 3:  # only the forward: ZeRO-3's gather and free hooks on each block run
