@@ -120,7 +120,7 @@ def micro_batch(smoke: bool) -> int:
 def build(sets: list[str], single: bool = False):
     """(cfg, runtime, model, engine) through parallelize(); `single`: one process on this rank's
     device (the reference of the parity check), whatever the job's size."""
-    single_sets = ["parallel.ep=1", "train.compile=false"]  # the reference runs eager
+    single_sets = ["parallel.ep=1", "train.compile=false", "train.compile_mode=default"]  # the reference runs eager
     cfg = load_config(None, sets + ["optim.warmup_steps=0", "metrics.progress=false"] + (single_sets if single else []))
     rt = Runtime.single(pick_device(cfg.train.device, int(os.environ["LOCAL_RANK"]))) if single else init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp

@@ -384,13 +384,23 @@ class MoE(nn.Module):
         for key, value in new.items():
             self.stats[key] = self.stats[key] + value if key in self.stats else value
 
-    def start_stats(self, device: torch.device) -> None:
+    def start_stats(self, device: torch.device, graphed: bool = False) -> None:
         """Zero statistics on `device`, before the first forward (parallelize does it). From then on their
         keys and shapes stay the same (`pop_stats` resets them to zeros), so a compiled forward traces
-        one graph, not one that creates them and one that adds to them."""
+        one graph, not one that creates them and one that adds to them. `graphed`: the forward replays
+        as a CUDA graph (train.compile_mode=reduce-overhead), see `settle_stats`."""
+        self.graphed = graphed
         kw = {"dtype": torch.float64, "device": device}
         self.stats = {"load": torch.zeros(self.num_experts, **kw),  # the keys in _record's order
                       **{key: torch.zeros((), **kw) for key in ("dropped", "attempted", "aux_loss", "forwards")}}
+
+    def settle_stats(self) -> None:
+        """A CUDA graph's replay (train.compile_mode=reduce-overhead) leaves the statistics it summed in
+        the graph's memory pool, which the next step's replay overwrites while reading them as its
+        inputs ("accessing tensor output of CUDAGraphs that has been overwritten"): copied out after each
+        micro-batch (train_step), 5 small copies a layer. Eager and compiled without graphs: nothing."""
+        if getattr(self, "graphed", False):
+            self.stats = {key: value.clone() for key, value in self.stats.items()}
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """This rank's statistics since the last call: load (n,) routed tokens per expert, dropped and

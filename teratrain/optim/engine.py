@@ -20,6 +20,7 @@ from torch import nn
 from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.memory.compression import compressed_saves
 from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, make_scaler, param_dtype
+from teratrain.models.moe import moe_layers
 from teratrain.optim.build import build_optimizer
 from teratrain.parallel.placement import assign_defaults, placement
 
@@ -277,4 +278,6 @@ def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precis
             engine.backward(loss / len(micro_batches))
         total = loss.detach().clone() if total is None else total + loss.detach()  # a CUDA graph's output
         # (train.compile_mode=reduce-overhead) is overwritten by the next micro-batch's replay: copied out
+        for _, layer in moe_layers(model):  # so are the MoE layers' statistics (nothing to do ungraphed)
+            layer.settle_stats()
     return engine.step(lr), total / len(micro_batches)

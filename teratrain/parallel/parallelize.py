@@ -48,6 +48,7 @@ def parallelize(model: nn.Module, rt, cfg):
     check_supported(cfg)  # cheap and pure: train.run also calls it first, to fail before any setup
     check_model(model, cfg)
     async_tp = async_tp_group(rt, cfg)  # before anything changes: it may refuse the device
+    check_graphed_experts(rt, cfg)
     aliases = untie(model)  # shared parameters: one registration until the engine exists
     init = initial_values(model, lambda: init_fn(cfg))  # before anything moves the values
     apply_lora(model, cfg)  # 0: adapters on the single-device model, everything else frozen
@@ -78,7 +79,7 @@ def parallelize(model: nn.Module, rt, cfg):
                 module.compile(mode=mode)
     engine = build_engine(model, rt, cfg, init)  # 6
     for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
-        layer.start_stats(rt.device)
+        layer.start_stats(rt.device, graphed=cfg.train.cuda_graphs)
     retie(model, aliases)
     if rt.mesh is not None:  # 7: communicators of every group asked for, now rather than at a first use
         rt.mesh.connect(rt.device)
@@ -222,6 +223,20 @@ def check_pipeline(cfg) -> None:
         raise ConfigError("parallel.schedule=zb-h1 records what each forward saves to split its backward, which "
                           "memory.compress_activations would encode out of its sight; use another schedule "
                           "(e.g. 1f1b) or memory.compress_activations=none.")
+
+
+def check_graphed_experts(rt, cfg) -> None:
+    """CUDA graphs hold an MoE layer only where its grouped GEMMs read no row offsets back to the host:
+    torch's kernel in bf16 on Hopper or Blackwell (compat.grouped_mm_without_sync). Elsewhere the experts
+    run a loop that copies the offsets to the host (models/grouped_loop.py), which a capture refuses."""
+    if not (cfg.train.cuda_graphs and cfg.model.moe.enabled):
+        return
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.memory.precision, torch.float32)
+    if not compat.grouped_mm_without_sync(rt.device, dtype):
+        where = f"{rt.device.type} with memory.precision={cfg.memory.precision}"
+        raise ConfigError(f"train.compile_mode=reduce-overhead with model.moe needs the experts' grouped GEMM that "
+                          f"reads nothing back to the host (bf16 on a Hopper or Blackwell GPU), and this run is "
+                          f"{where}; set memory.precision=bf16 on such a GPU, or train.compile_mode=default.")
 
 
 def init_fn(cfg):

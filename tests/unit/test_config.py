@@ -263,3 +263,19 @@ def test_bf16_gradients_need_zero_and_low_precision_parameters(sets, words):
         check_supported(load_config(None, sets))
     assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
     check_supported(load_config(None, ["parallel.grad_dtype=bf16", "parallel.zero=1", "memory.precision=fp16"]))
+
+
+def test_graphed_experts_refused_where_their_gemm_reads_back():
+    """MoE under CUDA graphs needs the grouped GEMM that reads no offsets back (bf16 on Hopper or
+    Blackwell): elsewhere the experts' loop copies the offsets to the host, which a capture refuses (on
+    2 x H200 an fp32 run failed at its first capture). parallelize refuses first, one sentence."""
+    from types import SimpleNamespace
+
+    from teratrain.parallel.parallelize import check_graphed_experts
+
+    rt = SimpleNamespace(device=torch.device("cpu"))
+    graphed = ["train.compile=true", "train.compile_mode=reduce-overhead"]
+    with pytest.raises(ConfigError, match="set memory.precision=bf16 on such a GPU, or train.compile_mode=default"):
+        check_graphed_experts(rt, load_config(None, graphed + ["model.moe.num_experts=4", "memory.precision=bf16"]))
+    check_graphed_experts(rt, load_config(None, graphed))  # dense: nothing to refuse
+    check_graphed_experts(rt, load_config(None, ["train.compile=true", "model.moe.num_experts=4"]))  # no graphs

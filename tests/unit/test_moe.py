@@ -615,3 +615,30 @@ def test_stacked_expert_weights_compile_to_one_read_of_each_weight():
     assert torch.allclose(got, ref, rtol=1e-6)
     grads, refs = torch.autograd.grad(got, ws), torch.autograd.grad(ref, ws)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads, refs))
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_graphed_statistics_leave_the_replays_memory_after_each_micro_batch(graphed):
+    """Under CUDA graphs (train.compile_mode=reduce-overhead) the statistics a forward sums are the graph's
+    outputs, in its pool: the next step's replay read them as inputs after overwriting them (on 2 x
+    H200: "accessing tensor output of CUDAGraphs that has been overwritten"). train_step copies them out
+    after each micro-batch, same values; ungraphed it leaves them where the forward put them."""
+    from teratrain.optim.engine import LocalEngine, train_step
+
+    cfg = make_config("model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
+                      "model.d_ff=64", "model.vocab_size=50", "model.seq_len=16", "model.moe.num_experts=4")
+    model = build_model(cfg.model, dtype=torch.float32)
+    layers = moe.moe_layers(model)
+    for _, m in layers:
+        m.start_stats(torch.device("cpu"), graphed=graphed)
+    written = {}  # what each layer's forward left, by layer
+    for key, m in layers:
+        m.register_forward_hook(lambda mod, args, out, key=key: written.__setitem__(key, dict(mod.stats)))
+    engine = LocalEngine(model, cfg.optim, cfg.memory, 1.0, False)
+    x = torch.randint(0, 50, (2, 17))
+    train_step(model, engine, [(x[:, :-1], x[:, 1:])] * 2, "fp32", 1e-3)
+    for key, m in layers:
+        assert m.stats["forwards"].item() == 2
+        for name, value in m.stats.items():
+            torch.testing.assert_close(value, written[key][name])
+            assert (value.data_ptr() != written[key][name].data_ptr()) == graphed, (key, name)
