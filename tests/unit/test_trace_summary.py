@@ -12,15 +12,19 @@ from trace_summary import kernel_account  # noqa: E402
 
 def test_exposed_nccl_idle_and_copies_per_step():
     kernels = [("ampere_bf16_gemm", 0.0, 100.0), ("ncclDevKernel_AllGather_RING_LL", 50.0, 150.0),
+               # torch._grouped_mm's CUTLASS kernel, its mangled name cut as the profiler gives it: a GEMM
+               ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13"
+                "GemmUniversalINS5_17GroupProblemShapeIN4cute5tupleIJiiiEEEEENS5_10collective13"
+                "CollectiveMmaINS_4arch9SM90_TMA_LOAD_MULTICASTENS_10SM90_U32x4_STSM_NENS_4copy", 150.0, 200.0),
                ("void at::native::direct_copy_kernel_cuda", 200.0, 220.0),
                ("ncclDevKernel_ReduceScatter_RING_LL", 230.0, 240.0)]
     got = kernel_account(kernels, steps=2)  # microseconds over 2 steps -> ms per step
     assert got["window_ms"] == 0.12  # 0..240 us
-    assert got["busy_ms"] == 0.09  # 0-150, 200-220, 230-240: 180 us
-    assert got["idle_ms"] == 0.03
+    assert got["busy_ms"] == 0.115  # 0-220, 230-240: 230 us
+    assert got["idle_ms"] == 0.005
     assert got["nccl_ms"] == 0.055
     assert got["nccl_exposed_ms"] == 0.03  # 100-150 and 230-240 run alone
-    assert got["copy_ms"] == 0.01
-    assert got["nccl_kernels_per_step"] == 1 and got["kernels_per_step"] == 2
+    assert got["copy_ms"] == 0.01  # the direct copy only, not the GEMM with "copy" in its name
+    assert got["nccl_kernels_per_step"] == 1 and got["kernels_per_step"] == 2  # 5 kernels over 2 steps
     assert got["top_copy_kernels"] == [{"kernel": "void at::native::direct_copy_kernel_cuda", "ms": 0.01,
                                         "per_step": 0.5}]
