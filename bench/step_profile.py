@@ -15,7 +15,9 @@ steps (bench/trace_summary.py: kernel account and host account), and the host's 
 any model (a Python loop, a small CPU op, a tiny kernel's launch), to tell a slower host from more
 work. Rows name planner_rows' layouts at `--layers` layers (the MoE rows take half, as planner_rows
 does), run in the order given in the same processes, as planner_validate runs its rows: a row named
-twice shows what the rows between did to it.
+twice shows what the rows between did to it. `--no-profile` times the rows only; `--pin` gives each
+local rank its own share of the CPUs before CUDA and NCCL start threads (session 10: it did not steady
+the host-paced rows, bench/README.md).
 """
 
 from __future__ import annotations
@@ -92,10 +94,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help="the dense rows' layers (MoE rows: half)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--smoke", action="store_true", help="gloo on CPU, tiny shapes")
+    ap.add_argument("--no-profile", action="store_true", help="time the rows only (no torch.profiler steps)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each local rank on its own share of this process's CPUs (before CUDA and NCCL start threads)")
     ap.add_argument("--out")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin:
+        share = len(cpus) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cpus = cpus[local * share:(local + 1) * share] or cpus
+        os.sched_setaffinity(0, cpus)
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -103,7 +113,10 @@ def main() -> None:
                             device_id=device if cuda else None)
     n = dist.get_world_size()
     out = {"bench": "step_profile", "world": n, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "torch": torch.__version__, "layers": args.layers, "rows": []}
+           "torch": torch.__version__, "layers": args.layers, "pin": args.pin, "rows": []}
+    ranks_cpus = [None] * n
+    dist.all_gather_object(ranks_cpus, f"{cpus[0]}-{cpus[-1]} ({len(cpus)})")
+    out["cpus"] = ranks_cpus
     runtimes: dict = {}
     for name in args.rows:
         sets = row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke)
@@ -112,14 +125,15 @@ def main() -> None:
         step = built[-1]
         mine = measure(step, device, 1 if args.smoke else 3, 2 if args.smoke else args.steps)
         mine["host_speed"] = host_speed(device)
-        mine["profile"] = profile_steps(step, device, steps=2, top=12)
+        if not args.no_profile:
+            mine["profile"] = profile_steps(step, device, steps=2, top=12)
         del built, step  # the row's model, engine and batches go before the next row is built
         ranks = [None] * n
         dist.all_gather_object(ranks, mine)
         out["rows"].append({"name": name, "sets": sets, "ranks": ranks})  # in order: a row may come again
         if dist.get_rank() == 0:
             each = {"step ms": [r["step_ms"] for r in ranks], "issue ms": [r["issue_ms"] for r in ranks],
-                    "GPU idle ms": [r["profile"]["idle_ms"] for r in ranks], "host speed": [r["host_speed"] for r in ranks]}
+                    "GPU idle ms": [r.get("profile", {}).get("idle_ms") for r in ranks], "host speed": [r["host_speed"] for r in ranks]}
             print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in each.items()), file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         emit(out, args.out)

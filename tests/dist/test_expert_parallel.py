@@ -58,7 +58,9 @@ def test_ep2_top1_top2_with_and_without_drops_zero_and_recompute():
                TOP2_ALL + ["parallel.ep=2", "parallel.ep_overlap_chunks=2"],  # dropless, top-2
                TOP2 + ["parallel.ep=2", "parallel.zero=2", "parallel.ep_overlap_chunks=4"],
                GSHARD + ["parallel.ep=2", "memory.recompute=full", "parallel.ep_overlap_chunks=2"]]
-    runs = _compare(layouts + chunked, world=2, steps=STEPS, routing_seed=True)
+    # Parameters within 2e-5, as below: GShard's random routing at ep=2 measured 1.4e-5 on an AMD EPYC
+    # (under 1e-5 on the CI machine), AdamW's 1/sqrt(v) again; losses stay within 1e-5.
+    runs = _compare(layouts + chunked, world=2, param_tol=2e-5, steps=STEPS, routing_seed=True)
     drops = [r["moe"]["dropped"] for r in runs[:6]]
     assert drops[0] > 0 and drops[2] > 0 and drops[4] > 0 and drops[5] > 0, f"drops {drops}: the cases must drop"
     assert drops[1] == drops[3] == 0
