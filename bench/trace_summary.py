@@ -21,8 +21,9 @@ from pipeline_profile import activities, length, minus, union
 COPY_MARKS = ("copy", "memcpy", "memset")
 # Matrix kernels whose names hold a copy mark too: CUTLASS's mangled template names spell out their
 # copy atoms (torch._grouped_mm's kernel: 31.6 of the 47 ms a step counted as copies in the MoE bench's
-# ep=2 profile on 2 x H200, session 10). cuBLAS's nvjet and sm90 xmma names hold none today.
-GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma")
+# ep=2 profile on 2 x H200, session 10), and inductor's template GEMMs (max-autotune) are named after the
+# casts fused into them. cuBLAS's nvjet and sm90 xmma names hold no copy mark today.
+GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma", "triton_tem")
 
 
 def is_copy(name: str) -> bool:

@@ -540,6 +540,10 @@ class Config(Section):
         if self.train.compile_mode != "default" and not self.train.compile:
             raise ConfigError(f"train.compile_mode={self.train.compile_mode} is a mode of train.compile; set "
                               "train.compile=true or leave train.compile_mode at default.")
+        if self.train.cuda_graphs and self.model.moe.enabled and self.memory.precision != "bf16":
+            raise ConfigError(f"train.compile_mode=reduce-overhead with model.moe needs memory.precision=bf16: in "
+                              f"{self.memory.precision} the experts' grouped GEMM reads its row offsets back to the host, "
+                              "which a CUDA graph cannot hold; set memory.precision=bf16 or train.compile_mode=default.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
         if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":

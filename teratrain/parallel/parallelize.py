@@ -227,16 +227,13 @@ def check_pipeline(cfg) -> None:
 
 def check_graphed_experts(rt, cfg) -> None:
     """CUDA graphs hold an MoE layer only where its grouped GEMMs read no row offsets back to the host:
-    torch's kernel in bf16 on Hopper or Blackwell (compat.grouped_mm_without_sync). Elsewhere the experts
-    run a loop that copies the offsets to the host (models/grouped_loop.py), which a capture refuses."""
-    if not (cfg.train.cuda_graphs and cfg.model.moe.enabled):
-        return
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.memory.precision, torch.float32)
-    if not compat.grouped_mm_without_sync(rt.device, dtype):
-        where = f"{rt.device.type} with memory.precision={cfg.memory.precision}"
-        raise ConfigError(f"train.compile_mode=reduce-overhead with model.moe needs the experts' grouped GEMM that "
-                          f"reads nothing back to the host (bf16 on a Hopper or Blackwell GPU), and this run is "
-                          f"{where}; set memory.precision=bf16 on such a GPU, or train.compile_mode=default.")
+    torch's kernel in bf16 (the config refuses other precisions) on an sm90 or sm100 GPU
+    (compat.grouped_mm_without_sync). Elsewhere the offsets go to the host, which a capture refuses."""
+    if cfg.train.cuda_graphs and cfg.model.moe.enabled and not compat.grouped_mm_without_sync(rt.device, torch.bfloat16):
+        where = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else rt.device.type
+        raise ConfigError(f"train.compile_mode=reduce-overhead with model.moe needs torch's grouped GEMM kernel, which "
+                          f"reads nothing back to the host, on an sm90 or sm100 GPU (H100, H200, B200), and this run "
+                          f"is on {where}; set train.compile_mode=default.")
 
 
 def init_fn(cfg):

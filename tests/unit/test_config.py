@@ -265,17 +265,29 @@ def test_bf16_gradients_need_zero_and_low_precision_parameters(sets, words):
     check_supported(load_config(None, ["parallel.grad_dtype=bf16", "parallel.zero=1", "memory.precision=fp16"]))
 
 
-def test_graphed_experts_refused_where_their_gemm_reads_back():
-    """MoE under CUDA graphs needs the grouped GEMM that reads no offsets back (bf16 on Hopper or
-    Blackwell): elsewhere the experts' loop copies the offsets to the host, which a capture refuses (on
-    2 x H200 an fp32 run failed at its first capture). parallelize refuses first, one sentence."""
+def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
+    """MoE under CUDA graphs needs the grouped GEMM that reads no offsets back: torch's kernel in bf16 on
+    sm90/sm100. Elsewhere the offsets go to the host, which a capture refuses (on 2 x H200 an fp32 run
+    failed at its first capture). The config refuses other precisions before anything starts, and
+    parallelize other devices; each with one sentence and its fix."""
     from types import SimpleNamespace
 
-    from teratrain.parallel.parallelize import check_graphed_experts
+    from teratrain import compat
+    from teratrain.parallel import parallelize
 
-    rt = SimpleNamespace(device=torch.device("cpu"))
-    graphed = ["train.compile=true", "train.compile_mode=reduce-overhead"]
-    with pytest.raises(ConfigError, match="set memory.precision=bf16 on such a GPU, or train.compile_mode=default"):
-        check_graphed_experts(rt, load_config(None, graphed + ["model.moe.num_experts=4", "memory.precision=bf16"]))
-    check_graphed_experts(rt, load_config(None, graphed))  # dense: nothing to refuse
-    check_graphed_experts(rt, load_config(None, ["train.compile=true", "model.moe.num_experts=4"]))  # no graphs
+    graphed = ["train.compile=true", "train.compile_mode=reduce-overhead", "model.moe.num_experts=4"]
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(ConfigError, match=f"in {precision} the experts' .* set memory.precision=bf16 or "
+                                              "train.compile_mode=default"):
+            load_config(None, graphed + [f"memory.precision={precision}"])
+    cfg = load_config(None, graphed + ["memory.precision=bf16"])
+    asked = []
+    monkeypatch.setattr(compat, "grouped_mm_without_sync", lambda device, dtype: asked.append(dtype) or True)
+    parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), cfg)  # a GPU that has the kernel
+    assert asked == [torch.bfloat16]
+    monkeypatch.setattr(compat, "grouped_mm_without_sync", lambda device, dtype: False)
+    with pytest.raises(ConfigError, match="on an sm90 or sm100 GPU .* this run is on cpu; set train.compile_mode=default"):
+        parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), cfg)
+    dense = load_config(None, ["train.compile=true", "train.compile_mode=reduce-overhead", "memory.precision=bf16"])
+    parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), dense)  # nothing to refuse
+    load_config(None, ["train.compile=true", "model.moe.num_experts=4"])  # no graphs: any precision
