@@ -55,6 +55,12 @@ profiled steps (the exposed share with the exchange whole; an upper bound when c
 host syncs are not checked compiled. Compiled, the dropless exchange at ep > 1 is the padded one
 with N slots per expert (parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
 graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
+
+`--one-gpu`: after the timed runs, the dense model and the MoE at ep=1 once more on rank 0's GPU alone,
+with the same per-GPU batch, in the job's modes (`one_gpu_dense[_compiled]`, `one_gpu_moe_ep1[_compiled]`;
+the other ranks wait). `scaling_vs_one_gpu` then gives each run's tokens/s per GPU over one GPU's in the
+same mode: the dense model over its own, every MoE over the MoE at ep=1 (issue 23's ep=4 target: >= 0.85).
+It is the same machine's baseline; until session 10 it came from another job.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from common import fresh_compile, fresh_memory, graph_breaks, smoke_compile, summarize, time_steps  # puts the checkout on sys.path
 
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
@@ -117,10 +124,11 @@ def micro_batch(smoke: bool) -> int:
     return 4 if free >= 60 else 2 if free >= 35 else 1
 
 
-def build(sets: list[str], single: bool = False):
+def build(sets: list[str], single: bool = False, reference: bool = False):
     """(cfg, runtime, model, engine) through parallelize(); `single`: one process on this rank's
-    device (the reference of the parity check), whatever the job's size."""
-    single_sets = ["parallel.ep=1", "train.compile=false", "train.compile_mode=default"]  # the reference runs eager
+    device, whatever the job's size (`--one-gpu`); `reference`: that, eager (the parity check's)."""
+    single = single or reference
+    single_sets = ["parallel.ep=1"] + (["train.compile=false", "train.compile_mode=default"] if reference else [])
     cfg = load_config(None, sets + ["optim.warmup_steps=0", "metrics.progress=false"] + (single_sets if single else []))
     rt = Runtime.single(pick_device(cfg.train.device, int(os.environ["LOCAL_RANK"]))) if single else init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
@@ -144,7 +152,7 @@ def parity(sets: list[str], steps: int) -> dict | None:
     fresh_memory(rt.device)
     out = None
     if rt.rank == 0:
-        ref = _losses(*build(sets, single=True), batches)
+        ref = _losses(*build(sets, reference=True), batches)
         err = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
         out = {"steps": steps, "max_rel_loss_diff": err, "losses": got, "one_process": ref}
     fresh_memory(rt.device)
@@ -165,13 +173,14 @@ def _losses(cfg, rt, model, engine, batches: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def measure(sets: list[str], args) -> dict:
+def measure(sets: list[str], args, single: bool = False) -> dict:
     """Build one model through parallelize() and time its optimizer steps on random tokens; compiled
-    (train.compile): also its graph breaks, every one a return to Python on each step."""
+    (train.compile): also its graph breaks, every one a return to Python on each step. `single`: one
+    process on this rank's GPU (`--one-gpu`)."""
     compiled = "train.compile=true" in sets
     if compiled:
         fresh_compile()
-    cfg, rt, model, engine = build(sets)
+    cfg, rt, model, engine = build(sets, single=single)
     tc, m = cfg.train, cfg.model
     num_micro = tc.global_batch // (tc.micro_batch * rt.dims.dp)
     data = torch.randint(0, m.vocab_size, (num_micro, tc.micro_batch, m.seq_len + 1), device=rt.device)
@@ -338,6 +347,7 @@ def worker(args) -> None:
     if args.compile and args.smoke:
         smoke_compile()
     runs = models(args.smoke, eps, args.a2a_chunks)
+    every = models(args.smoke, sorted({1, *eps}), args.a2a_chunks)  # with ep=1, for --one-gpu
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
     runs = {name: sets for name, sets in runs.items() if not args.parity_only and (not args.only or name in args.only)}
@@ -349,12 +359,44 @@ def worker(args) -> None:
         results[name] = measure(base + sets, args)
         if int(os.environ["RANK"]) == 0 and args.out:
             Path(args.out).write_text(_report(args, world, eps, mb, None, results, partial=True))
+    if args.one_gpu:
+        results.update(one_gpu(every, base, mb, args))
     check = parity(checked, args.parity_steps) if args.parity_steps > 0 else None
     if int(os.environ["RANK"]) == 0:
         text = _report(args, world, eps, mb, check, results)
         print(text)
         if args.out:
             Path(args.out).write_text(text)
+
+
+def one_gpu(every: dict[str, list[str]], base: list[str], mb: int, args) -> dict:
+    """`--one-gpu`: the dense model and the MoE at ep=1, in this job's modes (eager, compiled), on rank 0's
+    GPU alone with the same per-GPU batch while the other ranks wait, named one_gpu_NAME[_compiled]: the
+    baseline of `scaling_vs_one_gpu`, from the same machine."""
+    out = {}
+    if int(os.environ["RANK"]) == 0:
+        per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
+        modes = [[]] if not args.compile else [COMPILED] if args.compile_only else [[], COMPILED]
+        for name in ("dense", "moe_ep1"):
+            for mode in modes:
+                out[f"one_gpu_{name}" + ("_compiled" if mode else "")] = measure(base + every[name] + mode + per_gpu,
+                                                                                  args, single=True)
+    dist.barrier()
+    return out
+
+
+def _scaling(results: dict, world: int) -> dict:
+    """Each model's tokens/s per GPU over one GPU's in the same job (`--one-gpu`), in the same mode: the
+    dense model over its own, every MoE over one GPU's ep=1 (issue 23's weak scaling of ep)."""
+    out = {}
+    for name, r in results.items():
+        if name.startswith("one_gpu_"):
+            continue
+        tag = "_compiled" if name.endswith("_compiled") else ""
+        one = results.get("one_gpu_" + ("dense" if name.startswith("dense") else "moe_ep1") + tag)
+        if one is not None:
+            out[name] = round(r["tokens_per_s"] / world / one["tokens_per_s"], 4)
+    return out
 
 
 def _report(args, world: int, eps: list[int], mb: int, check: dict | None, results: dict, partial: bool = False) -> str:
@@ -368,6 +410,7 @@ def _report(args, world: int, eps: list[int], mb: int, check: dict | None, resul
                        "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
                        **({"partial": True} if partial else {}),
                        "parity": check, **results, "moe_vs_dense": _vs_dense(results),
+                       "scaling_vs_one_gpu": _scaling(results, world),
                        "a2a_overlap": _overlap(results)})
 
 
@@ -380,8 +423,10 @@ def _vs_dense(results: dict) -> dict:
         eager = results.get(name.removesuffix("_compiled")) if tag else None
         if eager is not None:
             r["vs_eager"] = round(r["tokens_per_s"] / eager["tokens_per_s"], 4)
-        if not name.startswith("dense") and "dense" + tag in results:
-            ratios[name] = round(r["tokens_per_s"] / results["dense" + tag]["tokens_per_s"], 4)
+        if name.startswith(("moe_", "one_gpu_moe_")):
+            dense = results.get(("one_gpu_dense" if name.startswith("one_gpu_") else "dense") + tag)
+            if dense is not None:
+                ratios[name] = round(r["tokens_per_s"] / dense["tokens_per_s"], 4)
     return ratios
 
 
@@ -423,6 +468,8 @@ def main() -> None:
                    help="run every model once more with train.compile (NAME_compiled: graph breaks, vs_eager, "
                         "moe_vs_dense against the compiled dense model); the parity check runs compiled")
     p.add_argument("--compile-only", action="store_true", help="with --compile: only the compiled runs")
+    p.add_argument("--one-gpu", action="store_true", help="also the dense model and the MoE at ep=1 on rank 0's GPU "
+                   "alone (one_gpu_*), and every run's tokens/s per GPU over theirs (scaling_vs_one_gpu)")
     p.add_argument("--only", type=lambda s: s.split(","), default=None,
                    help="models to time, comma-separated (e.g. dense,moe_ep1,moe_ep2; default all)")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_moe_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4"],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4", "--one-gpu"],
                          capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -20,7 +20,14 @@ def test_moe_bench_smoke():
     assert d["parity"]["max_rel_loss_diff"] < 1e-5  # fp32: experts over 2 ranks equal one process
     dense = d["dense"]
     assert set(d["moe_vs_dense"]) == {"moe_ep1", "moe_ep2", "moe_ep2_dropless", "moe_ep2_chunks4",
-                                      "moe_ep2_dropless_chunks4"}
+                                      "moe_ep2_dropless_chunks4", "one_gpu_moe_ep1"}
+    # --one-gpu: rank 0 alone, the same per-GPU batch; every run per GPU over one GPU's same model kind
+    one = {"dense": d["one_gpu_dense"], "moe": d["one_gpu_moe_ep1"]}
+    assert d["moe_vs_dense"].pop("one_gpu_moe_ep1") == round(one["moe"]["tokens_per_s"] / one["dense"]["tokens_per_s"], 4)
+    assert set(d["scaling_vs_one_gpu"]) == {"dense", *d["moe_vs_dense"]}
+    for name, scaling in d["scaling_vs_one_gpu"].items():
+        base = one["dense" if name == "dense" else "moe"]["tokens_per_s"]
+        assert scaling == round(d[name]["tokens_per_s"] / 2 / base, 4)
     for name, ratio in d["moe_vs_dense"].items():
         moe = d[name]
         assert moe["tokens_per_s"] > 0 and ratio == round(moe["tokens_per_s"] / dense["tokens_per_s"], 4)
