@@ -347,7 +347,6 @@ def worker(args) -> None:
     if args.compile and args.smoke:
         smoke_compile()
     runs = models(args.smoke, eps, args.a2a_chunks)
-    every = models(args.smoke, sorted({1, *eps}), args.a2a_chunks)  # with ep=1, for --one-gpu
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
     runs = {name: sets for name, sets in runs.items() if not args.parity_only and (not args.only or name in args.only)}
@@ -360,7 +359,7 @@ def worker(args) -> None:
         if int(os.environ["RANK"]) == 0 and args.out:
             Path(args.out).write_text(_report(args, world, eps, mb, None, results, partial=True))
     if args.one_gpu:
-        results.update(one_gpu(every, base, mb, args))
+        results.update(one_gpu(base, mb, args))
     check = parity(checked, args.parity_steps) if args.parity_steps > 0 else None
     if int(os.environ["RANK"]) == 0:
         text = _report(args, world, eps, mb, check, results)
@@ -369,7 +368,7 @@ def worker(args) -> None:
             Path(args.out).write_text(text)
 
 
-def one_gpu(every: dict[str, list[str]], base: list[str], mb: int, args) -> dict:
+def one_gpu(base: list[str], mb: int, args) -> dict:
     """`--one-gpu`: the dense model and the MoE at ep=1, in this job's modes (eager, compiled), on rank 0's
     GPU alone with the same per-GPU batch while the other ranks wait, named one_gpu_NAME[_compiled]: the
     baseline of `scaling_vs_one_gpu`, from the same machine."""
@@ -377,10 +376,10 @@ def one_gpu(every: dict[str, list[str]], base: list[str], mb: int, args) -> dict
     if int(os.environ["RANK"]) == 0:
         per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
         modes = [[]] if not args.compile else [COMPILED] if args.compile_only else [[], COMPILED]
-        for name in ("dense", "moe_ep1"):
+        for name, sets in models(args.smoke, [1], [1]).items():  # dense and moe_ep1
             for mode in modes:
-                out[f"one_gpu_{name}" + ("_compiled" if mode else "")] = measure(base + every[name] + mode + per_gpu,
-                                                                                  args, single=True)
+                out[f"one_gpu_{name}" + ("_compiled" if mode else "")] = measure(base + sets + mode + per_gpu, args,
+                                                                                  single=True)
     dist.barrier()
     return out
 

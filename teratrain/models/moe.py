@@ -316,6 +316,7 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None  # of the latest forward; the model adds it to the loss
         self.balance: tuple | None = None  # transformers convention: (choices (n,), summed softmax (n,), tokens)
         self.stats: dict[str, torch.Tensor] = {}
+        self.graphed = False  # replayed as a CUDA graph (start_stats says so): see settle_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, d)
@@ -399,7 +400,7 @@ class MoE(nn.Module):
         the graph's memory pool, which the next step's replay overwrites while reading them as its
         inputs ("accessing tensor output of CUDAGraphs that has been overwritten"): copied out after each
         micro-batch (train_step), 5 small copies a layer. Eager and compiled without graphs: nothing."""
-        if getattr(self, "graphed", False):
+        if self.graphed:
             self.stats = {key: value.clone() for key, value in self.stats.items()}
 
     def pop_stats(self) -> dict[str, torch.Tensor]:

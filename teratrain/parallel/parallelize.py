@@ -154,6 +154,10 @@ def check_supported(cfg) -> None:
         raise ConfigError("train.compile_mode=reduce-overhead keeps one static pool of saved activations per CUDA "
                           "graph, and a pipeline keeps several micro-batches in flight; set parallel.pp=1 or "
                           "train.compile_mode=default.")
+    if cfg.train.cuda_graphs and cfg.model.moe.enabled and cfg.memory.precision != "bf16":
+        raise ConfigError(f"train.compile_mode=reduce-overhead with model.moe needs memory.precision=bf16: in "
+                          f"{cfg.memory.precision} the experts' grouped GEMM reads its row offsets back to the host, "
+                          "which a CUDA graph cannot hold; set memory.precision=bf16 or train.compile_mode=default.")
     if cfg.train.cuda_graphs and p.sync != "allreduce":
         raise ConfigError(f"train.compile_mode=reduce-overhead needs engines that keep their own gradient buffers, "
                           f"and parallel.sync={p.sync} adopts the graphs' gradients; set parallel.sync=allreduce or "
@@ -227,7 +231,7 @@ def check_pipeline(cfg) -> None:
 
 def check_graphed_experts(rt, cfg) -> None:
     """CUDA graphs hold an MoE layer only where its grouped GEMMs read no row offsets back to the host:
-    torch's kernel in bf16 (the config refuses other precisions) on an sm90 or sm100 GPU
+    torch's kernel in bf16 (check_supported refuses other precisions) on an sm90 or sm100 GPU
     (compat.grouped_mm_without_sync). Elsewhere the offsets go to the host, which a capture refuses."""
     if cfg.train.cuda_graphs and cfg.model.moe.enabled and not compat.grouped_mm_without_sync(rt.device, torch.bfloat16):
         where = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else rt.device.type

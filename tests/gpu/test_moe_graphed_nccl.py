@@ -5,7 +5,7 @@ commands that failed on 2 x H200 before the fixes and ran after them (session 10
   accumulation and evaluations. Before the statistics were copied out of the graph pool after each
   micro-batch, the bench's second step read them overwritten.
 - fp32: the experts' grouped GEMM reads its row offsets back to the host, which a capture cannot hold. The
-  run is refused by the config before it starts, in one sentence with the fix; before, it failed inside
+  run is refused before it starts (parallelize.check_supported, which the CLI calls first), in one sentence with the fix; before, it failed inside
   the first capture.
 The CPU tests cover both on their own (tests/unit/test_moe.py, tests/unit/test_config.py)."""
 
@@ -40,4 +40,4 @@ def test_train_refuses_graphed_experts_in_fp32(tmp_path):
     done = _train(tmp_path)
     assert done.returncode != 0
     assert "set memory.precision=bf16 or train.compile_mode=default" in done.stdout + done.stderr
-    assert not (tmp_path / "run").exists()  # refused by the config, before the run started
+    assert not (tmp_path / "run").exists()  # refused before the run started

@@ -268,8 +268,8 @@ def test_bf16_gradients_need_zero_and_low_precision_parameters(sets, words):
 def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
     """MoE under CUDA graphs needs the grouped GEMM that reads no offsets back: torch's kernel in bf16 on
     sm90/sm100. Elsewhere the offsets go to the host, which a capture refuses (on 2 x H200 an fp32 run
-    failed at its first capture). The config refuses other precisions before anything starts, and
-    parallelize other devices; each with one sentence and its fix."""
+    failed at its first capture). check_supported refuses other precisions before anything starts (the
+    CLI calls it first), and parallelize other devices; each with one sentence and its fix."""
     from types import SimpleNamespace
 
     from teratrain import compat
@@ -279,8 +279,9 @@ def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
     for precision in ("fp32", "fp16"):
         with pytest.raises(ConfigError, match=f"in {precision} the experts' .* set memory.precision=bf16 or "
                                               "train.compile_mode=default"):
-            load_config(None, graphed + [f"memory.precision={precision}"])
+            parallelize.check_supported(load_config(None, graphed + [f"memory.precision={precision}"]))
     cfg = load_config(None, graphed + ["memory.precision=bf16"])
+    parallelize.check_supported(cfg)
     asked = []
     monkeypatch.setattr(compat, "grouped_mm_without_sync", lambda device, dtype: asked.append(dtype) or True)
     parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), cfg)  # a GPU that has the kernel
@@ -290,4 +291,4 @@ def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
         parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), cfg)
     dense = load_config(None, ["train.compile=true", "train.compile_mode=reduce-overhead", "memory.precision=bf16"])
     parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), dense)  # nothing to refuse
-    load_config(None, ["train.compile=true", "model.moe.num_experts=4"])  # no graphs: any precision
+    parallelize.check_supported(load_config(None, ["train.compile=true", "model.moe.num_experts=4"]))  # no graphs
