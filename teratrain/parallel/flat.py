@@ -82,15 +82,20 @@ class FlatGroup:
 
     def flatten(self, tensors: list[torch.Tensor | None], dtype: torch.dtype, device) -> torch.Tensor:
         """Tensors shaped like the params (None = zeros) copied into a new (padded,) buffer; only
-        the padding and the missing tensors' ranges are zeroed (one pass over the bytes, not two)."""
+        the padding and the missing tensors' ranges are zeroed (one pass over the bytes, not two).
+        The copies are one `_foreach_copy_`: between dtypes (bf16 gradients into an fp32 reduce
+        input) it moves 3.1 TB/s on an H200, where a `copy_` per tensor moves 2.0 (its kernel casts
+        each element through a runtime dtype switch; bench/cast_copy.py)."""
         flat = torch.empty(self.padded, dtype=dtype, device=device)
         for lo, hi in self.gaps:
             flat[lo:hi].zero_()
-        for view, t in zip(self.views(flat), tensors):
+        views = self.views(flat)
+        pairs = [(view, t) for view, t in zip(views, tensors) if t is not None]
+        if pairs:
+            torch._foreach_copy_([view for view, _ in pairs], [t for _, t in pairs])
+        for view, t in zip(views, tensors):
             if t is None:
                 view.zero_()
-            else:
-                view.copy_(t)
         return flat
 
 

@@ -110,3 +110,15 @@ def test_ddp_compare_trains_what_ddp_trains_on_cpu(tmp_path):
         assert result[pair]["loss_rel_diff"] < 1e-5, (pair, result[pair])
         assert result[pair]["tokens_per_s"] > 0
     assert len(result["ours"]["losses"]) == 3 and len(set(result["ours"]["losses"])) == 3  # it trains
+
+
+def test_cast_copy_methods_agree_on_cpu(tmp_path):
+    """bench/cast_copy.py --smoke: every way of filling the fp32 reduce input from bf16 gradients
+    (the engine's _foreach_copy_ among them) writes exactly the upcast values."""
+    out = tmp_path / "cast.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cast_copy.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"copy", "foreach", "chunk_cat", "compiled"}
+    assert all(m["max_abs_diff"] == 0.0 and m["ms"] > 0 for m in methods.values()), methods
