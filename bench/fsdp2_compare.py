@@ -5,6 +5,7 @@ rank 0 prints one JSON object (and writes it with --out).
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke     # gloo CPU processes, tiny shape
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile   # + both sides compiled block by block
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --profile   # + each side's kernel account (torch.profiler)
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --copy-per-tensor   # + ours as before _foreach_copy_ (A/B)
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
 fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
@@ -65,6 +66,32 @@ def ours(cfg, rt):
         return held["params"] + held["grads"] + held["optimizer"]
 
     return step, states
+
+
+def ours_copy_per_tensor(cfg, rt):
+    """Ours with the reduce inputs filled by one `copy_` per gradient, as before `FlatGroup.flatten`
+    used `_foreach_copy_` (the A/B of --copy-per-tensor; the engine flattens through the class)."""
+    from teratrain.parallel.flat import FlatGroup
+
+    def flatten(self, tensors, dtype, device):
+        flat = torch.empty(self.padded, dtype=dtype, device=device)
+        for lo, hi in self.gaps:
+            flat[lo:hi].zero_()
+        for view, t in zip(self.views(flat), tensors):
+            view.zero_() if t is None else view.copy_(t)
+        return flat
+
+    step, states = ours(cfg, rt)
+    foreach = FlatGroup.flatten
+
+    def patched(x, y):
+        FlatGroup.flatten = flatten
+        try:
+            step(x, y)
+        finally:
+            FlatGroup.flatten = foreach
+
+    return patched, states
 
 
 def fsdp2(cfg, rt):
@@ -172,6 +199,9 @@ def main() -> None:
     ap.add_argument("--trace-top", type=int, default=12, help="allocation sites listed at each side's traced peak")
     ap.add_argument("--profile", action="store_true", help="each side's kernel account of 2 steps (torch.profiler: "
                                                            "busy, idle, NCCL exposed, copies, top ops)")
+    ap.add_argument("--copy-per-tensor", action="store_true",
+                    help="also ours with one copy_ per gradient into the reduce inputs (before _foreach_copy_): "
+                         "an A/B in the same job")
     args = ap.parse_args()
     if args.smoke and (args.compile or args.compile_only):
         smoke_compile()
@@ -199,6 +229,9 @@ def main() -> None:
         rows["ours_zero3"] = run(ours, cfg)
         rows["fsdp2"] = run(fsdp2, cfg)
         _ratios(rows, "ours_zero3", "fsdp2", "")
+        if args.copy_per_tensor:
+            rows["ours_zero3_copy_per_tensor"] = run(ours_copy_per_tensor, cfg)
+            _ratios(rows, "ours_zero3_copy_per_tensor", "fsdp2", "_copy_per_tensor")
     if args.compile or args.compile_only:  # both sides compiled, each block apart
         compiled = load_config(None, shape + RUN + batch + ["train.compile=true"])
         fresh_compile()
@@ -206,6 +239,10 @@ def main() -> None:
         fresh_compile()
         rows["fsdp2_compiled"] = run(fsdp2, compiled)
         _ratios(rows, "ours_zero3_compiled", "fsdp2_compiled", "_compiled")
+        if args.copy_per_tensor:
+            fresh_compile()
+            rows["ours_zero3_compiled_copy_per_tensor"] = run(ours_copy_per_tensor, compiled)
+            _ratios(rows, "ours_zero3_compiled_copy_per_tensor", "fsdp2_compiled", "_compiled_copy_per_tensor")
     if rt.rank == 0:
         device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
         text = json.dumps({"bench": "fsdp2_compare", "gpus": rt.world, "device": device, "torch": torch.__version__,

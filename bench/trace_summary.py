@@ -17,8 +17,9 @@ from common import sync  # bench/ is on sys.path wherever this module is importe
 from pipeline_profile import activities, length, minus, union
 
 # Kernels that only move bytes. Casts and .contiguous() run as `direct_copy_kernel`, torch.cat as
-# `CatArrayBatchedCopy`, cross-device/stream copies as Memcpy; Memset zeroes buffers.
-COPY_MARKS = ("copy", "memcpy", "memset")
+# `CatArrayBatchedCopy`, cross-device/stream copies as Memcpy; Memset zeroes buffers; FSDP2 casts its
+# gradients into its reduce-scatter input with `chunk_cat_cuda_kernel` (uncounted before session 11).
+COPY_MARKS = ("copy", "memcpy", "memset", "chunk_cat")
 # Matrix kernels whose names hold a copy mark too: CUTLASS's mangled template names spell out their
 # copy atoms (torch._grouped_mm's kernel: 31.6 of the 47 ms a step counted as copies in the MoE bench's
 # ep=2 profile on 2 x H200, session 10), and inductor's template GEMMs (max-autotune) are named after the

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from trace_summary import kernel_account  # noqa: E402
+from trace_summary import is_copy, kernel_account  # noqa: E402
 
 
 def test_exposed_nccl_idle_and_copies_per_step():
@@ -28,3 +28,9 @@ def test_exposed_nccl_idle_and_copies_per_step():
     assert got["nccl_kernels_per_step"] == 1 and got["kernels_per_step"] == 2  # 5 kernels over 2 steps
     assert got["top_copy_kernels"] == [{"kernel": "void at::native::direct_copy_kernel_cuda", "ms": 0.01,
                                         "per_step": 0.5}]
+
+
+def test_fsdp2_gradient_copy_in_is_a_copy():
+    # FSDP2 casts its bf16 gradients into its fp32 reduce-scatter input with this kernel: no "copy" in its name
+    assert is_copy("void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>(c10::BFloat16**, float*)")
+    assert not is_copy("void at::native::vectorized_elementwise_kernel<4, at::native::FusedAdamMathFunctor>")
