@@ -78,7 +78,10 @@ def ours_copy_per_tensor(cfg, rt):
         for lo, hi in self.gaps:
             flat[lo:hi].zero_()
         for view, t in zip(self.views(flat), tensors):
-            view.zero_() if t is None else view.copy_(t)
+            if t is None:
+                view.zero_()
+            else:
+                view.copy_(t)
         return flat
 
     step, states = ours(cfg, rt)
