@@ -29,7 +29,9 @@ bench/multi_gpu.py allows; the fp32 smoke run is exact to ~1e-6).
 
 Reported (one JSON object, rank 0): `parity`; for each model tokens/s over all ranks, MFU of the active
 FLOPs (PaLM 6N + 12LHQT with N the active matmul weights, as the trainer counts it), step time, peak
-memory; for each MoE the share of routed choices dropped for capacity and, at ep>1, the all-to-all's
+memory; for each MoE the share of routed choices dropped for capacity (`dropped`), at ep>1 with a
+capacity the share of the rows its fixed-size exchange sends that carry no token (`exchange_padding`),
+and, at ep>1, the all-to-all's
 exposed share of the step (`all_to_all_share`: the exchanges of counts and rows, forward and backward,
 whole or by chunk, each launched asynchronously and timed by CUDA events on the compute stream just
 before and after its wait, in separate instrumented steps: the time the compute stream stands still
@@ -207,6 +209,8 @@ def measure(sets: list[str], args, single: bool = False) -> dict:
         stats = [layer.pop_stats() for _, layer in moe_layers(model)]
         dropped = sum(float(s["dropped"]) for s in stats) / max(1.0, sum(float(s["attempted"]) for s in stats))
         out["dropped"] = round(dropped, 4)
+        if rt.dims.ep > 1 and cfg.model.moe.capacity_factor > 0:
+            out["exchange_padding"] = _exchange_padding(model, stats, micro[0][0].numel(), cfg.model.moe.top_k)
         if rt.device.type == "cuda" and not compiled:  # the layer alone runs eager: said for the eager rows
             out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     if args.profile:
@@ -237,6 +241,17 @@ def _all_to_all_share(step, steps: int, device: torch.device) -> float:
     else:
         exchanged = sum(b - a for a, b in spans)
     return round(exchanged / step_s, 4)
+
+
+def _exchange_padding(model, stats: list[dict], tokens: int, k: int) -> float:
+    """The share of the rows a capacity-limited exchange sends that carry no token: it sends every
+    expert's `max_rows` slots (fixed sizes, no count read back to the host), used or not; the used ones
+    are the routed choices not dropped. Over the same step's statistics as `dropped`."""
+    layers = [layer for _, layer in moe_layers(model)]
+    sent = sum(float(st["forwards"]) * layer.num_experts * layer.router.max_rows(tokens, k)
+               for st, layer in zip(stats, layers))
+    used = sum(float(st["attempted"]) - float(st["dropped"]) for st in stats)
+    return round(1 - used / sent, 4) if sent else 0.0
 
 
 def _all_to_all_kernel_share(step, device: torch.device) -> dict:

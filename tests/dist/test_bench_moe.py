@@ -32,6 +32,10 @@ def test_moe_bench_smoke():
         moe = d[name]
         assert moe["tokens_per_s"] > 0 and ratio == round(moe["tokens_per_s"] / dense["tokens_per_s"], 4)
         assert 0 <= moe["dropped"] < 1 and (moe["dropped"] == 0) == ("dropless" in name)
+        if "ep2" in name and "dropless" not in name:  # every expert's 1.25x-share slots cross, used or not
+            assert 1 - (1 - moe["dropped"]) / 1.25 - 1e-3 <= moe["exchange_padding"] < 1
+        else:
+            assert "exchange_padding" not in moe
         assert ("all_to_all_share" in moe) == (name != "moe_ep1")
         assert moe["active_params"] - dense["active_params"] == 2 * 8 * 64  # each of the 2 layers' router (8 x d_model)
         assert moe["params"] > 2 * dense["params"]
