@@ -16,6 +16,7 @@
 #              (TP_ARGS replaces `--profile`, e.g. "--shapes llama1b_width --compile default,reduce-overhead";
 #              TP_LIMIT replaces the 300 s)
 #   determinism  bench/determinism.py: which kernels repeat bit for bit (one GPU)                  90 s
+#   cast       bench/cast_copy.py: ZeRO's bf16 -> fp32 gradient casts, the fp32 weight-gradient GEMM (one GPU) 60 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
 #              (MOE_ARGS: more arguments, e.g. "--compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2";
 #              MOE_LIMIT replaces the 240 s: four compiled models and the compiled parity check need ~330 s)
@@ -65,6 +66,7 @@ for p in "$@"; do
         tp)       piece tp "${TP_LIMIT:-300}" "${tr[@]}" bench/tensor_parallel.py ${TP_ARGS:---profile} $smoke --out "$out/tp.json" ;;
         determinism) piece determinism 90 "$py" bench/determinism.py $smoke --out "$out/determinism.json" ;;
         comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
+        cast)     piece cast 60 "$py" bench/cast_copy.py $smoke --out "$out/cast_copy.json" ;;
         moe)      piece moe "${MOE_LIMIT:-240}" "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
         ddp)      piece ddp 240 "${tr[@]}" bench/ddp_compare.py --compile ${DDP_ARGS:-} $smoke --out "$out/ddp.json" ;;
@@ -82,6 +84,6 @@ for p in "$@"; do
                       $smoke --out "$out/step_profile.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, comm, moe, pipeline, fsdp2, planner, stepprof, scaling, reshard)"; exit 2 ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, cast, comm, moe, pipeline, fsdp2, planner, stepprof, scaling, reshard)"; exit 2 ;;
     esac
 done
