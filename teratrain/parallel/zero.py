@@ -51,7 +51,7 @@ from teratrain.memory.precision import DTYPES, make_scaler, param_dtype
 from teratrain.models.protocol import blocks as model_blocks
 from teratrain.models.protocol import init_buffers
 from teratrain.optim.build import build_optimizer
-from teratrain.optim.engine import EngineBase, StepStats, tensor_bytes, weak_hook
+from teratrain.optim.engine import EngineBase, StepStats, step_scaled, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES, FlatGroup
 from teratrain.parallel.grads import CrossRank, LaunchOrder, ordered_buckets, reduce_scale
@@ -342,6 +342,10 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     def found_inf(self, grads: list[torch.Tensor]) -> bool:
         return self.cross.any_inf(grads)  # an inf may sit in one shard
 
+    def stepping_optimizers(self) -> list:
+        """The device optimizers (`_update`); offloaded, the host steps them (memory/offload.py)."""
+        return [opt for opt in self.optimizers if opt is not None] if self.offload == "none" else []
+
     def global_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Shards are disjoint within a group; copies along `tied` axes count once."""
         return self.cross.sq_norm([g.grad_shard for g in self.trainable
@@ -363,7 +367,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             grad = g.grad_shard if g.grad_shard.dtype == self.opt_dtype else g.grad_shard.to(self.opt_dtype)
             for view, piece, pc in zip(g.opt_views, g.shard_views(grad), g.pieces):
                 view.grad = self._shaped(piece, g, pc)
-            opt.step()
+            step_scaled(opt)
             for view in g.opt_views:
                 view.grad = None
             del grad  # a bf16 shard's fp32 copy goes before the next group's is made
