@@ -62,15 +62,18 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float, optimi
     """Scale gradients so their global L2 norm is at most max_norm (as torch.nn.utils.clip_grad_norm_).
     Where `optimizers` (those about to step on `grads`) are all fused AdamW, the scale goes to their
     kernel instead: it divides each gradient by `grad_scale` as it reads it (the hook torch's GradScaler
-    uses), so no pass of its own reads and writes every gradient (8 bytes a parameter in fp32). Each
-    must step through `step_scaled`, which clears it. Equal to the multiplication within fp32 rounding."""
+    uses) and writes the scaled gradient back, so of the multiplication's pass (4 bytes read and 4
+    written a parameter in fp32) one read is saved. Each must step through `step_scaled`, which clears
+    it. Equal to the multiplication within fp32 rounding."""
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device, torch.float32)
         if optimizers and all(scales_grads(opt) for opt in optimizers):
             for opt in optimizers:
                 opt.grad_scale = 1.0 / coef
-        else:
-            torch._foreach_mul_(grads, coef)
+            return
+        torch._foreach_mul_(grads, coef)
+    for opt in optimizers:  # no scale of an earlier step left behind (one that failed mid-update)
+        opt.grad_scale = None
 
 
 def scales_grads(opt) -> bool:
