@@ -10,7 +10,7 @@ Terms, each with its source or assumption:
 - eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
   matmuls, some HBM time; a calibrated cost per op (ops counted from our Block). This is what makes
   small models slower than their FLOPs say.
-- optimizer: the fused AdamW sweep streams params, grads and states: ~40 bytes/param (+12 with fp32
+- optimizer: the fused AdamW sweep streams params, grads and states: ~36 bytes/param (+12 with fp32
   masters) at hbm_gbps x mem efficiency.
 - MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs), the
   experts' at gpu.moe_efficiency of the dense rate (grouped GEMMs of a few hundred rows per expert,
@@ -57,7 +57,9 @@ OPS_OUTSIDE = 60
 # an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
 # GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
 OPS_MOE_EXTRA = (105, 57)
-OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 8  # fused AdamW: read p, g, m, v, write p, m, v (fp32); norm; clip
+# fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied inside
+# the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8)
+OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
 
 
 @dataclass

@@ -65,9 +65,12 @@ PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
 # 16-layer runs, moe dp2 ep2 146, 87 and 113 ms, where every pipeline row stayed within 2%
 # (bench/README.md); moe dp2 ep1 is 15-18% under in every run. session8: the same 27 layouts once more
 # after the data-parallel engine stopped waiting mid-backward for in-place reductions (parallel/data.py):
-# moe dp2 ep1 -10.5%; the misses are two eager tp rows (-18%) and the offload row (+21%).
+# moe dp2 ep1 -10.5%; the misses are two eager tp rows (-18%) and the offload row (+21%). Session 11:
+# the planner stopped counting the clip's own pass over the gradients (now inside fused AdamW, 4 bytes a
+# parameter less), which these runs' code still made: session7's held-out `tp2 sp mb4 selective` went
+# from -14.8% to -15.1%, out by 0.3 points, so that run reaches 10 held-out rows, not 11.
 SESSION7 = {name: (RESULTS / f"planner_validate_h200x2_{name}.json", {"peak": (15, 12), "step": step})
-            for name, step in (("session7", (11, 11)), ("session7b", (13, 10)), ("session7d", (14, 12)),
+            for name, step in (("session7", (11, 10)), ("session7b", (13, 10)), ("session7d", (14, 12)),
                                ("session7c", (14, 12)), ("session8", (14, 10)))}
 BEFORE_BUFFER_CHANGE = (RESULT, H100, H200X2)
 
