@@ -6,6 +6,7 @@ rank 0 prints one JSON object (and writes it with --out).
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile   # + both sides compiled block by block
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --profile   # + each side's kernel account (torch.profiler)
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --copy-per-tensor   # + ours as before _foreach_copy_ (A/B)
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --rounds 3   # each side 3 times, order alternated: median ratio
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
 fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
@@ -172,9 +173,15 @@ def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12, pro
 
 
 def _ratios(rows: dict, ours_key: str, peer_key: str, tag: str) -> None:
+    """First round's ratios; with --rounds > 1 also the ratio of the rounds' median tokens/s, and each
+    round's own ratio."""
     a, b = rows[ours_key], rows[peer_key]
     rows[f"tokens_per_s_ratio_ours_over_fsdp2{tag}"] = a["tokens_per_s"] / b["tokens_per_s"]
     rows[f"peak_ratio_ours_over_fsdp2{tag}"] = a["peak_gib_max_over_ranks"] / max(b["peak_gib_max_over_ranks"], 1e-9)
+    ra, rb = a["tokens_per_s_rounds"], b["tokens_per_s_rounds"]
+    if len(ra) > 1:
+        rows[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_median"] = statistics.median(ra) / statistics.median(rb)
+        rows[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_rounds"] = [round(x / y, 4) for x, y in zip(ra, rb)]
 
 
 def _sync(rt) -> None:
@@ -205,6 +212,9 @@ def main() -> None:
     ap.add_argument("--copy-per-tensor", action="store_true",
                     help="also ours with one copy_ per gradient into the reduce inputs (before _foreach_copy_): "
                          "an A/B in the same job")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every side this many times, each round after the first in the reverse order "
+                         "of the one before (unprofiled), and report the ratio of the median tokens/s too")
     args = ap.parse_args()
     if args.smoke and (args.compile or args.compile_only):
         smoke_compile()
@@ -225,27 +235,26 @@ def main() -> None:
     rt = init_runtime(cfg)
     rows = {}
 
-    def run(build, config) -> dict:
-        return measure(build, config, rt, args.micro_batch, 3, args.steps, args.trace_top, args.profile)
+    def run(build, config, first: bool = True) -> dict:
+        return measure(build, config, rt, args.micro_batch, 3, args.steps, args.trace_top, args.profile and first)
 
-    if not args.compile_only:
-        rows["ours_zero3"] = run(ours, cfg)
-        rows["fsdp2"] = run(fsdp2, cfg)
-        _ratios(rows, "ours_zero3", "fsdp2", "")
-        if args.copy_per_tensor:
-            rows["ours_zero3_copy_per_tensor"] = run(ours_copy_per_tensor, cfg)
-            _ratios(rows, "ours_zero3_copy_per_tensor", "fsdp2", "_copy_per_tensor")
+    modes = [] if args.compile_only else [("", cfg)]
     if args.compile or args.compile_only:  # both sides compiled, each block apart
-        compiled = load_config(None, shape + RUN + batch + ["train.compile=true"])
-        fresh_compile()
-        rows["ours_zero3_compiled"] = run(ours, compiled)
-        fresh_compile()
-        rows["fsdp2_compiled"] = run(fsdp2, compiled)
-        _ratios(rows, "ours_zero3_compiled", "fsdp2_compiled", "_compiled")
+        modes.append(("_compiled", load_config(None, shape + RUN + batch + ["train.compile=true"])))
+    for tag, config in modes:
+        sides = [(f"ours_zero3{tag}", ours), (f"fsdp2{tag}", fsdp2)]
         if args.copy_per_tensor:
-            fresh_compile()
-            rows["ours_zero3_compiled_copy_per_tensor"] = run(ours_copy_per_tensor, compiled)
-            _ratios(rows, "ours_zero3_compiled_copy_per_tensor", "fsdp2_compiled", "_compiled_copy_per_tensor")
+            sides.append((f"ours_zero3{tag}_copy_per_tensor", ours_copy_per_tensor))
+        for r in range(args.rounds):  # each round after the first in the reverse order, unprofiled
+            for name, build in sides if r % 2 == 0 else sides[::-1]:
+                fresh_compile()
+                row = run(build, config, first=r == 0)
+                if r == 0:
+                    rows[name] = row  # the first round's row is the one reported in full
+                rows[name].setdefault("tokens_per_s_rounds", []).append(round(row["tokens_per_s"], 1))
+        _ratios(rows, f"ours_zero3{tag}", f"fsdp2{tag}", tag)
+        if args.copy_per_tensor:
+            _ratios(rows, f"ours_zero3{tag}_copy_per_tensor", f"fsdp2{tag}", f"{tag}_copy_per_tensor")
     if rt.rank == 0:
         device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
         text = json.dumps({"bench": "fsdp2_compare", "gpus": rt.world, "device": device, "torch": torch.__version__,
