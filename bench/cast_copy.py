@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,7 +69,6 @@ def timed(fn, dev, reps: int) -> float:
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         else:
-            import time
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

@@ -70,30 +70,18 @@ def ours(cfg, rt):
 
 
 def ours_copy_per_tensor(cfg, rt):
-    """Ours with the reduce inputs filled by one `copy_` per gradient, as before `FlatGroup.flatten`
-    used `_foreach_copy_` (the A/B of --copy-per-tensor; the engine flattens through the class)."""
-    from teratrain.parallel.flat import FlatGroup
-
-    def flatten(self, tensors, dtype, device):
-        flat = torch.empty(self.padded, dtype=dtype, device=device)
-        for lo, hi in self.gaps:
-            flat[lo:hi].zero_()
-        for view, t in zip(self.views(flat), tensors):
-            if t is None:
-                view.zero_()
-            else:
-                view.copy_(t)
-        return flat
-
+    """Ours with one `copy_` per gradient into the reduce inputs, as before `FlatGroup.flatten` used
+    `_foreach_copy_` (the A/B of --copy-per-tensor): `_foreach_copy_` swapped for that loop during our
+    step, where at dp > 1 flatten is its only caller."""
     step, states = ours(cfg, rt)
-    foreach = FlatGroup.flatten
 
     def patched(x, y):
-        FlatGroup.flatten = flatten
+        foreach = torch._foreach_copy_
+        torch._foreach_copy_ = lambda dsts, srcs: [d.copy_(s) for d, s in zip(dsts, srcs)]
         try:
             step(x, y)
         finally:
-            FlatGroup.flatten = foreach
+            torch._foreach_copy_ = foreach
 
     return patched, states
 

@@ -364,10 +364,8 @@ def worker(args) -> None:
     runs = models(args.smoke, eps, args.a2a_chunks)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
-    runs = {name: sets for name, sets in runs.items() if not args.parity_only and (not args.only or name in args.only)}
-    if args.compile:  # every model once more compiled (or only compiled), named NAME_compiled
-        compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
-        runs = compiled if args.compile_only else {**runs, **compiled}
+    runs = in_modes({name: sets for name, sets in runs.items()
+                     if not args.parity_only and (not args.only or name in args.only)}, args)
     results = {}
     for name, sets in runs.items():  # the speeds first: a run cut short by a time limit keeps those it measured
         results[name] = measure(base + sets, args)
@@ -390,13 +388,19 @@ def one_gpu(base: list[str], mb: int, args) -> dict:
     out = {}
     if int(os.environ["RANK"]) == 0:
         per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
-        modes = [[]] if not args.compile else [COMPILED] if args.compile_only else [[], COMPILED]
-        for name, sets in models(args.smoke, [1], [1]).items():  # dense and moe_ep1
-            for mode in modes:
-                out[f"one_gpu_{name}" + ("_compiled" if mode else "")] = measure(base + sets + mode + per_gpu, args,
-                                                                                  single=True)
+        for name, sets in in_modes(models(args.smoke, [1], [1]), args).items():  # dense and moe_ep1
+            out[f"one_gpu_{name}"] = measure(base + sets + per_gpu, args, single=True)
     dist.barrier()
     return out
+
+
+def in_modes(runs: dict[str, list[str]], args) -> dict[str, list[str]]:
+    """The runs in the job's modes: as given, and with --compile each once more compiled (NAME_compiled;
+    only those with --compile-only)."""
+    if not args.compile:
+        return runs
+    compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
+    return compiled if args.compile_only else {**runs, **compiled}
 
 
 def _scaling(results: dict, world: int) -> dict:
