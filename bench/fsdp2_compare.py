@@ -7,6 +7,7 @@ rank 0 prints one JSON object (and writes it with --out).
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --profile   # + each side's kernel account (torch.profiler)
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --copy-per-tensor   # + ours as before _foreach_copy_ (A/B)
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --rounds 3   # each side 3 times, order alternated: median ratio
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --dp-max-ctas 16,8 --fsdp2-max-ctas 8   # + NCCL capped
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
 fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
@@ -23,6 +24,7 @@ block, then `fully_shard`, and the final norm and the loss compiled too).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fit_layers, fresh_compile, smoke_compile  # noqa: E402
 from memory_trace import traced_step  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
+from teratrain.compat import nccl_options  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.mesh import init_runtime, shutdown  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
@@ -86,12 +89,14 @@ def ours_copy_per_tensor(cfg, rt):
     return patched, states
 
 
-def fsdp2(cfg, rt):
-    from torch.distributed.device_mesh import init_device_mesh
+def fsdp2(cfg, rt, group=None):
+    """FSDP2 over every rank: the default group, or `group` (--fsdp2-max-ctas: one whose NCCL
+    collectives are capped as parallel.dp_max_ctas caps ours)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh(rt.device.type, (rt.world,))
+    mesh = init_device_mesh(rt.device.type, (rt.world,)) if group is None else DeviceMesh.from_group(group, rt.device.type)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if cfg.train.compile:  # torchtitan's order: each block compiled, then sharded (its hooks outside the graph)
@@ -172,6 +177,10 @@ def _ratios(rows: dict, ours_key: str, peer_key: str, tag: str) -> None:
         rows[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_rounds"] = [round(x / y, 4) for x, y in zip(ra, rb)]
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def _sync(rt) -> None:
     if rt.device.type == "cuda":
         torch.cuda.synchronize(rt.device)
@@ -200,6 +209,10 @@ def main() -> None:
     ap.add_argument("--copy-per-tensor", action="store_true",
                     help="also ours with one copy_ per gradient into the reduce inputs (before _foreach_copy_): "
                          "an A/B in the same job")
+    ap.add_argument("--dp-max-ctas", default="", help="also ours with parallel.dp_max_ctas at each of these "
+                                                       "(comma-separated), each on groups of its own")
+    ap.add_argument("--fsdp2-max-ctas", default="", help="also FSDP2 on a group whose NCCL config caps the CTAs "
+                                                         "at each of these (comma-separated)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every side this many times, each round after the first in the reverse order "
                          "of the one before (unprofiled), and report the ratio of the median tokens/s too")
@@ -223,26 +236,38 @@ def main() -> None:
     rt = init_runtime(cfg)
     rows = {}
 
-    def run(build, config, first: bool = True) -> dict:
-        return measure(build, config, rt, args.micro_batch, 3, args.steps, args.trace_top, args.profile and first)
+    def run(build, config, side_rt, first: bool = True) -> dict:
+        return measure(build, config, side_rt, args.micro_batch, 3, args.steps, args.trace_top, args.profile and first)
+
+    # NCCL-capped variants, each on process groups of its own, made once (every rank, the same order)
+    capped_ours = {n: init_runtime(load_config(None, shape + RUN + batch + [f"parallel.dp_max_ctas={n}"]))
+                   for n in _ints(args.dp_max_ctas)}
+    capped_fsdp2 = {n: dist.new_group(list(range(world)), pg_options=nccl_options(n)) for n in _ints(args.fsdp2_max_ctas)}
 
     modes = [] if args.compile_only else [("", cfg)]
     if args.compile or args.compile_only:  # both sides compiled, each block apart
         modes.append(("_compiled", load_config(None, shape + RUN + batch + ["train.compile=true"])))
     for tag, config in modes:
-        sides = [(f"ours_zero3{tag}", ours), (f"fsdp2{tag}", fsdp2)]
+        sides = [(f"ours_zero3{tag}", ours, rt), (f"fsdp2{tag}", fsdp2, rt)]
         if args.copy_per_tensor:
-            sides.append((f"ours_zero3{tag}_copy_per_tensor", ours_copy_per_tensor))
+            sides.append((f"ours_zero3{tag}_copy_per_tensor", ours_copy_per_tensor, rt))
+        sides += [(f"ours_zero3{tag}_ctas{n}", ours, r) for n, r in capped_ours.items()]
+        sides += [(f"fsdp2{tag}_ctas{n}", functools.partial(fsdp2, group=g), rt) for n, g in capped_fsdp2.items()]
         for r in range(args.rounds):  # each round after the first in the reverse order, unprofiled
-            for name, build in sides if r % 2 == 0 else sides[::-1]:
+            for name, build, side_rt in sides if r % 2 == 0 else sides[::-1]:
                 fresh_compile()
-                row = run(build, config, first=r == 0)
+                row = run(build, config, side_rt, first=r == 0)
                 if r == 0:
                     rows[name] = row  # the first round's row is the one reported in full
                 rows[name].setdefault("tokens_per_s_rounds", []).append(round(row["tokens_per_s"], 1))
         _ratios(rows, f"ours_zero3{tag}", f"fsdp2{tag}", tag)
         if args.copy_per_tensor:
             _ratios(rows, f"ours_zero3{tag}_copy_per_tensor", f"fsdp2{tag}", f"{tag}_copy_per_tensor")
+        for n in capped_ours:
+            _ratios(rows, f"ours_zero3{tag}_ctas{n}", f"fsdp2{tag}", f"{tag}_ctas{n}")
+        for n in capped_fsdp2:  # like for like: both capped the same
+            if n in capped_ours:
+                _ratios(rows, f"ours_zero3{tag}_ctas{n}", f"fsdp2{tag}_ctas{n}", f"{tag}_both_ctas{n}")
     if rt.rank == 0:
         device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu"
         text = json.dumps({"bench": "fsdp2_compare", "gpus": rt.world, "device": device, "torch": torch.__version__,

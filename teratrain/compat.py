@@ -187,3 +187,14 @@ def compile_checkpoint_side_effects() -> None:
 
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def nccl_options(max_ctas: int | None):
+    """ProcessGroupNCCL options that cap the thread blocks (CTAs, one SM each) NCCL runs a collective
+    on (ncclConfig_t.maxCTAs, NCCL >= 2.17), or None: no cap asked for, or no NCCL in this build
+    (CPU wheels). The same binding in 2.11 and 2.13."""
+    if max_ctas is None or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.max_ctas = max_ctas
+    return opts

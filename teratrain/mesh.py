@@ -123,6 +123,7 @@ class Mesh:
     dims: ParallelDims
     rank: int
     timeout_s: float = 600.0  # parallel.timeout_s: every group's operations are watched for it (inflight.py)
+    dp_max_ctas: int | None = None  # parallel.dp_max_ctas: NCCL's thread blocks per collective of the dp groups
     _ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
     _used: set = field(default_factory=set, repr=False)  # names a strategy asked for
@@ -161,8 +162,21 @@ class Mesh:
     def _make(self, name: str):
         if name not in self._groups:
             ranks = self.ranks(name)
-            self._groups[name] = new_group(ranks, name=name, timeout_s=self.timeout_s) if len(ranks) > 1 else None
+            opts = self._options(name) if len(ranks) > 1 else None
+            extra = {} if opts is None else {"pg_options": opts}
+            self._groups[name] = new_group(ranks, name=name, timeout_s=self.timeout_s, **extra) if len(ranks) > 1 else None
         return self._groups[name]
+
+    def _options(self, name: str):
+        """NCCL options of group `name`: the data-parallel groups (`dp` and `dp:gather`) take
+        parallel.dp_max_ctas; None elsewhere and on other backends."""
+        import torch.distributed as dist
+
+        from teratrain.compat import nccl_options
+
+        if name.partition(":")[0] != "dp" or self.dp_max_ctas is None or dist.get_backend() != "nccl":
+            return None
+        return nccl_options(self.dp_max_ctas)
 
     def create_standard_groups(self) -> None:
         """Every standard group of this rank (GROUPS, then each `:gather` twin), in one fixed order."""
@@ -366,7 +380,8 @@ def init_runtime(cfg) -> Runtime:
             dist.init_process_group(backend, timeout=timedelta(seconds=backstop_s(cfg.parallel.timeout_s)),
                                     device_id=device if device.type == "cuda" else None)
         start_watchdog(cfg.parallel.timeout_s, rank)
-    mesh = Mesh(dims, rank, timeout_s=cfg.parallel.timeout_s) if rank < dims.workers else None
+    mesh = Mesh(dims, rank, timeout_s=cfg.parallel.timeout_s,
+                dp_max_ctas=cfg.parallel.dp_max_ctas) if rank < dims.workers else None
     if mesh is not None and world > 1:
         mesh.create_standard_groups()
     return Runtime(rank=rank, world=world, local_rank=local_rank, device=device, dims=dims, mesh=mesh)

@@ -27,3 +27,39 @@ def test_a_second_executor_keeps_group_counts_equal(monkeypatch):
     per_rank = [_count_groups(monkeypatch, r, calls) for r in range(4)]
     assert all(c == per_rank[0] for c in per_rank), per_rank
     assert per_rank[0][1] == len(calls[0]) and per_rank[0][2] == len(calls[1])  # each name made once
+
+
+def test_dp_max_ctas_reaches_the_data_parallel_groups_only(monkeypatch):
+    """parallel.dp_max_ctas: the NCCL options go to `dp` and its `:gather` twin (ZeRO-3's gathers), and
+    to no other group; no cap, or another backend, makes every group without options."""
+    import torch.distributed as dist
+
+    from teratrain import compat
+    from teratrain.config import load_config
+
+    made = {}
+    monkeypatch.setattr(mesh, "new_group", lambda ranks, name, **kw: made.setdefault(name, kw.get("pg_options")) or object())
+    monkeypatch.setattr(compat, "nccl_options", lambda cap: ("capped", cap))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    m = Mesh(ParallelDims(dp=2, tp=2), 0, dp_max_ctas=load_config(None, ["parallel.dp_max_ctas=8"]).parallel.dp_max_ctas)
+    m.create_standard_groups()
+    assert made.pop("dp") == ("capped", 8) and made.pop("dp:gather") == ("capped", 8)
+    assert made and all(opts is None for opts in made.values()), made  # world, tp, dp_tp and their twins
+    made.clear()
+    Mesh(ParallelDims(dp=2, tp=2), 0).create_standard_groups()  # no cap
+    assert made and all(opts is None for opts in made.values())
+    made.clear()
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    Mesh(ParallelDims(dp=2, tp=2), 0, dp_max_ctas=8).create_standard_groups()
+    assert made and all(opts is None for opts in made.values())
+
+
+def test_nccl_options_absent_without_nccl():
+    """A CPU build has no ProcessGroupNCCL: no options, whatever the cap (gloo runs ignore the key)."""
+    import torch.distributed as dist
+
+    from teratrain.compat import nccl_options
+
+    assert nccl_options(None) is None
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        assert nccl_options(8) is None
