@@ -67,14 +67,15 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     """The host's issue costs from the host probe (bench/planner_rows.py `probe_rows`: a model whose
     kernels take microseconds, so each step is the host's time): {"hw": {"host_op_s",
     "host_collective_s"}, "fit": per probe row, its ops, collectives, measured and fitted seconds}.
-    The counts are the planner's own (time.eager_ops and time.issued_collectives), so the
-    fitted costs mean what the planner means by them: the probe without tensor parallelism gives the
-    cost per op, and the tp probes, by least squares, the cost per tp collective beyond its ops.
+    The counts are the planner's own (time.eager_ops and time.host_collectives), so the fitted
+    costs mean what the planner means by them: both by least squares on the relative error over the
+    probe rows, which the probe without tensor parallelism (ops, and only its engine's few launches)
+    and the tp probes (the same ops and their collectives) tell apart.
     `host_loop_us`: the host's speed while the probe ran (bench/machine.py `host_loop_us`), the
     reference against which a row run at another moment can be compared."""
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
-    from teratrain.planner.time import eager_ops, issued_collectives
+    from teratrain.planner.time import eager_ops, host_collectives, issued_collectives
 
     loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
     loop_us = statistics.median(loops) if loops else None
@@ -85,18 +86,32 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
         cfg = load_config(None, row["sets"])
         shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
         counted.append({"name": row["name"], "ops": eager_ops(shape, train, lay),
-                        "collectives": issued_collectives(shape, train, lay), "measured_s": row["measured_step_s"]})
-    plain = [c for c in counted if not c["collectives"]]
+                        "collectives": host_collectives(shape, train, lay), "measured_s": row["measured_step_s"],
+                        "tp": issued_collectives(shape, train, lay) > 0})
+    plain = [c for c in counted if not c.pop("tp")]
     if not plain:
         return {"hw": {}, "fit": counted, "host_loop_us": loop_us}
-    per_op = statistics.median(c["measured_s"] / c["ops"] for c in plain)
-    tp = [c for c in counted if c["collectives"]]
-    per_coll = max(0.0, sum(c["collectives"] * (c["measured_s"] - c["ops"] * per_op) for c in tp)
-                   / sum(c["collectives"] ** 2 for c in tp)) if tp else None
+    if len(plain) == len(counted):  # no tp probe: the ops alone (a launch's cost cannot be told apart)
+        per_op, per_coll = statistics.median(c["measured_s"] / c["ops"] for c in plain), None
+    else:
+        per_op, per_coll = _two_costs([(c["ops"], c["collectives"], c["measured_s"]) for c in counted])
     for c in counted:
         c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0)
     hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {})}
     return {"hw": hw, "fit": counted, "host_loop_us": loop_us}
+
+
+def _two_costs(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) >= 0 of t = ops * a + collectives * b over (ops, collectives, t) rows, least squares on
+    the relative error (normal equations of the rows divided by t)."""
+    xs = [(o / t, c / t) for o, c, t in rows]
+    s11, s12, s22 = (sum(x[0] * x[0] for x in xs), sum(x[0] * x[1] for x in xs), sum(x[1] * x[1] for x in xs))
+    r1, r2 = sum(x[0] for x in xs), sum(x[1] for x in xs)  # against ones (t / t)
+    det = s11 * s22 - s12 * s12
+    a, b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
+    if b < 0:  # no collective cost resolvable: the ops alone
+        return r1 / s11, 0.0
+    return a, b
 
 
 def result_gpu(result: dict) -> GPU:

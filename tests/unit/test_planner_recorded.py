@@ -17,7 +17,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 RESULT = RESULTS / "planner_validate_h200x4.json"
 # (fit rows, held-out rows) within the target, of (15, 13) (peak: of (9, 8), without the pipelines that
 # ran the old gradient buffer, below).
-REACHED = {"peak": (9, 7), "step": (12, 8)}  # step: without BEFORE_ZB_REWRITE's two rows
+REACHED = {"peak": (9, 7), "step": (12, 11)}  # step: without BEFORE_ZB_REWRITE's two rows
 TARGET = {"peak": 0.05, "step": 0.15}
 # The same 28 layouts on 4 x H100 (the next session, after the refit from the H200 rows: every row out
 # of sample for the card). Its ZB-H1 rows ran after ZB-H1's memory change but before the head's weight
@@ -33,7 +33,7 @@ REACHED_H100 = {"peak": (9, 7), "step": (12, 10)}
 BEFORE_ZB_REWRITE = {"pp4 zb-h1 m8", "pp2 tp2 zb-h1 m8"}
 # 27 layouts of `bench/planner_validate.py --gpus 2` on 2 x H200 (this planner never fitted to them)
 H200X2 = RESULTS / "planner_validate_h200x2.json"
-REACHED_H200X2 = {"peak": (9, 5), "step": (11, 9)}
+REACHED_H200X2 = {"peak": (9, 5), "step": (12, 9)}
 # Offload steps since the planner counts the host's cast of the masters (planner/time.py `_offload_s`,
 # at twice the measured AdamW rate where a run did not measure the cast): 4 x H200 -28% -> -4%, the
 # older 4 x H200 run -38% -> -18%, 4 x H100 -42% -> -25%, but 2 x H200 -9% -> +27% (its held-out
@@ -56,17 +56,21 @@ REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
 # 8% (dp4 zero1 294 and 291 ms, moe dp4 ep4 zero1 217 and 200); the 8-layer shapes, which the host
 # paces, were not compared in one job.
 SESSION9 = RESULTS / "planner_validate_h200x4_session9.json"
-REACHED_SESSION9 = {"peak": (15, 13), "step": (11, 11)}
+REACHED_SESSION9 = {"peak": (15, 13), "step": (13, 12)}
 PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
 # Session 12, on 4 x H100 (the card's first runs since session 5's; the host probe fitted on each): the
 # 28 layouts at 4 GPUs (8 layers) and the 27 at 2 GPUs of the same machine (16 layers). 4 GPUs: steps
 # out on three held-out rows (dp4 zero2 offload -25.6%, tp2 dp2 zero3 -26.5%, moe tp2 dp2 ep2 -15.1%),
 # one held-out peak (moe dp4 ep4 zero1 -5.7%); 2 GPUs: two eager tp rows the host paces over (+21.9%,
 # +21.0%) and moe dp2 ep1 under (-23.7%, under in every recorded run).
+# Since the planner charges the data-parallel engines' launches to the host (planner/time.py
+# DP_LAUNCH_SHARE), the counts above rose where eager MoE, ZeRO-2/3 and dp rows missed: session 9's
+# 4 x H200 run 22 -> 25 of 28, session 7d's 2 x H200 run 26 -> 27 of 27, the H200 run 20 -> 23 of 26,
+# session 12's 25 -> 26 of 28 (4 GPUs) and 24 -> 25 of 27 (2 GPUs); none fell.
 SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.json", (15, 13),
-                                  {"peak": (15, 12), "step": (15, 10)}),
+                                  {"peak": (15, 12), "step": (15, 11)}),
              "h100x2-session12": (RESULTS / "planner_validate_h100x2of4_session12.json", (15, 12),
-                                  {"peak": (15, 12), "step": (12, 12)})}
+                                  {"peak": (15, 12), "step": (13, 12)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
@@ -79,7 +83,7 @@ SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.j
 # parameter less), which these runs' code still made: session7's held-out `tp2 sp mb4 selective` went
 # from -14.8% to -15.1%, out by 0.3 points, so that run reaches 10 held-out rows, not 11.
 SESSION7 = {name: (RESULTS / f"planner_validate_h200x2_{name}.json", {"peak": (15, 12), "step": step})
-            for name, step in (("session7", (11, 10)), ("session7b", (13, 10)), ("session7d", (14, 12)),
+            for name, step in (("session7", (12, 10)), ("session7b", (13, 10)), ("session7d", (15, 12)),
                                ("session7c", (14, 12)), ("session8", (14, 10)))}
 BEFORE_BUFFER_CHANGE = (RESULT, H100, H200X2)
 
