@@ -72,7 +72,8 @@ def at_host_speed(gpu: GPU, row_loop_us: float | None, probe_loop_us: float | No
     if not row_loop_us or not probe_loop_us:
         return None
     k = row_loop_us / probe_loop_us
-    return replace(gpu, host_op_s=gpu.host_op_s * k, host_collective_s=gpu.host_collective_s * k)
+    launch = None if gpu.host_launch_s is None else gpu.host_launch_s * k
+    return replace(gpu, host_op_s=gpu.host_op_s * k, host_collective_s=gpu.host_collective_s * k, host_launch_s=launch)
 
 
 def compare(rows: list[dict], results: dict, gpus: int, gpu: GPU, hw: dict, smoke: bool,

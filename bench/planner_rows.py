@@ -137,7 +137,8 @@ def rows_for(gpus: int, smoke: bool = False) -> list[Row]:
 # The host probe (planner_multi.py, before the rows): the dense model's structure at a width where every
 # kernel takes a few microseconds, so a step's time is the host's time to issue it. One layout without
 # tensor parallelism gives the host's cost per eager op, the tp layouts (plain and sequence-parallel,
-# whose collectives differ in number) its cost per tp collective on this machine
+# whose collectives differ in number) its cost per tp collective, and ZeRO-3 (the same ops, a launch per
+# flat group, pass and micro-batch) its cost per data-parallel engine launch on this machine
 # (teratrain/planner/refit.py `fit_host`).
 PROBE_LAYERS = 4
 PROBE_STEPS, PROBE_WARMUP = 10, 3
@@ -152,7 +153,10 @@ def probe_rows(gpus: int, smoke: bool = False) -> list[dict]:
     # (global batch, layout): 2 micro-batches of one sequence on every rank
     layouts = {"probe dp": (2 * gpus, (f"parallel.dp={gpus}",)),
                f"probe tp{gpus}": (2, (tp, "parallel.sequence_parallel=false")),
-               f"probe tp{gpus} sp": (2, (tp, "parallel.sequence_parallel=true"))}
+               f"probe tp{gpus} sp": (2, (tp, "parallel.sequence_parallel=true")),
+               # the data-parallel engines' launches: ZeRO-3 gathers every group before its forward and
+               # its backward and reduces it, each micro-batch (planner/time.py engine_launches)
+               "probe dp zero3": (2 * gpus, (f"parallel.dp={gpus}", "parallel.zero=3"))}
     return [{"name": name, "sets": COMMON + model + list(_dp(batch, 1, *lay)), "est_s": 0.0}
             for name, (batch, lay) in layouts.items()]
 

@@ -76,6 +76,10 @@ class GPU:
     # alone, with the host ahead; read it as what one tp collective costs a step on this machine.
     host_op_s: float = 1.2e-5
     host_collective_s: float = 6.0e-4
+    # Host time of one data-parallel engine launch (a bucket's all-reduce, a ZeRO group's reduce-scatter
+    # or gather, with its hook): measured by the host probe's ZeRO-3 row where a run has one; None:
+    # time.DP_LAUNCH_SHARE of host_collective_s (fitted on the recorded runs before the probe had it)
+    host_launch_s: float | None = None
     # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
     # handles outside the allocator (0.75 GiB measured on the H200, torch 2.11; NCCL adds more on
     # several GPUs), and fragmentation, the "fragmented memory" of ZeRO sec. 3.2: the allocator's
@@ -155,7 +159,8 @@ def gpu_with(name: str, overrides: dict[str, float] | None = None) -> GPU:
 
 # latencies, allowances and overheads may be zero (host_cast_params_per_s: 0 = twice the AdamW rate);
 # fractions of a peak are at most 1; the rest divide
-_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "context_gib",
+_LOW_INCLUDED = {"alpha_intra_s", "alpha_inter_s", "op_overhead_s", "host_op_s", "host_collective_s", "host_launch_s",
+                 "context_gib",
                  "host_cast_params_per_s",
                  "fragmentation", "gpus_per_node", *(f"{k}_alpha_s" for k in COLLECTIVES)}
 _RANGES = {"flops_max": (0.0, 1.0), "moe_efficiency": (0.0, 1.0), "flops_efficiency_fp32": (0.0, 1.0),

@@ -66,16 +66,18 @@ def fit_collectives(rows: list[dict]) -> dict:
 def fit_host(probes: list[dict], gpus: int) -> dict:
     """The host's issue costs from the host probe (bench/planner_rows.py `probe_rows`: a model whose
     kernels take microseconds, so each step is the host's time): {"hw": {"host_op_s",
-    "host_collective_s"}, "fit": per probe row, its ops, collectives, measured and fitted seconds}.
-    The counts are the planner's own (time.eager_ops and time.host_collectives), so the fitted
-    costs mean what the planner means by them: both by least squares on the relative error over the
-    probe rows, which the probe without tensor parallelism (ops, and only its engine's few launches)
-    and the tp probes (the same ops and their collectives) tell apart.
+    "host_collective_s", "host_launch_s"}, "fit": per probe row, its counts, measured and fitted
+    seconds}. The counts are the planner's own (time.eager_ops, time.issued_collectives and
+    time.engine_launches), so the fitted costs mean what the planner means by them: least squares on
+    the relative error over the probe rows, which the plain data-parallel probe (ops, and its engine's
+    few launches), the tp probes (the same ops and their collectives) and the ZeRO-3 probe (the same
+    ops and a launch per group, micro-batch and pass) tell apart. Without the ZeRO-3 probe (runs before
+    session 12) a launch costs time.DP_LAUNCH_SHARE of a collective, and only two costs are fitted.
     `host_loop_us`: the host's speed while the probe ran (bench/machine.py `host_loop_us`), the
     reference against which a row run at another moment can be compared."""
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
-    from teratrain.planner.time import eager_ops, host_collectives, issued_collectives
+    from teratrain.planner.time import DP_LAUNCH_SHARE, eager_ops, engine_launches, issued_collectives
 
     loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
     loop_us = statistics.median(loops) if loops else None
@@ -86,32 +88,46 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
         cfg = load_config(None, row["sets"])
         shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
         counted.append({"name": row["name"], "ops": eager_ops(shape, train, lay),
-                        "collectives": host_collectives(shape, train, lay), "measured_s": row["measured_step_s"],
-                        "tp": issued_collectives(shape, train, lay) > 0})
-    plain = [c for c in counted if not c.pop("tp")]
+                        "collectives": issued_collectives(shape, train, lay),
+                        "launches": engine_launches(shape, train, lay), "zero": lay.zero,
+                        "measured_s": row["measured_step_s"]})
+    plain = [c for c in counted if not c["collectives"] and not c["zero"]]
     if not plain:
         return {"hw": {}, "fit": counted, "host_loop_us": loop_us}
-    if len(plain) == len(counted):  # no tp probe: the ops alone (a launch's cost cannot be told apart)
-        per_op, per_coll = statistics.median(c["measured_s"] / c["ops"] for c in plain), None
-    else:
-        per_op, per_coll = _two_costs([(c["ops"], c["collectives"], c["measured_s"]) for c in counted])
+    per_op, per_coll, per_launch = statistics.median(c["measured_s"] / c["ops"] for c in plain), None, None
+    has_tp, has_zero = any(c["collectives"] for c in counted), any(c["zero"] for c in counted)
+    if has_tp and has_zero:
+        per_op, per_coll, per_launch = _costs([(c["ops"], c["collectives"], c["launches"]) for c in counted],
+                                              [c["measured_s"] for c in counted])
+    elif has_tp:
+        per_op, per_coll = _costs([(c["ops"], c["collectives"] + DP_LAUNCH_SHARE * c["launches"]) for c in counted],
+                                  [c["measured_s"] for c in counted])
     for c in counted:
-        c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0)
-    hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {})}
+        launch = per_launch if per_launch is not None else DP_LAUNCH_SHARE * (per_coll or 0.0)
+        c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0) + c["launches"] * launch
+        del c["zero"]
+    hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {}),
+          **({"host_launch_s": per_launch} if per_launch is not None else {})}
     return {"hw": hw, "fit": counted, "host_loop_us": loop_us}
 
 
-def _two_costs(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(a, b) >= 0 of t = ops * a + collectives * b over (ops, collectives, t) rows, least squares on
-    the relative error (normal equations of the rows divided by t)."""
-    xs = [(o / t, c / t) for o, c, t in rows]
-    s11, s12, s22 = (sum(x[0] * x[0] for x in xs), sum(x[0] * x[1] for x in xs), sum(x[1] * x[1] for x in xs))
-    r1, r2 = sum(x[0] for x in xs), sum(x[1] for x in xs)  # against ones (t / t)
-    det = s11 * s22 - s12 * s12
-    a, b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-    if b < 0:  # no collective cost resolvable: the ops alone
-        return r1 / s11, 0.0
-    return a, b
+def _costs(columns: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
+    """Non-negative costs x of t = columns . x over the rows, least squares on the relative error
+    (every row divided by its t); a cost the rows would make negative is set to 0 and the rest
+    refitted."""
+    import torch
+
+    a = torch.tensor(columns, dtype=torch.float64) / torch.tensor(seconds, dtype=torch.float64)[:, None]
+    keep = list(range(a.shape[1]))
+    while True:
+        x = torch.linalg.lstsq(a[:, keep], torch.ones(a.shape[0], 1, dtype=torch.float64)).solution.flatten()
+        if (x >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(torch.argmin(x)))
+    out = [0.0] * a.shape[1]
+    for i, v in zip(keep, x.tolist()):
+        out[i] = max(v, 0.0)
+    return tuple(out)
 
 
 def result_gpu(result: dict) -> GPU:

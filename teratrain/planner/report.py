@@ -7,6 +7,7 @@ from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
 from teratrain.planner.search import Candidate, gpus_per_node
+from teratrain.planner.time import launch_s
 
 OPT_BYTES = {"adamw": "AdamW m + v (8 B/param)", "sgd": "SGD momentum (4 B/param)",
              "adafactor": "Adafactor row + column sums", "sm3": "SM3 row + column accumulators"}
@@ -116,7 +117,8 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
         busy = t.terms["gpu_s"]
         paced = "the step waits on it: host-paced" if t.host_paced else f"under the GPU's {busy * 1e3:.1f} ms: hidden"
         out.append(("host issue", t.terms["host_s"], f"eager ops at {gpu.host_op_s * 1e6:.1f} us, tp / ep collectives at "
-                    f"{gpu.host_collective_s * 1e3:.2f} ms each; {paced}"))
+                    f"{gpu.host_collective_s * 1e3:.2f} ms each, data-parallel launches at {launch_s(gpu) * 1e3:.2f} ms; "
+                    f"{paced}"))
     if t.offload_s:
         out.append(("offload", t.offload_s, f"PCIe at {gpu.pcie_gbps:g} GB/s, the CPU optimizer "
                     f"({gpu.host_adam_params_per_s / 1e9:g} G params/s) and the host's cast of the masters "

@@ -193,7 +193,8 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
 
 # A data-parallel engine's launch (a bucket's all-reduce, a ZeRO group's reduce-scatter or gather: a
 # gradient hook and an async collective, no autograd function) costs the host this share of what a
-# tensor-parallel collective costs it (gpu.host_collective_s). CALIBRATED: on the step errors of the 12
+# tensor-parallel collective costs it (gpu.host_collective_s), where the host probe did not measure it
+# (gpu.host_launch_s: its ZeRO-3 row, bench/planner_rows.py, since session 12). CALIBRATED: on the step errors of the 12
 # recorded several-GPU validations (tests/unit/test_planner_recorded.py): 0.7 minimizes the squared
 # errors of their fit rows, 0.5 keeps the most held-out rows within 15% (131 of 148, against 129
 # without the launches; fit rows 159 of 179 against 154). Before, the planner charged these launches
@@ -224,17 +225,19 @@ def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:
     return total
 
 
-def host_collectives(shape: ModelShape, train: Training, lay: Layout) -> float:
-    """The collectives the host pays gpu.host_collective_s for: every tensor- and expert-parallel one
-    (`issued_collectives`), and the data-parallel engines' launches at DP_LAUNCH_SHARE of one."""
-    return issued_collectives(shape, train, lay) + DP_LAUNCH_SHARE * engine_launches(shape, train, lay)
+def launch_s(gpu: GPU) -> float:
+    """Host seconds of one data-parallel engine launch: measured (gpu.host_launch_s) or DP_LAUNCH_SHARE
+    of a tensor-parallel collective's."""
+    return gpu.host_launch_s if gpu.host_launch_s is not None else DP_LAUNCH_SHARE * gpu.host_collective_s
 
 
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
-    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s) and
-    every collective `host_collectives` counts (gpu.host_collective_s). When the GPU's work per op
-    is short (tensor parallelism splits every matmul) the GPU waits on it."""
-    return ops * gpu.host_op_s + host_collectives(shape, train, lay) * gpu.host_collective_s
+    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s), every
+    tensor- and expert-parallel collective `issued_collectives` counts (gpu.host_collective_s) and
+    every launch of the data-parallel engines (`launch_s`). When the GPU's work per op is short
+    (tensor parallelism splits every matmul) the GPU waits on it."""
+    return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
+            + engine_launches(shape, train, lay) * launch_s(gpu))
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:

@@ -70,9 +70,10 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     probe = result["host_probe"]["rows"]
-    assert [p["name"] for p in probe] == ["probe dp", "probe tp2", "probe tp2 sp"]
-    assert probe[0]["collectives"] < probe[1]["collectives"] < probe[2]["collectives"]  # dp: its engine's launches
-    assert result["hw"]["host_op_s"] > 0 and "host_collective_s" in result["hw"]
+    assert [p["name"] for p in probe] == ["probe dp", "probe tp2", "probe tp2 sp", "probe dp zero3"]
+    assert probe[0]["collectives"] == 0 < probe[1]["collectives"] < probe[2]["collectives"]
+    assert 0 < probe[0]["launches"] < probe[3]["launches"]
+    assert result["hw"]["host_op_s"] > 0 and "host_collective_s" in result["hw"] and "host_launch_s" in result["hw"]
     (row,) = result["rows"]
     assert result["host_probe"]["host_loop_us"] > 0
     assert row["host_loop_us"] > 0 and row["predicted_step_s_row_host"] > 0 and row["measured_step_s"] > 0

@@ -77,19 +77,25 @@ def test_host_costs_recovered_from_the_host_probe():
     from teratrain.planner.refit import fit_host
     from teratrain.planner.time import DP_LAUNCH_SHARE, eager_ops, host_s
 
-    truth = replace(GPUS["h200"], host_op_s=21e-6, host_collective_s=0.35e-3)
+    truth = replace(GPUS["h200"], host_op_s=21e-6, host_collective_s=0.35e-3, host_launch_s=0.12e-3)
     rows = []
     for gpus in (2, 4):
         for row in probe_rows(gpus):
             cfg = load_config(None, row["sets"])
             shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
             rows.append({**row, "measured_step_s": host_s(shape, train, lay, truth, eager_ops(shape, train, lay))})
-        fit = fit_host(rows[-3:], gpus)
-        assert fit["hw"]["host_op_s"] == pytest.approx(21e-6, rel=1e-9)
-        assert fit["hw"]["host_collective_s"] == pytest.approx(0.35e-3, rel=1e-9)
-        dp, tp, sp = fit["fit"]
-        # the probe without tp pays for its engine's one bucket only (time.DP_LAUNCH_SHARE of a collective)
-        assert dp["collectives"] == DP_LAUNCH_SHARE < tp["collectives"] < sp["collectives"] and dp["ops"] == tp["ops"]
-    # without the probe that has no tp, nothing is fitted
-    empty = fit_host(rows[-2:], 4)
+        fit = fit_host(rows[-4:], gpus)
+        assert fit["hw"]["host_op_s"] == pytest.approx(21e-6, rel=1e-6)
+        assert fit["hw"]["host_collective_s"] == pytest.approx(0.35e-3, rel=1e-6)
+        assert fit["hw"]["host_launch_s"] == pytest.approx(0.12e-3, rel=1e-6)
+        dp, tp, sp, zero3 = fit["fit"]
+        assert dp["collectives"] == zero3["collectives"] == 0 < tp["collectives"] < sp["collectives"]
+        assert dp["ops"] == tp["ops"] and 0 < dp["launches"] < zero3["launches"]  # ZeRO-3: bf16 params, fewer casts
+        # a run without the ZeRO-3 probe (before session 12): two costs, a launch at DP_LAUNCH_SHARE of one
+        older = fit_host(rows[-4:-1], gpus)
+        assert set(older["hw"]) == {"host_op_s", "host_collective_s"}
+        assert older["fit"][0]["fitted_s"] == pytest.approx(
+            dp["ops"] * older["hw"]["host_op_s"] + dp["launches"] * DP_LAUNCH_SHARE * older["hw"]["host_collective_s"])
+    # without the probe that has neither tp nor ZeRO, nothing is fitted
+    empty = fit_host(rows[-3:-1], 4)
     assert empty["hw"] == {} and empty["host_loop_us"] is None  # planner_report.measured_hw reads both
