@@ -373,9 +373,10 @@ class ParallelConfig(Section):
                             "buffer, reduce-scattered in place; 2/3: the shard); bf16 halves it (the ZeRO paper's "
                             "2 bytes) at 8 mantissa bits, upcast to fp32 one group at a time for the update")
     dp_max_ctas: int | None = Field(None, ge=1, le=64, description="the most thread blocks (each takes an SM) NCCL "
-                                    "may run one data-parallel collective on (dp groups: DDP's and ZeRO's reductions, "
-                                    "ZeRO-3's gathers): fewer leave more SMs to the matmuls those collectives overlap, "
-                                    "and move fewer bytes a second; unset = NCCL's own choice. No effect on gloo")
+                                    "may run one collective of the dp group on (the dense parameters' reductions, DDP's "
+                                    "and ZeRO's, and ZeRO-3's gathers; expert and tied-embedding groups are left to "
+                                    "NCCL): fewer leave more SMs to the matmuls those collectives overlap, and move "
+                                    "fewer bytes a second; unset = NCCL's own choice. No effect on gloo")
     overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
                                                  "for each one (to measure what the overlap saves)")
     timeout_s: float = Field(600.0, gt=0.0, description="seconds a collective or pipeline transfer may wait for its "

@@ -102,6 +102,8 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     elif has_tp:
         per_op, per_coll = _costs([(c["ops"], c["collectives"] + DP_LAUNCH_SHARE * c["launches"]) for c in counted],
                                   [c["measured_s"] for c in counted])
+    elif has_zero:  # no tp probe: the launches' cost, none for a tp collective
+        per_op, per_launch = _costs([(c["ops"], c["launches"]) for c in counted], [c["measured_s"] for c in counted])
     for c in counted:
         launch = per_launch if per_launch is not None else DP_LAUNCH_SHARE * (per_coll or 0.0)
         c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0) + c["launches"] * launch
@@ -113,20 +115,26 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
 
 def _costs(columns: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:
     """Non-negative costs x of t = columns . x over the rows, least squares on the relative error
-    (every row divided by its t); a cost the rows would make negative is set to 0 and the rest
-    refitted."""
+    (every row divided by its t), exactly: the best fit over every subset of the columns whose own
+    least-squares costs are all non-negative, the other costs 0 (at most 3 columns: 7 subsets)."""
+    import itertools
+
     import torch
 
     a = torch.tensor(columns, dtype=torch.float64) / torch.tensor(seconds, dtype=torch.float64)[:, None]
-    keep = list(range(a.shape[1]))
-    while True:
-        x = torch.linalg.lstsq(a[:, keep], torch.ones(a.shape[0], 1, dtype=torch.float64)).solution.flatten()
-        if (x >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(torch.argmin(x)))
+    ones = torch.ones(a.shape[0], 1, dtype=torch.float64)
+    best = None
+    for size in range(1, a.shape[1] + 1):
+        for keep in itertools.combinations(range(a.shape[1]), size):
+            x = torch.linalg.lstsq(a[:, keep], ones).solution
+            if (x < 0).any():
+                continue
+            residual = float(((a[:, keep] @ x - ones) ** 2).sum())
+            if best is None or residual < best[0]:
+                best = (residual, keep, x.flatten().tolist())
     out = [0.0] * a.shape[1]
-    for i, v in zip(keep, x.tolist()):
-        out[i] = max(v, 0.0)
+    for i, v in zip(best[1], best[2]):
+        out[i] = v
     return tuple(out)
 
 

@@ -45,7 +45,7 @@ from teratrain.planner.comm import reduce_messages, step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.states import stage_params
+from teratrain.planner.states import accumulates, is_expert, stage_params, zero_groups
 
 # aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
@@ -194,34 +194,40 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
 # A data-parallel engine's launch (a bucket's all-reduce, a ZeRO group's reduce-scatter or gather: a
 # gradient hook and an async collective, no autograd function) costs the host this share of what a
 # tensor-parallel collective costs it (gpu.host_collective_s), where the host probe did not measure it
-# (gpu.host_launch_s: its ZeRO-3 row, bench/planner_rows.py, since session 12). CALIBRATED: on the step errors of the 12
-# recorded several-GPU validations (tests/unit/test_planner_recorded.py): 0.7 minimizes the squared
-# errors of their fit rows, 0.5 keeps the most held-out rows within 15% (131 of 148, against 129
-# without the launches; fit rows 159 of 179 against 154). Before, the planner charged these launches
-# nothing: a 1b-width MoE at ep=1 launches 105 a step (every expert weight is a bucket of its own) and
-# measured 10-24% over the planner in every run.
+# (gpu.host_launch_s: the probe's ZeRO-3 row, bench/planner_rows.py, since session 12).
+# CALIBRATED on the step errors of the 12 recorded several-GPU validations
+# (tests/unit/test_planner_recorded.py): 0.7 minimizes the squared errors of their fit rows, 0.5 keeps
+# the most held-out rows within 15% (131 of 148, against 129 without the launches; fit rows 159 of 179
+# against 154), so those held-out rows informed the choice. Those runs' per-op cost was fitted with the
+# plain probe's one launch inside it (under 0.5% of its step). Before, the planner charged these
+# launches nothing: a 1b-width MoE at ep=1 launches 105 a step (every expert weight is a bucket of its
+# own) and measured 10-24% over the planner in every run.
 DP_LAUNCH_SHARE = 0.5
 
 
 def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:
     """Collectives the data-parallel engines launch per step on one rank, dense and expert
-    parameters apart (comm.reduce_messages: their buckets or flat groups): ZeRO-0 reduces once a step;
-    ZeRO-1 reduces once and gathers the updated shards once; ZeRO-2 reduces every micro-batch; ZeRO-3
-    also gathers each group before its forward and its backward (once a step under a pipeline, which
-    reduces once too)."""
+    parameters apart (comm.reduce_messages: their buckets or flat groups), as parallel/data.py and
+    zero.py launch them (tests/dist/test_engine_launches.py counts them): ZeRO-0 reduces once a step;
+    ZeRO-1 reduces once and gathers the updated shards once, ZeRO-2 reduces every micro-batch; ZeRO-3
+    reduces every micro-batch and gathers each block's groups before its forward and its backward, the
+    root's (embedding, final norm, head) once a micro-batch (held from forward to backward); under a
+    pipeline it reduces and gathers once a step (states.accumulates). ZeRO's clip sums the norm over
+    the ranks' shards: one all-reduce."""
     if lay.dp == 1 or shape.is_bare:
         return 0.0
     sp, m = stage_params(shape, lay), lay.num_microbatches
-    per_step = lay.pp > 1 or lay.zero < 2
-    total = 0.0
+    once = lay.zero == 0 or accumulates(lay)
+    total = 1.0 if lay.zero else 0.0
     for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.dp), (True, sp["experts"], lay.dp // lay.ep)):
         if ranks > 1 and n > 0:
             reduces, gathers = reduce_messages(shape, train, lay, experts, n)
-            total += reduces * (1 if per_step else m)
-            if lay.zero in (1, 2):
+            total += reduces * (1 if once else m)
+            if lay.zero in (1, 2) or (lay.zero == 3 and lay.pp > 1):
                 total += gathers
             elif lay.zero == 3:
-                total += gathers * (1 if lay.pp > 1 else 2 * m)
+                units = [key for members, _, key in zero_groups(shape, train, lay, n) if is_expert(members[0]) == experts]
+                total += sum(m if key is None else 2 * m for key in units)
     return total
 
 

@@ -55,11 +55,14 @@ def test_dp_max_ctas_reaches_the_data_parallel_groups_only(monkeypatch):
 
 
 def test_nccl_options_absent_without_nccl():
-    """A CPU build has no ProcessGroupNCCL: no options, whatever the cap (gloo runs ignore the key)."""
+    """No cap, no options; a CPU build has no ProcessGroupNCCL (no options whatever the cap: gloo runs
+    ignore the key); a CUDA build carries the cap in ncclConfig_t."""
     import torch.distributed as dist
 
     from teratrain.compat import nccl_options
 
     assert nccl_options(None) is None
-    if not hasattr(dist, "ProcessGroupNCCL"):
+    if hasattr(dist, "ProcessGroupNCCL"):  # a CUDA build: the cap is in the config NCCL gets
+        assert nccl_options(8).config.max_ctas == 8
+    else:
         assert nccl_options(8) is None

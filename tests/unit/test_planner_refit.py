@@ -99,3 +99,25 @@ def test_host_costs_recovered_from_the_host_probe():
     # without the probe that has neither tp nor ZeRO, nothing is fitted
     empty = fit_host(rows[-3:-1], 4)
     assert empty["hw"] == {} and empty["host_loop_us"] is None  # planner_report.measured_hw reads both
+
+
+def test_costs_are_non_negative_least_squares():
+    """refit._costs: exact where the rows allow it, and the best fit with a cost pinned at 0 where an
+    unconstrained fit would make it negative (checked against every non-negative pair on a grid)."""
+    from teratrain.planner.refit import _costs
+
+    rows = [(10.0, 0.0, 1.0), (10.0, 4.0, 1.0), (8.0, 2.0, 6.0), (12.0, 7.0, 2.0)]
+    truth = (2e-5, 3e-4, 1e-4)
+    seconds = [sum(c * x for c, x in zip(r, truth)) for r in rows]
+    assert _costs(rows, seconds) == pytest.approx(truth, rel=1e-9)
+    # times that fall as collectives rise: the collective cost pins at 0, the op cost alone fits
+    two = [(10.0, 0.0), (10.0, 5.0), (20.0, 10.0)]
+    falling = [1.0, 0.9, 1.9]
+    a, b = _costs(two, falling)
+    assert b == 0.0 and a > 0
+
+    def loss(x, y):
+        return sum(((o * x + c * y) / t - 1) ** 2 for (o, c), t in zip(two, falling))
+
+    grid = [(a * i / 50, j * 1e-3) for i in range(25, 76) for j in range(0, 30)]
+    assert loss(a, b) <= min(loss(x, y) for x, y in grid) + 1e-12
