@@ -123,3 +123,23 @@ def test_cast_copy_methods_agree_on_cpu(tmp_path):
     methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"copy", "foreach", "chunk_cat", "compiled"}
     assert all(m["max_abs_diff"] == 0.0 and m["ms"] > 0 for m in methods.values()), methods
+
+
+def test_fsdp2_compare_rounds_and_capped_sides(tmp_path):
+    """bench/fsdp2_compare.py's A/B options on 2 gloo processes: every side measured each round (the
+    order reversed every other round), the ratio of the medians and each round's ratio; the NCCL-capped
+    sides (`--dp-max-ctas`, `--fsdp2-max-ctas`) run on groups of their own, gloo taking no NCCL options."""
+    out = tmp_path / "fsdp2.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(ROOT / "bench" / "fsdp2_compare.py"), "--smoke", "--steps", "1", "--rounds", "2",
+                           "--dp-max-ctas", "8", "--fsdp2-max-ctas", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for side in ("ours_zero3", "fsdp2", "ours_zero3_ctas8", "fsdp2_ctas8"):
+        assert len(r[side]["tokens_per_s_rounds"]) == 2 and r[side]["tokens_per_s"] > 0, side
+    for tag in ("", "_ctas8", "_both_ctas8"):
+        rounds = r[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_rounds"]
+        assert len(rounds) == 2 and r[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_median"] > 0, tag
+    a, b = r["ours_zero3"]["tokens_per_s_rounds"], r["fsdp2"]["tokens_per_s_rounds"]
+    assert r["tokens_per_s_ratio_ours_over_fsdp2_rounds"] == [round(x / y, 4) for x, y in zip(a, b)]
