@@ -27,9 +27,9 @@ Terms, each with its source or assumption:
   the stages are simulated as they are, the last one running the LM head besides its blocks.
 - host: eager PyTorch issues every op from Python; where the GPU's work per op is short (tensor
   parallelism splits each matmul tp ways) the GPU waits on the host, so a rank's time is the larger
-  of its GPU time and the host's issue time (per op, per tensor-parallel collective: hardware.GPU;
-  each data-parallel engine's launch at DP_LAUNCH_SHARE of a collective). Under CUDA graphs (train.compile_mode=reduce-overhead) the host issues nothing per op. Compiling
-  without graphs (fewer, fused kernels) is not modelled.
+  of its GPU time and the host's issue time (per op, per tensor-parallel collective, per launch of
+  the data-parallel engines: hardware.GPU). Under CUDA graphs (train.compile_mode=reduce-overhead)
+  the host issues nothing per op. Compiling without graphs (fewer, fused kernels) is not modelled.
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
