@@ -1,0 +1,204 @@
+"""The model's config sections: `[model]` and its `[model.moe]` (config.py re-exports both)."""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from teratrain.config_base import ConfigError, Section
+from teratrain.models.presets import PRESETS, give_way
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+ROUTERS = ("softmax-topk", "noisy-topk", "gshard-top2", "switch-top1", "hierarchical")
+
+
+class MoEConfig(Section):
+    """Mixture-of-experts feed-forward layers (models/moe.py); num_experts=1 keeps the dense MLP."""
+
+    num_experts: int = Field(1, ge=1, description="experts per MoE layer (1 = dense MLP, no MoE)")
+    top_k: int | None = Field(None, ge=1, description="experts per token (hierarchical: per level, top_k^2 in all); "
+                                                      "unset = 1 for switch-top1, else 2")
+    router: Literal[ROUTERS] = Field("softmax-topk", description="gating: softmax-topk (Mixtral), noisy-topk and "
+                                     "hierarchical (Shazeer et al. 2017), gshard-top2 (Lepikhin et al. 2020), "
+                                     "switch-top1 (Fedus et al. 2021)")
+    capacity_factor: float | None = Field(None, ge=0.0, description="expert capacity per group = ceil(factor x experts per token "
+                                          "x tokens / num_experts); overflow passes through the residual; 0 = no "
+                                          "limit; unset = 1.0 for gshard-top2 (the paper's 2S/E), 1.25 for "
+                                          "switch-top1, no limit otherwise")
+    aux_loss_weight: float = Field(0.01, ge=0.0, description="weight of each MoE layer's auxiliary load-balancing "
+                                                             "loss in the training loss")
+    aux_loss_convention: Literal["ours", "transformers"] = Field(
+        "ours", description="ours: each layer's router loss (models/moe.py) times aux_loss_weight, summed over the "
+        "layers; transformers: Mixtral's load_balancing_loss_func, one loss over all layers' tokens together (per "
+        "layer top_k times ours), times aux_loss_weight = transformers' router_aux_loss_coef (softmax-topk only)")
+    every: int = Field(1, ge=1, description="layer i is an MoE layer when (i + 1) % every == 0 (2 = GShard's "
+                                            "every other layer)")
+    expert_dropout: float | None = Field(None, ge=0.0, lt=1.0, description="dropout on the experts' hidden "
+                                         "activations (Switch's expert dropout); unset = model.dropout")
+    router_dtype: Literal["fp32", "compute"] = Field("fp32", description="router logits and softmax in fp32 "
+                                                     "(Switch's selective precision) or in the compute dtype")
+    groups: int | None = Field(None, ge=1, description="hierarchical: expert groups of the primary gate "
+                               "(num_experts/groups experts each; unset = the divisor nearest sqrt(num_experts)); "
+                               "other routers: local groups each micro-batch's tokens are split into, each with "
+                               "its own capacity (GShard's local group dispatching; unset = 1)")
+    noise: float | None = Field(None, ge=0.0, description="noisy-topk and hierarchical: multiplier of the trainable "
+                                "noise std Softplus(x W_noise) (Shazeer eq. 4; 0 = no noise); unset = 1")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoEConfig":
+        n, k, r = self.num_experts, self.k, self.router
+        fixed = {"switch-top1": 1, "gshard-top2": 2}.get(r)
+        if fixed is not None and k != fixed:
+            raise ConfigError(f"model.moe.router={r} routes each token to {fixed} expert(s) but model.moe.top_k={k}; "
+                              f"unset model.moe.top_k or set it to {fixed}.")
+        if self.noise is not None and r not in ("noisy-topk", "hierarchical"):
+            raise ConfigError(f"model.moe.noise only applies to the noisy-topk and hierarchical routers (this one is "
+                              f"{r}); unset it or choose one of those routers.")
+        if self.aux_loss_convention == "transformers" and r != "softmax-topk":
+            raise ConfigError(f"model.moe.aux_loss_convention=transformers is Mixtral's loss, defined for the softmax-topk "
+                              f"router (this one is {r}); set model.moe.router=softmax-topk or aux_loss_convention=ours.")
+        if n == 1:
+            return self
+        if r == "hierarchical":
+            a = self.num_groups
+            if n % a or a < 2 or a == n:
+                raise ConfigError(f"model.moe.groups ({a}) must divide model.moe.num_experts ({n}) into at least 2 "
+                                  f"groups of at least 2 experts; choose another divisor of {n}.")
+            if k > a or k > n // a:
+                raise ConfigError(f"model.moe.top_k ({k}) exceeds the {a} groups or the {n // a} experts per group of "
+                                  "the hierarchical router; lower model.moe.top_k or change model.moe.groups.")
+        elif k > n:
+            raise ConfigError(f"model.moe.top_k ({k}) exceeds model.moe.num_experts ({n}); lower it.")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def k(self) -> int:
+        """Choices per gate (the resolved top_k)."""
+        return self.top_k if self.top_k is not None else (1 if self.router == "switch-top1" else 2)
+
+    @property
+    def experts_per_token(self) -> int:
+        """Experts each token visits (before drops): k, or k at each of the hierarchical router's two levels."""
+        return self.k * self.k if self.router == "hierarchical" else self.k
+
+    @property
+    def capacity(self) -> float:
+        """The resolved capacity factor (0 = unlimited)."""
+        if self.capacity_factor is not None:
+            return self.capacity_factor
+        return {"gshard-top2": 1.0, "switch-top1": 1.25}.get(self.router, 0.0)
+
+    @property
+    def num_groups(self) -> int:
+        if self.groups is not None:
+            return self.groups
+        if self.router == "hierarchical":
+            return _divisor_near(self.num_experts, round(math.sqrt(self.num_experts)))
+        return 1
+
+    @property
+    def noise_scale(self) -> float:
+        return 1.0 if self.noise is None else self.noise
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer `index` holds an MoE feed-forward layer."""
+        return self.enabled and (index + 1) % self.every == 0
+
+
+class ModelConfig(Section):
+    preset: str = Field("tiny", description="named shape (see `teratrain.models.presets`); other keys override it")
+    arch: Literal["llama", "gpt2"] = Field("llama", description="llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/learned positions/GELU")
+    n_layers: int = Field(4, ge=1, description="transformer blocks")
+    d_model: int = Field(128, ge=1, description="hidden width")
+    n_heads: int = Field(4, ge=1, description="query heads")
+    n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); unset = n_heads")
+    d_ff: int | None = Field(None, ge=1, description="MLP inner width; unset = 4*d_model (gpt2) or 8/3*d_model rounded to 64 (llama)")
+    vocab_size: int = Field(4096, ge=2, description="embedding rows; the default corpus's BPE is trained to this size")
+    seq_len: int = Field(128, ge=1, description="training context length in tokens")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on embeddings, attention and residuals")
+    bias: bool | None = Field(None, description="biases in linear layers; unset = true for gpt2, false for llama")
+    tie_embeddings: bool = Field(False, description="share the input embedding with the output projection")
+    norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of RMSNorm/LayerNorm")
+    rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base (llama only)")
+    rope_scaling: dict[str, float] | None = Field(None, description="Llama 3 RoPE frequency scaling {factor, "
+                                                  "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
+                                                  "unset = none")
+    init_from: str | None = Field(None, description="Hugging Face model folder (config.json + *.safetensors, Llama "
+                                  "family or GPT-2) to start from: its config fills the model keys not given here, its "
+                                  "weights the parameters, its tokenizer.json the tokenizer")
+    init_std: float = Field(0.02, gt=0.0, description="std of the normal init; residual output projections get std/sqrt(2*n_layers)")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture of experts ([model.moe] table)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """Fill keys the user did not give from the named preset (but those that give way to a choice
+        of the user's: presets.give_way)."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("preset", "tiny")
+        if name not in PRESETS:
+            close = difflib.get_close_matches(str(name), PRESETS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"model.preset '{name}' is unknown; {hint}choose one of {', '.join(PRESETS)}.")
+        preset = give_way(PRESETS[name], data)
+        hf = {}
+        if data.get("init_from"):  # a Hugging Face model's shape, under the keys given here
+            from teratrain.checkpoint.hf_config import init_shape
+
+            hf = init_shape(str(data["init_from"]), data)
+        merged = {**preset, **hf, **data}
+        if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
+            merged["moe"] = {**preset["moe"], **data["moe"]}  # keys given next to the preset override its own
+        return merged
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model}); "
+                              f"pick a head count that divides it, e.g. {_divisor_near(self.d_model, self.n_heads)}.")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads}); "
+                              f"set it to a divisor of {self.n_heads}.")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ConfigError(f"model.d_model / model.n_heads = {self.head_dim} must be even for RoPE; change model.n_heads.")
+        if self.rope_scaling is not None and set(self.rope_scaling) != set(ROPE_SCALING_KEYS):
+            raise ConfigError(f"model.rope_scaling has keys {sorted(self.rope_scaling)}; give exactly "
+                              f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3 scaling).")
+        if self.moe.enabled and self.moe.every > self.n_layers:
+            raise ConfigError(f"model.moe.every ({self.moe.every}) exceeds model.n_layers ({self.n_layers}), so no "
+                              f"layer would hold experts; lower model.moe.every.")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.arch == "gpt2":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)  # SwiGLU keeps ~the 4d MLP's parameter count
+
+    @property
+    def use_bias(self) -> bool:
+        return self.arch == "gpt2" if self.bias is None else self.bias
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
