@@ -242,9 +242,7 @@ def main() -> None:
     # NCCL-capped variants, each on process groups of its own, made once (every rank, the same order)
     capped_ours = {n: init_runtime(load_config(None, shape + RUN + batch + [f"parallel.dp_max_ctas={n}"]))
                    for n in _ints(args.dp_max_ctas)}
-    nccl = dist.get_backend() == "nccl"  # gloo (--smoke) takes no NCCL options
-    capped_fsdp2 = {n: dist.new_group(list(range(world)), pg_options=nccl_options(n) if nccl else None)
-                    for n in _ints(args.fsdp2_max_ctas)}
+    capped_fsdp2 = {n: dist.new_group(list(range(world)), pg_options=nccl_options(n)) for n in _ints(args.fsdp2_max_ctas)}
 
     modes = [] if args.compile_only else [("", cfg)]
     if args.compile or args.compile_only:  # both sides compiled, each block apart

@@ -191,9 +191,11 @@ def compile_checkpoint_side_effects() -> None:
 
 def nccl_options(max_ctas: int | None):
     """ProcessGroupNCCL options that cap the thread blocks (CTAs, one SM each) NCCL runs a collective
-    on (ncclConfig_t.maxCTAs, NCCL >= 2.17), or None: no cap asked for, or no NCCL in this build
-    (CPU wheels). The same binding in 2.11 and 2.13."""
-    if max_ctas is None or not hasattr(dist, "ProcessGroupNCCL"):
+    on (ncclConfig_t.maxCTAs, NCCL >= 2.17) for a group made under the job's NCCL process group, or
+    None: no cap asked for, no NCCL in this build (CPU wheels), or a job on another backend (gloo
+    takes no NCCL options). The same binding in 2.11 and 2.13."""
+    if max_ctas is None or not hasattr(dist, "ProcessGroupNCCL") or not dist.is_initialized() \
+            or dist.get_backend() != "nccl":
         return None
     opts = dist.ProcessGroupNCCL.Options()
     opts.config.max_ctas = max_ctas

@@ -162,21 +162,16 @@ class Mesh:
     def _make(self, name: str):
         if name not in self._groups:
             ranks = self.ranks(name)
-            opts = self._options(name) if len(ranks) > 1 else None
-            extra = {} if opts is None else {"pg_options": opts}
-            self._groups[name] = new_group(ranks, name=name, timeout_s=self.timeout_s, **extra) if len(ranks) > 1 else None
+            self._groups[name] = new_group(ranks, name=name, timeout_s=self.timeout_s,
+                                           pg_options=self._options(name)) if len(ranks) > 1 else None
         return self._groups[name]
 
     def _options(self, name: str):
-        """NCCL options of group `name`: the data-parallel groups (`dp` and `dp:gather`) take
-        parallel.dp_max_ctas; None elsewhere and on other backends."""
-        import torch.distributed as dist
-
+        """NCCL options of group `name`: the `dp` group and its `:gather` twin take
+        parallel.dp_max_ctas (compat.nccl_options: None without NCCL); None elsewhere."""
         from teratrain.compat import nccl_options
 
-        if name.partition(":")[0] != "dp" or self.dp_max_ctas is None or dist.get_backend() != "nccl":
-            return None
-        return nccl_options(self.dp_max_ctas)
+        return nccl_options(self.dp_max_ctas) if name.partition(":")[0] == "dp" else None
 
     def create_standard_groups(self) -> None:
         """Every standard group of this rank (GROUPS, then each `:gather` twin), in one fixed order."""

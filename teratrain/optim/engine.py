@@ -68,8 +68,9 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float, optimi
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device, torch.float32)
         if optimizers and all(scales_grads(opt) for opt in optimizers):
+            inverse = 1.0 / coef
             for opt in optimizers:
-                opt.grad_scale = 1.0 / coef
+                opt.grad_scale = inverse
             return
         torch._foreach_mul_(grads, coef)
     for opt in optimizers:  # no scale of an earlier step left behind (one that failed mid-update)

@@ -103,19 +103,29 @@ def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
     are tp GPUs apart (the mesh's dp axis is outside tp), in `messages` = (reductions, gathers)."""
     red = train.reduce_bytes
     buckets, gathers = (max(1, k) for k in messages)
-    m, span = lay.num_microbatches, ranks * lay.tp
+    span = ranks * lay.tp
     if lay.zero == 0:
         return {"dp": on_link(gpu, "all_reduce", ranks, span, local * red, buckets)}
-    # ZeRO-1 reduces once per step, ZeRO-2/3 every micro-step (ZeRO sec. 7: 2 Psi, 3 Psi volume); under a
-    # pipeline ZeRO-3 gathers a stage once per step and reduces once (parallel/zero.py)
     rs = on_link(gpu, "reduce_scatter", ranks, span, local * red, buckets)
     ag = on_link(gpu, "all_gather", ranks, span, local * w.param, gathers)
-    out = {"dp": rs * (1 if accumulates(lay) else m)}
+    out = {"dp": rs * reduce_passes(lay)}
     if lay.zero < 3:
         out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
     else:
-        out["zero_gather"] = ag * (1 if lay.pp > 1 else 2 * m)  # else each block before its forward and backward
+        out["zero_gather"] = ag * gather_passes(lay)
     return out
+
+
+def reduce_passes(lay: Layout) -> int:
+    """Times a step reduces each gradient bucket or flat group: once (ZeRO-0, ZeRO-1, and ZeRO-3 under a
+    pipeline: states.accumulates), else every micro-step (ZeRO-2/3; ZeRO sec. 7: 2 Psi, 3 Psi volume)."""
+    return 1 if lay.zero == 0 or accumulates(lay) else lay.num_microbatches
+
+
+def gather_passes(lay: Layout) -> int:
+    """Times a step all-gathers each flat group: ZeRO 1/2 once after the update; ZeRO-3 each block before
+    its forward and its backward every micro-step, once a step under a pipeline (parallel/zero.py)."""
+    return 1 if lay.zero < 3 or lay.pp > 1 else 2 * lay.num_microbatches
 
 
 def _linears(shape: ModelShape, moe_layer: bool) -> list[tuple[int, int]]:

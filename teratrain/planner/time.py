@@ -41,11 +41,11 @@ from dataclasses import asdict, dataclass, field
 from teratrain.config import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.comm import reduce_messages, step_comm, tp_per_microbatch
+from teratrain.planner.comm import gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.states import accumulates, is_expert, stage_params, zero_groups
+from teratrain.planner.states import is_expert, stage_params, zero_groups
 
 # aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
@@ -212,22 +212,21 @@ def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:
     ZeRO-1 reduces once and gathers the updated shards once, ZeRO-2 reduces every micro-batch; ZeRO-3
     reduces every micro-batch and gathers each block's groups before its forward and its backward, the
     root's (embedding, final norm, head) once a micro-batch (held from forward to backward); under a
-    pipeline it reduces and gathers once a step (states.accumulates). ZeRO's clip sums the norm over
+    pipeline it reduces and gathers once a step (comm.reduce_passes, gather_passes). ZeRO's clip sums the norm over
     the ranks' shards: one all-reduce."""
     if lay.dp == 1 or shape.is_bare:
         return 0.0
-    sp, m = stage_params(shape, lay), lay.num_microbatches
-    once = lay.zero == 0 or accumulates(lay)
+    sp, gathered = stage_params(shape, lay), gather_passes(lay)
     total = 1.0 if lay.zero else 0.0
     for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.dp), (True, sp["experts"], lay.dp // lay.ep)):
         if ranks > 1 and n > 0:
             reduces, gathers = reduce_messages(shape, train, lay, experts, n)
-            total += reduces * (1 if once else m)
-            if lay.zero in (1, 2) or (lay.zero == 3 and lay.pp > 1):
-                total += gathers
-            elif lay.zero == 3:
+            total += reduces * reduce_passes(lay)
+            if lay.zero == 3 and lay.pp == 1:  # the root's groups: once a micro-step, not twice
                 units = [key for members, _, key in zero_groups(shape, train, lay, n) if is_expert(members[0]) == experts]
-                total += sum(m if key is None else 2 * m for key in units)
+                total += sum(gathered // 2 if key is None else gathered for key in units)
+            elif lay.zero:
+                total += gathers * gathered
     return total
 
 

@@ -51,19 +51,47 @@ def batches(cfg, steps: int, seed: int = 0):
 def train_steps(cfg, rt, model, engine, steps: int, start: int = 0) -> list[float]:
     """Steps start..steps-1 of `batches` (train_step, or the pipeline executor at pp > 1), each rank
     on its share of the global batch; the mean loss over data-parallel ranks of each step."""
-    run_step = step_runner(model, engine, rt, cfg)
-    tc, losses = cfg.train, []
-    per_rank = tc.global_batch // rt.dims.dp
-    lo = rt.dp_rank * per_rank
+    run_step, losses = step_runner(model, engine, rt, cfg), []
     for batch in batches(cfg, steps)[start:]:
-        rows = batch[lo:lo + per_rank]
-        micro = [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:])
-                 for i in range(0, per_rank, tc.micro_batch)]
-        _, loss = run_step(micro, cfg.memory.precision, cfg.optim.lr)
+        _, loss = run_step(micro_batches(cfg, rt, batch), cfg.memory.precision, cfg.optim.lr)
         loss = loss.clone()
         all_reduce(loss, rt.dp_group, op=AVG)
         losses.append(float(loss))
     return losses
+
+
+def micro_batches(cfg, rt, batch: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of a global batch (B, T+1), as (inputs, targets) micro-batches."""
+    tc = cfg.train
+    per_rank = tc.global_batch // rt.dims.dp
+    rows = batch[rt.dp_rank * per_rank:(rt.dp_rank + 1) * per_rank]
+    return [(rows[i:i + tc.micro_batch, :-1], rows[i:i + tc.micro_batch, 1:]) for i in range(0, per_rank, tc.micro_batch)]
+
+
+def count_launches(rank: int, world: int, cases: list[list[str]]) -> list[dict]:
+    """Per case (overrides of BASE): the collectives one optimizer step launches after a first step,
+    by kind (every one goes through parallel/inflight.py `launch`)."""
+    from collections import Counter
+    from unittest import mock
+
+    from teratrain.parallel import inflight
+
+    out = []
+    for overrides in cases:
+        cfg, rt, model, engine = build(overrides)
+        run_step = step_runner(model, engine, rt, cfg)
+        micro = micro_batches(cfg, rt, batches(cfg, 1)[0])
+        run_step(micro, cfg.memory.precision, cfg.optim.lr)
+        seen, real = Counter(), inflight.launch
+
+        def counting(what, group, start):
+            seen[what] += 1
+            return real(what, group, start)
+
+        with mock.patch.object(inflight, "launch", counting):
+            run_step(micro, cfg.memory.precision, cfg.optim.lr)
+        out.append(dict(seen))
+    return out
 
 
 def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, freeze: tuple[str, ...] = (),

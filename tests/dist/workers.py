@@ -102,38 +102,3 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)) for k in a)
 
-
-def count_launches(rank: int, world: int, cases: list[list[str]]) -> list[dict]:
-    """Per case (--set items over TINY): the collectives one optimizer step launches after a first
-    step, by kind (every one goes through parallel/inflight.py `launch`), with the layout's micro-batches."""
-    from collections import Counter
-
-    from teratrain.mesh import init_runtime
-    from teratrain.models.transformer import Transformer
-    from teratrain.optim.engine import train_step
-    from teratrain.parallel import inflight
-    from teratrain.parallel.parallelize import parallelize
-
-    out = []
-    for sets in cases:
-        cfg = load_config(None, TINY + sets)
-        rt = init_runtime(cfg)
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        engine = parallelize(model, rt, cfg)
-        g = torch.Generator().manual_seed(rank)
-        m = cfg.train.global_batch // cfg.train.micro_batch // rt.dims.dp
-        shape = (cfg.train.micro_batch, cfg.model.seq_len)
-        batches = [(torch.randint(0, cfg.model.vocab_size, shape, generator=g),
-                    torch.randint(0, cfg.model.vocab_size, shape, generator=g)) for _ in range(m)]
-        train_step(model, engine, batches, cfg.memory.precision, 1e-3)
-        seen, real = Counter(), inflight.launch
-
-        def counting(what, group, start):
-            seen[what] += 1
-            return real(what, group, start)
-
-        with mock.patch.object(inflight, "launch", counting):
-            train_step(model, engine, batches, cfg.memory.precision, 1e-3)
-        out.append(dict(seen))
-    return out

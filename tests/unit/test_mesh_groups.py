@@ -37,10 +37,9 @@ def test_dp_max_ctas_reaches_the_data_parallel_groups_only(monkeypatch):
     from teratrain import compat
     from teratrain.config import load_config
 
-    made = {}
+    made, real = {}, compat.nccl_options
     monkeypatch.setattr(mesh, "new_group", lambda ranks, name, **kw: made.setdefault(name, kw.get("pg_options")) or object())
-    monkeypatch.setattr(compat, "nccl_options", lambda cap: ("capped", cap))
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(compat, "nccl_options", lambda cap: None if cap is None else ("capped", cap))  # an NCCL job
     m = Mesh(ParallelDims(dp=2, tp=2), 0, dp_max_ctas=load_config(None, ["parallel.dp_max_ctas=8"]).parallel.dp_max_ctas)
     m.create_standard_groups()
     assert made.pop("dp") == ("capped", 8) and made.pop("dp:gather") == ("capped", 8)
@@ -49,12 +48,14 @@ def test_dp_max_ctas_reaches_the_data_parallel_groups_only(monkeypatch):
     Mesh(ParallelDims(dp=2, tp=2), 0).create_standard_groups()  # no cap
     assert made and all(opts is None for opts in made.values())
     made.clear()
+    monkeypatch.setattr(compat, "nccl_options", real)  # a gloo job: no NCCL options, cap or not
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     Mesh(ParallelDims(dp=2, tp=2), 0, dp_max_ctas=8).create_standard_groups()
     assert made and all(opts is None for opts in made.values())
 
 
-def test_nccl_options_absent_without_nccl():
+def test_nccl_options_absent_without_nccl(monkeypatch):
     """No cap, no options; a CPU build has no ProcessGroupNCCL (no options whatever the cap: gloo runs
     ignore the key); a CUDA build carries the cap in ncclConfig_t."""
     import torch.distributed as dist
@@ -62,7 +63,9 @@ def test_nccl_options_absent_without_nccl():
     from teratrain.compat import nccl_options
 
     assert nccl_options(None) is None
-    if hasattr(dist, "ProcessGroupNCCL"):  # a CUDA build: the cap is in the config NCCL gets
+    if hasattr(dist, "ProcessGroupNCCL"):  # a CUDA build under an NCCL job: the cap is in the config NCCL gets
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
         assert nccl_options(8).config.max_ctas == 8
     else:
         assert nccl_options(8) is None
