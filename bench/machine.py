@@ -28,14 +28,15 @@ SIZES = (2**16, 2**20, 2**23, 2**26, 2**28)  # 64 KiB .. 256 MiB
 SMOKE_SIZES = (2**10, 2**14, 2**18)
 
 
-def _op(kind: str, nbytes: int, device: torch.device):
-    """A closure running one collective of `kind` on a `nbytes` tensor (bf16 on GPUs, fp32 on CPU)."""
+def _op(kind: str, nbytes: int, device: torch.device, group=None, dtype: torch.dtype | None = None):
+    """A closure running one collective of `kind` on a `nbytes` tensor (`dtype`; default bf16 on GPUs,
+    fp32 on CPU) over `group` (default every rank)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     elems = max(n, nbytes // dtype.itemsize) // n * n  # a multiple of the group size
     whole = torch.ones(elems, dtype=dtype, device=device)
     piece = torch.ones(elems // n, dtype=dtype, device=device)
-    group = dist.group.WORLD
+    group = group or dist.group.WORLD
     if kind == "all_reduce":
         return lambda: comm.all_reduce(whole, group)
     if kind == "reduce_scatter":
@@ -57,9 +58,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_one(kind: str, nbytes: int, device: torch.device, iters: int) -> float:
-    """Seconds per call of one collective, the slowest rank's."""
-    op = _op(kind, nbytes, device)
+def time_one(kind: str, nbytes: int, device: torch.device, iters: int, group=None,
+             dtype: torch.dtype | None = None) -> float:
+    """Seconds per call of one collective (`_op`'s), the slowest rank's."""
+    op = _op(kind, nbytes, device, group, dtype)
     for _ in range(3):
         op()
     _sync(device)
