@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device, emit, env_info, smoke_compile, sync  # noqa: E402
+from common import device, emit, env_info, smoke_compile, time_steps  # noqa: E402
 
 
 def block_shapes(d: int, d_ff: int, kv: int) -> list[tuple[int, ...]]:
@@ -56,23 +55,9 @@ def methods() -> dict:
 
 
 def timed(fn, dev, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `reps` synchronized calls after 3 warm-up calls (common.time_steps; the
+    session-11 files were timed with CUDA events around each call instead)."""
+    return statistics.median(time_steps(fn, 3, reps, dev))
 
 
 def main() -> None:
