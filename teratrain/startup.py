@@ -95,7 +95,7 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
     params = _param_count(own) if own is not None else None
     lines = [_model_line(m, own, params),
              f"device: {where}, {rt.world} process(es)",
-             f"layout: {degrees} zero={p.zero} offload={p.offload} sync={p.sync} precision={cfg.memory.precision} "
+             f"layout: {degrees} zero={p.zero} offload={_offload(p)} sync={p.sync} precision={cfg.memory.precision} "
              f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}"
              + _compiled(cfg, d), *notes,
              f"batch: {t.global_batch} sequences x {m.seq_len} tokens = {t.global_batch * m.seq_len:,} tokens per "
@@ -103,6 +103,16 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
              _memory_line(cfg, rt, params),
              _resumed(cfg, run_dir, start) if start else f"run directory: {run_dir}"]
     return "\n".join(f"teratrain: {line}" for line in lines)
+
+
+def _offload(p) -> str:
+    """parallel.offload, with the CPU threads each rank's host optimizer step gets (memory/offload.py)."""
+    if p.offload == "none":
+        return "none"
+    from teratrain.memory.offload import host_threads
+
+    n = host_threads(p.offload_threads)
+    return f"{p.offload} (host step on {n} CPU thread{'s' if n > 1 else ''} a rank)"
 
 
 def _compiled(cfg: Config, dims) -> str:

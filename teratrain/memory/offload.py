@@ -10,11 +10,24 @@ per direction. Those buffers pipeline the step group by group:
 so the transfers overlap the CPU arithmetic; the copies run on streams of their own, so they do not
 queue behind (or hold up) compute on the default stream. Masters stay in pageable memory: pinning ~100 GiB of
 optimizer state for a 10B model would page-lock most of a machine; only the staging buffers are pinned.
+
+The host step is memory-bound arithmetic over every parameter of the shard (AdamW reads and writes 16
+bytes of state per parameter, the cast 6 more), so its speed is the CPU threads it gets. torchrun
+starts every rank of a several-process job with OMP_NUM_THREADS=1 "to avoid your system being
+overloaded", which leaves one core per rank stepping billions of parameters while the others idle.
+`use_host_threads` gives each rank threads of its own instead, as DeepSpeed's CPU Adam runs on OpenMP
+threads (`parallel.offload_threads`; 0 = half the CPUs this process may run on over the local ranks,
+or torch's own count in a job of one process).
+Measured on 4 x H100 (64 CPUs; llama-1b width, 8 layers, ZeRO-2, one call): the step took 0.387 s on
+1 thread a rank, 0.221 on 4, 0.196 on 8, 0.216 on 12 and 0.305 on 16, the whole share, whose ranks
+straggled (bench/README.md, "Optimizer offload on several GPUs").
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import torch
 
@@ -49,8 +62,50 @@ def on_stream(stream):
     return torch.cuda.stream(stream)
 
 
+class _Clock:
+    """Milliseconds of the host step by part: waiting for the gradients' copies (wait_ms), the CPU
+    optimizer (optimizer_ms), the cast into the staging buffer (publish_ms), and all of it (host_ms)."""
+
+    def __init__(self):
+        self.start, self.parts = time.perf_counter(), {"wait_ms": 0.0, "optimizer_ms": 0.0, "publish_ms": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, part: str):
+        t0 = time.perf_counter()
+        yield
+        self.parts[part] += (time.perf_counter() - t0) * 1e3
+
+    def total(self, **more) -> dict:
+        return {**self.parts, "host_ms": (time.perf_counter() - self.start) * 1e3, **more}
+
+
+def host_threads(requested: int = 0) -> int:
+    """CPU threads for a rank's host optimizer step: `requested`; else, with several ranks on this
+    machine (LOCAL_WORLD_SIZE, set by torchrun), half the CPUs this process may run on over those
+    ranks, at least 1; else (one process, whose threads torchrun leaves alone) torch's own count.
+    Half: on 4 x H100 (64 CPUs) 8 threads a rank stepped fastest and steadiest, and 16, the whole
+    share, straggled (module docstring); a rank runs other threads too (Python's, CUDA's, NCCL's)."""
+    if requested:
+        return requested
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local <= 1:
+        return torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // local // 2)
+
+
+def use_host_threads(requested: int = 0) -> int:
+    """Give this process `host_threads(requested)` CPU threads (process-wide: an offloaded rank's CPU
+    work is its optimizer step); returns the count."""
+    n = host_threads(requested)
+    torch.set_num_threads(n)
+    return n
+
+
 class HostUpdate:
     def __init__(self, shard_numels: list[int], device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype):
+        self.threads = torch.get_num_threads()  # use_host_threads() gave the rank its share
+        self.times: dict = {}  # the last step's host time by part (`_Clock`), for metrics.jsonl
         n = max(shard_numels)
         self.device = device
         self.grads_in = [pinned_empty(n, grad_dtype) for _ in range(2)]
@@ -63,22 +118,28 @@ class HostUpdate:
         the device, `group.master` on the host, `group.opt_views` the optimizer's views of the master
         in piece order. Steps every optimizer on the host and writes the masters into the targets."""
         jobs = list(jobs)
+        clock = _Clock()
         marks = {0: self._fetch(jobs[0][0].grad_shard, 0)} if jobs else {}
         for i, (g, opt, target) in enumerate(jobs):
-            marks[i].wait()
+            with clock("wait_ms"):
+                marks[i].wait()
             if i + 1 < len(jobs):  # start the next group's gradients while this one steps
                 marks[i + 1] = self._fetch(jobs[i + 1][0].grad_shard, (i + 1) % 2)
             if opt is not None:
                 for view, grad in zip(g.opt_views, g.shard_views(self.grads_in[i % 2])):
                     view.grad = grad.view_as(view)  # whole parameters keep their shape (flat.py)
-                opt.step()
-            self._publish(g.master, target, i % 2)
-        for mark in self._out_free:
-            if mark is not None:
-                mark.wait()
+                with clock("optimizer_ms"):
+                    opt.step()
+            with clock("publish_ms"):
+                self._publish(g.master, target, i % 2)
+        with clock("wait_ms"):
+            for mark in self._out_free:
+                if mark is not None:
+                    mark.wait()
         self._out_free = [None, None]
         if self.h2d is not None:  # the next forward reads the parameters the H2D stream wrote
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+        self.times = {f"offload_{k}": round(v, 3) for k, v in clock.total(threads=self.threads).items()}
 
     def _fetch(self, grad: torch.Tensor, slot: int) -> Mark:
         with on_stream(self.d2h):  # after the backward that produced `grad`

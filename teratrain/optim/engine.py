@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ class StepStats:
     grad_norm: float
     skipped: bool
     loss_scale: float | None
+    metrics: dict = field(default_factory=dict)  # engine-specific scalars, merged into metrics.jsonl
 
 
 def weak_hook(method):

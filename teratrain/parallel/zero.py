@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from teratrain.compat import pinned_empty
-from teratrain.memory.offload import HostUpdate
+from teratrain.memory.offload import HostUpdate, use_host_threads
 from teratrain.memory.precision import DTYPES, make_scaler, param_dtype
 from teratrain.models.protocol import blocks as model_blocks
 from teratrain.models.protocol import init_buffers
@@ -102,6 +102,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         p = cfg.parallel
         self.model, self.cfg, self.mesh, self.device = model, cfg, rt.mesh, rt.device
         self.stage, self.offload = p.zero, p.offload
+        if self.offload != "none":  # the rank's share of the CPUs for its host step (memory/offload.py)
+            use_host_threads(p.offload_threads)
         self.masters = cfg.use_master_weights  # with offload, always: the host copy is the master
         self.compute_dtype = param_dtype(cfg.memory.precision, self.masters)
         self.opt_dtype = torch.float32 if self.masters else self.compute_dtype
@@ -337,7 +339,10 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             self.last_state_bytes["optimizer"] = self.state_bytes()["optimizer"]
         self._publish(self.trainable, cast=self.offload == "none")
         self.zero_grad()
-        return self._stepped(norm)
+        stats = self._stepped(norm)
+        if self.offload != "none":
+            stats.metrics.update(self.host_update.times)
+        return stats
 
     def found_inf(self, grads: list[torch.Tensor]) -> bool:
         return self.cross.any_inf(grads)  # an inf may sit in one shard
