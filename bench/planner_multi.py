@@ -160,14 +160,20 @@ def machine_terms(device: torch.device, smoke: bool) -> dict:
     slowest rank's figures: offload runs on every rank together)."""
     from machine import SIZES, SMOKE_SIZES, host_adam, host_cast, measure, pcie_gbps
 
+    from teratrain.memory.offload import host_threads
+
     out = {"collectives": measure(device, SMOKE_SIZES if smoke else SIZES, 3 if smoke else 20),
            "world": dist.get_world_size()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
+        was, threads = torch.get_num_threads(), host_threads()
+        torch.set_num_threads(threads)  # the threads the offload engine's host step gets
         mine = torch.tensor([pcie_gbps(device=device), host_adam(), host_cast()], dtype=torch.float64, device=device)
+        torch.set_num_threads(was)
         dist.all_reduce(mine, op=dist.ReduceOp.MIN)
         out.update(device=props.name, total_bytes=props.total_memory, pcie_gbps=float(mine[0]),
-                   host_adam_params_per_s=float(mine[1]), host_cast_params_per_s=float(mine[2]))
+                   host_adam_params_per_s=float(mine[1]), host_cast_params_per_s=float(mine[2]),
+                   host_threads=threads)
     return out
 
 
@@ -241,12 +247,12 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     times = []
     for _ in range(plan["steps"]):
         t0 = time.perf_counter()
-        step()
+        stats = step()[0]
         _sync(device)
         times.append(time.perf_counter() - t0)
     loops.append(host_loop_us())
     mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times],
-            "loop_us": statistics.mean(loops)}
+            "loop_us": statistics.mean(loops), "engine": dict(getattr(stats, "metrics", None) or {})}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         mine.update(peak=(torch.cuda.max_memory_allocated(device) - base) / GIB,
@@ -272,6 +278,8 @@ def _combine(ranks: list[dict]) -> dict:
            # the host's speed around the row (machine.host_loop_us), the slowest rank's: it paces the ranks
            "host_loop_us": max(r["loop_us"] for r in ranks),
            "host_loop_us_per_rank": [round(r["loop_us"], 5) for r in ranks]}
+    if any(r["engine"] for r in ranks):  # the engine's own figures of the last step (offload: the host's time)
+        out["engine_metrics_per_rank"] = [r["engine"] for r in ranks]
     if "peak" in ranks[0]:
         out.update(measured_peak_gib=max(r["peak"] for r in ranks),
                    measured_peak_per_rank_gib=[round(r["peak"], 3) for r in ranks],

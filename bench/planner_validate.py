@@ -46,7 +46,7 @@ from teratrain.planner.inputs import layout_of, shape_of, training_of  # noqa: E
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.planner.measure import build_engine, random_batch, saved_bytes  # noqa: E402
 from teratrain.planner.search import evaluate  # noqa: E402
-from machine import host_adam, host_cast, pcie_gbps  # noqa: E402
+from machine import HOST_NUMEL, host_adam, host_cast, pcie_gbps  # noqa: E402
 
 GIB = 2**30
 # (name, --set overrides). bf16 unless stated; sizes chosen to span GPU-bound and host-bound steps.
@@ -233,7 +233,7 @@ def main() -> int:
         print(json.dumps(measure(args.one, configs[args.one], device, args.steps, 1 if args.smoke else 2, hw)))
         return 0
     if args.host:
-        numel = 5_000_000 if args.smoke else 50_000_000
+        numel = 5_000_000 if args.smoke else HOST_NUMEL
         hw = {"host_adam_params_per_s": host_adam(numel), "host_cast_params_per_s": host_cast(numel)}
         if device.type == "cuda":
             hw["pcie_gbps"] = pcie_gbps()

@@ -143,3 +143,15 @@ def test_fsdp2_compare_rounds_and_capped_sides(tmp_path):
         assert len(rounds) == 2 and r[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_median"] > 0, tag
     a, b = r["ours_zero3"]["tokens_per_s_rounds"], r["fsdp2"]["tokens_per_s_rounds"]
     assert r["tokens_per_s_ratio_ours_over_fsdp2_rounds"] == [round(x / y, 4) for x, y in zip(a, b)]
+
+
+def test_moe_exchange_sends_every_slot_or_only_the_routed_rows_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(ROOT / "bench" / "moe_exchange.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    padded, exact = result["rows"]
+    assert padded["rows_sent"] == result["experts"] * result["slot_rows"]
+    assert 0 < result["dropped"] < 0.5 and exact["rows_sent"] < padded["rows_sent"] and exact["rows_arrive_once"]
