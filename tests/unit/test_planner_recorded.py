@@ -71,6 +71,16 @@ SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.j
                                   {"peak": (15, 12), "step": (15, 11)}),
              "h100x2-session12": (RESULTS / "planner_validate_h100x2of4_session12.json", (15, 12),
                                   {"peak": (15, 12), "step": (13, 12)})}
+# Session 13, on two other 4 x H100 machines (a fresh one per call), the same commands: every peak within 5%
+# but moe dp4 ep4 zero1 (-5.3%, as in session 12). The steps move with the host probe's fit (a tp
+# collective 0.16 ms and a dp launch 0 ms at 4 GPUs, against 0.23 ms and unmeasured in session 12): the
+# tp2 rows at 4 GPUs are 21-31% under where session 12's were within 7% but one, and the offload rows ran
+# the host step on 16 CPU threads a rank with host rates measured on 50M parameters, 1.8x and 2.6x the
+# rates at a shard's size (bench/machine.py HOST_NUMEL since).
+SESSION13 = {"h100x4-session13": (RESULTS / "planner_validate_h100x4_session13.json", (15, 13),
+                                  {"peak": (15, 12), "step": (12, 9)}),
+             "h100x2-session13": (RESULTS / "planner_validate_h100x2of4_session13.json", (15, 12),
+                                  {"peak": (15, 12), "step": (14, 8)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
@@ -111,14 +121,16 @@ def errors() -> list[dict]:
 
 
 @pytest.mark.parametrize("what", ["peak", "step"])
-@pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6", "h200-session9", *SESSION7, *SESSION12])
+@pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6", "h200-session9", *SESSION7, *SESSION12,
+                                  *SESSION13])
 def test_recorded_rows_stay_within_the_targets(errors, what, card):
     rows, reached, sizes = {"h200": (errors, REACHED, (15, 13)), "h100": (_errors(H100), REACHED_H100, (15, 13)),
                             "h200x2": (_errors(H200X2), REACHED_H200X2, (15, 12)),
                             "h200-session6": (_errors(SESSION6), REACHED_SESSION6, (15, 13)),
                             "h200-session9": (_errors(SESSION9), REACHED_SESSION9, (15, 13)),
                             **{k: (_errors(path), reached, (15, 12)) for k, (path, reached) in SESSION7.items()},
-                            **{k: (_errors(path), reached, sizes) for k, (path, sizes, reached) in SESSION12.items()}}[card]
+                            **{k: (_errors(path), reached, sizes)
+                               for k, (path, sizes, reached) in {**SESSION12, **SESSION13}.items()}}[card]
     if card == "h200" and what == "step":
         rows = [e for e in rows if e["name"] not in BEFORE_ZB_REWRITE]
         sizes = (14, 12)
