@@ -90,7 +90,8 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
         counted.append({"name": row["name"], "ops": eager_ops(shape, train, lay),
                         "collectives": issued_collectives(shape, train, lay),
                         "launches": engine_launches(shape, train, lay), "zero": lay.zero,
-                        "measured_s": row["measured_step_s"]})
+                        "measured_s": row["measured_step_s"],
+                        **({"passes_s": row["passes_s"]} if "passes_s" in row else {})})
     plain = [c for c in counted if not c["collectives"] and not c["zero"]]
     if not plain:
         return {"hw": {}, "fit": counted, "host_loop_us": loop_us}

@@ -73,6 +73,8 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert [p["name"] for p in probe] == ["probe dp", "probe tp2", "probe tp2 sp", "probe dp zero3"]
     assert probe[0]["collectives"] == 0 < probe[1]["collectives"] < probe[2]["collectives"]
     assert 0 < probe[0]["launches"] < probe[3]["launches"]
+    for p in probe:  # two passes, the faster one fitted
+        assert len(p["passes_s"]) == 2 and p["measured_s"] == min(p["passes_s"])
     assert result["hw"]["host_op_s"] > 0 and "host_collective_s" in result["hw"] and "host_launch_s" in result["hw"]
     (row,) = result["rows"]
     assert result["host_probe"]["host_loop_us"] > 0
