@@ -183,8 +183,11 @@ def machine_terms(device: torch.device, smoke: bool) -> dict:
         props = torch.cuda.get_device_properties(device)
         was, threads = torch.get_num_threads(), host_threads()
         torch.set_num_threads(threads)  # the threads the offload engine's host step gets
-        mine = torch.tensor([pcie_gbps(device=device), host_adam(), host_cast()], dtype=torch.float64, device=device)
-        torch.set_num_threads(was)
+        try:
+            mine = torch.tensor([pcie_gbps(device=device), host_adam(), host_cast()], dtype=torch.float64,
+                                device=device)
+        finally:
+            torch.set_num_threads(was)
         dist.all_reduce(mine, op=dist.ReduceOp.MIN)
         out.update(device=props.name, total_bytes=props.total_memory, pcie_gbps=float(mine[0]),
                    host_adam_params_per_s=float(mine[1]), host_cast_params_per_s=float(mine[2]),
@@ -250,7 +253,7 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
 
     from teratrain.planner.measure import saved_bytes
 
-    base = _free(device)
+    base, threads = _free(device), torch.get_num_threads()  # an offload row sets its own (memory/offload.py)
     cfg, rt, model, engine, micro, step = build_row(row["sets"], plan["timeout_s"], device, runtimes)
     precision = cfg.memory.precision
     loops = [host_loop_us()]
@@ -277,6 +280,7 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
         mine["saved"] = saved_bytes(model, *micro[0], precision, targets_in_model=True)
     alive = weakref.ref(model)
     del step, engine, model, micro
+    torch.set_num_threads(threads)  # the next row starts as this one did
     mine["left_gib"] = (_free(device) - base) / GIB  # what the row left allocated (should be ~0)
     mine["model_freed"] = alive() is None  # else something (a hook, a cache) keeps the row's model alive
     ranks = [None] * dist.get_world_size()

@@ -145,7 +145,8 @@ class ParallelConfig(Section):
     offload_threads: int = Field(0, ge=0, description="CPU threads each rank's host optimizer step runs on under "
                                  "offload; 0 = half the rank's share of the CPUs it may run on (those CPUs over "
                                  "the local ranks, halved: measured fastest; torchrun alone would give every rank "
-                                 "1), or torch's own count in a job of one process")
+                                 "1), or torch's own count in a job of one process; the planner's host rates are measured at "
+                                 "the default count (memory/offload.py host_threads)")
     sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")
     sync_every: int = Field(1, ge=1, description="local-sgd: steps between parameter averages")
     staleness: int | None = Field(None, ge=0, description="param-server: max steps a worker may run ahead of the slowest (0 = synchronous, unset = async)")

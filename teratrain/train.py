@@ -181,7 +181,7 @@ def _record(step: int, stats, local_loss, lr: float, model, engine, rt: Runtime,
             mfu_seconds: float | None) -> dict:
     """The metrics.jsonl record of the step begun at `t0` (a collective: losses and MoE statistics are
     averaged); `mfu_seconds`: the step time at which MFU would be 1."""
-    extra = dict(getattr(stats, "metrics", None) or {})  # engine-specific; a "loss" there is already averaged
+    extra = _slowest(dict(getattr(stats, "metrics", None) or {}), rt)  # engine-specific (optim/engine.py StepStats)
     extra.update(moe_metrics.step_metrics(model, rt))  # per MoE layer (collective over dp)
     loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
     if rt.device.type == "cuda":
@@ -220,6 +220,17 @@ def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: i
     flags = torch.tensor([stop["signum"] or 0, int(by_time)], dtype=torch.int64, device=rt.device)
     all_reduce(flags, rt.group("world"), op=MAX)
     return int(flags[0]), bool(flags[1]) or by_steps
+
+
+def _slowest(metrics: dict, rt: Runtime) -> dict:
+    """`metrics` with its times (keys ending "_ms", which every rank reports) the slowest rank's: the
+    rank that sets the step's pace (a collective over all ranks when there are any)."""
+    keys = sorted(k for k in metrics if k.endswith("_ms"))
+    if keys and rt.world > 1:
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=rt.device)
+        all_reduce(t, rt.group("world"), op=MAX)
+        metrics.update(zip(keys, (round(v, 3) for v in t.tolist())))
+    return metrics
 
 
 def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:

@@ -20,7 +20,8 @@ threads (`parallel.offload_threads`; 0 = half the CPUs this process may run on o
 or torch's own count in a job of one process).
 Measured on 4 x H100 (64 CPUs; llama-1b width, 8 layers, ZeRO-2, one call): the step took 0.387 s on
 1 thread a rank, 0.221 on 4, 0.196 on 8, 0.216 on 12 and 0.305 on 16, the whole share, whose ranks
-straggled (bench/README.md, "Optimizer offload on several GPUs").
+straggled; another machine of the kind ran 16 at 0.197 s (bench/README.md, "Optimizer offload on
+several GPUs").
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ def on_stream(stream):
 
 
 class _Clock:
-    """Milliseconds of the host step by part: waiting for the gradients' copies (wait_ms), the CPU
-    optimizer (optimizer_ms), the cast into the staging buffer (publish_ms), and all of it (host_ms)."""
+    """Milliseconds of a rank's host step by part: waiting for the gradients' copies down (wait_ms), the
+    CPU optimizer (optimizer_ms), the cast into a staging buffer (publish_ms), waiting for the copies up
+    to free a staging buffer or to finish (upload_wait_ms), and all of it (host_ms)."""
 
     def __init__(self):
-        self.start, self.parts = time.perf_counter(), {"wait_ms": 0.0, "optimizer_ms": 0.0, "publish_ms": 0.0}
+        self.start = time.perf_counter()
+        self.parts = {"wait_ms": 0.0, "optimizer_ms": 0.0, "publish_ms": 0.0, "upload_wait_ms": 0.0}
 
     @contextlib.contextmanager
     def __call__(self, part: str):
@@ -80,18 +83,32 @@ class _Clock:
 
 
 def host_threads(requested: int = 0) -> int:
-    """CPU threads for a rank's host optimizer step: `requested`; else, with several ranks on this
-    machine (LOCAL_WORLD_SIZE, set by torchrun), half the CPUs this process may run on over those
-    ranks, at least 1; else (one process, whose threads torchrun leaves alone) torch's own count.
-    Half: on 4 x H100 (64 CPUs) 8 threads a rank stepped fastest and steadiest, and 16, the whole
-    share, straggled (module docstring); a rank runs other threads too (Python's, CUDA's, NCCL's)."""
+    """CPU threads for a rank's host optimizer step: `requested`; else a count given in OMP_NUM_THREADS
+    above 1 (torchrun sets 1 only where it is unset); else, with several ranks on this machine
+    (LOCAL_WORLD_SIZE, set by torchrun; without it, the job's ranks up to the visible GPUs), half the
+    CPUs this process may run on over those ranks, at least 1; else (one process) torch's own count.
+    Half: on 4 x H100 (64 CPUs) 8 threads a rank stepped fastest and steadiest in one call, 16, the
+    whole share, straggled there (module docstring); a rank runs other threads too (Python's, CUDA's,
+    NCCL's). Ranks already pinned to CPUs of their own (taskset, srun --cpu-bind) or held to fewer CPUs
+    than they may run on (a container's CPU quota) should give parallel.offload_threads."""
     if requested:
         return requested
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if _int_env("OMP_NUM_THREADS", 1) > 1:
+        return torch.get_num_threads()
+    world = _int_env("WORLD_SIZE", 1)
+    local = _int_env("LOCAL_WORLD_SIZE", min(world, max(1, torch.cuda.device_count())))
     if local <= 1:
         return torch.get_num_threads()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // local // 2)
+
+
+def _int_env(name: str, default: int) -> int:
+    """An integer environment variable (OMP_NUM_THREADS may list nested counts: the first), or `default`."""
+    try:
+        return int(os.environ[name].split(",")[0])
+    except (KeyError, ValueError):
+        return default
 
 
 def use_host_threads(requested: int = 0) -> int:
@@ -104,7 +121,6 @@ def use_host_threads(requested: int = 0) -> int:
 
 class HostUpdate:
     def __init__(self, shard_numels: list[int], device: torch.device, grad_dtype: torch.dtype, param_dtype: torch.dtype):
-        self.threads = torch.get_num_threads()  # use_host_threads() gave the rank its share
         self.times: dict = {}  # the last step's host time by part (`_Clock`), for metrics.jsonl
         n = max(shard_numels)
         self.device = device
@@ -130,30 +146,32 @@ class HostUpdate:
                     view.grad = grad.view_as(view)  # whole parameters keep their shape (flat.py)
                 with clock("optimizer_ms"):
                     opt.step()
-            with clock("publish_ms"):
-                self._publish(g.master, target, i % 2)
-        with clock("wait_ms"):
+            self._publish(g.master, target, i % 2, clock)
+        with clock("upload_wait_ms"):
             for mark in self._out_free:
                 if mark is not None:
                     mark.wait()
         self._out_free = [None, None]
         if self.h2d is not None:  # the next forward reads the parameters the H2D stream wrote
             torch.cuda.current_stream(self.device).wait_stream(self.h2d)
-        self.times = {f"offload_{k}": round(v, 3) for k, v in clock.total(threads=self.threads).items()}
+        self.times = {f"offload_{k}": round(v, 3) for k, v in clock.total(threads=torch.get_num_threads()).items()}
 
     def _fetch(self, grad: torch.Tensor, slot: int) -> Mark:
         with on_stream(self.d2h):  # after the backward that produced `grad`
             self.grads_in[slot][:grad.numel()].copy_(grad, non_blocking=True)
             return Mark(self.device)
 
-    def _publish(self, master: torch.Tensor, target: torch.Tensor, slot: int) -> None:
+    def _publish(self, master: torch.Tensor, target: torch.Tensor, slot: int, clock: "_Clock") -> None:
         if target.device.type == "cpu":  # offload=params: the parameter shard lives on the host too
-            target.copy_(master)
+            with clock("publish_ms"):
+                target.copy_(master)
             return
         if self._out_free[slot] is not None:
-            self._out_free[slot].wait()  # the copy that last used this buffer has left it
+            with clock("upload_wait_ms"):
+                self._out_free[slot].wait()  # the copy that last used this buffer has left it
         staged = self.params_out[slot][:master.numel()]
-        staged.copy_(master)  # fp32 -> compute dtype on the host, so half the bytes cross PCIe
+        with clock("publish_ms"):
+            staged.copy_(master)  # fp32 -> compute dtype on the host, so half the bytes cross PCIe
         with on_stream(self.h2d):
             target.copy_(staged, non_blocking=True)
             self._out_free[slot] = Mark(self.device)

@@ -30,7 +30,9 @@ class StepStats:
     grad_norm: float
     skipped: bool
     loss_scale: float | None
-    metrics: dict = field(default_factory=dict)  # engine-specific scalars, merged into metrics.jsonl
+    # engine-specific scalars for metrics.jsonl (train.py `_record`): a "loss" here is the step's loss,
+    # already averaged, in place of the ranks' mean; keys ending "_ms" are taken from the slowest rank
+    metrics: dict = field(default_factory=dict)
 
 
 def weak_hook(method):

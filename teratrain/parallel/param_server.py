@@ -45,7 +45,6 @@ order) but resume from a consistent state with every push applied.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -75,11 +74,6 @@ def f2i(x: float) -> int:
 
 def i2f(n: int) -> float:
     return struct.unpack("<d", struct.pack("<q", n))[0]
-
-
-@dataclass
-class PSStats(StepStats):
-    metrics: dict = field(default_factory=dict)  # merged into metrics.jsonl; "loss" replaces the rank average
 
 
 def assign(numels: list[int], num_servers: int) -> list[list[int]]:
@@ -137,7 +131,7 @@ class ParamServerWorker(EngineBase):
         self._loss += loss.detach().float()  # the loop passes loss / micro-steps: this sums to the local mean
         super().backward(loss)
 
-    def step(self, lr: float) -> PSStats:
+    def step(self, lr: float) -> StepStats:
         if self.last_state_bytes is None:
             self.last_state_bytes = self.state_bytes()
         flats = [g.flatten([p.grad for p in g.params], torch.float32, self.device) for g in self.groups]
@@ -158,7 +152,7 @@ class ParamServerWorker(EngineBase):
             self.scaler.update(skipped)
         metrics = {"loss": i2f(replies[0][2]), "staleness": staleness, "staleness_max": self.staleness_max,
                    "clock_lead": max(r[5] for r in replies)}
-        return PSStats(i2f(replies[0][3]), skipped, self.scaler.scale if self.scaler else None, metrics)
+        return StepStats(i2f(replies[0][3]), skipped, self.scaler.scale if self.scaler else None, metrics)
 
     def _pull(self) -> None:
         self._exchange(PULL)
