@@ -25,7 +25,6 @@ CUDA-event-timed calls, the slowest rank's.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -38,6 +37,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit
 
+from teratrain.models.moe import capacity_rows
+
 
 def routed_counts(tokens: int, k: int, experts: int, capacity: float, skew: float, rank: int) -> tuple[torch.Tensor, float]:
     """Rows this rank sends each global expert (within capacity) and the share of choices dropped."""
@@ -45,7 +46,7 @@ def routed_counts(tokens: int, k: int, experts: int, capacity: float, skew: floa
     probs = torch.softmax(bias, 0).expand(tokens, -1)
     choices = torch.multinomial(probs, k, generator=torch.Generator().manual_seed(1 + rank))  # k distinct
     wanted = torch.bincount(choices.flatten(), minlength=experts)
-    slot = math.ceil(capacity * k * tokens / experts)
+    slot = capacity_rows(tokens, k, experts, capacity, 1)
     kept = wanted.clamp(max=slot)
     return kept, 1 - kept.sum().item() / (tokens * k)
 
@@ -151,7 +152,7 @@ def main() -> None:
     if n % world:
         raise SystemExit(f"--experts ({n}) must be a multiple of the ranks ({world})")
     local, dtype = n // world, torch.bfloat16 if cuda else torch.float32
-    slot = math.ceil(args.capacity * k * args.tokens / n)
+    slot = capacity_rows(args.tokens, k, n, args.capacity, 1)  # one local group, as bench/moe.py's runs
     kept, dropped = routed_counts(args.tokens, k, n, args.capacity, args.skew, rank)
     sent = int(kept.sum())
     x = torch.randn(args.tokens * k, d, generator=torch.Generator().manual_seed(rank)).to(dev, dtype)
@@ -169,11 +170,11 @@ def main() -> None:
             n * slot, d, x.element_size(), world), "ctas": ctas})
 
     to_peer = kept.view(world, local).sum(1)
-    from_peer = torch.empty_like(to_peer)
-    dist.all_to_all_single(from_peer.to(dev), to_peer.to(dev))  # warm the group before the host copy below
     counts = torch.empty(world, dtype=torch.int64, device=dev)
     dist.all_to_all_single(counts, to_peer.to(dev))
     send_splits, recv_splits = to_peer.tolist(), counts.tolist()
+    most = torch.tensor([sum(recv_splits)], device=dev)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the busiest receiver's rows: its exchange takes longest
     exact_out = torch.empty(sum(recv_splits), d, dtype=dtype, device=dev)
     exact_in = x[:sent]
     rows.append(row("exact (NCCL, host splits)", timed(
@@ -186,8 +187,7 @@ def main() -> None:
     rows[-1]["rows_arrive_once"] = bool(abs(float(checksum) - float(sent_sum)) <= 1e-3 * max(1.0, abs(float(sent_sum))))
     if cuda:
         try:
-            rows += nvshmem_rows(x[:sent].contiguous() if sent == x.shape[0] else torch.cat([x[:sent], x[sent:]]),
-                                 kept, local, slot, args.iters, world, float(checksum))
+            rows += nvshmem_rows(x, kept, local, slot, args.iters, world, float(checksum))
         except Exception as e:  # noqa: BLE001 - the other rows stand; the reason is reported
             rows.append({"name": "device", "error": f"{type(e).__name__}: {e}"[:400]})
     share = torch.tensor([dropped, sent / (n * slot)], dtype=torch.float64, device=dev)
@@ -195,7 +195,8 @@ def main() -> None:
     out = {"bench": "moe_exchange", "world": world, "torch": torch.__version__,
            "device": torch.cuda.get_device_name(dev) if cuda else "cpu", "tokens_per_rank": args.tokens,
            "d_model": d, "experts": n, "k": k, "capacity": args.capacity, "slot_rows": slot,
-           "dropped": round(float(share[0]) / world, 4), "slots_used": round(float(share[1]) / world, 4), "rows": rows}
+           "dropped": round(float(share[0]) / world, 4), "slots_used": round(float(share[1]) / world, 4),
+           "most_rows_received": int(most), "rows": rows}
     if rank == 0:
         emit(out, args.out)
     dist.destroy_process_group()

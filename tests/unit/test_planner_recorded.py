@@ -74,9 +74,9 @@ SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.j
 # Session 13, on two other 4 x H100 machines (a fresh one per call), the same commands: every peak within 5%
 # but moe dp4 ep4 zero1 (-5.3%, as in session 12). The steps move with the host probe's fit (a tp
 # collective 0.16 ms and a dp launch 0 ms at 4 GPUs, against 0.23 ms and unmeasured in session 12): the
-# tp2 rows at 4 GPUs are 21-31% under where session 12's were within 7% but one, and the offload rows ran
-# the host step on 16 CPU threads a rank with host rates measured on 50M parameters, 1.8x and 2.6x the
-# rates at a shard's size (bench/machine.py HOST_NUMEL since).
+# tp2 rows at 4 GPUs are 21-31% under where session 12's were within 15% but one, and the offload rows ran
+# the host step on 16 CPU threads a rank (32 at 2 GPUs) with host rates measured on 50M parameters, 1.8x
+# and 2.6x the rates at a shard's size (bench/machine.py HOST_NUMEL since).
 SESSION13 = {"h100x4-session13": (RESULTS / "planner_validate_h100x4_session13.json", (15, 13),
                                   {"peak": (15, 12), "step": (12, 9)}),
              "h100x2-session13": (RESULTS / "planner_validate_h100x2of4_session13.json", (15, 12),
