@@ -21,6 +21,8 @@
 #              (MOE_ARGS: more arguments, e.g. "--compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2";
 #              MOE_LIMIT replaces the 240 s: four compiled models and the compiled parity check need ~330 s)
 #   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
+#   exchange   bench/moe_exchange.py: one MoE layer's all-to-all alone, padded / routed rows / NVSHMEM  90 s
+#              (EXCHANGE_ARGS: more arguments, e.g. "--ctas 8,16,32")
 #   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
 #              (FSDP2_ARGS: more arguments to both, e.g. "--compile --layers 16"; FSDP2_LIMIT replaces each 150 s)
@@ -66,6 +68,7 @@ for p in "$@"; do
         tp)       piece tp "${TP_LIMIT:-300}" "${tr[@]}" bench/tensor_parallel.py ${TP_ARGS:---profile} $smoke --out "$out/tp.json" ;;
         determinism) piece determinism 90 "$py" bench/determinism.py $smoke --out "$out/determinism.json" ;;
         comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
+        exchange) piece exchange 90 "${tr[@]}" bench/moe_exchange.py ${EXCHANGE_ARGS:-} $smoke --out "$out/moe_exchange.json" ;;
         cast)     piece cast 60 "$py" bench/cast_copy.py $smoke --out "$out/cast_copy.json" ;;
         moe)      piece moe "${MOE_LIMIT:-240}" "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
@@ -84,6 +87,6 @@ for p in "$@"; do
                       $smoke --out "$out/step_profile.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, cast, comm, moe, pipeline, fsdp2, planner, stepprof, scaling, reshard)"; exit 2 ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, cast, comm, exchange, moe, pipeline, fsdp2, planner, stepprof, scaling, reshard)"; exit 2 ;;
     esac
 done
