@@ -143,10 +143,10 @@ class ParallelConfig(Section):
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
     offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
     offload_threads: int = Field(0, ge=0, description="CPU threads each rank's host optimizer step runs on under "
-                                 "offload; 0 = half the rank's share of the CPUs it may run on (those CPUs over "
-                                 "the local ranks, halved: measured fastest; torchrun alone would give every rank "
-                                 "1), or torch's own count in a job of one process; the planner's host rates are measured at "
-                                 "the default count (memory/offload.py host_threads)")
+                                 "offload; 0 = half the rank's share of the CPUs it may run on (the fastest in "
+                                 "one measured call; torchrun alone gives every rank 1), a count given in "
+                                 "OMP_NUM_THREADS, or torch's own count in a job of one process; the planner's "
+                                 "host rates are measured at the default (memory/offload.py host_threads)")
     sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")
     sync_every: int = Field(1, ge=1, description="local-sgd: steps between parameter averages")
     staleness: int | None = Field(None, ge=0, description="param-server: max steps a worker may run ahead of the slowest (0 = synchronous, unset = async)")
