@@ -53,7 +53,9 @@ where its eager run is in the job; `moe_vs_dense` then compares compiled with co
 all-to-all's waits are inside the graph, so compiled runs at ep > 1 report instead
 `all_to_all_kernel_share`: the NCCL all-to-all kernels' device time over the wall time of 2
 profiled steps (the exposed share with the exchange whole; an upper bound when chunked), and
-`all_to_all_exposed_share`, the part of it under no compute kernel (bench/trace_summary.py). The layer's
+`all_to_all_exposed_share`, the part of it under no compute kernel (bench/trace_summary.py); with
+`--reorder` each MoE at ep > 1 runs once more with inductor's collective reordering
+(`NAME_reorder_compiled`, train.compile_overlap), where the two shares tell what it hid. The layer's
 host syncs are not checked compiled. Compiled, the dropless exchange at ep > 1 is the padded one
 with N slots per expert (parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
 graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
@@ -400,6 +402,9 @@ def in_modes(runs: dict[str, list[str]], args) -> dict[str, list[str]]:
     if not args.compile:
         return runs
     compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
+    if args.reorder:  # each exchanging MoE once more with inductor's collective reordering
+        compiled.update({f"{name}_reorder_compiled": sets + COMPILED + ["train.compile_overlap=true"]
+                         for name, sets in runs.items() if name.startswith("moe_") and "parallel.ep=1" not in sets})
     return compiled if args.compile_only else {**runs, **compiled}
 
 
@@ -486,6 +491,9 @@ def main() -> None:
                    help="run every model once more with train.compile (NAME_compiled: graph breaks, vs_eager, "
                         "moe_vs_dense against the compiled dense model); the parity check runs compiled")
     p.add_argument("--compile-only", action="store_true", help="with --compile: only the compiled runs")
+    p.add_argument("--reorder", action="store_true", help="with --compile: every MoE at ep > 1 once more with "
+                   "train.compile_overlap (NAME_reorder_compiled: inductor moves each all-to-all's launch before, "
+                   "and its wait after, independent work such as the experts' weight gradients)")
     p.add_argument("--one-gpu", action="store_true", help="also the dense model and the MoE at ep=1 on rank 0's GPU "
                    "alone (one_gpu_*), and every run's tokens/s per GPU over theirs (scaling_vs_one_gpu)")
     p.add_argument("--only", type=lambda s: s.split(","), default=None,

@@ -46,3 +46,15 @@ def test_moe_bench_smoke():
         assert (o["share_chunks1"], o["share_chunked"]) == (whole["all_to_all_share"], chunked["all_to_all_share"])
         assert 0 < o["share_chunked"] < 1
         assert o["tokens_per_s_vs_chunks1"] == round(chunked["tokens_per_s"] / whole["tokens_per_s"], 4)
+
+
+def test_moe_bench_reorder_runs_each_exchanging_moe_once_more_compiled():
+    """--reorder: the compiled MoE at ep > 1 once more with train.compile_overlap, no graph break."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--compile", "--compile-only",
+                          "--reorder", "--a2a-chunks", "1", "--only", "moe_ep1,moe_ep2", "--parity-steps", "0"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"moe_ep1_compiled", "moe_ep2_compiled", "moe_ep2_reorder_compiled"} <= set(d)
+    assert "moe_ep1_reorder_compiled" not in d  # nothing to reorder without an exchange
+    assert d["moe_ep2_reorder_compiled"]["graph_breaks"]["count"] == 0 and d["moe_ep2_reorder_compiled"]["tokens_per_s"] > 0
