@@ -61,7 +61,12 @@ def _sync(device: torch.device) -> None:
 def time_one(kind: str, nbytes: int, device: torch.device, iters: int, group=None,
              dtype: torch.dtype | None = None) -> float:
     """Seconds per call of one collective (`_op`'s), the slowest rank's."""
-    op = _op(kind, nbytes, device, group, dtype)
+    return time_calls(_op(kind, nbytes, device, group, dtype), device, iters)
+
+
+def time_calls(op, device: torch.device, iters: int) -> float:
+    """Seconds per call of `op()` (a collective every rank calls): the mean of `iters` back-to-back
+    calls after 3 warm-up calls, the slowest rank's."""
     for _ in range(3):
         op()
     _sync(device)

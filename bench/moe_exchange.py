@@ -15,8 +15,9 @@ routed choices (the combine moves the same rows back):
   exchange inside a CUDA graph would use, where torch's NVSHMEM is available.
 Routing: K distinct experts per token drawn from a skewed distribution shared by the ranks (a
 random-init router's common bias), cut at the capacity as GShard does; `--skew` sets the drop rate
-(the default 1.2 drops 28-29%, what bench/moe.py's ep=4 runs dropped: 26-31%). Each time is the median of `--iters`
-CUDA-event-timed calls, the slowest rank's.
+(the default 1.2 drops 28-29%, what bench/moe.py's ep=4 runs dropped: 26-31%). Each time is the mean of `--iters`
+back-to-back calls after 3 warm-up calls, the slowest rank's (bench/machine.py
+`time_calls`; the session-13 files timed each call with CUDA events after a barrier, the median).
 
     torchrun --nproc-per-node 4 bench/moe_exchange.py --out results/moe_exchange.json
     python -m torch.distributed.run --nproc-per-node 2 bench/moe_exchange.py --smoke     # gloo, tiny
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +35,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit
+from machine import time_calls
 
+from teratrain.compat import nccl_options
 from teratrain.models.moe import capacity_rows
 
 
@@ -49,29 +50,6 @@ def routed_counts(tokens: int, k: int, experts: int, capacity: float, skew: floa
     slot = capacity_rows(tokens, k, experts, capacity, 1)
     kept = wanted.clamp(max=slot)
     return kept, 1 - kept.sum().item() / (tokens * k)
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Median seconds of one call, the slowest rank's."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def row(name: str, seconds: float, rows_sent: int, d: int, itemsize: int, world: int) -> dict:
@@ -110,13 +88,13 @@ def nvshmem_rows(x: torch.Tensor, kept: torch.Tensor, local: int, slot: int, ite
     def combine():
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(got, back, got_so, back_so, group)
 
-    t_d = timed(dispatch, iters, dev)
+    t_d = time_calls(dispatch, dev, iters)
     dispatch()
     torch.cuda.synchronize(dev)
     received = int(got_so[0].sum())
     checksum = got[:received].float().sum()
     dist.all_reduce(checksum)
-    t_c = timed(combine, iters, dev)
+    t_c = time_calls(combine, dev, iters)
     combine()
     torch.cuda.synchronize(dev)
     same = torch.equal(back[:sent], x[:sent])  # the combine brings every sent row back in place
@@ -159,14 +137,12 @@ def main() -> None:
 
     padded_in, padded_out = torch.zeros(n * slot, d, dtype=dtype, device=dev), torch.empty(n * slot, d, dtype=dtype, device=dev)
     pad = [local * slot] * world
-    rows = [row("padded (NCCL, every slot)", timed(lambda: dist.all_to_all_single(padded_out, padded_in, pad, pad), args.iters, dev),
+    rows = [row("padded (NCCL, every slot)", time_calls(lambda: dist.all_to_all_single(padded_out, padded_in, pad, pad), dev, args.iters),
                 n * slot, d, x.element_size(), world)]
     for ctas in [int(c) for c in args.ctas.split(",") if c] if cuda else []:  # NCCL's thread blocks pinned
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.min_ctas = opts.config.max_ctas = ctas
-        group = dist.new_group(list(range(world)), pg_options=opts)
-        rows.append({**row(f"padded (NCCL, {ctas} CTAs)", timed(
-            lambda: dist.all_to_all_single(padded_out, padded_in, pad, pad, group=group), args.iters, dev),
+        group = dist.new_group(list(range(world)), pg_options=nccl_options(ctas, min_ctas=ctas))
+        rows.append({**row(f"padded (NCCL, {ctas} CTAs)", time_calls(
+            lambda: dist.all_to_all_single(padded_out, padded_in, pad, pad, group=group), dev, args.iters),
             n * slot, d, x.element_size(), world), "ctas": ctas})
 
     to_peer = kept.view(world, local).sum(1)
@@ -177,8 +153,8 @@ def main() -> None:
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the busiest receiver's rows: its exchange takes longest
     exact_out = torch.empty(sum(recv_splits), d, dtype=dtype, device=dev)
     exact_in = x[:sent]
-    rows.append(row("exact (NCCL, host splits)", timed(
-        lambda: dist.all_to_all_single(exact_out, exact_in, recv_splits, send_splits), args.iters, dev),
+    rows.append(row("exact (NCCL, host splits)", time_calls(
+        lambda: dist.all_to_all_single(exact_out, exact_in, recv_splits, send_splits), dev, args.iters),
         sent, d, x.element_size(), world))
     checksum = exact_out.float().sum()
     dist.all_reduce(checksum)

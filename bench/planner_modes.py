@@ -61,8 +61,7 @@ def validate_gpus(args) -> dict:
             "device_mem_gib": gpu.memory_gib, "gpu_preset": gpu.name, "torch": torch.__version__,
             "model": f"llama-1b width, {layers} layers (MoE rows: 4 experts, {max(4, layers // 2)} layers)",
             "steps": steps, "warmup": WARMUP, "hw": hw, "host_threads": (machine or {}).get("host_threads"),
-            "collectives": {"rows": (machine or {}).get("collectives", []),
-                                                                      "fit": fits},
+            "collectives": {"rows": (machine or {}).get("collectives", []), "fit": fits},
             "host_probe": host, "rows": cmp, "summary": summary(cmp)}
 
 

@@ -270,7 +270,7 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
         times.append(time.perf_counter() - t0)
     loops.append(host_loop_us())
     mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times],
-            "loop_us": statistics.mean(loops), "engine": dict(getattr(stats, "metrics", None) or {})}
+            "loop_us": statistics.mean(loops), "engine": dict(stats.metrics)}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         mine.update(peak=(torch.cuda.max_memory_allocated(device) - base) / GIB,

@@ -189,14 +189,16 @@ def compile_checkpoint_side_effects() -> None:
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-def nccl_options(max_ctas: int | None):
+def nccl_options(max_ctas: int | None, min_ctas: int | None = None):
     """ProcessGroupNCCL options that cap the thread blocks (CTAs, one SM each) NCCL runs a collective
-    on (ncclConfig_t.maxCTAs, NCCL >= 2.17) for a group made under the job's NCCL process group, or
-    None: no cap asked for, no NCCL in this build (CPU wheels), or a job on another backend (gloo
-    takes no NCCL options). The same binding in 2.11 and 2.13."""
+    on (ncclConfig_t.maxCTAs, NCCL >= 2.17; `min_ctas` its floor, minCTAs) for a group made under the
+    job's NCCL process group, or None: no cap asked for, no NCCL in this build (CPU wheels), or a job on
+    another backend (gloo takes no NCCL options). The same binding in 2.11 and 2.13."""
     if max_ctas is None or not hasattr(dist, "ProcessGroupNCCL") or not dist.is_initialized() \
             or dist.get_backend() != "nccl":
         return None
     opts = dist.ProcessGroupNCCL.Options()
     opts.config.max_ctas = max_ctas
+    if min_ctas is not None:
+        opts.config.min_ctas = min_ctas
     return opts

@@ -181,7 +181,7 @@ def _record(step: int, stats, local_loss, lr: float, model, engine, rt: Runtime,
             mfu_seconds: float | None) -> dict:
     """The metrics.jsonl record of the step begun at `t0` (a collective: losses and MoE statistics are
     averaged); `mfu_seconds`: the step time at which MFU would be 1."""
-    extra = _slowest(dict(getattr(stats, "metrics", None) or {}), rt)  # engine-specific (optim/engine.py StepStats)
+    extra = _slowest(dict(stats.metrics), rt)  # engine-specific (optim/engine.py StepStats)
     extra.update(moe_metrics.step_metrics(model, rt))  # per MoE layer (collective over dp)
     loss_val = extra.pop("loss") if "loss" in extra else _mean_over_ranks(local_loss, rt)
     if rt.device.type == "cuda":

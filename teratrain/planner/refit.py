@@ -81,7 +81,7 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
 
     loops = [row["host_loop_us"] for row in probes if row.get("host_loop_us")]
     loop_us = statistics.median(loops) if loops else None
-    counted = []
+    counted, zeros = [], []  # per probe row: its counts; its ZeRO stage
     for row in probes:
         if not row.get("measured_step_s"):
             continue
@@ -89,14 +89,14 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
         shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, gpus)
         counted.append({"name": row["name"], "ops": eager_ops(shape, train, lay),
                         "collectives": issued_collectives(shape, train, lay),
-                        "launches": engine_launches(shape, train, lay), "zero": lay.zero,
-                        "measured_s": row["measured_step_s"],
+                        "launches": engine_launches(shape, train, lay), "measured_s": row["measured_step_s"],
                         **({"passes_s": row["passes_s"]} if "passes_s" in row else {})})
-    plain = [c for c in counted if not c["collectives"] and not c["zero"]]
+        zeros.append(lay.zero)
+    plain = [c for c, z in zip(counted, zeros) if not c["collectives"] and not z]
     if not plain:
         return {"hw": {}, "fit": counted, "host_loop_us": loop_us}
     per_op, per_coll, per_launch = statistics.median(c["measured_s"] / c["ops"] for c in plain), None, None
-    has_tp, has_zero = any(c["collectives"] for c in counted), any(c["zero"] for c in counted)
+    has_tp, has_zero = any(c["collectives"] for c in counted), any(zeros)
     if has_tp and has_zero:
         per_op, per_coll, per_launch = _costs([(c["ops"], c["collectives"], c["launches"]) for c in counted],
                                               [c["measured_s"] for c in counted])
@@ -108,7 +108,6 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     for c in counted:
         launch = per_launch if per_launch is not None else DP_LAUNCH_SHARE * (per_coll or 0.0)
         c["fitted_s"] = c["ops"] * per_op + c["collectives"] * (per_coll or 0.0) + c["launches"] * launch
-        del c["zero"]
     hw = {"host_op_s": per_op, **({"host_collective_s": per_coll} if per_coll is not None else {}),
           **({"host_launch_s": per_launch} if per_launch is not None else {})}
     return {"hw": hw, "fit": counted, "host_loop_us": loop_us}

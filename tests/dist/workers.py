@@ -101,4 +101,3 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     """Worst per-tensor relative L2 error ||a - b|| / ||b||."""
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)) for k in a)
-
