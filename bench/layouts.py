@@ -81,6 +81,10 @@ def layouts(gpus: int) -> list[dict]:
         # compiled block by block (train.compile_scope=auto at dp > 1); ZeRO-3's hooks eager around each block
         L(f"dp{n}-compile", ["train.compile=true"]),
         L(f"dp{n}-zero3-compile", ["parallel.zero=3", "train.compile=true"]),
+        # the CPU optimizer on its host threads (parallel.offload_threads), the masters and moments in
+        # pinned host memory; offload=params keeps the parameter shards there too
+        L(f"dp{n}-zero2-offload", ["parallel.zero=2", "parallel.offload=optimizer"]),
+        L(f"dp{n}-zero3-offload-params", ["parallel.zero=3", "parallel.offload=params"]),
         L(f"tp{n}-megatron-sp", [f"parallel.tp={n}"]),
         L(f"tp{n}-megatron", [f"parallel.tp={n}", "parallel.sequence_parallel=false"]),
         L(f"tp{n}-megatron-sp-overlap", [f"parallel.tp={n}", "parallel.tp_overlap=chunked"]),
