@@ -8,7 +8,12 @@ row in turn in the same processes, writing one JSON line per event. A job that d
 memory stalls its peers until the NCCL watchdog ends them) loses only the row it was in: the driver
 records that row and relaunches the rest, at most 3 launches in all.
 Rank 0 decides before each row whether the deadline leaves time for it (the planner's estimate), and
-every rank follows.
+every rank follows. Then the rows the planner expects the host to pace (planner_modes.py marks them
+"revisit") are measured once more, in reverse order, while the deadline leaves time: the host CPU's
+speed on leased machines shifts for seconds at a time, and such rows measured 1.1-1.7x apart between
+visits where GPU-paced ones (pipelines) repeat within 2%. A host-paced step is only ever slowed by what
+else runs, so the faster visit's median is the row's step, with every visit's in `visits_s` and the
+first's kept in `first_visit_step_s`; its peaks are the larger of the two (memory is never understated).
 
 Per row, every rank builds the model as `teratrain train` does (meta device, parallelize(), the
 trainer's step runner: train_step or the pipeline executor), runs `warmup` steps, resets the peak
@@ -92,38 +97,45 @@ def _launch(cmd: list[str], env: dict, limit_s: float) -> int:
 
 def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
     """Fold the job's events into `results`; a row started and never finished died with the job."""
-    started = None
+    started, probes = None, {}
     for line in events.read_text().splitlines() if events.exists() else []:
         e = json.loads(line)
         kind = e.pop("record")
         if kind == "machine":
             machine = e
-        elif kind == "probe":  # the host probe's rows (planner_rows.probe_rows) join the machine's record
-            _probe_pass(machine.setdefault("host_probe", []), e)
+        elif kind == "probe":  # the host probe's rows (planner_rows.probe_rows), run twice
+            probes[e["name"]] = _faster(probes.get(e["name"]), e, "passes_s")
         elif kind == "start":
             started = e["name"]
-        elif kind in ("row", "skipped"):
-            results[e.pop("name")] = e if kind == "row" else {"skipped": "not run: the time budget ran out"}
+        elif kind == "row":
+            results[e.pop("name")] = {**_faster(None, e, "visits_s"), "first_visit_step_s": e["measured_step_s"]}
             started = None
+        elif kind == "revisit":  # after every row's first visit (module docstring)
+            name = e.pop("name")
+            results[name] = _faster(results[name], e, "visits_s")
+        elif kind == "skipped":
+            results[e.pop("name")] = {"skipped": "not run: the time budget ran out"}
+            started = None
+    if probes:  # they join the machine's record
+        machine["host_probe"] = list(probes.values())
     if started is not None and started not in results:
         results[started] = {"error": "the job ended during this row (a rank out of memory stalls the others until "
                                      "the NCCL watchdog ends the job); its log is above"}
     return machine
 
 
-def _probe_pass(probes: list[dict], e: dict) -> None:
-    """Add one pass of a probe row to `probes`: the probe runs twice, the second pass in reverse order,
-    and each row keeps its faster pass (a host-paced step is only ever slowed by what else runs: on 4 x
+def _faster(kept: dict | None, e: dict, runs: str) -> dict:
+    """A probe row's or a row's figures with one more run `e` (`kept`: its runs so far, None before the
+    first): the faster run's figures, as a host-paced step is only ever slowed by what else runs (on 4 x
     H100 the plain data-parallel probe, run first, measured 50 ms where a ZeRO-3 probe with more launches
-    took 40, session 13) with every pass's time in `passes_s`."""
-    same = next((p for p in probes if p["name"] == e["name"]), None)
-    if same is None:
-        probes.append({**e, "passes_s": [e["measured_step_s"]]})
-        return
-    passes = same["passes_s"] + [e["measured_step_s"]]
-    if e["measured_step_s"] < same["measured_step_s"]:
-        same.update(e)
-    same["passes_s"] = passes
+    took 40, session 13), every run's step time in `runs`, and the larger peaks of the runs (memory is
+    never understated)."""
+    if kept is None:
+        return {**e, runs: [e["measured_step_s"]]}
+    out = {**kept, **e} if e["measured_step_s"] < kept["measured_step_s"] else dict(kept)
+    out[runs] = kept[runs] + [e["measured_step_s"]]
+    out.update({k: max(kept[k], e[k]) for k in ("measured_peak_gib", "measured_reserved_gib") if k in e})
+    return out
 
 
 # ---------------------------------------------------------------- worker (one per GPU, under torchrun)
@@ -149,7 +161,7 @@ def worker(plan_path: str) -> None:
 
         emit({"record": "machine", **machine_terms(device, plan["smoke"])})  # kept if a probe ends the job
         probe = {**plan, "steps": PROBE_STEPS, "warmup": PROBE_WARMUP}
-        for p in plan["probes"] + plan["probes"][::-1]:  # twice, the second pass reversed (`_probe_pass`)
+        for p in plan["probes"] + plan["probes"][::-1]:  # twice, the second pass reversed (`_faster`)
             emit({"record": "probe", "name": p["name"], "sets": p["sets"], **measure_row(p, probe, device, runtimes)})
     for row in plan["rows"]:
         if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
@@ -157,6 +169,10 @@ def worker(plan_path: str) -> None:
             continue
         emit({"record": "start", "name": row["name"]})
         emit({"record": "row", "name": row["name"], **measure_row(row, plan, device, runtimes)})
+    for row in [r for r in plan["rows"] if r.get("revisit")][::-1]:  # host-paced rows once more (module docstring)
+        if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
+            break
+        emit({"record": "revisit", "name": row["name"], **measure_row(row, plan, device, runtimes)})
     dist.barrier()
     from teratrain.mesh import shutdown
 

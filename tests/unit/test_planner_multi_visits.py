@@ -1,0 +1,51 @@
+"""bench/planner_multi.py `_read`: a host-paced row measured twice keeps its faster visit, every visit's
+step and its first visit's, and the larger peak; the host probe's two passes merge the same way."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from planner_multi import _read  # noqa: E402
+
+
+def _row(step_s: float, peak: float, reserved: float, loop_us: float) -> dict:
+    return {"measured_step_s": step_s, "step_times_s": [step_s] * 2, "host_loop_us": loop_us,
+            "measured_peak_gib": peak, "measured_reserved_gib": reserved, "outside_allocator_gib": 0.5}
+
+
+def test_revisit_keeps_the_faster_visit_and_the_larger_peak(tmp_path):
+    events = [{"record": "machine", "collectives": [], "world": 2},
+              {"record": "probe", "name": "probe dp", "sets": [], **_row(0.05, 1.0, 1.5, 0.4)},
+              {"record": "probe", "name": "probe dp", "sets": [], **_row(0.03, 1.0, 1.5, 0.3)},
+              {"record": "start", "name": "tp2"},
+              {"record": "row", "name": "tp2", **_row(0.30, 2.0, 3.0, 0.5)},
+              {"record": "start", "name": "pp2"},
+              {"record": "row", "name": "pp2", **_row(0.20, 4.0, 5.0, 0.4)},
+              {"record": "start", "name": "moe"},
+              {"record": "row", "name": "moe", **_row(0.10, 3.0, 4.0, 0.3)},
+              {"record": "skipped", "name": "late"},
+              {"record": "revisit", "name": "moe", **_row(0.12, 3.5, 3.5, 0.6)},  # slower, a larger peak
+              {"record": "revisit", "name": "tp2", **_row(0.20, 1.9, 3.2, 0.3)}]  # faster, a smaller peak
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    results = {}
+    machine = _read(path, results, None)
+
+    tp2 = results["tp2"]  # the revisit's figures, the first visit's peak
+    assert tp2["measured_step_s"] == 0.20 and tp2["step_times_s"] == [0.20, 0.20] and tp2["host_loop_us"] == 0.3
+    assert tp2["visits_s"] == [0.30, 0.20] and tp2["first_visit_step_s"] == 0.30
+    assert tp2["measured_peak_gib"] == 2.0 and tp2["measured_reserved_gib"] == 3.2
+    moe = results["moe"]  # the first visit's figures, the revisit's peak
+    assert moe["measured_step_s"] == 0.10 and moe["host_loop_us"] == 0.3
+    assert moe["visits_s"] == [0.10, 0.12] and moe["first_visit_step_s"] == 0.10
+    assert moe["measured_peak_gib"] == 3.5 and moe["measured_reserved_gib"] == 4.0
+    pp2 = results["pp2"]  # one visit
+    assert pp2["visits_s"] == [0.20] and pp2["first_visit_step_s"] == 0.20 and pp2["measured_peak_gib"] == 4.0
+    assert "skipped" in results["late"]
+    (probe,) = machine["host_probe"]
+    assert probe["name"] == "probe dp" and probe["measured_step_s"] == 0.03 and probe["passes_s"] == [0.05, 0.03]
+
+    # the driver reads the whole file again after a relaunch: the same figures, not a third visit
+    assert _read(path, results, None) == machine and results["tp2"] == tp2 and results["moe"] == moe
