@@ -81,6 +81,14 @@ SESSION13 = {"h100x4-session13": (RESULTS / "planner_validate_h100x4_session13.j
                                   {"peak": (15, 12), "step": (12, 9)}),
              "h100x2-session13": (RESULTS / "planner_validate_h100x2of4_session13.json", (15, 12),
                                   {"peak": (15, 12), "step": (14, 8)})}
+# Session 14, on 2 x H200 (fresh machines, 32 layers), `--gpus 2` twice: the probe's two passes (both runs)
+# and the second visit of host-paced rows (the second run, `visits_s`). Every peak within 5%; the step
+# misses are the eager tp and MoE-with-tp rows, whose host-paced steps moved up to 1.4x between the runs
+# (tp2 all-gather 621 and 433 ms), and the offload row in the first (-16.1%, -8.5% in the second).
+SESSION14 = {"h200x2-session14": (RESULTS / "planner_validate_h200x2_session14.json", (15, 12),
+                                  {"peak": (15, 12), "step": (13, 9)}),
+             "h200x2-session14b": (RESULTS / "planner_validate_h200x2_session14b.json", (15, 12),
+                                   {"peak": (15, 12), "step": (13, 10)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
@@ -122,7 +130,7 @@ def errors() -> list[dict]:
 
 @pytest.mark.parametrize("what", ["peak", "step"])
 @pytest.mark.parametrize("card", ["h200", "h100", "h200x2", "h200-session6", "h200-session9", *SESSION7, *SESSION12,
-                                  *SESSION13])
+                                  *SESSION13, *SESSION14])
 def test_recorded_rows_stay_within_the_targets(errors, what, card):
     rows, reached, sizes = {"h200": (errors, REACHED, (15, 13)), "h100": (_errors(H100), REACHED_H100, (15, 13)),
                             "h200x2": (_errors(H200X2), REACHED_H200X2, (15, 12)),
@@ -130,7 +138,7 @@ def test_recorded_rows_stay_within_the_targets(errors, what, card):
                             "h200-session9": (_errors(SESSION9), REACHED_SESSION9, (15, 13)),
                             **{k: (_errors(path), reached, (15, 12)) for k, (path, reached) in SESSION7.items()},
                             **{k: (_errors(path), reached, sizes)
-                               for k, (path, sizes, reached) in {**SESSION12, **SESSION13}.items()}}[card]
+                               for k, (path, sizes, reached) in {**SESSION12, **SESSION13, **SESSION14}.items()}}[card]
     if card == "h200" and what == "step":
         rows = [e for e in rows if e["name"] not in BEFORE_ZB_REWRITE]
         sizes = (14, 12)
