@@ -99,6 +99,8 @@ def cmd_plan(args) -> int:
         notes.append(HOST_PACED)
     if cfg.train.compile and not cfg.train.cuda_graphs:
         notes.append(COMPILED)
+    if best.layout.ep > 2 and cfg.train.cuda_graphs and not cfg.train.compile_overlap:
+        notes.append(EXCHANGE_UNDER_EXPERTS)
     command = _train_command(args, cfg, shape, best, gpus, gpu, fixed)
     if args.json:
         print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes),
@@ -130,6 +132,15 @@ HOST_PACED = ("the chosen layout's eager step is host-paced (the host takes long
               "collectives than the GPU to run them): it runs as fast as the host is at the moment, 1.1-1.7x apart "
               "between runs on shared hosts; train.compile=true with train.compile_mode=reduce-overhead replays the "
               "step as CUDA graphs and takes the host out")
+
+
+# Measured with bench/moe.py --reorder (bench/README.md, session 14): graphed, 8 experts top-2 at the
+# llama-1b width, ep=4 on 4 x H200 129.0 -> 124.1 ms a step, the exchange's exposed share 16.0% -> 11.3%;
+# at ep=2 on 2 x H200 no change (121.2 and 121.3 ms), so the note starts above ep=2.
+EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA graphs: train.compile_overlap=true "
+                          "lets inductor launch each all-to-all early and wait for it late, under the experts' "
+                          "GEMMs; at ep=4 on 4 x H200 it hid the exchange from 16.0% to 11.3% of the step and "
+                          "made the step 3.8% shorter (the planner does not model this)")
 
 
 # Measured on 2 x H200 (bench/README.md, "Compiled ZeRO-3 and FSDP2"): compiled ZeRO-3 1.12x and 1.19x

@@ -150,3 +150,16 @@ def test_compiled_runs_are_said_to_be_planned_eager_and_refused_layouts_left_out
                       "train.global_batch=8", "--top", "40")
     assert {c["layout"]["recompute"] for c in eager["candidates"]} & {"full", "sqrt"}
     assert not any(n.startswith("train.compile") for n in eager["notes"])
+
+
+def test_graphed_expert_parallelism_is_pointed_at_the_reordered_exchange(capsys):
+    """A graphed MoE plan at ep > 2 without train.compile_overlap gets the note on hiding the exchange
+    (measured at ep=4, nothing at ep=2); with the setting, or at ep=2, it does not."""
+    graphed = ["--model", "llama-1b", "--gpus", "4", "--set", "model.moe.num_experts=8", "--set", "model.moe.top_k=2",
+               "--set", "train.global_batch=8", "--set", "train.compile=true",
+               "--set", "train.compile_mode=reduce-overhead", "--set", "memory.precision=bf16"]
+    said = lambda d: any(n.startswith("expert parallelism over more than 2 GPUs") for n in d["notes"])  # noqa: E731
+    assert said(plan_json(capsys, *graphed, "--set", "parallel.ep=4", "--set", "parallel.dp=4"))
+    assert not said(plan_json(capsys, *graphed, "--set", "parallel.ep=4", "--set", "parallel.dp=4",
+                              "--set", "train.compile_overlap=true"))
+    assert not said(plan_json(capsys, *graphed, "--set", "parallel.ep=2", "--set", "parallel.dp=4"))
