@@ -11,9 +11,10 @@ Rank 0 decides before each row whether the deadline leaves time for it (the plan
 every rank follows. Then the rows the planner expects the host to pace (planner_modes.py marks them
 "revisit") are measured once more, in reverse order, while the deadline leaves time: the host CPU's
 speed on leased machines shifts for seconds at a time, and such rows measured 1.1-1.7x apart between
-visits where GPU-paced ones (pipelines) repeat within 2%. A host-paced step is only ever slowed by what
-else runs, so the faster visit's median is the row's step, with every visit's in `visits_s` and the
-first's kept in `first_visit_step_s`; its peaks are the larger of the two (memory is never understated).
+runs where GPU-paced ones (pipelines) repeat within 2% (2 x H200, session 7; within one job, session 14's
+two visits were 2-18% apart). A host-paced step is only ever slowed by what else runs, so the faster
+visit's median is the row's step, with every visit's in `visits_s` and the first's in
+`first_visit_step_s` (every measured row has it); its memory figures are the larger of the visits'.
 
 Per row, every rank builds the model as `teratrain train` does (meta device, parallelize(), the
 trainer's step runner: train_step or the pipeline executor), runs `warmup` steps, resets the peak
@@ -112,7 +113,8 @@ def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
             started = None
         elif kind == "revisit":  # after every row's first visit (module docstring)
             name = e.pop("name")
-            results[name] = _faster(results[name], e, "visits_s")
+            if "measured_step_s" in results.get(name, {}):  # a row measured in this job's first pass
+                results[name] = _faster(results[name], e, "visits_s")
         elif kind == "skipped":
             results[e.pop("name")] = {"skipped": "not run: the time budget ran out"}
             started = None
@@ -128,14 +130,23 @@ def _faster(kept: dict | None, e: dict, runs: str) -> dict:
     """A probe row's or a row's figures with one more run `e` (`kept`: its runs so far, None before the
     first): the faster run's figures, as a host-paced step is only ever slowed by what else runs (on 4 x
     H100 the plain data-parallel probe, run first, measured 50 ms where a ZeRO-3 probe with more launches
-    took 40, session 13), every run's step time in `runs`, and the larger peaks of the runs (memory is
-    never understated)."""
+    took 40, session 13), every run's step time in `runs`; memory is never understated: the peaks (and
+    their per-rank list) of the run with the larger peak, the larger of what lived outside the allocator
+    or stayed allocated, and a model freed only if every run freed it."""
     if kept is None:
         return {**e, runs: [e["measured_step_s"]]}
     out = {**kept, **e} if e["measured_step_s"] < kept["measured_step_s"] else dict(kept)
     out[runs] = kept[runs] + [e["measured_step_s"]]
-    out.update({k: max(kept[k], e[k]) for k in ("measured_peak_gib", "measured_reserved_gib") if k in e})
+    if "measured_peak_gib" in e:
+        fuller = e if e["measured_peak_gib"] > kept["measured_peak_gib"] else kept
+        out.update({k: fuller[k] for k in ("measured_peak_gib", "measured_peak_per_rank_gib") if k in fuller})
+    out.update({k: max(kept[k], e[k]) for k in MEMORY_MAX if k in e and k in kept})
+    if "model_freed" in e:
+        out["model_freed"] = kept.get("model_freed", True) and e["model_freed"]
     return out
+
+
+MEMORY_MAX = ("measured_reserved_gib", "outside_allocator_gib", "left_allocated_gib")
 
 
 # ---------------------------------------------------------------- worker (one per GPU, under torchrun)

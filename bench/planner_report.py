@@ -7,7 +7,8 @@ speed, and the host's cost per eager op and per tp collective from the host prob
 `predicted_step_s_assumed` is the same prediction with the preset's assumed terms, and
 `predicted_step_s_row_host` the first with the host's costs scaled to its speed while the row ran.
 Errors are (predicted - measured) / measured, in percent; a host-paced row measured twice
-(planner_multi.py) is compared at its faster visit, and at its first in `step_err_pct_first_visit`.
+(planner_multi.py) is compared at its faster visit, and every row at its first visit in
+`step_err_pct_first_visit` (the same as `step_err_pct` for a row visited once).
 Peak = `max_memory_allocated` (fullest rank) against the planner's peak_allocated; total = reserved +
 outside the allocator (the job's smallest: later rows' counts hold earlier rows' communicators)
 against the planner's total (peak + allowance); saved = autograd's saved bytes of one micro-batch

@@ -10,9 +10,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from planner_multi import _read  # noqa: E402
 
 
-def _row(step_s: float, peak: float, reserved: float, loop_us: float) -> dict:
+def _row(step_s: float, peak: float, reserved: float, loop_us: float, freed: bool = True) -> dict:
     return {"measured_step_s": step_s, "step_times_s": [step_s] * 2, "host_loop_us": loop_us,
-            "measured_peak_gib": peak, "measured_reserved_gib": reserved, "outside_allocator_gib": 0.5}
+            "measured_peak_gib": peak, "measured_peak_per_rank_gib": [peak, peak - 0.1],
+            "measured_reserved_gib": reserved, "outside_allocator_gib": 0.5, "left_allocated_gib": 0.0,
+            "model_freed": freed}
 
 
 def test_revisit_keeps_the_faster_visit_and_the_larger_peak(tmp_path):
@@ -26,7 +28,8 @@ def test_revisit_keeps_the_faster_visit_and_the_larger_peak(tmp_path):
               {"record": "start", "name": "moe"},
               {"record": "row", "name": "moe", **_row(0.10, 3.0, 4.0, 0.3)},
               {"record": "skipped", "name": "late"},
-              {"record": "revisit", "name": "moe", **_row(0.12, 3.5, 3.5, 0.6)},  # slower, a larger peak
+              {"record": "revisit", "name": "moe", **_row(0.12, 3.5, 3.5, 0.6, freed=False)},  # slower, larger peak
+              {"record": "revisit", "name": "late", **_row(0.12, 1.0, 1.0, 0.6)},  # never measured here: ignored
               {"record": "revisit", "name": "tp2", **_row(0.20, 1.9, 3.2, 0.3)}]  # faster, a smaller peak
     path = tmp_path / "events.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -41,6 +44,8 @@ def test_revisit_keeps_the_faster_visit_and_the_larger_peak(tmp_path):
     assert moe["measured_step_s"] == 0.10 and moe["host_loop_us"] == 0.3
     assert moe["visits_s"] == [0.10, 0.12] and moe["first_visit_step_s"] == 0.10
     assert moe["measured_peak_gib"] == 3.5 and moe["measured_reserved_gib"] == 4.0
+    assert moe["measured_peak_per_rank_gib"] == [3.5, 3.4] and moe["model_freed"] is False  # a leak is kept
+    assert tp2["measured_peak_per_rank_gib"] == [2.0, 1.9] and tp2["model_freed"] is True
     pp2 = results["pp2"]  # one visit
     assert pp2["visits_s"] == [0.20] and pp2["first_visit_step_s"] == 0.20 and pp2["measured_peak_gib"] == 4.0
     assert "skipped" in results["late"]
