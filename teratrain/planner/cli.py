@@ -139,8 +139,8 @@ HOST_PACED = ("the chosen layout's eager step is host-paced (the host takes long
 # at ep=2 on 2 x H200 no change (121.2 and 121.3 ms), so the note starts above ep=2.
 EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA graphs: train.compile_overlap=true "
                           "lets inductor launch each all-to-all early and wait for it late, under the experts' "
-                          "GEMMs; at ep=4 on 4 x H200 it hid the exchange from 16.0% to 11.3% of the step and "
-                          "made the step 3.8% shorter (the planner does not model this)")
+                          "GEMMs; at ep=4 on 4 x H200 (one run) it cut the exchange's exposed share of the step "
+                          "from 16.0% to 11.3% and the step by 3.8% (the planner does not model this)")
 
 
 # Measured on 2 x H200 (bench/README.md, "Compiled ZeRO-3 and FSDP2"): compiled ZeRO-3 1.12x and 1.19x
