@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 from planner_multi import run_rows
 from planner_report import compare, device_gpu, markdown, measured_hw, pick_check, summary
-from planner_rows import BUILD_S, COMMON, full_sets, predict, probe_rows, rows_for, size_layers
+from planner_rows import BUILD_S, COMMON, full_sets, probe_rows, rows_for, size_layers
 
 WARMUP, STEPS = 2, 4
 
@@ -36,28 +36,18 @@ def _checked(rows: list[dict]) -> dict[str, dict]:
     return bad
 
 
-def _host_paced(sets: list[str], n: int, gpu, smoke: bool) -> bool:
-    """Whether the planner expects the host to pace this row (its host time at least 0.8 of its GPU
-    time; every tiny smoke row is): the host CPU's speed shifts for seconds at a time on leased
-    machines, so planner_multi.py measures such a row a second time and keeps the faster visit."""
-    terms = predict(sets, n, gpu, "cpu" if smoke else "cuda").time.terms
-    return terms["host_s"] >= 0.8 * terms["gpu_s"]
-
-
 def validate_gpus(args) -> dict:
     n, smoke = args.gpus, args.smoke
     deadline = time.time() + args.budget_s
     gpu = device_gpu(smoke)
     rows = [r for r in rows_for(n, smoke) if not args.only or args.only in r.name]
     steps = 1 if smoke else STEPS
-    if smoke:
-        layers, est = 2 * n, [{"est_s": 5.0}] * len(rows)  # pp x virtual stages divide it
+    if smoke:  # pp x virtual stages divide the layers; every tiny row is host-paced: each is visited twice
+        layers, est = 2 * n, [{"est_s": 5.0, "revisit": True}] * len(rows)
     else:  # the rows' share of the budget; the rest goes to start-up, NCCL and the machine's terms
         layers, est = size_layers(rows, n, gpu, 0.65 * args.budget_s, WARMUP + steps)
     payload = [{"name": r.name, "held_out": r.held_out, "sets": full_sets(r, layers, smoke), "est_s": e["est_s"],
-                "gpus": n} for r, e in zip(rows, est)]
-    for p in payload:
-        p["revisit"] = _host_paced(p["sets"], n, gpu, smoke)
+                "revisit": e["revisit"], "gpus": n} for r, e in zip(rows, est)]
     refused = _checked(payload)
     machine, results = run_rows([p for p in payload if p["name"] not in refused], n, smoke=smoke, steps=steps,
                                 warmup=1 if smoke else WARMUP, deadline=deadline, measure_machine=True,

@@ -176,14 +176,22 @@ def predict(sets: list[str], gpus: int, gpu, device: str = "cuda"):
     return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, gpus), gpu, device=device)
 
 
+def host_paced(cand) -> bool:
+    """Whether the planner expects the host to pace a row (its host time at least 0.8 of its GPU
+    time): the host CPU's speed shifts for seconds at a time on leased machines, so planner_multi.py
+    measures such a row a second time and keeps the faster visit."""
+    return cand.time.terms["host_s"] >= 0.8 * cand.time.terms["gpu_s"]
+
+
 def size_layers(rows: list[Row], gpus: int, gpu, budget_s: float, steps: int) -> tuple[int, list[dict]]:
     """The most layers for which every row fits MEMORY_SHARE of the GPU and all rows' steps and
-    builds fit `budget_s` (module docstring); with the planner's estimate for each row."""
+    builds fit `budget_s` (module docstring); with the planner's estimate for each row and whether
+    it expects the host to pace it (`host_paced`)."""
     for layers in LAYER_CHOICES:
         cands = [predict(full_sets(r, layers, False), gpus, gpu) for r in rows]
         need = sum(steps * c.time.step_time_s + BUILD_S for c in cands)
         if all(c.memory.total <= MEMORY_SHARE * gpu.memory_gib * 2**30 for c in cands) and need <= budget_s:
-            return layers, [{"name": r.name, "est_s": steps * c.time.step_time_s + BUILD_S}
+            return layers, [{"name": r.name, "est_s": steps * c.time.step_time_s + BUILD_S, "revisit": host_paced(c)}
                             for r, c in zip(rows, cands)]
     raise SystemExit(f"no model of {LAYER_CHOICES[-1]} layers or more fits the budget of {budget_s:g} s on this "
                      "GPU; give a larger --budget-s")
