@@ -51,7 +51,7 @@ def validate_gpus(args) -> dict:
     refused = _checked(payload)
     machine, results = run_rows([p for p in payload if p["name"] not in refused], n, smoke=smoke, steps=steps,
                                 warmup=1 if smoke else WARMUP, deadline=deadline, measure_machine=True,
-                                probes=probe_rows(n, smoke))
+                                probes=probe_rows(n, smoke), relaunches=args.relaunches)
     results.update(refused)
     hw, fits, host = measured_hw(machine)
     if machine and "device" in machine:

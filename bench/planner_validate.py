@@ -216,6 +216,8 @@ def main() -> int:
                     "next 5 candidates")
     ap.add_argument("--hw-file", help="with --check-pick: plan with the terms a --gpus run measured")
     ap.add_argument("--budget-s", type=float, default=240.0, help="with --gpus: wall-time budget in seconds")
+    ap.add_argument("--relaunches", type=int, default=2, help="with --gpus: jobs after the main one that run the host "
+                    "probe and the host-paced rows again in fresh processes, while the budget leaves time")
     ap.add_argument("--refit", metavar="RESULT", help="print what a --gpus result would change in the planner")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()

@@ -62,23 +62,26 @@ def test_determinism_probe_on_cpu(tmp_path):
 
 def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     """bench/planner_validate.py --gpus 2 in its CPU form, one row: the job measures the machine, then
-    the host probe's three layouts, whose fit (refit.fit_host) becomes the run's host terms, and each
-    row records the host's speed around it and its prediction at that speed."""
+    the host probe's four layouts, whose fit (refit.fit_host) becomes the run's host terms, and each
+    row records the host's speed around it and its prediction at that speed; one relaunch runs the
+    probe and the (host-paced) row again in fresh processes."""
     out = tmp_path / "planner.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planner_validate.py"), "--gpus", "2", "--smoke",
-                           "--only", "tp2 megatron+sp", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--only", "tp2 megatron+sp", "--relaunches", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     probe = result["host_probe"]["rows"]
     assert [p["name"] for p in probe] == ["probe dp", "probe tp2", "probe tp2 sp", "probe dp zero3"]
     assert probe[0]["collectives"] == 0 < probe[1]["collectives"] < probe[2]["collectives"]
     assert 0 < probe[0]["launches"] < probe[3]["launches"]
-    for p in probe:  # two passes, the faster one fitted
-        assert len(p["passes_s"]) == 2 and p["measured_s"] == min(p["passes_s"])
+    for p in probe:  # two passes in the main job, one in the relaunch: the fastest fitted
+        assert len(p["passes_s"]) == 3 and p["measured_s"] == min(p["passes_s"])
     assert result["hw"]["host_op_s"] > 0 and "host_collective_s" in result["hw"] and "host_launch_s" in result["hw"]
     (row,) = result["rows"]
     assert result["host_probe"]["host_loop_us"] > 0
     assert row["host_loop_us"] > 0 and row["predicted_step_s_row_host"] > 0 and row["measured_step_s"] > 0
+    assert len(row["visits_s"]) == 3 and row["measured_step_s"] == min(row["visits_s"])  # main job twice, relaunch
 
 
 def test_step_profile_runs_rows_in_order_on_cpu(tmp_path):

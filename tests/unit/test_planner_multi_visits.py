@@ -54,3 +54,26 @@ def test_revisit_keeps_the_faster_visit_and_the_larger_peak(tmp_path):
 
     # the driver reads the whole file again after a relaunch: the same figures, not a third visit
     assert _read(path, results, None) == machine and results["tp2"] == tp2 and results["moe"] == moe
+
+
+def test_a_relaunch_adds_a_probe_pass_and_a_visit(tmp_path):
+    """A relaunch (run_rows' `relaunches`) appends its probe pass and its revisits to the same events
+    file; a visit the deadline left no time for ("late") changes nothing."""
+    events = [{"record": "machine", "collectives": [], "world": 2},
+              {"record": "probe", "name": "probe dp", "sets": [], **_row(0.05, 1.0, 1.5, 0.4)},
+              {"record": "start", "name": "tp2"},
+              {"record": "row", "name": "tp2", **_row(0.30, 2.0, 3.0, 0.5)},
+              {"record": "start", "name": "pp2"},
+              {"record": "row", "name": "pp2", **_row(0.20, 4.0, 5.0, 0.4)},
+              # the relaunch: the probe once, then the host-paced rows
+              {"record": "probe", "name": "probe dp", "sets": [], **_row(0.04, 1.0, 1.5, 0.3)},
+              {"record": "revisit", "name": "tp2", **_row(0.25, 2.0, 3.0, 0.3)},
+              {"record": "late", "name": "pp2"}]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    results = {}
+    machine = _read(path, results, None)
+    (probe,) = machine["host_probe"]
+    assert probe["passes_s"] == [0.05, 0.04] and probe["measured_step_s"] == 0.04
+    assert results["tp2"]["visits_s"] == [0.30, 0.25] and results["tp2"]["measured_step_s"] == 0.25
+    assert results["pp2"]["visits_s"] == [0.20] and results["pp2"]["measured_step_s"] == 0.20
