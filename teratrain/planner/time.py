@@ -14,7 +14,8 @@ Terms, each with its source or assumption:
   masters) at hbm_gbps x mem efficiency.
 - MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs), the
   experts' at gpu.moe_efficiency of the dense rate (grouped GEMMs of a few hundred rows per expert,
-  the permutations around them: measured by bench/moe.py against the dense model); expert
+  the permutations around them: measured by bench/moe.py against the dense model; that overhead is
+  not split by tensor parallelism, which splits only the experts' weights: `moe_extra_flops`); expert
   parallelism adds 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
   backward; 6 when recomputation replays the forward), exposed; expert gradients reduce over dp/ep ranks.
 - communication: every collective of the step, alpha-beta priced per ring (planner/comm.py says
@@ -90,6 +91,23 @@ def model_flops(shape: ModelShape, tokens: float) -> float:
     """PaLM FLOPs for `tokens` tokens (no recomputation); MoE counts the active weights only: the
     router and the top_k experts a token visits (count_params' `matmul`)."""
     return flops_per_token(shape.cfg) * tokens
+
+
+def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
+    """What one rank's MoE layers cost beyond their experts' FLOPs at the dense rate, as FLOPs at that
+    rate: the experts run at gpu.moe_efficiency (small grouped GEMMs and the permutations around them).
+    Pipeline stages split it. Tensor parallelism does not: in the megatron form every tp rank routes
+    and permutes all of its tokens (parallel/tensor.py, the MoE region) and only the experts' weights
+    are split; the seeds' forms leave MoE layers whole on every tp rank, FLOPs too, so rank_flops'
+    division by tp is taken back. (Until session 15 this term was divided by tp like the FLOPs, and the
+    moe tp2 rows measured 16-28% over the planner on every recorded run.)"""
+    if moe == 0.0:
+        return 0.0
+    whole = moe / lay.pp
+    extra = whole * (1 / gpu.moe_efficiency - 1)
+    if lay.tp_form != "megatron":
+        extra += whole * (1 - 1 / lay.tp)
+    return extra
 
 
 def attention_flops(shape: ModelShape, tokens: float) -> float:
@@ -278,8 +296,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
     replay_attn = attn / 3 if lay.recompute != "none" else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
-    moe = rank_flops(shape, lay, moe_flops(shape, tokens), 0.0)  # the experts' share, at their own rate
-    compute_s = (flops + replay + moe * (1 / gpu.moe_efficiency - 1)) / gpu.sustained_flops(train.precision, c.d_model)
+    moe = moe_flops(shape, tokens)  # the experts' share, at their own rate
+    compute_s = (flops + replay + moe_extra_flops(lay, moe, gpu)) / gpu.sustained_flops(train.precision, c.d_model)
     ops = eager_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here

@@ -14,7 +14,7 @@ from teratrain.planner.layout import Layout
 from teratrain.planner.search import evaluate, search
 from teratrain.planner.states import model_states
 from teratrain.planner.comm import all_to_all_s, collective
-from teratrain.planner.time import model_flops
+from teratrain.planner.time import model_flops, moe_extra_flops, moe_flops
 
 H200 = GPUS["h200"]
 
@@ -45,6 +45,24 @@ def test_bytes_per_rank_under_ep():
         assert st["params"] == (dense + c["expert"] // ep) * 4
     z3 = model_states(shape, train, Layout(dp=8, ep=2, zero=3))["shard"]  # elements of this rank's shards
     assert z3 == pytest.approx(dense / 8 + c["expert"] / 2 / 4, rel=1e-3)
+
+
+def test_moe_overhead_is_not_split_by_tensor_parallelism():
+    """The experts' cost beyond their FLOPs (routing, permutation, small grouped GEMMs) is replicated on
+    every tp rank in the megatron form (only the experts' weights are split), and the seeds' forms leave
+    MoE layers whole: the planner takes back rank_flops' division by tp. Pipeline stages split both."""
+    shape, _ = _shape()
+    moe = moe_flops(shape, 4096)
+    over = moe * (1 / H200.moe_efficiency - 1)
+    assert moe_extra_flops(Layout(tp=1), moe, H200) == pytest.approx(over)
+    assert moe_extra_flops(Layout(tp=2), moe, H200) == pytest.approx(over)
+    assert moe_extra_flops(Layout(tp=2, pp=2), moe, H200) == pytest.approx(over / 2)
+    whole = moe_extra_flops(Layout(tp=4, tp_form="all-gather"), moe, H200)
+    assert whole == pytest.approx(over + moe * 3 / 4)  # rank_flops counted a quarter of the experts' FLOPs
+    assert moe_extra_flops(Layout(tp=2), 0.0, H200) == 0.0
+    dense_flops_rate = evaluate(shape, _shape()[1], Layout(dp=1, tp=2, micro_batch=1, num_microbatches=1), H200)
+    more = evaluate(shape, _shape()[1], Layout(dp=1, tp=2, micro_batch=1, num_microbatches=1, tp_form="all-gather"), H200)
+    assert more.time.compute_s > dense_flops_rate.time.compute_s  # the whole MoE layers on every rank
 
 
 def test_all_to_all_term():
