@@ -99,7 +99,13 @@ SESSION14 = {"h200x2-session14": (RESULTS / "planner_validate_h200x2_session14.j
              "h200x2-session15": (RESULTS / "planner_validate_h200x2_session15.json", (15, 12),
                                   {"peak": (15, 12), "step": (15, 12)}),
              "h200x2-session15b": (RESULTS / "planner_validate_h200x2_session15b.json", (15, 12),
-                                   {"peak": (15, 12), "step": (13, 11)})}
+                                   {"peak": (15, 12), "step": (13, 11)}),
+             # 4 x H200, 32 layers, one relaunch: every fit row's step within 15%; held out, tp4 all-gather
+             # +18.1% and tp2 dp2 zero3 +17.3% (their fastest visits), pp2 tp2 zb-h1 m8 -29.1% (-29..-31% on
+             # every 4-GPU run: ZB-H1 with tp is slower than its host and GPU terms say), moe tp2 dp2 ep2
+             # -21.7%, the offload row -15.0%; one peak out, moe dp4 ep4 zero1 -5.1% (random routing)
+             "h200x4-session15": (RESULTS / "planner_validate_h200x4_session15.json", (15, 13),
+                                  {"peak": (15, 12), "step": (15, 8)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
