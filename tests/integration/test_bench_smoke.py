@@ -84,6 +84,27 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert len(row["visits_s"]) == 3 and row["measured_step_s"] == min(row["visits_s"])  # main job twice, relaunch
 
 
+def test_collective_timeline_records_every_collective_on_cpu(tmp_path):
+    """bench/collective_timeline.py on 2 gloo ranks: every collective of a tp=2 probe step recorded on
+    both ranks with its launch and wait calls in order, and the summary made from the file it wrote."""
+    out = tmp_path / "timeline.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "bench" / "collective_timeline.py"), "--smoke", "--rows", "probe tp2",
+                           "--steps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    for rank in row["ranks"]:
+        (step,) = rank["steps"]
+        items = step["items"]
+        assert len(items) == 43 and all(i["what"] == "all-reduce" for i in items)  # the planner's 42, the norm's
+        for a, b in zip(items, items[1:]):
+            assert a["launch_us"] <= a["launched_us"] <= b["launch_us"] <= step["returned_us"] <= step["synced_us"]
+        assert all(i["launched_us"] <= i["wait_us"] <= i["waited_us"] for i in items)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "collective_timeline.py"), "--summarize", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "probe tp2" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_step_profile_runs_rows_in_order_on_cpu(tmp_path):
     """bench/step_profile.py through gpu_suite.sh's stepprof piece: a row named twice is measured twice,
     in order, each with its host's issue time, a profile and the host's speed."""
