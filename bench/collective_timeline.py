@@ -16,7 +16,8 @@ processes of one machine share), and on GPUs with a timing event on the current 
 and after the wait. Per rank and step the summary gives the host's time inside launch and wait calls, the
 host's gaps between collectives (its time issuing everything else), how far the host ran ahead of its
 GPU at each collective (`lead`: GPU arrival minus host launch; ~0 where the GPU waits on its own host) and
-the GPU's time inside collectives (transfer plus waiting for a later peer).
+the GPU's time inside collectives (transfer plus waiting for a later peer; a collective waited for later, as
+the data-parallel engines' buckets are, holds the compute issued in between: read that figure for tp rows).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import sync  # noqa: E402
 from planner_multi import _free, build_row  # noqa: E402
-from step_profile import row_sets  # noqa: E402
+from step_profile import measure, row_sets  # noqa: E402
 
 from teratrain.parallel import inflight  # noqa: E402
 
@@ -73,15 +75,10 @@ def _recorded_wait(self):
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def recorded_step(step, device: torch.device) -> dict:
     """One step with every collective recorded; times in microseconds from the step's start."""
     dist.barrier()
-    _sync(device)
+    sync(device)
     _STATE.update(items=[], tags={}, on=True)
     t0 = time.perf_counter_ns()
     e0 = _event() if _STATE["cuda"] else None
@@ -90,7 +87,7 @@ def recorded_step(step, device: torch.device) -> dict:
     finally:
         _STATE["on"] = False
     returned = time.perf_counter_ns()
-    _sync(device)
+    sync(device)
     synced = time.perf_counter_ns()
     items = []
     for it in _STATE["items"]:
@@ -180,16 +177,7 @@ def main() -> None:
     for name in args.rows:
         _free(device)
         step = build_row(row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke), 180, device, runtimes)[-1]
-        for _ in range(2 if args.smoke else 4):
-            step()
-        plain = []
-        for _ in range(3):
-            dist.barrier()
-            _sync(device)
-            t = time.perf_counter()
-            step()
-            _sync(device)
-            plain.append(round(1e3 * (time.perf_counter() - t), 3))
+        plain = measure(step, device, 2 if args.smoke else 4, 3)["steps_ms"]  # synchronized, nothing recorded
         mine = {"plain_ms": plain, "steps": [recorded_step(step, device) for _ in range(args.steps)]}
         ranks = [None] * n
         dist.all_gather_object(ranks, mine)
@@ -201,7 +189,9 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    from teratrain.mesh import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

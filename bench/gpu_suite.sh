@@ -27,7 +27,8 @@
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
 #              (FSDP2_ARGS: more arguments to both, e.g. "--compile --layers 16"; FSDP2_LIMIT replaces each 150 s)
 #   ddp        bench/ddp_compare.py at dp=N, eager and compiled (DDP_ARGS: more arguments)       240 s
-#   planner    bench/planner_validate.py --gpus N (with its relaunches), then --check-pick      610 s
+#   planner    bench/planner_validate.py --gpus N (its budget 420 s: 32 layers on an H200, the
+#              relaunches included), then --check-pick                                           610 s
 #   stepprof   bench/step_profile.py: host issue time, GPU idle and NCCL per rank of chosen layouts 240 s
 #              (STEPPROF_ROWS: the layouts, default the host probe's and the eager MoE rows; STEPPROF_LAYERS)
 #   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
@@ -77,7 +78,8 @@ for p in "$@"; do
                       --out "$out/fsdp2_8b.json"
                   piece fsdp2_1b "${FSDP2_LIMIT:-150}" "${tr[@]}" bench/fsdp2_compare.py --model llama-1b --micro-batch 4 \
                       ${FSDP2_ARGS:-} $smoke --out "$out/fsdp2_1b.json" ;;
-        planner)  piece planner 460 "$py" bench/planner_validate.py --gpus "$n" --budget-s 420 $smoke --table \
+        planner)  pb=$((budget - SECONDS - 40)); [ "$pb" -gt 420 ] && pb=420  # inside the piece's limit
+                  piece planner 460 "$py" bench/planner_validate.py --gpus "$n" --budget-s "$pb" $smoke --table \
                       --out "$out/planner.json"
                   piece pick 150 "$py" bench/planner_validate.py --gpus "$n" --check-pick --hw-file "$out/planner.json" \
                       $smoke --table --out "$out/pick.json" ;;

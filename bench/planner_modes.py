@@ -17,6 +17,10 @@ from planner_report import compare, device_gpu, markdown, measured_hw, pick_chec
 from planner_rows import BUILD_S, COMMON, full_sets, probe_rows, rows_for, size_layers
 
 WARMUP, STEPS = 2, 4
+# The share of --budget-s the rows' first visits may take (planner_rows.size_layers sizes the model to
+# it); with relaunches half: on 2 x H200 at 32 layers the first visits took ~230 s of a 315 s job
+# that ran two relaunches (session 15)
+ROWS_SHARE, ROWS_SHARE_RELAUNCHED = 0.65, 0.5
 
 
 def _checked(rows: list[dict]) -> dict[str, dict]:
@@ -44,8 +48,10 @@ def validate_gpus(args) -> dict:
     steps = 1 if smoke else STEPS
     if smoke:  # pp x virtual stages divide the layers; every tiny row is host-paced: each is visited twice
         layers, est = 2 * n, [{"est_s": 5.0, "revisit": True}] * len(rows)
-    else:  # the rows' share of the budget; the rest goes to start-up, NCCL and the machine's terms
-        layers, est = size_layers(rows, n, gpu, 0.65 * args.budget_s, WARMUP + steps)
+    else:  # the rows' first visits' share of the budget; the rest goes to start-up, NCCL, the machine's
+        # terms, the revisits and the relaunches (planner_multi.py)
+        share = ROWS_SHARE if args.relaunches == 0 else ROWS_SHARE_RELAUNCHED
+        layers, est = size_layers(rows, n, gpu, share * args.budget_s, WARMUP + steps)
     payload = [{"name": r.name, "held_out": r.held_out, "sets": full_sets(r, layers, smoke), "est_s": e["est_s"],
                 "revisit": e["revisit"], "gpus": n} for r, e in zip(rows, est)]
     refused = _checked(payload)

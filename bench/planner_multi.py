@@ -57,7 +57,8 @@ sys.path.insert(0, str(ROOT))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GIB = 2**30
 LAUNCHES = 3
-START_S = 30.0  # a torchrun job's start-up, NCCL's and the host probe's time (a relaunch), seconds
+START_S = 20.0  # a torchrun job's start-up and NCCL's, seconds
+PROBE_S = 15.0  # the host probe's four rows once, seconds
 
 
 # ---------------------------------------------------------------- driver
@@ -91,9 +92,11 @@ def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: i
         results[r["name"]] = {"skipped": "not run: the time budget or the launches ran out"}
     again = [r for r in rows if r.get("revisit") and "measured_step_s" in results.get(r["name"], {})]
     for i in range(relaunches if again else 0):
-        if time.time() + START_S + max(r["est_s"] for r in again) > deadline:  # the worker skips what is late
+        if time.time() + START_S + PROBE_S + again[0]["est_s"] > deadline:  # the worker skips what is late
             break
-        plan = {"rows": again[::-1] if i % 2 == 0 else again, "steps": steps, "warmup": warmup, "deadline": deadline,
+        # the main job's own revisits ran in reverse order: the first relaunch goes forward, so a deadline
+        # does not cut the same rows every time
+        plan = {"rows": again if i % 2 == 0 else again[::-1], "steps": steps, "warmup": warmup, "deadline": deadline,
                 "out": str(events), "device": "cpu" if smoke else "cuda", "smoke": smoke, "timeout_s": timeout_s,
                 "measure_machine": False, "probes": list(probes), "relaunch": True}
         (work / "plan.json").write_text(json.dumps(plan))
@@ -122,7 +125,7 @@ def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
         kind = e.pop("record")
         if kind == "machine":
             machine = e
-        elif kind == "probe":  # the host probe's rows (planner_rows.probe_rows), run twice
+        elif kind == "probe":  # the host probe's rows (planner_rows.probe_rows): twice, then once a relaunch
             probes[e["name"]] = _faster(probes.get(e["name"]), e, "passes_s")
         elif kind == "start":
             started = e["name"]
@@ -131,7 +134,7 @@ def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
             started = None
         elif kind == "revisit":  # after every row's first visit (module docstring)
             name = e.pop("name")
-            if "measured_step_s" in results.get(name, {}):  # a row measured in this job's first pass
+            if "measured_step_s" in results.get(name, {}):  # a row measured in the main job's pass
                 results[name] = _faster(results[name], e, "visits_s")
         elif kind == "late":  # a relaunch's visit the deadline left no time for: the row keeps its visits
             pass
@@ -187,13 +190,10 @@ def worker(plan_path: str) -> None:
             out.flush()
 
     runtimes: dict = {}
-    if plan["measure_machine"]:
-        from planner_rows import PROBE_STEPS, PROBE_WARMUP
-
-        emit({"record": "machine", **machine_terms(device, plan["smoke"])})  # kept if a probe ends the job
-        probe = {**plan, "steps": PROBE_STEPS, "warmup": PROBE_WARMUP}
     relaunch = plan.get("relaunch", False)
-    if plan["measure_machine"] or relaunch:
+    if relaunch and not _agree(time.time() + PROBE_S + plan["rows"][0]["est_s"] < plan["deadline"], device):
+        plan["rows"] = []  # no time for the probe and a visit: this relaunch adds nothing
+    elif plan["measure_machine"] or relaunch:
         from planner_rows import PROBE_STEPS, PROBE_WARMUP
 
         if plan["measure_machine"]:
@@ -307,6 +307,7 @@ def build_row(sets: list[str], timeout_s: float, device: torch.device, runtimes:
 
 
 def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> dict:
+    from common import sync
     from machine import host_loop_us
 
     from teratrain.planner.measure import saved_bytes
@@ -317,14 +318,14 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     loops = [host_loop_us()]
     for _ in range(plan["warmup"]):
         step()
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(plan["steps"]):
         t0 = time.perf_counter()
         stats = step()[0]
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     loops.append(host_loop_us())
     mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times],
@@ -367,11 +368,6 @@ def _combine(ranks: list[dict]) -> dict:
         out["measured_saved_bytes"] = max(r["saved"] for r in ranks)
         out["measured_saved_per_rank"] = [r["saved"] for r in ranks]
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ The H200 rows calibrate the calibrated defaults of teratrain/planner/hardware.py
 
 Several GPUs of one host (bench/planner_modes.py; one torchrun job, rows in the same processes):
 
-    python bench/planner_validate.py --gpus 2 --out r.json --table   # >= 20 layouts (planner_rows.py), ~4 min
+    python bench/planner_validate.py --gpus 2 --out r.json --table   # >= 20 layouts (planner_rows.py), ~5-6 min
     python bench/planner_validate.py --gpus 2 --check-pick --hw-file r.json --out pick.json --table
     python bench/planner_validate.py --refit r.json                  # the constants r.json would change
     python bench/planner_validate.py --gpus 2 --smoke [--check-pick] # 2 gloo CPU processes, tiny shapes
@@ -215,7 +215,8 @@ def main() -> int:
     ap.add_argument("--check-pick", action="store_true", help="with --gpus: measure the planner's pick and the "
                     "next 5 candidates")
     ap.add_argument("--hw-file", help="with --check-pick: plan with the terms a --gpus run measured")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="with --gpus: wall-time budget in seconds")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="with --gpus: wall-time budget in seconds (the "
+                    "rows' first visits get 65%% of it, 50%% with relaunches)")
     ap.add_argument("--relaunches", type=int, default=2, help="with --gpus: jobs after the main one that run the host "
                     "probe and the host-paced rows again in fresh processes, while the budget leaves time")
     ap.add_argument("--refit", metavar="RESULT", help="print what a --gpus result would change in the planner")

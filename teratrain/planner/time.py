@@ -99,8 +99,8 @@ def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
     Pipeline stages split it. Tensor parallelism does not: in the megatron form every tp rank routes
     and permutes all of its tokens (parallel/tensor.py, the MoE region) and only the experts' weights
     are split; the seeds' forms leave MoE layers whole on every tp rank, FLOPs too, so rank_flops'
-    division by tp is taken back. (Until session 15 this term was divided by tp like the FLOPs, and the
-    moe tp2 rows measured 16-28% over the planner on every recorded run.)"""
+    division by tp is taken back. (Until session 15 this term was divided by tp like the FLOPs; the MoE
+    rows with tp were planned fast in most recorded runs, by up to 28%.)"""
     if moe == 0.0:
         return 0.0
     whole = moe / lay.pp

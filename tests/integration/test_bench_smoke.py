@@ -92,11 +92,21 @@ def test_collective_timeline_records_every_collective_on_cpu(tmp_path):
                            str(ROOT / "bench" / "collective_timeline.py"), "--smoke", "--rows", "probe tp2",
                            "--steps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_profile import row_sets
+
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.time import issued_collectives
+
+    cfg = load_config(None, row_sets("probe tp2", 2, 4, True))
+    tp_collectives = issued_collectives(shape_of(cfg), training_of(cfg), layout_of(cfg, 2))
     (row,) = json.loads(out.read_text())["rows"]
     for rank in row["ranks"]:
         (step,) = rank["steps"]
         items = step["items"]
-        assert len(items) == 43 and all(i["what"] == "all-reduce" for i in items)  # the planner's 42, the norm's
+        # the tp collectives the planner counts, and the gradient norm's all-reduce over the ranks
+        assert len(items) == tp_collectives + 1 and all(i["what"] == "all-reduce" for i in items)
         for a, b in zip(items, items[1:]):
             assert a["launch_us"] <= a["launched_us"] <= b["launch_us"] <= step["returned_us"] <= step["synced_us"]
         assert all(i["launched_us"] <= i["wait_us"] <= i["waited_us"] for i in items)

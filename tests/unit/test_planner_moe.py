@@ -60,9 +60,15 @@ def test_moe_overhead_is_not_split_by_tensor_parallelism():
     whole = moe_extra_flops(Layout(tp=4, tp_form="all-gather"), moe, H200)
     assert whole == pytest.approx(over + moe * 3 / 4)  # rank_flops counted a quarter of the experts' FLOPs
     assert moe_extra_flops(Layout(tp=2), 0.0, H200) == 0.0
-    dense_flops_rate = evaluate(shape, _shape()[1], Layout(dp=1, tp=2, micro_batch=1, num_microbatches=1), H200)
-    more = evaluate(shape, _shape()[1], Layout(dp=1, tp=2, micro_batch=1, num_microbatches=1, tp_form="all-gather"), H200)
-    assert more.time.compute_s > dense_flops_rate.time.compute_s  # the whole MoE layers on every rank
+    # in the step: tp=2 (megatron form) halves the FLOPs but not the overhead, so the compute term is
+    # half of tp=1's plus half of the overhead's time
+    train = _shape()[1]
+    one, two = (evaluate(shape, train, Layout(dp=1, tp=tp, micro_batch=1, num_microbatches=1), H200).time
+                for tp in (1, 2))
+    tokens = shape.cfg.seq_len  # one micro-batch of one sequence
+    rate = H200.sustained_flops("bf16", shape.cfg.d_model)
+    overhead_s = moe_flops(shape, tokens) * (1 / H200.moe_efficiency - 1) / rate
+    assert two.compute_s - one.compute_s / 2 == pytest.approx(overhead_s / 2, rel=1e-9)
 
 
 def test_all_to_all_term():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import planner_multi  # noqa: E402
 from planner_multi import _read  # noqa: E402
 
 
@@ -77,3 +78,52 @@ def test_a_relaunch_adds_a_probe_pass_and_a_visit(tmp_path):
     assert probe["passes_s"] == [0.05, 0.04] and probe["measured_step_s"] == 0.04
     assert results["tp2"]["visits_s"] == [0.30, 0.25] and results["tp2"]["measured_step_s"] == 0.25
     assert results["pp2"]["visits_s"] == [0.20] and results["pp2"]["measured_step_s"] == 0.20
+
+
+def _fake_jobs(monkeypatch, steps: dict) -> list[dict]:
+    """Replace the torchrun job by one that writes what a worker would for its plan; the plans it got."""
+    plans = []
+
+    def launch(cmd, env, limit_s):
+        plan = json.loads(open(cmd[-1]).read())
+        plans.append(plan)
+        with open(plan["out"], "a") as out:
+            def emit(record):
+                out.write(json.dumps(record) + "\n")
+            if plan["measure_machine"]:
+                emit({"record": "machine", "collectives": [], "world": 2})
+            for p in plan["probes"] if plan.get("relaunch") else plan["probes"] * 2:
+                emit({"record": "probe", "name": p["name"], "sets": [], **_row(0.05 - 0.01 * len(plans), 1, 1, 0.3)})
+            for r in plan["rows"]:
+                kind = "revisit" if plan.get("relaunch") else "row"
+                emit({"record": kind, "name": r["name"], **_row(steps[r["name"]] * (1 + 0.1 * len(plans)), 1, 1, 0.3)})
+        return 0
+
+    monkeypatch.setattr(planner_multi, "_launch", launch)
+    return plans
+
+
+def test_run_rows_relaunches_the_host_paced_rows_in_alternating_order(monkeypatch):
+    """After the main job, each relaunch runs the probe and only the rows marked for a revisit that the main
+    job measured, forward first (the main job's own revisits ran in reverse), then reversed; none when the
+    deadline leaves no time for a start, the probe and a row."""
+    import time
+
+    steps = {"tp2": 0.3, "pp2": 0.2, "moe": 0.1}
+    rows = [{"name": "tp2", "sets": [], "est_s": 5.0, "revisit": True},
+            {"name": "pp2", "sets": [], "est_s": 5.0, "revisit": False},
+            {"name": "moe", "sets": [], "est_s": 5.0, "revisit": True}]
+    probes = [{"name": "probe dp", "sets": []}]
+    plans = _fake_jobs(monkeypatch, steps)
+    machine, results = planner_multi.run_rows(rows, 2, smoke=True, steps=1, warmup=1, deadline=time.time() + 600,
+                                              measure_machine=True, probes=probes, relaunches=2)
+    assert [p.get("relaunch", False) for p in plans] == [False, True, True]
+    assert [[r["name"] for r in p["rows"]] for p in plans[1:]] == [["tp2", "moe"], ["moe", "tp2"]]
+    assert len(results["tp2"]["visits_s"]) == 3 and len(results["pp2"]["visits_s"]) == 1
+    assert results["tp2"]["measured_step_s"] == min(results["tp2"]["visits_s"])
+    assert len(machine["host_probe"][0]["passes_s"]) == 4  # two in the main job, one a relaunch
+
+    plans = _fake_jobs(monkeypatch, steps)  # a deadline with time for the main job only
+    _, results = planner_multi.run_rows(rows, 2, smoke=True, steps=1, warmup=1, deadline=time.time() + 20,
+                                        measure_machine=True, probes=probes, relaunches=2)
+    assert len(plans) == 1 and len(results["tp2"]["visits_s"]) == 1
