@@ -76,15 +76,22 @@ def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: i
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            __file__, "--worker", str(work / "plan.json")]
     env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    for _ in range(LAUNCHES):
-        if not pending or time.time() > deadline:
-            break
-        plan = {"rows": pending, "steps": steps, "warmup": warmup, "deadline": deadline, "out": str(events),
+
+    def job(job_rows: list[dict], **kind) -> int:
+        """One torchrun job over `job_rows` (plus `kind`: measure_machine, relaunch); its events folded in."""
+        nonlocal machine
+        plan = {"rows": job_rows, "steps": steps, "warmup": warmup, "deadline": deadline, "out": str(events),
                 "device": "cpu" if smoke else "cuda", "smoke": smoke, "timeout_s": timeout_s,
-                "measure_machine": measure_machine and machine is None, "probes": list(probes)}
+                "probes": list(probes), **kind}
         (work / "plan.json").write_text(json.dumps(plan))
         returncode = _launch(cmd, env, max(60.0, deadline - time.time() + 2 * timeout_s + 60))
         machine = _read(events, results, machine)
+        return returncode
+
+    for _ in range(LAUNCHES):
+        if not pending or time.time() > deadline:
+            break
+        returncode = job(pending, measure_machine=measure_machine and machine is None)
         pending = [r for r in pending if r["name"] not in results]
         if returncode == 0:
             break
@@ -96,12 +103,7 @@ def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: i
             break
         # the main job's own revisits ran in reverse order: the first relaunch goes forward, so a deadline
         # does not cut the same rows every time
-        plan = {"rows": again if i % 2 == 0 else again[::-1], "steps": steps, "warmup": warmup, "deadline": deadline,
-                "out": str(events), "device": "cpu" if smoke else "cuda", "smoke": smoke, "timeout_s": timeout_s,
-                "measure_machine": False, "probes": list(probes), "relaunch": True}
-        (work / "plan.json").write_text(json.dumps(plan))
-        _launch(cmd, env, max(60.0, deadline - time.time() + 2 * timeout_s + 60))
-        machine = _read(events, results, machine)
+        job(again if i % 2 == 0 else again[::-1], measure_machine=False, relaunch=True)
     return machine, results
 
 
@@ -118,7 +120,8 @@ def _launch(cmd: list[str], env: dict, limit_s: float) -> int:
 
 
 def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
-    """Fold the job's events into `results`; a row started and never finished died with the job."""
+    """Fold the job's events into `results`; a row started and never finished died with the job. A
+    relaunch's "late" record (a visit the deadline left no time for) changes nothing."""
     started, probes = None, {}
     for line in events.read_text().splitlines() if events.exists() else []:
         e = json.loads(line)
@@ -136,8 +139,6 @@ def _read(events: Path, results: dict, machine: dict | None) -> dict | None:
             name = e.pop("name")
             if "measured_step_s" in results.get(name, {}):  # a row measured in the main job's pass
                 results[name] = _faster(results[name], e, "visits_s")
-        elif kind == "late":  # a relaunch's visit the deadline left no time for: the row keeps its visits
-            pass
         elif kind == "skipped":
             results[e.pop("name")] = {"skipped": "not run: the time budget ran out"}
             started = None
@@ -202,15 +203,15 @@ def worker(plan_path: str) -> None:
         # twice in the main job, the second pass reversed; once in a relaunch (`_faster` keeps the fastest)
         for p in plan["probes"] if relaunch else plan["probes"] + plan["probes"][::-1]:
             emit({"record": "probe", "name": p["name"], "sets": p["sets"], **measure_row(p, probe, device, runtimes)})
+    # a relaunch visits again the rows the main job measured: nothing to mark as started or skipped
+    late, visit = ("late", "revisit") if relaunch else ("skipped", "row")
     for row in plan["rows"]:
         if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
-            emit({"record": "skipped" if not relaunch else "late", "name": row["name"]})
+            emit({"record": late, "name": row["name"]})
             continue
-        if relaunch:  # the rows measured in the main job, visited again in fresh processes
-            emit({"record": "revisit", "name": row["name"], **measure_row(row, plan, device, runtimes)})
-            continue
-        emit({"record": "start", "name": row["name"]})
-        emit({"record": "row", "name": row["name"], **measure_row(row, plan, device, runtimes)})
+        if not relaunch:
+            emit({"record": "start", "name": row["name"]})
+        emit({"record": visit, "name": row["name"], **measure_row(row, plan, device, runtimes)})
     for row in [] if relaunch else [r for r in plan["rows"] if r.get("revisit")][::-1]:  # host-paced rows once more
         if not _agree(time.time() + row["est_s"] < plan["deadline"], device):
             break

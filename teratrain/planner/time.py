@@ -101,8 +101,6 @@ def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
     are split; the seeds' forms leave MoE layers whole on every tp rank, FLOPs too, so rank_flops'
     division by tp is taken back. (Until session 15 this term was divided by tp like the FLOPs; the MoE
     rows with tp were planned fast in most recorded runs, by up to 28%.)"""
-    if moe == 0.0:
-        return 0.0
     whole = moe / lay.pp
     extra = whole * (1 / gpu.moe_efficiency - 1)
     if lay.tp_form != "megatron":
