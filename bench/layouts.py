@@ -157,6 +157,7 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
     import torch
 
     from teratrain.checkpoint.state import seed_everything
+    from teratrain.collector import Collector
     from teratrain.data.loader import Batches
     from teratrain.models.protocol import model_flops_per_token
     from teratrain.models.transformer import Transformer
@@ -180,15 +181,17 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     losses, times = [], []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
-        micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))[::-1 if reverse else 1]
-        _, loss = run_step(micro, cfg.memory.precision, lr)
-        loss = loss.detach().float().clone()
-        all_reduce(loss, rt.dp_group, op=AVG)
-        losses.append(float(loss))  # synchronizes
-        times.append(time.perf_counter() - t0)
+    with Collector(tc.gc_every) as collector:  # the garbage collector as `teratrain train` runs it
+        for step in range(steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
+            micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))[::-1 if reverse else 1]
+            _, loss = run_step(micro, cfg.memory.precision, lr)
+            loss = loss.detach().float().clone()
+            all_reduce(loss, rt.dp_group, op=AVG)
+            losses.append(float(loss))  # synchronizes
+            times.append(time.perf_counter() - t0)
+            collector.step(step + 1)
     peak = torch.tensor([float(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else 0.0], device=dev)
     all_reduce(peak, rt.group("world"), op=MAX)
     out = {"losses": losses, "times": times, "peak_gib": float(peak) / 2**30,

@@ -311,23 +311,27 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     from common import sync
     from machine import host_loop_us
 
+    from teratrain.collector import Collector
     from teratrain.planner.measure import saved_bytes
 
     base, threads = _free(device), torch.get_num_threads()  # an offload row sets its own (memory/offload.py)
     cfg, rt, model, engine, micro, step = build_row(row["sets"], plan["timeout_s"], device, runtimes)
     precision = cfg.memory.precision
     loops = [host_loop_us()]
-    for _ in range(plan["warmup"]):
-        step()
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(plan["steps"]):
-        t0 = time.perf_counter()
-        stats = step()[0]
+    with Collector(cfg.train.gc_every) as collector:  # the garbage collector as `teratrain train` runs it
+        for i in range(plan["warmup"]):
+            step()
+            collector.step(i + 1)
         sync(device)
-        times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for i in range(plan["steps"]):
+            t0 = time.perf_counter()
+            stats = step()[0]
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            collector.step(plan["warmup"] + i + 1)
     loops.append(host_loop_us())
     mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times],
             "loop_us": statistics.mean(loops), "engine": dict(stats.metrics)}

@@ -72,18 +72,23 @@ def host_speed(device: torch.device, repeats: int = 3) -> dict:
 
 
 def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
-    for _ in range(warmup):
-        step()
-    sync(device)
-    issue, whole = [], []
-    for _ in range(steps):
-        dist.barrier()
+    from teratrain.collector import Collector
+
+    with Collector() as collector:  # the garbage collector as `teratrain train` runs it by default
+        for i in range(warmup):
+            step()
+            collector.step(i + 1)
         sync(device)
-        t0 = time.perf_counter()
-        step()
-        issue.append(time.perf_counter() - t0)
-        sync(device)
-        whole.append(time.perf_counter() - t0)
+        issue, whole = [], []
+        for i in range(steps):
+            dist.barrier()
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            issue.append(time.perf_counter() - t0)
+            sync(device)
+            whole.append(time.perf_counter() - t0)
+            collector.step(warmup + i + 1)
     return {"step_ms": round(1e3 * statistics.median(whole), 3), "issue_ms": round(1e3 * statistics.median(issue), 3),
             "steps_ms": [round(1e3 * t, 3) for t in whole]}
 

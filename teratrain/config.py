@@ -49,6 +49,10 @@ class TrainConfig(Section):
                                   "under it (a tensor-parallel backward's input-gradient all-reduce under the weight "
                                   "gradient's GEMM); torch's prototype passes, off by default (on with "
                                   "parallel.tp_overlap=chunked, whose pieces they schedule)")
+    gc_every: int = Field(0, ge=0, description="Python's garbage collector: 0 = automatic, over the objects made "
+                          "since training started only (the setup's are frozen, gc.freeze); N = automatic "
+                          "collection off, every rank collects every N steps (reference cycles then live until "
+                          "then)")
     deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
                                 "cuDNN attention's backward is not by default); some kernels run slower")
 

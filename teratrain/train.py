@@ -17,6 +17,7 @@ from torch import nn
 from teratrain import moe_metrics
 from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
+from teratrain.collector import Collector
 from teratrain.compat import release_compiled
 from teratrain.config import Config, ConfigError, load_config
 from teratrain.config_toml import to_toml
@@ -120,7 +121,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
     last, saved_at = {}, time.monotonic()
-    with _stop_after_step(cfg) as stop:
+    with _stop_after_step(cfg) as stop, Collector(tc.gc_every) as collector:
         for step in range(start, tc.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, peak_lr, cfg.optim.warmup_steps, cfg.schedule_steps, cfg.optim.schedule,
@@ -131,6 +132,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
             last = _record(step, stats, local_loss, lr, model, engine, rt, t0, tokens_per_step,
                            flops_tok * tokens_per_step / (peak * rt.dims.workers) if peak else None)
             done = step + 1
+            collector.step(done)  # after _record's collectives: every rank at the same step
             if step == start:
                 last["model_state_bytes"] = engine.last_state_bytes
             if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):

@@ -1,0 +1,54 @@
+"""Python's garbage collector during training.
+
+CPython's cyclic collector runs its oldest generation over every tracked object the process holds
+once enough objects have survived the younger ones. A training process holds hundreds of thousands
+(torch's modules and functions, the model's modules and parameters, the config), so each such
+collection stops the host for 100-160 ms (a 32-block model's last pipeline stage: 312k objects,
+154 ms on the CPU this repo is tested on). Where the host paces the step (tensor parallelism's small
+kernels, a split backward's graph walk) the GPU idles that long, and on a different step on each rank,
+so every rank waits for the slowest at the next collective.
+
+`Collector` freezes what exists when training starts (gc.freeze: the collector never visits those
+objects again, and they live the whole run anyway) and again after the first step (the optimizer's
+state, compiled code); a collection then visits only what the steps make (0.75 ms instead of 154 ms
+on the model above). With `every` > 0 automatic collection is off and every rank collects at the same
+steps (Megatron-LM's manual GC, torchtitan's gc_freq); reference cycles, and any GPU memory they hold,
+then live until the next of those steps.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+class Collector:
+    """`with Collector(every) as gc_: ... gc_.step(done)` around a training loop (see the module)."""
+
+    def __init__(self, every: int = 0):
+        self.every, self.steps, self._was_enabled = every, 0, True
+
+    def __enter__(self) -> Collector:
+        self._was_enabled = gc.isenabled()
+        _freeze()
+        if self.every:
+            gc.disable()
+        return self
+
+    def step(self, done: int) -> None:
+        """After optimizer step `done` (1-based), on every rank alike."""
+        self.steps += 1
+        if self.steps == 1:  # what the first step built for good (optimizer state, compiled code)
+            _freeze()
+        elif self.every and done % self.every == 0:
+            gc.collect()
+
+    def __exit__(self, *exc) -> None:
+        if self._was_enabled:
+            gc.enable()
+        gc.unfreeze()  # the run's objects can be collected again once it ends (tests, notebooks)
+
+
+def _freeze() -> None:
+    """Collect first: garbage frozen in a cycle would never be freed."""
+    gc.collect()
+    gc.freeze()

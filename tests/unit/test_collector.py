@@ -1,0 +1,68 @@
+"""teratrain/collector.py: the training loop's garbage-collector policy."""
+
+import gc
+
+import pytest
+
+from teratrain.collector import Collector
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.fixture(autouse=True)
+def _restore_gc():
+    was = gc.isenabled()
+    yield
+    gc.unfreeze()
+    gc.enable() if was else gc.disable()
+
+
+def test_setup_objects_are_frozen_and_released_at_the_end():
+    before = gc.get_freeze_count()
+    setup = [_Cycle() for _ in range(100)]
+    with Collector() as c:
+        assert gc.get_freeze_count() >= before + 100  # the setup's objects: never visited again
+        assert gc.isenabled()  # automatic collection stays on over the new objects
+        frozen = gc.get_freeze_count()
+        made = [_Cycle() for _ in range(50)]  # the first step's long-lived objects
+        c.step(1)
+        assert gc.get_freeze_count() >= frozen + 50
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    del setup, made
+
+
+def test_a_cycle_dropped_before_the_start_is_collected_not_frozen():
+    import weakref
+
+    x = _Cycle()
+    ref = weakref.ref(x)
+    del x  # unreachable but alive: only the collector frees a cycle
+    with Collector():
+        assert ref() is None
+
+
+def test_manual_collects_on_every_nth_step_on_every_rank_alike():
+    import weakref
+
+    with Collector(every=3) as c:
+        assert not gc.isenabled()
+        c.step(1)  # the first step freezes
+        x = _Cycle()
+        ref = weakref.ref(x)
+        del x
+        c.step(2)
+        assert ref() is not None  # automatic collection is off
+        c.step(3)
+        assert ref() is None
+    assert gc.isenabled()
+
+
+def test_gc_every_is_a_train_setting():
+    from teratrain.config import ConfigError, load_config
+
+    assert load_config(None, ["train.gc_every=50"]).train.gc_every == 50
+    with pytest.raises(ConfigError):
+        load_config(None, ["train.gc_every=-1"])
