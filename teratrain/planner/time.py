@@ -58,6 +58,16 @@ OPS_OUTSIDE = 60
 # an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
 # GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
 OPS_MOE_EXTRA = (105, 57)
+# A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
+# block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
+# saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
+# Counted with a TorchDispatchMode over the last stage's program at two depths (bench/split_cost.py:
+# 74.0 in fp32 on CPU and in bf16 on an H200; tests/unit/test_planner_split_ops.py counts it again).
+# None launches a kernel: the host alone pays, 0.82-0.94x the stage's average op on an H200 host (the
+# split added 1.2-1.4 ms a block and micro-batch, 25-28% of the last stage's host-paced step at 4 and
+# 16 blocks; bench/README.md, "ZB-H1's host cost"), priced here at the average op. The first stage
+# does not split (no input gradient to send); the last one does, and the host paces it.
+OPS_SPLIT_EXTRA = 74
 # fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied inside
 # the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8)
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
@@ -255,10 +265,18 @@ def launch_s(gpu: GPU) -> float:
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
     """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s), every
     tensor- and expert-parallel collective `issued_collectives` counts (gpu.host_collective_s) and
-    every launch of the data-parallel engines (`launch_s`). When the GPU's work per op is short
+    every launch of the data-parallel engines (`launch_s`), and a split backward's extra ops (`split_ops`).
+    When the GPU's work per op is short
     (tensor parallelism splits every matmul) the GPU waits on it."""
-    return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
+    return ((ops + split_ops(shape, lay)) * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
+
+
+def split_ops(shape: ModelShape, lay: Layout) -> float:
+    """The host's ops beyond `eager_ops` on a stage whose backward is split (OPS_SPLIT_EXTRA)."""
+    if not pipeline.splits_backward(lay):
+        return 0.0
+    return stage_params(shape, lay)["layers"] * OPS_SPLIT_EXTRA * lay.num_microbatches
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
@@ -316,8 +334,9 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # host issues nothing per op, and the GPU's timeline is the step (graphed tp on 2 and 4 H200s: the
     # planner 0.4-9.7% over it, tests/unit/test_planner_recorded.py). Their memory pools are not modelled.
     issue_s = 0.0 if train.graphed else host_s(shape, train, lay, gpu, ops)
-    # ZB-H1's split backward costs nothing extra: I is one autograd call and W launches B's own weight
-    # kernels (parallel/pipeline/backward.py; I + W measured at 1.03-1.05x B on 4 x H100, bench/README.md)
+    # ZB-H1's split backward costs the GPU nothing extra: I is one autograd call and W launches B's own
+    # weight kernels (parallel/pipeline/backward.py; I + W measured at 1.03-1.05x B on 4 x H100,
+    # bench/README.md); its host pays more (split_ops, in host_s)
     waits = _readback_s(shape, train, lay, gpu, busy)  # the GPU waits on the host
     critical = max(busy + exposed, issue_s) + waits
     bubble_s = 0.0

@@ -47,7 +47,14 @@ REACHED_H200X2 = {"peak": (9, 5), "step": (12, 9)}
 # backward and the experts' stacked weights in bf16) and the pipeline bench's
 # (test_pipeline_bench_peaks_after_the_gradient_change).
 SESSION6 = RESULTS / "planner_validate_h200x4_session6.json"
-REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
+# Held-out step floors 12 -> 11 for session 6 and 9 since the planner charges ZB-H1's split backward its
+# host ops (time.OPS_SPLIT_EXTRA, session 16): their pp2 tp2 zb-h1 m8 rows, 4 blocks a stage, measured at
+# 1F1B's rate a micro-batch (271 and 313 ms against 2 x 136 and 2 x 148) and are now planned +15.1% and
+# +21.5% over; the same row measured 1.13x and 1.30x 1F1B's rate in sessions 13 and 15 (-14.6% and
+# -17.6% now, -30.8% and -29.1% before), and one stage's program alone on an H200 host ran 1.25-1.28x
+# at 4 blocks (bench/split_cost.py). Over the six recorded 4-GPU runs the row's mean error went from
+# -10.4% to +3.6% (root mean square 17.9% to 15.2%).
+REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 11)}
 # The same 28 layouts on 4 x H200 in session 9, with sessions 7 and 8's planner and engine changes:
 # every peak within 5%; the step misses are dp4 zero2/zero3 (-17%, -19%), the offload row (-16%) and the
 # three eager MoE rows (-24..-30%), all measured slower than session 6 (dp4 zero1 96 against 83 ms,
@@ -56,7 +63,7 @@ REACHED_SESSION6 = {"peak": (15, 13), "step": (14, 12)}
 # 8% (dp4 zero1 294 and 291 ms, moe dp4 ep4 zero1 217 and 200); the 8-layer shapes, which the host
 # paces, were not compared in one job.
 SESSION9 = RESULTS / "planner_validate_h200x4_session9.json"
-REACHED_SESSION9 = {"peak": (15, 13), "step": (13, 12)}
+REACHED_SESSION9 = {"peak": (15, 13), "step": (13, 11)}  # held out 12 -> 11: see REACHED_SESSION6
 PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
 # Session 12, on 4 x H100 (the card's first runs since session 5's; the host probe fitted on each): the
 # 28 layouts at 4 GPUs (8 layers) and the 27 at 2 GPUs of the same machine (16 layers). 4 GPUs: steps
@@ -77,8 +84,8 @@ SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.j
 # tp2 rows at 4 GPUs are 21-31% under where session 12's were within 15% but one, and the offload rows ran
 # the host step on 16 CPU threads a rank (32 at 2 GPUs) with host rates measured on 50M parameters, 1.8x
 # and 2.6x the rates at a shard's size (bench/machine.py HOST_NUMEL since).
-SESSION13 = {"h100x4-session13": (RESULTS / "planner_validate_h100x4_session13.json", (15, 13),
-                                  {"peak": (15, 12), "step": (12, 9)}),
+SESSION13 = {"h100x4-session13": (RESULTS / "planner_validate_h100x4_session13.json", (15, 13),  # ZB-H1 x tp
+                                  {"peak": (15, 12), "step": (12, 10)}),  # within 15% since OPS_SPLIT_EXTRA
              "h100x2-session13": (RESULTS / "planner_validate_h100x2of4_session13.json", (15, 12),
                                   {"peak": (15, 12), "step": (14, 8)})}
 # Session 14, on 2 x H200 (fresh machines, 32 layers), `--gpus 2` twice: the probe's two passes (both runs)

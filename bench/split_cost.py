@@ -1,0 +1,118 @@
+"""What ZB-H1's split backward costs the host: the last stage of pp=2 x tp=2 (the split one: the first
+stage has no input gradient to send and runs one backward) at two depths, ZB-H1 against 1F1B at the
+same 8 micro-batches. One process runs that rank's program alone on a fake process group (no
+communication: every collective returns at once), so the step is the host's and one GPU measures it.
+
+    python bench/split_cost.py --layers 8 32 --out split.json                # one GPU, ~2 min
+    python bench/split_cost.py --smoke --layers 4 8 --count-only             # CPU, op counts only
+
+Per depth: the aten ops of one step of each schedule (a TorchDispatchMode, as planner/time.py counts
+OPS_PER_BLOCK), the median step over `--rounds` alternating rounds of `--steps` steps under the
+trainer's garbage-collector policy (teratrain.collector), and from those the split's extra ops and
+milliseconds per block and micro-batch. planner/time.py's OPS_SPLIT_EXTRA is the ops figure; the
+milliseconds over the ops say what one of them costs against the step's average op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, sync
+from planner_multi import build_row
+from planner_rows import Row, _pp, full_sets
+
+WORLD, RANK, MICRO = 4, 2, 8  # pp=2 x tp=2: rank 2 is the last stage's first tp rank
+TINY = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128", "model.seq_len=32",
+        "model.vocab_size=512"]
+
+
+def count_ops(step) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        step()
+    return c.n
+
+
+def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
+    from teratrain.collector import Collector
+
+    steps, ops = {}, {}
+    for schedule in ("1f1b", "zb-h1"):
+        sets = full_sets(Row(schedule, _pp(schedule, 2, MICRO, extra=("parallel.tp=2",))), layers, args.smoke)
+        step = build_row(sets + (TINY if args.smoke else []), 120, device, runtimes)[-1]
+        for _ in range(3):
+            step()
+        steps[schedule], ops[schedule] = step, count_ops(step)
+    blocks = layers // 2
+    out = {"layers": layers, "blocks_per_stage": blocks, "microbatches": MICRO, "ops": ops,
+           "split_extra_ops_per_block_mb": (ops["zb-h1"] - ops["1f1b"]) / blocks / MICRO}
+    if args.count_only:
+        return out
+    times = collections.defaultdict(list)
+    with Collector() as collector:
+        done = 0
+        for _ in range(args.rounds):
+            for schedule, step in steps.items():
+                for _ in range(args.steps):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    step()
+                    sync(device)
+                    times[schedule].append(time.perf_counter() - t0)
+                    done += 1
+                    collector.step(done)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    extra_ms = (med["zb-h1"] - med["1f1b"]) / blocks / MICRO
+    out.update(median_ms=med, steps_ms={k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
+               split_extra_ms_per_block_mb=extra_ms, us_per_1f1b_op=med["1f1b"] / ops["1f1b"] * 1e3,
+               us_per_split_op=extra_ms / out["split_extra_ops_per_block_mb"] * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 32], help="the model's layers (a stage: half)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="steps of each schedule a round")
+    ap.add_argument("--count-only", action="store_true", help="count the ops, time nothing")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update(RANK=str(RANK), WORLD_SIZE=str(WORLD), LOCAL_RANK="0")
+    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    runtimes: dict = {}
+    rows = [depth(n, args, device, runtimes) for n in args.layers]
+    result = {"bench": "split_cost", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "rank": RANK, "world": WORLD, "depths": rows}
+    if len(rows) >= 2:  # per block from the difference of two depths: the head's share drops out
+        a, b = rows[0], rows[-1]
+        result["split_extra_ops_per_block_mb_slope"] = (
+            (b["ops"]["zb-h1"] - b["ops"]["1f1b"]) - (a["ops"]["zb-h1"] - a["ops"]["1f1b"])) / (
+            (b["blocks_per_stage"] - a["blocks_per_stage"]) * MICRO)
+    emit(result, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
