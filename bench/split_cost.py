@@ -2,9 +2,14 @@
 stage has no input gradient to send and runs one backward) at two depths, ZB-H1 against 1F1B at the
 same 8 micro-batches. One process runs that rank's program alone on a fake process group (no
 communication: every collective returns at once), so the step is the host's and one GPU measures it.
+Under torchrun (`--real`) every rank runs its own program over the real process group instead: pp=2
+on 2 processes, pp=2 x tp=2 on 4; `--small` takes the host probe's model (planner_rows.probe_rows:
+kernels of microseconds, so the host paces every layout) to see whether the split's host time reaches
+the step of a real pipeline.
 
     python bench/split_cost.py --layers 8 32 --out split.json                # one GPU, ~2 min
     python bench/split_cost.py --smoke --layers 4 8 --count-only             # CPU, op counts only
+    torchrun --nproc-per-node 2 bench/split_cost.py --real --small --layers 8 32 --out split2.json
 
 Per depth: the aten ops of one step of each schedule (a TorchDispatchMode, as planner/time.py counts
 OPS_PER_BLOCK), the median step over `--rounds` alternating rounds of `--steps` steps under the
@@ -34,6 +39,8 @@ from planner_rows import Row, _pp, full_sets
 WORLD, RANK, MICRO = 4, 2, 8  # pp=2 x tp=2: rank 2 is the last stage's first tp rank
 TINY = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128", "model.seq_len=32",
         "model.vocab_size=512"]
+SMALL = ["model.d_model=256", "model.n_heads=16", "model.n_kv_heads=4", "model.d_ff=512", "model.seq_len=128",
+         "model.vocab_size=1024"]  # the host probe's (planner_rows.probe_rows)
 
 
 def count_ops(step) -> int:
@@ -55,9 +62,10 @@ def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
     from teratrain.collector import Collector
 
     steps, ops = {}, {}
+    tp = ("parallel.tp=2",) if dist.get_world_size() == 4 else ()
     for schedule in ("1f1b", "zb-h1"):
-        sets = full_sets(Row(schedule, _pp(schedule, 2, MICRO, extra=("parallel.tp=2",))), layers, args.smoke)
-        step = build_row(sets + (TINY if args.smoke else []), 120, device, runtimes)[-1]
+        sets = full_sets(Row(schedule, _pp(schedule, 2, MICRO, extra=tp)), layers, args.smoke)
+        step = build_row(sets + (TINY if args.smoke else SMALL if args.small else []), 120, device, runtimes)[-1]
         for _ in range(3):
             step()
         steps[schedule], ops[schedule] = step, count_ops(step)
@@ -73,6 +81,8 @@ def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
             for schedule, step in steps.items():
                 for _ in range(args.steps):
                     sync(device)
+                    if args.real:
+                        dist.barrier()
                     t0 = time.perf_counter()
                     step()
                     sync(device)
@@ -83,7 +93,8 @@ def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
     extra_ms = (med["zb-h1"] - med["1f1b"]) / blocks / MICRO
     out.update(median_ms=med, steps_ms={k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
                split_extra_ms_per_block_mb=extra_ms, us_per_1f1b_op=med["1f1b"] / ops["1f1b"] * 1e3,
-               us_per_split_op=extra_ms / out["split_extra_ops_per_block_mb"] * 1e3)
+               us_per_split_op=extra_ms / out["split_extra_ops_per_block_mb"] * 1e3
+               if out["split_extra_ops_per_block_mb"] else None)  # the first stage does not split
     return out
 
 
@@ -94,23 +105,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps of each schedule a round")
     ap.add_argument("--count-only", action="store_true", help="count the ops, time nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes")
+    ap.add_argument("--real", action="store_true", help="under torchrun: every rank, the real process group")
+    ap.add_argument("--small", action="store_true", help="the host probe's model (a host-paced step)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    cuda = torch.cuda.is_available() and not args.smoke
+    if args.real:
+        local = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if dist.get_world_size() not in (2, 4):
+            raise SystemExit("--real runs pp=2 on 2 processes or pp=2 x tp=2 on 4")
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    os.environ.update(RANK=str(RANK), WORLD_SIZE=str(WORLD), LOCAL_RANK="0")
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        os.environ.update(RANK=str(RANK), WORLD_SIZE=str(WORLD), LOCAL_RANK="0")
+        dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+        device = torch.device("cuda" if cuda else "cpu")
     runtimes: dict = {}
     rows = [depth(n, args, device, runtimes) for n in args.layers]
     result = {"bench": "split_cost", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "rank": RANK, "world": WORLD, "depths": rows}
+              "torch": torch.__version__, "rank": dist.get_rank(), "world": dist.get_world_size(),
+              "real": args.real, "small": args.small, "depths": rows}
     if len(rows) >= 2:  # per block from the difference of two depths: the head's share drops out
         a, b = rows[0], rows[-1]
         result["split_extra_ops_per_block_mb_slope"] = (
             (b["ops"]["zb-h1"] - b["ops"]["1f1b"]) - (a["ops"]["zb-h1"] - a["ops"]["1f1b"])) / (
             (b["blocks_per_stage"] - a["blocks_per_stage"]) * MICRO)
-    emit(result, args.out)
+    if dist.get_rank() == (dist.get_world_size() - 1 if args.real else RANK):  # a rank of the last stage
+        emit(result, args.out)
     dist.destroy_process_group()
 
 
