@@ -112,7 +112,13 @@ SESSION14 = {"h200x2-session14": (RESULTS / "planner_validate_h200x2_session14.j
              # every 4-GPU run: ZB-H1 with tp is slower than its host and GPU terms say), moe tp2 dp2 ep2
              # -21.7%, the offload row -15.0%; one peak out, moe dp4 ep4 zero1 -5.1% (random routing)
              "h200x4-session15": (RESULTS / "planner_validate_h200x4_session15.json", (15, 13),
-                                  {"peak": (15, 12), "step": (15, 8)})}
+                                  {"peak": (15, 12), "step": (15, 8)}),
+             # Session 16, 2 x H200, two relaunches, the trainer's garbage-collector policy in every row
+             # (teratrain/collector.py): every peak within 5%; steps out: tp2 all-gather +16.7%, tp2
+             # all-reduce +27.3% (their four visits 481-565 and 441-589 ms; this machine's probe fitted 0.39
+             # ms a tp collective, session 15's 0.25-0.32), moe dp2 ep1 -15.1% (under in every run)
+             "h200x2-session16": (RESULTS / "planner_validate_h200x2_session16.json", (15, 12),
+                                  {"peak": (15, 12), "step": (13, 11)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
