@@ -3,8 +3,8 @@
 CPython's cyclic collector runs its oldest generation over every tracked object the process holds
 once enough objects have survived the younger ones. A training process holds hundreds of thousands
 (torch's modules and functions, the model's modules and parameters, the config), so each such
-collection stops the host for 100-160 ms (a 32-block model's last pipeline stage: 312k objects,
-154 ms on the CPU this repo is tested on). Where the host paces the step (tensor parallelism's small
+collection stops the host for 100-180 ms (a 32-block model's last pipeline stage: 312k objects,
+154 ms on the CPU this repo is tested on; 134-175 ms on an H200's host). Where the host paces the step (tensor parallelism's small
 kernels, a split backward's graph walk) the GPU idles that long, and on a different step on each rank,
 so every rank waits for the slowest at the next collective.
 
