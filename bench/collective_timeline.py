@@ -41,6 +41,7 @@ from common import sync  # noqa: E402
 from planner_multi import _free, build_row  # noqa: E402
 from step_profile import measure, row_sets  # noqa: E402
 
+from teratrain.collector import Collector  # noqa: E402
 from teratrain.parallel import inflight  # noqa: E402
 
 _STATE = {"on": False, "cuda": False, "items": [], "tags": {}}
@@ -176,9 +177,12 @@ def main() -> None:
     runtimes: dict = {}
     for name in args.rows:
         _free(device)
-        step = build_row(row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke), 180, device, runtimes)[-1]
-        plain = measure(step, device, 2 if args.smoke else 4, 3)["steps_ms"]  # synchronized, nothing recorded
-        mine = {"plain_ms": plain, "steps": [recorded_step(step, device) for _ in range(args.steps)]}
+        built = build_row(row_sets(name, n, 2 * n if args.smoke else args.layers, args.smoke), 180, device, runtimes)
+        step = built[-1]
+        with Collector(built[0].train.gc_every) as collector:  # the garbage collector as `teratrain train` runs it
+            plain = measure(step, device, 2 if args.smoke else 4, 3, collector)["steps_ms"]  # nothing recorded
+            mine = {"plain_ms": plain, "steps": [recorded_step(step, device) for _ in range(args.steps)]}
+        del built
         ranks = [None] * n
         dist.all_gather_object(ranks, mine)
         result["rows"].append({"name": name, "ranks": ranks})

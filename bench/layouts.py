@@ -185,7 +185,8 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
         for step in range(steps):
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)
-            micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))[::-1 if reverse else 1]
+            micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))
+            micro = micro[::-1] if reverse else micro
             _, loss = run_step(micro, cfg.memory.precision, lr)
             loss = loss.detach().float().clone()
             all_reduce(loss, rt.dp_group, op=AVG)

@@ -44,7 +44,7 @@ def moe(layers: int, smoke: bool = False) -> list[str]:
     return dense(max(4, layers // 2)) + experts + ["model.d_ff=4096"]
 
 
-def _pp(schedule: str, pp: int, m: int, mb: int = 2, dp: int = 1, extra: tuple = ()) -> tuple[str, ...]:
+def pipeline_sets(schedule: str, pp: int, m: int, mb: int = 2, dp: int = 1, extra: tuple = ()) -> tuple[str, ...]:
     v = 2 if schedule == "interleaved-1f1b" else 1
     return (f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
             f"train.global_batch={dp * m * mb}", f"train.micro_batch={mb}", *extra)
@@ -68,7 +68,7 @@ def _zero_rows(dp: int) -> list[Row]:
 def _sweep(schedule: str, pp: int, ms: tuple[int, ...]) -> list[Row]:
     """One schedule at each micro-batch count of `ms`; the largest is held out (refit.py never fits on it)."""
     label = "interleaved v2" if schedule == "interleaved-1f1b" else schedule
-    return [Row(f"pp{pp} {label} m{m}", _pp(schedule, pp, m), m == ms[-1]) for m in ms]
+    return [Row(f"pp{pp} {label} m{m}", pipeline_sets(schedule, pp, m), m == ms[-1]) for m in ms]
 
 
 def rows_2() -> list[Row]:
@@ -85,8 +85,8 @@ def rows_2() -> list[Row]:
         *_sweep("1f1b", 2, (2, 4, 8)),
         *_sweep("interleaved-1f1b", 2, (4, 8)),
         *_sweep("zb-h1", 2, (4, 8)),
-        Row("pp2 1f1b m4 full", _pp("1f1b", 2, 4, extra=("memory.recompute=full",)), True),
-        Row("pp2 pipedream-2bw m4", _pp("pipedream-2bw", 2, 4), True),
+        Row("pp2 1f1b m4 full", pipeline_sets("1f1b", 2, 4, extra=("memory.recompute=full",)), True),
+        Row("pp2 pipedream-2bw m4", pipeline_sets("pipedream-2bw", 2, 4), True),
         Row("moe dp2 ep1", _dp(4, 2, "parallel.ep=1"), moe=True),
         Row("moe dp2 ep2", _dp(4, 2, "parallel.ep=2"), moe=True),
         Row("moe dp2 ep2 zero1", _dp(4, 2, "parallel.ep=2", "parallel.zero=1"), True, moe=True),
@@ -107,12 +107,12 @@ def rows_4() -> list[Row]:
         *_sweep("1f1b", 4, (4, 8, 16)),
         *_sweep("gpipe", 4, (4, 8)),
         *_sweep("interleaved-1f1b", 4, (8, 16)),
-        Row("pp4 zb-h1 m8", _pp("zb-h1", 4, 8)),
-        Row("pp4 pipedream-2bw m8", _pp("pipedream-2bw", 4, 8), True),
-        Row("pp2 dp2 1f1b m4 zero1", _pp("1f1b", 2, 4, dp=2, extra=("parallel.zero=1",))),
-        Row("pp2 tp2 1f1b m4", _pp("1f1b", 2, 4, extra=tp2)),
-        Row("pp2 dp2 interleaved v2 m4", _pp("interleaved-1f1b", 2, 4, dp=2), True),
-        Row("pp2 tp2 zb-h1 m8", _pp("zb-h1", 2, 8, extra=tp2), True),
+        Row("pp4 zb-h1 m8", pipeline_sets("zb-h1", 4, 8)),
+        Row("pp4 pipedream-2bw m8", pipeline_sets("pipedream-2bw", 4, 8), True),
+        Row("pp2 dp2 1f1b m4 zero1", pipeline_sets("1f1b", 2, 4, dp=2, extra=("parallel.zero=1",))),
+        Row("pp2 tp2 1f1b m4", pipeline_sets("1f1b", 2, 4, extra=tp2)),
+        Row("pp2 dp2 interleaved v2 m4", pipeline_sets("interleaved-1f1b", 2, 4, dp=2), True),
+        Row("pp2 tp2 zb-h1 m8", pipeline_sets("zb-h1", 2, 8, extra=tp2), True),
         Row("moe dp4 ep2", _dp(8, 2, "parallel.ep=2"), moe=True),
         Row("moe dp4 ep4", _dp(8, 2, "parallel.ep=4"), moe=True),
         Row("moe dp4 ep4 zero1", _dp(8, 2, "parallel.ep=4", "parallel.zero=1"), True, moe=True),
@@ -144,10 +144,14 @@ PROBE_LAYERS = 4
 PROBE_STEPS, PROBE_WARMUP = 10, 3
 
 
+# the probe's model but its depth: every kernel takes microseconds, so the host paces any layout of it
+PROBE_WIDTH = ("model.d_model=256", "model.n_heads=16", "model.n_kv_heads=4", "model.d_ff=512", "model.seq_len=128",
+               "model.vocab_size=1024")
+
+
 def probe_rows(gpus: int, smoke: bool = False) -> list[dict]:
     """The host probe's rows: names and --set items."""
-    model = ["model.preset=llama-1b", f"model.n_layers={PROBE_LAYERS}", "model.d_model=256", "model.n_heads=16",
-             "model.n_kv_heads=4", "model.d_ff=512", "model.seq_len=128", "model.vocab_size=1024"]
+    model = ["model.preset=llama-1b", f"model.n_layers={PROBE_LAYERS}", *PROBE_WIDTH]
     model += ["memory.precision=fp32", "train.device=cpu"] if smoke else ["memory.precision=bf16"]
     tp = f"parallel.tp={gpus}"
     # (global batch, layout): 2 micro-batches of one sequence on every rank

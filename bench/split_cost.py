@@ -3,7 +3,7 @@ stage has no input gradient to send and runs one backward) at two depths, ZB-H1 
 same 8 micro-batches. One process runs that rank's program alone on a fake process group (no
 communication: every collective returns at once), so the step is the host's and one GPU measures it.
 Under torchrun (`--real`) every rank runs its own program over the real process group instead: pp=2
-on 2 processes, pp=2 x tp=2 on 4; `--small` takes the host probe's model (planner_rows.probe_rows:
+on 2 processes, pp=2 x tp=2 on 4; `--small` takes the host probe's width (planner_rows.PROBE_WIDTH:
 kernels of microseconds, so the host paces every layout) to see whether the split's host time reaches
 the step of a real pipeline.
 
@@ -34,13 +34,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, sync
 from planner_multi import build_row
-from planner_rows import Row, _pp, full_sets
+from planner_rows import PROBE_WIDTH, Row, full_sets, pipeline_sets
 
 WORLD, RANK, MICRO = 4, 2, 8  # pp=2 x tp=2: rank 2 is the last stage's first tp rank
-TINY = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128", "model.seq_len=32",
-        "model.vocab_size=512"]
-SMALL = ["model.d_model=256", "model.n_heads=16", "model.n_kv_heads=4", "model.d_ff=512", "model.seq_len=128",
-         "model.vocab_size=1024"]  # the host probe's (planner_rows.probe_rows)
+TINY = ["model.n_kv_heads=2"]  # on planner_rows.dense's smoke model: grouped KV heads, as llama-1b's
 
 
 def count_ops(step) -> int:
@@ -64,8 +61,9 @@ def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
     steps, ops = {}, {}
     tp = ("parallel.tp=2",) if dist.get_world_size() == 4 else ()
     for schedule in ("1f1b", "zb-h1"):
-        sets = full_sets(Row(schedule, _pp(schedule, 2, MICRO, extra=tp)), layers, args.smoke)
-        step = build_row(sets + (TINY if args.smoke else SMALL if args.small else []), 120, device, runtimes)[-1]
+        sets = full_sets(Row(schedule, pipeline_sets(schedule, 2, MICRO, extra=tp)), layers, args.smoke)
+        width = TINY if args.smoke else [*PROBE_WIDTH] if args.small else []
+        step = build_row(sets + width, 120, device, runtimes)[-1]
         for _ in range(3):
             step()
         steps[schedule], ops[schedule] = step, count_ops(step)
@@ -129,7 +127,7 @@ def main() -> None:
     result = {"bench": "split_cost", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "rank": dist.get_rank(), "world": dist.get_world_size(),
               "real": args.real, "small": args.small, "depths": rows}
-    if len(rows) >= 2:  # per block from the difference of two depths: the head's share drops out
+    if len(rows) >= 2 and rows[0]["layers"] != rows[-1]["layers"]:  # per block from two depths: the head drops out
         a, b = rows[0], rows[-1]
         result["split_extra_ops_per_block_mb_slope"] = (
             (b["ops"]["zb-h1"] - b["ops"]["1f1b"]) - (a["ops"]["zb-h1"] - a["ops"]["1f1b"])) / (

@@ -40,6 +40,8 @@ from planner_multi import _free, build_row
 from planner_rows import full_sets, probe_rows, rows_for
 from trace_summary import profile_steps
 
+from teratrain.collector import Collector
+
 
 def row_sets(name: str, gpus: int, layers: int, smoke: bool) -> list[str]:
     for p in probe_rows(gpus, smoke):
@@ -71,24 +73,23 @@ def host_speed(device: torch.device, repeats: int = 3) -> dict:
     return out
 
 
-def measure(step, device: torch.device, warmup: int, steps: int) -> dict:
-    from teratrain.collector import Collector
-
-    with Collector() as collector:  # the garbage collector as `teratrain train` runs it by default
-        for i in range(warmup):
-            step()
-            collector.step(i + 1)
+def measure(step, device: torch.device, warmup: int, steps: int, collector) -> dict:
+    """`warmup` steps, then `steps` timed ones, inside the caller's teratrain.collector.Collector (the
+    garbage collector as `teratrain train` runs it), which counts them."""
+    for _ in range(warmup):
+        step()
+        collector.step(collector.steps + 1)
+    sync(device)
+    issue, whole = [], []
+    for _ in range(steps):
+        dist.barrier()
         sync(device)
-        issue, whole = [], []
-        for i in range(steps):
-            dist.barrier()
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            issue.append(time.perf_counter() - t0)
-            sync(device)
-            whole.append(time.perf_counter() - t0)
-            collector.step(warmup + i + 1)
+        t0 = time.perf_counter()
+        step()
+        issue.append(time.perf_counter() - t0)
+        sync(device)
+        whole.append(time.perf_counter() - t0)
+        collector.step(collector.steps + 1)
     return {"step_ms": round(1e3 * statistics.median(whole), 3), "issue_ms": round(1e3 * statistics.median(issue), 3),
             "steps_ms": [round(1e3 * t, 3) for t in whole]}
 
@@ -128,10 +129,11 @@ def main() -> None:
         _free(device)
         built = build_row(sets, 180, device, runtimes)
         step = built[-1]
-        mine = measure(step, device, 1 if args.smoke else 3, 2 if args.smoke else args.steps)
-        mine["host_speed"] = host_speed(device)
-        if not args.no_profile:
-            mine["profile"] = profile_steps(step, device, steps=2, top=12)
+        with Collector(built[0].train.gc_every) as collector:
+            mine = measure(step, device, 1 if args.smoke else 3, 2 if args.smoke else args.steps, collector)
+            mine["host_speed"] = host_speed(device)
+            if not args.no_profile:
+                mine["profile"] = profile_steps(step, device, steps=2, top=12)
         del built, step  # the row's model, engine and batches go before the next row is built
         ranks = [None] * n
         dist.all_gather_object(ranks, mine)

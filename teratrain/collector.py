@@ -3,17 +3,23 @@
 CPython's cyclic collector runs its oldest generation over every tracked object the process holds
 once enough objects have survived the younger ones. A training process holds hundreds of thousands
 (torch's modules and functions, the model's modules and parameters, the config), so each such
-collection stops the host for 100-180 ms (a 32-block model's last pipeline stage: 312k objects,
-154 ms on the CPU this repo is tested on; 134-175 ms on an H200's host). Where the host paces the step (tensor parallelism's small
-kernels, a split backward's graph walk) the GPU idles that long, and on a different step on each rank,
-so every rank waits for the slowest at the next collective.
+collection stops the host for 100-180 ms (a 32-block model's last pipeline stage: 312k objects and
+154 ms on the CPU this repo is tested on, 282-297k objects and 134-175 ms on an H200's host). Where
+the host paces the step (tensor parallelism's small kernels, a split backward's graph walk) the GPU
+idles that long, and on a different step on each rank, so every rank waits for the slowest at the next
+collective.
 
 `Collector` freezes what exists when training starts (gc.freeze: the collector never visits those
 objects again, and they live the whole run anyway) and again after the first step (the optimizer's
 state, compiled code); a collection then visits only what the steps make (0.75 ms instead of 154 ms
-on the model above). With `every` > 0 automatic collection is off and every rank collects at the same
-steps (Megatron-LM's manual GC, torchtitan's gc_freq); reference cycles, and any GPU memory they hold,
-then live until the next of those steps.
+on the model above). Each freeze collects first, so garbage is never frozen; an object alive at a
+freeze that later becomes garbage in a reference cycle stays until training ends (bounded: only what
+was alive then, never what later steps make). With `every` > 0 automatic collection is off and every
+rank collects at the same steps (Megatron-LM's manual GC, torchtitan's gc_freq); reference cycles,
+and any GPU memory they hold, then live until the next of those steps.
+
+A process that froze objects itself (or an outer Collector) keeps them frozen: gc.unfreeze() releases
+every frozen object, so a Collector unfreezes at its end only when nothing was frozen at its start.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ class Collector:
     """`with Collector(every) as gc_: ... gc_.step(done)` around a training loop (see the module)."""
 
     def __init__(self, every: int = 0):
-        self.every, self.steps, self._was_enabled = every, 0, True
+        self.every, self.steps, self._was_enabled, self._was_frozen = every, 0, True, False
 
     def __enter__(self) -> Collector:
-        self._was_enabled = gc.isenabled()
+        self._was_enabled, self._was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
         _freeze()
         if self.every:
             gc.disable()
@@ -45,7 +51,8 @@ class Collector:
     def __exit__(self, *exc) -> None:
         if self._was_enabled:
             gc.enable()
-        gc.unfreeze()  # the run's objects can be collected again once it ends (tests, notebooks)
+        if not self._was_frozen:
+            gc.unfreeze()  # the run's objects can be collected again once it ends (tests, notebooks)
 
 
 def _freeze() -> None:

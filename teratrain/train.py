@@ -94,7 +94,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
     print_summary(cfg, rt, run_dir, start, notes, own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop
-        with _stop_after_step(cfg) as stop:  # a stop: serve until the workers saved
+        with _stop_after_step(cfg) as stop, Collector():  # a stop: serve until the workers saved
             engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
         if stop["signum"]:
             raise Stopped(stop["signum"])
@@ -132,7 +132,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
             last = _record(step, stats, local_loss, lr, model, engine, rt, t0, tokens_per_step,
                            flops_tok * tokens_per_step / (peak * rt.dims.workers) if peak else None)
             done = step + 1
-            collector.step(done)  # after _record's collectives: every rank at the same step
+            collector.step(done)  # every rank at the same step, before the stop/save agreement below
             if step == start:
                 last["model_state_bytes"] = engine.last_state_bytes
             if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):

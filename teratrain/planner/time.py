@@ -62,11 +62,12 @@ OPS_MOE_EXTRA = (105, 57)
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
 # Counted with a TorchDispatchMode over the last stage's program at two depths (bench/split_cost.py:
-# 74.0 in fp32 on CPU and in bf16 on an H200; tests/unit/test_planner_split_ops.py counts it again).
+# 74.0 in fp32 on CPU and in bf16 on an H200; tests/integration/test_bench_smoke.py counts it again).
 # None launches a kernel: the host alone pays, 0.82-0.94x the stage's average op on an H200 host (the
-# split added 1.2-1.4 ms a block and micro-batch, 25-28% of the last stage's host-paced step at 4 and
-# 16 blocks; bench/README.md, "ZB-H1's host cost"), priced here at the average op. The first stage
-# does not split (no input gradient to send); the last one does, and the host paces it.
+# split added 1.2-1.4 ms a block and micro-batch, 25-29% of the last stage's host-paced 1F1B step, at 4
+# and 16 blocks; bench/README.md, "ZB-H1's host cost"), priced here at the average op. The first stage
+# does not split (no input gradient to send); every later one does, the last among them, which the host
+# paces. MoE blocks (more saved tensors) and recomputed ones (fewer) are charged the same.
 OPS_SPLIT_EXTRA = 74
 # fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied inside
 # the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8)
@@ -263,12 +264,13 @@ def launch_s(gpu: GPU) -> float:
 
 
 def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
-    """Seconds the host needs to issue one rank's step in eager mode: every op (gpu.host_op_s), every
-    tensor- and expert-parallel collective `issued_collectives` counts (gpu.host_collective_s) and
-    every launch of the data-parallel engines (`launch_s`), and a split backward's extra ops (`split_ops`).
-    When the GPU's work per op is short
-    (tensor parallelism splits every matmul) the GPU waits on it."""
-    return ((ops + split_ops(shape, lay)) * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
+    """Seconds the host needs to issue one rank's step in eager mode: every op (`ops`, and a split
+    backward's extra ones, `split_ops`; gpu.host_op_s each), every tensor- and expert-parallel
+    collective `issued_collectives` counts (gpu.host_collective_s) and every launch of the data-parallel
+    engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
+    the GPU waits on it. The host probe's rows (refit.fit_host) have no pipeline: no split ops."""
+    ops += split_ops(shape, lay)
+    return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 
 

@@ -191,3 +191,16 @@ def test_moe_exchange_sends_every_slot_or_only_the_routed_rows_on_cpu(tmp_path):
     padded, exact = result["rows"]
     assert padded["rows_sent"] == result["experts"] * result["slot_rows"]
     assert 0 < result["dropped"] < 0.5 and exact["rows_sent"] < padded["rows_sent"] and exact["rows_arrive_once"]
+
+
+def test_split_cost_counts_the_planners_split_ops_on_cpu(tmp_path):
+    """bench/split_cost.py's count of what ZB-H1's split backward adds on its last stage (a fake process
+    group, two depths) is planner/time.py's OPS_SPLIT_EXTRA."""
+    from teratrain.planner.time import OPS_SPLIT_EXTRA
+
+    out = tmp_path / "split.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "split_cost.py"), "--smoke", "--count-only",
+                           "--layers", "4", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    slope = json.loads(out.read_text())["split_extra_ops_per_block_mb_slope"]
+    assert abs(slope - OPS_SPLIT_EXTRA) <= 0.05 * OPS_SPLIT_EXTRA, slope

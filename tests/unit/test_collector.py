@@ -1,6 +1,7 @@
 """teratrain/collector.py: the training loop's garbage-collector policy."""
 
 import gc
+import weakref
 
 import pytest
 
@@ -21,10 +22,9 @@ def _restore_gc():
 
 
 def test_setup_objects_are_frozen_and_released_at_the_end():
-    before = gc.get_freeze_count()
     setup = [_Cycle() for _ in range(100)]
     with Collector() as c:
-        assert gc.get_freeze_count() >= before + 100  # the setup's objects: never visited again
+        assert gc.get_freeze_count() >= 100  # the setup's objects: never visited again
         assert gc.isenabled()  # automatic collection stays on over the new objects
         frozen = gc.get_freeze_count()
         made = [_Cycle() for _ in range(50)]  # the first step's long-lived objects
@@ -35,18 +35,16 @@ def test_setup_objects_are_frozen_and_released_at_the_end():
 
 
 def test_a_cycle_dropped_before_the_start_is_collected_not_frozen():
-    import weakref
-
+    gc.disable()  # only the Collector's own collection may free it
     x = _Cycle()
     ref = weakref.ref(x)
     del x  # unreachable but alive: only the collector frees a cycle
     with Collector():
         assert ref() is None
+    assert not gc.isenabled()  # as it found it
 
 
 def test_manual_collects_on_every_nth_step_on_every_rank_alike():
-    import weakref
-
     with Collector(every=3) as c:
         assert not gc.isenabled()
         c.step(1)  # the first step freezes
@@ -58,6 +56,23 @@ def test_manual_collects_on_every_nth_step_on_every_rank_alike():
         c.step(3)
         assert ref() is None
     assert gc.isenabled()
+
+
+def test_what_the_process_froze_itself_stays_frozen():
+    gc.freeze()
+    before = gc.get_freeze_count()
+    with Collector():
+        with Collector():  # nested: the inner one does not unfreeze the outer one's objects
+            pass
+        assert gc.get_freeze_count() >= before
+    assert gc.get_freeze_count() >= before > 0
+
+
+def test_an_error_in_the_loop_restores_the_collector():
+    with pytest.raises(RuntimeError):
+        with Collector(every=2):
+            raise RuntimeError("a step failed")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_gc_every_is_a_train_setting():
