@@ -97,6 +97,7 @@ def cmd_plan(args) -> int:
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
     if best.time.host_paced and not cfg.train.compile:
         notes.append(HOST_PACED)
+        notes += _split_note(shape, train, best, gpu, gpu_mem)
     if cfg.train.compile and not cfg.train.cuda_graphs:
         notes.append(COMPILED)
     if best.layout.ep > 2 and cfg.train.cuda_graphs and not cfg.train.compile_overlap:
@@ -132,6 +133,25 @@ HOST_PACED = ("the chosen layout's eager step is host-paced (the host takes long
               "collectives than the GPU to run them): it runs as fast as the host is at the moment, 1.1-1.7x apart "
               "between runs on shared hosts; train.compile=true with train.compile_mode=reduce-overhead replays the "
               "step as CUDA graphs and takes the host out")
+
+
+def _split_note(shape: ModelShape, train, best: Candidate, gpu, gpu_mem: float) -> list[str]:
+    """Where ZB-H1's split backward costs a host-paced step more than its bubble saves: the same layout
+    under 1F1B, when the planner puts it faster."""
+    import dataclasses
+
+    from teratrain.planner.pipeline import splits_backward
+    from teratrain.planner.search import evaluate
+
+    if not splits_backward(best.layout):
+        return []
+    other = evaluate(shape, train, dataclasses.replace(best.layout, schedule="1f1b"), gpu, gpu_mem)
+    if not other.fits or other.time.step_time_s >= best.time.step_time_s:
+        return []
+    slower = best.time.step_time_s / other.time.step_time_s - 1
+    return [f"ZB-H1 plans {slower:.0%} slower than 1F1B at this layout: the host paces the step, and the split "
+            "backward's host work (saved-tensor hooks, a graph walk, the weight rules) outweighs the bubble it "
+            "fills (bench/README.md, \"ZB-H1's host cost\"); parallel.schedule=1f1b runs it faster"]
 
 
 # Measured with bench/moe.py --reorder (bench/README.md, session 14): graphed, 8 experts top-2 at the

@@ -137,6 +137,20 @@ def test_host_paced_layouts_are_said(capsys):
     assert not any("host-paced" in n for n in d["notes"])
 
 
+def test_a_host_paced_zb_h1_layout_is_told_1f1b_runs_it_faster(capsys):
+    """ZB-H1's split backward costs the host 74 ops a block and micro-batch (planner/time.py split_ops):
+    where the host paces the step (tp splits every matmul) the same layout under 1F1B plans faster, and
+    the plan says so; where the GPU paces it (pp alone) ZB-H1's smaller bubble wins and nothing is said."""
+    model = ["--model", "llama-1b", "--gpus", "4", "--set", "model.n_layers=32", "--set", "model.seq_len=2048",
+             "--set", "train.global_batch=16", "--set", "train.micro_batch=2", "--set", "parallel.schedule=zb-h1"]
+    d = plan_json(capsys, *model, "--set", "parallel.pp=2", "--set", "parallel.tp=2")
+    (note,) = [n for n in d["notes"] if n.startswith("ZB-H1 plans")]
+    assert "slower than 1F1B" in note and "parallel.schedule=1f1b" in note
+    d = plan_json(capsys, *model, "--set", "parallel.pp=4", "--set", "parallel.tp=1")
+    assert d["time"]["terms"]["host_s"] < d["time"]["terms"]["gpu_s"]
+    assert not any(n.startswith("ZB-H1 plans") for n in d["notes"])
+
+
 def test_compiled_runs_are_said_to_be_planned_eager_and_refused_layouts_left_out(capsys):
     """train.compile: the plan says its time is the eager step's; with ZeRO-3 it leaves out the
     recompute policies the trainer refuses there (config.compile_scope_problem), so no candidate's
