@@ -192,7 +192,7 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
             all_reduce(loss, rt.dp_group, op=AVG)
             losses.append(float(loss))  # synchronizes
             times.append(time.perf_counter() - t0)
-            collector.step(step + 1)
+            collector.step()
     peak = torch.tensor([float(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else 0.0], device=dev)
     all_reduce(peak, rt.group("world"), op=MAX)
     out = {"losses": losses, "times": times, "peak_gib": float(peak) / 2**30,

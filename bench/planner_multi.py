@@ -319,19 +319,19 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     precision = cfg.memory.precision
     loops = [host_loop_us()]
     with Collector(cfg.train.gc_every) as collector:  # the garbage collector as `teratrain train` runs it
-        for i in range(plan["warmup"]):
+        for _ in range(plan["warmup"]):
             step()
-            collector.step(i + 1)
+            collector.step()
         sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
-        for i in range(plan["steps"]):
+        for _ in range(plan["steps"]):
             t0 = time.perf_counter()
             stats = step()[0]
             sync(device)
             times.append(time.perf_counter() - t0)
-            collector.step(plan["warmup"] + i + 1)
+            collector.step()
     loops.append(host_loop_us())
     mine = {"step_s": statistics.median(times), "times": [round(t, 5) for t in times],
             "loop_us": statistics.mean(loops), "engine": dict(stats.metrics)}

@@ -74,7 +74,6 @@ def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
         return out
     times = collections.defaultdict(list)
     with Collector() as collector:
-        done = 0
         for _ in range(args.rounds):
             for schedule, step in steps.items():
                 for _ in range(args.steps):
@@ -85,8 +84,7 @@ def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:
                     step()
                     sync(device)
                     times[schedule].append(time.perf_counter() - t0)
-                    done += 1
-                    collector.step(done)
+                    collector.step()
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     extra_ms = (med["zb-h1"] - med["1f1b"]) / blocks / MICRO
     out.update(median_ms=med, steps_ms={k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},

@@ -74,11 +74,11 @@ def host_speed(device: torch.device, repeats: int = 3) -> dict:
 
 
 def measure(step, device: torch.device, warmup: int, steps: int, collector) -> dict:
-    """`warmup` steps, then `steps` timed ones, inside the caller's teratrain.collector.Collector (the
-    garbage collector as `teratrain train` runs it), which counts them."""
+    """`warmup` steps, then `steps` timed ones, each told to the caller's teratrain.collector.Collector
+    (the garbage collector as `teratrain train` runs it)."""
     for _ in range(warmup):
         step()
-        collector.step(collector.steps + 1)
+        collector.step()
     sync(device)
     issue, whole = [], []
     for _ in range(steps):
@@ -89,7 +89,7 @@ def measure(step, device: torch.device, warmup: int, steps: int, collector) -> d
         issue.append(time.perf_counter() - t0)
         sync(device)
         whole.append(time.perf_counter() - t0)
-        collector.step(collector.steps + 1)
+        collector.step()
     return {"step_ms": round(1e3 * statistics.median(whole), 3), "issue_ms": round(1e3 * statistics.median(issue), 3),
             "steps_ms": [round(1e3 * t, 3) for t in whole]}
 

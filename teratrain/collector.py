@@ -28,7 +28,7 @@ import gc
 
 
 class Collector:
-    """`with Collector(every) as gc_: ... gc_.step(done)` around a training loop (see the module)."""
+    """`with Collector(every) as gc_: ... gc_.step()` around a training loop (see the module)."""
 
     def __init__(self, every: int = 0):
         self.every, self.steps, self._was_enabled, self._was_frozen = every, 0, True, False
@@ -40,9 +40,11 @@ class Collector:
             gc.disable()
         return self
 
-    def step(self, done: int) -> None:
-        """After optimizer step `done` (1-based), on every rank alike."""
+    def step(self, done: int | None = None) -> None:
+        """After an optimizer step, on every rank alike: `done` is its number (1-based; a resumed run
+        passes its own, so the collections fall on the same steps), else the steps counted here."""
         self.steps += 1
+        done = self.steps if done is None else done
         if self.steps == 1:  # what the first step built for good (optimizer state, compiled code)
             _freeze()
         elif self.every and done % self.every == 0:

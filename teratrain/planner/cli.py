@@ -10,6 +10,7 @@ and "nothing fits" exit 2 with one sentence (ConfigError, printed by teratrain.c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from teratrain.config import ConfigError, load_config
@@ -19,7 +20,8 @@ from teratrain.planner.inputs import PLAN_PRECISION, fixed_of, load, model_sets,
 from teratrain.planner.layout import ModelShape
 from teratrain.planner.memory import GIB
 from teratrain.planner.report import as_json, render
-from teratrain.planner.search import Candidate, batch_advice, gpus_per_node, search, smallest_gpu_count
+from teratrain.planner.pipeline import splits_backward
+from teratrain.planner.search import Candidate, batch_advice, evaluate, gpus_per_node, search, smallest_gpu_count
 from teratrain.planner.states import PlanError
 
 
@@ -138,11 +140,6 @@ HOST_PACED = ("the chosen layout's eager step is host-paced (the host takes long
 def _split_note(shape: ModelShape, train, best: Candidate, gpu, gpu_mem: float) -> list[str]:
     """Where ZB-H1's split backward costs a host-paced step more than its bubble saves: the same layout
     under 1F1B, when the planner puts it faster."""
-    import dataclasses
-
-    from teratrain.planner.pipeline import splits_backward
-    from teratrain.planner.search import evaluate
-
     if not splits_backward(best.layout):
         return []
     other = evaluate(shape, train, dataclasses.replace(best.layout, schedule="1f1b"), gpu, gpu_mem)
