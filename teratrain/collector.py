@@ -18,23 +18,30 @@ was alive then, never what later steps make). With `every` > 0 automatic collect
 rank collects at the same steps (Megatron-LM's manual GC, torchtitan's gc_freq); reference cycles,
 and any GPU memory they hold, then live until the next of those steps.
 
-A process that froze objects itself (or an outer Collector) keeps them frozen: gc.unfreeze() releases
-every frozen object, so a Collector unfreezes at its end only when nothing was frozen at its start.
+At its end a Collector unfreezes, unless it runs inside another Collector, whose run goes on. Python
+releases frozen objects only all at once (gc.unfreeze), so what the process froze before (an import
+had frozen 375 objects in the H200 machines' processes) becomes collectable again too: that frees
+only what nothing uses. Leaving everything frozen instead kept each finished run's model, held in
+reference cycles, alive for good: on 2 x H200 the benchmarks' rows (a model each, in one process)
+ran out of memory by the tenth (session 17).
 """
 
 from __future__ import annotations
 
 import gc
 
+_running = [0]  # Collectors inside one another now
+
 
 class Collector:
     """`with Collector(every) as gc_: ... gc_.step()` around a training loop (see the module)."""
 
     def __init__(self, every: int = 0):
-        self.every, self.steps, self._was_enabled, self._was_frozen = every, 0, True, False
+        self.every, self.steps, self._was_enabled = every, 0, True
 
     def __enter__(self) -> Collector:
-        self._was_enabled, self._was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
+        self._was_enabled = gc.isenabled()
+        _running[0] += 1
         _freeze()
         if self.every:
             gc.disable()
@@ -51,10 +58,11 @@ class Collector:
             gc.collect()
 
     def __exit__(self, *exc) -> None:
+        _running[0] -= 1
         if self._was_enabled:
             gc.enable()
-        if not self._was_frozen:
-            gc.unfreeze()  # the run's objects can be collected again once it ends (tests, notebooks)
+        if not _running[0]:
+            gc.unfreeze()  # the run's objects can be collected again once it ends (benchmarks, tests, notebooks)
 
 
 def _freeze() -> None:
