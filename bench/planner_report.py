@@ -140,6 +140,8 @@ def summary(rows: list[dict]) -> dict:
         errs = [abs(r[key]) for r in rows if r.get(key) is not None]
         out[key.replace("err_pct", f"within_{limit:g}pct")] = f"{sum(e <= limit for e in errs)} of {len(errs)}"
     out["not_measured"] = [r["name"] for r in rows if "measured_step_s" not in r]
+    # a row whose model outlived it leaves its memory to the next rows, which then run out (session 17)
+    out["models_kept_alive"] = [r["name"] for r in rows if r.get("model_freed") is False]
     return out
 
 

@@ -64,11 +64,15 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     """bench/planner_validate.py --gpus 2 in its CPU form, one row: the job measures the machine, then
     the host probe's four layouts, whose fit (refit.fit_host) becomes the run's host terms, and each
     row records the host's speed around it and its prediction at that speed; one relaunch runs the
-    probe and the (host-paced) row again in fresh processes."""
+    probe and the (host-paced) row again in fresh processes. The processes start with objects frozen
+    (gc.freeze), as an import froze some on the H200 machines, and every row's model is still freed."""
     out = tmp_path / "planner.json"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import gc\ngc.freeze()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planner_validate.py"), "--gpus", "2", "--smoke",
                            "--only", "tp2 megatron+sp", "--relaunches", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     probe = result["host_probe"]["rows"]
@@ -82,6 +86,7 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert result["host_probe"]["host_loop_us"] > 0
     assert row["host_loop_us"] > 0 and row["predicted_step_s_row_host"] > 0 and row["measured_step_s"] > 0
     assert len(row["visits_s"]) == 3 and row["measured_step_s"] == min(row["visits_s"])  # main job twice, relaunch
+    assert row["model_freed"] and result["summary"]["models_kept_alive"] == []
 
 
 def test_collective_timeline_records_every_collective_on_cpu(tmp_path):
