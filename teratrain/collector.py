@@ -19,11 +19,11 @@ rank collects at the same steps (Megatron-LM's manual GC, torchtitan's gc_freq);
 and any GPU memory they hold, then live until the next of those steps.
 
 At its end a Collector unfreezes, unless it runs inside another Collector, whose run goes on. Python
-releases frozen objects only all at once (gc.unfreeze), so what the process froze before (an import
-had frozen 375 objects in the H200 machines' processes) becomes collectable again too: that frees
-only what nothing uses. Leaving everything frozen instead kept each finished run's model, held in
-reference cycles, alive for good: on 2 x H200 the benchmarks' rows (a model each, in one process)
-ran out of memory by the tenth (session 17).
+releases frozen objects only all at once (gc.unfreeze), so what the process froze before becomes
+collectable again too: that frees only what nothing uses. Python 3.12 itself starts with 375 objects
+frozen (3.11 and 3.13 with none); a Collector that left everything frozen when it found some kept each
+finished run's model, held in reference cycles, alive for good: on 2 x H200 (Python 3.12) the
+benchmarks' rows, a model each in one process, ran out of memory by the tenth (session 17).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     the host probe's four layouts, whose fit (refit.fit_host) becomes the run's host terms, and each
     row records the host's speed around it and its prediction at that speed; one relaunch runs the
     probe and the (host-paced) row again in fresh processes. The processes start with objects frozen
-    (gc.freeze), as an import froze some on the H200 machines, and every row's model is still freed."""
+    (gc.freeze), as Python 3.12's do, and every row's model is still freed."""
     out = tmp_path / "planner.json"
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text("import gc\ngc.freeze()\n")

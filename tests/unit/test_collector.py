@@ -59,9 +59,9 @@ def test_manual_collects_on_every_nth_step_on_every_rank_alike():
 
 
 def test_a_finished_run_is_collected_even_where_the_process_had_frozen_objects():
-    """Processes on the H200 machines start with objects frozen by an import; a Collector that left
-    everything frozen kept each finished row's model alive (cycles) until the GPU ran out (session 17)."""
-    gc.freeze()  # what an import froze before the run
+    """Python 3.12 starts with objects frozen; a Collector that then left everything frozen kept each
+    finished row's model alive (cycles) until the GPU ran out (2 x H200, session 17)."""
+    gc.freeze()  # as Python 3.12 starts
     assert gc.get_freeze_count() > 0
     model = _Cycle()
     ref = weakref.ref(model)

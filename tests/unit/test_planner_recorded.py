@@ -118,7 +118,13 @@ SESSION14 = {"h200x2-session14": (RESULTS / "planner_validate_h200x2_session14.j
              # all-reduce +27.3% (their four visits 481-565 and 441-589 ms; this machine's probe fitted 0.39
              # ms a tp collective, session 15's 0.25-0.32), moe dp2 ep1 -15.1% (under in every run)
              "h200x2-session16": (RESULTS / "planner_validate_h200x2_session16.json", (15, 12),
-                                  {"peak": (15, 12), "step": (13, 11)})}
+                                  {"peak": (15, 12), "step": (13, 11)}),
+             # Session 17, 2 x H200, two relaunches, after the Collector fix (a run that froze its model
+             # never unfroze it on these machines: an earlier run's rows kept every model and ran out of
+             # memory): every peak within 5%, every fit row's step within 15%; out: moe tp2 -20.5% (its
+             # four visits 331-414 ms)
+             "h200x2-session17": (RESULTS / "planner_validate_h200x2_session17.json", (15, 12),
+                                  {"peak": (15, 12), "step": (15, 11)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
