@@ -124,7 +124,11 @@ SESSION14 = {"h200x2-session14": (RESULTS / "planner_validate_h200x2_session14.j
              # memory): every peak within 5%, every fit row's step within 15%; out: moe tp2 -20.5% (its
              # four visits 331-414 ms)
              "h200x2-session17": (RESULTS / "planner_validate_h200x2_session17.json", (15, 12),
-                                  {"peak": (15, 12), "step": (15, 11)})}
+                                  {"peak": (15, 12), "step": (15, 11)}),
+             # and again on a fresh lease in the device time left: 8 layers (the budget's choice), one
+             # relaunch; out: tp2 megatron+sp +15.8% (visits 81-107 ms), moe tp2 -16.6% (76-101 ms)
+             "h200x2-session17b": (RESULTS / "planner_validate_h200x2_session17b.json", (15, 12),
+                                   {"peak": (15, 12), "step": (14, 11)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all
