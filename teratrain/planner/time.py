@@ -58,6 +58,15 @@ OPS_OUTSIDE = 60
 # an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
 # GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
 OPS_MOE_EXTRA = (105, 57)
+# The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
+# never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
+# Python and index arithmetic each than a dense block's. On CPU at a width where the kernels cost nothing
+# an MoE layer's extra ops took 2.2x a dense block's average op (bench/moe_host_ops.py), and eager MoE
+# rows measured slower than planned in most recorded runs (moe tp2 under in 14 of 15, -12.5% on average).
+# CALIBRATED: the least squared relative step error of the MoE fit rows of every recorded several-GPU
+# validation (tests/unit/test_planner_recorded.py: 1.35-1.4 the minimum, with 1.0 and 2.0 20% and 55%
+# worse); the held-out MoE rows within 15% went from 33 to 37 of 44, the fit ones from 34 to 35 of 44.
+MOE_HOST_OP_SHARE = 1.4
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
@@ -268,10 +277,21 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     backward's extra ones, `split_ops`; gpu.host_op_s each), every tensor- and expert-parallel
     collective `issued_collectives` counts (gpu.host_collective_s) and every launch of the data-parallel
     engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
-    the GPU waits on it. The host probe's rows (refit.fit_host) have no pipeline: no split ops."""
-    ops += split_ops(shape, lay)
+    the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each. The host
+    probe's rows (refit.fit_host) have no pipeline and no MoE layer: no split ops, no MoE ops."""
+    ops += split_ops(shape, lay) + (MOE_HOST_OP_SHARE - 1) * moe_ops(shape, lay)
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
+
+
+def moe_ops(shape: ModelShape, lay: Layout) -> float:
+    """The ops of `eager_ops` that MoE layers add to one rank's step (OPS_MOE_EXTRA, the forward again
+    where a recomputed segment replays it)."""
+    if shape.num_experts == 1:
+        return 0.0
+    fwd, bwd = OPS_MOE_EXTRA
+    replay = fwd if lay.recompute in REPLAYING else 0
+    return stage_params(shape, lay)["layers"] * shape.moe_share * (fwd + replay + bwd) * lay.num_microbatches
 
 
 def split_ops(shape: ModelShape, lay: Layout) -> float:

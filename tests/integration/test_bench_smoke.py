@@ -209,3 +209,18 @@ def test_split_cost_counts_the_planners_split_ops_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     slope = json.loads(out.read_text())["split_extra_ops_per_block_mb_slope"]
     assert abs(slope - OPS_SPLIT_EXTRA) <= 0.05 * OPS_SPLIT_EXTRA, slope
+
+
+def test_moe_host_ops_counts_the_planners_moe_ops(tmp_path):
+    """bench/moe_host_ops.py (the host's cost of an MoE layer's own ops, MOE_HOST_OP_SHARE's evidence) times
+    the ops planner/time.py OPS_MOE_EXTRA counts: the MoE block issues that many more than the dense one."""
+    from teratrain.planner.time import OPS_MOE_EXTRA
+
+    out = tmp_path / "moe_ops.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_host_ops.py"), "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    extra = result["ops"]["moe"] - result["ops"]["dense"]
+    assert abs(extra - sum(OPS_MOE_EXTRA)) <= 0.05 * sum(OPS_MOE_EXTRA), extra
+    assert result["extra_op_share"] > 0 and result["us_per_op_fastest"]["dense"] > 0

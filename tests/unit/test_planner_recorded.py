@@ -25,8 +25,15 @@ TARGET = {"peak": 0.05, "step": 0.15}
 # freed at I: the planner, which counts both, is 6.7% and 2.5% under them (counting the code those rows
 # ran, 1.9% and 1.0% under; +25.4% and +4.3% before it counted what W waits with). Its tp rows ran on a
 # host faster than the fitted per-collective cost (+20-28%).
+# MOE_SHARE_MOVES: since an MoE layer's own ops cost the host MOE_HOST_OP_SHARE (1.4) of a dense op
+# (planner/time.py, fitted on the MoE fit rows of the runs below, session 17), 10 MoE steps came within
+# 15% (6 of them moe tp2, under in 14 of the 15 runs, -12.5% on average before) and 5 left it: moe dp2
+# ep1 in h100x2-session13 (+14.4 -> +22.4%) and h200x2-session17 (+9.6 -> +18.7%), moe tp2 dp2 ep2 in
+# the first 4 x H100 run (+11.8 -> +17.0%), moe dp4 ep4 zero1 in h100x4-session12 (+9.1 -> +20.6%) and
+# moe dp2 ep2 zero1 in the first 2 x H200 run (+12.5 -> +17.6%). Those floors moved; over every run 526
+# -> 531 of 601 steps within 15%, the held-out MoE rows 33 -> 37 of 44.
 H100 = RESULTS / "planner_validate_h100x4.json"
-REACHED_H100 = {"peak": (9, 7), "step": (12, 10)}
+REACHED_H100 = {"peak": (9, 7), "step": (12, 9)}  # MoE host share: see MOE_SHARE_MOVES
 # The H200 rows of ZB-H1 ran the weight pass before it became one autograd call plus B's own weight
 # kernels (parallel/pipeline/weight_rules.py): code that no longer exists, so their step times are not
 # compared (their memory is).
@@ -75,7 +82,7 @@ PIPELINE = RESULTS / "pipeline_h200x2of4_median3.json"
 # 4 x H200 run 22 -> 25 of 28, session 7d's 2 x H200 run 26 -> 27 of 27, the H200 run 20 -> 23 of 26,
 # session 12's 25 -> 26 of 28 (4 GPUs) and 24 -> 25 of 27 (2 GPUs); none fell.
 SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.json", (15, 13),
-                                  {"peak": (15, 12), "step": (15, 11)}),
+                                  {"peak": (15, 12), "step": (15, 10)}),  # MOE_SHARE_MOVES
              "h100x2-session12": (RESULTS / "planner_validate_h100x2of4_session12.json", (15, 12),
                                   {"peak": (15, 12), "step": (13, 12)})}
 # Session 13, on two other 4 x H100 machines (a fresh one per call), the same commands: every peak within 5%
@@ -87,7 +94,7 @@ SESSION12 = {"h100x4-session12": (RESULTS / "planner_validate_h100x4_session12.j
 SESSION13 = {"h100x4-session13": (RESULTS / "planner_validate_h100x4_session13.json", (15, 13),  # ZB-H1 x tp
                                   {"peak": (15, 12), "step": (12, 10)}),  # within 15% since OPS_SPLIT_EXTRA
              "h100x2-session13": (RESULTS / "planner_validate_h100x2of4_session13.json", (15, 12),
-                                  {"peak": (15, 12), "step": (14, 8)})}
+                                  {"peak": (15, 12), "step": (13, 9)})}  # MOE_SHARE_MOVES
 # Session 14, on 2 x H200 (fresh machines, 32 layers), `--gpus 2` twice: the probe's two passes (both runs)
 # and the second visit of host-paced rows (the second run, `visits_s`). Every peak within 5%; the step
 # misses are the eager tp and MoE-with-tp rows, whose host-paced steps moved up to 1.4x between the runs
@@ -124,11 +131,12 @@ SESSION14 = {"h200x2-session14": (RESULTS / "planner_validate_h200x2_session14.j
              # memory): every peak within 5%, every fit row's step within 15%; out: moe tp2 -20.5% (its
              # four visits 331-414 ms)
              "h200x2-session17": (RESULTS / "planner_validate_h200x2_session17.json", (15, 12),
-                                  {"peak": (15, 12), "step": (15, 11)}),
+                                  {"peak": (15, 12), "step": (14, 12)}),  # MOE_SHARE_MOVES
              # and again on a fresh lease in the device time left: 8 layers (the budget's choice), one
-             # relaunch; out: tp2 megatron+sp +15.8% (visits 81-107 ms), moe tp2 -16.6% (76-101 ms)
+             # relaunch; out: tp2 megatron+sp +15.8% (visits 81-107 ms), moe tp2 -16.6% (76-101 ms; -10.5%
+             # since MOE_HOST_OP_SHARE)
              "h200x2-session17b": (RESULTS / "planner_validate_h200x2_session17b.json", (15, 12),
-                                   {"peak": (15, 12), "step": (14, 11)})}
+                                   {"peak": (15, 12), "step": (14, 12)})}
 # The 27 layouts of --gpus 2 measured four times on 2 x H200 in session 7 (three 16-layer runs, one of
 # 8 layers), the later three with the host probe (refit.fit_host) and the first two before the planner
 # counted the engines' own buckets and the loss's pass over the logits. Every peak within 5% in all

@@ -1,0 +1,47 @@
+"""Where the planner charges the host ops its dense probe does not measure: ZB-H1's split backward
+(planner/time.py OPS_SPLIT_EXTRA; the count itself is checked live by tests/integration/test_bench_smoke.py)
+and an MoE layer's own ops (MOE_HOST_OP_SHARE)."""
+
+import dataclasses
+
+from teratrain.config import load_config
+from teratrain.planner.hardware import GPUS
+from teratrain.planner.inputs import shape_of, training_of
+from teratrain.planner.layout import Layout
+from teratrain.planner.search import evaluate
+from teratrain.planner import time as planner_time
+from teratrain.planner.time import MOE_HOST_OP_SHARE, OPS_MOE_EXTRA, OPS_SPLIT_EXTRA, moe_ops, split_ops
+
+
+def _host(shape, train, lay) -> float:
+    return evaluate(shape, train, lay, GPUS["h200"]).time.terms["host_s"]
+
+
+def test_only_a_split_schedule_pays_the_host_for_it():
+    cfg = load_config(None, ["model.preset=llama-1b", "model.n_layers=8", "train.global_batch=16",
+                             "train.micro_batch=2"])
+    shape, train = shape_of(cfg), training_of(cfg)
+    lays = {s: Layout(pp=2, tp=2, micro_batch=2, num_microbatches=8, schedule=s) for s in ("1f1b", "zb-h1")}
+    assert split_ops(shape, lays["1f1b"]) == 0
+    assert split_ops(shape, lays["zb-h1"]) == 4 * OPS_SPLIT_EXTRA * 8  # 4 blocks a stage, 8 micro-batches
+    extra = _host(shape, train, lays["zb-h1"]) - _host(shape, train, lays["1f1b"])
+    assert abs(extra - 4 * OPS_SPLIT_EXTRA * 8 * GPUS["h200"].host_op_s) < 1e-12
+    assert split_ops(shape, Layout(tp=2, micro_batch=2, num_microbatches=8, schedule="zb-h1")) == 0  # no pipeline
+    graphed = dataclasses.replace(train, graphed=True, compiled=True)
+    assert _host(shape, graphed, lays["zb-h1"]) == 0  # CUDA graphs: the host issues nothing
+
+
+def test_an_moe_layers_ops_cost_the_host_more_than_a_dense_blocks(monkeypatch):
+    sets = ["model.preset=llama-1b", "model.n_layers=8", "train.global_batch=4", "train.micro_batch=2"]
+    moe_sets = sets + ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2"]  # 4 of the 8 layers
+    dense, moe = (load_config(None, s) for s in (sets, moe_sets))
+    lay = Layout(tp=2, micro_batch=2, num_microbatches=2)
+    assert moe_ops(shape_of(dense), lay) == 0
+    fwd, bwd = OPS_MOE_EXTRA
+    assert moe_ops(shape_of(moe), lay) == 4 * (fwd + bwd) * 2
+    assert moe_ops(shape_of(moe), dataclasses.replace(lay, recompute="full")) == 4 * (2 * fwd + bwd) * 2
+    charged = _host(shape_of(moe), training_of(moe), lay)
+    monkeypatch.setattr(planner_time, "MOE_HOST_OP_SHARE", 1.0)
+    plain = _host(shape_of(moe), training_of(moe), lay)
+    assert MOE_HOST_OP_SHARE > 1
+    assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * moe_ops(shape_of(moe), lay) * GPUS["h200"].host_op_s) < 1e-12
