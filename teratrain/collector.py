@@ -20,10 +20,11 @@ and any GPU memory they hold, then live until the next of those steps.
 
 At its end a Collector unfreezes, unless it runs inside another Collector, whose run goes on. Python
 releases frozen objects only all at once (gc.unfreeze), so what the process froze before becomes
-collectable again too: that frees only what nothing uses. Python 3.12 itself starts with 375 objects
-frozen (3.11 and 3.13 with none); a Collector that left everything frozen when it found some kept each
-finished run's model, held in reference cycles, alive for good: on 2 x H200 (Python 3.12) the
-benchmarks' rows, a model each in one process, ran out of memory by the tenth (session 17).
+collectable again too: that frees only what nothing uses. Python 3.12 counts objects as frozen from its
+start (its collector parks its own immortal objects, 375 at start, in the permanent generation; 3.11
+and 3.13 none), and a Collector that left everything frozen whenever it found some kept each finished
+run's model, held in reference cycles, alive for good: on 2 x H200 (Python 3.12) the benchmarks' rows,
+a model each in one process, ran out of memory by the tenth (session 17).
 """
 
 from __future__ import annotations

@@ -383,6 +383,7 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[0] + OPS_OUTSIDE) \
-        * lay.num_microbatches
+    layers = stage_params(shape, lay)["layers"]
+    moe_fwd = layers * shape.moe_share * OPS_MOE_EXTRA[0] * (MOE_HOST_OP_SHARE - 1)  # priced as in host_s
+    fwd_ops = (layers * _block_ops(shape, _mode(train, lay))[0] + moe_fwd + OPS_OUTSIDE) * lay.num_microbatches
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
