@@ -19,31 +19,36 @@ rank collects at the same steps (Megatron-LM's manual GC, torchtitan's gc_freq);
 and any GPU memory they hold, then live until the next of those steps.
 
 At its end a Collector unfreezes, unless it runs inside another Collector, whose run goes on. Python
-releases frozen objects only all at once (gc.unfreeze), so what the process froze before becomes
-collectable again too: that frees only what nothing uses. Python 3.12 counts objects as frozen from its
-start (its collector parks its own immortal objects, 375 at start, in the permanent generation; 3.11
-and 3.13 none), and a Collector that left everything frozen whenever it found some kept each finished
-run's model, held in reference cycles, alive for good: on 2 x H200 (Python 3.12) the benchmarks' rows,
-a model each in one process, ran out of memory by the tenth (session 17).
+releases frozen objects only all at once (gc.unfreeze), so whatever the process froze before (a
+pre-fork gc.freeze, say) becomes collectable again too: that frees only what nothing uses. Python 3.12
+counts its own immortal objects as frozen (375 at start; a full collection parks them in the permanent
+generation), so a rule that unfroze only when nothing was frozen at the start never unfroze there, and
+kept every finished run's model (its reference cycles frozen) alive: benchmarks, tests and notebooks
+that train several times in one process ran out of memory (bench/README.md, session 17).
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 
 _running = [0]  # Collectors inside one another now
+_lock = threading.Lock()
 
 
 class Collector:
     """`with Collector(every) as gc_: ... gc_.step()` around a training loop (see the module)."""
 
     def __init__(self, every: int = 0):
-        self.every, self.steps, self._was_enabled = every, 0, True
+        self.every, self.steps, self._was_enabled, self._entered = every, 0, True, False
 
     def __enter__(self) -> Collector:
-        self._was_enabled = gc.isenabled()
-        _running[0] += 1
-        _freeze()
+        if self._entered:
+            raise RuntimeError("a Collector runs one training loop at a time; make another for a nested loop")
+        _freeze()  # before counting itself: a freeze interrupted here (Ctrl-C) leaves nothing to undo
+        with _lock:
+            _running[0] += 1
+        self._was_enabled, self._entered = gc.isenabled(), True
         if self.every:
             gc.disable()
         return self
@@ -59,10 +64,13 @@ class Collector:
             gc.collect()
 
     def __exit__(self, *exc) -> None:
-        _running[0] -= 1
+        self._entered = False
+        with _lock:
+            _running[0] -= 1
+            last = not _running[0]
         if self._was_enabled:
             gc.enable()
-        if not _running[0]:
+        if last:
             gc.unfreeze()  # the run's objects can be collected again once it ends (benchmarks, tests, notebooks)
 
 

@@ -61,12 +61,13 @@ OPS_MOE_EXTRA = (105, 57)
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
 # Python and index arithmetic each than a dense block's. On CPU at a width where the kernels cost nothing
-# an MoE layer's extra ops took 2.2x a dense block's average op (bench/moe_host_ops.py), and eager MoE
-# rows measured slower than planned in most recorded runs (moe tp2 under in 14 of 15, -12.5% on average).
-# CALIBRATED: the least squared relative step error of the MoE fit rows of every recorded several-GPU
-# validation (tests/unit/test_planner_recorded.py: 1.35-1.4 the minimum, with 1.0 and 2.0 20% and 55%
-# worse); the held-out MoE rows within 15% went from 33 to 37 of 44, the fit ones from 34 to 35 of 44.
-MOE_HOST_OP_SHARE = 1.4
+# an MoE layer's extra ops took 2.1-2.2x a dense block's average op (bench/moe_host_ops.py,
+# bench/results/moe_host_ops_cpu.json; on a GPU host every op also pays its launch, shared by both), and
+# eager MoE rows measured slower than planned in most recorded runs (moe tp2 under in 14 of 15, -12.5% on
+# average). CALIBRATED: the least squared relative step error of the MoE fit rows of every recorded
+# several-GPU validation (tests/unit/test_planner_recorded.py; 1.4 is 0.5% worse, 1.0 27% and 2.0 66%);
+# the held-out MoE rows within 15% went from 33 to 37 of 44, the fit ones from 34 to 35 of 44.
+MOE_HOST_OP_SHARE = 1.35
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
@@ -284,14 +285,14 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
             + engine_launches(shape, train, lay) * launch_s(gpu))
 
 
-def moe_ops(shape: ModelShape, lay: Layout) -> float:
+def moe_ops(shape: ModelShape, lay: Layout, forward_only: bool = False) -> float:
     """The ops of `eager_ops` that MoE layers add to one rank's step (OPS_MOE_EXTRA, the forward again
-    where a recomputed segment replays it)."""
+    where a recomputed segment replays it), or to its first forward pass only (`forward_only`)."""
     if shape.num_experts == 1:
         return 0.0
     fwd, bwd = OPS_MOE_EXTRA
-    replay = fwd if lay.recompute in REPLAYING else 0
-    return stage_params(shape, lay)["layers"] * shape.moe_share * (fwd + replay + bwd) * lay.num_microbatches
+    per_block = fwd if forward_only else fwd + (fwd if lay.recompute in REPLAYING else 0) + bwd
+    return stage_params(shape, lay)["layers"] * shape.moe_share * per_block * lay.num_microbatches
 
 
 def split_ops(shape: ModelShape, lay: Layout) -> float:
@@ -383,7 +384,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    layers = stage_params(shape, lay)["layers"]
-    moe_fwd = layers * shape.moe_share * OPS_MOE_EXTRA[0] * (MOE_HOST_OP_SHARE - 1)  # priced as in host_s
-    fwd_ops = (layers * _block_ops(shape, _mode(train, lay))[0] + moe_fwd + OPS_OUTSIDE) * lay.num_microbatches
+    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[0] + OPS_OUTSIDE) \
+        * lay.num_microbatches + (MOE_HOST_OP_SHARE - 1) * moe_ops(shape, lay, forward_only=True)  # as host_s
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))

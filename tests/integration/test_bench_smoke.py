@@ -68,8 +68,11 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     (gc.freeze), as Python 3.12's do, and every row's model is still freed."""
     out = tmp_path / "planner.json"
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text("import gc\ngc.freeze()\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))}
+    (tmp_path / "froze").mkdir()  # each process that froze leaves its pid here: proof the hook ran
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import gc, os\ngc.freeze()\nopen(os.path.join(os.environ['FROZE_DIR'], str(os.getpid())), 'w').close()\n")
+    env = {**os.environ, "FROZE_DIR": str(tmp_path / "froze"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planner_validate.py"), "--gpus", "2", "--smoke",
                            "--only", "tp2 megatron+sp", "--relaunches", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
@@ -87,6 +90,7 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert row["host_loop_us"] > 0 and row["predicted_step_s_row_host"] > 0 and row["measured_step_s"] > 0
     assert len(row["visits_s"]) == 3 and row["measured_step_s"] == min(row["visits_s"])  # main job twice, relaunch
     assert row["model_freed"] and result["summary"]["models_kept_alive"] == []
+    assert len(list((tmp_path / "froze").iterdir())) >= 5  # the driver, and two ranks in each of its two jobs
 
 
 def test_collective_timeline_records_every_collective_on_cpu(tmp_path):

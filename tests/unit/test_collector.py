@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 
+from teratrain import collector
 from teratrain.collector import Collector
 
 
@@ -17,6 +18,7 @@ class _Cycle:
 def _restore_gc():
     was = gc.isenabled()
     yield
+    collector._running[0] = 0
     gc.unfreeze()
     gc.enable() if was else gc.disable()
 
@@ -96,3 +98,33 @@ def test_gc_every_is_a_train_setting():
     assert load_config(None, ["train.gc_every=50"]).train.gc_every == 50
     with pytest.raises(ConfigError):
         load_config(None, ["train.gc_every=-1"])
+
+
+def test_an_interrupted_start_leaves_later_runs_collectable(monkeypatch):
+    """A Ctrl-C during the start's collection (100-180 ms on a real model) must not leave the process
+    counted as inside a run, or no later Collector would unfreeze."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(collector, "_freeze", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with Collector():
+                pass
+    model = _Cycle()
+    ref = weakref.ref(model)
+    with Collector() as c:
+        c.step(1)
+    assert gc.get_freeze_count() == 0
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_one_collector_is_not_entered_twice():
+    c = Collector(every=2)
+    with c:
+        with pytest.raises(RuntimeError):
+            with c:
+                pass
+    assert gc.isenabled()

@@ -45,3 +45,19 @@ def test_an_moe_layers_ops_cost_the_host_more_than_a_dense_blocks(monkeypatch):
     plain = _host(shape_of(moe), training_of(moe), lay)
     assert MOE_HOST_OP_SHARE > 1
     assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * moe_ops(shape_of(moe), lay) * GPUS["h200"].host_op_s) < 1e-12
+
+
+def test_the_moe_share_follows_the_stage_and_the_dropless_readback(monkeypatch):
+    """A pipeline stage counts its own MoE blocks; dropless expert parallelism's read-back (the forward's
+    host time, when shorter than its GPU time) prices the forward's MoE ops as host_s does."""
+    cfg = load_config(None, ["model.preset=llama-1b", "model.n_layers=8", "train.global_batch=4", "train.micro_batch=2",
+                             "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2"])
+    shape, train, gpu = shape_of(cfg), training_of(cfg), GPUS["h200"]
+    fwd, bwd = OPS_MOE_EXTRA
+    assert moe_ops(shape, Layout(pp=2, micro_batch=2, num_microbatches=4)) == 2 * (fwd + bwd) * 4  # 2 of a stage's 4
+    lay = Layout(dp=2, ep=2, micro_batch=2, num_microbatches=1)
+    assert moe_ops(shape, lay, forward_only=True) == 4 * fwd
+    charged = planner_time._readback_s(shape, train, lay, gpu, busy=1e9)  # the host side is the shorter
+    monkeypatch.setattr(planner_time, "MOE_HOST_OP_SHARE", 1.0)
+    plain = planner_time._readback_s(shape, train, lay, gpu, busy=1e9)
+    assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * 4 * fwd * gpu.host_op_s) < 1e-12
