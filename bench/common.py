@@ -113,6 +113,22 @@ def env_info(dev: torch.device) -> dict:
     return info
 
 
+def count_ops(step) -> int:
+    """The aten ops one call of `step` dispatches (what planner/time.py's op counts count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        step()
+    return c.n
+
+
 def emit(obj: dict, out: str | None = None) -> None:
     text = json.dumps(obj, indent=1)
     print(text, flush=True)

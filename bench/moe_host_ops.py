@@ -15,16 +15,15 @@ round of each. CPU only: on a GPU host each op also pays its kernel launch, whic
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.models.layers import Rotary  # noqa: E402
@@ -33,16 +32,6 @@ from teratrain.models.transformer import Block  # noqa: E402
 SHAPE = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=16",
          "model.seq_len=8"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def block_step(extra: list[str]):
@@ -65,9 +54,7 @@ def block_step(extra: list[str]):
         y.float().sum().backward()
 
     step()
-    with _Count() as c:
-        step()
-    return step, c.ops
+    return step, count_ops(step)
 
 
 def measure(rounds: int = 15, calls: int = 50) -> dict:
@@ -94,11 +81,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out")
     args = ap.parse_args()
-    out = measure(args.rounds)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(measure(args.rounds), args.out)
 
 
 if __name__ == "__main__":

@@ -32,27 +32,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, sync
+from common import count_ops, emit, sync
 from planner_multi import build_row
 from planner_rows import PROBE_WIDTH, Row, full_sets, pipeline_sets
 
 WORLD, RANK, MICRO = 4, 2, 8  # pp=2 x tp=2: rank 2 is the last stage's first tp rank
 TINY = ["model.n_kv_heads=2"]  # on planner_rows.dense's smoke model: grouped KV heads, as llama-1b's
-
-
-def count_ops(step) -> int:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as c:
-        step()
-    return c.n
 
 
 def depth(layers: int, args, device: torch.device, runtimes: dict) -> dict:

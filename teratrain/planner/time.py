@@ -199,20 +199,13 @@ def _mode(train: Training, lay: Layout) -> str:
 
 def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     """Ops one rank issues per step: every block's forward and backward per micro-batch, the
-    forward again when a segment is recomputed, the embedding/head/loss, and the optimizer step's
-    per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
-    fwd, bwd = _block_ops(shape, _mode(train, lay))
+    forward again when a segment is recomputed, what MoE layers add (`moe_ops`), the embedding/head/loss,
+    and the optimizer step's per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
+    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))]
     replay = fwd if lay.recompute in REPLAYING else 0
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
-    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + tensors)
-
-
-def _block_ops(shape: ModelShape, mode: str) -> tuple[float, float]:
-    """(forward, backward) ops of an average block: MoE layers add theirs (OPS_MOE_EXTRA)."""
-    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
-    share = shape.moe_share if shape.num_experts > 1 else 0.0
-    return fwd + share * OPS_MOE_EXTRA[0], bwd + share * OPS_MOE_EXTRA[1]
+    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors)
 
 
 def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -384,6 +377,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    fwd_ops = (stage_params(shape, lay)["layers"] * _block_ops(shape, _mode(train, lay))[0] + OPS_OUTSIDE) \
-        * lay.num_microbatches + (MOE_HOST_OP_SHARE - 1) * moe_ops(shape, lay, forward_only=True)  # as host_s
+    fwd_ops = (stage_params(shape, lay)["layers"] * OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))][0]
+               + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, lay, forward_only=True)
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
