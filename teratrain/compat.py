@@ -111,7 +111,7 @@ def compile_async_tp(group, workspace_bytes: int = 0) -> bool:
     at the next recording. Returns whether it is on."""
     import torch._inductor.config as inductor
 
-    from teratrain.config import ConfigError
+    from teratrain.config_base import ConfigError
 
     current = inductor.post_grad_custom_pre_pass
     mine = getattr(current, "uuid", lambda: None)() == FOLD_RESHAPES

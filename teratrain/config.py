@@ -1,20 +1,39 @@
-"""Typed run configuration: TOML in and out, `--set section.key=value` overrides, validation.
+"""Reading a run's configuration: a TOML file, `section.key=value` overrides (--set), what
+`model.init_from` fills in, then validation into `Config` with pydantic's first error turned into one
+sentence naming the key and the fix.
 
-Every field carries its unit in its description. Validation that spans fields lives here only where
-the field belongs to no other component; errors are raised as `ConfigError` with one sentence that
-names the key and the fix (the CLI prints it and exits 2, no traceback).
+The schema (every section and its checks) is config_schema.py, the model's sections config_model.py;
+this module imports them and re-exports their names, so `teratrain.config` is the config API:
+`Config`, `ConfigError`, `load_config`, `apply_overrides`, `validate`. A Hugging Face folder named by
+`model.init_from` is read here, before validation (`resolve_init_from`): the schema reads no file.
 """
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ValidationError
 
+from teratrain.checkpoint.hf_config import init_shape
 from teratrain.config_base import ConfigError, Section  # noqa: F401 - the config API names them here
 from teratrain.config_model import ROPE_SCALING_KEYS, ROUTERS, ModelConfig, MoEConfig  # noqa: F401
+from teratrain.config_schema import (  # noqa: F401
+    DEFAULT_LR,
+    REPLAYING,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoraConfig,
+    MemoryConfig,
+    MetricsConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    compile_scope_problem,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,369 +41,118 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
-class TrainConfig(Section):
-    steps: int = Field(300, ge=1, description="optimizer steps")
-    global_batch: int = Field(32, ge=1, description="sequences per optimizer step, over all data-parallel ranks")
-    micro_batch: int = Field(16, ge=1, description="sequences per forward/backward on one rank")
-    seed: int = Field(1234, ge=0, description="seed of init, dropout and data order")
-    log_every: int = Field(10, ge=1, description="steps between progress-bar/log updates")
-    eval_every: int = Field(100, ge=0, description="steps between held-out evaluations (0 = only at the end)")
-    eval_batches: int = Field(4, ge=0, description="micro-batches per evaluation (0 = no evaluation)")
-    grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient L2 norm to this (0 = off)")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
-    compile: bool = Field(False, description="torch.compile the model")
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile's mode with train.compile (reduce-overhead: CUDA graphs replay each "
-        "compiled forward and backward with one launch, for host-bound steps such as tensor parallelism)")
-    compile_scope: Literal["auto", "model", "block"] = Field(
-        "auto", description="what train.compile traces as one graph: model = the whole forward (its compiled "
-        "backward hands every gradient over at its end, so data-parallel reductions start only then); block = each "
-        "block apart, and the decoder's final norm and loss (each block's gradients reach the engine as its backward "
-        "ends and their reductions overlap the rest, as in eager); auto = block where gradients are reduced over "
-        "data-parallel ranks during backward (parallel.dp > 1, parallel.sync=allreduce, parallel.overlap_comm, no "
-        "CUDA graphs, no replaying memory.recompute), else model. A pipeline stage always compiles its blocks; ZeRO-3 always each block's "
-        "forward, its gather and free hooks eager around it")
-    compile_overlap: bool = Field(False, description="with train.compile: inductor moves each collective's launch "
-                                  "earlier and its wait later, within peak memory, so that work not needing it runs "
-                                  "under it (a tensor-parallel backward's input-gradient all-reduce under the weight "
-                                  "gradient's GEMM); torch's prototype passes, off by default (on with "
-                                  "parallel.tp_overlap=chunked, whose pieces they schedule)")
-    gc_every: int = Field(0, ge=0, description="Python's garbage collector: 0 = automatic, over the objects made "
-                          "since training started only (the setup's are frozen, gc.freeze); N = automatic "
-                          "collection off, every rank collects every N steps (reference cycles then live until "
-                          "then)")
-    deterministic: bool = Field(False, description="bitwise repeatable GPU runs (torch.use_deterministic_algorithms: "
-                                "cuDNN attention's backward is not by default); some kernels run slower")
-
-    @property
-    def cuda_graphs(self) -> bool:
-        """Does the compiled model replay as CUDA graphs (train.compile_mode=reduce-overhead)?"""
-        return self.compile and self.compile_mode == "reduce-overhead"
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read an optional TOML file, apply `section.key=value` overrides, validate."""
+    return validate(apply_overrides(read_toml(path) if path is not None else {}, overrides))
 
 
-class OptimConfig(Section):
-    name: Literal["adamw", "sgd", "adafactor", "sm3"] = Field("adamw", description="optimizer (sm3: Anil et al. 2019, "
-                                                             "row/column accumulators; wants a larger lr, ~0.03-0.2)")
-    lr: float = Field(3e-3, gt=0.0, description="peak learning rate at optim.base_batch (before the scaling rule); "
-                      "unset = the optimizer's own: adamw 3e-3, sgd 0.1, sm3 0.03, adafactor 0.1 (the cap of its "
-                      "relative step size, a fraction of each parameter's RMS)")
-    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (matrices only; norms and biases get none)")
-    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay")
-    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW second-moment decay")
-    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0,
-                            description="SGD and SM3 momentum (0 = none: SM3 then keeps no full-size buffer)")
-    schedule: Literal["constant", "cosine", "linear"] = Field("cosine", description="decay after warmup")
-    warmup_steps: int = Field(30, ge=0, description="linear warmup steps (Goyal et al. 2017: lr_t = lr * t / T_w)")
-    decay_steps: int | None = Field(None, ge=1, description="steps the warmup + decay schedule spans; unset = "
-                                    "train.steps. Past it the lr stays at min_lr_ratio x lr (a resume to more --steps "
-                                    "keeps the run's original length unless this is set)")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a fraction of the peak (cosine/linear)")
-    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="rule from optim.base_batch to train.global_batch")
-    base_batch: int | None = Field(None, ge=1, description="global batch at which optim.lr was tuned (needed by lr_scaling)")
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist; pass the path of a TOML file.")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file '{p}' is not valid TOML ({e}); fix the syntax at that line.") from None
 
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_lr(cls, data: Any) -> Any:
-        """Each optimizer's own learning rate unless optim.lr is given (one rate does not fit them all:
-        SM3's and Adafactor's steps are bounded by it per entry, SGD's are not normalized at all)."""
-        if isinstance(data, dict) and data.get("lr") is None:
-            data = {**data, "lr": DEFAULT_LR.get(data.get("name", "adamw"), DEFAULT_LR["adamw"])}
-        return data
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to a raw config dict (in place); returns it."""
+    for item in overrides:
+        _apply_override(raw, item)
+    return raw
 
 
-# Measured on the tiny test model (2 blocks of width 64, 30 steps of 8 x 64 tokens, 30 warmup steps, from
-# 8.33 nats): adamw 6.89, sgd 7.04, sm3 6.73, adafactor 6.37; at AdamW's 3e-3 the others reach 8.07-8.29.
-# Adafactor's lr caps the relative step rho_t = min(lr, 1/sqrt(t)) of Shazeer & Stern 2018 (alg. 4), whose
-# update is rho_t x RMS(param): the paper's cap of 1e-2 moves a 0.02-scale weight by 2e-4 a step (8.20).
-DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.1, "sm3": 0.03, "adafactor": 0.1}
+def validate(raw: dict[str, Any]) -> Config:
+    """A raw config dict (TOML tables, overrides applied) as a `Config`: `model.init_from` resolved,
+    then validated."""
+    raw = resolve_init_from(raw)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
 
 
-class MemoryConfig(Section):
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
-    master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16, and for bf16 under ZeRO")
-    recompute: Literal["none", "full", "every-k", "sqrt", "selective"] = Field("none", description="activation recomputation policy")
-    recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
-    compress_activations: Literal["none", "lossless", "int8", "fp8"] = Field(
-        "none", description="Gist-style compression of tensors saved for backward: lossless bit-packs dropout masks; "
-                            "int8/fp8 also store block activations at 1 byte with per-128 scales (memory/compression.py)")
-    loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
-    loss_scale_window: int = Field(1000, ge=1, description="fp16: grow the scale x2 after this many clean steps")
+def resolve_init_from(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with what `model.init_from` fills in: its config.json's model keys under the keys given
+    (checkpoint/hf_config.py `init_shape`, which refuses a given shape key that contradicts them; its
+    `moe` table key by key), and its tokenizer.json as data.tokenizer unless one is given. The only
+    place a config reads a model folder; `raw` is not changed."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("init_from"):
+        return raw
+    folder = str(model["init_from"])
+    hf = init_shape(folder, model)
+    filled = {**hf, **model}
+    if isinstance(hf.get("moe"), dict) and isinstance(model.get("moe"), dict):
+        filled["moe"] = {**hf["moe"], **model["moe"]}
+    out = {**raw, "model": filled}
+    tokenizer = Path(folder).expanduser() / "tokenizer.json"
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    if tokenizer.is_file() and not data.get("tokenizer"):
+        out["data"] = {**data, "tokenizer": str(tokenizer)}
+    return out
 
 
-class ParallelConfig(Section):
-    auto: bool = Field(False, description="take every parallel.* degree, parallel.zero, parallel.offload, "
-                       "train.micro_batch and memory.recompute not given here from the planner's fastest layout "
-                       "that fits the job's processes and devices (docs/planner.md); given keys are kept")
-    dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp)")
-    tp: int = Field(1, ge=1, description="tensor-parallel degree (ranks that split every layer's weights)")
-    tp_form: Literal["megatron", "all-gather", "all-reduce"] = Field(
-        "megatron", description="megatron: column- then row-parallel pairs (one all-reduce per attention/MLP each way); "
-                                "all-gather / all-reduce: the seeds' per-layer forms (outputs all-gathered / partial "
-                                "products of inner-dim splits all-reduced)")
-    sequence_parallel: bool | None = Field(None, description="norms, dropout and residuals on sequence shards under tp "
-                                                             "(Korthikanti et al. 2022); unset = on for tp_form=megatron")
-    tp_overlap: Literal["none", "chunked", "async"] = Field(
-        "none", description="overlap tensor-parallel collectives with the matmuls that depend on them: chunked "
-                            "splits each region's gather / reduce-scatter (all-reduce without sequence "
-                            "parallelism) and its matmuls into parallel.tp_overlap_chunks pieces, one piece's "
-                            "communication running while the next one computes (Wang et al. 2022; "
-                            "parallel/tp_overlap.py); megatron form only. Under train.compile the pieces are "
-                            "traced and inductor schedules them (train.compile_overlap's passes, turned on). "
-                            "async: PyTorch's async TP, under train.compile with sequence parallelism on CUDA "
-                            "GPUs: inductor fuses each sequence gather with the GEMMs that read it and each "
-                            "GEMM with the reduce-scatter after it, the pieces moved by copy engines through "
-                            "symmetric memory (no SMs taken from the GEMMs)")
-    tp_overlap_chunks: int = Field(2, ge=1, description="pieces per overlapped collective for tp_overlap=chunked; "
-                                                        "model.seq_len must be divisible by tp x this")
-    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
-    ep: int = Field(1, ge=1, description="expert-parallel degree (divides dp: experts are spread over data-parallel ranks)")
-    ep_overlap_chunks: int = Field(1, ge=1, description="pieces each MoE layer's all-to-all exchange is cut into at "
-                                   "ep > 1, one piece's dispatch and combine running under another piece's experts, "
-                                   "forward and backward (Tutel, DeepSpeed-MoE; parallel/expert.py); 1 = one "
-                                   "exchange each way, nothing overlapped; no effect at ep=1 (slower than 1 where measured: README)")
-    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
-    offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
-    offload_threads: int = Field(0, ge=0, description="CPU threads each rank's host optimizer step runs on under "
-                                 "offload; 0 = half the rank's share of the CPUs it may run on (the fastest in "
-                                 "one measured call; torchrun alone gives every rank 1), a count given in "
-                                 "OMP_NUM_THREADS, or torch's own count in a job of one process; the planner's "
-                                 "host rates are measured at the default (memory/offload.py host_threads)")
-    sync: Literal["allreduce", "local-sgd", "param-server"] = Field("allreduce", description="how data-parallel replicas synchronize")
-    sync_every: int = Field(1, ge=1, description="local-sgd: steps between parameter averages")
-    staleness: int | None = Field(None, ge=0, description="param-server: max steps a worker may run ahead of the slowest (0 = synchronous, unset = async)")
-    num_servers: int = Field(1, ge=1, description="param-server: ranks acting as servers")
-    bucket_mb: float = Field(25.0, gt=0.0, description="gradient bucket size in MiB")
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="dtype of gradient reduction")
-    grad_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="ZeRO: dtype of the gradient buffer micro-batches accumulate in (stage 1: the full "
-                            "buffer, reduce-scattered in place; 2/3: the shard); bf16 halves it (the ZeRO paper's "
-                            "2 bytes) at 8 mantissa bits, upcast to fp32 one group at a time for the update")
-    dp_max_ctas: int | None = Field(None, ge=1, le=64, description="the most thread blocks (each takes an SM) NCCL "
-                                    "may run one collective of the dp group on (the dense parameters' reductions, DDP's "
-                                    "and ZeRO's, and ZeRO-3's gathers; expert and tied-embedding groups are left to "
-                                    "NCCL): fewer leave more SMs to the matmuls those collectives overlap, and move "
-                                    "fewer bytes a second; unset = NCCL's own choice. No effect on gloo")
-    overlap_comm: bool = Field(True, description="launch gradient reductions from backward as buckets fill; false waits "
-                                                 "for each one (to measure what the overlap saves)")
-    timeout_s: float = Field(600.0, gt=0.0, description="seconds a collective or pipeline transfer may wait for its "
-                             "peers; then the job ends with one sentence naming the rank, the operation and its group")
-    schedule: Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw"] = Field(
-        "1f1b", description="pipeline schedule when pp > 1 (parallel/pipeline/schedules.py; pipedream and "
-                            "pipedream-2bw are asynchronous)")
-    num_microbatches: int | None = Field(None, ge=1, description="micro-batches per optimizer step on each pipeline; "
-                                         "unset = train.global_batch / (dp x train.micro_batch), which it must equal")
-    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved-1f1b): the blocks "
-                                                     "are split into pp x virtual_stages stages")
-    partition: Literal["layers", "profiled"] = Field("layers", description="split blocks into stages by count "
-                                                     "(equal: pp x virtual_stages must divide model.n_layers) or by "
-                                                     "time measured on the device under a memory cap (PipeDream's "
-                                                     "DP, parallel/pipeline/partition.py)")
-    stage_layers: list[int] | None = Field(None, description="blocks of each pipeline stage, pp x virtual_stages "
-                                           "counts summing to model.n_layers (a fixed split); unset = by "
-                                           "parallel.partition, and a profiled split is recorded here in the run's "
-                                           "config.toml, so --resume keeps it")
-    weight_version_every: int | None = Field(None, ge=1, description="pipedream-2bw: micro-batches between weight "
-                                             "versions (at least pp; unset = pp)")
-    vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "
-                                                   "entered stage 0 with")
-    pipeline_recv: Literal["at_use", "ahead"] = Field(
-        "at_use", description="when a pipeline stage posts a receive: at_use, after the action before the one that "
-                              "uses it (the transfer is on the critical path when the sender was early); ahead, one "
-                              "action earlier (the transfer hides under that action, but under NCCL the receive's "
-                              "kernel holds SMs while it waits for the peer, slowing that action)")
-
-    @model_validator(mode="after")
-    def _check_schedule(self) -> "ParallelConfig":
-        from teratrain.parallel.pipeline.schedules import problem
-
-        why = problem(self.schedule, self.pp, self.num_microbatches, self.virtual_stages,
-                      self.weight_version_every, self.vertical_sync)
-        if why:
-            raise ConfigError(why)
-        return self
-
-    @property
-    def use_sp(self) -> bool:
-        """Sequence parallelism in effect: only with tp > 1, by default for the megatron form."""
-        sp = self.tp_form == "megatron" if self.sequence_parallel is None else self.sequence_parallel
-        return self.tp > 1 and sp
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    nested = len(parts) == 3 and bool(_fields_of(".".join(parts[:2])))  # section.table.key, e.g. model.moe.top_k
+    if not sep or not (len(parts) == 2 or nested) or not all(parts):
+        raise ConfigError(f"--set '{item}' is not of the form section.key=value (section.table.key=value for a "
+                          "nested table such as model.moe); write e.g. --set optim.lr=3e-4.")
+    if parts[0] not in Config.model_fields:
+        raise ConfigError(f"unknown config section '{parts[0]}' in --set {item}; use one of {', '.join(Config.model_fields)}.")
+    table = raw
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {item}: '{'.'.join(parts[:-1])}' was given as a value, not a table; "
+                              "give its keys one by one.")
+    table[parts[-1]] = _parse_value(text.strip())
 
 
-class DataConfig(Section):
-    path: str | None = Field(None, description="text file, JSON-lines file (*.jsonl), folder of them, or pre-tokenized .bin; "
-                              "unset = the Python stdlib sources")
-    tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = model.init_from's tokenizer.json if "
-                                  "it has one, else train a byte-level BPE on the corpus (cached)")
-    text_field: str = Field("text", description="JSON-lines files (*.jsonl, *.ndjson): the field of each record that "
-                            "holds its text")
-    val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
-    cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
+def _parse_value(text: str) -> Any:
+    """A TOML literal when it is one (3, 3e-4, true, "x"), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
 
 
-class CheckpointConfig(Section):
-    every: int | None = Field(None, ge=0, description="steps between checkpoints (0 = only at the end and on a stop "
-                              "signal); unset = by time, every checkpoint.every_minutes")
-    every_minutes: float = Field(10.0, gt=0.0, description="minutes of training between checkpoints when "
-                                 "checkpoint.every is unset (the ranks agree each step whether it is time; not "
-                                 "an asynchronous parameter server's, whose workers run steps apart)")
-    keep: int = Field(2, ge=1, description="checkpoints kept on disk")
-    stop_timeout_s: float = Field(60.0, gt=0.0, description="seconds a job stopped by SIGTERM/SIGINT/SIGHUP has to "
-                                  "finish its step and write a checkpoint before it exits without one (a second "
-                                  "signal exits at once)")
+_TYPE_WORDS = {"int_parsing": "an integer", "int_from_float": "an integer", "float_parsing": "a number",
+               "bool_parsing": "true or false", "string_type": "a string", "int_type": "an integer",
+               "float_type": "a number", "bool_type": "true or false"}
 
 
-class MetricsConfig(Section):
-    peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s for MFU; unset = GPU table (none on CPU)")
-    tensorboard: bool = Field(False, description="also write TensorBoard events")
-    progress: bool = Field(True, description="show a progress bar")
+def _explain(e: ValidationError) -> str:
+    """Turn pydantic's first error into one sentence naming the key and the fix."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    kind, given = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        section, _, name = loc.rpartition(".")
+        fields = _fields_of(section)
+        close = difflib.get_close_matches(name, fields, n=1)
+        hint = f"did you mean '{section + '.' if section else ''}{close[0]}'?" if close else f"known keys: {', '.join(fields)}."
+        return f"unknown config key '{loc}'; {hint}"
+    if isinstance(err.get("ctx", {}).get("error"), ConfigError):
+        return str(err["ctx"]["error"])
+    if kind in _TYPE_WORDS:
+        return f"config key '{loc}' must be {_TYPE_WORDS[kind]}, got {given!r}; fix its value."
+    if kind == "literal_error":
+        return f"config key '{loc}' got {given!r}; {err['msg'].lower().replace('input ', 'it ')}."
+    if kind == "model_type" or kind == "dict_type":
+        return f"config key '{loc}' must be a [section] table, got {given!r}; write it as a TOML table."
+    return f"config key '{loc}' is invalid ({err['msg'].lower()}, got {given!r}); fix its value."
 
 
-class LoraConfig(Section):
-    rank: int = Field(0, ge=0, le=1024, description="LoRA rank r (Hu et al. 2021; 0 = off): adapters B A of rank r on "
-                                                     "the targeted linears, everything else frozen")
-    alpha: float = Field(16.0, gt=0.0, description="LoRA scale numerator: the update is (alpha / rank) B A x")
-    targets: list[str] = Field(["wq", "wk", "wv", "wo"], min_length=1,
-                               description="block linears that get adapters (wq wk wv wo w1 w2 w3)")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
-    base_dtype: Literal["param", "bf16"] = Field("param", description="storage of the frozen weights: param = the "
-                                                                       "run's parameter dtype, bf16 = halved (autocast runs)")
-
-    @model_validator(mode="after")
-    def _check_targets(self) -> "LoraConfig":
-        unknown = sorted(set(self.targets) - {"wq", "wk", "wv", "wo", "w1", "w2", "w3"})
-        if unknown:
-            raise ConfigError(f"lora.targets names unknown layers {unknown}; choose among wq wk wv wo w1 w2 w3.")
-        return self
-
-
-# memory.recompute policies whose backward reruns the blocks' forward (memory/recompute.py)
-REPLAYING = ("full", "every-k", "sqrt")
-
-
-def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: str, zero: int) -> str | None:
-    """Why train.compile cannot compile each block apart here (one sentence with the fix), or None:
-    asked for with train.compile_scope=block, or needed by ZeRO-3, whose hooks are on the blocks. The
-    planner refuses the same layouts through it (planner/states.py check_layout)."""
-    zero3 = compile and zero == 3
-    if scope != "block" and not zero3:
-        return None
-    if graphs:
-        why = "train.compile_mode=reduce-overhead records one CUDA graph of the whole step"
-    elif recompute in REPLAYING:
-        why = f"memory.recompute={recompute} replays checkpointed blocks in backward, not tested with compiled blocks"
-    elif zero3 and scope == "model":
-        why = "train.compile_scope=model would trace ZeRO-3's gather and free hooks on every block"
-    else:
-        return None
-    if zero3:
-        return (f"train.compile with parallel.zero=3 compiles each block's forward apart, and {why}; set "
-                "train.compile=false, parallel.zero<=2, or the other setting named.")
-    return f"train.compile_scope=block compiles each block apart, and {why}; set train.compile_scope=auto."
-
-
-class Config(Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _hf_tokenizer(cls, data: Any) -> Any:
-        """Start from a Hugging Face model with its own tokenizer when the folder has one."""
-        if isinstance(data, dict) and isinstance(data.get("model"), dict) and data["model"].get("init_from"):
-            tok = Path(str(data["model"]["init_from"])).expanduser() / "tokenizer.json"
-            section = data.get("data") if isinstance(data.get("data"), dict) else {}
-            if tok.is_file() and not section.get("tokenizer"):
-                data = {**data, "data": {**section, "tokenizer": str(tok)}}
-        return data
-
-    def compile_scope_problem(self) -> str | None:
-        """compile_scope_problem of this config (checked when it is read and by
-        parallelize.check_supported, for the layouts parallel.auto tries)."""
-        t = self.train
-        return compile_scope_problem(t.compile, t.compile_scope, t.cuda_graphs, self.memory.recompute,
-                                     self.parallel.zero)
-
-    @model_validator(mode="after")
-    def _check_cross(self) -> "Config":
-        if self.optim.lr_scaling != "none" and self.optim.base_batch is None:
-            raise ConfigError(f"optim.lr_scaling={self.optim.lr_scaling} needs optim.base_batch; set it to the batch "
-                              "at which optim.lr was tuned.")
-        if self.memory.compress_activations != "none" and self.train.compile:
-            raise ConfigError("memory.compress_activations runs Python saved-tensor hooks that train.compile does not "
-                              "trace; set train.compile=false or memory.compress_activations=none.")
-        if self.train.compile_overlap and not self.train.compile:
-            raise ConfigError("train.compile_overlap reorders what train.compile generates; set train.compile=true "
-                              "or train.compile_overlap=false.")
-        if self.train.compile_scope != "auto" and not self.train.compile:
-            raise ConfigError(f"train.compile_scope={self.train.compile_scope} is a setting of train.compile; set "
-                              "train.compile=true or leave train.compile_scope at auto.")
-        why = self.compile_scope_problem()
-        if why:
-            raise ConfigError(why)
-        if self.train.compile_mode != "default" and not self.train.compile:
-            raise ConfigError(f"train.compile_mode={self.train.compile_mode} is a mode of train.compile; set "
-                              "train.compile=true or leave train.compile_mode at default.")
-        if self.memory.precision == "fp32" and self.memory.master_weights:
-            raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
-        if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":
-            raise ConfigError("lora.base_dtype=bf16 stores the frozen weights in bf16, which needs bf16 autocast; "
-                              "set memory.precision=bf16 or lora.base_dtype=param.")
-        p = self.parallel
-        if self.model.n_layers < p.pp * p.virtual_stages:
-            raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
-                              f"parallel.virtual_stages = {p.pp * p.virtual_stages} pipeline stages; lower them.")
-        if p.num_microbatches is not None and p.dp is not None:
-            self.microbatches(p.dp)
-        elif p.num_microbatches is not None and self.train.global_batch % (p.num_microbatches * self.train.micro_batch):
-            raise ConfigError(f"train.global_batch ({self.train.global_batch}) must be dp x "
-                              f"parallel.num_microbatches x train.micro_batch = dp x {p.num_microbatches} x "
-                              f"{self.train.micro_batch}; change one of them.")
-        return self
-
-    def microbatches(self, dp: int) -> int:
-        """Micro-batches per optimizer step on each pipeline at data-parallel degree `dp`, checked
-        against parallel.num_microbatches and the schedule (call before launch, when dp is known)."""
-        t, p = self.train, self.parallel
-        m, rest = divmod(t.global_batch, dp * t.micro_batch)
-        if rest or m == 0 or (p.num_microbatches is not None and m != p.num_microbatches):
-            want = f"a multiple of dp x train.micro_batch = {dp * t.micro_batch}"
-            if p.num_microbatches:
-                n = dp * p.num_microbatches * t.micro_batch
-                want = f"dp x parallel.num_microbatches x train.micro_batch = {dp} x {p.num_microbatches} x " \
-                       f"{t.micro_batch} = {n}"
-            raise ConfigError(f"train.global_batch ({t.global_batch}) must be {want}; change one of them.")
-        from teratrain.parallel.pipeline.schedules import problem
-
-        why = problem(p.schedule, p.pp, m, p.virtual_stages, p.weight_version_every, p.vertical_sync)
-        if why:
-            raise ConfigError(why)
-        return m
-
-    @property
-    def schedule_steps(self) -> int:
-        """Steps the learning-rate schedule spans (optim.decay_steps, else train.steps)."""
-        return self.optim.decay_steps or self.train.steps
-
-    @property
-    def use_master_weights(self) -> bool:
-        """Low-precision params with fp32 master copies (the rule: memory/precision.py)."""
-        from teratrain.memory.precision import uses_master_weights
-
-        return uses_master_weights(self.memory.precision, self.parallel.zero, self.parallel.offload,
-                                   self.memory.master_weights)
-
-
-# ---------------------------------------------------------------- loading, overrides, saving
-
-# Reading config input (TOML files, --set items, pydantic's errors as one sentence) lives in
-# config_input.py; imported here last, as it builds on the classes above.
-from teratrain.config_input import apply_overrides, load_config, read_toml, validate  # noqa: E402,F401
+def _fields_of(section: str) -> list[str]:
+    """Keys of a (possibly nested) table, e.g. 'model' or 'model.moe'."""
+    cls = Config
+    for part in section.split(".") if section else []:
+        field = cls.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        cls = field.annotation
+    return list(cls.model_fields)

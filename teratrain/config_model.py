@@ -1,4 +1,5 @@
-"""The model's config sections: `[model]` and its `[model.moe]` (config.py re-exports both)."""
+"""The model's config sections: `[model]` and its `[model.moe]` (config.py re-exports both). Pure:
+what `model.init_from` fills in is resolved before validation (config.py `resolve_init_from`)."""
 
 from __future__ import annotations
 
@@ -151,12 +152,7 @@ class ModelConfig(Section):
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ConfigError(f"model.preset '{name}' is unknown; {hint}choose one of {', '.join(PRESETS)}.")
         preset = give_way(PRESETS[name], data)
-        hf = {}
-        if data.get("init_from"):  # a Hugging Face model's shape, under the keys given here
-            from teratrain.checkpoint.hf_config import init_shape
-
-            hf = init_shape(str(data["init_from"]), data)
-        merged = {**preset, **hf, **data}
+        merged = {**preset, **data}  # model.init_from's keys are among `data` (config.py resolve_init_from)
         if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
             merged["moe"] = {**preset["moe"], **data["moe"]}  # keys given next to the preset override its own
         return merged

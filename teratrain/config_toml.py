@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from teratrain.config import Config
+from teratrain.config_schema import Config
 
 
 def to_toml(cfg: Config) -> str:

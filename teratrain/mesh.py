@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 
 AXES = ("pp", "dp", "tp")  # outermost to innermost; ep splits dp
 GROUPS: dict[str, tuple[str, ...]] = {  # name -> the coordinates that vary within one group

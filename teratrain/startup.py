@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from teratrain.config import Config, ConfigError
+from teratrain.config_base import ConfigError
+from teratrain.config_schema import Config
 
 GIB = 2**30
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from teratrain.config import ROPE_SCALING_KEYS, ConfigError
+from teratrain.config_base import ConfigError
+from teratrain.config_model import ROPE_SCALING_KEYS
 
 HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
 LLAMA_TYPES = ("llama", "mistral", "mixtral")  # the decoder of models/transformer.py, arch = llama

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import FLOAT8_E4M3
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 
 MODES = ("none", "lossless", "int8", "fp8")
 BLOCK = 128  # elements per scale

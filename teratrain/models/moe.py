@@ -49,7 +49,7 @@ from teratrain.models.grouped import compute_dtype, row_align, run_experts, stac
 from teratrain.models.permute import Layout, combine, dispatch, grouped_layout
 
 if TYPE_CHECKING:
-    from teratrain.config import ModelConfig, MoEConfig
+    from teratrain.config_model import ModelConfig, MoEConfig
 
 SWITCH_INIT_SCALE = 0.1  # Fedus et al. 2021, sec. 2.4: a tenth of the usual 1.0
 

@@ -21,7 +21,7 @@ from teratrain.models import moe
 from teratrain.models.layers import Attention, GeluMLP, KVCache, LayerNorm, RMSNorm, Rotary, SwiGLU
 
 if TYPE_CHECKING:
-    from teratrain.config import ModelConfig
+    from teratrain.config_model import ModelConfig
 
 
 class Block(nn.Module):

@@ -109,7 +109,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 from teratrain.models.grouped import compute_dtype
 from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, grouped_layout, piece_bounds,
                                       slotted_layout)

@@ -15,7 +15,7 @@ from typing import Callable
 from torch import nn
 
 from teratrain.checkpoint.pieces import WholeTensors
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 from teratrain.models.protocol import is_builtin
 
 OWN_LAYERS_ONLY = "it rewrites teratrain's own decoder (models/transformer.py)"

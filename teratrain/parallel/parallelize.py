@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from teratrain import compat
-from teratrain.config import REPLAYING, ConfigError
+from teratrain.config_base import ConfigError
+from teratrain.config_schema import REPLAYING
 from teratrain.memory.compression import apply_compression
 from teratrain.memory.lora import LoraInit, apply_lora
 from teratrain.memory.recompute import apply_recompute

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from teratrain.checkpoint.holdings import Holdings, Slot
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 from teratrain.memory.precision import has_inf_or_nan, make_scaler, param_dtype
 from teratrain.mesh import new_group
 from teratrain.optim.build import build_optimizer

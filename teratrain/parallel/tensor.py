@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 from teratrain.models.moe import MoE
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place, placement

@@ -22,7 +22,8 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from teratrain.config import Config, ConfigError
+from teratrain.config_base import ConfigError
+from teratrain.config_schema import Config
 from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, host_memory_gib
 from teratrain.planner.inputs import fixed_of, shape_of, training_of
 from teratrain.planner.layout import Layout

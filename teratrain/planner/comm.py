@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.config import REPLAYING
+from teratrain.config_schema import REPLAYING
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.states import accumulates, dp_buckets, is_expert, stage_params, zero_groups

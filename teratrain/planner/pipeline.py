@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.config import REPLAYING
+from teratrain.config_schema import REPLAYING
 from teratrain.parallel.pipeline.actions import B, I, STEP, W
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, held_split, simulate

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from teratrain.config import compile_scope_problem
+from teratrain.config_schema import compile_scope_problem
 from teratrain.parallel.flat import FlatGroup
 from teratrain.parallel.grads import ordered_buckets
 from teratrain.parallel.parallelize import grad_dtype_problem, zero_problem

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from teratrain.config import REPLAYING
+from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.comm import gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch

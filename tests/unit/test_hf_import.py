@@ -119,3 +119,23 @@ def test_the_folder_tokenizer_is_used(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert make_config(f"model.init_from={str(tmp_path)!r}").data.tokenizer == str(tmp_path / "tokenizer.json")
     assert make_config(f"model.init_from={str(tmp_path)!r}", "data.tokenizer=x.json").data.tokenizer == "x.json"
+
+
+def test_the_loader_resolves_init_from_and_the_schema_reads_no_folder(tmp_path):
+    """config.py's resolve_init_from reads the folder before validation; Config itself reads nothing,
+    so a model.init_from given straight to the schema keeps the preset's shape."""
+    from teratrain.config import Config, resolve_init_from
+
+    save_llama(tmp_path)
+    raw = {"model": {"init_from": str(tmp_path)}}
+    assert Config.model_validate(raw).model.d_model == 128  # the tiny preset's
+    resolved = resolve_init_from(raw)
+    assert resolved["model"]["d_model"] == 32 and raw == {"model": {"init_from": str(tmp_path)}}
+    assert Config.model_validate(resolved).model.d_model == 32
+
+
+def test_a_model_moe_key_given_keeps_the_experts_of_config_json(tmp_path):
+    """The Mixtral folder's moe table is filled in key by key under the keys given."""
+    save_mixtral(tmp_path)
+    m = make_config(f"model.init_from={str(tmp_path)!r}", "model.moe.aux_loss_weight=0.02").model.moe
+    assert (m.num_experts, m.k, m.router, m.aux_loss_weight) == (4, 2, "softmax-topk", 0.02)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 from teratrain.parallel.pipeline.partition import partition, profile_layers, split_layers
 from teratrain.parallel.placement import place, placement
 
