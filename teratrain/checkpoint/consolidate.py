@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from teratrain.checkpoint.format import CheckpointError
 from teratrain.checkpoint.holdings import PARAM, Entry
 from teratrain.checkpoint.index import Index, Reader
-from teratrain.checkpoint.io import CheckpointError
 from teratrain.checkpoint.pieces import Piece
 
 

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from teratrain.checkpoint.format import CheckpointError
 from teratrain.checkpoint.hf_config import to_hf
 from teratrain.checkpoint.hf_weights import HF_INDEX, hf_names
 from teratrain.checkpoint.holdings import PARAM
 from teratrain.checkpoint.index import Index, Reader
-from teratrain.checkpoint.io import CheckpointError, find_valid, write_safetensors
+from teratrain.checkpoint.io import find_valid, write_safetensors
 from teratrain.config import ConfigError, load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.fsio import atomic_write_bytes

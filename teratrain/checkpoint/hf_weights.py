@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from teratrain.checkpoint.io import CheckpointError
+from teratrain.checkpoint.format import CheckpointError
 from teratrain.checkpoint.pieces import PieceSource
 
 HF_INDEX = "model.safetensors.index.json"

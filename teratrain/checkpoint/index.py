@@ -22,23 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from teratrain.checkpoint.format import DTYPES_BY_NAME, FORMAT, INDEX, CheckpointError
 from teratrain.checkpoint.holdings import Entry
-from teratrain.checkpoint.io import DTYPE_NAMES, CheckpointError
 from teratrain.checkpoint.pieces import Piece, overlap, region_view
-
-INDEX = "index.json"
-FORMAT = "teratrain-logical/1"
-_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-def merge_rank(index: dict, rank_meta: dict, file: str) -> None:
-    """Add one rank's pieces and non-tensor optimizer state (its JSON) to the index being built."""
-    tensors = index.setdefault("tensors", {})
-    for p in rank_meta.get("pieces", ()):
-        t = tensors.setdefault(f"{p['kind']}/{p['name']}", {"kind": p["kind"], "name": p["name"],
-                                                             "shape": p["shape"], "dtype": p["dtype"], "pieces": []})
-        t["pieces"].append({"file": file, **{k: p[k] for k in ("key", "offsets", "box", "flat", "replica")}})
-    index.setdefault("scalars", {}).update(rank_meta.get("scalars", {}))
 
 
 @dataclass
@@ -91,7 +77,7 @@ class Index:
                 for p in t["pieces"] if p["replica"] in wanted]
 
     def dtype(self, kind: str, name: str) -> torch.dtype:
-        return _DTYPES[self.info(kind, name)["dtype"]]
+        return DTYPES_BY_NAME[self.info(kind, name)["dtype"]]
 
 
 class Reader:
@@ -179,6 +165,6 @@ class Reader:
         info = self.index.info(kind, name)
         if info is None:
             raise CheckpointError(f"{self.index.dir.name} has no {kind}/{name}; it was written for another model.")
-        out = torch.zeros(info["shape"], dtype=_DTYPES[info["dtype"]])
+        out = torch.zeros(info["shape"], dtype=DTYPES_BY_NAME[info["dtype"]])
         self.fill(Entry(kind, Piece.whole_of(name, tuple(info["shape"])), out, replica))
         return out

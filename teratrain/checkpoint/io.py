@@ -31,16 +31,9 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from teratrain.checkpoint.format import DTYPE_NAMES, FORMAT, INDEX, CheckpointError, merge_rank
 from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
 from teratrain.fsio import sha256_file as sha256
-
-DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint: one sentence naming the problem and the fix."""
 
 
 def _noop(*_):
@@ -98,8 +91,6 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
         raise _disk_full(root, name, e) from None
     barrier()
     if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
-        from teratrain.checkpoint.index import FORMAT, INDEX, merge_rank  # (index.py imports this module)
-
         files, index = {}, {}
         for r in range(world):
             rank_json = tmp / f"rank{r:05d}.json"

@@ -32,7 +32,7 @@ from teratrain.checkpoint import io
 from teratrain.checkpoint.holdings import (OPTIM, PARAM, Entry, Holdings, is_factored, ordered_params, save_entries,
                                            slot_index)
 from teratrain.checkpoint.index import Index, Reader
-from teratrain.checkpoint.io import CheckpointError
+from teratrain.checkpoint.format import DTYPE_NAMES, CheckpointError
 from teratrain.checkpoint.pieces import Piece
 from teratrain.checkpoint.state import rng_state, seed_everything, set_rng_state
 from teratrain.config import Config, ConfigError, validate
@@ -67,7 +67,7 @@ def encode(entries: list[Entry]) -> tuple[dict[str, torch.Tensor], list[dict]]:
             key += f"#{piece.key()}"
         tensors[key] = data
         pieces.append({"kind": e.kind, "name": piece.name, "shape": list(piece.shape), "key": key,
-                       "dtype": io.DTYPE_NAMES[data.dtype], "replica": e.replica, **piece.to_json()})
+                       "dtype": DTYPE_NAMES[data.dtype], "replica": e.replica, **piece.to_json()})
     return tensors, pieces
 
 

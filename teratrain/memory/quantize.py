@@ -40,7 +40,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from teratrain.checkpoint.io import CheckpointError, sha256, write_safetensors
+from teratrain.checkpoint.format import CheckpointError
+from teratrain.checkpoint.io import sha256, write_safetensors
 from teratrain.config import Config, load_config
 from teratrain.config_toml import to_toml
 from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
