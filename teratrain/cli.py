@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
-    from teratrain.memory.ptq import add_quantize_parser
+    from teratrain.quantize import add_quantize_parser
 
     add_quantize_parser(sub)
 

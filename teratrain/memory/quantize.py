@@ -1,6 +1,6 @@
 """Weight-only post-training quantization: the grid, round-to-nearest (RTN), 4-bit packing, the
 QuantLinear that runs a quantized layer, and the on-disk format. GPTQ lives in gptq.py, the
-`teratrain quantize` command in ptq.py.
+`teratrain quantize` command in teratrain/quantize.py.
 
 Scheme: asymmetric (min-max) uniform quantization with b bits, the grid GPTQ (Frantar et al. 2022)
 uses. Each group (one output row of `group_size` consecutive input columns; group_size <= 0: the

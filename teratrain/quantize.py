@@ -3,9 +3,10 @@
     teratrain quantize --ckpt RUN --bits 8|4 --group-size 128 [--method rtn|gptq] [--out DIR]
 
 Reads the run's full weights (any layout: checkpoint/consolidate.py), quantizes every linear layer of
-the blocks (quantize.py: RTN; gptq.py: GPTQ on calibration batches of the run's own training split),
-measures the held-out loss before and after on the run's validation samples (the same ones training
-evaluated), and writes the quantized model folder, which `teratrain generate --ckpt DIR` runs.
+the blocks (memory/quantize.py: RTN; memory/gptq.py: GPTQ on calibration batches of the run's own
+training split), measures the held-out loss with the model as trained and quantized, on the run's
+validation samples (the same ones training evaluated), and writes the quantized model folder, which
+`teratrain generate --ckpt DIR` runs.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from teratrain.config import ConfigError
+from teratrain.config_base import ConfigError
 from teratrain.data.loader import Batches, prepare
 from teratrain.generate import load_model
 from teratrain.memory.gptq import gptq_model
 from teratrain.memory.quantize import QUANT_META, block_linears, quantize_rtn, save_quantized, swap_in, tensor_nbytes
 from teratrain.mesh import Runtime
+from teratrain.train import evaluate
 
 
 def add_quantize_parser(sub) -> None:
@@ -91,8 +93,6 @@ def quantize_run(ckpt: str, bits: int, group_size: int, method: str = "rtn", out
 def heldout_loss(model: torch.nn.Module, cfg, data, n_batches: int, device: torch.device) -> float:
     """Mean loss on the first `n_batches` validation micro-batches: training's own evaluation
     (train.evaluate, same samples for the same count), in one process."""
-    from teratrain.train import evaluate  # the training loop's module, only for this command
-
     c = cfg.model_copy(deep=True)
     c.train.eval_batches = n_batches
     val = Batches(data.val, c.model.seq_len, c.train.seed + 1, n_batches * c.train.micro_batch, "val")
