@@ -331,7 +331,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
 
 def forward_saved(shape: ModelShape, train: Training, lay: Layout, device: str = "cuda") -> int:
     """Bytes one micro-batch's forward keeps for backward on a rank of a layout without a pipeline,
-    as `saved_tensors_hooks` count them (planner.measure.saved_bytes, parameters excluded): the
+    as `saved_tensors_hooks` count them (measure.saved_bytes, parameters excluded): the
     blocks' and the two ends' saved tensors and the autocast weight copies, and (fp32 compute, no
     segment recomputation) the RoPE tables SDPA's inputs are views of."""
     saved = _saved(shape, train, lay, device)

@@ -16,7 +16,7 @@ from teratrain.models.transformer import Transformer
 from teratrain.parallel.comm import AVG, all_reduce
 from teratrain.parallel.parallelize import parallelize
 from teratrain.parallel.pipeline.runtime import step_runner
-from teratrain.planner.measure import saved_bytes
+from teratrain.measure import saved_bytes
 from teratrain.train import seed_everything
 
 # Small enough for 4 ranks on 2 cores; GQA (4 query / 2 key-value heads) and a vocabulary that
@@ -104,7 +104,7 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
     runs on zero rows, summed over data-parallel ranks (and pipeline stages), and `moe_metrics`: the
     trainer's MoE statistics of the whole run (every layer, whatever stage holds it). count_saved:
     also `saved`, the bytes autograd keeps for one micro-batch's forward on this rank
-    (planner.measure.saved_bytes)."""
+    (measure.saved_bytes)."""
     cfg, rt, model, engine = build(overrides, freeze)
     tc = cfg.train
     per_rank = tc.global_batch // rt.dims.dp

@@ -18,7 +18,7 @@ from teratrain.memory.compression import (BLOCK, ActivationCodec, SavedView, app
                                           pack_bits, quantize_blocks, unpack_bits)
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import lm_loss
-from teratrain.planner.measure import build_engine, random_batch, saved_bytes
+from teratrain.measure import build_engine, random_batch, saved_bytes
 
 TOL = {"int8": (2e-2, 5e-2), "fp8": (6e-2, 0.15)}
 

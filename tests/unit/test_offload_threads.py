@@ -11,7 +11,7 @@ from teratrain.memory import offload
 from teratrain.memory.offload import host_threads
 from teratrain.mesh import Runtime
 from teratrain.optim.engine import train_step
-from teratrain.planner.measure import build_engine, random_batch
+from teratrain.measure import build_engine, random_batch
 from tests.helpers import make_config
 
 

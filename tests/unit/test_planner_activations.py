@@ -9,7 +9,7 @@ import pytest
 from teratrain.config import load_config
 from teratrain.planner.activations import block_saved, forward_saved
 from teratrain.planner.layout import ModelShape, widths
-from teratrain.planner.measure import build_engine, random_batch, saved_bytes
+from teratrain.measure import build_engine, random_batch, saved_bytes
 
 POLICIES = ["none", "full", "every-k", "sqrt", "selective"]
 PRECISIONS = [("fp32", False), ("bf16", False), ("bf16", True)]

@@ -11,7 +11,7 @@ from teratrain.parallel.parallelize import parallelize
 from teratrain.planner.inputs import shape_of, training_of
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.optim.engine import train_step
-from teratrain.planner.measure import build_engine, random_batch
+from teratrain.measure import build_engine, random_batch
 from teratrain.planner.states import PlanError, model_states, zero_paper_bytes
 
 GB = 1e9
