@@ -316,6 +316,14 @@ class Runtime:
 
         return dist.group.WORLD
 
+    def broadcast(self, obj):
+        """Rank 0's picklable `obj` on every process of the job (small control values)."""
+        if self.world == 1:
+            return obj
+        from teratrain.parallel.comm import broadcast_object
+
+        return broadcast_object(obj, self.world_group)
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist

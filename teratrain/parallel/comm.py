@@ -437,3 +437,32 @@ def launch_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
 def land_rows(y: torch.Tensor, ex: RowExchange | None) -> torch.Tensor:
     """The rows of `launch_rows`, once arrived (traced: already the functional collective's output)."""
     return y if ex is None else _LandRows.apply(y, ex)
+
+
+# ---------------------------------------------------------------- whole tensors from placed pieces
+
+def to_global(t: torch.Tensor, pl, mesh) -> torch.Tensor:
+    """The whole logical tensor from this rank's piece: all-gather the pieces over `pl.axis` and put
+    each where it belongs (collective over that axis; a whole parameter is returned as is)."""
+    if pl.dim is None:
+        return t
+    n = mesh.size(pl.axis)
+    flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+    all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group(pl.axis))
+    out = torch.empty(pl.global_shape, dtype=t.dtype, device=t.device)
+    rep = n // pl.count  # ranks holding each piece (1 unless pieces repeat)
+    for index, local in enumerate(flat.view(n, *t.shape)[::rep]):
+        peer = pl.with_(index=index)
+        out[peer.global_slices()] = local[peer.local_slices()]
+    return out
+
+
+def gather_stages(tensors: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """The whole model from every pipeline stage's part, by global name, on every rank (collective
+    over the pp group; a tied embedding, held whole at both ends, arrives twice, identical)."""
+    if mesh is None or mesh.size("pp") == 1:
+        return tensors
+    out: dict[str, torch.Tensor] = {}
+    for part in all_gather_objects(tensors, mesh.group("pp")):
+        out.update(part)
+    return out

@@ -16,11 +16,12 @@ import torch
 
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine, weak_hook
-from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.comm import AVG, all_reduce, gather_stages, to_global
 from teratrain.parallel.expert import gather_experts
+from teratrain.parallel.buckets import LaunchOrder, ordered_buckets
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
-from teratrain.parallel.grads import CrossRank, LaunchOrder, group_key, ordered_buckets, reduce_scale
-from teratrain.parallel.placement import gather_stages, placement, to_global
+from teratrain.parallel.grads import CrossRank, group_key, reduce_scale
+from teratrain.parallel.placement import placement
 
 
 class _Bucket:

@@ -26,7 +26,7 @@ d(loss_r)/dW, over dp, which is the gradient of the global mean loss (not ep tim
 
 With tensor parallelism the megatron form splits every expert like the dense MLP (tensor.py): every tp
 rank routes the same gathered tokens and exchanges them with the ep peers of its own tp index; the
-seeds' tp forms leave experts whole, replicated over tp.
+per-layer tp forms (parallel.tp_form=all-gather / all-reduce) keep experts whole, replicated over tp.
 
 No hang on an idle expert: an expert that receives no token still runs on zero rows, so every rank
 builds the same autograd graph and its gradient hooks launch the same collectives in the same order;
@@ -109,14 +109,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from teratrain.config_base import ConfigError
 from teratrain.models.grouped import compute_dtype
 from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, grouped_layout, piece_bounds,
                                       slotted_layout)
 from teratrain.models.moe import moe_layers
 from teratrain.parallel import comm
 from teratrain.parallel.comm import all_gather
-from teratrain.parallel.placement import place, placement
+from teratrain.parallel.ep_plan import keep_local_experts
+from teratrain.parallel.placement import placement
 
 
 @dataclass
@@ -213,30 +213,16 @@ def _chunk_rows(rows: list[int], ep: int, chunks: int) -> list[list[int]]:
 
 
 def apply_ep(model: nn.Module, rt, cfg) -> None:
-    """Keep this rank's experts of every MoE layer (the others are dropped from the meta-device
-    model, names unchanged), record their placements, and route through all-to-all."""
+    """Keep this rank's experts of every MoE layer and record their placements (ep_plan.py), and
+    route through all-to-all."""
     ep, n = rt.dims.ep, cfg.model.moe.num_experts
-    local = n // ep
-    first = rt.coord("ep") * local
+    keep_local_experts(model, n, ep, rt.coord("ep"))
+    if ep == 1:
+        return
+    if any(placement(p).group == "ep_replicas_tp" for p in model.parameters()):
+        rt.mesh.define("ep_replicas_tp", lambda c: (c["pp"], c["ep"]))
     for _, layer in moe_layers(model):
-        for key in list(layer.experts.keys()):
-            if not first <= int(key) < first + local:
-                del layer.experts[key]
-        for key, expert in layer.experts.items():
-            for p in expert.parameters():
-                pl = placement(p)
-                place(p, pl.with_(group=_expert_group(pl.group, rt.mesh) if ep > 1 else pl.group, expert=int(key)))
-        if ep > 1:
-            layer.exchange = ExpertExchange(rt.mesh, ep, local, cfg.parallel.ep_overlap_chunks)
-
-
-def _expert_group(group: str, mesh) -> str:
-    """The group of an expert parameter: the dp part of its dense group becomes `ep_replicas`."""
-    if group == "dp":
-        return "ep_replicas"
-    if group == "dp_tp":  # partial over tp too (an expert's row-parallel bias)
-        return mesh.define("ep_replicas_tp", lambda c: (c["pp"], c["ep"]))
-    raise ValueError(f"no expert-parallel group for parameters reduced over {group!r}")
+        layer.exchange = ExpertExchange(rt.mesh, ep, n // ep, cfg.parallel.ep_overlap_chunks)
 
 
 @torch.no_grad()
@@ -263,19 +249,3 @@ def gather_experts(full: dict[str, torch.Tensor], model: nn.Module, mesh, device
             out[f"{pre}{s * local + j}{leaf}"] = chunk[offset:offset + t.numel()].view(t.shape).to(t.dtype).clone()
             offset += t.numel()
     return out
-
-
-def check_ep(cfg) -> None:
-    """Refuse, with the fix, expert-parallel layouts this model or run cannot use."""
-    p, m = cfg.parallel, cfg.model.moe
-    if p.ep == 1:
-        return
-    if not m.enabled:
-        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model; set model.moe.num_experts > 1 "
-                          "(or a preset such as moe-tiny) or parallel.ep=1.")
-    if m.num_experts % p.ep:
-        raise ConfigError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.num_experts}); choose an ep "
-                          "that divides it.")
-    if p.sync != "allreduce":
-        raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas, but expert parallelism splits the experts; "
-                          "set parallel.sync=allreduce or parallel.ep=1.")

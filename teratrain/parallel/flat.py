@@ -31,6 +31,10 @@ from torch import nn
 MAX_INFLIGHT_REDUCES = 2
 BLOCK_REDUCES_IN_FLIGHT = 1
 
+# Optimizers whose state is not elementwise (row/column statistics of whole matrices): ZeRO deals
+# their parameters whole (FlatGroup's `whole=True`).
+WHOLE_PARAM_OPTIMIZERS = ("adafactor", "sm3")
+
 
 @dataclass
 class Piece:

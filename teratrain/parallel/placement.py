@@ -3,7 +3,8 @@
 The transform that splits a parameter (tensor, expert or pipeline parallelism) records a
 `Placement` on it; everything downstream reads it and nothing guesses: engines bucket by
 `group`, the gradient norm and the inf check count each logical element once, checkpoints write
-logical tensors, the planner counts bytes by the same rules.
+logical tensors, the planner counts bytes by the same rules. Pure: the collectives that rebuild whole tensors from
+placed pieces are comm.py's `to_global` and `gather_stages`.
 
 Gradient rule (one for every parameter): the true gradient of the global loss, the mean of the dp
 ranks' losses, is the SUM of the local gradients over `group` (the ranks holding identical copies
@@ -14,6 +15,9 @@ whose local gradients are partial), divided by dp:
     expert (ep)                ep_replicas         each copy already summed its ep group's tokens
 Copies outside `group` (e.g. a norm weight on every tp rank without sequence parallelism, whose
 gradients are already identical) are listed in `tied` and counted once by the norm.
+
+Nothing here communicates: whole tensors are rebuilt from placed pieces by comm.py's `to_global`
+and `gather_stages`.
 """
 
 from __future__ import annotations
@@ -148,34 +152,3 @@ def materialize(model: nn.Module, device: torch.device | str, init_fn: Callable[
         for p in model.parameters():
             init_local_(p, placement(p), init_fn)
     init_buffers(model, device, getattr(init_fn, "buffers", None))
-
-
-def to_global(t: torch.Tensor, pl: Placement, mesh) -> torch.Tensor:
-    """The whole logical tensor from this rank's piece: all-gather the pieces over `pl.axis` and put
-    each where it belongs (collective over that axis; a whole parameter is returned as is)."""
-    if pl.dim is None:
-        return t
-    from teratrain.parallel.comm import all_gather
-
-    n = mesh.size(pl.axis)
-    flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-    all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group(pl.axis))
-    out = torch.empty(pl.global_shape, dtype=t.dtype, device=t.device)
-    rep = n // pl.count  # ranks holding each piece (1 unless pieces repeat)
-    for index, local in enumerate(flat.view(n, *t.shape)[::rep]):
-        peer = pl.with_(index=index)
-        out[peer.global_slices()] = local[peer.local_slices()]
-    return out
-
-
-def gather_stages(tensors: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
-    """The whole model from every pipeline stage's part, by global name, on every rank (collective
-    over the pp group; a tied embedding, held whole at both ends, arrives twice, identical)."""
-    if mesh is None or mesh.size("pp") == 1:
-        return tensors
-    from teratrain.parallel.comm import all_gather_objects
-
-    out: dict[str, torch.Tensor] = {}
-    for part in all_gather_objects(tensors, mesh.group("pp")):
-        out.update(part)
-    return out

@@ -25,7 +25,7 @@ import torch
 from teratrain.optim.engine import LocalEngine, StepStats
 from teratrain.parallel.comm import all_reduce, group_size
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
-from teratrain.parallel.grads import ordered_buckets
+from teratrain.parallel.buckets import ordered_buckets
 
 
 

@@ -53,14 +53,13 @@ from teratrain.models.protocol import init_buffers
 from teratrain.optim.build import build_optimizer
 from teratrain.optim.engine import EngineBase, StepStats, step_scaled, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
-from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES, FlatGroup
-from teratrain.parallel.grads import CrossRank, LaunchOrder, ordered_buckets, reduce_scale
+from teratrain.parallel.buckets import LaunchOrder, ordered_buckets
+from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES, WHOLE_PARAM_OPTIMIZERS, FlatGroup
+from teratrain.parallel.grads import CrossRank, reduce_scale
 from teratrain.parallel.placement import init_local_, placement
 from teratrain.parallel.zero_gather import ZeroGatherMixin
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
 
-
-WHOLE_PARAM_OPTIMIZERS = ("adafactor", "sm3")
 
 
 class _Group(FlatGroup):

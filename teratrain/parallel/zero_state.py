@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from teratrain.checkpoint.holdings import Holdings, Slot
-from teratrain.parallel.comm import all_gather
+from teratrain.parallel.comm import all_gather, gather_stages, to_global
 from teratrain.parallel.expert import gather_experts
-from teratrain.parallel.placement import gather_stages, placement, to_global
+from teratrain.parallel.placement import placement
 
 
 class ZeroCheckpointMixin:

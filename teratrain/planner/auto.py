@@ -10,7 +10,7 @@ and memory.recompute. A key given (in the TOML or with --set) is kept; the plann
   offload (plain data parallelism over the processes), then the simplest layout whose predicted memory
   per process fits the host's memory divided by the processes on it: the lowest ZeRO stage, then no
   recomputation before selective, sqrt, full, then the largest micro-batch.
-Layouts the engines refuse for this run (parallelize.check_supported, e.g. MoE with a pipeline) are
+Layouts the engines refuse for this run (parallel/support.py check_supported, e.g. MoE with a pipeline) are
 passed over. The choice is written into the config, so the run directory's config.toml records it and
 --resume keeps it. `teratrain plan` prints the `teratrain train` command of its pick (`train_command`).
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from teratrain.config_base import ConfigError
 from teratrain.config_schema import Config
+from teratrain.parallel.support import check_supported
 from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, host_memory_gib
 from teratrain.planner.inputs import fixed_of, shape_of, training_of
 from teratrain.planner.layout import Layout
@@ -130,8 +131,6 @@ def _cpu_rule(c: Candidate) -> tuple:
 
 
 def _runnable(cfg: Config, lay: Layout) -> bool:
-    from teratrain.parallel.parallelize import check_supported
-
     trial = cfg.model_copy(deep=True)
     try:
         _apply(trial, {key: getattr(lay, field) for field, key in KEYS.items()})

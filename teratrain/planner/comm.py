@@ -80,7 +80,7 @@ def reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bo
     """(reductions, gathers) that carry a rank's dense or expert gradients and parameters each pass:
     the engines' own flat groups over the fuller pipeline end's tensors, as the memory model's
     (states.zero_groups, states.dp_buckets). Buckets of ~parallel.bucket_mb counted in the
-    parameters' width, each tensor whole (parallel/grads.py `ordered_buckets`: a weight larger than a
+    parameters' width, each tensor whole (parallel/buckets.py `ordered_buckets`: a weight larger than a
     bucket is a bucket of its own, so a 1b-width model has about 4 a block, not bytes / bucket_mb).
     One all-gather per flat group: ZeRO 1/2 after the step, ZeRO-3 per block's group, its frozen
     groups too (parallel/zero_gather.py). A bare parameter count: bucket-sized pieces."""

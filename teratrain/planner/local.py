@@ -1,7 +1,9 @@
-"""The parameters one rank holds, exactly as the engines see them: the model built on the meta device
-(no memory) and split by the real `apply_pipeline`, `apply_tp` and `apply_ep`, so the planner's byte
-counts follow every rule of the transforms (vocabulary padding, replicated key/value heads, which
-gradients are partial, which experts a rank keeps) without restating them. No process group is created: the mesh is only asked for names."""
+"""The parameters one rank holds, exactly as the engines hold them: the model built on the meta device
+(no memory), split by the strategies' own plans (pipeline/split.py `keep_stages`, tp_plan.py
+`tp_placements`, ep_plan.py `keep_local_experts`), which the transforms apply too. So the planner's
+byte counts follow every rule of the transforms (vocabulary padding, replicated key/value heads, which
+gradients are partial, which experts a rank keeps) without restating them, and without running them:
+nothing here builds a parallel layer or a process group."""
 
 from __future__ import annotations
 
@@ -11,6 +13,14 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
+
+from teratrain.memory.lora import apply_lora
+from teratrain.models.transformer import Transformer
+from teratrain.parallel.ep_plan import keep_local_experts
+from teratrain.parallel.pipeline.partition import split_layers
+from teratrain.parallel.pipeline.split import StageLayout, keep_stages, mark_stages
+from teratrain.parallel.placement import assign_defaults, place, placement
+from teratrain.parallel.tp_plan import TPSplit, tp_placements
 
 
 @dataclass(frozen=True)
@@ -22,7 +32,7 @@ class LocalTensor:
     block: str | None  # key of the block holding it (None: embeddings, final norm, head)
     trainable: bool = True  # False: frozen (LoRA's base weights)
 
-    def numel(self) -> int:  # a method, like a tensor's: grads.ordered_buckets reads it
+    def numel(self) -> int:  # a method, like a tensor's: buckets.ordered_buckets reads it
         return math.prod(self.shape)
 
 
@@ -33,41 +43,31 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
     data-parallel coordinate 0, in registration order (every tp rank holds the same shapes: the last
     vocabulary piece is padded; every ep rank as many experts). `lora` = Training.lora (rank, alpha,
     targets, dropout, base dtype), or () without adapters. Pipeline stages hold equal block counts (parallel.partition=layers)."""
-    from teratrain.memory.lora import apply_lora
-    from teratrain.mesh import Mesh, ParallelDims, Runtime
-    from teratrain.models.transformer import Transformer
-    from teratrain.parallel.expert import apply_ep
-    from teratrain.parallel.pipeline.split import apply_pipeline, mark_stages
-    from teratrain.parallel.placement import assign_defaults, placement
-    from teratrain.parallel.tensor import apply_tp
-
     with torch.device("meta"):
         model = Transformer(shape.cfg)
     if lora:
         rank, alpha, targets, dropout, _ = lora
         apply_lora(model, SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=alpha, targets=targets, dropout=dropout)))
     assign_defaults(model)
-    dims = ParallelDims(dp=ep, tp=tp, pp=pp, ep=ep)
-    rank = next(r for r in range(dims.workers) if dims.coords(r)["pp"] == stage_rank and dims.coords(r)["dp"] == 0
-                and dims.coords(r)["tp"] == 0)
-    rt = Runtime(rank=rank, world=dims.world, local_rank=0, device=torch.device("meta"), dims=dims,
-                 mesh=Mesh(dims, rank))
-    cfg = SimpleNamespace(model=shape.cfg, parallel=SimpleNamespace(
-        use_sp=sp, tp_form=form, pp=pp, virtual_stages=virtual_stages, stage_layers=None, partition="layers",
-        tp_overlap="none", tp_overlap_chunks=1))  # overlapping changes no parameter
-    layout = apply_pipeline(model, rt, cfg) if pp > 1 else None
-    if tp > 1:
-        apply_tp(model, rt, cfg)
+    layout = None
+    if pp > 1:
+        stages = pp * virtual_stages
+        layout = StageLayout(pp, virtual_stages, stage_rank, tuple(split_layers(shape.cfg.n_layers, stages)))
+        keep_stages(model, layout)
+    if tp > 1:  # the pieces of tp rank 0 (every tp rank's are the same shape: the last piece padded)
+        split = tp_placements(model, TPSplit(tp, 0, sp, form, shape.cfg.kv_heads))
+        for name, p in model.named_parameters():
+            if name in split:
+                place(p, split[name])
     if layout is not None:  # a tied embedding at both ends: its gradient is summed over both (split.py)
         mark_stages(model, layout, "pp_ends" if shape.cfg.tie_embeddings and stage_rank in (0, pp - 1) else None)
-    if shape.cfg.moe.enabled:
-        chunks = SimpleNamespace(ep_overlap_chunks=1)  # nor does chunking the exchange
-        apply_ep(model, rt, SimpleNamespace(model=shape.cfg, parallel=chunks))
+    if shape.cfg.moe.enabled:  # the experts of ep rank 0
+        keep_local_experts(model, shape.cfg.moe.num_experts, ep, 0)
     out = []
     for name, p in model.named_parameters():
         pl = placement(p)
         block = name.split(".")[1] if name.startswith("layers.") else None
-        out.append(LocalTensor(name, tuple(p.shape), pl.group, pl.tied, block, p.requires_grad))
+        out.append(LocalTensor(name, pl.local_shape(), pl.group, pl.tied, block, p.requires_grad))
     return tuple(out)
 
 

@@ -29,17 +29,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from teratrain.config_schema import compile_scope_problem
-from teratrain.parallel.flat import FlatGroup
-from teratrain.parallel.grads import ordered_buckets
-from teratrain.parallel.parallelize import grad_dtype_problem, zero_problem
+from teratrain.parallel.buckets import ordered_buckets
+from teratrain.parallel.flat import WHOLE_PARAM_OPTIMIZERS, FlatGroup
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
-from teratrain.parallel.zero import WHOLE_PARAM_OPTIMIZERS
+from teratrain.parallel.support import grad_dtype_problem, zero_problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
 from teratrain.planner.local import group_size, local_tensors
 
 
 class PlanError(ValueError):
-    """A layout the engines refuse (mirrors parallel/parallelize.py:check_supported)."""
+    """A layout the engines refuse (the rules of parallel/support.py check_supported)."""
 
 
 def zero_paper_bytes(psi: float, dp: int, stage: int, k: int = 12) -> float:

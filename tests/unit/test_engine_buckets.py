@@ -11,7 +11,7 @@ from teratrain.config import load_config
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer
 from teratrain.optim.engine import sum_sq
-from teratrain.parallel.grads import ordered_buckets
+from teratrain.parallel.buckets import ordered_buckets
 from teratrain.parallel.parallelize import parallelize
 
 

@@ -79,18 +79,24 @@ def stage_bounds(cfg, rt) -> tuple[range, ...]:
     if p.stage_layers is None and p.partition == "layers":
         return tuple(split_layers(cfg.model.n_layers, S))
     if p.stage_layers is None:
-        from teratrain.parallel.comm import broadcast_object
-
         counts = [len(r) for r in profiled_bounds(cfg, rt.device, S)] if rt.rank == 0 else None
-        p.stage_layers = broadcast_object(counts, rt.world_group)
+        p.stage_layers = rt.broadcast(counts)
     starts = [sum(p.stage_layers[:s]) for s in range(S)]
     return tuple(range(a, a + n) for a, n in zip(starts, p.stage_layers))
 
 
 def apply_pipeline(model: nn.Module, rt, cfg) -> StageLayout:
-    """Drop, from the meta-device model, every block and end module this rank's stages do not hold;
-    record the layout on `model.pipeline` (the executor reads it)."""
+    """Keep this rank's stages of the meta-device model (`keep_stages`) and record the layout on
+    `model.pipeline` (the executor reads it)."""
     layout = StageLayout(rt.dims.pp, cfg.parallel.virtual_stages, rt.coord("pp"), stage_bounds(cfg, rt))
+    keep_stages(model, layout)
+    model.pipeline = layout
+    return layout
+
+
+def keep_stages(model: nn.Module, layout: StageLayout) -> None:
+    """Drop, from the meta-device model, every block and end module the stages of `layout.rank` do
+    not hold. Pure: the planner runs it on a meta-device model."""
     mine = {i for s in layout.stages for i in layout.bounds[s]}
     for key in list(model.layers.keys()):
         if int(key) not in mine:
@@ -101,8 +107,6 @@ def apply_pipeline(model: nn.Module, rt, cfg) -> StageLayout:
             model.tok_embeddings = None
     if not layout.holds_last:
         model.norm = model.output = None
-    model.pipeline = layout
-    return layout
 
 
 def ends_group(rt, layout: StageLayout) -> str | None:

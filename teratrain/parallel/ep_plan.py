@@ -1,0 +1,62 @@
+"""Expert parallelism's plan: which experts an ep rank keeps, the group their gradients are summed
+over, and what a layout needs for it (`check_ep`). expert.py applies it and adds the all-to-all
+exchange; the planner counts bytes by it (planner/local.py). Nothing here communicates.
+
+Ep rank r of n/ep experts per rank holds experts [r*n/ep, (r+1)*n/ep). An expert's gradient on its
+rank already sums the contributions of its ep group's tokens (the all-to-all's backward brings them
+back), so it is summed over the ranks holding the same experts (`ep_replicas`) and divided by dp
+(placement.py's one rule); an expert's row-parallel bias, partial over tp too, over `ep_replicas_tp`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from teratrain.config_base import ConfigError
+from teratrain.models.moe import moe_layers
+from teratrain.parallel.placement import place, placement
+
+
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of the experts ep rank `ep_rank` holds."""
+    local = num_experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
+def expert_group(group: str) -> str:
+    """The group of an expert parameter at ep > 1: the dp part of its dense group becomes `ep_replicas`."""
+    if group == "dp":
+        return "ep_replicas"
+    if group == "dp_tp":  # partial over tp too (an expert's row-parallel bias)
+        return "ep_replicas_tp"
+    raise ValueError(f"no expert-parallel group for parameters reduced over {group!r}")
+
+
+def keep_local_experts(model: nn.Module, num_experts: int, ep: int, ep_rank: int) -> None:
+    """Drop from the meta-device model every expert another ep rank holds (names unchanged) and record
+    the kept ones' placements: their global index, and at ep > 1 their expert group."""
+    mine = local_experts(num_experts, ep, ep_rank)
+    for _, layer in moe_layers(model):
+        for key in list(layer.experts.keys()):
+            if int(key) not in mine:
+                del layer.experts[key]
+        for key, expert in layer.experts.items():
+            for p in expert.parameters():
+                pl = placement(p)
+                place(p, pl.with_(group=expert_group(pl.group) if ep > 1 else pl.group, expert=int(key)))
+
+
+def check_ep(cfg) -> None:
+    """Refuse, with the fix, expert-parallel layouts this model or run cannot use."""
+    p, m = cfg.parallel, cfg.model.moe
+    if p.ep == 1:
+        return
+    if not m.enabled:
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture-of-experts model; set model.moe.num_experts > 1 "
+                          "(or a preset such as moe-tiny) or parallel.ep=1.")
+    if m.num_experts % p.ep:
+        raise ConfigError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.num_experts}); choose an ep "
+                          "that divides it.")
+    if p.sync != "allreduce":
+        raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas, but expert parallelism splits the experts; "
+                          "set parallel.sync=allreduce or parallel.ep=1.")
