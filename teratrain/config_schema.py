@@ -116,7 +116,7 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="tensor-parallel degree (ranks that split every layer's weights)")
     tp_form: Literal["megatron", "all-gather", "all-reduce"] = Field(
         "megatron", description="megatron: column- then row-parallel pairs (one all-reduce per attention/MLP each way); "
-                                "all-gather / all-reduce: the seeds' per-layer forms (outputs all-gathered / partial "
+                                "all-gather / all-reduce: per-layer forms, every linear self-contained (outputs all-gathered / partial "
                                 "products of inner-dim splits all-reduced)")
     sequence_parallel: bool | None = Field(None, description="norms, dropout and residuals on sequence shards under tp "
                                                              "(Korthikanti et al. 2022); unset = on for tp_form=megatron")

@@ -192,7 +192,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherLastDim(torch.autograd.Function):
     """All-gather along the last dim forward (each rank's columns side by side), keep this rank's
-    slice of the gradient backward: the output side of the seeds' all-gather form."""
+    slice of the gradient backward: the output side of the all-gather form (parallel.tp_form)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -209,7 +209,7 @@ class _GatherLastDim(torch.autograd.Function):
 
 class _SplitLastDim(torch.autograd.Function):
     """Keep this rank's slice of the last dim forward, all-gather the gradient backward: the input
-    side of the seeds' all-reduce form (X split along the inner dimension)."""
+    side of the all-reduce form (parallel.tp_form; X split along the inner dimension)."""
 
     @staticmethod
     def forward(ctx, x, group):

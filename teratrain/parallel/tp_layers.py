@@ -62,7 +62,7 @@ class _Parallel(nn.Module):
 class ColumnParallel(_Parallel):
     """y = X W'^T + b' with W' this rank's rows of W (its output features): (.., d_in) -> (.., d_out/tp).
     `entry` brings X in (identity when a region hook already did), `exit` takes y out (identity:
-    the output stays split; all-gather in the seeds' all-gather form). An adapter adds
+    the output stays split; all-gather in the all-gather form, parallel.tp_form). An adapter adds
     s B' A X with B' this rank's rows of B and A whole. Under parallel.tp_overlap=chunked, `joint`
     (parallel/tp_overlap.py) computes it with the other projections of its region, the entry
     collective overlapped with all of their GEMMs."""

@@ -121,10 +121,10 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
     Our column-parallel linears keep the all-gathered input whole (Megatron-LM gathers it again in
-    backward instead), so their saved inputs are never split. The seeds' forms (parallel.tp_form,
-    parallel/tensor.py) split only the linear layers: see `_seeds_form`."""
+    backward instead), so their saved inputs are never split. The per-layer forms (parallel.tp_form=
+    all-gather / all-reduce, parallel/tensor.py) split only the linear layers: see `_per_layer_form`."""
     if tp > 1 and form != "megatron":
-        return _seeds_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
+        return _per_layer_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
     c = shape.cfg
     n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
     kvd = c.kv_heads * c.head_dim
@@ -158,7 +158,7 @@ def pending_block(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     parallel/pipeline/backward.py): per linear, its saved input and the gradient of its output, in the
     compute dtype (the norm scales' gradients, d numbers each, are made in I). Column-parallel outputs
     are split by tp, the row-parallel ones' gradients (wo, w2) whole. None where this is not read off
-    the graph (MoE layers, the seeds' tp forms): the caller then counts a whole forward's tensors."""
+    the graph (MoE layers, the per-layer tp forms): the caller then counts a whole forward's tensors."""
     if shape.num_experts > 1 or (tp > 1 and form != "megatron"):
         return None
     c, cb, n = shape.cfg, w.compute, tokens
@@ -206,9 +206,9 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
             "aux_loss": [Saved(shape.num_experts, 4, "keep")]}
 
 
-def _seeds_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str, tp: int, dropout: float,
+def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str, tp: int, dropout: float,
                 form: str, ep: int) -> dict[str, list[Saved]]:
-    """A block under the seeds' forms keeps what one device keeps, except what its split linears see.
+    """A block under the per-layer forms keeps what one device keeps, except what its split linears see.
     all-gather: each linear reads the whole input (a view, the tensor one device saves too) and its
     output is all-gathered whole, so nothing changes. all-reduce: each linear reads its own contiguous
     1/tp slice of the input's last dimension (`split_last_dim`), which it saves in the compute dtype in
@@ -233,7 +233,7 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
                   device: str = "cuda") -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
     holds until that block's backward. Biases are cast too but not saved. For MoE (a mean block),
-    every local expert (num_experts / ep) is assumed to receive tokens; the seeds' tp forms leave
+    every local expert (num_experts / ep) is assumed to receive tokens; the per-layer tp forms keep
     MoE layers whole. The experts' grouped GEMM (models/grouped.py: bf16 on a GPU) stacks the local
     experts' weights into one (experts, out, in) operand, saved for backward: a copy also where
     autocast makes none (bf16 parameters)."""

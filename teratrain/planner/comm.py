@@ -14,7 +14,7 @@ What is counted per step, and where it comes from in our code:
 - tensor parallelism (parallel/tensor.py, by parallel.tp_form), per layer and micro-batch:
   megatron: an attention and an MLP region, each entered and left once each way (Shoeybi et al. 2019:
   one all-reduce forward and one backward per region; with sequence parallelism an all-gather and a
-  reduce-scatter instead, Korthikanti et al. 2022); the seeds' all-gather form: every linear's
+  reduce-scatter instead, Korthikanti et al. 2022); the all-gather form: every linear's
   output all-gathered forward, its input's gradient all-reduced backward; the all-reduce form: every
   output all-reduced forward, its input's gradient all-gathered backward. Recomputation that replays
   the blocks replays their forward collectives. The vocab-parallel embedding and head cross once more
@@ -130,7 +130,7 @@ def gather_passes(lay: Layout) -> int:
 
 def _linears(shape: ModelShape, moe_layer: bool) -> list[tuple[int, int]]:
     """(in, out) features of every linear layer of one block that tensor parallelism splits (an MoE
-    layer's experts stay whole under the seeds' forms, parallel/tensor.py)."""
+    layer's experts stay whole under the per-layer forms, parallel/tp_plan.py)."""
     c = shape.cfg
     d, q, kv, ff = c.d_model, c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ffn_dim
     attn = [(d, q), (d, kv), (d, kv), (q, d)]

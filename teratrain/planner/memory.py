@@ -105,7 +105,7 @@ def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
     n = lay.micro_batch * c.seq_len
     k = shape.top_k if shape.num_experts > 1 else 1
-    split = lay.tp if lay.tp_form == "megatron" else 1  # the seeds' forms gather the MLP's hidden whole
+    split = lay.tp if lay.tp_form == "megatron" else 1  # the per-layer forms gather the MLP's hidden whole
     mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // split
     return mlp + 2 * n * c.d_model * 4 // (lay.tp if lay.sequence_parallel else 1)
 

@@ -6,7 +6,7 @@ Search space (each dimension only where the user did not fix it):
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
 - micro-batch (a divisor of the per-replica batch, up to 64 sequences) and recomputation policy;
 - sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.),
-  unless the user turned it off or chose one of the seeds' tp forms (parallel.tp_form).
+  unless the user turned it off or chose a per-layer form (parallel.tp_form=all-gather / all-reduce).
 A layout fits when its predicted total (peak + allowance) is at most the GPU memory and, when it
 offloads, the pinned host memory of the GPUs one node holds (host bytes per GPU x GPUs per node) is
 at most the host's memory (`host_mem_gib`; None: not checked).

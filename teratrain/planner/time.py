@@ -6,7 +6,8 @@ Terms, each with its source or assumption:
   recomputation replays only the attention core, 4*L*H*Q*T per token), at the datasheet peak times
   a sustained efficiency that grows with the width d, calibrated on the H200 (the calibrated defaults of
   hardware.GPU). Pipeline stages split all of it; tensor parallelism splits the matmul weights' part,
-  and the attention core's only in the megatron form (the seeds' forms gather every head everywhere).
+  and the attention core's only in the megatron form (the per-layer forms, parallel.tp_form=all-gather /
+  all-reduce, gather every head everywhere).
 - eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
   matmuls, some HBM time; a calibrated cost per op (ops counted from our Block). This is what makes
   small models slower than their FLOPs say.
@@ -119,7 +120,7 @@ def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
     rate: the experts run at gpu.moe_efficiency (small grouped GEMMs and the permutations around them).
     Pipeline stages split it. Tensor parallelism does not: in the megatron form every tp rank routes
     and permutes all of its tokens (parallel/tensor.py, the MoE region) and only the experts' weights
-    are split; the seeds' forms leave MoE layers whole on every tp rank, FLOPs too, so rank_flops'
+    are split; the per-layer forms keep MoE layers whole on every tp rank, FLOPs too, so rank_flops'
     division by tp is taken back. (Until session 15 this term was divided by tp like the FLOPs; the MoE
     rows with tp were planned fast in most recorded runs, by up to 28%.)"""
     whole = moe / lay.pp
@@ -186,7 +187,7 @@ def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
 def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> float:
     """One rank's share of `flops` of which `attn` are the attention core: pipeline stages split all,
     tensor parallelism the matmul weights, and the attention core only in the megatron form (the
-    seeds' forms gather every head on every rank)."""
+    per-layer forms gather every head on every rank)."""
     split_attn = lay.tp if lay.tp_form == "megatron" else 1
     return ((flops - attn) / lay.tp + attn / split_attn) / lay.pp
 

@@ -56,7 +56,7 @@ def test_degrees_set_by_the_user_are_kept(capsys, tmp_path):
 def test_bare_parameter_count_plans_model_states_only(capsys):
     d = plan_json(capsys, "--params", "1.5e9")
     assert d["num_params"] == 1_500_000_000 and d["activations"] == 0
-    assert d["params"] + d["grads"] + d["optimizer"] == 24 * 10**9  # 16 bytes/param (seed 003)
+    assert d["params"] + d["grads"] + d["optimizer"] == 24 * 10**9  # 16 bytes/param (ZeRO sec. 3.1)
     assert d["step_time_s"] is None
 
 

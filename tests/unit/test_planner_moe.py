@@ -49,8 +49,8 @@ def test_bytes_per_rank_under_ep():
 
 def test_moe_overhead_is_not_split_by_tensor_parallelism():
     """The experts' cost beyond their FLOPs (routing, permutation, small grouped GEMMs) is replicated on
-    every tp rank in the megatron form (only the experts' weights are split), and the seeds' forms leave
-    MoE layers whole: the planner takes back rank_flops' division by tp. Pipeline stages split both."""
+    every tp rank in the megatron form (only the experts' weights are split), and the per-layer forms
+    (parallel.tp_form=all-gather / all-reduce) keep MoE layers whole: the planner takes back rank_flops' division by tp. Pipeline stages split both."""
     shape, _ = _shape()
     moe = moe_flops(shape, 4096)
     over = moe * (1 / H200.moe_efficiency - 1)

@@ -1,4 +1,4 @@
-"""Planner model states: the seeds' figures, the ZeRO paper's Figure 1, and byte-for-byte parity with
+"""Planner model states: the ZeRO paper's figures (sec. 3.1 and Figure 1), and byte-for-byte parity with
 what LocalEngine and ZeroEngine count from their live tensors after a real CPU step."""
 
 import pytest
@@ -24,14 +24,14 @@ def states_total(shape, train, lay) -> int:
 
 
 def test_mixed_precision_adam_costs_16_bytes_per_param():
-    """Seed 003 / ZeRO sec. 3.1: 2 (fp16 params) + 2 (grads) + 12 (fp32 master, m, v) bytes."""
+    """ZeRO sec. 3.1: 2 (fp16 params) + 2 (grads) + 12 (fp32 master, m, v) bytes."""
     shape = ModelShape(cfg=None, bare_params=10**9)
     st = model_states(shape, MIXED_ADAM, Layout())
     assert (st["params"], st["grads"], st["optimizer"]) == (2 * 10**9, 2 * 10**9, 12 * 10**9)
 
 
 def test_gpt2_1_5b_needs_about_24_gb_of_model_states():
-    """Seed 003: 'for GPT-2 with 1.5B parameters, this equals 24GB'."""
+    """ZeRO sec. 3.1: GPT-2 with 1.5B parameters needs at least 24 GB of model states."""
     assert states_total(ModelShape(cfg=None, bare_params=1_500_000_000), MIXED_ADAM, Layout()) == 24 * GB
     preset = shape_of(load_config(None, ["model.preset=gpt2-1.5b"]))
     total = states_total(preset, MIXED_ADAM, Layout())  # the real shape has 1.56 B params (tied embeddings)
