@@ -22,9 +22,10 @@ At its end a Collector unfreezes, unless it runs inside another Collector, whose
 releases frozen objects only all at once (gc.unfreeze), so whatever the process froze before (a
 pre-fork gc.freeze, say) becomes collectable again too: that frees only what nothing uses. Python 3.12
 counts its own immortal objects as frozen (375 at start; a full collection parks them in the permanent
-generation), so a rule that unfroze only when nothing was frozen at the start never unfroze there, and
-kept every finished run's model (its reference cycles frozen) alive: benchmarks, tests and notebooks
-that train several times in one process ran out of memory (bench/README.md, session 17).
+generation), so a rule that unfroze only when nothing was frozen at the start would never unfreeze
+there, and would keep every finished run's model (its reference cycles frozen) alive: benchmarks,
+tests and notebooks that train several times in one process run out of memory that way
+(tests/unit/test_collector.py).
 """
 
 from __future__ import annotations

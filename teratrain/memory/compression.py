@@ -120,7 +120,7 @@ class ActivationCodec:
         self.depth += delta
 
     def starts_from(self, x: torch.Tensor) -> None:
-        """This session's forward starts from the leaf `x`, an activation (not model state)."""
+        """The forward under way starts from the leaf `x`, an activation (not model state)."""
         self._inputs.append(x)
 
     def _is_input(self, root: torch.Tensor) -> bool:

@@ -128,7 +128,7 @@ def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dic
     return train_command(toml, sets, best.layout, gpus, gpu.gpus_per_node, given)
 
 
-# Measured on 2 x H200 (bench/README.md, the planner section, session 7): the same eager tensor- and
+# Measured on 2 x H200 with bench/planner_validate.py, four runs: the same eager tensor- and
 # expert-parallel layouts ran 1.1-1.7x apart between runs while the host's own speed moved 2x, where
 # GPU-paced layouts (every pipeline) stayed within 2%.
 HOST_PACED = ("the chosen layout's eager step is host-paced (the host takes longer to issue its kernels and "
@@ -151,7 +151,7 @@ def _split_note(shape: ModelShape, train, best: Candidate, gpu, gpu_mem: float) 
             "fills (bench/README.md, \"ZB-H1's host cost\"); parallel.schedule=1f1b runs it faster"]
 
 
-# Measured with bench/moe.py --reorder (bench/README.md, session 14): graphed, 8 experts top-2 at the
+# Measured with bench/moe.py --reorder (bench/README.md, MoE): graphed, 8 experts top-2 at the
 # llama-1b width, ep=4 on 4 x H200 129.0 -> 124.1 ms a step, the exchange's exposed share 16.0% -> 11.3%;
 # at ep=2 on 2 x H200 no change (121.2 and 121.3 ms), so the note starts above ep=2.
 EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA graphs: train.compile_overlap=true "

@@ -120,13 +120,12 @@ class GPU:
 
 
 # The H200's cost per eager op, as a share of the shared default (GPU.op_overhead_s, fitted on H200 rows
-# early on and within 1-4% of the H100's pipeline rows since): half of that cost moves with HBM bandwidth
-# (4.8 against 3.35 TB/s: 0.5 + 0.5 / 1.43). CALIBRATED on the recorded H200 validations
-# (tests/unit/test_planner_recorded.py): the shared cost planned the later H200 runs' GPU-paced rows up to
-# 19% slow (pipelines, data parallelism, full recomputation; session 15's first run 3 of them over 15%).
-# With this share 288 of the 327 recorded H200 rows were within 15% against 285: 5 rows gained, 2 lost
-# in session 7's runs, where host-paced rows were measured once in one launch. The whole per-op cost
-# moved with bandwidth (0.70) lost 7 rows on balance.
+# and within 1-4% of the H100's pipeline rows): half of that cost moves with HBM bandwidth (4.8 against
+# 3.35 TB/s: 0.5 + 0.5 / 1.43). CALIBRATED on the recorded H200 validations
+# (tests/unit/test_planner_recorded.py): the shared cost plans their GPU-paced rows up to 19% slow
+# (pipelines, data parallelism, full recomputation). With this share 288 of the 327 recorded H200 rows
+# are within 15% against 285: 5 rows gained, 2 lost in the four 2 x H200 runs whose host-paced rows were
+# measured once, in one launch. The whole per-op cost moved with bandwidth (0.70) loses 7 rows on balance.
 H200_OP_SHARE = 0.85
 
 

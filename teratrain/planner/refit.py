@@ -71,8 +71,8 @@ def fit_host(probes: list[dict], gpus: int) -> dict:
     time.engine_launches), so the fitted costs mean what the planner means by them: least squares on
     the relative error over the probe rows, which the plain data-parallel probe (ops, and its engine's
     few launches), the tp probes (the same ops and their collectives) and the ZeRO-3 probe (the same
-    ops and a launch per group, micro-batch and pass) tell apart. Without the ZeRO-3 probe (runs before
-    session 12) a launch costs time.DP_LAUNCH_SHARE of a collective, and only two costs are fitted.
+    ops and a launch per group, micro-batch and pass) tell apart. Without the ZeRO-3 probe (recorded runs
+    that lack it) a launch costs time.DP_LAUNCH_SHARE of a collective, and only two costs are fitted.
     `host_loop_us`: the host's speed while the probe ran (bench/machine.py `host_loop_us`), the
     reference against which a row run at another moment can be compared."""
     from teratrain.config import load_config

@@ -121,8 +121,8 @@ def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
     Pipeline stages split it. Tensor parallelism does not: in the megatron form every tp rank routes
     and permutes all of its tokens (parallel/tensor.py, the MoE region) and only the experts' weights
     are split; the per-layer forms keep MoE layers whole on every tp rank, FLOPs too, so rank_flops'
-    division by tp is taken back. (Until session 15 this term was divided by tp like the FLOPs; the MoE
-    rows with tp were planned fast in most recorded runs, by up to 28%.)"""
+    division by tp is taken back (divided by tp, this term plans the recorded MoE rows with tp up to 28%
+    fast)."""
     whole = moe / lay.pp
     extra = whole * (1 / gpu.moe_efficiency - 1)
     if lay.tp_form != "megatron":
@@ -225,7 +225,7 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
 # A data-parallel engine's launch (a bucket's all-reduce, a ZeRO group's reduce-scatter or gather: a
 # gradient hook and an async collective, no autograd function) costs the host this share of what a
 # tensor-parallel collective costs it (gpu.host_collective_s), where the host probe did not measure it
-# (gpu.host_launch_s: the probe's ZeRO-3 row, bench/planner_rows.py, since session 12).
+# (gpu.host_launch_s: the probe's ZeRO-3 row, bench/planner_rows.py; recorded runs without that row).
 # CALIBRATED on the step errors of the 12 recorded several-GPU validations
 # (tests/unit/test_planner_recorded.py): 0.7 minimizes the squared errors of their fit rows, 0.5 keeps
 # the most held-out rows within 15% (131 of 148, against 129 without the launches; fit rows 159 of 179

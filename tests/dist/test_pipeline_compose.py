@@ -1,4 +1,4 @@
-"""Pipeline parallelism composed with what used to run at pp=1 only: ZeRO-3, mixture of experts with
+"""Pipeline parallelism composed with ZeRO-3, mixture of experts with
 expert parallelism, activation compression and `train.compile`, each against one process on the same
 global batch (the same config without its parallel.* keys: compression and compile are the math, and
 the reference runs them too), fp32, 2 steps of 4 micro-batches per pipeline (2 with dp=2).

@@ -1,4 +1,4 @@
-"""Failures that used to end in a traceback (or silently) end in one sentence and exit 2; the smaller
+"""Failures that end in one sentence and exit 2 (not a traceback, not silence); the smaller
 command-line contracts (--steps vs --set, strict TOML types, --nproc, --print-config, --version)."""
 
 import json

@@ -62,8 +62,8 @@ def test_manual_collects_on_every_nth_step_on_every_rank_alike():
 
 def test_a_finished_run_is_collected_even_where_the_process_had_frozen_objects():
     """Python 3.12 counts objects as frozen from its start (its collector parks its immortal objects in
-    the permanent generation); a Collector that then left everything frozen kept each finished row's
-    model alive (cycles) until the GPU ran out (2 x H200, session 17)."""
+    the permanent generation); a Collector that then left everything frozen would keep each finished
+    run's model alive (cycles) until the device runs out of memory."""
     gc.freeze()  # as Python 3.12 starts
     assert gc.get_freeze_count() > 0
     model = _Cycle()

@@ -90,8 +90,8 @@ def test_preset_fills_keys_and_given_keys_override_it():
 
 
 def test_a_preset_gives_way_to_a_conflicting_choice_of_the_user():
-    """moe-tiny's top_k=2 is its router's setting: choosing switch-top1 takes switch's 1 (the README
-    example used to exit 2 blaming a key the user never set); a top_k the user gives still conflicts."""
+    """moe-tiny's top_k=2 is its router's setting: choosing switch-top1 takes switch's 1 (not an exit 2
+    blaming a key the user never set); a top_k the user gives still conflicts."""
     moe = make_config("model.preset=moe-tiny", "model.moe.router=switch-top1").model.moe
     assert (moe.router, moe.k, moe.num_experts, moe.capacity) == ("switch-top1", 1, 8, 1.25)
     assert make_config("model.preset=moe-tiny").model.moe.k == 2  # the preset's own router keeps its top_k

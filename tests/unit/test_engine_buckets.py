@@ -1,7 +1,7 @@
 """Engines build the buckets the config asks for, and the gradient norm is exact.
 
-- `parallel.bucket_mb` is the real size of a flat group in the dtype the engine holds it in (it
-  used to be counted on the fp32 meta model, so bf16 buckets came out at a quarter of it).
+- `parallel.bucket_mb` is the real size of a flat group in the dtype the engine holds it in (counted
+  on the fp32 meta model, bf16 buckets would come out at a quarter of it).
 - The global norm sums squares in fp64: fp32 accumulation over millions of elements drifts ~1e-5."""
 
 import pytest

@@ -1,6 +1,6 @@
 """The hang registry (parallel/inflight.py) costs a launch O(1) however many operations are pending:
 the host runs a step's collectives ahead of the GPU, and a registry that looked at every pending one
-on each launch made the step quadratic in its collectives (issue 20)."""
+on each launch would make the step quadratic in its collectives."""
 
 from __future__ import annotations
 
