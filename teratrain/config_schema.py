@@ -292,7 +292,7 @@ class Config(Section):
 
     def compile_scope_problem(self) -> str | None:
         """compile_scope_problem of this config (checked when it is read and by
-        parallelize.check_supported, for the layouts parallel.auto tries)."""
+        parallel/support.py check_supported, for the layouts parallel.auto tries)."""
         t = self.train
         return compile_scope_problem(t.compile, t.compile_scope, t.cuda_graphs, self.memory.recompute,
                                      self.parallel.zero)

@@ -112,7 +112,7 @@ def compile_scope(cfg, dp: int) -> str:
     (CUDA graphs record the whole step; a replaying recompute policy checkpoints segments of blocks),
     else `model`."""
     t, replaying = cfg.train, cfg.memory.recompute in REPLAYING
-    if cfg.parallel.zero == 3:  # its gather and free hooks are on the blocks (config.py refuses model)
+    if cfg.parallel.zero == 3:  # its gather and free hooks are on the blocks (config_schema.py refuses model)
         return "block"
     if t.compile_scope != "auto":
         return t.compile_scope
