@@ -20,20 +20,9 @@ from pydantic import BaseModel, ValidationError
 from teratrain.checkpoint.hf_config import init_shape
 from teratrain.config_base import ConfigError, Section  # noqa: F401 - the config API names them here
 from teratrain.config_model import ROPE_SCALING_KEYS, ROUTERS, ModelConfig, MoEConfig  # noqa: F401
-from teratrain.config_schema import (  # noqa: F401
-    DEFAULT_LR,
-    REPLAYING,
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    LoraConfig,
-    MemoryConfig,
-    MetricsConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    compile_scope_problem,
-)
+from teratrain.config_schema import (DEFAULT_LR, REPLAYING, CheckpointConfig, Config, DataConfig,  # noqa: F401
+                                     LoraConfig, MemoryConfig, MetricsConfig, OptimConfig, ParallelConfig,
+                                     TrainConfig, compile_scope_problem)
 
 if sys.version_info >= (3, 11):
     import tomllib

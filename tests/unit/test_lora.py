@@ -73,3 +73,17 @@ def test_planner_counts_lora_states(sets):
     full = model_states(shape_of(cfg), training_of(load_config(None, SMALL + sets)),
                         layout_of(cfg, 1), device="cpu")
     assert planned["optimizer"] < full["optimizer"] / 10  # model states shrink to the adapters
+
+
+def test_an_adapter_on_the_experts_w2_under_tensor_parallelism_is_refused():
+    """An expert's w2 under the megatron form is a partial row-parallel product (tp_plan.py) that
+    carries no adapter: the layout is refused in one sentence instead of dropping the adapter."""
+    from teratrain.config import ConfigError
+    from teratrain.parallel.support import check_supported
+
+    sets = ["model.preset=moe-tiny", "parallel.tp=2", *LORA]
+    with pytest.raises(ConfigError, match="w2") as e:
+        check_supported(load_config(None, sets))
+    assert "\n" not in str(e.value)
+    check_supported(load_config(None, sets[:2] + ["lora.rank=4", "lora.targets=[\"wq\", \"w1\"]"]))
+    check_supported(load_config(None, sets[:1] + LORA))  # tp=1
