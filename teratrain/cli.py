@@ -185,7 +185,7 @@ def _check_before_start(cfg, world: int) -> None:
     import torch
 
     from teratrain.mesh import ParallelDims
-    from teratrain.parallel.parallelize import check_supported
+    from teratrain.parallel.support import check_supported
     from teratrain.startup import check_host_memory
     from teratrain.train import check_batch
 

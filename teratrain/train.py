@@ -31,8 +31,9 @@ from teratrain.models.protocol import model_flops_per_token
 from teratrain.models.transformer import Transformer
 from teratrain.optim.lr import lr_at, scaled_lr
 from teratrain.parallel.comm import AVG, MAX, all_reduce
-from teratrain.parallel.parallelize import check_supported, parallelize
+from teratrain.parallel.parallelize import parallelize
 from teratrain.parallel.pipeline.runtime import step_runner
+from teratrain.parallel.support import check_supported
 from teratrain.progress import Progress
 from teratrain.rundir import agree_run_dir, remove_if_unused
 from teratrain.startup import print_summary

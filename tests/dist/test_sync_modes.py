@@ -29,7 +29,7 @@ from teratrain.config import ConfigError, load_config
 from teratrain.mesh import ParallelDims
 from teratrain.metrics import read_metrics
 from teratrain.parallel.param_server import assign
-from teratrain.parallel.parallelize import check_supported
+from teratrain.parallel.support import check_supported
 from workers import max_rel_diff, reference, train_many
 
 TOL = 1e-5

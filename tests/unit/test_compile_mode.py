@@ -10,7 +10,8 @@ from torch import nn
 
 from teratrain.config import ConfigError
 from teratrain.optim.engine import LocalEngine, train_step
-from teratrain.parallel.parallelize import check_supported, compile_scope, compile_units
+from teratrain.parallel.parallelize import compile_scope, compile_units
+from teratrain.parallel.support import check_supported
 from tests.helpers import make_config, small_model
 
 

@@ -227,7 +227,7 @@ def test_microbatches_at_launch_follow_dp_and_the_schedule():
       "parallel.sequence_parallel=false"], "parallel.tp_overlap=async overlaps the megatron form"),
 ])
 def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
-    from teratrain.parallel.parallelize import check_supported
+    from teratrain.parallel.support import check_supported
 
     with pytest.raises(ConfigError) as info:
         check_supported(load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked"] + sets))
@@ -257,7 +257,7 @@ def test_async_tp_refuses_a_run_off_cuda():
 ])
 def test_bf16_gradients_need_zero_and_low_precision_parameters(sets, words):
     """parallel.grad_dtype=bf16 needs a ZeRO engine and bf16/fp16 parameters: one sentence with the fix."""
-    from teratrain.parallel.parallelize import check_supported
+    from teratrain.parallel.support import check_supported
 
     with pytest.raises(ConfigError) as info:
         check_supported(load_config(None, sets))
@@ -273,15 +273,15 @@ def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
     from types import SimpleNamespace
 
     from teratrain import compat
-    from teratrain.parallel import parallelize
+    from teratrain.parallel import parallelize, support
 
     graphed = ["train.compile=true", "train.compile_mode=reduce-overhead", "model.moe.num_experts=4"]
     for precision in ("fp32", "fp16"):
         with pytest.raises(ConfigError, match=f"in {precision} the experts' .* set memory.precision=bf16 or "
                                               "train.compile_mode=default"):
-            parallelize.check_supported(load_config(None, graphed + [f"memory.precision={precision}"]))
+            support.check_supported(load_config(None, graphed + [f"memory.precision={precision}"]))
     cfg = load_config(None, graphed + ["memory.precision=bf16"])
-    parallelize.check_supported(cfg)
+    support.check_supported(cfg)
     asked = []
     monkeypatch.setattr(compat, "grouped_mm_without_sync", lambda device, dtype: asked.append(dtype) or True)
     parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), cfg)  # a GPU that has the kernel
@@ -291,4 +291,4 @@ def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
         parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), cfg)
     dense = load_config(None, ["train.compile=true", "train.compile_mode=reduce-overhead", "memory.precision=bf16"])
     parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), dense)  # nothing to refuse
-    parallelize.check_supported(load_config(None, ["train.compile=true", "model.moe.num_experts=4"]))  # no graphs
+    support.check_supported(load_config(None, ["train.compile=true", "model.moe.num_experts=4"]))  # no graphs

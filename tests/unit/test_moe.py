@@ -334,7 +334,7 @@ def test_preset_moe_keys_merge_with_given_ones():
      "aux_loss_convention=ours with parallel.pp>1"),
 ])
 def test_expert_parallel_layouts_refused_with_one_sentence(sets, words):
-    from teratrain.parallel.parallelize import check_supported
+    from teratrain.parallel.support import check_supported
 
     with pytest.raises(ConfigError) as e:
         check_supported(make_config(*sets))
