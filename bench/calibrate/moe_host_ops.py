@@ -1,6 +1,8 @@
-"""The host's time per aten op of an MoE block's own ops against a dense block's; prints one JSON object.
+"""planner/time.py MOE_HOST_OP_SHARE: the host's time per op of an MoE layer's own ops, in dense ops.
 
-    python bench/moe_host_ops.py [--rounds 15] [--out moe_host_ops.json]     # CPU, ~10 s
+The host's time per aten op of an MoE block's own ops against a dense block's; prints one JSON object.
+
+    python bench/calibrate/moe_host_ops.py [--rounds 15] [--out moe_host_ops.json]     # CPU, ~10 s
 
 One Llama block at a width where every kernel costs next to nothing (d 16, 8 tokens), forward and backward
 under bf16 autocast, dense and with an MoE MLP (4 experts, top-2, the grouped kernel), timed in
@@ -10,6 +12,7 @@ fitted cost per op (planner/time.py host_s); this measures whether an MoE layer'
 (planner/time.py OPS_MOE_EXTRA) cost more each, which MOE_HOST_OP_SHARE charges. `extra_op_share`:
 (MoE block - dense block) seconds per extra op over the dense block's seconds per op, at the fastest
 round of each. CPU only: on a GPU host each op also pays its kernel launch, which both kinds share.
+The constant itself is fitted on the recorded validations' MoE rows; this ratio is what it stands for.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
 
 from teratrain.config import load_config  # noqa: E402

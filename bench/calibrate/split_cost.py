@@ -1,4 +1,6 @@
-"""What ZB-H1's split backward costs the host: the last stage of pp=2 x tp=2 (the split one: the first
+"""planner/time.py OPS_SPLIT_EXTRA: the aten ops ZB-H1's split backward adds per block and micro-batch.
+
+What ZB-H1's split backward costs the host: the last stage of pp=2 x tp=2 (the split one: the first
 stage has no input gradient to send and runs one backward) at two depths, ZB-H1 against 1F1B at the
 same 8 micro-batches. One process runs that rank's program alone on a fake process group (no
 communication: every collective returns at once), so the step is the host's and one GPU measures it.
@@ -7,9 +9,9 @@ on 2 processes, pp=2 x tp=2 on 4; `--small` takes the host probe's width (planne
 kernels of microseconds, so the host paces every layout) to see whether the split's host time reaches
 the step of a real pipeline.
 
-    python bench/split_cost.py --layers 8 32 --out split.json                # one GPU, ~2 min
-    python bench/split_cost.py --smoke --layers 4 8 --count-only             # CPU, op counts only
-    torchrun --nproc-per-node 2 bench/split_cost.py --real --small --layers 8 32 --out split2.json
+    python bench/calibrate/split_cost.py --layers 8 32 --out split.json                # one GPU, ~2 min
+    python bench/calibrate/split_cost.py --smoke --layers 4 8 --count-only             # CPU, op counts only
+    torchrun --nproc-per-node 2 bench/calibrate/split_cost.py --real --small --layers 8 32 --out split2.json
 
 Per depth: the aten ops of one step of each schedule (a TorchDispatchMode, as planner/time.py counts
 OPS_PER_BLOCK), the median step over `--rounds` alternating rounds of `--steps` steps under the
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, planner_multi, planner_rows
 from common import count_ops, emit, sync
 from planner_multi import build_row
 from planner_rows import PROBE_WIDTH, Row, full_sets, pipeline_sets
