@@ -1,6 +1,6 @@
 """Which kernels of a training step give different bits when run twice on the same inputs, on this GPU.
 
-    python bench/determinism.py --out bench/results/determinism_h200.json     # one GPU, ~20 s
+    python bench/determinism.py --out determinism.json     # one GPU, ~20 s
     python bench/determinism.py --smoke                                      # CPU, tiny shapes
 
 Why. The layout matrix (bench/layouts.py) measures how far bf16 rounding alone moves one GPU's run

@@ -1,7 +1,7 @@
 """Our ZeRO-3 against PyTorch FSDP2 (`fully_shard`) on the same model, shape and batch, under torchrun;
 rank 0 prints one JSON object (and writes it with --out).
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out results/fsdp2_h100x2.json
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out fsdp2.json
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke     # gloo CPU processes, tiny shape
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile   # + both sides compiled block by block
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --profile   # + each side's kernel account (torch.profiler)

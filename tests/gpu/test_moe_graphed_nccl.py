@@ -1,12 +1,12 @@
 """MoE with expert parallelism under CUDA graphs (train.compile_mode=reduce-overhead) under NCCL: the
-commands that failed on 2 x H200 before the fixes and ran after them (session 10, bench/README.md).
+training commands that exercise what a graph replay can get wrong (2 x H200).
 
 - bf16 (the experts' grouped GEMM reads nothing back): `teratrain train --nproc 2` at ep=2 with
-  accumulation and evaluations. Before the statistics were copied out of the graph pool after each
-  micro-batch, the bench's second step read them overwritten.
+  accumulation and evaluations. The routing statistics are copied out of the graph pool after each
+  micro-batch; left there, the next step's replay would overwrite them before they are read.
 - fp32: the experts' grouped GEMM reads its row offsets back to the host, which a capture cannot hold. The
-  run is refused before it starts (parallelize.check_supported, which the CLI calls first), in one sentence with the fix; before, it failed inside
-  the first capture.
+  run is refused before it starts (parallelize.check_supported, which the CLI calls first), in one
+  sentence with the fix, rather than failing inside the first capture.
 The CPU tests cover both on their own (tests/unit/test_moe.py, tests/unit/test_config.py)."""
 
 import os

@@ -142,7 +142,7 @@ def test_end_of_backward_holds_one_segment_input_beside_the_replay(policy):
     """In the first block's backward a replaying policy holds that segment's stored input (one hidden
     state in the parameters' width) and the replayed segment (`recompute`, counted apart), not the
     block's whole activations: the recomputing ZeRO-3 row on 2 x H200 was +11% over its peak when they
-    were counted (bench/results/planner_validate_h200x2_session7*.json, 3.2% under the rule)."""
+    were counted (tests/fixtures/planner_runs/h200x2_2026-11-27_*.json, 3.2% under the rule)."""
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import _saved
 

@@ -91,7 +91,7 @@ def test_host_costs_recovered_from_the_host_probe():
         dp, tp, sp, zero3 = fit["fit"]
         assert dp["collectives"] == zero3["collectives"] == 0 < tp["collectives"] < sp["collectives"]
         assert dp["ops"] == tp["ops"] and 0 < dp["launches"] < zero3["launches"]  # ZeRO-3: bf16 params, fewer casts
-        # a run without the ZeRO-3 probe (before session 12): two costs, a launch at DP_LAUNCH_SHARE of one
+        # a run without the ZeRO-3 probe (older results): two costs, a launch at DP_LAUNCH_SHARE of one
         older = fit_host(rows[-4:-1], gpus)
         assert set(older["hw"]) == {"host_op_s", "host_collective_s"}
         assert older["fit"][0]["fitted_s"] == pytest.approx(
