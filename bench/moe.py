@@ -47,9 +47,9 @@ machines require.
 `--compile`: every model once more with train.compile (`NAME_compiled`, or `NAME_graphed` where `--set
 train.compile_mode=reduce-overhead` puts the step in CUDA graphs; `--compile-only` drops the eager
 runs), and the parity check compiled. Each compiled run reports `first_step_s` (the compile,
-mostly) and `graph_breaks` (count, compiled
-graphs, the top reasons, as bench/tensor_parallel.py does; 0 breaks is the point: the MoE step was
-host-bound, and a compiled graph launches its kernels without Python in between) and `vs_eager`
+mostly) and `graph_breaks` (count, compiled graphs, the top reasons, as bench/tensor_parallel.py
+does; 0 breaks is the point: the eager MoE step is host-bound, and a compiled graph launches its
+kernels without Python in between) and `vs_eager`
 where its eager run is in the job; `moe_vs_dense` then compares compiled with compiled. The
 all-to-all's waits are inside the graph, so compiled runs at ep > 1 report instead
 `all_to_all_kernel_share`: the NCCL all-to-all kernels' device time over the wall time of 2

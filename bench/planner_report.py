@@ -124,7 +124,7 @@ def compare(rows: list[dict], results: dict, gpus: int, gpu: GPU, hw: dict, smok
 
 def summary(rows: list[dict]) -> dict:
     """Worst and median |error| per quantity, for all rows, the fit rows and the held-out rows, and
-    how many meet the issue's targets."""
+    how many meet the planner's aims."""
     out = {}
     for key in ("peak_err_pct", "step_err_pct", "step_err_pct_first_visit", "step_err_pct_assumed",
                 "step_err_pct_row_host", "total_err_pct", "saved_err_pct"):
