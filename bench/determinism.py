@@ -1,11 +1,11 @@
 """Which kernels of a training step give different bits when run twice on the same inputs, on this GPU.
 
-    python bench/determinism.py --out bench/results/determinism_h200.json     # one GPU, ~20 s
-    python bench/determinism.py --smoke                                      # CPU, tiny shapes
+    python bench/determinism.py --out determinism.json     # one GPU, ~20 s
+    python bench/determinism.py --smoke                    # CPU, tiny shapes
 
-Why. The layout matrix (bench/layouts.py) measures how far bf16 rounding alone moves one GPU's run
-(its noise floor) and found the one-GPU MoE run in bf16 not repeatable: two identical runs part from
-step 1 on, while the fp32 runs are bitwise equal. bf16 is where two kernels take over that fp32 does
+Why. The layout matrix (bench/layouts.py) records how far bf16 rounding alone moves one GPU's run
+(its noise floor); the one-GPU MoE run in bf16 is not repeatable (two identical runs part from step 1
+on, while the fp32 runs are bitwise equal). bf16 is where two kernels take over that fp32 does
 not use: flash attention (scaled_dot_product_attention's flash backward accumulates dQ with atomic
 adds in FA2) and the experts' grouped GEMM (torch._grouped_mm, models/grouped.py). Top-2 routing turns
 any difference of the last bit into another expert choice, so the MoE run shows what the dense run

@@ -1,11 +1,11 @@
 """Our ZeRO-3 against PyTorch FSDP2 (`fully_shard`) on the same model, shape and batch, under torchrun;
 rank 0 prints one JSON object (and writes it with --out).
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out results/fsdp2_h100x2.json
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 bench/fsdp2_compare.py --out fsdp2.json
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke     # gloo CPU processes, tiny shape
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile   # + both sides compiled block by block
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --profile   # + each side's kernel account (torch.profiler)
-    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --copy-per-tensor   # + ours as before _foreach_copy_ (A/B)
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --copy-per-tensor   # + ours with a copy_ per tensor (A/B)
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --rounds 3   # each side 3 times, order alternated: median ratio
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --dp-max-ctas 16,8 --fsdp2-max-ctas 8   # + NCCL capped
 
@@ -73,7 +73,7 @@ def ours(cfg, rt):
 
 
 def ours_copy_per_tensor(cfg, rt):
-    """Ours with one `copy_` per gradient into the reduce inputs, as before `FlatGroup.flatten` used
+    """Ours with one `copy_` per gradient into the reduce inputs instead of `FlatGroup.flatten`'s one
     `_foreach_copy_` (the A/B of --copy-per-tensor): `_foreach_copy_` swapped for that loop during our
     step, where at dp > 1 flatten is its only caller."""
     step, states = ours(cfg, rt)
@@ -207,8 +207,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="each side's kernel account of 2 steps (torch.profiler: "
                                                            "busy, idle, NCCL exposed, copies, top ops)")
     ap.add_argument("--copy-per-tensor", action="store_true",
-                    help="also ours with one copy_ per gradient into the reduce inputs (before _foreach_copy_): "
-                         "an A/B in the same job")
+                    help="also ours with one copy_ per gradient into the reduce inputs instead of one "
+                         "_foreach_copy_: an A/B in the same job")
     ap.add_argument("--dp-max-ctas", default="", help="also ours with parallel.dp_max_ctas at each of these "
                                                        "(comma-separated), each on groups of its own")
     ap.add_argument("--fsdp2-max-ctas", default="", help="also FSDP2 on a group whose NCCL config caps the CTAs "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The several-GPU benchmarks of one machine, piece by piece, each under its own time limit, so one device
-# call runs what fits and a piece that overruns costs only its own figures. Results go to OUTDIR:
+# The several-GPU benchmarks of one machine, piece by piece, each under its own time limit, so a piece
+# that overruns costs only its own figures. Results go to OUTDIR:
 # one JSON per piece and one log of them all (suite.log); every piece prints its wall time.
 #
 #   bash bench/gpu_suite.sh OUTDIR matrix moe pipeline        # pieces in the order given
@@ -16,21 +16,15 @@
 #              (TP_ARGS replaces `--profile`, e.g. "--shapes llama1b_width --compile default,reduce-overhead";
 #              TP_LIMIT replaces the 300 s)
 #   determinism  bench/determinism.py: which kernels repeat bit for bit (one GPU)                  90 s
-#   cast       bench/cast_copy.py: ZeRO's bf16 -> fp32 gradient casts, the fp32 weight-gradient GEMM (one GPU) 60 s
 #   moe        bench/moe.py, ep = 1, 2 .. N                                                      240 s
 #              (MOE_ARGS: more arguments, e.g. "--compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2";
 #              MOE_LIMIT replaces the 240 s: four compiled models and the compiled parity check need ~330 s)
-#   comm       bench/comm_host.py: host time per collective, ours against raw torch.distributed   60 s
-#   exchange   bench/moe_exchange.py: one MoE layer's all-to-all alone, padded / routed rows / NVSHMEM  90 s
-#              (EXCHANGE_ARGS: more arguments, e.g. "--ctas 8,16,32")
 #   pipeline   bench/pipeline.py at pp=N (PIPE_ARGS: more arguments, e.g. "--schedules 1f1b zb-h1 --profile") 240 s
 #   fsdp2      bench/fsdp2_compare.py at dp=N, llama-8b blocks then llama-1b                      300 s
 #              (FSDP2_ARGS: more arguments to both, e.g. "--compile --layers 16"; FSDP2_LIMIT replaces each 150 s)
 #   ddp        bench/ddp_compare.py at dp=N, eager and compiled (DDP_ARGS: more arguments)       240 s
 #   planner    bench/planner_validate.py --gpus N (its budget 420 s: 32 layers on an H200, the
 #              relaunches included), then --check-pick                                           610 s
-#   stepprof   bench/step_profile.py: host issue time, GPU idle and NCCL per rank of chosen layouts 240 s
-#              (STEPPROF_ROWS: the layouts, default the host probe's and the eager MoE rows; STEPPROF_LAYERS)
 #   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
 #   reshard    bench/reshard.py (dp=N ZeRO-3 saved, dp=1 resumed)                                200 s
 set -uo pipefail
@@ -68,9 +62,6 @@ for p in "$@"; do
                       --out "$out/layouts_small.json" ;;
         tp)       piece tp "${TP_LIMIT:-300}" "${tr[@]}" bench/tensor_parallel.py ${TP_ARGS:---profile} $smoke --out "$out/tp.json" ;;
         determinism) piece determinism 90 "$py" bench/determinism.py $smoke --out "$out/determinism.json" ;;
-        comm)     piece comm 60 "${tr[@]}" bench/comm_host.py $smoke --out "$out/comm_host.json" ;;
-        exchange) piece exchange 90 "${tr[@]}" bench/moe_exchange.py ${EXCHANGE_ARGS:-} $smoke --out "$out/moe_exchange.json" ;;
-        cast)     piece cast 60 "$py" bench/cast_copy.py $smoke --out "$out/cast_copy.json" ;;
         moe)      piece moe "${MOE_LIMIT:-240}" "${tr[@]}" bench/moe.py --ep "$eps" ${MOE_ARGS:-} $smoke --out "$out/moe.json" ;;
         pipeline) piece pipeline 240 "$py" bench/pipeline.py ${PIPE_ARGS:-} $smoke --out "$out/pipeline.json" ;;
         ddp)      piece ddp 240 "${tr[@]}" bench/ddp_compare.py --compile ${DDP_ARGS:-} $smoke --out "$out/ddp.json" ;;
@@ -83,12 +74,8 @@ for p in "$@"; do
                       --out "$out/planner.json"
                   piece pick 150 "$py" bench/planner_validate.py --gpus "$n" --check-pick --hw-file "$out/planner.json" \
                       $smoke --table --out "$out/pick.json" ;;
-        stepprof) if [ -n "${STEPPROF_ROWS:-}" ]; then IFS=';' read -ra rows <<< "$STEPPROF_ROWS"
-                  else rows=("probe dp" "probe tp$n" "probe tp$n sp" "moe dp$n ep$((n / 2))" "moe dp$n ep$n"); fi
-                  piece stepprof 240 "${tr[@]}" bench/step_profile.py --rows "${rows[@]}" --layers "${STEPPROF_LAYERS:-16}" \
-                      $smoke --out "$out/step_profile.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, cast, comm, exchange, moe, pipeline, fsdp2, planner, stepprof, scaling, reshard)"; exit 2 ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, moe, pipeline, fsdp2, ddp, planner, scaling, reshard)"; exit 2 ;;
     esac
 done

@@ -94,9 +94,9 @@ def measure(device: torch.device, sizes=SIZES, iters: int = 20) -> list[dict]:
     return rows
 
 
-# Parameters the host-step rates are measured on: a shard's size, not a cache's. On 4 x H100 (session 13,
-# 16 threads a rank, every rank at once) 50M gave 2.9 G params/s of AdamW and 12.9 G/s of cast, 200M 1.5-1.7
-# and 4.9-5.0, and the engine's own host step ran at the 200M rates (bench/README.md, "Optimizer offload")
+# Parameters the host-step rates are measured on: a shard's size, not a cache's. On 4 x H100 (16 threads
+# a rank, every rank at once) 50M gave 2.9 G params/s of AdamW and 12.9 G/s of cast, 200M 1.5-1.7 and
+# 4.9-5.0, and the engine's own host step ran at the 200M rates
 HOST_NUMEL = 200_000_000
 
 
@@ -128,8 +128,8 @@ def host_cast(numel: int = HOST_NUMEL, steps: int = 3, dtype: torch.dtype = torc
 
 def host_loop_us(n: int = 100_000, repeats: int = 3) -> float:
     """The host CPU's speed at this moment: microseconds per iteration of a pure Python loop (the best
-    of `repeats`). A leased machine's host ran this 2x slower at some moments than at others within
-    one job (bench/README.md, the planner section), and an eager step that the host paces follows it."""
+    of `repeats`). A cloud machine's host ran this 2x slower at some moments than at others within
+    one job, and an eager step that the host paces follows it."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

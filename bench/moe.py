@@ -38,17 +38,18 @@ before and after its wait, in separate instrumented steps: the time the compute 
 for them, not the NCCL kernels' durations, which overlap compute once chunked) and
 `moe_layer_host_syncs`, "none" when one MoE layer's forward and backward never wait for the device
 (torch.cuda.set_sync_debug_mode("error"); the dropless exchange reads its counts back by design);
-`moe_vs_dense`, each MoE's tokens/s over the dense model's (target >= 0.8); `a2a_overlap`, per chunked
-run, the exposed share whole (`share_chunks1`) and chunked (`share_chunked`; target < 0.15 at ep=4)
+`moe_vs_dense`, each MoE's tokens/s over the dense model's in the same mode; `a2a_overlap`, per chunked
+run, the exposed share whole (`share_chunks1`) and chunked (`share_chunked`)
 and `tokens_per_s_vs_chunks1`, the chunked run's tokens/s over the whole one's; `experts_kernel`, grouped
 GEMM or loop (models/grouped.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device
 machines require.
 
-`--compile`: every model once more with train.compile (`NAME_compiled`; `--compile-only` drops the
-eager runs), and the parity check compiled. Each compiled run reports `first_step_s` (the compile,
-mostly) and `graph_breaks` (count, compiled
-graphs, the top reasons, as bench/tensor_parallel.py does; 0 breaks is the point: the MoE step was
-host-bound, and a compiled graph launches its kernels without Python in between) and `vs_eager`
+`--compile`: every model once more with train.compile (`NAME_compiled`, or `NAME_graphed` where `--set
+train.compile_mode=reduce-overhead` puts the step in CUDA graphs; `--compile-only` drops the eager
+runs), and the parity check compiled. Each compiled run reports `first_step_s` (the compile,
+mostly) and `graph_breaks` (count, compiled graphs, the top reasons, as bench/tensor_parallel.py
+does; 0 breaks is the point: the eager MoE step is host-bound, and a compiled graph launches its
+kernels without Python in between) and `vs_eager`
 where its eager run is in the job; `moe_vs_dense` then compares compiled with compiled. The
 all-to-all's waits are inside the graph, so compiled runs at ep > 1 report instead
 `all_to_all_kernel_share`: the NCCL all-to-all kernels' device time over the wall time of 2
@@ -60,11 +61,11 @@ host syncs are not checked compiled. Compiled, the dropless exchange at ep > 1 i
 with N slots per expert (parallel/expert.py), so `_dropless` compiled moves n/k times the rows. --smoke traces the same
 graphs but runs them with the aot_eager backend (inductor would compile C++ for minutes on 2 cores).
 
-`--one-gpu`: after the timed runs, the dense model and the MoE at ep=1 once more on rank 0's GPU alone,
-with the same per-GPU batch, in the job's modes (`one_gpu_dense[_compiled]`, `one_gpu_moe_ep1[_compiled]`;
-the other ranks wait). `scaling_vs_one_gpu` then gives each run's tokens/s per GPU over one GPU's in the
-same mode: the dense model over its own, every MoE over the MoE at ep=1 (issue 23's ep=4 target: >= 0.85).
-It is the same machine's baseline; until session 10 it came from another job.
+One GPU (on by default; `--no-one-gpu` skips it): after the timed runs, the dense model and the MoE at
+ep=1 once more on rank 0's GPU alone, with the same per-GPU batch, in every mode of the job
+(`one_gpu_dense[_compiled|_graphed]`, `one_gpu_moe_ep1[...]`; the other ranks wait).
+`per_gpu_efficiency_same_mode`, the headline, then gives each run's tokens/s per GPU over one GPU's in
+the same mode: the dense model over its own, every MoE over the MoE at ep=1.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_
 EXPERT_FF = {"gpu": 2816, "smoke": 64}
 MICRO_PER_RANK = 2  # micro-batches per rank and step
 COMPILED = ["train.compile=true"]
+MODE_TAGS = ("_compiled", "_graphed")  # a run's name ends with its mode's tag; eager runs have none
+MODE_NAMES = {"": "eager", "_compiled": "compiled", "_graphed": "CUDA graphs"}
 
 
 def models(smoke: bool, eps: list[int], chunks: list[int]) -> dict[str, list[str]]:
@@ -385,8 +388,8 @@ def worker(args) -> None:
 
 def one_gpu(base: list[str], mb: int, args) -> dict:
     """`--one-gpu`: the dense model and the MoE at ep=1, in this job's modes (eager, compiled), on rank 0's
-    GPU alone with the same per-GPU batch while the other ranks wait, named one_gpu_NAME[_compiled]: the
-    baseline of `scaling_vs_one_gpu`, from the same machine."""
+    GPU alone with the same per-GPU batch while the other ranks wait, named one_gpu_NAME[_compiled|_graphed]:
+    the baseline of `per_gpu_efficiency_same_mode`, from the same job."""
     out = {}
     if int(os.environ["RANK"]) == 0:
         per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
@@ -397,25 +400,36 @@ def one_gpu(base: list[str], mb: int, args) -> dict:
 
 
 def in_modes(runs: dict[str, list[str]], args) -> dict[str, list[str]]:
-    """The runs in the job's modes: as given, and with --compile each once more compiled (NAME_compiled;
-    only those with --compile-only)."""
+    """The runs in the job's modes: as given, and with --compile each once more compiled (NAME_compiled, or
+    NAME_graphed under CUDA graphs; only those with --compile-only)."""
     if not args.compile:
         return runs
-    compiled = {f"{name}_compiled": sets + COMPILED for name, sets in runs.items()}
+    tag = compiled_tag(args)
+    compiled = {f"{name}{tag}": sets + COMPILED for name, sets in runs.items()}
     if args.reorder:  # each exchanging MoE once more with inductor's collective reordering
-        compiled.update({f"{name}_reorder_compiled": sets + COMPILED + ["train.compile_overlap=true"]
+        compiled.update({f"{name}_reorder{tag}": sets + COMPILED + ["train.compile_overlap=true"]
                          for name, sets in runs.items() if name.startswith("moe_") and "parallel.ep=1" not in sets})
     return compiled if args.compile_only else {**runs, **compiled}
 
 
-def _scaling(results: dict, world: int) -> dict:
-    """Each model's tokens/s per GPU over one GPU's in the same job (`--one-gpu`), in the same mode: the
-    dense model over its own, every MoE over one GPU's ep=1 (issue 23's weak scaling of ep)."""
+def compiled_tag(args) -> str:
+    """The suffix of this job's compiled runs: `_graphed` where --set puts the step in CUDA graphs."""
+    return "_graphed" if "train.compile_mode=reduce-overhead" in args.set else "_compiled"
+
+
+def mode_tag(name: str) -> str:
+    """A run's mode suffix: "" (eager), "_compiled" or "_graphed"."""
+    return next((tag for tag in MODE_TAGS if name.endswith(tag)), "")
+
+
+def per_gpu_efficiency_same_mode(results: dict, world: int) -> dict:
+    """Each model's tokens/s per GPU over one GPU's in the same job and the same mode: the dense model
+    over its own, every MoE over one GPU's ep=1 (weak scaling of expert parallelism)."""
     out = {}
     for name, r in results.items():
         if name.startswith("one_gpu_"):
             continue
-        tag = "_compiled" if name.endswith("_compiled") else ""
+        tag = mode_tag(name)
         one = results.get("one_gpu_" + ("dense" if name.startswith("dense") else "moe_ep1") + tag)
         if one is not None:
             out[name] = round(r["tokens_per_s"] / world / one["tokens_per_s"], 4)
@@ -433,7 +447,8 @@ def _report(args, world: int, eps: list[int], mb: int, check: dict | None, resul
                        "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
                        **({"partial": True} if partial else {}),
                        "parity": check, **results, "moe_vs_dense": _vs_dense(results),
-                       "scaling_vs_one_gpu": _scaling(results, world),
+                       "modes": sorted({MODE_NAMES[mode_tag(name)] for name in results}),
+                       "per_gpu_efficiency_same_mode": per_gpu_efficiency_same_mode(results, world),
                        "a2a_overlap": _overlap(results)})
 
 
@@ -442,8 +457,8 @@ def _vs_dense(results: dict) -> dict:
     and `vs_eager` on every compiled run whose eager run is in the same job."""
     ratios = {}
     for name, r in results.items():
-        tag = "_compiled" if name.endswith("_compiled") else ""
-        eager = results.get(name.removesuffix("_compiled")) if tag else None
+        tag = mode_tag(name)
+        eager = results.get(name.removesuffix(tag)) if tag else None
         if eager is not None:
             r["vs_eager"] = round(r["tokens_per_s"] / eager["tokens_per_s"], 4)
         if name.startswith(("moe_", "one_gpu_moe_")):
@@ -494,8 +509,9 @@ def main() -> None:
     p.add_argument("--reorder", action="store_true", help="with --compile: every MoE at ep > 1 once more with "
                    "train.compile_overlap (NAME_reorder_compiled: inductor moves each all-to-all's launch before, "
                    "and its wait after, independent work such as the experts' weight gradients)")
-    p.add_argument("--one-gpu", action="store_true", help="also the dense model and the MoE at ep=1 on rank 0's GPU "
-                   "alone (one_gpu_*), and every run's tokens/s per GPU over theirs (scaling_vs_one_gpu)")
+    p.add_argument("--one-gpu", action=argparse.BooleanOptionalAction, default=True,
+                   help="the dense model and the MoE at ep=1 on rank 0's GPU alone in every mode (one_gpu_*), and "
+                        "every run's tokens/s per GPU over theirs in its own mode (per_gpu_efficiency_same_mode)")
     p.add_argument("--only", type=lambda s: s.split(","), default=None,
                    help="models to time, comma-separated (e.g. dense,moe_ep1,moe_ep2; default all)")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")

@@ -1,8 +1,8 @@
 """Data parallelism and ZeRO on several GPUs of one host, under NCCL; prints one JSON object.
 
-    python bench/multi_gpu.py --out results/multi_gpu_h100x2.json                  # parity + scaling, ~3 min on 2 GPUs
-    python bench/multi_gpu.py --only offload --out results/multi_gpu_offload_h100x2.json    # ~2-3 min
-    python bench/multi_gpu.py --only fsdp2 --out results/fsdp2_h100x2.json         # bench/fsdp2_compare.py, ~2 min
+    python bench/multi_gpu.py --out multi_gpu.json                                 # parity + scaling, ~3 min on 2 GPUs
+    python bench/multi_gpu.py --only offload --out multi_gpu_offload.json          # ~2-3 min
+    python bench/multi_gpu.py --only fsdp2 --out fsdp2.json                        # bench/fsdp2_compare.py, ~2 min
     python bench/multi_gpu.py --smoke --only parity,scaling,offload,fsdp2          # 2 CPU processes over gloo
 
 Every GPU of the machine (N >= 2) takes part. Layouts run one after another inside one torchrun job

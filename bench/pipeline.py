@@ -20,8 +20,8 @@ Measured, for GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1 at m = 4, 8, 16 (one
   alloc_retries: the allocator's cache flushes (a synchronizing cudaFree: memory too tight);
 - bubble_measured: from three more steps timed per action (CUDA events on the compute stream, ranks
   aligned by a barrier), the idle share of pp x (first start .. last end) of the median one (one
-  timed step alone let a stall on one rank read as bubble: 1.75x the simulator's once on 4 x H200,
-  in a run whose untimed steps were faster than 1F1B's; bubbles_timed lists all three); bubble_simulated: the
+  timed step alone can let a stall on one rank read as bubble; bubbles_timed lists all three);
+  bubble_simulated: the
   simulator (parallel/pipeline/simulate.py) on the same schedule fed with that step's per-stage
   median action times and per-boundary transfer times (timing.py; `transfer_ms`), bubble_ratio =
   measured / simulated (target within 10%), bubble_simulated_no_comm: the same without transfers;
@@ -361,8 +361,7 @@ def profiled(sets: list[str], schedule: str, m: int, args) -> list[dict]:
 def _collect() -> None:
     """Free the models measured before (a model, its engine and executor hold reference cycles, so
     they outlive their function until a full collection; alive, the model states of the previous
-    schedule counted in the next one's peak: ZB-H1 "1.35x" 1F1B's on 4 x H100 was 1F1B's stage left
-    allocated), and fail if one is still alive."""
+    schedule would count in the next one's peak), and fail if one is still alive."""
     gc.collect()
     if any(ref() is not None for ref in _BUILT):
         raise RuntimeError("bench/pipeline.py: a model measured before is still alive; its memory would count "

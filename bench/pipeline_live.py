@@ -1,5 +1,5 @@
 """What a pipeline step keeps alive, per stage and action, counted on CPU (no GPU needed):
-1F1B against ZB-H1 (issue 22: ZB-H1 at no more than 1F1B's peak + 10%).
+1F1B against ZB-H1 (ZB-H1's aim: no more than 1F1B's peak + 10%).
 
     python bench/pipeline_live.py              # 4 gloo processes, llama-1b's proportions scaled down
     python bench/pipeline_live.py --account    # and after each action, the live bytes by kind (live_account.py)

@@ -19,7 +19,7 @@ from planner_rows import BUILD_S, COMMON, full_sets, probe_rows, rows_for, size_
 WARMUP, STEPS = 2, 4
 # The share of --budget-s the rows' first visits may take (planner_rows.size_layers sizes the model to
 # it); with relaunches half: on 2 x H200 at 32 layers the first visits took ~230 s of a 315 s job
-# that ran two relaunches (session 15)
+# that ran two relaunches
 ROWS_SHARE, ROWS_SHARE_RELAUNCHED = 0.65, 0.5
 
 

@@ -10,15 +10,14 @@ records that row and relaunches the rest, at most 3 launches in all.
 Rank 0 decides before each row whether the deadline leaves time for it (the planner's estimate), and
 every rank follows. Then the rows the planner expects the host to pace (planner_modes.py marks them
 "revisit") are measured once more, in reverse order, while the deadline leaves time: the host CPU's
-speed on leased machines shifts for seconds at a time, and such rows measured 1.1-1.7x apart between
-runs where GPU-paced ones (pipelines) repeat within 2% (2 x H200, session 7; within one job, session 14's
-two visits were 2-18% apart). A host-paced step is only ever slowed by what else runs, so the faster
+speed on cloud machines shifts for seconds at a time, and such rows measured 1.1-1.7x apart between
+runs where GPU-paced ones (pipelines) repeat within 2% (2 x H200; within one job, two visits were 2-18%
+apart). A host-paced step is only ever slowed by what else runs, so the faster
 visit's median is the row's step, with every visit's in `visits_s` and the first's in
 `first_visit_step_s` (every measured row has it); its memory figures are the larger of the visits'.
 The host's speed also moves between launches of the same code: on one 2 x H200 machine, 11 launches of
 a 16-layer tp2 megatron step took 133-192 ms, every host gap between its collectives longer in the slow
-launches, while the host probe run in the same processes did not follow (session 15,
-bench/README.md). So after the main job, `relaunches` more jobs (while the deadline leaves time) each
+launches, while the host probe run in the same processes did not follow. So after the main job, `relaunches` more jobs (while the deadline leaves time) each
 run the host probe once and visit the host-paced rows again in fresh processes: the probe's rows and
 the rows alike keep their fastest run over the launches, so both sides see the host at its best.
 
@@ -154,7 +153,7 @@ def _faster(kept: dict | None, e: dict, runs: str) -> dict:
     """A probe row's or a row's figures with one more run `e` (`kept`: its runs so far, None before the
     first): the faster run's figures, as a host-paced step is only ever slowed by what else runs (on 4 x
     H100 the plain data-parallel probe, run first, measured 50 ms where a ZeRO-3 probe with more launches
-    took 40, session 13), every run's step time in `runs`; memory is never understated: the peaks (and
+    took 40), every run's step time in `runs`; memory is never understated: the peaks (and
     their per-rank list) of the run with the larger peak, the larger of what lived outside the allocator
     or stayed allocated, and a model freed only if every run freed it."""
     if kept is None:

@@ -1,9 +1,9 @@
 """Predicted against measured, one picture: each layout of a `planner_validate.py --gpus N` result,
 re-predicted by today's planner with the hardware terms that run measured, as a point (peak memory
-left, step time right) against the diagonal and the issue's bands (5% memory, 15% time). Held-out
+left, step time right) against the diagonal and the planner's aims (5% memory, 15% time). Held-out
 rows are hollow; a point outside its band is labelled.
 
-    python bench/planner_plot.py bench/results/planner_validate_h200x4_session6.json --out docs/planner_validation.png
+    python bench/planner_plot.py tests/fixtures/planner_runs/h200x4_2026-11-27_1.json --out docs/planner_validation.png
 """
 
 from __future__ import annotations

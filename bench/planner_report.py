@@ -27,7 +27,7 @@ from teratrain.planner.memory import forward_saved
 from teratrain.planner.refit import fit_collectives, fit_host
 
 GIB = 2**30
-TARGETS = {"peak": 5.0, "step": 15.0}  # issue 24: within 5% (memory) and 15% (step time)
+TARGETS = {"peak": 5.0, "step": 15.0}  # the planner's aims: within 5% (memory) and 15% (step time)
 
 
 def device_gpu(smoke: bool) -> GPU:
@@ -124,7 +124,7 @@ def compare(rows: list[dict], results: dict, gpus: int, gpu: GPU, hw: dict, smok
 
 def summary(rows: list[dict]) -> dict:
     """Worst and median |error| per quantity, for all rows, the fit rows and the held-out rows, and
-    how many meet the issue's targets."""
+    how many meet the planner's aims."""
     out = {}
     for key in ("peak_err_pct", "step_err_pct", "step_err_pct_first_visit", "step_err_pct_assumed",
                 "step_err_pct_row_host", "total_err_pct", "saved_err_pct"):
@@ -140,7 +140,7 @@ def summary(rows: list[dict]) -> dict:
         errs = [abs(r[key]) for r in rows if r.get(key) is not None]
         out[key.replace("err_pct", f"within_{limit:g}pct")] = f"{sum(e <= limit for e in errs)} of {len(errs)}"
     out["not_measured"] = [r["name"] for r in rows if "measured_step_s" not in r]
-    # a row whose model outlived it leaves its memory to the next rows, which then run out (session 17)
+    # a row whose model outlived it leaves its memory to the next rows, which then run out
     out["models_kept_alive"] = [r["name"] for r in rows if r.get("model_freed") is False]
     return out
 

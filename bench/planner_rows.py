@@ -182,7 +182,7 @@ def predict(sets: list[str], gpus: int, gpu, device: str = "cuda"):
 
 def host_paced(cand) -> bool:
     """Whether the planner expects the host to pace a row (its host time at least 0.8 of its GPU
-    time): the host CPU's speed shifts for seconds at a time on leased machines, so planner_multi.py
+    time): the host CPU's speed shifts for seconds at a time on cloud machines, so planner_multi.py
     measures such a row a second time and keeps the faster visit."""
     return cand.time.terms["host_s"] >= 0.8 * cand.time.terms["gpu_s"]
 

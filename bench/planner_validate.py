@@ -22,7 +22,7 @@ Several GPUs of one host (bench/planner_modes.py; one torchrun job, rows in the 
 point-to-point at 5 sizes), PCIe and CPU AdamW, writes them under "hw" (which `teratrain plan
 --hw-file r.json` reads), then each layout next to the planner's prediction with those terms.
 --check-pick measures the planner's pick and its next 5 candidates for llama-1b and for the largest
-Llama the N GPUs fit: the pick must be the fastest measured or within 5% of it (issue 24).
+Llama the N GPUs fit: the pick must be the fastest measured or within 5% of it.
 """
 
 from __future__ import annotations

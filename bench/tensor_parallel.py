@@ -1,11 +1,13 @@
 """Our Megatron tensor parallelism against PyTorch's DTensor tensor parallelism (torchtitan's plan:
 colwise/rowwise linears, `SequenceParallel` norms, `loss_parallel`, an optimizer stepping DTensors)
 and against one GPU, on the same model, shape and tokens, in one run: tokens/s, TFLOP/s per GPU,
-per-GPU efficiency against one GPU, peak memory; with and without sequence parallelism; plus NCCL
-loss parity of our tp against one GPU (bf16). Two shapes: the llama-8b width (n_layers sized so one
-GPU holds the model) and the llama-1b width (8 layers, seq 2048, micro-batch 2).
+per-GPU efficiency against one GPU in the same mode (`per_gpu_efficiency_same_mode`: eager against
+eager, compiled against compiled, CUDA graphs against CUDA graphs), peak memory; with and without
+sequence parallelism; plus NCCL loss parity of our tp against one GPU (bf16). Two shapes: the
+llama-8b width (n_layers sized so one GPU holds the model) and the llama-1b width (8 layers, seq 2048,
+micro-batch 2).
 
-    torchrun --nproc-per-node 2 bench/tensor_parallel.py --out bench/results/tp_h100x2.json
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --out tp.json
     torchrun --nproc-per-node 2 bench/tensor_parallel.py --profile    # + a trace summary per variant
     torchrun --nproc-per-node 2 bench/tensor_parallel.py --smoke      # gloo CPU, tiny shapes
 
@@ -222,13 +224,11 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
             cfg = load_config(None, base + COMMON + batch + [f"parallel.tp={rt.world}"] + extra + extra_all)
             row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world,
                                          profiled(name + tag))
-            row["speedup_vs_one_gpu"] = round(row["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)  # eager
-            row["per_gpu_efficiency"] = round(row["speedup_vs_one_gpu"] / rt.world, 4)
+            row.update(against_one_gpu(row, out[one], out["one_gpu"], rt.world))
             if compiled:  # the same layout, eager in the same run: what compiling is worth to each
                 eager = out.get(name.removesuffix("_reorder").removesuffix("_async"))  # their eager run: the plain one
                 if eager:
                     row["vs_eager"] = round(row["tokens_per_s"] / eager["tokens_per_s"], 4)
-                row["vs_one_gpu_same_mode"] = round(row["tokens_per_s"] / out[one]["tokens_per_s"], 4)
             keep(out)
         if compiled:
             out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
@@ -237,6 +237,28 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
             if a + c in out and b + c in out:
                 out[f"ours_vs_dtensor_{tag}{c}"] = round(out[a + c]["tokens_per_s"] / out[b + c]["tokens_per_s"], 4)
     return out
+
+
+def mode_of(name: str) -> str:
+    """A row's mode from its name: eager, or the train.compile_mode its suffix stands for (MODE_TAGS)."""
+    return next((mode for mode, tag in MODE_TAGS.items() if name.endswith(tag)), "eager")
+
+
+def against_one_gpu(row: dict, one_same_mode: dict, one_eager: dict, world: int) -> dict:
+    """A tp row against one GPU: `per_gpu_efficiency_same_mode` (the headline: one GPU run in the row's own
+    mode, `one_same_mode`), and where the row is compiled also against the eager one GPU, named as such."""
+    speedup = row["tokens_per_s"] / one_same_mode["tokens_per_s"]
+    out = {"speedup_same_mode": round(speedup, 4), "per_gpu_efficiency_same_mode": round(speedup / world, 4)}
+    if one_same_mode is not one_eager:
+        out["per_gpu_efficiency_vs_eager_one_gpu"] = round(row["tokens_per_s"] / one_eager["tokens_per_s"] / world, 4)
+    return out
+
+
+def headline(shapes: dict) -> dict:
+    """Per shape, every tp row's per-GPU efficiency against one GPU in the same mode, with that mode."""
+    return {shape: {name: {"mode": mode_of(name), "per_gpu_efficiency_same_mode": row["per_gpu_efficiency_same_mode"]}
+                    for name, row in rows.items() if isinstance(row, dict) and "per_gpu_efficiency_same_mode" in row}
+            for shape, rows in shapes.items()}
 
 
 def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
@@ -339,8 +361,9 @@ def main() -> None:
     ap.add_argument("--compile", nargs="?", const="default", type=lambda s: s.split(","), default=None,
                     help="run ours and one GPU once more per train.compile_mode given (comma-separated; default: "
                          "default), reported as NAME_compiled / _graphed (reduce-overhead) / _autotuned with "
-                         "vs_eager, and speedup_vs_one_gpu against eager one GPU (DTensor's compiled blocks fail in "
-                         "backward on torch 2.13, so its rows stay eager)")
+                         "vs_eager; one GPU runs in every mode too, and each tp row's per_gpu_efficiency_same_mode "
+                         "is against the one-GPU run of its own mode (DTensor's compiled blocks fail in backward on "
+                         "torch 2.13, so its rows stay eager)")
     ap.add_argument("--no-parity", action="store_true", help="skip the loss check against one GPU")
     ap.add_argument("--parity-only", action="store_true", help="only the loss check (no timed variants)")
     args = ap.parse_args()
@@ -367,6 +390,7 @@ def main() -> None:
     if not args.no_parity:
         result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8,
                                   args.compile or [])
+    result["per_gpu_efficiency_same_mode"] = headline(result["shapes"])
     if rt.rank == 0:
         emit(result, args.out)
     shutdown()

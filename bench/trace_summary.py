@@ -18,11 +18,11 @@ from pipeline_profile import activities, length, minus, union
 
 # Kernels that only move bytes. Casts and .contiguous() run as `direct_copy_kernel`, torch.cat as
 # `CatArrayBatchedCopy`, cross-device/stream copies as Memcpy; Memset zeroes buffers; FSDP2 casts its
-# gradients into its reduce-scatter input with `chunk_cat_cuda_kernel` (uncounted before session 11).
+# gradients into its reduce-scatter input with `chunk_cat_cuda_kernel`.
 COPY_MARKS = ("copy", "memcpy", "memset", "chunk_cat")
 # Matrix kernels whose names hold a copy mark too: CUTLASS's mangled template names spell out their
 # copy atoms (torch._grouped_mm's kernel: 31.6 of the 47 ms a step counted as copies in the MoE bench's
-# ep=2 profile on 2 x H200, session 10), and inductor's template GEMMs (max-autotune) are named after the
+# ep=2 profile on 2 x H200), and inductor's template GEMMs (max-autotune) are named after the
 # casts fused into them. cuBLAS's nvjet and sm90 xmma names hold no copy mark today.
 GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma", "triton_tem")
 
@@ -100,7 +100,7 @@ def host_account(prof, steps: int, top: int = 10) -> dict:
     """Where the host's time goes, per step: the CUDA runtime and driver calls (cudaLaunchKernel, and any that
     block the host: cudaStreamSynchronize, cudaEventSynchronize, cudaMemcpy, cudaMalloc, cudaFree...)
     by total time, and the ops with the most self CPU time. A device that idles while the host is
-    busy (issue 20) shows here as the call or op that took the time."""
+    busy shows here as the call or op that took the time."""
     rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU and e.cpu_time_total > 0]
     runtime = sorted((e for e in rows if e.key.startswith("cu")), key=lambda e: e.cpu_time_total, reverse=True)
     ops = sorted((e for e in rows if not e.key.startswith("cu")), key=lambda e: e.self_cpu_time_total, reverse=True)

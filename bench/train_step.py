@@ -1,6 +1,6 @@
 """Our training step against HF transformers' LlamaForCausalLM (attn sdpa) at the same shape.
 
-Shape (issue 2, item 11): d_model 2048, 16 layers, 32 heads, 8 KV heads, d_ff 8192, vocab 32000,
+Shape: d_model 2048, 16 layers, 32 heads, 8 KV heads, d_ff 8192, vocab 32000,
 seq 2048, micro-batch 8, bf16 autocast over fp32 weights, fused AdamW, grad clipping at 1.0 on both
 sides, eager and torch.compile, in one run. Both report model FLOPs by the same PaLM formula, so
 TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a training loop's logging does.

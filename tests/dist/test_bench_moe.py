@@ -11,9 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_moe_bench_smoke():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4", "--one-gpu"],
-                         capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])
     assert (d["world"], d["eps"]) == (2, [1, 2])
@@ -21,11 +20,11 @@ def test_moe_bench_smoke():
     dense = d["dense"]
     assert set(d["moe_vs_dense"]) == {"moe_ep1", "moe_ep2", "moe_ep2_dropless", "moe_ep2_chunks4",
                                       "moe_ep2_dropless_chunks4", "one_gpu_moe_ep1"}
-    # --one-gpu: rank 0 alone, the same per-GPU batch; every run per GPU over one GPU's same model kind
+    # one GPU (the default): rank 0 alone, the same per-GPU batch; every run per GPU over one GPU's same model kind
     one = {"dense": d["one_gpu_dense"], "moe": d["one_gpu_moe_ep1"]}
     assert d["moe_vs_dense"].pop("one_gpu_moe_ep1") == round(one["moe"]["tokens_per_s"] / one["dense"]["tokens_per_s"], 4)
-    assert set(d["scaling_vs_one_gpu"]) == {"dense", *d["moe_vs_dense"]}
-    for name, scaling in d["scaling_vs_one_gpu"].items():
+    assert d["modes"] == ["eager"] and set(d["per_gpu_efficiency_same_mode"]) == {"dense", *d["moe_vs_dense"]}
+    for name, scaling in d["per_gpu_efficiency_same_mode"].items():
         base = one["dense" if name == "dense" else "moe"]["tokens_per_s"]
         assert scaling == round(d[name]["tokens_per_s"] / 2 / base, 4)
     for name, ratio in d["moe_vs_dense"].items():
@@ -51,7 +50,8 @@ def test_moe_bench_smoke():
 def test_moe_bench_reorder_runs_each_exchanging_moe_once_more_compiled():
     """--reorder: the compiled MoE at ep > 1 once more with train.compile_overlap, no graph break."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--compile", "--compile-only",
-                          "--reorder", "--a2a-chunks", "1", "--only", "moe_ep1,moe_ep2", "--parity-steps", "0"],
+                          "--reorder", "--a2a-chunks", "1", "--only", "moe_ep1,moe_ep2", "--parity-steps", "0",
+                          "--no-one-gpu"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     d = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """The layout matrix at small shapes under NCCL (bench/layouts.py --small): every strategy and
 composition that fits the machine's GPUs trains like one GPU (fp32 within 1e-4 relative on every
 step's loss over 3 steps, bf16 within 2e-2 over 5), asynchronous schedules keep their weight-stashing
-invariants, and nothing hangs. One device call checks a change to any engine."""
+invariants, and nothing hangs. One run checks a change to any engine."""
 
 import json
 import subprocess

@@ -1,8 +1,9 @@
-"""MoE with expert parallelism under CUDA graphs (train.compile_mode=reduce-overhead) under NCCL, on 2 GPUs.
+"""MoE with expert parallelism under CUDA graphs (train.compile_mode=reduce-overhead) under NCCL: the
+training commands that exercise what a graph replay can get wrong (2 x H200).
 
 - bf16 (the experts' grouped GEMM reads nothing back): `teratrain train --nproc 2` at ep=2 with
   accumulation and evaluations. The routing statistics are copied out of the graph pool after each
-  micro-batch, so the next replay cannot overwrite them before they are read.
+  micro-batch; left there, the next step's replay would overwrite them before they are read.
 - fp32: the experts' grouped GEMM reads its row offsets back to the host, which a capture cannot hold. The
   run is refused before it starts (parallel/support.py check_supported, which the CLI calls first), in one
   sentence with the fix, rather than failing inside the first capture.

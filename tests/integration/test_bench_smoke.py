@@ -27,22 +27,26 @@ def test_bench_smoke(script, tmp_path):
                     "dtensor_sp"):
         assert shape[variant]["tokens_per_s"] > 0, variant
     assert shape["ours_sp_chunked2"]["profile"]["top_ops"] and shape["dtensor_sp"]["profile"]["top_ops"]
+    # eager only here: every tp row against the eager one-GPU run, and the headline lists each with its mode
+    (headline,) = result["per_gpu_efficiency_same_mode"].values()
+    for variant, row in headline.items():
+        assert row == {"mode": "eager", "per_gpu_efficiency_same_mode": round(
+            shape[variant]["tokens_per_s"] / shape["one_gpu"]["tokens_per_s"] / 2, 4)}, variant
+    assert set(headline) == {v for v in shape if v != "one_gpu" and isinstance(shape[v], dict)}
 
 
-def test_gpu_suite_runs_the_layout_matrix_and_the_collectives_on_cpu(tmp_path):
+def test_gpu_suite_runs_the_layout_matrix_on_cpu(tmp_path):
     """bench/gpu_suite.sh, the one command a GPU machine runs, in its CPU form: the matrix (one dense and
-    one MoE layout, each against one process with its bf16 noise floor) and the collectives' host time."""
+    one MoE layout, each against one process, with that process's bf16 noise floor recorded)."""
     env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "MATRIX_ONLY": "dp2-zero1,ep2"}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "matrix", "comm"],
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "matrix"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads((tmp_path / "layouts.json").read_text())["layouts"]}
     assert set(rows) == {"dp2-zero1", "ep2"} and all(r["ok"] for r in rows.values()), rows
-    assert all(r["fp32_rel_err"] < 1e-4 and 0 <= r["bf16_noise_floor"] < r["bf16_tol"] for r in rows.values())
-    collectives = json.loads((tmp_path / "comm_host.json").read_text())["collectives"]
-    assert collectives["all_reduce_ours"]["issue_us"] > 0
-    log = (tmp_path / "suite.log").read_text()
-    assert "== matrix: status 0" in log and "== comm: status 0" in log
+    assert all(r["fp32_rel_err"] < 1e-4 and r["bf16_rel_err"] < r["bf16_tol"] == 2e-2 for r in rows.values())
+    assert all(0 <= r["bf16_noise_floor"] < 2e-2 and "reason" not in r for r in rows.values())
+    assert "== matrix: status 0" in (tmp_path / "suite.log").read_text()
 
 
 def test_determinism_probe_on_cpu(tmp_path):
@@ -93,53 +97,6 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert len(list((tmp_path / "froze").iterdir())) >= 5  # the driver, and two ranks in each of its two jobs
 
 
-def test_collective_timeline_records_every_collective_on_cpu(tmp_path):
-    """bench/collective_timeline.py on 2 gloo ranks: every collective of a tp=2 probe step recorded on
-    both ranks with its launch and wait calls in order, and the summary made from the file it wrote."""
-    out = tmp_path / "timeline.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "bench" / "collective_timeline.py"), "--smoke", "--rows", "probe tp2",
-                           "--steps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sys.path.insert(0, str(ROOT / "bench"))
-    from step_profile import row_sets
-
-    from teratrain.config import load_config
-    from teratrain.planner.inputs import layout_of, shape_of, training_of
-    from teratrain.planner.time import issued_collectives
-
-    cfg = load_config(None, row_sets("probe tp2", 2, 4, True))
-    tp_collectives = issued_collectives(shape_of(cfg), training_of(cfg), layout_of(cfg, 2))
-    (row,) = json.loads(out.read_text())["rows"]
-    for rank in row["ranks"]:
-        (step,) = rank["steps"]
-        items = step["items"]
-        # the tp collectives the planner counts, and the gradient norm's all-reduce over the ranks
-        assert len(items) == tp_collectives + 1 and all(i["what"] == "all-reduce" for i in items)
-        for a, b in zip(items, items[1:]):
-            assert a["launch_us"] <= a["launched_us"] <= b["launch_us"] <= step["returned_us"] <= step["synced_us"]
-        assert all(i["launched_us"] <= i["wait_us"] <= i["waited_us"] for i in items)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "collective_timeline.py"), "--summarize", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "probe tp2" in proc.stdout, proc.stderr[-2000:]
-
-
-def test_step_profile_runs_rows_in_order_on_cpu(tmp_path):
-    """bench/step_profile.py through gpu_suite.sh's stepprof piece: a row named twice is measured twice,
-    in order, each with its host's issue time, a profile and the host's speed."""
-    env = {**os.environ, "SMOKE": "1", "PYTHON": sys.executable, "STEPPROF_ROWS": "probe tp2;probe dp;probe tp2"}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "stepprof"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
-    assert [r["name"] for r in rows] == ["probe tp2", "probe dp", "probe tp2"]
-    for r in rows:
-        assert len(r["ranks"]) == 2
-        for rank in r["ranks"]:
-            assert rank["step_ms"] > 0 and len(rank["steps_ms"]) == 2 and rank["profile"]["top_ops"]
-            assert rank["host_speed"]["python_loop_us"] > 0
-
-
 def test_ddp_compare_trains_what_ddp_trains_on_cpu(tmp_path):
     """bench/ddp_compare.py --smoke: our data parallelism (parallel.dp=2) and PyTorch DDP, eager and
     compiled (ours each block apart, and whole), from the same init on the same tokens: the same loss
@@ -156,18 +113,6 @@ def test_ddp_compare_trains_what_ddp_trains_on_cpu(tmp_path):
         assert result[pair]["loss_rel_diff"] < 1e-5, (pair, result[pair])
         assert result[pair]["tokens_per_s"] > 0
     assert len(result["ours"]["losses"]) == 3 and len(set(result["ours"]["losses"])) == 3  # it trains
-
-
-def test_cast_copy_methods_agree_on_cpu(tmp_path):
-    """bench/cast_copy.py --smoke: every way of filling the fp32 reduce input from bf16 gradients
-    (the engine's _foreach_copy_ among them) writes exactly the upcast values."""
-    out = tmp_path / "cast.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cast_copy.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    methods = json.loads(out.read_text())["methods"]
-    assert set(methods) == {"copy", "foreach", "chunk_cat", "compiled"}
-    assert all(m["max_abs_diff"] == 0.0 and m["ms"] > 0 for m in methods.values()), methods
 
 
 def test_fsdp2_compare_rounds_and_capped_sides(tmp_path):
@@ -190,39 +135,29 @@ def test_fsdp2_compare_rounds_and_capped_sides(tmp_path):
     assert r["tokens_per_s_ratio_ours_over_fsdp2_rounds"] == [round(x / y, 4) for x, y in zip(a, b)]
 
 
-def test_moe_exchange_sends_every_slot_or_only_the_routed_rows_on_cpu(tmp_path):
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(ROOT / "bench" / "moe_exchange.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    padded, exact = result["rows"]
-    assert padded["rows_sent"] == result["experts"] * result["slot_rows"]
-    assert 0 < result["dropped"] < 0.5 and exact["rows_sent"] < padded["rows_sent"] and exact["rows_arrive_once"]
-
-
 def test_split_cost_counts_the_planners_split_ops_on_cpu(tmp_path):
-    """bench/split_cost.py's count of what ZB-H1's split backward adds on its last stage (a fake process
-    group, two depths) is planner/time.py's OPS_SPLIT_EXTRA."""
+    """bench/calibrate/split_cost.py's count of what ZB-H1's split backward adds on its last stage (a fake
+    process group, two depths) is planner/time.py's OPS_SPLIT_EXTRA."""
     from teratrain.planner.time import OPS_SPLIT_EXTRA
 
     out = tmp_path / "split.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "split_cost.py"), "--smoke", "--count-only",
-                           "--layers", "4", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate" / "split_cost.py"), "--smoke",
+                           "--count-only", "--layers", "4", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     slope = json.loads(out.read_text())["split_extra_ops_per_block_mb_slope"]
     assert abs(slope - OPS_SPLIT_EXTRA) <= 0.05 * OPS_SPLIT_EXTRA, slope
 
 
 def test_moe_host_ops_counts_the_planners_moe_ops(tmp_path):
-    """bench/moe_host_ops.py (the host's cost of an MoE layer's own ops, MOE_HOST_OP_SHARE's evidence) times
-    the ops planner/time.py OPS_MOE_EXTRA counts: the MoE block issues that many more than the dense one."""
+    """bench/calibrate/moe_host_ops.py (the host's cost of an MoE layer's own ops, what MOE_HOST_OP_SHARE
+    stands for) times the ops planner/time.py OPS_MOE_EXTRA counts: the MoE block issues that many more
+    than the dense one."""
     from teratrain.planner.time import OPS_MOE_EXTRA
 
     out = tmp_path / "moe_ops.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_host_ops.py"), "--rounds", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate" / "moe_host_ops.py"), "--rounds", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     extra = result["ops"]["moe"] - result["ops"]["dense"]

@@ -141,8 +141,8 @@ def test_compression_ratio_of_a_block():
 def test_end_of_backward_holds_one_segment_input_beside_the_replay(policy):
     """In the first block's backward a replaying policy holds that segment's stored input (one hidden
     state in the parameters' width) and the replayed segment (`recompute`, counted apart), not the
-    block's whole activations: counting them plans the recomputing ZeRO-3 row of the recorded 2 x H200
-    validations 11% over its measured peak, this rule 3.2% under it."""
+    block's whole activations: the recomputing ZeRO-3 row on 2 x H200 was +11% over its peak when they
+    were counted (tests/fixtures/planner_runs/h200x2_2026-11-27_*.json, 3.2% under the rule)."""
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import _saved
 

@@ -1,0 +1,91 @@
+"""planner/time.py MOE_HOST_OP_SHARE: the host's time per op of an MoE layer's own ops, in dense ops.
+
+The host's time per aten op of an MoE block's own ops against a dense block's; prints one JSON object.
+
+    python bench/calibrate/moe_host_ops.py [--rounds 15] [--out moe_host_ops.json]     # CPU, ~10 s
+
+One Llama block at a width where every kernel costs next to nothing (d 16, 8 tokens), forward and backward
+under bf16 autocast, dense and with an MoE MLP (4 experts, top-2, the grouped kernel), timed in
+interleaved rounds of 50 steps on one CPU thread; the ops are counted with a dispatch mode. The host
+probe of bench/planner_validate.py times a dense model only, and the planner prices every op at its
+fitted cost per op (planner/time.py host_s); this measures whether an MoE layer's extra ops
+(planner/time.py OPS_MOE_EXTRA) cost more each, which MOE_HOST_OP_SHARE charges. `extra_op_share`:
+(MoE block - dense block) seconds per extra op over the dense block's seconds per op, at the fastest
+round of each. CPU only: on a GPU host each op also pays its kernel launch, which both kinds share.
+The constant itself is fitted on the recorded validations' MoE rows; this ratio is what it stands for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
+
+from teratrain.config import load_config  # noqa: E402
+from teratrain.models.layers import Rotary  # noqa: E402
+from teratrain.models.transformer import Block  # noqa: E402
+
+SHAPE = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=16",
+         "model.seq_len=8"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+
+
+def block_step(extra: list[str]):
+    """A forward and backward of one block, and the aten ops it issues."""
+    cfg = load_config(None, SHAPE + extra).model
+    torch.manual_seed(0)
+    block = Block(cfg, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    for m in block.modules():
+        if getattr(m, "kernel", None) == "auto":
+            m.kernel = "grouped"
+    rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+    rotary.reset()
+    rope, x = rotary(0, cfg.seq_len), torch.randn(1, cfg.seq_len, cfg.d_model, requires_grad=True)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(x, rope)
+        y.float().sum().backward()
+
+    step()
+    return step, count_ops(step)
+
+
+def measure(rounds: int = 15, calls: int = 50) -> dict:
+    torch.set_num_threads(1)
+    blocks = {"dense": block_step([]), "moe": block_step(MOE)}
+    per_op = {k: [] for k in blocks}
+    for _ in range(rounds):
+        for name, (step, ops) in blocks.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            per_op[name].append((time.perf_counter() - t0) / calls / ops)
+    (_, dense_ops), (_, moe_ops) = blocks["dense"], blocks["moe"]
+    dense, moe = min(per_op["dense"]), min(per_op["moe"])
+    share = (moe * moe_ops - dense * dense_ops) / (moe_ops - dense_ops) / dense
+    return {"bench": "moe_host_ops", "torch": torch.__version__, "ops": {"dense": dense_ops, "moe": moe_ops},
+            "us_per_op_fastest": {"dense": round(dense * 1e6, 3), "moe": round(moe * 1e6, 3)},
+            "us_per_op_median": {k: round(statistics.median(v) * 1e6, 3) for k, v in per_op.items()},
+            "extra_op_share": round(share, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    emit(measure(args.rounds), args.out)
+
+
+if __name__ == "__main__":
+    main()
