@@ -31,7 +31,7 @@ from teratrain.optim.engine import train_step
 from teratrain.planner.activations import forward_saved
 from teratrain.planner.inputs import shape_of, training_of
 from teratrain.planner.layout import Layout, ModelShape, widths
-from teratrain.planner.measure import build_engine, random_batch, saved_bytes
+from teratrain.measure import build_engine, random_batch, saved_bytes
 from teratrain.planner.states import model_states
 
 SHAPE = ["model.preset=llama-1b", "model.seq_len=2048"]

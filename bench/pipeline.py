@@ -275,7 +275,7 @@ def recv_modes(sets: list[str], rows: list[dict], m: int, args) -> list[dict]:
 def one_gpu(sets: list[str], ms: list[int], args, fits: bool) -> list[dict]:
     """The whole model on one GPU (rank 0; the others wait): tokens/s of train_step over m micro-batches."""
     from teratrain.optim.engine import train_step
-    from teratrain.planner.measure import build_engine
+    from teratrain.measure import build_engine
 
     device = _RUNTIME[0].device
     rows = []

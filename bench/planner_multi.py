@@ -311,7 +311,7 @@ def measure_row(row: dict, plan: dict, device: torch.device, runtimes: dict) -> 
     from machine import host_loop_us
 
     from teratrain.collector import Collector
-    from teratrain.planner.measure import saved_bytes
+    from teratrain.measure import saved_bytes
 
     base, threads = _free(device), torch.get_num_threads()  # an offload row sets its own (memory/offload.py)
     cfg, rt, model, engine, micro, step = build_row(row["sets"], plan["timeout_s"], device, runtimes)

@@ -44,7 +44,7 @@ from teratrain.planner.activations import forward_saved  # noqa: E402
 from teratrain.planner.hardware import gpu_with  # noqa: E402
 from teratrain.planner.inputs import layout_of, shape_of, training_of  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
-from teratrain.planner.measure import build_engine, random_batch, saved_bytes  # noqa: E402
+from teratrain.measure import build_engine, random_batch, saved_bytes  # noqa: E402
 from teratrain.planner.search import evaluate  # noqa: E402
 from machine import HOST_NUMEL, host_adam, host_cast, pcie_gbps  # noqa: E402
 
