@@ -1,7 +1,8 @@
-"""The README's commands run as written: its quick tour in order (in a scratch folder, with the files it
-names made there), its mixture-of-experts example and its example of a bad key with the exact line it
-shows. Only the size is changed: every `teratrain train` that starts a run gets the tiny test shape
-(tests/helpers.py TINY_SETS) and a few steps (`--steps` values map in order to 2, 3, 4; none given: 2)."""
+"""The README's commands run as written: its quick tour in order (in a temporary folder, with the files it
+names made there), the mixture-of-experts guide's first example (docs/moe.md) and the README's example
+of a bad key with the exact line it shows. Only the size is changed: every `teratrain train` that
+starts a run gets the tiny test shape (tests/helpers.py TINY_SETS) and a few steps (`--steps` values
+map in order to 2, 3, 4; none given: 2)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from tests.helpers import TINY_SETS
 from tests.integration.runner import metrics
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+MOE_GUIDE = README.parent / "docs" / "moe.md"
 pytestmark = pytest.mark.slow
 
 
-def readme_block(after_heading: str) -> list[str]:
+def readme_block(after_heading: str, page: Path = README) -> list[str]:
     """The commands (`teratrain ...` lines, comments cut) of the first ```bash block under a heading."""
-    text = README.read_text()
+    text = "\n" + page.read_text()
     section = text[text.index(f"\n{after_heading}\n"):]
     block = section[section.index("```bash\n") + 8:]
     block = block[:block.index("```")]
@@ -70,7 +72,7 @@ def test_quick_tour(cli, tmp_path, monkeypatch):
 
 
 def test_moe_example(cli, tmp_path):
-    (line,) = [c for c in readme_block("### Mixture of experts") if "switch-top1" in c]
+    (line,) = [c for c in readme_block("# Mixture of experts", MOE_GUIDE) if "switch-top1" in c]
     argv = tiny(shlex.split(line)[1:] + ["--out", str(tmp_path / "run")], cli.cache, {})
     cli(*argv, in_process=True)
     assert metrics(tmp_path / "run")[-1]["moe"]
