@@ -8,7 +8,7 @@
 3. LoRA fine-tuning of llama-8b (rank 16 on the attention projections, frozen base in bf16, full
    recomputation): model-state bytes (live and planned), peak memory and tokens/s.
 
-Every model is built as `teratrain train` builds it for one process (planner/measure.py), bf16
+Every model is built as `teratrain train` builds it for one process (teratrain/measure.py), bf16
 autocast over fp32 weights, and trained on random tokens.
 
     python bench/memory_savers.py                      # on the GPU machine (llama-1b, seq 2048)

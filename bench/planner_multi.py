@@ -26,7 +26,7 @@ trainer's step runner: train_step or the pipeline executor), runs `warmup` steps
 counter, runs `steps` synchronized steps, and reports the peak `max_memory_allocated` above what was
 allocated before the row, the allocator's reserved peak, what lives outside the allocator (CUDA
 context, NCCL), its step times and, for pp = 1 without ZeRO-3, the bytes autograd saves for one
-micro-batch's forward (planner.measure.saved_bytes). The row's figures are the largest peak of any
+micro-batch's forward (teratrain.measure.saved_bytes). The row's figures are the largest peak of any
 rank and the slowest rank's median step. Rows with the same degrees share one runtime (its process
 groups and NCCL communicators); before each row the ranks align their group counters
 (mesh.align_group_names) so the groups a row makes get the same names on every member.

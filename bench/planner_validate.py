@@ -1,7 +1,7 @@
 """Planner vs reality: predicted peak memory and step time against measured ones, on one GPU or N.
 
 For each config: build the model as `teratrain train` does for one process (meta device ->
-parallelize(): recompute, then LocalEngine or ZeroEngine; planner.measure.build_engine), run warm-up steps, time steps with
+parallelize(): recompute, then LocalEngine or ZeroEngine; teratrain.measure.build_engine), run warm-up steps, time steps with
 synchronize, read torch.cuda.max_memory_allocated over the steady-state steps, count the bytes
 autograd saves (saved_tensors_hooks), and compare each with the planner's prediction for the same
 layout. Prints one JSON object (rows with predicted / measured / error %).
