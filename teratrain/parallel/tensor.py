@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from teratrain.config import ConfigError
+from teratrain.memory.precision import to_compute_dtype
 from teratrain.models.moe import MoE
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place, placement
 from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,
                                           SequenceShardPositions, SequenceShards, VocabParallelEmbedding,
-                                          VocabParallelHead, VocabParallelLoss, to_compute_dtype)
+                                          VocabParallelHead, VocabParallelLoss)
 from teratrain.parallel.tp_overlap import ColumnJoint
 
 # Per-block plan: module path inside a block -> style (what each style means: `_STYLES`).
