@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from common import config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, smoke_compile, summarize, time_steps
 
+from teratrain.memory.fp8 import Fp8Gemm
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer, count_params, flops_per_token
@@ -42,18 +43,18 @@ CONVERGE = ["model.preset=llama-1b", "model.n_layers=8", "model.vocab_size=8192"
             "checkpoint.every=0", "memory.precision=bf16", "metrics.progress=false"]
 
 
-def ours(cfg, dev):
+def ours(cfg, dev, accum: int):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = parallelize(model, Runtime.single(dev), cfg)
 
     def step(x, y):
-        return train_step(model, engine, [(x, y)], "bf16", cfg.optim.lr)[1].item()
+        return train_step(model, engine, [(x, y)] * accum, "bf16", cfg.optim.lr)[1].item()
 
     return step, (model, engine)
 
 
-def hf(cfg, dev, fp8: str, emulate: bool):
+def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = cfg.model
@@ -80,9 +81,10 @@ def hf(cfg, dev, fp8: str, emulate: bool):
                             weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
 
     def step(x, y):
-        with autocast("bf16", dev):
-            loss = model(input_ids=x, labels=x).loss  # HF shifts labels itself
-        loss.backward()
+        for _ in range(accum):
+            with autocast("bf16", dev):
+                loss = model(input_ids=x, labels=x).loss  # HF shifts labels itself
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -97,9 +99,13 @@ def speed(args, dev) -> dict:
     gemm = gemms(dev) if dev.type == "cuda" else []
     print({"gemm_tflops": gemm}, flush=True)
     rows = []
+    variants = {"ours": ["none", args.recipe] + ([f"{args.recipe}-recast"] if args.recast else []),
+                "hf": ["none", args.recipe]}
     for mode in args.modes.split(","):
         for impl in args.impls.split(","):
-            for fp8 in ("none", args.recipe):
+            for variant in variants[impl]:
+                fp8 = variant.removesuffix("-recast")
+                Fp8Gemm.keep_weight_cast = not variant.endswith("-recast")
                 sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
                                 f"memory.fp8={fp8}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
@@ -107,21 +113,23 @@ def speed(args, dev) -> dict:
                 cfg = config(sets)
                 fresh_memory(dev)
                 fresh_compile()
-                step, keep = ours(cfg, dev) if impl == "ours" else hf(cfg, dev, fp8, emulate)
+                step, keep = ours(cfg, dev, args.accum) if impl == "ours" else hf(cfg, dev, fp8, emulate, args.accum)
                 B, T = args.micro_batch, cfg.model.seq_len
                 g = torch.Generator().manual_seed(0)
                 x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
                 inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
                 warmup = args.warmup + (2 if mode == "compile" else 0)
                 times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
-                row = {"impl": impl, "mode": mode, "fp8": fp8, **summarize(times, B * T, flops_per_token(cfg.model), dev)}
+                row = {"impl": impl, "mode": mode, "fp8": variant,
+                       **summarize(times, B * T * args.accum, flops_per_token(cfg.model), dev)}
                 if impl == "ours" and mode == "eager":  # what the planner's host terms count (planner/time.py)
                     row["aten_ops_per_step"] = count_ops(lambda: step(inputs, targets))
                 rows.append(row)
                 print(row, flush=True)
                 step = keep = None  # free this model before the next one is built
+    Fp8Gemm.keep_weight_cast = True
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
-            "micro_batch": args.micro_batch, "recipe": args.recipe, "results": rows, "ratios": ratios(rows, args.recipe)}
+            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "results": rows, "ratios": ratios(rows, args.recipe)}
 
 
 def gemms(dev) -> dict:
@@ -235,6 +243,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--recast", action="store_true",
+                    help="also time ours with the weight cast again in backward (the design not chosen)")
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--impls", default="ours,hf")
     ap.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])

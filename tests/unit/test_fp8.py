@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain import compat
 from teratrain.config import ConfigError
 from teratrain.memory import fp8
 from teratrain.memory.precision import autocast
@@ -46,7 +47,7 @@ def test_cpu_without_emulation_is_refused_naming_the_hardware():
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
-    from teratrain import compat
+
 
     def missing():
         raise ImportError("No module named 'torchao'")
