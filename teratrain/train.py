@@ -94,7 +94,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
     if cfg.memory.fp8 != "none":
         from teratrain.memory import fp8
 
-        notes = [*notes, fp8.note(model, cfg.memory.fp8)]
+        notes = [*notes, fp8.note(model, cfg.memory.fp8, cfg.train.compile)]
     print_summary(cfg, rt, run_dir, start, notes, own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop

@@ -97,7 +97,8 @@ def test_block_linears_swapped_keeping_parameters_and_names():
                        ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
     assert not isinstance(model.output, fp8.Fp8Linear)  # the head stays bf16
-    assert fp8.note(model, "tensorwise").startswith("fp8: 14 block linears in float8")
+    assert fp8.note(model, "tensorwise", True).startswith("fp8: 14 block linears in float8")
+    assert fp8.note(model, "tensorwise", False).endswith("set train.compile=true")
 
 
 def test_experts_stay_bf16_and_the_note_says_so():
@@ -105,7 +106,7 @@ def test_experts_stay_bf16_and_the_note_says_so():
     _, model, _, _ = _model(FP8 + moe)
     experts = [n for n, m in model.named_modules() if ".experts." in n and isinstance(m, nn.Linear)]
     assert experts and not any(".experts." in n for n, m in model.named_modules() if isinstance(m, fp8.Fp8Linear))
-    assert f"{len(experts)} expert linears" in fp8.note(model, "tensorwise")
+    assert f"{len(experts)} expert linears" in fp8.note(model, "tensorwise", True)
 
 
 def test_unaligned_linears_stay_bf16():
