@@ -7,7 +7,7 @@ in fp8, transformers' LlamaForCausalLM (sdpa) in bf16 and with torchao's float8 
 compiled apart on both sides: `train.compile_scope=block` for ours, each decoder layer for transformers).
 Ratios compare one mode on both sides only.
 
-    python bench/fp8.py --out fp8.json                      # speed, on the GPU machine (~5 min)
+    python bench/fp8.py --modes compile --accum 4 --out fp8.json   # speed, on the GPU machine (~4 min)
     python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
     python bench/fp8.py --smoke                              # CPU, tiny shapes, float8 emulated
 
@@ -20,6 +20,7 @@ the mean loss of the last 50 steps of each side (`within_1pct`: their difference
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -27,7 +28,6 @@ from pathlib import Path
 import torch
 from common import config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, smoke_compile, summarize, time_steps
 
-from teratrain.memory.fp8 import Fp8Gemm
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer, count_params, flops_per_token
@@ -100,13 +100,9 @@ def speed(args, dev) -> dict:
     gemm = gemms(dev) if dev.type == "cuda" else []
     print({"gemm_tflops": gemm}, flush=True)
     rows = []
-    variants = {"ours": ["none", args.recipe] + ([f"{args.recipe}-recast"] if args.recast else []),
-                "hf": [args.recipe, "none"]}
     for mode in args.modes.split(","):
         for impl in args.impls.split(","):
-            for variant in variants[impl]:
-                fp8 = variant.removesuffix("-recast")
-                Fp8Gemm.keep_weight_cast = not variant.endswith("-recast")
+            for fp8 in ("none", args.recipe):
                 sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
                                 f"memory.fp8={fp8}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
@@ -121,14 +117,13 @@ def speed(args, dev) -> dict:
                 inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
                 warmup = args.warmup + (2 if mode == "compile" else 0)
                 times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
-                row = {"impl": impl, "mode": mode, "fp8": variant,
+                row = {"impl": impl, "mode": mode, "fp8": fp8,
                        **summarize(times, B * T * args.accum, flops_per_token(cfg.model), dev)}
                 if impl == "ours" and mode == "eager":  # what the planner's host terms count (planner/time.py)
                     row["aten_ops_per_step"] = count_ops(lambda: step(inputs, targets))
                 rows.append(row)
                 print(row, flush=True)
                 step = keep = None  # free this model before the next one is built
-    Fp8Gemm.keep_weight_cast = True
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
             "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "results": rows, "ratios": ratios(rows, args.recipe)}
 
@@ -220,18 +215,24 @@ def converge(args, dev) -> dict:
 
 
 def plot(curves: dict, recipe: str, path: str) -> None:
+    """Training loss (a 20-step mean) and held-out loss of both runs, one picture."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("none", "bf16"), (recipe, f"fp8 ({recipe})")):
-        ax.plot(range(1, len(curves[key]["loss"]) + 1), curves[key]["loss"], label=label, lw=1)
+    for key, label, color in (("none", "bf16", "tab:blue"), (recipe, f"fp8 ({recipe})", "tab:orange")):
+        loss = np.asarray(curves[key]["loss"])
+        mean = np.convolve(loss, np.ones(20) / 20, mode="valid")
+        ax.plot(np.arange(20, len(loss) + 1), mean, color=color, lw=1.2, label=f"{label}, training (20-step mean)")
+        steps, evals = zip(*curves[key]["eval_loss"])
+        ax.plot(steps, evals, "o--", color=color, ms=4, lw=0.8, label=f"{label}, held out")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title("llama-1b width, 8 layers, stdlib corpus: bf16 against fp8")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -245,16 +246,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--recast", action="store_true",
-                    help="also time ours with the weight cast again in backward (the design not chosen)")
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--impls", default="ours,hf")
     ap.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     ap.add_argument("--converge", type=int, default=0, help="train this many steps in bf16 and in fp8 instead")
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
+    ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        plot(result["curves"], result["recipe"], args.plot)
+        return
     dev = device()
     if args.smoke:
         smoke_compile()

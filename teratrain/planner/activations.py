@@ -269,9 +269,8 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     d, kvd = c.d_model, c.kv_heads * c.head_dim
     attn = d * (d + 2 * kvd) + d * d
     mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
-    if w.fp8 != "none":  # a float8 linear keeps no autocast copy; tensorwise keeps its float8 one (1 byte)
-        fp8, rest = fp8_weights(shape, tp)
-        attn_mlp = fp8 * (1 if w.fp8 == "tensorwise" else 0) + (int(rest * w.compute) if w.autocast_copies else 0)
+    if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
+        attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) if w.autocast_copies else 0
         if shape.num_experts == 1:
             return attn_mlp
         return attn_mlp + _expert_copies(shape, w, ep, form, device, mlp, tp)

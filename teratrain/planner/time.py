@@ -93,9 +93,9 @@ OPS_FP8_LINEAR = (21, 34)
 # HBM bytes per element the casts around one float8 linear move, counted from torchao's tensorwise path
 # as eager runs it (a cast reads its input twice, for the amax and for the scaled copy, and writes one
 # byte): the input, bf16, cast forward and again for the weight gradient (2 x (2 + 2 + 1)); the output
-# gradient, bf16, once (2 + 2 + 1); the weight, from the parameters' width (2 x param + 1), once
-# tensorwise (the float8 copy is kept for backward), twice rowwise (scaled along the other dimension for
-# the input gradient); and the copy each operand gets into the layout torch._scaled_mm takes (1 + 1).
+# gradient, bf16, once (2 + 2 + 1); the weight, from the parameters' width (2 x param + 1), forward and
+# again for the input gradient; and the copy each operand gets into the layout torch._scaled_mm takes
+# (1 + 1).
 # torch.compile fuses some of these passes into the neighbouring kernels (not modelled: compiled steps
 # are planned as eager).
 FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
@@ -164,7 +164,7 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
                           "another GPU (--gpu h100 or h200) or set memory.fp8=none.")
     layers = shape.cfg.n_layers / lay.pp
     param = train.widths(lay.zero, lay.offload).param
-    weight = (2 * param + 1) * (1 if train.fp8 == "tensorwise" else 2) + FP8_LAYOUT_BYTES
+    weight = (2 * param + 1) * 2 + FP8_LAYOUT_BYTES
     flops = moved = 0.0
     for rows, cols, share in fp8_linears(shape, lay.tp):  # (out, in) of the local weight
         flops += 6 * tokens * rows * cols * share

@@ -160,10 +160,9 @@ def test_end_of_backward_holds_one_segment_input_beside_the_replay(policy):
 @pytest.mark.parametrize("policy", ["none", "full"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_fp8_saved_bytes_match_hooks(arch, recipe, policy):
-    """memory.fp8 (emulated on CPU): a float8 linear saves its bf16 input and, tensorwise, its weight's
-    float8 copy (1 byte a weight) for the input gradient, where autocast saves a bf16 copy of the weight;
-    rowwise casts the weight again in backward and saves the parameter itself. The recipes differ by
-    6% of the whole here; the bound is the bytes of the scales."""
+    """memory.fp8 (emulated on CPU): a float8 linear saves its bf16 input and the weight itself (cast again
+    in backward), where autocast saves a bf16 copy of the weight: 12% of the whole here; the bound is the
+    loss scalar's bytes."""
     pytest.importorskip("torchao")
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import forward_saved as rank_saved
@@ -172,9 +171,4 @@ def test_fp8_saved_bytes_match_hooks(arch, recipe, policy):
     model, _ = build_engine(cfg)
     measured = saved_bytes(model, *random_batch(cfg, 2), "bf16", targets_in_model=True)
     predicted = rank_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1).with_(micro_batch=2), "cpu")
-    assert abs(predicted - measured) <= 4 * 3 * 7 + 8  # uncounted: each float8 copy's fp32 scale, the loss
-    w = widths("bf16", False, recipe)
-    per_block = 1 if recipe == "tensorwise" else 0
-    from teratrain.planner.activations import fp8_weights, weight_copies
-
-    assert weight_copies(ModelShape(cfg=cfg.model), w, device="cpu") == per_block * fp8_weights(ModelShape(cfg=cfg.model))[0]
+    assert abs(predicted - measured) <= 8
