@@ -202,3 +202,21 @@ def nccl_options(max_ctas: int | None, min_ctas: int | None = None):
     if min_ctas is not None:
         opts.config.min_ctas = min_ctas
     return opts
+
+
+def torchao_float8():
+    """torchao.float8 (memory/fp8.py), imported without the warnings torchao's import prints where its
+    compiled extensions do not load (a CPU build; none of them is used by float8 training) or where torch
+    deprecated a registration it makes. Raises ImportError where torchao is not installed."""
+    import importlib
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module("torchao.float8")
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

@@ -104,6 +104,13 @@ class MemoryConfig(Section):
     compress_activations: Literal["none", "lossless", "int8", "fp8"] = Field(
         "none", description="Gist-style compression of tensors saved for backward: lossless bit-packs dropout masks; "
                             "int8/fp8 also store block activations at 1 byte with per-128 scales (memory/compression.py)")
+    fp8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none", description="run the block linears' GEMMs (attention q/k/v/o, the dense MLP) in float8 through "
+                            "torchao, with dynamic scales per tensor (tensorwise) or per row (rowwise); needs "
+                            "memory.precision=bf16 and a GPU of compute capability >= 8.9; fast only with "
+                            "train.compile (memory/fp8.py)")
+    fp8_emulate: bool = Field(False, description="with memory.fp8: emulate the float8 GEMMs in high precision "
+                              "(any device, slowly), to check numerics where there are no float8 tensor cores")
     loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
     loss_scale_window: int = Field(1000, ge=1, description="fp16: grow the scale x2 after this many clean steps")
 
@@ -322,6 +329,7 @@ class Config(Section):
         if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":
             raise ConfigError("lora.base_dtype=bf16 stores the frozen weights in bf16, which needs bf16 autocast; "
                               "set memory.precision=bf16 or lora.base_dtype=param.")
+        self._check_fp8()
         p = self.parallel
         if self.model.n_layers < p.pp * p.virtual_stages:
             raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
@@ -333,6 +341,23 @@ class Config(Section):
                               f"parallel.num_microbatches x train.micro_batch = dp x {p.num_microbatches} x "
                               f"{self.train.micro_batch}; change one of them.")
         return self
+
+    def _check_fp8(self) -> None:
+        m = self.memory
+        if m.fp8 == "none":
+            if m.fp8_emulate:
+                raise ConfigError("memory.fp8_emulate emulates memory.fp8's GEMMs; set memory.fp8=tensorwise "
+                                  "(or rowwise) or memory.fp8_emulate=false.")
+            return
+        if m.precision != "bf16":
+            raise ConfigError(f"memory.fp8={m.fp8} runs the block linears in float8 inside bf16 training, and "
+                              f"memory.precision is {m.precision}; set memory.precision=bf16.")
+        if self.lora.rank:
+            raise ConfigError(f"memory.fp8={m.fp8} casts trainable weights to float8 each step, and lora.rank="
+                              f"{self.lora.rank} trains adapters beside frozen ones; set memory.fp8=none.")
+        if self.parallel.tp_overlap == "chunked":
+            raise ConfigError(f"parallel.tp_overlap=chunked runs its own bf16 GEMMs, which memory.fp8={m.fp8} "
+                              "cannot reach; set parallel.tp_overlap=none (or async, under train.compile).")
 
     def microbatches(self, dp: int) -> int:
         """Micro-batches per optimizer step on each pipeline at data-parallel degree `dp`, checked

@@ -11,12 +11,13 @@ import torch
 
 # Dense (no sparsity) peak TFLOP/s from vendor datasheets, by substring of the device name.
 # bf16/fp16 on tensor cores; fp32 is plain (non-TF32) FP32.
+# fp8: e4m3/e5m2 tensor cores (compute capability 8.9 and up), where the card has them.
 GPU_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "fp8": 1978.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2, "fp8": 1513.0},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9, "fp8": 1978.9},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.05, "fp16": 362.05, "fp32": 91.6},
+    "L40S": {"bf16": 362.05, "fp16": 362.05, "fp32": 91.6, "fp8": 733.0},
     "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
     "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
 }

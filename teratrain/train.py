@@ -92,6 +92,10 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
+    if cfg.memory.fp8 != "none":
+        from teratrain.memory import fp8
+
+        notes = [*notes, fp8.note(model, cfg.memory.fp8, cfg.train.compile)]
     print_summary(cfg, rt, run_dir, start, notes, own=model if model_fn is not None else None)
     rt.barrier()
     if rt.is_server:  # parameter-server ranks answer the workers instead of running the loop

@@ -88,8 +88,18 @@ class SavedView:
 
 
 def held_tensors(packed) -> list[torch.Tensor]:
-    """The tensors a packed object keeps alive (for byte counts)."""
-    return packed.tensors() if isinstance(packed, SavedView) else [packed]
+    """The tensors a packed object keeps alive (for byte counts); a tensor subclass that wraps others
+    (torchao's float8 tensor: its bytes and its scale) by the tensors inside it."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    out = []
+    for t in packed.tensors() if isinstance(packed, SavedView) else [packed]:
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                out += held_tensors(getattr(t, name))
+        else:
+            out.append(t)
+    return out
 
 
 class ActivationCodec:

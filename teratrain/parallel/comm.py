@@ -178,10 +178,10 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group):
         if traced():  # out of place: the compiler plans the buffers
             return funcol.all_reduce(x, SUM, group)
-        if x.is_contiguous():  # a fresh partial product nothing else reads: reduce it in place
+        if x.is_contiguous() and x._base is None:  # a fresh partial product nothing else reads: in place
             ctx.mark_dirty(x)
-        else:
-            x = x.contiguous()
+        else:  # a view (torchao's float8 GEMM returns its result reshaped) autograd forbids writing into
+            x = x.clone(memory_format=torch.contiguous_format)
         all_reduce(x, group)
         return x
 

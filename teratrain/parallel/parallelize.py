@@ -9,6 +9,8 @@ Order, each with its reason:
    stage placements - after tp, which re-creates the placements of what it splits: every parameter
                       records its pipeline stage; a tied embedding held at both ends gets its group.
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
+3b. fp8             - the block linears' GEMMs in float8 (memory/fp8.py), on the final (tp-split) layers,
+                      before recompute and compile wrap and trace them.
 4. recompute        - wraps the (now local, sharded) blocks; must see the final modules to replay them;
                       activation compression then hooks what the final blocks save for backward.
 5. compile          - traces the final module structure, checkpoints included (under a pipeline each
@@ -29,6 +31,7 @@ from teratrain import compat
 from teratrain.config_base import ConfigError
 from teratrain.config_schema import REPLAYING
 from teratrain.memory.compression import apply_compression
+from teratrain.memory.fp8 import apply_fp8
 from teratrain.memory.lora import LoraInit, apply_lora
 from teratrain.memory.recompute import apply_recompute
 from teratrain.models.moe import moe_layers
@@ -63,6 +66,8 @@ def parallelize(model: nn.Module, rt, cfg):
         apply_ep(model, rt, cfg)
         if rt.dims.ep > 1:  # its all-to-all's group, asked for now so that step 7 connects it
             rt.group("ep")
+    if cfg.memory.fp8 != "none":  # 3b
+        apply_fp8(model, cfg, rt.device)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every)  # 4
     apply_compression(model, cfg.memory.compress_activations)  # 4b: encodes what the final blocks save
     if cfg.train.compile:  # 5: in place, so parameter names keep no `_orig_mod.` prefix; a pipeline stage

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from teratrain.memory.precision import to_compute_dtype
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place
 from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,
                                           SequenceShardPositions, SequenceShards, VocabParallelEmbedding,
-                                          VocabParallelHead, VocabParallelLoss, to_compute_dtype)
+                                          VocabParallelHead, VocabParallelLoss)
 from teratrain.parallel.tp_overlap import ColumnJoint
 from teratrain.parallel.tp_plan import TPSplit, plan_entries, tp_placements
 

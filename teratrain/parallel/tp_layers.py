@@ -9,19 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain.memory.precision import to_compute_dtype
 from teratrain.parallel.comm import MAX, SUM, all_reduce, sequence_rows
 from teratrain.parallel.placement import placement
 from teratrain.parallel.tp_overlap import column_group, row_exit
-
-
-def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in the dtype autocast gives a matmul's fp32 input (unchanged outside autocast). A region
-    entry casts once, before its collective, so the collective moves half the bytes and the region's
-    linears share one cast instead of casting (and saving) a copy each."""
-    dev = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
-        return x.to(torch.get_autocast_dtype(dev))
-    return x
 
 
 class SequenceShards:
@@ -49,6 +40,11 @@ class _Parallel(nn.Module):
         self.entry, self.exit = entry, exit
         self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout = adapter or (None, None, 0.0, None)
 
+    gemm = None  # memory/fp8.py's Fp8Gemm where this piece's GEMMs run in float8; else F.linear
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.gemm is None else self.gemm(x, self.weight, bias)
+
     def _adapter_term(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.lora_a is None:
             return None
@@ -75,7 +71,7 @@ class ColumnParallel(_Parallel):
         if self.joint is not None:
             x, y = self.joint.take(self, x)  # x: the whole region input, for the adapter
             return self._adapted(x, y)
-        y = self._adapted(x, F.linear(x, self.weight, self.bias))
+        y = self._adapted(x, self._linear(x, self.bias))
         return self.exit(y) if self.exit is not None else y
 
     def affine(self):
@@ -101,7 +97,7 @@ class RowParallel(_Parallel):
             c, x = self.overlap, to_compute_dtype(x)
             y = row_exit(x, self.weight, self._adapter_term(x), c.group, c.sp, c.chunks)
         else:
-            y = self.exit(self._adapted(x, F.linear(x, self.weight)))
+            y = self.exit(self._adapted(x, self._linear(x, None)))
         return y + self.bias if self.bias is not None else y
 
 

@@ -229,6 +229,34 @@ def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: 
     return out
 
 
+def fp8_linears(shape: ModelShape, tp: int = 1) -> list[tuple[int, int, float]]:
+    """(rows, columns, share of the blocks) of each attention and dense-MLP weight of one block on a rank
+    that runs in float8 under memory.fp8 (memory/fp8.py apply_fp8): a linear whose local weight has both
+    dimensions multiples of 16 (megatron tensor parallelism splits q/k/v and w1/w3 by rows, wo and w2 by
+    columns; key/value heads fewer than tp are replicated). Experts keep bf16; MoE layers (moe_share of
+    the blocks) have no dense MLP."""
+    from teratrain.memory.fp8 import aligned
+
+    c = shape.cfg
+    d, hd, ff = c.d_model, c.head_dim, c.ffn_dim
+    kv = max(1, c.kv_heads // tp) * hd
+    dense = 1 - shape.moe_share if shape.num_experts > 1 else 1.0
+    attn = [(c.n_heads * hd // tp, d, 1.0), (kv, d, 1.0), (kv, d, 1.0), (d, c.n_heads * hd // tp, 1.0)]
+    mlp = [(ff // tp, d, dense)] * (2 if c.arch == "llama" else 1) + [(d, ff // tp, dense)]
+    return [(r, k, share) for r, k, share in attn + mlp if share and aligned((r, k))]
+
+
+def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
+    """(elements in float8, elements not) of one mean block's attention and dense-MLP weights on a rank
+    under memory.fp8 (`fp8_linears`)."""
+    c = shape.cfg
+    d, kvd = c.d_model, c.kv_heads * c.head_dim
+    dense = 1 - shape.moe_share if shape.num_experts > 1 else 1.0
+    total = (d * (d + 2 * kvd) + d * d + (3 if c.arch == "llama" else 2) * d * c.ffn_dim * dense) / tp
+    fp8 = sum(r * k * share for r, k, share in fp8_linears(shape, tp))
+    return int(fp8), int(total - fp8)
+
+
 def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron",
                   device: str = "cuda") -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
@@ -241,14 +269,28 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     d, kvd = c.d_model, c.kv_heads * c.head_dim
     attn = d * (d + 2 * kvd) + d * d
     mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
+    if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
+        attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) if w.autocast_copies else 0
+        if shape.num_experts == 1:
+            return attn_mlp
+        return attn_mlp + _expert_copies(shape, w, ep, form, device, mlp, tp)
     if shape.num_experts == 1:
         return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
+    if not w.autocast_copies:
+        return _expert_copies(shape, w, ep, form, device, mlp, tp)
+    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + _expert_copies(
+        shape, w, ep, form, device, mlp, tp)
+
+
+def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, mlp: int, tp: int) -> int:
+    """weight_copies' experts: their stacked (experts, out, in) operand of the grouped GEMM, in the
+    compute dtype, on a GPU also where autocast makes no copies (bf16 parameters)."""
     experts = (max(1, shape.num_experts // ep) - 1) * shape.moe_share * mlp  # beyond one MLP's worth
     mlp_tp = tp if form == "megatron" else 1
     stacked = int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp
     if not w.autocast_copies:
         return stacked if device == "cuda" and w.bf16 else 0
-    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + stacked
+    return stacked
 
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",

@@ -61,6 +61,13 @@ class GPU:
     # MoE layers' expert FLOPs run at this fraction of the dense rate: derived from bench/moe.py's
     # dense vs ep=1 MoE steps on 4 x H200 (bench/results/moe_h200x4.json, the same active FLOPs)
     moe_efficiency: float = 0.54
+    # memory.fp8: a float8 GEMM (torch._scaled_mm, bf16 output) against the bf16 GEMM of the same
+    # shape, by recipe. MEASURED on one H200 (torch 2.11): the mean over the llama-8b width's three
+    # block GEMM shapes (4096 tokens), tensorwise 1.84-1.89x, rowwise 1.59-1.67x (bench/fp8.py,
+    # "gemm_tflops"); the H100 has the same tensor cores, not measured there. Cards without float8
+    # tensor cores have no "fp8" peak (metrics.GPU_PEAK_TFLOPS): the planner refuses memory.fp8 on them.
+    fp8_speedup_tensorwise: float = 1.86
+    fp8_speedup_rowwise: float = 1.64
     mem_efficiency: float = 0.67  # fraction of HBM bandwidth the fused optimizer sweep reaches
     # cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
     # op the model issues (time.OPS_PER_BLOCK)

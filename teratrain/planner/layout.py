@@ -138,14 +138,15 @@ class Widths:
     master: int  # fp32 master copy per param in the optimizer (0 without masters)
     autocast_copies: bool  # fp32 params under autocast: each linear casts its weight and input
     bf16: bool = False  # computes in bf16, where the experts run as grouped GEMMs (models/grouped.py)
+    fp8: str = "none"  # memory.fp8: the block linears' GEMMs in float8 (memory/fp8.py)
 
 
-def widths(precision: str, master_weights: bool) -> Widths:
+def widths(precision: str, master_weights: bool, fp8: str = "none") -> Widths:
     low, bf16 = precision != "fp32", precision == "bf16"
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
-        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16)
-    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16)
+        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8)
+    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16, fp8=fp8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,13 +167,14 @@ class Training:
     graphed: bool = False  # train.compile_mode=reduce-overhead: CUDA graphs replay the step (no host issue time)
     compiled: bool = False  # train.compile (its time is planned as eager: see planner/time.py)
     compile_scope: str = "auto"  # train.compile_scope
+    fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""
         return uses_master_weights(self.precision, zero, offload, self.master_weights)
 
     def widths(self, zero: int, offload: str = "none") -> Widths:
-        return widths(self.precision, self.uses_masters(zero, offload))
+        return widths(self.precision, self.uses_masters(zero, offload), self.fp8)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -32,6 +32,8 @@ Terms, each with its source or assumption:
   of its GPU time and the host's issue time (per op, per tensor-parallel collective, per launch of
   the data-parallel engines: hardware.GPU). Under CUDA graphs (train.compile_mode=reduce-overhead)
   the host issues nothing per op. Compiling without graphs (fewer, fused kernels) is not modelled.
+- fp8 (memory.fp8): the block linears' FLOPs at the float8 GEMM's measured speed-up over bf16
+  (hardware.GPU.fp8_speedup_*), plus the HBM traffic of their casts; planned for compiled runs.
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
@@ -45,6 +47,7 @@ from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.comm import gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
+from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
 from teratrain.planner.states import is_expert, stage_params, zero_groups
@@ -80,6 +83,23 @@ MOE_HOST_OP_SHARE = 1.35
 # does not split (no input gradient to send); every later one does, the last among them, which the host
 # paces. MoE blocks (more saved tensors) and recomputed ones (fewer) are charged the same.
 OPS_SPLIT_EXTRA = 74
+# memory.fp8 (memory/fp8.py): aten ops one float8 linear adds per micro-batch, (forward, backward): the
+# dynamic casts of its input and weight (amax, scale, clamp, convert), of the output gradient and of the
+# input again for the weight gradient, and the scaled GEMMs' layout copies. Counted with a
+# TorchDispatchMode over teratrain's train step of an 8-block Llama, bf16 against fp8 (tensorwise, torchao's
+# emulation on CPU: 1,176 more ops forward and 3,080 in all over 56 float8 linears); on one H200 the variant
+# that casts the weight again in backward added the same 3,640 ops a step as on CPU (bench/fp8.py,
+# aten_ops_per_step), so the CPU count stands for the GPU's.
+OPS_FP8_LINEAR = (21, 34)
+# HBM bytes per element the casts around one float8 linear move, counted from torchao's tensorwise path
+# as eager runs it (a cast reads its input twice, for the amax and for the scaled copy, and writes one
+# byte): the input, bf16, cast forward and again for the weight gradient (2 x (2 + 2 + 1)); the output
+# gradient, bf16, once (2 + 2 + 1); the weight, from the parameters' width (2 x param + 1), forward and
+# again for the input gradient; and the copy each operand gets into the layout torch._scaled_mm takes
+# (1 + 1).
+# torch.compile fuses some of these passes into the neighbouring kernels (not modelled: compiled steps
+# are planned as eager).
+FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
 # fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied inside
 # the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8)
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
@@ -128,6 +148,45 @@ def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
     if lay.tp_form != "megatron":
         extra += whole * (1 - 1 / lay.tp)
     return extra
+
+
+def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> tuple[float, float]:
+    """memory.fp8 on one rank, for `tokens` tokens (one data-parallel replica's step): (the FLOPs of
+    its float8 GEMMs, seconds of HBM traffic of their casts). Every local block linear that runs in
+    float8 (activations.fp8_linears) does 6 FLOPs per weight and token; pipeline stages split the
+    blocks. The casts move FP8_CAST_* bytes per element of input (tokens x in), output gradient
+    (tokens x out) and weight (once per micro-batch)."""
+    if train.fp8 == "none" or shape.is_bare:
+        return 0.0, 0.0
+    if not gpu.peak_tflops.get("fp8"):
+        from teratrain.config_base import ConfigError
+
+        raise ConfigError(f"memory.fp8={train.fp8} needs float8 tensor cores, and the {gpu.name} has none; plan "
+                          "another GPU (--gpu h100 or h200) or set memory.fp8=none.")
+    layers = shape.cfg.n_layers / lay.pp
+    param = train.widths(lay.zero, lay.offload).param
+    weight = (2 * param + 1) * 2 + FP8_LAYOUT_BYTES
+    flops = moved = 0.0
+    for rows, cols, share in fp8_linears(shape, lay.tp):  # (out, in) of the local weight
+        flops += 6 * tokens * rows * cols * share
+        moved += share * (tokens * cols * (FP8_CAST_INPUT_BYTES + FP8_LAYOUT_BYTES)
+                          + tokens * rows * (FP8_CAST_GRAD_BYTES + FP8_LAYOUT_BYTES)
+                          + lay.num_microbatches * rows * cols * weight)
+    return layers * flops, layers * moved / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+
+
+def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
+    """The ops memory.fp8 adds to one rank's eager step (OPS_FP8_LINEAR per float8 linear, the forward's
+    again where a recomputed segment replays it). Compiled, none: inductor fuses each cast into a kernel or
+    two, whose HBM traffic fp8_terms counts. Eager float8 is planned optimistic: its casts run as several
+    unfused kernels each, and an eager fp8 step measured 1.8x the eager bf16 one on one H200 (bench/fp8.py)
+    where this plan says about 1.0x; FP8 is a setting for compiled runs (memory/fp8.py)."""
+    if train.fp8 == "none" or shape.is_bare or train.compiled:
+        return 0.0
+    fwd, bwd = OPS_FP8_LINEAR
+    per = fwd + bwd + (fwd if lay.recompute in REPLAYING else 0)
+    linears = sum(share for _, _, share in fp8_linears(shape, lay.tp))
+    return stage_params(shape, lay)["layers"] * linears * per * lay.num_microbatches
 
 
 def attention_flops(shape: ModelShape, tokens: float) -> float:
@@ -206,7 +265,8 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     replay = fwd if lay.recompute in REPLAYING else 0
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
-    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors)
+    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
+                 + fp8_ops(shape, train, lay))
 
 
 def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -330,7 +390,11 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     replay_attn = attn / 3 if lay.recompute != "none" else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
     moe = moe_flops(shape, tokens)  # the experts' share, at their own rate
-    compute_s = (flops + replay + moe_extra_flops(lay, moe, gpu)) / gpu.sustained_flops(train.precision, c.d_model)
+    fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)  # float8 GEMMs run faster, their casts cost
+    rate = gpu.sustained_flops(train.precision, c.d_model)
+    speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
+    compute_s = (flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu)) / rate + fp8_flops / (rate * speedup)
+    compute_s += cast_s
     ops = eager_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here

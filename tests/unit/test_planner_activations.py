@@ -154,3 +154,21 @@ def test_end_of_backward_holds_one_segment_input_beside_the_replay(policy):
     hidden = 2 * cfg.model.seq_len * cfg.model.d_model * train.widths(lay.zero, lay.offload).param
     assert saved["first_block"] == hidden and saved["recompute"] >= saved["per_block"] > hidden
     assert saved["blocks"] == hidden * {"full": 16, "sqrt": 4, "every-k": 4}[policy]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fp8_saved_bytes_match_hooks(arch, recipe, policy):
+    """memory.fp8 (emulated on CPU): a float8 linear saves its bf16 input and the weight itself (cast again
+    in backward), where autocast saves a bf16 copy of the weight: 12% of the whole here; the bound is the
+    loss scalar's bytes."""
+    pytest.importorskip("torchao")
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import forward_saved as rank_saved
+
+    cfg = _cfg(arch, "bf16", False, policy, 48, 3, "model.d_model=64", f"memory.fp8={recipe}", "memory.fp8_emulate=true")
+    model, _ = build_engine(cfg)
+    measured = saved_bytes(model, *random_batch(cfg, 2), "bf16", targets_in_model=True)
+    predicted = rank_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1).with_(micro_batch=2), "cpu")
+    assert abs(predicted - measured) <= 8

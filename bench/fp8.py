@@ -1,0 +1,270 @@
+"""FP8 training (memory.fp8) against bf16 and against transformers + torchao's float8, on one GPU.
+
+Speed: the same Llama shape (default: the llama-8b width, 8 layers, seq 4096, micro-batch 1, untied
+head), bf16 autocast over fp32 weights, fused AdamW, grad clipping 1.0, in one process: ours in bf16 and
+in fp8, transformers' LlamaForCausalLM (sdpa) in bf16 and with torchao's float8 on its decoder layers
+(`convert_to_float8_training`, the head left in bf16 as ours), each eager and compiled (each block
+compiled apart on both sides: `train.compile_scope=block` for ours, each decoder layer for transformers).
+Ratios compare one mode on both sides only.
+
+    python bench/fp8.py --modes compile --accum 4 --out fp8.json   # speed, on the GPU machine (~4 min)
+    python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
+    python bench/fp8.py --smoke                              # CPU, tiny shapes, float8 emulated
+
+Convergence (`--converge STEPS`): `teratrain train` twice on the stdlib corpus, bf16 and fp8, compiled,
+the same seed and batches (llama-1b width, 8 layers, seq 1024, 16 sequences a step, vocabulary 8192,
+lr 6e-4 with 50 warmup steps and a cosine decay); the loss curves, and
+the mean loss of the last 50 steps of each side (`within_1pct`: their difference over bf16's <= 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from common import config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, smoke_compile, summarize, time_steps
+
+from teratrain.memory.precision import autocast
+from teratrain.mesh import Runtime
+from teratrain.models.transformer import Transformer, count_params, flops_per_token
+from teratrain.optim.engine import train_step
+from teratrain.parallel.parallelize import parallelize
+
+WIDTH_8B = ["model.arch=llama", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.d_ff=14336",
+            "model.vocab_size=128256", "model.tie_embeddings=false", "model.rope_theta=500000"]
+SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+         "model.vocab_size=512", "model.seq_len=64", "model.n_layers=2", "model.tie_embeddings=false"]
+CONVERGE = ["model.preset=llama-1b", "model.n_layers=8", "model.vocab_size=8192", "model.seq_len=1024",
+            "model.tie_embeddings=false", "train.global_batch=16", "train.micro_batch=16", "optim.lr=6e-4",
+            "optim.warmup_steps=50", "optim.schedule=cosine", "train.compile=true", "train.eval_every=100",
+            "checkpoint.every=0", "memory.precision=bf16", "metrics.progress=false"]
+
+
+def ours(cfg, dev, accum: int):
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    engine = parallelize(model, Runtime.single(dev), cfg)
+
+    def step(x, y):
+        return train_step(model, engine, [(x, y)] * accum, "bf16", cfg.optim.lr)[1].item()
+
+    return step, (model, engine)
+
+
+def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = cfg.model
+    hf_cfg = LlamaConfig(hidden_size=m.d_model, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
+                         num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
+                         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_cfg).to(dev).train()
+    if fp8 != "none":
+        from teratrain import compat
+
+        ao = compat.torchao_float8()
+        ao_cfg = ao.Float8LinearConfig.from_recipe_name(fp8)
+        if emulate:
+            import dataclasses
+
+            ao_cfg = dataclasses.replace(ao_cfg, emulate=True)
+        ao.convert_to_float8_training(model.model.layers, config=ao_cfg)
+    if cfg.train.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                            weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
+
+    def step(x, y):
+        for _ in range(accum):
+            with autocast("bf16", dev):
+                loss = model(input_ids=x, labels=x).loss  # HF shifts labels itself
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step, (model, opt)
+
+
+def speed(args, dev) -> dict:
+    shape = SMOKE if args.smoke else WIDTH_8B + [f"model.n_layers={args.layers}", f"model.seq_len={args.seq}"]
+    emulate = args.smoke or dev.type != "cuda"
+    gemm = gemms(dev) if dev.type == "cuda" else []
+    print({"gemm_tflops": gemm}, flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        for impl in args.impls.split(","):
+            for fp8 in ("none", args.recipe):
+                sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
+                                f"memory.fp8={fp8}", f"train.device={dev.type}"]
+                sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
+                sets += ["train.compile=true", "train.compile_scope=block"] if mode == "compile" else []
+                cfg = config(sets)
+                fresh_memory(dev)
+                fresh_compile()
+                step, keep = ours(cfg, dev, args.accum) if impl == "ours" else hf(cfg, dev, fp8, emulate, args.accum)
+                B, T = args.micro_batch, cfg.model.seq_len
+                g = torch.Generator().manual_seed(0)
+                x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
+                inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+                warmup = args.warmup + (2 if mode == "compile" else 0)
+                times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
+                row = {"impl": impl, "mode": mode, "fp8": fp8,
+                       **summarize(times, B * T * args.accum, flops_per_token(cfg.model), dev)}
+                if impl == "ours" and mode == "eager":  # what the planner's host terms count (planner/time.py)
+                    row["aten_ops_per_step"] = count_ops(lambda: step(inputs, targets))
+                rows.append(row)
+                print(row, flush=True)
+                step = keep = None  # free this model before the next one is built
+    return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
+            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "results": rows, "ratios": ratios(rows, args.recipe)}
+
+
+def gemms(dev) -> dict:
+    """TFLOP/s of one GEMM, bf16 (torch.mm) against float8 (torch._scaled_mm, tensorwise and rowwise
+    scales, e4m3 operands, bf16 output), at the llama-8b width's shapes (M tokens x K in -> N out) and
+    at 8192 cubed: the rates the planner's compute terms assume (planner/hardware.py)."""
+    import time
+
+    from teratrain import compat
+
+    ao = compat.torchao_float8()
+    out = []
+    for m, k, n in ((4096, 4096, 4096), (4096, 4096, 14336), (4096, 14336, 4096), (8192, 8192, 8192)):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev)
+        runs = {"bf16": lambda: a @ b.t(),
+                "fp8_tensorwise": lambda: torch._scaled_mm(fa, fb.t(), one, one, out_dtype=torch.bfloat16,
+                                                           use_fast_accum=True),
+                "fp8_rowwise": lambda: torch._scaled_mm(fa, fb.t(), torch.ones(m, 1, device=dev),
+                                                        torch.ones(1, n, device=dev), out_dtype=torch.bfloat16)}
+        row = {"m": m, "k": k, "n": n}
+        for name, fn in runs.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize(dev)
+            row[name] = round(2 * m * k * n * 20 / (time.perf_counter() - t0) / 1e12, 1)
+        out.append(row)
+    del ao
+    return out
+
+
+def ratios(rows: list[dict], recipe: str) -> dict:
+    """Tokens/s ratios, each within one mode: fp8 over bf16 (ours, transformers), ours over transformers
+    (bf16, fp8)."""
+    by = {(r["impl"], r["mode"], r["fp8"]): r["tokens_per_s"] for r in rows}
+    out = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        pairs = {"ours_fp8_over_ours_bf16": (("ours", recipe), ("ours", "none")),
+                 "hf_fp8_over_hf_bf16": (("hf", recipe), ("hf", "none")),
+                 "ours_fp8_over_hf_fp8": (("ours", recipe), ("hf", recipe)),
+                 "ours_bf16_over_hf_bf16": (("ours", "none"), ("hf", "none"))}
+        for name, ((ia, fa), (ib, fb)) in pairs.items():
+            a, b = by.get((ia, mode, fa)), by.get((ib, mode, fb))
+            if a and b:
+                out.setdefault(mode, {})[name] = round(a / b, 3)
+    return out
+
+
+def converge(args, dev) -> dict:
+    """Two `teratrain train` runs, bf16 and fp8, on the stdlib corpus: their losses step by step."""
+    from teratrain.config import load_config
+    from teratrain.metrics import read_metrics
+    from teratrain.train import run
+
+    curves = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = CONVERGE
+        if args.smoke:  # a small text of its own: the stdlib corpus would train a tokenizer for a minute
+            Path(f"{tmp}/text.txt").write_text("def f(x):\n    return x + 1\n" * 2000)
+            sets = SMOKE + ["train.global_batch=4", "train.micro_batch=2", "memory.precision=bf16",
+                            "metrics.progress=false", "checkpoint.every=0", f"data.path={tmp}/text.txt",
+                            f"data.cache_dir={tmp}/cache"]
+        for fp8 in ("none", args.recipe):
+            extra = [f"memory.fp8={fp8}", f"train.steps={args.converge}", f"train.device={dev.type}"]
+            extra += ["memory.fp8_emulate=true"] if fp8 != "none" and dev.type != "cuda" else []
+            fresh_memory(dev)
+            fresh_compile()
+            run(load_config(None, sets + extra), f"{tmp}/{fp8}")
+            records = read_metrics(Path(tmp) / fp8 / "metrics.jsonl")
+            curves[fp8] = {"loss": [r["loss"] for r in records], "tokens_per_s": [r["tokens_per_s"] for r in records],
+                           "eval_loss": [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]}
+    tail = min(50, args.converge)
+    last = {k: statistics.mean(c["loss"][-tail:]) for k, c in curves.items()}
+    diff = (last[args.recipe] - last["none"]) / last["none"]
+    out = {"bench": "fp8_converge", **env_info(dev), "steps": args.converge, "sets": sets, "recipe": args.recipe,
+           f"mean_loss_last_{tail}": last, "relative_difference": round(diff, 5), "within_1pct": abs(diff) <= 0.01,
+           "curves": curves}
+    if args.plot:
+        plot(curves, args.recipe, args.plot)
+    return out
+
+
+def plot(curves: dict, recipe: str, path: str) -> None:
+    """Training loss (a 20-step mean) and held-out loss of both runs, one picture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, color in (("none", "bf16", "tab:blue"), (recipe, f"fp8 ({recipe})", "tab:orange")):
+        loss = np.asarray(curves[key]["loss"])
+        mean = np.convolve(loss, np.ones(20) / 20, mode="valid")
+        ax.plot(np.arange(20, len(loss) + 1), mean, color=color, lw=1.2, label=f"{label}, training (20-step mean)")
+        steps, evals = zip(*curves[key]["eval_loss"])
+        ax.plot(steps, evals, "o--", color=color, ms=4, lw=0.8, label=f"{label}, held out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("llama-1b width, 8 layers, stdlib corpus: bf16 against fp8")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--modes", default="eager,compile")
+    ap.add_argument("--impls", default="ours,hf")
+    ap.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    ap.add_argument("--converge", type=int, default=0, help="train this many steps in bf16 and in fp8 instead")
+    ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
+    ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        plot(result["curves"], result["recipe"], args.plot)
+        return
+    dev = device()
+    if args.smoke:
+        smoke_compile()
+        args.steps, args.warmup = 2, 1
+    emit(converge(args, dev) if args.converge else speed(args, dev), args.out)
+
+
+if __name__ == "__main__":
+    main()

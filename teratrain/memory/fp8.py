@@ -1,0 +1,165 @@
+"""FP8 training of the block linears, through torchao's float8 training GEMMs (Micikevicius et al. 2022,
+"FP8 Formats for Deep Learning"; torchao.float8, as torchtitan uses it).
+
+Each block linear y = x W^T + b runs its three GEMMs on float8 operands with dynamic scales computed
+from each operand's absolute maximum in the same step (no history, nothing kept between steps):
+- `tensorwise`: one scale per tensor; inputs and weights in e4m3, output gradients in e5m2 (wider range).
+- `rowwise`: one scale per row of each operand, all e4m3, scales rounded down to powers of 2: closer to
+  bf16's numerics, a little slower (each operand is cast twice, once per GEMM it enters along its rows).
+The output GEMM accumulates with the tensor cores' fast accumulation, the two gradient GEMMs in full
+fp32 (torchao's recipes). Everything else stays as bf16 training has it: the embedding, the output head,
+norms, attention's softmax(QK^T)V, MoE routers and experts (bf16, said in the start-up summary), fp32
+master weights and optimizer state. Checkpoints hold no float8 tensor: a run saved in bf16 resumes in
+fp8 and back.
+
+Float8 pays where GEMMs are large: each cast is an amax reduction plus a scaled copy, memory traffic that
+only torch.compile fuses into the neighbouring kernels. Eager FP8 is slower than eager bf16; run it with
+train.compile (bench/README.md, "FP8 training").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+from torch import nn
+
+from teratrain import compat
+from teratrain.config_base import ConfigError
+from teratrain.memory.precision import to_compute_dtype
+
+RECIPES = ("tensorwise", "rowwise")
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (sm89), Hopper (sm90) and later
+ALIGN = 16  # torch._scaled_mm: a weight's both dimensions multiples of 16
+
+
+def fp8_problem(recipe: str, emulate: bool, device: torch.device) -> str | None:
+    """Why this run cannot train its block linears in float8 here (one sentence with the fix), or None."""
+    if recipe == "none":
+        return None
+    try:
+        compat.torchao_float8()
+    except ImportError:
+        return (f"memory.fp8={recipe} runs through torchao's float8 training, and torchao is not installed; "
+                "install it (pip install 'teratrain[fp8]') or set memory.fp8=none.")
+    if emulate:
+        return None
+    if device.type != "cuda":
+        return (f"memory.fp8={recipe} needs a GPU with float8 tensor cores (compute capability 8.9 or higher: "
+                f"L4/L40, H100, H200, B200) and this run is on {device.type}; set memory.fp8=none "
+                "(memory.fp8_emulate=true emulates the float8 GEMMs in high precision, slowly, to check numerics).")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return (f"memory.fp8={recipe} needs float8 tensor cores (compute capability 8.9 or higher) and "
+                f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}; set memory.fp8=none.")
+    return None
+
+
+class Fp8Gemm:
+    """x W^T (+ b) with each of the linear's three GEMMs on float8 operands (torchao's autograd function
+    `matmul_with_hp_or_float8_args`: the forward casts x and W, the backward the output gradient, and
+    each GEMM runs torch._scaled_mm, or its high-precision emulation with `emulate`). x is cast to the
+    autocast dtype first (bf16), as F.linear under autocast would; W is cast to float8 straight from its
+    stored dtype (the fp32 master where parameters are fp32), in forward and again in backward for the
+    input gradient: the function saves the weight itself, no copy of it (autocast would save a bf16 one).
+    (Saving the forward's float8 weight for the backward instead, 1 byte a weight, measured no faster
+    compiled on one H200: 414.0 against 411.6 ms a step, bench/fp8.py --recast's experiment.)
+    The output is in x's compute dtype."""
+
+    def __init__(self, recipe: str, emulate: bool):
+        ao = compat.torchao_float8()
+        config = ao.Float8LinearConfig.from_recipe_name(recipe)
+        if emulate:
+            config = dataclasses.replace(config, emulate=True)
+
+        def mm(gemm):
+            return ao.ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+
+        self.recipe, self.config = recipe, config
+        self.matmul = importlib.import_module("torchao.float8.float8_linear").matmul_with_hp_or_float8_args
+        self.mm_config = ao.LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
+                                           mm(config.gemm_config_grad_weight))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
+        y = self.matmul.apply(x, weight.t(), self.mm_config, self.config)  # (.., d_out)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """An nn.Linear whose GEMMs run in float8 (Fp8Gemm). It holds the very parameters of the layer it
+    replaces, under the same names, so placements, checkpoints and engines see no difference."""
+
+    def __init__(self, linear: nn.Linear, gemm: Fp8Gemm):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias, self.gemm = linear.weight, linear.bias, gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, fp8={self.gemm.recipe}"
+
+
+def aligned(weight_shape: tuple[int, ...]) -> bool:
+    """Can torch._scaled_mm take this (local) weight: both dimensions multiples of 16?"""
+    return all(n % ALIGN == 0 for n in weight_shape[-2:])
+
+
+def apply_fp8(model: nn.Module, cfg, device: torch.device) -> None:
+    """Run the block linears of `model` (attention q/k/v/o and the dense MLP; tensor-parallel pieces
+    included, after parallel/tensor.py swapped them in) in float8. Routers and experts keep bf16. A
+    linear whose local weight torch._scaled_mm cannot take (a dimension not a multiple of 16) keeps bf16
+    too, emulated or not, so a CPU check runs what a GPU runs (`note` counts each kind for the start-up
+    summary; planner/activations.py `fp8_weights` applies the same rule to a shape)."""
+    m = cfg.memory
+    why = fp8_problem(m.fp8, m.fp8_emulate, device)
+    if why:
+        raise ConfigError(why)
+    gemm = Fp8Gemm(m.fp8, m.fp8_emulate)
+    for parent, name, child, expert in list(_block_linears(model)):
+        if expert or not aligned(tuple(child.weight.shape)):
+            continue
+        if type(child) is nn.Linear:
+            setattr(parent, name, Fp8Linear(child, gemm))
+        else:
+            child.gemm = gemm  # a tensor-parallel piece (parallel/tp_layers.py) calls it itself
+
+
+def note(model: nn.Module, recipe: str, compiled: bool) -> str:
+    """The start-up summary's line: how many block linears run in float8 and what stays in bf16, and
+    that an eager run pays for its casts (each is several unfused kernels: on one H200 an eager fp8 step
+    took 1.8x the eager bf16 step, a compiled one 0.89x the compiled bf16 step; bench/README.md)."""
+    fp8 = experts = other = 0
+    for _, _, child, expert in _block_linears(model):
+        if expert:
+            experts += 1
+        elif getattr(child, "gemm", None) is not None:
+            fp8 += 1
+        else:
+            other += 1
+    kept = [f"{experts} expert linears" if experts else "",
+            f"{other} linears with a dimension not a multiple of {ALIGN}" if other else ""]
+    kept = ", ".join(k for k in kept if k)
+    line = (f"fp8: {fp8} block linears in float8 ({recipe} scales, torchao); " + (f"{kept}, " if kept else "")
+            + "the embedding, the head, norms and attention's softmax(QK^T)V in bf16")
+    if not compiled:
+        line += ("; eager, each float8 cast runs as several kernels and the step is slower than bf16's: "
+                 "set train.compile=true")
+    return line
+
+
+def _block_linears(model: nn.Module):
+    """(parent, name, linear, inside an MoE layer?) for every linear layer of every block: nn.Linear,
+    Fp8Linear, or a tensor-parallel piece that takes a `gemm` (parallel/tp_layers.py)."""
+    from teratrain.models.moe import MoE
+    from teratrain.models.protocol import blocks
+
+    for _, block in blocks(model):
+        experts = {id(x) for moe in block.modules() if isinstance(moe, MoE) for x in moe.modules()}
+        for parent in block.modules():
+            for name, child in parent.named_children():
+                if type(child) in (nn.Linear, Fp8Linear) or hasattr(child, "gemm"):
+                    yield parent, name, child, id(child) in experts

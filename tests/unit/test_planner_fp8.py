@@ -1,0 +1,57 @@
+"""The planner under memory.fp8: float8 GEMMs at their measured speed-up, the casts' traffic, what it keeps
+for backward, and the cards it refuses."""
+
+import pytest
+
+from teratrain.config import ConfigError, load_config
+from teratrain.planner.activations import fp8_linears, fp8_weights
+from teratrain.planner.hardware import GPUS
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.search import evaluate
+
+WIDTH_8B = ["model.preset=llama-8b", "model.n_layers=8", "model.seq_len=4096", "train.micro_batch=1",
+            "train.global_batch=4", "memory.precision=bf16", "parallel.zero=0"]
+
+
+def _plan(*sets, gpu="h200"):
+    cfg = load_config(None, [*WIDTH_8B, *sets])
+    return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), GPUS[gpu])
+
+
+def test_compiled_fp8_is_faster_than_bf16_by_less_than_the_gemm_speedup():
+    bf16, fp8 = _plan("train.compile=true"), _plan("train.compile=true", "memory.fp8=tensorwise")
+    speedup = bf16.time.step_time_s / fp8.time.step_time_s
+    assert 1.05 < speedup < GPUS["h200"].fp8_speedup_tensorwise  # the head, attention and optimizer stay bf16
+    rowwise = _plan("train.compile=true", "memory.fp8=rowwise")
+    assert fp8.time.step_time_s < rowwise.time.step_time_s < bf16.time.step_time_s
+
+
+def test_eager_fp8_pays_its_cast_ops_on_the_host_and_gpu():
+    eager, compiled = _plan("memory.fp8=tensorwise"), _plan("memory.fp8=tensorwise", "train.compile=true")
+    assert eager.time.ops_s > compiled.time.ops_s
+
+
+def test_fp8_keeps_no_weight_copy_where_autocast_keeps_a_bf16_one():
+    from teratrain.planner.activations import weight_copies
+    from teratrain.planner.layout import widths
+
+    shape = shape_of(load_config(None, WIDTH_8B))
+    weights, rest = fp8_weights(shape)
+    assert rest == 0  # every block linear of llama-8b's width is 16-aligned
+    copies = {r: weight_copies(shape, widths("bf16", False, r)) for r in ("none", "tensorwise", "rowwise")}
+    assert copies == {"none": 2 * weights, "tensorwise": 0, "rowwise": 0}
+    totals = [_plan("memory.fp8=" + r).memory.total for r in ("none", "tensorwise")]
+    assert totals[0] > totals[1]
+
+
+def test_unaligned_linears_stay_out_under_tensor_parallelism():
+    """8 heads of 8 at tp=8: each rank's q/k/v hold 8 rows and wo 8 columns (not multiples of 16); the MLP's
+    256 / 8 = 32 stay aligned."""
+    shape = shape_of(load_config(None, ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=256"]))
+    assert len(fp8_linears(shape, 1)) == 7
+    assert fp8_linears(shape, 8) == [(32, 64, 1.0), (32, 64, 1.0), (64, 32, 1.0)]
+
+
+def test_cards_without_float8_tensor_cores_are_refused():
+    with pytest.raises(ConfigError, match="a100 has none"):
+        _plan("memory.fp8=tensorwise", gpu="a100")
