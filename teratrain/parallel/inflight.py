@@ -74,7 +74,11 @@ class Op:
 
     def wait(self) -> bool:
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except BaseException:
+                _failed[0] = self
+                raise
             self.work = None
             if torch.cuda.is_initialized():  # a wait only ordered the stream: mark where
                 self.event = torch.cuda.Event()
@@ -85,6 +89,7 @@ class Op:
 
 
 _ops: deque[Op] = deque()
+_failed: list[Op | None] = [None]  # the last operation whose wait raised (a peer lost: launch.lost_peer)
 _lock = threading.Lock()  # the main thread registers, the watchdog prunes
 _limit = [PRUNE_AT]  # size past which launch prunes: twice what the last pruning kept
 
@@ -105,6 +110,7 @@ def launch(what: str, group, start) -> Op:
         work = start()
     except BaseException:
         op.returned = True
+        _failed[0] = op
         raise
     op.work = Works(work) if isinstance(work, list) else work
     return op
@@ -115,6 +121,7 @@ def reset() -> None:
     with _lock:
         _ops.clear()
         _limit[0] = PRUNE_AT
+        _failed[0] = None
 
 
 def blocking(what: str, group, call):
@@ -124,8 +131,16 @@ def blocking(what: str, group, call):
         _ops.append(op)
     try:
         return call()
+    except BaseException:
+        _failed[0] = op
+        raise
     finally:
         op.returned = True
+
+
+def failed() -> Op | None:
+    """The last operation that raised instead of completing (e.g. its peer's connection reset)."""
+    return _failed[0]
 
 
 def _prune() -> None:
@@ -186,7 +201,7 @@ def start_watchdog(timeout_s: float, rank: int) -> None:
 
 def _report_and_exit(message: str) -> None:
     """Leave the launcher a report (with every thread's stack, for error.log), say it, exit 1."""
-    from teratrain.launch import under_launcher, write_report
+    from teratrain.launch import record_failure, under_launcher, write_report
 
     main = threading.main_thread().ident
     stacks = "".join(f"--- thread {'main' if ident == main else ident}\n" + "".join(traceback.format_stack(frame))
@@ -194,4 +209,5 @@ def _report_and_exit(message: str) -> None:
     write_report("hang", message, detail=stacks)
     if not under_launcher():
         print(f"teratrain: error: {message}", file=sys.stderr, flush=True)
+        record_failure(message, stacks)
     os._exit(1)
