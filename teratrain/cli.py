@@ -183,6 +183,8 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(describe(cfg))
         return 0
+    if resume:
+        _check_batch_kept(cfg, world, run_dir)
     _check_before_start(cfg, world)
     start_over = mode == "auto" and not resume
     if launching:
@@ -222,6 +224,25 @@ def _resume_key(args) -> bool | str | None:
     raw = apply_overrides(read_toml(args.config) if args.config else {}, args.overrides)
     given = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
     return validate({"checkpoint": {"resume": given}}).checkpoint.resume
+
+
+def _check_batch_kept(cfg, world: int, run_dir: Path) -> None:
+    """A run resumed at another data-parallel degree (torchrun restarted it on another number of nodes)
+    keeps its global batch, with as many micro-batches per rank as it takes; refuse, in one sentence,
+    a degree over which it does not split."""
+    from teratrain import rundir
+    from teratrain.mesh import ParallelDims
+
+    dp, saved = ParallelDims.from_config(cfg.parallel, world).dp, rundir.processes(run_dir)
+    gb, mb = cfg.train.global_batch, cfg.train.micro_batch
+    now = f"at dp={dp} on {world} processes (its checkpoint: {saved})"
+    if gb % dp:
+        raise ConfigError(f"the run in {run_dir} resumes {now}, over which its train.global_batch={gb} does not "
+                          f"split; resume on a number of processes whose data-parallel degree divides {gb}.")
+    if gb // dp % mb:
+        raise ConfigError(f"the run in {run_dir} resumes {now}, where each rank takes {gb // dp} of its "
+                          f"train.global_batch={gb} sequences, not a multiple of train.micro_batch={mb}; set "
+                          f"train.micro_batch to a divisor of {gb // dp} (the global batch stays {gb}).")
 
 
 def _check_before_start(cfg, world: int) -> None:

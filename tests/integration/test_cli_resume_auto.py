@@ -60,3 +60,16 @@ def test_the_default_is_auto_under_plain_torchrun_only(monkeypatch):
     assert resume_mode(None) is False
     assert load_config(None, ["checkpoint.resume=auto"]).checkpoint.resume == "auto"
     assert 'resume = "auto"' in to_toml(load_config(None, ["checkpoint.resume=auto"]))
+
+
+def test_a_resume_keeps_the_global_batch_or_is_refused(cli, tmp_path):
+    """At another data-parallel degree (torchrun restarted the job on other nodes) the global batch
+    stays: accumulation follows, or a degree it does not split over is refused before any process starts."""
+    run = tmp_path / "run"
+    cli.train(run, *SETS, steps=1, in_process=True)  # 8 sequences, micro-batches of 4: accumulation 2 at dp=1
+    for nproc, words in ((3, "over which its train.global_batch=8 does not split"),
+                         (4, "each rank takes 2 of its train.global_batch=8 sequences, not a multiple of "
+                             "train.micro_batch=4; set train.micro_batch to a divisor of 2")):
+        proc = cli.train(run, *SETS, steps=2, nproc=nproc, resume=True, expect_rc=None, in_process=True)
+        assert_user_error(proc, f"the run in {run} resumes at dp={nproc} on {nproc} processes (its checkpoint: 1)",
+                          words)
