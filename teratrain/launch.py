@@ -20,7 +20,10 @@ signals, and one sentence when a rank fails.
 - A rank under the launcher prints nothing when it fails: it writes a report (kind, message, time,
   traceback), and the launcher prints one sentence for the job: a rank that died without a report
   (killed), else the earliest error, else the signal that stopped it. Under plain torchrun each rank
-  prints its own error.
+  prints its own error; a peer lost (its process or node gone: the connection reset, or a wait past
+  parallel.timeout_s) is one sentence, appended with the traceback to the run's error.log and
+  written to torchrun's error file (its failure report quotes it), and the rank exits 1 at once, so
+  that torchrun restarts the job when --max-restarts allows (checkpoint.resume is auto there).
 """
 
 from __future__ import annotations

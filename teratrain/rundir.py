@@ -8,6 +8,13 @@
   process per job holds it: the `--nproc` launcher, else rank 0 (`teratrain.launch` says which).
   Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
   launcher by the seconds they take to stop.
+- Under plain torchrun rank 0 owns the directory; every other rank takes `ranks.lock` once the job
+  agreed on the directory (agree_run_dir), after rank 0 checked it, and must see it as rank 0 does
+  (the same `run.lock`: a filesystem every node shares).
+- `checkpoint.resume` (`--resume`, `--resume auto`): auto continues the run in `--out` when it holds
+  a checkpoint and starts it there otherwise (again, when it stopped before its first checkpoint),
+  refusing a folder holding another model's run; it is the default under plain torchrun, whose
+  restarts (after a failure, a node joining or leaving) rerun the first command on every node.
 - `--resume` starts from the run's saved `config.toml`, on as many processes as wrote its newest
   checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the
   start-up summary lists what differs from the checkpoint resumed, `changes`). A longer

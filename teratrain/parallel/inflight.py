@@ -9,6 +9,7 @@ a hung rank says little. The operations do: comm.py and the pipeline's p2p regis
 second, at the oldest one not completed. Past `parallel.timeout_s` it names it, with the group's
 name and ranks (mesh.py gives every group a description), writes the launcher's report
 (launch.py) and ends the process; the launcher prints the earliest report as the job's one line.
+Under plain torchrun each rank says it itself and appends it, with its stacks, to the run's error.log.
 
 torch's own timeouts (the process groups' `timeout`, after which NCCL's watchdog aborts the
 process, and gloo's, after which the wait raises) are set longer (`backstop_s`), so ours speaks
@@ -173,7 +174,7 @@ def describe(group) -> str:
 def hang_message(op: Op, rank: int, timeout_s: float) -> str:
     article = "an" if op.what[0] in "aeiou" else "a"
     return (f"rank {rank} waited over parallel.timeout_s={timeout_s:g} s for {article} {op.what} on "
-            f"{describe(op.group)} that never completed: a peer never joined it (a hang, or a peer stuck elsewhere); "
+            f"{describe(op.group)} that never completed: a peer never joined it (a peer was lost, hung or stuck elsewhere); "
             "raise parallel.timeout_s if the wait was legitimate")
 
 
@@ -200,7 +201,9 @@ def start_watchdog(timeout_s: float, rank: int) -> None:
 
 
 def _report_and_exit(message: str) -> None:
-    """Leave the launcher a report (with every thread's stack, for error.log), say it, exit 1."""
+    """Leave the launcher a report (with every thread's stack, for error.log), or without a launcher
+    say it and append it with the stacks to the run's error.log; exit 1."""
+    from teratrain import rundir
     from teratrain.launch import record_failure, under_launcher, write_report
 
     main = threading.main_thread().ident
@@ -208,6 +211,8 @@ def _report_and_exit(message: str) -> None:
                      for ident, frame in sys._current_frames().items())
     write_report("hang", message, detail=stacks)
     if not under_launcher():
-        print(f"teratrain: error: {message}", file=sys.stderr, flush=True)
+        if rundir.current is not None:
+            message += f"; every thread's stack in {rundir.current / 'error.log'}"
         record_failure(message, stacks)
+        print(f"teratrain: error: {message}", file=sys.stderr, flush=True)
     os._exit(1)

@@ -3,11 +3,15 @@ meeting through c10d rendezvous on 127.0.0.1 (gloo, the tiny model), and faults 
 workers at a given step.
 
 A fault is `kill-worker@S` (the worker SIGKILLs itself as step S begins), `kill-node@S` (it SIGKILLs
-its agent, then itself: the node is gone) or `sleep@S:SECONDS`; each kind fires once per job (a marker
-file in the job's folder), in whichever attempt reaches the step first. The moment of the kill and of the
-first step logged after it are written there too, so the time a restart takes can be read back.
+its agent, then itself: the node is gone, its connections reset), `stop-node@S` (SIGSTOP instead: the
+node is silent, as one cut off or powered down, its connections left open) or `sleep@S:SECONDS`; each
+kind fires once per job (a marker file in the job's folder), in whichever attempt reaches the step
+first. The moment a fault struck and that of the first step logged after it are written there too, so
+the time a restart takes can be read back.
 
-    python -m tests.integration.nodes      # measures kill -> first step after the restart; prints JSON
+    python -m tests.integration.nodes              # a worker killed: kill -> first step after the restart
+    python -m tests.integration.nodes --lose-node  # a node lost under --nnodes 1:2: the job goes on alone
+                                                   # (--rdzv-conf ITEMS: e.g. last_call_timeout=2)
 """
 
 from __future__ import annotations
@@ -51,10 +55,11 @@ if folder and "RANK" in os.environ:
                 if kind == "sleep":
                     time.sleep(float(seconds))
                 else:
-                    mark("killed")
-                    if kind == "kill-node":
-                        os.kill(os.getppid(), signal.SIGKILL)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    mark("struck")
+                    sig = signal.SIGSTOP if kind == "stop-node" else signal.SIGKILL
+                    if kind != "kill-worker":
+                        os.kill(os.getppid(), sig)
+                    os.kill(os.getpid(), sig)
             return batches(self, s, *a, **kw)
 
         loader.Batches.micro_batches = micro_batches
@@ -62,7 +67,7 @@ if folder and "RANK" in os.environ:
 
     def logged(self, record):
         write(self, record)
-        if os.path.exists(os.path.join(folder, "killed")) and not os.path.exists(os.path.join(folder, "first_step")):
+        if os.path.exists(os.path.join(folder, "struck")) and not os.path.exists(os.path.join(folder, "first_step")):
             mark("first_step")
 
     metrics.MetricsLog.write = logged
@@ -84,12 +89,12 @@ class Job:
     agents: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
 
-    def wait(self, timeout: float = 240.0) -> list[int]:
-        """Every agent's exit status (killed ones: negative)."""
+    def wait(self, timeout: float = 240.0, nodes: tuple[int, ...] = (0, 1)) -> list[int]:
+        """The exit status of these nodes' agents (killed ones: negative)."""
         end = time.monotonic() + timeout
-        for a in self.agents:
-            a.wait(timeout=max(1.0, end - time.monotonic()))
-        return [a.returncode for a in self.agents]
+        for node in nodes:
+            self.agents[node].wait(timeout=max(1.0, end - time.monotonic()))
+        return [self.agents[node].returncode for node in nodes]
 
     def log(self, node: int) -> str:
         return self.logs[node].read_text(errors="replace")
@@ -158,22 +163,32 @@ def processes_of(out: str) -> list[int]:
     return found
 
 
-def measure_restart(root: Path, cache: str) -> dict:
-    """A worker killed at step 7 of a 2-node job under --max-restarts 1 (a checkpoint every 5 steps):
-    the seconds from the kill to the first step logged after the restart."""
-    job = start(root / "run", root / "job", cache, max_restarts=1, faults={1: "kill-worker@7"})
+def measure_restart(root: Path, cache: str, lose_node: bool = False, rdzv: str = "") -> dict:
+    """A worker killed at step 7 of a 2-node job under --max-restarts 1 (a checkpoint every 5 steps), or
+    (`lose_node`) its whole node under --nnodes 1:2: the seconds from the kill to the first step logged
+    after the restart. `rdzv`: --rdzv-conf items (torch's defaults otherwise)."""
+    fault, nodes = ("kill-node@7", "1:2") if lose_node else ("kill-worker@7", "2")
+    job = start(root / "run", root / "job", cache, max_restarts=1, faults={1: fault}, nodes=nodes, rdzv=rdzv)
     try:
-        codes = job.wait()
+        codes = job.wait(nodes=(0,) if lose_node else (0, 1))
     finally:
         job.kill()
-    killed, first = job.marker("killed"), job.marker("first_step")
-    if codes != [0, 0] or killed is None or first is None:
+    killed, first = job.marker("struck"), job.marker("first_step")
+    if any(codes) or killed is None or first is None:
         raise SystemExit(f"the job did not restart and finish (exit {codes}):\n{job.log(0)}\n{job.log(1)}")
-    return {"kill_to_first_step_s": round(first - killed, 1), "steps": STEPS, "killed_at_step": 7,
-            "resumed_from_step": 5, "nodes": 2, "backend": "gloo", "device": "cpu"}
+    return {"kill_to_first_step_s": round(first - killed, 1), "killed": "node" if lose_node else "worker",
+            "nnodes": nodes, "rdzv_conf": rdzv or "torch defaults", "steps": STEPS, "killed_at_step": 7,
+            "resumed_from_step": 5, "backend": "gloo", "device": "cpu", "torch": torch_version()}
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 if __name__ == "__main__":
+    import argparse
     import tempfile
 
     from teratrain.config import DataConfig
@@ -181,5 +196,9 @@ if __name__ == "__main__":
 
     cache = os.environ.get("TERATRAIN_TEST_CACHE") or str(cache_dir(None))
     prepare(DataConfig(cache_dir=cache), 4096)
+    parser = argparse.ArgumentParser(description=measure_restart.__doc__)
+    parser.add_argument("--lose-node", action="store_true", help="kill node 1's agent too, under --nnodes 1:2")
+    parser.add_argument("--rdzv-conf", default="", help="more --rdzv-conf items, e.g. last_call_timeout=2")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(measure_restart(Path(tmp), cache)))
+        print(json.dumps(measure_restart(Path(tmp), cache, args.lose_node, args.rdzv_conf)))
