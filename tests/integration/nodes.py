@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.helpers import TINY_SETS
+from tests.integration.runner import pids_running
 
 # The job every test runs: 12 steps, a checkpoint every 5, no evaluation; a lost peer is named within
 # 60 s at most (it takes a second: the peer's connection is reset)
@@ -106,7 +107,7 @@ class Job:
     def kill(self) -> None:
         """Kill every process of the job still alive, agents and workers (each in a session of its own),
         by process group."""
-        pids = [a.pid for a in self.agents if a.poll() is None] + processes_of(str(self.out))
+        pids = [a.pid for a in self.agents if a.poll() is None] + pids_running(str(self.out))
         for pid in pids:
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
@@ -146,21 +147,6 @@ def start(out: Path, folder: Path, cache: str, *sets: str, nodes: str = "2", max
                                                   start_new_session=True, cwd=folder))
         job.logs.insert(0, log)
     return job
-
-
-def processes_of(out: str) -> list[int]:
-    """Live processes whose command line names `out` (a job's agents and workers)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if out.encode() in cmd and state != "Z":
-                found.append(int(d.name))
-    return found
 
 
 def measure_restart(root: Path, cache: str, lose_node: bool = False, rdzv: str = "") -> dict:

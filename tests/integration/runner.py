@@ -85,3 +85,18 @@ def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> str:
     for w in words:
         assert w in lines[0], (w, lines[0])
     return lines[0]
+
+
+def pids_running(out: str) -> list[int]:
+    """Processes (launcher and ranks) whose command line names this run directory."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if out.encode() in cmd and state != "Z":
+                found.append(int(d.name))
+    return found
