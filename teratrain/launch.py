@@ -224,7 +224,7 @@ def lost_peer(e: BaseException) -> str | None:
     from teratrain import rundir
     from teratrain.parallel.inflight import describe, failed
 
-    if not isinstance(e, (RuntimeError, OSError)):
+    if not isinstance(e, (RuntimeError, OSError)) or isinstance(e, BrokenPipeError):  # (stdout's reader left)
         return None
     text = str(e)
     why = next((w for w in PEER_GONE if w.lower() in text.lower()), None)

@@ -174,8 +174,8 @@ def describe(group) -> str:
 def hang_message(op: Op, rank: int, timeout_s: float) -> str:
     article = "an" if op.what[0] in "aeiou" else "a"
     return (f"rank {rank} waited over parallel.timeout_s={timeout_s:g} s for {article} {op.what} on "
-            f"{describe(op.group)} that never completed: a peer never joined it (a peer was lost, hung or stuck elsewhere); "
-            "raise parallel.timeout_s if the wait was legitimate")
+            f"{describe(op.group)} that never completed: a peer never joined it (a peer was lost, hung or stuck "
+            "elsewhere); raise parallel.timeout_s if the wait was legitimate")
 
 
 _watch = {"timeout_s": None, "rank": 0, "thread": None}

@@ -27,8 +27,9 @@ class _Broken:
 @pytest.fixture
 def torchrun(monkeypatch, tmp_path):
     """This process as rank 1 of plain torchrun (2 restarts allowed, 1 used), its run in tmp_path/run."""
-    for key, value in {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_MAX_RESTARTS": "2",
-                       "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}.items():
+    env = {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_MAX_RESTARTS": "2",
+           "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TERATRAIN_LAUNCHER_PID", raising=False)
     (tmp_path / "run").mkdir()
@@ -47,6 +48,7 @@ def test_the_sentence_names_the_rank_the_operation_and_what_comes_next(torchrun,
                         f"{torchrun / 'error.log'}")
     assert launch.lost_peer(RuntimeError("CUDA out of memory")) is None
     assert launch.lost_peer(ValueError("Connection reset by peer")) is None
+    assert launch.lost_peer(BrokenPipeError(32, "Broken pipe")) is None  # `torchrun ... | head`
 
     launch.record_failure(sentence, "Traceback ...\n")
     launch.record_failure("rank 0: another", None)  # ranks append to the same log
