@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import sys
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from teratrain.checkpoint import CheckpointError
 from teratrain.config import ConfigError, load_config
 from teratrain.config_toml import describe
 from teratrain.data.corpus import DataError
-from teratrain.launch import (Stopped, follow_parent, launch, rank, stop_on_signals, stopped_message, under_launcher,
-                              write_report)
+from teratrain.launch import (Stopped, follow_parent, launch, lost_peer, rank, record_failure, stop_on_signals,
+                              stopped_message, under_launcher, under_torchrun, write_report)
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 # errors of the machine, not of teratrain: a sentence, not a traceback
@@ -28,7 +29,7 @@ DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPER
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_bare_resume(sys.argv[1:] if argv is None else argv))
     with stop_on_signals() as stopping:
         try:
             return args.func(args)
@@ -51,6 +52,13 @@ def _exit_status(e: BaseException, signum: int | None) -> int:
         if rank() == 0 and not under_launcher():
             print(stopped_message(e.signum, getattr(e, "run_dir", None)), file=sys.stderr)
         return e.exit_code
+    if under_torchrun() and (lost := lost_peer(e)) is not None:
+        record_failure(lost, "".join(traceback.format_exception(e)))
+        print(f"teratrain: error: {lost}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # at once: the teardown of a group whose peer is gone can take seconds, in which torchrun would
+        # take this rank for a healthy one; status 1 lets torchrun restart the job when it may
+        os._exit(1)
     if isinstance(e, BrokenPipeError):  # e.g. `teratrain plan | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -75,6 +83,19 @@ def _disk_sentence(e: BaseException) -> str | None:
     return None
 
 
+def _bare_resume(argv: list[str]) -> list[str]:
+    """`--resume` takes an optional `auto`: a bare one followed by anything else (a config file) is kept
+    bare, not read as its value."""
+    return [f"{a}=yes" if a == "--resume" and (i + 1 == len(argv) or argv[i + 1] != "auto") else a
+            for i, a in enumerate(argv)]
+
+
+def _resume_value(text: str) -> bool | str:
+    if text not in ("auto", "yes"):
+        raise argparse.ArgumentTypeError(f"got {text!r}; give --resume alone, or --resume auto")
+    return text == "yes" or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="teratrain", description="Train large transformers on many GPUs.")
     parser.add_argument("--version", action="version", version=f"teratrain {__version__}")
@@ -86,12 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     t.add_argument("--nproc", type=int, help="launch N local processes through torchrun (default 1; with --resume, "
                                              "as many as the run's checkpoint was written by)")
-    t.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint of --out")
+    t.add_argument("--resume", nargs="?", const=True, type=_resume_value, metavar="auto",
+                   help="continue from the newest usable checkpoint of --out; `--resume auto`: if --out holds one, "
+                        "else start the run there (checkpoint.resume; the default under plain torchrun)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     t.add_argument("--print-config", action="store_true",
                    help="print the config that would run (file, preset, --set, a resumed run's own) and exit")
     t.add_argument("--auto-note", help=argparse.SUPPRESS)  # from the launcher to its ranks: parallel.auto's choice
+    t.add_argument("--resume-note", help=argparse.SUPPRESS)  # from the launcher to its ranks: what resume=auto did
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="sample text from a trained run")
@@ -134,12 +158,20 @@ def cmd_train(args) -> int:
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is not a process count; give --nproc 1 or more.")
-    run_dir = Path(args.out) if args.out else rundir.newest_run() if args.resume else None
-    if args.resume:
+    given = args.resume if args.resume is not None else _resume_key(args)
+    mode = rundir.resume_mode(given)
+    resume, resume_note = bool(mode), args.resume_note
+    if mode == "auto":
+        resume, resume_note = rundir.auto_resume(args.out, given=given is not None)
+    run_dir = Path(args.out) if args.out else rundir.newest_run() if resume else None
+    rundir.current = run_dir
+    if resume:
         cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
     else:
         cfg = load_config(args.config, _overrides(args))
-    nproc = args.nproc or (rundir.processes(run_dir) if args.resume else 1)
+    if mode == "auto" and run_dir is not None:
+        rundir.check_same_run(run_dir, cfg)
+    nproc = args.nproc or (rundir.processes(run_dir) if resume else 1)
     launching = nproc > 1 and "WORLD_SIZE" not in os.environ
     world = nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
     notes, auto_sets = [args.auto_note] if args.auto_note else [], []
@@ -151,10 +183,15 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(describe(cfg))
         return 0
+    if resume:
+        _check_batch_kept(cfg, world, run_dir)
     _check_before_start(cfg, world)
+    start_over = mode == "auto" and not resume
     if launching:
-        with rundir.own(run_dir or rundir.fresh_run_dir(), args.resume, created=run_dir is None) as d:
-            return launch(_rank_argv(args, d, auto_sets, notes), nproc, d, cfg.checkpoint.stop_timeout_s)
+        with rundir.own(run_dir or rundir.fresh_run_dir(), resume, created=run_dir is None, start_over=start_over) as d:
+            argv = _rank_argv(args, d, resume, auto_sets, notes)
+            argv += ["--resume-note", resume_note] if resume_note else []
+            return launch(argv, nproc, d, cfg.checkpoint.stop_timeout_s)
     from teratrain.train import run
 
     follow_parent()
@@ -162,9 +199,9 @@ def cmd_train(args) -> int:
     if owner:
         run_dir = run_dir or rundir.fresh_run_dir()
     try:
-        with rundir.own(run_dir, args.resume, created=not args.out and not args.resume) if owner else nullcontext(), \
-                rundir.member(run_dir):
-            summary = run(cfg, run_dir, args.resume, notes=notes)
+        with rundir.own(run_dir, resume, created=not args.out and not resume, start_over=start_over) if owner \
+                else nullcontext(), rundir.member(run_dir, defer=not owner and not under_launcher()):
+            summary = run(cfg, run_dir, resume, notes=notes + ([resume_note] if resume_note else []))
     except Stopped as e:
         e.run_dir = run_dir  # for the message: where to resume from
         raise
@@ -177,6 +214,35 @@ def cmd_train(args) -> int:
               + (f", eval loss {ev:.4f}" if ev is not None else "")
               + f", {summary['tokens_per_s']:,.0f} tokens/s -> {summary['run_dir']}")
     return 0
+
+
+def _resume_key(args) -> bool | str | None:
+    """checkpoint.resume as the config file and --set give it (before the rest of the config is read:
+    it decides which config that is, the file's or the run's own)."""
+    from teratrain.config import apply_overrides, read_toml, validate
+
+    raw = apply_overrides(read_toml(args.config) if args.config else {}, args.overrides)
+    given = raw.get("checkpoint", {}).get("resume") if isinstance(raw.get("checkpoint"), dict) else None
+    return validate({"checkpoint": {"resume": given}}).checkpoint.resume
+
+
+def _check_batch_kept(cfg, world: int, run_dir: Path) -> None:
+    """A run resumed at another data-parallel degree (torchrun restarted it on another number of nodes)
+    keeps its global batch, with as many micro-batches per rank as it takes; refuse, in one sentence,
+    a degree over which it does not split."""
+    from teratrain import rundir
+    from teratrain.mesh import ParallelDims
+
+    dp, saved = ParallelDims.from_config(cfg.parallel, world).dp, rundir.processes(run_dir)
+    gb, mb = cfg.train.global_batch, cfg.train.micro_batch
+    now = f"at dp={dp} on {world} processes (its checkpoint: {saved})"
+    if gb % dp:
+        raise ConfigError(f"the run in {run_dir} resumes {now}, over which its train.global_batch={gb} does not "
+                          f"split; resume on a number of processes whose data-parallel degree divides {gb}.")
+    if gb // dp % mb:
+        raise ConfigError(f"the run in {run_dir} resumes {now}, where each rank takes {gb // dp} of its "
+                          f"train.global_batch={gb} sequences, not a multiple of train.micro_batch={mb}; set "
+                          f"train.micro_batch to a divisor of {gb // dp} (the global batch stays {gb}).")
 
 
 def _check_before_start(cfg, world: int) -> None:
@@ -200,13 +266,14 @@ def _check_before_start(cfg, world: int) -> None:
     check_host_memory(cfg, dims.workers, int(os.environ.get("LOCAL_WORLD_SIZE", world)), on_cpu)
 
 
-def _rank_argv(args, run_dir: Path, auto_sets: list[str] = (), notes: list[str] = ()) -> list[str]:
-    """This command as each rank runs it, with the run directory the launcher chose and owns, and the
-    layout parallel.auto chose there (so every rank runs the same one without planning again)."""
+def _rank_argv(args, run_dir: Path, resume: bool, auto_sets: list[str] = (), notes: list[str] = ()) -> list[str]:
+    """This command as each rank runs it, with the run directory the launcher chose and owns, whether
+    it resumes there (as checkpoint.resume decided in the launcher), and the layout parallel.auto
+    chose there (so every rank runs the same one without planning again)."""
     argv = ["train"] + ([args.config] if args.config else [])
     argv += [x for o in _overrides(args) + list(auto_sets) for x in ("--set", o)]
     argv += [x for note in notes[:1] for x in ("--auto-note", note)]
-    return argv + ["--out", str(run_dir)] + (["--resume"] if args.resume else [])
+    return argv + ["--out", str(run_dir)] + (["--resume"] if resume else [])
 
 
 def cmd_generate(args) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from teratrain.config_base import ConfigError, Section
 from teratrain.config_model import ModelConfig
@@ -235,6 +235,18 @@ class CheckpointConfig(Section):
     stop_timeout_s: float = Field(60.0, gt=0.0, description="seconds a job stopped by SIGTERM/SIGINT/SIGHUP has to "
                                   "finish its step and write a checkpoint before it exits without one (a second "
                                   "signal exits at once)")
+    resume: Literal["auto"] | bool | None = Field(
+        None, description="continue the run in --out from its newest checkpoint: true = always (--resume), false = "
+                          "never (a run already there is refused), auto = when it holds one, else start it there "
+                          "(--resume auto); unset = auto under plain torchrun, whose restarts (a failure, a node "
+                          "joining or leaving) rerun the same command on every node, else false")
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_mode(cls, value: Any) -> Any:
+        if value is None or isinstance(value, bool) or value == "auto":
+            return value
+        raise ConfigError(f"checkpoint.resume must be true, false or \"auto\", got {value!r}; choose one of them.")
 
 
 class MetricsConfig(Section):

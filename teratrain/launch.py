@@ -20,7 +20,10 @@ signals, and one sentence when a rank fails.
 - A rank under the launcher prints nothing when it fails: it writes a report (kind, message, time,
   traceback), and the launcher prints one sentence for the job: a rank that died without a report
   (killed), else the earliest error, else the signal that stopped it. Under plain torchrun each rank
-  prints its own error.
+  prints its own error; a peer lost (its process or node gone: the connection reset, or a wait past
+  parallel.timeout_s) is one sentence, appended with the traceback to the run's error.log and
+  written to torchrun's error file (its failure report quotes it), and the rank exits 1 at once, so
+  that torchrun restarts the job when --max-restarts allows (checkpoint.resume is auto there).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -156,6 +160,19 @@ def under_launcher() -> bool:
     return LAUNCHER_ENV in os.environ and "WORLD_SIZE" in os.environ
 
 
+def under_torchrun() -> bool:
+    """True in a rank started by plain torchrun (not by `teratrain train --nproc`)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ and not under_launcher()
+
+
+def restarts() -> tuple[int, int]:
+    """(torchrun's --max-restarts, the restarts after a failure so far) of this rank's job; (0, 0)
+    outside plain torchrun. A restart for a node joining or leaving counts as none."""
+    if not under_torchrun():
+        return 0, 0
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def follow_parent() -> None:
     """In a rank: stop (as on SIGTERM) when the process that started it dies. The launcher's pid is
     known; under plain torchrun the parent at start-up is its agent."""
@@ -194,6 +211,62 @@ def write_report(kind: str, message: str, exc: BaseException | None = None, deta
     tmp.replace(Path(folder) / f"rank{rank()}.json")
 
 
+# what torch's backends say when the other end of a connection is gone (gloo, NCCL, the TCP store)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "Connection was likely closed", "remote process exited", "NCCL communicator was aborted",
+             "ncclRemoteError")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """The sentence for an operation that failed because a peer is gone (its process or its node
+    ended), naming this rank, the operation and its group (parallel/inflight.py knows which raised),
+    and what comes next; None for any other error."""
+    from teratrain import rundir
+    from teratrain.parallel.inflight import describe, failed
+
+    if not isinstance(e, (RuntimeError, OSError)) or isinstance(e, BrokenPipeError):  # (stdout's reader left)
+        return None
+    text = str(e)
+    why = next((w for w in PEER_GONE if w.lower() in text.lower()), None)
+    if why is None:
+        return None
+    import torch.distributed as dist
+
+    op = failed()
+    what = f"{'an' if op.what[0] in 'aeiou' else 'a'} {op.what}" if op else "a collective"
+    if op is not None and (op.group is not None or dist.is_initialized()):
+        what += f" on {describe(op.group)}"
+    limit, done = restarts()
+    run_dir = rundir.current
+    if limit > done:
+        left = limit - done
+        then = f"torchrun restarts the job ({left} restart{'s' if left > 1 else ''} left on this node)"
+    elif run_dir is not None and (run_dir / "checkpoints" / "latest").is_file():
+        then = f"continue with: {resume_command(run_dir, int(os.environ.get('WORLD_SIZE', '1')))}"
+    else:
+        then = "no checkpoint was written yet"
+    where = f"; details in {run_dir / 'error.log'}" if run_dir is not None else ""
+    return f"rank {rank()}: a peer was lost during {what} ({why}: its process or node ended); {then}{where}"
+
+
+def record_failure(message: str, detail: str | None = None) -> None:
+    """On plain torchrun, leave what ended this rank where its user and torchrun look: appended to the
+    run's error.log (with `detail`: a traceback, or every thread's stack), and in torchrun's error file,
+    whose message its failure report then shows."""
+    from teratrain import rundir
+
+    if rundir.current is not None and rundir.current.is_dir():
+        head = f"[{time.strftime('%Y-%m-%d %H:%M:%S')} on {socket.gethostname()}] {message}\n"
+        fd = os.open(rundir.current / "error.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (head + (detail or "") + "\n").encode())  # one write: ranks append in turn
+        finally:
+            os.close(fd)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(
+            {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}))
+
+
 def stopped_message(signum: int, run_dir: Path | None) -> str:
     """The one line a stopped job ends with: the checkpoint it wrote at the stop (or the last complete
     one) and the command that continues the same job."""
@@ -219,7 +292,7 @@ def resume_command(run_dir: Path, world: int) -> str:
     the same processes (under a multi-machine torchrun: the same torchrun command)."""
     if "WORLD_SIZE" in os.environ and not under_launcher() and \
             os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]) != os.environ["WORLD_SIZE"]:
-        return f"the same torchrun command with --out {run_dir} --resume"
+        return f"the same torchrun command with --out {run_dir} --resume auto"
     return "teratrain train" + (f" --nproc {world}" if world > 1 else "") + f" --out {run_dir} --resume"
 
 

@@ -363,6 +363,65 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+ATTEMPT_KEY = "teratrain/attempt"  # in torchrun's store: where this attempt's own store is (port, id)
+PROBE_S = 2.0
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta):
+    """The store this attempt of the job meets in, or None for torch's own. torchrun's agent keeps one
+    store for every restart of a job (TORCHELASTIC_USE_AGENT_STORE), so the keys an earlier attempt
+    left there (gloo's addresses, NCCL's unique id) would be read by the next as its peers': it connects
+    to dead ports and never starts (https://github.com/pytorch/pytorch/issues/135712; a worker restarted
+    while its peer was not cannot tell attempts apart by TORCHELASTIC_RESTART_COUNT either). Each
+    attempt meets in a store of its own instead: rank 0 hosts it on a free port and leaves its port and
+    a random id in the agent's store; a rank that read an earlier attempt's (nothing answers there, or
+    another id) waits for the next value."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world == 1:
+        return None
+    import time
+    import uuid
+
+    from torch.distributed import TCPStore
+
+    from teratrain.parallel.inflight import blocking
+
+    addr = os.environ["MASTER_ADDR"]
+    agent = TCPStore(addr, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        own = TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        uid = uuid.uuid4().hex
+        own.set("attempt", uid)
+        agent.set(ATTEMPT_KEY, f"{own.port} {uid}")
+        return own
+    end, tried = time.monotonic() + timeout.total_seconds(), None
+    while time.monotonic() < end:
+        value = blocking("lookup of rank 0's store", None, lambda: agent.get(ATTEMPT_KEY)).decode()
+        if value != tried:
+            tried = value
+            if (own := _open_store(addr, *value.split(), timeout)) is not None:
+                return own
+        time.sleep(0.1)
+    raise ConfigError(f"rank {rank} found no store of this attempt's rank 0 at {addr} within "
+                      f"{timeout.total_seconds():g} s; check that every node reaches {addr}.")
+
+
+def _open_store(addr: str, port: str, uid: str, timeout: timedelta):
+    """The store at addr:port if it is the one rank 0 made with `uid`, else None."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    try:
+        socket.create_connection((addr, int(port)), timeout=PROBE_S).close()  # a gone store refuses at once
+        own = TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=PROBE_S))
+        if own.get("attempt").decode() == uid:
+            own.set_timeout(timeout)
+            return own
+    except (OSError, RuntimeError):
+        pass
+    return None
+
+
 def init_runtime(cfg) -> Runtime:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), join the process group (NCCL on
     CUDA, gloo on CPU) and build the named mesh. A plain `python` run is a world of one."""
@@ -380,8 +439,10 @@ def init_runtime(cfg) -> Runtime:
             align_group_names()  # a run before this one in the same processes
         else:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=backstop_s(cfg.parallel.timeout_s)),
-                                    device_id=device if device.type == "cuda" else None)
+            timeout = timedelta(seconds=backstop_s(cfg.parallel.timeout_s))
+            store = attempt_store(rank, world, timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                    **({"store": store, "rank": rank, "world_size": world} if store else {}))
         start_watchdog(cfg.parallel.timeout_s, rank)
     mesh = Mesh(dims, rank, timeout_s=cfg.parallel.timeout_s,
                 dp_max_ctas=cfg.parallel.dp_max_ctas) if rank < dims.workers else None

@@ -8,6 +8,13 @@
   process per job holds it: the `--nproc` launcher, else rank 0 (`teratrain.launch` says which).
   Every rank also holds `ranks.lock` shared, so a new owner waits for ranks that outlive a killed
   launcher by the seconds they take to stop.
+- Under plain torchrun rank 0 owns the directory; every other rank takes `ranks.lock` once the job
+  agreed on the directory (agree_run_dir), after rank 0 checked it, and must see it as rank 0 does
+  (the same `run.lock`: a filesystem every node shares).
+- `checkpoint.resume` (`--resume`, `--resume auto`): auto continues the run in `--out` when it holds
+  a checkpoint and starts it there otherwise (again, when it stopped before its first checkpoint),
+  refusing a folder holding another model's run; it is the default under plain torchrun, whose
+  restarts (after a failure, a node joining or leaving) rerun the first command on every node.
 - `--resume` starts from the run's saved `config.toml`, on as many processes as wrote its newest
   checkpoint unless `--nproc` is given; a config file and `--set` given with it apply on top (the
   start-up summary lists what differs from the checkpoint resumed, `changes`). A longer
@@ -50,6 +57,54 @@ def check_out(out: str | Path, resume: bool) -> Path:
     return path
 
 
+def resume_mode(given: bool | str | None) -> bool | str:
+    """checkpoint.resume as given (--resume, a config file, --set), else its default: "auto" in a rank
+    of plain torchrun, whose restarts (after a failure, or a node joining or leaving) rerun the first
+    command on every node, else False (a fresh run refuses a directory that holds one)."""
+    from teratrain.launch import under_torchrun
+
+    if given is not None:
+        return given
+    return "auto" if under_torchrun() else False
+
+
+def auto_resume(out: str | Path | None, given: bool) -> tuple[bool, str | None]:
+    """checkpoint.resume=auto (`given`: set by the user, not by default): (whether to resume `out`,
+    the start-up line saying what was decided). Resume when it holds a checkpoint; else start the run
+    there (again, when it stopped before its first checkpoint)."""
+    from teratrain.launch import restarts
+
+    if out is None:
+        limit, done = restarts()
+        if given:
+            raise ConfigError("checkpoint.resume=auto (--resume auto) continues or starts the run in --out; give "
+                              "--out DIR.")
+        if limit:
+            raise ConfigError(f"torchrun may restart this job (--max-restarts {limit}), and a restart continues "
+                              "the run only in a folder it knows; give --out DIR.")
+        return False, None
+    path = Path(out)
+    again = f" (torchrun restart {restarts()[1]})" if restarts()[1] else ""
+    if _has_checkpoints(path):
+        return True, f"resume=auto: {path} holds checkpoints: continuing its run{again}"
+    if (path / "config.toml").is_file() or logged_steps(path):
+        return False, (f"resume=auto: {path} holds a run that stopped before its first checkpoint: starting it "
+                       f"over{again}")
+    return False, f"resume=auto: {path} holds no run: starting it{again}"
+
+
+def check_same_run(path: Path, cfg: Config) -> None:
+    """Under checkpoint.resume=auto: refuse a run directory holding another model (a run of its own,
+    not one this command continues or starts over)."""
+    if not (path / "config.toml").is_file():
+        return
+    saved, mine = _flat({"model": read_toml(path / "config.toml").get("model", {})}), _flat(cfg.model_dump())
+    for key, value in sorted(saved.items()):
+        if key != "model.init_from" and mine.get(key) != value:
+            raise ConfigError(f"--out {path} holds another run ({key} = {value!r} there, {mine.get(key)!r} here); "
+                              "choose another --out, or give that run's model settings to continue it.")
+
+
 def logged_steps(path: Path) -> bool:
     """Whether a run in `path` logged a step (its metrics.jsonl is not empty)."""
     try:
@@ -60,13 +115,37 @@ def logged_steps(path: Path) -> bool:
 
 def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:
     """The run directory every rank of the job writes to: `out` if given, with `resume` alone the newest
-    run, else a fresh `runs/<timestamp>`; decided on rank 0 and shared (a collective)."""
-    from teratrain.parallel.comm import broadcast_object
+    run, else a fresh `runs/<timestamp>`; decided on rank 0 and shared (collectives). Every rank must
+    see it as rank 0 does (the same `run.lock`: one filesystem shared by every node) and have decided
+    alike whether to resume (checkpoint.resume=auto decides on each rank)."""
+    from teratrain.parallel.comm import all_gather_objects, broadcast_object
 
+    global current
     path = None
     if rt.is_main:
         path = str(check_out(out, resume) if out else newest_run() if resume else fresh_run_dir())
-    return Path(broadcast_object(path, rt.world_group))
+    current = path = Path(broadcast_object(path, rt.world_group))
+    _take_deferred(path)
+    views = all_gather_objects((bool(resume), _lock_text(path)), rt.world_group)
+    for r, (resumes, lock) in enumerate(views):
+        if lock != views[0][1]:
+            raise ConfigError(f"rank {r} does not see the run directory {path} as rank 0 does (its {LOCK_NAME} "
+                              "differs): --out must be on a filesystem that every node shares (NFS, Lustre, GPFS, "
+                              "...); see docs/nodes.md.")
+        if resumes != views[0][0]:
+            raise ConfigError(f"rank {r} decided {'to' if resumes else 'not to'} resume the run in {path}, rank 0 "
+                              "the opposite: give every node the same command and --out on a shared filesystem.")
+    return path
+
+
+current: Path | None = None  # the run directory this process's ranks agreed on (for a failure's error.log)
+
+
+def _lock_text(path: Path) -> str | None:
+    try:
+        return (path / LOCK_NAME).read_text()
+    except OSError:
+        return None
 
 
 def _has_checkpoints(path: Path) -> bool:
@@ -116,9 +195,11 @@ def _mkdir(path: Path, parents: bool = False) -> None:
 
 
 @contextmanager
-def own(path: Path, resume: bool, created: bool = False) -> Iterator[Path]:
+def own(path: Path, resume: bool, created: bool = False, start_over: bool = False) -> Iterator[Path]:
     """Hold the run directory for this job (see the module docstring). A directory this job created
-    is removed again if the job ends without having logged a step (a rejected data check leaves nothing)."""
+    is removed again if the job ends without having logged a step (a rejected data check leaves nothing).
+    `start_over` (checkpoint.resume=auto): a run there that stopped before its first checkpoint is
+    started again (its metrics.jsonl, of steps nothing can resume, goes)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path} is a file; give a folder for the run.")
@@ -127,6 +208,8 @@ def own(path: Path, resume: bool, created: bool = False) -> Iterator[Path]:
     fd = _lock(path)
     try:
         _check_no_members(path)
+        if start_over and not resume and not _has_checkpoints(path):
+            (path / "metrics.jsonl").unlink(missing_ok=True)
         check_out(path, resume)
         yield path
     finally:
@@ -152,6 +235,7 @@ def _lock(path: Path) -> int:
     info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
+    os.fsync(fd)  # other nodes read it (agree_run_dir): a network filesystem shows them what was synced
     return fd
 
 
@@ -168,11 +252,19 @@ def _check_no_members(path: Path) -> None:
 
 
 @contextmanager
-def member(path: Path | None) -> Iterator[None]:
+def member(path: Path | None, defer: bool = False) -> Iterator[None]:
     """Every rank of a job holds a shared lock on the run directory while it runs, so a new owner
-    can tell that ranks of an earlier job are still writing there."""
-    if path is None or not Path(path).is_dir():  # under plain torchrun rank 0 may still be creating it
-        yield
+    can tell that ranks of an earlier job are still writing there. `defer` (a rank of plain torchrun
+    other than rank 0, its owner): taken once the job agreed on the directory (agree_run_dir), so
+    after rank 0 checked it; taken at once, it would look to rank 0 like a rank of an earlier job."""
+    if defer or path is None or not Path(path).is_dir():  # (rank 0 may still be creating it)
+        _deferred["wanted"] = True
+        try:
+            yield
+        finally:
+            if "fd" in _deferred:
+                os.close(_deferred["fd"])
+            _deferred.clear()
         return
     fd = os.open(Path(path) / MEMBERS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -180,6 +272,15 @@ def member(path: Path | None) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+_deferred: dict = {}  # a member lock left for agree_run_dir to take ("wanted"), and its fd once taken
+
+
+def _take_deferred(path: Path) -> None:
+    if _deferred.pop("wanted", False) and path.is_dir():
+        _deferred["fd"] = fd = os.open(path / MEMBERS_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 def _holder(lock: Path) -> str:

@@ -4,7 +4,8 @@ The summary (rank 0, stderr) names the model (the preset, the `model.init_from` 
 a model of the user's own) and its parameter count, the device and process count, the layout (dp, tp,
 pp and its schedule, ep, zero, offload, precision, recompute, accumulation), the tokens per step, the memory
 per process the planner predicts (teratrain.planner: the same arithmetic as `teratrain plan`) and a
-warning when that will not fit the device, and the step a resumed run continues from. The planner
+warning when that will not fit the device, what checkpoint.resume=auto decided (continue or start the
+run), and the step a resumed run continues from. The planner
 only informs: if it cannot model a layout, the run goes on with a warning.
 """
 

@@ -9,6 +9,7 @@ a hung rank says little. The operations do: comm.py and the pipeline's p2p regis
 second, at the oldest one not completed. Past `parallel.timeout_s` it names it, with the group's
 name and ranks (mesh.py gives every group a description), writes the launcher's report
 (launch.py) and ends the process; the launcher prints the earliest report as the job's one line.
+Under plain torchrun each rank says it itself and appends it, with its stacks, to the run's error.log.
 
 torch's own timeouts (the process groups' `timeout`, after which NCCL's watchdog aborts the
 process, and gloo's, after which the wait raises) are set longer (`backstop_s`), so ours speaks
@@ -74,7 +75,11 @@ class Op:
 
     def wait(self) -> bool:
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except BaseException:
+                _failed[0] = self
+                raise
             self.work = None
             if torch.cuda.is_initialized():  # a wait only ordered the stream: mark where
                 self.event = torch.cuda.Event()
@@ -85,6 +90,7 @@ class Op:
 
 
 _ops: deque[Op] = deque()
+_failed: list[Op | None] = [None]  # the last operation whose wait raised (a peer lost: launch.lost_peer)
 _lock = threading.Lock()  # the main thread registers, the watchdog prunes
 _limit = [PRUNE_AT]  # size past which launch prunes: twice what the last pruning kept
 
@@ -105,6 +111,7 @@ def launch(what: str, group, start) -> Op:
         work = start()
     except BaseException:
         op.returned = True
+        _failed[0] = op
         raise
     op.work = Works(work) if isinstance(work, list) else work
     return op
@@ -115,6 +122,7 @@ def reset() -> None:
     with _lock:
         _ops.clear()
         _limit[0] = PRUNE_AT
+        _failed[0] = None
 
 
 def blocking(what: str, group, call):
@@ -124,8 +132,16 @@ def blocking(what: str, group, call):
         _ops.append(op)
     try:
         return call()
+    except BaseException:
+        _failed[0] = op
+        raise
     finally:
         op.returned = True
+
+
+def failed() -> Op | None:
+    """The last operation that raised instead of completing (e.g. its peer's connection reset)."""
+    return _failed[0]
 
 
 def _prune() -> None:
@@ -158,8 +174,8 @@ def describe(group) -> str:
 def hang_message(op: Op, rank: int, timeout_s: float) -> str:
     article = "an" if op.what[0] in "aeiou" else "a"
     return (f"rank {rank} waited over parallel.timeout_s={timeout_s:g} s for {article} {op.what} on "
-            f"{describe(op.group)} that never completed: a peer never joined it (a hang, or a peer stuck elsewhere); "
-            "raise parallel.timeout_s if the wait was legitimate")
+            f"{describe(op.group)} that never completed: a peer never joined it (a peer was lost, hung or stuck "
+            "elsewhere); raise parallel.timeout_s if the wait was legitimate")
 
 
 _watch = {"timeout_s": None, "rank": 0, "thread": None}
@@ -185,13 +201,18 @@ def start_watchdog(timeout_s: float, rank: int) -> None:
 
 
 def _report_and_exit(message: str) -> None:
-    """Leave the launcher a report (with every thread's stack, for error.log), say it, exit 1."""
-    from teratrain.launch import under_launcher, write_report
+    """Leave the launcher a report (with every thread's stack, for error.log), or without a launcher
+    say it and append it with the stacks to the run's error.log; exit 1."""
+    from teratrain import rundir
+    from teratrain.launch import record_failure, under_launcher, write_report
 
     main = threading.main_thread().ident
     stacks = "".join(f"--- thread {'main' if ident == main else ident}\n" + "".join(traceback.format_stack(frame))
                      for ident, frame in sys._current_frames().items())
     write_report("hang", message, detail=stacks)
     if not under_launcher():
+        if rundir.current is not None:
+            message += f"; every thread's stack in {rundir.current / 'error.log'}"
+        record_failure(message, stacks)
         print(f"teratrain: error: {message}", file=sys.stderr, flush=True)
     os._exit(1)

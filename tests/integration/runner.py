@@ -41,15 +41,16 @@ class Cli:
                         f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
         return proc
 
-    def train(self, out: Path | None, *sets: str, steps: int | None = None, resume: bool = False,
+    def train(self, out: Path | None, *sets: str, steps: int | None = None, resume: bool | str = False,
               nproc: int | None = None, config: Path | None = None, **kw):
         """`teratrain train [config]` of the tiny test shape, plus `sets` (section.key=value), on `nproc`
-        processes (unset: one, or a resumed run's own count)."""
+        processes (unset: one, or a resumed run's own count); `resume`: --resume, or "auto" for
+        --resume auto."""
         args = ["train"] + ([config] if config else []) + (["--out", out] if out is not None else [])
         args += ["--steps", steps] if steps else []
         args += ["--nproc", nproc] if nproc is not None else []
         args += [a for s in [*TINY_SETS, f"data.cache_dir={json.dumps(self.cache)}", *sets] for a in ("--set", s)]
-        return self(*args, *(["--resume"] if resume else []), **kw)
+        return self(*args, *(["--resume"] if resume else []), *([resume] if isinstance(resume, str) else []), **kw)
 
 
 def _main_in_process(argv: list[str]) -> subprocess.CompletedProcess:
@@ -84,3 +85,18 @@ def assert_user_error(proc: subprocess.CompletedProcess, *words: str) -> str:
     for w in words:
         assert w in lines[0], (w, lines[0])
     return lines[0]
+
+
+def pids_running(out: str) -> list[int]:
+    """Processes (launcher and ranks) whose command line names this run directory."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if out.encode() in cmd and state != "Z":
+                found.append(int(d.name))
+    return found

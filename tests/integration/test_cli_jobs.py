@@ -22,7 +22,7 @@ import pytest
 from teratrain.checkpoint import find_valid
 from teratrain.rundir import own
 from tests.helpers import TINY_SETS
-from tests.integration.runner import assert_user_error, metrics
+from tests.integration.runner import assert_user_error, metrics, pids_running
 
 pytestmark = pytest.mark.slow
 
@@ -58,21 +58,6 @@ def jobs(cli):
             except ProcessLookupError:
                 pass
         proc.communicate(timeout=30)
-
-
-def pids_running(out: str) -> list[int]:
-    """Processes (launcher and ranks) whose command line names this run directory."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().split(b"\0")
-                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if out.encode() in cmd and state != "Z":
-                found.append(int(d.name))
-    return found
 
 
 def wait_for(what, timeout: float = 90.0, every: float = 0.2):
