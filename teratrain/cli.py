@@ -14,13 +14,14 @@ import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
-from teratrain import __version__
+from teratrain import __version__, jobenv
 from teratrain.checkpoint import CheckpointError
 from teratrain.config import ConfigError, load_config
 from teratrain.config_toml import describe
 from teratrain.data.corpus import DataError
-from teratrain.launch import (Stopped, follow_parent, launch, lost_peer, rank, record_failure, stop_on_signals,
+from teratrain.launch import (Stopped, follow_parent, launch, rank, record_failure, stop_on_signals,
                               stopped_message, under_launcher, under_torchrun, write_report)
+from teratrain.parallel import inflight
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 # errors of the machine, not of teratrain: a sentence, not a traceback
@@ -52,7 +53,7 @@ def _exit_status(e: BaseException, signum: int | None) -> int:
         if rank() == 0 and not under_launcher():
             print(stopped_message(e.signum, getattr(e, "run_dir", None)), file=sys.stderr)
         return e.exit_code
-    if under_torchrun() and (lost := lost_peer(e)) is not None:
+    if under_torchrun() and (lost := inflight.lost_peer(e)) is not None:
         record_failure(lost, "".join(traceback.format_exception(e)))
         print(f"teratrain: error: {lost}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -164,7 +165,7 @@ def cmd_train(args) -> int:
     if mode == "auto":
         resume, resume_note = rundir.auto_resume(args.out, given=given is not None)
     run_dir = Path(args.out) if args.out else rundir.newest_run() if resume else None
-    rundir.current = run_dir
+    jobenv.run_dir = run_dir
     if resume:
         cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
     else:

@@ -43,7 +43,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-LAUNCHER_ENV = "TERATRAIN_LAUNCHER_PID"
+from teratrain import jobenv
+from teratrain.jobenv import LAUNCHER_ENV, rank, restarts, under_launcher, under_torchrun  # noqa: F401
+
 REPORTS_ENV = "TERATRAIN_REPORTS"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SHUTDOWN_GRACE_S = 10.0  # outside training, a stopped rank that has not exited by then (a hung collective) exits hard
@@ -151,26 +153,8 @@ def _exit_if_stuck(state: dict) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- ranks
 
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
-def under_launcher() -> bool:
-    """True in a rank started by `teratrain train --nproc` (the launcher owns the run directory)."""
-    return LAUNCHER_ENV in os.environ and "WORLD_SIZE" in os.environ
-
-
-def under_torchrun() -> bool:
-    """True in a rank started by plain torchrun (not by `teratrain train --nproc`)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ and not under_launcher()
-
-
-def restarts() -> tuple[int, int]:
-    """(torchrun's --max-restarts, the restarts after a failure so far) of this rank's job; (0, 0)
-    outside plain torchrun. A restart for a node joining or leaving counts as none."""
-    if not under_torchrun():
-        return 0, 0
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def follow_parent() -> None:
@@ -211,53 +195,13 @@ def write_report(kind: str, message: str, exc: BaseException | None = None, deta
     tmp.replace(Path(folder) / f"rank{rank()}.json")
 
 
-# what torch's backends say when the other end of a connection is gone (gloo, NCCL, the TCP store)
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-             "Connection was likely closed", "remote process exited", "NCCL communicator was aborted",
-             "ncclRemoteError")
-
-
-def lost_peer(e: BaseException) -> str | None:
-    """The sentence for an operation that failed because a peer is gone (its process or its node
-    ended), naming this rank, the operation and its group (parallel/inflight.py knows which raised),
-    and what comes next; None for any other error."""
-    from teratrain import rundir
-    from teratrain.parallel.inflight import describe, failed
-
-    if not isinstance(e, (RuntimeError, OSError)) or isinstance(e, BrokenPipeError):  # (stdout's reader left)
-        return None
-    text = str(e)
-    why = next((w for w in PEER_GONE if w.lower() in text.lower()), None)
-    if why is None:
-        return None
-    import torch.distributed as dist
-
-    op = failed()
-    what = f"{'an' if op.what[0] in 'aeiou' else 'a'} {op.what}" if op else "a collective"
-    if op is not None and (op.group is not None or dist.is_initialized()):
-        what += f" on {describe(op.group)}"
-    limit, done = restarts()
-    run_dir = rundir.current
-    if limit > done:
-        left = limit - done
-        then = f"torchrun restarts the job ({left} restart{'s' if left > 1 else ''} left on this node)"
-    elif run_dir is not None and (run_dir / "checkpoints" / "latest").is_file():
-        then = f"continue with: {resume_command(run_dir, int(os.environ.get('WORLD_SIZE', '1')))}"
-    else:
-        then = "no checkpoint was written yet"
-    where = f"; details in {run_dir / 'error.log'}" if run_dir is not None else ""
-    return f"rank {rank()}: a peer was lost during {what} ({why}: its process or node ended); {then}{where}"
-
-
 def record_failure(message: str, detail: str | None = None) -> None:
     """On plain torchrun, leave what ended this rank where its user and torchrun look: appended to the
     run's error.log (with `detail`: a traceback, or every thread's stack), and in torchrun's error file,
     whose message its failure report then shows."""
-    from teratrain import rundir
-
-    if rundir.current is not None and rundir.current.is_dir():
+    if jobenv.run_dir is not None and jobenv.run_dir.is_dir():
         head = f"[{time.strftime('%Y-%m-%d %H:%M:%S')} on {socket.gethostname()}] {message}\n"
-        fd = os.open(rundir.current / "error.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(jobenv.run_dir / "error.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (head + (detail or "") + "\n").encode())  # one write: ranks append in turn
         finally:

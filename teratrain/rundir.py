@@ -36,6 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
+from teratrain import jobenv
 from teratrain.config import Config, ConfigError, apply_overrides, read_toml, validate
 
 RUNS = Path("runs")
@@ -61,7 +62,7 @@ def resume_mode(given: bool | str | None) -> bool | str:
     """checkpoint.resume as given (--resume, a config file, --set), else its default: "auto" in a rank
     of plain torchrun, whose restarts (after a failure, or a node joining or leaving) rerun the first
     command on every node, else False (a fresh run refuses a directory that holds one)."""
-    from teratrain.launch import under_torchrun
+    from teratrain.jobenv import under_torchrun
 
     if given is not None:
         return given
@@ -72,7 +73,7 @@ def auto_resume(out: str | Path | None, given: bool) -> tuple[bool, str | None]:
     """checkpoint.resume=auto (`given`: set by the user, not by default): (whether to resume `out`,
     the start-up line saying what was decided). Resume when it holds a checkpoint; else start the run
     there (again, when it stopped before its first checkpoint)."""
-    from teratrain.launch import restarts
+    from teratrain.jobenv import restarts
 
     if out is None:
         limit, done = restarts()
@@ -120,11 +121,10 @@ def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:
     alike whether to resume (checkpoint.resume=auto decides on each rank)."""
     from teratrain.parallel.comm import all_gather_objects, broadcast_object
 
-    global current
     path = None
     if rt.is_main:
         path = str(check_out(out, resume) if out else newest_run() if resume else fresh_run_dir())
-    current = path = Path(broadcast_object(path, rt.world_group))
+    jobenv.run_dir = path = Path(broadcast_object(path, rt.world_group))
     _take_deferred(path)
     views = all_gather_objects((bool(resume), _lock_text(path)), rt.world_group)
     for r, (resumes, lock) in enumerate(views):
@@ -137,8 +137,6 @@ def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:
                               "the opposite: give every node the same command and --out on a shared filesystem.")
     return path
 
-
-current: Path | None = None  # the run directory this process's ranks agreed on (for a failure's error.log)
 
 
 def _lock_text(path: Path) -> str | None:

@@ -90,7 +90,7 @@ class Op:
 
 
 _ops: deque[Op] = deque()
-_failed: list[Op | None] = [None]  # the last operation whose wait raised (a peer lost: launch.lost_peer)
+_failed: list[Op | None] = [None]  # the last operation whose wait raised (a peer lost: lost_peer)
 _lock = threading.Lock()  # the main thread registers, the watchdog prunes
 _limit = [PRUNE_AT]  # size past which launch prunes: twice what the last pruning kept
 
@@ -203,16 +203,55 @@ def start_watchdog(timeout_s: float, rank: int) -> None:
 def _report_and_exit(message: str) -> None:
     """Leave the launcher a report (with every thread's stack, for error.log), or without a launcher
     say it and append it with the stacks to the run's error.log; exit 1."""
-    from teratrain import rundir
-    from teratrain.launch import record_failure, under_launcher, write_report
+    from teratrain import jobenv
+    from teratrain.launch import record_failure, write_report
 
     main = threading.main_thread().ident
     stacks = "".join(f"--- thread {'main' if ident == main else ident}\n" + "".join(traceback.format_stack(frame))
                      for ident, frame in sys._current_frames().items())
     write_report("hang", message, detail=stacks)
-    if not under_launcher():
-        if rundir.current is not None:
-            message += f"; every thread's stack in {rundir.current / 'error.log'}"
+    if not jobenv.under_launcher():
+        if jobenv.run_dir is not None:
+            message += f"; every thread's stack in {jobenv.run_dir / 'error.log'}"
         record_failure(message, stacks)
         print(f"teratrain: error: {message}", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+# what torch's backends say when the other end of a connection is gone (gloo, NCCL, the TCP store)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+             "Connection was likely closed", "remote process exited", "NCCL communicator was aborted",
+             "ncclRemoteError")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """The sentence for an operation that failed because a peer is gone (its process or its node
+    ended), naming this rank, the operation and its group (`failed` knows which raised),
+    and what comes next; None for any other error."""
+    from teratrain import jobenv
+    from teratrain.jobenv import rank, restarts
+    from teratrain.launch import resume_command
+
+    if not isinstance(e, (RuntimeError, OSError)) or isinstance(e, BrokenPipeError):  # (stdout's reader left)
+        return None
+    text = str(e)
+    why = next((w for w in PEER_GONE if w.lower() in text.lower()), None)
+    if why is None:
+        return None
+    import torch.distributed as dist
+
+    op = failed()
+    what = f"{'an' if op.what[0] in 'aeiou' else 'a'} {op.what}" if op else "a collective"
+    if op is not None and (op.group is not None or dist.is_initialized()):
+        what += f" on {describe(op.group)}"
+    limit, done = restarts()
+    run_dir = jobenv.run_dir
+    if limit > done:
+        left = limit - done
+        then = f"torchrun restarts the job ({left} restart{'s' if left > 1 else ''} left on this node)"
+    elif run_dir is not None and (run_dir / "checkpoints" / "latest").is_file():
+        then = f"continue with: {resume_command(run_dir, int(os.environ.get('WORLD_SIZE', '1')))}"
+    else:
+        then = "no checkpoint was written yet"
+    where = f"; details in {run_dir / 'error.log'}" if run_dir is not None else ""
+    return f"rank {rank()}: a peer was lost during {what} ({why}: its process or node ended); {then}{where}"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from teratrain import launch, rundir
+from teratrain import jobenv, launch, rundir
 from teratrain.config import ConfigError
 from teratrain.parallel import inflight
 
@@ -33,7 +33,7 @@ def torchrun(monkeypatch, tmp_path):
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TERATRAIN_LAUNCHER_PID", raising=False)
     (tmp_path / "run").mkdir()
-    monkeypatch.setattr(rundir, "current", tmp_path / "run")
+    monkeypatch.setattr(jobenv, "run_dir", tmp_path / "run")
     inflight.reset()
     yield tmp_path / "run"
     inflight.reset()
@@ -42,13 +42,13 @@ def torchrun(monkeypatch, tmp_path):
 def test_the_sentence_names_the_rank_the_operation_and_what_comes_next(torchrun, tmp_path):
     with pytest.raises(RuntimeError) as caught:
         inflight.launch("all-reduce", None, lambda: _Broken()).wait()
-    sentence = launch.lost_peer(caught.value)
+    sentence = inflight.lost_peer(caught.value)
     assert sentence == (f"rank 1: a peer was lost during an all-reduce (Connection reset by peer: its process or node "
                         f"ended); torchrun restarts the job (1 restart left on this node); details in "
                         f"{torchrun / 'error.log'}")
-    assert launch.lost_peer(RuntimeError("CUDA out of memory")) is None
-    assert launch.lost_peer(ValueError("Connection reset by peer")) is None
-    assert launch.lost_peer(BrokenPipeError(32, "Broken pipe")) is None  # `torchrun ... | head`
+    assert inflight.lost_peer(RuntimeError("CUDA out of memory")) is None
+    assert inflight.lost_peer(ValueError("Connection reset by peer")) is None
+    assert inflight.lost_peer(BrokenPipeError(32, "Broken pipe")) is None  # `torchrun ... | head`
 
     launch.record_failure(sentence, "Traceback ...\n")
     launch.record_failure("rank 0: another", None)  # ranks append to the same log
@@ -62,11 +62,11 @@ def test_without_restarts_left_it_names_the_command_that_continues(torchrun, mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank a node: several nodes
     with pytest.raises(RuntimeError) as caught:
         inflight.blocking("barrier", None, lambda: _Broken().wait())
-    assert "no checkpoint was written yet" in launch.lost_peer(caught.value)
+    assert "no checkpoint was written yet" in inflight.lost_peer(caught.value)
     (torchrun / "checkpoints").mkdir()
     (torchrun / "checkpoints" / "latest").write_text("step_00000005")
     assert (f"during a barrier (Connection reset by peer: its process or node ended); continue with: the same "
-            f"torchrun command with --out {torchrun} --resume auto;") in launch.lost_peer(caught.value)
+            f"torchrun command with --out {torchrun} --resume auto;") in inflight.lost_peer(caught.value)
 
 
 class _Rank0:
