@@ -34,7 +34,7 @@ PATTERNS = [(re.compile(p, re.IGNORECASE), what) for p, what in (
     (rf"(?<!-)\brounds?\s+{_N}{_MORE}\b(?!\s*(?:decimal|digit|place|times)s?\b)(?!\s*[.,]\d)", "a numbered round of work"),
     (r"\b(?:this|next|last|previous) round\b", "a round of work"),
     (r"\bleas(?:e|es|ed)\b|\blent\b", "how a machine was obtained"),
-    (r"scratch/", "a scratch path outside the repository"),
+    (r"(?<![\w/.])scratch/", "a scratch path outside the repository"),
     (rf"_session{_N}", "a session of work in a name"),
 )]
 NAME = re.compile(r"run2|_before|_after|session|call\d|s\d+call", re.IGNORECASE)
@@ -111,7 +111,7 @@ def test_ordinary_words_pass(tmp_path):
         "start a Python session and call it 3 times", "`bench/fsdp2_compare.py --rounds 3`", "rounds 1.066, 1.067",
         "It issues 9,700 kernels a step", "a hang in torch (pytorch#115388)", 'edgecolor="#444"', "release the lock",
         "an equivalent layout", "a relaunch of the host-paced rows", "round 2 decimal places", "def session(self):",
-        "the planner issues 12 collectives", "calls the hook", "round-trip through TOML",
+        "the planner issues 12 collectives", "calls the hook", "round-trip through TOML", "--out /scratch/runs/big",
         '"name": "llama-1b #1 dp=4 tp=1"', "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}"]) + "\n")
     (tmp_path / "docs" / "runs.md").write_text("fine\n")
     assert offences(tmp_path) == []
