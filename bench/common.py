@@ -49,7 +49,7 @@ def smoke_compile() -> None:
 
 def graph_breaks() -> dict:
     """The graph breaks since `fresh_compile`: their count, the compiled graphs, the top 5 reasons. Every
-    break is a return to Python the host pays on each step (bench/README.md, tensor parallelism)."""
+    break is a return to Python the host pays on each step."""
     from torch._dynamo.utils import counters
 
     breaks = counters["graph_break"]

@@ -13,7 +13,7 @@ or the pieces of the loop, for a loop of your own (under torchrun for several pr
 
 `model` is teratrain's decoder (`teratrain.Transformer(cfg.model)` on the meta device) or one of your
 own that follows the model protocol (teratrain/models/protocol.py; `teratrain.CausalLM` adapts a
-transformers causal LM). See README "Your own model" and examples/own_model.py.
+transformers causal LM). See docs/checkpoints.md, "Your own model", and examples/own_model.py.
 """
 
 __version__ = "0.1.0"

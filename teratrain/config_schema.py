@@ -145,7 +145,8 @@ class ParallelConfig(Section):
     ep_overlap_chunks: int = Field(1, ge=1, description="pieces each MoE layer's all-to-all exchange is cut into at "
                                    "ep > 1, one piece's dispatch and combine running under another piece's experts, "
                                    "forward and backward (Tutel, DeepSpeed-MoE; parallel/expert.py); 1 = one "
-                                   "exchange each way, nothing overlapped; no effect at ep=1 (slower than 1 where measured: README)")
+                                   "exchange each way, nothing overlapped; no effect at ep=1 (slower than 1 where measured: "
+                                   "docs/moe.md, \"Expert parallelism\")")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
     offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
     offload_threads: int = Field(0, ge=0, description="CPU threads each rank's host optimizer step runs on under "

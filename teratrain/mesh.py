@@ -187,9 +187,9 @@ class Mesh:
         """Set up the communicator of every group a strategy has asked for, now, in the order the
         groups were created (the same on every member). NCCL sets a communicator up at a group's first
         operation, and that set-up blocks the host until every member arrives: lazily, from a gradient
-        hook between a backward and the send a peer stage waits for, it deadlocks (ARCHITECTURE.md, NCCL
-        order). gloo connects when a group is made. Each member blocks here only on groups made before
-        this one, so the walk cannot cycle. Idempotent: later calls connect groups asked for since."""
+        hook between a backward and the send a peer stage waits for, it deadlocks. gloo connects when a
+        group is made. Each member blocks here only on groups made before this one, so the walk cannot
+        cycle. Idempotent: later calls connect groups asked for since."""
         if device.type != "cuda":
             return
         from teratrain.parallel.comm import all_reduce

@@ -168,7 +168,9 @@ def _memory_line(cfg: Config, rt, params: int | None = None) -> str:
         have = torch.cuda.get_device_properties(rt.device).total_memory
         what = "memory" if params is None else "model states (activations not counted)"
         line = f"predicted {what} per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
-        if cfg.train.cuda_graphs:  # measured: +2 to +44% (bench/README.md, CUDA graphs)
+        # measured: the graphed peak 1.11-1.44x the eager one at the llama-8b width, one GPU and tp=2
+        # (bench/results/h200x2/2026-11-27_tensor_parallel_graphed.json)
+        if cfg.train.cuda_graphs:
             line += "; eager: CUDA graphs keep pools of their own on top"
         fits = mem.total <= have
         return line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"

@@ -165,7 +165,8 @@ def to_hf(m) -> dict:
 def _mixtral(m) -> dict:
     """The expert keys of a Mixtral config.json, after refusing what Mixtral cannot hold. The aux weight
     becomes router_aux_loss_coef: exactly under the transformers convention; under ours divided by
-    top_k, the same weight per layer (transformers then pools the layers' tokens: README)."""
+    top_k, the same weight per layer (transformers then pools the layers' tokens: docs/moe.md,
+    "Auxiliary loss: two conventions")."""
     e = m.moe
     if e.router != "softmax-topk" or e.every != 1 or m.use_bias:
         raise ConfigError(f"Mixtral, the Hugging Face layout of mixture-of-experts models, has the softmax-topk router in "

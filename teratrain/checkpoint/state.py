@@ -24,7 +24,7 @@ def deterministic_algorithms(on: bool) -> None:
     default, as in torch: cuDNN's attention backward (what scaled_dot_product_attention runs on
     Hopper in bf16) accumulates with atomic adds in whatever order its blocks finish, so two runs
     part in the last bit from the first step, and top-k routing turns that into other experts
-    (bench/determinism.py measured it; bench/README.md, "Determinism"). On, torch picks deterministic
+    (bench/determinism.py measured it; bench/README.md, "The layout matrix"). On, torch picks deterministic
     kernels everywhere and refuses an op that has none; cuBLAS needs a fixed workspace for it, set
     here before its first matmul."""
     if on:

@@ -18,10 +18,10 @@ overloaded", which leaves one core per rank stepping billions of parameters whil
 `use_host_threads` gives each rank threads of its own instead, as DeepSpeed's CPU Adam runs on OpenMP
 threads (`parallel.offload_threads`; 0 = half the CPUs this process may run on over the local ranks,
 or torch's own count in a job of one process).
-Measured on 4 x H100 (64 CPUs; llama-1b width, 8 layers, ZeRO-2, one call): the step took 0.387 s on
-1 thread a rank, 0.221 on 4, 0.196 on 8, 0.216 on 12 and 0.305 on 16, the whole share, whose ranks
-straggled; another machine of the kind ran 16 at 0.197 s (bench/README.md, "Optimizer offload on
-several GPUs").
+Measured with `teratrain train --nproc 4 --set parallel.offload=optimizer --set parallel.offload_threads=N`
+on 4 x H100 (64 CPUs; llama-1b width, 8 layers, ZeRO-2, one machine): the step took 0.387 s on 1 thread
+a rank, 0.221 on 4, 0.196 on 8, 0.216 on 12 and 0.305 on 16, the whole share, whose ranks straggled;
+another machine of the kind ran 16 at 0.197 s.
 """
 
 from __future__ import annotations

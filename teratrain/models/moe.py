@@ -351,7 +351,8 @@ class MoE(nn.Module):
         return stack_experts(experts, compute_dtype(x)) if use_grouped(experts, x, self.kernel) else None
 
     def _set_aux(self, r: Routing) -> None:
-        """The aux loss of this forward, by `model.moe.aux_loss_convention` (README, "Auxiliary loss")."""
+        """The aux loss of this forward, by `model.moe.aux_loss_convention` (docs/moe.md, "Auxiliary loss:
+        two conventions")."""
         if self.convention == "transformers":  # per layer n sum_e (choices_e / N) P_e; pooled over layers by aux_loss()
             choices = torch.zeros(self.num_experts, device=r.experts.device).scatter_add_(
                 0, r.experts.flatten(), torch.ones(r.experts.numel(), device=r.experts.device))

@@ -5,8 +5,7 @@ backward; Megatron-Core's moe permute / unpermute). No scatter-add, no atomics, 
 Why. Advanced indexing `x[idx]` has as backward an accumulating `index_put_`, which on CUDA sorts
 the indices and gives each run of equal indices to one warp that walks it serially: every row that
 goes nowhere (a capacity drop, a padding row, an empty slot of a padded exchange) read one shared
-zero row, so its gradient was a run as long as the drops. On 2 x H100 that backward and the sort
-around it were the two largest items of the MoE step (bench/README.md, "Mixture of experts").
+zero row, so its gradient was a run as long as the drops.
 
 Layout. Each of M input rows (a token's choice, or a row received from an expert-parallel peer) has
 a key: its group (the local expert) or `num_groups` for a row that goes nowhere (dropped for

@@ -31,8 +31,8 @@ def traced() -> bool:
     functional collective of the same name, which the compiler puts into its graph (and may overlap
     with independent kernels), not a c10d call with the hang watchdog's registry around it: that
     Python (clocks, CUDA events) cannot be traced, and every collective would split the compiled
-    graph there, each split costing the host more than the eager op it replaced (measured in
-    bench/README.md, "Tensor parallelism"). NCCL's own watchdog still times the collectives out.
+    graph there, each split a return to Python that the host pays on every step (bench/common.py
+    `graph_breaks` counts them). NCCL's own watchdog still times the collectives out.
     The result is the same: in place into the caller's tensor, and `async_op` gets a handle that is
     already done (the compiler orders the wait)."""
     return torch.compiler.is_compiling()

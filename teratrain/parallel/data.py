@@ -43,9 +43,9 @@ class _Bucket:
 class DataParallelEngine(LocalEngine):
     """Gradients that a group reduces live in flat buckets kept between steps. Those with nothing to
     reduce or scale (a group of this rank alone: tensor or pipeline parallelism without dp) stay
-    autograd's own and are freed after each update, as in one process: a bucket kept for them held
-    4 bytes a parameter through the next forward (the llama-8b-width tp=2 peak over DTensor TP's,
-    bench/README.md). CUDA graph replays need every gradient in a buffer of its own (engine.py)."""
+    autograd's own and are freed after each update, as in one process: a bucket kept for them would
+    hold 4 bytes a parameter through the next forward. CUDA graph replays need every gradient in a
+    buffer of its own (engine.py)."""
 
     def __init__(self, model, cfg, rt):
         super().__init__(model, cfg.optim, cfg.memory, cfg.train.grad_clip, cfg.use_master_weights)

@@ -55,10 +55,10 @@ further work until the GPU has caught up (the step turns host-bound). Two exchan
   rank where N * k are routed (n / k times the bytes: 4x for 8 experts, top-2), the price of a
   step the host no longer waits in.
 Either way the rows are put into the send buffer, regrouped by local expert on the receiver, and
-brought back by permutations whose backward is a gather too (models/permute.py). The padded path
-measured 0.22x dense on 2 x H100 when those were advanced indexing: every empty slot read one shared
-zero row (and every dropped choice one shared last row), so each backward's sort-based index_put_
-walked runs as long as the empty slots serially, three times per layer (bench/README.md).
+brought back by permutations whose backward is a gather too (models/permute.py). With advanced
+indexing every empty slot would read one shared zero row (and every dropped choice one shared last
+row), so each backward's sort-based index_put_ would walk runs as long as the empty slots serially,
+three times per layer.
 
 The exchange pipelined with the experts (`parallel.ep_overlap_chunks` = C; the pipelining of
 Tutel, Hwang et al. 2023, and of DeepSpeed-MoE, Rajbhandari et al. 2022). Whole, the two

@@ -132,7 +132,7 @@ def compile_units(model: nn.Module, staged: bool, cfg, dp: int) -> list[nn.Modul
     bucketed reductions all start after the backward. Scope `block`: each block (one graph for all
     blocks alike), and the built-in decoder's final norm and loss (the loss's fused pass over the
     logits); embeddings and the output projection run eager (one kernel each). At dp=2 on 2 x H200
-    block was 0.7-2% faster than model and compiled in a third of the time (bench/README.md)."""
+    block ran 0.7% faster than model (bench/README.md, "Data parallelism against DDP")."""
     if staged:
         return list(model.layers)
     if compile_scope(cfg, dp) == "model":

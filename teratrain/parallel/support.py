@@ -82,7 +82,7 @@ def grad_dtype_problem(grad_dtype: str, zero: int, low: bool) -> str | None:
 
 
 def check_pipeline(cfg) -> None:
-    """What pipelining composes with (README's feature table says the same)."""
+    """What pipelining composes with (docs/pipeline.md, "What composes with a pipeline", says the same)."""
     p = cfg.parallel
     check_split(cfg)
     if p.pp == 1:
@@ -97,7 +97,7 @@ def check_pipeline(cfg) -> None:
     if cfg.model.moe.enabled and cfg.model.moe.aux_loss_convention == "transformers":
         raise ConfigError("model.moe.aux_loss_convention=transformers pools every MoE layer's tokens into one loss, "
                           "which pipeline stages holding different layers cannot form; use aux_loss_convention=ours "
-                          "with parallel.pp>1 (README: MoE aux loss conventions).")
+                          "with parallel.pp>1 (docs/moe.md, \"Auxiliary loss: two conventions\").")
     if cfg.memory.compress_activations != "none" and p.schedule == "zb-h1":
         raise ConfigError("parallel.schedule=zb-h1 records what each forward saves to split its backward, which "
                           "memory.compress_activations would encode out of its sight; use another schedule "

@@ -148,10 +148,10 @@ def _split_note(shape: ModelShape, train, best: Candidate, gpu, gpu_mem: float) 
     slower = best.time.step_time_s / other.time.step_time_s - 1
     return [f"ZB-H1 plans {slower:.0%} slower than 1F1B at this layout: the host paces the step, and the split "
             "backward's host work (saved-tensor hooks, a graph walk, the weight rules) outweighs the bubble it "
-            "fills (bench/README.md, \"ZB-H1's host cost\"); parallel.schedule=1f1b runs it faster"]
+            "fills (docs/pipeline.md, \"Schedules\"); parallel.schedule=1f1b runs it faster"]
 
 
-# Measured with bench/moe.py --reorder (bench/README.md, MoE): graphed, 8 experts top-2 at the
+# Measured with bench/moe.py --reorder (docs/moe.md, "Compiled and CUDA graphs"): graphed, 8 experts top-2 at the
 # llama-1b width, ep=4 on 4 x H200 129.0 -> 124.1 ms a step, the exchange's exposed share 16.0% -> 11.3%;
 # at ep=2 on 2 x H200 no change (121.2 and 121.3 ms), so the note starts above ep=2.
 EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA graphs: train.compile_overlap=true "
@@ -160,11 +160,12 @@ EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA gr
                           "from 16.0% to 11.3% and the step by 3.8% (the planner does not model this)")
 
 
-# Measured on 2 x H200 (bench/README.md, "Compiled ZeRO-3 and FSDP2"): compiled ZeRO-3 1.12x and 1.19x
-# its eager tokens/s (Llama-8B blocks, llama-1b), compiled data parallelism 1.20x (llama-1b).
+# Measured (bench/README.md, "ZeRO-3 against FSDP2" and "Data parallelism against DDP"): compiled ZeRO-3
+# 1.11x and 1.22x its eager tokens/s on 4 x H100 (Llama-8B, llama-1b), compiled data parallelism 1.20x
+# on 2 x H200 (llama-1b).
 COMPILED = ("train.compile is planned as the eager step (the planner does not model fused kernels): compiled "
-            "data-parallel and ZeRO-3 steps measured 1.12-1.20x the eager tokens/s on 2 x H200, so expect a "
-            "shorter step than the one above; memory is planned as eager too")
+            "data-parallel and ZeRO-3 steps measured 1.11-1.22x the eager tokens/s on H100s and H200s, so expect "
+            "a shorter step than the one above; memory is planned as eager too")
 
 
 def _host_mem(args, notes: list[str]) -> float | None:

@@ -59,7 +59,8 @@ class GPU:
     flops_d_half: float = 1100.0  # width at which bf16/fp16 reaches half of flops_max
     flops_efficiency_fp32: float = 0.80
     # MoE layers' expert FLOPs run at this fraction of the dense rate: derived from bench/moe.py's
-    # dense vs ep=1 MoE steps on 4 x H200 (bench/results/moe_h200x4.json, the same active FLOPs)
+    # dense vs ep=1 MoE steps on 4 x H200 (bench/results/h200x4/2026-11-26_moe_eager.json, the same
+    # active FLOPs)
     moe_efficiency: float = 0.54
     # memory.fp8: a float8 GEMM (torch._scaled_mm, bf16 output) against the bf16 GEMM of the same
     # shape, by recipe. MEASURED on one H200 (torch 2.11): the mean over the llama-8b width's three
@@ -77,10 +78,9 @@ class GPU:
     # registration, the NCCL launch; the compute stream waits on it at once, so the ranks' host skew
     # and the queue's refill land there too): the GPU waits on these where its own work per op is
     # short. CALIBRATED: least squared relative step error over the fit rows of the one-GPU and the
-    # 4-GPU H200 validations (bench/results/planner_validate_h200.json, _h200x4.json; torch 2.11).
-    # host_collective_s predicts without explaining: the tp=4 profile (bench/README.md, tensor
-    # parallelism) finds that time on the GPU, in all-reduces ~10x slower inside the step than
-    # alone, with the host ahead; read it as what one tp collective costs a step on this machine.
+    # 4-GPU H200 validations (bench/results/h200/2026-11-26_planner_validate.json,
+    # tests/fixtures/planner_runs/h200x4_2026-11-26.json; torch 2.11). host_collective_s predicts
+    # without explaining: read it as what one tp collective costs a step on this machine.
     host_op_s: float = 1.2e-5
     host_collective_s: float = 6.0e-4
     # Host time of one data-parallel engine launch (a bucket's all-reduce, a ZeRO group's reduce-scatter

@@ -52,7 +52,7 @@ def fit_alpha_beta(kind: str, ranks: int, sizes: list[float], seconds: list[floa
 
 
 def fit_collectives(rows: list[dict]) -> dict:
-    """The planner's terms from `bench/collectives.py` rows: {"hw": {key: value}, "fit": {kind: ...}}."""
+    """The planner's terms from `bench/machine.py`'s collective rows: {"hw": {key: value}, "fit": {kind: ...}}."""
     fits = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]

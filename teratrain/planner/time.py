@@ -65,21 +65,21 @@ OPS_MOE_EXTRA = (105, 57)
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
 # Python and index arithmetic each than a dense block's. On CPU at a width where the kernels cost nothing
-# an MoE layer's extra ops took 2.1-2.2x a dense block's average op (bench/moe_host_ops.py,
-# bench/results/moe_host_ops_cpu.json; on a GPU host every op also pays its launch, shared by both), and
-# eager MoE rows measured slower than planned in most recorded runs (moe tp2 under in 14 of 15, -12.5% on
-# average). CALIBRATED: the least squared relative step error of the MoE fit rows of every recorded
+# an MoE layer's extra ops took 2.1x a dense block's average op (bench/calibrate/moe_host_ops.py,
+# bench/results/cpu/2026-11-28_moe_host_ops.json; on a GPU host every op also pays its launch, shared by
+# both), and eager MoE rows measured slower than planned in most recorded runs (moe tp2 under in 14 of 15,
+# -12.5% on average). CALIBRATED: the least squared relative step error of the MoE fit rows of every recorded
 # several-GPU validation (tests/unit/test_planner_recorded.py; 1.4 is 0.5% worse, 1.0 27% and 2.0 66%);
 # the held-out MoE rows within 15% went from 33 to 37 of 44, the fit ones from 34 to 35 of 44.
 MOE_HOST_OP_SHARE = 1.35
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
-# Counted with a TorchDispatchMode over the last stage's program at two depths (bench/split_cost.py:
-# 74.0 in fp32 on CPU and in bf16 on an H200; tests/integration/test_bench_smoke.py counts it again).
-# None launches a kernel: the host alone pays, 0.82-0.94x the stage's average op on an H200 host (the
-# split added 1.2-1.4 ms a block and micro-batch, 25-29% of the last stage's host-paced 1F1B step, at 4
-# and 16 blocks; bench/README.md, "ZB-H1's host cost"), priced here at the average op. The first stage
+# Counted with a TorchDispatchMode over the last stage's program at two depths
+# (bench/calibrate/split_cost.py: 74.0 in fp32 on CPU and in bf16 on an H200;
+# tests/integration/test_bench_smoke.py counts it again). None launches a kernel: the host alone pays,
+# priced here at the average op (`python bench/calibrate/split_cost.py --layers 8 32` times the host's
+# cost of them on one GPU; bench/README.md, "Calibration scripts"). The first stage
 # does not split (no input gradient to send); every later one does, the last among them, which the host
 # paces. MoE blocks (more saved tensors) and recomputed ones (fewer) are charged the same.
 OPS_SPLIT_EXTRA = 74
@@ -416,8 +416,9 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # planner 0.4-9.7% over it, tests/unit/test_planner_recorded.py). Their memory pools are not modelled.
     issue_s = 0.0 if train.graphed else host_s(shape, train, lay, gpu, ops)
     # ZB-H1's split backward costs the GPU nothing extra: I is one autograd call and W launches B's own
-    # weight kernels (parallel/pipeline/backward.py; I + W measured at 1.03-1.05x B on 4 x H100,
-    # bench/README.md); its host pays more (split_ops, in host_s)
+    # weight kernels (parallel/pipeline/backward.py; I + W measured at 1.02-1.19x B's GPU time per stage
+    # on 4 x H200, bench/results/h200x4/2026-11-27_pipeline.json "zb_vs_1f1b"); its host pays more
+    # (split_ops, in host_s)
     waits = _readback_s(shape, train, lay, gpu, busy)  # the GPU waits on the host
     critical = max(busy + exposed, issue_s) + waits
     bubble_s = 0.0

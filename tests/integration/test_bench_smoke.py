@@ -52,7 +52,7 @@ def test_gpu_suite_runs_the_layout_matrix_on_cpu(tmp_path):
 def test_determinism_probe_on_cpu(tmp_path):
     """bench/determinism.py's CPU form: every probe runs (grouped_mm has no CPU kernel of its own: none) in
     both modes, and a CPU's kernels repeat bit for bit, so every probe must say so (the GPU's cuDNN
-    attention backward does not: bench/README.md)."""
+    attention backward does not: bench/README.md, "The layout matrix")."""
     out = tmp_path / "determinism.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "determinism.py"), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)

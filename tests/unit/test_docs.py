@@ -1,8 +1,8 @@
 """The front page and the guides stay readable and true to the code: README.md at most 300 lines with no
-table cell over 200 characters, every docs/*.md at most 400 lines, every relative link pointing at a
-file that exists (and, inside README.md and docs/, at a heading that exists), and every `teratrain`
-command in their bash blocks parsed by the CLI's own parser, with its config keys and layout accepted
-as `teratrain train` would accept them before starting (nothing is run)."""
+table cell over 200 characters, every docs/*.md at most 400 lines, and every `teratrain` command in
+their bash blocks parsed by the CLI's own parser, with its config keys and layout accepted as
+`teratrain train` would accept them before starting (nothing is run). Their links, anchors and cited
+paths are checked with the rest of the tree's in test_references.py."""
 
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
-LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# Anchors into pages maintained apart from README.md and docs/ (the benchmark page) are not checked here.
-UNCHECKED_ANCHORS = {ROOT / "bench" / "README.md"}
 # Keys whose values name files of the reader's (a Hugging Face folder, a corpus): checked for existence
 # by the loader, so a command shown with a placeholder path is validated without them.
 READER_PATHS = ("model.init_from", "data.path", "data.tokenizer")
@@ -53,32 +50,6 @@ def table_cells(text: str) -> list[str]:
 def test_readme_table_cells_are_short():
     long = [c[:80] + "..." for c in table_cells(README.read_text()) if len(c) > 200]
     assert not long, f"README.md table cells over 200 characters: {long}"
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"`", "", heading.strip().lower())
-    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-
-
-def anchors(page: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.+)$", text, flags=re.M)}
-
-
-@pytest.mark.parametrize("page", PAGES, ids=ids(PAGES))
-def test_relative_links_point_at_what_exists(page):
-    broken = []
-    for target in LINK.findall(re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
-        if re.match(r"[a-z]+:", target):  # http(s), mailto
-            continue
-        path, _, anchor = target.partition("#")
-        file = (page.parent / path).resolve() if path else page
-        if not file.exists():
-            broken.append(target)
-        elif anchor and file.suffix == ".md" and file not in UNCHECKED_ANCHORS and anchor not in anchors(file):
-            broken.append(target)
-    assert not broken, f"{page.name}: links to nothing: {broken}"
 
 
 def commands(page: Path) -> list[str]:

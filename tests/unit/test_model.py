@@ -133,7 +133,7 @@ def test_sampling_is_reproducible_by_seed_and_respects_seq_len():
 
 
 def test_models_never_import_torch_distributed():
-    """models/ is single-device code; strategies wrap it from outside (ARCHITECTURE.md)."""
+    """models/ is single-device code; strategies wrap it from outside (parallel/parallelize.py)."""
     for f in Path(teratrain.models.__file__).parent.glob("*.py"):
         assert "torch.distributed" not in f.read_text(), f.name
 

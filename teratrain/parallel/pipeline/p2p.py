@@ -22,7 +22,7 @@ When to post a receive (`parallel.pipeline_recv`, runtime.py `plan`). NCCL moves
 kernel on each side, and the one posted first spins on its SMs until the other is posted. `at_use`
 (the default) posts a receive once the action before its consumer is queued: its kernel starts when
 that action ends, while the consumer waits for it anyway, and the transfer (about 0.1 ms for a
-16 MiB activation over NVLink, bench/results/pipeline_h100x2.json) is exposed when the message was
+16 MiB activation over NVLink, bench/results/h100x2/2026-11-26_pipeline.json) is exposed when the message was
 ready before. `ahead` posts it one action earlier so that the transfer hides under that action, but
 while the peer has not sent yet its kernel spins beside that action and slows it. On 2 x H100 (same
 file) 1F1B's last stage ran its B in 25.4 ms with the next receive spinning beside it, against

@@ -80,8 +80,8 @@ class Chunk:
         gradient is smaller than what its W would wait with, the (tokens, vocab) gradient of the
         logits and the (tokens, d) input, i.e. above about d tokens per micro-batch. ZB-H1 keeps every
         stage at 1F1B's peak only if a micro-batch waiting for W holds alike on every stage (Qi et al.
-        2023 sec. 2.1); the logit gradient made the last stage's larger (bench/README.md, "What ZB-H1
-        keeps alive"). The head's GEMM moves from W into I on the stage that already runs the head,
+        2023 sec. 2.1); the logit gradient made the last stage's larger (`python bench/pipeline_live.py
+        --account` counts what each stage holds after every action, by kind). The head's GEMM moves from W into I on the stage that already runs the head,
         the slowest of an even split, whose work sets the pace: the simulator shows no longer step
         there, and (p-1) x the GEMM where the split makes the last stage no slower than the others."""
         if not self.is_last:
