@@ -95,7 +95,7 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
     accum = t.global_batch // (t.micro_batch * d.dp)
     degrees = f"dp={d.dp} tp={d.tp} pp={d.pp}" + (f" ({p.schedule})" if d.pp > 1 else "") + f" ep={d.ep}"
     params = _param_count(own) if own is not None else None
-    lines = [_model_line(m, own, params),
+    lines = [_model_line(m, own, params, run_dir), *_source_lines(m, own, run_dir),
              f"device: {where}, {rt.world} process(es)",
              f"layout: {degrees} zero={p.zero} offload={_offload(p)} sync={p.sync} precision={cfg.memory.precision} "
              f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}"
@@ -128,17 +128,45 @@ def _compiled(cfg: Config, dims) -> str:
     return f", compiled ({scope}{graphs})"
 
 
-def _model_line(m, own: nn.Module | None, params: int | None) -> str:
-    """What is trained: the user's own model by its class, a Hugging Face start by its folder, else
-    the preset (its shape as configured)."""
+def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> str:
+    """What is trained: the user's own model by its class, a Hugging Face start by its folder and
+    family (config.json's model_type), else the preset; its shape as configured, experts included."""
     from teratrain.models.transformer import count_params
 
     if own is not None:
         name = type(getattr(own, "hf", own)).__name__  # teratrain.CausalLM: the transformers model inside
         return f"model: {name} (your own, from model_fn), {params / 1e6:,.2f} M parameters"
     name = f"{Path(m.init_from).expanduser().name} from model.init_from" if m.init_from else m.preset
+    family = (_source_config(m, run_dir) or {}).get("model_type", m.arch) if m.init_from else m.arch
+    e = m.moe
+    experts = (f", {e.num_experts} experts x top-{e.k}" + (f" in one layer of {e.every}" if e.every > 1 else "")
+               if e.enabled else "")
     n = count_params(m)["total"]
-    return f"model: {name} ({m.arch}, {m.n_layers} layers, d_model {m.d_model}), {n / 1e6:,.2f} M parameters"
+    return (f"model: {name} ({family}, {m.n_layers} layers, d_model {m.d_model}{experts}), "
+            f"{n / 1e6:,.2f} M parameters")
+
+
+def _source_config(m, run_dir: Path) -> dict | None:
+    """config.json of model.init_from: the folder's, else the run's copy (a resumed run's folder may
+    be gone); None when neither is readable."""
+    from teratrain.checkpoint.hf_config import SOURCE_CONFIG, read_config_json
+
+    for path in (Path(m.init_from).expanduser() / "config.json", run_dir / SOURCE_CONFIG):
+        try:
+            return read_config_json(path)
+        except ConfigError:
+            continue
+    return None
+
+
+def _source_lines(m, own: nn.Module | None, run_dir: Path) -> list[str]:
+    """What a Mixtral start took for its aux loss (checkpoint/hf_config.py `aux_note`)."""
+    if own is not None or not m.init_from or not m.moe.enabled:
+        return []
+    from teratrain.checkpoint.hf_config import aux_note
+
+    hf = _source_config(m, run_dir)
+    return [f"moe: {aux_note(hf, m.moe)}"] if hf else []
 
 
 def _param_count(model: nn.Module) -> int:

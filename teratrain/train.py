@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from teratrain import moe_metrics
+from teratrain.checkpoint.hf_config import SOURCE_CONFIG
 from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
 from teratrain.collector import Collector
@@ -92,6 +93,9 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
+        source = Path(cfg.model.init_from or "").expanduser() / "config.json"
+        if cfg.model.init_from and model_fn is None and source.is_file():  # what `teratrain export` writes back
+            shutil.copy(source, run_dir / SOURCE_CONFIG)
     if cfg.memory.fp8 != "none":
         from teratrain.memory import fp8
 

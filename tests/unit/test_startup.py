@@ -46,3 +46,21 @@ def test_summary_names_every_degree_and_the_model_started_from():
     hf = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": "~/models/Llama-3.2-1B"})})
     text = startup.summary(hf, rt, Path("x"), 0)
     assert "teratrain: model: Llama-3.2-1B from model.init_from (llama, 4 layers" in text
+
+
+def test_summary_names_the_experts_and_the_family_of_a_mixtral_start(tmp_path):
+    """An MoE model says its experts (a preset's too); a Mixtral started from is called mixtral, and
+    the aux loss it trains with is said with where it came from."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import save_mixtral
+
+    text = startup.summary(make_config("model.preset=moe-tiny"), Runtime.single("cpu"), Path("runs/x"), 0)
+    assert "(llama, 4 layers, d_model 128, 8 experts x top-2)" in text
+    save_mixtral(tmp_path)
+    text = startup.summary(make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16"),
+                           Runtime.single("cpu"), Path("runs/x"), 0)
+    assert f"model: {tmp_path.name} from model.init_from (mixtral, 2 layers, d_model 32, 4 experts x top-2)" in text
+    assert "teratrain: moe: aux loss 0 from config.json (output_router_logits false" in text
+    text = startup.summary(make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16",
+                                       "model.moe.aux_loss_weight=0.01"), Runtime.single("cpu"), Path("runs/x"), 0)
+    assert "moe: aux loss 0.01 (ours convention) from model.moe, not config.json's (router_aux_loss_coef 0.001" in text
