@@ -42,8 +42,8 @@ from teratrain.startup import print_summary
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
         model_fn: Callable[[Config], nn.Module] | None = None, notes: list[str] | None = None) -> dict:
-    """Train as configured; returns a summary (with the `engine` and `model`). Collective: every rank
-    of the job calls it. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
+    """Train as configured; returns a summary (with this process's `rank`, the `engine` and `model`).
+    Collective: every rank of the job calls it, and each gets the same losses. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
     teratrain's decoder of `cfg.model`. `notes` are start-up lines (the CLI's parallel.auto choice);
     without them, parallel.auto is resolved here."""
     if cfg.parallel.auto and notes is None:
@@ -107,7 +107,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
             engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
         if stop["signum"]:
             raise Stopped(stop["signum"])
-        return {"run_dir": str(run_dir), "step": None, "engine": engine}
+        return {"run_dir": str(run_dir), "step": None, "rank": rt.rank, "engine": engine}
     try:
         summary = _loop(cfg, rt, model, engine, data, run_dir, start)
     finally:  # stopped or failed too: CUDA graphs holding NCCL work would hang the exit
@@ -163,7 +163,8 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         moe_metrics.plot_moe_load(run_dir / "metrics.jsonl", run_dir / "moe_load.png")
-    summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
+    summary = {"run_dir": str(run_dir), "rank": rt.rank,
+               **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
     return {**summary, "engine": engine, "model": model}  # for tests and programmatic callers
 
 
