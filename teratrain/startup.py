@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,19 +28,22 @@ GIB = 2**30
 
 def predict(cfg: Config, workers: int, device: torch.device | None = None, params: int | None = None):
     """The planner's MemoryBreakdown of one rank of this run; on a GPU `device`, with the preset its
-    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one).
+    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one);
+    on the CPU, counted as parallel.auto counts it there (no CUDA context, CPU autocast).
     `params`: a model of the user's own, known by its parameter count only (model states, no activations)."""
     from teratrain.planner.hardware import GPUS, gpu_for_device
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.layout import ModelShape
     from teratrain.planner.search import evaluate
 
-    gpu = GPUS["h100"]
+    gpu, kind = GPUS["h100"], "cuda"
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = gpu_for_device(props.name, props.total_memory)
+    elif device is not None:
+        gpu, kind = replace(gpu, context_gib=0.0), "cpu"
     shape = shape_of(cfg) if params is None else ModelShape(cfg=None, bare_params=params, name="own model")
-    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu).memory
+    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu, device=kind).memory
 
 
 def host_available_bytes() -> int | None:
@@ -71,7 +75,7 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
     optimizer state, as the planner counts them) exceed this machine's free memory: building it would
     end in the kernel's OOM killer, not in a sentence."""
     try:
-        mem = predict(cfg, workers)
+        mem = predict(cfg, workers, torch.device("cpu") if on_cpu else None)
     except Exception:  # noqa: BLE001 - the planner informs; the summary warns that it could not
         return
     states = (mem.params + mem.grads + mem.optimizer if on_cpu else 0) + mem.host

@@ -64,3 +64,22 @@ def test_summary_names_the_experts_and_the_family_of_a_mixtral_start(tmp_path):
     text = startup.summary(make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16",
                                        "model.moe.aux_loss_weight=0.01"), Runtime.single("cpu"), Path("runs/x"), 0)
     assert "moe: aux loss 0.01 (ours convention) from model.moe, not config.json's (router_aux_loss_coef 0.001" in text
+
+
+def test_parallel_auto_and_the_memory_line_give_one_figure():
+    """On the CPU the summary's memory line is the figure parallel.auto chose by (CPU autocast, no CUDA
+    context), and the auto line does not repeat it."""
+    from dataclasses import replace
+
+    from teratrain.planner.auto import Target, resolve
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.search import evaluate
+
+    cfg = make_config("parallel.auto=true", "memory.precision=bf16")
+    note = resolve(cfg, 1, Target(None, 64.0, None, 1)).note
+    chosen = evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), replace(GPUS["h100"], context_gib=0.0),
+                      device="cpu").memory
+    text = startup.summary(cfg, Runtime.single("cpu"), Path("runs/x"), 0, [note])
+    assert [ln for ln in text.splitlines() if "GiB" in ln and "planner" in ln] == [
+        f"teratrain: predicted memory per process: {(chosen.peak_allocated + chosen.host) / 2**30:,.2f} GiB (planner)"]
