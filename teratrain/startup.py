@@ -1,5 +1,9 @@
 """What a run says before its first step, and the one check made before a model is built.
 
+Before the model is built on the devices, a run whose next checkpoint cannot fit the run directory's
+disk is refused (`check_disk`: the planner's bytes of one checkpoint against shutil.disk_usage), and
+one whose kept checkpoints will not fit gets a warning line in the summary.
+
 The summary (rank 0, stderr) names the model (the preset, the `model.init_from` folder, or the class of
 a model of the user's own) and its parameter count, the device and process count, the layout (dp, tp,
 pp and its schedule, ep, zero, offload, precision, recompute, accumulation), the tokens per step, the memory
@@ -12,7 +16,9 @@ only informs: if it cannot model a layout, the run goes on with a warning.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -86,6 +92,53 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
                           f"parameters, gradients and optimizer state{per}, but this machine has "
                           f"{avail / GIB:,.1f} GiB free; use a smaller model, or shard it over more GPUs with "
                           "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
+
+
+def checkpoint_size(cfg: Config, workers: int, own: nn.Module | None = None) -> int:
+    """Bytes of one checkpoint of this run over all its ranks (planner/disk.py); `own`: a model of the
+    user's own, counted from its parameters (global shapes: before parallelize)."""
+    from teratrain.planner.disk import checkpoint_bytes, params_checkpoint_bytes
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+
+    train, lay = training_of(cfg), layout_of(cfg, workers)
+    if own is not None:
+        params = {id(p): p for p in own.parameters()}.values()  # tied ones once
+        return params_checkpoint_bytes(((tuple(p.shape), p.requires_grad) for p in params), train, lay,
+                                       cfg.parallel.sync)
+    return checkpoint_bytes(shape_of(cfg), train, lay, cfg.parallel.sync)
+
+
+def check_disk(cfg: Config, run_dir: Path, nbytes: int, start: int = 0) -> str | None:
+    """Refuse a run whose next checkpoint (`nbytes`, every rank's pieces together) does not fit the
+    free space of the run directory's filesystem; return a warning line when the checkpoints it keeps
+    will not: checkpoint.keep of them stay while the next is written beside them (io.py: a temporary
+    folder, renamed when complete), so up to keep + 1 at once, counting those already there."""
+    where = next(p for p in (run_dir / "checkpoints", *run_dir.absolute().parents, run_dir) if p.exists())
+    free = free_bytes(where)
+    root = run_dir / "checkpoints"
+    there = sum(1 for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()) if root.is_dir() else 0
+    if nbytes > free:
+        raise ConfigError(f"a checkpoint of this run needs {_size(nbytes)} (every rank's parameters and optimizer "
+                          f"state, as the planner counts them) but {where} has {_size(free)} free; free disk space "
+                          "there, or give --out a folder on a larger disk.")
+    ck, steps = cfg.checkpoint, cfg.train.steps - start
+    saves = 1 if ck.every == 0 else math.ceil(steps / ck.every) if ck.every else math.inf  # by time: unbounded
+    at_once = max(1, min(saves, ck.keep + 1 - there))  # more than are there now, at the fullest moment
+    if at_once * nbytes <= free:
+        return None
+    return (f"warning: checkpoint.keep={ck.keep} keeps {ck.keep} checkpoint(s) of {_size(nbytes)} and writes the "
+            f"next beside them: up to {at_once} more on disk at once need {_size(at_once * nbytes)}, but {where} "
+            f"has {_size(free)} free; the save that runs out fails (the checkpoints before it stay): lower "
+            "checkpoint.keep or free disk space")
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free to this user on the filesystem of `path`."""
+    return shutil.disk_usage(path).free
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),

@@ -83,3 +83,22 @@ def test_parallel_auto_and_the_memory_line_give_one_figure():
     text = startup.summary(cfg, Runtime.single("cpu"), Path("runs/x"), 0, [note])
     assert [ln for ln in text.splitlines() if "GiB" in ln and "planner" in ln] == [
         f"teratrain: predicted memory per process: {(chosen.peak_allocated + chosen.host) / 2**30:,.2f} GiB (planner)"]
+
+
+@pytest.mark.parametrize("sets, there, warned", [
+    ([], 0, True),  # by time: saves until keep=2 stay and a third is written beside them
+    (["checkpoint.every=0"], 0, False),  # one save, at the end
+    (["checkpoint.every=50"], 0, False),  # two saves of 100 steps: two at once at most
+    ([], 2, False),  # two there already: one more at once
+    (["checkpoint.keep=4"], 2, True),  # three more at once
+])
+def test_the_disk_check_counts_the_checkpoints_kept_and_the_one_written_beside_them(tmp_path, monkeypatch, sets,
+                                                                                     there, warned):
+    for step in range(there):
+        (tmp_path / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+    monkeypatch.setattr(startup, "free_bytes", lambda path: 2.5e9)
+    cfg = make_config("train.steps=100", *sets)
+    assert (startup.check_disk(cfg, tmp_path, 10**9) is not None) == warned
+    with pytest.raises(ConfigError) as e:
+        startup.check_disk(cfg, tmp_path, 3 * 10**9)
+    assert "needs 2.8 GiB" in str(e.value) and "2.3 GiB free" in str(e.value) and "\n" not in str(e.value)
