@@ -1,8 +1,7 @@
-"""What a run says before its first step, and the one check made before a model is built.
-
-Before the model is built on the devices, a run whose next checkpoint cannot fit the run directory's
-disk is refused (`check_disk`: the planner's bytes of one checkpoint against shutil.disk_usage), and
-one whose kept checkpoints will not fit gets a warning line in the summary.
+"""What a run says before its first step, and the checks made before a model is built: its model
+states against this machine's free memory (`check_host_memory`), and its checkpoint against the run
+directory's free disk (`check_disk`: the planner's bytes of one checkpoint, planner/disk.py, against
+shutil.disk_usage; a run whose kept checkpoints will not fit gets a warning line in the summary).
 
 The summary (rank 0, stderr) names the model (the preset, the `model.init_from` folder, or the class of
 a model of the user's own) and its parameter count, the device and process count, the layout (dp, tp,
@@ -113,9 +112,9 @@ def check_disk(cfg: Config, run_dir: Path, nbytes: int, start: int = 0) -> str |
     free space of the run directory's filesystem; return a warning line when the checkpoints it keeps
     will not: checkpoint.keep of them stay while the next is written beside them (io.py: a temporary
     folder, renamed when complete), so up to keep + 1 at once, counting those already there."""
-    where = next(p for p in (run_dir / "checkpoints", *run_dir.absolute().parents, run_dir) if p.exists())
-    free = free_bytes(where)
     root = run_dir / "checkpoints"
+    where = next(p for p in (root, run_dir, *run_dir.absolute().parents) if p.exists())  # a fresh run: its parent
+    free = free_bytes(where)
     there = sum(1 for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()) if root.is_dir() else 0
     if nbytes > free:
         raise ConfigError(f"a checkpoint of this run needs {_size(nbytes)} (every rank's parameters and optimizer "
@@ -130,6 +129,32 @@ def check_disk(cfg: Config, run_dir: Path, nbytes: int, start: int = 0) -> str |
             f"next beside them: up to {at_once} more on disk at once need {_size(at_once * nbytes)}, but {where} "
             f"has {_size(free)} free; the save that runs out fails (the checkpoints before it stay): lower "
             "checkpoint.keep or free disk space")
+
+
+def disk_notes(cfg: Config, rt, run_dir: Path, resume: bool, own: nn.Module | None = None) -> list[str]:
+    """`check_disk` on rank 0 and its verdict on every rank (collective): all refuse, or none; the
+    summary's warning line, if any."""
+    verdict = None
+    if rt.is_main:
+        try:
+            start = _newest_step(run_dir) if resume else 0
+            verdict = ("warn", check_disk(cfg, run_dir, checkpoint_size(cfg, rt.dims.workers, own), start))
+        except ConfigError as e:
+            verdict = ("refuse", str(e))
+        except Exception as e:  # noqa: BLE001 - the planner informs; it never stops a run it cannot model
+            verdict = ("warn", f"warning: the checkpoint size could not be predicted ({type(e).__name__}: {e})")
+    kind, line = rt.broadcast(verdict)
+    if kind == "refuse":
+        raise ConfigError(line)
+    return [line] if line else []
+
+
+def _newest_step(run_dir: Path) -> int:
+    """The step of the run's newest checkpoint (`latest`), 0 when it has none."""
+    try:
+        return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return 0
 
 
 def free_bytes(path: Path) -> int:

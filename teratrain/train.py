@@ -37,15 +37,15 @@ from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.parallel.support import check_supported
 from teratrain.progress import Progress
 from teratrain.rundir import agree_run_dir, remove_if_unused
-from teratrain.startup import check_disk, checkpoint_size, print_summary
+from teratrain.startup import disk_notes, print_summary
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
         model_fn: Callable[[Config], nn.Module] | None = None, notes: list[str] | None = None) -> dict:
     """Train as configured; returns a summary (with this process's `rank`, the `engine` and `model`).
-    Collective: every rank of the job calls it, and each gets the same losses. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
-    teratrain's decoder of `cfg.model`. `notes` are start-up lines (the CLI's parallel.auto choice);
-    without them, parallel.auto is resolved here."""
+    Collective: every rank of the job calls it, and each gets the same losses. `model_fn(cfg)` builds
+    a model of your own (models/protocol.py) instead of teratrain's decoder of `cfg.model`. `notes` are
+    start-up lines (the CLI's parallel.auto choice); without them, parallel.auto is resolved here."""
     if cfg.parallel.auto and notes is None:
         from teratrain.planner.auto import for_job
 
@@ -79,7 +79,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
     else:
         with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
             model = Transformer(cfg.model)
-    notes = [*notes, *_disk_notes(cfg, rt, run_dir, resume, model if model_fn is not None else None)]
+    notes = [*notes, *disk_notes(cfg, rt, run_dir, resume, model if model_fn is not None else None)]
     # a resumed run's weights come from its checkpoint: skip reading model.init_from's (maybe moved) files
     engine = parallelize(model, rt, without_init_from(cfg) if resume else cfg)
 
@@ -94,8 +94,8 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
-        source = Path(cfg.model.init_from or "").expanduser() / "config.json"
-        if cfg.model.init_from and model_fn is None and source.is_file():  # what `teratrain export` writes back
+        source = Path(cfg.model.init_from).expanduser() / "config.json" if cfg.model.init_from else None
+        if source is not None and model_fn is None and source.is_file():  # what `teratrain export` writes back
             shutil.copy(source, run_dir / SOURCE_CONFIG)
     if cfg.memory.fp8 != "none":
         from teratrain.memory import fp8
@@ -117,31 +117,6 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
     if hasattr(engine, "close"):  # e.g. a parameter-server worker signs off
         engine.close()
     return summary
-
-
-def _disk_notes(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, own) -> list[str]:
-    """startup.check_disk on rank 0, its verdict on every rank (collective): all refuse, or none."""
-    verdict = None
-    if rt.is_main:
-        try:
-            start = _newest_step(run_dir) if resume else 0
-            verdict = ("warn", check_disk(cfg, run_dir, checkpoint_size(cfg, rt.dims.workers, own), start))
-        except ConfigError as e:
-            verdict = ("refuse", str(e))
-        except Exception as e:  # noqa: BLE001 - the planner informs; it never stops a run it cannot model
-            verdict = ("warn", f"warning: the checkpoint size could not be predicted ({type(e).__name__}: {e})")
-    kind, line = rt.broadcast(verdict)
-    if kind == "refuse":
-        raise ConfigError(line)
-    return [line] if line else []
-
-
-def _newest_step(run_dir: Path) -> int:
-    """The step of the run's newest checkpoint (`latest`), 0 when it has none."""
-    try:
-        return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    except (OSError, ValueError):
-        return 0
 
 
 def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: int) -> dict:

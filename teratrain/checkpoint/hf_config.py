@@ -101,12 +101,13 @@ def aux_note(hf: dict, moe) -> str:
     model.moe): where its weight came from."""
     coef, logits = hf.get("router_aux_loss_coef", MIXTRAL_AUX_COEF), bool(hf.get("output_router_logits"))
     source = f"router_aux_loss_coef {coef:g}, output_router_logits {str(logits).lower()}"
-    taken = _aux_of(hf)
-    if (moe.aux_loss_weight, moe.aux_loss_convention) != (taken["aux_loss_weight"], taken.get("aux_loss_convention", "ours")):
+    taken = {"aux_loss_convention": "ours", **_aux_of(hf)}
+    if (moe.aux_loss_weight, moe.aux_loss_convention) != (taken["aux_loss_weight"], taken["aux_loss_convention"]):
         return (f"aux loss {moe.aux_loss_weight:g} ({moe.aux_loss_convention} convention) from model.moe, not "
                 f"config.json's ({source})")
     if logits:
-        return f"aux loss {coef:g} from config.json (router_aux_loss_coef; output_router_logits true: transformers' loss)"
+        return (f"aux loss {coef:g} from config.json (router_aux_loss_coef; output_router_logits true: "
+                "transformers' loss)")
     return (f"aux loss 0 from config.json (output_router_logits false: transformers trains with none; its "
             f"router_aux_loss_coef {coef:g} applies only when that is true)")
 

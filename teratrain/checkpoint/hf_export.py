@@ -4,8 +4,9 @@ a mixture-of-experts model, or GPT2LMHeadModel) and that gives the same logits (
 a capacity limit: a model trained with one gives the same logits where no choice overflows).
 
 Written: config.json (hf_config.py: for a run started from a Hugging Face model, that model's
-config.json with the keys the run changed; the run keeps a copy of it, SOURCE_CONFIG), model.safetensors, or `model-0000i-of-0000n.safetensors` shards
-of at most --max-shard-gb with model.safetensors.index.json, the run's tokenizer.json (and the
+config.json with the keys the run changed; the run keeps a copy of it, SOURCE_CONFIG),
+model.safetensors, or `model-0000i-of-0000n.safetensors` shards of at most --max-shard-gb with
+model.safetensors.index.json, the run's tokenizer.json (and the
 tokenizer_config.json of the model it was fine-tuned from, else a minimal one). The weights are read
 from the logical checkpoint one HF tensor at a time (hf_weights.py maps names; GPT-2's q, k, v are
 fused back into c_attn and its Conv1D weights transposed), so host memory holds one shard at most and

@@ -49,7 +49,7 @@ def test_commands_in_comments_name_the_example_by_its_path(path):
 def test_gib_figures_in_comments_are_the_planners(path, capsys, monkeypatch):
     text = comments(path)
     statements = PLANNED.findall(text)
-    assert statements and text.count("GiB") == 2 * len(statements), f"{path.name}: a GiB figure not from `teratrain plan`"
+    assert statements and text.count("GiB") == 2 * len(statements), f"{path.name}: a GiB figure not the planner's"
     monkeypatch.chdir(path.parents[1])
     for command, gpu_gib, host_gib in statements:
         assert main([*command.split()[1:], "--json"]) == 0
