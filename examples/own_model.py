@@ -114,7 +114,7 @@ def main() -> None:
     cfg = teratrain.load_config(None, ["model.n_layers=4", "model.d_model=128", "model.n_heads=4",
                                        "train.steps=100", *args.sets])
     summary = teratrain.run(cfg, out=args.out, resume=args.resume, model_fn=hf_llama if args.hf else tiny_decoder)
-    if summary.get("step"):
+    if summary.get("step") and summary["rank"] == 0:  # every rank returns the same losses: one says them
         print(f"done: {summary['step']} steps, loss {summary['loss']:.4f} -> {summary['run_dir']}")
 
 

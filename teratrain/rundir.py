@@ -37,11 +37,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from teratrain import jobenv
+from teratrain.checkpoint.hf_config import SOURCE_CONFIG
 from teratrain.config import Config, ConfigError, apply_overrides, read_toml, validate
 
 RUNS = Path("runs")
 LOCK_NAME = "run.lock"  # held exclusively by the job's owner
 MEMBERS_NAME = "ranks.lock"  # held shared by each of its ranks
+BEFORE_FIRST_STEP = ("config.toml", "tokenizer.json", SOURCE_CONFIG)  # what a run writes before its first step
 
 
 def check_out(out: str | Path, resume: bool) -> Path:
@@ -292,7 +294,7 @@ def _holder(lock: Path) -> str:
 def remove_if_unused(path: Path) -> None:
     """Delete a run directory that holds nothing but what a job writes before its first step (an
     error.log of a crash, metrics or checkpoints keep it)."""
-    if path.is_dir() and {p.name for p in path.iterdir()} <= {LOCK_NAME, MEMBERS_NAME, "config.toml", "tokenizer.json"}:
+    if path.is_dir() and {p.name for p in path.iterdir()} <= {LOCK_NAME, MEMBERS_NAME, *BEFORE_FIRST_STEP}:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -1,4 +1,7 @@
-"""What a run says before its first step, and the one check made before a model is built.
+"""What a run says before its first step, and the checks made before a model is built: its model
+states against this machine's free memory (`check_host_memory`), and its checkpoint against the run
+directory's free disk (`check_disk`: the planner's bytes of one checkpoint, planner/disk.py, against
+shutil.disk_usage; a run whose kept checkpoints will not fit gets a warning line in the summary).
 
 The summary (rank 0, stderr) names the model (the preset, the `model.init_from` folder, or the class of
 a model of the user's own) and its parameter count, the device and process count, the layout (dp, tp,
@@ -12,8 +15,11 @@ only informs: if it cannot model a layout, the run goes on with a warning.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,19 +33,22 @@ GIB = 2**30
 
 def predict(cfg: Config, workers: int, device: torch.device | None = None, params: int | None = None):
     """The planner's MemoryBreakdown of one rank of this run; on a GPU `device`, with the preset its
-    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one).
+    name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one);
+    on the CPU, counted as parallel.auto counts it there (no CUDA context, CPU autocast).
     `params`: a model of the user's own, known by its parameter count only (model states, no activations)."""
     from teratrain.planner.hardware import GPUS, gpu_for_device
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.layout import ModelShape
     from teratrain.planner.search import evaluate
 
-    gpu = GPUS["h100"]
+    gpu, kind = GPUS["h100"], "cuda"
     if device is not None and device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = gpu_for_device(props.name, props.total_memory)
+    elif device is not None:
+        gpu, kind = replace(gpu, context_gib=0.0), "cpu"
     shape = shape_of(cfg) if params is None else ModelShape(cfg=None, bare_params=params, name="own model")
-    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu).memory
+    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu, device=kind).memory
 
 
 def host_available_bytes() -> int | None:
@@ -71,7 +80,7 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
     optimizer state, as the planner counts them) exceed this machine's free memory: building it would
     end in the kernel's OOM killer, not in a sentence."""
     try:
-        mem = predict(cfg, workers)
+        mem = predict(cfg, workers, torch.device("cpu") if on_cpu else None)
     except Exception:  # noqa: BLE001 - the planner informs; the summary warns that it could not
         return
     states = (mem.params + mem.grads + mem.optimizer if on_cpu else 0) + mem.host
@@ -82,6 +91,79 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
                           f"parameters, gradients and optimizer state{per}, but this machine has "
                           f"{avail / GIB:,.1f} GiB free; use a smaller model, or shard it over more GPUs with "
                           "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
+
+
+def checkpoint_size(cfg: Config, workers: int, own: nn.Module | None = None) -> int:
+    """Bytes of one checkpoint of this run over all its ranks (planner/disk.py); `own`: a model of the
+    user's own, counted from its parameters (global shapes: before parallelize)."""
+    from teratrain.planner.disk import checkpoint_bytes, params_checkpoint_bytes
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+
+    train, lay = training_of(cfg), layout_of(cfg, workers)
+    if own is not None:
+        params = {id(p): p for p in own.parameters()}.values()  # tied ones once
+        return params_checkpoint_bytes(((tuple(p.shape), p.requires_grad) for p in params), train, lay,
+                                       cfg.parallel.sync)
+    return checkpoint_bytes(shape_of(cfg), train, lay, cfg.parallel.sync)
+
+
+def check_disk(cfg: Config, run_dir: Path, nbytes: int, start: int = 0) -> str | None:
+    """Refuse a run whose next checkpoint (`nbytes`, every rank's pieces together) does not fit the
+    free space of the run directory's filesystem; return a warning line when the checkpoints it keeps
+    will not: checkpoint.keep of them stay while the next is written beside them (io.py: a temporary
+    folder, renamed when complete), so up to keep + 1 at once, counting those already there."""
+    root = run_dir / "checkpoints"
+    where = next(p for p in (root, run_dir, *run_dir.absolute().parents) if p.exists())  # a fresh run: its parent
+    free = free_bytes(where)
+    there = sum(1 for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()) if root.is_dir() else 0
+    if nbytes > free:
+        raise ConfigError(f"a checkpoint of this run needs {_size(nbytes)} (every rank's parameters and optimizer "
+                          f"state, as the planner counts them) but {where} has {_size(free)} free; free disk space "
+                          "there, or give --out a folder on a larger disk.")
+    ck, steps = cfg.checkpoint, cfg.train.steps - start
+    saves = 1 if ck.every == 0 else math.ceil(steps / ck.every) if ck.every else math.inf  # by time: unbounded
+    at_once = max(1, min(saves, ck.keep + 1 - there))  # more than are there now, at the fullest moment
+    if at_once * nbytes <= free:
+        return None
+    return (f"warning: checkpoint.keep={ck.keep} keeps {ck.keep} checkpoint(s) of {_size(nbytes)} and writes the "
+            f"next beside them: up to {at_once} more on disk at once need {_size(at_once * nbytes)}, but {where} "
+            f"has {_size(free)} free; the save that runs out fails (the checkpoints before it stay): lower "
+            "checkpoint.keep or free disk space")
+
+
+def disk_notes(cfg: Config, rt, run_dir: Path, resume: bool, own: nn.Module | None = None) -> list[str]:
+    """`check_disk` on rank 0 and its verdict on every rank (collective): all refuse, or none; the
+    summary's warning line, if any."""
+    verdict = None
+    if rt.is_main:
+        try:
+            start = _newest_step(run_dir) if resume else 0
+            verdict = ("warn", check_disk(cfg, run_dir, checkpoint_size(cfg, rt.dims.workers, own), start))
+        except ConfigError as e:
+            verdict = ("refuse", str(e))
+        except Exception as e:  # noqa: BLE001 - the planner informs; it never stops a run it cannot model
+            verdict = ("warn", f"warning: the checkpoint size could not be predicted ({type(e).__name__}: {e})")
+    kind, line = rt.broadcast(verdict)
+    if kind == "refuse":
+        raise ConfigError(line)
+    return [line] if line else []
+
+
+def _newest_step(run_dir: Path) -> int:
+    """The step of the run's newest checkpoint (`latest`), 0 when it has none."""
+    try:
+        return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return 0
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free to this user on the filesystem of `path`."""
+    return shutil.disk_usage(path).free
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
@@ -95,7 +177,7 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
     accum = t.global_batch // (t.micro_batch * d.dp)
     degrees = f"dp={d.dp} tp={d.tp} pp={d.pp}" + (f" ({p.schedule})" if d.pp > 1 else "") + f" ep={d.ep}"
     params = _param_count(own) if own is not None else None
-    lines = [_model_line(m, own, params),
+    lines = [_model_line(m, own, params, run_dir), *_source_lines(m, own, run_dir),
              f"device: {where}, {rt.world} process(es)",
              f"layout: {degrees} zero={p.zero} offload={_offload(p)} sync={p.sync} precision={cfg.memory.precision} "
              f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}"
@@ -128,17 +210,45 @@ def _compiled(cfg: Config, dims) -> str:
     return f", compiled ({scope}{graphs})"
 
 
-def _model_line(m, own: nn.Module | None, params: int | None) -> str:
-    """What is trained: the user's own model by its class, a Hugging Face start by its folder, else
-    the preset (its shape as configured)."""
+def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> str:
+    """What is trained: the user's own model by its class, a Hugging Face start by its folder and
+    family (config.json's model_type), else the preset; its shape as configured, experts included."""
     from teratrain.models.transformer import count_params
 
     if own is not None:
         name = type(getattr(own, "hf", own)).__name__  # teratrain.CausalLM: the transformers model inside
         return f"model: {name} (your own, from model_fn), {params / 1e6:,.2f} M parameters"
     name = f"{Path(m.init_from).expanduser().name} from model.init_from" if m.init_from else m.preset
+    family = (_source_config(m, run_dir) or {}).get("model_type", m.arch) if m.init_from else m.arch
+    e = m.moe
+    experts = (f", {e.num_experts} experts x top-{e.k}" + (f" in one layer of {e.every}" if e.every > 1 else "")
+               if e.enabled else "")
     n = count_params(m)["total"]
-    return f"model: {name} ({m.arch}, {m.n_layers} layers, d_model {m.d_model}), {n / 1e6:,.2f} M parameters"
+    return (f"model: {name} ({family}, {m.n_layers} layers, d_model {m.d_model}{experts}), "
+            f"{n / 1e6:,.2f} M parameters")
+
+
+def _source_config(m, run_dir: Path) -> dict | None:
+    """config.json of model.init_from: the folder's, else the run's copy (a resumed run's folder may
+    be gone); None when neither is readable."""
+    from teratrain.checkpoint.hf_config import SOURCE_CONFIG, read_config_json
+
+    for path in (Path(m.init_from).expanduser() / "config.json", run_dir / SOURCE_CONFIG):
+        try:
+            return read_config_json(path)
+        except ConfigError:
+            continue
+    return None
+
+
+def _source_lines(m, own: nn.Module | None, run_dir: Path) -> list[str]:
+    """What a Mixtral start took for its aux loss (checkpoint/hf_config.py `aux_note`)."""
+    if own is not None or not m.init_from or not m.moe.enabled:
+        return []
+    from teratrain.checkpoint.hf_config import aux_note
+
+    hf = _source_config(m, run_dir)
+    return [f"moe: {aux_note(hf, m.moe)}"] if hf else []
 
 
 def _param_count(model: nn.Module) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from teratrain import moe_metrics
+from teratrain.checkpoint.hf_config import SOURCE_CONFIG
 from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
 from teratrain.checkpoint.training import restore_training, save_training, without_init_from
 from teratrain.collector import Collector
@@ -36,15 +37,15 @@ from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.parallel.support import check_supported
 from teratrain.progress import Progress
 from teratrain.rundir import agree_run_dir, remove_if_unused
-from teratrain.startup import print_summary
+from teratrain.startup import disk_notes, print_summary
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
         model_fn: Callable[[Config], nn.Module] | None = None, notes: list[str] | None = None) -> dict:
-    """Train as configured; returns a summary (with the `engine` and `model`). Collective: every rank
-    of the job calls it. `model_fn(cfg)` builds a model of your own (models/protocol.py) instead of
-    teratrain's decoder of `cfg.model`. `notes` are start-up lines (the CLI's parallel.auto choice);
-    without them, parallel.auto is resolved here."""
+    """Train as configured; returns a summary (with this process's `rank`, the `engine` and `model`).
+    Collective: every rank of the job calls it, and each gets the same losses. `model_fn(cfg)` builds
+    a model of your own (models/protocol.py) instead of teratrain's decoder of `cfg.model`. `notes` are
+    start-up lines (the CLI's parallel.auto choice); without them, parallel.auto is resolved here."""
     if cfg.parallel.auto and notes is None:
         from teratrain.planner.auto import for_job
 
@@ -78,6 +79,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
     else:
         with torch.device("meta"):  # materialized by parallelize(), shard by shard where sharded
             model = Transformer(cfg.model)
+    notes = [*notes, *disk_notes(cfg, rt, run_dir, resume, model if model_fn is not None else None)]
     # a resumed run's weights come from its checkpoint: skip reading model.init_from's (maybe moved) files
     engine = parallelize(model, rt, without_init_from(cfg) if resume else cfg)
 
@@ -92,6 +94,9 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         atomic_write_bytes(run_dir / "config.toml", to_toml(cfg).encode())
         if data.tokenizer_path:
             shutil.copy(data.tokenizer_path, run_dir / "tokenizer.json")
+        source = Path(cfg.model.init_from).expanduser() / "config.json" if cfg.model.init_from else None
+        if source is not None and model_fn is None and source.is_file():  # what `teratrain export` writes back
+            shutil.copy(source, run_dir / SOURCE_CONFIG)
     if cfg.memory.fp8 != "none":
         from teratrain.memory import fp8
 
@@ -103,7 +108,7 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
             engine.serve(save=lambda step: _save(run_dir, step, cfg, rt, engine))
         if stop["signum"]:
             raise Stopped(stop["signum"])
-        return {"run_dir": str(run_dir), "step": None, "engine": engine}
+        return {"run_dir": str(run_dir), "step": None, "rank": rt.rank, "engine": engine}
     try:
         summary = _loop(cfg, rt, model, engine, data, run_dir, start)
     finally:  # stopped or failed too: CUDA graphs holding NCCL work would hang the exit
@@ -159,7 +164,8 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
         log.close()
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         moe_metrics.plot_moe_load(run_dir / "metrics.jsonl", run_dir / "moe_load.png")
-    summary = {"run_dir": str(run_dir), **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
+    summary = {"run_dir": str(run_dir), "rank": rt.rank,
+               **{k: last.get(k) for k in ("step", "loss", "eval_loss", "tokens_per_s", "mfu")}}
     return {**summary, "engine": engine, "model": model}  # for tests and programmatic callers
 
 

@@ -3,8 +3,17 @@
 
 Families: Llama (and Mistral, the same layout), Mixtral (Mistral's layers with an 8-expert top-2
 feed-forward: model.moe with the softmax-topk router, no capacity limit) and GPT-2. All read
-`rope_theta`/`rope_scaling` as transformers 4 writes them and `rope_parameters` as transformers 5 does;
-export writes the 4 form, which 5 reads too.
+`rope_theta`/`rope_scaling` as transformers 4 writes them and `rope_parameters` as transformers 5 does.
+
+Mixtral's aux loss follows its config.json: transformers adds `router_aux_loss_coef` x its load-balancing
+loss only when `output_router_logits` is true, so an import takes aux_loss_convention=transformers with
+that weight when it is, and aux_loss_weight=0 when it is not (transformers trains with none).
+
+Export of a run started from a Hugging Face model writes that model's config.json back with only the
+keys the run changed (`to_hf` with `source`): a key whose mapping is the same for the source's model
+section and the run's comes back as it came in, `max_position_embeddings` (the model's context, not
+the training length model.seq_len) always. Without a source it writes the transformers 4 form, which
+5 reads too, with the training length as the context.
 
 Not mapped: Qwen2-MoE (and its descendants), whose layers add what teratrain's decoder lacks: a shared
 expert with a sigmoid gate next to the routed ones, top-k weights left unnormalized
@@ -17,8 +26,9 @@ import json
 from pathlib import Path
 
 from teratrain.config_base import ConfigError
-from teratrain.config_model import ROPE_SCALING_KEYS
+from teratrain.config_model import ROPE_SCALING_KEYS, ModelConfig
 
+SOURCE_CONFIG = "init_from_config.json"  # a run's copy of its model.init_from's config.json (train.py)
 HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
 LLAMA_TYPES = ("llama", "mistral", "mixtral")  # the decoder of models/transformer.py, arch = llama
 
@@ -71,8 +81,35 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
     experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 1)
     if experts > 1:  # Mixtral: softmax over the top-k router logits, every layer (models/moe.py softmax-topk)
         model["moe"] = {"num_experts": experts, "top_k": int(hf.get("num_experts_per_tok") or 2),
-                        "router": "softmax-topk"}
+                        "router": "softmax-topk", **_aux_of(hf)}
     return model, notes
+
+
+MIXTRAL_AUX_COEF = 0.001  # transformers' MixtralConfig default of router_aux_loss_coef
+
+
+def _aux_of(hf: dict) -> dict:
+    """The aux loss transformers trains a Mixtral of config `hf` with (module docstring)."""
+    if hf.get("output_router_logits"):
+        return {"aux_loss_weight": float(hf.get("router_aux_loss_coef", MIXTRAL_AUX_COEF)),
+                "aux_loss_convention": "transformers"}
+    return {"aux_loss_weight": 0.0}
+
+
+def aux_note(hf: dict, moe) -> str:
+    """The start-up line on the aux loss of a run started from Mixtral config `hf` (`moe`: the run's
+    model.moe): where its weight came from."""
+    coef, logits = hf.get("router_aux_loss_coef", MIXTRAL_AUX_COEF), bool(hf.get("output_router_logits"))
+    source = f"router_aux_loss_coef {coef:g}, output_router_logits {str(logits).lower()}"
+    taken = {"aux_loss_convention": "ours", **_aux_of(hf)}
+    if (moe.aux_loss_weight, moe.aux_loss_convention) != (taken["aux_loss_weight"], taken["aux_loss_convention"]):
+        return (f"aux loss {moe.aux_loss_weight:g} ({moe.aux_loss_convention} convention) from model.moe, not "
+                f"config.json's ({source})")
+    if logits:
+        return (f"aux loss {coef:g} from config.json (router_aux_loss_coef; output_router_logits true: "
+                "transformers' loss)")
+    return (f"aux loss 0 from config.json (output_router_logits false: transformers trains with none; its "
+            f"router_aux_loss_coef {coef:g} applies only when that is true)")
 
 
 def _rope(hf: dict) -> dict:
@@ -137,7 +174,34 @@ def init_shape(folder: str, given: dict) -> dict:
     return model
 
 
-def to_hf(m) -> dict:
+def to_hf(m, source: dict | None = None) -> dict:
+    """config.json of a teratrain model config `m`; of a run started from a Hugging Face model, its
+    config.json `source` with the keys the run changed (module docstring)."""
+    ours = _mapped(m)
+    if not source:
+        return ours
+    base = _mapped(ModelConfig.model_validate(model_keys(source, Path("config.json"))[0]))
+    changed = {k: ours.get(k) for k in {*ours, *base} if ours.get(k) != base.get(k) and k not in CONTEXT_KEYS}
+    out = dict(source)
+    rope = {k: changed.pop(k) for k in ("rope_theta", "rope_scaling") if k in changed}
+    if rope and isinstance(source.get("rope_parameters"), dict):  # transformers 5's one table
+        params = {**source["rope_parameters"], "rope_theta": m.rope_theta}
+        if "rope_scaling" in rope:
+            params = {k: v for k, v in params.items() if k not in ROPE_SCALING_KEYS}
+            params.update({"rope_type": "llama3", **m.rope_scaling} if m.rope_scaling else {"rope_type": "default"})
+        out["rope_parameters"] = params
+    else:
+        out.update(rope)
+    out.update(changed)
+    return out
+
+
+# the longest context of a Llama-family model: the source's, whatever length the run trained at (GPT-2's
+# n_positions is the size of its learned position table, which model.seq_len cuts: it changes with it)
+CONTEXT_KEYS = ("max_position_embeddings",)
+
+
+def _mapped(m) -> dict:
     """config.json of a teratrain model config (transformers 4 keys; 5 reads them too)."""
     common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings}
     if m.arch == "gpt2":
@@ -166,7 +230,8 @@ def _mixtral(m) -> dict:
     """The expert keys of a Mixtral config.json, after refusing what Mixtral cannot hold. The aux weight
     becomes router_aux_loss_coef: exactly under the transformers convention; under ours divided by
     top_k, the same weight per layer (transformers then pools the layers' tokens: docs/moe.md,
-    "Auxiliary loss: two conventions")."""
+    "Auxiliary loss: two conventions"); with output_router_logits true, without which transformers
+    trains with none. No aux loss: 0 and false."""
     e = m.moe
     if e.router != "softmax-topk" or e.every != 1 or m.use_bias:
         raise ConfigError(f"Mixtral, the Hugging Face layout of mixture-of-experts models, has the softmax-topk router in "
@@ -174,4 +239,4 @@ def _mixtral(m) -> dict:
                           f"{e.every}, model.bias={str(m.use_bias).lower()}); export a model with those.")
     coef = e.aux_loss_weight if e.aux_loss_convention == "transformers" else e.aux_loss_weight / e.k
     return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.k, "router_aux_loss_coef": coef,
-            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+            "output_router_logits": coef > 0, "router_jitter_noise": 0.0, "sliding_window": None}

@@ -3,8 +3,10 @@
 a mixture-of-experts model, or GPT2LMHeadModel) and that gives the same logits (Mixtral routes without
 a capacity limit: a model trained with one gives the same logits where no choice overflows).
 
-Written: config.json (hf_config.py), model.safetensors, or `model-0000i-of-0000n.safetensors` shards
-of at most --max-shard-gb with model.safetensors.index.json, the run's tokenizer.json (and the
+Written: config.json (hf_config.py: for a run started from a Hugging Face model, that model's
+config.json with the keys the run changed; the run keeps a copy of it, SOURCE_CONFIG),
+model.safetensors, or `model-0000i-of-0000n.safetensors` shards of at most --max-shard-gb with
+model.safetensors.index.json, the run's tokenizer.json (and the
 tokenizer_config.json of the model it was fine-tuned from, else a minimal one). The weights are read
 from the logical checkpoint one HF tensor at a time (hf_weights.py maps names; GPT-2's q, k, v are
 fused back into c_attn and its Conv1D weights transposed), so host memory holds one shard at most and
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from teratrain.checkpoint.format import CheckpointError
-from teratrain.checkpoint.hf_config import to_hf
+from teratrain.checkpoint.hf_config import SOURCE_CONFIG, read_config_json, to_hf
 from teratrain.checkpoint.hf_weights import HF_INDEX, hf_names
 from teratrain.checkpoint.holdings import PARAM
 from teratrain.checkpoint.index import Index, Reader
@@ -71,7 +73,9 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
     dest = Path(to)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ConfigError(f"--to {dest} already exists and is not an empty folder; choose a new folder.")
-    config = {**to_hf(cfg.model), "torch_dtype": HF_DTYPE_NAMES[dtype]}
+    source = source_config(run_dir, cfg)
+    config = to_hf(cfg.model, source)
+    config["dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
     groups = _by_hf_key(cfg.model)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +98,16 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
     tmp.rename(dest)
     return {"checkpoint": str(ckpt_dir), "folder": str(dest), "shards": len(shards), "bytes": total,
             "architecture": config["architectures"][0]}
+
+
+def source_config(run_dir: Path, cfg) -> dict | None:
+    """The config.json of the Hugging Face model the run started from: the run's copy, else the
+    model.init_from folder's where the run has none; None for a run from scratch."""
+    folder = Path(cfg.model.init_from).expanduser() if cfg.model.init_from else None
+    for path in [run_dir / SOURCE_CONFIG] + ([folder / "config.json"] if folder else []):
+        if path.is_file():
+            return read_config_json(path)
+    return None
 
 
 def _by_hf_key(model_cfg) -> dict[str, list]:

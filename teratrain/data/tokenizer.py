@@ -1,4 +1,10 @@
-"""Byte-level BPE (HF `tokenizers`) trained on the corpus and cached, or loaded from tokenizer.json."""
+"""Byte-level BPE (HF `tokenizers`) trained on the corpus and cached, or loaded from tokenizer.json.
+
+A BPE starts from the 256 bytes and adds an end-of-text token, so it needs model.vocab_size >= 257. A
+vocabulary of exactly 256 gets the byte tokenizer instead (token id = byte value, no end-of-text
+token: documents follow one another directly); a smaller one needs a tokenizer of its own or
+pre-tokenized ids.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from teratrain.data.corpus import DataError, fingerprint, read_documents
 from teratrain.fsio import atomic_write_bytes
 
 EOT = "<|endoftext|>"
+BYTES = 256  # a byte-level vocabulary's alphabet
 
 
 def train_bpe(files: list[Path], vocab_size: int, out: Path, text_field: str = "text") -> Tokenizer:
@@ -35,6 +42,9 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise DataError(f"data.tokenizer '{given}' could not be loaded ({e}); give a tokenizer.json saved by HF tokenizers.") from None
+    elif vocab_size <= BYTES:
+        path = cache / "bytes-256.json"
+        tok = _byte_tokenizer(vocab_size, path)
     else:
         path = cache / f"bpe-{fingerprint(files, text_field)}-{vocab_size}.json"
         tok = _load_cached(path)
@@ -47,6 +57,31 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
         raise DataError(f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size is {vocab_size}; "
                         f"set model.vocab_size >= {tok.get_vocab_size()}.")
     return tok, path
+
+
+def _byte_tokenizer(vocab_size: int, path: Path) -> Tokenizer:
+    """The 256-token byte tokenizer (cached at `path`); a smaller vocabulary is refused."""
+    if vocab_size < BYTES:
+        raise DataError(f"model.vocab_size={vocab_size} cannot hold the {BYTES} bytes a tokenizer of text starts "
+                        f"from; give data.tokenizer a tokenizer.json of at most {vocab_size} tokens, or token ids in "
+                        "a .bin file as data.path.")
+    tok = _load_cached(path)
+    if tok is None:
+        chars = _byte_chars()  # the characters ByteLevel maps bytes to, so id = byte value
+        tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(BYTES)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        atomic_write_bytes(path, tok.to_str().encode())
+    return tok
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (Radford et al. 2019, encoder.py bytes_to_unicode),
+    which the ByteLevel pre-tokenizer applies: printable bytes stand for themselves, the others for
+    the characters from 256 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    others = [b for b in range(BYTES) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(BYTES + i) for i, b in enumerate(others)}}
 
 
 def _load_cached(path: Path) -> Tokenizer | None:

@@ -149,15 +149,14 @@ def _apply(cfg: Config, values: dict[str, object]) -> None:
 
 def _note(chosen: dict, kept: list[str], best: Candidate, fitting: int, world: int, target: Target) -> str:
     picked = " ".join(f"{k.split('.')[1]}={v}" for k, v in chosen.items())  # every key is unique after its dot
-    m, t = best.memory, best.time
+    m, t = best.memory, best.time  # its memory per process is the summary's own line (startup.py): not said twice
     if target.gpu is None:
         why = (f"the simplest of {fitting} layouts that fit {target.device_mem_gib:,.1f} GiB per process on this "
                f"CPU host (rule: plain data parallelism, lowest ZeRO stage, least recomputation, largest "
-               f"micro-batch); planner: {(m.peak_allocated + m.host) / GIB:,.2f} GiB per process")
+               f"micro-batch)")
     else:
         why = (f"the fastest of {fitting} layouts that fit for {world} process(es) on {target.gpu.name.upper()} "
-               f"({target.device_mem_gib:,.1f} GiB); planner: {m.total / GIB:,.2f} GiB per GPU, "
-               f"{t.step_time_s:,.3f} s per step, MFU {t.mfu:.1%}")
+               f"({target.device_mem_gib:,.1f} GiB); planner: {t.step_time_s:,.3f} s per step, MFU {t.mfu:.1%}")
         if m.host:
             why += f", {m.host / GIB:,.1f} GiB pinned host memory per GPU"
     given = f"; kept as given: {', '.join(kept)}" if kept else ""

@@ -14,7 +14,8 @@ import dataclasses
 import json
 
 from teratrain.config import ConfigError, load_config
-from teratrain.planner.hardware import GPUS, gpu_with, host_memory_gib, hw_keys, read_hw_file
+from teratrain.planner.hardware import (GPUS, HOST_GIB_PER_GPU, gpu_with, host_memory_gib, hw_keys, local_gpu_count,
+                                        read_hw_file)
 from teratrain.planner.auto import KEYS, command_line, train_command
 from teratrain.planner.inputs import PLAN_PRECISION, fixed_of, load, model_sets, shape_of, training_of
 from teratrain.planner.layout import ModelShape
@@ -37,7 +38,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset for peak FLOP/s and bandwidths (default: the "
                    "--hw-file's, else h100)")
     p.add_argument("--host-mem", type=float, help="host memory per node in GiB that offloaded (pinned) state must "
-                   "fit, for all the node's GPUs together (default: this machine's)")
+                   "fit, for all the node's GPUs together (default: this machine's when --gpus are its own, else "
+                   f"{HOST_GIB_PER_GPU:g} GiB per GPU of a node)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tp=2 (a key set here is not searched)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
@@ -62,7 +64,7 @@ def cmd_plan(args) -> int:
     fixed = fixed_of(cfg)
     gpus = args.gpus or _default_gpus(fixed)
     train = training_of(cfg, notes)
-    host_mem = _host_mem(args, notes)
+    host_mem = _host_mem(args, notes, gpus, gpu.gpus_per_node)
     try:
         cands = search(shape, train, gpus, gpu, fixed, gpu_mem, host_mem)
     except PlanError as e:
@@ -168,16 +170,28 @@ COMPILED = ("train.compile is planned as the eager step (the planner does not mo
             "a shorter step than the one above; memory is planned as eager too")
 
 
-def _host_mem(args, notes: list[str]) -> float | None:
-    """--host-mem, else this machine's memory (said in the notes), else None (not checked)."""
+def _host_mem(args, notes: list[str], gpus: int, gpus_per_node: int) -> float | None:
+    """Host memory per node in GiB: --host-mem; else, planning for this machine's own GPUs, its memory;
+    else (more GPUs than it has, or none here) HOST_GIB_PER_GPU per GPU of a node. Said in the notes
+    unless given; None (not checked) where this machine's is unknown."""
     if args.host_mem is not None:
         if args.host_mem <= 0:
             raise ConfigError(f"--host-mem {args.host_mem:g} must be a positive size in GiB, e.g. --host-mem 2048.")
         return args.host_mem
+    here = local_gpu_count()
+    if gpus > here:
+        per_node = HOST_GIB_PER_GPU * gpus_per_node
+        notes.append(f"host memory: {per_node:,.0f} GiB per node assumed ({HOST_GIB_PER_GPU:g} GiB per GPU x "
+                     f"{gpus_per_node} GPUs per node), as --gpus {gpus} is more than the {here} GPU(s) of this "
+                     "machine; --host-mem gives the training machines' own")
+        return per_node
     found = host_memory_gib()
     if found is None:
         notes.append("host memory unknown (no /proc/meminfo): offloaded state is not checked against it; give "
                      "--host-mem")
+    else:
+        notes.append(f"host memory: this machine's {found:,.1f} GiB (planning for its own GPUs; --host-mem plans "
+                     "for another host)")
     return found
 
 

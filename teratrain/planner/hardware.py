@@ -189,6 +189,18 @@ def hw_keys() -> list[str]:
     return sorted({f.name for f in fields(GPU)} - {"name", "peak_tflops"})
 
 
+# Host memory of a GPU node `teratrain plan` assumes when it plans for GPUs other than this machine's:
+# 256 GiB per GPU, the 2 TiB of an 8-GPU DGX H100/H200 node (--host-mem gives the real figure).
+HOST_GIB_PER_GPU = 256.0
+
+
+def local_gpu_count() -> int:
+    """GPUs this machine has (0 without CUDA); no CUDA context is made."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def host_memory_gib() -> float | None:
     """This machine's memory in GiB (MemTotal, capped by a cgroup v2 limit), or None where unknown.
     The total, not what is free now: every rank of a job, started at slightly different moments,

@@ -13,7 +13,7 @@ from teratrain.config import load_config
 from teratrain.data.loader import Batches, prepare
 from teratrain.data.tokenizer import train_bpe
 from tests.hf_models import save_llama
-from tests.integration.runner import metrics
+from tests.integration.runner import assert_user_error, metrics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -45,3 +45,23 @@ def test_fine_tune_a_hf_llama_on_jsonl_then_resume_without_its_weights(cli, tmp_
     cli(*["train", "--out", run, "--steps", "5", "--resume"],
         *[a for s in sets + ["metrics.progress=false"] for a in ("--set", s)])
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
+
+
+def test_a_256_token_model_fine_tunes_on_text_with_the_byte_tokenizer(cli, tmp_path):
+    """A model of 256 tokens and no tokenizer.json trains on text one byte a token; one of fewer is
+    refused in one sentence that names the fixes."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(f"line {i}: naïve café\n" for i in range(400)))
+    sets = [f"data.path={str(corpus)!r}", f"data.cache_dir={str(tmp_path / 'c')!r}", "model.seq_len=32",
+            "train.global_batch=4", "train.micro_batch=2", "train.eval_batches=0", "metrics.progress=false"]
+    for vocab in (256, 200):
+        save_llama(tmp_path / f"hf{vocab}", vocab_size=vocab)
+    run = tmp_path / "run"
+    cli("train", "--out", run, "--steps", 2, *[a for s in sets + [f"model.init_from={str(tmp_path / 'hf256')!r}"]
+                                              for a in ("--set", s)], in_process=True)
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert json.loads((run / "tokenizer.json").read_text())["model"]["vocab"]["a"] == ord("a")
+    proc = cli("train", "--out", tmp_path / "small", "--steps", 2, expect_rc=None, in_process=True,
+               *[a for s in sets + [f"model.init_from={str(tmp_path / 'hf200')!r}"] for a in ("--set", s)])
+    assert_user_error(proc, "model.vocab_size=200", "data.tokenizer")

@@ -9,7 +9,9 @@ moe-ep2.toml needs 2 processes: it runs in test_cli_resume_nproc.py.
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +72,17 @@ def test_an_own_model_that_fails_leaves_no_run_folder(cli, tmp_path):
     with pytest.raises(RuntimeError, match="broken model"):
         teratrain.run(cfg, out=str(tmp_path / "run"), model_fn=lambda cfg: Broken())
     assert not (tmp_path / "run").exists()
+
+
+def test_own_model_example_under_torchrun_reports_once(cli, tmp_path):
+    """Two ranks train (data parallelism, ZeRO-3); only rank 0 prints the closing line."""
+    sets = [*SHAPE, "model.n_layers=2", "model.d_model=64", "model.seq_len=64", "train.global_batch=8",
+            "train.micro_batch=4", "train.steps=2", "metrics.progress=false", "parallel.zero=3",
+            f"data.cache_dir={json.dumps(cli.cache)}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / "own_model.py"), "--out", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("done:")] == [
+        f"done: 2 steps, loss {metrics(tmp_path / 'run')[-1]['loss']:.4f} -> {tmp_path / 'run'}"]

@@ -109,3 +109,20 @@ def test_prepare_reuses_its_cache(user_corpus, tmp_path):
 def test_missing_data_path_is_a_data_error(tmp_path):
     with pytest.raises(DataError, match="data.path"):
         prepare(DataConfig(path=str(tmp_path / "nope"), cache_dir=str(tmp_path)), vocab_size=400)
+
+
+def test_a_256_token_vocabulary_trains_on_bytes(user_corpus, tmp_path):
+    """model.vocab_size=256: one token per byte (id = byte value), documents back to back."""
+    root, docs = user_corpus
+    data = prepare(DataConfig(path=str(root), cache_dir=str(tmp_path), val_fraction=0.0), vocab_size=256)
+    text = "".join(docs[k] for k in ("a.txt", "c.md", "sub/b.py"))
+    assert data.train.tolist() == list(text.encode())
+    tok = Tokenizer.from_file(str(data.tokenizer_path))
+    assert tok.get_vocab_size() == 256 and tok.decode(tok.encode("é\x00\t ok").ids) == "é\x00\t ok"
+
+
+def test_a_vocabulary_below_256_on_text_is_one_sentence(user_corpus, tmp_path):
+    root, _ = user_corpus
+    with pytest.raises(DataError) as e:
+        prepare(DataConfig(path=str(root), cache_dir=str(tmp_path)), vocab_size=200)
+    assert "model.vocab_size=200" in str(e.value) and "data.tokenizer" in str(e.value) and ".bin" in str(e.value)

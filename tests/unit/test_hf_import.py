@@ -1,6 +1,8 @@
 """model.init_from: a Hugging Face Llama or GPT-2 folder (saved here with save_pretrained from a random
 init, no download) becomes a teratrain model whose logits equal transformers' within 1e-5 (fp32)."""
 
+import json
+
 import pytest
 import torch
 
@@ -139,3 +141,30 @@ def test_a_model_moe_key_given_keeps_the_experts_of_config_json(tmp_path):
     save_mixtral(tmp_path)
     m = make_config(f"model.init_from={str(tmp_path)!r}", "model.moe.aux_loss_weight=0.02").model.moe
     assert (m.num_experts, m.k, m.router, m.aux_loss_weight) == (4, 2, "softmax-topk", 0.02)
+
+
+@pytest.mark.parametrize("keys, taken", [({}, (0.0, "ours")),
+                                         ({"output_router_logits": True}, (0.001, "transformers")),
+                                         ({"output_router_logits": True, "router_aux_loss_coef": 0.02},
+                                          (0.02, "transformers"))])
+def test_mixtral_aux_loss_follows_config_json(tmp_path, keys, taken):
+    """transformers adds router_aux_loss_coef x its load-balancing loss only with output_router_logits
+    true (its default: false, coef 0.001): the import trains with what transformers would."""
+    save_mixtral(tmp_path, **keys)
+    m = make_config(f"model.init_from={str(tmp_path)!r}").model.moe
+    assert (m.aux_loss_weight, m.aux_loss_convention) == taken
+
+
+def test_export_of_a_fine_tuned_model_changes_only_what_the_run_changed(tmp_path):
+    """to_hf with the source config.json: its keys back as they came in (transformers 5's
+    rope_parameters, a null head_dim, the 4096-token context), but those the run's settings change."""
+    from teratrain.checkpoint.hf_config import to_hf
+
+    save_llama(tmp_path, max_position_embeddings=4096, rope_scaling=LLAMA3_SCALING)
+    source = json.loads((tmp_path / "config.json").read_text())
+    run = make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16").model
+    assert to_hf(run, source) == source
+    theta = make_config(f"model.init_from={str(tmp_path)!r}", "model.rope_theta=1e6", "model.norm_eps=1e-6").model
+    out = to_hf(theta, source)
+    assert {k for k in source if out[k] != source[k]} == {"rope_parameters", "rms_norm_eps"}
+    assert out["rope_parameters"] == {**source["rope_parameters"], "rope_theta": 1e6} and "rope_theta" not in out

@@ -58,3 +58,23 @@ def test_offloaded_state_of_a_node_must_fit_the_host(capsys):
     assert "of host memory on 2 GPU(s)" in err and f"pins 2 x {leanest / GIB:,.1f}" in err
     rc, _, err = plan(capsys, *OFFLOADING, "--host-mem", "-1")
     assert rc == 2 and "--host-mem" in err
+
+
+def test_host_memory_is_the_targets_unless_the_gpus_are_this_machines(capsys, monkeypatch):
+    """Planning 8 GPUs from a machine with none (23.5 GiB of memory): their hosts are assumed to have
+    256 GiB per GPU, said in a note, and llama-8b with its optimizer offloaded plans; planning this machine's own 8 GPUs holds the
+    offloaded state against its own memory, as --host-mem does against the figure given."""
+    from teratrain.planner import cli
+
+    monkeypatch.setattr(cli, "host_memory_gib", lambda: 23.5)
+    monkeypatch.setattr(cli, "local_gpu_count", lambda: 0)
+    args = ["--model", "llama-8b", "--gpus", "8", "--gpu", "h200", "--set", "parallel.offload=optimizer",
+            "--set", "memory.recompute=full", "--set", "parallel.tp=1", "--set", "parallel.pp=1"]
+    d = plan_json(capsys, *args)
+    assert d["fits"] and d["host_mem_gib"] == 2048 and d["host_fits"] and d["host_per_node"] > 23.5 * GIB
+    assert any(n.startswith("host memory: 2,048 GiB per node assumed (256 GiB per GPU x 8 GPUs per node), as "
+                            "--gpus 8 is more than the 0 GPU(s) of this machine") for n in d["notes"])
+    monkeypatch.setattr(cli, "local_gpu_count", lambda: 8)
+    rc, _, err = plan(capsys, *args)
+    assert rc == 2 and "23.5 GiB of host memory" in err and "--host-mem" in err
+    assert plan_json(capsys, *args, "--host-mem", "2048")["host_mem_gib"] == 2048

@@ -46,3 +46,59 @@ def test_summary_names_every_degree_and_the_model_started_from():
     hf = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": "~/models/Llama-3.2-1B"})})
     text = startup.summary(hf, rt, Path("x"), 0)
     assert "teratrain: model: Llama-3.2-1B from model.init_from (llama, 4 layers" in text
+
+
+def test_summary_names_the_experts_and_the_family_of_a_mixtral_start(tmp_path):
+    """An MoE model says its experts (a preset's too); a Mixtral started from is called mixtral, and
+    the aux loss it trains with is said with where it came from."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import save_mixtral
+
+    text = startup.summary(make_config("model.preset=moe-tiny"), Runtime.single("cpu"), Path("runs/x"), 0)
+    assert "(llama, 4 layers, d_model 128, 8 experts x top-2)" in text
+    save_mixtral(tmp_path)
+    text = startup.summary(make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16"),
+                           Runtime.single("cpu"), Path("runs/x"), 0)
+    assert f"model: {tmp_path.name} from model.init_from (mixtral, 2 layers, d_model 32, 4 experts x top-2)" in text
+    assert "teratrain: moe: aux loss 0 from config.json (output_router_logits false" in text
+    text = startup.summary(make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16",
+                                       "model.moe.aux_loss_weight=0.01"), Runtime.single("cpu"), Path("runs/x"), 0)
+    assert "moe: aux loss 0.01 (ours convention) from model.moe, not config.json's (router_aux_loss_coef 0.001" in text
+
+
+def test_parallel_auto_and_the_memory_line_give_one_figure():
+    """On the CPU the summary's memory line is the figure parallel.auto chose by (CPU autocast, no CUDA
+    context), and the auto line does not repeat it."""
+    from dataclasses import replace
+
+    from teratrain.planner.auto import Target, resolve
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.search import evaluate
+
+    cfg = make_config("parallel.auto=true", "memory.precision=bf16")
+    note = resolve(cfg, 1, Target(None, 64.0, None, 1)).note
+    chosen = evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), replace(GPUS["h100"], context_gib=0.0),
+                      device="cpu").memory
+    text = startup.summary(cfg, Runtime.single("cpu"), Path("runs/x"), 0, [note])
+    assert [ln for ln in text.splitlines() if "GiB" in ln and "planner" in ln] == [
+        f"teratrain: predicted memory per process: {(chosen.peak_allocated + chosen.host) / 2**30:,.2f} GiB (planner)"]
+
+
+@pytest.mark.parametrize("sets, there, warned", [
+    ([], 0, True),  # by time: saves until keep=2 stay and a third is written beside them
+    (["checkpoint.every=0"], 0, False),  # one save, at the end
+    (["checkpoint.every=50"], 0, False),  # two saves of 100 steps: two at once at most
+    ([], 2, False),  # two there already: one more at once
+    (["checkpoint.keep=4"], 2, True),  # three more at once
+])
+def test_the_disk_check_counts_the_checkpoints_kept_and_the_one_written_beside_them(tmp_path, monkeypatch, sets,
+                                                                                     there, warned):
+    for step in range(there):
+        (tmp_path / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+    monkeypatch.setattr(startup, "free_bytes", lambda path: 2.5e9)
+    cfg = make_config("train.steps=100", *sets)
+    assert (startup.check_disk(cfg, tmp_path, 10**9) is not None) == warned
+    with pytest.raises(ConfigError) as e:
+        startup.check_disk(cfg, tmp_path, 3 * 10**9)
+    assert "needs 2.8 GiB" in str(e.value) and "2.3 GiB free" in str(e.value) and "\n" not in str(e.value)
