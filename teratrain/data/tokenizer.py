@@ -76,7 +76,7 @@ def _byte_tokenizer(vocab_size: int, path: Path) -> Tokenizer:
 
 
 def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (Radford et al. 2019, encoder.py bytes_to_unicode),
+    """GPT-2's byte -> printable character table (Radford et al. 2019: bytes_to_unicode of its released encoder),
     which the ByteLevel pre-tokenizer applies: printable bytes stand for themselves, the others for
     the characters from 256 on."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
