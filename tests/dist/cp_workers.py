@@ -30,7 +30,8 @@ def attention_vs_whole(rank: int, world: int, cases: list[tuple], dtype=torch.fl
 
     from teratrain.parallel.context import AllToAllCore, ContextSplit, RingCore
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     out = []
     for form, docs, fused in cases:
         g = torch.Generator().manual_seed(1)
