@@ -130,16 +130,28 @@ def step_blocks(split: Split, rank: int, src: int, docs: np.ndarray | None = Non
     return [Block(a * L, (a + 1) * L, b * L, (b + 1) * L, k) for (a, b), k in sorted(kinds.items()) if k is not None]
 
 
+def shape_problem(cp: int, cp_form: str, seq_len: int, n_heads: int, tp: int, sp: bool) -> str | None:
+    """Why a model of this shape cannot be split over cp ranks (one sentence with the fix), or None.
+    The planner refuses the same layouts through it."""
+    pieces = 2 * cp * (tp if sp else 1)
+    if seq_len % pieces:
+        by = " x parallel.tp (sequence parallelism shards each rank's chunks)" if sp else ""
+        return (f"parallel.cp={cp} cuts model.seq_len ({seq_len}) into 2 x cp{by} = {pieces} equal pieces; choose a "
+                "model.seq_len that it divides")
+    if cp_form == "all-to-all" and (n_heads // tp) % cp:
+        return (f"parallel.cp_form=all-to-all gives each cp rank n_heads / (tp x cp) query heads, and {n_heads} heads "
+                f"over tp={tp} x cp={cp} do not divide; use parallel.cp_form=ring or another parallel.cp")
+    return None
+
+
 def check_cp(cfg) -> None:
     """Refuse, with the fix, context-parallel layouts this model or run cannot use."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.cp == 1:
         return
-    cp, pieces = p.cp, 2 * p.cp * (p.tp if p.use_sp else 1)
-    sp = " x parallel.tp (sequence parallelism shards each rank's chunks)" if p.use_sp else ""
+    cp, why = p.cp, shape_problem(p.cp, p.cp_form, m.seq_len, m.n_heads, p.tp, p.use_sp)
     problems = [
-        (m.seq_len % pieces == 0, f"parallel.cp={cp} cuts model.seq_len ({m.seq_len}) into 2 x cp{sp} = {pieces} equal "
-                                  "pieces; choose a model.seq_len that it divides"),
+        (why is None, why),
         (m.dropout == 0, f"parallel.cp={cp} runs attention through kernels without dropout (model.dropout="
                          f"{m.dropout}); set model.dropout=0"),
         (p.sync == "allreduce", f"parallel.sync={p.sync} lets replicas drift apart between averages, and cp ranks "
@@ -148,15 +160,10 @@ def check_cp(cfg) -> None:
                             "context-parallel attention exchanges chunks between ranks outside the graph; set "
                             "train.compile_mode=default"),
     ]
-    if p.cp_form == "all-to-all":
-        heads = m.n_heads // p.tp
-        problems.append((heads % cp == 0, f"parallel.cp_form=all-to-all gives each cp rank n_heads / (tp x cp) query "
-                                          f"heads, and {m.n_heads} heads over tp={p.tp} x cp={cp} do not divide; use "
-                                          "parallel.cp_form=ring or another parallel.cp"))
     if p.pp > 1:
         problems.append((p.schedule != "zb-h1", "parallel.schedule=zb-h1 splits each backward into an input and a "
                                                 "weight pass, and context-parallel attention exchanges chunks in "
-                                                "one backward; use another parallel.schedule (e.g. 1f1b)"))
+                                                "one backward; use another parallel.schedule such as 1f1b"))
     for ok, why in problems:
         if not ok:
             raise ConfigError(why + ".")

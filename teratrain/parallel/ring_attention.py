@@ -142,7 +142,8 @@ class _RingAttention(torch.autograd.Function):
         n, r = ring.n, ring.r
         kv = torch.stack([k, v])  # (2, B, Hkv, T, D): one message a step
         acc = _acc(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        B, H, T, D = q.shape  # out laid out (B, T, H, D) as SDPA's is: wo reads it as a view, nothing copied
+        out = torch.zeros((B, T, H, D), dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for s in range(n):
             src = (r - s) % n

@@ -11,13 +11,17 @@ repeated where cp does not divide them); dp x cp with ZeRO 1 and 3 sharded over 
 sequence parallelism; pp x cp (and ZeRO-3); ep x cp (MoE); recomputation, full and selective; packed
 documents; and train.compile (aot_eager). Tolerance: 1e-5 relative on every step's loss and every
 final parameter tensor (gathered whole), as test_tensor_parallel.py; measured: losses about 1e-7,
-parameters up to 4e-6 (AdamW with eps=1e-6 amplifies the splits' fp32 summation order)."""
+parameters up to 4e-6 (AdamW with eps=1e-6 amplifies the splits' fp32 summation order). And the
+bytes autograd keeps on a cp rank equal the planner's count."""
 
-import pytest
 from cp_workers import attention_vs_whole, compiled
 from harness import run_ranks
-from layout_workers import train_random
+from layout_workers import BASE, train_random
 from test_tensor_parallel import TOL, max_rel_diff
+
+from teratrain.config import load_config
+from teratrain.planner.inputs import layout_of, shape_of, training_of
+from teratrain.planner.memory import forward_saved
 
 STEPS = 3
 CASES = [("ring", False, True), ("ring", False, False), ("ring", True, True), ("ring", True, False),
@@ -58,7 +62,26 @@ def _compare(layouts: list[list[str]], runs: list[dict]) -> None:
 
 def _many(rank: int, world: int, layouts: list[list[str]]) -> tuple[list[dict], list[dict]]:
     """Attention at cp=4 (the same processes: starting 4 is most of a small test's time), then training."""
-    return attention_vs_whole(rank, world, CASES), [train_random(rank, world, layout, steps=STEPS) for layout in layouts]
+    return attention_vs_whole(rank, world, CASES), [train_random(rank, world, layout, steps=STEPS,
+                                                                 count_saved=_planned(layout)) for layout in layouts]
+
+
+def _planned(layout: list[str]) -> bool:
+    """Layouts whose forward the planner's `forward_saved` counts: no pipeline (measure.saved_bytes runs
+    the whole model), experts, documents or ZeRO-3's gathers."""
+    return not any(o.startswith(("parallel.pp", "parallel.ep", "data.", "parallel.zero=3")) for o in layout)
+
+
+def _assert_saved_as_planned(layouts: list[list[str]], runs: list[dict]) -> None:
+    """What autograd keeps for one micro-batch on rank 0 (measure.saved_bytes) is the planner's count
+    (memory.forward_saved) for every layout `_planned` names: exactly, but for lm_loss's 4-byte scalar where the loss is not vocab-parallel (tp = 1), as in
+    tests/unit/test_planner_activations.py."""
+    for layout, got in zip(layouts, runs):
+        if not _planned(layout):
+            continue
+        cfg = load_config(None, BASE + layout)
+        planned = forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 4), "cpu")
+        assert got["saved"] - planned == (4 if cfg.parallel.tp == 1 else 0), layout
 
 
 def test_cp_composes_with_every_strategy_on_four_ranks():
@@ -73,6 +96,7 @@ def test_cp_composes_with_every_strategy_on_four_ranks():
     runs = run_ranks(_many, 4, layouts)
     _assert_attention([attention for attention, _ in runs])
     _compare(layouts, runs[0][1])
+    _assert_saved_as_planned(layouts, runs[0][1])
 
 
 def test_cp_compiled_matches_one_process():
