@@ -8,7 +8,7 @@ the gradients of q, k, v) within 1e-12 relative; measured: about 6e-16.
 Training, fp32, against one process on the same global batch (`train_random`: 3 AdamW steps of 2
 micro-batches per data-parallel rank, clipping on): cp alone, ring and all-to-all (key/value heads
 repeated where cp does not divide them); dp x cp with ZeRO 1 and 3 sharded over dp x cp; tp x cp with
-sequence parallelism; pp x cp (and ZeRO-3); ep x cp (MoE); recomputation, full and selective; packed
+sequence parallelism (and GPT-2's learned positions, tied embeddings and biases); pp x cp (and ZeRO-3); ep x cp (MoE); recomputation, full and selective; packed
 documents; and train.compile (aot_eager). Tolerance: 1e-5 relative on every step's loss and every
 final parameter tensor (gathered whole), as test_tensor_parallel.py; measured: losses about 1e-7,
 parameters up to 4e-6 (AdamW with eps=1e-6 amplifies the splits' fp32 summation order). And the
@@ -17,7 +17,7 @@ bytes autograd keeps on a cp rank equal the planner's count."""
 from cp_workers import attention_vs_whole, compiled
 from harness import run_ranks
 from layout_workers import BASE, train_random
-from test_tensor_parallel import TOL, max_rel_diff
+from test_tensor_parallel import GPT2_SGD, TOL, max_rel_diff
 
 from teratrain.config import load_config
 from teratrain.planner.inputs import layout_of, shape_of, training_of
@@ -89,6 +89,7 @@ def test_cp_composes_with_every_strategy_on_four_ranks():
     layouts = [["parallel.cp=4"], ["parallel.cp=4", "parallel.cp_form=all-to-all"],
                ["parallel.cp=2", "parallel.zero=1"], ["parallel.cp=2", "parallel.zero=3"],
                ["parallel.cp=2", "parallel.tp=2"], ["parallel.cp=2", "parallel.tp=2", "parallel.cp_form=all-to-all"],
+               GPT2_SGD + ["parallel.cp=2", "parallel.tp=2"],  # learned positions of each rank's chunks, sp shards
                ["parallel.cp=2", "parallel.pp=2"], ["parallel.cp=2", "parallel.pp=2", "parallel.zero=3"],
                MOE + ["parallel.cp=2", "parallel.ep=2"],
                ["parallel.cp=2", "memory.recompute=full"], ["parallel.cp=2", "memory.recompute=selective"],
