@@ -27,6 +27,7 @@
 #              relaunches included), then --check-pick                                           610 s
 #   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
 #   reshard    bench/reshard.py (dp=N ZeRO-3 saved, dp=1 resumed)                                200 s
+#   context    bench/context.py: memory, forms, speed (vs torch context_parallel + FSDP2), scaling  300 s each
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bench/gpu_suite.sh OUTDIR PIECE...}"); shift
@@ -76,6 +77,10 @@ for p in "$@"; do
                       $smoke --table --out "$out/pick.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, moe, pipeline, fsdp2, ddp, planner, scaling, reshard)"; exit 2 ;;
+        context)  for part in memory forms speed scaling; do  # each part its own limit (CONTEXT_LIMIT replaces 300 s)
+                      piece "context_$part" "${CONTEXT_LIMIT:-300}" "$py" bench/context.py $part --gpus "$n" \
+                          $smoke --out "$out/context_$part.json"
+                  done ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, moe, pipeline, fsdp2, ddp, planner, scaling, reshard, context)"; exit 2 ;;
     esac
 done

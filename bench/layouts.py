@@ -67,6 +67,9 @@ MOE_WIDTH = ["model.d_ff=2816"]  # 8 experts of width 2816, top-2 (bench/moe.py'
 # models besides dense and moe, each with its own one-GPU reference: a tied embedding (at pp > 1 its
 # ZeRO-3 gather spans both end stages), int8 activation compression (it changes the math)
 MODELS = {"tied": ["model.tie_embeddings=true"], "int8": ["memory.compress_activations=int8"]}
+# context parallelism with experts: each cp rank routes its own chunks, so the aux loss (a function of
+# the tokens routed together) is left out for parity with one GPU (docs/context.md)
+CP_MOE = ["model.moe.aux_loss_weight=0"]
 
 
 def layouts(gpus: int) -> list[dict]:
@@ -100,6 +103,8 @@ def layouts(gpus: int) -> list[dict]:
     ]
     if gpus == 2:
         return singles + [
+            L("cp2", ["parallel.cp=2"]),  # ring attention, keys and values around the 2 ranks
+            L("cp2-all-to-all", ["parallel.cp=2", "parallel.cp_form=all-to-all"]),
             L("pp2-1f1b-zero1", pp("1f1b", "parallel.zero=1")),  # the tied embedding's group spans both stages
             L("pp2-1f1b-zero2", pp("1f1b", "parallel.zero=2")),
             # at dp=1 ZeRO-3 shards only the tied embedding, over both end stages: the cross-stage gather
@@ -121,6 +126,11 @@ def layouts(gpus: int) -> list[dict]:
         L("ep2-tp2", ["parallel.ep=2", "parallel.tp=2"], "moe"),
         L("ep2-dp2-zero1", ["parallel.ep=2", "parallel.zero=1"], "moe"),  # experts in 2 shards, each on 2 ranks
         L("pp2-ep2", pp("1f1b", "parallel.ep=2"), "moe"),  # the all-to-all among each stage's dp ranks
+        L("cp4", ["parallel.cp=4"]), L("cp4-all-to-all", ["parallel.cp=4", "parallel.cp_form=all-to-all"]),
+        L("dp2-cp2-zero3", ["parallel.cp=2", "parallel.zero=3"]),  # ZeRO-3 sharded over dp x cp
+        L("tp2-cp2", ["parallel.cp=2", "parallel.tp=2"]),  # sequence parallelism inside each cp rank's chunks
+        L("pp2-cp2", pp("1f1b", "parallel.cp=2")),
+        L("ep2-cp2", ["parallel.cp=2", "parallel.ep=2"], "moe-cp"),
     ]
 
 
@@ -146,9 +156,10 @@ def _config(args, layout: dict, precision: str):
     from teratrain.config import load_config
 
     base = SMOKE if args.smoke else SMALL if args.small else MODEL
-    moe = MOE + (MOE_SMOKE_WIDTH if args.smoke or args.small else MOE_WIDTH) if layout["model"] == "moe" else []
+    moe = MOE + (MOE_SMOKE_WIDTH if args.smoke or args.small else MOE_WIDTH) if layout["model"] in ("moe", "moe-cp") \
+        else []
     device = ["train.device=cpu"] if args.smoke else []
-    return load_config(None, base + COMMON + moe + MODELS.get(layout["model"], []) + device
+    return load_config(None, base + COMMON + moe + {**MODELS, "moe-cp": CP_MOE}.get(layout["model"], []) + device
                        + [f"memory.precision={precision}"] + layout["sets"])
 
 

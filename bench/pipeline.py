@@ -72,6 +72,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import sync, time_steps  # noqa: E402
 
+from teratrain.models.layers import Positions  # noqa: E402
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 MICROBATCHES, SMOKE_MICROBATCHES = [4, 8, 16], [4, 8]
@@ -336,7 +338,7 @@ class TorchStage(nn.Module):
     def forward(self, x):
         c, m = self.chunk, self.chunk.model
         h = c.embed(x) if c.is_first else x
-        h = c.blocks(h, m.rope(0, self.seq_len) if m.rope is not None else None)
+        h = c.blocks(h, Positions(m.rope(0, self.seq_len)) if m.rope is not None else None)
         return m.head(h) if c.is_last else h
 
 

@@ -220,3 +220,53 @@ def torchao_float8():
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
+
+
+# Attention that also returns its log-sum-exp, as ring attention merges partial results by it (and its
+# backward takes the merged output and log-sum-exp). Private aten ops, the same in 2.11 and 2.13: on CPU
+# the flash kernel (any float dtype), on CUDA flash for fp16/bf16 with head dim <= 256, else the
+# memory-efficient kernel (fp32 too). `rest` is what a backward needs of its forward besides the tensors.
+_aten = torch.ops.aten
+
+
+def attention_lse_kind(q: torch.Tensor) -> str | None:
+    """Which fused kernel `attention_lse` runs for queries like `q`: "cpu", "flash", "efficient", or
+    None when this build has none of them (the caller then uses its own math)."""
+    if q.device.type == "cpu":
+        return "cpu" if hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu") else None
+    if q.device.type != "cuda":
+        return None
+    if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        return "flash"
+    return "efficient"
+
+
+def attention_lse(q, k, v, causal: bool, scale: float, kind: str):
+    """(out (B, H, T, D), lse (B, H, T) fp32, rest) of softmax(q k^T * scale [causal, top-left]) v; q, k, v
+    with equal head counts."""
+    if kind == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    if kind == "flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset)
+    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., :q.shape[2]], (seed, offset)  # (older builds pad the rows to a multiple of 32)
+
+
+def attention_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: float, kind: str, rest):
+    """(dq, dk, dv) of `attention_lse`'s output, given the output and log-sum-exp its rows end with (those
+    of the whole attention when the call covered only some of the keys: each call's share of the
+    gradient then adds up to the whole)."""
+    if kind == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                          scale=scale)
+    if kind == "flash":
+        cum_q, cum_k, seed, offset = rest
+        return _aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2],
+                                                                 k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    seed, offset = rest
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv

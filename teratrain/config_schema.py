@@ -119,7 +119,15 @@ class ParallelConfig(Section):
     auto: bool = Field(False, description="take every parallel.* degree, parallel.zero, parallel.offload, "
                        "train.micro_batch and memory.recompute not given here from the planner's fastest layout "
                        "that fits the job's processes and devices (docs/planner.md); given keys are kept")
-    dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp)")
+    dp: int | None = Field(None, ge=1, description="data-parallel degree; unset = world size / (tp*pp*cp)")
+    cp: int = Field(1, ge=1, description="context-parallel degree: ranks that split each sample's sequence, each "
+                    "holding chunks i and 2cp-1-i of 2cp (causal load balance); they hold the same parameters, so "
+                    "gradients are reduced, and ZeRO shards, over dp x cp (docs/context.md)")
+    cp_form: Literal["ring", "all-to-all"] = Field(
+        "ring", description="how attention spans the cp ranks: ring passes key/value chunks around the ranks, "
+                            "overlapped with the attention of the chunk in hand, and merges partial results by "
+                            "their log-sum-exp (any head count); all-to-all (Ulysses) swaps sequence shards for "
+                            "head shards around attention (query heads per tp rank divisible by cp)")
     tp: int = Field(1, ge=1, description="tensor-parallel degree (ranks that split every layer's weights)")
     tp_form: Literal["megatron", "all-gather", "all-reduce"] = Field(
         "megatron", description="megatron: column- then row-parallel pairs (one all-reduce per attention/MLP each way); "
@@ -224,6 +232,12 @@ class DataConfig(Section):
                             "holds its text")
     val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
     cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
+    document_mask: bool = Field(False, description="attention stops at document boundaries: a token sees only the "
+                                "earlier tokens of its own document, the documents of a sample being cut by the "
+                                "end-of-text token (data.eot_id); with parallel.cp, the chunks go to ranks by the "
+                                "attention work they hold (docs/context.md)")
+    eot_id: int | None = Field(None, ge=0, description="the end-of-text token id that ends each document, for "
+                               "data.document_mask; unset = the tokenizer's <|endoftext|>")
 
 
 class CheckpointConfig(Section):

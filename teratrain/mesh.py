@@ -1,6 +1,6 @@
 """Process layout: validated parallel degrees, the named mesh and its groups, torchrun's environment.
 
-Worker ranks form a grid with axes pp (outermost), dp, tp (innermost: tensor-parallel peers are
+Worker ranks form a grid with axes pp (outermost), dp, cp, tp (innermost: tensor-parallel peers are
 neighbours, so on one node). For pp=2, dp=2, tp=2 (8 ranks):
 
             tp=0  tp=1
@@ -8,6 +8,11 @@ neighbours, so on one node). For pp=2, dp=2, tp=2 (8 ranks):
          dp=1  [2]   [3]
     pp=1 dp=0  [4]   [5]
          dp=1  [6]   [7]
+
+Context parallelism (cp) splits each sample's sequence: the cp ranks of one dp coordinate read the
+same samples, each its own chunks of them (parallel/context.py), and hold the same parameters. For
+dp=2, cp=2 (4 ranks): [0] [1] read samples 0..B/2-1, [2] [3] the others; ranks {0, 1} and {2, 3} are
+the `cp` groups, and all four reduce gradients (and shard ZeRO state) together in `dp`.
 
 Expert parallelism borrows its ranks from dp rather than multiplying the world: the dp coordinate d
 splits into (d // ep, d % ep), so ep neighbours along dp share one set of experts between them
@@ -18,10 +23,13 @@ A group is a set of ranks that differ only along some axes. `Mesh.group(name)` r
 process group for one of the names below (None when the group is this rank alone: every
 collective in parallel/comm.py then degenerates to a local no-op):
 
-    world        every worker                      dp      vary dp           tp   vary tp
-    pp           vary pp                           dp_tp   vary dp and tp (a replicated tensor's
-    ep           vary the ep part of dp                    partial gradients, e.g. sequence-parallel norms)
-    ep_replicas  vary the other part of dp (ranks holding the same experts)
+    world        every worker                      tp   vary tp
+    pp           vary pp                           cp   vary cp (the ring or all-to-all of attention)
+    dp           vary dp and cp: the ranks holding the same parameters, over which gradients are
+                 reduced and ZeRO shards (Megatron's and torchtitan's data-parallel-with-cp group)
+    dp_tp        vary dp, cp and tp (a replicated tensor's partial gradients, e.g. sequence-parallel norms)
+    ep           vary the ep part of dp
+    ep_replicas  vary the other part of dp, and cp (ranks holding the same experts)
 
 With `parallel.sync=param-server` the job also has `num_servers` server ranks, placed after every
 worker and outside the mesh (dp=2, 2 servers: workers [0] [1] form the mesh, servers are ranks 2, 3).
@@ -38,22 +46,23 @@ import torch
 
 from teratrain.config_base import ConfigError
 
-AXES = ("pp", "dp", "tp")  # outermost to innermost; ep splits dp
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost; ep splits dp
 GROUPS: dict[str, tuple[str, ...]] = {  # name -> the coordinates that vary within one group
-    "world": ("pp", "dp", "tp"), "pp": ("pp",), "dp": ("dp",), "tp": ("tp",), "dp_tp": ("dp", "tp"),
-    "ep": ("ep",), "ep_replicas": ("ep_replica",),
+    "world": ("pp", "dp", "cp", "tp"), "pp": ("pp",), "dp": ("dp", "cp"), "tp": ("tp",),
+    "dp_tp": ("dp", "cp", "tp"), "ep": ("ep",), "ep_replicas": ("ep_replica", "cp"), "cp": ("cp",),
 }
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Degrees of parallelism. dp * tp * pp is the number of worker processes (ep divides dp and
+    """Degrees of parallelism. dp * cp * tp * pp is the number of worker processes (ep divides dp and
     adds none); the job has `num_servers` more (parameter servers) when parallel.sync=param-server."""
 
     dp: int
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     num_servers: int = 0
 
     @classmethod
@@ -63,13 +72,14 @@ class ParallelDims:
         if workers < 1:
             raise ConfigError(f"parallel.num_servers={servers} leaves no worker among the {world} processes; "
                               f"launch more processes (--nproc) or lower parallel.num_servers.")
-        other = pcfg.tp * pcfg.pp
+        other = pcfg.tp * pcfg.pp * pcfg.cp
+        names = "tp*pp*cp" if pcfg.cp > 1 else "tp*pp"
         if workers % other:
-            raise ConfigError(f"parallel.tp*pp = {other} does not divide the {workers} worker processes; "
+            raise ConfigError(f"parallel.{names} = {other} does not divide the {workers} worker processes; "
                               f"choose degrees whose product divides {workers}.")
-        dims = cls(dp=pcfg.dp or workers // other, tp=pcfg.tp, pp=pcfg.pp, ep=pcfg.ep, num_servers=servers)
+        dims = cls(dp=pcfg.dp or workers // other, tp=pcfg.tp, pp=pcfg.pp, ep=pcfg.ep, cp=pcfg.cp, num_servers=servers)
         if dims.world != world:
-            raise ConfigError(f"parallel.dp*tp*pp{plus} = {dims.world} but {world} processes were launched; "
+            raise ConfigError(f"parallel.dp*{names}{plus} = {dims.world} but {world} processes were launched; "
                               f"set parallel.dp={workers // other} or launch {dims.world} processes (--nproc).")
         if dims.dp % dims.ep:
             raise ConfigError(f"parallel.ep={dims.ep} must divide the data-parallel degree {dims.dp} (expert "
@@ -79,7 +89,12 @@ class ParallelDims:
     @property
     def workers(self) -> int:
         """Ranks that train (all of them unless there are parameter servers)."""
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks whose losses the step's loss averages (dp x cp): every gradient rule divides by it."""
+        return self.dp * self.cp
 
     @property
     def world(self) -> int:
@@ -103,7 +118,7 @@ class ParallelDims:
     def ranks_with(self, rank: int, vary: tuple[str, ...]) -> list[int]:
         """The workers whose coordinates equal `rank`'s except along the axes in `vary`."""
         me = self.coords(rank)
-        fixed = [a for a in ("pp", "tp") if a not in vary]
+        fixed = [a for a in ("pp", "cp", "tp") if a not in vary]
         if "dp" not in vary:  # dp is the pair (ep_replica, ep): fixing both parts fixes dp
             fixed += [a for a in ("ep", "ep_replica") if a not in vary]
         return [r for r in range(self.workers) if all(self.coords(r)[a] == me[a] for a in fixed)]
@@ -287,7 +302,7 @@ class Runtime:
         return cls(rank=0, world=1, local_rank=0, device=torch.device(device), dims=dims, mesh=Mesh(dims, 0))
 
     def coord(self, axis: str) -> int:
-        """Position along `axis` ("pp", "dp", "tp", "ep"); 0 on a parameter server."""
+        """Position along `axis` ("pp", "dp", "cp", "tp", "ep"); 0 on a parameter server."""
         return 0 if self.is_server else self.dims.coords(self.rank)[axis]
 
     @property

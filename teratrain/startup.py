@@ -176,6 +176,7 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
                                    if rt.device.type == "cuda" else "")
     accum = t.global_batch // (t.micro_batch * d.dp)
     degrees = f"dp={d.dp} tp={d.tp} pp={d.pp}" + (f" ({p.schedule})" if d.pp > 1 else "") + f" ep={d.ep}"
+    degrees += f" cp={d.cp} ({p.cp_form})" if d.cp > 1 else ""
     params = _param_count(own) if own is not None else None
     lines = [_model_line(m, own, params, run_dir), *_source_lines(m, own, run_dir),
              f"device: {where}, {rt.world} process(es)",
@@ -205,7 +206,7 @@ def _compiled(cfg: Config, dims) -> str:
         return ""
     from teratrain.parallel.parallelize import compile_scope
 
-    scope = "each block" if dims.pp > 1 or compile_scope(cfg, dims.dp) == "block" else "the whole model"
+    scope = "each block" if dims.pp > 1 or compile_scope(cfg, dims.replicas) == "block" else "the whole model"
     graphs = ", CUDA graphs" if cfg.train.cuda_graphs else ""
     return f", compiled ({scope}{graphs})"
 

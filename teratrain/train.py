@@ -72,6 +72,8 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         if (saved.pp, saved.virtual_stages) == (cfg.parallel.pp, cfg.parallel.virtual_stages):
             cfg.parallel.stage_layers = saved.stage_layers
     data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
+    if cfg.data.document_mask and cfg.data.eot_id is None:
+        cfg.data.eot_id = _eot_id(data.tokenizer_path)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
     deterministic_algorithms(cfg.train.deterministic)
     if model_fn is not None:  # on the meta device or a real one: parallelize() keeps its values
@@ -250,6 +252,19 @@ def _mean_over_ranks(x: torch.Tensor, rt: Runtime) -> float:
     x = x.clone()
     all_reduce(x, rt.dp_group, op=AVG)
     return float(x)
+
+
+def _eot_id(tokenizer_path: Path | None) -> int:
+    """The tokenizer's end-of-text id, which cuts documents under data.document_mask."""
+    from tokenizers import Tokenizer
+
+    from teratrain.data.tokenizer import EOT
+
+    eot = Tokenizer.from_file(str(tokenizer_path)).token_to_id(EOT) if tokenizer_path else None
+    if eot is None:
+        raise ConfigError(f"data.document_mask cuts documents at {EOT} and this run's tokenizer has no such token; "
+                          "set data.eot_id to the id that ends each document.")
+    return eot
 
 
 def check_batch(cfg: Config, dp: int) -> None:

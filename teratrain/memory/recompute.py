@@ -39,19 +39,19 @@ class RecomputedBlocks(Blocks):
         super().__init__(blocks)
         self.k = k
 
-    def forward(self, h, rope=None, caches=None, start: int = 0):
+    def forward(self, h, pos=None, caches=None, start: int = 0):
         if caches is not None or not torch.is_grad_enabled():
-            return super().forward(h, rope, caches, start)
+            return super().forward(h, pos, caches, start)
         for i in range(0, len(self), self.k):
-            h = checkpoint(self._segment, h, rope, i, use_reentrant=False, preserve_rng_state=True)
+            h = checkpoint(self._segment, h, pos, i, use_reentrant=False, preserve_rng_state=True)
         return h
 
     def part(self, keys) -> "RecomputedBlocks":
         return RecomputedBlocks(super().part(keys), self.k)
 
-    def _segment(self, h, rope, i: int):
+    def _segment(self, h, pos, i: int):
         for block in list(self)[i:i + self.k]:
-            h = block(h, rope)
+            h = block(h, pos)
         return h
 
 

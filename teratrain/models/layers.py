@@ -3,11 +3,19 @@
 Linear layers carry stable names (`wq wk wv wo`, `w1 w2 w3`) so sharding plans can address them, and
 head counts and lengths are read from the projections' shapes (`view(B, T, -1, hd)`) so a
 tensor-parallel split of the projections (and sequence parallelism) needs no change here.
+
+What attention knows of a forward's tokens beyond their values travels with the blocks' arguments as
+`Positions` (RoPE tables at their positions, their documents, a strategy's layout), made once per
+forward by the model's `SequenceLayout`: context parallelism swaps that module for one that keeps a
+rank's chunks of the sequence, and each `CoreAttention` for one that talks across ranks
+(parallel/context.py). Passed as an argument, not held as state, it reaches a recomputed block or a
+pipeline stage's micro-batch as it was made.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +92,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+class Positions(NamedTuple):
+    """Where the tokens of one forward sit. `rope`: (cos, sin) (T, hs) at their positions, or None
+    (learned positions); `index`: their positions (T,) as a tensor, or None when they are start..start+T;
+    `docs`: (B, T) the document of each token under data.document_mask, else None; `layout`: what a
+    context-parallel attention needs of the whole sample (parallel/context.py), else None."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    index: torch.Tensor | None = None
+    docs: torch.Tensor | None = None
+    layout: object = None
+
+
+def document_ids(tokens: torch.Tensor, eot: int) -> torch.Tensor:
+    """(B, T) ids -> (B, T) document index of each token: how many end-of-text tokens come before it
+    (an end-of-text token belongs to the document it ends)."""
+    ends = (tokens == eot).to(torch.int32)
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def document_mask(docs_q: torch.Tensor, docs_k: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+    """(B, 1, Tq, Tk) bool: query i may see key j (causal, and the same document). docs (B, T), pos (T,)."""
+    causal = pos_q[:, None] >= pos_k[None, :]  # (Tq, Tk)
+    return (causal & (docs_q[:, :, None] == docs_k[:, None, :])).unsqueeze(1)
+
+
+class SequenceLayout(nn.Module):
+    """Which of a forward's tokens this process computes and where they sit (`Positions`): the whole
+    sequence from `start`. data.document_mask sets `eot` (its token ids then give each token's
+    document); context parallelism swaps the module for one that keeps this rank's chunks."""
+
+    def __init__(self):
+        super().__init__()
+        self.eot: int | None = None
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None, start: int, rope: "Rotary | None"):
+        """-> (tokens, targets, Positions) of this process; tokens (B, T) ids, or (B, T, d) hidden states."""
+        T = tokens.shape[1]
+        docs = document_ids(tokens, self.eot) if self.eot is not None and tokens.dim() == 2 else None
+        return tokens, targets, Positions(rope(start, T) if rope is not None else None, None, docs)
+
+
 class KVCache:
     """Per-layer key/value cache for incremental decoding: (B, n_kv, max_len, hs) each."""
 
@@ -106,10 +155,15 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                pos: Positions | None = None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         p = self.dropout if self.training else 0.0
         T, S = q.shape[2], k.shape[2]
+        if pos is not None and pos.docs is not None and T == S:  # packed documents: each sees its own
+            at = torch.arange(T, device=q.device)
+            mask = document_mask(pos.docs, pos.docs, at, at)  # (B, 1, T, T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
         if causal and T != S:  # a chunk after cached keys: SDPA's is_causal aligns top-left, we need bottom-right
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
@@ -127,19 +181,19 @@ class Attention(nn.Module):
         self.core = CoreAttention(dropout)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, cache: KVCache | None = None, start: int = 0):
+    def forward(self, x: torch.Tensor, pos: Positions | None, cache: KVCache | None = None, start: int = 0):
         hd = self.head_dim
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh*hs), (B, T, nkv*hs) x 2
         B, T = q.shape[:2]  # from the projections: sequence parallelism gathers x's T/tp tokens in wq
         q = q.view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if pos is not None and pos.rope is not None:
+            q, k = apply_rotary(q, *pos.rope), apply_rotary(k, *pos.rope)
         if cache is not None:
             k, v = cache.update(k, v, start)
         # One cached decode token attends to everything before it; longer chunks are causal.
-        y = self.core(q, k, v, causal=T > 1)  # (B, nh, T, hs)
+        y = self.core(q, k, v, T > 1, pos)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.resid_dropout(self.wo(y))
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.models import moe
-from teratrain.models.layers import Attention, GeluMLP, KVCache, LayerNorm, RMSNorm, Rotary, SwiGLU
+from teratrain.models.layers import (Attention, GeluMLP, KVCache, LayerNorm, Positions, RMSNorm, Rotary, SequenceLayout,
+                                     SwiGLU)
 
 if TYPE_CHECKING:
     from teratrain.config_model import ModelConfig
@@ -37,8 +38,9 @@ class Block(nn.Module):
         mlp = SwiGLU if cfg.arch == "llama" else GeluMLP
         self.feed_forward = moe.MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else mlp(d, cfg.ffn_dim, bias, cfg.dropout)
 
-    def forward(self, h: torch.Tensor, rope=None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), rope, cache, start)
+    def forward(self, h: torch.Tensor, pos: Positions | None = None, cache: KVCache | None = None,
+                start: int = 0) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), pos, cache, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -54,9 +56,10 @@ class Blocks(nn.ModuleDict):
         """The block of global layer `index` (an int or its key)."""
         return super().__getitem__(str(index))
 
-    def forward(self, h: torch.Tensor, rope=None, caches: list[KVCache] | None = None, start: int = 0):
+    def forward(self, h: torch.Tensor, pos: Positions | None = None, caches: list[KVCache] | None = None,
+                start: int = 0):
         for i, block in enumerate(self.values()):
-            h = block(h, rope, caches[i] if caches else None, start)
+            h = block(h, pos, caches[i] if caches else None, start)
         return h
 
     def part(self, keys) -> "Blocks":
@@ -78,6 +81,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
         self.dropout = nn.Dropout(cfg.dropout)
+        self.sequence = SequenceLayout()  # parameter-free; swapped by context parallelism
         self.layers = Blocks({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = _norm(cfg)
         # Tied: the head reuses tok_embeddings.weight in forward(), so there is no second tensor to keep tied.
@@ -93,8 +97,9 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         if start + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        h = self.embed(tokens, start) if self.tok_embeddings is not None else tokens  # (B, T, d)
-        h = self.layers(h, self.rope(start, T) if self.rope is not None else None, caches, start)
+        tokens, targets, pos = self.sequence(tokens, targets, start, self.rope)  # this process's tokens
+        h = self.embed(tokens, start, pos.index) if self.tok_embeddings is not None else tokens  # (B, T, d)
+        h = self.layers(h, pos, caches, start)
         if self.norm is None:
             return h
         logits = self.head(h)
@@ -104,11 +109,13 @@ class Transformer(nn.Module):
         aux = moe.aux_loss(self) if self.training else None
         return loss if aux is None else loss + aux
 
-    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token (and learned position) embeddings, then dropout: (B, T) ids -> (B, T, d)."""
+    def embed(self, tokens: torch.Tensor, start: int = 0, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (and learned position) embeddings, then dropout: (B, T) ids -> (B, T, d). `index`: the
+        tokens' positions (T,) when they are not start..start+T (context parallelism's chunks)."""
         h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(start, start + tokens.shape[1], device=h.device))
+            at = index if index is not None else torch.arange(start, start + tokens.shape[1], device=h.device)
+            h = h + self.pos_embeddings(at)
         return self.dropout(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

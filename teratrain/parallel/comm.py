@@ -466,3 +466,50 @@ def gather_stages(tensors: dict[str, torch.Tensor], mesh) -> dict[str, torch.Ten
     for part in all_gather_objects(tensors, mesh.group("pp")):
         out.update(part)
     return out
+
+
+# ---------------------------------------------------------------- context parallelism
+# Ring attention (Liu et al. 2023) passes key/value chunks around the cp ranks, point to point;
+# Ulysses (Jacobs et al. 2023) swaps sequence shards for head shards, one all-to-all each way.
+
+def ring_shift(send: torch.Tensor, recv: torch.Tensor, ranks: list[int], group, tag: int = 0):
+    """Post: `send` to the next rank of the ring `ranks` (the cp group, in ring order), the previous
+    rank's into `recv`. Returns the handle; `recv` is valid, and `send` may be freed, after its wait.
+    `tag` keeps two streams of messages between the same ranks apart (gloo matches by it)."""
+    i, n = ranks.index(dist.get_rank()), len(ranks)
+    nxt, prev = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prev, group, tag)]
+    return inflight.launch(f"ring exchange with ranks {prev} and {nxt}", group, lambda: dist.batch_isend_irecv(ops))
+
+
+def _swap_blocks(x: torch.Tensor, group) -> torch.Tensor:
+    """x (n, ...): block i to rank i; block i of the result came from rank i."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    all_to_all(out, x, [x.shape[0] // group_size(group)] * group_size(group),
+               [x.shape[0] // group_size(group)] * group_size(group), group)
+    return out
+
+
+class _SwapBlocks(torch.autograd.Function):
+    """Forward: rank r sends block i of dim 0 (n equal blocks) to rank i and puts rank i's block r at
+    place i. Backward: the same exchange of the gradient (the exchange is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _swap_blocks(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _swap_blocks(grad, ctx.group), None
+
+
+def swap_blocks(x: torch.Tensor, group) -> torch.Tensor:
+    """Autograd-aware all-to-all of x's n equal blocks along dim 0 over `group` (Ulysses' exchange);
+    traced (`traced`), the functional collective, whose autograd formula is the same exchange."""
+    if group_size(group) == 1:
+        return x
+    if traced():
+        return funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
+    return _SwapBlocks.apply(x, group)

@@ -52,8 +52,8 @@ class DataParallelEngine(LocalEngine):
         self.mesh = rt.mesh
         self.reduce_dtype, self.overlap = DTYPES[cfg.parallel.reduce_dtype], cfg.parallel.overlap_comm
         buckets = ordered_buckets(self.named, int(cfg.parallel.bucket_mb * 2**20), group_key)
-        # a group of this rank alone at dp = 1 neither reduces nor rescales (reduce_scale: size / dp)
-        kept = [b for b in buckets if cfg.train.cuda_graphs or self.mesh.size(b.key[0]) > 1 or rt.dims.dp > 1]
+        # a group of this rank alone at dp x cp = 1 neither reduces nor rescales (reduce_scale: size / (dp cp))
+        kept = [b for b in buckets if cfg.train.cuda_graphs or self.mesh.size(b.key[0]) > 1 or rt.dims.replicas > 1]
         self.buckets = [_Bucket(b.key, [p for _, p in b.members], rt.device, self.mesh) for b in kept]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._plain = [p for _, p in self.named if p not in self._bucket_of]  # autograd's own gradients
@@ -65,7 +65,7 @@ class DataParallelEngine(LocalEngine):
         # After the all-reduce, gradients are replicated within each group: a norm over the world is
         # needed only when ranks hold different parameters (tensor/pipeline/expert parallelism).
         self.cross = CrossRank(self.mesh, rt.device)
-        self.local_norm = rt.dims.workers == rt.dims.dp and all(b.group == self.mesh.group("dp") for b in self.buckets)
+        self.local_norm = rt.dims.workers == rt.dims.replicas and all(b.group == self.mesh.group("dp") for b in self.buckets)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         b = self._bucket_of[p]

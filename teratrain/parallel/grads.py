@@ -1,8 +1,9 @@
 """How gradients are combined across ranks, for every engine: the reduction rule and the global
 norm / inf check over all ranks (the buckets and their launch order: buckets.py).
 
-Reduction (parallel/placement.py): SUM over the parameter's group, divided by dp. Done as an
-average over the group (what the collectives do natively) times group_size / dp.
+Reduction (parallel/placement.py): SUM over the parameter's group, divided by dp x cp (the ranks
+whose losses the step averages). Done as an average over the group (what the collectives do
+natively) times group_size / (dp x cp).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ def group_key(p: nn.Parameter) -> tuple:
 
 
 def reduce_scale(mesh, group: str) -> float:
-    """Factor to apply after averaging over `group` so the result is sum / dp."""
-    return mesh.size(group) / mesh.dims.dp
+    """Factor to apply after averaging over `group` so the result is sum / (dp x cp)."""
+    return mesh.size(group) / mesh.dims.replicas
 
 
 class CrossRank:

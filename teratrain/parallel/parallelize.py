@@ -8,6 +8,8 @@ Order, each with its reason:
 2. tensor/sequence  - swaps linear layers for sharded ones before anything wraps or hooks them.
    stage placements - after tp, which re-creates the placements of what it splits: every parameter
                       records its pipeline stage; a tied embedding held at both ends gets its group.
+2b. context parallel - swaps the sequence layout and each attention core (parameter-free modules), on
+                      the final blocks, before recompute wraps the cores (parallel/context.py).
 3. expert parallel  - shards experts after TP so expert layers see their final shapes.
 3b. fp8             - the block linears' GEMMs in float8 (memory/fp8.py), on the final (tp-split) layers,
                       before recompute and compile wrap and trace them.
@@ -38,6 +40,7 @@ from teratrain.models.moe import moe_layers
 from teratrain.models.protocol import blocks, is_builtin
 from teratrain.models.transformer import init_param_
 from teratrain.optim.engine import LocalEngine
+from teratrain.parallel.context import apply_cp
 from teratrain.parallel.expert import apply_ep
 from teratrain.parallel.own_model import check_model, initial_values, retie, untie
 from teratrain.parallel.pipeline.split import apply_pipeline, ends_group, mark_stages
@@ -62,6 +65,7 @@ def parallelize(model: nn.Module, rt, cfg):
         apply_tp(model, rt, cfg)
     if layout is not None:
         mark_stages(model, layout, ends_group(rt, layout) if cfg.model.tie_embeddings else None)
+    apply_cp(model, rt, cfg)  # 2b: also sets data.document_mask's end-of-text id at cp=1
     if cfg.model.moe.enabled:  # 3: records expert placements at any ep; ep > 1 also drops the others' experts
         apply_ep(model, rt, cfg)
         if rt.dims.ep > 1:  # its all-to-all's group, asked for now so that step 7 connects it
@@ -78,7 +82,7 @@ def parallelize(model: nn.Module, rt, cfg):
         compat.compile_comm_overlap(cfg.train.compile_overlap or cfg.parallel.tp_overlap == "chunked")
         compat.compile_async_tp(async_tp, async_tp_workspace(cfg))
         mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
-        for module in compile_units(model, layout is not None, cfg, rt.dims.dp):
+        for module in compile_units(model, layout is not None, cfg, rt.dims.replicas):
             if cfg.parallel.zero == 3:  # only the forward: ZeRO-3's gather and free hooks on each block run
                 module.forward = torch.compile(module.forward, mode=mode)  # around it, eager (zero_gather.py)
             else:
@@ -112,10 +116,10 @@ def async_tp_workspace(cfg) -> int:
 
 
 def compile_scope(cfg, dp: int) -> str:
-    """train.compile_scope resolved: `auto` is `block` where the engine reduces gradients over dp ranks
-    from backward hooks (parallel/data.py, zero.py) and nothing stops a block from being its own graph
-    (CUDA graphs record the whole step; a replaying recompute policy checkpoints segments of blocks),
-    else `model`."""
+    """train.compile_scope resolved: `auto` is `block` where the engine reduces gradients over the `dp`
+    ranks (dp x cp of them) from backward hooks (parallel/data.py, zero.py) and nothing stops a block
+    from being its own graph (CUDA graphs record the whole step; a replaying recompute policy
+    checkpoints segments of blocks), else `model`."""
     t, replaying = cfg.train, cfg.memory.recompute in REPLAYING
     if cfg.parallel.zero == 3:  # its gather and free hooks are on the blocks (config_schema.py refuses model)
         return "block"

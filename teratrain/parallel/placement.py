@@ -6,10 +6,11 @@ The transform that splits a parameter (tensor, expert or pipeline parallelism) r
 logical tensors, the planner counts bytes by the same rules. Pure: the collectives that rebuild whole tensors from
 placed pieces are comm.py's `to_global` and `gather_stages`.
 
-Gradient rule (one for every parameter): the true gradient of the global loss, the mean of the dp
-ranks' losses, is the SUM of the local gradients over `group` (the ranks holding identical copies
-whose local gradients are partial), divided by dp:
-    plain parameter            group dp            sum/dp = the data-parallel average
+Gradient rule (one for every parameter): the true gradient of the global loss, the mean of the dp x cp
+ranks' losses (a cp rank's loss is the mean over its chunks of the samples, all chunks alike long), is
+the SUM of the local gradients over `group` (the ranks holding identical copies whose local gradients
+are partial), divided by dp x cp (`dp` below is the mesh group, which varies dp and cp):
+    plain parameter            group dp            sum/(dp cp) = the data-parallel average
     sequence-parallel norm     group dp_tp         each tp rank saw T/tp tokens: partial over tp too
     replicated key/value head  dp x its tp peers   each peer's query heads add to the gradient
     expert (ep)                ep_replicas         each copy already summed its ep group's tokens
@@ -40,7 +41,7 @@ class Placement:
     axis: str | None = None  # the mesh axis the pieces are spread over
     index: int = 0  # which piece this rank holds (pieces may repeat when count < the axis size)
     count: int = 1
-    group: str = "dp"  # mesh group the gradient is summed over (then divided by dp)
+    group: str = "dp"  # mesh group the gradient is summed over (then divided by dp x cp)
     tied: tuple[str, ...] = ("tp",)  # axes with identical copies outside `group`: counted once
     stage: int | None = None  # pipeline stage holding it (None: every stage's model has it)
     expert: int | None = None  # global expert index

@@ -3,12 +3,13 @@ no process group, nothing communicates). `parallelize()`, and `teratrain train` 
 starts, call `check_supported`; parallel.auto tries each candidate layout through it; the planner
 refuses the same layouts through the same rules (`zero_problem`, `grad_dtype_problem`, and
 config_schema.compile_scope_problem). Each strategy's own shape checks live in its plan
-(tp_plan.check_tp, ep_plan.check_ep, pipeline/split.check_split); this module calls them in order.
+(tp_plan.check_tp, ep_plan.check_ep, cp_plan.check_cp, pipeline/split.check_split); this module calls them in order.
 """
 
 from __future__ import annotations
 
 from teratrain.config_base import ConfigError
+from teratrain.parallel.cp_plan import check_cp
 from teratrain.parallel.ep_plan import check_ep
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES
 from teratrain.parallel.pipeline.split import check_split
@@ -21,6 +22,7 @@ def check_supported(cfg) -> None:
     check_tp(cfg)
     check_pipeline(cfg)
     check_ep(cfg)
+    check_cp(cfg)
     why = (zero_problem(p.zero, p.offload) or grad_dtype_problem(p.grad_dtype, p.zero, low_params(cfg))
            or cfg.compile_scope_problem())
     if why:

@@ -324,7 +324,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         if self.stage == 3:
             self._release_all()  # frozen groups whose block saw no backward
         for g in self.trainable:
-            if g.scale != 1:  # the average over the group, times group size / dp (placement.py)
+            if g.scale != 1:  # the average over the group, times group size / (dp cp) (placement.py)
                 g.grad_shard.mul_(g.scale)
         first = self.last_state_bytes is None
         if first:  # counted once, as grads are held before the update

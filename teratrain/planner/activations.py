@@ -108,16 +108,16 @@ def _div(items: list[Saved], k: int) -> list[Saved]:
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                 tp: int = 1, sp: bool = False, dropout: float = 0.0, compress: str = "none",
-                form: str = "megatron", ep: int = 1) -> dict[str, int]:
+                form: str = "megatron", ep: int = 1, cp: int = 1, cp_form: str = "ring") -> dict[str, int]:
     """Bytes one Block keeps for backward for one micro-batch of `tokens` = b*T tokens, per term,
     as held under activation compression `compress`."""
     return _held(block_tensors(shape, w, tokens, seq_len, device=device, tp=tp, sp=sp, dropout=dropout, form=form,
-                               ep=ep), compress, True, device)
+                               ep=ep, cp=cp, cp_form=cp_form), compress, True, device)
 
 
 def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                   tp: int = 1, sp: bool = False, dropout: float = 0.0, form: str = "megatron",
-                  ep: int = 1) -> dict[str, list[Saved]]:
+                  ep: int = 1, cp: int = 1, cp_form: str = "ring") -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
     Our column-parallel linears keep the all-gathered input whole (Megatron-LM gathers it again in
@@ -146,9 +146,26 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
         out["rope_casts"] = [Saved(seq_len * c.head_dim, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
     if shape.num_experts > 1:
         out.update(_moe_saved(shape, w, n, ep))
+    if cp > 1 and cp_form == "all-to-all":
+        out.update(_all_to_all_saved(shape, n, cb, tp, cp))
     if dropout > 0:
         mask = 1 if device == "cuda" else cb  # CUDA native_dropout keeps a bool mask, the CPU kernel a float one
         out["dropout_masks"] = _div([Saved(n * d, mask, "mask")] * 2, rep)  # after wo and after w2
+    return out
+
+
+def _all_to_all_saved(shape: ModelShape, n: int, cb: int, tp: int, cp: int) -> dict[str, list[Saved]]:
+    """What the all-to-all form of context parallelism (parallel/context.py AllToAllCore) changes, for n
+    tokens of a rank: SDPA keeps its output in the head layout and wo reads another tensor, the output
+    exchanged back (the one-rank output is wo's input itself); key/value heads that cp does not divide
+    are repeated to the query heads before the exchange, and SDPA keeps them so. Ring attention keeps
+    what SDPA keeps (parallel/ring_attention.py lays its output out as SDPA does)."""
+    c = shape.cfg
+    out = {"attention_out": [Saved(n * c.d_model // tp, cb)] * 2}
+    kv_local = max(1, c.kv_heads // tp)
+    if kv_local % cp:
+        q = c.n_heads * c.head_dim // tp
+        out["q_k_v"] = [Saved(n * q, cb)] * 3
     return out
 
 
@@ -339,9 +356,13 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     per = block_saved(shape, w, tokens, seq_len, **kw)
     tp = kw.get("tp", 1)
     copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"), kw.get("device", "cuda"))
+    cp = kw.get("cp", 1)
+    # the all-to-all form's two position indices (the whole sample's, int64), shared by every block
+    index = 2 * seq_len * cp * INDEX_BYTES if cp > 1 and kw.get("cp_form") == "all-to-all" else 0
     if policy == "none":
-        return {"blocks": n_layers * sum(per.values()), "weight_copies": n_layers * copies}
-    if policy == "selective":
+        return {"blocks": n_layers * sum(per.values()) + index, "weight_copies": n_layers * copies}
+    if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
+        per = block_saved(shape, w, tokens, seq_len, **{**kw, "cp_form": "ring"})
         return {"blocks": n_layers * (sum(per.values()) - per["logsumexp"]), "weight_copies": n_layers * copies}
     rep = tp if kw.get("sp") else 1
     hidden = Saved(tokens * shape.cfg.d_model // rep, w.param)  # residual stream in the params' dtype

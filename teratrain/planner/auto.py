@@ -1,7 +1,8 @@
 """`parallel.auto = true`: the layout keys a user left unset, taken from the planner's pick for the job.
 
 The keys: every parallel.* degree (dp, tp, pp, ep), parallel.zero, parallel.offload, train.micro_batch
-and memory.recompute. A key given (in the TOML or with --set) is kept; the planner searches the rest
+and memory.recompute; parallel.cp and parallel.cp_form too where the pick splits sequences (the search
+tries cp for long ones, search.CP_MIN_SEQ). A key given (in the TOML or with --set) is kept; the planner searches the rest
 (search.py) for the processes of the job and:
 - on GPUs, takes the fastest layout whose predicted total fits the memory of the device found and whose
   pinned host memory (offload) of one node's GPUs fits the host's memory (MemTotal), exactly as
@@ -36,7 +37,8 @@ from teratrain.planner.states import PlanError
 KEYS = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "ep": "parallel.ep",
         "zero": "parallel.zero", "offload": "parallel.offload", "micro_batch": "train.micro_batch",
         "recompute": "memory.recompute"}
-CPU_FIXED = {"tp": 1, "pp": 1, "ep": 1, "offload": "none"}
+CP_KEYS = {"cp": "parallel.cp", "cp_form": "parallel.cp_form"}  # written only where the pick has cp > 1
+CPU_FIXED = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "offload": "none"}
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,15 @@ class AutoChoice:
 
 def layout_sets(lay: Layout, skip: tuple[str, ...] = ()) -> list[str]:
     """--set items that make a run take layout `lay` (minus the config keys in `skip`)."""
-    out = [f"{key}={_literal(getattr(lay, field))}" for field, key in KEYS.items() if key not in skip]
+    out = [f"{key}={_literal(getattr(lay, field))}" for field, key in _keys(lay).items() if key not in skip]
     if lay.recompute == "every-k" and "memory.recompute_every" not in skip:
         out.append(f"memory.recompute_every={lay.recompute_every}")
     return out
+
+
+def _keys(lay: Layout) -> dict[str, str]:
+    """The layout fields a run needs set: KEYS, and CP_KEYS where the layout splits sequences."""
+    return {**KEYS, **(CP_KEYS if lay.cp > 1 else {})}
 
 
 def _literal(v) -> str:
@@ -117,7 +124,8 @@ def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
     best = next((c for c in fitting if _runnable(cfg, c.layout)), None)
     if best is None:
         raise ConfigError(_nothing(shape, world, target, kept, cands))
-    chosen = {key: getattr(best.layout, field) for field, key in KEYS.items() if key not in kept}
+    kept += [key for field, key in CP_KEYS.items() if field in fixed]
+    chosen = {key: getattr(best.layout, field) for field, key in _keys(best.layout).items() if key not in kept}
     _apply(cfg, chosen)
     if best.layout.recompute == "every-k" and "recompute" not in fixed:
         cfg.memory.recompute_every = best.layout.recompute_every
@@ -133,7 +141,7 @@ def _cpu_rule(c: Candidate) -> tuple:
 def _runnable(cfg: Config, lay: Layout) -> bool:
     trial = cfg.model_copy(deep=True)
     try:
-        _apply(trial, {key: getattr(lay, field) for field, key in KEYS.items()})
+        _apply(trial, {key: getattr(lay, field) for field, key in {**KEYS, **CP_KEYS}.items()})
         check_supported(trial)
         trial.microbatches(lay.dp)
     except (ConfigError, ValueError):

@@ -279,4 +279,4 @@ def nothing_fits(shape, train, gpus, gpu, fixed, limits: tuple, cands: list[Cand
 
 def _layout_words(lay) -> str:
     return (f"dp={lay.dp} tp={lay.tp} pp={lay.pp} zero={lay.zero} recompute={lay.recompute} offload={lay.offload} "
-            f"micro_batch={lay.micro_batch}")
+            f"micro_batch={lay.micro_batch}" + (f" cp={lay.cp} cp_form={lay.cp_form}" if lay.cp > 1 else ""))

@@ -22,7 +22,8 @@ What is counted per step, and where it comes from in our code:
 - pipeline: an activation forward and its gradient backward across every stage boundary, for each
   micro-batch and model chunk (2 x (v x m + p - 1) on the critical path);
 - expert parallelism: 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
-  backward; 6 when recomputation replays the forward).
+  backward; 6 when recomputation replays the forward);
+- context parallelism (parallel/context.py), per layer and micro-batch: `cp_s`.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     """Seconds per step of each communication term (before overlap)."""
     w = train.widths(lay.zero, lay.offload)
     sp = stage_params(shape, lay)
-    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
+    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0}
     # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
-    for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.dp), (True, sp["experts"], lay.dp // lay.ep)):
+    for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.replicas),
+                              (True, sp["experts"], lay.replicas // lay.ep)):
         messages = reduce_messages(shape, train, lay, experts, n)
         for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages).items():
             out[key] += t
@@ -72,7 +74,44 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     if shape.num_experts > 1:
         per_layer = 6 if lay.recompute in REPLAYING else 4
         out["ep"] = m * layers * shape.moe_share * per_layer * all_to_all_s(shape, train, lay, gpu)
+    out["cp"] = cp_s(shape, train, lay, gpu)[0]
     return out
+
+
+def cp_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[float, float]:
+    """(seconds, seconds exposed) of one rank's context-parallel exchanges in a step: every block of its
+    stage, every micro-batch, the forward again where recomputation replays the attention core. The cp
+    ranks are tp GPUs apart (mesh.py), a group spanning cp x tp GPUs.
+    ring (parallel/ring_attention.py): a forward sends this rank's keys and values (2 x tokens x local
+    key/value width, compute dtype) on cp-1 times, each transfer posted before a ring step's attention
+    and waited for after it, so only what outlasts that step's attention (1/cp of the block's) is
+    exposed; a backward sends them cp-1 times with cp passes of their fp32 gradient, each under a
+    step's attention backward (twice the forward's FLOPs), the last pass exposed whole.
+    all-to-all (Ulysses): q, k and v to head shards and the output back, forward and backward, each
+    (cp-1)/cp of the tensor's bytes, all exposed (attention waits for them)."""
+    if lay.cp == 1 or shape.is_bare:
+        return 0.0, 0.0
+    c, cp, tp = shape.cfg, lay.cp, lay.tp
+    n, cb = lay.tokens(c.seq_len), train.widths(lay.zero, lay.offload).compute
+    kv_local = max(1, c.kv_heads // tp) * c.head_dim
+    q_local = c.n_heads * c.head_dim // tp
+    forwards = 2 if lay.recompute != "none" else 1  # every policy replays the core (selective: only it)
+    span = cp * tp
+    if lay.cp_form == "all-to-all":
+        kv = q_local if kv_local // c.head_dim % cp else kv_local  # repeated to the query heads before the exchange
+        one = sum(on_link(gpu, "all_to_all", cp, span, n * width * cb) for width in (q_local, kv, kv, q_local))
+        per_block = (forwards + 1) * one
+        exposed = per_block
+    else:
+        rate = gpu.sustained_flops(train.precision, c.d_model)
+        attn_step = 4 * n * c.seq_len * q_local / rate / cp  # one ring step's attention forward (PaLM's 4HQT a token)
+        kv = on_link(gpu, "p2p", 2, span, 2 * n * kv_local * cb)
+        grad = on_link(gpu, "p2p", 2, span, 2 * n * kv_local * 4)
+        per_block = forwards * (cp - 1) * kv + (cp - 1) * kv + cp * grad
+        exposed = (forwards * (cp - 1) * max(0.0, kv - attn_step)
+                   + (cp - 1) * max(0.0, kv + grad - 2 * attn_step) + grad)
+    blocks = stage_params(shape, lay)["layers"] * lay.num_microbatches
+    return blocks * per_block, blocks * exposed
 
 
 @lru_cache(maxsize=4096)
@@ -146,7 +185,7 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU 
     if lay.tp == 1:
         return 0.0
     c, tp = shape.cfg, lay.tp
-    n = lay.micro_batch * c.seq_len
+    n = lay.tokens(c.seq_len)
     cb = train.widths(lay.zero, lay.offload).compute
     fwd_passes = 2 if lay.recompute in REPLAYING else 1
 
@@ -174,14 +213,14 @@ def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> f
     dispatch or combine, parallel/expert.py; capacity drops ignored). Every tp rank sends the whole
     (gathered) tokens to the ep peers of its own tp index."""
     c = shape.cfg
-    rows = lay.micro_batch * c.seq_len * shape.top_k
+    rows = lay.tokens(c.seq_len) * shape.top_k
     nbytes = rows * c.d_model * train.widths(lay.zero, lay.offload).compute
-    return on_link(gpu, "all_to_all", lay.ep, lay.ep * lay.tp, nbytes)
+    return on_link(gpu, "all_to_all", lay.ep, lay.ep * lay.cp * lay.tp, nbytes)
 
 
 def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d),
     T/tp tokens under sequence parallelism (parallel/pipeline/runtime.py)."""
-    tokens = lay.micro_batch * shape.cfg.seq_len // (lay.tp if lay.sequence_parallel else 1)  # a sequence shard
+    tokens = lay.tokens(shape.cfg.seq_len) // (lay.tp if lay.sequence_parallel else 1)  # a sequence shard
     act = tokens * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
-    return on_link(gpu, "p2p", 2, 2 * lay.dp * lay.tp, act)  # pp is the outermost mesh axis: neighbours are this far
+    return on_link(gpu, "p2p", 2, 2 * lay.replicas * lay.tp, act)  # pp is the outermost mesh axis: this far

@@ -75,7 +75,7 @@ def fixed_of(cfg: Config) -> dict:
     """Layout fields the user set (TOML keys or --set), which the search must keep."""
     out = {}
     p, t, m = cfg.parallel, cfg.train, cfg.memory
-    for key in ("dp", "tp", "pp", "ep", "zero", "offload", "num_microbatches", "virtual_stages"):
+    for key in ("dp", "tp", "pp", "ep", "cp", "cp_form", "zero", "offload", "num_microbatches", "virtual_stages"):
         if key in p.model_fields_set and getattr(p, key) is not None:
             out[key] = getattr(p, key)
     out["schedule"] = CONFIG_NAMES[p.schedule]  # never searched: the default is 1F1B
@@ -94,10 +94,10 @@ def fixed_of(cfg: Config) -> dict:
 def layout_of(cfg: Config, gpus: int = 1) -> Layout:
     """The layout a config describes when nothing is searched (defaults for unset degrees)."""
     p = cfg.parallel
-    dp = p.dp or max(1, gpus // (p.tp * p.pp))
+    dp = p.dp or max(1, gpus // (p.tp * p.pp * p.cp))
     per_replica = max(1, cfg.train.global_batch // dp)
     mb = min(cfg.train.micro_batch, per_replica)
     return Layout(dp=dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero, micro_batch=mb,
                   num_microbatches=max(1, per_replica // mb), recompute=cfg.memory.recompute,
                   recompute_every=cfg.memory.recompute_every, offload=p.offload, sequence_parallel=p.use_sp, tp_form=p.tp_form,
-                  schedule=CONFIG_NAMES[p.schedule], virtual_stages=p.virtual_stages)
+                  schedule=CONFIG_NAMES[p.schedule], virtual_stages=p.virtual_stages, cp=p.cp, cp_form=p.cp_form)

@@ -98,8 +98,9 @@ class ModelShape:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One way to run a step. Degrees multiply to the GPU count: dp * tp * pp; ep divides dp (expert
-    parallelism borrows data-parallel ranks, as in mesh.py)."""
+    """One way to run a step. Degrees multiply to the GPU count: dp * cp * tp * pp; ep divides dp (expert
+    parallelism borrows data-parallel ranks, as in mesh.py). cp ranks split each sample's sequence:
+    a rank computes T/cp tokens of every sample, and gradients reduce (ZeRO shards) over dp x cp."""
 
     dp: int = 1
     tp: int = 1
@@ -115,10 +116,22 @@ class Layout:
     tp_form: str = "megatron"  # parallel.tp_form: megatron | all-gather | all-reduce
     schedule: str = "one_f_one_b"  # a parallel/pipeline/schedules.py name (function or config name)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    cp: int = 1  # context-parallel degree (parallel/context.py)
+    cp_form: str = "ring"  # parallel.cp_form: ring | all-to-all
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are reduced and ZeRO shards (the
+        mesh's `dp` group): dp x cp."""
+        return self.dp * self.cp
+
+    def tokens(self, seq_len: int) -> int:
+        """Tokens of one micro-batch that one rank computes: micro_batch x seq_len / cp."""
+        return self.micro_batch * seq_len // self.cp
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

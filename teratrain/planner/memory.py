@@ -66,12 +66,13 @@ def in_flight(lay: Layout) -> float:
 def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict[str, int]:
     """Saved bytes per micro-batch of the first and last stage, by kind."""
     w = train.widths(lay.zero, lay.offload)
-    T = shape.cfg.seq_len
-    n = lay.micro_batch * T
+    T = shape.cfg.seq_len // lay.cp  # the positions a rank holds (context parallelism: its chunks)
+    n = lay.tokens(shape.cfg.seq_len)
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress,
               form=lay.tp_form)
     layers = stage_params(shape, lay)["layers"]
-    bkw = {**kw, "form": lay.tp_form, "ep": lay.ep}  # the blocks' tensors depend on these, the rest does not
+    # the blocks' tensors depend on these, the rest does not
+    bkw = {**kw, "form": lay.tp_form, "ep": lay.ep, "cp": lay.cp, "cp_form": lay.cp_form}
     blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
@@ -103,7 +104,7 @@ def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
     (SwiGLU: the product's, then silu-out's and w3x's, then w1x's; GELU: two), in the compute
     dtype, plus the fp32 residual-stream gradient and its copy."""
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
-    n = lay.micro_batch * c.seq_len
+    n = lay.tokens(c.seq_len)
     k = shape.top_k if shape.num_experts > 1 else 1
     split = lay.tp if lay.tp_form == "megatron" else 1  # the per-layer forms gather the MLP's hidden whole
     mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // split
@@ -116,7 +117,7 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
     root group; under a pipeline the whole stage), `during` backward (flat reduce buffers in flight, gradients waiting for their group
     to complete), at the `end` of backward (the last, largest group) and `pending` until step()."""
     w = train.widths(lay.zero, lay.offload)
-    red, k, dp = train.reduce_bytes, w.param, lay.dp
+    red, k, dp = train.reduce_bytes, w.param, lay.replicas
     local = st["local_params"]
     out = {"gathered": 0, "during": 0, "end": 0, "pending": 0}
     if lay.zero == 0:  # buckets cast to the reduce dtype at the last micro-step, a few in flight at once
@@ -203,7 +204,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     """What is alive at each candidate peak moment on one pipeline end (or the one rank), by kind."""
     w = train.widths(lay.zero, lay.offload)
     c = shape.cfg
-    n = lay.micro_batch * c.seq_len
+    n = lay.tokens(c.seq_len)
     V = c.vocab_size
     ends, last, scale = end["ends"], end["last"], end["scale"]
     one_pass = lay.pp == 1 and lay.num_microbatches == 1
@@ -231,7 +232,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     if progressive and lay.zero == 0 and last and not tied_kept:
         head_grad = V * c.d_model * w.grad // lay.tp
     elif progressive and lay.zero == 2:  # the head's bucket is reduced at once; ZeRO-3 reduces the root last
-        head_grad = ceil_div(V * c.d_model // lay.tp, lay.dp) * train.grad_bytes
+        head_grad = ceil_div(V * c.d_model // lay.tp, lay.replicas) * train.grad_bytes
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
     log_softmax = saved["log_softmax"] * ends if last else 0
     embed_side = saved["embed_side"] if end["first"] else 0
@@ -253,7 +254,7 @@ def _no_buffer(train: Training, lay: Layout) -> bool:
     """Gradients with no group to reduce them (zero 0 at dp 1: tp or pp alone) are autograd's, made in
     the first backward and freed after the step (parallel/data.py); CUDA graphs keep every buffer
     (their pools: not modelled)."""
-    return lay.zero == 0 and lay.dp == 1 and not train.graphed
+    return lay.zero == 0 and lay.replicas == 1 and not train.graphed
 
 
 def _held_at(saved: dict, end: dict) -> tuple[int, int, int]:
@@ -289,10 +290,10 @@ def _step_temporaries(shape: ModelShape, train: Training, lay: Layout, st: dict)
     w = train.widths(lay.zero, lay.offload)
     if lay.zero == 0 and w.master:
         local = st["local_params"]
-        return local * 4 - (local * w.grad if lay.dp == 1 else 0)  # LocalEngine frees the low-precision grads
+        return local * 4 - (local * w.grad if lay.replicas == 1 else 0)  # LocalEngine frees the low-precision grads
     if lay.zero >= 1 and train.grad_bytes != 4 and lay.offload == "none":
         z = zero_summary(shape, train, lay, st["local_params"])
-        return ceil_div(z["biggest"], lay.dp) * 4
+        return ceil_div(z["biggest"], lay.replicas) * 4
     return 0
 
 
@@ -333,9 +334,10 @@ def forward_saved(shape: ModelShape, train: Training, lay: Layout, device: str =
     """Bytes one micro-batch's forward keeps for backward on a rank of a layout without a pipeline,
     as `saved_tensors_hooks` count them (measure.saved_bytes, parameters excluded): the
     blocks' and the two ends' saved tensors and the autocast weight copies, and (fp32 compute, no
-    segment recomputation) the RoPE tables SDPA's inputs are views of."""
+    segment recomputation) the RoPE tables SDPA's inputs are views of (under context parallelism, the
+    copies of this rank's rows of them)."""
     saved = _saved(shape, train, lay, device)
     total = saved["blocks"] + saved["first"] + saved["copies"]
     if train.widths(lay.zero, lay.offload).compute == 4 and lay.recompute in ("none", "selective"):
-        total += act.rope_tables(shape)
+        total += act.rope_tables(shape) // lay.cp  # context parallelism: the rows of this rank's positions, copied
     return total

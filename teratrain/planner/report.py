@@ -21,6 +21,7 @@ def _layout_str(lay) -> str:
     s = f"dp={lay.dp} tp={lay.tp} pp={lay.pp} ep={lay.ep} zero={lay.zero} micro_batch={lay.micro_batch} " \
         f"recompute={lay.recompute} offload={lay.offload}"
     s += f" schedule={_schedule_str(lay)}" if lay.pp > 1 else ""
+    s += f" cp={lay.cp} cp_form={lay.cp_form}" if lay.cp > 1 else ""
     return s + (" sequence_parallel" if lay.sequence_parallel else "")
 
 
@@ -34,7 +35,8 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     lay, m = c.layout, c.memory
     w = train.widths(lay.zero, lay.offload)
     local = m.terms["local_params"]
-    dp = f"1/dp of them (ZeRO-{lay.zero}, dp={lay.dp})"
+    dp = f"1/dp of them (ZeRO-{lay.zero}, dp={lay.dp})" if lay.cp == 1 else \
+        f"1/(dp x cp) of them (ZeRO-{lay.zero}, dp={lay.dp}, cp={lay.cp})"
     if lay.ep > 1:
         dp = dp[:-1] + f"; experts 1/(dp/ep), ep={lay.ep})"
     params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
@@ -106,7 +108,7 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
         parts = ", ".join(f"{k[5:-2]} {v * 1e3:.1f} ms" for k, v in t.terms.items() if k.startswith("comm_") and v)
         for key, words in (("zero_gather", "ZeRO-3 gathers"), ("param_gather", "param all-gather"),
                            ("dp ", "gradient reduce "), ("tp ", "tensor-parallel "), ("pp ", "pipeline sends "),
-                           ("ep ", "all-to-all ")):
+                           ("ep ", "all-to-all "), ("cp ", "context-parallel ")):
             parts = parts.replace(key, words)
         out.append(("communication", t.comm_exposed_s, f"not hidden behind compute, of {t.comm_s * 1e3:.1f} ms ({parts})"))
     if t.bubble_s:
@@ -158,12 +160,13 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
                                                             if not shape.is_bare else "  (no compute: bare count)"))
     out += ["", f"Top {min(top, len(cands))} layouts (fastest first, * = chosen; {sum(c.fits for c in cands)} of "
             f"{len(cands)} fit):", f"    {'dp':>4}{'tp':>4}{'pp':>4}{'ep':>4}{'zero':>5}{'mb':>4} {'recompute':10}"
-            f"{'offload':10}{'GiB':>8}{'step s':>9}{'MFU':>7}"]
+            f"{'offload':10}{'GiB':>8}{'step s':>9}{'MFU':>7}" + ("  cp" if any(c.layout.cp > 1 for c in cands) else "")]
     for c in [c for c in cands if c.fits][:top]:
         L = c.layout
         out.append(f"  {'*' if c is best else ' '} {L.dp:>4}{L.tp:>4}{L.pp:>4}{L.ep:>4}{L.zero:>5}{L.micro_batch:>4} "
                    f"{L.recompute:10}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
-                   + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}"))
+                   + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}")
+                   + (f"  {L.cp} {L.cp_form}" if L.cp > 1 else ""))
     rejected = [c for c in cands if not c.fits]
     on_host = sum(not c.host_fits for c in rejected)
     if rejected:

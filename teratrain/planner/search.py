@@ -1,8 +1,10 @@
 """Pick a layout: enumerate the degrees the user left unset, drop what does not fit, rank by time.
 
 Search space (each dimension only where the user did not fix it):
-- dp x tp x pp = GPUs; tp within a node and dividing the query and key/value heads and d_ff
+- dp x cp x tp x pp = GPUs; tp within a node and dividing the query and key/value heads and d_ff
   (Megatron-LM's split); pp dividing the layers; ep dividing dp and the experts (1 for dense models);
+  cp (both forms, ring and all-to-all) for sequences of at least CP_MIN_SEQ tokens, where it splits
+  them into 2 x cp x tp equal pieces (shorter ones: cp = 1 unless fixed);
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
 - micro-batch (a divisor of the per-replica batch, up to 64 sequences) and recomputation policy;
 - sequence parallelism is on whenever tp > 1 (same traffic as tp, less memory: Korthikanti et al.),
@@ -23,7 +25,11 @@ from teratrain.planner.memory import GIB, MemoryBreakdown, plan_memory
 from teratrain.planner.states import PlanError, check_layout
 from teratrain.planner.time import TimeBreakdown, plan_time
 
-SEARCHED = ("dp", "tp", "pp", "ep", "zero", "offload", "micro_batch", "recompute")
+SEARCHED = ("dp", "tp", "pp", "ep", "cp", "cp_form", "zero", "offload", "micro_batch", "recompute")
+# Context parallelism is searched from this sequence length on: below it (4 chunks of 2,048 tokens at
+# cp=2) a chunk is too short for the ring's transfers to hide under its attention on any GPU we plan.
+CP_MIN_SEQ = 8192
+CP_FORMS = ("ring", "all-to-all")
 RECOMPUTE_SEARCHED = ("none", "selective", "sqrt", "full")
 MAX_MICRO_BATCH = 64
 
@@ -63,8 +69,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[int, int, int, int]]:
-    """(dp, tp, pp, ep) with dp*tp*pp = gpus that the model's shape allows; ep divides dp and the
+def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[int, int, int, int, int]]:
+    """(dp, tp, pp, ep, cp) with dp*cp*tp*pp = gpus that the model's shape allows; ep divides dp and the
     experts (expert parallelism borrows data-parallel ranks)."""
     c = shape.cfg
     out = []
@@ -78,18 +84,30 @@ def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[
                 continue  # a bare count has no layers to split: data parallel + ZeRO only
             if gpus % (tp * pp):
                 continue
-            dp = gpus // (tp * pp)
-            if "dp" in fixed and fixed["dp"] != dp:
-                continue
-            eps = [fixed["ep"]] if "ep" in fixed else _divisors(shape.num_experts)
-            out += [(dp, tp, pp, ep) for ep in eps if dp % ep == 0]
+            for cp in _cps(shape, gpus // (tp * pp) if gpus % (tp * pp) == 0 else 1, fixed):
+                dp = gpus // (tp * pp * cp)
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                eps = [fixed["ep"]] if "ep" in fixed else _divisors(shape.num_experts)
+                out += [(dp, tp, pp, ep, cp) for ep in eps if dp % ep == 0]
     return out
+
+
+def _cps(shape: ModelShape, ranks: int, fixed: dict) -> list[int]:
+    """Context-parallel degrees to try among `ranks` (what tp and pp leave): the fixed one, or every
+    divisor for a sequence of at least CP_MIN_SEQ tokens (the layout check drops those that do not
+    split it), else 1."""
+    if "cp" in fixed:
+        return [fixed["cp"]] if ranks % fixed["cp"] == 0 else []
+    if shape.is_bare or shape.cfg.seq_len < CP_MIN_SEQ:
+        return [1]
+    return _divisors(ranks)
 
 
 def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict, refused: list | None = None):
     """Every layout of the search space consistent with `fixed` (a dict of Layout fields); why the
     others were refused is appended to `refused`."""
-    for dp, tp, pp, ep in _degrees(shape, gpus, gpu, fixed):
+    for dp, tp, pp, ep, cp in _degrees(shape, gpus, gpu, fixed):
         per_replica = 1 if shape.is_bare else train.global_batch // dp  # a bare count has no batch
         if per_replica == 0 or (train.global_batch % dp and not shape.is_bare):
             continue
@@ -102,26 +120,26 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
         offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "params"]
         recomputes = [fixed["recompute"]] if "recompute" in fixed else \
             (["none"] if shape.is_bare else list(RECOMPUTE_SEARCHED))
-        for zero in zeros:
-            for offload in offloads:
-                if dp == 1 and zero and offload == "none" and "zero" not in fixed:
-                    continue  # one replica: a ZeRO engine only helps to offload
-                for mb in mbs:
-                    if per_replica % mb:
+        forms = [fixed.get("cp_form", "ring")] if cp == 1 or "cp_form" in fixed else list(CP_FORMS)
+        for zero, offload, form in ((z, o, f) for z in zeros for o in offloads for f in forms):
+            if dp * cp == 1 and zero and offload == "none" and "zero" not in fixed:
+                continue  # one replica: a ZeRO engine only helps to offload
+            for mb in mbs:
+                if per_replica % mb:
+                    continue
+                for rc in recomputes:
+                    base = {k: v for k, v in fixed.items() if k in Layout.__dataclass_fields__}
+                    base.update(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, cp_form=form, zero=zero, offload=offload,
+                                micro_batch=mb, recompute=rc, num_microbatches=per_replica // mb,
+                                sequence_parallel=tp > 1 and fixed.get("sequence_parallel", True))
+                    lay = Layout(**base)
+                    try:
+                        check_layout(shape, train, lay)
+                    except PlanError as e:
+                        if refused is not None:
+                            refused.append(str(e))
                         continue
-                    for rc in recomputes:
-                        base = {k: v for k, v in fixed.items() if k in Layout.__dataclass_fields__}
-                        base.update(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, offload=offload, micro_batch=mb,
-                                    recompute=rc, num_microbatches=per_replica // mb,
-                                    sequence_parallel=tp > 1 and fixed.get("sequence_parallel", True))
-                        lay = Layout(**base)
-                        try:
-                            check_layout(shape, train, lay)
-                        except PlanError as e:
-                            if refused is not None:
-                                refused.append(str(e))
-                            continue
-                        yield lay
+                    yield lay
 
 
 def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
@@ -144,7 +162,7 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refus
         ok = [d for d in _divisors(min(gpus, 64)) if not (c.n_heads % d or c.kv_heads % d or c.ffn_dim % d)]
         return (f"parallel.tp={tp} must divide model.n_heads ({c.n_heads}), model.n_kv_heads ({c.kv_heads}) and "
                 f"the MLP width ({c.ffn_dim}); set parallel.tp to one of {', '.join(map(str, ok))}.")
-    prod = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp"))
+    prod = math.prod(fixed.get(k, 1) for k in ("dp", "cp", "tp", "pp"))
     if "ep" in fixed and (fixed.get("dp", gpus // max(1, prod)) % fixed["ep"] or shape.num_experts % fixed["ep"]):
         return (f"parallel.ep={fixed['ep']} must divide the data-parallel degree and model.moe.num_experts "
                 f"({shape.num_experts}); choose an ep that divides both.")

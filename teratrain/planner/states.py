@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from teratrain.config_schema import compile_scope_problem
 from teratrain.parallel.buckets import ordered_buckets
+from teratrain.parallel.cp_plan import shape_problem as cp_shape_problem
 from teratrain.parallel.flat import WHOLE_PARAM_OPTIMIZERS, FlatGroup
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
 from teratrain.parallel.support import grad_dtype_problem, zero_problem
@@ -68,6 +69,13 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
     if shape.is_bare and train.optimizer in WHOLE_PARAM_OPTIMIZERS:
         raise PlanError(f"optim.name={train.optimizer} factors each matrix by its rows and columns, which a bare "
                         "parameter count does not give")
+    if lay.cp > 1 and shape.cfg is not None:
+        c = shape.cfg
+        why = cp_shape_problem(lay.cp, lay.cp_form, c.seq_len, c.n_heads, lay.tp, lay.sequence_parallel)
+        if why:
+            raise PlanError(why.split(";")[0])
+        if lay.pp > 1 and config_name(lay.schedule) == "zb-h1":
+            raise PlanError("parallel.cp does not compose with parallel.schedule=zb-h1 (parallel/cp_plan.py says why)")
     if lay.pp > 1:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:
@@ -156,10 +164,10 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
             buckets = [(key, b) for key, unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
         else:
             buckets = [(None, b) for b in ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)]
-        return [([t for _, t in b.members], group_size(b.key[0], lay.dp, lay.tp, lay.ep), key) for key, b in buckets]
+        return [([t for _, t in b.members], group_size(b.key[0], lay.replicas, lay.tp, lay.ep), key) for key, b in buckets]
     per = max(1, bucket_bytes // w.param)
     sizes = [per] * (local // per) + ([local % per] if local % per else [])
-    return [([_Sized((n,))], lay.dp, i) for i, n in enumerate(sizes)]
+    return [([_Sized((n,))], lay.replicas, i) for i, n in enumerate(sizes)]
 
 
 def is_expert(t) -> bool:
@@ -182,7 +190,7 @@ def _key(t) -> tuple:
 
 def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict:
     """What the memory model needs of the flat groups, computed once per distinct layout."""
-    return dict(_zero_summary(shape, train, lay.zero == 3, lay.tp, lay.pp, lay.ep, lay.dp, local,
+    return dict(_zero_summary(shape, train, lay.zero == 3, lay.tp, lay.pp, lay.ep, lay.replicas, local,
                               lay.sequence_parallel, lay.tp_form))
 
 

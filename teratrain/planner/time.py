@@ -22,7 +22,8 @@ Terms, each with its source or assumption:
 - communication: every collective of the step, alpha-beta priced per ring (planner/comm.py says
   which, from measured terms when given). Data-parallel reductions overlap the backward of the last
   micro-batch (bucketed, Li et al. 2020); ZeRO-3 gathers overlap compute (prefetch); tensor-parallel
-  collectives, pipeline sends and all-to-alls are exposed.
+  collectives, pipeline sends and all-to-alls are exposed; ring attention's transfers hide under the
+  attention of each ring step, up to its length (comm.cp_s).
 - pipeline bubble: the idle time of the simulated schedule (planner/pipeline.py over
   parallel/pipeline/simulate.py): (p-1)/(m+p-1) of the step for GPipe and 1F1B on even stages (Huang
   et al. 2019), (p-1)/(v*m+p-1) interleaved (Narayanan et al. 2021), less for ZB-H1 (Qi et al. 2023);
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.comm import gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
+from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU
 from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
@@ -305,11 +306,12 @@ def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:
     root's (embedding, final norm, head) once a micro-batch (held from forward to backward); under a
     pipeline it reduces and gathers once a step (comm.reduce_passes, gather_passes). ZeRO's clip sums the norm over
     the ranks' shards: one all-reduce."""
-    if lay.dp == 1 or shape.is_bare:
+    if lay.replicas == 1 or shape.is_bare:
         return 0.0
     sp, gathered = stage_params(shape, lay), gather_passes(lay)
     total = 1.0 if lay.zero else 0.0
-    for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.dp), (True, sp["experts"], lay.dp // lay.ep)):
+    for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.replicas),
+                              (True, sp["experts"], lay.replicas // lay.ep)):
         if ranks > 1 and n > 0:
             reduces, gathers = reduce_messages(shape, train, lay, experts, n)
             total += reduces * reduce_passes(lay)
@@ -384,7 +386,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
         return TimeBreakdown(0.0, 0.0, opt_s, c_s, c_s, 0.0, offload_s, opt_s + offload_s + c_s, 0.0, 0.0, 0.0,
                              {"note": "bare parameter count: no compute term"})
     c = shape.cfg
-    tokens = lay.micro_batch * c.seq_len * lay.num_microbatches  # per data-parallel replica
+    tokens = lay.tokens(c.seq_len) * lay.num_microbatches  # one rank's share of its replica's samples
     attn = attention_flops(shape, tokens)
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
     replay_attn = attn / 3 if lay.recompute != "none" else 0.0
@@ -407,6 +409,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
     exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
+    cp_exposed = cp_s(shape, train, lay, gpu)[1] if lay.cp > 1 else 0.0  # what the attention does not hide
+    exposed += cp_exposed
     # eager execution: the GPU runs what the host has issued, so a rank's step is the longer of the
     # two timelines (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is
     # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
@@ -433,6 +437,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
                          {"recompute_flops": replay, "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
+                          "cp_exposed_s": cp_exposed,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
 
 

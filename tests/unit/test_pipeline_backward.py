@@ -38,10 +38,12 @@ def _inputs(last: bool, dtype=torch.float64):
 def _forward(chunk, x0, y, saved: SplitSaved | None = None):
     torch.manual_seed(1)  # the same dropout masks in both runs
     x = x0.clone().requires_grad_()
+    m = chunk.model
+    pos = m.sequence(y, y, 0, m.rope)[2]  # the positions of 16 tokens from 0
     if saved is None:
-        return x, chunk.forward(x, y, 16)
+        return x, chunk.forward(x, y, pos)
     with saved.recording():
-        return x, chunk.forward(x, y, 16, segment=saved.segment)
+        return x, chunk.forward(x, y, pos, segment=saved.segment)
 
 
 @pytest.mark.parametrize("arch,recompute", [("llama", "none"), ("gpt2", "none"), ("llama", "full"),

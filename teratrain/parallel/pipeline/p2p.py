@@ -53,7 +53,7 @@ class Links:
         self.me, self.device = mesh.coords["pp"], device
         self.groups: dict[tuple[int, int], tuple[object, int]] = {}  # (src, dst) -> (group, global peer)
         order = sorted(links)
-        defs = [(link_name(a, b), lambda c, ends=(a, b): (c["dp"], c["tp"]) if c["pp"] in ends else None)
+        defs = [(link_name(a, b), lambda c, ends=(a, b): (c["dp"], c["cp"], c["tp"]) if c["pp"] in ends else None)
                 for a, b in order]
         for (src, dst), name in zip(order, mesh.define_everywhere(defs)):
             if name is not None:

@@ -160,10 +160,13 @@ class _Call:
 
     def __init__(self, ex: PipelineExecutor, acts, micro, precision, lr, clock, train: bool):
         acts = _unsplit_first_stage(acts, {c for c, chunk in enumerate(ex.chunks) if chunk.is_first})
-        self.ex, self.acts, self.micro, self.precision, self.lr, self.clock, self.train = \
-            ex, acts, micro, precision, lr, clock, train
+        self.ex, self.acts, self.precision, self.lr, self.clock, self.train = ex, acts, precision, lr, clock, train
+        # each micro-batch as this rank computes it: its tokens, targets and positions (context parallelism
+        # keeps this rank's chunks of the sequence; models/layers.py SequenceLayout)
+        model = ex.model
+        micro = [model.sequence(x, y, 0, model.rope) for x, y in micro]
+        self.micro = micro
         self.shape = ex.message_shape(micro[0][0])
-        self.seq_len = micro[0][0].shape[1]
         self.states, self.inbox, self.outbox, self.losses = {}, {}, {}, {}
         self.split = train and any(a.kind == I for a in acts)  # forwards record for I and W (saved.py)
         self.saved: dict[tuple[int, int], SplitSaved] = {}
@@ -238,17 +241,17 @@ class _Call:
 
     def _forward(self, a: Action) -> None:
         chunk = self.ex.chunks[a.chunk]
-        x_tokens, y = self.micro[a.microbatch]
+        x_tokens, y, pos = self.micro[a.microbatch]
         w = self.versions.weights(a.version) if self.versions is not None else None
         saved = SplitSaved(self.casts) if self.split else None  # (compression is refused with a split backward)
         with self._using(w), autocast(self.precision, self.ex.device), compressed_saves(self.ex.model) as codec, \
                 saved.recording() if saved is not None else contextlib.nullcontext():
-            h0 = chunk.embed(x_tokens) if chunk.is_first else None
+            h0 = chunk.embed(x_tokens, pos) if chunk.is_first else None
             x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
             x.requires_grad_(self.train)
             if codec is not None:
                 codec.starts_from(x)  # encoded as in one process, where it is the previous block's output
-            out = chunk.forward(x, y, self.seq_len, segment=saved.segment if saved is not None else None)
+            out = chunk.forward(x, y, pos, segment=saved.segment if saved is not None else None)
             aux = chunk.aux_loss() if self.ex.model.training else None  # as Transformer.forward adds it
         if saved is not None:
             self.saved[(a.chunk, a.microbatch)] = saved

@@ -164,10 +164,10 @@ def profiled_bounds(cfg, device: torch.device, num_stages: int) -> list[range]:
     model.init_buffers(device)
     g = torch.Generator().manual_seed(cfg.train.seed)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len), generator=g).to(device)
-    rope = model.rope(0, cfg.model.seq_len) if model.rope is not None else None
+    _, _, pos = model.sequence(tokens, None, 0, model.rope)
     tied = model.tok_embeddings if model.output is None else None
     parts = [_Part(model.embed, [model.tok_embeddings, model.pos_embeddings])]
-    parts += [_Part(lambda h, b=b: b(h, rope), [b]) for b in model.layers]
+    parts += [_Part(lambda h, b=b: b(h, pos), [b]) for b in model.layers]
     parts += [_Part(lambda h: model.criterion(model.head(h), tokens), [model.norm, model.output, tied])]
     costs, x = [], tokens
     for i, part in enumerate(parts):

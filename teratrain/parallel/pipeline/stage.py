@@ -28,6 +28,7 @@ from torch import nn
 
 from teratrain.memory.compression import watch_blocks
 from teratrain.memory.recompute import RecomputedBlocks
+from teratrain.models.layers import Positions
 from teratrain.models.moe import blocks_aux_loss
 
 
@@ -39,23 +40,23 @@ class Chunk:
         self._weights: list[nn.Parameter] | None = None
         watch_blocks(model, self.blocks)  # activation compression: these blocks are the stack's inside
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
         """Stage 0's embedding: (B, T) -> (B, T', d)."""
-        return self.model.embed(tokens)
+        return self.model.embed(tokens, 0, pos.index if pos is not None else None)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor, seq_len: int, segment=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, pos: Positions, segment=None) -> torch.Tensor:
         """This chunk's blocks on x (B, T', d); the last stage goes on to the mean loss over targets (B, T).
-        `segment(fn, *args)`, when given, runs each recomputed segment of blocks in place of torch's
-        checkpoint (saved.py: the split backward replays each segment once)."""
+        `pos`: the micro-batch's positions (the model's SequenceLayout made them from its tokens, on every
+        stage alike). `segment(fn, *args)`, when given, runs each recomputed segment of blocks in place of
+        torch's checkpoint (saved.py: the split backward replays each segment once)."""
         m = self.model
-        rope = m.rope(0, seq_len) if m.rope is not None else None
         if segment is not None and isinstance(self.blocks, RecomputedBlocks):
             blocks = list(self.blocks)
             h = x
             for i in range(0, len(blocks), self.blocks.k):
-                h = segment(_run_blocks, blocks[i:i + self.blocks.k], h, rope)
+                h = segment(_run_blocks, blocks[i:i + self.blocks.k], h, pos)
         else:
-            h = self.blocks(x, rope)
+            h = self.blocks(x, pos)
         return m.criterion(m.head(h), targets) if self.is_last else h
 
     def aux_loss(self) -> torch.Tensor | None:
@@ -97,9 +98,9 @@ def grad_in_i(tokens: int, rows: int, cols: int) -> bool:
     return tokens * (rows + cols) > rows * cols
 
 
-def _run_blocks(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
+def _run_blocks(blocks: list[nn.Module], h: torch.Tensor, pos: Positions) -> torch.Tensor:
     for block in blocks:
-        h = block(h, rope)
+        h = block(h, pos)
     return h
 def with_aux(out: torch.Tensor, aux: torch.Tensor, weight: Callable[[], float]) -> torch.Tensor:
     """`out` (its value), whose backward also gives `aux` the gradient `weight()` (read then: the
