@@ -153,7 +153,7 @@ def test_the_start_up_summary_says_what_is_compiled():
 
     from teratrain.startup import _compiled
 
-    dims = lambda dp, pp=1: SimpleNamespace(dp=dp, pp=pp)  # noqa: E731
+    dims = lambda dp, pp=1: SimpleNamespace(dp=dp, pp=pp, replicas=dp)  # noqa: E731
     assert _compiled(make_config(), dims(2)) == ""
     assert _compiled(make_config("train.compile=true"), dims(2)) == ", compiled (each block)"
     assert _compiled(make_config("train.compile=true"), dims(1)) == ", compiled (the whole model)"
