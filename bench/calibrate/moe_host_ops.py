@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
 
 from teratrain.config import load_config  # noqa: E402
-from teratrain.models.layers import Rotary  # noqa: E402
+from teratrain.models.layers import Positions, Rotary  # noqa: E402
 from teratrain.models.transformer import Block  # noqa: E402
 
 SHAPE = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=16",
@@ -53,7 +53,7 @@ def block_step(extra: list[str]):
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = block(x, rope)
+            y = block(x, Positions(rope))
         y.float().sum().backward()
 
     step()
