@@ -30,3 +30,11 @@ def test_the_table_shows_a_failing_row_as_failing_with_its_reason():
     failing, compiled = layouts.table(rows).splitlines()[2:]
     assert failing.endswith("| no: bf16 4.1e-02 over 2e-02 (one GPU against itself: 2.6e-02) |")
     assert "| - (compiled) |" in compiled and compiled.endswith("| yes |")  # no ratio across modes
+
+
+def test_an_fp8_row_is_judged_on_bf16_alone():
+    row = {"name": "dp2-fp8", "gpus": 2, "check": "parity-bf16", "bf16_rel_err": 3e-3, "bf16_noise_floor": 1e-3,
+           "tokens_per_s": 1.0, "speedup_vs_one_gpu": 1.9, "mfu": 0.3, "peak_gib": 1.0, "ok": True}
+    assert layouts.parity_ok(row) and layouts.parity_reason(row) is None
+    assert "| - (fp8: bf16 only) |" in layouts.table([row])
+    assert not layouts.parity_ok({**row, "bf16_rel_err": 3e-2})
