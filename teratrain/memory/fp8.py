@@ -131,7 +131,8 @@ def apply_fp8(model: nn.Module, cfg, device: torch.device) -> None:
 def note(model: nn.Module, recipe: str, compiled: bool) -> str:
     """The start-up summary's line: how many block linears run in float8 and what stays in bf16, and
     that an eager run pays for its casts (each is several unfused kernels: on one H200 an eager fp8 step
-    took 1.8x the eager bf16 step, a compiled one 0.89x the compiled bf16 step; bench/README.md, "FP8 training")."""
+    took 1.8x the eager bf16 step, a compiled one 0.89x the compiled bf16 step; bench/README.md,
+    "FP8 training")."""
     fp8 = experts = other = 0
     for _, _, child, expert in _block_linears(model):
         if expert:
