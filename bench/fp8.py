@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, smoke_compile, summarize, time_steps
+from common import (config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, smoke_compile, summarize,
+                    time_steps)
 
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
@@ -125,7 +126,8 @@ def speed(args, dev) -> dict:
                 print(row, flush=True)
                 step = keep = None  # free this model before the next one is built
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
-            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "results": rows, "ratios": ratios(rows, args.recipe)}
+            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "results": rows,
+            "ratios": ratios(rows, args.recipe)}
 
 
 def gemms(dev) -> dict:
@@ -202,7 +204,8 @@ def converge(args, dev) -> dict:
             run(load_config(None, sets + extra), f"{tmp}/{fp8}")
             records = read_metrics(Path(tmp) / fp8 / "metrics.jsonl")
             curves[fp8] = {"loss": [r["loss"] for r in records], "tokens_per_s": [r["tokens_per_s"] for r in records],
-                           "eval_loss": [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]}
+                           "eval_loss": [(r["step"], r["eval_loss"]) for r in records
+                                         if r.get("eval_loss") is not None]}
     tail = min(50, args.converge)
     last = {k: statistics.mean(c["loss"][-tail:]) for k, c in curves.items()}
     diff = (last[args.recipe] - last["none"]) / last["none"]

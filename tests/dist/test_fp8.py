@@ -8,9 +8,9 @@ Tolerances, relative, on every step's loss and every final parameter tensor:
   only fp32 summation orders differ;
 - where roundings differ by layout: under expert parallelism the experts' bf16 GEMMs run over other
   row groupings (in bf16 alone ep=2 lands 5e-4 from one process), and a float8 cast downstream turns
-  such a difference into a whole float8 step now and then; under tensor parallelism each rank scales its own shard of a weight (and a row-parallel layer its
-  own columns of the input) by that shard's maximum, where one process scales the whole tensor, so the
-  float8 roundings themselves differ. Each GEMM result is off by at most float8's relative spacing
+  such a difference into a whole float8 step now and then; under tensor parallelism each rank scales
+  its own shard of a weight (and a row-parallel layer its own columns of the input) by that shard's
+  maximum, where one process scales the whole tensor, so the float8 roundings themselves differ. Each GEMM result is off by at most float8's relative spacing
   (2^-4 in e4m3, 2^-3 in e5m2, the gradients' format) in either run, so each weight's total update
   (final - initial) may differ by up to 2^-3 + 2^-3 of itself: ||tp - one|| <= 0.25 ||one - initial||
   per tensor, and the losses within 1e-2. (A bound of 1e-2 on the parameters themselves was too tight
@@ -46,7 +46,8 @@ def _compare(layouts: list[list[str]], runs: list[dict]) -> None:
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
         if not any(o.startswith(("parallel.tp=", "parallel.ep=")) for o in layout):
             param_err = max_rel_diff(got["params"], ref["params"])
-            assert loss_err < SAME_TOL and param_err < SAME_TOL, f"{layout}: losses {loss_err:.2e}, params {param_err:.2e}"
+            assert loss_err < SAME_TOL and param_err < SAME_TOL, \
+                f"{layout}: losses {loss_err:.2e}, params {param_err:.2e}"
             continue
         init = train_random(0, 1, FP8 + list(same), steps=0)["params"]
         update_err = max(float((got["params"][k] - ref["params"][k]).norm() / (ref["params"][k] - init[k]).norm())
@@ -61,7 +62,8 @@ def _many(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:
 
 def test_fp8_with_data_parallelism_zero_tensor_pipeline_and_experts():
     layouts = [["parallel.zero=0"], ["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
-               ["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
+               ["parallel.tp=2", "parallel.sequence_parallel=false"],
+               ["parallel.tp=2", "parallel.sequence_parallel=true"],
                ["parallel.pp=2", "parallel.schedule=1f1b"], ["parallel.pp=2", "parallel.schedule=zb-h1"],
                MOE + ["parallel.ep=2"], ["parallel.zero=3", "memory.recompute=full"]]
     _compare(layouts, run_ranks(_many, 2, layouts)[0])
