@@ -74,7 +74,9 @@ def _say(text: str) -> None:
 
 
 def _mb(files: list[Path]) -> str:
-    return f"{sum(f.stat().st_size for f in files) / 1e6:,.1f} MB"
+    from teratrain.data.formats import size_hint
+
+    return size_hint(files)
 
 
 def _bin_path(cache: Path, tok_path: Path, files: list[Path], text_field: str) -> Path:

@@ -39,8 +39,9 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
         path = cache / f"bpe-{fingerprint(files, text_field)}-{vocab_size}.json"
         tok = _load_cached(path)
         if tok is None:
-            size = sum(f.stat().st_size for f in files) / 1e6
-            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files ({size:,.1f} MB); "
+            from teratrain.data.formats import size_hint
+
+            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files ({size_hint(files)}); "
                   f"cached as {path}", file=sys.stderr, flush=True)
             tok = train_bpe(files, vocab_size, path, text_field)
     if tok.get_vocab_size() > vocab_size:
