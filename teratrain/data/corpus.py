@@ -28,16 +28,17 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in _walk(root, skip={"site-packages", "dist-packages", "__pycache__"}) if p.suffix == ".py")
 
 
-def user_files(path: str) -> list[Path]:
-    """The inputs under data.path, in a fixed order: files, and datasets folders as one input each."""
+def user_files(path: str, key: str = "data.path") -> list[Path]:
+    """The inputs under `path` (the value of `key`), in a fixed order: files, and datasets folders as one
+    input each."""
     from teratrain.data.formats import is_hf_folder
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataError(f"data.path '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
+        raise DataError(f"{key} '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
     if p.is_file():
         if p.suffix.lower() not in RECORD_SUFFIXES and is_binary(p):
-            raise DataError(f"data.path '{path}' is a binary file, not text; give a text file, a folder of text "
+            raise DataError(f"{key} '{path}' is a binary file, not text; give a text file, a folder of text "
                             "files, or pre-tokenized tokens named *.bin.")
         return [p]
     if is_hf_folder(p):
@@ -46,7 +47,7 @@ def user_files(path: str) -> list[Path]:
     records = [f for f in found if f.is_dir() or f.suffix.lower() in RECORD_SUFFIXES]
     files = records or [f for f in found if f.suffix.lower() in TEXT_SUFFIXES and not is_binary(f)]
     if not files:
-        raise DataError(f"data.path '{path}' holds no text files; add .txt/.py/.md files or point at another folder.")
+        raise DataError(f"{key} '{path}' holds no text files; add .txt/.py/.md files or point at another folder.")
     return files
 
 

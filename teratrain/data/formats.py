@@ -34,9 +34,10 @@ class Part:
     kind: str
     start: int = 0  # jsonl: byte offset; parquet: row group; arrow/hf: row; text: 0
     stop: int | None = None  # exclusive; None = to the end
+    nbytes: int = 0  # its share of the input's bytes on disk (for progress and for sizing shards)
 
     def to_json(self) -> dict:
-        return {"path": self.path, "kind": self.kind, "start": self.start, "stop": self.stop}
+        return {"path": self.path, "kind": self.kind, "start": self.start, "stop": self.stop, "nbytes": self.nbytes}
 
 
 def kind_of(path: Path) -> str:
@@ -60,17 +61,20 @@ def input_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-def documents(part: Part, text_field: str = "text"):
-    """Yield the documents of one part, in order."""
+def documents(part: Part, text_field: str = "text", report=None):
+    """Yield the documents of one part, in order; `report(fraction)`, when given, hears now and then
+    how much of the part has been read (0..1)."""
+    report = report or (lambda _: None)
     path = Path(part.path)
     if part.kind == "text":
         yield path.read_text(encoding="utf-8", errors="replace")
+        report(1.0)
     elif part.kind == "jsonl":
-        yield from _jsonl(path, text_field, part.start, part.stop)
+        yield from _jsonl(path, text_field, part.start, part.stop, report)
     elif part.kind == "parquet":
-        yield from _parquet(path, text_field, part.start, part.stop)
+        yield from _parquet(path, text_field, part.start, part.stop, report)
     else:  # arrow, hf
-        yield from _dataset_rows(open_dataset(path, part.kind), path, text_field, part.start, part.stop)
+        yield from _dataset_rows(open_dataset(path, part.kind), path, text_field, part.start, part.stop, report)
 
 
 def split(path: Path, target_bytes: int) -> list[Part]:
@@ -78,24 +82,21 @@ def split(path: Path, target_bytes: int) -> list[Part]:
     kind, size = kind_of(path), input_bytes(path)
     n = max(1, round(size / max(target_bytes, 1)))
     if kind == "text" or n == 1:
-        return [Part(str(path), kind)]
+        return [Part(str(path), kind, nbytes=size)]
     if kind == "jsonl":  # byte ranges; a part owns the lines that start inside it
         cuts = [size * i // n for i in range(n + 1)]
-        return [Part(str(path), kind, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-    if kind == "parquet":
-        groups = _parquet_file(path).metadata.num_row_groups
-        cuts = sorted({groups * i // n for i in range(n + 1)})
-    else:
-        rows = len(open_dataset(path, kind))
-        cuts = sorted({rows * i // n for i in range(n + 1)})
-    return [Part(str(path), kind, a, b) for a, b in zip(cuts, cuts[1:])]
+        return [Part(str(path), kind, a, b, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
+    total = _parquet_file(path).metadata.num_row_groups if kind == "parquet" else len(open_dataset(path, kind))
+    cuts = sorted({total * i // n for i in range(n + 1)})  # row groups (parquet) or rows
+    return [Part(str(path), kind, a, b, size * (b - a) // total) for a, b in zip(cuts, cuts[1:])]
 
 
 # ------------------------------------------------------------------ JSON lines
 
-def _jsonl(path: Path, field: str, start: int = 0, stop: int | None = None):
+def _jsonl(path: Path, field: str, start: int = 0, stop: int | None = None, report=lambda _: None):
     """The `field` of every record whose line starts in [start, stop), streamed (blank lines skipped;
     undecodable bytes replaced, so any file can be read)."""
+    end = path.stat().st_size if stop is None else stop
     with open(path, "rb") as f:
         if start:
             f.seek(start - 1)
@@ -107,9 +108,12 @@ def _jsonl(path: Path, field: str, start: int = 0, stop: int | None = None):
             if not raw:
                 break
             n += 1
+            if n % ROWS_PER_BATCH == 0:
+                report((at - start) / max(end - start, 1))
             line = raw.decode("utf-8", errors="replace")
             if line.strip():
                 yield _record_text(line, field, path, f"line {n}" if not start else f"the line at byte {at}")
+    report(1.0)
 
 
 def _record_text(line: str, field: str, path: Path, where: str) -> str:
@@ -145,14 +149,17 @@ def _parquet_file(path: Path):
         raise DataError(f"{path} is not a readable Parquet file ({str(e)[:100]}); re-download or remove it.") from None
 
 
-def _parquet(path: Path, field: str, start: int = 0, stop: int | None = None):
+def _parquet(path: Path, field: str, start: int = 0, stop: int | None = None, report=lambda _: None):
     pf = _parquet_file(path)
     names = pf.schema_arrow.names
     if field not in names:
         raise _no_column(path, field, names)
-    groups = range(start, pf.metadata.num_row_groups if stop is None else stop)
-    for batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, row_groups=list(groups), columns=[field]):
+    groups = list(range(start, pf.metadata.num_row_groups if stop is None else stop))
+    rows, done = sum(pf.metadata.row_group(g).num_rows for g in groups), 0
+    for batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, row_groups=groups, columns=[field]):
         yield from _strings(batch.column(0), path, field)
+        done += batch.num_rows
+        report(done / max(rows, 1))
 
 
 def open_dataset(path: Path, kind: str):
@@ -173,13 +180,15 @@ def open_dataset(path: Path, kind: str):
     return datasets.load_from_disk(str(path))
 
 
-def _dataset_rows(ds, path: Path, field: str, start: int = 0, stop: int | None = None):
+def _dataset_rows(ds, path: Path, field: str, start: int = 0, stop: int | None = None, report=lambda _: None):
     if field not in ds.column_names:
         raise _no_column(path, field, ds.column_names)
     table = ds.select_columns([field]).with_format("arrow")
     stop = len(ds) if stop is None else stop
     for lo in range(start, stop, ROWS_PER_BATCH):
-        yield from _strings(table[lo:min(lo + ROWS_PER_BATCH, stop)].column(0), path, field)
+        hi = min(lo + ROWS_PER_BATCH, stop)
+        yield from _strings(table[lo:hi].column(0), path, field)
+        report((hi - start) / max(stop - start, 1))
 
 
 def _strings(column, path: Path, field: str):

@@ -1,7 +1,8 @@
 """Token files and batches.
 
 Tokens live in a flat numpy memmap (uint16 when the vocabulary fits, else uint32; a cached file has a
-JSON record of its size and sha256 beside it, checked before use); the last
+JSON record of its size and sha256 beside it, checked before use), or in the shards of a `teratrain
+tokenize` folder read as one stream (data/shards.py); the last
 `data.val_fraction` of it is held out. A batch is a pure function of (seed, global step, global sample
 index): sample j of step s starts at offset `starts(s)[j]`, whatever the number of ranks, so every
 parallel layout sees the same global batches and a resumed run sees the batches it would have seen.
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from teratrain.data.corpus import DataError, fingerprint, read_documents, stdlib_files, user_files
+from teratrain.data.shards import gather, is_tokenized, open_tokenized
 from teratrain.data.tokenizer import EOT, file_digest, load_or_train
 from teratrain.fsio import atomic_write_bytes, sha256_file
 
@@ -49,7 +51,9 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
     true on one per machine and `wait` is a barrier the others pass once the files exist."""
     cache = cache_dir(data_cfg.cache_dir)
     path = data_cfg.path
-    if path and Path(path).suffix == ".bin":
+    if path and is_tokenized(Path(path).expanduser()):  # a `teratrain tokenize` folder: shards read lazily
+        (tokens, tok_path), source = open_tokenized(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), path
+    elif path and Path(path).suffix == ".bin":
         tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), data_cfg.tokenizer, path
     else:
         files, field = (user_files(path) if path else stdlib_files()), data_cfg.text_field
@@ -169,7 +173,7 @@ class Batches:
     def get(self, step: int, lo: int, hi: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Samples lo..hi-1 of step's global batch as (x, y), each (hi-lo, seq_len) int64."""
         T = self.seq_len
-        rows = np.stack([self.tokens[s:s + T + 1] for s in self.starts(step)[lo:hi]]).astype(np.int64)
+        rows = gather(self.tokens, self.starts(step)[lo:hi], T + 1).astype(np.int64)
         t = torch.from_numpy(rows)
         if torch.device(device).type == "cuda":
             t = t.pin_memory().to(device, non_blocking=True)

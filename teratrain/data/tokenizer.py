@@ -14,14 +14,16 @@ from teratrain.fsio import atomic_write_bytes
 EOT = "<|endoftext|>"
 
 
-def train_bpe(files: list[Path], vocab_size: int, out: Path, text_field: str = "text") -> Tokenizer:
-    """Train a byte-level BPE of at most `vocab_size` entries (EOT included) and save it to `out`."""
+def train_bpe(files: list[Path], vocab_size: int, out: Path, text_field: str = "text",
+              documents=None) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` entries (EOT included) on `documents` (default: all
+    of `files`) and save it to `out`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(read_documents(files, text_field), trainer)
+    tok.train_from_iterator(read_documents(files, text_field) if documents is None else documents, trainer)
     atomic_write_bytes(out, tok.to_str().encode())
     return tok
 
