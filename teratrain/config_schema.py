@@ -215,14 +215,33 @@ class ParallelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | None = Field(None, description="text file, JSON-lines file (*.jsonl), folder of them, or pre-tokenized .bin; "
-                              "unset = the Python stdlib sources")
+    path: str | None = Field(None, description="text, JSON-lines (*.jsonl) or Parquet file, a folder written by "
+                             "datasets' save_to_disk, a folder of them, a `teratrain tokenize` folder, or pre-tokenized "
+                             ".bin; unset = the Python stdlib sources")
+    sources: list[dict[str, Any]] | None = Field(None, description="a mixture instead of data.path: [{path, weight}, "
+                                                 "...] (each path as data.path takes it; optional text_field), "
+                                                 "samples drawn from each in proportion to its weight, one tokenizer "
+                                                 "for all (data/mixture.py)")
     tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = model.init_from's tokenizer.json if "
                                   "it has one, else train a byte-level BPE on the corpus (cached)")
     text_field: str = Field("text", description="JSON-lines files (*.jsonl, *.ndjson): the field of each record that "
                             "holds its text")
     val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
     cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _check_sources(cls, value: Any) -> Any:
+        from teratrain.data.mixture import check_sources
+
+        return check_sources(value)
+
+    @model_validator(mode="after")
+    def _path_or_sources(self) -> "DataConfig":
+        if self.path and self.sources:
+            raise ConfigError("data.path and data.sources are both set; give data.path for one corpus or "
+                              "data.sources for a mixture, not both.")
+        return self
 
 
 class CheckpointConfig(Section):

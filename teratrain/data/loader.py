@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from teratrain.data.corpus import DataError, fingerprint, read_documents, stdlib_files, user_files
+from teratrain.data.mixture import Mixture, prepare_mixture
 from teratrain.data.shards import gather, is_tokenized, open_tokenized
 from teratrain.data.tokenizer import EOT, file_digest, load_or_train
 from teratrain.fsio import atomic_write_bytes, sha256_file
@@ -49,6 +50,8 @@ def cache_dir(configured: str | None) -> Path:
 def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None) -> TokenData:
     """Tokenize the corpus once (cached), then memory-map it. With several processes, `builder` is
     true on one per machine and `wait` is a barrier the others pass once the files exist."""
+    if data_cfg.sources:  # a mixture of corpora (data/mixture.py)
+        return prepare_mixture(data_cfg, vocab_size, builder, wait)
     cache = cache_dir(data_cfg.cache_dir)
     path = data_cfg.path
     if path and is_tokenized(Path(path).expanduser()):  # a `teratrain tokenize` folder: shards read lazily
@@ -160,7 +163,9 @@ class Batches:
     """(x, y) batches of `seq_len` tokens at pseudo-random offsets of one split."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, global_batch: int, split: str = "train"):
-        if len(tokens) < seq_len + 2:
+        if isinstance(tokens, Mixture):
+            tokens.check(seq_len + 1, split)
+        elif len(tokens) < seq_len + 2:
             fix = "raise data.val_fraction or set train.eval_batches=0" if split == "val" else "add text or lower model.seq_len"
             raise DataError(f"the {split} split has {len(tokens)} tokens, too few for model.seq_len={seq_len}; {fix}.")
         self.tokens, self.seq_len, self.seed, self.global_batch = tokens, seq_len, seed, global_batch
@@ -173,7 +178,10 @@ class Batches:
     def get(self, step: int, lo: int, hi: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Samples lo..hi-1 of step's global batch as (x, y), each (hi-lo, seq_len) int64."""
         T = self.seq_len
-        rows = gather(self.tokens, self.starts(step)[lo:hi], T + 1).astype(np.int64)
+        if isinstance(self.tokens, Mixture):
+            rows = self.tokens.windows(self.seed, step, self.global_batch, lo, hi, T + 1)
+        else:
+            rows = gather(self.tokens, self.starts(step)[lo:hi], T + 1).astype(np.int64)
         t = torch.from_numpy(rows)
         if torch.device(device).type == "cuda":
             t = t.pin_memory().to(device, non_blocking=True)
