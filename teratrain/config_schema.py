@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from teratrain.config_base import ConfigError, Section
 from teratrain.config_model import ModelConfig
@@ -245,12 +245,18 @@ class DataConfig(Section):
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)  # `async`
+
     every: int | None = Field(None, ge=0, description="steps between checkpoints (0 = only at the end and on a stop "
                               "signal); unset = by time, every checkpoint.every_minutes")
     every_minutes: float = Field(10.0, gt=0.0, description="minutes of training between checkpoints when "
                                  "checkpoint.every is unset (the ranks agree each step whether it is time; not "
                                  "an asynchronous parameter server's, whose workers run steps apart)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+    async_: bool = Field(False, alias="async", description="copy the state to host memory (pinned on GPUs) and "
+                         "write it from a background thread while training goes on; the next save waits for it, "
+                         "and `latest` moves once every rank's files are written and fsynced (checkpoint/"
+                         "background.py)")
     stop_timeout_s: float = Field(60.0, gt=0.0, description="seconds a job stopped by SIGTERM/SIGINT/SIGHUP has to "
                                   "finish its step and write a checkpoint before it exits without one (a second "
                                   "signal exits at once)")
@@ -357,6 +363,9 @@ class Config(Section):
                               "train.compile=true or leave train.compile_mode at default.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
+        if self.checkpoint.async_ and self.parallel.sync == "param-server":
+            raise ConfigError("checkpoint.async is not supported with parallel.sync=param-server, whose servers save "
+                              "their own state as the workers ask; set checkpoint.async=false.")
         if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":
             raise ConfigError("lora.base_dtype=bf16 stores the frozen weights in bf16, which needs bf16 autocast; "
                               "set memory.precision=bf16 or lora.base_dtype=param.")
