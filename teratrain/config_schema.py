@@ -277,6 +277,11 @@ class CheckpointConfig(Section):
 class MetricsConfig(Section):
     peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s for MFU; unset = GPU table (none on CPU)")
     tensorboard: bool = Field(False, description="also write TensorBoard events")
+    wandb: bool = Field(False, description="also log to Weights & Biases (needs pip install wandb; wandb_sink.py)")
+    wandb_project: str = Field("teratrain", description="the W&B project runs are logged to")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto", description="auto = online where a W&B API key is configured (WANDB_API_KEY or wandb login), else "
+                            "offline into <run>/wandb (upload later with wandb sync)")
     progress: bool = Field(True, description="show a progress bar")
 
 

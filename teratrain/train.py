@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from teratrain import moe_metrics
+from teratrain import moe_metrics, wandb_sink
 from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
 from teratrain.checkpoint.background import NUM_FLAGS, Saver
 from teratrain.checkpoint.training import restore_training, save_training, stage_training, without_init_from
@@ -38,6 +38,7 @@ from teratrain.parallel.support import check_supported
 from teratrain.progress import Progress
 from teratrain.rundir import agree_run_dir, remove_if_unused
 from teratrain.startup import print_summary
+from teratrain.wandb_sink import WandbSink
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
@@ -52,6 +53,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         world = int(os.environ.get("WORLD_SIZE", "1"))
         notes = [for_job(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))).note]
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
+    wandb_sink.check(cfg)
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
@@ -123,7 +125,8 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     tokens_per_step = tc.global_batch * m.seq_len
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
     flops_tok = model_flops_per_token(model, m)
-    log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
+    sinks = [WandbSink(run_dir, cfg, resume=start > 0)] if cfg.metrics.wandb else []
+    log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0, sinks=sinks) if rt.is_main else None
     run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
     saver = Saver(run_dir / "checkpoints", rt, cfg.checkpoint.keep, cfg.checkpoint.async_,
