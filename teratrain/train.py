@@ -222,7 +222,8 @@ def _stop_after_step(cfg: Config):
     return stop_after_step(cfg.checkpoint.stop_timeout_s) if _lockstep(cfg) else nullcontext({"signum": None})
 
 
-def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int, saver: Saver) -> tuple[int, bool]:
+def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int,
+                  saver: Saver | None = None) -> tuple[int, bool]:
     """(the signal that stopped any rank, else 0; whether a checkpoint is due at step `done`), the same
     on every worker: one all-reduce of a few numbers per step, since a signal reaches ranks at different
     times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up; the
@@ -233,9 +234,11 @@ def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: i
     if not _lockstep(cfg):
         return 0, by_steps
     by_time = ck.every is None and time.monotonic() - saved_at >= 60 * ck.every_minutes
-    flags = torch.tensor([stop["signum"] or 0, int(by_time), *saver.flags()], dtype=torch.int64, device=rt.device)
+    writes = saver.flags() if saver else [0] * NUM_FLAGS
+    flags = torch.tensor([stop["signum"] or 0, int(by_time), *writes], dtype=torch.int64, device=rt.device)
     all_reduce(flags, rt.group("world"), op=MAX)
-    saver.agree(flags[2:2 + NUM_FLAGS].tolist())
+    if saver:
+        saver.agree(flags[2:].tolist())
     return int(flags[0]), bool(flags[1]) or by_steps
 
 
