@@ -13,13 +13,12 @@ import os
 import sysconfig
 from pathlib import Path
 
+from teratrain.data.errors import DataError
+from teratrain.data.formats import RECORD_KINDS, Part, documents, is_hf_folder, kind_of
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go", ".rs",
                  ".json", ".toml", ".yaml", ".yml", ".html", ".css", ".sh", ".tex", ".csv", ".jsonl", ".ndjson", ""}
 RECORD_SUFFIXES = {".jsonl", ".ndjson", ".parquet", ".arrow"}
-
-
-class DataError(ValueError):
-    """Bad data input: one sentence naming the problem and the fix."""
 
 
 def stdlib_files() -> list[Path]:
@@ -31,8 +30,6 @@ def stdlib_files() -> list[Path]:
 def user_files(path: str, key: str = "data.path") -> list[Path]:
     """The inputs under `path` (the value of `key`), in a fixed order: files, and datasets folders as one
     input each."""
-    from teratrain.data.formats import is_hf_folder
-
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{key} '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
@@ -75,8 +72,6 @@ def _walk(root: Path, skip: set[str]):
 def read_documents(files: list[Path], text_field: str = "text"):
     """Yield each document: a text file whole, a record file (JSON lines, Parquet, Arrow, a datasets
     folder) record by record."""
-    from teratrain.data.formats import Part, documents, kind_of
-
     for f in files:
         yield from documents(Part(str(f), kind_of(f)), text_field)
 
@@ -84,8 +79,6 @@ def read_documents(files: list[Path], text_field: str = "text"):
 def fingerprint(files: list[Path], text_field: str = "text") -> str:
     """Content-independent identity of a corpus (paths, sizes, mtimes, a datasets folder's files; the
     text field of record files): a cache key."""
-    from teratrain.data.formats import RECORD_KINDS, kind_of
-
     h = hashlib.sha256()
     for f in files:
         for g in sorted(x for x in f.rglob("*") if x.is_file()) if f.is_dir() else [f]:

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from teratrain.data.corpus import DataError
+from teratrain.data.errors import DataError
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 RECORD_KINDS = ("jsonl", "parquet", "arrow", "hf")  # kinds whose documents are fields of records

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from teratrain.data.corpus import DataError, fingerprint, read_documents, stdlib_files, user_files
-from teratrain.data.mixture import Mixture, prepare_mixture
+from teratrain.data import mixture
+from teratrain.data.mixture import Mixture
 from teratrain.data.shards import gather, is_tokenized, open_tokenized
 from teratrain.data.tokenizer import EOT, file_digest, load_or_train
 from teratrain.fsio import atomic_write_bytes, sha256_file
@@ -50,9 +51,13 @@ def cache_dir(configured: str | None) -> Path:
 def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None) -> TokenData:
     """Tokenize the corpus once (cached), then memory-map it. With several processes, `builder` is
     true on one per machine and `wait` is a barrier the others pass once the files exist."""
-    if data_cfg.sources:  # a mixture of corpora (data/mixture.py)
-        return prepare_mixture(data_cfg, vocab_size, builder, wait)
     cache = cache_dir(data_cfg.cache_dir)
+    if data_cfg.sources:  # a mixture: each source prepared as data.path, all with one tokenizer
+        tok_path = data_cfg.tokenizer or mixture.shared_tokenizer(data_cfg, vocab_size, cache, builder, wait)
+        streams = [prepare(mixture.source_config(data_cfg, src, tok_path), vocab_size, builder, wait).train
+                   for src in data_cfg.sources]
+        train, val, source = mixture.split(data_cfg, streams)
+        return TokenData(train, val, Path(tok_path).expanduser() if tok_path else None, source)
     path = data_cfg.path
     if path and is_tokenized(Path(path).expanduser()):  # a `teratrain tokenize` folder: shards read lazily
         (tokens, tok_path), source = open_tokenized(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), path

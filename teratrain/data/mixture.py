@@ -22,7 +22,10 @@ from typing import Any
 import numpy as np
 
 from teratrain.config_base import ConfigError
-from teratrain.data.corpus import DataError
+from teratrain.data.corpus import fingerprint, read_documents, user_files
+from teratrain.data.errors import DataError
+from teratrain.data.shards import gather, is_tokenized
+from teratrain.data.tokenizer import train_bpe
 
 _PHI64 = 0x9E3779B97F4A7C15  # round(2**64 x (sqrt(5) - 1) / 2): the golden-ratio step, in 64-bit fixed point
 SOURCE_KEYS = ("path", "weight", "text_field")
@@ -92,8 +95,6 @@ class Mixture:
 
     def windows(self, seed: int, step: int, global_batch: int, lo: int, hi: int, width: int) -> np.ndarray:
         """Samples lo..hi-1 of step's global batch, (hi - lo, width) tokens, each from its source."""
-        from teratrain.data.shards import gather
-
         src = self.sources(seed, step * global_batch, global_batch)
         highs = np.array([len(s) - width + 1 for s in self.streams], dtype=np.int64)
         starts = np.random.default_rng([seed, step]).integers(0, highs[src])  # the step's whole batch: pure
@@ -105,36 +106,26 @@ class Mixture:
         return out
 
 
-def prepare_mixture(data_cfg, vocab_size: int, builder: bool, wait):
-    """TokenData of data.sources: each source prepared as data.path would be (cached), all with one
-    tokenizer; each source's last data.val_fraction held out."""
-    from teratrain.data.loader import TokenData, prepare
+def source_config(data_cfg, src: dict, tokenizer: str | None):
+    """The data config of one source, as data.path (its whole tokens: the mixture holds out its own)."""
+    return data_cfg.model_copy(update={"path": src["path"], "sources": None, "tokenizer": tokenizer,
+                                      "text_field": src.get("text_field", data_cfg.text_field), "val_fraction": 0.0})
 
-    tokenizer = data_cfg.tokenizer or _shared_tokenizer(data_cfg, vocab_size, builder, wait)
-    streams = []
-    for src in data_cfg.sources:
-        one = data_cfg.model_copy(update={"path": src["path"], "sources": None, "tokenizer": tokenizer,
-                                          "text_field": src.get("text_field", data_cfg.text_field),
-                                          "val_fraction": 0.0})
-        streams.append(prepare(one, vocab_size, builder, wait).train)
+
+def split(data_cfg, streams: list) -> tuple[Mixture, Mixture, str]:
+    """The train and held-out mixtures of the sources' streams (each source's last data.val_fraction
+    held out) and a description for the start-up summary."""
     names = [src["path"] for src in data_cfg.sources]
-    mix = Mixture(streams, [src["weight"] for src in data_cfg.sources], names)
-    keep = 1.0 - data_cfg.val_fraction
-    total = sum(src["weight"] for src in data_cfg.sources)
-    shown = ", ".join(f"{n} ({src['weight'] / total:.2f})" for n, src in zip(names, data_cfg.sources))
-    return TokenData(train=mix.part(0.0, keep), val=mix.part(keep, 1.0),
-                     tokenizer_path=Path(tokenizer).expanduser() if tokenizer else None, source=f"mixture: {shown}")
+    weights = [src["weight"] for src in data_cfg.sources]
+    mix, keep = Mixture(streams, weights, names), 1.0 - data_cfg.val_fraction
+    shown = ", ".join(f"{n} ({w / sum(weights):.2f})" for n, w in zip(names, weights))
+    return mix.part(0.0, keep), mix.part(keep, 1.0), f"mixture: {shown}"
 
 
-def _shared_tokenizer(data_cfg, vocab_size: int, builder: bool, wait) -> str | None:
+def shared_tokenizer(data_cfg, vocab_size: int, cache: Path, builder: bool, wait) -> str | None:
     """The tokenizer every source is encoded with: the one the tokenized folders among them were
     written with (all the same), else a BPE trained on all text sources together (cached), else None
     (pre-tokenized .bin sources only)."""
-    from teratrain.data.corpus import fingerprint, read_documents, user_files
-    from teratrain.data.loader import cache_dir
-    from teratrain.data.shards import is_tokenized
-    from teratrain.data.tokenizer import train_bpe
-
     folders = [Path(s["path"]).expanduser() for s in data_cfg.sources if is_tokenized(Path(s["path"]).expanduser())]
     if folders:
         first = (folders[0] / "tokenizer.json").read_bytes()
@@ -148,7 +139,7 @@ def _shared_tokenizer(data_cfg, vocab_size: int, builder: bool, wait) -> str | N
     if not texts:
         return None
     key = hashlib.sha256("|".join(fingerprint(f, field) for f, field in texts).encode()).hexdigest()[:16]
-    path = cache_dir(data_cfg.cache_dir) / f"bpe-mix-{key}-{vocab_size}.json"
+    path = cache / f"bpe-mix-{key}-{vocab_size}.json"
     if builder and not path.exists():
         n = sum(len(f) for f, _ in texts)
         print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on the {len(texts)} text sources of "

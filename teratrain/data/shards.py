@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from teratrain.data.corpus import DataError
+from teratrain.data.errors import DataError
 
 FORMAT = "teratrain-tokens/1"
 INDEX = "index.json"
