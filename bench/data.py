@@ -2,7 +2,8 @@
 per-step host time reading 100 token shards against one token file.
 
     python bench/data.py --out FILE                    # 1 GB of JSON lines, workers 1 and 2
-    python bench/data.py --corpus-mb 256 --format parquet --workers 1,2 --out FILE
+    python bench/data.py --corpus-mb 256 --workers 1,2,2,1 --out FILE   # each count twice, in ABBA order
+    python bench/data.py --format parquet --out FILE
     python bench/data.py --smoke                       # 8 MB, seconds
 
 Corpus: the running interpreter's standard-library sources cut into documents of ~4 KB (real text,
@@ -11,6 +12,11 @@ written under --work. The tokenizer (a byte-level BPE of --vocab-size tokens) is
 first 16 MB and given to every run, so each run times tokenization alone: the whole corpus through
 `teratrain.data.tokenize.tokenize` into shards of --shard-mb MB of input, tokens/s over the wall time
 of the run (worker start included). Each worker runs one tokenizer thread, so N workers use N cores.
+
+The ratios: of the median tokens/s of each worker count, and of the best run of each (the run least
+slowed by other processes: `timeit`'s rule). Beside them, each run's worker CPU seconds: tokens per CPU
+second (the same for every worker count when nothing serializes the workers) and the cores the workers
+kept busy (below N when other processes share the machine).
 
 Loader: the first run's tokens written once as one .bin file and once as a 100-shard tokenized folder
 (the same stream); `Batches.micro_batches` builds one data-parallel rank's step (--global-batch
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -88,18 +95,32 @@ def write_corpus(path: Path, megabytes: float, fmt: str) -> dict:
 
 
 def bench_tokenize(corpus: Path, tok: Path, work: Path, workers: list[int], shard_mb: float) -> dict:
-    runs = {}
-    for n in workers:
-        out = work / f"tokens_w{n}"
+    """One run per entry of `workers` (a count may repeat: 1,2,2,1 spreads a drifting background load
+    over both counts); the ratio compares the median tokens/s of each count with the smallest's."""
+    runs = []
+    for i, n in enumerate(workers):
+        out = work / f"tokens_{i}"
         shutil.rmtree(out, ignore_errors=True)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         index = tokenize(str(corpus), str(out), tokenizer=str(tok), workers=n, shard_mb=shard_mb, progress=False)
-        runs[n] = {"workers": index["workers"], "seconds": round(index["seconds"], 2), "tokens": index["tokens"],
-                   "shards": len(index["shards"]), "tokens_per_s": round(index["tokens_per_s"])}
-        print(f"tokenize: {n} workers: {runs[n]['tokens_per_s']:,} tokens/s", file=sys.stderr, flush=True)
-    first = min(workers)
-    for n in workers:
-        runs[n]["x_one"] = round(runs[n]["tokens_per_s"] / runs[first]["tokens_per_s"], 3)
-    return {"runs": [runs[n] for n in workers], "same_tokens": len({r["tokens"] for r in runs.values()}) == 1}
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, joined when the pool shut down
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        runs.append({"workers": index["workers"], "seconds": round(index["seconds"], 2), "tokens": index["tokens"],
+                     "shards": len(index["shards"]), "tokens_per_s": round(index["tokens_per_s"]),
+                     "worker_cpu_s": round(cpu_s, 1), "tokens_per_worker_cpu_s": round(index["tokens"] / cpu_s),
+                     "cores_busy": round(cpu_s / index["seconds"], 2), "load_average_1m": round(os.getloadavg()[0], 2)})
+        print(f"tokenize: {n} workers: {runs[-1]['tokens_per_s']:,} tokens/s, {runs[-1]['cores_busy']} cores busy",
+              file=sys.stderr, flush=True)
+        if i:
+            shutil.rmtree(out, ignore_errors=True)
+    median = {n: statistics.median(r["tokens_per_s"] for r in runs if r["workers"] == n) for n in sorted(set(workers))}
+    per_cpu = {n: statistics.median(r["tokens_per_worker_cpu_s"] for r in runs if r["workers"] == n) for n in median}
+    best = {n: max(r["tokens_per_s"] for r in runs if r["workers"] == n) for n in median}
+    one = min(median)
+    return {"runs": runs, "same_tokens": len({r["tokens"] for r in runs}) == 1,
+            "median_tokens_per_s": median, "x_one": {n: round(median[n] / median[one], 3) for n in median},
+            "best_tokens_per_s": best, "x_one_best": {n: round(best[n] / best[one], 3) for n in best},
+            "tokens_per_worker_cpu_s_x_one": {n: round(per_cpu[n] / per_cpu[one], 3) for n in per_cpu}}
 
 
 def write_shards(tokens: np.ndarray, folder: Path, n: int, vocab: int) -> None:
@@ -148,12 +169,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus-mb", type=float, default=1000.0)
     ap.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
-    ap.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated")
+    ap.add_argument("--workers", default="1,2", help="worker counts to time, comma-separated (may repeat)")
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--shard-mb", type=float, default=32.0)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--loader-steps", type=int, default=50)
+    ap.add_argument("--loader-steps", type=int, default=200)
     ap.add_argument("--work", help="folder for the corpus and tokens (default: a temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="8 MB, a 2,048-token BPE, 10 loader steps")
     ap.add_argument("--out")
@@ -173,7 +194,7 @@ def main() -> None:
         load_before = os.getloadavg()
         tok_result = bench_tokenize(work / corpus["path"], tok, work, workers, args.shard_mb)
         load_after = os.getloadavg()
-        loader = bench_loader(work / f"tokens_w{workers[0]}", work, tok, args)
+        loader = bench_loader(work / "tokens_0", work, tok, args)
     result = {"bench": "data", "corpus": corpus, "vocab_size": args.vocab_size, "bpe_train_s": round(bpe_s, 1),
               "shard_mb": args.shard_mb, "tokenize": tok_result, "loader": loader,
               "cpus": cpu_count(), "load_average_1m": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},

@@ -76,14 +76,15 @@ class ShardedTokens:
         """(len(starts), width) tokens: row i is tokens [starts[i], starts[i] + width) of this view."""
         g = np.asarray(starts, dtype=np.int64) + self.lo
         shard = np.searchsorted(self.ends, g, side="right")  # the shard each window starts in
-        local = g - self.begins[shard]
+        local, fits = g - self.begins[shard], g + width <= self.ends[shard]
         out = np.empty((len(g), width), dtype=self.dtype)
-        for i in range(len(g)):
-            k, s = shard[i], local[i]
-            if s + width <= self.sizes[k]:
-                out[i] = self._map(k)[s:s + width]
+        maps = self._maps
+        for i, (k, s, whole) in enumerate(zip(shard.tolist(), local.tolist(), fits.tolist())):
+            if whole:
+                m = maps.get(k)
+                out[i] = (self._map(k) if m is None else m)[s:s + width]
             else:  # crosses into the next shard(s)
-                out[i] = self._read(g[i], g[i] + width)
+                out[i] = self._read(int(g[i]), int(g[i]) + width)
         return out
 
     def _read(self, a: int, b: int) -> np.ndarray:
@@ -99,14 +100,14 @@ class ShardedTokens:
         return np.concatenate(parts) if parts else np.empty(0, dtype=self.dtype)
 
     def _map(self, k: int) -> np.ndarray:
+        """Shard k, mapped now if it is not. The oldest mapping is dropped past MAX_OPEN (first in,
+        first out: cheaper per read than keeping the order of use, and as good for uniform reads)."""
         m = self._maps.get(k)
         if m is None:
             m = np.memmap(self.paths[k], dtype=self.dtype, mode="r", shape=(int(self.sizes[k]),))
             self._maps[k] = m
             if len(self._maps) > MAX_OPEN:  # unmapped (its descriptor closed) once no reference is left
                 self._maps.popitem(last=False)
-        else:
-            self._maps.move_to_end(k)
         return m
 
 
