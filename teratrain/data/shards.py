@@ -104,7 +104,8 @@ class ShardedTokens:
         first out: cheaper per read than keeping the order of use, and as good for uniform reads)."""
         m = self._maps.get(k)
         if m is None:
-            m = np.memmap(self.paths[k], dtype=self.dtype, mode="r", shape=(int(self.sizes[k]),))
+            # a plain ndarray over the mapping (which it keeps alive): slicing it skips np.memmap's per-slice work
+            m = np.memmap(self.paths[k], dtype=self.dtype, mode="r", shape=(int(self.sizes[k]),)).view(np.ndarray)
             self._maps[k] = m
             if len(self._maps) > MAX_OPEN:  # unmapped (its descriptor closed) once no reference is left
                 self._maps.popitem(last=False)

@@ -73,7 +73,7 @@ def test_sources_of_every_kind_share_one_tokenizer(tmp_path):
     docs = [f"line {i}: {'abc ' * (i % 5)}xyz" for i in range(400)]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:200]))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": d.upper()}) + "\n" for d in docs[200:]))
-    np.arange(5000, dtype=np.uint16).__mod__(250).astype(np.uint16).tofile(tmp_path / "c.bin")
+    (np.arange(5000) % 250).astype(np.uint16).tofile(tmp_path / "c.bin")
     sources = [{"path": str(tmp_path / "a.jsonl"), "weight": 2}, {"path": str(tmp_path / "b.jsonl"), "weight": 1,
                                                                    "text_field": "body"},
                {"path": str(tmp_path / "c.bin"), "weight": 1}]
