@@ -161,7 +161,8 @@ def bench_loader(tokens_dir: Path, work: Path, tok: Path, args) -> dict:
         times = times[5:]
         result[name] = {"open_s": round(open_s, 4), "step_s_median": round(statistics.median(times), 5),
                         "step_s_p90": round(float(np.percentile(times, 90)), 5)}
-    result["shards_over_one_file"] = round(result["shards_100"]["step_s_median"] / result["one_file"]["step_s_median"], 3)
+    ratio = result["shards_100"]["step_s_median"] / result["one_file"]["step_s_median"]
+    result["shards_over_one_file"] = round(ratio, 3)
     return result
 
 
@@ -197,7 +198,8 @@ def main() -> None:
         loader = bench_loader(work / "tokens_0", work, tok, args)
     result = {"bench": "data", "corpus": corpus, "vocab_size": args.vocab_size, "bpe_train_s": round(bpe_s, 1),
               "shard_mb": args.shard_mb, "tokenize": tok_result, "loader": loader,
-              "cpus": cpu_count(), "load_average_1m": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
+              "cpus": cpu_count(),
+              "load_average_1m": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
               "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
               "commit": _commit()}
     text = json.dumps(result, indent=1)

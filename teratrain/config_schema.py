@@ -216,16 +216,16 @@ class ParallelConfig(Section):
 
 class DataConfig(Section):
     path: str | None = Field(None, description="text, JSON-lines (*.jsonl) or Parquet file, a folder written by "
-                             "datasets' save_to_disk, a folder of them, a `teratrain tokenize` folder, or pre-tokenized "
-                             ".bin; unset = the Python stdlib sources")
+                             "datasets' save_to_disk, a folder of them, a `teratrain tokenize` folder, or "
+                             "pre-tokenized .bin; unset = the Python stdlib sources")
     sources: list[dict[str, Any]] | None = Field(None, description="a mixture instead of data.path: [{path, weight}, "
                                                  "...] (each path as data.path takes it; optional text_field), "
                                                  "samples drawn from each in proportion to its weight, one tokenizer "
                                                  "for all (data/mixture.py)")
     tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = model.init_from's tokenizer.json if "
                                   "it has one, else train a byte-level BPE on the corpus (cached)")
-    text_field: str = Field("text", description="JSON-lines files (*.jsonl, *.ndjson): the field of each record that "
-                            "holds its text")
+    text_field: str = Field("text", description="JSON-lines, Parquet and datasets inputs: the field (column) of each "
+                            "record that holds its text")
     val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
     cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
 

@@ -38,7 +38,6 @@ from teratrain.parallel.support import check_supported
 from teratrain.progress import Progress
 from teratrain.rundir import agree_run_dir, remove_if_unused
 from teratrain.startup import print_summary
-from teratrain.wandb_sink import WandbSink
 
 
 def run(cfg: Config, out: str | None = None, resume: bool = False,
@@ -125,7 +124,7 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     tokens_per_step = tc.global_batch * m.seq_len
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
     flops_tok = model_flops_per_token(model, m)
-    sinks = [WandbSink(run_dir, cfg, resume=start > 0)] if cfg.metrics.wandb else []
+    sinks = [wandb_sink.WandbSink(run_dir, cfg, resume=start > 0)] if cfg.metrics.wandb else []
     log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0, sinks=sinks) if rt.is_main else None
     run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)

@@ -60,7 +60,8 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
         return TokenData(train, val, Path(tok_path).expanduser() if tok_path else None, source)
     path = data_cfg.path
     if path and is_tokenized(Path(path).expanduser()):  # a `teratrain tokenize` folder: shards read lazily
-        (tokens, tok_path), source = open_tokenized(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), path
+        tokens, tok_path = open_tokenized(Path(path).expanduser(), vocab_size, data_cfg.tokenizer)
+        source = path
     elif path and Path(path).suffix == ".bin":
         tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), data_cfg.tokenizer, path
     else:

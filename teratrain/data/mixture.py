@@ -45,7 +45,8 @@ def check_sources(value: Any) -> list[dict] | None:
             raise ConfigError(f"{key} must be a {{path, weight}} table, got {src!r}; {fix}.")
         unknown = sorted(set(src) - set(SOURCE_KEYS))
         if unknown:
-            raise ConfigError(f"{key} has unknown key(s) {', '.join(unknown)}; a source takes {', '.join(SOURCE_KEYS)}.")
+            raise ConfigError(f"{key} has unknown key(s) {', '.join(unknown)}; a source takes "
+                              f"{', '.join(SOURCE_KEYS)}.")
         path, weight = src.get("path"), src.get("weight")
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{key}.path must be the path of a corpus (a string), got {path!r}; give one.")

@@ -83,7 +83,8 @@ def tokenize(src: str, out: str, tokenizer: str | None = None, vocab_size: int =
     todo = [k for k in range(len(shards)) if k not in records]
     workers = max(1, min(workers or cpu_count(), len(todo) or 1))
     if todo:
-        _say(f"tokenizing {_count(len(files), 'input')} ({sum(p.nbytes for s in shards for p in s) / 1e6:,.1f} MB) into "
+        size_mb = sum(p.nbytes for s in shards for p in s) / 1e6
+        _say(f"tokenizing {_count(len(files), 'input')} ({size_mb:,.1f} MB) into "
              f"{len(shards)} shards in {out_dir} on {workers} workers"
              + (f" ({len(shards) - len(todo)} already written)" if len(todo) < len(shards) else ""))
     t0 = time.perf_counter()

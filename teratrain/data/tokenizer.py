@@ -43,7 +43,8 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
         if tok is None:
             from teratrain.data.formats import size_hint
 
-            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files ({size_hint(files)}); "
+            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files "
+                  f"({size_hint(files)}); "
                   f"cached as {path}", file=sys.stderr, flush=True)
             tok = train_bpe(files, vocab_size, path, text_field)
     if tok.get_vocab_size() > vocab_size:

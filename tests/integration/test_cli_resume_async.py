@@ -80,7 +80,8 @@ def test_sigkill_mid_write_keeps_latest_and_resumes_bitwise(cli, straight, tmp_p
     assert (ckpts / "step_00000004.tmp").is_dir() and not (ckpts / "step_00000004").exists()
     assert Path(marker.read_text()).stat().st_size > 0  # the half-written file is there, and ignored
     for name in ("rank00000.safetensors", "rank00000.json"):  # the async checkpoint is the sync one, byte for byte
-        assert (ckpts / "step_00000002" / name).read_bytes() == (straight / "checkpoints/step_00000002" / name).read_bytes()
+        sync = straight / "checkpoints/step_00000002" / name
+        assert (ckpts / "step_00000002" / name).read_bytes() == sync.read_bytes()
 
     proc = cli.train(run, *SETS, "checkpoint.async=true", steps=8, resume=True)
     assert "Traceback" not in proc.stderr

@@ -39,7 +39,8 @@ def test_training_reads_the_shards_and_keeps_their_tokenizer(cli, tokenized, tmp
 def test_a_mixture_resumes_bitwise(cli, tokenized, tmp_path):
     ids = np.random.default_rng(1).integers(0, 512, size=30_000).astype(np.uint16)
     ids.tofile(tmp_path / "noise.bin")
-    sources = f'data.sources=[{{path="{tokenized / "out"}", weight=0.7}}, {{path="{tmp_path / "noise.bin"}", weight=0.3}}]'
+    sources = (f'data.sources=[{{path="{tokenized / "out"}", weight=0.7}}, '
+               f'{{path="{tmp_path / "noise.bin"}", weight=0.3}}]')
     sets = [sources, "optim.schedule=constant", "optim.warmup_steps=2", "train.eval_batches=1"]
     cli.train(tmp_path / "straight", *sets, steps=4)
     cli.train(tmp_path / "resumed", *sets, steps=2)
