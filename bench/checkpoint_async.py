@@ -2,7 +2,7 @@
 ZeRO-3, bf16 with fp32 masters, on every GPU of the machine (4 expected).
 
     python bench/checkpoint_async.py --work /data/ckpt --out FILE      # save, then resume, then reshard
-    python bench/checkpoint_async.py --work /data/ckpt --phases save   # one phase per command (each < 10 min)
+    python bench/checkpoint_async.py --work /data/ckpt --phases save --saves 1   # a phase per command
     python bench/checkpoint_async.py --work /data/ckpt --phases resume,reshard --out FILE
     python bench/checkpoint_async.py --smoke                           # 2 CPU processes, tiny shape, seconds
 

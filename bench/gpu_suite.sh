@@ -80,7 +80,7 @@ for p in "$@"; do
                       $smoke --table --out "$out/pick.json" ;;
         scaling)  piece scaling 300 "$py" bench/multi_gpu.py --only scaling $smoke --out "$out/scaling.json" ;;
         reshard)  piece reshard 200 "$py" bench/reshard.py $smoke --out "$out/reshard.json" ;;
-        ckpt)     piece ckpt 590 "$py" bench/checkpoint_async.py --phases save --work "${CKPT_WORK:-$out/ckpt_work}" \
+        ckpt)     piece ckpt 590 "$py" bench/checkpoint_async.py --phases save --saves 1 --work "${CKPT_WORK:-$out/ckpt_work}" \
                       $smoke --out "$out/checkpoint_async_save.json" ;;
         ckpt_resume) piece ckpt_resume 590 "$py" bench/checkpoint_async.py --phases resume,reshard \
                       --work "${CKPT_WORK:-$out/ckpt_work}" $smoke --out "$out/checkpoint_async.json" ;;

@@ -18,6 +18,7 @@ Each completed save is reported once, for metrics.jsonl: its step, the seconds t
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 import time
@@ -31,6 +32,7 @@ from teratrain.checkpoint import io
 from teratrain.checkpoint.format import CheckpointError
 from teratrain.parallel.comm import MAX, all_reduce
 
+ALIGN = 64  # bytes: every host copy starts on a cache line (and on its dtype's size)
 NUM_FLAGS = 4  # (write running, write failed, write ms, blocked ms): what `flags` adds to the per-step all-reduce
 
 
@@ -62,7 +64,8 @@ class Saver:
     def __init__(self, root: Path, rt, keep: int, background: bool, stage: Callable[[int, int], tuple]):
         self.root, self.rt, self.keep, self.background, self.stage = root, rt, keep, background, stage
         self.pending: _Write | None = None
-        self.buffers: dict[str, torch.Tensor] = {}  # host copies, reused save after save
+        self.buffers: dict[str, torch.Tensor] = {}  # host copies (views of one buffer), reused save after save
+        self.layout: list | None = None  # (key, shape, dtype) of each, in order
         self.completed: list[dict] = []  # saves complete since the last `take`
 
     def save(self, step: int, stopped_by: int = 0, wait: bool = False) -> None:
@@ -88,24 +91,29 @@ class Saver:
             self.finish()
 
     def _copy_to_host(self, tensors: dict) -> dict:
-        """Host copies of `tensors` in kept buffers; on a GPU, pinned, copied on the current stream
-        and waited for here, so the state training changes next is already copied."""
-        host, cuda = {}, False
+        """Host copies of `tensors` in one kept buffer (pinned when they are on a GPU: one allocation,
+        not one per tensor rounded up by the caching host allocator), copied on the current stream and
+        waited for here, so the state training changes next is already copied."""
+        layout = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
+        if layout != self.layout:
+            offsets, total = [], 0
+            for _, shape, dtype in layout:
+                offsets.append(total)
+                total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+            pin = any(t.device.type == "cuda" for t in tensors.values())
+            flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+            self.buffers = {key: flat[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                            for (key, shape, dtype), o in zip(layout, offsets)}
+            self.layout = layout
+        cuda = False
         for key, t in tensors.items():
-            buf = self.buffers.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                pin = t.device.type == "cuda"
-                buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             cuda |= t.device.type == "cuda"
-            buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-            host[key] = buf
-        for key in set(self.buffers) - set(tensors):
-            del self.buffers[key]
+            self.buffers[key].copy_(t.detach(), non_blocking=t.device.type == "cuda")
         if cuda:
             done = torch.cuda.Event()
             done.record()
             done.synchronize()  # the blocking time includes the device-to-host copy
-        return host
+        return dict(self.buffers)
 
     def flags(self) -> list[int]:
         """This rank's part of the per-step agreement (summed into one MAX all-reduce by the loop)."""

@@ -99,3 +99,12 @@ def test_a_write_cut_short_by_a_crash_is_cleared_at_the_next_save(tmp_path):
     saver = Saver(tmp_path, RT, keep=2, background=True, stage=lambda step, _: state(step))
     saver.save(6, wait=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000006"]
+
+
+def test_not_with_a_parameter_server():
+    from teratrain.config import ConfigError
+    from tests.helpers import make_config
+
+    with pytest.raises(ConfigError, match="checkpoint.async is not supported with parallel.sync=param-server"):
+        make_config("checkpoint.async=true", "parallel.sync=param-server")
+    assert make_config("checkpoint.async=true").checkpoint.async_
