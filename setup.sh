@@ -22,6 +22,7 @@ if ! python -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.s
       || die "could not install the CPU build of torch (torch==2.13.0+cpu, from PyPI or download.pytorch.org/whl/cpu); install any torch >= 2.10 CPU wheel into .venv yourself (.venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu) and re-run."
   fi
 fi
-# the fp8 extra (torchao) where pip can install it; teratrain runs without it (memory.fp8 then says so)
-pip install -q -e ".[dev,fp8]" || pip install -q -e ".[dev]"
+# the fp8 (torchao) and data (pyarrow, datasets) extras where pip can install them; teratrain runs without
+# them (memory.fp8, or a Parquet / datasets corpus, then says which to install)
+pip install -q -e ".[dev,fp8,data]" || pip install -q -e ".[dev,fp8]" || pip install -q -e ".[dev]"
 python -c 'import torch, teratrain; print(f"teratrain ready: torch {torch.__version__}, cuda={torch.cuda.is_available()}")'

@@ -28,6 +28,10 @@
 #   scaling    bench/multi_gpu.py --only scaling (weak scaling 1 -> N, ZeRO 1-3)                 300 s
 #   reshard    bench/reshard.py (dp=N ZeRO-3 saved, dp=1 resumed)                                200 s
 #   context    bench/context.py: memory, forms, speed (vs torch context_parallel + FSDP2), scaling  300 s each
+#   ckpt       bench/checkpoint_async.py --phases save: Llama-3 8B under ZeRO-3 at dp=N, a synchronous
+#              save, then asynchronous ones, each's blocking and write seconds (CKPT_WORK: a folder with
+#              room for two checkpoints, ~200 GB; default OUTDIR/ckpt_work)                       590 s
+#   ckpt_resume  the same bench's resume (dp=N, bit for bit) and reshard (dp=N/2) of its checkpoint 590 s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:?usage: bench/gpu_suite.sh OUTDIR PIECE...}"); shift
@@ -81,6 +85,10 @@ for p in "$@"; do
                       piece "context_$part" "${CONTEXT_LIMIT:-300}" "$py" bench/context.py $part --gpus "$n" \
                           $smoke --out "$out/context_$part.json"
                   done ;;
-        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, moe, pipeline, fsdp2, ddp, planner, scaling, reshard, context)"; exit 2 ;;
+        ckpt)     piece ckpt 590 "$py" bench/checkpoint_async.py --phases save --saves 1 --work "${CKPT_WORK:-$out/ckpt_work}" \
+                      $smoke --out "$out/checkpoint_async_save.json" ;;
+        ckpt_resume) piece ckpt_resume 590 "$py" bench/checkpoint_async.py --phases resume,reshard \
+                      --work "${CKPT_WORK:-$out/ckpt_work}" $smoke --out "$out/checkpoint_async.json" ;;
+        *) echo "bench/gpu_suite.sh: unknown piece '$p' (matrix, small, tp, determinism, moe, pipeline, fsdp2, ddp, planner, scaling, reshard, context, ckpt, ckpt_resume)"; exit 2 ;;
     esac
 done

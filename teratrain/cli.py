@@ -1,4 +1,4 @@
-"""Command line: `teratrain train | generate | quantize | export` (and `plan`, see teratrain.planner).
+"""Command line: `teratrain train | generate | tokenize | quantize | export` (and `plan`, see teratrain.planner).
 
 Bad input exits with status 2 and one sentence on stderr, never a traceback.
 """
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
 
+    from teratrain.data.tokenize import add_tokenize_parser
+
+    add_tokenize_parser(sub)
     from teratrain.quantize import add_quantize_parser
 
     add_quantize_parser(sub)

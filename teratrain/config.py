@@ -144,4 +144,4 @@ def _fields_of(section: str) -> list[str]:
         if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
             return []
         cls = field.annotation
-    return list(cls.model_fields)
+    return [f.alias or k for k, f in cls.model_fields.items()]  # checkpoint.async: its alias

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from teratrain.config_base import ConfigError, Section
 from teratrain.config_model import ModelConfig
@@ -224,12 +224,17 @@ class ParallelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | None = Field(None, description="text file, JSON-lines file (*.jsonl), folder of them, or pre-tokenized .bin; "
-                              "unset = the Python stdlib sources")
+    path: str | None = Field(None, description="text, JSON-lines (*.jsonl) or Parquet file, a folder written by "
+                             "datasets' save_to_disk, a folder of them, a `teratrain tokenize` folder, or "
+                             "pre-tokenized .bin; unset = the Python stdlib sources")
+    sources: list[dict[str, Any]] | None = Field(None, description="a mixture instead of data.path: [{path, weight}, "
+                                                 "...] (each path as data.path takes it; optional text_field), "
+                                                 "samples drawn from each in proportion to its weight, one tokenizer "
+                                                 "for all (data/mixture.py)")
     tokenizer: str | None = Field(None, description="tokenizer.json to use; unset = model.init_from's tokenizer.json if "
                                   "it has one, else train a byte-level BPE on the corpus (cached)")
-    text_field: str = Field("text", description="JSON-lines files (*.jsonl, *.ndjson): the field of each record that "
-                            "holds its text")
+    text_field: str = Field("text", description="JSON-lines, Parquet and datasets inputs: the field (column) of each "
+                            "record that holds its text")
     val_fraction: float = Field(0.01, ge=0.0, lt=0.5, description="fraction of tokens held out for evaluation")
     cache_dir: str | None = Field(None, description="tokenizer/token cache; unset = ~/.cache/teratrain")
     document_mask: bool = Field(False, description="attention stops at document boundaries: a token sees only the "
@@ -239,14 +244,34 @@ class DataConfig(Section):
     eot_id: int | None = Field(None, ge=0, description="the end-of-text token id that ends each document, for "
                                "data.document_mask; unset = the tokenizer's <|endoftext|>")
 
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _check_sources(cls, value: Any) -> Any:
+        from teratrain.data.mixture import check_sources
+
+        return check_sources(value)
+
+    @model_validator(mode="after")
+    def _path_or_sources(self) -> "DataConfig":
+        if self.path and self.sources:
+            raise ConfigError("data.path and data.sources are both set; give data.path for one corpus or "
+                              "data.sources for a mixture, not both.")
+        return self
+
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)  # `async`
+
     every: int | None = Field(None, ge=0, description="steps between checkpoints (0 = only at the end and on a stop "
                               "signal); unset = by time, every checkpoint.every_minutes")
     every_minutes: float = Field(10.0, gt=0.0, description="minutes of training between checkpoints when "
                                  "checkpoint.every is unset (the ranks agree each step whether it is time; not "
                                  "an asynchronous parameter server's, whose workers run steps apart)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+    async_: bool = Field(False, alias="async", description="copy the state to host memory (pinned on GPUs) and "
+                         "write it from a background thread while training goes on; the next save waits for it, "
+                         "and `latest` moves once every rank's files are written and fsynced (checkpoint/"
+                         "background.py)")
     stop_timeout_s: float = Field(60.0, gt=0.0, description="seconds a job stopped by SIGTERM/SIGINT/SIGHUP has to "
                                   "finish its step and write a checkpoint before it exits without one (a second "
                                   "signal exits at once)")
@@ -267,6 +292,11 @@ class CheckpointConfig(Section):
 class MetricsConfig(Section):
     peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s for MFU; unset = GPU table (none on CPU)")
     tensorboard: bool = Field(False, description="also write TensorBoard events")
+    wandb: bool = Field(False, description="also log to Weights & Biases (needs pip install wandb; wandb_sink.py)")
+    wandb_project: str = Field("teratrain", description="the W&B project runs are logged to")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto", description="auto = online where a W&B API key is configured (WANDB_API_KEY or wandb login), else "
+                            "offline into <run>/wandb (upload later with wandb sync)")
     progress: bool = Field(True, description="show a progress bar")
 
 
@@ -353,6 +383,9 @@ class Config(Section):
                               "train.compile=true or leave train.compile_mode at default.")
         if self.memory.precision == "fp32" and self.memory.master_weights:
             raise ConfigError("memory.master_weights needs a low precision; set memory.precision=bf16 or fp16.")
+        if self.checkpoint.async_ and self.parallel.sync == "param-server":
+            raise ConfigError("checkpoint.async is not supported with parallel.sync=param-server, whose servers save "
+                              "their own state as the workers ask; set checkpoint.async=false.")
         if self.lora.base_dtype == "bf16" and self.memory.precision != "bf16":
             raise ConfigError("lora.base_dtype=bf16 stores the frozen weights in bf16, which needs bf16 autocast; "
                               "set memory.precision=bf16 or lora.base_dtype=param.")

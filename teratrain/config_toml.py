@@ -53,6 +53,7 @@ def describe(cfg: Config | None = None) -> str:
             if isinstance(value, BaseModel):
                 nested.append((f"{name}.{key}", value))
                 continue
+            key = f.alias or key  # checkpoint.async, a Python keyword
             text = f"{key} = {toml_value(value)}" if value is not None else f"# {key} = (unset)"
             lines.append(f"{text:32} # {f.description}")
         lines.append("")

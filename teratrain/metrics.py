@@ -1,4 +1,4 @@
-"""What a run reports: tokens/s, MFU, memory, metrics.jsonl, TensorBoard, loss.png, progress bar."""
+"""What a run reports: tokens/s, MFU, memory, metrics.jsonl, TensorBoard, W&B, loss.png, progress bar."""
 
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ class MetricsLog:
     """metrics.jsonl (one object per optimizer step, flushed) and optional TensorBoard events. Files are
     made at the first record, so a run that fails before its first step leaves none (rundir.remove_if_unused)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, append: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, append: bool, sinks: list = ()):
         self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
         self.tensorboard, self.mode = tensorboard, "a" if append else "w"
         self.file = self.tb = None
+        self.sinks = list(sinks)  # more places records go, each with log(record) and close() (wandb_sink.py)
 
     def _open(self) -> None:
         self.file = open(self.path, self.mode)
@@ -73,12 +74,16 @@ class MetricsLog:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
                     self.tb.add_scalar(k, v, record["step"])
+        for sink in self.sinks:
+            sink.log(record)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -14,10 +14,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from teratrain import moe_metrics
+from teratrain import moe_metrics, wandb_sink
 from teratrain.checkpoint.hf_config import SOURCE_CONFIG
 from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
-from teratrain.checkpoint.training import restore_training, save_training, without_init_from
+from teratrain.checkpoint.background import NUM_FLAGS, Saver
+from teratrain.checkpoint.training import restore_training, save_training, stage_training, without_init_from
 from teratrain.collector import Collector
 from teratrain.compat import release_compiled
 from teratrain.config import Config, ConfigError, load_config
@@ -52,6 +53,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         world = int(os.environ.get("WORLD_SIZE", "1"))
         notes = [for_job(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))).note]
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
+    wandb_sink.check(cfg)
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)
@@ -129,9 +131,12 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
     tokens_per_step = tc.global_batch * m.seq_len
     peak = peak_flops(rt.device, cfg.memory.precision, cfg.metrics.peak_tflops)
     flops_tok = model_flops_per_token(model, m)
-    log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0) if rt.is_main else None
+    sinks = [wandb_sink.WandbSink(run_dir, cfg, resume=start > 0)] if cfg.metrics.wandb else []
+    log = MetricsLog(run_dir, cfg.metrics.tensorboard, append=start > 0, sinks=sinks) if rt.is_main else None
     run_step = step_runner(model, engine, rt, cfg, run_dir)  # train_step, or the pipeline executor
     progress = Progress(tc.steps, start, rt.is_main and cfg.metrics.progress, tc.log_every)
+    saver = Saver(run_dir / "checkpoints", rt, cfg.checkpoint.keep, cfg.checkpoint.async_,
+                  lambda step, signum: stage_training(step, cfg, rt, engine, signum))
     last, saved_at = {}, time.monotonic()
     with _stop_after_step(cfg) as stop, Collector(tc.gc_every) as collector:
         for step in range(start, tc.steps):
@@ -149,13 +154,15 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
                 last["model_state_bytes"] = engine.last_state_bytes
             if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
                 last["eval_loss"] = evaluate(model, val_batches, cfg, rt, run_step.forward_loss)
+            progress.step(done, last["loss"], last["tokens_per_s"], lr, last.get("eval_loss"))
+            signum, due = _stop_or_save(stop, saved_at, cfg, rt, done, saver)
+            if done == tc.steps or due or signum:  # the last save of a job is complete before it ends
+                saver.save(done, stopped_by=signum, wait=done == tc.steps or bool(signum))
+                saved_at = time.monotonic()
+            if saves := saver.take():  # each save once complete: blocked and write seconds
+                last["checkpoints"] = saves
             if log:
                 log.write(last)
-            progress.step(done, last["loss"], last["tokens_per_s"], lr, last.get("eval_loss"))
-            signum, due = _stop_or_save(stop, saved_at, cfg, rt, done)
-            if done == tc.steps or due or signum:
-                _save(run_dir, done, cfg, rt, engine, stopped_by=signum)
-                saved_at = time.monotonic()
             if signum and done < tc.steps:  # every rank saved this step's checkpoint: now exit
                 progress.close()
                 if hasattr(engine, "close"):  # a parameter-server worker signs off, so its servers exit too
@@ -222,18 +229,23 @@ def _stop_after_step(cfg: Config):
     return stop_after_step(cfg.checkpoint.stop_timeout_s) if _lockstep(cfg) else nullcontext({"signum": None})
 
 
-def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int) -> tuple[int, bool]:
+def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int,
+                  saver: Saver | None = None) -> tuple[int, bool]:
     """(the signal that stopped any rank, else 0; whether a checkpoint is due at step `done`), the same
-    on every worker: one all-reduce of two numbers per step, since a signal reaches ranks at different
-    times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up. An
-    asynchronous parameter server's workers agree on nothing between checkpoints: steps only."""
+    on every worker: one all-reduce of a few numbers per step, since a signal reaches ranks at different
+    times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up; the
+    same all-reduce tells whether every rank finished writing a background save (which then completes).
+    An asynchronous parameter server's workers agree on nothing between checkpoints: steps only."""
     ck = cfg.checkpoint
     by_steps = bool(ck.every and done % ck.every == 0)
     if not _lockstep(cfg):
         return 0, by_steps
     by_time = ck.every is None and time.monotonic() - saved_at >= 60 * ck.every_minutes
-    flags = torch.tensor([stop["signum"] or 0, int(by_time)], dtype=torch.int64, device=rt.device)
+    writes = saver.flags() if saver else [0] * NUM_FLAGS
+    flags = torch.tensor([stop["signum"] or 0, int(by_time), *writes], dtype=torch.int64, device=rt.device)
     all_reduce(flags, rt.group("world"), op=MAX)
+    if saver:
+        saver.agree(flags[2:].tolist())
     return int(flags[0]), bool(flags[1]) or by_steps
 
 

@@ -68,19 +68,38 @@ def _chunks(blob: bytes, names: list[str], tensors: dict[str, torch.Tensor]):
     for name in names:
         t = tensors[name].detach().contiguous().cpu()
         if t.numel():
-            yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            yield t.reshape(-1).view(torch.uint8).numpy()  # written and hashed in place: no copy as bytes
 
 
 def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.Tensor], meta: dict,
          keep: int, global_meta: dict | None = None, barrier: Callable[[], None] = _noop) -> Path:
     """Write this rank's part of checkpoint `step`; rank 0 publishes it. Collective over ranks."""
+    tmp = begin(root, step, rank, barrier)
+    write_rank(root, tmp, rank, tensors, meta)
+    barrier()
+    if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
+        publish(root, step, world, keep, global_meta)
+    barrier()
+    return root / f"step_{step:08d}"
+
+
+def begin(root: Path, step: int, rank: int, barrier: Callable[[], None] = _noop) -> Path:
+    """Rank 0 makes the empty `step_X.tmp/` every rank writes into (collective); returns it."""
     name = f"step_{step:08d}"
-    tmp, final = root / f"{name}.tmp", root / name
-    try:
-        if rank == 0:
+    tmp = root / f"{name}.tmp"
+    if rank == 0:
+        try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        barrier()
+        except OSError as e:
+            raise _disk_full(root, name, e) from None
+    barrier()
+    return tmp
+
+
+def write_rank(root: Path, tmp: Path, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """This rank's tensor file and JSON state into `tmp`, fsynced (any thread may run it)."""
+    try:
         st_path = tmp / f"rank{rank:05d}.safetensors"
         digest = write_safetensors(st_path, tensors)
         fsync_file(st_path)
@@ -88,28 +107,32 @@ def save(root: Path, step: int, rank: int, world: int, tensors: dict[str, torch.
         atomic_write_bytes(tmp / f"rank{rank:05d}.json", json.dumps({**meta, "file": own}).encode())
     except OSError as e:  # a full disk, a quota: drop the partial folder (it would only fill the disk more)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _disk_full(root, name, e) from None
-    barrier()
-    if rank == 0:  # each rank hashed its own (large) file while writing it; only the JSONs are read here
-        files, index = {}, {}
-        for r in range(world):
-            rank_json = tmp / f"rank{r:05d}.json"
-            rank_meta = json.loads(rank_json.read_text())
-            files[f"rank{r:05d}.safetensors"] = rank_meta["file"]
-            files[rank_json.name] = {"bytes": rank_json.stat().st_size, "sha256": sha256(rank_json)}
-            merge_rank(index, rank_meta, f"rank{r:05d}.safetensors")
-        if index.get("tensors"):
-            atomic_write_bytes(tmp / INDEX, json.dumps({"format": FORMAT, **index}).encode())
-            files[INDEX] = {"bytes": (tmp / INDEX).stat().st_size, "sha256": sha256(tmp / INDEX)}
-        atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, "world": world, "files": files,
-                                                          **(global_meta or {})}, indent=1).encode())
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(root)
-        atomic_write_bytes(root / "latest", name.encode())
-        _prune(root, keep, step)
-    barrier()
+        raise _disk_full(root, tmp.name.removesuffix(".tmp"), e) from None
+
+
+def publish(root: Path, step: int, world: int, keep: int, global_meta: dict | None = None) -> Path:
+    """Rank 0, once every rank's files are in `step_X.tmp/`: meta.json, the rename to `step_X/`, then
+    `latest`, then pruning. Returns the checkpoint folder."""
+    name = f"step_{step:08d}"
+    tmp, final = root / f"{name}.tmp", root / name
+    files, index = {}, {}
+    for r in range(world):
+        rank_json = tmp / f"rank{r:05d}.json"
+        rank_meta = json.loads(rank_json.read_text())
+        files[f"rank{r:05d}.safetensors"] = rank_meta["file"]
+        files[rank_json.name] = {"bytes": rank_json.stat().st_size, "sha256": sha256(rank_json)}
+        merge_rank(index, rank_meta, f"rank{r:05d}.safetensors")
+    if index.get("tensors"):
+        atomic_write_bytes(tmp / INDEX, json.dumps({"format": FORMAT, **index}).encode())
+        files[INDEX] = {"bytes": (tmp / INDEX).stat().st_size, "sha256": sha256(tmp / INDEX)}
+    atomic_write_bytes(tmp / "meta.json", json.dumps({"step": step, "world": world, "files": files,
+                                                      **(global_meta or {})}, indent=1).encode())
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(root)
+    atomic_write_bytes(root / "latest", name.encode())
+    _prune(root, keep, step)
     return final
 
 
@@ -131,7 +154,8 @@ def _prune(root: Path, keep: int, current: int) -> None:
     done = _complete(root)
     later = [p for p in done if int(p.name.removeprefix("step_")) > current]
     kept = [p for p in done if p not in later]
-    for old in later + kept[:-keep]:
+    stale = list(root.glob("step_*.tmp"))  # writes a crash cut short: no save is under way while one publishes
+    for old in later + kept[:-keep] + stale:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -42,6 +42,14 @@ from teratrain.parallel.comm import all_gather_objects, any_rank_false
 def save_training(root: Path, step: int, cfg: Config, rt, engine, stopped_by: int = 0) -> Path:
     """Write checkpoint `step` of the run (collective over every rank of the job); `stopped_by`: the
     signal the job saves for before it exits (recorded for the message that names this checkpoint)."""
+    tensors, meta, global_meta = stage_training(step, cfg, rt, engine, stopped_by)
+    return io.save(root, step, rt.rank, rt.world, tensors, meta, cfg.checkpoint.keep, global_meta=global_meta,
+                   barrier=rt.barrier)
+
+
+def stage_training(step: int, cfg: Config, rt, engine, stopped_by: int = 0) -> tuple[dict, dict, dict]:
+    """What this rank writes for checkpoint `step` (collective: ranks agree which copies each writes):
+    its tensors by key (views of the live state), its JSON state, and the checkpoint's meta."""
     meta = engine.state_meta()  # first: the parameter-server worker's SAVE makes its servers join
     entries, scalars = save_entries(engine.holdings())
     tensors, pieces = encode(first_copies(entries, rt))
@@ -49,10 +57,9 @@ def save_training(root: Path, step: int, cfg: Config, rt, engine, stopped_by: in
     tensors.update(rng_t)
     meta.update(pieces=pieces, scalars=scalars, rng=rng_meta, step=step,
                 data={"next_step": step, "samples_seen": step * cfg.train.global_batch})
-    return io.save(root, step, rt.rank, rt.world, tensors, meta, cfg.checkpoint.keep,
-                   global_meta={"dims": vars(rt.dims), "config": cfg.model_dump(),
-                                **({"stopped_by": signal.Signals(stopped_by).name} if stopped_by else {})},
-                   barrier=rt.barrier)
+    global_meta = {"dims": vars(rt.dims), "config": cfg.model_dump(),
+                   **({"stopped_by": signal.Signals(stopped_by).name} if stopped_by else {})}
+    return tensors, meta, global_meta
 
 
 def encode(entries: list[Entry]) -> tuple[dict[str, torch.Tensor], list[dict]]:

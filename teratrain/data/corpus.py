@@ -1,23 +1,24 @@
 """Where text comes from: the running interpreter's standard-library sources (the default, ~30 MB of
-real text on every machine that has Python) or the user's files and folders: text files, and JSON-lines
-files (*.jsonl, *.ndjson: one JSON object per line, its `data.text_field` the document), the format
-most datasets ship as. Both are read lazily, one document at a time."""
+real text on every machine that has Python) or the user's files and folders: text files, JSON-lines
+files (*.jsonl, *.ndjson: one JSON object per line, its `data.text_field` the document), Parquet files
+and folders written by Hugging Face `datasets` (data/formats.py reads them). All are read lazily, one
+document at a time. A folder holding record files (JSON lines, Parquet, Arrow, datasets folders) is
+read for those only: its README or licence is no document.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sysconfig
 from pathlib import Path
 
+from teratrain.data.errors import DataError
+from teratrain.data.formats import RECORD_KINDS, Part, documents, is_hf_folder, kind_of
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go", ".rs",
                  ".json", ".toml", ".yaml", ".yml", ".html", ".css", ".sh", ".tex", ".csv", ".jsonl", ".ndjson", ""}
-JSONL_SUFFIXES = {".jsonl", ".ndjson"}
-
-
-class DataError(ValueError):
-    """Bad data input: one sentence naming the problem and the fix."""
+RECORD_SUFFIXES = {".jsonl", ".ndjson", ".parquet", ".arrow"}
 
 
 def stdlib_files() -> list[Path]:
@@ -26,20 +27,33 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in _walk(root, skip={"site-packages", "dist-packages", "__pycache__"}) if p.suffix == ".py")
 
 
-def user_files(path: str) -> list[Path]:
+def user_files(path: str, key: str = "data.path") -> list[Path]:
+    """The inputs under `path` (the value of `key`), in a fixed order: files, and datasets folders as one
+    input each."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataError(f"data.path '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
+        raise DataError(f"{key} '{path}' does not exist; point it at a text file, a folder or a .bin token file.")
     if p.is_file():
-        if is_binary(p):
-            raise DataError(f"data.path '{path}' is a binary file, not text; give a text file, a folder of text "
+        if p.suffix.lower() not in RECORD_SUFFIXES and is_binary(p):
+            raise DataError(f"{key} '{path}' is a binary file, not text; give a text file, a folder of text "
                             "files, or pre-tokenized tokens named *.bin.")
         return [p]
-    files = sorted(f for f in _walk(p, skip={"__pycache__", ".git"})
-                   if f.suffix.lower() in TEXT_SUFFIXES and not is_binary(f))
+    if is_hf_folder(p):
+        return [p]
+    found = list(_inputs(p, is_hf_folder))
+    records = [f for f in found if f.is_dir() or f.suffix.lower() in RECORD_SUFFIXES]
+    files = records or [f for f in found if f.suffix.lower() in TEXT_SUFFIXES and not is_binary(f)]
     if not files:
-        raise DataError(f"data.path '{path}' holds no text files; add .txt/.py/.md files or point at another folder.")
+        raise DataError(f"{key} '{path}' holds no text files; add .txt/.py/.md files or point at another folder.")
     return files
+
+
+def _inputs(root: Path, is_dataset):
+    """Files under `root`, and datasets folders (not walked into), in sorted order."""
+    for d, dirs, names in os.walk(root):
+        keep = sorted(x for x in dirs if x not in {"__pycache__", ".git"} and not x.startswith("."))
+        dirs[:] = [x for x in keep if not is_dataset(Path(d) / x)]
+        yield from sorted([Path(d) / n for n in names] + [Path(d) / x for x in keep if is_dataset(Path(d) / x)])
 
 
 def is_binary(path: Path, probe: int = 8192) -> bool:
@@ -55,45 +69,21 @@ def _walk(root: Path, skip: set[str]):
             yield Path(d) / n
 
 
-def is_jsonl(path: Path) -> bool:
-    return path.suffix.lower() in JSONL_SUFFIXES
-
-
 def read_documents(files: list[Path], text_field: str = "text"):
-    """Yield each document: a text file whole, a JSON-lines file record by record (undecodable bytes
-    replaced, so any file can be read)."""
+    """Yield each document: a text file whole, a record file (JSON lines, Parquet, Arrow, a datasets
+    folder) record by record."""
     for f in files:
-        if is_jsonl(f):
-            yield from _records(f, text_field)
-        else:
-            yield f.read_text(encoding="utf-8", errors="replace")
-
-
-def _records(path: Path, field: str):
-    """The `field` of every record of a JSON-lines file, streamed line by line (blank lines skipped)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {n} is not JSON ({e.msg}); fix or remove that line.") from None
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                keys = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none: not an object"
-                raise DataError(f"{path} line {n} has no text field '{field}' (its keys: {keys}); set data.text_field "
-                                "to the field that holds the text.")
-            yield text
+        yield from documents(Part(str(f), kind_of(f)), text_field)
 
 
 def fingerprint(files: list[Path], text_field: str = "text") -> str:
-    """Content-independent identity of a corpus (paths, sizes, mtimes; the text field of JSON lines):
-    a cache key."""
+    """Content-independent identity of a corpus (paths, sizes, mtimes, a datasets folder's files; the
+    text field of record files): a cache key."""
     h = hashlib.sha256()
     for f in files:
-        st = f.stat()
-        h.update(f"{f}\0{st.st_size}\0{int(st.st_mtime)}\n".encode())
-    if any(is_jsonl(f) for f in files):
+        for g in sorted(x for x in f.rglob("*") if x.is_file()) if f.is_dir() else [f]:
+            st = g.stat()
+            h.update(f"{g}\0{st.st_size}\0{int(st.st_mtime)}\n".encode())
+    if any(kind_of(f) in RECORD_KINDS for f in files):
         h.update(f"text_field={text_field}".encode())
     return h.hexdigest()[:16]

@@ -1,7 +1,8 @@
 """Token files and batches.
 
 Tokens live in a flat numpy memmap (uint16 when the vocabulary fits, else uint32; a cached file has a
-JSON record of its size and sha256 beside it, checked before use); the last
+JSON record of its size and sha256 beside it, checked before use), or in the shards of a `teratrain
+tokenize` folder read as one stream (data/shards.py); the last
 `data.val_fraction` of it is held out. A batch is a pure function of (seed, global step, global sample
 index): sample j of step s starts at offset `starts(s)[j]`, whatever the number of ranks, so every
 parallel layout sees the same global batches and a resumed run sees the batches it would have seen.
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 
 from teratrain.data.corpus import DataError, fingerprint, read_documents, stdlib_files, user_files
+from teratrain.data import mixture
+from teratrain.data.mixture import Mixture
+from teratrain.data.shards import gather, is_tokenized, open_tokenized
 from teratrain.data.tokenizer import EOT, file_digest, load_or_train
 from teratrain.fsio import atomic_write_bytes, sha256_file
 
@@ -48,8 +52,17 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
     """Tokenize the corpus once (cached), then memory-map it. With several processes, `builder` is
     true on one per machine and `wait` is a barrier the others pass once the files exist."""
     cache = cache_dir(data_cfg.cache_dir)
+    if data_cfg.sources:  # a mixture: each source prepared as data.path, all with one tokenizer
+        tok_path = data_cfg.tokenizer or mixture.shared_tokenizer(data_cfg, vocab_size, cache, builder, wait)
+        streams = [prepare(mixture.source_config(data_cfg, src, tok_path), vocab_size, builder, wait).train
+                   for src in data_cfg.sources]
+        train, val, source = mixture.split(data_cfg, streams)
+        return TokenData(train, val, Path(tok_path).expanduser() if tok_path else None, source)
     path = data_cfg.path
-    if path and Path(path).suffix == ".bin":
+    if path and is_tokenized(Path(path).expanduser()):  # a `teratrain tokenize` folder: shards read lazily
+        tokens, tok_path = open_tokenized(Path(path).expanduser(), vocab_size, data_cfg.tokenizer)
+        source = path
+    elif path and Path(path).suffix == ".bin":
         tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), data_cfg.tokenizer, path
     else:
         files, field = (user_files(path) if path else stdlib_files()), data_cfg.text_field
@@ -74,7 +87,9 @@ def _say(text: str) -> None:
 
 
 def _mb(files: list[Path]) -> str:
-    return f"{sum(f.stat().st_size for f in files) / 1e6:,.1f} MB"
+    from teratrain.data.formats import size_hint
+
+    return size_hint(files)
 
 
 def _bin_path(cache: Path, tok_path: Path, files: list[Path], text_field: str) -> Path:
@@ -154,7 +169,9 @@ class Batches:
     """(x, y) batches of `seq_len` tokens at pseudo-random offsets of one split."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, global_batch: int, split: str = "train"):
-        if len(tokens) < seq_len + 2:
+        if isinstance(tokens, Mixture):
+            tokens.check(seq_len + 1, split)
+        elif len(tokens) < seq_len + 2:
             fix = "raise data.val_fraction or set train.eval_batches=0" if split == "val" else "add text or lower model.seq_len"
             raise DataError(f"the {split} split has {len(tokens)} tokens, too few for model.seq_len={seq_len}; {fix}.")
         self.tokens, self.seq_len, self.seed, self.global_batch = tokens, seq_len, seed, global_batch
@@ -167,7 +184,10 @@ class Batches:
     def get(self, step: int, lo: int, hi: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Samples lo..hi-1 of step's global batch as (x, y), each (hi-lo, seq_len) int64."""
         T = self.seq_len
-        rows = np.stack([self.tokens[s:s + T + 1] for s in self.starts(step)[lo:hi]]).astype(np.int64)
+        if isinstance(self.tokens, Mixture):
+            rows = self.tokens.windows(self.seed, step, self.global_batch, lo, hi, T + 1)
+        else:
+            rows = gather(self.tokens, self.starts(step)[lo:hi], T + 1).astype(np.int64)
         t = torch.from_numpy(rows)
         if torch.device(device).type == "cuda":
             t = t.pin_memory().to(device, non_blocking=True)

@@ -21,14 +21,16 @@ EOT = "<|endoftext|>"
 BYTES = 256  # a byte-level vocabulary's alphabet
 
 
-def train_bpe(files: list[Path], vocab_size: int, out: Path, text_field: str = "text") -> Tokenizer:
-    """Train a byte-level BPE of at most `vocab_size` entries (EOT included) and save it to `out`."""
+def train_bpe(files: list[Path], vocab_size: int, out: Path, text_field: str = "text",
+              documents=None) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` entries (EOT included) on `documents` (default: all
+    of `files`) and save it to `out`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(read_documents(files, text_field), trainer)
+    tok.train_from_iterator(read_documents(files, text_field) if documents is None else documents, trainer)
     atomic_write_bytes(out, tok.to_str().encode())
     return tok
 
@@ -49,8 +51,10 @@ def load_or_train(files: list[Path], vocab_size: int, cache: Path, given: str | 
         path = cache / f"bpe-{fingerprint(files, text_field)}-{vocab_size}.json"
         tok = _load_cached(path)
         if tok is None:
-            size = sum(f.stat().st_size for f in files) / 1e6
-            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files ({size:,.1f} MB); "
+            from teratrain.data.formats import size_hint
+
+            print(f"teratrain: training a {vocab_size:,}-token BPE tokenizer on {len(files):,} files "
+                  f"({size_hint(files)}); "
                   f"cached as {path}", file=sys.stderr, flush=True)
             tok = train_bpe(files, vocab_size, path, text_field)
     if tok.get_vocab_size() > vocab_size:
