@@ -144,26 +144,36 @@ def shape_problem(cp: int, cp_form: str, seq_len: int, n_heads: int, tp: int, sp
     return None
 
 
+def cp_problem(cp: int, cp_form: str, seq_len: int, n_heads: int, tp: int, sp: bool, dropout: float,
+               sync: str, graphed: bool, pp: int, schedule: str) -> str | None:
+    """Why this context-parallel layout cannot run (one sentence with the fix, no final stop), or None:
+    the shape's split (`shape_problem`), and what cp does not compose with. Training (`check_cp`) and the
+    planner (planner/states.py) refuse through this one rule."""
+    if cp == 1:
+        return None
+    why = shape_problem(cp, cp_form, seq_len, n_heads, tp, sp)
+    if why:
+        return why
+    if dropout:
+        return (f"parallel.cp={cp} runs attention through kernels without dropout (model.dropout={dropout}); "
+                "set model.dropout=0")
+    if sync != "allreduce":
+        return (f"parallel.sync={sync} lets replicas drift apart between averages, and cp ranks must reduce their "
+                "partial gradients every step; set parallel.sync=allreduce")
+    if graphed:
+        return ("train.compile_mode=reduce-overhead records each block as a CUDA graph, and context-parallel "
+                "attention exchanges chunks between ranks outside the graph; set train.compile_mode=default")
+    if pp > 1 and schedule == "zb-h1":
+        return ("parallel.schedule=zb-h1 splits each backward into an input and a weight pass, and "
+                "context-parallel attention exchanges chunks in one backward; use another parallel.schedule "
+                "such as 1f1b")
+    return None
+
+
 def check_cp(cfg) -> None:
-    """Refuse, with the fix, context-parallel layouts this model or run cannot use."""
+    """Refuse, with the fix, context-parallel layouts this model or run cannot use (`cp_problem`)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.cp == 1:
-        return
-    cp, why = p.cp, shape_problem(p.cp, p.cp_form, m.seq_len, m.n_heads, p.tp, p.use_sp)
-    problems = [
-        (why is None, why),
-        (m.dropout == 0, f"parallel.cp={cp} runs attention through kernels without dropout (model.dropout="
-                         f"{m.dropout}); set model.dropout=0"),
-        (p.sync == "allreduce", f"parallel.sync={p.sync} lets replicas drift apart between averages, and cp ranks "
-                                "must reduce their partial gradients every step; set parallel.sync=allreduce"),
-        (not t.cuda_graphs, "train.compile_mode=reduce-overhead records each block as a CUDA graph, and "
-                            "context-parallel attention exchanges chunks between ranks outside the graph; set "
-                            "train.compile_mode=default"),
-    ]
-    if p.pp > 1:
-        problems.append((p.schedule != "zb-h1", "parallel.schedule=zb-h1 splits each backward into an input and a "
-                                                "weight pass, and context-parallel attention exchanges chunks in "
-                                                "one backward; use another parallel.schedule such as 1f1b"))
-    for ok, why in problems:
-        if not ok:
-            raise ConfigError(why + ".")
+    why = cp_problem(p.cp, p.cp_form, m.seq_len, m.n_heads, p.tp, p.use_sp, m.dropout, p.sync, t.cuda_graphs,
+                     p.pp, p.schedule)
+    if why:
+        raise ConfigError(why + ".")

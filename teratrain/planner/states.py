@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from teratrain.config_schema import compile_scope_problem
 from teratrain.parallel.buckets import ordered_buckets
-from teratrain.parallel.cp_plan import shape_problem as cp_shape_problem
+from teratrain.parallel.cp_plan import cp_problem
 from teratrain.parallel.flat import WHOLE_PARAM_OPTIMIZERS, FlatGroup
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
 from teratrain.parallel.support import grad_dtype_problem, zero_problem
@@ -69,13 +69,12 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
     if shape.is_bare and train.optimizer in WHOLE_PARAM_OPTIMIZERS:
         raise PlanError(f"optim.name={train.optimizer} factors each matrix by its rows and columns, which a bare "
                         "parameter count does not give")
-    if lay.cp > 1 and shape.cfg is not None:
+    if lay.cp > 1 and shape.cfg is not None:  # the planner plans all-reduce data parallelism only
         c = shape.cfg
-        why = cp_shape_problem(lay.cp, lay.cp_form, c.seq_len, c.n_heads, lay.tp, lay.sequence_parallel)
+        why = cp_problem(lay.cp, lay.cp_form, c.seq_len, c.n_heads, lay.tp, lay.sequence_parallel, train.dropout,
+                         "allreduce", train.graphed, lay.pp, config_name(lay.schedule))
         if why:
             raise PlanError(why.split(";")[0])
-        if lay.pp > 1 and config_name(lay.schedule) == "zb-h1":
-            raise PlanError("parallel.cp does not compose with parallel.schedule=zb-h1 (parallel/cp_plan.py says why)")
     if lay.pp > 1:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:

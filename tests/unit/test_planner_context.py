@@ -86,3 +86,14 @@ def test_the_search_tries_cp_for_long_sequences_only():
     assert cands[0].fits and cands[0].layout.cp > 1
     short = make_config("model.preset=llama-1b", "model.seq_len=2048", "train.global_batch=4", "memory.precision=bf16")
     assert {c.layout.cp for c in search(shape_of(short), training_of(short), 4, GPUS["h200"], fixed)} == {1}
+
+
+def test_the_search_never_offers_a_cp_layout_training_refuses():
+    """Dropout (cp runs attention without it) and CUDA graphs rule cp out in the planner as in
+    parallel/cp_plan.py check_cp: the same rule, cp_problem."""
+    from teratrain.planner.hardware import GPUS
+
+    for extra in (["model.dropout=0.1"], ["train.compile=true", "train.compile_mode=reduce-overhead"]):
+        cfg = make_config(*LONG, *extra)
+        found = search(shape_of(cfg), training_of(cfg), 8, GPUS["h200"], {})
+        assert found and all(c.layout.cp == 1 for c in found), extra
