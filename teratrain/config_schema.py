@@ -418,6 +418,11 @@ class Config(Section):
         if self.parallel.tp_overlap == "chunked":
             raise ConfigError(f"parallel.tp_overlap=chunked runs its own bf16 GEMMs, which memory.fp8={m.fp8} "
                               "cannot reach; set parallel.tp_overlap=none (or async, under train.compile).")
+        tokens = self.train.micro_batch * self.model.seq_len // self.parallel.cp  # the weight gradient's inner dim
+        if tokens % 16:
+            raise ConfigError(f"memory.fp8={m.fp8} multiplies each weight's gradient over the tokens of a micro-batch "
+                              f"(train.micro_batch x model.seq_len / parallel.cp = {tokens}), and float8 GEMMs take "
+                              "an inner dimension that is a multiple of 16; change train.micro_batch or model.seq_len.")
 
     def microbatches(self, dp: int) -> int:
         """Micro-batches per optimizer step on each pipeline at data-parallel degree `dp`, checked

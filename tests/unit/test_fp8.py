@@ -31,6 +31,7 @@ SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_
     (["memory.fp8_emulate=true"], "memory.fp8=tensorwise"),
     (FP8 + ["lora.rank=4"], "memory.fp8=none"),
     (FP8 + ["parallel.tp=2", "parallel.tp_overlap=chunked"], "parallel.tp_overlap=none"),
+    (FP8 + ["train.micro_batch=1", "model.seq_len=100"], "change train.micro_batch or model.seq_len"),
 ])
 def test_config_refuses_what_fp8_cannot_run_with_one_sentence(sets, words):
     with pytest.raises(ConfigError) as e:
