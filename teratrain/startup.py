@@ -230,16 +230,13 @@ def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> 
 
 
 def _source_config(m, run_dir: Path) -> dict | None:
-    """config.json of model.init_from: the folder's, else the run's copy (a resumed run's folder may
-    be gone); None when neither is readable."""
-    from teratrain.checkpoint.hf_config import SOURCE_CONFIG, read_config_json
+    """hf_config.source_config for the summary: None where it cannot be read (the summary only informs)."""
+    from teratrain.checkpoint.hf_config import source_config
 
-    for path in (Path(m.init_from).expanduser() / "config.json", run_dir / SOURCE_CONFIG):
-        try:
-            return read_config_json(path)
-        except ConfigError:
-            continue
-    return None
+    try:
+        return source_config(run_dir, m.init_from)
+    except ConfigError:
+        return None
 
 
 def _source_lines(m, own: nn.Module | None, run_dir: Path) -> list[str]:

@@ -240,3 +240,14 @@ def _mixtral(m) -> dict:
     coef = e.aux_loss_weight if e.aux_loss_convention == "transformers" else e.aux_loss_weight / e.k
     return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.k, "router_aux_loss_coef": coef,
             "output_router_logits": coef > 0, "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def source_config(run_dir: Path, init_from: str | None) -> dict | None:
+    """The config.json of the Hugging Face model a run started from: the run's copy (SOURCE_CONFIG,
+    what it really started from), else the model.init_from folder's (a run made before copies were
+    kept); None for a run from scratch. A file there that is not a config.json raises ConfigError."""
+    folder = Path(init_from).expanduser() if init_from else None
+    for path in [run_dir / SOURCE_CONFIG] + ([folder / "config.json"] if folder else []):
+        if path.is_file():
+            return read_config_json(path)
+    return None

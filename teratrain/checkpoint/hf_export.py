@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from teratrain.checkpoint.format import CheckpointError
-from teratrain.checkpoint.hf_config import SOURCE_CONFIG, read_config_json, to_hf
+from teratrain.checkpoint.hf_config import source_config, to_hf
 from teratrain.checkpoint.hf_weights import HF_INDEX, hf_names
 from teratrain.checkpoint.holdings import PARAM
 from teratrain.checkpoint.index import Index, Reader
@@ -73,7 +73,7 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
     dest = Path(to)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ConfigError(f"--to {dest} already exists and is not an empty folder; choose a new folder.")
-    source = source_config(run_dir, cfg)
+    source = source_config(run_dir, cfg.model.init_from)
     config = to_hf(cfg.model, source)
     config["dtype" if "dtype" in config and "torch_dtype" not in config else "torch_dtype"] = HF_DTYPE_NAMES[dtype]
     groups = _by_hf_key(cfg.model)
@@ -98,16 +98,6 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
     tmp.rename(dest)
     return {"checkpoint": str(ckpt_dir), "folder": str(dest), "shards": len(shards), "bytes": total,
             "architecture": config["architectures"][0]}
-
-
-def source_config(run_dir: Path, cfg) -> dict | None:
-    """The config.json of the Hugging Face model the run started from: the run's copy, else the
-    model.init_from folder's where the run has none; None for a run from scratch."""
-    folder = Path(cfg.model.init_from).expanduser() if cfg.model.init_from else None
-    for path in [run_dir / SOURCE_CONFIG] + ([folder / "config.json"] if folder else []):
-        if path.is_file():
-            return read_config_json(path)
-    return None
 
 
 def _by_hf_key(model_cfg) -> dict[str, list]:
