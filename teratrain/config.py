@@ -17,7 +17,6 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from teratrain.checkpoint.hf_config import init_shape
 from teratrain.config_base import ConfigError, Section  # noqa: F401 - the config API names them here
 from teratrain.config_model import ROPE_SCALING_KEYS, ROUTERS, ModelConfig, MoEConfig  # noqa: F401
 from teratrain.config_schema import (DEFAULT_LR, REPLAYING, CheckpointConfig, Config, DataConfig,  # noqa: F401
@@ -71,6 +70,8 @@ def resolve_init_from(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, dict) or not model.get("init_from"):
         return raw
     folder = str(model["init_from"])
+    from teratrain.checkpoint.hf_config import init_shape  # here: the checkpoint package imports torch
+
     hf = init_shape(folder, model)
     filled = {**hf, **model}
     if isinstance(hf.get("moe"), dict) and isinstance(model.get("moe"), dict):
