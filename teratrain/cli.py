@@ -19,8 +19,9 @@ from teratrain.checkpoint import CheckpointError
 from teratrain.config import ConfigError, load_config
 from teratrain.config_toml import describe
 from teratrain.data.corpus import DataError
-from teratrain.launch import (Stopped, follow_parent, launch, rank, record_failure, stop_on_signals,
-                              stopped_message, under_launcher, under_torchrun, write_report)
+from teratrain.jobenv import rank, under_launcher, under_torchrun
+from teratrain.launch import (Stopped, follow_parent, launch, record_failure, stop_on_signals, stopped_message,
+                              write_report)
 from teratrain.parallel import inflight
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
@@ -163,11 +164,8 @@ def cmd_train(args) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} is not a process count; give --nproc 1 or more.")
     given = args.resume if args.resume is not None else _resume_key(args)
-    mode = rundir.resume_mode(given)
-    resume, resume_note = bool(mode), args.resume_note
-    if mode == "auto":
-        resume, resume_note = rundir.auto_resume(args.out, given=given is not None)
-    run_dir = Path(args.out) if args.out else rundir.newest_run() if resume else None
+    launched = bool(args.resume) if under_launcher() else None
+    mode, resume, resume_note, run_dir = rundir.decide_resume(given, args.out, launched, args.resume_note)
     jobenv.run_dir = run_dir
     if resume:
         cfg = rundir.resume_config(run_dir, args.config, _overrides(args))

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Iterator
 
 from teratrain import jobenv
-from teratrain.jobenv import LAUNCHER_ENV, rank, restarts, under_launcher, under_torchrun  # noqa: F401
+from teratrain.jobenv import LAUNCHER_ENV, rank, under_launcher
 
 REPORTS_ENV = "TERATRAIN_REPORTS"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

@@ -64,21 +64,31 @@ def resume_mode(given: bool | str | None) -> bool | str:
     """checkpoint.resume as given (--resume, a config file, --set), else its default: "auto" in a rank
     of plain torchrun, whose restarts (after a failure, or a node joining or leaving) rerun the first
     command on every node, else False (a fresh run refuses a directory that holds one)."""
-    from teratrain.jobenv import under_torchrun
-
     if given is not None:
         return given
-    return "auto" if under_torchrun() else False
+    return "auto" if jobenv.under_torchrun() else False
+
+
+def decide_resume(given: bool | str | None, out: str | None, launched: bool | None, note: str | None):
+    """(checkpoint.resume's mode, whether this command resumes, the start-up line saying what auto
+    decided, the run directory or None for a fresh default one). The ranks of `teratrain train --nproc`
+    (`launched`: whether the launcher passed --resume) take the launcher's decision and its `note`: it
+    decided once, before it started a run over (which clears what auto would look at)."""
+    if launched is not None:
+        return launched, launched, note, Path(out) if out else None
+    mode = resume_mode(given)
+    resume, note = bool(mode), None
+    if mode == "auto":
+        resume, note = auto_resume(out, given=given is not None)
+    return mode, resume, note, Path(out) if out else newest_run() if resume else None
 
 
 def auto_resume(out: str | Path | None, given: bool) -> tuple[bool, str | None]:
     """checkpoint.resume=auto (`given`: set by the user, not by default): (whether to resume `out`,
     the start-up line saying what was decided). Resume when it holds a checkpoint; else start the run
     there (again, when it stopped before its first checkpoint)."""
-    from teratrain.jobenv import restarts
-
     if out is None:
-        limit, done = restarts()
+        limit, done = jobenv.restarts()
         if given:
             raise ConfigError("checkpoint.resume=auto (--resume auto) continues or starts the run in --out; give "
                               "--out DIR.")
@@ -87,7 +97,7 @@ def auto_resume(out: str | Path | None, given: bool) -> tuple[bool, str | None]:
                               "the run only in a folder it knows; give --out DIR.")
         return False, None
     path = Path(out)
-    again = f" (torchrun restart {restarts()[1]})" if restarts()[1] else ""
+    again = f" (torchrun restart {jobenv.restarts()[1]})" if jobenv.restarts()[1] else ""
     if _has_checkpoints(path):
         return True, f"resume=auto: {path} holds checkpoints: continuing its run{again}"
     if (path / "config.toml").is_file() or logged_steps(path):

@@ -42,3 +42,17 @@ def test_a_run_resumed_before_its_warmup_ended_does_not_drop_its_lr(tmp_path):
     assert max(lrs) == 1e-4 and max(a - b for a, b in zip(lrs, lrs[1:])) < 0.1 * 1e-4  # no step falls by 90%
     done = saved_run(tmp_path / "past", "optim.warmup_steps=2", "train.steps=4")  # decay begun: pinned
     assert resume_config(done, None, ["train.steps=8"]).schedule_steps == 4
+
+
+def test_ranks_of_a_launch_take_the_launchers_resume_decision(tmp_path, monkeypatch):
+    """checkpoint.resume=auto decides once, in the launcher of `teratrain train --nproc`: it may start the
+    run over (clearing what auto looks at) before its ranks start, so a rank never decides again."""
+    from teratrain import rundir
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    (tmp_path / "config.toml").write_text("")  # a run that stopped before its first checkpoint
+    mode, resume, note, run_dir = rundir.decide_resume("auto", str(tmp_path), None, None)
+    assert (mode, resume, run_dir) == ("auto", False, tmp_path) and "starting it over" in note
+    said = "resume=auto: ... starting it over"
+    assert rundir.decide_resume("auto", str(tmp_path), False, said) == (False, False, said, tmp_path)
+    assert rundir.decide_resume("auto", str(tmp_path), True, None)[:2] == (True, True)
