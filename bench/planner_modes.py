@@ -27,7 +27,7 @@ def _checked(rows: list[dict]) -> dict[str, dict]:
     """Rows the engines would refuse, found before launching anything: name -> {"error"}."""
     from teratrain.config import ConfigError, load_config
     from teratrain.mesh import ParallelDims
-    from teratrain.parallel.parallelize import check_supported
+    from teratrain.parallel.support import check_supported
 
     bad = {}
     for row in rows:

@@ -4,8 +4,9 @@ exchange; the planner counts bytes by it (planner/local.py). Nothing here commun
 
 Ep rank r of n/ep experts per rank holds experts [r*n/ep, (r+1)*n/ep). An expert's gradient on its
 rank already sums the contributions of its ep group's tokens (the all-to-all's backward brings them
-back), so it is summed over the ranks holding the same experts (`ep_replicas`) and divided by dp
-(placement.py's one rule); an expert's row-parallel bias, partial over tp too, over `ep_replicas_tp`.
+back), so it is summed over the ranks holding the same experts (`ep_replicas`) and divided by dp x cp,
+the data-parallel replicas (placement.py's one rule); an expert's row-parallel bias, partial over tp
+too, over `ep_replicas_tp`.
 """
 
 from __future__ import annotations

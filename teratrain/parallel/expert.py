@@ -21,8 +21,8 @@ only dp coordinates, so every all-to-all and expert reduction stays among one st
 Gradients (placement.py's rule: sum over the group, divide by dp). A dense parameter is averaged over
 all dp ranks. An expert's gradient on its rank is already the sum of the contributions of all the
 tokens of its ep group (the all-to-all's backward brings them back), so expert parameters are summed
-over `ep_replicas`, the ranks holding the same experts, and divided by dp: sum over all dp ranks of
-d(loss_r)/dW, over dp, which is the gradient of the global mean loss (not ep times it).
+over `ep_replicas`, the ranks holding the same experts, and divided by dp x cp (the replicas): the sum
+over them of d(loss_r)/dW, over their number, which is the gradient of the global mean loss (not ep times it).
 
 With tensor parallelism the megatron form splits every expert like the dense MLP (tensor.py): every tp
 rank routes the same gathered tokens and exchanges them with the ep peers of its own tp index; the

@@ -74,7 +74,7 @@ def test_pages_show_commands():
 @pytest.mark.parametrize("page, line", SHOWN, ids=[f"{p.name}:{i}" for i, (p, _) in enumerate(SHOWN)])
 def test_shown_command_is_accepted(page, line, monkeypatch):
     from teratrain.mesh import ParallelDims
-    from teratrain.parallel.parallelize import check_supported
+    from teratrain.parallel.support import check_supported
     from teratrain.train import check_batch
 
     monkeypatch.chdir(ROOT)
