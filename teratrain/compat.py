@@ -270,3 +270,24 @@ def attention_lse_backward(dout, q, k, v, out, lse, causal: bool, scale: float, 
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
+
+
+def float8_linear(recipe: str, emulate: bool):
+    """torchao's float8 training GEMM for one recipe (memory/fp8.py): (its autograd function
+    `matmul_with_hp_or_float8_args`, the recipe's Float8LinearConfig, the LinearMMConfig of its three
+    GEMMs), built as torchao's own Float8Linear builds them. The function and the positional
+    ScaledMMConfig are torchao internals (the same in 0.17 and 0.18): they are reached here only."""
+    import dataclasses
+    import importlib
+
+    ao = torchao_float8()
+    config = ao.Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+
+    def mm(gemm):  # (emulate, use_fast_accum, fp8_output, pad_inner_dim)
+        return ao.ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+
+    matmul = importlib.import_module("torchao.float8.float8_linear").matmul_with_hp_or_float8_args
+    return matmul, config, ao.LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
+                                             mm(config.gemm_config_grad_weight))

@@ -19,9 +19,6 @@ train.compile (bench/README.md, "FP8 training").
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-
 import torch
 from torch import nn
 
@@ -68,18 +65,8 @@ class Fp8Gemm:
     The output is in x's compute dtype."""
 
     def __init__(self, recipe: str, emulate: bool):
-        ao = compat.torchao_float8()
-        config = ao.Float8LinearConfig.from_recipe_name(recipe)
-        if emulate:
-            config = dataclasses.replace(config, emulate=True)
-
-        def mm(gemm):
-            return ao.ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
-
-        self.recipe, self.config = recipe, config
-        self.matmul = importlib.import_module("torchao.float8.float8_linear").matmul_with_hp_or_float8_args
-        self.mm_config = ao.LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
-                                           mm(config.gemm_config_grad_weight))
+        self.recipe = recipe
+        self.matmul, self.config, self.mm_config = compat.float8_linear(recipe, emulate)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
