@@ -373,6 +373,22 @@ def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
     return shard * train.grad_bytes / pcie + shard / gpu.host_adam_params_per_s + shard / gpu.host_cast_rate() + up
 
 
+def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> tuple[float, float, float]:
+    """(seconds of one rank's compute for `tokens` tokens, its model FLOPs, the FLOPs recomputation
+    replays): everything at the sustained rate of the width, the experts' extra at theirs, the float8
+    GEMMs at their speed-up over it and their casts' HBM traffic on top."""
+    attn = attention_flops(shape, tokens)
+    flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
+    replay_attn = attn / 3 if lay.recompute != "none" else 0.0
+    replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
+    moe = moe_flops(shape, tokens)  # the experts' share, at their own rate
+    fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)
+    rate = gpu.sustained_flops(train.precision, shape.cfg.d_model)
+    speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
+    rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu)
+    return rest / rate + fp8_flops / (rate * speedup) + cast_s, flops, replay
+
+
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:
     """Predicted time of one optimizer step of train.global_batch sequences under `lay`."""
     w = train.widths(lay.zero, lay.offload)
@@ -387,16 +403,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
                              {"note": "bare parameter count: no compute term"})
     c = shape.cfg
     tokens = lay.tokens(c.seq_len) * lay.num_microbatches  # one rank's share of its replica's samples
-    attn = attention_flops(shape, tokens)
-    flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
-    replay_attn = attn / 3 if lay.recompute != "none" else 0.0
-    replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
-    moe = moe_flops(shape, tokens)  # the experts' share, at their own rate
-    fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)  # float8 GEMMs run faster, their casts cost
-    rate = gpu.sustained_flops(train.precision, c.d_model)
-    speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
-    compute_s = (flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu)) / rate + fp8_flops / (rate * speedup)
-    compute_s += cast_s
+    compute_s, flops, replay = _compute(shape, train, lay, gpu, tokens)
     ops = eager_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here
