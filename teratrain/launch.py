@@ -154,9 +154,6 @@ def _exit_if_stuck(state: dict) -> tuple[int, int]:
 # ---------------------------------------------------------------- ranks
 
 
-
-
-
 def follow_parent() -> None:
     """In a rank: stop (as on SIGTERM) when the process that started it dies. The launcher's pid is
     known; under plain torchrun the parent at start-up is its agent."""

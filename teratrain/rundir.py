@@ -150,7 +150,6 @@ def agree_run_dir(out: str | Path | None, resume: bool, rt) -> Path:
     return path
 
 
-
 def _lock_text(path: Path) -> str | None:
     try:
         return (path / LOCK_NAME).read_text()

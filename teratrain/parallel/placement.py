@@ -3,8 +3,7 @@
 The transform that splits a parameter (tensor, expert or pipeline parallelism) records a
 `Placement` on it; everything downstream reads it and nothing guesses: engines bucket by
 `group`, the gradient norm and the inf check count each logical element once, checkpoints write
-logical tensors, the planner counts bytes by the same rules. Pure: the collectives that rebuild whole tensors from
-placed pieces are comm.py's `to_global` and `gather_stages`.
+logical tensors, the planner counts bytes by the same rules.
 
 Gradient rule (one for every parameter): the true gradient of the global loss, the mean of the dp x cp
 ranks' losses (a cp rank's loss is the mean over its chunks of the samples, all chunks alike long), is

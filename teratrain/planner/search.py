@@ -84,7 +84,7 @@ def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[
                 continue  # a bare count has no layers to split: data parallel + ZeRO only
             if gpus % (tp * pp):
                 continue
-            for cp in _cps(shape, gpus // (tp * pp) if gpus % (tp * pp) == 0 else 1, fixed):
+            for cp in _cps(shape, gpus // (tp * pp), fixed):
                 dp = gpus // (tp * pp * cp)
                 if "dp" in fixed and fixed["dp"] != dp:
                     continue
