@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,21 +35,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from common import in_job, torchrun  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LLAMA_8B = ["model.preset=llama-8b", "model.seq_len=2048", "memory.precision=bf16", "memory.master_weights=true",
             "train.micro_batch=1", "memory.recompute=full"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32",
          "model.vocab_size=512", "train.micro_batch=2", "train.device=cpu"]
 COMMON = ["optim.lr=3e-4", "optim.warmup_steps=0", "optim.schedule=constant", "checkpoint.keep=1",
           "parallel.zero=3", "train.deterministic=true"]
-
-
-def torchrun(nproc: int, args: list[str], timeout_s: int = 3600) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).resolve()), *args]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run(cmd, check=True, env=env, timeout=timeout_s, cwd=ROOT)
 
 
 # ---------------------------------------------------------------- one job (under torchrun)
@@ -154,11 +145,7 @@ def main() -> None:
     ap.add_argument("--sets", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        from teratrain.mesh import shutdown
-
-        phase(args)
-        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
-        return
+        return in_job(phase, args)
     import torch
 
     n = args.gpus or (2 if args.smoke else torch.cuda.device_count())
@@ -169,7 +156,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.work) if args.work is None else _kept(args.work) as work:
         for name in args.phases.split(","):
             nproc = max(n // 2, 1) if name == "reshard" else n
-            torchrun(nproc, ["--phase", name, "--work", work, "--steps", str(args.steps), "--saves",
+            torchrun(Path(__file__).resolve(), nproc, ["--phase", name, "--work", work, "--steps", str(args.steps), "--saves",
                              str(args.saves), "--more", str(args.more), "--sets", json.dumps(shape + COMMON + batch)])
         result = report(Path(work), args.smoke)
     text = json.dumps(result, indent=1)

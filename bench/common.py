@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +17,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.metrics import peak_flops  # noqa: E402
+
+
+# NVLink multicast off for every job of these benchmarks (NCCL, PyTorch's symmetric memory, NVSHMEM)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job_env(**extra: str) -> dict:
+    """The environment of a process these benchmarks start: multicast off, the checkout importable."""
+    return {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **extra}
+
+
+def torchrun(script: str | Path, nproc: int, args: list[str], timeout_s: int = 3600) -> None:
+    """`script args` on `nproc` local processes under torchrun, from the checkout; raises if it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *args]
+    subprocess.run(cmd, check=True, env=job_env(), timeout=timeout_s, cwd=ROOT)
+
+
+def in_job(fn, *args) -> None:
+    """fn(*args) as one rank of a torchrun job these benchmarks started, then the process groups shut
+    down before exit (a live group is freed in teardown, where its threads abort)."""
+    from teratrain.mesh import shutdown
+
+    fn(*args)
+    shutdown()
+
+
+def hf_llama(m, dev: torch.device):
+    """transformers' LlamaForCausalLM (attention sdpa, untied head, no biases) at the shape of teratrain's
+    model config `m`, in training mode on `dev`: the peer of bench/train_step.py and bench/fp8.py."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(hidden_size=m.d_model, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
+                         num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
+                         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(hf_cfg).to(dev).train()
 
 
 def device() -> torch.device:

@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from common import in_job, job_env  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LLAMA_1B = ["model.preset=llama-1b", "memory.precision=bf16"]
 LLAMA_8B = ["model.preset=llama-8b", "memory.precision=bf16"]
 SMOKE = ["model.preset=llama-1b", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -307,10 +307,7 @@ def main() -> None:
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)  # worker: where rank 0 writes
     args = ap.parse_args()
     if "RANK" in os.environ:
-        from teratrain.mesh import shutdown
-
-        worker(args)
-        shutdown()
+        in_job(worker, args)
         return
     wanted = [r for p, rows in parts(args.smoke, args.gpus).items() if args.part in (None, p) for r in rows]
     rows = []
@@ -319,7 +316,7 @@ def main() -> None:
             result = Path(tmp) / f"rows{n}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
                    *sys.argv[1:], "--result", str(result)]
-            env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+            env = job_env()
             if args.smoke:
                 env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
             subprocess.run(cmd, env=env, cwd=ROOT)

@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import (config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, smoke_compile, summarize,
-                    time_steps)
+from common import (config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, smoke_compile,
+                    summarize, time_steps)
 
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
@@ -57,15 +57,7 @@ def ours(cfg, dev, accum: int):
 
 
 def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    m = cfg.model
-    hf_cfg = LlamaConfig(hidden_size=m.d_model, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-                         num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
-                         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    hf_cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(hf_cfg).to(dev).train()
+    model = hf_llama(cfg.model, dev)
     if fp8 != "none":
         from teratrain import compat
 

@@ -55,9 +55,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+from common import in_job, job_env  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FP32_TOL, BF16_TOL = 1e-4, 2e-2  # fixed before any run
 # llama-1b width, 8 layers, 32k vocabulary; global batch 8 in micro-batches of 2
 MODEL = ["model.preset=llama-1b", "model.vocab_size=32000", "model.n_layers=8", "model.seq_len=2048"]
@@ -404,11 +405,7 @@ def main() -> None:
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)  # worker: where rank 0 writes
     args = ap.parse_args()
     if "RANK" in os.environ:
-        from teratrain.mesh import shutdown
-
-        worker(args)
-        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
-        return
+        return in_job(worker, args)
     import torch
 
     gpus = args.gpus or (2 if args.smoke else torch.cuda.device_count())
@@ -416,7 +413,7 @@ def main() -> None:
         result = Path(args.out).resolve() if args.out else Path(tmp) / "layouts.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                __file__, *sys.argv[1:], "--result", str(result)]
-        env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        env = job_env()
         if args.smoke:
             env["CUDA_VISIBLE_DEVICES"] = ""
         job = subprocess.run(cmd, env=env, cwd=ROOT)

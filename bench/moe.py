@@ -82,12 +82,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import fresh_compile, fresh_memory, graph_breaks, smoke_compile, summarize, time_steps  # puts the checkout on sys.path
+# common puts the checkout on sys.path
+from common import (NO_MULTICAST, fresh_compile, fresh_memory, graph_breaks, in_job, job_env, smoke_compile, summarize,
+                    time_steps)
 
 from teratrain.compat import grouped_mm_without_sync  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
-from teratrain.mesh import Runtime, init_runtime, pick_device, shutdown  # noqa: E402
+from teratrain.mesh import Runtime, init_runtime, pick_device  # noqa: E402
 from teratrain.models.moe import moe_layers  # noqa: E402
 from teratrain.models.transformer import Transformer, count_params, flops_per_token  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
@@ -96,7 +98,6 @@ from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
 from teratrain.parallel.parallelize import compile_scope, parallelize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GPU = ["model.n_layers=8", "model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.vocab_size=32000",
        "model.seq_len=2048", "memory.precision=bf16"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
@@ -521,13 +522,11 @@ def main() -> None:
         args.steps, args.warmup, args.parity_steps = min(args.steps, 2), min(args.warmup, 1), min(args.parity_steps, 3)
         args.instrumented_steps = min(args.instrumented_steps, 1)
     if "RANK" in os.environ:
-        worker(args)
-        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
-        return
+        return in_job(worker, args)
     if not args.smoke:
         sys.exit("launch the GPU measurement with torchrun, e.g. torchrun --nproc-per-node 2 bench/moe.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, *sys.argv[1:]]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    env = job_env(OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from common import in_job, torchrun  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LLAMA_1B = ["model.preset=llama-1b", "model.vocab_size=32000", "model.seq_len=2048"]
 LLAMA_8B = ["model.preset=llama-8b", "model.vocab_size=32000", "model.seq_len=4096"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=512",
@@ -50,17 +49,11 @@ BLOCK_PARAMS = 218_112_000  # a Llama-8B block (d 4096, d_ff 14336, 8 KV heads)
 OFFLOAD_MAX_LAYERS = 48  # 10.5B parameters: building the host state and 3 CPU AdamW steps stay ~3 min
 
 
-def torchrun(nproc: int, args: list[str], timeout_s: int = 1800) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run(cmd, check=True, env=env, timeout=timeout_s, cwd=ROOT)
-
-
 def run_layouts(nproc: int, runs: list[dict], work: Path, tag: str) -> dict:
     """Each run ({"name", "sets", "steps"}) in one torchrun job of nproc processes; name -> summary."""
     spec = work / f"{tag}.runs.json"
     spec.write_text(json.dumps(runs))
-    torchrun(nproc, [__file__, "--phase", str(spec), "--result", str(work / f"{tag}.json")])
+    torchrun(__file__, nproc, ["--phase", str(spec), "--result", str(work / f"{tag}.json")], timeout_s=1800)
     return json.loads((work / f"{tag}.json").read_text())
 
 
@@ -151,11 +144,7 @@ def main() -> None:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        from teratrain.mesh import shutdown
-
-        phase(args.phase, args.result)
-        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
-        return
+        return in_job(phase, args.phase, args.result)
     import torch
 
     n = 2 if args.smoke else torch.cuda.device_count()
@@ -192,7 +181,7 @@ def main() -> None:
         if "fsdp2" in only:
             res = work / "fsdp2.json"
             smoke = ["--smoke"] if args.smoke else []
-            torchrun(n, [str(ROOT / "bench" / "fsdp2_compare.py"), "--out", str(res)] + smoke)
+            torchrun(ROOT / "bench" / "fsdp2_compare.py", n, ["--out", str(res)] + smoke, timeout_s=1800)
             result["fsdp2"] = json.loads(res.read_text())
         if "offload" in only:
             sets, info = offload_sets(n, gpu_bytes)

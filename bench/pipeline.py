@@ -70,11 +70,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import sync, time_steps  # noqa: E402
+from common import job_env, sync, time_steps  # noqa: E402
 
 from teratrain.models.layers import Positions  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 MICROBATCHES, SMOKE_MICROBATCHES = [4, 8, 16], [4, 8]
 PROFILE_M, SMOKE_PROFILE_M = 8, 4
@@ -470,7 +469,7 @@ def parity(n: int, smoke: bool, steps: int) -> list[dict]:
 def _train(nproc: int, sets: list[str], steps: int, out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
            "teratrain", "train", "--out", str(out), "--steps", str(steps), *[a for x in sets for a in ("--set", x)]]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    env = job_env()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -506,7 +505,7 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
            *sys.argv[1:]]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    env = job_env()
     sys.exit(subprocess.call(cmd, env=env))
 
 

@@ -51,9 +51,10 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+from common import job_env  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GIB = 2**30
 LAUNCHES = 3
 START_S = 20.0  # a torchrun job's start-up and NCCL's, seconds
@@ -74,7 +75,7 @@ def run_rows(rows: list[dict], nproc: int, *, smoke: bool, steps: int, warmup: i
     machine, results, pending = None, {}, list(rows)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            __file__, "--worker", str(work / "plan.json")]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    env = job_env()
 
     def job(job_rows: list[dict], **kind) -> int:
         """One torchrun job over `job_rows` (plus `kind`: measure_machine, relaunch); its events folded in."""

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,19 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from common import in_job, torchrun  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LLAMA_1B = ["model.preset=llama-1b", "model.vocab_size=32000", "memory.precision=bf16", "train.global_batch=8"]
 SMOKE = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=32",
          "model.vocab_size=512", "train.micro_batch=2", "train.global_batch=8", "train.device=cpu"]
 COMMON = ["optim.lr=3e-4", "optim.warmup_steps=0", "optim.schedule=constant", "checkpoint.keep=1"]
-
-
-def torchrun(nproc: int, args: list[str], timeout_s: int = 3600) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).resolve()), *args]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run(cmd, check=True, env=env, timeout=timeout_s, cwd=ROOT)
 
 
 # ---------------------------------------------------------------- one job (under torchrun)
@@ -112,11 +103,7 @@ def main() -> None:
     ap.add_argument("--sets", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
-        from teratrain.mesh import shutdown
-
-        phase(args)
-        shutdown()  # before exit: a live group is freed in teardown, where its threads abort
-        return
+        return in_job(phase, args)
     import torch
 
     if args.smoke:
@@ -129,7 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.work) as work:
         runs = {}
         for name, nproc, sets in (("save", n, ["parallel.zero=3"]), ("resume", args.resume_gpus, ["parallel.zero=1"])):
-            torchrun(nproc, ["--phase", name, "--work", work, "--steps", str(args.steps), "--more", str(args.more),
+            torchrun(Path(__file__).resolve(), nproc, ["--phase", name, "--work", work, "--steps", str(args.steps), "--more", str(args.more),
                              "--sets", json.dumps(shape + COMMON + sets)])
             runs[name] = json.loads(Path(work, f"{name}.json").read_text())
     save, resume = runs["save"], runs["resume"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import config, device, emit, env_info, fresh_memory, summarize, time_steps
+from common import config, device, emit, env_info, fresh_memory, hf_llama, summarize, time_steps
 
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -39,15 +39,7 @@ def ours(cfg, dev, compiled: bool):
 
 
 def hf(cfg, dev, compiled: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    m = cfg.model
-    hf_cfg = LlamaConfig(hidden_size=m.d_model, intermediate_size=m.ffn_dim, num_hidden_layers=m.n_layers,
-                         num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab_size,
-                         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    hf_cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(hf_cfg).to(dev).train()
+    model = hf_llama(cfg.model, dev)
     if compiled:
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
