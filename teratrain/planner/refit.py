@@ -19,7 +19,10 @@ a `bench/planner_validate.py --gpus N` result, and what each change does to the 
   processes, each row's count holding the communicators of every earlier row (4.9 GiB at the first
   of 28 rows on 4 x H200, 38 GiB at the last); `fragmentation` from the median reserved/allocated - 1
   (the allocator's cache is emptied and its peaks reset between rows, so that ratio is per row).
-Nothing is written: the report says which constants the measurements would change, and to what.
+Nothing is written by `refit`: the report says which constants the measurements would change, and to
+what. A run is refitted only where tests/fixtures/planner_runs/manifest.toml marks it split = "fit" (a
+held-out run is refused). `write_calibration` writes a fitted constant into planner/calibration/<card>.toml
+with the runs it was fitted on and its error there (bench/calibrate/ scripts call it).
 """
 
 from __future__ import annotations
@@ -201,8 +204,13 @@ def _stats(errs: list[float]) -> dict:
             "median_abs_pct": round(100 * statistics.median(a), 1) if a else None}
 
 
-def refit(result: dict) -> dict:
-    """What the measurements of `result` would change (module docstring), and the errors before and after."""
+def refit(result: dict, split: str = "fit") -> dict:
+    """What the measurements of `result` would change (module docstring), and the errors before and after.
+    `split`: the run's split in tests/fixtures/planner_runs/manifest.toml; a held-out run is refused."""
+    if split != "fit":
+        raise ValueError(f"this run is split = \"{split}\" in tests/fixtures/planner_runs/manifest.toml: refit only "
+                         "fits on runs marked split = \"fit\"; mark it so there (and say so in docs/planner.md) or "
+                         "refit another run.")
     preset = gpu_for_device(result["device"], int(result["device_mem_gib"] * 2**30))
     measured = result_gpu(result)
     prepared = _prepared(result)
@@ -241,3 +249,25 @@ def render(report: dict) -> str:
         lines.append(f"  {name:16} " + "; ".join(parts))
     lines.append(f"As flags: teratrain plan ... {report['hw_flags']}")
     return "\n".join(lines)
+
+
+def write_calibration(card: str, updates: dict[str, dict], path=None) -> None:
+    """Rewrite entries of planner/calibration/<card>.toml (or `path`): per constant its "value", "source",
+    "runs" and "fit_error" (its "term" stays); the file's header comment and the other entries are kept."""
+    import tomllib
+
+    from teratrain.config_toml import toml_value
+    from teratrain.planner.hardware import CALIBRATION
+
+    path = path or CALIBRATION / f"{card}.toml"
+    text = path.read_text()
+    entries = tomllib.loads(text)
+    header = text[: text.index("\n[") + 1] if "\n[" in text else ""
+    for key, new in updates.items():
+        if key not in entries and "term" not in new:
+            raise ValueError(f"{path.name} has no [{key}] entry; give its \"term\" (the sentence it scales) to add it.")
+        entries[key] = {**entries.get(key, {}), **new}
+    order = ("value", "term", "source", "runs", "fit_error")
+    blocks = ["\n".join([f"[{key}]"] + [f"{k} = {toml_value(entry[k])}" for k in order if k in entry])
+              for key, entry in entries.items()]
+    path.write_text(header + "\n\n".join(blocks) + "\n")

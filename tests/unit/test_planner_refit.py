@@ -121,3 +121,45 @@ def test_costs_are_non_negative_least_squares():
 
     grid = [(a * i / 50, j * 1e-3) for i in range(25, 76) for j in range(0, 30)]
     assert loss(a, b) <= min(loss(x, y) for x, y in grid) + 1e-12
+
+
+def test_refit_refuses_a_held_out_run():
+    with pytest.raises(ValueError, match='split = "held_out".*only fits on runs marked split = "fit"'):
+        refit(_result(1.0), split="held_out")
+
+
+def test_calibration_files_give_every_preset_its_constants():
+    """Each card's preset takes every constant its calibration/<card>.toml names; each entry says the term it
+    scales, where it was fitted and its error there; common.toml's shares are time.py's."""
+    from dataclasses import fields
+
+    from teratrain.planner import time as planner_time
+    from teratrain.planner.hardware import GPU, calibration
+
+    names = {f.name for f in fields(GPU)}
+    for card, gpu in GPUS.items():
+        entries = calibration(card)
+        assert {"flops_max", "flops_d_half", "op_overhead_s"} <= set(entries) <= names, card
+        for key, entry in entries.items():
+            assert getattr(gpu, key) == entry["value"] and {"term", "source", "runs", "fit_error"} <= set(entry), key
+    common = calibration("common")
+    assert planner_time.MOE_HOST_OP_SHARE == common["moe_host_op_share"]["value"]
+    assert planner_time.DP_LAUNCH_SHARE == common["dp_launch_share"]["value"]
+
+
+def test_write_calibration_rewrites_one_entry(tmp_path):
+    from teratrain.planner.hardware import CALIBRATION, calibration
+    from teratrain.planner.refit import write_calibration
+
+    path = tmp_path / "a100.toml"
+    path.write_text((CALIBRATION / "a100.toml").read_text())
+    write_calibration("a100", {"flops_max": {"value": 0.5, "source": "s.py", "runs": ["r1"], "fit_error": "2%"}}, path)
+    text = path.read_text()
+    assert text.startswith("# The A100 preset")  # the header comment stays
+    import tomllib
+
+    new, old = tomllib.loads(text), calibration("a100")
+    assert new["flops_max"] == {**old["flops_max"], "value": 0.5, "source": "s.py", "runs": ["r1"], "fit_error": "2%"}
+    assert {k: v for k, v in new.items() if k != "flops_max"} == {k: v for k, v in old.items() if k != "flops_max"}
+    with pytest.raises(ValueError, match=r"no \[nope\] entry"):
+        write_calibration("a100", {"nope": {"value": 1.0}}, path)
