@@ -12,7 +12,8 @@ a `bench/planner_validate.py --gpus N` result, and what each change does to the 
 - Time constants (`refit`): the calibrated efficiencies and per-op cost of hardware.GPU, fitted by
   coordinate descent (each constant in turn on a shrinking multiplicative grid) to minimise the
   squared relative step-time error of the rows NOT marked held-out, with the measured hardware terms
-  in place; the held-out rows' errors before and after show whether the change generalizes.
+  in place; the held-out rows' errors before and after show whether the change generalizes. Rows the
+  planner has the host pace are not fitted: the report lists them with the host's measured spread.
 - Memory has no fitted constant but the allowance: `context_gib` from the memory measured outside
   the allocator (CUDA context and NCCL's buffers): the median of a one-GPU result (a process per
   config), the smallest of a several-GPU one, whose rows run one after another in the same
@@ -214,7 +215,8 @@ def refit(result: dict, split: str = "fit") -> dict:
     preset = gpu_for_device(result["device"], int(result["device_mem_gib"] * 2**30))
     measured = result_gpu(result)
     prepared = _prepared(result)
-    fit_rows = [p for p in prepared if not p[3].get("held_out")]
+    paced = host_paced(measured, prepared)
+    fit_rows = [p for p in prepared if not p[3].get("held_out") and p[3]["name"] not in paced]
     held = [p for p in prepared if p[3].get("held_out")]
     fitted = _fit(measured, fit_rows) if fit_rows else measured
     changes = {k: [getattr(preset, k), v] for k, v in result.get("hw", {}).items() if getattr(preset, k, None) != v}
@@ -232,7 +234,23 @@ def refit(result: dict, split: str = "fit") -> dict:
     for name, gpu in (("assumed", preset), ("measured terms", measured), ("refit", fitted)):
         errors[name] = {"fit rows": _stats(step_errors(gpu, fit_rows)), "held-out rows": _stats(step_errors(gpu, held))}
     flags = " ".join(f"--hw {k}={v[1]:.6g}" for k, v in changes.items())
-    return {"changes": changes, "step_time_errors": errors, "hw_flags": flags}
+    return {"changes": changes, "step_time_errors": errors, "hw_flags": flags, "host_paced": paced}
+
+
+def host_paced(gpu: GPU, prepared: list[tuple]) -> dict[str, dict]:
+    """The fit rows the planner has the host pace (an eager step the host takes longer to issue than the GPU
+    to run): not fitted, reported with their error and the host's measured spread over the row's visits
+    (bench/planner_multi.py `visits_s`: slowest / fastest - 1; None where the row was measured once)."""
+    from teratrain.planner.search import evaluate
+
+    out = {}
+    for s, t, lay, row in prepared:
+        cand = evaluate(s, t, lay, gpu)
+        if cand.time.host_paced and not row.get("held_out"):
+            visits = row.get("visits_s") or []
+            out[row["name"]] = {"error_pct": round(100 * (cand.time.step_time_s / row["measured_step_s"] - 1), 1),
+                                "spread_pct": round(100 * (max(visits) / min(visits) - 1), 1) if len(visits) > 1 else None}
+    return out
 
 
 def _num(v) -> str:
@@ -247,6 +265,9 @@ def render(report: dict) -> str:
         parts = [f"{g}: {s['rows']} rows, max {s['max_abs_pct']}%, median {s['median_abs_pct']}%"
                  for g, s in groups.items() if s["rows"]]
         lines.append(f"  {name:16} " + "; ".join(parts))
+    for name, r in report.get("host_paced", {}).items():
+        spread = "measured once" if r["spread_pct"] is None else f"the host's spread over its visits {r['spread_pct']}%"
+        lines.append(f"  host-paced, not fitted: {name} {r['error_pct']:+}% ({spread})")
     lines.append(f"As flags: teratrain plan ... {report['hw_flags']}")
     return "\n".join(lines)
 
