@@ -124,7 +124,7 @@ def table(result: list[dict]) -> str:
 
 def write_docs(text: str, path: Path = DOCS) -> None:
     doc = path.read_text()
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
     if not pattern.search(doc):
         raise SystemExit(f"{path} has no {BEGIN} ... {END} markers; add them where the table goes.")
     path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", doc))

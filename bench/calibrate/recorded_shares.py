@@ -18,9 +18,10 @@ import argparse
 import itertools
 import json
 import sys
-import tomllib
 from dataclasses import replace
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))

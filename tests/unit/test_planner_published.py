@@ -18,7 +18,7 @@ RUNS = published.load_runs()
 
 def _docs_lines() -> list[str]:
     doc = (ROOT / "docs" / "planner.md").read_text()
-    block = re.search(re.escape(published.BEGIN) + r"\n(.*?)\n" + re.escape(published.END), doc, re.S)
+    block = re.search(re.escape(published.BEGIN) + r"\n(.*?)\n" + re.escape(published.END), doc, re.DOTALL)
     assert block, "docs/planner.md lacks the published-runs markers"
     return block.group(1).splitlines()
 
@@ -58,3 +58,19 @@ def test_docs_table_matches_the_command():
 @pytest.mark.long
 def test_docs_table_is_the_command_output():
     assert _docs_lines() == published.table(published.rows()).splitlines()
+
+
+def test_published_fit_recovers_known_constants():
+    """Steps made by a known efficiency curve (step = 1 + 9 / eff at each run's width) give the curve back
+    from bench/calibrate/published_fit.py's grid: the fit between the planned efficiencies."""
+    sys.path.insert(0, str(ROOT / "bench" / "calibrate"))
+    from published_fit import EFFS, fit, interpolate
+
+    def step(eff):
+        return 1 + 9 / eff
+
+    fm, dh = 0.62, 1325.0
+    curves = {d: (d, step(fm * d / (d + dh)), [(1 / e, step(e)) for e in EFFS]) for d in (2304, 8192, 20480)}
+    assert interpolate(curves[2304][2], 1 / 0.55) == pytest.approx(step(0.55))
+    got = fit(curves)
+    assert got[0] == pytest.approx(fm, abs=0.006) and got[1] == pytest.approx(dh, abs=60) and got[2] < 1e-5

@@ -6,10 +6,10 @@ change to the memory or time model that loses a row fails here. docs/planner.md 
 
 import functools
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from teratrain.planner.refit import _prepared, result_gpu
 from teratrain.planner.search import evaluate
