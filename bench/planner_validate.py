@@ -221,6 +221,8 @@ def main() -> int:
     ap.add_argument("--relaunches", type=int, default=2, help="with --gpus: jobs after the main one that run the host "
                     "probe and the host-paced rows again in fresh processes, while the budget leaves time")
     ap.add_argument("--refit", metavar="RESULT", help="print what a --gpus result would change in the planner")
+    ap.add_argument("--write", action="store_true", help="with --refit: write the refitted constants into "
+                    "teratrain/planner/calibration/<card>.toml")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     if args.refit:
@@ -231,7 +233,16 @@ def main() -> int:
         manifest = tomllib.loads((ROOT / "tests" / "fixtures" / "planner_runs" / "manifest.toml").read_text())["runs"]
         path = Path(args.refit).resolve()
         split = next((e["split"] for e in manifest.values() if (ROOT / e["file"]).resolve() == path), "fit")
-        print(render(refit(json.loads(path.read_text()), split)))
+        result = json.loads(path.read_text())
+        report = refit(result, split)
+        print(render(report))
+        if args.write:  # the fitted constants into the card's teratrain/planner/calibration/<card>.toml
+            from teratrain.planner.hardware import gpu_for_device
+            from teratrain.planner.refit import calibration_updates, write_calibration
+
+            card = gpu_for_device(result["device"], 0).name
+            run = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+            write_calibration(card, calibration_updates(report, run))
         return 0
     if args.gpus:
         return _several(args)

@@ -1,7 +1,8 @@
 """Refit the planner from measurements: collective terms from timed collectives, time constants from
 a `bench/planner_validate.py --gpus N` result, and what each change does to the errors.
 
-    python bench/planner_validate.py --refit RESULT.json
+    python bench/planner_validate.py --refit RESULT.json           # the report
+    python bench/planner_validate.py --refit RESULT.json --write   # and its fitted constants into calibration/
 
 - Host costs (`fit_host`): the cost per eager op and per tensor-parallel collective from the host
   probe's steps (bench/planner_rows.py `probe_rows`), with the planner's own counts.
@@ -270,6 +271,15 @@ def render(report: dict) -> str:
         lines.append(f"  host-paced, not fitted: {name} {r['error_pct']:+}% ({spread})")
     lines.append(f"As flags: teratrain plan ... {report['hw_flags']}")
     return "\n".join(lines)
+
+
+def calibration_updates(report: dict, run: str) -> dict[str, dict]:
+    """`write_calibration`'s entries for the fitted constants a `refit` report changes, fitted on `run`."""
+    errs = report["step_time_errors"]["refit"]
+    err = "; ".join(f"{g}: {s['rows']} rows, max {s['max_abs_pct']}%, median {s['median_abs_pct']}%"
+                    for g, s in errs.items() if s["rows"])
+    return {k: {"value": new, "source": "bench/planner_validate.py --refit", "runs": [run], "fit_error": err}
+            for k, (_, new) in report["changes"].items() if k in FITTED}
 
 
 def write_calibration(card: str, updates: dict[str, dict], path=None) -> None:

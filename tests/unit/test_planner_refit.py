@@ -181,3 +181,14 @@ def test_write_calibration_rewrites_one_entry(tmp_path):
     assert {k: v for k, v in new.items() if k != "flops_max"} == {k: v for k, v in old.items() if k != "flops_max"}
     with pytest.raises(ValueError, match=r"no \[nope\] entry"):
         write_calibration("a100", {"nope": {"value": 1.0}}, path)
+
+
+def test_calibration_updates_take_the_fitted_constants_of_a_report():
+    from teratrain.planner.refit import calibration_updates
+
+    report = {"changes": {"flops_max": [0.84, 0.7], "pcie_gbps": [55, 40.0]},
+              "step_time_errors": {"refit": {"fit rows": {"rows": 2, "max_abs_pct": 1.0, "median_abs_pct": 0.5},
+                                             "held-out rows": {"rows": 0, "max_abs_pct": None, "median_abs_pct": None}}}}
+    assert calibration_updates(report, "r.json") == {"flops_max": {
+        "value": 0.7, "source": "bench/planner_validate.py --refit", "runs": ["r.json"],
+        "fit_error": "fit rows: 2 rows, max 1.0%, median 0.5%"}}  # measured terms (pcie_gbps) stay --hw-file's
