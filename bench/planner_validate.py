@@ -9,7 +9,7 @@ layout. Prints one JSON object (rows with predicted / measured / error %).
     python bench/planner_validate.py            # on a GPU (H200: ~3-4 minutes, < 60 GiB)
     python bench/planner_validate.py --smoke    # tiny shapes on CPU: proves the script runs
 
-The H200 rows calibrate the calibrated defaults of teratrain/planner/hardware.py:GPU and are tabulated in docs/planner.md.
+The H200 rows calibrate the H200 constants (teratrain/planner/calibration/h200.toml) and are tabulated in docs/planner.md.
 
 Several GPUs of one host (bench/planner_modes.py; one torchrun job, rows in the same processes):
 
