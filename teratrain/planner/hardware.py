@@ -1,5 +1,6 @@
-"""Every hardware number the planner assumes, in one place. Each can be overridden with
-`teratrain plan --hw KEY=VALUE` (e.g. `--hw inter_node_gbps=25`).
+"""Every hardware number the planner assumes: the datasheet terms here, the fitted and measured constants
+in calibration/<card>.toml (each with the term it scales, the runs it was fitted on and its error there).
+Each can be overridden with `teratrain plan --hw KEY=VALUE` (e.g. `--hw inter_node_gbps=25`).
 
 Peak FLOP/s come from metrics.GPU_PEAK_TFLOPS (vendor datasheets, dense). Bandwidths are
 effective per-GPU figures, one direction, in GB/s (1e9 bytes/s):
