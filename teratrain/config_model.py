@@ -127,6 +127,11 @@ class ModelConfig(Section):
     seq_len: int = Field(128, ge=1, description="training context length in tokens")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on embeddings, attention and residuals")
     bias: bool | None = Field(None, description="biases in linear layers; unset = true for gpt2, false for llama")
+    qkv_bias: bool = Field(False, description="biases on the query, key and value projections only (Qwen2, "
+                           "Qwen2-MoE); llama only, and redundant with model.bias=true")
+    qk_norm: Literal["none", "head", "full"] = Field("none", description="RMSNorm of queries and keys before RoPE: "
+                                                     "head = per head over head_dim (Qwen3), full = over the whole "
+                                                     "q and k projection widths (OLMoE); llama only")
     tie_embeddings: bool = Field(False, description="share the input embedding with the output projection")
     norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of RMSNorm/LayerNorm")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base (llama only)")
@@ -170,6 +175,12 @@ class ModelConfig(Section):
         if self.rope_scaling is not None and set(self.rope_scaling) != set(ROPE_SCALING_KEYS):
             raise ConfigError(f"model.rope_scaling has keys {sorted(self.rope_scaling)}; give exactly "
                               f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3 scaling).")
+        if self.arch != "llama" and (self.qkv_bias or self.qk_norm != "none"):
+            raise ConfigError(f"model.qkv_bias and model.qk_norm belong to the llama decoder (this model has "
+                              f"model.arch={self.arch}); set model.arch=llama or leave them at false and none.")
+        if self.qkv_bias and self.use_bias:
+            raise ConfigError("model.qkv_bias adds biases to q, k and v only, while model.bias=true gives every "
+                              "linear layer one already; set one of them to false.")
         if self.moe.enabled and self.moe.every > self.n_layers:
             raise ConfigError(f"model.moe.every ({self.moe.every}) exceeds model.n_layers ({self.n_layers}), so no "
                               f"layer would hold experts; lower model.moe.every.")

@@ -33,7 +33,8 @@ class Block(nn.Module):
         super().__init__()
         d, bias = cfg.d_model, cfg.use_bias
         self.attention_norm = _norm(cfg)
-        self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout)
+        self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout, cfg.qkv_bias, cfg.qk_norm,
+                                   cfg.norm_eps)
         self.ffn_norm = _norm(cfg)
         mlp = SwiGLU if cfg.arch == "llama" else GeluMLP
         self.feed_forward = moe.MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else mlp(d, cfg.ffn_dim, bias, cfg.dropout)
@@ -209,11 +210,12 @@ def count_params(cfg: "ModelConfig") -> dict[str, int]:
     d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
     b = 1 if cfg.use_bias else 0
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-    attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d)
+    attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d) + (q + 2 * kv if cfg.qkv_bias else 0)
+    qk_norm = {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm]
     n_mats = 3 if cfg.arch == "llama" else 2
     mlp = n_mats * d * cfg.ffn_dim + b * ((n_mats - 1) * cfg.ffn_dim + d)
     norm = d if cfg.arch == "llama" else d * (1 + b)
-    block = attn + mlp + 2 * norm
+    block = attn + mlp + 2 * norm + qk_norm
     emb = cfg.vocab_size * d
     pos = cfg.seq_len * d if cfg.arch == "gpt2" else 0
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d

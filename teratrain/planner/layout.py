@@ -70,8 +70,8 @@ class ModelShape:
         d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
         norm = [("weight", (d,))] + ([("bias", (d,))] if c.arch == "gpt2" and c.use_bias else [])
 
-        def linear(name, out, inp):
-            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if c.use_bias else [])
+        def linear(name, out, inp, bias=False):
+            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if c.use_bias or bias else [])
 
         mlp_names = [("w1", ff, d), ("w3", ff, d), ("w2", d, ff)] if c.arch == "llama" else [("w1", ff, d), ("w2", d, ff)]
         mlp = [t for n, o, i in mlp_names for t in linear(n, o, i)]
@@ -82,7 +82,8 @@ class ModelShape:
             moe += [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp]
         head = ([(f"attention_norm.{n}", s) for n, s in norm]
                 + [(f"attention.{n}", s) for m, o, i in (("wq", q, d), ("wk", kv, d), ("wv", kv, d), ("wo", d, q))
-                   for n, s in linear(m, o, i)]
+                   for n, s in linear(m, o, i, c.qkv_bias and m != "wo")]
+                + [(f"attention.{n}_norm.weight", (w,)) for n, w in qk_norm_widths(c)]
                 + [(f"ffn_norm.{n}", s) for n, s in norm])
         out = [("tok_embeddings.weight", (c.vocab_size, d))]
         if c.arch == "gpt2":
@@ -193,3 +194,10 @@ class Training:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+def qk_norm_widths(c) -> list[tuple[str, int]]:
+    """(q or k, width) of the attention's query/key RMSNorm weights (model.qk_norm; models/layers.py)."""
+    if c.qk_norm == "none":
+        return []
+    full = c.qk_norm == "full"
+    return [("q", c.n_heads * c.head_dim if full else c.head_dim), ("k", c.kv_heads * c.head_dim if full else c.head_dim)]
