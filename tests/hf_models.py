@@ -30,6 +30,20 @@ def save_mixtral(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
     return _save(path, MixtralForCausalLM, MixtralConfig(**{**MIXTRAL, **keys}), seed, None)
 
 
+def save_qwen2(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
+    """A Qwen2 of LLAMA's shape: biases on q, k, v (none on o or the MLP)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save(path, Qwen2ForCausalLM, Qwen2Config(**{**LLAMA, **keys}), seed, None)
+
+
+def save_qwen3(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
+    """A Qwen3 of LLAMA's shape (head_dim = hidden_size / heads): RMSNorm of each q and k head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save(path, Qwen3ForCausalLM, Qwen3Config(**{**LLAMA, "head_dim": 8, **keys}), seed, None)
+
+
 def save_gpt2(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "torch.nn.Module":
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -1,7 +1,8 @@
 """Hugging Face config.json <-> teratrain's model section: the one mapping that `teratrain plan`,
 `model.init_from` and `teratrain export` share.
 
-Families: Llama (and Mistral, the same layout), Mixtral (Mistral's layers with an 8-expert top-2
+Families: Llama (and Mistral, the same layout), Qwen2 and Qwen3 (Llama's layers with q/k/v biases,
+with per-head q/k norms: hf_families.py), Mixtral (Mistral's layers with an 8-expert top-2
 feed-forward: model.moe with the softmax-topk router, no capacity limit) and GPT-2. All read
 `rope_theta`/`rope_scaling` as transformers 4 writes them and `rope_parameters` as transformers 5 does.
 
@@ -26,11 +27,12 @@ import json
 from pathlib import Path
 
 from teratrain.config_base import ConfigError
+from teratrain.checkpoint.hf_families import DENSE_TYPES, attention_keys, dense_family, sliding_window
 from teratrain.config_model import ROPE_SCALING_KEYS, ModelConfig
 
 SOURCE_CONFIG = "init_from_config.json"  # a run's copy of its model.init_from's config.json (train.py)
 HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
-LLAMA_TYPES = ("llama", "mistral", "mixtral")  # the decoder of models/transformer.py, arch = llama
+LLAMA_TYPES = (*DENSE_TYPES, "mixtral")  # the decoder of models/transformer.py, arch = llama
 
 # HF config.json keys per family -> our model keys
 _HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -39,7 +41,8 @@ _HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_att
 _HF_GPT2 = {"n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads", "vocab_size": "vocab_size",
             "n_inner": "d_ff", "layer_norm_epsilon": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 # keys that fix the weights' shapes: a value given next to model.init_from must agree with config.json
-SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "bias", "tie_embeddings")
+SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "bias", "tie_embeddings",
+              "qkv_bias", "qk_norm")
 
 
 def read_config_json(path: Path) -> dict:
@@ -62,7 +65,7 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
     elif "hidden_size" in hf and "num_hidden_layers" in hf:
         keys, seq = _HF_LLAMA, hf.get("max_position_embeddings", 4096)
         model = {"arch": "llama", "bias": bool(hf.get("attention_bias", False)),
-                 "tie_embeddings": hf.get("tie_word_embeddings", False)}
+                 "tie_embeddings": hf.get("tie_word_embeddings", False), **attention_keys(hf)}
         rope = _rope(hf)
         if rope.get("rope_theta"):
             model["rope_theta"] = float(rope["rope_theta"])
@@ -129,7 +132,7 @@ def check_importable(hf: dict, path: Path) -> None:
         why = (" (a shared expert with a sigmoid gate, unnormalized top-k weights and q/k/v-only biases, which "
                "teratrain's decoder lacks)") if kind == "qwen2_moe" else ""
         raise ConfigError(f"model.init_from: {path} holds a '{kind}' model{why}; teratrain maps Llama, Mistral, "
-                          "Mixtral and GPT-2 weights only.")
+                          "Qwen2, Qwen3, Mixtral and GPT-2 weights only.")
     if kind == "gpt2":
         checks = [(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
                    f"activation {hf.get('activation_function')} (teratrain's GPT-2 uses tanh GELU)"),
@@ -166,7 +169,7 @@ def init_shape(folder: str, given: dict) -> dict:
         if key in given and key in model and given[key] != model[key]:
             raise ConfigError(f"model.{key}={given[key]!r} contradicts {path} ({model[key]!r}); leave model.{key} unset "
                          "to take the model's, or start from a model of that shape.")
-    limit = hf.get("n_positions") if model["arch"] == "gpt2" else hf.get("sliding_window")
+    limit = hf.get("n_positions") if model["arch"] == "gpt2" else sliding_window(hf)
     seq = given.get("seq_len", model["seq_len"])
     if limit and seq > limit:
         what = "learned positions" if model["arch"] == "gpt2" else "sliding attention window (not implemented here)"
@@ -222,8 +225,7 @@ def _mapped(m) -> dict:
               "rope_theta": m.rope_theta, "attention_dropout": m.dropout, **rope, **common}
     if m.moe.enabled:
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_mixtral(m), **layers}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": m.use_bias,
-            "mlp_bias": m.use_bias, **layers}
+    return {**dense_family(m), **layers}
 
 
 def _mixtral(m) -> dict:
@@ -233,7 +235,7 @@ def _mixtral(m) -> dict:
     "Auxiliary loss: two conventions"); with output_router_logits true, without which transformers
     trains with none. No aux loss: 0 and false."""
     e = m.moe
-    if e.router != "softmax-topk" or e.every != 1 or m.use_bias:
+    if e.router != "softmax-topk" or e.every != 1 or m.use_bias or m.qkv_bias or m.qk_norm != "none":
         raise ConfigError(f"Mixtral, the Hugging Face layout of mixture-of-experts models, has the softmax-topk router in "
                           f"every layer and no biases (this model: model.moe.router={e.router}, model.moe.every="
                           f"{e.every}, model.bias={str(m.use_bias).lower()}); export a model with those.")

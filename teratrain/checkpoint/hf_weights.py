@@ -3,7 +3,8 @@ rank reads its slices) and written by `teratrain export`.
 
 Each of our parameters is a block of rows of one HF tensor, possibly transposed:
     Llama   model.layers.{i}.self_attn.q_proj.weight -> layers.{i}.attention.wq.weight (same layout: HF's
-            Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses)
+            Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses); Qwen2's
+            q/k/v biases and Qwen3's ....self_attn.q_norm.weight -> layers.{i}.attention.q_norm.weight alike
     Mixtral model.layers.{i}.block_sparse_moe.gate.weight -> layers.{i}.feed_forward.router.weight,
             ....block_sparse_moe.experts.{e}.w1.weight -> layers.{i}.feed_forward.experts.{e}.w1.weight (w2,
             w3 alike): the layout transformers 4 and 5 both save (5 fuses the experts only in memory)
@@ -67,8 +68,12 @@ def hf_names(m) -> dict[str, Source]:
                 pairs += [("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
                           ("mlp.down_proj", "feed_forward.w2")]
             for theirs, mine in pairs:
-                for leaf in leaves:
+                qkv = m.qkv_bias and mine in ("attention.wq", "attention.wk", "attention.wv")
+                for leaf in ("weight", "bias") if qkv else leaves:
                     out[f"{ours}.{mine}.{leaf}"] = Source(f"{hf}.{theirs}.{leaf}")
+            if m.qk_norm != "none":  # Qwen3's per-head and OLMoE's whole-width norms: the same names
+                for x in "qk":
+                    out[f"{ours}.attention.{x}_norm.weight"] = Source(f"{hf}.self_attn.{x}_norm.weight")
         out["norm.weight"] = Source("model.norm.weight")
     if not m.tie_embeddings:
         out["output.weight"] = Source("lm_head.weight")

@@ -11,7 +11,7 @@ from teratrain.models.transformer import Transformer
 from teratrain.parallel.parallelize import init_fn
 from teratrain.parallel.placement import assign_defaults, materialize
 from tests.helpers import make_config
-from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral
+from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral, save_qwen2, save_qwen3
 
 pytest.importorskip("transformers")
 
@@ -39,6 +39,18 @@ def test_llama_logits_match_transformers(tmp_path, keys):
     hf = save_llama(tmp_path, **keys)
     model = ours(tmp_path, "model.seq_len=16")
     assert model.cfg.n_kv_heads == 2 and model.cfg.d_ff == 64 and model.cfg.tie_embeddings == keys.get("tie_word_embeddings", False)
+    assert_same_logits(model, hf)
+
+
+@pytest.mark.parametrize("save, tied, attention", [(save_qwen2, False, (True, "none")),
+                                                   (save_qwen3, False, (False, "head")),
+                                                   (save_qwen3, True, (False, "head"))], ids=["qwen2", "qwen3", "qwen3-tied"])
+def test_qwen2_and_qwen3_logits_match_transformers(tmp_path, save, tied, attention):
+    """Qwen2's q/k/v biases (model.qkv_bias) and Qwen3's per-head q/k RMSNorm (model.qk_norm=head),
+    with GQA; their perturbed values (tests/hf_models.py) make a misplaced bias or norm visible."""
+    hf = save(tmp_path, tie_word_embeddings=tied)
+    model = ours(tmp_path, "model.seq_len=16")
+    assert (model.cfg.qkv_bias, model.cfg.qk_norm, model.cfg.use_bias, model.cfg.tie_embeddings) == (*attention, False, tied)
     assert_same_logits(model, hf)
 
 
