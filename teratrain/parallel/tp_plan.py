@@ -85,6 +85,10 @@ def _block_plan(block: nn.Module, form: str) -> dict[str, str]:
         plan.update(MOE_PLAN)
         plan.update({f"feed_forward.experts.{e}.{leaf}": style for e in block.feed_forward.experts
                      for leaf, style in EXPERT_PLAN.items()})
+        # the shared experts are split like an expert; their gate, like the router, runs whole
+        if block.feed_forward.shared_expert is not None:
+            plan.update({f"feed_forward.shared_expert.{leaf}": style for leaf, style in EXPERT_PLAN.items()})
+            plan["feed_forward.shared_expert_gate"] = "moe_router"
     return plan
 
 
