@@ -11,7 +11,8 @@ from teratrain.models.transformer import Transformer
 from teratrain.parallel.parallelize import init_fn
 from teratrain.parallel.placement import assign_defaults, materialize
 from tests.helpers import make_config
-from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral, save_qwen2, save_qwen3
+from tests.hf_models import (LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral, save_moe, save_qwen2,
+                              save_qwen3)
 
 pytest.importorskip("transformers")
 
@@ -74,11 +75,34 @@ def test_mixtral_logits_match_transformers(tmp_path):
     assert_same_logits(model, hf)
 
 
-def test_qwen2_moe_is_refused_with_the_reason(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}')
-    with pytest.raises(ConfigError, match="shared expert") as e:
+MOE_FAMILIES = {  # model_type -> what model.moe and the attention take from it
+    "qwen2_moe": dict(norm_topk=False, expert_d_ff=16, shared_experts=1, shared_d_ff=24, shared_gate=True,
+                      first_dense_layers=1, qkv_bias=True, qk_norm="none"),
+    "qwen3_moe": dict(norm_topk=True, expert_d_ff=16, shared_experts=0, first_dense_layers=0, qkv_bias=False,
+                      qk_norm="head"),
+    "olmoe": dict(norm_topk=False, expert_d_ff=16, shared_experts=0, first_dense_layers=0, qkv_bias=False,
+                  qk_norm="full"),
+}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_qwen_moe_and_olmoe_logits_match_transformers(tmp_path, family):
+    """Softmax over all experts, top-2, the 2 scores normalised or not (norm_topk_prob), experts of
+    16 rows beside a dense MLP of 64; Qwen2-MoE's sigmoid-gated shared expert and dense first layer
+    (mlp_only_layers=[0]); the q/k/v biases and q/k norms of each family."""
+    hf = save_moe(tmp_path, family)
+    model = ours(tmp_path, "model.seq_len=16")
+    m, want = model.cfg, MOE_FAMILIES[family]
+    got = {k: getattr(m, k) if hasattr(m, k) else getattr(m.moe, k) for k in want}
+    assert got == want and (m.moe.num_experts, m.moe.k, m.moe.router, m.moe.capacity) == (4, 2, "softmax-topk", 0)
+    assert_same_logits(model, hf)
+
+
+def test_a_dense_layer_teratrain_cannot_place_is_one_sentence(tmp_path):
+    save_moe(tmp_path, "qwen2_moe", mlp_only_layers=[1])
+    with pytest.raises(ConfigError, match="mlp_only_layers") as e:
         make_config(f"model.init_from={str(tmp_path)!r}")
-    assert "Mixtral" in str(e.value) and "\n" not in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("sets", [["model.moe.router=switch-top1"], ["model.moe.every=2"], ["model.bias=true"],
