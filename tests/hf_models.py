@@ -19,7 +19,10 @@ QWEN2_MOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermedi
              "shared_expert_intermediate_size": 24, "mlp_only_layers": [0], "norm_topk_prob": False}
 QWEN3_MOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8,
              "norm_topk_prob": True}
-OLMOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16, "norm_topk_prob": False}
+# OLMoE's experts are intermediate_size wide. Its default pad_token_id (1) makes transformers' embedding
+# keep that row's gradient at zero, which teratrain's does not: these models have no padding token.
+OLMOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "pad_token_id": None,
+         "eos_token_id": 0}
 GPT2 = dict(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
 
 
