@@ -204,3 +204,17 @@ def test_export_of_a_fine_tuned_model_changes_only_what_the_run_changed(tmp_path
     out = to_hf(theta, source)
     assert {k for k in source if out[k] != source[k]} == {"rope_parameters", "rms_norm_eps"}
     assert out["rope_parameters"] == {**source["rope_parameters"], "rope_theta": 1e6} and "rope_theta" not in out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", *MOE_FAMILIES])
+def test_export_of_each_family_gives_its_config_json_back_but_what_the_run_changed(tmp_path, family):
+    """to_hf with the source config.json: every key as it came in (transformers 5's num_local_experts,
+    mlp_only_layers, the family's attention keys) unless the run's settings change it."""
+    from teratrain.checkpoint.hf_config import to_hf
+
+    {"qwen2": save_qwen2, "qwen3": save_qwen3}.get(family, lambda path: save_moe(path, family))(tmp_path)
+    source = json.loads((tmp_path / "config.json").read_text())
+    run = make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16").model
+    assert to_hf(run, source) == source
+    changed = make_config(f"model.init_from={str(tmp_path)!r}", "model.norm_eps=1e-3").model
+    assert {k for k in source if to_hf(changed, source)[k] != source[k]} == {"rms_norm_eps"}
