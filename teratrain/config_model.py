@@ -198,9 +198,10 @@ class ModelConfig(Section):
     rope_scaling: dict[str, float] | None = Field(None, description="Llama 3 RoPE frequency scaling {factor, "
                                                   "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
                                                   "unset = none")
-    init_from: str | None = Field(None, description="Hugging Face model folder (config.json + *.safetensors, Llama "
-                                  "family or GPT-2) to start from: its config fills the model keys not given here, its "
-                                  "weights the parameters, its tokenizer.json the tokenizer")
+    init_from: str | None = Field(None, description="Hugging Face model folder (config.json + *.safetensors of a "
+                                  "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or GPT-2 model) "
+                                  "to start from: its config fills the model keys not given here, its weights the "
+                                  "parameters, its tokenizer.json the tokenizer")
     init_std: float = Field(0.02, gt=0.0, description="std of the normal init; residual output projections get std/sqrt(2*n_layers)")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture of experts ([model.moe] table)")
 

@@ -196,15 +196,15 @@ def check_tp(cfg) -> None:
     if p.tp_form == "megatron":
         checks.append((m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
                        f"model.n_kv_heads ({m.kv_heads}) and parallel.tp ({tp}) must divide one another"))
+        checks.append((m.qk_norm != "full", f"model.qk_norm=full normalises over the whole q and k widths, which "
+                                            f"parallel.tp_form=megatron splits over parallel.tp ({tp}) ranks (the "
+                                            f"all-gather form keeps them whole)"))
     else:
         checks += [(m.kv_heads % tp == 0, f"parallel.tp_form={p.tp_form} splits key/value heads: model.n_kv_heads "
                                           f"({m.kv_heads}) must be divisible by parallel.tp ({tp})"),
                    (m.d_model % tp == 0, f"model.d_model ({m.d_model}) must be divisible by parallel.tp ({tp})"),
                    (not p.sequence_parallel, f"parallel.sequence_parallel needs parallel.tp_form=megatron "
                                              f"(this run has {p.tp_form})")]
-        checks.append((m.qk_norm != "full", f"model.qk_norm=full normalises over the whole q and k widths, which "
-                                            f"parallel.tp_form=megatron splits over parallel.tp ({tp}) ranks (the "
-                                            f"all-gather form keeps them whole)"))
     if p.use_sp:
         checks.append((m.seq_len % tp == 0, f"sequence parallelism splits model.seq_len ({m.seq_len}) into "
                                             f"parallel.tp ({tp}) shards, so tp must divide it"))
