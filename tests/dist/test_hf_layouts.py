@@ -14,7 +14,7 @@ from teratrain.checkpoint.training import save_training
 from teratrain.config import load_config
 from teratrain.config_toml import to_toml
 from teratrain.fsio import atomic_write_bytes
-from tests.hf_models import save_gpt2, save_llama, save_mixtral, save_moe
+from tests.hf_models import save_gpt2, save_llama, save_mixtral, save_moe, save_qwen2, save_qwen3
 
 pytest.importorskip("transformers")
 TOL = 1e-5
@@ -30,16 +30,25 @@ def max_rel_diff(a: dict, b: dict, floor: float = 1e-3) -> float:
 
 
 def test_llama_mixtral_and_gpt2_from_hf_at_every_layout(tmp_path):
-    """Mixtral at ep=2 x tp=2: each rank reads its two experts' column / row slices."""
+    """Mixtral at ep=2 x tp=2: each rank reads its two experts' column / row slices. Qwen2's q/k/v
+    biases split with their heads (tp=2, sequence parallel; SGD, as GPT-2: a key bias has no true
+    gradient, test_tensor_parallel.py, so AdamW would scale its rounding to lr-sized steps). Qwen3's
+    per-head q/k norms whole on every rank, their gradients summed over tp (tp=4: each key head on 2
+    ranks; SGD at lr 0.5, where every tensor agrees within 4e-6, so a miscounted norm gradient would
+    show: under AdamW, eps 1e-6, the rounding of the split sums grows to 1.3e-5 on every matrix)."""
     save_llama(tmp_path / "llama")
     save_mixtral(tmp_path / "mixtral")
     save_gpt2(tmp_path / "gpt2", n_inner=64)  # the MLP width of BASE
-    llama = [f"model.init_from={str(tmp_path / 'llama')!r}"]
-    mixtral = [f"model.init_from={str(tmp_path / 'mixtral')!r}"]
+    save_qwen2(tmp_path / "qwen2")
+    save_qwen3(tmp_path / "qwen3")
+    llama, mixtral, qwen2, qwen3 = ([f"model.init_from={str(tmp_path / name)!r}"]
+                                    for name in ("llama", "mixtral", "qwen2", "qwen3"))
     gpt2 = GPT2 + [f"model.init_from={str(tmp_path / 'gpt2')!r}", "optim.name=sgd", "optim.lr=0.05"]
     layouts = [llama + ["parallel.tp=2", "parallel.zero=3"], llama + ["parallel.zero=3"], llama + ["parallel.tp=4"],
                gpt2 + ["parallel.tp=2", "parallel.zero=1"], gpt2 + ["parallel.zero=3", "parallel.offload=params"],
-               mixtral + ["parallel.ep=2", "parallel.tp=2"]]
+               mixtral + ["parallel.ep=2", "parallel.tp=2"],
+               qwen2 + ["optim.name=sgd", "optim.lr=0.05", "parallel.tp=2", "parallel.sequence_parallel=true"],
+               qwen3 + ["optim.name=sgd", "optim.lr=0.5", "parallel.tp=4"]]
     got = run_ranks(_many, 4, layouts)[0]
     refs = {}
     for layout, run in zip(layouts, got):

@@ -88,8 +88,9 @@ MOE_FAMILIES = {  # model_type -> what model.moe and the attention take from it
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_qwen_moe_and_olmoe_logits_match_transformers(tmp_path, family):
     """Softmax over all experts, top-2, the 2 scores normalised or not (norm_topk_prob), Qwen's experts
-    of 16 rows beside a dense MLP of 64 (OLMoE's experts: intermediate_size, 64); Qwen2-MoE's sigmoid-gated shared expert and dense first layer
-    (mlp_only_layers=[0]); the q/k/v biases and q/k norms of each family."""
+    of 16 rows beside a dense MLP of 64 (OLMoE's experts: intermediate_size, 64); Qwen2-MoE's
+    sigmoid-gated shared expert and dense first layer (mlp_only_layers=[0]); the q/k/v biases and q/k
+    norms of each family."""
     hf = save_moe(tmp_path, family)
     model = ours(tmp_path, "model.seq_len=16")
     m, want = model.cfg, MOE_FAMILIES[family]
