@@ -84,11 +84,12 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None, help="fewer steps than --steps where both runs would "
                    "not fit these seconds (a step timed first)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another config key, both runs")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--smoke", action="store_true", help="4 steps each, window 2")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args()
     steps, window = (4, 2) if args.smoke else (args.steps, args.window)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)  # tiny matmuls: more threads only wait on each other
     probe = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.budget_s and not args.smoke:
