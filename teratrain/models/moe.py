@@ -167,7 +167,7 @@ class Router(nn.Module, abc.ABC):
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Router z-loss (Zoph et al. 2022, ST-MoE eq. 5): mean over tokens of logsumexp(logits)^2."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).square().mean()
 
 
 class SoftmaxTopK(Router):
@@ -419,6 +419,12 @@ class MoE(nn.Module):
         else:
             self.aux_loss = r.aux_loss
 
+    def update_bias(self, load: torch.Tensor) -> None:
+        """After an optimizer step: the router's expert bias (balance=bias) moved by the step's load (n,)
+        over the whole global batch; other routers keep nothing to move."""
+        if getattr(self.router, "expert_bias", None) is not None:
+            self.router.update_bias(load)
+
     def scale_aux_grad(self, s: float) -> None:
         """Keep the aux loss's value but s times its gradient (tensor parallelism: every tp rank
         computes it whole, and the router's gradient is summed over tp)."""
@@ -518,6 +524,20 @@ def seed_routing(model: nn.Module, seed: int | None) -> None:
     micro-batch the same way. None returns to the default generator."""
     for _, m in moe_layers(model):
         m.routing_seed = seed
+
+
+def expert_biases(model: nn.Module) -> dict[str, list[float]]:
+    """{global layer key: expert bias} of this model's balance=bias routers (checkpointed in JSON)."""
+    return {key: m.router.expert_bias.tolist() for key, m in moe_layers(model)
+            if getattr(m.router, "expert_bias", None) is not None}
+
+
+@torch.no_grad()
+def load_expert_biases(model: nn.Module, saved: dict[str, list[float]]) -> None:
+    """Restore the expert biases of `expert_biases` into this model's routers (layers it holds)."""
+    for key, m in moe_layers(model):
+        if getattr(m.router, "expert_bias", None) is not None and key in saved:
+            m.router.expert_bias.copy_(torch.tensor(saved[key], dtype=torch.float64))
 
 
 def count_moe_block(cfg: "ModelConfig", mlp: int) -> dict[str, int]:
