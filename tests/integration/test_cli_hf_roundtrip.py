@@ -56,7 +56,7 @@ def test_an_moe_model_with_a_moe_key_comes_back_as_it_came_in(cli, tmp_path, fam
         save_moe(tmp_path / "src", family, max_position_embeddings=4096)
     source, exported, err = round_trip(cli, tmp_path, "model.moe.aux_loss_weight=0")
     assert differing(source, exported) == {}
-    assert f"({family}, 2 layers, d_model 32, 4 experts x top-2)" in err
+    assert f"({family}, 2 layers, d_model 32, 4 experts x top-2" in err  # Qwen2-MoE: then its widths
     assert "moe: aux loss 0 from config.json (output_router_logits false: transformers trains with none" in err
     cfg = load_config(tmp_path / "run" / "config.toml").model.moe
     assert (cfg.num_experts, cfg.aux_loss_weight) == (4, 0.0)
