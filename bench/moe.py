@@ -6,13 +6,19 @@ torchrun job.
     torchrun --nproc-per-node 4 bench/moe.py --ep 1,2,4   # 4 GPUs: ... ep=2, ep=4, ep=4 dropless (~3 min)
     torchrun --nproc-per-node 2 bench/moe.py --profile # + a torch.profiler account of 2 steps of each model
     python bench/moe.py --smoke                        # 2 CPU processes over gloo, tiny shapes: checks the script
+    torchrun --nproc-per-node 1 bench/moe.py --shape qwen3-30b-a3b --ep 1 --compile --no-one-gpu --parity-steps 0
+                                                       # 1 GPU: Qwen3-30B-A3B's MoE layers vs dense, eager and compiled
     torchrun --nproc-per-node 2 bench/moe.py --compile --compile-only --a2a-chunks 1 --only dense,moe_ep1,moe_ep2
                                                        # the same models compiled (train.compile): ~3 min
 
 Model (GPU): Llama-style, d_model 2048, 8 blocks, 16 heads (8 key/value), 32k vocab, 2048 tokens per
 sequence, bf16 autocast. MoE: every block's MLP is 8 SwiGLU experts of width 2816, top-2
 (`softmax-topk`, capacity factor 1.25); dense: one SwiGLU MLP of width 5632, so a token multiplies
-the same weights (plus the MoE router's 8 x 2048). Every model runs data parallel over every rank,
+the same weights (plus the MoE router's 8 x 2048). `--shape qwen3-30b-a3b`: Qwen3-30B-A3B's layers cut
+to 8 (32 heads, 4 key/value heads; the head width stays d_model / heads = 64, and the vocabulary
+32k): 128 fine-grained experts of width 768 (model.moe.expert_d_ff), top-8 renormalized (norm_topk), no
+capacity limit; dense: one MLP of width 8 x 768 = 6144, the same active FLOPs; at most 2 sequences
+per micro-batch (AdamW's state of 4.8 B expert parameters takes ~77 GB). Every model runs data parallel over every rank,
 2 micro-batches per rank, AdamW, on random tokens; the micro-batch is sized from the GPU's memory
 (4 sequences from 60 GiB free, as on an H100 or H200; fewer below). The MoE runs at each `--ep`
 (default 1 and the process count): at ep=1 each rank holds every expert (no all-to-all); at ep>1
@@ -109,15 +115,28 @@ MODE_TAGS = ("_compiled", "_graphed")  # a run's name ends with its mode's tag; 
 MODE_NAMES = {"": "eager", "_compiled": "compiled", "_graphed": "CUDA graphs"}
 
 
-def models(smoke: bool, eps: list[int], chunks: list[int]) -> dict[str, list[str]]:
-    """Each model's settings: the dense peer, the MoE at every ep, the largest ep once more dropless,
-    and every MoE at ep > 1 once more per `chunks` setting (parallel.ep_overlap_chunks)."""
-    ff = EXPERT_FF["smoke" if smoke else "gpu"]
-    moe = [f"model.d_ff={ff}", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=softmax-topk"]
-    out = {"dense": [f"model.d_ff={2 * ff}"]}
-    out.update({f"moe_ep{ep}": moe + ["model.moe.capacity_factor=1.25", f"parallel.ep={ep}"] for ep in eps})
-    if max(eps) > 1:
-        out[f"moe_ep{max(eps)}_dropless"] = moe + ["model.moe.capacity_factor=0", f"parallel.ep={max(eps)}"]
+# qwen3-30b-a3b: (attention heads, expert width, experts, top-k) on the GPU and in the smoke run
+QWEN3 = {"gpu": (["model.n_heads=32", "model.n_kv_heads=4"], 768, 128, 8), "smoke": ([], 16, 16, 4)}
+
+
+def models(smoke: bool, eps: list[int], chunks: list[int], shape: str = "8x2816-top2") -> dict[str, list[str]]:
+    """Each model's settings: the dense peer, the MoE at every ep, the largest ep once more dropless
+    (the 8-expert shape), and every MoE at ep > 1 once more per `chunks` setting
+    (parallel.ep_overlap_chunks)."""
+    if shape == "qwen3-30b-a3b":
+        heads, ff, n, k = QWEN3["smoke" if smoke else "gpu"]
+        moe = heads + [f"model.d_ff={k * ff}", f"model.moe.num_experts={n}", f"model.moe.top_k={k}",
+                       f"model.moe.expert_d_ff={ff}", "model.moe.router=softmax-topk", "model.moe.norm_topk=true",
+                       "model.moe.capacity_factor=0"]
+        out = {"dense": heads + [f"model.d_ff={k * ff}"]}
+        out.update({f"moe_ep{ep}": moe + [f"parallel.ep={ep}"] for ep in eps})
+    else:
+        ff = EXPERT_FF["smoke" if smoke else "gpu"]
+        moe = [f"model.d_ff={ff}", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=softmax-topk"]
+        out = {"dense": [f"model.d_ff={2 * ff}"]}
+        out.update({f"moe_ep{ep}": moe + ["model.moe.capacity_factor=1.25", f"parallel.ep={ep}"] for ep in eps})
+        if max(eps) > 1:
+            out[f"moe_ep{max(eps)}_dropless"] = moe + ["model.moe.capacity_factor=0", f"parallel.ep={max(eps)}"]
     for name in [n for n in out if n.startswith("moe_") and n != "moe_ep1"]:
         out.update({f"{name}_chunks{c}": out[name] + [f"parallel.ep_overlap_chunks={c}"] for c in chunks if c > 1})
     return out
@@ -361,13 +380,13 @@ def worker(args) -> None:
     eps = sorted(set(args.ep or [1, world]))
     if not args.smoke:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before reading its free memory
-    mb = micro_batch(args.smoke)
+    mb = micro_batch(args.smoke) if args.shape != "qwen3-30b-a3b" else min(micro_batch(args.smoke), 2)
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
     base += args.set  # every model, dense and MoE alike (e.g. memory.master_weights=true)
     if args.compile and args.smoke:
         smoke_compile()
-    runs = models(args.smoke, eps, args.a2a_chunks)
+    runs = models(args.smoke, eps, args.a2a_chunks, args.shape)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
     runs = in_modes({name: sets for name, sets in runs.items()
@@ -394,7 +413,7 @@ def one_gpu(base: list[str], mb: int, args) -> dict:
     out = {}
     if int(os.environ["RANK"]) == 0:
         per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
-        for name, sets in in_modes(models(args.smoke, [1], [1]), args).items():  # dense and moe_ep1
+        for name, sets in in_modes(models(args.smoke, [1], [1], args.shape), args).items():  # dense and moe_ep1
             out[f"one_gpu_{name}"] = measure(base + sets + per_gpu, args, single=True)
     dist.barrier()
     return out
@@ -441,7 +460,7 @@ def _report(args, world: int, eps: list[int], mb: int, check: dict | None, resul
     """The JSON object of the runs measured so far (`partial`: more were due)."""
     cuda = torch.cuda.is_available() and not args.smoke
     hopper = cuda and grouped_mm_without_sync(torch.device("cuda"), torch.bfloat16)
-    return json.dumps({"world": world, "eps": eps, "set": args.set, "smoke": args.smoke, "torch": torch.__version__,
+    return json.dumps({"world": world, "eps": eps, "shape": args.shape, "set": args.set, "smoke": args.smoke, "torch": torch.__version__,
                        "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
                        "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
                        "experts_kernel": "grouped_mm" if hopper else "loop",
@@ -515,6 +534,8 @@ def main() -> None:
                         "every run's tokens/s per GPU over theirs in its own mode (per_gpu_efficiency_same_mode)")
     p.add_argument("--only", type=lambda s: s.split(","), default=None,
                    help="models to time, comma-separated (e.g. dense,moe_ep1,moe_ep2; default all)")
+    p.add_argument("--shape", choices=["8x2816-top2", "qwen3-30b-a3b"], default="8x2816-top2",
+                   help="the MoE and its dense peer of equal active FLOPs (see above)")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")
     p.add_argument("--out", help="also write the JSON here (rank 0)")
     args = p.parse_args()

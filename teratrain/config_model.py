@@ -49,6 +49,40 @@ class MoEConfig(Section):
                                "its own capacity (GShard's local group dispatching; unset = 1)")
     noise: float | None = Field(None, ge=0.0, description="noisy-topk and hierarchical: multiplier of the trainable "
                                 "noise std Softplus(x W_noise) (Shazeer eq. 4; 0 = no noise); unset = 1")
+    expert_d_ff: int | None = Field(None, ge=1, description="inner width of each routed expert (fine-grained experts, "
+                                    "DeepSeek-MoE); unset = model.d_ff")
+    shared_experts: int = Field(0, ge=0, description="shared experts every token passes through, their output added "
+                                "to the routed output (DeepSeek-MoE; Qwen2-MoE: 1)")
+    shared_d_ff: int | None = Field(None, ge=1, description="inner width of each shared expert; unset = the routed "
+                                    "experts' width (model.moe.expert_d_ff)")
+    shared_gate: bool = Field(False, description="scale the shared experts' output by sigmoid(x w_g), w_g a learned "
+                              "(d_model -> 1) gate (Qwen2-MoE); false = ungated (DeepSeek-MoE)")
+    score: Literal["softmax", "sigmoid"] = Field("softmax", description="softmax-topk: router score of each expert, "
+                                                 "softmax over the experts (Mixtral, Qwen) or per-expert sigmoid "
+                                                 "(DeepSeek-V3)")
+    norm_topk: bool | None = Field(None, description="softmax-topk: divide the k chosen scores by their sum (Mixtral, "
+                                   "Qwen3-MoE, DeepSeek-V3); false = the raw scores (Qwen2-MoE, OLMoE); unset = true")
+    z_loss_weight: float = Field(0.0, ge=0.0, description="weight of the router z-loss, mean over tokens of "
+                                 "logsumexp(logits)^2 (ST-MoE eq. 5), summed over MoE layers into the loss")
+    first_dense_layers: int = Field(0, ge=0, description="the first k layers keep the dense MLP (DeepSeek's "
+                                    "first-k-dense); the others follow model.moe.every")
+    balance: Literal["aux", "bias"] = Field("aux", description="aux: the aux loss balances the experts; bias: a "
+                                            "per-expert bias on the scores for the top-k choice only, moved by "
+                                            "bias_rate after every step (DeepSeek-V3 auxiliary-loss-free); "
+                                            "aux_loss_weight then defaults to 0")
+    bias_rate: float = Field(1e-3, gt=0.0, description="balance=bias: the bias step per optimizer step, "
+                             "bias_e += rate * sign(mean load - load_e) (DeepSeek-V3's gamma)")
+    aux_loss_kind: Literal["batch", "sequence"] = Field("batch", description="softmax-topk: the balance loss over all "
+                                                        "tokens of a forward (batch), or per sequence and averaged "
+                                                        "over the sequences (DeepSeek-V3 eq. 17-20)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bias_means_no_aux(cls, data: Any) -> Any:
+        """balance=bias balances without the aux loss: its weight is 0 unless the user gives one."""
+        if isinstance(data, dict) and data.get("balance") == "bias" and "aux_loss_weight" not in data:
+            data = {**data, "aux_loss_weight": 0.0}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "MoEConfig":
@@ -63,6 +97,7 @@ class MoEConfig(Section):
         if self.aux_loss_convention == "transformers" and r != "softmax-topk":
             raise ConfigError(f"model.moe.aux_loss_convention=transformers is Mixtral's loss, defined for the softmax-topk "
                               f"router (this one is {r}); set model.moe.router=softmax-topk or aux_loss_convention=ours.")
+        self._check_modern()
         if n == 1:
             return self
         if r == "hierarchical":
@@ -77,9 +112,33 @@ class MoEConfig(Section):
             raise ConfigError(f"model.moe.top_k ({k}) exceeds model.moe.num_experts ({n}); lower it.")
         return self
 
+    def _check_modern(self) -> None:
+        """The options of modern routers (score, norm_topk, balance, z-loss, shared experts) against the router."""
+        r = self.router
+        only_topk = [("score", self.score != "softmax"), ("norm_topk", self.norm_topk is not None),
+                     ("balance", self.balance != "aux"), ("aux_loss_kind", self.aux_loss_kind != "batch")]
+        for key, used in only_topk:
+            if used and r != "softmax-topk":
+                raise ConfigError(f"model.moe.{key}={getattr(self, key)} is defined for the softmax-topk router (this "
+                                  f"one is {r}); set model.moe.router=softmax-topk or unset model.moe.{key}.")
+        if self.z_loss_weight and r == "hierarchical":
+            raise ConfigError("model.moe.z_loss_weight needs one row of router logits per expert, which the hierarchical "
+                              "router does not have; set it to 0 or choose another model.moe.router.")
+        if self.aux_loss_convention == "transformers" and (self.score, self.aux_loss_kind) != ("softmax", "batch"):
+            raise ConfigError("model.moe.aux_loss_convention=transformers is Mixtral's softmax loss over the batch; "
+                              "set aux_loss_convention=ours with score=sigmoid or aux_loss_kind=sequence.")
+        if not self.shared_experts and (self.shared_d_ff is not None or self.shared_gate):
+            raise ConfigError("model.moe.shared_d_ff and shared_gate describe shared experts, but model.moe.shared_experts "
+                              "is 0; set shared_experts >= 1 or unset them.")
+
     @property
     def enabled(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def normalize_topk(self) -> bool:
+        """Whether the chosen k scores are divided by their sum (the resolved norm_topk)."""
+        return True if self.norm_topk is None else self.norm_topk
 
     @property
     def k(self) -> int:
@@ -111,8 +170,9 @@ class MoEConfig(Section):
         return 1.0 if self.noise is None else self.noise
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether global layer `index` holds an MoE feed-forward layer."""
-        return self.enabled and (index + 1) % self.every == 0
+        """Whether global layer `index` holds an MoE feed-forward layer: past the first dense layers,
+        every `every`-th."""
+        return self.enabled and index >= self.first_dense_layers and (index + 1) % self.every == 0
 
 
 class ModelConfig(Section):
@@ -127,15 +187,21 @@ class ModelConfig(Section):
     seq_len: int = Field(128, ge=1, description="training context length in tokens")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on embeddings, attention and residuals")
     bias: bool | None = Field(None, description="biases in linear layers; unset = true for gpt2, false for llama")
+    qkv_bias: bool = Field(False, description="biases on the query, key and value projections only (Qwen2, "
+                           "Qwen2-MoE); llama only, and redundant with model.bias=true")
+    qk_norm: Literal["none", "head", "full"] = Field("none", description="RMSNorm of queries and keys before RoPE: "
+                                                     "head = per head over head_dim (Qwen3), full = over the whole "
+                                                     "q and k projection widths (OLMoE); llama only")
     tie_embeddings: bool = Field(False, description="share the input embedding with the output projection")
     norm_eps: float = Field(1e-5, gt=0.0, description="epsilon of RMSNorm/LayerNorm")
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base (llama only)")
     rope_scaling: dict[str, float] | None = Field(None, description="Llama 3 RoPE frequency scaling {factor, "
                                                   "low_freq_factor, high_freq_factor, original_max_position_embeddings}; "
                                                   "unset = none")
-    init_from: str | None = Field(None, description="Hugging Face model folder (config.json + *.safetensors, Llama "
-                                  "family or GPT-2) to start from: its config fills the model keys not given here, its "
-                                  "weights the parameters, its tokenizer.json the tokenizer")
+    init_from: str | None = Field(None, description="Hugging Face model folder (config.json + *.safetensors of a "
+                                  "Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or GPT-2 model) "
+                                  "to start from: its config fills the model keys not given here, its weights the "
+                                  "parameters, its tokenizer.json the tokenizer")
     init_std: float = Field(0.02, gt=0.0, description="std of the normal init; residual output projections get std/sqrt(2*n_layers)")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture of experts ([model.moe] table)")
 
@@ -170,9 +236,18 @@ class ModelConfig(Section):
         if self.rope_scaling is not None and set(self.rope_scaling) != set(ROPE_SCALING_KEYS):
             raise ConfigError(f"model.rope_scaling has keys {sorted(self.rope_scaling)}; give exactly "
                               f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3 scaling).")
+        if self.arch != "llama" and (self.qkv_bias or self.qk_norm != "none"):
+            raise ConfigError(f"model.qkv_bias and model.qk_norm belong to the llama decoder (this model has "
+                              f"model.arch={self.arch}); set model.arch=llama or leave them at false and none.")
+        if self.qkv_bias and self.use_bias:
+            raise ConfigError("model.qkv_bias adds biases to q, k and v only, while model.bias=true gives every "
+                              "linear layer one already; set one of them to false.")
         if self.moe.enabled and self.moe.every > self.n_layers:
             raise ConfigError(f"model.moe.every ({self.moe.every}) exceeds model.n_layers ({self.n_layers}), so no "
                               f"layer would hold experts; lower model.moe.every.")
+        if self.moe.enabled and not any(self.moe.is_moe_layer(i) for i in range(self.n_layers)):
+            raise ConfigError(f"model.moe.first_dense_layers ({self.moe.first_dense_layers}) leaves none of the "
+                              f"{self.n_layers} layers an MoE layer; lower model.moe.first_dense_layers.")
         return self
 
     @property
@@ -190,6 +265,16 @@ class ModelConfig(Section):
         if self.arch == "gpt2":
             return 4 * self.d_model
         return 64 * math.ceil(8 * self.d_model / 3 / 64)  # SwiGLU keeps ~the 4d MLP's parameter count
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Inner width of each routed expert (model.moe.expert_d_ff, else the MLP's)."""
+        return self.moe.expert_d_ff or self.ffn_dim
+
+    @property
+    def shared_ffn_dim(self) -> int:
+        """Inner width of all shared experts together (0 without): shared_experts x each one's width."""
+        return self.moe.shared_experts * (self.moe.shared_d_ff or self.expert_ffn_dim)
 
     @property
     def use_bias(self) -> bool:

@@ -18,7 +18,8 @@ def step_metrics(model, rt) -> dict:
     (tensor-parallel peers route the same tokens; an expert-parallel rank counts the tokens it
     routes, wherever their experts live) and gathered from every pipeline stage. Collective over dp
     (and pp for an MoE model: after the step, when no stage waits on another); {} for a dense model.
-    Resets the layers' counters. Keys: `moe` {layer: {aux_loss, dropped, load}}, `moe_aux_loss`
+    Resets the layers' counters and moves each balance=bias router's expert bias by the summed load
+    (the same counts, so the same bias, on every rank). Keys: `moe` {layer: {aux_loss, dropped, load}}, `moe_aux_loss`
     (summed over layers), `moe_dropped` (over all layers)."""
     layers = moe_layers(model)
     if rt.dims.pp > 1 and model.cfg.moe.enabled:  # pipelines run teratrain's own decoder only
@@ -42,6 +43,8 @@ def _stage_rows(layers, rt) -> dict[str, list[float]]:
                                             for k in ("dropped", "attempted", "aux_loss", "forwards")])]))
     table = torch.stack(rows)  # (layers, n + 4)
     all_reduce(table, rt.dp_group)
+    for (_, layer), row in zip(layers, table):
+        layer.update_bias(row[:n])  # DeepSeek-V3's auxiliary-loss-free balancing: load over the global batch
     return {key: row for (key, _), row in zip(layers, table.tolist())}
 
 

@@ -223,10 +223,34 @@ def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> 
     family = (_source_config(m, run_dir) or {}).get("model_type", m.arch) if m.init_from else m.arch
     e = m.moe
     experts = (f", {e.num_experts} experts x top-{e.k}" + (f" in one layer of {e.every}" if e.every > 1 else "")
-               if e.enabled else "")
+               + _moe_options(m) if e.enabled else "")
     n = count_params(m)["total"]
     return (f"model: {name} ({family}, {m.n_layers} layers, d_model {m.d_model}{experts}), "
             f"{n / 1e6:,.2f} M parameters")
+
+
+def _moe_options(m) -> str:
+    """The MoE options that differ from Mixtral's (which the summary leaves unsaid): expert width, first
+    dense layers, shared experts, score, top-k weights, balance, z-loss; e.g. ", width 768, sigmoid
+    scores, bias balance, 1 shared expert of width 1408 (gated)"."""
+    e, out = m.moe, []
+    if e.expert_d_ff:
+        out.append(f"width {m.expert_ffn_dim}")
+    if e.first_dense_layers:
+        out.append(f"first {e.first_dense_layers} dense")
+    if e.shared_experts:
+        out.append(f"{e.shared_experts} shared expert{'s' if e.shared_experts > 1 else ''} of width "
+                   f"{m.shared_ffn_dim // e.shared_experts}" + (" (gated)" if e.shared_gate else ""))
+    if e.score != "softmax":
+        out.append(f"{e.score} scores")
+    if e.norm_topk is False:
+        out.append("top-k weights not renormalized")
+    if e.balance != "aux" or e.aux_loss_kind != "batch":
+        out.append(f"{e.balance} balance" + (f" (rate {e.bias_rate:g})" if e.balance == "bias" else "")
+                   + (", sequence-wise aux loss" if e.aux_loss_kind == "sequence" else ""))
+    if e.z_loss_weight:
+        out.append(f"z-loss {e.z_loss_weight:g}")
+    return "".join(f", {o}" for o in out)
 
 
 def _source_config(m, run_dir: Path) -> dict | None:

@@ -14,6 +14,15 @@ LLAMA = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_lay
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16}
 MIXTRAL = {**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}
+# 4 experts of width 16 (not the dense MLP's 64), 2 per token; Qwen2-MoE's layer 0 keeps the dense MLP
+QWEN2_MOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+             "shared_expert_intermediate_size": 24, "mlp_only_layers": [0], "norm_topk_prob": False}
+QWEN3_MOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8,
+             "norm_topk_prob": True}
+# OLMoE's experts are intermediate_size wide. Its default pad_token_id (1) makes transformers' embedding
+# keep that row's gradient at zero, which teratrain's does not: these models have no padding token.
+OLMOE = {**LLAMA, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False, "pad_token_id": None,
+         "eos_token_id": 0}
 GPT2 = dict(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
 
 
@@ -28,6 +37,31 @@ def save_mixtral(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
     from transformers import MixtralConfig, MixtralForCausalLM
 
     return _save(path, MixtralForCausalLM, MixtralConfig(**{**MIXTRAL, **keys}), seed, None)
+
+
+def save_qwen2(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
+    """A Qwen2 of LLAMA's shape: biases on q, k, v (none on o or the MLP)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save(path, Qwen2ForCausalLM, Qwen2Config(**{**LLAMA, **keys}), seed, None)
+
+
+def save_qwen3(path: Path, seed: int = 0, **keys) -> "torch.nn.Module":
+    """A Qwen3 of LLAMA's shape (head_dim = hidden_size / heads): RMSNorm of each q and k head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save(path, Qwen3ForCausalLM, Qwen3Config(**{**LLAMA, "head_dim": 8, **keys}), seed, None)
+
+
+def save_moe(path: Path, family: str, seed: int = 0, **keys) -> "torch.nn.Module":
+    """A Qwen2-MoE (shared expert, q/k/v biases), Qwen3-MoE (per-head q/k norms) or OLMoE (whole-width
+    q/k norms) of LLAMA's attention shape: `family` is its model_type."""
+    import transformers
+
+    names, base = {"qwen2_moe": ("Qwen2Moe", QWEN2_MOE), "qwen3_moe": ("Qwen3Moe", QWEN3_MOE),
+                   "olmoe": ("Olmoe", OLMOE)}[family]
+    config = getattr(transformers, f"{names}Config")(**{**base, **keys})
+    return _save(path, getattr(transformers, f"{names}ForCausalLM"), config, seed, None)
 
 
 def save_gpt2(path: Path, seed: int = 0, shard: str | None = None, **keys) -> "torch.nn.Module":

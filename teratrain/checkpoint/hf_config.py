@@ -1,7 +1,8 @@
 """Hugging Face config.json <-> teratrain's model section: the one mapping that `teratrain plan`,
 `model.init_from` and `teratrain export` share.
 
-Families: Llama (and Mistral, the same layout), Mixtral (Mistral's layers with an 8-expert top-2
+Families: Llama (and Mistral, the same layout), Qwen2 and Qwen3 (Llama's layers with q/k/v biases,
+with per-head q/k norms: hf_families.py), their MoE forms and OLMoE, Mixtral (Mistral's layers with an 8-expert top-2
 feed-forward: model.moe with the softmax-topk router, no capacity limit) and GPT-2. All read
 `rope_theta`/`rope_scaling` as transformers 4 writes them and `rope_parameters` as transformers 5 does.
 
@@ -15,9 +16,8 @@ section and the run's comes back as it came in, `max_position_embeddings` (the m
 the training length model.seq_len) always. Without a source it writes the transformers 4 form, which
 5 reads too, with the training length as the context.
 
-Not mapped: Qwen2-MoE (and its descendants), whose layers add what teratrain's decoder lacks: a shared
-expert with a sigmoid gate next to the routed ones, top-k weights left unnormalized
-(norm_topk_prob=false), and biases on q/k/v only.
+Qwen2-MoE, Qwen3-MoE and OLMoE (hf_families.py) read their experts, shared expert and dense layers into
+model.moe; their aux loss is read and written as Mixtral's.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import json
 from pathlib import Path
 
 from teratrain.config_base import ConfigError
+from teratrain.checkpoint.hf_families import (AUX_COEF, DENSE_TYPES, MOE_TYPES, attention_keys, family_keys, moe_keys,
+                                              sliding_window)
 from teratrain.config_model import ROPE_SCALING_KEYS, ModelConfig
 
 SOURCE_CONFIG = "init_from_config.json"  # a run's copy of its model.init_from's config.json (train.py)
 HF_SEQ_CAP = 8192  # HF max_position_embeddings is the longest context, not the training length
-LLAMA_TYPES = ("llama", "mistral", "mixtral")  # the decoder of models/transformer.py, arch = llama
+LLAMA_TYPES = (*DENSE_TYPES, *MOE_TYPES)  # the decoder of models/transformer.py, arch = llama
 
 # HF config.json keys per family -> our model keys
 _HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -39,7 +41,8 @@ _HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_att
 _HF_GPT2 = {"n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads", "vocab_size": "vocab_size",
             "n_inner": "d_ff", "layer_norm_epsilon": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 # keys that fix the weights' shapes: a value given next to model.init_from must agree with config.json
-SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "bias", "tie_embeddings")
+SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "bias", "tie_embeddings",
+              "qkv_bias", "qk_norm")
 
 
 def read_config_json(path: Path) -> dict:
@@ -62,7 +65,7 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
     elif "hidden_size" in hf and "num_hidden_layers" in hf:
         keys, seq = _HF_LLAMA, hf.get("max_position_embeddings", 4096)
         model = {"arch": "llama", "bias": bool(hf.get("attention_bias", False)),
-                 "tie_embeddings": hf.get("tie_word_embeddings", False)}
+                 "tie_embeddings": hf.get("tie_word_embeddings", False), **attention_keys(hf)}
         rope = _rope(hf)
         if rope.get("rope_theta"):
             model["rope_theta"] = float(rope["rope_theta"])
@@ -79,19 +82,23 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
         seq = HF_SEQ_CAP
     model["seq_len"] = seq
     experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 1)
-    if experts > 1:  # Mixtral: softmax over the top-k router logits, every layer (models/moe.py softmax-topk)
+    if experts > 1 and hf.get("model_type", "mixtral") == "mixtral":  # softmax over the top-k logits, every layer
         model["moe"] = {"num_experts": experts, "top_k": int(hf.get("num_experts_per_tok") or 2),
                         "router": "softmax-topk", **_aux_of(hf)}
+    elif experts > 1:
+        model["moe"] = {**moe_keys(hf, path), **_aux_of(hf)}
     return model, notes
 
 
-MIXTRAL_AUX_COEF = 0.001  # transformers' MixtralConfig default of router_aux_loss_coef
+def _aux_coef(hf: dict) -> float:
+    """router_aux_loss_coef of config `hf`, else transformers' default of its family."""
+    return float(hf.get("router_aux_loss_coef", AUX_COEF.get(hf.get("model_type"), AUX_COEF["mixtral"])))
 
 
 def _aux_of(hf: dict) -> dict:
-    """The aux loss transformers trains a Mixtral of config `hf` with (module docstring)."""
+    """The aux loss transformers trains an MoE model of config `hf` with (module docstring)."""
     if hf.get("output_router_logits"):
-        return {"aux_loss_weight": float(hf.get("router_aux_loss_coef", MIXTRAL_AUX_COEF)),
+        return {"aux_loss_weight": _aux_coef(hf),
                 "aux_loss_convention": "transformers"}
     return {"aux_loss_weight": 0.0}
 
@@ -99,7 +106,7 @@ def _aux_of(hf: dict) -> dict:
 def aux_note(hf: dict, moe) -> str:
     """The start-up line on the aux loss of a run started from Mixtral config `hf` (`moe`: the run's
     model.moe): where its weight came from."""
-    coef, logits = hf.get("router_aux_loss_coef", MIXTRAL_AUX_COEF), bool(hf.get("output_router_logits"))
+    coef, logits = _aux_coef(hf), bool(hf.get("output_router_logits"))
     source = f"router_aux_loss_coef {coef:g}, output_router_logits {str(logits).lower()}"
     taken = {"aux_loss_convention": "ours", **_aux_of(hf)}
     if (moe.aux_loss_weight, moe.aux_loss_convention) != (taken["aux_loss_weight"], taken["aux_loss_convention"]):
@@ -126,10 +133,8 @@ def check_importable(hf: dict, path: Path) -> None:
     """Refuse, in one sentence, a model whose weights or math teratrain's decoder does not reproduce."""
     kind = hf.get("model_type")
     if kind != "gpt2" and kind not in LLAMA_TYPES:
-        why = (" (a shared expert with a sigmoid gate, unnormalized top-k weights and q/k/v-only biases, which "
-               "teratrain's decoder lacks)") if kind == "qwen2_moe" else ""
-        raise ConfigError(f"model.init_from: {path} holds a '{kind}' model{why}; teratrain maps Llama, Mistral, "
-                          "Mixtral and GPT-2 weights only.")
+        raise ConfigError(f"model.init_from: {path} holds a '{kind}' model; teratrain maps Llama, Mistral, Qwen2, "
+                          "Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GPT-2 weights only.")
     if kind == "gpt2":
         checks = [(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
                    f"activation {hf.get('activation_function')} (teratrain's GPT-2 uses tanh GELU)"),
@@ -141,7 +146,8 @@ def check_importable(hf: dict, path: Path) -> None:
         checks = [(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')} (SwiGLU needs silu)"),
                   (head_dim * hf["num_attention_heads"] == hf["hidden_size"], f"head_dim {head_dim} x heads != hidden_size"),
                   (bool(hf.get("attention_bias")) == bool(hf.get("mlp_bias")), "biases in attention but not the MLP"),
-                  (rope in ("default", "llama3"), f"rope type {rope} (teratrain implements default and llama3)")]
+                  (rope in ("default", "llama3"), f"rope type {rope} (teratrain implements default and llama3)"),
+                  (hf.get("clip_qkv") is None, f"clip_qkv {hf.get('clip_qkv')} (q, k, v clamped)")]
     for ok, what in checks:
         if not ok:
             raise ConfigError(f"model.init_from: {path} uses {what}, which teratrain's decoder does not implement; "
@@ -166,7 +172,7 @@ def init_shape(folder: str, given: dict) -> dict:
         if key in given and key in model and given[key] != model[key]:
             raise ConfigError(f"model.{key}={given[key]!r} contradicts {path} ({model[key]!r}); leave model.{key} unset "
                          "to take the model's, or start from a model of that shape.")
-    limit = hf.get("n_positions") if model["arch"] == "gpt2" else hf.get("sliding_window")
+    limit = hf.get("n_positions") if model["arch"] == "gpt2" else sliding_window(hf)
     seq = given.get("seq_len", model["seq_len"])
     if limit and seq > limit:
         what = "learned positions" if model["arch"] == "gpt2" else "sliding attention window (not implemented here)"
@@ -220,26 +226,7 @@ def _mapped(m) -> dict:
               "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
               "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
               "rope_theta": m.rope_theta, "attention_dropout": m.dropout, **rope, **common}
-    if m.moe.enabled:
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_mixtral(m), **layers}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": m.use_bias,
-            "mlp_bias": m.use_bias, **layers}
-
-
-def _mixtral(m) -> dict:
-    """The expert keys of a Mixtral config.json, after refusing what Mixtral cannot hold. The aux weight
-    becomes router_aux_loss_coef: exactly under the transformers convention; under ours divided by
-    top_k, the same weight per layer (transformers then pools the layers' tokens: docs/moe.md,
-    "Auxiliary loss: two conventions"); with output_router_logits true, without which transformers
-    trains with none. No aux loss: 0 and false."""
-    e = m.moe
-    if e.router != "softmax-topk" or e.every != 1 or m.use_bias:
-        raise ConfigError(f"Mixtral, the Hugging Face layout of mixture-of-experts models, has the softmax-topk router in "
-                          f"every layer and no biases (this model: model.moe.router={e.router}, model.moe.every="
-                          f"{e.every}, model.bias={str(m.use_bias).lower()}); export a model with those.")
-    coef = e.aux_loss_weight if e.aux_loss_convention == "transformers" else e.aux_loss_weight / e.k
-    return {"num_local_experts": e.num_experts, "num_experts_per_tok": e.k, "router_aux_loss_coef": coef,
-            "output_router_logits": coef > 0, "router_jitter_noise": 0.0, "sliding_window": None}
+    return {**layers, **family_keys(m)}
 
 
 def source_config(run_dir: Path, init_from: str | None) -> dict | None:

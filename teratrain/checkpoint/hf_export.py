@@ -1,7 +1,8 @@
 """`teratrain export --ckpt RUN --to DIR`: a trained run as a Hugging Face model folder that
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (LlamaForCausalLM, MixtralForCausalLM for
-a mixture-of-experts model, or GPT2LMHeadModel) and that gives the same logits (Mixtral routes without
-a capacity limit: a model trained with one gives the same logits where no choice overflows).
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads (the family that holds the model:
+Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or GPT-2, hf_families.py) and that gives the
+same logits (their MoE layers route without a capacity limit: a model trained with one gives the same
+logits where no choice overflows).
 
 Written: config.json (hf_config.py: for a run started from a Hugging Face model, that model's
 config.json with the keys the run changed; the run keeps a copy of it, SOURCE_CONFIG),

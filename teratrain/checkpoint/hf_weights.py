@@ -3,10 +3,14 @@ rank reads its slices) and written by `teratrain export`.
 
 Each of our parameters is a block of rows of one HF tensor, possibly transposed:
     Llama   model.layers.{i}.self_attn.q_proj.weight -> layers.{i}.attention.wq.weight (same layout: HF's
-            Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses)
+            Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses); Qwen2's
+            q/k/v biases and Qwen3's ....self_attn.q_norm.weight -> layers.{i}.attention.q_norm.weight alike
     Mixtral model.layers.{i}.block_sparse_moe.gate.weight -> layers.{i}.feed_forward.router.weight,
             ....block_sparse_moe.experts.{e}.w1.weight -> layers.{i}.feed_forward.experts.{e}.w1.weight (w2,
             w3 alike): the layout transformers 4 and 5 both save (5 fuses the experts only in memory)
+    Qwen2-MoE, Qwen3-MoE, OLMoE  ....mlp.gate.weight -> ....feed_forward.router.weight, ....mlp.experts.{e}.
+            gate_proj / up_proj / down_proj -> ....experts.{e}.w1 / w3 / w2; Qwen2-MoE's mlp.shared_expert.*
+            -> feed_forward.shared_expert.* and mlp.shared_expert_gate -> feed_forward.shared_expert_gate
     GPT-2   transformer.h.{i}.attn.c_attn.weight (d, 3d), a Conv1D stored (in, out) -> transposed, rows
             [0, d) are wq, [d, 2d) wk, [2d, 3d) wv; the other Conv1D weights (c_proj, c_fc) are transposed;
             transformer.wpe.weight -> pos_embeddings.weight, its first model.seq_len rows.
@@ -22,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from teratrain.checkpoint.format import CheckpointError
+from teratrain.checkpoint.hf_families import moe_type
 from teratrain.checkpoint.pieces import PieceSource
 
 HF_INDEX = "model.safetensors.index.json"
@@ -62,24 +67,39 @@ def hf_names(m) -> dict[str, Source]:
             pairs = [("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
                      ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo")]
             if m.moe.is_moe_layer(i):
-                pairs += _mixtral_experts(m.moe.num_experts)
+                pairs += _experts(m)
             else:
                 pairs += [("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
                           ("mlp.down_proj", "feed_forward.w2")]
             for theirs, mine in pairs:
-                for leaf in leaves:
+                qkv = m.qkv_bias and mine in ("attention.wq", "attention.wk", "attention.wv")
+                for leaf in ("weight", "bias") if qkv else leaves:
                     out[f"{ours}.{mine}.{leaf}"] = Source(f"{hf}.{theirs}.{leaf}")
+            if m.qk_norm != "none":  # Qwen3's per-head and OLMoE's whole-width norms: the same names
+                for x in "qk":
+                    out[f"{ours}.attention.{x}_norm.weight"] = Source(f"{hf}.self_attn.{x}_norm.weight")
         out["norm.weight"] = Source("model.norm.weight")
     if not m.tie_embeddings:
         out["output.weight"] = Source("lm_head.weight")
     return out
 
 
-def _mixtral_experts(n: int) -> list[tuple[str, str]]:
-    """(HF module, ours) of a Mixtral layer's router and experts: the same w1 (gate), w3 (up), w2 (down)."""
-    pairs = [("block_sparse_moe.gate", "feed_forward.router")]
-    for e in range(n):
-        pairs += [(f"block_sparse_moe.experts.{e}.{w}", f"feed_forward.experts.{e}.{w}") for w in ("w1", "w3", "w2")]
+def _experts(m) -> list[tuple[str, str]]:
+    """(HF module, ours) of an MoE layer's router and experts: Mixtral's block_sparse_moe.{gate, experts.e.w1,
+    w3, w2}; the others' mlp.{gate, experts.e.gate_proj, up_proj, down_proj} and Qwen2-MoE's
+    mlp.shared_expert (one MLP) and mlp.shared_expert_gate (d -> 1)."""
+    if moe_type(m) == "mixtral":
+        pairs = [("block_sparse_moe.gate", "feed_forward.router")]
+        for e in range(m.moe.num_experts):
+            pairs += [(f"block_sparse_moe.experts.{e}.{w}", f"feed_forward.experts.{e}.{w}") for w in ("w1", "w3", "w2")]
+        return pairs
+    mlp = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+    pairs = [("mlp.gate", "feed_forward.router")]
+    for e in range(m.moe.num_experts):
+        pairs += [(f"mlp.experts.{e}.{theirs}", f"feed_forward.experts.{e}.{w}") for theirs, w in mlp]
+    if m.moe.shared_experts:
+        pairs += [(f"mlp.shared_expert.{theirs}", f"feed_forward.shared_expert.{w}") for theirs, w in mlp]
+        pairs.append(("mlp.shared_expert_gate", "feed_forward.shared_expert_gate"))
     return pairs
 
 

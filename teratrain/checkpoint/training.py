@@ -36,6 +36,7 @@ from teratrain.checkpoint.format import DTYPE_NAMES, CheckpointError
 from teratrain.checkpoint.pieces import Piece
 from teratrain.checkpoint.state import rng_state, seed_everything, set_rng_state
 from teratrain.config import Config, ConfigError, validate
+from teratrain.models.moe import expert_biases, load_expert_biases
 from teratrain.parallel.comm import all_gather_objects, any_rank_false
 
 
@@ -56,10 +57,24 @@ def stage_training(step: int, cfg: Config, rt, engine, stopped_by: int = 0) -> t
     rng_t, rng_meta = rng_state()
     tensors.update(rng_t)
     meta.update(pieces=pieces, scalars=scalars, rng=rng_meta, step=step,
-                data={"next_step": step, "samples_seen": step * cfg.train.global_batch})
+                data={"next_step": step, "samples_seen": step * cfg.train.global_batch},
+                **_expert_biases(cfg, rt, engine))
     global_meta = {"dims": vars(rt.dims), "config": cfg.model_dump(),
                    **({"stopped_by": signal.Signals(stopped_by).name} if stopped_by else {})}
     return tensors, meta, global_meta
+
+
+def _expert_biases(cfg: Config, rt, engine) -> dict:
+    """{"moe_bias": {layer: bias}} of every balance=bias MoE layer of the model, on every rank: the
+    bias is the same on all ranks (moe_metrics moves it by globally summed loads), so any rank's JSON
+    restores any layout; pipeline stages pool theirs (collective over pp). {} without such a router."""
+    if not (cfg.model.moe.enabled and cfg.model.moe.balance == "bias"):
+        return {}
+    model = getattr(engine, "model", None)  # a parameter server's engine holds no model
+    mine = expert_biases(model) if model is not None else {}
+    if rt.dims.pp > 1:
+        mine = {key: bias for part in all_gather_objects(mine, rt.group("pp")) for key, bias in part.items()}
+    return {"moe_bias": mine}
 
 
 def encode(entries: list[Entry]) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -125,6 +140,8 @@ def restore_training(root: Path, cfg: Config, rt, engine, run_dir: Path) -> int:
     same = saved["dims"] == vars(rt.dims)
     rng_t, meta = io.load_rank(path, rt.rank if same else 0, prefix="rng.")
     engine.loaded(meta)
+    if getattr(engine, "model", None) is not None:
+        load_expert_biases(engine.model, meta.get("moe_bias", {}))
     if same:  # the same ranks: each continues its own streams
         set_rng_state(rng_t, meta["rng"])
     else:

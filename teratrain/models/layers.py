@@ -171,13 +171,23 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float):
+    """Multi-head (grouped-query) self-attention. `qkv_bias`: biases on wq, wk, wv only (Qwen2).
+    `qk_norm`: RMSNorm of q and k before RoPE, "head" per head over head_dim with one (hs,) weight
+    shared by the heads (Qwen3), "full" over the whole projection, (nh*hs,) and (nkv*hs,) weights (OLMoE)."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float,
+                 qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-5):
         super().__init__()
-        self.head_dim = d_model // n_heads
-        self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
-        self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.head_dim = hd = d_model // n_heads
+        self.wq = nn.Linear(d_model, n_heads * hd, bias=bias or qkv_bias)
+        self.wk = nn.Linear(d_model, n_kv_heads * hd, bias=bias or qkv_bias)
+        self.wv = nn.Linear(d_model, n_kv_heads * hd, bias=bias or qkv_bias)
+        self.wo = nn.Linear(n_heads * hd, d_model, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            full = qk_norm == "full"
+            self.q_norm = RMSNorm(n_heads * hd if full else hd, norm_eps)
+            self.k_norm = RMSNorm(n_kv_heads * hd if full else hd, norm_eps)
         self.core = CoreAttention(dropout)
         self.resid_dropout = nn.Dropout(dropout)
 
@@ -185,8 +195,13 @@ class Attention(nn.Module):
         hd = self.head_dim
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh*hs), (B, T, nkv*hs) x 2
         B, T = q.shape[:2]  # from the projections: sequence parallelism gathers x's T/tp tokens in wq
-        q = q.view(B, T, -1, hd).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, hd)  # (B, T, nh, hs)
+        k = k.view(B, T, -1, hd)  # (B, T, nkv, hs)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
         v = v.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
         if pos is not None and pos.rope is not None:
             q, k = apply_rotary(q, *pos.rope), apply_rotary(k, *pos.rope)

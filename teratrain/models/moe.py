@@ -130,14 +130,18 @@ class Router(nn.Module, abc.ABC):
         super().__init__()
         self.n, self.k, self.fp32 = cfg.num_experts, cfg.k, cfg.router_dtype == "fp32"
         self.capacity, self.groups, self.aux_weight = cfg.capacity, cfg.num_groups, cfg.aux_loss_weight
-        self.noise = cfg.noise_scale
+        self.noise, self.z_weight = cfg.noise_scale, cfg.z_loss_weight
         for name in router_param_names(cfg):
             setattr(self, name, nn.Parameter(torch.empty(router_rows(cfg), d_model)))
 
-    def forward(self, x: torch.Tensor, gen: torch.Generator | None = None) -> Routing:
-        experts, weights, routed, aux, probs = self.gate(x, gen)
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None = None, seq_len: int | None = None) -> Routing:
+        """x (N, d), the tokens of N / seq_len sequences one after another."""
+        experts, weights, routed, aux, probs, logits = self.gate(x, gen, seq_len or x.shape[0])
         kept = within_capacity(experts, routed, self.n, self.capacity, self.capacity_groups)
-        return Routing(experts, weights, kept, self.aux_weight * aux, routed.sum(), probs)
+        loss = self.aux_weight * aux
+        if self.z_weight:
+            loss = loss + self.z_weight * z_loss(logits)
+        return Routing(experts, weights, kept, loss, routed.sum(), probs)
 
     def max_rows(self, num_tokens: int, k: int) -> int | None:
         """Rows one expert takes at most from `num_tokens` tokens of k choices (None: no limit)."""
@@ -155,34 +159,79 @@ class Router(nn.Module, abc.ABC):
             return F.linear(x.float(), w.float())  # (N, rows)
 
     @abc.abstractmethod
-    def gate(self, x: torch.Tensor, gen: torch.Generator | None):
+    def gate(self, x: torch.Tensor, gen: torch.Generator | None, seq_len: int):
         """(experts (N, K), weights (N, K), routed (N, K) bool before capacity, unweighted aux loss,
-        the softmax over all experts (N, n) or None for routers without one)."""
+        the softmax over all experts (N, n) or None for routers without one, the logits (N, n) of
+        one row per expert that the z-loss reads)."""
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (Zoph et al. 2022, ST-MoE eq. 5): mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).square().mean()
 
 
 class SoftmaxTopK(Router):
-    def gate(self, x, gen):
-        probs = self.logits(x, self.weight).softmax(-1)  # (N, n)
-        top, experts = probs.topk(self.k, dim=-1)  # (N, k)
-        weights = top / top.sum(-1, keepdim=True)
-        f = F.one_hot(experts, self.n).sum((0, 1)).to(probs.dtype) / experts.numel()  # share of the N*k choices
-        aux = self.n * (f * probs.mean(0)).sum()
-        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, probs
+    """Top-k of per-expert scores s = softmax(x W_r) or sigmoid(x W_r) (model.moe.score). balance=bias
+    (DeepSeek-V3 sec. 2.1.2): the k largest s_e + b_e are chosen, their gates come from s alone; b is a
+    buffer moved by `update_bias` after every optimizer step, never by the optimizer."""
+
+    def __init__(self, cfg: "MoEConfig", d_model: int):
+        super().__init__(cfg, d_model)
+        self.sigmoid, self.norm, self.sequence = cfg.score == "sigmoid", cfg.normalize_topk, cfg.aux_loss_kind == "sequence"
+        self.bias_rate = cfg.bias_rate
+        self.register_buffer("expert_bias", torch.zeros(self.n) if cfg.balance == "bias" else None)
+
+    def gate(self, x, gen, seq_len):
+        logits = self.logits(x, self.weight)  # (N, n)
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        if self.expert_bias is None:
+            top, experts = scores.topk(self.k, dim=-1)  # (N, k)
+        else:  # the choice by s + b, the gates from s (a gather: distinct indices per row)
+            experts = (scores.detach() + self.expert_bias).topk(self.k, dim=-1).indices
+            top = scores.gather(1, experts)
+        weights = top / top.sum(-1, keepdim=True) if self.norm else top
+        normed = scores / scores.sum(-1, keepdim=True) if self.sigmoid else scores  # a softmax already sums to 1
+        aux = balance_loss(normed, experts, self.n, seq_len if self.sequence else x.shape[0])
+        probs = None if self.sigmoid else scores
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, probs, logits
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """b_e += bias_rate * sign(mean load - load_e) (DeepSeek-V3 sec. 2.1.2), `load` (n,) the routed
+        tokens of each expert over the whole global batch of the step (the same on every rank)."""
+        load = load.to(self.expert_bias.device, torch.float64)
+        self.expert_bias += (self.bias_rate * torch.sign(load.mean() - load)).to(self.expert_bias.dtype)
+
+
+def balance_loss(scores: torch.Tensor, experts: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
+    """n * sum_e f_e P_e per run of seq_len tokens, averaged over the runs: f_e the share of the run's
+    T*k choices that picked e, P_e the run's mean of `scores` (N, n), each row summing to 1. One run
+    of all N tokens: Switch eq. 4 / Mixtral; runs of one sequence: DeepSeek-V3's sequence-wise loss
+    (eq. 17-20, its f_e = n / (k T) * count_e, here n times ours)."""
+    N, k = experts.shape
+    if seq_len >= N:
+        f = F.one_hot(experts, n).sum((0, 1)).to(scores.dtype) / experts.numel()  # share of the N*k choices
+        return n * (f * scores.mean(0)).sum()
+    runs = N // seq_len
+    f = F.one_hot(experts.view(runs, seq_len * k), n).sum(1).to(scores.dtype) / (seq_len * k)  # (runs, n)
+    return (n * (f * scores.view(runs, seq_len, n).mean(1)).sum(-1)).mean()
 
 
 class SwitchTop1(Router):
-    def gate(self, x, gen):
-        probs = self.logits(x, self.weight).softmax(-1)  # (N, n)
+    def gate(self, x, gen, seq_len):
+        logits = self.logits(x, self.weight)
+        probs = logits.softmax(-1)  # (N, n)
         p, expert = probs.max(-1)  # (N,)
         f = F.one_hot(expert, self.n).to(probs.dtype).mean(0)  # fraction of tokens dispatched to each expert
         aux = self.n * (f * probs.mean(0)).sum()  # Fedus et al. eq. 4 (times alpha = aux_loss_weight)
         experts = expert.unsqueeze(1)
-        return experts, p.unsqueeze(1), torch.ones_like(experts, dtype=torch.bool), aux, probs
+        return experts, p.unsqueeze(1), torch.ones_like(experts, dtype=torch.bool), aux, probs, logits
 
 
 class GShardTop2(Router):
-    def gate(self, x, gen):
-        gates = self.logits(x, self.weight).softmax(-1)  # (N, E)
+    def gate(self, x, gen, seq_len):
+        logits = self.logits(x, self.weight)
+        gates = logits.softmax(-1)  # (N, E)
         top, experts = gates.topk(2, dim=-1)
         weights = top / top.sum(-1, keepdim=True)  # g1, g2 normalized
         routed = torch.ones_like(experts, dtype=torch.bool)
@@ -194,7 +243,7 @@ class GShardTop2(Router):
             c = F.one_hot(experts[lo:hi, 0], self.n).to(gates.dtype).sum(0)  # tokens whose first choice is e
             m = gates[lo:hi].mean(0)
             aux.append((c / (hi - lo) * m).sum() / self.n)
-        return experts, weights, routed, torch.stack(aux).mean(), None
+        return experts, weights, routed, torch.stack(aux).mean(), None, logits
 
 
 def _noisy_topk(clean: torch.Tensor, noise_logits: torch.Tensor, k: int, scale: float, noisy: bool,
@@ -219,11 +268,11 @@ def _noisy_topk(clean: torch.Tensor, noise_logits: torch.Tensor, k: int, scale: 
 
 
 class NoisyTopK(Router):
-    def gate(self, x, gen):
+    def gate(self, x, gen, seq_len):
         clean, noise = self.logits(x, self.weight), self.logits(x, self.w_noise)  # (N, n) each
         experts, weights, dense, load = _noisy_topk(clean, noise, self.k, self.noise, self.training, gen)
         aux = cv_squared(dense.sum(0)) + cv_squared(load.sum(0))  # importance, load (eqs. 6-11)
-        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None, clean
 
 
 class Hierarchical(Router):
@@ -238,7 +287,7 @@ class Hierarchical(Router):
     def capacity_groups(self) -> int:
         return 1  # `groups` are the expert groups here
 
-    def gate(self, x, gen):
+    def gate(self, x, gen, seq_len):
         N, a, b, k = x.shape[0], self.a, self.b, self.k
         clean, noise = self.logits(x, self.weight), self.logits(x, self.w_noise)  # (N, a + n)
         gi, gp, Gp, load_p = _noisy_topk(clean[:, :a], noise[:, :a], k, self.noise, self.training, gen)  # (N, k)
@@ -251,7 +300,7 @@ class Hierarchical(Router):
         member = (Gp > 0).to(load_s.dtype)  # (N, a): x in X^(i)
         load = load_p.sum(0).unsqueeze(-1) * (member.unsqueeze(-1) * load_s).sum(0) / member.sum(0).clamp(min=1).unsqueeze(-1)  # eq. 14
         aux = cv_squared(importance.flatten()) + cv_squared(load.flatten())
-        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None
+        return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None, None
 
 
 ROUTERS = {"softmax-topk": SoftmaxTopK, "noisy-topk": NoisyTopK, "gshard-top2": GShardTop2,
@@ -306,8 +355,12 @@ class MoE(nn.Module):
         self.num_experts, self.layer = m.num_experts, layer
         self.router = ROUTERS[m.router](m, cfg.d_model)
         drop = cfg.dropout if m.expert_dropout is None else m.expert_dropout
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.d_model, cfg.ffn_dim, cfg.use_bias, drop, cfg.arch == "llama")
-                                      for e in range(m.num_experts)})
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.d_model, cfg.expert_ffn_dim, cfg.use_bias, drop,
+                                                     cfg.arch == "llama") for e in range(m.num_experts)})
+        # shared experts (DeepSeek-MoE): one MLP as wide as all of them together, which is their sum
+        self.shared_expert = Expert(cfg.d_model, cfg.shared_ffn_dim, cfg.use_bias, drop, cfg.arch == "llama") \
+            if m.shared_experts else None
+        self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False) if m.shared_gate else None  # Qwen2-MoE
         self.dropout = nn.Dropout(cfg.dropout)
         self.convention, self.aux_weight = m.aux_loss_convention, m.aux_loss_weight
         self.kernel = "auto"  # grouped GEMM where it runs without a read-back; "grouped" / "loop" force one
@@ -320,7 +373,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, d)
-        r = self.router(flat, self._generator(x.device))
+        r = self.router(flat, self._generator(x.device), x.shape[1] if x.dim() == 3 else None)
         N, K = r.experts.shape
         key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
         if self.exchange is None:
@@ -329,6 +382,11 @@ class MoE(nn.Module):
             ys, lay = self.exchange(flat, key, K, self.router.max_rows(N, K), self)
         w = torch.where(r.routed, r.weights, 0.0).to(ys.dtype)
         out = combine(ys, lay, w, K)  # (N, d); all choices dropped: zero
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(flat))
+            out = out + shared.to(out.dtype)
         self._set_aux(r)
         self._record(r, lay.counts)
         return self.dropout(out.view(x.shape))
@@ -360,6 +418,12 @@ class MoE(nn.Module):
             self.aux_loss = _pooled_balance_loss([self], self.aux_weight)
         else:
             self.aux_loss = r.aux_loss
+
+    def update_bias(self, load: torch.Tensor) -> None:
+        """After an optimizer step: the router's expert bias (balance=bias) moved by the step's load (n,)
+        over the whole global batch; other routers keep nothing to move."""
+        if getattr(self.router, "expert_bias", None) is not None:
+            self.router.update_bias(load)
 
     def scale_aux_grad(self, s: float) -> None:
         """Keep the aux loss's value but s times its gradient (tensor parallelism: every tp rank
@@ -462,9 +526,28 @@ def seed_routing(model: nn.Module, seed: int | None) -> None:
         m.routing_seed = seed
 
 
+def expert_biases(model: nn.Module) -> dict[str, list[float]]:
+    """{global layer key: expert bias} of this model's balance=bias routers (checkpointed in JSON)."""
+    return {key: m.router.expert_bias.tolist() for key, m in moe_layers(model)
+            if getattr(m.router, "expert_bias", None) is not None}
+
+
+@torch.no_grad()
+def load_expert_biases(model: nn.Module, saved: dict[str, list[float]]) -> None:
+    """Restore the expert biases of `expert_biases` into this model's routers (layers it holds)."""
+    for key, m in moe_layers(model):
+        if getattr(m.router, "expert_bias", None) is not None and key in saved:
+            m.router.expert_bias.copy_(torch.tensor(saved[key], dtype=torch.float64))
+
+
 def count_moe_block(cfg: "ModelConfig", mlp: int) -> dict[str, int]:
-    """Parameters of one MoE feed-forward layer given one expert's `mlp` count: total (router and
-    every expert) and active (the matmul weights one token multiplies: the router and its experts)."""
-    m = cfg.moe
-    router = len(router_param_names(m)) * router_rows(m) * cfg.d_model
-    return {"total": router + m.num_experts * mlp, "active": router + m.experts_per_token * mlp}
+    """Parameters of one MoE feed-forward layer given one routed expert's `mlp` count: total (router,
+    every expert, the shared experts and their gate) and active (the matmul weights one token
+    multiplies: the router, its experts, the shared ones)."""
+    m, d = cfg.moe, cfg.d_model
+    router = len(router_param_names(m)) * router_rows(m) * d
+    shared = 0
+    if m.shared_experts:
+        n_mats, b = (3 if cfg.arch == "llama" else 2), (1 if cfg.use_bias else 0)
+        shared = n_mats * d * cfg.shared_ffn_dim + b * ((n_mats - 1) * cfg.shared_ffn_dim + d) + d * m.shared_gate
+    return {"total": router + shared + m.num_experts * mlp, "active": router + shared + m.experts_per_token * mlp}

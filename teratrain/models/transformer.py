@@ -33,7 +33,8 @@ class Block(nn.Module):
         super().__init__()
         d, bias = cfg.d_model, cfg.use_bias
         self.attention_norm = _norm(cfg)
-        self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout)
+        self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout, cfg.qkv_bias, cfg.qk_norm,
+                                   cfg.norm_eps)
         self.ffn_norm = _norm(cfg)
         mlp = SwiGLU if cfg.arch == "llama" else GeluMLP
         self.feed_forward = moe.MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else mlp(d, cfg.ffn_dim, bias, cfg.dropout)
@@ -129,8 +130,15 @@ class Transformer(nn.Module):
         (seed, name), so a shard can be initialized identically to the full model's slice."""
         for name, p in self.named_parameters():
             init_param_(p, name, self.cfg, seed)
+        self._reset_buffers()
+
+    def _reset_buffers(self) -> None:
+        """RoPE tables computed, MoE routers' expert biases (balance=bias) at zero."""
         if self.rope is not None:
             self.rope.reset()
+        for _, layer in moe.moe_layers(self):
+            if getattr(layer.router, "expert_bias", None) is not None:
+                layer.router.expert_bias.zero_()
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str) -> None:
@@ -139,8 +147,7 @@ class Transformer(nn.Module):
         for mod in self.modules():
             for name, buf in list(mod.named_buffers(recurse=False)):
                 mod._buffers[name] = torch.empty_like(buf, device=device)
-        if self.rope is not None:
-            self.rope.reset()
+        self._reset_buffers()
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = self.tok_embeddings.weight
@@ -209,22 +216,24 @@ def count_params(cfg: "ModelConfig") -> dict[str, int]:
     d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
     b = 1 if cfg.use_bias else 0
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-    attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d)
+    attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d) + (q + 2 * kv if cfg.qkv_bias else 0)
+    qk_norm = {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm]
     n_mats = 3 if cfg.arch == "llama" else 2
     mlp = n_mats * d * cfg.ffn_dim + b * ((n_mats - 1) * cfg.ffn_dim + d)
     norm = d if cfg.arch == "llama" else d * (1 + b)
-    block = attn + mlp + 2 * norm
+    block = attn + mlp + 2 * norm + qk_norm
     emb = cfg.vocab_size * d
     pos = cfg.seq_len * d if cfg.arch == "gpt2" else 0
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     total = emb + pos + L * block + norm + head
     matmul = L * (attn + mlp) + cfg.vocab_size * d  # head matmul, tied or not
     n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(L))
-    layer = moe.count_moe_block(cfg, mlp) if n_moe else {"total": mlp, "active": mlp}
+    expert = n_mats * d * cfg.expert_ffn_dim + b * ((n_mats - 1) * cfg.expert_ffn_dim + d)  # one routed expert
+    layer = moe.count_moe_block(cfg, expert) if n_moe else {"total": mlp, "active": mlp}
     total += n_moe * (layer["total"] - mlp)
     matmul += n_moe * (layer["active"] - mlp)
     return {"total": total, "embedding": emb + pos, "matmul": matmul, "per_block": block,
-            "expert": n_moe * cfg.moe.num_experts * mlp, "active": total - n_moe * (layer["total"] - layer["active"])}
+            "expert": n_moe * cfg.moe.num_experts * expert, "active": total - n_moe * (layer["total"] - layer["active"])}
 
 
 def flops_per_token(cfg: "ModelConfig", seq_len: int | None = None) -> float:

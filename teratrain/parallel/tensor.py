@@ -191,6 +191,7 @@ _STYLES = {  # how each style of the plan (tp_plan.py) swaps a module; None: it 
     "sequence_norm": lambda m, ctx, name: None,  # replicated: only its placement changes (partial under sp)
     "moe_region": _moe_region,
     "moe_router": lambda m, ctx, name: None,  # replicated: its gradient is partial over tp (its placement)
+    "head_norm": lambda m, ctx, name: None,  # replicated: each rank normalises its heads (its placement)
     "rowwise_partial": _rowwise_partial,
     "split_rng": lambda m, ctx, name: ForkedRNG(m, ctx.rank) if m.p > 0 else None,  # a split hidden activation
     "head_rng": lambda m, ctx, name: _rng(m, ctx, ctx.form == "megatron"),  # local heads under the megatron form

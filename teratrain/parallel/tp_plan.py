@@ -11,6 +11,9 @@ Styles (tensor.py says what each runs forward and backward):
     vocab_*      the embedding's and the head's vocabulary rows split (the last piece padded)
     sequence_*   under sequence parallelism each tp rank sees T/tp tokens: a norm's or learned
                  position's gradient is partial over tp (group dp_tp)
+    head_norm    model.qk_norm=head's (hs,) weight, whole on every rank: under the megatron form each
+                 rank normalises its own heads, so its gradient is partial over tp (a key head held by
+                 several ranks gets from each the part of its local query heads: the sum is whole)
 LoRA's adapters (memory/lora.py) are split with their base weight: a column split cuts B's rows and
 keeps A whole, a row split cuts A's columns and keeps B whole; the whole factor's gradient is
 partial over tp.
@@ -31,7 +34,7 @@ BLOCK_PLAN = {
     "attention_norm": "sequence_norm", "ffn_norm": "sequence_norm",
     "attention": "region",
     "attention.wq": "colwise", "attention.wk": "colwise_kv", "attention.wv": "colwise_kv",
-    "attention.wo": "rowwise",
+    "attention.wo": "rowwise", "attention.q_norm": "head_norm", "attention.k_norm": "head_norm",
     "attention.core": "head_rng", "attention.resid_dropout": "sequence_rng",
     "feed_forward": "region",
     "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
@@ -82,6 +85,10 @@ def _block_plan(block: nn.Module, form: str) -> dict[str, str]:
         plan.update(MOE_PLAN)
         plan.update({f"feed_forward.experts.{e}.{leaf}": style for e in block.feed_forward.experts
                      for leaf, style in EXPERT_PLAN.items()})
+        # the shared experts are split like an expert; their gate, like the router, runs whole
+        if block.feed_forward.shared_expert is not None:
+            plan.update({f"feed_forward.shared_expert.{leaf}": style for leaf, style in EXPERT_PLAN.items()})
+            plan["feed_forward.shared_expert_gate"] = "moe_router"
     return plan
 
 
@@ -171,6 +178,7 @@ _RULES = {
     "sequence_norm": lambda m, s, name, out: _partial_over_tp(m, name, out) if s.sp else None,
     "sequence_positions": lambda m, s, name, out: _partial_over_tp(m, name, out) if s.sp else None,
     "moe_router": lambda m, s, name, out: _partial_over_tp(m, name, out),
+    "head_norm": lambda m, s, name, out: _partial_over_tp(m, name, out) if s.form == "megatron" else None,
     "vocab_embedding": lambda m, s, name, out: out.update({f"{name}.weight": _cut(m, s, name, "weight", 0, s.tp)}),
     "vocab_head": _vocab_head,
 }
@@ -188,6 +196,9 @@ def check_tp(cfg) -> None:
     if p.tp_form == "megatron":
         checks.append((m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
                        f"model.n_kv_heads ({m.kv_heads}) and parallel.tp ({tp}) must divide one another"))
+        checks.append((m.qk_norm != "full", f"model.qk_norm=full normalises over the whole q and k widths, which "
+                                            f"parallel.tp_form=megatron splits over parallel.tp ({tp}) ranks (the "
+                                            f"all-gather form keeps them whole)"))
     else:
         checks += [(m.kv_heads % tp == 0, f"parallel.tp_form={p.tp_form} splits key/value heads: model.n_kv_heads "
                                           f"({m.kv_heads}) must be divisible by parallel.tp ({tp})"),

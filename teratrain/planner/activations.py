@@ -140,7 +140,8 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
         "mlp_inputs": ([] if shape.num_experts > 1 else  # an MoE layer's: its dispatch buffer (_moe_saved)
                        _region_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device, tp, sp, form)),
         # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
-        "mlp_hidden": _div([Saved(n * ff, cb)] * (k_moe * (4 if c.arch == "llama" else 2)), tp),
+        "mlp_hidden": _div([Saved(n * (ff if k_moe == 1 else c.expert_ffn_dim), cb)]
+                           * (k_moe * (4 if c.arch == "llama" else 2)), tp),
     }
     if c.arch == "llama" and cb != 4:
         out["rope_casts"] = [Saved(seq_len * c.head_dim, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
@@ -220,7 +221,18 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
             "moe_combine": [Saved(m * c.d_model, w.compute), Saved(m, w.compute, "keep"), Saved(m, INDEX_BYTES, "keep"),
                             Saved(m + 1, INDEX_BYTES, "keep"), Saved(m, 1, "keep"), Saved(m, 1, "keep")]
             + [Saved(m, INDEX_BYTES, "keep")] * (2 if ep > 1 else 0),
-            "aux_loss": [Saved(shape.num_experts, 4, "keep")]}
+            "aux_loss": [Saved(shape.num_experts, 4, "keep")], **_shared_saved(shape, w, n)}
+
+
+def _shared_saved(shape: ModelShape, w: Widths, n: int) -> dict[str, list[Saved]]:
+    """The shared experts' MLP (models/moe.py) on all n tokens: its input, its hidden tensors as a dense
+    MLP's, and the gate's logit and sigmoid (shared_gate)."""
+    c = shape.cfg
+    if not c.moe.shared_experts:
+        return {}
+    hidden = [Saved(n * c.shared_ffn_dim, w.compute)] * (4 if c.arch == "llama" else 2)
+    gate = [Saved(n, w.compute, "keep")] * 2 if c.moe.shared_gate else []
+    return {"shared_experts": [Saved(n * c.d_model, w.compute)] + hidden + gate}
 
 
 def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str, tp: int, dropout: float,
@@ -285,18 +297,20 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     c = shape.cfg
     d, kvd = c.d_model, c.kv_heads * c.head_dim
     attn = d * (d + 2 * kvd) + d * d
-    mlp = (3 if c.arch == "llama" else 2) * d * c.ffn_dim
+    n_mats = 3 if c.arch == "llama" else 2
+    mlp, expert = n_mats * d * c.ffn_dim, n_mats * d * c.expert_ffn_dim
+    attn += shape.moe_share * n_mats * d * c.shared_ffn_dim  # shared experts: cast like the attention
     if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
         attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) if w.autocast_copies else 0
         if shape.num_experts == 1:
             return attn_mlp
-        return attn_mlp + _expert_copies(shape, w, ep, form, device, mlp, tp)
+        return attn_mlp + _expert_copies(shape, w, ep, form, device, expert, tp)
     if shape.num_experts == 1:
         return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
-        return _expert_copies(shape, w, ep, form, device, mlp, tp)
+        return _expert_copies(shape, w, ep, form, device, expert, tp)
     return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + _expert_copies(
-        shape, w, ep, form, device, mlp, tp)
+        shape, w, ep, form, device, expert, tp)
 
 
 def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, mlp: int, tp: int) -> int:

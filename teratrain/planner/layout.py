@@ -38,6 +38,12 @@ class ModelShape:
         return 1 if self.is_bare or self.num_experts == 1 else self.cfg.moe.experts_per_token
 
     @property
+    def moe_hidden(self) -> int:
+        """Inner width one token passes through in an MoE layer: top_k routed experts of
+        model.moe.expert_d_ff and the shared experts (models/moe.py)."""
+        return self.top_k * self.cfg.expert_ffn_dim + self.cfg.shared_ffn_dim
+
+    @property
     def moe_share(self) -> float:
         """Fraction of the blocks that hold experts (model.moe.every)."""
         if self.num_experts == 1:
@@ -63,26 +69,32 @@ class ModelShape:
     def _shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter tensor of our Transformer in `named_parameters()` order,
         nn.Linear weights as (out, in). ZeRO's bucketing and per-tensor optimizer state follow it.
-        An MoE block's feed-forward is its router (models/moe.py) and every expert's MLP."""
+        An MoE block's feed-forward is its router (models/moe.py), every expert's MLP (of width
+        model.moe.expert_d_ff), then the shared experts' MLP and its gate."""
         if self.is_bare:
             return []
         c = self.cfg
         d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
         norm = [("weight", (d,))] + ([("bias", (d,))] if c.arch == "gpt2" and c.use_bias else [])
 
-        def linear(name, out, inp):
-            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if c.use_bias else [])
+        def linear(name, out, inp, bias=False):
+            return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if c.use_bias or bias else [])
 
-        mlp_names = [("w1", ff, d), ("w3", ff, d), ("w2", d, ff)] if c.arch == "llama" else [("w1", ff, d), ("w2", d, ff)]
-        mlp = [t for n, o, i in mlp_names for t in linear(n, o, i)]
-        moe = []
+        def mlp_of(ff):
+            names = [("w1", ff, d), ("w3", ff, d), ("w2", d, ff)] if c.arch == "llama" else [("w1", ff, d), ("w2", d, ff)]
+            return [t for n, o, i in names for t in linear(n, o, i)]
+
+        mlp, moe = mlp_of(ff), []
         if self.num_experts > 1:
             rows = router_rows(c.moe)
             moe = [(f"router.{n}", (rows, d)) for n in router_param_names(c.moe)]
-            moe += [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp]
+            moe += [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp_of(c.expert_ffn_dim)]
+            moe += [(f"shared_expert.{n}", s) for n, s in (mlp_of(c.shared_ffn_dim) if c.moe.shared_experts else [])]
+            moe += [("shared_expert_gate.weight", (1, d))] if c.moe.shared_gate else []
         head = ([(f"attention_norm.{n}", s) for n, s in norm]
                 + [(f"attention.{n}", s) for m, o, i in (("wq", q, d), ("wk", kv, d), ("wv", kv, d), ("wo", d, q))
-                   for n, s in linear(m, o, i)]
+                   for n, s in linear(m, o, i, c.qkv_bias and m != "wo")]
+                + [(f"attention.{n}_norm.weight", (w,)) for n, w in qk_norm_widths(c)]
                 + [(f"ffn_norm.{n}", s) for n, s in norm])
         out = [("tok_embeddings.weight", (c.vocab_size, d))]
         if c.arch == "gpt2":
@@ -193,3 +205,10 @@ class Training:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+def qk_norm_widths(c) -> list[tuple[str, int]]:
+    """(q or k, width) of the attention's query/key RMSNorm weights (model.qk_norm; models/layers.py)."""
+    if c.qk_norm == "none":
+        return []
+    full = c.qk_norm == "full"
+    return [("q", c.n_heads * c.head_dim if full else c.head_dim), ("k", c.kv_heads * c.head_dim if full else c.head_dim)]

@@ -105,9 +105,9 @@ def _layer_backward(shape: ModelShape, train: Training, lay: Layout) -> int:
     dtype, plus the fp32 residual-stream gradient and its copy."""
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
     n = lay.tokens(c.seq_len)
-    k = shape.top_k if shape.num_experts > 1 else 1
+    hidden = shape.moe_hidden if shape.num_experts > 1 else c.ffn_dim  # per token: routed and shared experts
     split = lay.tp if lay.tp_form == "megatron" else 1  # the per-layer forms gather the MLP's hidden whole
-    mlp = (3 if c.arch == "llama" else 2) * n * c.ffn_dim * w.compute * k // split
+    mlp = (3 if c.arch == "llama" else 2) * n * hidden * w.compute // split
     return mlp + 2 * n * c.d_model * 4 // (lay.tp if lay.sequence_parallel else 1)
 
 

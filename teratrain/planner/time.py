@@ -191,12 +191,13 @@ def attention_flops(shape: ModelShape, tokens: float) -> float:
 
 
 def moe_flops(shape: ModelShape, tokens: float) -> float:
-    """The MoE layers' expert FLOPs of the model FLOPs: each token's top_k expert MLPs, forward and
-    backward (6 per weight), in every MoE layer."""
+    """The MoE layers' expert FLOPs of the model FLOPs: each token's top_k routed expert MLPs (of
+    model.moe.expert_d_ff), forward and backward (6 per weight), in every MoE layer. The shared
+    experts are a dense MLP, at the dense rate."""
     if shape.num_experts == 1:
         return 0.0
     c = shape.cfg
-    mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.ffn_dim
+    mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim
     return 6 * tokens * c.n_layers * shape.moe_share * shape.top_k * mlp
 
 

@@ -11,9 +11,9 @@ import torch
 from teratrain import moe_metrics
 from teratrain.config import load_config
 from teratrain.mesh import init_runtime
-from teratrain.models.moe import moe_layers, seed_routing
+from teratrain.models.moe import expert_biases, moe_layers, seed_routing
 from teratrain.models.transformer import Transformer
-from teratrain.parallel.comm import AVG, all_reduce
+from teratrain.parallel.comm import AVG, all_gather_objects, all_reduce
 from teratrain.parallel.parallelize import parallelize
 from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.measure import saved_bytes
@@ -102,7 +102,9 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
     routing_seed: MoE routers draw their randomness from a seed per (step, global micro-batch), the
     same on every layout. MoE runs also return `moe`: routed choices dropped for capacity and expert
     runs on zero rows, summed over data-parallel ranks (and pipeline stages), and `moe_metrics`: the
-    trainer's MoE statistics of the whole run (every layer, whatever stage holds it). count_saved:
+    trainer's MoE statistics of the whole run (every layer, whatever stage holds it; balance=bias: of
+    the last step, as the trainer moves the bias after every step), and `expert_bias`: every rank's
+    expert biases (balance=bias), gathered. count_saved:
     also `saved`, the bytes autograd keeps for one micro-batch's forward on this rank
     (measure.saved_bytes)."""
     cfg, rt, model, engine = build(overrides, freeze)
@@ -123,6 +125,8 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
         if seeds is not None:
             seeds[:] = [step, 0]
         _, loss = run_step(micro, cfg.memory.precision, cfg.optim.lr)
+        if cfg.model.moe.balance == "bias":  # as the trainer's step: the bias moved by the global load
+            moe_metrics.step_metrics(model, rt)
         loss = loss.clone()
         all_reduce(loss, rt.dp_group, op=AVG)
         losses.append(float(loss))
@@ -134,7 +138,8 @@ def train_random(rank: int, world: int, overrides: list[str], steps: int = 10, f
     saved = saved_bytes(model, *micro[0], cfg.memory.precision, targets_in_model=True) if count_saved else None
     return {"losses": losses, "params": params if rank == 0 else None, "bytes": engine.last_state_bytes,
             "skipped": engine.skipped_steps, "moe": dict(zip(("dropped", "idle_experts"), probe.tolist())),
-            "moe_metrics": stats, "saved": saved}
+            "moe_metrics": stats, "saved": saved,
+            "expert_bias": all_gather_objects(expert_biases(model), rt.world_group) if rt.world > 1 else [expert_biases(model)]}
 
 
 def _seed_routing(model, first_micro: int) -> list[int]:

@@ -1,5 +1,6 @@
 """The trainer with experts spread over 2 ranks (ep=2): checkpoints resume bit for bit at the same
-layout (DP and ZeRO-1/3; dropout, expert dropout and router noise on, so every RNG stream matters),
+layout (DP and ZeRO-1/3; dropout, expert dropout and router noise on, so every RNG stream matters; at
+ZeRO-1 a sigmoid router balanced by its expert bias, which the checkpoint carries, the same on every rank),
 the checkpoint consolidates to every expert of the model (what `teratrain generate` loads), and
 metrics.jsonl / moe_load.png report each MoE layer; the planner predicts the ranks' model-state bytes."""
 
@@ -21,10 +22,11 @@ from workers import TINY, assert_bitwise_resume, train_many
 MOE = TINY + ["model.moe.num_experts=4", "model.moe.router=noisy-topk", "model.moe.capacity_factor=1.0",
               "model.dropout=0.1", "model.moe.expert_dropout=0.2", "parallel.ep=2", "train.steps=8",
               "checkpoint.every=4", "optim.schedule=constant"]
+BIAS = ["model.moe.router=softmax-topk", "model.moe.score=sigmoid", "model.moe.balance=bias", "model.moe.bias_rate=0.01"]
 
 
 def straight_and_resumed(rank: int, world: int, zero: int, root: str) -> dict:
-    extra = [f"parallel.zero={zero}"]
+    extra = [f"parallel.zero={zero}"] + (BIAS if zero == 1 else [])
     engine = run(load_config(None, MOE + extra), f"{root}/straight")["engine"]
     params = engine.full_params()
     run(load_config(None, MOE + extra + ["train.steps=4"]), f"{root}/resumed")
@@ -37,6 +39,11 @@ def test_resume_consolidate_and_metrics(zero, dist_workdir):
     root = dist_workdir / f"moe-ep2-z{zero}"
     params = run_ranks(straight_and_resumed, 2, zero, str(root))[0]
     assert_bitwise_resume(root, 8, 2)
+    if zero == 1:  # the expert bias: moved, the same on both ranks, carried over the resume
+        saved = [[json.loads((root / run / "checkpoints" / f"step_{step:08d}" / f"rank{r:05d}.json").read_text())["moe_bias"]
+                  for r in range(2)] for run in ("straight", "resumed") for step in (4, 8)]
+        assert all(ranks[0] == ranks[1] for ranks in saved) and saved[1] == saved[3] and saved[0] != saved[1]
+        assert all(any(b != 0 for b in bias) for bias in saved[1][0].values())
 
     path, _ = find_valid(root / "straight" / "checkpoints")
     weights = full_model(path)
@@ -48,13 +55,13 @@ def test_resume_consolidate_and_metrics(zero, dist_workdir):
     assert isinstance(generate(str(root / "straight"), "def ", 8, 0.0, 0, 0), str)
 
     rows = [json.loads(line) for line in (root / "straight" / "metrics.jsonl").read_text().splitlines()]
-    cfg = load_config(None, MOE)
+    cfg = load_config(None, MOE + (BIAS if zero == 1 else []))
     for row in rows:
         for layer in ("layers.0", "layers.1"):
             m = row["moe"][layer]
             routed = cfg.train.global_batch * cfg.model.seq_len * 2  # every token's 2 choices, whole batch
             assert sum(m["load"]) == pytest.approx(routed * (1 - m["dropped"]))
-            assert m["aux_loss"] > 0
+            assert m["aux_loss"] > 0 or cfg.model.moe.balance == "bias"  # bias: aux weight 0
     assert (root / "straight" / "moe_load.png").stat().st_size > 0
 
 

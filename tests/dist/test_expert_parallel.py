@@ -3,7 +3,9 @@ accumulation (2 micro-batches per rank at dp=2) and clipping; ep=2 and ep=4, wit
 (expert replicas), with tensor parallelism and with recomputation; top-1 and top-2 routers with and
 without capacity drops (with one: the padded exchange, without: the counted one), random routing
 seeded identically on every layout; the exchange whole and cut into pipelined chunks
-(parallel.ep_overlap_chunks), empty chunks included.
+(parallel.ep_overlap_chunks), empty chunks included; fine-grained experts with a shared one, sigmoid
+scores and the expert bias of auxiliary-loss-free balancing (the same bias on every rank, equal to one
+process's).
 
 Tolerance: 1e-5 relative on every step's loss and on the gradients of one plain SGD step (read back as
 (p0 - p1) / lr); on every final parameter tensor (gathered whole, all experts) 1e-5, 2e-5 in the two
@@ -22,6 +24,8 @@ TOP2 = MOE + ["model.moe.router=softmax-topk", "model.moe.capacity_factor=1.0", 
 TOP2_ALL = MOE + ["model.moe.router=softmax-topk"]
 GSHARD = MOE + ["model.moe.router=gshard-top2", "model.moe.groups=2"]  # random routing, drops
 NOISY = MOE + ["model.moe.router=noisy-topk", "model.moe.capacity_factor=1.0"]
+BIAS = MOE + ["model.moe.expert_d_ff=16", "model.moe.shared_experts=1", "model.moe.score=sigmoid",
+              "model.moe.balance=bias", "model.moe.bias_rate=0.01", "model.moe.z_loss_weight=0.001"]
 STEPS = 6
 
 
@@ -61,7 +65,10 @@ def test_ep2_top1_top2_with_and_without_drops_zero_and_recompute():
                GSHARD + ["parallel.ep=2", "memory.recompute=full", "parallel.ep_overlap_chunks=2"]]
     # Parameters within 2e-5, as below: GShard's random routing at ep=2 measured 1.4e-5 on an AMD EPYC
     # (under 1e-5 on the CI machine), AdamW's 1/sqrt(v) again; losses stay within 1e-5.
-    runs = _compare(layouts + chunked, world=2, param_tol=2e-5, steps=STEPS, routing_seed=True)
+    runs = _compare(layouts + chunked + [BIAS + ["parallel.ep=2"]], world=2, param_tol=2e-5, steps=STEPS,
+                    routing_seed=True)
+    biases, ref = runs[-1]["expert_bias"], train_random(0, 1, BIAS, steps=STEPS)["expert_bias"][0]
+    assert biases[0] == biases[1] == ref and any(any(b) for b in ref.values()), "expert bias: moved, one value"
     drops = [r["moe"]["dropped"] for r in runs[:6]]
     assert drops[0] > 0 and drops[2] > 0 and drops[4] > 0 and drops[5] > 0, f"drops {drops}: the cases must drop"
     assert drops[1] == drops[3] == 0

@@ -77,14 +77,30 @@ def test_export_gpt2_in_shards_then_import_gives_the_same_parameters(cli, tmp_pa
     assert_import_gives_back_the_run(run, out, "model.seq_len=64")
 
 
-def test_export_mixtral_then_import_gives_the_same_logits_and_parameters(cli, tmp_path):
-    """A mixture-of-experts run (softmax-topk experts in every layer) becomes a MixtralForCausalLM
-    folder with transformers' logits equal to ours; model.init_from of it gives back every parameter."""
+EXPORTED = {  # model keys -> the transformers class the export is loaded as
+    "qwen2": (["model.qkv_bias=true"], "Qwen2ForCausalLM"),
+    "qwen3": (["model.qk_norm=head"], "Qwen3ForCausalLM"),
+    "mixtral": (["model.moe.num_experts=4"], "MixtralForCausalLM"),
+    "qwen2_moe": (["model.moe.num_experts=4", "model.moe.expert_d_ff=64", "model.moe.shared_experts=1",
+                   "model.moe.shared_gate=true", "model.moe.norm_topk=false", "model.moe.first_dense_layers=1",
+                   "model.qkv_bias=true"], "Qwen2MoeForCausalLM"),
+    "qwen3_moe": (["model.moe.num_experts=4", "model.moe.expert_d_ff=64", "model.qk_norm=head"], "Qwen3MoeForCausalLM"),
+    "olmoe": (["model.moe.num_experts=4", "model.moe.norm_topk=false", "model.qk_norm=full"], "OlmoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", EXPORTED)
+def test_export_of_each_family_then_import_gives_the_same_logits_and_parameters(cli, tmp_path, family):
+    """A run with q/k/v biases, with per-head q/k norms, with softmax-topk experts (no capacity limit:
+    in every layer, with a gated shared expert after a dense first layer, with q/k norms) becomes a
+    folder of that family whose transformers logits equal ours; its model.init_from gives back every
+    parameter."""
+    sets, architecture = EXPORTED[family]
     run, out = tmp_path / "run", tmp_path / "hf"
-    cli.train(run, "model.moe.num_experts=4", "train.eval_batches=0", steps=2, in_process=True)
-    assert "MixtralForCausalLM" in cli("export", "--ckpt", run, "--to", out, in_process=True).stdout
+    cli.train(run, *sets, "train.eval_batches=0", steps=2, in_process=True)
+    assert architecture in cli("export", "--ckpt", run, "--to", out, in_process=True).stdout
     hf = assert_same_logits(our_model(run), out, 4096)
-    assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
+    assert type(hf).__name__ == architecture
     assert_import_gives_back_the_run(run, out)
 
 

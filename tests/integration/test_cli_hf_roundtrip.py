@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from teratrain.config import load_config
-from tests.hf_models import LLAMA3_SCALING, save_llama, save_mixtral
+from tests.hf_models import LLAMA3_SCALING, save_llama, save_mixtral, save_moe
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -44,14 +44,19 @@ def differing(a: dict, b: dict) -> dict:
     return {k: (a.get(k), b.get(k)) for k in {*a, *b} if a.get(k) != b.get(k)}
 
 
-def test_mixtral_with_a_moe_key_comes_back_as_it_came_in(cli, tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_an_moe_model_with_a_moe_key_comes_back_as_it_came_in(cli, tmp_path, family):
     """A model.moe key beside model.init_from keeps the experts of config.json (the run would fail to
     load the weights otherwise). The source trains with no aux loss (output_router_logits false): so
-    does the run, and the export writes router_aux_loss_coef 0.001 and false back unchanged."""
-    save_mixtral(tmp_path / "src", max_position_embeddings=4096)
+    does the run, and the export writes router_aux_loss_coef 0.001 and false back unchanged. Qwen2-MoE:
+    its shared expert, dense first layer and q/k/v biases come back as they came in too."""
+    if family == "mixtral":
+        save_mixtral(tmp_path / "src", max_position_embeddings=4096)
+    else:
+        save_moe(tmp_path / "src", family, max_position_embeddings=4096)
     source, exported, err = round_trip(cli, tmp_path, "model.moe.aux_loss_weight=0")
     assert differing(source, exported) == {}
-    assert "(mixtral, 2 layers, d_model 32, 4 experts x top-2)" in err
+    assert f"({family}, 2 layers, d_model 32, 4 experts x top-2" in err  # Qwen2-MoE: then its widths
     assert "moe: aux loss 0 from config.json (output_router_logits false: transformers trains with none" in err
     cfg = load_config(tmp_path / "run" / "config.toml").model.moe
     assert (cfg.num_experts, cfg.aux_loss_weight) == (4, 0.0)

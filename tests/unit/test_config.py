@@ -235,6 +235,24 @@ def test_tp_overlap_settings_fail_with_one_sentence(sets, words):
     assert words in msg and msg.endswith(".") and "\n" not in msg
 
 
+@pytest.mark.parametrize("sets, words", [
+    (["model.qkv_bias=true", "model.bias=true"], "model.qkv_bias adds biases to q, k and v only"),
+    (["model.arch=gpt2", "model.qk_norm=head"], "belong to the llama decoder"),
+    (["model.qk_norm=full", "parallel.tp=2"], "model.qk_norm=full normalises over the whole q and k widths"),
+])
+def test_attention_options_fail_with_one_sentence(sets, words):
+    """q/k/v-only biases beside biases everywhere, q/k norms outside the llama decoder, and whole-width
+    q/k norms under the megatron form's split heads (the all-gather form is accepted)."""
+    from teratrain.parallel.support import check_supported
+
+    with pytest.raises(ConfigError) as info:
+        check_supported(load_config(None, sets))
+    msg = str(info.value)
+    assert words in msg and msg.endswith(".") and "\n" not in msg
+    check_supported(load_config(None, ["model.qk_norm=full", "parallel.tp=2", "parallel.tp_form=all-gather",
+                                       "parallel.sequence_parallel=false"]))
+
+
 def test_async_tp_refuses_a_run_off_cuda():
     """parallel.tp_overlap=async moves its pieces through CUDA symmetric memory: on another device,
     parallelize refuses before it changes the model (one sentence with the fix)."""

@@ -11,7 +11,8 @@ from teratrain.models.transformer import Transformer
 from teratrain.parallel.parallelize import init_fn
 from teratrain.parallel.placement import assign_defaults, materialize
 from tests.helpers import make_config
-from tests.hf_models import LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral
+from tests.hf_models import (LLAMA3_SCALING, save_gpt2, save_llama, save_mixtral, save_moe, save_qwen2,
+                              save_qwen3)
 
 pytest.importorskip("transformers")
 
@@ -42,6 +43,18 @@ def test_llama_logits_match_transformers(tmp_path, keys):
     assert_same_logits(model, hf)
 
 
+@pytest.mark.parametrize("save, tied, attention", [(save_qwen2, False, (True, "none")),
+                                                   (save_qwen3, False, (False, "head")),
+                                                   (save_qwen3, True, (False, "head"))], ids=["qwen2", "qwen3", "qwen3-tied"])
+def test_qwen2_and_qwen3_logits_match_transformers(tmp_path, save, tied, attention):
+    """Qwen2's q/k/v biases (model.qkv_bias) and Qwen3's per-head q/k RMSNorm (model.qk_norm=head),
+    with GQA; their perturbed values (tests/hf_models.py) make a misplaced bias or norm visible."""
+    hf = save(tmp_path, tie_word_embeddings=tied)
+    model = ours(tmp_path, "model.seq_len=16")
+    assert (model.cfg.qkv_bias, model.cfg.qk_norm, model.cfg.use_bias, model.cfg.tie_embeddings) == (*attention, False, tied)
+    assert_same_logits(model, hf)
+
+
 def test_gpt2_logits_match_transformers_from_shards(tmp_path):
     """GPT-2's Conv1D weights are transposed and c_attn splits into q, k, v; the folder is sharded
     (model.safetensors.index.json); model.seq_len=16 takes the first 16 of 64 learned positions."""
@@ -62,11 +75,35 @@ def test_mixtral_logits_match_transformers(tmp_path):
     assert_same_logits(model, hf)
 
 
-def test_qwen2_moe_is_refused_with_the_reason(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}')
-    with pytest.raises(ConfigError, match="shared expert") as e:
+MOE_FAMILIES = {  # model_type -> what model.moe and the attention take from it
+    "qwen2_moe": dict(norm_topk=False, expert_d_ff=16, shared_experts=1, shared_d_ff=24, shared_gate=True,
+                      first_dense_layers=1, qkv_bias=True, qk_norm="none"),
+    "qwen3_moe": dict(norm_topk=True, expert_d_ff=16, shared_experts=0, first_dense_layers=0, qkv_bias=False,
+                      qk_norm="head"),
+    "olmoe": dict(norm_topk=False, expert_d_ff=64, shared_experts=0, first_dense_layers=0, qkv_bias=False,
+                  qk_norm="full"),
+}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_qwen_moe_and_olmoe_logits_match_transformers(tmp_path, family):
+    """Softmax over all experts, top-2, the 2 scores normalised or not (norm_topk_prob), Qwen's experts
+    of 16 rows beside a dense MLP of 64 (OLMoE's experts: intermediate_size, 64); Qwen2-MoE's
+    sigmoid-gated shared expert and dense first layer (mlp_only_layers=[0]); the q/k/v biases and q/k
+    norms of each family."""
+    hf = save_moe(tmp_path, family)
+    model = ours(tmp_path, "model.seq_len=16")
+    m, want = model.cfg, MOE_FAMILIES[family]
+    got = {k: getattr(m, k) if hasattr(m, k) else getattr(m.moe, k) for k in want}
+    assert got == want and (m.moe.num_experts, m.moe.k, m.moe.router, m.moe.capacity) == (4, 2, "softmax-topk", 0)
+    assert_same_logits(model, hf)
+
+
+def test_a_dense_layer_teratrain_cannot_place_is_one_sentence(tmp_path):
+    save_moe(tmp_path, "qwen2_moe", mlp_only_layers=[1])
+    with pytest.raises(ConfigError, match="mlp_only_layers") as e:
         make_config(f"model.init_from={str(tmp_path)!r}")
-    assert "Mixtral" in str(e.value) and "\n" not in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("sets", [["model.moe.router=switch-top1"], ["model.moe.every=2"], ["model.bias=true"],
@@ -168,3 +205,17 @@ def test_export_of_a_fine_tuned_model_changes_only_what_the_run_changed(tmp_path
     out = to_hf(theta, source)
     assert {k for k in source if out[k] != source[k]} == {"rope_parameters", "rms_norm_eps"}
     assert out["rope_parameters"] == {**source["rope_parameters"], "rope_theta": 1e6} and "rope_theta" not in out
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", *MOE_FAMILIES])
+def test_export_of_each_family_gives_its_config_json_back_but_what_the_run_changed(tmp_path, family):
+    """to_hf with the source config.json: every key as it came in (transformers 5's num_local_experts,
+    mlp_only_layers, the family's attention keys) unless the run's settings change it."""
+    from teratrain.checkpoint.hf_config import to_hf
+
+    {"qwen2": save_qwen2, "qwen3": save_qwen3}.get(family, lambda path: save_moe(path, family))(tmp_path)
+    source = json.loads((tmp_path / "config.json").read_text())
+    run = make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16").model
+    assert to_hf(run, source) == source
+    changed = make_config(f"model.init_from={str(tmp_path)!r}", "model.norm_eps=1e-3").model
+    assert {k for k in source if to_hf(changed, source)[k] != source[k]} == {"rms_norm_eps"}

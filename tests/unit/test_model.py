@@ -9,6 +9,7 @@ import torch
 import teratrain.models
 from teratrain.models.sampling import sample
 from teratrain.models.transformer import Transformer, build_model, count_params, lm_loss
+from teratrain.planner.layout import ModelShape
 from tests.helpers import make_config, model_config, small_model
 
 
@@ -27,11 +28,16 @@ def live_count(cfg) -> int:
     dict(arch="gpt2", tie_embeddings=True),
     dict(arch="gpt2", tie_embeddings=False),
     dict(arch="gpt2", bias=False, d_ff=None),
+    dict(arch="llama", qkv_bias=True, qk_norm="head"),
+    dict(arch="llama", n_kv_heads=1, qk_norm="full"),
 ], ids=str)
 def test_count_params_equals_the_materialized_module(keys):
+    """count_params' total and the planner's (name, shape) list, in order, equal the live module's."""
     cfg = model_config(**keys)
     model = build_model(cfg)
     assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
+    live = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert ModelShape(cfg=cfg).param_shapes() == live
 
 
 @pytest.mark.parametrize("preset, published", [
@@ -85,7 +91,8 @@ def test_sequence_longer_than_seq_len_is_refused():
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-CACHE_ARCHS = [dict(arch="llama", n_kv_heads=2), dict(arch="llama", n_kv_heads=4), dict(arch="gpt2")]
+CACHE_ARCHS = [dict(arch="llama", n_kv_heads=2), dict(arch="llama", n_kv_heads=4), dict(arch="gpt2"),
+               dict(arch="llama", n_kv_heads=2, qkv_bias=True, qk_norm="head")]
 
 
 @pytest.mark.parametrize("keys", CACHE_ARCHS, ids=str)

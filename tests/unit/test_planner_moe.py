@@ -105,3 +105,25 @@ def test_hf_mixtral_config_becomes_model_moe(tmp_path):
     assert (cfg.model.moe.num_experts, cfg.model.moe.k, cfg.model.moe.router) == (8, 2, "softmax-topk")
     preset = load_config(None, ["model.preset=mixtral-8x7b"]).model
     assert count_params(cfg.model)["total"] == count_params(preset)["total"]
+
+
+def test_fine_grained_and_shared_experts_in_counts_shapes_and_flops():
+    """Qwen2-MoE-like layers (fine-grained routed experts, one gated shared expert, a first dense
+    layer): the planner's parameter count and tensor shapes are the built model's, and its expert FLOPs
+    are top_k x the expert width (the shared expert runs at the dense rate, counted in the matmuls)."""
+    import torch
+
+    from teratrain.models.transformer import Transformer
+
+    sets = ["model.preset=tiny", "model.n_layers=3", "model.moe.num_experts=8", "model.moe.top_k=4",
+            "model.moe.expert_d_ff=48", "model.moe.shared_experts=1", "model.moe.shared_d_ff=96",
+            "model.moe.shared_gate=true", "model.moe.first_dense_layers=1"]
+    cfg = load_config(None, sets)
+    shape = shape_of(cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    assert shape.counts()["total"] == sum(p.numel() for p in model.parameters())
+    assert shape.param_shapes() == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    d = cfg.model.d_model
+    assert moe_flops(shape, 10) == pytest.approx(6 * 10 * 2 * 4 * 3 * d * 48)  # 2 MoE layers, top-4, SwiGLU
+    assert shape.moe_hidden == 4 * 48 + 96
