@@ -13,9 +13,9 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
 - with fp32 parameters under autocast, every linear layer casts its own copy of its input, so the
   norm output is saved once per consumer (3 times before wq/wk/wv, twice before w1/w3), and every
   weight is cast to bf16 and held until its backward (`weight_copies`); under megatron tensor
-  parallelism the region entry casts once and the projections share that one input, which they
-  keep whole: sequence parallelism gathers it before them (as DTensor TP does; Megatron-LM instead
-  re-gathers it in backward), so it is not divided by tp;
+  parallelism the region entry casts once and the projections share that one input; with sequence
+  parallelism they keep only this rank's shard of it and gather it again in backward, as Megatron-LM
+  does (parallel/comm.py Regather), so it is divided by tp;
 - SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
 `device` selects the two kernels that differ: CPU's composite rms_norm also keeps x*rstd, and
 CPU autocast runs layer_norm in bf16. The GPU numbers assume dropout inside attention is fused
@@ -31,7 +31,7 @@ mask's one value); statistics, casts of weights, buffers and index tensors are k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
@@ -97,8 +97,11 @@ def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device:
 def _region_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str, tp: int, sp: bool,
                    form: str) -> list[Saved]:
     """Saved inputs of the linears reading one norm output (n tokens) under tensor parallelism."""
-    if tp > 1 and form == "megatron":  # one cast at the region entry (parallel/tensor.py), all n tokens
-        return [Saved(n * shape.cfg.d_model, w.compute)]
+    if tp > 1 and form == "megatron":  # one cast at the region entry (parallel/tensor.py)
+        whole = Saved(n * shape.cfg.d_model, w.compute)
+        # under SP the linears keep this rank's shard and gather it again in backward (comm.Regather),
+        # as Megatron-LM does; float8 GEMMs (memory/fp8.py) save the gathered input themselves
+        return _div([whole], tp) if sp and w.fp8 == "none" else [whole]
     return _div(_linear_inputs(shape, w, n, consumers, device), tp if sp else 1)
 
 
@@ -120,8 +123,8 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
                   ep: int = 1, cp: int = 1, cp_form: str = "ring") -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
-    Our column-parallel linears keep the all-gathered input whole (Megatron-LM gathers it again in
-    backward instead), so their saved inputs are never split. The per-layer forms (parallel.tp_form=
+    Under SP the column-parallel linears keep their input's sequence shard (gathered again in
+    backward), so their saved inputs are split too. The per-layer forms (parallel.tp_form=
     all-gather / all-reduce, parallel/tensor.py) split only the linear layers: see `_per_layer_form`."""
     if tp > 1 and form != "megatron":
         return _per_layer_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
@@ -328,7 +331,7 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
             out["embedding_dropout"] = [Saved(n * c.d_model, 1 if device == "cuda" else w.param, "mask")]
     if last:
         out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
-        out["head_input"] = _region_inputs(shape, w, n, 1, device, tp, sp, form)
+        out["head_input"] = _region_inputs(shape, replace(w, fp8="none"), n, 1, device, tp, sp, form)  # bf16 head
         out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
         out["targets"] = [Saved(n, INDEX_BYTES, "keep")]  # under tp: the local target ids
         if tp > 1:  # the vocab-parallel loss (parallel/tp_layers.py) also masks the targets outside its piece
