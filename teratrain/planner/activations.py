@@ -364,6 +364,10 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     index = 2 * seq_len * cp * INDEX_BYTES if cp > 1 and kw.get("cp_form") == "all-to-all" else 0
     if policy == "none":
         return {"blocks": n_layers * sum(per.values()) + index, "weight_copies": n_layers * copies}
+    if policy == "selective-ops":  # the casts of the weights are recomputed too: no copies kept
+        # the kept outputs live in the checkpoint's own cache, which activation compression never sees
+        return {"blocks": n_layers * sum(t.numel * t.itemsize for t in ops_saved(shape, w, tokens, **kw)),
+                "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
         per = block_saved(shape, w, tokens, seq_len, **{**kw, "cp_form": "ring"})
         return {"blocks": n_layers * (sum(per.values()) - per["logsumexp"]), "weight_copies": n_layers * copies}
@@ -371,6 +375,26 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     hidden = Saved(tokens * shape.cfg.d_model // rep, w.param)  # residual stream in the params' dtype
     held = hidden.held(kw.get("compress", "none"), True, kw.get("device", "cuda"))  # a checkpoint input, in the stack
     return {"blocks": segments(policy, n_layers, every) * held, "weight_copies": 0}
+
+
+def ops_saved(shape: ModelShape, w: Widths, tokens: int, *, tp: int = 1, sp: bool = False,
+              form: str = "megatron", **_) -> list[Saved]:
+    """What memory.recompute=selective-ops keeps of one dense Block for `tokens` tokens (memory/recompute.py:
+    the outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; the
+    attention output and its fp32 logsumexp; wo's output; w1's (and w3's); w2's. Column-parallel outputs
+    and the attention's are split by tp; the row-parallel products (wo, w2) are kept as the GEMM made
+    them, the partial sums of all tokens, before their reduction. Plus the block's input, the checkpoint's
+    (the residual stream in the parameters' dtype, a sequence shard under SP)."""
+    c, cb, n = shape.cfg, w.compute, tokens
+    t = tp if form == "megatron" else 1
+    kvd = max(1, c.kv_heads // t) * c.head_dim if t > 1 else c.kv_heads * c.head_dim
+    q = c.n_heads * c.head_dim // t
+    column = [Saved(n * q, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)]
+    column += [Saved(n * c.ffn_dim // t, cb)] * (2 if c.arch == "llama" else 1)
+    attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep")]
+    row = [Saved(n * c.d_model, cb)] * 2  # wo, w2
+    block_input = Saved(n * c.d_model // (tp if sp else 1), w.param)
+    return column + attention + row + [block_input]
 
 
 def segments(policy: str, n_layers: int, every: int) -> int:
