@@ -7,11 +7,11 @@ dropout takes the math path (T x T kept), which the GPU (flash/cuDNN) never does
 import pytest
 
 from teratrain.config import load_config
-from teratrain.planner.activations import block_saved, forward_saved
+from teratrain.planner.activations import block_saved, forward_saved, stored_blocks
 from teratrain.planner.layout import ModelShape, widths
-from teratrain.measure import build_engine, random_batch, saved_bytes
+from teratrain.measure import build_engine, live_bytes, random_batch, saved_bytes
 
-POLICIES = ["none", "full", "every-k", "sqrt", "selective"]
+POLICIES = ["none", "full", "every-k", "sqrt", "selective"]  # selective-ops: see test_one_block_keeps_what_the_planner_counts
 PRECISIONS = [("fp32", False), ("bf16", False), ("bf16", True)]
 
 
@@ -174,3 +174,21 @@ def test_fp8_saved_bytes_match_hooks(arch, recipe, policy):
     measured = saved_bytes(model, *random_batch(cfg, 2), "bf16", targets_in_model=True)
     predicted = rank_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1).with_(micro_batch=2), "cpu")
     assert abs(predicted - measured) <= 8
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full", "selective-ops"])
+@pytest.mark.parametrize("precision, masters", PRECISIONS)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_one_block_keeps_what_the_planner_counts(arch, precision, masters, policy):
+    """What one more block leaves alive from forward to backward (measure.live_bytes of 2 blocks less
+    1: its saved tensors, weight copies, checkpoint input, and selective-ops's own cache of GEMM and
+    attention outputs, which saved-tensor hooks never see) equals planner.activations.stored_blocks
+    for one layer, exactly."""
+    got = []
+    for n_layers in (1, 2):
+        cfg = _cfg(arch, precision, masters, policy, 48, n_layers)
+        model, _ = build_engine(cfg)
+        got.append(live_bytes(model, *random_batch(cfg, 2), precision))
+    w = widths(precision, cfg.use_master_weights)
+    planned = stored_blocks(ModelShape(cfg=cfg.model), w, 1, 2 * 48, 48, policy, 2, device="cpu")
+    assert got[1] - got[0] == sum(planned.values())
