@@ -7,6 +7,8 @@ process (meta device -> parallelize(): recompute, then materialization and the u
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,7 +76,10 @@ class LiveStorages(TorchDispatchMode):
         return out
 
     def alive_bytes(self, exclude: set[int] = frozenset()) -> int:
-        """Bytes of the storages made under the mode that are alive now, storages at `exclude` left out."""
+        """Bytes of the storages made under the mode that are alive now, storages at `exclude` left out
+        (garbage in reference cycles collected first, so what is counted does not depend on when
+        Python's collector last ran)."""
+        gc.collect()
         alive = {ptr: n for ptr, ref, n in self._made if not ref.expired() and ptr not in exclude}
         return sum(alive.values())
 

@@ -44,7 +44,8 @@ INDEX_BYTES = 8  # token ids and targets are int64
 @dataclass(frozen=True)
 class Saved:
     """One tensor autograd keeps: `kind` act (a differentiable activation: 8-bit under int8/fp8 inside
-    the blocks), mask (a dropout mask: 1 bit under any compression), keep (never encoded)."""
+    the blocks), mask (a dropout mask: 1 bit under any compression), keep (never encoded), param (a
+    cast copy of a replicated parameter: never encoded, never split over tp ranks)."""
 
     numel: int
     itemsize: int
@@ -52,7 +53,7 @@ class Saved:
 
     def held(self, compress: str, in_blocks: bool, device: str) -> int:
         """Bytes held for backward under `compress` (memory/compression.py's encodings)."""
-        if compress == "none" or self.numel < BLOCK or self.kind == "keep":
+        if compress == "none" or self.numel < BLOCK or self.kind in ("keep", "param"):
             return self.numel * self.itemsize
         if self.kind == "mask":  # CPU masks are floats {0, c}: the bits plus c
             return ceil_div(self.numel, 8) + (self.itemsize if device == "cpu" else 0)
@@ -75,12 +76,12 @@ def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> list[Saved
         if device == "cpu":
             kept.append(Saved(n * d, 4))  # the composite CPU kernel also keeps x * rstd for the weight gradient
         if w.param == 2:
-            kept.append(Saved(d, 4, "keep"))  # weight.float() copy
+            kept.append(Saved(d, 4, "param"))  # weight.float() copy
         return kept
     # LayerNorm: native_layer_norm keeps input, mean, rstd (the statistics are not differentiable outputs)
     if w.param == 4 or (device == "cuda" and w.compute == 2):
         # CUDA autocast's fp32 weight casts
-        weights = [Saved(d, 4, "keep")] * (2 if c.use_bias else 1) if w.param == 2 else []
+        weights = [Saved(d, 4, "param")] * (2 if c.use_bias else 1) if w.param == 2 else []
         return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + weights
     return [Saved(n * d, w.param), Saved(n, w.param, "keep"), Saved(n, w.param, "keep")]  # CPU autocast: params' dtype
 
@@ -106,7 +107,8 @@ def _region_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device:
 
 
 def _div(items: list[Saved], k: int) -> list[Saved]:
-    return [Saved(t.numel // k, t.itemsize, t.kind) for t in items] if k > 1 else items
+    """`items` split k ways by tokens (or heads); a parameter's copy stays whole."""
+    return [Saved(t.numel // k if t.kind != "param" else t.numel, t.itemsize, t.kind) for t in items]
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
@@ -136,7 +138,9 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     out = {
         "attention_norm": _div(_norm_saved(shape, w, n, device), rep),
         "qkv_inputs": _region_inputs(shape, w, n, 3, device, tp, sp, form),  # wq, wk, wv
-        "q_k_v": _div([Saved(n * d, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)], tp),  # q, k after RoPE, v
+        # q, k after RoPE, v; key/value heads fewer than tp are replicated: one whole head per rank
+        "q_k_v": _div([Saved(n * d, cb)], tp) + [Saved(n * (max(1, c.kv_heads // tp) * c.head_dim if tp > 1
+                                                            else kvd), cb)] * 2,
         "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
         "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
