@@ -169,6 +169,14 @@ def ran_gradient_buffer(path: Path, lay) -> bool:
     return path in BEFORE_BUFFER_CHANGE and lay.dp == 1 and lay.zero == 0 and lay.pp > 1
 
 
+def ran_gathered_inputs(lay, train) -> bool:
+    """Every recorded run's column-parallel linears kept their gathered input whole under sequence
+    parallelism (now they keep the sequence shard: parallel/comm.py Regather), so those rows' measured
+    peaks are not this code's; every such row was within the peak target before, so it leaves both the
+    count and the target (a GPU run of the same layouts brings them back)."""
+    return lay.tp > 1 and lay.sequence_parallel and lay.tp_form == "megatron" and train.fp8 == "none"
+
+
 @functools.cache
 def _errors(path: Path) -> list[dict]:
     result = json.loads(path.read_text())
@@ -177,6 +185,7 @@ def _errors(path: Path) -> list[dict]:
     for shape, train, lay, row in _prepared(result):
         cand = evaluate(shape, train, lay, gpu)
         out.append({"name": row["name"], "held_out": row["held_out"], "old_buffer": ran_gradient_buffer(path, lay),
+                    "gathered_inputs": ran_gathered_inputs(lay, train),
                     "peak": cand.memory.peak_allocated / 2**30 / row["measured_peak_gib"] - 1,
                     "step": cand.time.step_time_s / row["measured_step_s"] - 1})
     return out
@@ -197,6 +206,10 @@ def test_recorded_rows_stay_within_the_targets(what, run):
         sizes = tuple(n - sum(e["old_buffer"] and e["held_out"] == held for e in rows)
                       for n, held in zip(sizes, (False, True)))
         rows = [e for e in rows if not e["old_buffer"]]
+        gone = tuple(sum(e["gathered_inputs"] and e["held_out"] == held for e in rows) for held in (False, True))
+        sizes = tuple(n - k for n, k in zip(sizes, gone))
+        reached = {**reached, "peak": tuple(n - k for n, k in zip(reached["peak"], gone))}
+        rows = [e for e in rows if not e["gathered_inputs"]]
     fit = [e for e in rows if not e["held_out"]]
     held = [e for e in rows if e["held_out"]]
     assert (len(fit), len(held)) == sizes
