@@ -84,13 +84,15 @@ def _assert_overlapped(layouts: list[list[str]], runs: list[dict]) -> None:
 def test_tp4_and_tp2_dp2_with_every_zero_stage():
     """tp=4 splits 2 key/value heads over 4 ranks (each replicated twice) and a vocabulary of 50
     (padded to 52), also overlapped (parallel.tp_overlap=chunked); tp=2 x dp=2 composes with ZeRO 0-3
-    and offload on a 2-D mesh."""
+    and offload on a 2-D mesh; memory.recompute=selective-ops replays each block's collectives around
+    the GEMM outputs it keeps (tp=4, and tp=2 x dp=2)."""
     layouts = [["parallel.tp=4", "parallel.sequence_parallel=false"], ["parallel.tp=4"], GPT2_SGD + ["parallel.tp=4"],
                ["parallel.tp=4"] + OVERLAP]
     layouts += [["parallel.tp=2", f"parallel.zero={z}"] for z in (0, 1, 2, 3)]
     layouts += [["parallel.tp=2", "parallel.zero=3", "parallel.offload=params"],
                 ["parallel.tp=2", "parallel.zero=2", "parallel.sequence_parallel=false", "memory.recompute=full"],
-                GPT2_SGD + ["parallel.tp=2", "parallel.zero=1", "memory.recompute=selective"]]
+                GPT2_SGD + ["parallel.tp=2", "parallel.zero=1", "memory.recompute=selective"],
+                ["parallel.tp=4", "memory.recompute=selective-ops"], ["parallel.tp=2", "memory.recompute=selective-ops"]]
     _compare(layouts, world=4)
 
 

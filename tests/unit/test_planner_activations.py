@@ -193,3 +193,36 @@ def test_one_block_keeps_what_the_planner_counts(arch, precision, masters, polic
     w = widths(precision, cfg.use_master_weights)
     planned = stored_blocks(ModelShape(cfg=cfg.model), w, 1, 2 * 48, 48, policy, 2, device="cpu")
     assert got[1] - got[0] == sum(planned.values())
+
+
+def _published(name: str) -> dict:
+    from pathlib import Path
+
+    from teratrain.config import tomllib
+
+    runs = tomllib.loads((Path(__file__).parents[2] / "bench" / "published_runs.toml").read_text())["run"]
+    return next(r for r in runs if r["name"] == name)
+
+
+@pytest.mark.parametrize("name", ["korthikanti22-530b-sp-selective", "korthikanti22-1t-sp-selective"])
+def test_published_sequence_parallel_runs_fit_their_a100s(name):
+    """The 530B (t8 p35) and 1T (t8 p64) layouts of Korthikanti et al. 2022 (bench/published_runs.toml:
+    selective recomputation, sequence parallelism, on A100 80 GB) plan under 80 GB with bf16 parameters,
+    fp32 masters and AdamW, no ZeRO (dp = 1): with the column-parallel linears keeping their input's
+    sequence shard, as those runs did (`teratrain plan` at the published batch: 54.97 and 67.64 GiB; 70.76 and
+    91.70 GiB when the linears kept it whole)."""
+    from teratrain.planner.hardware import gpu_with
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.search import evaluate
+
+    r = _published(name)
+    sets = [f"model.{k}={r[k]}" for k in ("arch", "n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len")]
+    sets += [f"model.n_kv_heads={r['n_heads']}", "model.tie_embeddings=true", f"memory.recompute={r['recompute']}",
+             f"memory.precision={r['precision']}", "memory.master_weights=true", "parallel.zero=0",
+             f"parallel.sequence_parallel={str(r['sequence_parallel']).lower()}", f"train.micro_batch={r['micro_batch']}",
+             f"train.global_batch={r['pp'] * r['dp'] * r['micro_batch']}", "parallel.schedule=1f1b"]
+    # pp micro-batches a step: as many in flight as the published batch has (1F1B holds pp at most), fewer to simulate
+    sets += [f"parallel.{k}={r[k]}" for k in ("tp", "pp", "dp")]
+    cfg = load_config(None, sets)
+    cand = evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, r["gpus"]), gpu_with(r["gpu"]))
+    assert cand.memory.total < 80e9, f"{name}: {cand.memory.total / 2**30:.2f} GiB"
