@@ -295,7 +295,7 @@ def float8_linear(recipe: str, emulate: bool):
                                              mm(config.gemm_config_grad_weight))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gemm_and_attention_ops() -> frozenset:
     """The aten ops whose outputs memory.recompute=selective-ops keeps (memory/recompute.py): matrix
     products (plain, batched, float8, grouped) and the fused attention kernels (their outputs include
