@@ -5,6 +5,10 @@
    activation compression (int8 and fp8: memory.compress_activations), and recomputation + int8.
 2. Optimizers: AdamW vs Adafactor vs SM3 (with and without momentum): optimizer-state bytes (live,
    and as the planner predicts them), full training step time and the optimizer step alone.
+4. Recomputation (`--part recompute`): none, selective (the attention core), selective-ops (every
+   GEMM's and fused attention's output kept, norms/casts/activations replayed) and full: peak memory,
+   step time, and the bytes the forward leaves alive for backward (measure.live_bytes, which also sees
+   selective-ops's own cache), each next to the planner's (forward_saved, peak, step time; H200).
 3. LoRA fine-tuning of llama-8b (rank 16 on the attention projections, frozen base in bf16, full
    recomputation): model-state bytes (live and planned), peak memory and tokens/s.
 
@@ -13,6 +17,7 @@ autocast over fp32 weights, and trained on random tokens.
 
     python bench/memory_savers.py                      # on the GPU machine (llama-1b, seq 2048)
     python bench/memory_savers.py --smoke              # a tiny model on CPU, to check the script itself
+    python bench/memory_savers.py --part recompute     # the recomputation rows alone
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from teratrain.optim.engine import train_step
 from teratrain.planner.activations import forward_saved
 from teratrain.planner.inputs import shape_of, training_of
 from teratrain.planner.layout import Layout, ModelShape, widths
-from teratrain.measure import build_engine, random_batch, saved_bytes
+from teratrain.measure import build_engine, live_bytes, random_batch, saved_bytes
 from teratrain.planner.states import model_states
 
 SHAPE = ["model.preset=llama-1b", "model.seq_len=2048"]
@@ -39,6 +44,7 @@ SMOKE = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_h
          "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64"]
 LORA_SHAPE = ["model.preset=llama-8b", "model.seq_len=2048"]  # LoRA fine-tuning of an 8B model on one GPU
 ACTIVATION_CASES = [("none", "none"), ("selective", "none"), ("none", "int8"), ("none", "fp8"), ("selective", "int8")]
+RECOMPUTE = ["none", "selective", "selective-ops", "full"]
 OPTIMIZERS = [("adamw", []), ("adafactor", []), ("sm3", []), ("sm3", ["optim.momentum=0"])]
 
 
@@ -55,6 +61,33 @@ def activation_row(base: list[str], recompute: str, compress: str, mb: int, args
     times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
                        args.warmup, args.steps, dev)
     row = {"recompute": recompute, "compress": compress, "saved_bytes": measured, "saved_bytes_planned": predicted,
+           **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
+    del model, engine
+    return row
+
+
+def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
+    """One recomputation policy: measured (live bytes, peak, step time) next to the planner's."""
+    from teratrain.planner.hardware import gpu_with
+    from teratrain.planner.inputs import layout_of
+    from teratrain.planner.search import evaluate
+
+    cfg = config(base + [f"memory.recompute={recompute}", f"train.micro_batch={mb}", f"train.global_batch={mb}"])
+    fresh_memory(dev)
+    model, engine = build_engine(cfg, dev)
+    x, y = random_batch(cfg, mb, dev)
+    measured = live_bytes(model, x, y, cfg.memory.precision)
+    fresh_memory(dev)  # the peak of training steps only
+    times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
+                       args.warmup, args.steps, dev)
+    shape, train, T = shape_of(cfg), training_of(cfg), cfg.model.seq_len
+    w = widths(cfg.memory.precision, cfg.use_master_weights)
+    cand = evaluate(shape, train, layout_of(cfg, 1), gpu_with("h200"))
+    row = {"recompute": recompute, "live_bytes": measured,
+           "saved_bytes_planned": forward_saved(shape, w, mb * T, T, recompute, cfg.memory.recompute_every,
+                                                device=dev.type),
+           "peak_gib_planned": round(cand.memory.peak_allocated / 2**30, 3),
+           "step_s_planned": round(cand.time.step_time_s, 4),
            **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
     del model, engine
     return row
@@ -122,7 +155,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--part", choices=["all", "activations", "optimizers", "lora"], default="all",
+    ap.add_argument("--part", choices=["all", "activations", "optimizers", "lora", "recompute"], default="all",
                     help="all: each part in a fresh process (no part's allocations can outlive it)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -131,13 +164,15 @@ def main() -> None:
     dev = device()
     base = (SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0"]
     if args.part == "all":
-        parts = {part: _run_part(part, sys.argv[1:]) for part in ("activations", "optimizers", "lora")}
+        parts = {part: _run_part(part, sys.argv[1:]) for part in ("activations", "optimizers", "lora", "recompute")}
         cfg = config(base)
         emit({"bench": "memory_savers", **env_info(dev), "shape": base, "micro_batch": args.micro_batch,
               "seq_len": cfg.model.seq_len, "params": count_params(cfg.model)["total"], **parts}, args.out)
         return
     if args.part == "activations":
         rows = [activation_row(base, r, c, args.micro_batch, args, dev) for r, c in ACTIVATION_CASES]
+    elif args.part == "recompute":
+        rows = [recompute_row(base, r, args.micro_batch, args, dev) for r in RECOMPUTE]
     elif args.part == "optimizers":
         rows = [optimizer_row(base, n, e, args.micro_batch, args, dev) for n, e in OPTIMIZERS]
     else:

@@ -3,6 +3,8 @@ Every version check lives here; the rest of the code imports names from this mod
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -291,3 +293,16 @@ def float8_linear(recipe: str, emulate: bool):
     matmul = importlib.import_module("torchao.float8.float8_linear").matmul_with_hp_or_float8_args
     return matmul, config, ao.LinearMMConfig(mm(config.gemm_config_output), mm(config.gemm_config_grad_input),
                                              mm(config.gemm_config_grad_weight))
+
+
+@functools.cache
+def gemm_and_attention_ops() -> frozenset:
+    """The aten ops whose outputs memory.recompute=selective-ops keeps (memory/recompute.py): matrix
+    products (plain, batched, float8, grouped) and the fused attention kernels (their outputs include
+    the logsumexp). Looked up by name: an op this torch lacks (the grouped GEMM, one SDPA backend on
+    CPU builds) is left out, so 2.11 and 2.13 both work."""
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))

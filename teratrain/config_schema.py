@@ -99,7 +99,10 @@ DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.1, "sm3": 0.03, "adafactor": 0.1}
 class MemoryConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
     master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16, and for bf16 under ZeRO")
-    recompute: Literal["none", "full", "every-k", "sqrt", "selective"] = Field("none", description="activation recomputation policy")
+    recompute: Literal["none", "full", "every-k", "sqrt", "selective", "selective-ops"] = Field(
+        "none", description="activation recomputation policy: selective recomputes the attention core; "
+                            "selective-ops keeps every GEMM's and fused attention's output per block and "
+                            "recomputes norms, casts and activations (memory/recompute.py)")
     recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
     compress_activations: Literal["none", "lossless", "int8", "fp8"] = Field(
         "none", description="Gist-style compression of tensors saved for backward: lossless bit-packs dropout masks; "
@@ -391,6 +394,10 @@ class Config(Section):
                               "set memory.precision=bf16 or lora.base_dtype=param.")
         self._check_fp8()
         p = self.parallel
+        if self.memory.recompute == "selective-ops" and p.tp_overlap == "chunked":
+            raise ConfigError("memory.recompute=selective-ops keeps GEMM outputs, and parallel.tp_overlap=chunked "
+                              "writes its GEMMs into buffers it cannot keep; set parallel.tp_overlap=none or "
+                              "memory.recompute=selective.")
         if self.model.n_layers < p.pp * p.virtual_stages:
             raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
                               f"parallel.virtual_stages = {p.pp * p.virtual_stages} pipeline stages; lower them.")

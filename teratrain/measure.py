@@ -7,7 +7,12 @@ process (meta device -> parallelize(): recompute, then materialization and the u
 
 from __future__ import annotations
 
+import gc
+
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from teratrain.memory.compression import ActivationCodec, compressed_saves, held_tensors
 from teratrain.memory.precision import autocast
@@ -50,6 +55,45 @@ def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precis
             loss = model(x, y) if targets_in_model else lm_loss(model(x), y)
     del loss
     return sum(seen.values())
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every storage an op makes while the mode is on, held weakly: what is still alive afterwards is
+    what the forward left for backward, whoever keeps it: autograd's saved tensors, a checkpoint's
+    inputs, and the outputs a selective checkpoint policy caches itself, which saved-tensor hooks never
+    see (memory.recompute=selective-ops). A storage counts once, however many tensors view it."""
+
+    def __init__(self):
+        super().__init__()
+        self._made: list[tuple[int, StorageWeakRef, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self._made.append((s.data_ptr(), StorageWeakRef(s), s.nbytes()))
+        return out
+
+    def alive_bytes(self, exclude: set[int] = frozenset()) -> int:
+        """Bytes of the storages made under the mode that are alive now, storages at `exclude` left out
+        (garbage in reference cycles collected first, so what is counted does not depend on when
+        Python's collector last ran)."""
+        gc.collect()
+        alive = {ptr: n for ptr, ref, n in self._made if not ref.expired() and ptr not in exclude}
+        return sum(alive.values())
+
+
+def live_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
+    """Bytes one training forward (model(x, y), the loss included) leaves alive for its backward,
+    parameters excluded, as `LiveStorages` counts them."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    model.train()
+    with autocast(precision, x.device), LiveStorages() as made:
+        loss = model(x, y)
+    held = made.alive_bytes(params)
+    del loss
+    return held
 
 
 def random_batch(cfg, batch: int, device: str | torch.device = "cpu", seed: int = 0):

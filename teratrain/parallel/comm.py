@@ -325,6 +325,45 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return _seq_gather(grad, ctx.group, ctx.chunks), None, None
 
 
+class Regather:
+    """A sequence-parallel region input kept for backward as this rank's shard (Korthikanti et al.
+    2022, sec. 4.2.2: Megatron-LM saves the sequence-sharded input of a column-parallel linear and
+    all-gathers it again in backward). Every linear reading the gathered input (wq, wk, wv; w1, w3;
+    the head; an adapter's A) saves the shard and asks here for the whole input in its backward: the
+    first of them launches the all-gather, the others reuse it, the last drops it. Every rank runs the
+    same graph, so every rank issues the gather at the same point of its backward."""
+
+    def __init__(self, group, chunks: int):
+        self.group, self.chunks = group, chunks
+        self.users = 0  # linears that saved the shard and have not run their backward yet
+        self._whole, self._works = None, []
+
+    def start(self, shard: torch.Tensor) -> None:
+        """Launch the all-gather of `shard` (asynchronously) unless a linear already did."""
+        if self._whole is None:
+            self._whole, self._works = start_seq_gather(shard, self.group, self.chunks)
+
+    def finish(self) -> torch.Tensor:
+        """The whole input (B, T, d), waited for; dropped here once its last linear took it."""
+        for w in self._works:
+            w.wait()
+        whole, self._works = self._whole, []
+        self.users -= 1
+        if self.users <= 0:
+            self._whole = None
+        return whole
+
+
+def gather_sequence_to_linears(x, group, chunks: int = 1):
+    """`gather_sequence` into a region whose linears keep only the shard (`Regather`, read by
+    parallel/tp_layers.py from the returned tensor's `regather`). Traced by torch.compile the plain
+    gather: the compiler's partitioner decides what its graph keeps."""
+    whole = gather_sequence(x, group, chunks)
+    if whole is not x and torch.is_grad_enabled() and not traced():
+        whole.regather = (Regather(group, chunks), x)
+    return whole
+
+
 def copy_to_tp(x, group):
     return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
 

@@ -89,7 +89,11 @@ def _entry(ctx: TPContext, cast: bool = True):
     dtype where only autocast matmuls read them (`cast`), then gathered (or Megatron's `f`)."""
     def enter(x):
         x = to_compute_dtype(x) if cast else x
-        return comm.gather_sequence(x, ctx.group, ctx.chunks) if ctx.sp else comm.copy_to_tp(x, ctx.group)
+        if not ctx.sp:
+            return comm.copy_to_tp(x, ctx.group)
+        if cast:  # read by linears only: they keep the shard and gather it again in backward
+            return comm.gather_sequence_to_linears(x, ctx.group, ctx.chunks)
+        return comm.gather_sequence(x, ctx.group, ctx.chunks)
     return enter
 
 

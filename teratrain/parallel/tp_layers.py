@@ -30,6 +30,41 @@ class SequenceShards:
         return torch.cat([torch.arange(a, b, device=device) for a, b in spans]) % length
 
 
+class _SequenceLinear(torch.autograd.Function):
+    """y = X W^T + b for X a sequence-parallel region input, keeping only this rank's shard of X
+    (comm.Regather). Backward: the shard's all-gather is launched first, the input gradient dY W
+    computed under it, then the weight gradient dY^T X reads the gathered X (Megatron-LM's order)."""
+
+    @staticmethod
+    def forward(ctx, X, shard, w, b, regather):
+        ctx.save_for_backward(shard, w)
+        ctx.regather, ctx.has_bias = regather, b is not None
+        regather.users += 1
+        return F.linear(X, w, b)
+
+    @staticmethod
+    def backward(ctx, gy):
+        shard, w = ctx.saved_tensors
+        ctx.regather.start(shard)
+        dx = gy.matmul(w) if ctx.needs_input_grad[0] else None  # (B, T, d_in), under the gather
+        X = ctx.regather.finish()
+        g = gy.reshape(-1, gy.shape[-1])  # (N, d_out)
+        dw = g.t().mm(X.reshape(-1, X.shape[-1])) if ctx.needs_input_grad[2] else None  # frozen: none
+        db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dx, None, dw, db, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, keeping only the sequence shard of an input gathered by
+    comm.gather_sequence_to_linears (weights cast to the input's dtype through autograd, as
+    autocast casts them)."""
+    kept = getattr(x, "regather", None)
+    if kept is None or not torch.is_grad_enabled():
+        return F.linear(x, w, b)
+    regather, shard = kept
+    return _SequenceLinear.apply(x, shard, w.to(x.dtype), b.to(x.dtype) if b is not None else None, regather)
+
+
 class _Parallel(nn.Module):
     """A split linear layer's weight, bias and (LoRA, memory/lora.py) adapter pieces. `adapter` is
     (lora_a, lora_b, scale, dropout) split like the weight, or None."""
@@ -43,12 +78,12 @@ class _Parallel(nn.Module):
     gemm = None  # memory/fp8.py's Fp8Gemm where this piece's GEMMs run in float8; else F.linear
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias) if self.gemm is None else self.gemm(x, self.weight, bias)
+        return linear(x, self.weight, bias) if self.gemm is None else self.gemm(x, self.weight, bias)
 
     def _adapter_term(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.lora_a is None:
             return None
-        return self.lora_scale * F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b)
+        return self.lora_scale * F.linear(linear(self.lora_dropout(x), self.lora_a), self.lora_b)
 
     def _adapted(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         term = self._adapter_term(x)
@@ -152,7 +187,7 @@ class VocabParallelHead(nn.Module):
             c = self.overlap
             _, (y,) = column_group(self.entry(h), [weight], [None], c.group, c.sp, c.chunks)
             return y  # (B, T, V/tp)
-        return F.linear(self.entry(h), weight)  # (B, T, V/tp)
+        return linear(self.entry(h), weight)  # (B, T, V/tp)
 
 
 class SequenceShardPositions(nn.Embedding):

@@ -12,7 +12,8 @@ overlap:
 - column-parallel entry, forward (SP): all units' all-gathers are issued first; unit k's GEMMs (every
   projection of the region: wq, wk, wv or w1, w3, or the head) wait only for all-gather k, so
   all-gather k+1 runs under them. Without SP the forward has no collective.
-- column-parallel entry, backward: unit k's input gradient (the sum over projections of dY W) is
+- column-parallel entry, backward: under SP the forward kept only this rank's shard of the input
+  (Korthikanti et al. 2022, sec. 4.2.2); its all-gather is issued first, under the dgrad GEMMs. Unit k's input gradient (the sum over projections of dY W) is
   reduce-scattered (all-reduced without SP) as soon as it is computed, under unit k+1's dgrad GEMMs
   and then under every weight gradient (dW = dY^T X, whole), which is computed last for that reason.
 - row-parallel exit, forward: unit k's partial product is reduce-scattered (all-reduced) under unit
@@ -53,7 +54,7 @@ class _ColumnGroup(torch.autograd.Function):
                 works[k].wait()
             for w, b, y in zip(weights, biases, ys):
                 _linear_into(y[lo:lo + unit], rows[lo:lo + unit], w, b)
-        ctx.save_for_backward(X if sp else x, *weights)
+        ctx.save_for_backward(x, *weights)  # the shard under SP: gathered again in backward
         ctx.group, ctx.sp, ctx.chunks, ctx.x_shape = group, sp, chunks, x.shape
         ctx.biases = [b is not None for b in biases]
         ctx.set_materialize_grads(False)  # unused outputs (X without adapters) get no zero-filled gradient
@@ -61,8 +62,9 @@ class _ColumnGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_full, *grad_ys):
-        X, *weights = ctx.saved_tensors
-        rows = X.contiguous().view(-1, X.shape[-1])
+        x, *weights = ctx.saved_tensors
+        X, gathers = comm.start_seq_gather(x, ctx.group, ctx.chunks) if ctx.sp else (x, [])
+        rows = X.contiguous().view(-1, X.shape[-1])  # read only by the weight gradients, after every dgrad
         n_rows = rows.shape[0]
         gys = [_rows(g) if g is not None else None for g in grad_ys]
         gx = _rows(grad_x_full) if grad_x_full is not None else None
@@ -74,6 +76,8 @@ class _ColumnGroup(torch.autograd.Function):
             _dgrad_into(piece, [(g[lo:lo + unit], w) for g, w in zip(gys, weights) if g is not None],
                         gx[lo:lo + unit] if gx is not None else None)
             works.append(_reduce_unit(out, piece, k, ctx))
+        for work in gathers:  # the input's all-gather ran under the dgrad GEMMs
+            work.wait()
         grads = []  # weight gradients last: the reductions above run under them
         for i, (g, has_bias) in enumerate(zip(gys, ctx.biases)):
             wanted = g is not None and ctx.needs_input_grad[4 + 2 * i]  # frozen under LoRA: none

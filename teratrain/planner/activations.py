@@ -13,9 +13,9 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
 - with fp32 parameters under autocast, every linear layer casts its own copy of its input, so the
   norm output is saved once per consumer (3 times before wq/wk/wv, twice before w1/w3), and every
   weight is cast to bf16 and held until its backward (`weight_copies`); under megatron tensor
-  parallelism the region entry casts once and the projections share that one input, which they
-  keep whole: sequence parallelism gathers it before them (as DTensor TP does; Megatron-LM instead
-  re-gathers it in backward), so it is not divided by tp;
+  parallelism the region entry casts once and the projections share that one input; with sequence
+  parallelism they keep only this rank's shard of it and gather it again in backward, as Megatron-LM
+  does (parallel/comm.py Regather), so it is divided by tp;
 - SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
 `device` selects the two kernels that differ: CPU's composite rms_norm also keeps x*rstd, and
 CPU autocast runs layer_norm in bf16. The GPU numbers assume dropout inside attention is fused
@@ -31,7 +31,7 @@ mask's one value); statistics, casts of weights, buffers and index tensors are k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
@@ -44,7 +44,8 @@ INDEX_BYTES = 8  # token ids and targets are int64
 @dataclass(frozen=True)
 class Saved:
     """One tensor autograd keeps: `kind` act (a differentiable activation: 8-bit under int8/fp8 inside
-    the blocks), mask (a dropout mask: 1 bit under any compression), keep (never encoded)."""
+    the blocks), mask (a dropout mask: 1 bit under any compression), keep (never encoded), param (a
+    cast copy of a replicated parameter: never encoded, never split over tp ranks)."""
 
     numel: int
     itemsize: int
@@ -52,7 +53,7 @@ class Saved:
 
     def held(self, compress: str, in_blocks: bool, device: str) -> int:
         """Bytes held for backward under `compress` (memory/compression.py's encodings)."""
-        if compress == "none" or self.numel < BLOCK or self.kind == "keep":
+        if compress == "none" or self.numel < BLOCK or self.kind in ("keep", "param"):
             return self.numel * self.itemsize
         if self.kind == "mask":  # CPU masks are floats {0, c}: the bits plus c
             return ceil_div(self.numel, 8) + (self.itemsize if device == "cpu" else 0)
@@ -75,12 +76,12 @@ def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> list[Saved
         if device == "cpu":
             kept.append(Saved(n * d, 4))  # the composite CPU kernel also keeps x * rstd for the weight gradient
         if w.param == 2:
-            kept.append(Saved(d, 4, "keep"))  # weight.float() copy
+            kept.append(Saved(d, 4, "param"))  # weight.float() copy
         return kept
     # LayerNorm: native_layer_norm keeps input, mean, rstd (the statistics are not differentiable outputs)
     if w.param == 4 or (device == "cuda" and w.compute == 2):
         # CUDA autocast's fp32 weight casts
-        weights = [Saved(d, 4, "keep")] * (2 if c.use_bias else 1) if w.param == 2 else []
+        weights = [Saved(d, 4, "param")] * (2 if c.use_bias else 1) if w.param == 2 else []
         return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + weights
     return [Saved(n * d, w.param), Saved(n, w.param, "keep"), Saved(n, w.param, "keep")]  # CPU autocast: params' dtype
 
@@ -97,13 +98,17 @@ def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device:
 def _region_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str, tp: int, sp: bool,
                    form: str) -> list[Saved]:
     """Saved inputs of the linears reading one norm output (n tokens) under tensor parallelism."""
-    if tp > 1 and form == "megatron":  # one cast at the region entry (parallel/tensor.py), all n tokens
-        return [Saved(n * shape.cfg.d_model, w.compute)]
+    if tp > 1 and form == "megatron":  # one cast at the region entry (parallel/tensor.py)
+        whole = Saved(n * shape.cfg.d_model, w.compute)
+        # under SP the linears keep this rank's shard and gather it again in backward (comm.Regather),
+        # as Megatron-LM does; float8 GEMMs (memory/fp8.py) save the gathered input themselves
+        return _div([whole], tp) if sp and w.fp8 == "none" else [whole]
     return _div(_linear_inputs(shape, w, n, consumers, device), tp if sp else 1)
 
 
 def _div(items: list[Saved], k: int) -> list[Saved]:
-    return [Saved(t.numel // k, t.itemsize, t.kind) for t in items] if k > 1 else items
+    """`items` split k ways by tokens (or heads); a parameter's copy stays whole."""
+    return [Saved(t.numel // k if t.kind != "param" else t.numel, t.itemsize, t.kind) for t in items]
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
@@ -120,8 +125,8 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
                   ep: int = 1, cp: int = 1, cp_form: str = "ring") -> dict[str, list[Saved]]:
     """The tensors one Block keeps, per term. Attention/MLP internals are split by tensor
     parallelism; norm-side tensors only with sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2).
-    Our column-parallel linears keep the all-gathered input whole (Megatron-LM gathers it again in
-    backward instead), so their saved inputs are never split. The per-layer forms (parallel.tp_form=
+    Under SP the column-parallel linears keep their input's sequence shard (gathered again in
+    backward), so their saved inputs are split too. The per-layer forms (parallel.tp_form=
     all-gather / all-reduce, parallel/tensor.py) split only the linear layers: see `_per_layer_form`."""
     if tp > 1 and form != "megatron":
         return _per_layer_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
@@ -133,7 +138,9 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     out = {
         "attention_norm": _div(_norm_saved(shape, w, n, device), rep),
         "qkv_inputs": _region_inputs(shape, w, n, 3, device, tp, sp, form),  # wq, wk, wv
-        "q_k_v": _div([Saved(n * d, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)], tp),  # q, k after RoPE, v
+        # q, k after RoPE, v; key/value heads fewer than tp are replicated: one whole head per rank
+        "q_k_v": _div([Saved(n * d, cb)], tp) + [Saved(n * (max(1, c.kv_heads // tp) * c.head_dim if tp > 1
+                                                            else kvd), cb)] * 2,
         "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
         "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
@@ -342,7 +349,7 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
             out["embedding_dropout"] = [Saved(n * c.d_model, 1 if device == "cuda" else w.param, "mask")]
     if last:
         out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
-        out["head_input"] = _region_inputs(shape, w, n, 1, device, tp, sp, form)
+        out["head_input"] = _region_inputs(shape, replace(w, fp8="none"), n, 1, device, tp, sp, form)  # bf16 head
         out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
         out["targets"] = [Saved(n, INDEX_BYTES, "keep")]  # under tp: the local target ids
         if tp > 1:  # the vocab-parallel loss (parallel/tp_layers.py) also masks the targets outside its piece
@@ -375,6 +382,10 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     index = 2 * seq_len * cp * INDEX_BYTES if cp > 1 and kw.get("cp_form") == "all-to-all" else 0
     if policy == "none":
         return {"blocks": n_layers * sum(per.values()) + index, "weight_copies": n_layers * copies}
+    if policy == "selective-ops":  # the casts of the weights are recomputed too: no copies kept
+        # the kept outputs live in the checkpoint's own cache, which activation compression never sees
+        return {"blocks": n_layers * sum(t.numel * t.itemsize for t in ops_saved(shape, w, tokens, **kw)),
+                "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
         per = block_saved(shape, w, tokens, seq_len, **{**kw, "cp_form": "ring"})
         return {"blocks": n_layers * (sum(per.values()) - per["logsumexp"]), "weight_copies": n_layers * copies}
@@ -382,6 +393,26 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     hidden = Saved(tokens * shape.cfg.d_model // rep, w.param)  # residual stream in the params' dtype
     held = hidden.held(kw.get("compress", "none"), True, kw.get("device", "cuda"))  # a checkpoint input, in the stack
     return {"blocks": segments(policy, n_layers, every) * held, "weight_copies": 0}
+
+
+def ops_saved(shape: ModelShape, w: Widths, tokens: int, *, tp: int = 1, sp: bool = False,
+              form: str = "megatron", **_) -> list[Saved]:
+    """What memory.recompute=selective-ops keeps of one dense Block for `tokens` tokens (memory/recompute.py:
+    the outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; the
+    attention output and its fp32 logsumexp; wo's output; w1's (and w3's); w2's. Column-parallel outputs
+    and the attention's are split by tp; the row-parallel products (wo, w2) are kept as the GEMM made
+    them, the partial sums of all tokens, before their reduction. Plus the block's input, the checkpoint's
+    (the residual stream in the parameters' dtype, a sequence shard under SP)."""
+    c, cb, n = shape.cfg, w.compute, tokens
+    t = tp if form == "megatron" else 1
+    kvd = max(1, c.kv_heads // t) * c.head_dim if t > 1 else c.kv_heads * c.head_dim
+    q = c.n_heads * c.head_dim // t
+    column = [Saved(n * q, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)]
+    column += [Saved(n * c.ffn_dim // t, cb)] * (2 if c.arch == "llama" else 1)
+    attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep")]
+    row = [Saved(n * c.d_model, cb)] * 2  # wo, w2
+    block_input = Saved(n * c.d_model // (tp if sp else 1), w.param)
+    return column + attention + row + [block_input]
 
 
 def segments(policy: str, n_layers: int, every: int) -> int:

@@ -228,10 +228,12 @@ def loss_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: fl
 
 def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
     """The extra forward recomputation adds: the blocks (2N_blocks + 4LHQT per token), or only the
-    attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5)."""
+    attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5), or no matrix
+    product at all for selective-ops (it keeps every GEMM's and fused attention's output and replays
+    only norms, casts and activations, memory-bound kernels whose FLOPs the 6N count leaves out)."""
     c = shape.cfg
     attn = attention_flops(shape, tokens) / 3
-    if lay.recompute == "none":
+    if lay.recompute in ("none", "selective-ops"):
         return 0.0
     if lay.recompute == "selective":
         return attn
@@ -367,7 +369,7 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: 
     GEMMs at their speed-up over it and their casts' HBM traffic on top."""
     attn = attention_flops(shape, tokens)
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
-    replay_attn = attn / 3 if lay.recompute != "none" else 0.0
+    replay_attn = attn / 3 if lay.recompute not in ("none", "selective-ops") else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
     moe = moe_flops(shape, tokens)  # the experts' share, at their own rate
     fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 from harness import run_ranks
-from layout_workers import BASE, GPT2, build, train_random, train_steps
+from layout_workers import BASE, GPT2, batches, build, micro_batches, train_random, train_steps
 
 from teratrain.config import load_config
 from teratrain.planner.inputs import layout_of, shape_of, training_of
@@ -84,13 +84,15 @@ def _assert_overlapped(layouts: list[list[str]], runs: list[dict]) -> None:
 def test_tp4_and_tp2_dp2_with_every_zero_stage():
     """tp=4 splits 2 key/value heads over 4 ranks (each replicated twice) and a vocabulary of 50
     (padded to 52), also overlapped (parallel.tp_overlap=chunked); tp=2 x dp=2 composes with ZeRO 0-3
-    and offload on a 2-D mesh."""
+    and offload on a 2-D mesh; memory.recompute=selective-ops replays each block's collectives around
+    the GEMM outputs it keeps (tp=4, and tp=2 x dp=2)."""
     layouts = [["parallel.tp=4", "parallel.sequence_parallel=false"], ["parallel.tp=4"], GPT2_SGD + ["parallel.tp=4"],
                ["parallel.tp=4"] + OVERLAP]
     layouts += [["parallel.tp=2", f"parallel.zero={z}"] for z in (0, 1, 2, 3)]
     layouts += [["parallel.tp=2", "parallel.zero=3", "parallel.offload=params"],
                 ["parallel.tp=2", "parallel.zero=2", "parallel.sequence_parallel=false", "memory.recompute=full"],
-                GPT2_SGD + ["parallel.tp=2", "parallel.zero=1", "memory.recompute=selective"]]
+                GPT2_SGD + ["parallel.tp=2", "parallel.zero=1", "memory.recompute=selective"],
+                ["parallel.tp=4", "memory.recompute=selective-ops"], ["parallel.tp=2", "memory.recompute=selective-ops"]]
     _compare(layouts, world=4)
 
 
@@ -317,3 +319,73 @@ def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -
         return runs
     finally:
         torch.nn.Module.compile, torch.compile = compile_module, compile_fn
+
+
+# One block's bytes under tensor + sequence parallelism: what one more block leaves alive from forward
+# to backward (measure.live_bytes of 2 blocks less 1) on every rank, against the planner and against
+# the per-layer formula of Korthikanti et al. 2022 (sec. 4, Table 2) derived for our block.
+BLOCK_PRECISION = ["memory.precision=bf16", "memory.master_weights=true"]  # bf16 activations, as the paper's
+BLOCK_POLICIES = ["none", "selective", "full", "selective-ops"]
+
+
+def _block_bytes(rank: int, world: int, policies: list[str]) -> dict[str, int]:
+    from teratrain.measure import live_bytes
+
+    out = {}
+    for policy in policies:
+        got = []
+        for n_layers in (1, 2):
+            cfg, rt, model, _ = build([f"parallel.tp={world}", f"model.n_layers={n_layers}",
+                                       f"memory.recompute={policy}"] + BLOCK_PRECISION)
+            x, y = micro_batches(cfg, rt, batches(cfg, 1)[0])[0]
+            got.append(live_bytes(model, x, y, cfg.memory.precision))
+        out[policy] = got[1] - got[0]
+    return out
+
+
+def korthikanti_block_bytes(s: int, b: int, h: int, a: int, kv: int, f: int, t: int, policy: str) -> int:
+    """Bytes one of our Llama blocks keeps (bf16 activations and parameters, tensor parallelism t with
+    sequence parallelism, CPU kernels), term by term as Korthikanti et al. 2022 count GPT's 34 s b h / t
+    + 5 a s^2 b / t (sec. 4.2, Table 2). Ours differs where the architecture does: SDPA keeps the output
+    and a fp32 logsumexp (4 a s b / t), no s x s scores nor their dropout mask (the 5 a s^2 b / t term);
+    RMSNorm keeps an fp32 copy of its input (4 s b h, not LayerNorm's 2) and its fp32 statistics
+    (4 s b), the CPU kernel also x * rstd (4 s b h), and an fp32 copy of its weight (4 h, whole); GQA's
+    k and v are kv wide (replicated heads under t > their count); SwiGLU keeps w1 x, silu(w1 x), w3 x
+    and their product (4 x 2 s b f / t) where GELU keeps 2 x 2 s b 4h / t plus a dropout mask; no
+    dropout (p = 0); RoPE's cos and sin cast to bf16 for q and k (4 x 2 s d_head). The column-parallel
+    linears keep the sequence shard of their input (2 s b h / t each region), as the paper does."""
+    n, hd = s * b, h // a
+    kv_t = max(1, kv // hd // t) * hd  # key/value width on a rank
+    norms = 2 * (n * h * (4 + 4) // t + n * 4 // t + 4 * h)  # fp32 input, x * rstd, rstd; fp32 weight
+    attention = 2 * n * h // t + 2 * n * h // t + 2 * 2 * n * kv_t + 2 * n * h // t  # input shard, q, k and v, output
+    logsumexp = 4 * n * a // t
+    mlp = 2 * n * h // t + 4 * 2 * n * f // t  # input shard, SwiGLU's four
+    rope = 4 * 2 * s * hd
+    if policy == "none":
+        return norms + attention + logsumexp + mlp + rope
+    if policy == "selective":  # the core (ours: only its logsumexp) recomputed
+        return norms + attention + mlp + rope
+    if policy == "full":  # the block's input, a sequence shard (Korthikanti et al., sec. 5: 2 s b h / t)
+        return 2 * n * h // t
+    # selective-ops: GEMM outputs (q, k, v; w1, w3 split; wo's and w2's partial sums whole), attention's
+    # output and logsumexp, the block's input
+    return 2 * n * h // t + 2 * 2 * n * kv_t + 2 * 2 * n * f // t + 2 * n * h // t + logsumexp + 2 * 2 * n * h \
+        + 2 * n * h // t
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.long), pytest.param(4, marks=pytest.mark.long)])
+def test_one_block_bytes_equal_the_planner_and_the_formula(tp):
+    """tp = 1 (in this process), 2, 4 (tp=4 replicates the 2 key/value heads): every rank's bytes for
+    one block, each recompute policy, equal planner.activations.stored_blocks and
+    korthikanti_block_bytes exactly (a single-process sb x h shard is one tp rank's share)."""
+    from teratrain.planner.activations import stored_blocks
+    from teratrain.planner.layout import ModelShape, widths
+
+    ranks = [_block_bytes(0, 1, BLOCK_POLICIES)] if tp == 1 else run_ranks(_block_bytes, tp, BLOCK_POLICIES)
+    cfg = load_config(None, BASE + BLOCK_PRECISION)
+    m, s, b = cfg.model, cfg.model.seq_len, cfg.train.micro_batch
+    w = widths("bf16", True)
+    for policy in BLOCK_POLICIES:
+        planned = stored_blocks(ModelShape(cfg=m), w, 1, s * b, s, policy, 2, device="cpu", tp=tp, sp=tp > 1)
+        formula = korthikanti_block_bytes(s, b, m.d_model, m.n_heads, m.kv_heads * m.head_dim, m.ffn_dim, tp, policy)
+        assert [r[policy] for r in ranks] == [sum(planned.values())] * tp == [formula] * tp, policy

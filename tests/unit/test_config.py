@@ -310,3 +310,12 @@ def test_graphed_experts_refused_where_their_gemm_reads_back(monkeypatch):
     dense = load_config(None, ["train.compile=true", "train.compile_mode=reduce-overhead", "memory.precision=bf16"])
     parallelize.check_graphed_experts(SimpleNamespace(device=torch.device("cpu")), dense)  # nothing to refuse
     support.check_supported(load_config(None, ["train.compile=true", "model.moe.num_experts=4"]))  # no graphs
+
+
+def test_selective_ops_refuses_the_chunked_tp_overlap():
+    """memory.recompute=selective-ops keeps GEMM outputs; the chunked overlap writes its GEMMs into its own
+    buffers: one sentence naming both keys and the fix."""
+    with pytest.raises(ConfigError, match="memory.recompute=selective-ops .* set parallel.tp_overlap=none or "
+                                          "memory.recompute=selective"):
+        load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked", "memory.recompute=selective-ops"])
+    assert load_config(None, ["parallel.tp=2", "memory.recompute=selective-ops"]).memory.recompute == "selective-ops"

@@ -27,6 +27,14 @@ def path_of(stem: str) -> Path:
     return ROOT / MANIFEST["runs"][stem]["file"]
 
 
+def ran_gathered_inputs(lay, train) -> bool:
+    """Every recorded run's column-parallel linears kept their gathered input whole under sequence
+    parallelism (now they keep the sequence shard: parallel/comm.py Regather), so those rows' measured
+    peaks are not this code's; every such row was within the peak target when recorded, so it leaves both
+    the count and the target (a GPU run of the same layouts brings them back)."""
+    return lay.tp > 1 and lay.sequence_parallel and lay.tp_form == "megatron" and train.fp8 == "none"
+
+
 @functools.cache
 def _errors(path: Path) -> list[dict]:
     """Per measured row: its name, held_out, the planner's relative peak and step errors, and whether the
@@ -38,6 +46,7 @@ def _errors(path: Path) -> list[dict]:
         cand = evaluate(shape, train, lay, gpu)
         out.append({"name": row["name"], "held_out": row["held_out"], "pipeline_dp1": lay.dp == 1 and lay.zero == 0
                     and lay.pp > 1, "host_paced": cand.time.host_paced,
+                    "gathered_inputs": ran_gathered_inputs(lay, train),
                     "peak": cand.memory.peak_allocated / 2**30 / row["measured_peak_gib"] - 1,
                     "step": cand.time.step_time_s / row["measured_step_s"] - 1})
     return out
@@ -53,12 +62,16 @@ def test_recorded_rows_stay_within_the_targets(what, run):
         rows = [e for e in rows if e["name"] not in entry.get("skip_step", [])]
     if what == "peak" and entry.get("old_gradient_buffer"):
         rows = [e for e in rows if not e["pipeline_dp1"]]
+    reached = entry[f"{what}_within"]
+    if what == "peak":
+        gone = [sum(e["gathered_inputs"] and e["held_out"] == held for e in rows) for held in (False, True)]
+        reached = [n - k for n, k in zip(reached, gone)]
+        rows = [e for e in rows if not e["gathered_inputs"]]
     fit = [e for e in rows if not e["held_out"]]
     held = [e for e in rows if e["held_out"]]
     got = tuple(sum(abs(e[what]) <= TARGET[what] for e in group) for group in (fit, held))
     missed = {e["name"] + (" (host-paced)" if e["host_paced"] else ""): round(100 * e[what], 1)
               for e in rows if abs(e[what]) > TARGET[what]}
-    reached = entry[f"{what}_within"]
     assert got[0] >= reached[0] and got[1] >= reached[1], f"{run} {what}: {got} within target; out: {missed}"
 
 

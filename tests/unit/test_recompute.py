@@ -11,7 +11,7 @@ from teratrain.models.layers import CoreAttention
 from teratrain.models.transformer import Block, lm_loss
 from tests.helpers import small_model
 
-POLICIES = ["full", "every-k", "sqrt", "selective"]
+POLICIES = ["full", "every-k", "sqrt", "selective", "selective-ops"]
 SHAPE = dict(n_layers=5, dropout=0.1)  # 5 blocks: every-2 and sqrt (k=2) leave a 1-block tail segment
 
 
@@ -61,6 +61,35 @@ def test_policy_recomputes_what_it_says(policy, hooked, forwards_per_step):
     x = torch.randint(0, model.cfg.vocab_size, (2, 9))
     lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
     assert len(calls) == forwards_per_step * SHAPE["n_layers"]
+
+
+def _matmuls(policy: str, arch: str) -> tuple[int, int]:
+    """(matrix products, other ops) one training step of a small model dispatches under `policy`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    counts = [0, 0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[func not in gemms] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = apply_recompute(small_model(arch=arch, **SHAPE), policy, 2)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with Count():
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_selective_ops_runs_no_matrix_product_twice(arch):
+    """selective-ops keeps every GEMM's output (dropout on: attention takes the math path, its two
+    batched products kept too) and replays only the rest: as many products as no recomputation, more
+    other ops; full recomputation runs every block's forward products again."""
+    none, ops, full = (_matmuls(p, arch) for p in ("none", "selective-ops", "full"))
+    assert ops[0] == none[0] < full[0]
+    assert ops[1] > none[1]
 
 
 @pytest.mark.parametrize("policy, every, k", [("full", 3, 1), ("every-k", 3, 3), ("sqrt", 3, 2)])
