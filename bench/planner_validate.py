@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.planner.activations import forward_saved  # noqa: E402
@@ -223,9 +224,14 @@ def main() -> int:
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     if args.refit:
+        import tomllib
+
         from teratrain.planner.refit import refit, render
 
-        print(render(refit(json.loads(Path(args.refit).read_text()))))
+        manifest = tomllib.loads((ROOT / "tests" / "fixtures" / "planner_runs" / "manifest.toml").read_text())["runs"]
+        path = Path(args.refit).resolve()
+        split = next((e["split"] for e in manifest.values() if (ROOT / e["file"]).resolve() == path), "fit")
+        print(render(refit(json.loads(path.read_text()), split)))
         return 0
     if args.gpus:
         return _several(args)

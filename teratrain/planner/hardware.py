@@ -23,7 +23,30 @@ from pathlib import Path
 
 from teratrain.metrics import GPU_PEAK_TFLOPS
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
+CALIBRATION = Path(__file__).with_name("calibration")  # <card>.toml, common.toml: packaged data
+
+
+def calibration(name: str) -> dict[str, dict]:
+    """The entries of calibration/<name>.toml: {constant: {"value", "term", "source", "runs", "fit_error"}}."""
+    path = CALIBRATION / f"{name}.toml"
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise RuntimeError(f"{path} cannot be read ({e}); reinstall teratrain or restore the file from git.") from None
+
+
+def calibrated(name: str) -> dict[str, float]:
+    """{constant: value} of calibration/<name>.toml."""
+    return {key: entry["value"] for key, entry in calibration(name).items()}
+
+
+_REFERENCE = calibrated("h200")  # the GPU dataclass's defaults: the card most constants were fitted on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,54 +72,43 @@ class GPU:
     all_to_all_alpha_s: float | None = None
     p2p_gbps: float | None = None
     p2p_alpha_s: float | None = None
-    # Time-model constants, CALIBRATED on one H200 (torch 2.11, eager, bf16 autocast) with
-    # bench/planner_validate.py; docs/planner.md ("Validation") has the table they come from. H100 and
-    # A100 use the same values until measured there.
+    # Fitted and measured constants: the defaults are the H200's, each card's preset takes its own from
+    # calibration/<card>.toml (value, the term it scales, the runs it was fitted on, its error there).
     # Sustained fraction of the datasheet peak on the model FLOPs: with bf16 it rises with the width d
     # (the inner dimension of most matmuls: short K loops keep tensor cores waiting),
     # eff = flops_max * d / (d + flops_d_half); fp32 runs CUDA-core GEMMs close to their lower peak.
-    flops_max: float = 0.84  # bf16/fp16 efficiency at infinite width
-    flops_d_half: float = 1100.0  # width at which bf16/fp16 reaches half of flops_max
-    flops_efficiency_fp32: float = 0.80
-    # MoE layers' expert FLOPs run at this fraction of the dense rate: derived from bench/moe.py's
-    # dense vs ep=1 MoE steps on 4 x H200 (bench/results/h200x4/2026-11-26_moe_eager.json, the same
-    # active FLOPs)
-    moe_efficiency: float = 0.54
-    # memory.fp8: a float8 GEMM (torch._scaled_mm, bf16 output) against the bf16 GEMM of the same
-    # shape, by recipe. MEASURED on one H200 (torch 2.11): the mean over the llama-8b width's three
-    # block GEMM shapes (4096 tokens), tensorwise 1.84-1.89x, rowwise 1.59-1.67x (bench/fp8.py,
-    # "gemm_tflops"); the H100 has the same tensor cores, not measured there. Cards without float8
-    # tensor cores have no "fp8" peak (metrics.GPU_PEAK_TFLOPS): the planner refuses memory.fp8 on them.
-    fp8_speedup_tensorwise: float = 1.86
-    fp8_speedup_rowwise: float = 1.64
-    mem_efficiency: float = 0.67  # fraction of HBM bandwidth the fused optimizer sweep reaches
-    # cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
+    flops_max: float = _REFERENCE["flops_max"]  # bf16/fp16 efficiency at infinite width
+    flops_d_half: float = _REFERENCE["flops_d_half"]  # width at which bf16/fp16 reaches half of flops_max
+    flops_efficiency_fp32: float = _REFERENCE["flops_efficiency_fp32"]
+    moe_efficiency: float = _REFERENCE["moe_efficiency"]  # MoE expert FLOPs' rate, share of the dense rate
+    # memory.fp8: a float8 GEMM (torch._scaled_mm, bf16 output) against the bf16 GEMM of the same shape,
+    # by recipe. Cards without float8 tensor cores have no "fp8" peak (metrics.GPU_PEAK_TFLOPS): the
+    # planner refuses memory.fp8 on them.
+    fp8_speedup_tensorwise: float = _REFERENCE["fp8_speedup_tensorwise"]
+    fp8_speedup_rowwise: float = _REFERENCE["fp8_speedup_rowwise"]
+    mem_efficiency: float = _REFERENCE["mem_efficiency"]  # fraction of HBM bandwidth the optimizer sweep reaches
+    # GPU cost of one eager op besides its FLOPs (launch, small elementwise kernels between matmuls), per
     # op the model issues (time.OPS_PER_BLOCK)
-    op_overhead_s: float = 6.75e-6
+    op_overhead_s: float = _REFERENCE["op_overhead_s"]
     # Host time to issue one eager op (Python, dispatcher, autocast, launch), and the cost of one
     # tensor-parallel collective on the critical path (its autograd function, the watchdog's
     # registration, the NCCL launch; the compute stream waits on it at once, so the ranks' host skew
     # and the queue's refill land there too): the GPU waits on these where its own work per op is
-    # short. CALIBRATED: least squared relative step error over the fit rows of the one-GPU and the
-    # 4-GPU H200 validations (bench/results/h200/2026-11-26_planner_validate.json,
-    # tests/fixtures/planner_runs/h200x4_2026-11-26.json; torch 2.11). host_collective_s predicts
-    # without explaining: read it as what one tp collective costs a step on this machine.
-    host_op_s: float = 1.2e-5
-    host_collective_s: float = 6.0e-4
+    # short. host_collective_s predicts without explaining: read it as what one tp collective costs a
+    # step on the machine it was fitted on. A run's host probe (refit.fit_host) replaces both.
+    host_op_s: float = _REFERENCE["host_op_s"]
+    host_collective_s: float = _REFERENCE["host_collective_s"]
     # Host time of one data-parallel engine launch (a bucket's all-reduce, a ZeRO group's reduce-scatter
     # or gather, with its hook): measured by the host probe's ZeRO-3 row where a run has one; None:
-    # time.DP_LAUNCH_SHARE of host_collective_s (fitted on the recorded runs before the probe had it)
+    # time.DP_LAUNCH_SHARE of host_collective_s
     host_launch_s: float | None = None
     # Allowance for what torch.cuda.max_memory_allocated does not see: the CUDA context and library
-    # handles outside the allocator (0.75 GiB measured on the H200, torch 2.11; NCCL adds more on
-    # several GPUs), and fragmentation, the "fragmented memory" of ZeRO sec. 3.2: the allocator's
-    # reserved bytes exceeded the allocated peak by 3-22% (median 7%) in bench/planner_validate.py
-    context_gib: float = 0.75
-    fragmentation: float = 0.10
-    # fused CPU AdamW, parameters per second per rank. Measured 4.6e9 with the 16 host cores the H200
-    # machine gives its one GPU (~130 GB/s of host memory traffic); assumed 2e9 when 8 ranks share
-    # a node's CPUs and memory bandwidth (~75 GB/s each)
-    host_adam_params_per_s: float = 2e9
+    # handles outside the allocator (NCCL adds more on several GPUs), and fragmentation, the
+    # "fragmented memory" of ZeRO sec. 3.2: the allocator's reserved bytes over the allocated peak
+    context_gib: float = _REFERENCE["context_gib"]
+    fragmentation: float = _REFERENCE["fragmentation"]
+    # fused CPU AdamW, parameters per second per rank when 8 ranks share a node's CPUs
+    host_adam_params_per_s: float = _REFERENCE["host_adam_params_per_s"]
     # the host's fp32 -> compute-dtype cast of each stepped master shard into the pinned staging
     # buffer (memory/offload.py), parameters per second per rank; 0: twice host_adam_params_per_s
     # (one CPU core: fused AdamW 0.57, the cast 1.16 G params/s; bench/machine.py measures both)
@@ -126,24 +138,14 @@ class GPU:
         return (self.nvlink_gbps if gbps is None else gbps), (self.alpha_intra_s if alpha is None else alpha)
 
 
-# The H200's cost per eager op, as a share of the shared default (GPU.op_overhead_s, fitted on H200 rows
-# and within 1-4% of the H100's pipeline rows): half of that cost moves with HBM bandwidth (4.8 against
-# 3.35 TB/s: 0.5 + 0.5 / 1.43). CALIBRATED on the recorded H200 validations
-# (tests/unit/test_planner_recorded.py): the shared cost plans their GPU-paced rows up to 19% slow
-# (pipelines, data parallelism, full recomputation). With this share 288 of the 327 recorded H200 rows
-# are within 15% against 285: 5 rows gained, 2 lost in the four 2 x H200 runs whose host-paced rows were
-# measured once, in one launch. The whole per-op cost moved with bandwidth (0.70) loses 7 rows on balance.
-H200_OP_SHARE = 0.85
-
-
 def _gpu(name: str, table_key: str, **kw) -> GPU:
-    return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], **kw)
+    """A card's preset: the datasheet terms given, the fitted ones from calibration/<name>.toml."""
+    return GPU(name=name, peak_tflops=GPU_PEAK_TFLOPS[table_key], **calibrated(name), **kw)
 
 
 GPUS = {
     "h100": _gpu("h100", "H100", memory_gib=79.2, hbm_gbps=3350, nvlink_gbps=450, pcie_gbps=55, inter_node_gbps=50),
-    "h200": _gpu("h200", "H200", memory_gib=140.4, hbm_gbps=4800, nvlink_gbps=450, pcie_gbps=55, inter_node_gbps=50,
-                 op_overhead_s=H200_OP_SHARE * GPU.op_overhead_s),
+    "h200": _gpu("h200", "H200", memory_gib=140.4, hbm_gbps=4800, nvlink_gbps=450, pcie_gbps=55, inter_node_gbps=50),
     "a100": _gpu("a100", "A100", memory_gib=79.2, hbm_gbps=2039, nvlink_gbps=300, pcie_gbps=25, inter_node_gbps=25),
 }
 

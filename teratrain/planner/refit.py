@@ -12,14 +12,18 @@ a `bench/planner_validate.py --gpus N` result, and what each change does to the 
 - Time constants (`refit`): the calibrated efficiencies and per-op cost of hardware.GPU, fitted by
   coordinate descent (each constant in turn on a shrinking multiplicative grid) to minimise the
   squared relative step-time error of the rows NOT marked held-out, with the measured hardware terms
-  in place; the held-out rows' errors before and after show whether the change generalizes.
+  in place; the held-out rows' errors before and after show whether the change generalizes. Rows the
+  planner has the host pace are not fitted: the report lists them with the host's measured spread.
 - Memory has no fitted constant but the allowance: `context_gib` from the memory measured outside
   the allocator (CUDA context and NCCL's buffers): the median of a one-GPU result (a process per
   config), the smallest of a several-GPU one, whose rows run one after another in the same
   processes, each row's count holding the communicators of every earlier row (4.9 GiB at the first
   of 28 rows on 4 x H200, 38 GiB at the last); `fragmentation` from the median reserved/allocated - 1
   (the allocator's cache is emptied and its peaks reset between rows, so that ratio is per row).
-Nothing is written: the report says which constants the measurements would change, and to what.
+Nothing is written by `refit`: the report says which constants the measurements would change, and to
+what. A run is refitted only where tests/fixtures/planner_runs/manifest.toml marks it split = "fit" (a
+held-out run is refused). `write_calibration` writes a fitted constant into planner/calibration/<card>.toml
+with the runs it was fitted on and its error there (bench/calibrate/ scripts call it).
 """
 
 from __future__ import annotations
@@ -201,12 +205,18 @@ def _stats(errs: list[float]) -> dict:
             "median_abs_pct": round(100 * statistics.median(a), 1) if a else None}
 
 
-def refit(result: dict) -> dict:
-    """What the measurements of `result` would change (module docstring), and the errors before and after."""
+def refit(result: dict, split: str = "fit") -> dict:
+    """What the measurements of `result` would change (module docstring), and the errors before and after.
+    `split`: the run's split in tests/fixtures/planner_runs/manifest.toml; a held-out run is refused."""
+    if split != "fit":
+        raise ValueError(f"this run is split = \"{split}\" in tests/fixtures/planner_runs/manifest.toml: refit only "
+                         "fits on runs marked split = \"fit\"; mark it so there (and say so in docs/planner.md) or "
+                         "refit another run.")
     preset = gpu_for_device(result["device"], int(result["device_mem_gib"] * 2**30))
     measured = result_gpu(result)
     prepared = _prepared(result)
-    fit_rows = [p for p in prepared if not p[3].get("held_out")]
+    paced = host_paced(measured, prepared)
+    fit_rows = [p for p in prepared if not p[3].get("held_out") and p[3]["name"] not in paced]
     held = [p for p in prepared if p[3].get("held_out")]
     fitted = _fit(measured, fit_rows) if fit_rows else measured
     changes = {k: [getattr(preset, k), v] for k, v in result.get("hw", {}).items() if getattr(preset, k, None) != v}
@@ -224,7 +234,23 @@ def refit(result: dict) -> dict:
     for name, gpu in (("assumed", preset), ("measured terms", measured), ("refit", fitted)):
         errors[name] = {"fit rows": _stats(step_errors(gpu, fit_rows)), "held-out rows": _stats(step_errors(gpu, held))}
     flags = " ".join(f"--hw {k}={v[1]:.6g}" for k, v in changes.items())
-    return {"changes": changes, "step_time_errors": errors, "hw_flags": flags}
+    return {"changes": changes, "step_time_errors": errors, "hw_flags": flags, "host_paced": paced}
+
+
+def host_paced(gpu: GPU, prepared: list[tuple]) -> dict[str, dict]:
+    """The fit rows the planner has the host pace (an eager step the host takes longer to issue than the GPU
+    to run): not fitted, reported with their error and the host's measured spread over the row's visits
+    (bench/planner_multi.py `visits_s`: slowest / fastest - 1; None where the row was measured once)."""
+    from teratrain.planner.search import evaluate
+
+    out = {}
+    for s, t, lay, row in prepared:
+        cand = evaluate(s, t, lay, gpu)
+        if cand.time.host_paced and not row.get("held_out"):
+            visits = row.get("visits_s") or []
+            out[row["name"]] = {"error_pct": round(100 * (cand.time.step_time_s / row["measured_step_s"] - 1), 1),
+                                "spread_pct": round(100 * (max(visits) / min(visits) - 1), 1) if len(visits) > 1 else None}
+    return out
 
 
 def _num(v) -> str:
@@ -239,5 +265,30 @@ def render(report: dict) -> str:
         parts = [f"{g}: {s['rows']} rows, max {s['max_abs_pct']}%, median {s['median_abs_pct']}%"
                  for g, s in groups.items() if s["rows"]]
         lines.append(f"  {name:16} " + "; ".join(parts))
+    for name, r in report.get("host_paced", {}).items():
+        spread = "measured once" if r["spread_pct"] is None else f"the host's spread over its visits {r['spread_pct']}%"
+        lines.append(f"  host-paced, not fitted: {name} {r['error_pct']:+}% ({spread})")
     lines.append(f"As flags: teratrain plan ... {report['hw_flags']}")
     return "\n".join(lines)
+
+
+def write_calibration(card: str, updates: dict[str, dict], path=None) -> None:
+    """Rewrite entries of planner/calibration/<card>.toml (or `path`): per constant its "value", "source",
+    "runs" and "fit_error" (its "term" stays); the file's header comment and the other entries are kept."""
+    import tomllib
+
+    from teratrain.config_toml import toml_value
+    from teratrain.planner.hardware import CALIBRATION
+
+    path = path or CALIBRATION / f"{card}.toml"
+    text = path.read_text()
+    entries = tomllib.loads(text)
+    header = text[: text.index("\n[") + 1] if "\n[" in text else ""
+    for key, new in updates.items():
+        if key not in entries and "term" not in new:
+            raise ValueError(f"{path.name} has no [{key}] entry; give its \"term\" (the sentence it scales) to add it.")
+        entries[key] = {**entries.get(key, {}), **new}
+    order = ("value", "term", "source", "runs", "fit_error")
+    blocks = ["\n".join([f"[{key}]"] + [f"{k} = {toml_value(entry[k])}" for k in order if k in entry])
+              for key, entry in entries.items()]
+    path.write_text(header + "\n\n".join(blocks) + "\n")

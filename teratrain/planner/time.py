@@ -4,8 +4,8 @@ Terms, each with its source or assumption:
 - compute: model FLOPs (PaLM appendix B: 6N + 12*L*H*Q*T per token, N the matmul weights a token
   multiplies), plus one more forward of what recomputation replays (Chen et al. 2016; selective
   recomputation replays only the attention core, 4*L*H*Q*T per token), at the datasheet peak times
-  a sustained efficiency that grows with the width d, calibrated on the H200 (the calibrated defaults of
-  hardware.GPU). Pipeline stages split all of it; tensor parallelism splits the matmul weights' part,
+  a sustained efficiency that grows with the width d, fitted per card (planner/calibration/<card>.toml).
+  Pipeline stages split all of it; tensor parallelism splits the matmul weights' part,
   and the attention core's only in the megatron form (the per-layer forms, parallel.tp_form=all-gather /
   all-reduce, gather every head everywhere).
 - eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
@@ -47,7 +47,7 @@ from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
-from teratrain.planner.hardware import GPU
+from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -65,14 +65,8 @@ OPS_OUTSIDE = 60
 OPS_MOE_EXTRA = (105, 57)
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
-# Python and index arithmetic each than a dense block's. On CPU at a width where the kernels cost nothing
-# an MoE layer's extra ops took 2.1x a dense block's average op (bench/calibrate/moe_host_ops.py,
-# bench/results/cpu/2026-11-28_moe_host_ops.json; on a GPU host every op also pays its launch, shared by
-# both), and eager MoE rows measured slower than planned in most recorded runs (moe tp2 under in 14 of 15,
-# -12.5% on average). CALIBRATED: the least squared relative step error of the MoE fit rows of every recorded
-# several-GPU validation (tests/unit/test_planner_recorded.py; 1.4 is 0.5% worse, 1.0 27% and 2.0 66%);
-# the held-out MoE rows within 15% went from 33 to 37 of 44, the fit ones from 34 to 35 of 44.
-MOE_HOST_OP_SHARE = 1.35
+# Python and index arithmetic each than a dense block's. Fitted (calibration/common.toml says on what).
+MOE_HOST_OP_SHARE = calibrated("common")["moe_host_op_share"]
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
@@ -286,15 +280,8 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
 # A data-parallel engine's launch (a bucket's all-reduce, a ZeRO group's reduce-scatter or gather: a
 # gradient hook and an async collective, no autograd function) costs the host this share of what a
 # tensor-parallel collective costs it (gpu.host_collective_s), where the host probe did not measure it
-# (gpu.host_launch_s: the probe's ZeRO-3 row, bench/planner_rows.py; recorded runs without that row).
-# CALIBRATED on the step errors of the 12 recorded several-GPU validations
-# (tests/unit/test_planner_recorded.py): 0.7 minimizes the squared errors of their fit rows, 0.5 keeps
-# the most held-out rows within 15% (131 of 148, against 129 without the launches; fit rows 159 of 179
-# against 154), so those held-out rows informed the choice. Those runs' per-op cost was fitted with the
-# plain probe's one launch inside it (under 0.5% of its step). Before, the planner charged these
-# launches nothing: a 1b-width MoE at ep=1 launches 105 a step (every expert weight is a bucket of its
-# own) and measured 10-24% over the planner in every run.
-DP_LAUNCH_SHARE = 0.5
+# (gpu.host_launch_s: the probe's ZeRO-3 row, bench/planner_rows.py). Fitted (calibration/common.toml).
+DP_LAUNCH_SHARE = calibrated("common")["dp_launch_share"]
 
 
 def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:

@@ -53,6 +53,7 @@ def test_refit_says_what_changes_and_improves_the_held_out_row(tmp_path):
     assert report["changes"]["all_reduce_gbps"] == [None, 200.0] and report["changes"]["pcie_gbps"] == [55, 40.0]
     assert report["changes"]["flops_max"][1] < GPUS["h100"].flops_max  # slower than assumed: a lower efficiency
     errs = report["step_time_errors"]
+    assert report["host_paced"] == {}  # every row's GPU time is over its host's
     assert errs["measured terms"]["held-out rows"]["max_abs_pct"] == pytest.approx(20.0, abs=0.5)  # 1/1.25 - 1
     assert errs["refit"]["held-out rows"]["max_abs_pct"] < 5 and errs["refit"]["fit rows"]["rows"] == 2
     text = render(report)
@@ -121,3 +122,62 @@ def test_costs_are_non_negative_least_squares():
 
     grid = [(a * i / 50, j * 1e-3) for i in range(25, 76) for j in range(0, 30)]
     assert loss(a, b) <= min(loss(x, y) for x, y in grid) + 1e-12
+
+
+def test_host_paced_rows_are_reported_not_fitted():
+    """A row at micro-batch 1 whose host binds, visited twice: listed with its error and the host's spread."""
+    result = _result(1.25)
+    row = {"name": "mb1", "held_out": False, "visits_s": [0.2, 0.25],
+           "sets": result["rows"][0]["sets"][:4] + ["train.global_batch=2", "train.micro_batch=1",
+                                                   "model.d_model=64", "model.n_heads=2"]}
+    cfg = load_config(None, row["sets"])
+    cand = evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), result_gpu(result))
+    assert cand.time.host_paced
+    row["measured_step_s"] = cand.time.step_time_s
+    result["rows"].append(row)
+    report = refit(result)
+    assert report["host_paced"] == {"mb1": {"error_pct": 0.0, "spread_pct": 25.0}}
+    assert report["step_time_errors"]["refit"]["fit rows"]["rows"] == 2
+    assert "host-paced, not fitted: mb1 +0.0% (the host's spread over its visits 25.0%)" in render(report)
+
+
+def test_refit_refuses_a_held_out_run():
+    with pytest.raises(ValueError, match='split = "held_out".*only fits on runs marked split = "fit"'):
+        refit(_result(1.0), split="held_out")
+
+
+def test_calibration_files_give_every_preset_its_constants():
+    """Each card's preset takes every constant its calibration/<card>.toml names; each entry says the term it
+    scales, where it was fitted and its error there; common.toml's shares are time.py's."""
+    from dataclasses import fields
+
+    from teratrain.planner import time as planner_time
+    from teratrain.planner.hardware import GPU, calibration
+
+    names = {f.name for f in fields(GPU)}
+    for card, gpu in GPUS.items():
+        entries = calibration(card)
+        assert {"flops_max", "flops_d_half", "op_overhead_s"} <= set(entries) <= names, card
+        for key, entry in entries.items():
+            assert getattr(gpu, key) == entry["value"] and {"term", "source", "runs", "fit_error"} <= set(entry), key
+    common = calibration("common")
+    assert planner_time.MOE_HOST_OP_SHARE == common["moe_host_op_share"]["value"]
+    assert planner_time.DP_LAUNCH_SHARE == common["dp_launch_share"]["value"]
+
+
+def test_write_calibration_rewrites_one_entry(tmp_path):
+    from teratrain.planner.hardware import CALIBRATION, calibration
+    from teratrain.planner.refit import write_calibration
+
+    path = tmp_path / "a100.toml"
+    path.write_text((CALIBRATION / "a100.toml").read_text())
+    write_calibration("a100", {"flops_max": {"value": 0.5, "source": "s.py", "runs": ["r1"], "fit_error": "2%"}}, path)
+    text = path.read_text()
+    assert text.startswith("# The A100 preset")  # the header comment stays
+    import tomllib
+
+    new, old = tomllib.loads(text), calibration("a100")
+    assert new["flops_max"] == {**old["flops_max"], "value": 0.5, "source": "s.py", "runs": ["r1"], "fit_error": "2%"}
+    assert {k: v for k, v in new.items() if k != "flops_max"} == {k: v for k, v in old.items() if k != "flops_max"}
+    with pytest.raises(ValueError, match=r"no \[nope\] entry"):
+        write_calibration("a100", {"nope": {"value": 1.0}}, path)

@@ -1,0 +1,145 @@
+"""The planner against published large training runs (bench/published_runs.toml): each run's layout
+planned as the paper ran it, its step time against the paper's, and whether the planner says it fits.
+
+    python bench/published.py                  # the table, to stdout
+    python bench/published.py --write-docs     # the same table into docs/planner.md, between its markers
+
+A paper that states achieved TFLOP/s per GPU is turned into a step time with the paper's own FLOP count
+(`flops` of a run): the time that FLOP rate takes for one global batch on its GPUs. The ratio is
+predicted / published step time: over 1 the planner is slower than the paper. Runs with
+split = "fit" calibrated the card's GEMM efficiency (bench/calibrate/published_fit.py); the others
+never informed a constant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "bench" / "published_runs.toml"
+DOCS = ROOT / "docs" / "planner.md"
+BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
+CARD = {"a100": "A100 80GB", "h100": "H100 80GB"}
+
+
+def load_runs(path: Path = RUNS) -> list[dict]:
+    return tomllib.loads(path.read_text())["run"]
+
+
+def paper_flops(run: dict) -> float:
+    """FLOPs of one global batch as the paper counts them (`flops` of the run)."""
+    b, s, l, h, v = run["global_batch"], run["seq_len"], run["n_layers"], run["d_model"], run["vocab_size"]
+    if run["flops"] == "narayanan21":  # 96 B s l h^2 (1 + s/6h + V/16lh): the recomputed forward included
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    if run["flops"] == "dense6n":  # 6 N per token (N the matmul weights), attention's 12 l h s per token
+        kv = h // run["n_heads"] * run.get("n_kv_heads", run["n_heads"])
+        n = l * (2 * h * h + 2 * h * kv + 3 * h * run["d_ff"]) + h * v
+        return b * s * (6 * n + 12 * l * h * s)
+    raise ValueError(f"run {run['name']}: flops = {run['flops']!r} is unknown; use \"narayanan21\" or \"dense6n\".")
+
+
+def published_step_s(run: dict) -> float:
+    if run["figure"] == "step_s":
+        return float(run["value"])
+    return paper_flops(run) / (run["gpus"] * run["value"] * 1e12)
+
+
+def sets_of(run: dict) -> list[str]:
+    """The --set items of a run's model and layout."""
+    keys = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len")
+    sets = [f"model.{k}={run[k]}" for k in keys if k in run]
+    sets += [f"parallel.{k}={run[k]}" for k in ("tp", "pp", "dp", "cp", "virtual_stages")]
+    if run["virtual_stages"] > 1:
+        sets.append("parallel.schedule=interleaved-1f1b")
+    sets += [f"parallel.sequence_parallel={str(run['sequence_parallel']).lower()}",
+             f"train.micro_batch={run['micro_batch']}", f"train.global_batch={run['global_batch']}",
+             f"memory.recompute={run['recompute']}", f"memory.precision={run['precision']}"]
+    return sets
+
+
+def plan(run: dict, gpu=None):
+    """The planner's Candidate for a run's layout on its card (`gpu`: another GPU object, e.g. a fit's)."""
+    from teratrain.config import load_config
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.search import evaluate
+
+    cfg = load_config(None, sets_of(run))
+    return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, run["gpus"]), gpu or GPUS[run["gpu"]])
+
+
+def rows(runs: list[dict] | None = None) -> list[dict]:
+    """Per run: the published and predicted step, their ratio, whether it fits; `error` (and no
+    prediction) where the planner refuses the layout (PlanError: e.g. layers that do not split evenly)."""
+    from teratrain.planner.states import PlanError
+
+    out = []
+    for run in runs or load_runs():
+        row = {"name": run["name"], "run": run, "published_s": published_step_s(run)}
+        try:
+            cand = plan(run)
+        except PlanError as e:
+            out.append({**row, "predicted_s": None, "ratio": None, "fits": None, "error": str(e)})
+            continue
+        out.append({**row, "predicted_s": cand.time.step_time_s, "ratio": cand.time.step_time_s / row["published_s"],
+                    "fits": cand.fits, "peak_gib": cand.memory.total / 2**30})
+    return out
+
+
+def _layout(run: dict) -> str:
+    parts = [f"t{run['tp']} p{run['pp']} d{run['dp']}"] + ([f"cp{run['cp']}"] if run["cp"] > 1 else [])
+    parts += [f"v{run['virtual_stages']}"] if run["virtual_stages"] > 1 else []
+    parts.append(f"mb{run['micro_batch']} B{run['global_batch']}")
+    parts.append({"full": "full rc", "selective": "sel. rc", "none": "no rc"}[run["recompute"]])
+    return " ".join(parts) + (" SP" if run["sequence_parallel"] else "")
+
+
+def _figure(run: dict) -> str:
+    return f"{run['value']:g} s" if run["figure"] == "step_s" else f"{run['value']:g} TFLOP/s"
+
+
+def table(result: list[dict]) -> str:
+    lines = ["| run | paper | GPUs | layout | published | published s | predicted s | ratio | split | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result:
+        run = r["run"]
+        mark = "*" if run.get("uncertain") else ""
+        if r["predicted_s"] is None:
+            predicted, ratio, fits = "not planned", "-", r["error"].rstrip(".")
+        else:
+            predicted, ratio, fits = f"{r['predicted_s']:.2f}", f"{r['ratio']:.2f}", "yes" if r["fits"] else "no"
+        lines.append(f"| {r['name']}{mark} | {run['paper']}, {run['table']} | {run['gpus']} x {CARD[run['gpu']]} "
+                     f"| {_layout(run)} | {_figure(run)} | {r['published_s']:.2f} | {predicted} | {ratio} "
+                     f"| {run['split'].replace('_', '-')} | {fits} |")
+    return "\n".join(lines)
+
+
+def write_docs(text: str, path: Path = DOCS) -> None:
+    doc = path.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(doc):
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} markers; add them where the table goes.")
+    path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", doc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write-docs", action="store_true", help=f"replace the table in {DOCS.relative_to(ROOT)}")
+    args = ap.parse_args(argv)
+    text = table(rows())
+    if args.write_docs:
+        write_docs(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
