@@ -99,3 +99,15 @@ def test_free_pick_for_gpt3_175b_is_no_slower_than_the_published_layout():
     best = search(shape, train, run["gpus"], GPUS["a100"], fixed, 80)[0]
     assert best.fits and best.time.step_time_s <= ref.time.step_time_s
     assert (best.layout.pp, best.layout.schedule) != (8, "one_f_one_b")  # it found something else
+
+
+def test_auto_hands_the_planned_split_and_schedule_to_the_executor():
+    from teratrain.planner.auto import Target, resolve
+
+    cfg = load_config(None, ["model.preset=tiny", "model.n_layers=5", "parallel.auto=true", "parallel.pp=2",
+                             "train.global_batch=8", "parallel.zero=0", "parallel.offload=none",
+                             "memory.recompute=none", "train.micro_batch=2"])
+    got = resolve(cfg, 2, Target(GPUS["h100"], 79.2, None, 2)).chosen
+    assert sum(got["parallel.stage_layers"]) == 5 and cfg.parallel.stage_layers == got["parallel.stage_layers"]
+    assert len(cfg.parallel.stage_layers) == 2 * cfg.parallel.virtual_stages
+    assert cfg.parallel.schedule == got["parallel.schedule"] in ("1f1b", "interleaved-1f1b")
