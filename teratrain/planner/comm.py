@@ -220,7 +220,13 @@ def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> f
 
 def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d),
-    T/tp tokens under sequence parallelism (parallel/pipeline/runtime.py)."""
+    T/tp tokens under sequence parallelism (parallel/pipeline/runtime.py). Without it, with tp > 1, each
+    tp rank sends 1/tp of the message and the receiver all-gathers the pieces over tp (p2p.Scatter;
+    Narayanan et al. 2021 sec. 4.1): bytes/tp over the stage-to-stage link plus an all-gather within
+    the tp group's node."""
     tokens = lay.tokens(shape.cfg.seq_len) // (lay.tp if lay.sequence_parallel else 1)  # a sequence shard
     act = tokens * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
-    return on_link(gpu, "p2p", 2, 2 * lay.replicas * lay.tp, act)  # pp is the outermost mesh axis: this far
+    span = 2 * lay.replicas * lay.tp  # pp is the outermost mesh axis: this far
+    if lay.tp == 1 or lay.sequence_parallel or act % lay.tp:
+        return on_link(gpu, "p2p", 2, span, act)
+    return on_link(gpu, "p2p", 2, span, act / lay.tp) + on_link(gpu, "all_gather", lay.tp, lay.tp, act)
