@@ -114,8 +114,16 @@ def cp_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[flo
     return blocks * per_block, blocks * exposed
 
 
-@lru_cache(maxsize=4096)
 def reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bool, local: int) -> tuple[int, int]:
+    """`_reduce_messages` once per layout that can differ in them: the flat groups do not depend on the
+    micro-batch, recomputation or the schedule (the search varies those around the same groups)."""
+    same = lay.with_(micro_batch=1, num_microbatches=1, recompute="none", recompute_every=2,
+                     schedule="one_f_one_b", cp_form="ring")
+    return _reduce_messages(shape, train, same, experts, local)
+
+
+@lru_cache(maxsize=4096)
+def _reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bool, local: int) -> tuple[int, int]:
     """(reductions, gathers) that carry a rank's dense or expert gradients and parameters each pass:
     the engines' own flat groups over the fuller pipeline end's tensors, as the memory model's
     (states.zero_groups, states.dp_buckets). Buckets of ~parallel.bucket_mb counted in the
