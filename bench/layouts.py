@@ -116,6 +116,7 @@ def layouts(gpus: int) -> list[dict]:
     ]
     if gpus == 2:
         return singles + [
+            L("pp2-interleaved-uneven", ["parallel.pp=2", *inter, "parallel.stage_layers=[1, 3, 2, 2]"]),
             L("cp2", ["parallel.cp=2"]),  # ring attention, keys and values around the 2 ranks
             L("cp2-all-to-all", ["parallel.cp=2", "parallel.cp_form=all-to-all"]),
             L("pp2-1f1b-zero1", pp("1f1b", "parallel.zero=1")),  # the tied embedding's group spans both stages
@@ -137,6 +138,8 @@ def layouts(gpus: int) -> list[dict]:
         L("tp2-pp2-1f1b", pp("1f1b", "parallel.tp=2")),  # tp collectives inside each stage, between p2p sends
         L("tp2-pp2-interleaved", ["parallel.pp=2", "parallel.tp=2", *inter]),
         L("tp2-pp2-zb-h1", pp("zb-h1", "parallel.tp=2")),
+        # without sequence parallelism each tp rank sends 1/tp of a message; the receiver all-gathers over tp
+        L("tp2-pp2-1f1b-scatter", pp("1f1b", "parallel.tp=2", "parallel.sequence_parallel=false")),
         L("ep2-tp2", ["parallel.ep=2", "parallel.tp=2"], "moe"),
         L("ep2-dp2-zero1", ["parallel.ep=2", "parallel.zero=1"], "moe"),  # experts in 2 shards, each on 2 ranks
         L("pp2-ep2", pp("1f1b", "parallel.ep=2"), "moe"),  # the all-to-all among each stage's dp ranks

@@ -186,7 +186,8 @@ class ParallelConfig(Section):
                              "peers; then the job ends with one sentence naming the rank, the operation and its group")
     schedule: Literal["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw"] = Field(
         "1f1b", description="pipeline schedule when pp > 1 (parallel/pipeline/schedules.py; pipedream and "
-                            "pipedream-2bw are asynchronous)")
+                            "pipedream-2bw are asynchronous); unset, the planner searches 1f1b and "
+                            "interleaved-1f1b")
     num_microbatches: int | None = Field(None, ge=1, description="micro-batches per optimizer step on each pipeline; "
                                          "unset = train.global_batch / (dp x train.micro_batch), which it must equal")
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved-1f1b): the blocks "
@@ -198,7 +199,8 @@ class ParallelConfig(Section):
     stage_layers: list[int] | None = Field(None, description="blocks of each pipeline stage, pp x virtual_stages "
                                            "counts summing to model.n_layers (a fixed split); unset = by "
                                            "parallel.partition, and a profiled split is recorded here in the run's "
-                                           "config.toml, so --resume keeps it")
+                                           "config.toml, so --resume keeps it; chunk c of rank r is stage "
+                                           "c x pp + r; parallel.auto writes the planner's balanced split here")
     weight_version_every: int | None = Field(None, ge=1, description="pipedream-2bw: micro-batches between weight "
                                              "versions (at least pp; unset = pp)")
     vertical_sync: bool = Field(False, description="pipedream: every stage uses the weight version a micro-batch "

@@ -2,7 +2,9 @@
 
 The keys: every parallel.* degree (dp, tp, pp, ep), parallel.zero, parallel.offload, train.micro_batch
 and memory.recompute; parallel.cp and parallel.cp_form too where the pick splits sequences (the search
-tries cp for long ones, search.CP_MIN_SEQ). A key given (in the TOML or with --set) is kept; the planner searches the rest
+tries cp for long ones, search.CP_MIN_SEQ); parallel.schedule, parallel.virtual_stages and
+parallel.stage_layers where the pick is a pipeline (its split is the planner's balanced one, which the
+executor then runs; not under parallel.partition=profiled, which measures its own). A key given (in the TOML or with --set) is kept; the planner searches the rest
 (search.py) for the processes of the job and:
 - on GPUs, takes the fastest layout whose predicted total fits the memory of the device found and whose
   pinned host memory (offload) of one node's GPUs fits the host's memory (MemTotal), exactly as
@@ -25,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from teratrain.config_base import ConfigError
 from teratrain.config_schema import Config
+from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.parallel.support import check_supported
 from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, host_memory_gib
 from teratrain.planner.inputs import fixed_of, shape_of, training_of
@@ -38,6 +41,8 @@ KEYS = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "ep": "pa
         "zero": "parallel.zero", "offload": "parallel.offload", "micro_batch": "train.micro_batch",
         "recompute": "memory.recompute"}
 CP_KEYS = {"cp": "parallel.cp", "cp_form": "parallel.cp_form"}  # written only where the pick has cp > 1
+PP_KEYS = {"schedule": "parallel.schedule", "virtual_stages": "parallel.virtual_stages",
+           "stage_layers": "parallel.stage_layers"}  # written only where the pick has pp > 1
 CPU_FIXED = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "offload": "none"}
 
 
@@ -64,18 +69,28 @@ class AutoChoice:
 
 def layout_sets(lay: Layout, skip: tuple[str, ...] = ()) -> list[str]:
     """--set items that make a run take layout `lay` (minus the config keys in `skip`)."""
-    out = [f"{key}={_literal(getattr(lay, field))}" for field, key in _keys(lay).items() if key not in skip]
+    out = [f"{key}={_literal(_value(lay, field))}" for field, key in _keys(lay).items() if key not in skip]
     if lay.recompute == "every-k" and "memory.recompute_every" not in skip:
         out.append(f"memory.recompute_every={lay.recompute_every}")
     return out
 
 
-def _keys(lay: Layout) -> dict[str, str]:
-    """The layout fields a run needs set: KEYS, and CP_KEYS where the layout splits sequences."""
-    return {**KEYS, **(CP_KEYS if lay.cp > 1 else {})}
+def _keys(lay: Layout, partition: str = "layers") -> dict[str, str]:
+    """The layout fields a run needs set: KEYS, CP_KEYS where the layout splits sequences, PP_KEYS
+    where it is a pipeline (stage_layers only where the executor would split by count)."""
+    pp = {f: k for f, k in PP_KEYS.items() if f != "stage_layers" or (partition == "layers" and lay.stage_layers)}
+    return {**KEYS, **(CP_KEYS if lay.cp > 1 else {}), **(pp if lay.pp > 1 else {})}
+
+
+def _value(lay: Layout, field: str):
+    """A layout field as its config key holds it (the schedule by its config name, the split a list)."""
+    v = getattr(lay, field)
+    return config_name(v) if field == "schedule" else list(v) if isinstance(v, tuple) else v
 
 
 def _literal(v) -> str:
+    if isinstance(v, list):  # --set reads TOML: [7, 8, 8]
+        return "[" + ", ".join(map(str, v)) + "]"
     return str(v)  # --set reads a bare word (none, full) as a string
 
 
@@ -124,8 +139,9 @@ def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
     best = next((c for c in fitting if _runnable(cfg, c.layout)), None)
     if best is None:
         raise ConfigError(_nothing(shape, world, target, kept, cands))
-    kept += [key for field, key in CP_KEYS.items() if field in fixed]
-    chosen = {key: getattr(best.layout, field) for field, key in _keys(best.layout).items() if key not in kept}
+    kept += [key for field, key in {**CP_KEYS, **PP_KEYS}.items() if field in fixed]
+    chosen = {key: _value(best.layout, field) for field, key in _keys(best.layout, p.partition).items()
+              if key not in kept}
     _apply(cfg, chosen)
     if best.layout.recompute == "every-k" and "recompute" not in fixed:
         cfg.memory.recompute_every = best.layout.recompute_every
@@ -141,7 +157,7 @@ def _cpu_rule(c: Candidate) -> tuple:
 def _runnable(cfg: Config, lay: Layout) -> bool:
     trial = cfg.model_copy(deep=True)
     try:
-        _apply(trial, {key: getattr(lay, field) for field, key in {**KEYS, **CP_KEYS}.items()})
+        _apply(trial, {key: _value(lay, field) for field, key in _keys(lay, cfg.parallel.partition).items()})
         check_supported(trial)
         trial.microbatches(lay.dp)
     except (ConfigError, ValueError):

@@ -114,8 +114,16 @@ def cp_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[flo
     return blocks * per_block, blocks * exposed
 
 
-@lru_cache(maxsize=4096)
 def reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bool, local: int) -> tuple[int, int]:
+    """`_reduce_messages` once per layout that can differ in them: the flat groups do not depend on the
+    micro-batch, recomputation or the schedule (the search varies those around the same groups)."""
+    same = lay.with_(micro_batch=1, num_microbatches=1, recompute="none", recompute_every=2,
+                     schedule="one_f_one_b", cp_form="ring")
+    return _reduce_messages(shape, train, same, experts, local)
+
+
+@lru_cache(maxsize=4096)
+def _reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: bool, local: int) -> tuple[int, int]:
     """(reductions, gathers) that carry a rank's dense or expert gradients and parameters each pass:
     the engines' own flat groups over the fuller pipeline end's tensors, as the memory model's
     (states.zero_groups, states.dp_buckets). Buckets of ~parallel.bucket_mb counted in the
@@ -220,7 +228,13 @@ def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> f
 
 def p2p_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """One activation (or its gradient) between neighbouring pipeline stages: (micro_batch, T, d),
-    T/tp tokens under sequence parallelism (parallel/pipeline/runtime.py)."""
+    T/tp tokens under sequence parallelism (parallel/pipeline/runtime.py). Without it, with tp > 1, each
+    tp rank sends 1/tp of the message and the receiver all-gathers the pieces over tp (p2p.Scatter;
+    Narayanan et al. 2021 sec. 4.1): bytes/tp over the stage-to-stage link plus an all-gather within
+    the tp group's node."""
     tokens = lay.tokens(shape.cfg.seq_len) // (lay.tp if lay.sequence_parallel else 1)  # a sequence shard
     act = tokens * shape.cfg.d_model * train.widths(lay.zero, lay.offload).compute
-    return on_link(gpu, "p2p", 2, 2 * lay.replicas * lay.tp, act)  # pp is the outermost mesh axis: this far
+    span = 2 * lay.replicas * lay.tp  # pp is the outermost mesh axis: this far
+    if lay.tp == 1 or lay.sequence_parallel or act % lay.tp:
+        return on_link(gpu, "p2p", 2, span, act)
+    return on_link(gpu, "p2p", 2, span, act / lay.tp) + on_link(gpu, "all_gather", lay.tp, lay.tp, act)

@@ -78,7 +78,10 @@ def fixed_of(cfg: Config) -> dict:
     for key in ("dp", "tp", "pp", "ep", "cp", "cp_form", "zero", "offload", "num_microbatches", "virtual_stages"):
         if key in p.model_fields_set and getattr(p, key) is not None:
             out[key] = getattr(p, key)
-    out["schedule"] = CONFIG_NAMES[p.schedule]  # never searched: the default is 1F1B
+    if "schedule" in p.model_fields_set:  # unset: the search tries 1F1B and interleaved 1F1B
+        out["schedule"] = CONFIG_NAMES[p.schedule]
+    if p.stage_layers is not None:
+        out["stage_layers"] = tuple(p.stage_layers)
     out["tp_form"] = p.tp_form  # never searched: sequence parallelism follows it where tp > 1
     if p.sequence_parallel is not None or p.tp_form != "megatron":
         out["sequence_parallel"] = p.tp_form == "megatron" and p.sequence_parallel is not False
@@ -100,4 +103,5 @@ def layout_of(cfg: Config, gpus: int = 1) -> Layout:
     return Layout(dp=dp, tp=p.tp, pp=p.pp, ep=p.ep, zero=p.zero, micro_batch=mb,
                   num_microbatches=max(1, per_replica // mb), recompute=cfg.memory.recompute,
                   recompute_every=cfg.memory.recompute_every, offload=p.offload, sequence_parallel=p.use_sp, tp_form=p.tp_form,
-                  schedule=CONFIG_NAMES[p.schedule], virtual_stages=p.virtual_stages, cp=p.cp, cp_form=p.cp_form)
+                  schedule=CONFIG_NAMES[p.schedule], virtual_stages=p.virtual_stages, cp=p.cp, cp_form=p.cp_form,
+                  stage_layers=tuple(p.stage_layers or ()))

@@ -128,6 +128,9 @@ class Layout:
     tp_form: str = "megatron"  # parallel.tp_form: megatron | all-gather | all-reduce
     schedule: str = "one_f_one_b"  # a parallel/pipeline/schedules.py name (function or config name)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    # blocks of each of the pp x virtual_stages global stages (parallel.stage_layers); empty: the
+    # executor's count split (parallel.partition=layers). The search fills in pipeline.planned_split.
+    stage_layers: tuple[int, ...] = ()
     cp: int = 1  # context-parallel degree (parallel/context.py)
     cp_form: str = "ring"  # parallel.cp_form: ring | all-to-all
 
@@ -146,7 +149,8 @@ class Layout:
         return self.micro_batch * seq_len // self.cp
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        """The fields as JSON holds them (stage_layers a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k in self.__dataclass_fields__ for v in [getattr(self, k)]}
 
     def with_(self, **kw) -> "Layout":
         return replace(self, **kw)

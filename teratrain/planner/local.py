@@ -38,11 +38,12 @@ class LocalTensor:
 
 @lru_cache(maxsize=256)
 def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int = 1, virtual_stages: int = 1,
-                  stage_rank: int = 0, ep: int = 1) -> tuple[LocalTensor, ...]:
+                  stage_rank: int = 0, ep: int = 1, stage_layers: tuple[int, ...] = ()) -> tuple[LocalTensor, ...]:
     """The parameters of the rank at pipeline coordinate `stage_rank` and tensor-parallel and
     data-parallel coordinate 0, in registration order (every tp rank holds the same shapes: the last
     vocabulary piece is padded; every ep rank as many experts). `lora` = Training.lora (rank, alpha,
-    targets, dropout, base dtype), or () without adapters. Pipeline stages hold equal block counts (parallel.partition=layers)."""
+    targets, dropout, base dtype), or () without adapters. Pipeline stages hold `stage_layers` blocks each
+    (parallel.stage_layers), or the executor's count split without it (parallel.partition=layers)."""
     with torch.device("meta"):
         model = Transformer(shape.cfg)
     if lora:
@@ -52,7 +53,9 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
     layout = None
     if pp > 1:
         stages = pp * virtual_stages
-        layout = StageLayout(pp, virtual_stages, stage_rank, tuple(split_layers(shape.cfg.n_layers, stages)))
+        counts = stage_layers or [len(r) for r in split_layers(shape.cfg.n_layers, stages)]
+        starts = [sum(counts[:s]) for s in range(stages)]
+        layout = StageLayout(pp, virtual_stages, stage_rank, tuple(range(a, a + n) for a, n in zip(starts, counts)))
         keep_stages(model, layout)
     if tp > 1:  # the pieces of tp rank 0 (every tp rank's are the same shape: the last piece padded)
         split = tp_placements(model, TPSplit(tp, 0, sp, form, shape.cfg.kv_heads))

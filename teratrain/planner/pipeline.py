@@ -17,9 +17,11 @@ half of the backward. What it reads off the timeline:
   reaches its fullest moment before any, at m > p again after one; an interleaved rank's chunks
   one by one; an asynchronous schedule's update frees them);
 - weight versions: the most copies of a stage's weights an asynchronous schedule keeps;
-- makespan: the step of real stages, which are not even: the last one also runs the LM head and the
-  loss (at llama-1b's width and 32k vocabulary the head is as much work as one block, so the last of
-  4 stages of 8 layers does 3 blocks' work where the average is 2.25) and sets the pace.
+- makespan: the step of real stages, which are not even: each holds its own block count (`stage_split`:
+  `parallel.stage_layers`, else the split the planner balances, `balanced_split`), the first also runs
+  the embedding and the last the LM head and the loss (at llama-1b's width and 32k vocabulary the
+  head is as much work as one block, so the last of 4 stages of 8 layers does 3 blocks' work where the
+  average is 2.25); the busiest stage sets the pace.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from functools import lru_cache
 
 from teratrain.config_schema import REPLAYING
 from teratrain.parallel.pipeline.actions import B, I, STEP, W
+from teratrain.parallel.pipeline.partition import split_layers
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.simulate import Costs, Timeline, held_split, simulate
-from teratrain.planner.layout import Layout
+from teratrain.planner.layout import Layout, ModelShape
 
 
 def backward_ratio(lay: Layout) -> float:
@@ -88,19 +91,52 @@ def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int, flo
         return ((1.0, 1, 0.0, 0, 1.0 if lay.num_microbatches > 1 else 0.0),)
     v = lay.virtual_stages
     rank = lay.pp - 1 if last else 0
-    return tuple((n / v, e, w / v, we, made)
+    k = 1.0 if last else fuller_middle(lay)
+    return tuple((n / v * k, e, w / v, we, made)
                  for n, e, w, we, made in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
 
 
-def makespan(lay: Layout, rank_s: float, last_extra_s: float) -> float:
-    """Seconds of a step in which every rank's own work (all micro-batches, forward and backward) takes
-    `rank_s` and the last stage's `last_extra_s` more (the LM head and the loss, which the model's
-    last stage alone runs): the simulated schedule over uneven stages, idle time included."""
-    m, v, r = lay.num_microbatches, lay.virtual_stages, backward_ratio(lay)
-    per = [rank_s / m / v] * (lay.pp * v)
-    per[-1] += last_extra_s / m  # the model's last stage: chunk v-1 of the last rank
+def fuller_middle(lay: Layout) -> float:
+    """How many times the first rank's block activations at its peak the fullest rank before the last
+    holds: 1 on even stages (a later rank holds fewer micro-batches), more where a middle rank has more
+    blocks than the first (`stage_layers` 7, 8, ...: at 1F1B rank r holds p - r micro-batches of its
+    own blocks). memory.py weighs the first end's blocks by it, so the worst rank's peak is reported."""
+    if not lay.stage_layers or lay.pp < 3:
+        return 1.0
+    return _fuller_middle(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, lay.stage_layers)
+
+
+@lru_cache(maxsize=1024)
+def _fuller_middle(schedule: str, pp: int, m: int, v: int, counts: tuple[int, ...]) -> float:
+    peaks = simulate(_build(schedule, pp, m, v), Costs()).peak_activations  # (micro-batch, chunk) pairs
+    held = [peaks[r] * sum(counts[c * pp + r] for c in range(v)) for r in range(pp - 1)]
+    return max(held) / held[0]
+
+
+def makespan(lay: Layout, rank_s: float, last_extra_s: float, layers: tuple[int, ...] = ()) -> float:
+    """Seconds of a step in which a rank holding the average block count does `rank_s` of work (all
+    micro-batches, forward and backward), each global stage in proportion to its blocks (`layers`, one
+    count per stage; empty: even), and the last stage `last_extra_s` more (the LM head and the loss,
+    which the model's last stage alone runs): the simulated schedule over uneven stages, idle included.
+    Without transfers the step scales with the costs, so it is rank_s x the step at rank_s = 1, which
+    depends on last_extra_s / rank_s alone: simulated once per ratio to 3 significant digits (within
+    0.05% of the head's time; the search asks for thousands of layouts)."""
+    if rank_s <= 0:
+        return last_extra_s
+    ratio = float(f"{last_extra_s / rank_s:.3g}")
+    return rank_s * _unit_makespan(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages,
+                                   backward_ratio(lay), ratio, tuple(layers))
+
+
+@lru_cache(maxsize=4096)
+def _unit_makespan(schedule: str, pp: int, m: int, v: int, r: float, last_extra: float,
+                   layers: tuple[int, ...]) -> float:
+    S = pp * v
+    shares = [n * S / sum(layers) for n in layers] if layers else [1.0] * S  # blocks over the average
+    per = [k / m / v for k in shares]
+    per[-1] += last_extra / m  # the model's last stage: chunk v-1 of the last rank
     costs = Costs(forward_s=[t / (1 + r) for t in per], backward_s=[t * r / (1 + r) for t in per])
-    return simulate(_build(lay.schedule, lay.pp, m, v), costs).makespan_s
+    return simulate(_build(schedule, pp, m, v), costs).makespan_s
 
 
 def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:
@@ -111,3 +147,56 @@ def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:
     per_chunk = busy_s / m / v
     costs = Costs(forward_s=per_chunk / (1 + r), backward_s=per_chunk * r / (1 + r), send_s=send_s)
     return simulate(build(lay.schedule, lay.pp, m, v, **options), costs)
+
+
+def head_blocks(shape: ModelShape) -> float:
+    """The LM head's work in blocks: its FLOPs per token (6*d*V) over one block's (6 per matmul weight
+    plus the attention core's 12*H*Q*T, PaLM appendix B); the embedding is a lookup (none)."""
+    c = shape.cfg
+    block = 6 * (shape.counts()["per_block"]) + 12 * c.n_heads * c.head_dim * c.seq_len
+    return 6 * c.d_model * c.vocab_size / block
+
+
+def balanced_split(n_layers: int, stages: int, first: float = 0.0, last: float = 0.0) -> tuple[int, ...]:
+    """Blocks per stage that minimise the slowest stage, the first stage costing `first` blocks more
+    (the embedding) and the last `last` more (the head and the loss): the least bound T at which
+    floor(T - extra) blocks per stage hold them all, then the surplus taken one block at a time from the
+    busiest stage, the earliest among equals (the first stages hold the most micro-batches in flight).
+    Llama 3 405B's 126 blocks on 16 stages with its head (0.6 of a block) give 7, 8 x 14, 7, as its
+    authors ran (Dubey et al. 2024, sec. 3.3.2)."""
+    if not 1 <= stages <= n_layers:
+        split_layers(n_layers, stages)  # the executor's one-sentence refusal
+    extra = [0.0] * stages
+    extra[0] += first
+    extra[-1] += last
+
+    def room(bound: float) -> list[int]:
+        return [max(1, int(bound - e + 1e-9)) for e in extra]
+
+    bounds = sorted({k + e for e in extra for k in range(1, n_layers + 1)})
+    bound = next(b for b in bounds if sum(room(b)) >= n_layers)
+    counts = room(bound)
+    for _ in range(sum(counts) - n_layers):
+        busiest = min((i for i in range(stages) if counts[i] > 1), key=lambda i: (-(counts[i] + extra[i]), i))
+        counts[busiest] -= 1
+    return tuple(counts)
+
+
+def stage_split(shape: ModelShape, lay: Layout) -> tuple[int, ...]:
+    """Blocks of each of the pp x virtual_stages global stages: the layout's own (`parallel.stage_layers`),
+    else the executor's count split (parallel.partition=layers: equal where they divide)."""
+    if lay.stage_layers:
+        return lay.stage_layers
+    S = lay.pp * lay.virtual_stages
+    if shape.is_bare or S == 1:
+        return ()
+    return tuple(len(r) for r in split_layers(shape.cfg.n_layers, S))
+
+
+def planned_split(shape: ModelShape, lay: Layout) -> tuple[int, ...]:
+    """The split the search gives a layout with no `stage_layers`: `balanced_split` over its global
+    stages, the head on the last (the embedding costs no FLOPs)."""
+    S = lay.pp * lay.virtual_stages
+    if shape.is_bare or S == 1:
+        return ()
+    return balanced_split(shape.cfg.n_layers, S, 0.0, head_blocks(shape))

@@ -2,7 +2,12 @@
 
 Search space (each dimension only where the user did not fix it):
 - dp x cp x tp x pp = GPUs; tp within a node and dividing the query and key/value heads and d_ff
-  (Megatron-LM's split); pp dividing the layers; ep dividing dp and the experts (1 for dense models);
+  (Megatron-LM's split); pp up to the layer count, the blocks split unevenly where they do not divide
+  (pipeline.planned_split: the slowest stage, head included, as fast as block counts allow;
+  `parallel.stage_layers` when given); ep dividing dp and the experts (1 for dense models);
+- the schedule, where the user left it unset: 1F1B, and interleaved 1F1B at v = 2, 4, 8 virtual
+  stages (Narayanan et al. 2021 sec. 2.2: a bubble of (p-1)/(v m) of the ideal for v times the sends,
+  and p + (p-1)/v stages' activations in flight); with interleaved-1f1b set, v where unset;
   cp (both forms, ring and all-to-all) for sequences of at least CP_MIN_SEQ tokens, where it splits
   them into 2 x cp x tp equal pieces (shorter ones: cp = 1 unless fixed);
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);
@@ -22,10 +27,13 @@ from dataclasses import dataclass
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import GIB, MemoryBreakdown, plan_memory
+from teratrain.planner.pipeline import planned_split
 from teratrain.planner.states import PlanError, check_layout
 from teratrain.planner.time import TimeBreakdown, plan_time
 
-SEARCHED = ("dp", "tp", "pp", "ep", "cp", "cp_form", "zero", "offload", "micro_batch", "recompute")
+SEARCHED = ("dp", "tp", "pp", "ep", "cp", "cp_form", "zero", "offload", "micro_batch", "recompute", "schedule",
+            "virtual_stages")
+VIRTUAL_STAGES = (2, 4, 8)  # interleaving tried at these chunk counts per rank
 # Context parallelism is searched from this sequence length on: below it (4 chunks of 2,048 tokens at
 # cp=2) a chunk is too short for the ring's transfers to hide under its attention on any GPU we plan.
 CP_MIN_SEQ = 8192
@@ -78,7 +86,7 @@ def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[
         if c is not None and (c.n_heads % tp or c.kv_heads % tp or c.ffn_dim % tp):
             continue
         for pp in [fixed["pp"]] if "pp" in fixed else _divisors(gpus // tp if gpus % tp == 0 else 1):
-            if c is not None and c.n_layers % pp and "pp" not in fixed:
+            if c is not None and c.n_layers < pp and "pp" not in fixed:
                 continue
             if shape.is_bare and (tp > 1 or pp > 1) and not ("tp" in fixed or "pp" in fixed):
                 continue  # a bare count has no layers to split: data parallel + ZeRO only
@@ -127,11 +135,12 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
             for mb in mbs:
                 if per_replica % mb:
                     continue
-                for rc in recomputes:
+                for rc, (sched, v) in ((r, p) for r in recomputes for p in _pipelines(shape, pp, fixed)):
                     base = {k: v for k, v in fixed.items() if k in Layout.__dataclass_fields__}
                     base.update(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, cp_form=form, zero=zero, offload=offload,
                                 micro_batch=mb, recompute=rc, num_microbatches=per_replica // mb,
-                                sequence_parallel=tp > 1 and fixed.get("sequence_parallel", True))
+                                sequence_parallel=tp > 1 and fixed.get("sequence_parallel", True),
+                                schedule=sched, virtual_stages=v, stage_layers=tuple(fixed.get("stage_layers", ())))
                     lay = Layout(**base)
                     try:
                         check_layout(shape, train, lay)
@@ -139,7 +148,23 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
                         if refused is not None:
                             refused.append(str(e))
                         continue
-                    yield lay
+                    yield lay if lay.stage_layers else lay.with_(stage_layers=planned_split(shape, lay))
+
+
+def _pipelines(shape: ModelShape, pp: int, fixed: dict) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) to try at `pp`: the fixed ones, else 1F1B and interleaved 1F1B at
+    VIRTUAL_STAGES (v where pp x v stages each get a block; check_layout drops micro-batch counts the
+    interleaved schedule refuses)."""
+    sched, v = fixed.get("schedule"), fixed.get("virtual_stages")
+    if pp == 1:
+        return [(sched or "one_f_one_b", v or 1)]
+    if sched is None and v is not None:
+        return [("interleaved_1f1b", v)] if v > 1 else [("one_f_one_b", 1)]
+    if sched is not None and (sched != "interleaved_1f1b" or v is not None):
+        return [(sched, v or 1)]
+    n = shape.cfg.n_layers if shape.cfg is not None else pp
+    vs = [k for k in VIRTUAL_STAGES if pp * k <= n]
+    return ([] if sched else [("one_f_one_b", 1)]) + [("interleaved_1f1b", k) for k in vs]
 
 
 def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
@@ -147,11 +172,24 @@ def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
            device: str = "cuda") -> list[Candidate]:
     """Every candidate layout, fitting ones first, each group fastest first."""
     refused: list[str] = []
-    cands = [evaluate(shape, train, lay, gpu, gpu_mem_gib, host_mem_gib, device)
-             for lay in layouts(shape, train, gpus, gpu, fixed, refused)]
+    cands, plain = [], {}  # plain: the 1F1B candidate of each layout, by the layout interleaving varies
+    for lay in layouts(shape, train, gpus, gpu, fixed, refused):
+        key = lay.with_(schedule="one_f_one_b", virtual_stages=1, stage_layers=())
+        if lay.virtual_stages > 1 and key in plain and not _may_interleave(plain[key]):
+            continue
+        cands.append(evaluate(shape, train, lay, gpu, gpu_mem_gib, host_mem_gib, device))
+        if lay.virtual_stages == 1:
+            plain[key] = cands[-1]
     if not cands:
         raise PlanError(_why_empty(shape, train, gpus, fixed, refused))
     return sorted(cands, key=Candidate.sort_key)
+
+
+def _may_interleave(plain: Candidate) -> bool:
+    """Can interleaving beat this 1F1B candidate? Not where it does not fit (interleaved 1F1B holds
+    the same states and more activations: p + (p-1)/v stages' worth against p), nor where its bubble is
+    under 1% of the step (interleaving saves part of the bubble only, and adds sends)."""
+    return plain.fits and plain.time.bubble_s > 0.01 * plain.time.step_time_s
 
 
 def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refused: list[str]) -> str:

@@ -79,9 +79,13 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         why = problem(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages)
         if why:
             raise PlanError(why.rstrip("."))
-        if shape.cfg is not None and shape.cfg.n_layers % (lay.pp * lay.virtual_stages):
-            raise PlanError(f"{shape.cfg.n_layers} layers do not split evenly into {lay.pp * lay.virtual_stages} "
-                            "pipeline stages")
+        S, counts = lay.pp * lay.virtual_stages, lay.stage_layers
+        if shape.cfg is not None and S > shape.cfg.n_layers:
+            raise PlanError(f"{shape.cfg.n_layers} layers cannot fill {S} pipeline stages (parallel.pp x "
+                            "parallel.virtual_stages) with a block each")
+        if counts and (len(counts) != S or min(counts) < 1 or (shape.cfg and sum(counts) != shape.cfg.n_layers)):
+            raise PlanError(f"parallel.stage_layers={list(counts)} must give each of the {S} pipeline stages a "
+                            "block, model.n_layers in all")
         if lay.zero == 3 and config_name(lay.schedule) in ASYNC_SCHEDULES:
             raise PlanError(f"parallel.zero=3 does not compose with the asynchronous schedule {config_name(lay.schedule)} "
                             "(parallelize.py says why)")
@@ -99,15 +103,21 @@ def _exact(shape: ModelShape, lay: Layout) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, virtual_stages: int, ep: int) -> tuple:
-    """stage_params of a shaped model, once per distinct layout (the search asks for it per term)."""
-    first = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, 0, ep)
-    last = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, pp - 1, ep)
+def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, virtual_stages: int, ep: int,
+                  stage_layers: tuple = ()) -> tuple:
+    """stage_params of a shaped model, once per distinct layout (the search asks for it per term).
+    With uneven stages a middle rank may hold more blocks than the first (Llama 3's 7, 8 x 14, 7): the
+    first end then counts as the fuller of the two (its largest block times the middle's block count)."""
+    first = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, 0, ep, stage_layers)
+    last = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, pp - 1, ep, stage_layers)
     blocks: dict[str, int] = {}
     for t in first:
         if t.block is not None:
             blocks[t.block] = blocks.get(t.block, 0) + t.numel()
-    return tuple({"first": sum(t.numel() for t in first), "last": sum(t.numel() for t in last),
+    rank_layers = [sum(stage_layers[c * pp + r] for c in range(virtual_stages)) for r in range(1, pp - 1)] \
+        if stage_layers else []
+    middle = max(rank_layers, default=0) * max(blocks.values())
+    return tuple({"first": max(middle, sum(t.numel() for t in first)), "last": sum(t.numel() for t in last),
                   "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
                   "block": max(blocks.values()), "layers": len(blocks),
                   "experts": sum(t.numel() for t in first if is_expert(t))}.items())
@@ -119,7 +129,7 @@ def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = 
 
     def at(stage_rank: int):
         return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, lora, lay.pp, lay.virtual_stages,
-                             stage_rank, lay.ep)
+                             stage_rank, lay.ep, lay.stage_layers)
     first, last = at(0), at(lay.pp - 1)
     if end == "fuller":
         end = "last" if sum(t.numel() for t in last) >= sum(t.numel() for t in first) else "first"
@@ -131,7 +141,7 @@ def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) 
     `block` is the largest block, `experts` the expert parameters (reduced over dp/ep ranks)."""
     if _exact(shape, lay):
         return dict(_stage_params(shape, lay.tp, lay.sequence_parallel, lay.tp_form, train.lora if train else (),
-                                  lay.pp, lay.virtual_stages, lay.ep))
+                                  lay.pp, lay.virtual_stages, lay.ep, lay.stage_layers))
     p = ceil_div(shape.bare_params, lay.tp * lay.pp)
     return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0}
 
@@ -190,15 +200,16 @@ def _key(t) -> tuple:
 def zero_summary(shape: ModelShape, train: Training, lay: Layout, local: int) -> dict:
     """What the memory model needs of the flat groups, computed once per distinct layout."""
     return dict(_zero_summary(shape, train, lay.zero == 3, lay.tp, lay.pp, lay.ep, lay.replicas, local,
-                              lay.sequence_parallel, lay.tp_form))
+                              lay.sequence_parallel, lay.tp_form, lay.virtual_stages, lay.stage_layers))
 
 
 @lru_cache(maxsize=4096)
 def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int, dp: int, local: int, sp: bool,
-                  form: str) -> tuple:
+                  form: str, virtual_stages: int = 1, stage_layers: tuple = ()) -> tuple:
     """Rank 0's shards from the engine's own `FlatGroup` over the planned members (parallel/flat.py:
     equal flat shards, or whole parameters dealt to ranks for Adafactor/SM3)."""
-    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1, sequence_parallel=sp, tp_form=form)
+    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=3 if zero3 else 1, sequence_parallel=sp, tp_form=form,
+                 virtual_stages=virtual_stages, stage_layers=stage_layers)
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS
     planned = zero_groups(shape, train, lay, local)
     groups = [FlatGroup([""] * len(m), m, n, 0, whole) for m, n, _ in planned]

@@ -427,7 +427,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
         head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
             train.precision, c.d_model) + loss
         even = busy - head_s / lay.pp + exposed + waits
-        bubble_s = max(0.0, pipeline.makespan(lay, even, head_s) - critical)
+        layers = pipeline.stage_split(shape, lay)  # uneven stages: the busiest one paces the step
+        bubble_s = max(0.0, pipeline.makespan(lay, even, head_s, layers) - critical)
     step = critical + bubble_s + opt_s + offload_s
     global_tokens = train.global_batch * c.seq_len
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))

@@ -2,7 +2,9 @@
 the same global batch: fp32, AdamW (SGD for the tied GPT-2, see test_tensor_parallel.py), 8 sequences
 a step in 4 micro-batches of 2 per pipeline (2 with dp=2), clipping on; pp=2 and pp=4, alone and with
 data parallelism (ZeRO 0-2; ZeRO-3, MoE, compression and compile: test_pipeline_compose.py) and tensor
-parallelism (with and without sequence parallelism), even and uneven splits (`parallel.partition=profiled` on a layer count no stage count divides), tied
+parallelism (with and without sequence parallelism: without it the stage-to-stage messages are scattered
+over the tp ranks and all-gathered after, p2p.Scatter), even and uneven splits (`parallel.partition=profiled`
+on a layer count no stage count divides; given `parallel.stage_layers` under GPipe and interleaved 1F1B), tied
 embeddings held at both ends, recomputation.
 
 Tolerance: 1e-5 relative on every step's loss and every final parameter (gathered whole across
@@ -17,6 +19,8 @@ from test_tensor_parallel import TOL, max_rel_diff
 STEPS = 2
 GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 UNEVEN = ["model.n_layers=3", "parallel.partition=profiled"]  # 3 blocks over 2 stages: 2 + 1 or 1 + 2
+SPLIT_5 = ["model.n_layers=5", "parallel.stage_layers=[3, 2]"]  # a given uneven split (as the planner hands it)
+SPLIT_5_V2 = ["model.n_layers=5", "parallel.stage_layers=[1, 2, 1, 1]"]  # interleaved: rank 0 holds 1 + 1
 
 
 def _compare(layouts: list[list[str]], world: int, check=None) -> None:
@@ -52,6 +56,7 @@ def test_every_flush_schedule_at_pp2():
     layouts = [_pp(s) for s in ("naive", "gpipe", "1f1b", "zb-h1")]
     layouts += [["parallel.pp=2", *INTERLEAVED, "model.n_layers=4"],
                 _pp("1f1b", *UNEVEN), _pp("zb-h1", *UNEVEN, "memory.recompute=full"),
+                _pp("gpipe", *SPLIT_5), ["parallel.pp=2", *INTERLEAVED, *SPLIT_5_V2],
                 _pp("1f1b", "parallel.pipeline_recv=ahead"),  # receives posted one action early (p2p.py)
                 ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4", "parallel.pipeline_recv=ahead"],
                 GPT2_SGD + _pp("zb-h1"), GPT2_SGD + _pp("1f1b", "parallel.zero=2"), GPT2_SGD + ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4",

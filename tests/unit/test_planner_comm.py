@@ -66,6 +66,18 @@ def test_pipeline_send_is_a_sequence_shard_under_sequence_parallelism():
     assert shard - alpha == pytest.approx((whole - alpha) / 2)
 
 
+def test_pipeline_send_without_sequence_parallelism_is_scattered_over_tp():
+    """tp=8 on a node, stages on other nodes: 1/8 of the message crosses the inter-node link and the
+    receiving node all-gathers the pieces over NVLink (Narayanan et al. 2021 sec. 4.1)."""
+    shape, train = _llama()
+    lay = Layout(pp=2, tp=8, micro_batch=2)
+    act = 2 * shape.cfg.seq_len * shape.cfg.d_model * 2
+    gbps, alpha = H100.link("p2p", 16)
+    gather = collective("all_gather", 8, act, *H100.link("all_gather", 8))
+    assert p2p_s(shape, train, lay, H100) == pytest.approx(alpha + act / 8 / (gbps * 1e9) + gather)
+    assert p2p_s(shape, train, lay, H100) < (alpha + act / (gbps * 1e9)) / 2  # under half the whole send
+
+
 def test_hw_file_feeds_the_plan(capsys, tmp_path):
     """A planner_validate result's "hw" and "gpu_preset" become the plan's assumptions; --hw wins."""
     path = tmp_path / "measured.json"

@@ -31,6 +31,13 @@ beside it) against 8.8 ms under GPipe, whose B on stage 0 has the spinning recei
 against 18.8 ms): 3.9 ms of each 36 ms micro-batch on the rank that sets 1F1B's pace.
 Megatron's non-interleaved 1F1B, too, receives where it uses a message (send_forward_recv_backward
 after the forward); its interleaved schedule's `overlap_p2p_comm` is our `ahead`.
+
+Scattered messages (`Scatter`; Narayanan et al. 2021 sec. 4.1, "scatter/gather optimization"). With
+tp > 1 and no sequence parallelism every tp rank of a stage holds the same activation (and the same
+input gradient: the column-parallel layers' backward all-reduces it). Each tp rank then sends only its
+1/tp piece of the flattened message over its own link, and the receiving stage all-gathers the pieces
+over tp (NVLink inside a node) before use: the inter-node bytes fall by tp. Under sequence parallelism
+the message is already the rank's T/tp rows, different on each tp rank, and goes whole.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from teratrain.parallel import inflight
+from teratrain.parallel.comm import all_gather
 
 
 def link_name(src: int, dst: int) -> str:
@@ -94,3 +102,28 @@ class Batch:
     def done(self) -> bool:
         """Finished (never blocks)."""
         return self.handle.is_completed()
+
+
+class Scatter:
+    """Messages split over the tp ranks of a stage and all-gathered after the receive (module
+    docstring). `tp_rank` is this rank's tp coordinate; a message of numel not divisible by tp is sent
+    whole (every tp rank decides the same from the same shape)."""
+
+    def __init__(self, tp_group, tp: int, tp_rank: int):
+        self.group, self.tp, self.rank = tp_group, tp, tp_rank
+
+    def splits(self, numel: int) -> bool:
+        return self.tp > 1 and numel % self.tp == 0
+
+    def piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous 1/tp of `full` (a view: sending it sends those elements)."""
+        if not self.splits(full.numel()):
+            return full
+        k = full.numel() // self.tp
+        return full.contiguous().view(-1)[self.rank * k:(self.rank + 1) * k]
+
+    def gather(self, full: torch.Tensor) -> None:
+        """Fill `full`, whose `piece` was received, with every tp rank's piece (all-gather over tp)."""
+        if self.splits(full.numel()):
+            flat = full.view(-1)
+            all_gather(flat, self.piece(flat), self.group)

@@ -11,7 +11,9 @@ stage y):
   `engine.accumulate(last=...)` (last: the final one before an update) and ends with
   `engine.end_backward()`, exactly as `train_step` does for pp=1.
 - Messages are one shape, known ahead from the micro-batch: (B, T, d), or (B, T/tp, d) under sequence
-  parallelism, in the parameters' dtype. Communication follows actions.py's rules (p2p.py).
+  parallelism, in the parameters' dtype. Communication follows actions.py's rules (p2p.py). With tp > 1
+  and no sequence parallelism each tp rank sends 1/tp of a message and the receiver all-gathers the
+  pieces over tp once the receive is done (p2p.Scatter).
 - Flush schedules step the engine once after the list; asynchronous ones step at their STEPs, with
   weight versions kept by versions.py. The engine's gradient norm and inf check already reduce over
   every worker, so an overflow on any stage skips the step on all of them.
@@ -37,7 +39,7 @@ from teratrain.parallel.comm import SUM, all_gather_objects, all_reduce
 from teratrain.parallel.pipeline.actions import (B, COMPUTE, F, I, RECV_F, RECVS, SEND_F, SENDS, STEP, W, Action,
                                                  add_communication)
 from teratrain.parallel.pipeline.backward import backward_input, backward_weight
-from teratrain.parallel.pipeline.p2p import Links
+from teratrain.parallel.pipeline.p2p import Links, Scatter
 from teratrain.parallel.pipeline.saved import SplitSaved
 from teratrain.parallel.pipeline.schedules import build
 from teratrain.parallel.pipeline.stage import Chunk, with_aux
@@ -84,6 +86,8 @@ class PipelineExecutor:
         self.device = rt.device
         self.links = Links(rt.mesh, _links(self.pp, p.virtual_stages), rt.device)
         self.recv_ahead = p.pipeline_recv == "ahead"  # when receives are posted (p2p.py)
+        tp = rt.dims.tp if not self.sp else 1  # under sequence parallelism the message is already a shard
+        self.scatter = Scatter(rt.group("tp") if tp > 1 else None, tp, rt.mesh.coords["tp"] if tp > 1 else 0)
         self.pp_group = rt.group("pp")
         self.run_dir, self.time_every_call, self.audit = run_dir, time_every_call, audit
         self.calls = 0
@@ -142,6 +146,11 @@ class PipelineExecutor:
         return (B, T // (self.rt.dims.tp if self.sp else 1), self.model.cfg.d_model)
 
 
+def _key(a: Action) -> tuple[str, int, int]:
+    """The inbox/outbox key of a transfer: (F or B, micro-batch, chunk)."""
+    return (F if a.kind in (RECV_F, SEND_F) else B, a.microbatch, a.chunk)
+
+
 def _links(pp: int, v: int) -> set[tuple[int, int]]:
     """Directed links any schedule uses: neighbours both ways, and last -> first (both ways) when
     interleaved chunks wrap around."""
@@ -189,6 +198,8 @@ class _Call:
             elif step[0] == "wait":
                 for batch in {posted.pop(r) for r in step[1]}:
                     batch.wait()
+                for r in step[1]:  # in list order: every tp rank of the stage gathers the same messages
+                    self.ex.scatter.gather(self.inbox[_key(r)])
             else:
                 _, i, a = step
                 with self.clock.span(a) if self.clock else contextlib.nullcontext(), \
@@ -204,17 +215,17 @@ class _Call:
         returns each receive's batch."""
         ops = []
         for a in comm:
-            key = (F if a.kind in (RECV_F, SEND_F) else B, a.microbatch, a.chunk)
+            key = _key(a)
             if a.kind in SENDS:
                 t = self.outbox.pop(key)
                 if t.shape != self.shape or t.dtype != self.ex.dtype:
                     raise RuntimeError(f"pipeline message {key} is {tuple(t.shape)} {t.dtype}, expected "
                                        f"{self.shape} {self.ex.dtype}")
-                ops.append((True, a.peer, t.contiguous()))
+                ops.append((True, a.peer, self.ex.scatter.piece(t.contiguous())))
             else:
                 buf = torch.empty(self.shape, dtype=self.ex.dtype, device=self.ex.device)
                 self.inbox[key] = buf
-                ops.append((False, a.peer, buf))
+                ops.append((False, a.peer, self.ex.scatter.piece(buf)))
         batches = self.ex.links.post(ops)
         sends = list(dict.fromkeys(b for (send, _, _), b in zip(ops, batches) if send))
         self.sends = [b for b in self.sends if not b.done()] + sends  # a finished send lets go of its tensor
