@@ -56,12 +56,18 @@ def sets_of(run: dict) -> list[str]:
     """The --set items of a run's model and layout."""
     keys = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len")
     sets = [f"model.{k}={run[k]}" for k in keys if k in run]
+    if "n_kv_heads" not in run:  # multi-head attention, not the preset's grouped key/value heads
+        sets.append(f"model.n_kv_heads={run['n_heads']}")
     sets += [f"parallel.{k}={run[k]}" for k in ("tp", "pp", "dp", "cp", "virtual_stages")]
     if run["virtual_stages"] > 1:
         sets.append("parallel.schedule=interleaved-1f1b")
     sets += [f"parallel.sequence_parallel={str(run['sequence_parallel']).lower()}",
              f"train.micro_batch={run['micro_batch']}", f"train.global_batch={run['global_batch']}",
              f"memory.recompute={run['recompute']}", f"memory.precision={run['precision']}"]
+    # as Megatron-LM trains: 16-bit weights with fp32 master copies in the optimizer, no optimizer sharding
+    # or offload, and GPT's output layer tied to its embedding
+    sets += ["memory.master_weights=true", f"parallel.zero={run.get('zero', 0)}", "parallel.offload=none",
+             f"model.tie_embeddings={str(run['arch'] == 'gpt2').lower()}"]
     return sets
 
 
