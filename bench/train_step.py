@@ -17,6 +17,8 @@ TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a tr
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 import torch
 from common import (config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, smoke_compile,
@@ -54,7 +56,8 @@ class LigerLoss(torch.nn.Module):
         super().__init__()
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        self.chunks, self.fn = 0, LigerFusedLinearCrossEntropyLoss()
+        # its Triton kernels run eager inside a compiled model (dynamo cannot trace its addmm(out_dtype=))
+        self.chunks, self.fn = 0, torch.compiler.disable(LigerFusedLinearCrossEntropyLoss())
 
     def forward(self, h, weight, targets):
         return self.fn(weight, h.flatten(0, 1), targets.flatten())
@@ -106,17 +109,26 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         for impl in impls:
-            fresh_memory(dev)
-            fresh_compile()
-            step, keep = BUILD[impl](cfg, dev, mode == "compile")
-            warmup = args.warmup + (2 if mode == "compile" else 0)
-            times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
-            loss = step(inputs, targets)
-            rows.append({"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
-                         "loss": round(loss, 4)})
-            step = keep = None  # free this model before the next one is built
+            rows.append(measure(impl, mode, cfg, dev, inputs, targets, args))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T, "liger": has_liger(),
           "params": count_params(cfg.model)["total"], "results": rows, "ratios_tokens_per_s": ratios(rows)}, args.out)
+
+
+def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
+    """One row: the median step of `impl` in `mode`, or the error that stopped it (the row then fails)."""
+    fresh_memory(dev)
+    fresh_compile()
+    B, T = inputs.shape
+    try:
+        step, keep = BUILD[impl](cfg, dev, mode == "compile")
+        warmup = args.warmup + (2 if mode == "compile" else 0)
+        times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
+        loss = step(inputs, targets)
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the job
+        return {"impl": impl, "mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
+            "loss": round(loss, 4)}
 
 
 BUILD = {"ours": ours, "ours_plain": lambda c, d, m: ours(c, d, m, loss_chunks=1),
@@ -138,7 +150,7 @@ def ratios(rows: list[dict]) -> dict:
     """`a/b` tokens/s ratios of the PAIRS, each within one mode: {mode: {"ours/hf": 1.2, ...}}."""
     out = {}
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        by = {r["impl"]: r for r in rows if r["mode"] == mode}
+        by = {r["impl"]: r for r in rows if r["mode"] == mode and "error" not in r}
         out[mode] = {f"{a}/{b}": round(by[a]["tokens_per_s"] / by[b]["tokens_per_s"], 3)
                      for a, b in PAIRS if a in by and b in by}
     return out
