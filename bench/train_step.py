@@ -1,7 +1,7 @@
 """Our training step against HF transformers' LlamaForCausalLM (attn sdpa) at the same shape.
 
-Implementations: `ours` (the head and loss fused and chunked, memory.loss_chunks=0, the default),
-`ours_plain` (whole logits, memory.loss_chunks=1), `ours_liger` (our model, the loss by Liger-Kernel's
+Implementations: `ours` (the head and loss fused and chunked, memory.loss_chunks=0: auto pieces),
+`ours_plain` (whole logits, memory.loss_chunks=1, the default), `ours_liger` (our model, the loss by Liger-Kernel's
 fused linear cross-entropy, where liger_kernel imports), `hf`, and `hf_liger` (transformers with
 Liger-Kernel's Llama kernels, where it imports). Every ratio divides two rows of the same mode.
 

@@ -89,7 +89,7 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tied_head = TiedHead()  # parameter-free; swapped by tensor parallelism
         self.criterion = LMLoss()
-        self.chunked_loss = ChunkedHeadLoss()  # parameter-free; memory.loss_chunks sets its pieces
+        self.chunked_loss = ChunkedHeadLoss(chunks=1)  # parameter-free, off; memory.loss_chunks sets its pieces
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
