@@ -147,7 +147,7 @@ class TimeBreakdown:
 
     @property
     def host_paced(self) -> bool:
-        """Eager, the host takes longer to issue the step than the GPU to run it."""
+        """The host takes longer to issue the step than the GPU to run it (eager or compiled; never graphed)."""
         return self.terms.get("host_s", 0.0) > self.terms.get("gpu_s", 0.0) > 0
 
 
