@@ -94,13 +94,15 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--impls", default="ours,ours_plain,ours_liger,hf,hf_liger",
                     help="the *_liger rows are skipped where liger_kernel does not import")
+    ap.add_argument("--loss-chunks", type=int, default=0, help="memory.loss_chunks of the `ours` row (0: auto)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = device()
     if args.smoke:
         smoke_compile()
-    cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4"])
+    cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
+                                                     f"memory.loss_chunks={args.loss_chunks}"])
     B, T = args.micro_batch, cfg.model.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
@@ -131,7 +133,8 @@ def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
             "loss": round(loss, 4)}
 
 
-BUILD = {"ours": ours, "ours_plain": lambda c, d, m: ours(c, d, m, loss_chunks=1),
+BUILD = {"ours": lambda c, d, m: ours(c, d, m, loss_chunks=c.memory.loss_chunks),
+         "ours_plain": lambda c, d, m: ours(c, d, m, loss_chunks=1),
          "ours_liger": lambda c, d, m: ours(c, d, m, liger=True), "hf": hf,
          "hf_liger": lambda c, d, m: hf(c, d, m, liger=True)}
 PAIRS = [("ours", "hf"), ("ours", "hf_liger"), ("ours", "ours_plain"), ("ours_liger", "ours"),
