@@ -310,7 +310,8 @@ def fused_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: f
     if not train.compiled:
         return 0.0
     layers = stage_params(shape, lay)["layers"]
-    return COMPILED_FUSED_BYTES * tokens * layers * shape.cfg.d_model / lay.tp / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+    hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
+    return COMPILED_FUSED_BYTES * tokens * layers * shape.cfg.d_model / lay.tp / hbm
 
 
 def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float:
