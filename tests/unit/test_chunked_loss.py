@@ -97,6 +97,7 @@ def test_model_loss_and_gradients_equal_the_plain_head(tied):
         assert torch.allclose(g3[name], grad, rtol=1e-4, atol=1e-6), name
 
 
+@pytest.mark.slow  # dynamo's first trace in a process: seconds
 def test_compile_traces_the_chunked_loss_in_one_graph():
     h, w, y = _inputs()
     want = _grads(_plain, h, w, y)
