@@ -34,7 +34,7 @@ Terms, each with its source or assumption:
   the data-parallel engines: hardware.GPU). Under CUDA graphs (train.compile_mode=reduce-overhead)
   the host issues nothing per op. Compiled (train.compile), inductor's fused kernels are what the host
   issues and the GPU runs: fewer of them (COMPILED_OPS_SHARE), less elementwise HBM traffic in the
-  blocks (COMPILED_FUSED_BYTES) and in the loss (COMPILED_LOSS_BYTES_PER_LOGIT): `compiled_terms`.
+  blocks (COMPILED_FUSED_BYTES) and in the loss (COMPILED_LOSS_BYTES_PER_LOGIT): `issued_ops` and `fused_s`.
 - fp8 (memory.fp8): the block linears' FLOPs at the float8 GEMM's measured speed-up over bf16
   (hardware.GPU.fp8_speedup_*), plus the HBM traffic of their casts; planned for compiled runs.
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
@@ -108,7 +108,7 @@ FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
 
 
-# ---- train.compile: the constants of compiled_terms (one block, to move to the calibration data as is) ----
+# ---- train.compile: the constants of issued_ops, fused_s and loss_s compiled (one block, to move to the calibration data as is) ----
 # Kernels a compiled model's forward + backward launches per eager one: 329 / 512 CUDA kernels for 4 blocks
 # of llama-1b's width, the head and the whole-logits loss at micro-batch 8 x 2048 on one H200 (the fused
 # AdamW step is eager in both: 54 kernels). `python bench/calibrate/compile_kernels.py --out FILE`,

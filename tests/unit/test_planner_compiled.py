@@ -1,4 +1,4 @@
-"""The compiled step (planner/time.py: COMPILED_* and compiled_terms) against recorded one-H200 runs.
+"""The compiled step (planner/time.py: COMPILED_* and issued_ops, fused_s) against recorded one-H200 runs.
 
 Fit: bench/results/h200/2026-12-02_train_step.json, ours_plain compiled (0.2134 s), to within 2%. Held out,
 tolerances fixed before the comparison: the same shape on 2026-11-26 (0.2122 s, within 3%), and the llama-8b
