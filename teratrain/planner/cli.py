@@ -164,8 +164,8 @@ EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA gr
 
 # planner/time.py issued_ops, fused_s: fitted on one H200 row (llama-1b, 0.2137 s planned against 0.2134 s), held out
 # at llama-8b's width (5% under); peak memory is not modelled compiled (measured 36.1 GiB where 47.9 is planned).
-COMPILED = ("train.compile's time is planned with inductor's fused kernels (planner/time.py issued_ops, fused_s: within "
-            "1% on one H200 at llama-1b, 5% under at llama-8b's width); its memory is planned as eager, which is "
+COMPILED = ("train.compile's time is planned with inductor's fused kernels (planner/time.py issued_ops, fused_s: "
+            "within 1% on one H200 at llama-1b, 5% under at llama-8b's width); its memory is planned as eager, which is "
             "more than compiled runs use (36.1 GiB measured where 47.9 GiB is planned at llama-1b's shape)")
 
 

@@ -108,7 +108,7 @@ FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
 
 
-# ---- train.compile: the constants of issued_ops, fused_s and loss_s compiled (one block, to move to the calibration data as is) ----
+# ---- train.compile: the constants of issued_ops, fused_s and the compiled loss_s (one block, to move as is) ----
 # Kernels a compiled model's forward + backward launches per eager one: 329 / 512 CUDA kernels for 4 blocks
 # of llama-1b's width, the head and the whole-logits loss at micro-batch 8 x 2048 on one H200 (the fused
 # AdamW step is eager in both: 54 kernels). `python bench/calibrate/compile_kernels.py --out FILE`,
