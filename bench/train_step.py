@@ -1,5 +1,10 @@
 """Our training step against HF transformers' LlamaForCausalLM (attn sdpa) at the same shape.
 
+Implementations: `ours` (the head and loss fused and chunked, memory.loss_chunks=0: auto pieces),
+`ours_plain` (whole logits, memory.loss_chunks=1, the default), `ours_liger` (our model, the loss by Liger-Kernel's
+fused linear cross-entropy, where liger_kernel imports), `hf`, and `hf_liger` (transformers with
+Liger-Kernel's Llama kernels, where it imports). Every ratio divides two rows of the same mode.
+
 Shape: d_model 2048, 16 layers, 32 heads, 8 KV heads, d_ff 8192, vocab 32000,
 seq 2048, micro-batch 8, bf16 autocast over fp32 weights, fused AdamW, grad clipping at 1.0 on both
 sides, eager and torch.compile, in one run. Both report model FLOPs by the same PaLM formula, so
@@ -12,9 +17,12 @@ TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a tr
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 import torch
-from common import config, device, emit, env_info, fresh_memory, hf_llama, summarize, time_steps
+from common import (config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, smoke_compile,
+                    summarize, time_steps)
 
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -26,8 +34,11 @@ SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_layers=2", "model.n_he
          "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64", "model.tie_embeddings=false"]
 
 
-def ours(cfg, dev, compiled: bool):
+def ours(cfg, dev, compiled: bool, loss_chunks: int = 0, liger: bool = False):
     model = build_model(cfg.model, dev, seed=0)
+    model.chunked_loss.chunks = loss_chunks
+    if liger:
+        model.chunked_loss = LigerLoss()
     if compiled:
         model.compile()
     engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=False)
@@ -38,8 +49,26 @@ def ours(cfg, dev, compiled: bool):
     return step, (model, engine)
 
 
-def hf(cfg, dev, compiled: bool):
+class LigerLoss(torch.nn.Module):
+    """Liger-Kernel's fused linear cross-entropy (Triton) in place of our chunked loss."""
+
+    def __init__(self):
+        super().__init__()
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        # its Triton kernels run eager inside a compiled model (dynamo cannot trace its addmm(out_dtype=))
+        self.chunks, self.fn = 0, torch.compiler.disable(LigerFusedLinearCrossEntropyLoss())
+
+    def forward(self, h, weight, targets):
+        return self.fn(weight, h.flatten(0, 1), targets.flatten())
+
+
+def hf(cfg, dev, compiled: bool, liger: bool = False):
     model = hf_llama(cfg.model, dev)
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)  # rope, RMSNorm, SwiGLU and the fused linear cross-entropy
     if compiled:
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -63,32 +92,71 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", default="eager,compile")
-    ap.add_argument("--impls", default="ours,hf")
+    ap.add_argument("--impls", default="ours,ours_plain,ours_liger,hf,hf_liger",
+                    help="the *_liger rows are skipped where liger_kernel does not import")
+    ap.add_argument("--loss-chunks", type=int, default=0, help="memory.loss_chunks of the `ours` row (0: auto)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = device()
-    cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4"])
+    if args.smoke:
+        smoke_compile()
+    cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
+                                                     f"memory.loss_chunks={args.loss_chunks}"])
     B, T = args.micro_batch, cfg.model.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    impls = [i for i in args.impls.split(",") if not i.endswith("_liger") or has_liger()]
     rows = []
     for mode in args.modes.split(","):
-        for impl in args.impls.split(","):
-            fresh_memory(dev)
-            step, keep = {"ours": ours, "hf": hf}[impl](cfg, dev, mode == "compile")
-            warmup = args.warmup + (2 if mode == "compile" else 0)
-            times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
-            rows.append({"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev)})
-            step = keep = None  # free this model before the next one is built
-    ratio = {}
-    for mode in args.modes.split(","):
-        by = {r["impl"]: r for r in rows if r["mode"] == mode}
-        if "ours" in by and "hf" in by:
-            ratio[mode] = round(by["ours"]["tokens_per_s"] / by["hf"]["tokens_per_s"], 3)
-    emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T,
-          "params": count_params(cfg.model)["total"], "results": rows, "ours_over_hf_tokens_per_s": ratio}, args.out)
+        for impl in impls:
+            rows.append(measure(impl, mode, cfg, dev, inputs, targets, args))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T, "liger": has_liger(),
+          "params": count_params(cfg.model)["total"], "results": rows, "ratios_tokens_per_s": ratios(rows)}, args.out)
+
+
+def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
+    """One row: the median step of `impl` in `mode`, or the error that stopped it (the row then fails)."""
+    fresh_memory(dev)
+    fresh_compile()
+    B, T = inputs.shape
+    try:
+        step, keep = BUILD[impl](cfg, dev, mode == "compile")
+        warmup = args.warmup + (2 if mode == "compile" else 0)
+        times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
+        loss = step(inputs, targets)
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the job
+        return {"impl": impl, "mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
+            "loss": round(loss, 4)}
+
+
+BUILD = {"ours": lambda c, d, m: ours(c, d, m, loss_chunks=c.memory.loss_chunks),
+         "ours_plain": lambda c, d, m: ours(c, d, m, loss_chunks=1),
+         "ours_liger": lambda c, d, m: ours(c, d, m, liger=True), "hf": hf,
+         "hf_liger": lambda c, d, m: hf(c, d, m, liger=True)}
+PAIRS = [("ours", "hf"), ("ours", "hf_liger"), ("ours", "ours_plain"), ("ours_liger", "ours"),
+         ("ours_plain", "hf")]
+
+
+def has_liger() -> bool:
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ratios(rows: list[dict]) -> dict:
+    """`a/b` tokens/s ratios of the PAIRS, each within one mode: {mode: {"ours/hf": 1.2, ...}}."""
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        by = {r["impl"]: r for r in rows if r["mode"] == mode and "error" not in r}
+        out[mode] = {f"{a}/{b}": round(by[a]["tokens_per_s"] / by[b]["tokens_per_s"], 3)
+                     for a, b in PAIRS if a in by and b in by}
+    return out
 
 
 if __name__ == "__main__":

@@ -114,6 +114,12 @@ class MemoryConfig(Section):
                             "train.compile (memory/fp8.py)")
     fp8_emulate: bool = Field(False, description="with memory.fp8: emulate the float8 GEMMs in high precision "
                               "(any device, slowly), to check numerics where there are no float8 tensor cores")
+    loss_chunks: int = Field(
+        1, ge=0, description="the output head and cross-entropy fused and run over this many pieces of a micro-batch's "
+        "tokens, so the (tokens x vocab) logits never exist whole (models/chunked_loss.py): 1 = off (whole logits), "
+        "N = N pieces, 0 = about vocab / d_model pieces (each piece's logits the size of the hidden states); under "
+        "parallel.tp > 1 the vocab-parallel loss splits the logits instead. Saves 4.6 GiB eager at llama-1b's shape "
+        "but ran 3.6% slower there, and compiled no faster (bench/README.md, one-GPU training step)")
     loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
     loss_scale_window: int = Field(1000, ge=1, description="fp16: grow the scale x2 after this many clean steps")
 

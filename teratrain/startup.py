@@ -32,7 +32,12 @@ GIB = 2**30
 
 
 def predict(cfg: Config, workers: int, device: torch.device | None = None, params: int | None = None):
-    """The planner's MemoryBreakdown of one rank of this run; on a GPU `device`, with the preset its
+    """The planner's MemoryBreakdown of one rank of this run (`plan_run`'s memory)."""
+    return plan_run(cfg, workers, device, params).memory
+
+
+def plan_run(cfg: Config, workers: int, device: torch.device | None = None, params: int | None = None):
+    """The planner's Candidate (memory and time) of one rank of this run; on a GPU `device`, with the preset its
     name matches and its real memory (host bytes do not depend on the GPU; no CUDA call without one);
     on the CPU, counted as parallel.auto counts it there (no CUDA context, CPU autocast).
     `params`: a model of the user's own, known by its parameter count only (model states, no activations)."""
@@ -48,7 +53,20 @@ def predict(cfg: Config, workers: int, device: torch.device | None = None, param
     elif device is not None:
         gpu, kind = replace(gpu, context_gib=0.0), "cpu"
     shape = shape_of(cfg) if params is None else ModelShape(cfg=None, bare_params=params, name="own model")
-    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu, device=kind).memory
+    return evaluate(shape, training_of(cfg), layout_of(cfg, workers), gpu, device=kind)
+
+
+def pace_note(cfg: Config, time) -> str | None:
+    """A line where the planner's TimeBreakdown `time` is host-paced (the host takes longer to issue the
+    step than the GPU to run it), naming the setting that takes ops off the host; else None."""
+    if not time.host_paced:
+        return None
+    host, gpu = time.terms["host_s"], time.terms["gpu_s"]
+    fix = ("train.compile=true (fewer, fused kernels) or, better, train.compile=true "
+           "train.compile_mode=reduce-overhead (CUDA graphs: one launch a graph)") if not cfg.train.compile else (
+        "train.compile_mode=reduce-overhead (CUDA graphs: one launch a graph)")
+    return (f"host-paced step: the host needs {host * 1e3:,.0f} ms to issue it and the GPU {gpu * 1e3:,.0f} ms to "
+            f"run it (planner); set {fix}")
 
 
 def host_available_bytes() -> int | None:
@@ -293,10 +311,12 @@ def _resumed(cfg: Config, run_dir: Path, start: int) -> str:
 
 def _memory_line(cfg: Config, rt, params: int | None = None) -> str:
     try:
-        mem = predict(cfg, rt.dims.workers, rt.device, params)
+        plan = plan_run(cfg, rt.dims.workers, rt.device, params)
     except Exception as e:  # noqa: BLE001 - never stop a run because the planner cannot model it
         return f"warning: the planner could not predict memory for this layout ({type(e).__name__}: {e})"
+    mem = plan.memory
     if rt.device.type == "cuda":
+        pace = pace_note(cfg, plan.time) if params is None else None
         have = torch.cuda.get_device_properties(rt.device).total_memory
         what = "memory" if params is None else "model states (activations not counted)"
         line = f"predicted {what} per GPU: {mem.total / GIB:,.2f} GiB of {have / GIB:,.1f} GiB (planner)"
@@ -305,7 +325,8 @@ def _memory_line(cfg: Config, rt, params: int | None = None) -> str:
         if cfg.train.cuda_graphs:
             line += "; eager: CUDA graphs keep pools of their own on top"
         fits = mem.total <= have
-        return line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"
+        line = line if fits else f"warning: {line}: it will not fit; run `teratrain plan` for a layout that does"
+        return line + (f"\nteratrain: {pace}" if pace else "")
     need = _host_bytes(mem, rt.device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     avail = host_available_bytes()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.models import moe
+from teratrain.models.chunked_loss import ChunkedHeadLoss
 from teratrain.models.layers import (Attention, GeluMLP, KVCache, LayerNorm, Positions, RMSNorm, Rotary, SequenceLayout,
                                      SwiGLU)
 
@@ -89,6 +90,7 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tied_head = TiedHead()  # parameter-free; swapped by tensor parallelism
         self.criterion = LMLoss()
+        self.chunked_loss = ChunkedHeadLoss(chunks=1)  # parameter-free, off; memory.loss_chunks sets its pieces
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, start: int = 0) -> torch.Tensor:
@@ -103,10 +105,9 @@ class Transformer(nn.Module):
         h = self.layers(h, pos, caches, start)
         if self.norm is None:
             return h
-        logits = self.head(h)
         if targets is None:
-            return logits  # (B, T, V)
-        loss = self.criterion(logits, targets)  # ()
+            return self.head(h)  # (B, T, V)
+        loss = self.loss(h, targets)  # ()
         aux = moe.aux_loss(self) if self.training else None
         return loss if aux is None else loss + aux
 
@@ -123,6 +124,24 @@ class Transformer(nn.Module):
         """Final norm and output projection (tied: through the embedding): (B, T, d) -> (B, T, V)."""
         h = self.norm(h)
         return self.output(h) if self.output is not None else self.tied_head(h, self.tok_embeddings.weight)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, head and mean loss of the last block's output h (B, T, d) against targets (B, T):
+        fused and chunked (models/chunked_loss.py) where the head is one weight and the loss the plain
+        one, else logits (B, T, V) and then the criterion (a vocab-parallel pair under tensor parallelism)."""
+        weight = self.head_weight()
+        if weight is not None:
+            return self.chunked_loss(self.norm(h), weight, targets)
+        return self.criterion(self.head(h), targets)
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The (V, d) weight the chunked loss multiplies by, or None where it does not apply: chunking
+        off (memory.loss_chunks=1), or the head or the loss swapped by a strategy."""
+        if self.chunked_loss.chunks == 1 or type(self.criterion) is not LMLoss:
+            return None
+        if self.output is not None:
+            return self.output.weight if type(self.output) is nn.Linear else None
+        return self.tok_embeddings.weight if type(self.tied_head) is TiedHead else None
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -58,6 +58,8 @@ def parallelize(model: nn.Module, rt, cfg):
     check_graphed_experts(rt, cfg)
     aliases = untie(model)  # shared parameters: one registration until the engine exists
     init = initial_values(model, lambda: init_fn(cfg))  # before anything moves the values
+    if is_builtin(model):  # the head and loss fused and chunked over the tokens, or the plain pair
+        model.chunked_loss.chunks = cfg.memory.loss_chunks
     apply_lora(model, cfg)  # 0: adapters on the single-device model, everything else frozen
     assign_defaults(model)  # 0
     layout = apply_pipeline(model, rt, cfg) if rt.dims.pp > 1 else None  # 1
@@ -146,7 +148,7 @@ def compile_units(model: nn.Module, staged: bool, cfg, dp: int) -> list[nn.Modul
         raise ConfigError("train.compile_scope=block compiles each block apart, and this model has no blocks "
                           "(models/protocol.py: teratrain_blocks() or a `layers` list); set train.compile_scope=auto.")
     if is_builtin(model):
-        units += [model.norm, model.criterion]
+        units += [model.norm, model.criterion, model.chunked_loss]
     return units or [model]  # ZeRO-3 without blocks gathers the whole model around its forward
 
 

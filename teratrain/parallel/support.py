@@ -20,6 +20,10 @@ def check_supported(cfg) -> None:
     """Refuse loudly, with the fix, what this version cannot do (never a silent fallback)."""
     p = cfg.parallel
     check_tp(cfg)
+    if cfg.memory.loss_chunks > 1 and p.tp > 1:
+        raise ConfigError(f"memory.loss_chunks={cfg.memory.loss_chunks} chunks one device's whole output head, and "
+                          f"parallel.tp={p.tp} splits the head and its loss over the vocabulary instead; set "
+                          "memory.loss_chunks=0 (auto) or 1.")
     check_pipeline(cfg)
     check_ep(cfg)
     check_cp(cfg)

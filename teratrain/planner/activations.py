@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
+from teratrain.models.chunked_loss import auto_chunks
 from teratrain.parallel.pipeline.stage import grad_in_i
 from teratrain.planner.layout import ModelShape, Widths, ceil_div
 
@@ -333,9 +334,11 @@ def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                   tp: int = 1, sp: bool = False, dropout: float = 0.0, first: bool = True,
-                  last: bool = True, compress: str = "none", form: str = "megatron") -> dict[str, int]:
+                  last: bool = True, compress: str = "none", form: str = "megatron",
+                  loss_pieces: int = 1) -> dict[str, int]:
     """Saved tensors outside the blocks: embedding ids on the first pipeline stage; final norm,
-    head input, fp32 log-softmax (lm_loss upcasts the logits) and targets on the last. Compression
+    head input, fp32 log-softmax (lm_loss upcasts the logits) and targets on the last, or, with the
+    chunked loss (`loss_pieces` > 1), the input and weight gradients it makes in forward. Compression
     encodes only the dropout mask here (memory/compression.py keeps the head exact)."""
     c = shape.cfg
     n = tokens
@@ -349,17 +352,33 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
             out["embedding_dropout"] = [Saved(n * c.d_model, 1 if device == "cuda" else w.param, "mask")]
     if last:
         out["final_norm"] = _div(_norm_saved(shape, w, n, device), rep)
-        out["head_input"] = _region_inputs(shape, replace(w, fp8="none"), n, 1, device, tp, sp, form)  # bf16 head
-        out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
-        out["targets"] = [Saved(n, INDEX_BYTES, "keep")]  # under tp: the local target ids
+        if loss_pieces > 1:  # models/chunked_loss.py: dh (B*T, d) and dW (V, d) in the compute dtype
+            out["chunked_loss"] = [Saved(n * c.d_model, w.compute), Saved(c.vocab_size * c.d_model, w.compute)]
+            out["log_softmax"] = []
+        else:
+            out["head_input"] = _region_inputs(shape, replace(w, fp8="none"), n, 1, device, tp, sp, form)  # bf16 head
+            out["log_softmax"] = _div([Saved(n * c.vocab_size, 4)], tp)  # fp32 (B*T, V), vocab-parallel under tp
+        if loss_pieces == 1:  # the chunked loss's backward reads no targets
+            out["targets"] = [Saved(n, INDEX_BYTES, "keep")]  # under tp: the local target ids
         if tp > 1:  # the vocab-parallel loss (parallel/tp_layers.py) also masks the targets outside its piece
             out["target_masks"] = [Saved(n, 1, "keep")] * 2
     return _held(out, compress, False, device)
 
 
-def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1) -> int:
-    """The autocast bf16 copy of the output projection (tied: of the embedding), held to its backward."""
+def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1, loss_pieces: int = 1) -> int:
+    """The autocast bf16 copy of the output projection (tied: of the embedding), held to its backward
+    (the chunked loss keeps none: its backward needs only the gradients it made)."""
+    if loss_pieces > 1:
+        return 0
     return shape.cfg.vocab_size * shape.cfg.d_model * w.compute // tp if w.autocast_copies else 0
+
+
+def loss_pieces(shape: ModelShape, loss_chunks: int, tp: int, tokens: int) -> int:
+    """Pieces the chunked loss cuts a micro-batch's `tokens` into (memory.loss_chunks; 0: auto), 1 where
+    the logits are whole or vocab-parallel (tp > 1)."""
+    if loss_chunks == 1 or tp > 1:
+        return 1
+    return min(tokens, loss_chunks or auto_chunks(tokens, shape.cfg.vocab_size, shape.cfg.d_model))
 
 
 def rope_tables(shape: ModelShape) -> int:
@@ -435,13 +454,13 @@ def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int
 
 
 def forward_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, policy: str, every: int,
-                  device: str = "cuda", dropout: float = 0.0, compress: str = "none") -> int:
+                  device: str = "cuda", dropout: float = 0.0, compress: str = "none", loss_pieces: int = 1) -> int:
     """Everything a whole single-device model keeps from forward to backward for one micro-batch,
     as `saved_tensors_hooks` counts it (parameters excluded): what tests and bench/ compare with."""
     kw = dict(device=device, dropout=dropout, compress=compress)
     blocks = stored_blocks(shape, w, shape.cfg.n_layers, tokens, seq_len, policy, every, **kw)
-    total = sum(blocks.values()) + sum(outside_saved(shape, w, tokens, seq_len, **kw).values())
-    total += head_weight_copy(shape, w)
+    total = sum(blocks.values()) + sum(outside_saved(shape, w, tokens, seq_len, loss_pieces=loss_pieces, **kw).values())
+    total += head_weight_copy(shape, w, loss_pieces=loss_pieces)
     if w.compute == 4 and policy in ("none", "selective"):
         total += rope_tables(shape)  # fp32 RoPE reads the buffers themselves: views of them are saved
     return total

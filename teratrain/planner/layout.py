@@ -194,7 +194,8 @@ class Training:
     compress: str = "none"  # memory.compress_activations: none | lossless | int8 | fp8
     lora: tuple = ()  # (rank, alpha, targets, dropout, base_dtype) when lora.rank > 0
     graphed: bool = False  # train.compile_mode=reduce-overhead: CUDA graphs replay the step (no host issue time)
-    compiled: bool = False  # train.compile (its time is planned as eager: see planner/time.py)
+    compiled: bool = False  # train.compile (planner/time.py: issued_ops, fused_s)
+    loss_chunks: int = 1  # memory.loss_chunks: pieces of the chunked head + loss (0 auto, 1 whole logits)
     compile_scope: str = "auto"  # train.compile_scope
     fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
 

@@ -74,13 +74,14 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     # the blocks' tensors depend on these, the rest does not
     bkw = {**kw, "form": lay.tp_form, "ep": lay.ep, "cp": lay.cp, "cp_form": lay.cp_form}
     blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
-    first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, **kw)
-    last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, **kw)
+    pieces = act.loss_pieces(shape, train.loss_chunks, lay.tp, n)
+    first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, loss_pieces=pieces, **kw)
+    last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, loss_pieces=pieces, **kw)
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
     per_block = act.block_saved(shape, w, n, T, **bkw)
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device)
-    head_copy = act.head_weight_copy(shape, w, lay.tp)
+    head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
     pending = act.pending_block(shape, w, n, T, **bkw)
     if pending is None:  # not read off the graph: a whole forward's tensors
         pending_blocks = blocks["blocks"]
@@ -222,7 +223,12 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
             "grads": tied_kept if progressive else grads_now}
     module = act.rope_tables(shape) + eng["gathered"]
     S, copies, fwd_copies = _held_at(saved, end)
-    if lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
+    pieces = act.loss_pieces(shape, train.loss_chunks, lay.tp, n)
+    if pieces > 1:  # chunked (models/chunked_loss.py): one piece's logits, fp32 copy and gradient, its fp32 dW
+        # accumulator and the weight's cast; backward, the scaled dh and dW
+        loss_fwd = -(-n // pieces) * V * (2 * w.compute + 8) + V * c.d_model * (4 + w.compute)
+        loss_bwd = (n + V) * c.d_model * w.compute
+    elif lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
         loss_fwd, loss_bwd = n * V * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
     else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax (the saved tensor) straight
         # from the logits and turns it into the gradient in place, cast to the logits' dtype

@@ -32,7 +32,9 @@ Terms, each with its source or assumption:
   parallelism splits each matmul tp ways) the GPU waits on the host, so a rank's time is the larger
   of its GPU time and the host's issue time (per op, per tensor-parallel collective, per launch of
   the data-parallel engines: hardware.GPU). Under CUDA graphs (train.compile_mode=reduce-overhead)
-  the host issues nothing per op. Compiling without graphs (fewer, fused kernels) is not modelled.
+  the host issues nothing per op. Compiled (train.compile), inductor's fused kernels are what the host
+  issues and the GPU runs: fewer of them (COMPILED_OPS_SHARE), less elementwise HBM traffic in the
+  blocks (COMPILED_FUSED_BYTES) and in the loss (COMPILED_LOSS_BYTES_PER_LOGIT): `issued_ops` and `fused_s`.
 - fp8 (memory.fp8): the block linears' FLOPs at the float8 GEMM's measured speed-up over bf16
   (hardware.GPU.fp8_speedup_*), plus the HBM traffic of their casts; planned for compiled runs.
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
@@ -100,6 +102,25 @@ FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
 
 
+# ---- train.compile: the constants of issued_ops, fused_s and the compiled loss_s (one block, to move as is) ----
+# Kernels a compiled model's forward + backward launches per eager one: 329 / 512 CUDA kernels for 4 blocks
+# of llama-1b's width, the head and the whole-logits loss at micro-batch 8 x 2048 on one H200 (the fused
+# AdamW step is eager in both: 54 kernels). `python bench/calibrate/compile_kernels.py --out FILE`,
+# bench/results/h200/2026-12-02_compile_kernels.json. The host launches each from inductor's wrapper and the
+# GPU pays its per-op gap on each, so the model's share of eager_ops (not the optimizer's) scales by it.
+COMPILED_OPS_SHARE = 0.64
+# HBM bytes per logit of the compiled whole-logits loss, counted: inductor's forward reads the logits once
+# (the log-sum-exp), its backward reads them again and writes their gradient, each in the compute dtype.
+COMPILED_LOSS_BYTES_PER_LOGIT = 3  # x the compute width: 6 in bf16, 12 in fp32
+# HBM bytes per token, per block, per unit of d_model that fusing a block's elementwise ops (norms, RoPE,
+# SwiGLU, residual adds, autocast casts) saves against eager, which the eager sustained rate carries.
+# Fitted on one row: llama-1b untied, 16 blocks, micro-batch 8 x 2048, bf16, compiled whole model, one H200,
+# 0.2134 s (bench/results/h200/2026-12-02_train_step.json, ours_plain compile; the kernels' device time
+# alone went 0.765x eager in compile_kernels.json). Held out (tests/unit/test_planner_compiled.py):
+# the same shape on 2026-11-26 (0.2122 s) and the llama-8b-width rows of bench/results/h200/2026-12-02_fp8*.json.
+COMPILED_FUSED_BYTES = 164
+
+
 @dataclass
 class TimeBreakdown:
     compute_s: float
@@ -120,7 +141,7 @@ class TimeBreakdown:
 
     @property
     def host_paced(self) -> bool:
-        """Eager, the host takes longer to issue the step than the GPU to run it."""
+        """The host takes longer to issue the step than the GPU to run it (eager or compiled; never graphed)."""
         return self.terms.get("host_s", 0.0) > self.terms.get("gpu_s", 0.0) > 0
 
 
@@ -221,8 +242,11 @@ LOSS_BYTES_PER_LOGIT = {"lm_loss": 36, "lm_loss_fp32": 24, "vocab_parallel": 34,
 
 def loss_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> float:
     """Seconds of the memory-bound loss over one rank's logits for `tokens` tokens (its last stage)."""
-    fp32 = "_fp32" if train.widths(lay.zero, lay.offload).compute == 4 else ""
+    compute = train.widths(lay.zero, lay.offload).compute
+    fp32 = "_fp32" if compute == 4 else ""
     per = LOSS_BYTES_PER_LOGIT[("vocab_parallel" if lay.tp > 1 else "lm_loss") + fp32]
+    if train.compiled and lay.tp == 1:
+        per = COMPILED_LOSS_BYTES_PER_LOGIT * compute
     return tokens * shape.cfg.vocab_size / lay.tp * per / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
 
 
@@ -265,6 +289,26 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
                  + fp8_ops(shape, train, lay))
+
+
+def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
+    """Ops (kernels) one rank issues per step: eager_ops, or compiled, the model's share of them at
+    COMPILED_OPS_SHARE (the optimizer step, one op per parameter tensor and its fused kernels, stays eager)."""
+    ops = eager_ops(shape, train, lay)
+    if not train.compiled:
+        return ops
+    tensors = len(shape.param_shapes()) // lay.pp
+    return (ops - tensors) * COMPILED_OPS_SHARE + tensors
+
+
+def fused_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> float:
+    """Seconds of elementwise HBM traffic compiling saves one rank against eager (COMPILED_FUSED_BYTES per
+    token, block and unit of width; sequence-parallel or tp-split activations divide by tp)."""
+    if not train.compiled:
+        return 0.0
+    layers = stage_params(shape, lay)["layers"]
+    hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
+    return COMPILED_FUSED_BYTES * tokens * layers * shape.cfg.d_model / lay.tp / hbm
 
 
 def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -394,8 +438,9 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     c = shape.cfg
     tokens = lay.tokens(c.seq_len) * lay.num_microbatches  # one rank's share of its replica's samples
     compute_s, flops, replay = _compute(shape, train, lay, gpu, tokens)
-    ops = eager_ops(shape, train, lay)
+    ops = issued_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
+    compute_s -= fused_s(shape, train, lay, gpu, tokens)
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here
     busy = compute_s + ops_s + loss / lay.pp
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather

@@ -3,9 +3,9 @@ the same global batch: fp32, AdamW (SGD for the tied GPT-2, see test_tensor_para
 a step in 4 micro-batches of 2 per pipeline (2 with dp=2), clipping on; pp=2 and pp=4, alone and with
 data parallelism (ZeRO 0-2; ZeRO-3, MoE, compression and compile: test_pipeline_compose.py) and tensor
 parallelism (with and without sequence parallelism: without it the stage-to-stage messages are scattered
-over the tp ranks and all-gathered after, p2p.Scatter), even and uneven splits (`parallel.partition=profiled`
-on a layer count no stage count divides; given `parallel.stage_layers` under GPipe and interleaved 1F1B), tied
-embeddings held at both ends, recomputation.
+over the tp ranks and all-gathered after, p2p.Scatter), the chunked loss on the last stage, even and
+uneven splits (`parallel.partition=profiled` on a layer count no stage count divides; given
+`parallel.stage_layers` under GPipe and interleaved 1F1B), tied embeddings held at both ends, recomputation.
 
 Tolerance: 1e-5 relative on every step's loss and every final parameter (gathered whole across
 stages by `engine.full_params()`). Measured: pipelining alone is bitwise (each stage runs the same
@@ -28,7 +28,8 @@ def _compare(layouts: list[list[str]], world: int, check=None) -> None:
     runs = run_ranks(_many, world, layouts)[0]
     refs = {}
     for layout, got in zip(layouts, runs):
-        same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute")))  # the math
+        # the math; the reference computes the whole logits where a layout chunks its loss
+        same = tuple(o for o in layout if not o.startswith(("parallel.", "memory.recompute", "memory.loss_chunks")))
         if same not in refs:
             refs[same] = train_random(0, 1, list(same), steps=STEPS)
         ref = refs[same]
@@ -58,6 +59,7 @@ def test_every_flush_schedule_at_pp2():
                 _pp("1f1b", *UNEVEN), _pp("zb-h1", *UNEVEN, "memory.recompute=full"),
                 _pp("gpipe", *SPLIT_5), ["parallel.pp=2", *INTERLEAVED, *SPLIT_5_V2],
                 _pp("1f1b", "parallel.pipeline_recv=ahead"),  # receives posted one action early (p2p.py)
+                _pp("1f1b", "memory.loss_chunks=3"), GPT2_SGD + _pp("zb-h1", "memory.loss_chunks=3"),  # chunked loss
                 ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4", "parallel.pipeline_recv=ahead"],
                 GPT2_SGD + _pp("zb-h1"), GPT2_SGD + _pp("1f1b", "parallel.zero=2"), GPT2_SGD + ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4",
                                                      "memory.recompute=selective"]]

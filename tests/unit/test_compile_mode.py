@@ -122,11 +122,11 @@ def test_compile_scope_auto_compiles_blocks_apart_where_backward_reduces(sets, d
 
 
 def test_compile_units_of_each_scope():
-    """Scope block: every block, the final norm and the loss (the decoder's eager rest is the
-    embeddings and the output projection); model: the model; a pipeline stage: its blocks."""
+    """Scope block: every block, the final norm and the losses, plain and chunked (the decoder's eager
+    rest is the embeddings and the plain path's output projection); model: the model; a pipeline stage: its blocks."""
     model = small_model(n_layers=3)
     block = compile_units(model, False, make_config("train.compile=true"), dp=2)
-    assert block == [*model.layers, model.norm, model.criterion]
+    assert block == [*model.layers, model.norm, model.criterion, model.chunked_loss]
     assert compile_units(model, False, make_config("train.compile=true"), dp=1) == [model]
     assert compile_units(model, True, make_config("train.compile=true"), dp=1) == list(model.layers)
     blockless = nn.Sequential(nn.Linear(4, 4))  # a model of your own with no blocks to find

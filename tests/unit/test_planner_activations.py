@@ -226,3 +226,15 @@ def test_published_sequence_parallel_runs_fit_their_a100s(name):
     cfg = load_config(None, sets)
     cand = evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, r["gpus"]), gpu_with(r["gpu"]))
     assert cand.memory.total < 80e9, f"{name}: {cand.memory.total / 2**30:.2f} GiB"
+
+
+@pytest.mark.parametrize("precision, masters", PRECISIONS)
+def test_chunked_loss_saved_bytes_match_hooks(precision, masters):
+    """memory.loss_chunks=3: the chunked head + loss keeps its input and weight gradients instead of the
+    logits' fp32 log-softmax, the head's input and the weight's autocast copy (exact to the loss scalar)."""
+    cfg = _cfg("llama", precision, masters, "none", 16, 2, "memory.loss_chunks=3")
+    model, _ = build_engine(cfg)
+    measured = saved_bytes(model, *random_batch(cfg, 2), precision, targets_in_model=True)
+    w = widths(cfg.memory.precision, cfg.use_master_weights)
+    predicted = forward_saved(ModelShape(cfg=cfg.model), w, 32, 16, "none", 2, device="cpu", loss_pieces=3)
+    assert predicted == pytest.approx(measured, rel=0.05) and abs(predicted - measured) <= 8

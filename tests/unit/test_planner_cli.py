@@ -144,7 +144,7 @@ def test_host_paced_layouts_are_said(capsys):
              "--set", "train.micro_batch=2"]
     rc, out, _ = plan(capsys, *model, "--set", "parallel.tp=2", "--set", "parallel.dp=1")
     assert rc == 0 and "host-paced" in next(line for line in out.splitlines() if "host issue" in line)
-    assert "Note: the chosen layout's eager step is host-paced" in out
+    assert "Note: the chosen layout's step is host-paced" in out
     d = plan_json(capsys, *model, "--set", "parallel.dp=2", "--set", "parallel.tp=1")
     assert 0 < d["time"]["terms"]["host_s"] < d["time"]["terms"]["gpu_s"]
     assert not any("host-paced" in n for n in d["notes"])
@@ -164,13 +164,13 @@ def test_a_host_paced_zb_h1_layout_is_told_1f1b_runs_it_faster(capsys):
     assert not any(n.startswith("ZB-H1 plans") for n in d["notes"])
 
 
-def test_compiled_runs_are_said_to_be_planned_eager_and_refused_layouts_left_out(capsys):
-    """train.compile: the plan says its time is the eager step's; with ZeRO-3 it leaves out the
+def test_compiled_runs_say_how_they_are_planned_and_refused_layouts_left_out(capsys):
+    """train.compile: the plan says how its time is planned; with ZeRO-3 it leaves out the
     recompute policies the trainer refuses there (config.compile_scope_problem), so no candidate's
     command fails at launch."""
     d = plan_json(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "train.compile=true", "--set",
                   "parallel.zero=3", "--set", "train.global_batch=8", "--top", "40")
-    assert any(n.startswith("train.compile is planned as the eager step") for n in d["notes"])
+    assert any(n.startswith("train.compile's time is planned with inductor's fused kernels") for n in d["notes"])
     recomputes = {c["layout"]["recompute"] for c in d["candidates"]}
     assert recomputes and not recomputes & {"full", "every-k", "sqrt"}, recomputes
     eager = plan_json(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "parallel.zero=3", "--set",

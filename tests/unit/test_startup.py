@@ -29,7 +29,7 @@ def test_a_planner_failure_is_a_warning_not_a_stop(monkeypatch):
     def broken(*_a, **_k):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(startup, "predict", broken)
+    monkeypatch.setattr(startup, "plan_run", broken)
     text = startup.summary(make_config(), Runtime.single("cpu"), Path("runs/x"), 0)
     assert "warning: the planner could not predict memory" in text and "ZeroDivisionError" in text
     startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=True)  # no plan, no refusal

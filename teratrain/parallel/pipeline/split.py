@@ -168,7 +168,8 @@ def profiled_bounds(cfg, device: torch.device, num_stages: int) -> list[range]:
     tied = model.tok_embeddings if model.output is None else None
     parts = [_Part(model.embed, [model.tok_embeddings, model.pos_embeddings])]
     parts += [_Part(lambda h, b=b: b(h, pos), [b]) for b in model.layers]
-    parts += [_Part(lambda h: model.criterion(model.head(h), tokens), [model.norm, model.output, tied])]
+    model.chunked_loss.chunks = cfg.memory.loss_chunks  # the head and loss as training runs them
+    parts += [_Part(lambda h: model.loss(h, tokens), [model.norm, model.output, tied])]
     costs, x = [], tokens
     for i, part in enumerate(parts):
         part.owned.to_empty(device=device)

@@ -57,7 +57,7 @@ class Chunk:
                 h = segment(_run_blocks, blocks[i:i + self.blocks.k], h, pos)
         else:
             h = self.blocks(x, pos)
-        return m.criterion(m.head(h), targets) if self.is_last else h
+        return m.loss(h, targets) if self.is_last else h
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of this chunk's MoE aux losses from its latest forward (None: no MoE layer here)."""
