@@ -119,7 +119,7 @@ class MemoryConfig(Section):
         "tokens, so the (tokens x vocab) logits never exist whole (models/chunked_loss.py): 1 = off (whole logits), "
         "N = N pieces, 0 = about vocab / d_model pieces (each piece's logits the size of the hidden states); under "
         "parallel.tp > 1 the vocab-parallel loss splits the logits instead. Saves 4.6 GiB eager at llama-1b's shape "
-        "but ran 3.6% slower there, and compiled no faster (bench/README.md, one-GPU training step)")
+        "but ran 3.6% slower there, and compiled no faster (bench/README.md, \"Training step against transformers\")")
     loss_scale_init: float = Field(2.0**16, gt=0.0, description="fp16 initial loss scale")
     loss_scale_window: int = Field(1000, ge=1, description="fp16: grow the scale x2 after this many clean steps")
 
