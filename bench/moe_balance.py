@@ -15,7 +15,9 @@ Reported per run, from its metrics.jsonl (the load is the routed tokens of each 
 global batch, per MoE layer and step): `max_over_mean`, the busiest expert's load over the mean load,
 averaged over the last `--window` steps and the layers (1.0 is perfect balance; `max_over_mean_worst`
 is the worst layer-step of the window), the mean training loss over the window (`loss_window`) and
-the last step's (`final_loss`), and its wall seconds; then `bias_vs_aux`, the bias run's figures over the aux run's. The
+the last step's (`final_loss`), and its wall seconds; then `bias_vs_aux`, the bias run's figures over the aux run's,
+and `uniform_floor`: the same ratio where every token picks its k experts uniformly at random (200
+draws of one step's tokens), which a balanced router cannot beat at this batch size. The
 target DeepSeek-V3 reports: the busiest expert within ~1.2x of the mean, loss no worse than with the
 auxiliary loss.
 """
@@ -65,6 +67,14 @@ def one_run(balance: str, steps: int, window: int, work: Path, extra: list[str])
     return {**out, "seconds": time.perf_counter() - t0, "sets": sets}
 
 
+def uniform_floor(tokens: int, k: int, n: int, draws: int = 200) -> float:
+    """Mean busiest-over-mean load of one step whose `tokens` each pick k of n experts uniformly."""
+    g = torch.Generator().manual_seed(0)
+    loads = [torch.rand(tokens, n, generator=g).topk(k, -1).indices.flatten().bincount(minlength=n).double()
+             for _ in range(draws)]
+    return statistics.fmean((c.max() / c.mean()).item() for c in loads)
+
+
 def affordable_steps(budget_s: float, work: Path, extra: list[str]) -> tuple[int, float]:
     """(steps each of the two runs can take within budget_s, seconds per step): a step's time from a
     run of 12 steps minus one of 2 (the same start-up), as measured here."""
@@ -102,6 +112,7 @@ def main() -> None:
               "torch": torch.__version__, "threads": torch.get_num_threads(), **probe, "runs": runs,
               "bias_vs_aux": {"max_over_mean": b["max_over_mean"] / a["max_over_mean"],
                               "loss_window": b["loss_window"] / a["loss_window"]},
+              "uniform_floor": uniform_floor(16 * 64, 8, 64),  # global batch x seq_len tokens, top-8 of 64
               "target_met": b["max_over_mean"] <= 1.2 and b["loss_window"] <= a["loss_window"]}
     text = json.dumps(report, indent=2)
     print(text)

@@ -122,14 +122,14 @@ class MoEConfig(Section):
                 raise ConfigError(f"model.moe.{key}={getattr(self, key)} is defined for the softmax-topk router (this "
                                   f"one is {r}); set model.moe.router=softmax-topk or unset model.moe.{key}.")
         if self.z_loss_weight and r == "hierarchical":
-            raise ConfigError("model.moe.z_loss_weight needs one row of router logits per expert, which the hierarchical "
-                              "router does not have; set it to 0 or choose another model.moe.router.")
+            raise ConfigError("model.moe.z_loss_weight needs one row of router logits per expert, which the "
+                              "hierarchical router does not have; set it to 0 or choose another model.moe.router.")
         if self.aux_loss_convention == "transformers" and (self.score, self.aux_loss_kind) != ("softmax", "batch"):
             raise ConfigError("model.moe.aux_loss_convention=transformers is Mixtral's softmax loss over the batch; "
                               "set aux_loss_convention=ours with score=sigmoid or aux_loss_kind=sequence.")
         if not self.shared_experts and (self.shared_d_ff is not None or self.shared_gate):
-            raise ConfigError("model.moe.shared_d_ff and shared_gate describe shared experts, but model.moe.shared_experts "
-                              "is 0; set shared_experts >= 1 or unset them.")
+            raise ConfigError("model.moe.shared_d_ff and shared_gate describe shared experts, but "
+                              "model.moe.shared_experts is 0; set shared_experts >= 1 or unset them.")
 
     @property
     def enabled(self) -> bool:

@@ -177,8 +177,8 @@ class SoftmaxTopK(Router):
 
     def __init__(self, cfg: "MoEConfig", d_model: int):
         super().__init__(cfg, d_model)
-        self.sigmoid, self.norm, self.sequence = cfg.score == "sigmoid", cfg.normalize_topk, cfg.aux_loss_kind == "sequence"
-        self.bias_rate = cfg.bias_rate
+        self.sigmoid, self.norm, self.bias_rate = cfg.score == "sigmoid", cfg.normalize_topk, cfg.bias_rate
+        self.sequence = cfg.aux_loss_kind == "sequence"
         self.register_buffer("expert_bias", torch.zeros(self.n) if cfg.balance == "bias" else None)
 
     def gate(self, x, gen, seq_len):
@@ -207,7 +207,7 @@ def balance_loss(scores: torch.Tensor, experts: torch.Tensor, n: int, seq_len: i
     """n * sum_e f_e P_e per run of seq_len tokens, averaged over the runs: f_e the share of the run's
     T*k choices that picked e, P_e the run's mean of `scores` (N, n), each row summing to 1. One run
     of all N tokens: Switch eq. 4 / Mixtral; runs of one sequence: DeepSeek-V3's sequence-wise loss
-    (eq. 17-20, its f_e = n / (k T) * count_e, here n times ours)."""
+    (eq. 17-20: its f_e = n / (k T) * count_e is n times the share here, its loss sum_e f_e P_e)."""
     N, k = experts.shape
     if seq_len >= N:
         f = F.one_hot(experts, n).sum((0, 1)).to(scores.dtype) / experts.numel()  # share of the N*k choices

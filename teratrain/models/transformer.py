@@ -252,7 +252,8 @@ def count_params(cfg: "ModelConfig") -> dict[str, int]:
     total += n_moe * (layer["total"] - mlp)
     matmul += n_moe * (layer["active"] - mlp)
     return {"total": total, "embedding": emb + pos, "matmul": matmul, "per_block": block,
-            "expert": n_moe * cfg.moe.num_experts * expert, "active": total - n_moe * (layer["total"] - layer["active"])}
+            "expert": n_moe * cfg.moe.num_experts * expert,
+            "active": total - n_moe * (layer["total"] - layer["active"])}
 
 
 def flops_per_token(cfg: "ModelConfig", seq_len: int | None = None) -> float:

@@ -81,7 +81,9 @@ class ModelShape:
             return [(f"{name}.weight", (out, inp))] + ([(f"{name}.bias", (out,))] if c.use_bias or bias else [])
 
         def mlp_of(ff):
-            names = [("w1", ff, d), ("w3", ff, d), ("w2", d, ff)] if c.arch == "llama" else [("w1", ff, d), ("w2", d, ff)]
+            names = [("w1", ff, d), ("w2", d, ff)]
+            if c.arch == "llama":
+                names.insert(1, ("w3", ff, d))
             return [t for n, o, i in names for t in linear(n, o, i)]
 
         mlp, moe = mlp_of(ff), []
