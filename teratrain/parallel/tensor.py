@@ -48,6 +48,9 @@ class TPContext:
     cfg: object  # ModelConfig
     chunks: int = 1  # units of the sequence-parallel token layout (comm.sequence_rows)
     overlap: bool = False  # parallel.tp_overlap=chunked: parallel/tp_overlap.py
+    # linears keep their input's sequence shard (comm.Regather); not under ZB-H1, whose split backward
+    # has no weight rule for that Function and would run its backward again in W
+    keep_shard: bool = True
     placements: dict[str, Placement] = field(default_factory=dict)  # tp_plan.tp_placements, by global name
 
     def __post_init__(self):
@@ -65,7 +68,7 @@ def apply_tp(model: nn.Module, rt, cfg) -> None:
     over tp get their new placements too."""
     p = cfg.parallel
     ctx = TPContext(rt.mesh, rt.dims.tp, rt.coord("tp"), p.use_sp, p.tp_form, cfg.model, overlap_chunks(p),
-                    p.tp_overlap == "chunked")
+                    p.tp_overlap == "chunked", keep_shard=not (p.pp > 1 and p.schedule == "zb-h1"))
     ctx.placements = tp_placements(model, TPSplit(ctx.tp, ctx.rank, ctx.sp, ctx.form, cfg.model.kv_heads))
     for group in sorted({pl.group for pl in ctx.placements.values() if pl.group.startswith("dp_tp/")}):
         rep = int(group.split("/")[1])  # the dp x tp ranks holding the same replicated key/value heads
@@ -91,7 +94,7 @@ def _entry(ctx: TPContext, cast: bool = True):
         x = to_compute_dtype(x) if cast else x
         if not ctx.sp:
             return comm.copy_to_tp(x, ctx.group)
-        if cast:  # read by linears only: they keep the shard and gather it again in backward
+        if cast and ctx.keep_shard:  # read by linears only: they keep the shard and gather it again in backward
             return comm.gather_sequence_to_linears(x, ctx.group, ctx.chunks)
         return comm.gather_sequence(x, ctx.group, ctx.chunks)
     return enter

@@ -102,8 +102,9 @@ def _region_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device:
     if tp > 1 and form == "megatron":  # one cast at the region entry (parallel/tensor.py)
         whole = Saved(n * shape.cfg.d_model, w.compute)
         # under SP the linears keep this rank's shard and gather it again in backward (comm.Regather),
-        # as Megatron-LM does; float8 GEMMs (memory/fp8.py) save the gathered input themselves
-        return _div([whole], tp) if sp and w.fp8 == "none" else [whole]
+        # as Megatron-LM does; float8 GEMMs (memory/fp8.py) save the gathered input themselves, and ZB-H1's
+        # split backward runs linears that keep it whole (parallel/tensor.py TPContext.keep_shard)
+        return _div([whole], tp) if sp and w.fp8 == "none" and w.keep_shard else [whole]
     return _div(_linear_inputs(shape, w, n, consumers, device), tp if sp else 1)
 
 

@@ -170,6 +170,7 @@ class Widths:
     autocast_copies: bool  # fp32 params under autocast: each linear casts its weight and input
     bf16: bool = False  # computes in bf16, where the experts run as grouped GEMMs (models/grouped.py)
     fp8: str = "none"  # memory.fp8: the block linears' GEMMs in float8 (memory/fp8.py)
+    keep_shard: bool = True  # under SP the linears keep their input's sequence shard (not under ZB-H1)
 
 
 def widths(precision: str, master_weights: bool, fp8: str = "none") -> Widths:

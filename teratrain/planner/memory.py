@@ -19,7 +19,7 @@ outside torch's allocator but the CUDA context; `allowance` adds it and fragment
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
 from teratrain.planner import activations as act
@@ -66,6 +66,8 @@ def in_flight(lay: Layout) -> float:
 def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict[str, int]:
     """Saved bytes per micro-batch of the first and last stage, by kind."""
     w = train.widths(lay.zero, lay.offload)
+    if lay.pp > 1 and lay.schedule in ("zb_h1", "zb-h1"):
+        w = replace(w, keep_shard=False)  # parallel/tensor.py TPContext.keep_shard
     T = shape.cfg.seq_len // lay.cp  # the positions a rank holds (context parallelism: its chunks)
     n = lay.tokens(shape.cfg.seq_len)
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress,

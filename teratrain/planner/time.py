@@ -79,7 +79,7 @@ MOE_HOST_OP_SHARE = calibrated("common")["moe_host_op_share"]
 # cost of them on one GPU; bench/README.md, "Calibration scripts"). The first stage
 # does not split (no input gradient to send); every later one does, the last among them, which the host
 # paces. MoE blocks (more saved tensors) and recomputed ones (fewer) are charged the same.
-OPS_SPLIT_EXTRA = 74
+OPS_SPLIT_EXTRA = 65
 # memory.fp8 (memory/fp8.py): aten ops one float8 linear adds per micro-batch, (forward, backward): the
 # dynamic casts of its input and weight (amax, scale, clamp, convert), of the output gradient and of the
 # input again for the weight gradient, and the scaled GEMMs' layout copies. Counted with a

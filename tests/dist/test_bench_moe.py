@@ -5,11 +5,14 @@ benchmark, not a test)."""
 import json
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 def test_moe_bench_smoke():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--a2a-chunks", "4"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -47,6 +50,7 @@ def test_moe_bench_smoke():
         assert o["tokens_per_s_vs_chunks1"] == round(chunked["tokens_per_s"] / whole["tokens_per_s"], 4)
 
 
+@pytest.mark.long
 def test_moe_bench_reorder_runs_each_exchanging_moe_once_more_compiled():
     """--reorder: the compiled MoE at ep > 1 once more with train.compile_overlap, no graph break."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--compile", "--compile-only",

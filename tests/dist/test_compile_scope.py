@@ -5,6 +5,7 @@ compiled graph of the whole model hands every gradient over at its end; and the 
 matches one eager process on the same global batch, with ZeRO-3 too (each block's forward compiled,
 its gather and free hooks eager around it)."""
 
+import pytest
 import torch
 
 from harness import run_ranks
@@ -54,6 +55,7 @@ def _launches(rank: int, scope: str) -> dict:
     return {"launched_after": launched, "regions": len(regions), "buckets": len(engine.buckets)}
 
 
+@pytest.mark.long
 def test_block_scope_reduces_during_backward_and_matches_one_process_with_zero3_too():
     got = run_ranks(launches_worker, 2, ["block", "model"])[0]
     block, model = got["block"], got["model"]

@@ -14,6 +14,7 @@ final parameter tensor (gathered whole), as test_tensor_parallel.py; measured: l
 parameters up to 4e-6 (AdamW with eps=1e-6 amplifies the splits' fp32 summation order). And the
 bytes autograd keeps on a cp rank equal the planner's count."""
 
+import pytest
 from cp_workers import attention_vs_whole, compiled
 from harness import run_ranks
 from layout_workers import BASE, train_random
@@ -100,6 +101,7 @@ def test_cp_composes_with_every_strategy_on_four_ranks():
     _assert_saved_as_planned(layouts, runs[0][1])
 
 
+@pytest.mark.long
 def test_cp_compiled_matches_one_process():
     """train.compile: the all-to-all form traces whole (fullgraph: its exchange is a functional
     collective with an autograd formula); ring attention runs eager between the compiled pieces (one

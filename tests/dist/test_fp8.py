@@ -69,6 +69,7 @@ def test_fp8_with_data_parallelism_zero_tensor_pipeline_and_experts():
     _compare(layouts, run_ranks(_many, 2, layouts)[0])
 
 
+@pytest.mark.long
 def test_fp8_compiled_without_graph_breaks():
     """torchao's float8 GEMM is one node of the traced graph (allow_in_graph): a compiled fp8 step has
     no graph break, at dp=2 and under ZeRO-3 (each block's forward compiled apart)."""

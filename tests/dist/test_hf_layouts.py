@@ -29,6 +29,7 @@ def max_rel_diff(a: dict, b: dict, floor: float = 1e-3) -> float:
     return max(float((a[k].double() - b[k].double()).norm() / max(float(b[k].double().norm()), floor)) for k in a)
 
 
+@pytest.mark.long
 def test_llama_mixtral_and_gpt2_from_hf_at_every_layout(tmp_path):
     """Mixtral at ep=2 x tp=2: each rank reads its two experts' column / row slices. Qwen2's q/k/v
     biases split with their heads (tp=2, sequence parallel; SGD, as GPT-2: a key bias has no true

@@ -13,6 +13,7 @@ its CUTLASS kernel and its trace on Hopper are checked by bench/moe.py --compile
 Tolerance: 1e-5 relative on every step's loss and every final parameter tensor (test_tensor_parallel's
 TOL); the graph-break counter (torch._dynamo.utils.counters) must stay at zero."""
 
+import pytest
 from harness import run_ranks
 from layout_workers import BASE, train_random
 from test_expert_parallel import TOP1, TOP2, TOP2_ALL
@@ -48,6 +49,7 @@ def _compare(layouts: list[list[str]], world: int) -> None:
         assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
 
 
+@pytest.mark.long
 def test_moe_compiled_is_one_graph_at_ep1_and_ep2():
     """ep=1 (dp=2, every expert on each rank): top-1 with drops under full recomputation (the block
     writes its aux loss and statistics inside the checkpoint). ep=2 (the all-to-all traced): top-2

@@ -88,7 +88,7 @@ def test_tp4_and_tp2_dp2_with_every_zero_stage():
     the GEMM outputs it keeps (tp=4, and tp=2 x dp=2)."""
     layouts = [["parallel.tp=4", "parallel.sequence_parallel=false"], ["parallel.tp=4"], GPT2_SGD + ["parallel.tp=4"],
                ["parallel.tp=4"] + OVERLAP]
-    layouts += [["parallel.tp=2", f"parallel.zero={z}"] for z in (0, 1, 2, 3)]
+    layouts += [["parallel.tp=2", f"parallel.zero={z}"] for z in (0, 3)]  # 1 and 2: below
     layouts += [["parallel.tp=2", "parallel.zero=3", "parallel.offload=params"],
                 ["parallel.tp=2", "parallel.zero=2", "parallel.sequence_parallel=false", "memory.recompute=full"],
                 GPT2_SGD + ["parallel.tp=2", "parallel.zero=1", "memory.recompute=selective"],
@@ -96,7 +96,7 @@ def test_tp4_and_tp2_dp2_with_every_zero_stage():
     _compare(layouts, world=4)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_unused_parameter_on_one_rank_does_not_hang(world):
     """Data-parallel rank 1 takes no gradient through one MLP: its flat groups complete late or
     never, yet every rank launches the same collectives in the same order (no hang, no mismatch)
@@ -183,6 +183,7 @@ def test_gradients_with_nothing_to_reduce_are_freed_between_steps():
     assert kept == every
 
 
+@pytest.mark.long
 def test_tp2_compiled_is_one_graph_and_matches_one_process():
     """train.compile under tensor parallelism: every tp collective (the f/g pair, the sequence-parallel
     gather and reduce-scatter, the all-gather form's, the vocab-parallel loss's all-reduces) is traced as a functional
@@ -261,6 +262,7 @@ def _scheduled(rank: int, world: int, layout: list[str]) -> tuple[list[str], lis
     return order, [" ".join(found) for found in fusible], run
 
 
+@pytest.mark.long
 def test_chunked_overlap_compiled_issues_the_next_piece_before_waiting():
     """parallel.tp_overlap=chunked under train.compile (inductor, SP): a traced collective is waited
     for where issued, so without reordering each piece's all-gather is waited for before the next is

@@ -32,7 +32,7 @@ FORMULAS = {  # (precision, grad_dtype, stage) -> (params, grads, optimizer) in 
 }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_state_bytes_follow_zero_formulas(world, dist_workdir):
     cases = list(FORMULAS)
     runs = [([f"memory.precision={prec}", f"parallel.grad_dtype={grads}", f"parallel.zero={stage}", "train.steps=1"],

@@ -22,8 +22,8 @@ LAYOUTS = [["parallel.zero=0"], ["parallel.zero=1"], ["parallel.zero=2"], ["para
 SERIAL = [["parallel.zero=0", "parallel.overlap_comm=false"], ["parallel.zero=3", "parallel.overlap_comm=false"]]
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world, optim", [(2, "adamw"), pytest.param(2, "sgd", marks=pytest.mark.long),
+                                          pytest.param(4, "adamw", marks=pytest.mark.long), (4, "sgd")])
 def test_zero_stages_match_single_process(world, optim, dist_workdir):
     common = [f"optim.name={optim}", "optim.lr=0.01", "optim.eps=1e-6"]
     ref = reference(common, str(dist_workdir / f"ref-{world}-{optim}"))

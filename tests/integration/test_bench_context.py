@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 def test_context_bench_smoke(tmp_path):
     out = tmp_path / "context.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "context.py"), "--smoke", "--out", str(out)],

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 def test_memory_savers_smoke(tmp_path):
     out = tmp_path / "savers.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "memory_savers.py"), "--smoke", "--out", str(out)],

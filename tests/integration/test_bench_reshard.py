@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 def test_reshard_bench_smoke(tmp_path):
     out = tmp_path / "reshard.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "reshard.py"), "--smoke", "--out", str(out)],

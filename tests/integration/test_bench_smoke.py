@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("script", ["tensor_parallel.py"])
 def test_bench_smoke(script, tmp_path):
     out = tmp_path / "result.json"
@@ -35,6 +36,7 @@ def test_bench_smoke(script, tmp_path):
     assert set(headline) == {v for v in shape if v != "one_gpu" and isinstance(shape[v], dict)}
 
 
+@pytest.mark.long
 def test_gpu_suite_runs_the_layout_matrix_on_cpu(tmp_path):
     """bench/gpu_suite.sh, the one command a GPU machine runs, in its CPU form: the matrix (one dense and
     one MoE layout, ring context parallelism and FP8 (emulated; bf16 only), each against one process, with
@@ -67,6 +69,7 @@ def test_determinism_probe_on_cpu(tmp_path):
         assert all(p["bitwise_equal"] and p["max_abs_diff"] == 0.0 for p in probes.values()), (mode, probes)
 
 
+@pytest.mark.long
 def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     """bench/planner_validate.py --gpus 2 in its CPU form, one row: the job measures the machine, then
     the host probe's four layouts, whose fit (refit.fit_host) becomes the run's host terms, and each
@@ -100,6 +103,7 @@ def test_planner_validate_measures_the_host_probe_on_cpu(tmp_path):
     assert len(list((tmp_path / "froze").iterdir())) >= 5  # the driver, and two ranks in each of its two jobs
 
 
+@pytest.mark.long
 def test_ddp_compare_trains_what_ddp_trains_on_cpu(tmp_path):
     """bench/ddp_compare.py --smoke: our data parallelism (parallel.dp=2) and PyTorch DDP, eager and
     compiled (ours each block apart, and whole), from the same init on the same tokens: the same loss
@@ -118,6 +122,7 @@ def test_ddp_compare_trains_what_ddp_trains_on_cpu(tmp_path):
     assert len(result["ours"]["losses"]) == 3 and len(set(result["ours"]["losses"])) == 3  # it trains
 
 
+@pytest.mark.long
 def test_fsdp2_compare_rounds_and_capped_sides(tmp_path):
     """bench/fsdp2_compare.py's A/B options on 2 gloo processes: every side measured each round (the
     order reversed every other round), the ratio of the medians and each round's ratio; the NCCL-capped

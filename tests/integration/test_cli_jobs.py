@@ -150,7 +150,7 @@ def test_killing_the_launcher_ends_its_ranks(jobs, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
-@pytest.mark.parametrize("who", ["launcher", "every process"])
+@pytest.mark.parametrize("who", [pytest.param("launcher", marks=pytest.mark.long), "every process"])
 def test_sigterm_ends_a_multi_process_job_with_one_message(jobs, tmp_path, who):
     """A user's SIGTERM reaches the launcher only (torchrun forwards it); a scheduler's reaches every
     process at once (and the launcher forwards it again). Either way: the ranks finish the step and

@@ -14,6 +14,7 @@ def test_nproc_with_a_layout_that_does_not_fit_fails_before_launch(cli):
 
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_nproc_2_tensor_parallel_trains_and_generates(cli, tmp_path):
     """tp=2 with sequence parallelism through the CLI: the same losses as one process, half the

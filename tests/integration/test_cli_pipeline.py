@@ -54,6 +54,7 @@ def test_bad_pipeline_layout_fails_before_launch(cli, tmp_path, sets, words):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.long
 def test_bench_smoke():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline.py"), "--smoke", "--profile"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)

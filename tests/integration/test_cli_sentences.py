@@ -82,6 +82,7 @@ def test_read_only_out(cli, tmp_path):
     assert_user_error(proc, str(folder / "run"), "writable")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_full_disk_during_a_save(cli, tmp_path):
     """A file-size limit makes the checkpoint write fail half-way, as a full disk does: one sentence,
