@@ -34,7 +34,7 @@ def straight_and_resumed(rank: int, world: int, zero: int, root: str) -> dict:
     return params
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.long), 1, 3])
 def test_resume_consolidate_and_metrics(zero, dist_workdir):
     root = dist_workdir / f"moe-ep2-z{zero}"
     params = run_ranks(straight_and_resumed, 2, zero, str(root))[0]

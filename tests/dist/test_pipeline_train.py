@@ -1,6 +1,7 @@
 """Pipelining in the trainer and the engines: exact resume, fp16 overflow on one stage, and the
 planner's per-stage bytes against what each stage holds."""
 
+import pytest
 import torch
 
 from harness import run_ranks
@@ -24,6 +25,7 @@ def straight_and_resumed(rank: int, world: int, root: str) -> None:
     run(load_config(None, RESUME), f"{root}/resumed", resume=True)
 
 
+@pytest.mark.long
 def test_resume_at_pp2_dp2_is_bitwise(dist_workdir):
     root = dist_workdir / "pp-resume"
     run_ranks(straight_and_resumed, 4, str(root))

@@ -2,6 +2,7 @@
 regions (local heads, sequence shards) draw different ones, recomputation replays the same masks,
 and training with dropout keeps replicated parameters identical across tp ranks."""
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -49,6 +50,7 @@ def local_replicas(rank: int, world: int, sp: bool) -> dict:
             "replicated": {n: p.detach().clone() for n, p in model.named_parameters() if p.placement.dim is None}}
 
 
+@pytest.mark.long
 def test_training_with_dropout_keeps_replicas_identical():
     """Without sequence parallelism the norms see identical inputs on both tp ranks only if the
     residual dropout masks agree; with it they are reduced over dp x tp. Either way both ranks'

@@ -22,7 +22,7 @@ def straight_and_resumed(rank: int, world: int, extra: list[str], root: str) -> 
 @pytest.mark.parametrize("world, extra", [pytest.param(2, ["parallel.zero=0"], marks=pytest.mark.long),
                                           pytest.param(2, ["parallel.zero=1"], marks=pytest.mark.long),
                                           pytest.param(2, ["parallel.zero=2"], marks=pytest.mark.long),
-                                          (2, ["parallel.zero=3"]), (4, ["parallel.tp=2", "parallel.zero=1"])], ids=str)
+                                          (2, ["parallel.zero=3"]), pytest.param(4, ["parallel.tp=2", "parallel.zero=1"], marks=pytest.mark.long)], ids=str)
 def test_resume_is_bitwise(world, extra, dist_workdir):
     """tp=2 x dp=2 also checks that dropout in split regions (local heads, sequence shards) replays
     its own streams after a resume."""

@@ -54,6 +54,7 @@ def test_binary_file_is_not_text(cli, tmp_path):
     assert_user_error(proc, "weights.safetensors", "binary")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_messages_and_a_corrupt_cache_rebuilt(cli, tmp_path, corpus):
     """The first run says it trains a tokenizer and tokenizes; a truncated token cache (of even size,

@@ -100,6 +100,7 @@ def assert_saved_at_the_stop(run: Path, stderr: str, resume: str) -> int:
     return step
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
 def test_default_run_names_are_unique(cli, tmp_path):
     """Two jobs started in the same second each get a run directory of their own."""
@@ -133,6 +134,7 @@ def test_a_second_writer_is_refused_and_sigterm_stops_a_run_cleanly(cli, jobs, t
     assert metrics(run)[-1]["step"] == step + 1
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
 def test_killing_the_launcher_ends_its_ranks(jobs, tmp_path):
     run = tmp_path / "run"

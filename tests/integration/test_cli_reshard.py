@@ -47,6 +47,7 @@ def test_resume_in_another_precision_and_zero_stage(cli, trained_run, tmp_path):
     assert latest_checkpoint(run).name == "step_00000052"
 
 
+@pytest.mark.long
 def test_a_truncated_piece_or_a_wrong_index_falls_back(cli, tmp_path):
     run = tmp_path / "run"
     cli.train(run, *SETS, "parallel.zero=3", "checkpoint.every=2", steps=6, nproc=2)

@@ -95,6 +95,7 @@ def test_python_and_numpy_rng_are_seeded_so_identical_runs_save_identical_state(
     assert same_numpy, "NumPy's global RNG state differs between two runs of one config"
 
 
+@pytest.mark.long
 def test_resume_falls_back_past_a_corrupt_newest_checkpoint(cli, tmp_path):
     run = tmp_path / "run"
     cli.train(run, *RESUME_SETS, "checkpoint.every=2", steps=4)

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.slow
 SM3 = ["optim.name=sm3", "optim.lr=0.03", "optim.warmup_steps=4", "optim.schedule=constant"]
 
 
+@pytest.mark.long
 def test_sm3_trains_and_resumes_bitwise(cli, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     cli.train(straight, *SM3, steps=24)

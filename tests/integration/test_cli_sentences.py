@@ -119,6 +119,7 @@ def test_every_checkpoint_corrupt_advises_a_fix_that_works(cli, trained_run, tmp
     cli.train(run, "train.eval_batches=0", steps=1)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_pruning_after_a_fallback_keeps_the_good_checkpoint(cli, tmp_path):
     """checkpoint.every=0 saves only at the end: after resuming from step 2 past a corrupt step 4, the

@@ -23,6 +23,7 @@ def test_hardware_out_of_range_is_one_sentence(capsys, hw, words):
     assert plan(capsys, "--model", "gpt2-124m", "--hw", "fragmentation=0")[0] == 0  # zero is fine where it means none
 
 
+@pytest.mark.long
 def test_json_when_nothing_fits_prints_the_leanest_layout_and_exits_2(capsys):
     """Scripts read the JSON; the exit status and the sentence on stderr say it does not fit."""
     rc, out, err = plan(capsys, "--model", "llama-70b", "--gpus", "1", "--gpu-mem", "80", "--json")
