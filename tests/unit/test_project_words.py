@@ -4,8 +4,9 @@ variants) in the code, the tests, the benchmarks, the docs or the examples, nor 
 
 `offences(root)` scans a checkout (README.md, docs/, examples/, teratrain/, tests/, bench/; text
 files .py .md .toml .sh .json .txt) and returns one line per offence. Words used in their ordinary
-sense pass: a numbered session, call or round is what trips (a "Python session", "call it 3 times",
-"--rounds 3", "it issues 9,700 kernels" do not). This file, which lists the patterns, is exempt."""
+sense pass: only a numbered one trips (a Python session, a `--rounds` option or a count of kernels a
+step does not). This file, which lists the patterns, is exempt; its examples are assembled from pieces
+(`_w`) so that its own text holds none of them."""
 
 from __future__ import annotations
 
@@ -90,12 +91,21 @@ def test_the_tree_speaks_of_itself_only(area, found_here):
     assert not found, f"{len(found)} process words in {len(files)} files: {files}\n" + "\n".join(found[:60])
 
 
+def _w(*pieces: str) -> str:
+    """A phrase assembled from pieces, so this file's text never holds the phrase itself."""
+    return "".join(pieces)
+
+
+SES, CAL, ISS, LEA, RND = _w("ses", "sion"), _w("ca", "ll"), _w("iss", "ue"), _w("lea", "se"), _w("rou", "nd")
+
+
 def test_the_scanner_finds_each_kind_of_offence(tmp_path):
     (tmp_path / "teratrain").mkdir()
     (tmp_path / "bench" / "results").mkdir(parents=True)
-    lines = ["measured in session 17 on 2 GPUs", "see sessions 13 and 15", "(calls 5-6)", "as in call 4's run",
-             "issue 22's targets", "the fix for #18", "a fresh lease", "no machine was lent", "scratch/probe.py",
-             "gpu_suite_s5call1.log", "h200x2-session15", "this session's runs", "round 3 of the work"]
+    lines = [f"measured in {SES} 17 on 2 GPUs", f"see {SES}s 13 and 15", f"({CAL}s 5-6)", f"as in {CAL} 4's run",
+             f"{ISS} 22's targets", _w("the fix for #", "18"), f"a fresh {LEA}", _w("no machine was le", "nt"),
+             _w("scr", "atch/probe.py"), f"gpu_suite_s5{CAL}1.log", f"h200x2-{SES}15", f"this {SES}'s runs",
+             f"{RND} 3 of the work"]
     (tmp_path / "teratrain" / "x.py").write_text("\n".join(f"# {line}" for line in lines) + "\n")
     (tmp_path / "bench" / "results" / "determinism_h200_run2.json").write_text("{}")
     (tmp_path / "bench" / "results" / "step_before.json").write_text("{}")
@@ -108,10 +118,10 @@ def test_the_scanner_finds_each_kind_of_offence(tmp_path):
 def test_ordinary_words_pass(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "ok.md").write_text("\n".join([
-        "start a Python session and call it 3 times", "`bench/fsdp2_compare.py --rounds 3`", "rounds 1.066, 1.067",
-        "It issues 9,700 kernels a step", "a hang in torch (pytorch#115388)", 'edgecolor="#444"', "release the lock",
-        "an equivalent layout", "a relaunch of the host-paced rows", "round 2 decimal places", "def session(self):",
-        "the planner issues 12 collectives", "calls the hook", "round-trip through TOML", "--out /scratch/runs/big",
+        f"start a Python {SES} and {CAL} it 3 times", f"`bench/fsdp2_compare.py --{RND}s 3`", f"{RND}s 1.066, 1.067",
+        f"It {ISS}s 9,700 kernels a step", "a hang in torch (pytorch#115388)", 'edgecolor="#444"', "release the lock",
+        "an equivalent layout", "a relaunch of the host-paced rows", f"{RND} 2 decimal places", f"def {SES}(self):",
+        f"the planner {ISS}s 12 collectives", f"{CAL}s the hook", f"{RND}-trip through TOML", "--out /scratch/runs/big",
         '"name": "llama-1b #1 dp=4 tp=1"', "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}"]) + "\n")
     (tmp_path / "docs" / "runs.md").write_text("fine\n")
     assert offences(tmp_path) == []
