@@ -196,12 +196,13 @@ def test_one_block_keeps_what_the_planner_counts(arch, precision, masters, polic
 
 
 def _published(name: str) -> dict:
+    import sys
     from pathlib import Path
 
-    from teratrain.config import tomllib
+    sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+    import published  # bench/published.py: the runs and the --set items each ran with
 
-    runs = tomllib.loads((Path(__file__).parents[2] / "bench" / "published_runs.toml").read_text())["run"]
-    return next(r for r in runs if r["name"] == name)
+    return published, next(r for r in published.load_runs() if r["name"] == name)
 
 
 @pytest.mark.parametrize("name", ["korthikanti22-530b-sp-selective", "korthikanti22-1t-sp-selective"])
@@ -215,14 +216,11 @@ def test_published_sequence_parallel_runs_fit_their_a100s(name):
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.search import evaluate
 
-    r = _published(name)
-    sets = [f"model.{k}={r[k]}" for k in ("arch", "n_layers", "d_model", "n_heads", "d_ff", "vocab_size", "seq_len")]
-    sets += [f"model.n_kv_heads={r['n_heads']}", "model.tie_embeddings=true", f"memory.recompute={r['recompute']}",
-             f"memory.precision={r['precision']}", "memory.master_weights=true", "parallel.zero=0",
-             f"parallel.sequence_parallel={str(r['sequence_parallel']).lower()}", f"train.micro_batch={r['micro_batch']}",
-             f"train.global_batch={r['pp'] * r['dp'] * r['micro_batch']}", "parallel.schedule=1f1b"]
-    # pp micro-batches a step: as many in flight as the published batch has (1F1B holds pp at most), fewer to simulate
-    sets += [f"parallel.{k}={r[k]}" for k in ("tp", "pp", "dp")]
+    published, r = _published(name)
+    # as it ran (bench/published.py), with pp micro-batches a step: as many in flight as the published
+    # batch has (1F1B holds pp at most), fewer to simulate
+    sets = published.sets_of(r) + [f"train.global_batch={r['pp'] * r['dp'] * r['micro_batch']}",
+                                   "parallel.schedule=1f1b"]
     cfg = load_config(None, sets)
     cand = evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, r["gpus"]), gpu_with(r["gpu"]))
     assert cand.memory.total < 80e9, f"{name}: {cand.memory.total / 2**30:.2f} GiB"
