@@ -32,7 +32,8 @@ def ran_gathered_inputs(lay, train) -> bool:
     parallelism (now they keep the sequence shard: parallel/comm.py Regather), so those rows' measured
     peaks are not this code's; every such row was within the peak target when recorded, so it leaves both
     the count and the target (a GPU run of the same layouts brings them back)."""
-    return lay.tp > 1 and lay.sequence_parallel and lay.tp_form == "megatron" and train.fp8 == "none"
+    zb_h1 = lay.pp > 1 and lay.schedule in ("zb_h1", "zb-h1")  # keeps the gathered input still (parallel/tensor.py)
+    return lay.tp > 1 and lay.sequence_parallel and lay.tp_form == "megatron" and train.fp8 == "none" and not zb_h1
 
 
 @functools.cache
