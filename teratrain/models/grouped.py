@@ -90,8 +90,8 @@ def stack_experts(experts: list[nn.Module], dtype: torch.dtype) -> dict:
         if getattr(experts[0], leaf) is None:
             continue
         parts = [affine(getattr(e, leaf)) for e in experts]
-        biases = None if parts[0][1] is None else _StackCast.apply(dtype, *[p[1] for p in parts])
-        out[leaf] = (_StackCast.apply(dtype, *[p[0] for p in parts]), biases)
+        biases = None if parts[0][1] is None else stack_cast([p[1] for p in parts], dtype)
+        out[leaf] = (stack_cast([p[0] for p in parts], dtype), biases)
     return out
 
 
@@ -120,28 +120,33 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, offsets: torc
     return y if b is None else _GroupBias.apply(y, b, group)
 
 
-class _StackCast(torch.autograd.Function):
-    """torch.stack([w.to(dtype) for w in ws]) in one pass. Eager, each weight is cast straight into its
-    slot (a stack of separate casts read and wrote every expert weight twice per forward); compiled,
-    it is the stack of casts, which inductor lowers to one pass. Backward: each slot's gradient, cast
-    back to its weight's dtype."""
+@torch.library.custom_op("teratrain::stack_cast", mutates_args=())
+def stack_cast(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch.stack([w.to(dtype) for w in ws]) in one pass: each weight cast straight into its slot (a
+    multi-tensor copy: a few kernels whatever the expert count). An opaque operator to torch.compile:
+    traced as a stack of casts, 128 experts made inductor generate kernels of 384 inputs and 384
+    outputs a layer, whose compilation grew with the expert count (8 blocks of 128 experts outran
+    minutes); as one node it costs nothing to compile. Backward: one cast of the stacked gradient,
+    each slot a view of it."""
+    out = ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
+    torch._foreach_copy_(list(out.unbind(0)), ws)
+    return out
 
-    @staticmethod
-    def forward(ctx, dtype, *ws):
-        ctx.dtypes = [w.dtype for w in ws]
-        if torch.compiler.is_compiling():
-            # Traced, the slot copies become a select_scatter per weight, which inductor fuses into one
-            # kernel that loads every weight for every element (8 experts: 8x the reads; 34 ms of a
-            # 707 ms profile on 4 x H200). A stack of casts lowers to one pass writing each slot once.
-            return torch.stack([w.to(dtype) for w in ws])
-        out = ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
-        for slot, w in zip(out, ws):
-            slot.copy_(w)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        return (None, *(g.to(t) for g, t in zip(grad, ctx.dtypes)))
+@stack_cast.register_fake
+def _(ws, dtype):
+    return ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
+
+
+def _stack_cast_context(ctx, inputs, output):
+    ctx.dtype = inputs[0][0].dtype
+
+
+def _stack_cast_backward(ctx, grad):
+    return list(grad.to(ctx.dtype).unbind(0)), None
+
+
+stack_cast.register_autograd(_stack_cast_backward, setup_context=_stack_cast_context)
 
 
 class _GroupBias(torch.autograd.Function):
