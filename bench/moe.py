@@ -13,7 +13,7 @@ torchrun job.
 
 Model (GPU): Llama-style, d_model 2048, 8 blocks, 16 heads (8 key/value), 32k vocab, 2048 tokens per
 sequence, bf16 autocast. MoE: every block's MLP is 8 SwiGLU experts of width 2816, top-2
-(`softmax-topk`, capacity factor 1.25); dense: one SwiGLU MLP of width 5632, so a token multiplies
+(`softmax-topk`, capacity factor 1.25, `--capacity 0`: none); dense: one SwiGLU MLP of width 5632, so a token multiplies
 the same weights (plus the MoE router's 8 x 2048). `--shape qwen3-30b-a3b`: Qwen3-30B-A3B's layers cut
 to 8 (32 heads, 4 key/value heads; the head width stays d_model / heads = 64, and the vocabulary
 32k): 128 fine-grained experts of width 768 (model.moe.expert_d_ff), top-8 renormalized (norm_topk), no
@@ -119,7 +119,8 @@ MODE_NAMES = {"": "eager", "_compiled": "compiled", "_graphed": "CUDA graphs"}
 QWEN3 = {"gpu": (["model.n_heads=32", "model.n_kv_heads=4"], 768, 128, 8), "smoke": ([], 16, 16, 4)}
 
 
-def models(smoke: bool, eps: list[int], chunks: list[int], shape: str = "8x2816-top2") -> dict[str, list[str]]:
+def models(smoke: bool, eps: list[int], chunks: list[int], shape: str = "8x2816-top2",
+           capacity: float = 1.25) -> dict[str, list[str]]:
     """Each model's settings: the dense peer, the MoE at every ep, the largest ep once more dropless
     (the 8-expert shape), and every MoE at ep > 1 once more per `chunks` setting
     (parallel.ep_overlap_chunks)."""
@@ -134,8 +135,8 @@ def models(smoke: bool, eps: list[int], chunks: list[int], shape: str = "8x2816-
         ff = EXPERT_FF["smoke" if smoke else "gpu"]
         moe = [f"model.d_ff={ff}", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.router=softmax-topk"]
         out = {"dense": [f"model.d_ff={2 * ff}"]}
-        out.update({f"moe_ep{ep}": moe + ["model.moe.capacity_factor=1.25", f"parallel.ep={ep}"] for ep in eps})
-        if max(eps) > 1:
+        out.update({f"moe_ep{ep}": moe + [f"model.moe.capacity_factor={capacity}", f"parallel.ep={ep}"] for ep in eps})
+        if max(eps) > 1 and capacity > 0:
             out[f"moe_ep{max(eps)}_dropless"] = moe + ["model.moe.capacity_factor=0", f"parallel.ep={max(eps)}"]
     for name in [n for n in out if n.startswith("moe_") and n != "moe_ep1"]:
         out.update({f"{name}_chunks{c}": out[name] + [f"parallel.ep_overlap_chunks={c}"] for c in chunks if c > 1})
@@ -386,7 +387,7 @@ def worker(args) -> None:
     base += args.set  # every model, dense and MoE alike (e.g. memory.master_weights=true)
     if args.compile and args.smoke:
         smoke_compile()
-    runs = models(args.smoke, eps, args.a2a_chunks, args.shape)
+    runs = models(args.smoke, eps, args.a2a_chunks, args.shape, args.capacity)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
     checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
     runs = in_modes({name: sets for name, sets in runs.items()
@@ -413,7 +414,7 @@ def one_gpu(base: list[str], mb: int, args) -> dict:
     out = {}
     if int(os.environ["RANK"]) == 0:
         per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
-        for name, sets in in_modes(models(args.smoke, [1], [1], args.shape), args).items():  # dense and moe_ep1
+        for name, sets in in_modes(models(args.smoke, [1], [1], args.shape, args.capacity), args).items():  # dense and moe_ep1
             out[f"one_gpu_{name}"] = measure(base + sets + per_gpu, args, single=True)
     dist.barrier()
     return out
@@ -536,6 +537,9 @@ def main() -> None:
                    help="models to time, comma-separated (e.g. dense,moe_ep1,moe_ep2; default all)")
     p.add_argument("--shape", choices=["8x2816-top2", "qwen3-30b-a3b"], default="8x2816-top2",
                    help="the MoE and its dense peer of equal active FLOPs (see above)")
+    p.add_argument("--capacity", type=float, default=1.25,
+                   help="the 8x2816-top2 MoE's capacity factor (0: dropless, no choice dropped; then no extra "
+                        "_dropless run)")
     p.add_argument("--smoke", action="store_true", help="2 CPU processes (gloo), tiny shapes, 2 steps")
     p.add_argument("--out", help="also write the JSON here (rank 0)")
     args = p.parse_args()
