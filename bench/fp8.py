@@ -4,8 +4,9 @@ Speed: the same Llama shape (default: the llama-8b width, 8 layers, seq 4096, mi
 head), bf16 autocast over fp32 weights, fused AdamW, grad clipping 1.0, in one process: ours in bf16 and
 in fp8, transformers' LlamaForCausalLM (sdpa) in bf16 and with torchao's float8 on its decoder layers
 (`convert_to_float8_training`, the head left in bf16 as ours), each eager and compiled (each block
-compiled apart on both sides: `train.compile_scope=block` for ours, each decoder layer for transformers).
-Ratios compare one mode on both sides only.
+compiled apart on both sides: `train.compile_scope=block` for ours, each decoder layer for transformers;
+`--scope model`: the whole model on both sides, teratrain's default on one GPU). Ratios compare one mode on
+both sides only.
 
     python bench/fp8.py --modes compile --accum 4 --out fp8.json   # speed, on the GPU machine (~4 min)
     python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
@@ -68,7 +69,9 @@ def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
 
             ao_cfg = dataclasses.replace(ao_cfg, emulate=True)
         ao.convert_to_float8_training(model.model.layers, config=ao_cfg)
-    if cfg.train.compile:
+    if cfg.train.compile and cfg.train.compile_scope == "model":
+        model.compile()
+    elif cfg.train.compile:
         for layer in model.model.layers:
             layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -99,7 +102,7 @@ def speed(args, dev) -> dict:
                 sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
                                 f"memory.fp8={fp8}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
-                sets += ["train.compile=true", "train.compile_scope=block"] if mode == "compile" else []
+                sets += ["train.compile=true", f"train.compile_scope={args.scope}"] if mode == "compile" else []
                 cfg = config(sets)
                 fresh_memory(dev)
                 fresh_compile()
@@ -118,7 +121,8 @@ def speed(args, dev) -> dict:
                 print(row, flush=True)
                 step = keep = None  # free this model before the next one is built
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
-            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "results": rows,
+            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "scope": args.scope,
+            "results": rows,
             "ratios": ratios(rows, args.recipe)}
 
 
@@ -244,6 +248,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--impls", default="ours,hf")
     ap.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    ap.add_argument("--scope", default="block", choices=["block", "model"],
+                    help="compiled: each block apart (default) or the whole model, on both sides")
     ap.add_argument("--converge", type=int, default=0, help="train this many steps in bf16 and in fp8 instead")
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
