@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teratrain.models import moe
+from teratrain.models import moe, routers
 from teratrain.models.chunked_loss import ChunkedHeadLoss
 from teratrain.models.layers import (Attention, GeluMLP, KVCache, LayerNorm, Positions, RMSNorm, Rotary, SequenceLayout,
                                      SwiGLU)
@@ -186,7 +186,7 @@ def init_param_(t: torch.Tensor, name: str, cfg: "ModelConfig", seed: int) -> No
     elif parent.endswith("norm"):
         t.fill_(1.0)
     elif parent == "router":
-        moe.init_router_(t, cfg, g)
+        routers.init_router_(t, cfg, g)
     else:
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if parent in ("wo", "w2") else cfg.init_std
         t.normal_(0.0, std, generator=g)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from teratrain.memory.precision import uses_master_weights
-from teratrain.models.moe import router_param_names, router_rows
+from teratrain.models.routers import router_param_names, router_rows
 from teratrain.models.transformer import count_params
 
 
