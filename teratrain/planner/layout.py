@@ -74,7 +74,7 @@ class ModelShape:
         if self.is_bare:
             return []
         c = self.cfg
-        d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+        d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_width, c.kv_heads * c.head_width
         norm = [("weight", (d,))] + ([("bias", (d,))] if c.arch == "gpt2" and c.use_bias else [])
 
         def linear(name, out, inp, bias=False):
@@ -219,4 +219,4 @@ def qk_norm_widths(c) -> list[tuple[str, int]]:
     if c.qk_norm == "none":
         return []
     full = c.qk_norm == "full"
-    return [("q", c.n_heads * c.head_dim if full else c.head_dim), ("k", c.kv_heads * c.head_dim if full else c.head_dim)]
+    return [("q", c.n_heads * c.head_width if full else c.head_width), ("k", c.kv_heads * c.head_width if full else c.head_width)]
