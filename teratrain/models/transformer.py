@@ -81,7 +81,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.rope = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
+        llama = cfg.arch == "llama"
+        self.rope = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if llama else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.sequence = SequenceLayout()  # parameter-free; swapped by context parallelism
         self.layers = Blocks({str(i): Block(cfg, i) for i in range(cfg.n_layers)})

@@ -219,4 +219,5 @@ def qk_norm_widths(c) -> list[tuple[str, int]]:
     if c.qk_norm == "none":
         return []
     full = c.qk_norm == "full"
-    return [("q", c.n_heads * c.head_width if full else c.head_width), ("k", c.kv_heads * c.head_width if full else c.head_width)]
+    hd = c.head_width
+    return [("q", c.n_heads * hd if full else hd), ("k", c.kv_heads * hd if full else hd)]
