@@ -182,6 +182,8 @@ class ModelConfig(Section):
     d_model: int = Field(128, ge=1, description="hidden width")
     n_heads: int = Field(4, ge=1, description="query heads")
     n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (grouped-query attention); unset = n_heads")
+    head_dim: int | None = Field(None, ge=1, description="width of each query/key/value head; unset = d_model / "
+                                 "n_heads (Qwen3-MoE 30B-A3B: 128 at d_model 2048 and 32 heads)")
     d_ff: int | None = Field(None, ge=1, description="MLP inner width; unset = 4*d_model (gpt2) or 8/3*d_model rounded to 64 (llama)")
     vocab_size: int = Field(4096, ge=2, description="embedding rows; the default corpus's BPE is trained to this size")
     seq_len: int = Field(128, ge=1, description="training context length in tokens")
@@ -225,14 +227,17 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_shape(self) -> "ModelConfig":
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model}); "
-                              f"pick a head count that divides it, e.g. {_divisor_near(self.d_model, self.n_heads)}.")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads ({self.n_heads}) does not divide model.d_model ({self.d_model}); "
+                              f"set model.head_dim, or pick a head count that divides it, e.g. "
+                              f"{_divisor_near(self.d_model, self.n_heads)}.")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads}); "
                               f"set it to a divisor of {self.n_heads}.")
-        if self.arch == "llama" and self.head_dim % 2:
-            raise ConfigError(f"model.d_model / model.n_heads = {self.head_dim} must be even for RoPE; change model.n_heads.")
+        if self.arch == "llama" and self.head_width % 2:
+            what = "model.head_dim" if self.head_dim else "model.d_model / model.n_heads"
+            raise ConfigError(f"{what} = {self.head_width} must be even for RoPE; change model.n_heads or "
+                              f"model.head_dim.")
         if self.rope_scaling is not None and set(self.rope_scaling) != set(ROPE_SCALING_KEYS):
             raise ConfigError(f"model.rope_scaling has keys {sorted(self.rope_scaling)}; give exactly "
                               f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3 scaling).")
@@ -255,8 +260,9 @@ class ModelConfig(Section):
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_width(self) -> int:
+        """Width of each attention head: model.head_dim, else d_model / n_heads."""
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def ffn_dim(self) -> int:

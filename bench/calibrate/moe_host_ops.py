@@ -47,7 +47,7 @@ def block_step(extra: list[str]):
     for m in block.modules():
         if getattr(m, "kernel", None) == "auto":
             m.kernel = "grouped"
-    rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+    rotary = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta)
     rotary.reset()
     rope, x = rotary(0, cfg.seq_len), torch.randn(1, cfg.seq_len, cfg.d_model, requires_grad=True)
 

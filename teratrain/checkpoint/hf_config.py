@@ -37,12 +37,12 @@ LLAMA_TYPES = (*DENSE_TYPES, *MOE_TYPES)  # the decoder of models/transformer.py
 # HF config.json keys per family -> our model keys
 _HF_LLAMA = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
              "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff", "vocab_size": "vocab_size",
-             "tie_word_embeddings": "tie_embeddings", "rms_norm_eps": "norm_eps"}
+             "tie_word_embeddings": "tie_embeddings", "rms_norm_eps": "norm_eps", "head_dim": "head_dim"}
 _HF_GPT2 = {"n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads", "vocab_size": "vocab_size",
             "n_inner": "d_ff", "layer_norm_epsilon": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 # keys that fix the weights' shapes: a value given next to model.init_from must agree with config.json
-SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "bias", "tie_embeddings",
-              "qkv_bias", "qk_norm")
+SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "bias",
+              "tie_embeddings", "qkv_bias", "qk_norm")
 
 
 def read_config_json(path: Path) -> dict:
@@ -77,6 +77,7 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
     model.update({ours: hf[theirs] for theirs, ours in keys.items() if hf.get(theirs) is not None})
     model.setdefault("n_kv_heads", model["n_heads"])  # every key given: none is left to a preset's value
     model.setdefault("d_ff", 4 * model["d_model"])  # GPT-2's n_inner = null
+    model.setdefault("head_dim", model["d_model"] // model["n_heads"])  # Llama's head_dim = null
     if seq > HF_SEQ_CAP:
         notes.append(f"model.seq_len={HF_SEQ_CAP} (config.json allows {seq}; set --set model.seq_len=N to plan longer)")
         seq = HF_SEQ_CAP
@@ -142,9 +143,7 @@ def check_importable(hf: dict, path: Path) -> None:
                   (not hf.get("add_cross_attention"), "cross-attention layers")]
     else:
         rope = _rope(hf).get("rope_type", "default")
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         checks = [(hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')} (SwiGLU needs silu)"),
-                  (head_dim * hf["num_attention_heads"] == hf["hidden_size"], f"head_dim {head_dim} x heads != hidden_size"),
                   (bool(hf.get("attention_bias")) == bool(hf.get("mlp_bias")), "biases in attention but not the MLP"),
                   (rope in ("default", "llama3"), f"rope type {rope} (teratrain implements default and llama3)"),
                   (hf.get("clip_qkv") is None, f"clip_qkv {hf.get('clip_qkv')} (q, k, v clamped)")]
@@ -214,16 +213,17 @@ def _mapped(m) -> dict:
         if m.moe.enabled:
             raise ConfigError("a GPT-2 model with experts has no Hugging Face layout (Mixtral's is Llama-style); "
                               "export a model with model.arch=llama, or a dense GPT-2.")
-        if not m.use_bias or m.kv_heads != m.n_heads:
-            raise ConfigError("a GPT-2 model without biases or with grouped key/value heads has no Hugging Face GPT-2 "
-                         "layout; export a model with model.bias=true and n_kv_heads = n_heads.")
+        if not m.use_bias or m.kv_heads != m.n_heads or m.head_width * m.n_heads != m.d_model:
+            raise ConfigError("a GPT-2 model without biases, with grouped key/value heads or with heads not d_model / "
+                              "n_heads wide has no Hugging Face GPT-2 layout; export a model with model.bias=true, "
+                              "n_kv_heads = n_heads and model.head_dim = d_model / n_heads.")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.d_model, "n_layer": m.n_layers,
                 "n_head": m.n_heads, "n_inner": m.ffn_dim, "n_positions": m.seq_len, "n_ctx": m.seq_len,
                 "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new", "resid_pdrop": m.dropout,
                 "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, **common}
     rope = {"rope_scaling": {"rope_type": "llama3", **m.rope_scaling}} if m.rope_scaling else {}
     layers = {"hidden_size": m.d_model, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
-              "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
+              "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_width,
               "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
               "rope_theta": m.rope_theta, "attention_dropout": m.dropout, **rope, **common}
     return {**layers, **family_keys(m)}

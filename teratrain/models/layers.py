@@ -173,12 +173,13 @@ class CoreAttention(nn.Module):
 class Attention(nn.Module):
     """Multi-head (grouped-query) self-attention. `qkv_bias`: biases on wq, wk, wv only (Qwen2).
     `qk_norm`: RMSNorm of q and k before RoPE, "head" per head over head_dim with one (hs,) weight
-    shared by the heads (Qwen3), "full" over the whole projection, (nh*hs,) and (nkv*hs,) weights (OLMoE)."""
+    shared by the heads (Qwen3), "full" over the whole projection, (nh*hs,) and (nkv*hs,) weights (OLMoE).
+    `head_dim`: hs, d_model / n_heads unless given (Qwen3-MoE 30B-A3B: nh*hs = 4096 at d_model 2048)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float,
-                 qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-5):
+                 qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-5, head_dim: int | None = None):
         super().__init__()
-        self.head_dim = hd = d_model // n_heads
+        self.head_dim = hd = head_dim or d_model // n_heads
         self.wq = nn.Linear(d_model, n_heads * hd, bias=bias or qkv_bias)
         self.wk = nn.Linear(d_model, n_kv_heads * hd, bias=bias or qkv_bias)
         self.wv = nn.Linear(d_model, n_kv_heads * hd, bias=bias or qkv_bias)

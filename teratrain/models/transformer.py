@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teratrain.models import moe
+from teratrain.models import moe, routers
 from teratrain.models.chunked_loss import ChunkedHeadLoss
 from teratrain.models.layers import (Attention, GeluMLP, KVCache, LayerNorm, Positions, RMSNorm, Rotary, SequenceLayout,
                                      SwiGLU)
@@ -35,7 +35,7 @@ class Block(nn.Module):
         d, bias = cfg.d_model, cfg.use_bias
         self.attention_norm = _norm(cfg)
         self.attention = Attention(d, cfg.n_heads, cfg.kv_heads, bias, cfg.dropout, cfg.qkv_bias, cfg.qk_norm,
-                                   cfg.norm_eps)
+                                   cfg.norm_eps, cfg.head_width)
         self.ffn_norm = _norm(cfg)
         mlp = SwiGLU if cfg.arch == "llama" else GeluMLP
         self.feed_forward = moe.MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else mlp(d, cfg.ffn_dim, bias, cfg.dropout)
@@ -81,7 +81,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
-        self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if cfg.arch == "llama" else None
+        llama = cfg.arch == "llama"
+        self.rope = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling) if llama else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.sequence = SequenceLayout()  # parameter-free; swapped by context parallelism
         self.layers = Blocks({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
@@ -170,7 +171,7 @@ class Transformer(nn.Module):
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         p = self.tok_embeddings.weight
-        return [KVCache(batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, p.device, p.dtype)
+        return [KVCache(batch, self.cfg.kv_heads, max_len, self.cfg.head_width, p.device, p.dtype)
                 for _ in self.layers]
 
 
@@ -186,7 +187,7 @@ def init_param_(t: torch.Tensor, name: str, cfg: "ModelConfig", seed: int) -> No
     elif parent.endswith("norm"):
         t.fill_(1.0)
     elif parent == "router":
-        moe.init_router_(t, cfg, g)
+        routers.init_router_(t, cfg, g)
     else:
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if parent in ("wo", "w2") else cfg.init_std
         t.normal_(0.0, std, generator=g)
@@ -232,7 +233,7 @@ def count_params(cfg: "ModelConfig") -> dict[str, int]:
     included: for MoE the active parameters, the router and the experts a token visits).
     `active`: the parameters one token uses (all but the experts it skips; Mixtral 8x7B: 12.9 B of
     46.7 B). `per_block` is a dense block's; `expert` counts every expert of every MoE layer."""
-    d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
+    d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_width
     b = 1 if cfg.use_bias else 0
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
     attn = d * (q + 2 * kv) + q * d + b * (q + 2 * kv + d) + (q + 2 * kv if cfg.qkv_bias else 0)
@@ -260,4 +261,4 @@ def flops_per_token(cfg: "ModelConfig", seq_len: int | None = None) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12*L*H*Q*T (N matmul params, L layers,
     H heads, Q head dim, T sequence length); forward + backward, no recomputation."""
     T = seq_len or cfg.seq_len
-    return 6 * count_params(cfg)["matmul"] + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T
+    return 6 * count_params(cfg)["matmul"] + 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * T

@@ -72,19 +72,38 @@ def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> list[Saved
     """What one pre-norm keeps for backward, for n tokens."""
     c = shape.cfg
     d = c.d_model
-    if c.arch == "llama":  # RMSNorm.forward: F.rms_norm(x.float(), ..., weight.float())
-        kept = [Saved(n * d, 4), Saved(n, 4)]  # fp32 input (x itself when fp32, else the x.float() copy) + rstd
-        if device == "cpu":
-            kept.append(Saved(n * d, 4))  # the composite CPU kernel also keeps x * rstd for the weight gradient
-        if w.param == 2:
-            kept.append(Saved(d, 4, "param"))  # weight.float() copy
-        return kept
+    if c.arch == "llama":
+        return _rms_saved(w, n * d, n, d, device)
     # LayerNorm: native_layer_norm keeps input, mean, rstd (the statistics are not differentiable outputs)
     if w.param == 4 or (device == "cuda" and w.compute == 2):
         # CUDA autocast's fp32 weight casts
         weights = [Saved(d, 4, "param")] * (2 if c.use_bias else 1) if w.param == 2 else []
         return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + weights
     return [Saved(n * d, w.param), Saved(n, w.param, "keep"), Saved(n, w.param, "keep")]  # CPU autocast: params' dtype
+
+
+def _rms_saved(w: Widths, numel: int, rows: int, width: int, device: str) -> list[Saved]:
+    """What one RMSNorm (models/layers.py: F.rms_norm(x.float(), ..., weight.float())) keeps for
+    backward: its input of `numel` numbers, normalised over `rows` rows of `width`."""
+    kept = [Saved(numel, 4), Saved(rows, 4)]  # fp32 input (x itself when fp32, else the x.float() copy) + rstd
+    if device == "cpu":
+        kept.append(Saved(numel, 4))  # the composite CPU kernel also keeps x * rstd for the weight gradient
+    if w.param == 2:
+        kept.append(Saved(width, 4, "param"))  # weight.float() copy
+    return kept
+
+
+def _qk_norm_saved(shape: ModelShape, w: Widths, n: int, device: str, tp: int) -> list[Saved]:
+    """What model.qk_norm's RMSNorms of q and k keep for n tokens: per head (Qwen3) or over the whole
+    width (OLMoE), of this rank's heads (key/value heads fewer than tp: one whole head per rank)."""
+    c = shape.cfg
+    if c.qk_norm == "none":
+        return []
+    full, hd = c.qk_norm == "full", c.head_width
+    out = []
+    for heads in (c.n_heads // tp, max(1, c.kv_heads // tp)):
+        out += _rms_saved(w, n * heads * hd, n if full else n * heads, heads * hd if full else hd, device)
+    return out
 
 
 def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str) -> list[Saved]:
@@ -134,17 +153,18 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
         return _per_layer_form(shape, w, tokens, seq_len, device, tp, dropout, form, ep)
     c = shape.cfg
     n, d, ff, cb = tokens, c.d_model, c.ffn_dim, w.compute
-    kvd = c.kv_heads * c.head_dim
+    q, kvd = c.n_heads * c.head_width, c.kv_heads * c.head_width
     rep = tp if sp else 1  # replicated tensors are divided by tp only under sequence parallelism
     k_moe = shape.top_k if shape.num_experts > 1 else 1  # each token visits top_k experts
     out = {
         "attention_norm": _div(_norm_saved(shape, w, n, device), rep),
         "qkv_inputs": _region_inputs(shape, w, n, 3, device, tp, sp, form),  # wq, wk, wv
         # q, k after RoPE, v; key/value heads fewer than tp are replicated: one whole head per rank
-        "q_k_v": _div([Saved(n * d, cb)], tp) + [Saved(n * (max(1, c.kv_heads // tp) * c.head_dim if tp > 1
+        "q_k_v": _div([Saved(n * q, cb)], tp) + [Saved(n * (max(1, c.kv_heads // tp) * c.head_width if tp > 1
                                                             else kvd), cb)] * 2,
-        "attention_out": _div([Saved(n * d, cb)], tp),  # SDPA output, also wo's input (a view of it)
+        "attention_out": _div([Saved(n * q, cb)], tp),  # SDPA output, also wo's input (a view of it)
         "logsumexp": _div([Saved(n * c.n_heads, 4, "keep")], tp),  # fp32, one per head and token
+        "qk_norm": _qk_norm_saved(shape, w, n, device, tp),
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
         "mlp_inputs": ([] if shape.num_experts > 1 else  # an MoE layer's: its dispatch buffer (_moe_saved)
                        _region_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device, tp, sp, form)),
@@ -153,7 +173,7 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
                            * (k_moe * (4 if c.arch == "llama" else 2)), tp),
     }
     if c.arch == "llama" and cb != 4:
-        out["rope_casts"] = [Saved(seq_len * c.head_dim, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
+        out["rope_casts"] = [Saved(seq_len * c.head_width, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
     if shape.num_experts > 1:
         out.update(_moe_saved(shape, w, n, ep))
     if cp > 1 and cp_form == "all-to-all":
@@ -171,10 +191,10 @@ def _all_to_all_saved(shape: ModelShape, n: int, cb: int, tp: int, cp: int) -> d
     are repeated to the query heads before the exchange, and SDPA keeps them so. Ring attention keeps
     what SDPA keeps (parallel/ring_attention.py lays its output out as SDPA does)."""
     c = shape.cfg
-    out = {"attention_out": [Saved(n * c.d_model // tp, cb)] * 2}
+    out = {"attention_out": [Saved(n * c.n_heads * c.head_width // tp, cb)] * 2}
     kv_local = max(1, c.kv_heads // tp)
     if kv_local % cp:
-        q = c.n_heads * c.head_dim // tp
+        q = c.n_heads * c.head_width // tp
         out["q_k_v"] = [Saved(n * q, cb)] * 3
     return out
 
@@ -192,8 +212,8 @@ def pending_block(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     saved = block_tensors(shape, w, n, seq_len, device=device, tp=tp, sp=sp, form=form)
     w2_input = [Saved(n * c.ffn_dim // tp, cb)]  # SwiGLU's product, GELU's output: one of mlp_hidden
     inputs = saved["qkv_inputs"] + saved["attention_out"] + saved["mlp_inputs"] + w2_input
-    kvd = c.kv_heads * c.head_dim
-    column = c.n_heads * c.head_dim + 2 * kvd + (2 if c.arch == "llama" else 1) * c.ffn_dim  # q, k, v; w1 (w3)
+    kvd = c.kv_heads * c.head_width
+    column = c.n_heads * c.head_width + 2 * kvd + (2 if c.arch == "llama" else 1) * c.ffn_dim  # q, k, v; w1 (w3)
     grads = n * column * cb // tp + 2 * n * c.d_model * cb  # + wo's and w2's output gradients
     return sum(t.numel * t.itemsize for t in inputs) + grads
 
@@ -257,7 +277,7 @@ def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: 
     if form == "all-gather":
         return out
     c, cb = shape.cfg, w.compute
-    q = c.n_heads * c.head_dim
+    q = c.n_heads * c.head_width
     out["qkv_inputs"] = [Saved(n * c.d_model // tp, cb)] * 3
     out["wo_input"] = [Saved(n * q // tp, cb)]
     if shape.num_experts == 1:
@@ -276,7 +296,7 @@ def fp8_linears(shape: ModelShape, tp: int = 1) -> list[tuple[int, int, float]]:
     from teratrain.memory.fp8 import aligned
 
     c = shape.cfg
-    d, hd, ff = c.d_model, c.head_dim, c.ffn_dim
+    d, hd, ff = c.d_model, c.head_width, c.ffn_dim
     kv = max(1, c.kv_heads // tp) * hd
     dense = 1 - shape.moe_share if shape.num_experts > 1 else 1.0
     attn = [(c.n_heads * hd // tp, d, 1.0), (kv, d, 1.0), (kv, d, 1.0), (d, c.n_heads * hd // tp, 1.0)]
@@ -288,9 +308,9 @@ def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
     """(elements in float8, elements not) of one mean block's attention and dense-MLP weights on a rank
     under memory.fp8 (`fp8_linears`)."""
     c = shape.cfg
-    d, kvd = c.d_model, c.kv_heads * c.head_dim
+    d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
     dense = 1 - shape.moe_share if shape.num_experts > 1 else 1.0
-    total = (d * (d + 2 * kvd) + d * d + (3 if c.arch == "llama" else 2) * d * c.ffn_dim * dense) / tp
+    total = (d * (q + 2 * kvd) + q * d + (3 if c.arch == "llama" else 2) * d * c.ffn_dim * dense) / tp
     fp8 = sum(r * k * share for r, k, share in fp8_linears(shape, tp))
     return int(fp8), int(total - fp8)
 
@@ -304,8 +324,8 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     experts' weights into one (experts, out, in) operand, saved for backward: a copy also where
     autocast makes none (bf16 parameters)."""
     c = shape.cfg
-    d, kvd = c.d_model, c.kv_heads * c.head_dim
-    attn = d * (d + 2 * kvd) + d * d
+    d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
+    attn = d * (q + 2 * kvd) + q * d
     n_mats = 3 if c.arch == "llama" else 2
     mlp, expert = n_mats * d * c.ffn_dim, n_mats * d * c.expert_ffn_dim
     attn += shape.moe_share * n_mats * d * c.shared_ffn_dim  # shared experts: cast like the attention
@@ -385,7 +405,7 @@ def loss_pieces(shape: ModelShape, loss_chunks: int, tp: int, tokens: int) -> in
 def rope_tables(shape: ModelShape) -> int:
     """RoPE cos/sin buffers (fp32, seq_len x head_dim each): module buffers, not activations."""
     c = shape.cfg
-    return 2 * c.seq_len * c.head_dim * 4 if c.arch == "llama" else 0
+    return 2 * c.seq_len * c.head_width * 4 if c.arch == "llama" else 0
 
 
 def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,
@@ -425,8 +445,8 @@ def ops_saved(shape: ModelShape, w: Widths, tokens: int, *, tp: int = 1, sp: boo
     (the residual stream in the parameters' dtype, a sequence shard under SP)."""
     c, cb, n = shape.cfg, w.compute, tokens
     t = tp if form == "megatron" else 1
-    kvd = max(1, c.kv_heads // t) * c.head_dim if t > 1 else c.kv_heads * c.head_dim
-    q = c.n_heads * c.head_dim // t
+    kvd = max(1, c.kv_heads // t) * c.head_width if t > 1 else c.kv_heads * c.head_width
+    q = c.n_heads * c.head_width // t
     column = [Saved(n * q, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)]
     column += [Saved(n * c.ffn_dim // t, cb)] * (2 if c.arch == "llama" else 1)
     attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep")]

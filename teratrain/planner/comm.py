@@ -93,12 +93,12 @@ def cp_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[flo
         return 0.0, 0.0
     c, cp, tp = shape.cfg, lay.cp, lay.tp
     n, cb = lay.tokens(c.seq_len), train.widths(lay.zero, lay.offload).compute
-    kv_local = max(1, c.kv_heads // tp) * c.head_dim
-    q_local = c.n_heads * c.head_dim // tp
+    kv_local = max(1, c.kv_heads // tp) * c.head_width
+    q_local = c.n_heads * c.head_width // tp
     forwards = 2 if lay.recompute != "none" else 1  # every policy replays the core (selective: only it)
     span = cp * tp
     if lay.cp_form == "all-to-all":
-        kv = q_local if kv_local // c.head_dim % cp else kv_local  # repeated to the query heads before the exchange
+        kv = q_local if kv_local // c.head_width % cp else kv_local  # repeated to the query heads before the exchange
         one = sum(on_link(gpu, "all_to_all", cp, span, n * width * cb) for width in (q_local, kv, kv, q_local))
         per_block = (forwards + 1) * one
         exposed = per_block
@@ -179,7 +179,7 @@ def _linears(shape: ModelShape, moe_layer: bool) -> list[tuple[int, int]]:
     """(in, out) features of every linear layer of one block that tensor parallelism splits (an MoE
     layer's experts stay whole under the per-layer forms, parallel/tp_plan.py)."""
     c = shape.cfg
-    d, q, kv, ff = c.d_model, c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ffn_dim
+    d, q, kv, ff = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width, c.ffn_dim
     attn = [(d, q), (d, kv), (d, kv), (q, d)]
     if moe_layer:
         return attn

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from teratrain.memory.precision import uses_master_weights
-from teratrain.models.moe import router_param_names, router_rows
+from teratrain.models.routers import router_param_names, router_rows
 from teratrain.models.transformer import count_params
 
 
@@ -74,7 +74,7 @@ class ModelShape:
         if self.is_bare:
             return []
         c = self.cfg
-        d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+        d, ff, q, kv = c.d_model, c.ffn_dim, c.n_heads * c.head_width, c.kv_heads * c.head_width
         norm = [("weight", (d,))] + ([("bias", (d,))] if c.arch == "gpt2" and c.use_bias else [])
 
         def linear(name, out, inp, bias=False):
@@ -219,4 +219,5 @@ def qk_norm_widths(c) -> list[tuple[str, int]]:
     if c.qk_norm == "none":
         return []
     full = c.qk_norm == "full"
-    return [("q", c.n_heads * c.head_dim if full else c.head_dim), ("k", c.kv_heads * c.head_dim if full else c.head_dim)]
+    hd = c.head_width
+    return [("q", c.n_heads * hd if full else hd), ("k", c.kv_heads * hd if full else hd)]

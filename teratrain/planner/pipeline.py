@@ -153,7 +153,7 @@ def head_blocks(shape: ModelShape) -> float:
     """The LM head's work in blocks: its FLOPs per token (6*d*V) over one block's (6 per matmul weight
     plus the attention core's 12*H*Q*T, PaLM appendix B); the embedding is a lookup (none)."""
     c = shape.cfg
-    block = 6 * (shape.counts()["per_block"]) + 12 * c.n_heads * c.head_dim * c.seq_len
+    block = 6 * (shape.counts()["per_block"]) + 12 * c.n_heads * c.head_width * c.seq_len
     return 6 * c.d_model * c.vocab_size / block
 
 

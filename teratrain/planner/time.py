@@ -208,7 +208,7 @@ def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
 def attention_flops(shape: ModelShape, tokens: float) -> float:
     """The attention core's share of the model FLOPs, 12*L*H*Q*T per token (PaLM appendix B)."""
     c = shape.cfg
-    return 12 * c.n_layers * c.n_heads * c.head_dim * c.seq_len * tokens
+    return 12 * c.n_layers * c.n_heads * c.head_width * c.seq_len * tokens
 
 
 def moe_flops(shape: ModelShape, tokens: float) -> float:

@@ -36,12 +36,17 @@ def test_llama_mixtral_and_gpt2_from_hf_at_every_layout(tmp_path):
     gradient, test_tensor_parallel.py, so AdamW would scale its rounding to lr-sized steps). Qwen3's
     per-head q/k norms whole on every rank, their gradients summed over tp (tp=4: each key head on 2
     ranks; SGD at lr 0.5, where every tensor agrees within 4e-6, so a miscounted norm gradient would
-    show: under AdamW, eps 1e-6, the rounding of the split sums grows to 1.3e-5 on every matrix)."""
+    show: under AdamW, eps 1e-6, the rounding of the split sums grows to 1.3e-5 on every matrix).
+    OLMoE at ep=2 x tp=2 in both per-layer forms (its whole-width q/k norms rule out the megatron form),
+    SGD: one step's gradients equal one process's within 2e-6 on every tensor, but AdamW (eps 1e-6)
+    divides gradient entries near zero (5e-7, sums of 1e-3 terms off by 3e-9 of rounding) by their own
+    size: after 10 steps the all-reduce form's parameters are 9e-5 apart (4e-6 at eps 1e-4)."""
     save_llama(tmp_path / "llama")
     save_mixtral(tmp_path / "mixtral")
     save_gpt2(tmp_path / "gpt2", n_inner=64)  # the MLP width of BASE
     save_qwen2(tmp_path / "qwen2")
     save_qwen3(tmp_path / "qwen3")
+    save_moe(tmp_path / "olmoe", "olmoe")
     llama, mixtral, qwen2, qwen3 = ([f"model.init_from={str(tmp_path / name)!r}"]
                                     for name in ("llama", "mixtral", "qwen2", "qwen3"))
     gpt2 = GPT2 + [f"model.init_from={str(tmp_path / 'gpt2')!r}", "optim.name=sgd", "optim.lr=0.05"]
@@ -50,6 +55,9 @@ def test_llama_mixtral_and_gpt2_from_hf_at_every_layout(tmp_path):
                mixtral + ["parallel.ep=2", "parallel.tp=2"],
                qwen2 + ["optim.name=sgd", "optim.lr=0.05", "parallel.tp=2", "parallel.sequence_parallel=true"],
                qwen3 + ["optim.name=sgd", "optim.lr=0.5", "parallel.tp=4"]]
+    olmoe = [f"model.init_from={str(tmp_path / 'olmoe')!r}", "optim.name=sgd", "optim.lr=0.05", "parallel.ep=2",
+             "parallel.tp=2"]
+    layouts += [olmoe + ["parallel.tp_form=all-reduce"], olmoe + ["parallel.tp_form=all-gather"]]
     got = run_ranks(_many, 4, layouts)[0]
     refs = {}
     for layout, run in zip(layouts, got):

@@ -8,7 +8,8 @@ the reference runs them too), fp32, 2 steps of 4 micro-batches per pipeline (2 w
   block gathered again after its gradients were reduced), offloaded parameters, dp=2.
 - MoE: every stage's aux losses enter its own backward and the reported loss; a stage without MoE
   layers (model.moe.every=2 on 2 layers), capacity drops, ZB-H1's split backward, ep=2 inside a
-  stage with ZeRO-1/3; the trainer's MoE statistics of every layer, whatever stage holds it.
+  stage with ZeRO-1/3; the trainer's MoE statistics of every layer, whatever stage holds it; the
+  expert bias of balance=bias moved by each stage for its own layers.
 - Compression: int8 under interleaved 1F1B with ZeRO-3; the stage input encoded as one process
   encodes that activation (bitwise equal to one process with the same compression).
 - compile: per block, marked `long` (inductor compiles each block on CPU: ~90 s cold on 2 cores).
@@ -20,7 +21,8 @@ which a pipeline stage never runs."""
 
 import pytest
 
-from test_pipeline_parity import GPT2_SGD, _compare as compare
+from layout_workers import train_random
+from test_pipeline_parity import GPT2_SGD, STEPS, _compare as compare
 from test_tensor_parallel import TOL
 
 INTERLEAVED = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2", "model.n_layers=4"]
@@ -57,6 +59,27 @@ def test_pp2_with_dp2_zero3_and_ep2():
                "memory.recompute=every-k", "parallel.offload=params"],
               TOP2_HALF + ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1"],
               TOP1 + ["parallel.pp=2", "parallel.ep=2", "parallel.zero=3", "parallel.schedule=zb-h1"]], world=4)
+
+
+# DeepSeek-V3's auxiliary-loss-free balancing (its bias_rate, 0.001: at 0.01 the bias outweighs this
+# small router's scores and the second layer's swings back to zero at step 2) beside a shared expert,
+# sigmoid scores and the z-loss
+BIAS = MOE + ["model.moe.expert_d_ff=16", "model.moe.shared_experts=1", "model.moe.score=sigmoid",
+              "model.moe.balance=bias", "model.moe.z_loss_weight=0.001"]
+
+
+def test_pp2_with_bias_balancing():
+    """balance=bias at pp=2 (1F1B and ZB-H1's split backward): each stage moves the expert bias of its
+    own layer by that layer's load over the global batch after every step, so the bias of each layer,
+    on the stage that holds it, equals one process's exactly, and it moved."""
+    layouts = [BIAS + ["parallel.pp=2"], BIAS + ["parallel.pp=2", "parallel.schedule=zb-h1"]]
+    runs = compare(layouts, 2, _same_moe_statistics)
+    ref = train_random(0, 1, BIAS, steps=STEPS)["expert_bias"][0]
+    assert set(ref) == {"0", "1"} and all(any(b) for b in ref.values()), f"expert bias {ref}: two layers, moved"
+    for layout, run in zip(layouts, runs):
+        stages = run["expert_bias"]  # per rank: {layer: bias} of the layers it holds
+        assert [set(s) for s in stages] == [{"0"}, {"1"}], f"{layout}: layers {stages}"
+        assert {k: v for s in stages for k, v in s.items()} == ref, f"{layout}: expert bias differs"
 
 
 @pytest.mark.long

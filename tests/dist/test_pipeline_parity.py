@@ -23,8 +23,9 @@ SPLIT_5 = ["model.n_layers=5", "parallel.stage_layers=[3, 2]"]  # a given uneven
 SPLIT_5_V2 = ["model.n_layers=5", "parallel.stage_layers=[1, 2, 1, 1]"]  # interleaved: rank 0 holds 1 + 1
 
 
-def _compare(layouts: list[list[str]], world: int, check=None) -> None:
-    """Each layout against one process (`check(layout, got, ref)`: more to compare, e.g. MoE statistics)."""
+def _compare(layouts: list[list[str]], world: int, check=None) -> list[dict]:
+    """Each layout against one process (`check(layout, got, ref)`: more to compare, e.g. MoE statistics);
+    rank 0's runs."""
     runs = run_ranks(_many, world, layouts)[0]
     refs = {}
     for layout, got in zip(layouts, runs):
@@ -40,6 +41,7 @@ def _compare(layouts: list[list[str]], world: int, check=None) -> None:
         assert param_err < TOL, f"{layout}: parameters differ by {param_err:.2e}"
         if check is not None:
             check(layout, got, ref)
+    return runs
 
 
 def _many(rank: int, world: int, layouts: list[list[str]]) -> list[dict]:

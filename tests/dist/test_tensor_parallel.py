@@ -72,6 +72,21 @@ def test_tp2_every_form_and_overlap_llama_and_gpt2():
         assert got["saved"] == forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), "cpu"), layout
 
 
+@pytest.mark.long
+def test_tp2_heads_wider_than_d_model_over_heads():
+    """model.head_dim=12 at d_model 32 and 4 heads (q 48 wide, as Qwen3-MoE 30B-A3B's 4096 at 2048):
+    every form splits the heads' rows and wo's columns by whole heads; the megatron form with the
+    per-head q/k norms of Qwen3 (SGD, as Qwen3 in test_hf_layouts.py: their split sums' rounding is
+    what AdamW would grow). The bytes autograd keeps for one micro-batch equal the planner's count."""
+    wide = ["model.head_dim=12"]
+    layouts = [wide + lay for lay in TP2[2:]] + [wide + ["model.qk_norm=head", "optim.name=sgd", "optim.lr=0.5",
+                                                         "parallel.tp=2"]]
+    runs = _compare(layouts, world=2, count_saved=True)
+    for layout, got in zip(layouts, runs):
+        cfg = load_config(None, BASE + layout)
+        assert got["saved"] == forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 2), "cpu"), layout
+
+
 def _assert_overlapped(layouts: list[list[str]], runs: list[dict]) -> None:
     for layout, run in zip(layouts, runs):
         # 10 steps of 4 micro-batches (and the forward that counts saved bytes); each: 3 column joints
@@ -389,5 +404,5 @@ def test_one_block_bytes_equal_the_planner_and_the_formula(tp):
     w = widths("bf16", True)
     for policy in BLOCK_POLICIES:
         planned = stored_blocks(ModelShape(cfg=m), w, 1, s * b, s, policy, 2, device="cpu", tp=tp, sp=tp > 1)
-        formula = korthikanti_block_bytes(s, b, m.d_model, m.n_heads, m.kv_heads * m.head_dim, m.ffn_dim, tp, policy)
+        formula = korthikanti_block_bytes(s, b, m.d_model, m.n_heads, m.kv_heads * m.head_width, m.ffn_dim, tp, policy)
         assert [r[policy] for r in ranks] == [sum(planned.values())] * tp == [formula] * tp, policy

@@ -85,13 +85,16 @@ EXPORTED = {  # model keys -> the transformers class the export is loaded as
                    "model.moe.shared_gate=true", "model.moe.norm_topk=false", "model.moe.first_dense_layers=1",
                    "model.qkv_bias=true"], "Qwen2MoeForCausalLM"),
     "qwen3_moe": (["model.moe.num_experts=4", "model.moe.expert_d_ff=64", "model.qk_norm=head"], "Qwen3MoeForCausalLM"),
+    "qwen3_moe_wide_heads": (["model.moe.num_experts=4", "model.moe.expert_d_ff=64", "model.qk_norm=head",
+                              "model.head_dim=48"], "Qwen3MoeForCausalLM"),  # 4 x 48 at d_model 128
     "olmoe": (["model.moe.num_experts=4", "model.moe.norm_topk=false", "model.qk_norm=full"], "OlmoeForCausalLM"),
 }
 
 
 @pytest.mark.parametrize("family", EXPORTED)
 def test_export_of_each_family_then_import_gives_the_same_logits_and_parameters(cli, tmp_path, family):
-    """A run with q/k/v biases, with per-head q/k norms, with softmax-topk experts (no capacity limit:
+    """A run with q/k/v biases, with per-head q/k norms (also on heads wider than d_model / n_heads), with
+    softmax-topk experts (no capacity limit:
     in every layer, with a gated shared expert after a dense first layer, with q/k norms) becomes a
     folder of that family whose transformers logits equal ours; its model.init_from gives back every
     parameter."""

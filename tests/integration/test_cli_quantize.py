@@ -42,7 +42,7 @@ def _expected_linear_bytes(run, bits: int | None, group: int = 128) -> int:
     """Codes (bits/8 per weight, 4-bit rows padded to whole bytes) + an fp16 scale and a uint8 zero
     point per group of each output row, over every linear of the blocks; bits None: fp32 weights."""
     m = load_config(run / "config.toml").model
-    d, ff, kv = m.d_model, m.ffn_dim, m.kv_heads * m.head_dim
+    d, ff, kv = m.d_model, m.ffn_dim, m.kv_heads * m.head_width
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (ff, d), (ff, d), (d, ff)]  # (out, in): wq wk wv wo w1 w3 w2
     total = 0
     for out, inp in shapes:

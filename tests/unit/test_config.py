@@ -78,6 +78,15 @@ def test_llama_head_dim_must_be_even_for_rope():
     make_config("model.arch=gpt2", "model.d_model=60", "model.n_heads=4", "model.n_kv_heads=4")  # no RoPE, fine
 
 
+def test_head_dim_frees_the_heads_from_dividing_d_model_and_must_be_even_for_rope():
+    """model.head_dim sets the width of each head (Qwen3-MoE 30B-A3B: 128 at d_model 2048, 32 heads)."""
+    m = make_config("model.d_model=60", "model.n_heads=7", "model.n_kv_heads=7", "model.head_dim=16").model
+    assert (m.head_dim, m.head_width) == (16, 16)
+    assert make_config("model.d_model=64", "model.n_heads=4").model.head_width == 16  # unset: d_model / n_heads
+    msg = config_error("model.head_dim=15")
+    assert "model.head_dim = 15" in msg and "RoPE" in msg
+
+
 def test_unknown_preset_suggests_the_close_one():
     msg = config_error("model.preset=gpt2-125m")
     assert "model.preset" in msg and "did you mean 'gpt2-124m'" in msg

@@ -55,6 +55,25 @@ def test_qwen2_and_qwen3_logits_match_transformers(tmp_path, save, tied, attenti
     assert_same_logits(model, hf)
 
 
+@pytest.mark.parametrize("save", [save_qwen3, lambda path, **keys: save_moe(path, "qwen3_moe", **keys)],
+                         ids=["qwen3", "qwen3_moe"])
+def test_qwen3_heads_wider_than_d_model_over_heads_match_transformers(tmp_path, save):
+    """config.json's head_dim (12 here, d_model / heads = 8; Qwen3-MoE 30B-A3B: 128 at 2048 / 32) is
+    model.head_dim: q, k and v of 4 x 12 and 2 x 12 rows, wo of 48 columns, per-head norms of 12, RoPE
+    over 12; the logits equal transformers' and the export writes config.json back unchanged."""
+    from teratrain.checkpoint.hf_config import to_hf
+
+    hf = save(tmp_path, head_dim=12)
+    model = ours(tmp_path, "model.seq_len=16")
+    attention = model.layers["0"].attention
+    assert (model.cfg.head_dim, model.cfg.head_width, model.cfg.d_model) == (12, 12, 32)
+    assert (attention.wq.weight.shape, attention.wk.weight.shape, attention.wo.weight.shape) == ((48, 32), (24, 32),
+                                                                                                 (32, 48))
+    assert_same_logits(model, hf)
+    source = json.loads((tmp_path / "config.json").read_text())
+    assert to_hf(model.cfg, source) == source and to_hf(model.cfg)["head_dim"] == 12
+
+
 def test_gpt2_logits_match_transformers_from_shards(tmp_path):
     """GPT-2's Conv1D weights are transposed and c_attn splits into q, k, v; the folder is sharded
     (model.safetensors.index.json); model.seq_len=16 takes the first 16 of 64 learned positions."""

@@ -30,6 +30,8 @@ def live_count(cfg) -> int:
     dict(arch="gpt2", bias=False, d_ff=None),
     dict(arch="llama", qkv_bias=True, qk_norm="head"),
     dict(arch="llama", n_kv_heads=1, qk_norm="full"),
+    dict(arch="llama", head_dim=12, qk_norm="head"),  # heads wider than d_model / n_heads (Qwen3-MoE 30B-A3B)
+    dict(arch="gpt2", head_dim=6, n_kv_heads=None),  # and narrower
 ], ids=str)
 def test_count_params_equals_the_materialized_module(keys):
     """count_params' total and the planner's (name, shape) list, in order, equal the live module's."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from teratrain.config import ConfigError
-from teratrain.models import moe
+from teratrain.models import moe, routers
 from teratrain.models.transformer import build_model, count_params
 from tests.helpers import make_config, model_config
 
@@ -56,7 +56,7 @@ def phi(z: float) -> float:
     return 0.5 * (1 + math.erf(z / math.sqrt(2)))
 
 
-def check(r: moe.Routing, experts, weights, routed, aux, weight: float):
+def check(r: routers.Routing, experts, weights, routed, aux, weight: float):
     assert r.experts.tolist() == experts
     kept = r.routed.tolist()
     assert kept == routed

@@ -195,6 +195,27 @@ def test_one_block_keeps_what_the_planner_counts(arch, precision, masters, polic
     assert got[1] - got[0] == sum(planned.values())
 
 
+ATTENTION_SHAPES = [["model.head_dim=48"], ["model.arch=gpt2", "model.tie_embeddings=true", "model.head_dim=48"],
+                    ["model.qk_norm=head", "model.head_dim=48"], ["model.qk_norm=full", "model.n_kv_heads=1"]]
+
+
+@pytest.mark.parametrize("policy", ["none", "selective-ops"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda sets: ",".join(sets))
+def test_wide_heads_and_qk_norms_keep_what_the_planner_counts(shape, precision, policy):
+    """model.head_dim = 48 at d_model 128 and 4 heads: q, the attention output, wo's input and the
+    weights autocast copies are 192 wide, not 128; Qwen3's per-head and OLMoE's whole-width q/k
+    RMSNorms keep their inputs and statistics. One more block keeps what the planner counts, exactly."""
+    got = []
+    for n_layers in (1, 2):
+        cfg = _cfg("llama", precision, False, policy, 48, n_layers, *shape)
+        model, _ = build_engine(cfg)
+        got.append(live_bytes(model, *random_batch(cfg, 2), precision))
+    planned = stored_blocks(ModelShape(cfg=cfg.model), widths(precision, False), 1, 2 * 48, 48, policy, 2,
+                            device="cpu")
+    assert got[1] - got[0] == sum(planned.values())
+
+
 def _published(name: str) -> dict:
     import sys
     from pathlib import Path

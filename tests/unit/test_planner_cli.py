@@ -79,14 +79,17 @@ def test_hf_config_json_llama_gpt2_and_mixtral(capsys, tmp_path):
     assert d["seq_len"] == 8192 and any("seq_len" in n for n in d["notes"])  # long contexts are capped, said
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "olmoe", "qwen3_moe_wide_heads"])
 def test_hf_config_json_of_qwen_and_olmoe_counts_transformers_parameters(capsys, tmp_path, family):
-    """q/k/v biases, q/k norms, experts narrower than the dense MLP, a gated shared expert and a
-    dense first layer: the plan of config.json counts exactly the parameters of transformers' model."""
+    """q/k/v biases, q/k norms, experts narrower than the dense MLP, a gated shared expert, a dense
+    first layer and heads wider than hidden_size / heads (head_dim 12, not 8): the plan of config.json
+    counts exactly the parameters of transformers' model."""
     pytest.importorskip("transformers")
     from tests.hf_models import save_moe, save_qwen2, save_qwen3
 
-    save = {"qwen2": save_qwen2, "qwen3": save_qwen3}.get(family, lambda path: save_moe(path, family))
+    save = {"qwen2": save_qwen2, "qwen3": save_qwen3,
+            "qwen3_moe_wide_heads": lambda path: save_moe(path, "qwen3_moe", head_dim=12)}.get(
+        family, lambda path: save_moe(path, family))
     hf = save(tmp_path)
     d = plan_json(capsys, str(tmp_path / "config.json"), "--set", "model.seq_len=64")
     assert d["num_params"] == sum(p.numel() for p in hf.parameters())

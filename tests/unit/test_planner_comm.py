@@ -34,7 +34,7 @@ def test_tensor_parallel_forms_issue_their_layers_collectives():
     gradient backward, the all-reduce form the other way round."""
     shape, train = _llama()
     c, n = shape.cfg, 2 * shape.cfg.seq_len
-    d, kv, ff = c.d_model, c.kv_heads * c.head_dim, c.ffn_dim
+    d, kv, ff = c.d_model, c.kv_heads * c.head_width, c.ffn_dim
     gbps, alpha = H100.link("all_reduce", 2)
 
     def coll(kind, elems):

@@ -53,8 +53,8 @@ def test_ring_transfers_hide_under_long_attention_and_show_under_short():
     shape, train, lay = _plan("parallel.cp=4")
     c, gpu = shape.cfg, GPUS["h200"]
     n = 32768 // 4
-    kv = on_link(gpu, "p2p", 2, 4, 2 * n * c.kv_heads * c.head_dim * 2)
-    grad = on_link(gpu, "p2p", 2, 4, 2 * n * c.kv_heads * c.head_dim * 4)
+    kv = on_link(gpu, "p2p", 2, 4, 2 * n * c.kv_heads * c.head_width * 2)
+    grad = on_link(gpu, "p2p", 2, 4, 2 * n * c.kv_heads * c.head_width * 4)
     total, exposed = cp_s(shape, train, lay, gpu)
     blocks = c.n_layers * lay.num_microbatches  # 4 micro-batches of one sample (dp=1)
     assert total == pytest.approx(blocks * (6 * kv + 4 * grad))
@@ -69,8 +69,8 @@ def test_ring_transfers_hide_under_long_attention_and_show_under_short():
 def test_all_to_all_is_exposed_whole():
     shape, train, lay = _plan("parallel.cp=4", "parallel.cp_form=all-to-all")
     c, gpu = shape.cfg, GPUS["h200"]
-    n, width = 32768 // 4, c.n_heads * c.head_dim
-    kv = c.kv_heads * c.head_dim  # 8 key/value heads: 4 divides them, none repeated
+    n, width = 32768 // 4, c.n_heads * c.head_width
+    kv = c.kv_heads * c.head_width  # 8 key/value heads: 4 divides them, none repeated
     one = sum(on_link(gpu, "all_to_all", 4, 4, n * w * 2) for w in (width, kv, kv, width))
     total, exposed = cp_s(shape, train, lay, gpu)
     assert total == exposed == pytest.approx(c.n_layers * lay.num_microbatches * 2 * one)
