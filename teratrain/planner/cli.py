@@ -163,10 +163,11 @@ EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA gr
 
 
 # planner/time.py issued_ops, fused_s: fitted on one H200 row (llama-1b, 0.2137 s planned against 0.2134 s), held out
-# at llama-8b's width (5% under); peak memory is not modelled compiled (measured 36.1 GiB where 47.9 is planned).
-COMPILED = ("train.compile's time is planned with inductor's fused kernels (planner/time.py issued_ops, fused_s: "
-            "within 1% on one H200 at llama-1b, 5% under at llama-8b's width); its memory is planned as eager, which is "
-            "more than compiled runs use (36.1 GiB measured where 47.9 GiB is planned at llama-1b's shape)")
+# at llama-8b's width (5% under); planner/compiled.py: the compiled peak, 36.9 GiB planned against 36.1 measured.
+COMPILED = ("train.compile is planned with inductor's fused kernels (planner/time.py issued_ops, fused_s: within 1% on "
+            "one H200 at llama-1b, 5% under at llama-8b's width) and what its partition keeps for backward "
+            "(planner/compiled.py: 36.9 GiB planned against 36.1 GiB measured at llama-1b's shape); MoE, tensor- or "
+            "context-parallel, dropout, FP8 and recomputed blocks keep eager's count, which is more")
 
 
 def _host_mem(args, notes: list[str], gpus: int, gpus_per_node: int) -> float | None:
