@@ -333,6 +333,19 @@ class LoraConfig(Section):
 REPLAYING = ("full", "every-k", "sqrt")
 
 
+def resolved_compile_scope(scope: str, zero: int, reduces_in_backward: bool, graphs: bool, recompute: str) -> str:
+    """train.compile_scope resolved: `auto` is `block` where the engine reduces gradients over data-parallel
+    ranks from backward hooks (`reduces_in_backward`: parallel/data.py, zero.py) and nothing stops a block
+    from being its own graph (CUDA graphs record the whole step; a replaying recompute policy checkpoints
+    segments of blocks), else `model`; ZeRO-3 always `block` (its gather and free hooks are on the blocks).
+    parallelize.py compiles by it and the planner counts saved tensors by it (planner/compiled.py)."""
+    if zero == 3:
+        return "block"
+    if scope != "auto":
+        return scope
+    return "block" if reduces_in_backward and not graphs and recompute not in REPLAYING else "model"
+
+
 def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: str, zero: int) -> str | None:
     """Why train.compile cannot compile each block apart here (one sentence with the fix), or None:
     asked for with train.compile_scope=block, or needed by ZeRO-3, whose hooks are on the blocks. The

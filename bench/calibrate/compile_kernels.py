@@ -1,4 +1,5 @@
-"""planner/time.py COMPILED_OPS_SHARE: the GPU kernels a compiled training step launches, per eager kernel.
+"""compiled_ops_share (planner/calibration/common.toml, read by planner/time.py): the GPU kernels a compiled
+training step launches, per eager kernel.
 
 One Llama training step (forward, backward, fused AdamW, clipping; bf16 autocast over fp32 weights,
 whole-logits loss) profiled with torch.profiler, eager and under train.compile (the whole model one
@@ -8,6 +9,7 @@ the device time each spends in kernels. The planner charges the host, and the GP
 issued op; compiled, inductor's fused kernels are what is issued.
 
     python bench/calibrate/compile_kernels.py --out FILE           # on the GPU machine, ~2 min
+    python bench/calibrate/compile_kernels.py --out FILE --write   # and the share into common.toml
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--out")
+    ap.add_argument("--write", action="store_true", help="write the share into planner/calibration/common.toml")
     args = ap.parse_args()
     dev = device()
     cfg = config(SHAPE + [f"model.n_layers={args.layers}"])
@@ -77,6 +80,17 @@ def main() -> None:
     share = rows["compile"]["model_kernels"] / rows["eager"]["model_kernels"]
     emit({"bench": "compile_kernels", **env_info(dev), "layers": args.layers, "micro_batch": args.micro_batch,
           "modes": rows, "compiled_kernel_share": round(share, 4)}, args.out)
+    if args.write:
+        _write(rows, round(share, 2), args)
+
+
+def _write(rows: dict, share: float, args) -> None:
+    from teratrain.planner.refit import write_calibration
+
+    counts = f"{rows['compile']['model_kernels']} / {rows['eager']['model_kernels']} CUDA kernels"
+    write_calibration("common", {"compiled_ops_share": {
+        "value": share, "source": "bench/calibrate/compile_kernels.py", "runs": [args.out or "stdout"],
+        "fit_error": f"counted: {counts}, {args.layers} blocks, micro-batch {args.micro_batch}"}})
 
 
 if __name__ == "__main__":

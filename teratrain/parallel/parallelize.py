@@ -31,7 +31,7 @@ from torch import nn
 
 from teratrain import compat
 from teratrain.config_base import ConfigError
-from teratrain.config_schema import REPLAYING
+from teratrain.config_schema import resolved_compile_scope
 from teratrain.memory.compression import apply_compression
 from teratrain.memory.fp8 import apply_fp8
 from teratrain.memory.lora import LoraInit, apply_lora
@@ -118,17 +118,11 @@ def async_tp_workspace(cfg) -> int:
 
 
 def compile_scope(cfg, dp: int) -> str:
-    """train.compile_scope resolved: `auto` is `block` where the engine reduces gradients over the `dp`
-    ranks (dp x cp of them) from backward hooks (parallel/data.py, zero.py) and nothing stops a block
-    from being its own graph (CUDA graphs record the whole step; a replaying recompute policy
-    checkpoints segments of blocks), else `model`."""
-    t, replaying = cfg.train, cfg.memory.recompute in REPLAYING
-    if cfg.parallel.zero == 3:  # its gather and free hooks are on the blocks (config_schema.py refuses model)
-        return "block"
-    if t.compile_scope != "auto":
-        return t.compile_scope
-    reduces = dp > 1 and cfg.parallel.overlap_comm and cfg.parallel.sync == "allreduce"
-    return "block" if reduces and not t.cuda_graphs and not replaying else "model"
+    """train.compile_scope resolved for this run (config_schema.resolved_compile_scope): `dp` counts the
+    ranks (dp x cp) whose gradients the engine reduces from backward hooks."""
+    p, t = cfg.parallel, cfg.train
+    reduces = dp > 1 and p.overlap_comm and p.sync == "allreduce"
+    return resolved_compile_scope(t.compile_scope, p.zero, reduces, t.cuda_graphs, cfg.memory.recompute)
 
 
 def compile_units(model: nn.Module, staged: bool, cfg, dp: int) -> list[nn.Module]:

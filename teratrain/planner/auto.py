@@ -1,7 +1,8 @@
 """`parallel.auto = true`: the layout keys a user left unset, taken from the planner's pick for the job.
 
-The keys: every parallel.* degree (dp, tp, pp, ep), parallel.zero, parallel.offload, train.micro_batch
-and memory.recompute; parallel.cp and parallel.cp_form too where the pick splits sequences (the search
+The keys: every parallel.* degree (dp, tp, pp, ep), parallel.zero, parallel.offload, train.micro_batch,
+memory.recompute and the execution mode (train.compile, train.compile_mode: planner/modes.py says which
+modes a config allows and when a faster one is taken, each planned with its own fastest layout); parallel.cp and parallel.cp_form too where the pick splits sequences (the search
 tries cp for long ones, search.CP_MIN_SEQ); parallel.schedule, parallel.virtual_stages and
 parallel.stage_layers where the pick is a pipeline (its split is the planner's balanced one, which the
 executor then runs; not under parallel.partition=profiled, which measures its own). A key given (in the TOML or with --set) is kept; the planner searches the rest
@@ -29,6 +30,7 @@ from teratrain.config_base import ConfigError
 from teratrain.config_schema import Config
 from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.parallel.support import check_supported
+from teratrain.planner import modes
 from teratrain.planner.hardware import GPU, GPUS, gpu_for_device, host_memory_gib
 from teratrain.planner.inputs import fixed_of, shape_of, training_of
 from teratrain.planner.layout import Layout
@@ -121,31 +123,47 @@ def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
                           "parallel.sync or set parallel.auto=false and give the layout.")
     fixed = fixed_of(cfg)
     kept = [key for field, key in KEYS.items() if field in fixed]
-    if len(kept) == len(KEYS):
+    allowed = modes.allowed(cfg, target.gpu.name if target.gpu is not None else None)
+    if len(kept) == len(KEYS) and len(allowed) == 1:
         return AutoChoice({}, kept, "auto layout: every layout key is given, nothing left to choose")
-    on_cpu = target.gpu is None
-    if on_cpu:
+    if target.gpu is None:
         fixed = {**{k: v for k, v in CPU_FIXED.items() if k not in fixed}, **fixed}
+    picks = {mode: _fastest(modes.with_mode(cfg, mode), world, target, fixed) for mode in allowed}
+    planned = {mode: best.time.step_time_s for mode, (best, _, _) in picks.items() if best is not None}
+    if not planned:  # the simplest mode's reason
+        cands = picks[allowed[0]][2]
+        if isinstance(cands, PlanError):
+            raise ConfigError(f"parallel.auto: {cands}")
+        raise ConfigError(_nothing(shape_of(cfg), world, target, kept, cands))
+    mode = modes.pick(planned)
+    best, fitting, _ = picks[mode]
+    kept += [key for field, key in {**CP_KEYS, **PP_KEYS}.items() if field in fixed]
+    chosen = {key: _value(best.layout, field) for field, key in _keys(best.layout, p.partition).items()
+              if key not in kept}
+    if len(allowed) > 1:  # a mode chosen, not one the config fixes
+        chosen.update(modes.chosen_keys(cfg, mode))
+    kept += [key for key in modes.KEYS if key.split(".")[1] in cfg.train.model_fields_set]
+    modes.apply(cfg, chosen)
+    if best.layout.recompute == "every-k" and "recompute" not in fixed:
+        cfg.memory.recompute_every = best.layout.recompute_every
+    return AutoChoice(chosen, kept, _note(chosen, kept, best, fitting, world, target,
+                                          modes.describe(mode, planned, len(allowed))))
+
+
+def _fastest(cfg: Config, world: int, target: Target, fixed: dict) -> tuple:
+    """(the layout parallel.auto takes for `cfg` as it runs, or None; how many fit; every candidate, or the
+    PlanError that says why this mode has none, e.g. CUDA graphs where ZeRO-3 is given)."""
     shape, train = shape_of(cfg), training_of(cfg)
     gpu = target.gpu or replace(GPUS["h100"], context_gib=0.0)  # on CPU: memory arithmetic only
     try:
         cands = search(shape, train, world, gpu, fixed, target.device_mem_gib, target.host_mem_gib,
-                       "cpu" if on_cpu else "cuda")
+                       "cuda" if target.gpu is not None else "cpu")
     except PlanError as e:
-        raise ConfigError(f"parallel.auto: {e}") from None
+        return None, 0, e
     fitting = [c for c in cands if c.fits]
-    if on_cpu:
+    if target.gpu is None:
         fitting.sort(key=_cpu_rule)
-    best = next((c for c in fitting if _runnable(cfg, c.layout)), None)
-    if best is None:
-        raise ConfigError(_nothing(shape, world, target, kept, cands))
-    kept += [key for field, key in {**CP_KEYS, **PP_KEYS}.items() if field in fixed]
-    chosen = {key: _value(best.layout, field) for field, key in _keys(best.layout, p.partition).items()
-              if key not in kept}
-    _apply(cfg, chosen)
-    if best.layout.recompute == "every-k" and "recompute" not in fixed:
-        cfg.memory.recompute_every = best.layout.recompute_every
-    return AutoChoice(chosen, kept, _note(chosen, kept, best, len(fitting), world, target))
+    return next((c for c in fitting if _runnable(cfg, c.layout)), None), len(fitting), cands
 
 
 def _cpu_rule(c: Candidate) -> tuple:
@@ -155,9 +173,11 @@ def _cpu_rule(c: Candidate) -> tuple:
 
 
 def _runnable(cfg: Config, lay: Layout) -> bool:
+    """Would the engines run `cfg` with layout `lay` (the config's own checks, then the engines')?"""
     trial = cfg.model_copy(deep=True)
     try:
-        _apply(trial, {key: _value(lay, field) for field, key in _keys(lay, cfg.parallel.partition).items()})
+        modes.apply(trial, {key: _value(lay, field) for field, key in _keys(lay, cfg.parallel.partition).items()})
+        Config.model_validate(trial.model_dump())
         check_supported(trial)
         trial.microbatches(lay.dp)
     except (ConfigError, ValueError):
@@ -165,14 +185,9 @@ def _runnable(cfg: Config, lay: Layout) -> bool:
     return True
 
 
-def _apply(cfg: Config, values: dict[str, object]) -> None:
-    for key, value in values.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
-
-
-def _note(chosen: dict, kept: list[str], best: Candidate, fitting: int, world: int, target: Target) -> str:
-    picked = " ".join(f"{k.split('.')[1]}={v}" for k, v in chosen.items())  # every key is unique after its dot
+def _note(chosen: dict, kept: list[str], best: Candidate, fitting: int, world: int, target: Target, mode: str) -> str:
+    picked = " ".join(f"{k.split('.')[1]}={v}" for k, v in chosen.items()  # every key is unique after its dot
+                      if k not in modes.KEYS)  # the mode: its own clause
     m, t = best.memory, best.time  # its memory per process is the summary's own line (startup.py): not said twice
     if target.gpu is None:
         why = (f"the simplest of {fitting} layouts that fit {target.device_mem_gib:,.1f} GiB per process on this "
@@ -184,7 +199,7 @@ def _note(chosen: dict, kept: list[str], best: Candidate, fitting: int, world: i
         if m.host:
             why += f", {m.host / GIB:,.1f} GiB pinned host memory per GPU"
     given = f"; kept as given: {', '.join(kept)}" if kept else ""
-    return f"auto layout: {picked or 'nothing'} chosen, {why}{given}"
+    return f"auto layout: {picked or 'nothing'} chosen, {why}; {mode}{given}"
 
 
 def _nothing(shape, world: int, target: Target, kept: list[str], cands: list[Candidate]) -> str:

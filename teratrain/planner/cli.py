@@ -16,6 +16,7 @@ import json
 from teratrain.config import ConfigError, load_config
 from teratrain.planner.hardware import (GPUS, HOST_GIB_PER_GPU, gpu_with, host_memory_gib, hw_keys, local_gpu_count,
                                         read_hw_file)
+from teratrain.planner import modes
 from teratrain.planner.auto import KEYS, command_line, train_command
 from teratrain.planner.inputs import PLAN_PRECISION, fixed_of, load, model_sets, shape_of, training_of
 from teratrain.planner.layout import ModelShape
@@ -63,12 +64,9 @@ def cmd_plan(args) -> int:
         raise ConfigError("--gpu-mem, --gpus and --top must be positive; pass e.g. --gpus 8 --gpu-mem 80.")
     fixed = fixed_of(cfg)
     gpus = args.gpus or _default_gpus(fixed)
-    train = training_of(cfg, notes)
+    training_of(cfg, notes)  # its notes, once
     host_mem = _host_mem(args, notes, gpus, gpu.gpus_per_node)
-    try:
-        cands = search(shape, train, gpus, gpu, fixed, gpu_mem, host_mem)
-    except PlanError as e:
-        raise ConfigError(str(e)) from None
+    mode, train, cands = _search_modes(cfg, shape, (gpus, gpu, fixed, gpu_mem, host_mem), notes)
     fitting = [c for c in cands if c.fits]
     limits = (gpu_mem, host_mem)
     if not fitting:
@@ -99,14 +97,14 @@ def cmd_plan(args) -> int:
         if p.weight_version_every is not None:
             options["weight_version_every"] = p.weight_version_every
         notes.append(plot_schedule(args.schedule_plot, shape, train, best.layout, best.time, gpu, **options))
-    if best.time.host_paced and not cfg.train.cuda_graphs:
+    if best.time.host_paced and not train.graphed:
         notes.append(HOST_PACED)
         notes += _split_note(shape, train, best, gpu, gpu_mem)
-    if cfg.train.compile and not cfg.train.cuda_graphs:
+    if train.compiled and not train.graphed:
         notes.append(COMPILED)
-    if best.layout.ep > 2 and cfg.train.cuda_graphs and not cfg.train.compile_overlap:
+    if best.layout.ep > 2 and train.graphed and not cfg.train.compile_overlap:
         notes.append(EXCHANGE_UNDER_EXPERTS)
-    command = _train_command(args, cfg, shape, best, gpus, gpu, fixed)
+    command = _train_command(args, cfg, shape, best, gpus, gpu, fixed, mode)
     if args.json:
         print(json.dumps({**as_json(shape, train, cfg, gpu, gpus, limits, best, cands, args.top, advice, notes),
                           "fits": True, "train_command": command}))
@@ -117,7 +115,28 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dict) -> list[str] | None:
+def _search_modes(cfg, shape, job: tuple, notes: list[str]) -> tuple:
+    """(the mode planned, its Training, the searched candidates): under parallel.auto=true the mode that
+    parallel.auto would take (planner/modes.py), each allowed mode searched with its own layouts, said in `notes`;
+    else the configured mode."""
+    gpus, gpu, fixed, gpu_mem, host_mem = job
+    allowed = modes.allowed(cfg, gpu.name) if cfg.parallel.auto else [modes.configured(cfg)]
+    searched = {}
+    for mode in allowed:
+        train = training_of(modes.with_mode(cfg, mode) if cfg.parallel.auto else cfg, [])  # notes: said once
+        try:
+            searched[mode] = (train, search(shape, train, gpus, gpu, fixed, gpu_mem, host_mem))
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
+    fastest = {m: next(c for c in cands if c.fits).time.step_time_s
+               for m, (_, cands) in searched.items() if any(c.fits for c in cands) and not shape.is_bare}
+    mode = modes.pick(fastest) if fastest else allowed[0]
+    if cfg.parallel.auto and not shape.is_bare:
+        notes.append("parallel.auto: " + modes.describe(mode, fastest, len(allowed)))
+    return (mode, *searched[mode])
+
+
+def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dict, mode: str) -> list[str] | None:
     """`teratrain train` with the plan's model, the user's settings and the chosen layout."""
     if shape.is_bare:
         return None
@@ -127,6 +146,8 @@ def _train_command(args, cfg, shape, best: Candidate, gpus: int, gpu, fixed: dic
     if "precision" not in cfg.memory.model_fields_set:  # planned for bf16; the trainer's default is fp32
         sets.append(f"memory.precision={PLAN_PRECISION}")
     given = tuple(key for field, key in KEYS.items() if field in fixed)
+    if cfg.parallel.auto:  # the mode planned (planner/modes.py), where not given
+        sets += [f"{k}={str(v).lower()}" for k, v in modes.chosen_keys(cfg, mode).items()]
     return train_command(toml, sets, best.layout, gpus, gpu.gpus_per_node, given)
 
 
@@ -163,10 +184,11 @@ EXCHANGE_UNDER_EXPERTS = ("expert parallelism over more than 2 GPUs with CUDA gr
 
 
 # planner/time.py issued_ops, fused_s: fitted on one H200 row (llama-1b, 0.2137 s planned against 0.2134 s), held out
-# at llama-8b's width (5% under); peak memory is not modelled compiled (measured 36.1 GiB where 47.9 is planned).
-COMPILED = ("train.compile's time is planned with inductor's fused kernels (planner/time.py issued_ops, fused_s: "
-            "within 1% on one H200 at llama-1b, 5% under at llama-8b's width); its memory is planned as eager, which is "
-            "more than compiled runs use (36.1 GiB measured where 47.9 GiB is planned at llama-1b's shape)")
+# at llama-8b's width (5% under); planner/compiled.py: the compiled peak, 36.9 GiB planned against 36.1 measured.
+COMPILED = ("train.compile is planned with inductor's fused kernels (planner/time.py issued_ops, fused_s: within 1% on "
+            "one H200 at llama-1b, 5% under at llama-8b's width) and what its partition keeps for backward "
+            "(planner/compiled.py: 36.9 GiB planned against 36.1 GiB measured at llama-1b's shape); MoE, tensor- or "
+            "context-parallel, dropout, FP8 and recomputed blocks keep eager's count, which is more")
 
 
 def _host_mem(args, notes: list[str], gpus: int, gpus_per_node: int) -> float | None:

@@ -200,6 +200,7 @@ class Training:
     compiled: bool = False  # train.compile (planner/time.py: issued_ops, fused_s)
     loss_chunks: int = 1  # memory.loss_chunks: pieces of the chunked head + loss (0 auto, 1 whole logits)
     compile_scope: str = "auto"  # train.compile_scope
+    reduces_in_backward: bool = True  # parallel.overlap_comm and parallel.sync=allreduce (resolves compile_scope=auto)
     fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:

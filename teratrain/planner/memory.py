@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
 from teratrain.planner import activations as act
+from teratrain.planner import compiled
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU, GPUS
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
@@ -81,6 +82,14 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, loss_pieces=pieces, **kw)
     embed_side = act.outside_saved(shape, w, n, T, first=True, last=False, **kw)
     per_block = act.block_saved(shape, w, n, T, **bkw)
+    where = compiled.scope(shape, train, lay)
+    if where is not None:  # inductor's partition keeps fewer tensors than eager (planner/compiled.py)
+        per_block = compiled.block_saved(shape, w, n, T, where)
+        blocks = {**blocks, "blocks": layers * sum(per_block.values())}
+    loss_compiled = compiled.compiled_loss(shape, train, lay, pieces)
+    if loss_compiled:
+        first = compiled.outside_saved(shape, w, n, T, where, first=True, last=True)
+        last, embed_side = first, compiled.outside_saved(shape, w, n, T, where, first=True, last=False)
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device)
     head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
@@ -94,7 +103,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
-            "recompute": recompute,
+            "recompute": recompute, "loss_compiled": loss_compiled,
             # what the first block still holds in its own backward: its activations, or where a segment is
             # replayed only the first segment's stored input (the replayed activations are `recompute`)
             "first_block": (sum(per_block.values()) + copies_block if not recompute
@@ -226,7 +235,9 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     module = act.rope_tables(shape) + eng["gathered"]
     S, copies, fwd_copies = _held_at(saved, end)
     pieces = act.loss_pieces(shape, train.loss_chunks, lay.tp, n)
-    if pieces > 1:  # chunked (models/chunked_loss.py): one piece's logits, fp32 copy and gradient, its fp32 dW
+    if saved["loss_compiled"]:  # inductor's fused passes over the logits it keeps (planner/compiled.py)
+        loss_fwd, loss_bwd = compiled.loss_buffers(shape, w, n)
+    elif pieces > 1:  # chunked (models/chunked_loss.py): one piece's logits, fp32 copy and gradient, its fp32 dW
         # accumulator and the weight's cast; backward, the scaled dh and dW
         loss_fwd = -(-n // pieces) * V * (2 * w.compute + 8) + V * c.d_model * (4 + w.compute)
         loss_bwd = (n + V) * c.d_model * w.compute
@@ -343,9 +354,11 @@ def forward_saved(shape: ModelShape, train: Training, lay: Layout, device: str =
     as `saved_tensors_hooks` count them (measure.saved_bytes, parameters excluded): the
     blocks' and the two ends' saved tensors and the autocast weight copies, and (fp32 compute, no
     segment recomputation) the RoPE tables SDPA's inputs are views of (under context parallelism, the
-    copies of this rank's rows of them)."""
+    copies of this rank's rows of them); the whole model compiled in one graph keeps the tables too
+    (planner/compiled.py)."""
     saved = _saved(shape, train, lay, device)
     total = saved["blocks"] + saved["first"] + saved["copies"]
-    if train.widths(lay.zero, lay.offload).compute == 4 and lay.recompute in ("none", "selective"):
+    tables = train.widths(lay.zero, lay.offload).compute == 4 or compiled.scope(shape, train, lay) == "model"
+    if tables and lay.recompute in ("none", "selective"):
         total += act.rope_tables(shape) // lay.cp  # context parallelism: the rows of this rank's positions, copied
     return total

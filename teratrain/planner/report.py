@@ -6,6 +6,7 @@ from teratrain.parallel.pipeline.schedules import config_name
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
+from teratrain.planner.modes import mode_of
 from teratrain.planner.search import Candidate, gpus_per_node
 from teratrain.planner.time import launch_s
 
@@ -146,7 +147,7 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
     head = f"teratrain plan: {shape.name} ({n / 1e9:.3g} B params{active}) on {gpus} x {gpu.name.upper()} ({gpu_mem:g} GiB)"
     if not shape.is_bare:
         head += f", global batch {train.global_batch} x {shape.cfg.seq_len} tokens"
-    out = [head + f", {train.precision}, {train.optimizer}", "",
+    out = [head + f", {train.precision}, {train.optimizer}, {mode_of(train)}", "",
            f"Chosen layout: {_layout_str(lay)}  ({lay.num_microbatches} micro-batch(es) per step)", "",
            f"{'Memory per GPU':24}{'GiB':>8}{'at peak':>9}  what it is"]
     for name, held, peak, why in memory_lines(shape, train, gpu, best):
@@ -187,7 +188,7 @@ def as_json(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands,
     return {"model": shape.name, "num_params": shape.counts()["total"], "num_active_params": shape.counts()["active"],
             "gpus": gpus, "gpu": gpu.name, "gpu_mem_gib": gpu_mem, "host_mem_gib": host_mem,
             "host_per_node": best.host_per_node(gpu), "host_fits": best.host_fits,
-            "precision": train.precision, "optimizer_name": train.optimizer,
+            "precision": train.precision, "optimizer_name": train.optimizer, "mode": mode_of(train),
             "global_batch": train.global_batch, "seq_len": None if shape.is_bare else shape.cfg.seq_len,
             **{k: getattr(m, k) for k in ("params", "grads", "optimizer", "activations", "buffers", "allowance",
                                           "total", "peak_allocated", "host", "phase", "at_peak", "phases")},

@@ -55,6 +55,8 @@ from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
 from teratrain.planner.states import is_expert, stage_params, zero_groups
 
+_COMMON = calibrated("common")  # the fitted and counted constants of every card
+
 # aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
 # input: more ops); low-precision params (fp32 masters in the optimizer). Priced by
@@ -68,7 +70,7 @@ OPS_MOE_EXTRA = (105, 57)
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
 # Python and index arithmetic each than a dense block's. Fitted (calibration/common.toml says on what).
-MOE_HOST_OP_SHARE = calibrated("common")["moe_host_op_share"]
+MOE_HOST_OP_SHARE = _COMMON["moe_host_op_share"]
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
@@ -102,23 +104,12 @@ FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
 
 
-# ---- train.compile: the constants of issued_ops, fused_s and the compiled loss_s (one block, to move as is) ----
-# Kernels a compiled model's forward + backward launches per eager one: 329 / 512 CUDA kernels for 4 blocks
-# of llama-1b's width, the head and the whole-logits loss at micro-batch 8 x 2048 on one H200 (the fused
-# AdamW step is eager in both: 54 kernels). `python bench/calibrate/compile_kernels.py --out FILE`,
-# bench/results/h200/2026-12-02_compile_kernels.json. The host launches each from inductor's wrapper and the
-# GPU pays its per-op gap on each, so the model's share of eager_ops (not the optimizer's) scales by it.
-COMPILED_OPS_SHARE = 0.64
-# HBM bytes per logit of the compiled whole-logits loss, counted: inductor's forward reads the logits once
-# (the log-sum-exp), its backward reads them again and writes their gradient, each in the compute dtype.
-COMPILED_LOSS_BYTES_PER_LOGIT = 3  # x the compute width: 6 in bf16, 12 in fp32
-# HBM bytes per token, per block, per unit of d_model that fusing a block's elementwise ops (norms, RoPE,
-# SwiGLU, residual adds, autocast casts) saves against eager, which the eager sustained rate carries.
-# Fitted on one row: llama-1b untied, 16 blocks, micro-batch 8 x 2048, bf16, compiled whole model, one H200,
-# 0.2134 s (bench/results/h200/2026-12-02_train_step.json, ours_plain compile; the kernels' device time
-# alone went 0.765x eager in compile_kernels.json). Held out (tests/unit/test_planner_compiled.py):
-# the same shape on 2026-11-26 (0.2122 s) and the llama-8b-width rows of bench/results/h200/2026-12-02_fp8*.json.
-COMPILED_FUSED_BYTES = 164
+# train.compile's constants of issued_ops, fused_s and the compiled loss_s (calibration/common.toml says what each
+# scales and what it was counted or fitted on): kernels launched per eager op, HBM bytes per logit of the fused
+# loss (x the compute width), HBM bytes per token, block and unit of d_model that fusion saves against eager.
+COMPILED_OPS_SHARE = _COMMON["compiled_ops_share"]
+COMPILED_LOSS_BYTES_PER_LOGIT = _COMMON["compiled_loss_bytes_per_logit"]
+COMPILED_FUSED_BYTES = _COMMON["compiled_fused_bytes"]
 
 
 @dataclass
@@ -328,7 +319,7 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
 # gradient hook and an async collective, no autograd function) costs the host this share of what a
 # tensor-parallel collective costs it (gpu.host_collective_s), where the host probe did not measure it
 # (gpu.host_launch_s: the probe's ZeRO-3 row, bench/planner_rows.py). Fitted (calibration/common.toml).
-DP_LAUNCH_SHARE = calibrated("common")["dp_launch_share"]
+DP_LAUNCH_SHARE = _COMMON["dp_launch_share"]
 
 
 def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:

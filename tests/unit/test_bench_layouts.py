@@ -1,4 +1,5 @@
-"""bench/layouts.py's verdict on a parity row: tolerances fixed before the run (fp32 1e-4, bf16 2e-2),
+"""bench/layouts.py's verdict on a parity row: tolerances fixed before the run (fp32 1e-4, bf16 2e-2; MoE rows in
+bf16: the mean of the last half of the steps within 1%),
 one GPU's own bf16 noise floor recorded beside the row but never widening the tolerance; a failing row
 says why."""
 
@@ -38,3 +39,32 @@ def test_an_fp8_row_is_judged_on_bf16_alone():
     assert layouts.parity_ok(row) and layouts.parity_reason(row) is None
     assert "| - (fp8: bf16 only) |" in layouts.table([row])
     assert not layouts.parity_ok({**row, "bf16_rel_err": 3e-2})
+
+
+def test_an_moe_row_is_judged_in_bf16_on_the_mean_of_its_last_half():
+    """MoE rows (fixed before their run): the mean loss of the last 10 of 20 bf16 steps within 1% of one GPU's;
+    a worst step past 2e-2 no longer fails them, a mean past 1% does, and the reason says which check."""
+    ref = [10.0 - 0.1 * i for i in range(20)]
+    near = [x * (1 + (0.04 if i % 2 else -0.04)) for i, x in enumerate(ref)]  # 4% either way, step by step
+    assert layouts.tail(ref) == ref[10:] and layouts.tail_rel(near, ref) < layouts.MOE_BF16_TOL
+    row = {"fp32_rel_err": 4.5e-5, "bf16_rel_err": 4e-2, "bf16_noise_floor": 2.6e-2, "bf16_check": "tail-mean",
+           "bf16_tail_rel_err": layouts.tail_rel(near, ref), "bf16_tail_noise_floor": 3e-3}
+    assert layouts.parity_ok(row) and layouts.parity_reason(row) is None
+    drifted = {**row, "bf16_tail_rel_err": layouts.tail_rel([x * 1.012 for x in ref], ref)}
+    assert not layouts.parity_ok(drifted)
+    assert layouts.parity_reason(drifted) == "bf16 mean of the last half 1.2e-02 over 1e-02 (one GPU against itself: 3.0e-03)"
+    assert not layouts.parity_ok({**row, "fp32_rel_err": 2e-4})  # fp32 stays per step
+    cells = layouts.table([{**row, "name": "ep2", "gpus": 2, "tokens_per_s": 1.0, "speedup_vs_one_gpu": 1.0,
+                            "mfu": 0.1, "peak_gib": 1.0, "ok": True}])
+    tail = f"{row['bf16_tail_rel_err']:.1e}"  # the 4% steps of either sign average to 2.3e-04
+    assert tail == "2.3e-04" and cells.endswith("| yes |")
+    assert f"| 4.5e-05 | {tail} (3.0e-03) mean of last half; worst step 4.0e-02 |" in cells
+
+
+def test_moe_runs_are_deterministic_on_both_sides_and_dense_ones_are_not():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(smoke=True, small=False)
+    for model, on in (("moe", True), ("moe-cp", True), ("dense", False)):
+        for precision in ("fp32", "bf16"):
+            assert layouts._config(args, {"sets": [], "model": model}, precision).train.deterministic is on

@@ -25,10 +25,10 @@ def _field(key: str) -> str:
 
 
 def test_gpu_job_takes_the_planners_fastest_fitting_layout_and_keeps_given_keys():
-    cfg = load_config(None, LLAMA + ["parallel.zero=1"])
+    cfg = load_config(None, LLAMA + ["parallel.zero=1", "train.compile=false"])  # the mode: test_planner_modes.py
     expected = next(c for c in search(shape_of(cfg), training_of(cfg), 4, H100, fixed_of(cfg), 79.2, 2048) if c.fits)
     choice = resolve(cfg, 4, Target(H100, 79.2, 2048, 4))
-    assert choice.kept == ["parallel.zero"] and cfg.parallel.zero == 1
+    assert choice.kept == ["parallel.zero", "train.compile"] and cfg.parallel.zero == 1
     assert set(choice.chosen) == set(KEYS.values()) - {"parallel.zero"}
     assert {k: getattr(expected.layout, _field(k)) for k in choice.chosen} == choice.chosen
     assert layout_of(cfg, 4).as_dict() == expected.layout.as_dict()

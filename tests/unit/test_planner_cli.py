@@ -173,7 +173,7 @@ def test_compiled_runs_say_how_they_are_planned_and_refused_layouts_left_out(cap
     command fails at launch."""
     d = plan_json(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "train.compile=true", "--set",
                   "parallel.zero=3", "--set", "train.global_batch=8", "--top", "40")
-    assert any(n.startswith("train.compile's time is planned with inductor's fused kernels") for n in d["notes"])
+    assert any(n.startswith("train.compile is planned with inductor's fused kernels") for n in d["notes"])
     recomputes = {c["layout"]["recompute"] for c in d["candidates"]}
     assert recomputes and not recomputes & {"full", "every-k", "sqrt"}, recomputes
     eager = plan_json(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "parallel.zero=3", "--set",

@@ -148,7 +148,7 @@ def test_refit_refuses_a_held_out_run():
 
 def test_calibration_files_give_every_preset_its_constants():
     """Each card's preset takes every constant its calibration/<card>.toml names; each entry says the term it
-    scales, where it was fitted and its error there; common.toml's shares are time.py's."""
+    scales, where it was fitted and its error there; common.toml's constants are time.py's."""
     from dataclasses import fields
 
     from teratrain.planner import time as planner_time
@@ -163,6 +163,9 @@ def test_calibration_files_give_every_preset_its_constants():
     common = calibration("common")
     assert planner_time.MOE_HOST_OP_SHARE == common["moe_host_op_share"]["value"]
     assert planner_time.DP_LAUNCH_SHARE == common["dp_launch_share"]["value"]
+    for key in ("compiled_ops_share", "compiled_loss_bytes_per_logit", "compiled_fused_bytes"):
+        assert getattr(planner_time, key.upper()) == common[key]["value"], key
+    assert all({"term", "source", "runs", "fit_error"} <= set(entry) for entry in common.values())
 
 
 def test_write_calibration_rewrites_one_entry(tmp_path):
