@@ -71,7 +71,7 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
     c = shape.cfg
     n, d, cb = tokens, c.d_model, w.compute
     llama = c.arch == "llama"
-    q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+    q, kv = c.n_heads * c.head_width, c.kv_heads * c.head_width
     # RMSNorm keeps rstd; LayerNorm mean and rstd, and one of a GPT-2 block's two recomputes them in one graph
     stats = 2 if llama else (4 if where == "block" else 2)
     out = {
@@ -86,7 +86,7 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
         "mlp_hidden": (3 if llama else 2) * n * c.ffn_dim * cb,  # SwiGLU: w1x, w3x, their product; GELU: w1x, gelu
     }
     if llama and where == "block" and cb != 4:  # cos and sin cast once for q and k (one graph keeps the fp32 buffers)
-        out["rope_casts"] = 2 * seq_len * c.head_dim * cb
+        out["rope_casts"] = 2 * seq_len * c.head_width * cb
     return out
 
 

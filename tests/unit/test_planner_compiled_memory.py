@@ -71,7 +71,7 @@ def test_compiled_blocks_keep_less_than_eager():
     cfg = _cfg("llama", "bf16", "block", "model.d_model=256", "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=768")
     shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, 1)
     w, c, n = train.widths(0), cfg.model, 120
-    d, kv, f = c.d_model, c.kv_heads * c.head_dim, c.ffn_dim
+    d, kv, f = c.d_model, c.kv_heads * c.head_width, c.ffn_dim
     small = 4 * c.n_heads * n + 2 * 4 * n  # logsumexp, rstd x 2
     block = compiled.block_saved(shape, w, n, 40, "block")
     assert sum(block.values()) - block["rope_casts"] - small == n * (14 * d + 4 * kv + 6 * f)
