@@ -75,6 +75,11 @@ class MoEConfig(Section):
     aux_loss_kind: Literal["batch", "sequence"] = Field("batch", description="softmax-topk: the balance loss over all "
                                                         "tokens of a forward (batch), or per sequence and averaged "
                                                         "over the sequences (DeepSeek-V3 eq. 17-20)")
+    expert_groups: int = Field(1, ge=1, description="softmax-topk: the experts cut into this many equal consecutive "
+                               "groups for group-limited routing (DeepSeek-V3's n_group); 1 = off")
+    max_groups: int | None = Field(None, ge=1, description="softmax-topk: each token chooses its top_k experts "
+                                   "within its max_groups best expert groups, a group scored by the sum of its 2 "
+                                   "best choice scores (DeepSeek-V3's topk_group); unset = expert_groups (no limit)")
 
     @model_validator(mode="before")
     @classmethod
@@ -110,13 +115,28 @@ class MoEConfig(Section):
                                   "the hierarchical router; lower model.moe.top_k or change model.moe.groups.")
         elif k > n:
             raise ConfigError(f"model.moe.top_k ({k}) exceeds model.moe.num_experts ({n}); lower it.")
+        self._check_expert_groups()
         return self
 
+    def _check_expert_groups(self) -> None:
+        """Group-limited routing: equal groups, at most all of them kept, room for top_k in the kept ones."""
+        n, g, m, k = self.num_experts, self.expert_groups, self.groups_per_token, self.k
+        if n % g:
+            raise ConfigError(f"model.moe.expert_groups ({g}) must divide model.moe.num_experts ({n}) into equal "
+                              f"groups; choose a divisor of {n}.")
+        if m > g:
+            raise ConfigError(f"model.moe.max_groups ({m}) exceeds model.moe.expert_groups ({g}); lower it or "
+                              "unset it.")
+        if k > m * (n // g):
+            raise ConfigError(f"model.moe.top_k ({k}) exceeds the {m * (n // g)} experts of model.moe.max_groups "
+                              f"({m}) groups of {n // g}; raise max_groups or lower top_k.")
+
     def _check_modern(self) -> None:
-        """The options of modern routers (score, norm_topk, balance, z-loss, shared experts) against the router."""
+        """Modern routers' options (score, norm_topk, balance, expert groups, z-loss, shared experts) vs the router."""
         r = self.router
         only_topk = [("score", self.score != "softmax"), ("norm_topk", self.norm_topk is not None),
-                     ("balance", self.balance != "aux"), ("aux_loss_kind", self.aux_loss_kind != "batch")]
+                     ("balance", self.balance != "aux"), ("aux_loss_kind", self.aux_loss_kind != "batch"),
+                     ("expert_groups", self.expert_groups != 1), ("max_groups", self.max_groups is not None)]
         for key, used in only_topk:
             if used and r != "softmax-topk":
                 raise ConfigError(f"model.moe.{key}={getattr(self, key)} is defined for the softmax-topk router (this "
@@ -164,6 +184,16 @@ class MoEConfig(Section):
         if self.router == "hierarchical":
             return _divisor_near(self.num_experts, round(math.sqrt(self.num_experts)))
         return 1
+
+    @property
+    def groups_per_token(self) -> int:
+        """The expert groups each token may choose from (the resolved max_groups)."""
+        return self.expert_groups if self.max_groups is None else self.max_groups
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether group-limited routing excludes any group from a token's choice."""
+        return self.groups_per_token < self.expert_groups
 
     @property
     def noise_scale(self) -> float:

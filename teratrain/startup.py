@@ -249,8 +249,8 @@ def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> 
 
 def _moe_options(m) -> str:
     """The MoE options that differ from Mixtral's (which the summary leaves unsaid): expert width, first
-    dense layers, shared experts, score, top-k weights, balance, z-loss; e.g. ", width 768, sigmoid
-    scores, bias balance, 1 shared expert of width 1408 (gated)"."""
+    dense layers, shared experts, score, top-k weights, expert groups, balance, z-loss; e.g. ", width
+    768, sigmoid scores, bias balance, 1 shared expert of width 1408 (gated)"."""
     e, out = m.moe, []
     if e.expert_d_ff:
         out.append(f"width {m.expert_ffn_dim}")
@@ -263,6 +263,8 @@ def _moe_options(m) -> str:
         out.append(f"{e.score} scores")
     if e.norm_topk is False:
         out.append("top-k weights not renormalized")
+    if e.group_limited:
+        out.append(f"experts of the best {e.groups_per_token} of {e.expert_groups} groups")
     if e.balance != "aux" or e.aux_loss_kind != "batch":
         out.append(f"{e.balance} balance" + (f" (rate {e.bias_rate:g})" if e.balance == "bias" else "")
                    + (", sequence-wise aux loss" if e.aux_loss_kind == "sequence" else ""))

@@ -102,9 +102,10 @@ def dense_family(m) -> dict:
 def moe_type(m) -> str:
     """The model_type of the MoE family that holds model config `m`, or ConfigError with the fix."""
     e = m.moe
-    if e.router != "softmax-topk" or e.score != "softmax" or e.balance != "aux" or m.use_bias:
-        raise ConfigError(f"the Hugging Face MoE families route by softmax-topk without expert biases and have no "
-                          f"MLP biases (this model: model.moe.router={e.router}, score={e.score}, balance={e.balance}, "
+    if e.router != "softmax-topk" or e.score != "softmax" or e.balance != "aux" or e.group_limited or m.use_bias:
+        raise ConfigError(f"the Hugging Face MoE families route by softmax-topk over all experts without expert "
+                          f"biases and have no MLP biases (this model: model.moe.router={e.router}, score={e.score}, "
+                          f"balance={e.balance}, max_groups={e.groups_per_token} of {e.expert_groups}, "
                           f"model.bias={str(m.use_bias).lower()}); export a model with those.")
     every_layer = e.every == 1 and e.first_dense_layers == 0
     if e.shared_experts:

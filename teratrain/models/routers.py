@@ -160,21 +160,28 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
 class SoftmaxTopK(Router):
     """Top-k of per-expert scores s = softmax(x W_r) or sigmoid(x W_r) (model.moe.score). balance=bias
     (DeepSeek-V3 sec. 2.1.2): the k largest s_e + b_e are chosen, their gates come from s alone; b is a
-    buffer moved by `update_bias` after every optimizer step, never by the optimizer."""
+    buffer moved by `update_bias` after every optimizer step, never by the optimizer. Group-limited
+    routing (model.moe.expert_groups, max_groups): the choice only among each token's best groups
+    (`limit_groups`), the gates again from s alone."""
 
     def __init__(self, cfg: "MoEConfig", d_model: int):
         super().__init__(cfg, d_model)
         self.sigmoid, self.norm, self.bias_rate = cfg.score == "sigmoid", cfg.normalize_topk, cfg.bias_rate
         self.sequence = cfg.aux_loss_kind == "sequence"
         self.register_buffer("expert_bias", torch.zeros(self.n) if cfg.balance == "bias" else None)
+        self.expert_groups = cfg.expert_groups
+        self.kept_groups = cfg.groups_per_token if cfg.group_limited else None
 
     def gate(self, x, gen, seq_len):
         logits = self.logits(x, self.weight)  # (N, n)
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
-        if self.expert_bias is None:
+        if self.expert_bias is None and self.kept_groups is None:
             top, experts = scores.topk(self.k, dim=-1)  # (N, k)
-        else:  # the choice by s + b, the gates from s (a gather: distinct indices per row)
-            experts = (scores.detach() + self.expert_bias).topk(self.k, dim=-1).indices
+        else:  # the choice by s (+ b), the gates from s (a gather: distinct indices per row)
+            choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+            if self.kept_groups is not None:
+                choice = limit_groups(choice, self.expert_groups, self.kept_groups)
+            experts = choice.topk(self.k, dim=-1).indices
             top = scores.gather(1, experts)
         weights = top / top.sum(-1, keepdim=True) if self.norm else top
         normed = scores / scores.sum(-1, keepdim=True) if self.sigmoid else scores  # a softmax already sums to 1
@@ -188,6 +195,20 @@ class SoftmaxTopK(Router):
         tokens of each expert over the whole global batch of the step (the same on every rank)."""
         load = load.to(self.expert_bias.device, torch.float64)
         self.expert_bias += (self.bias_rate * torch.sign(load.mean() - load)).to(self.expert_bias.dtype)
+
+
+def limit_groups(choice: torch.Tensor, groups: int, kept: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3 sec. 2.1.2, "node-limited routing", as its released code and
+    transformers' n_group / topk_group run it): the n experts cut into `groups` equal consecutive
+    groups, a token's group score the sum of its 2 best choice scores in the group (the paper's top
+    K_r / M = 8 / 4; DeepSeek-V2 sec. 2.1.3 took the best one alone); `choice` (N, n) returned with
+    every expert outside the token's `kept` best groups at -inf: a top-k over it reaches <= kept groups."""
+    N, n = choice.shape
+    per_group = choice.view(N, groups, n // groups)  # (N, G, n/G)
+    score = per_group.topk(min(2, n // groups), dim=-1).values.sum(-1)  # (N, G)
+    best = score.topk(kept, dim=-1).indices  # (N, kept)
+    keep = torch.zeros(N, groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, n)
 
 
 def balance_loss(scores: torch.Tensor, experts: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:

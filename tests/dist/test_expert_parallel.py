@@ -5,7 +5,8 @@ without capacity drops (with one: the padded exchange, without: the counted one)
 seeded identically on every layout; the exchange whole and cut into pipelined chunks
 (parallel.ep_overlap_chunks), empty chunks included; fine-grained experts with a shared one, sigmoid
 scores and the expert bias of auxiliary-loss-free balancing (the same bias on every rank, equal to one
-process's), also under tensor parallelism alone with gated and ungated shared experts.
+process's), also under tensor parallelism alone with gated and ungated shared experts; group-limited
+routing at ep = expert_groups.
 
 Tolerance: 1e-5 relative on every step's loss and on the gradients of one plain SGD step (read back as
 (p0 - p1) / lr); on every final parameter tensor (gathered whole, all experts) 1e-5, 2e-5 in the two
@@ -26,6 +27,8 @@ GSHARD = MOE + ["model.moe.router=gshard-top2", "model.moe.groups=2"]  # random 
 NOISY = MOE + ["model.moe.router=noisy-topk", "model.moe.capacity_factor=1.0"]
 BIAS = MOE + ["model.moe.expert_d_ff=16", "model.moe.shared_experts=1", "model.moe.score=sigmoid",
               "model.moe.balance=bias", "model.moe.bias_rate=0.01", "model.moe.z_loss_weight=0.001"]
+GROUPED = ["model.moe.num_experts=8", "optim.weight_decay=0.0", "model.moe.expert_groups=2", "model.moe.max_groups=1",
+           "model.moe.score=sigmoid", "model.moe.balance=bias", "model.moe.bias_rate=0.01"]
 STEPS = 6
 
 
@@ -96,6 +99,16 @@ def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
     # AdamW divides by sqrt(v), so entries with tiny second moments turn the tp reduction's 1e-7
     # rounding differences into ~1e-5 relative steps. Losses stay within 1e-5.
     _compare(layouts, world=4, param_tol=2e-5, steps=STEPS, routing_seed=True)
+
+
+def test_ep2_group_limited_routing():
+    """DeepSeek-V3's node-limited routing at ep = expert_groups = 2 with max_groups 1 (each token's two
+    experts on one rank, chosen among that rank's four), sigmoid scores and the moving expert bias that
+    the group scores read: equal to one process, the bias the same on both ranks. Parameters within
+    2e-5, as in the ep=2 test above (AdamW's 1/sqrt(v))."""
+    runs = _compare([GROUPED + ["parallel.ep=2"]], world=2, param_tol=2e-5, steps=STEPS)
+    biases, ref = runs[0]["expert_bias"], train_random(0, 1, GROUPED, steps=STEPS)["expert_bias"][0]
+    assert biases[0] == biases[1] == ref and any(any(b) for b in ref.values()), "expert bias: moved, one value"
 
 
 SHARED_GATED = MOE + ["model.moe.expert_d_ff=16", "model.moe.shared_experts=2", "model.moe.shared_gate=true",

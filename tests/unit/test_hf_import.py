@@ -126,7 +126,8 @@ def test_a_dense_layer_teratrain_cannot_place_is_one_sentence(tmp_path):
 
 
 @pytest.mark.parametrize("sets", [["model.moe.router=switch-top1"], ["model.moe.every=2"], ["model.bias=true"],
-                                  ["model.arch=gpt2", "model.bias=true", "model.n_kv_heads=4"]])
+                                  ["model.arch=gpt2", "model.bias=true", "model.n_kv_heads=4"],
+                                  ["model.moe.expert_groups=2", "model.moe.max_groups=1"]])
 def test_export_of_an_moe_model_mixtral_cannot_hold_is_one_sentence(sets):
     from teratrain.checkpoint.hf_config import to_hf
 

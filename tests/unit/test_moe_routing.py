@@ -2,7 +2,8 @@
 (per-token loops in fp64 on fixed inputs): sigmoid scores and norm_topk, the expert bias of
 auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2) and its update, the router z-loss (ST-MoE
 eq. 5), the sequence-wise balance loss (DeepSeek-V3 eq. 17-20), shared experts with and without
-Qwen2-MoE's gate, fine-grained experts, first dense layers, and the refused combinations.
+Qwen2-MoE's gate, fine-grained experts, first dense layers, DeepSeek-V3's group-limited routing, and
+the refused combinations.
 Tolerance: 1e-12 relative on weights, 1e-10 on losses (fp64), assert_close's fp64 default on outputs."""
 
 import math
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from teratrain.config import ConfigError
 from teratrain.models import moe
 from teratrain.models.transformer import build_model, count_params
+from teratrain.parallel import ep_plan
 from tests.helpers import make_config, model_config
 from tests.unit.test_moe import D, N, check, layer, logits, ranked, softmax, tokens
 
@@ -98,6 +100,57 @@ def test_sequence_wise_balance_loss(score):
     assert m.aux_loss.item() == pytest.approx(total / B, rel=1e-10)  # the layer passes its sequences
 
 
+def group_limited(c: list[float], groups: int, kept: int, k: int) -> list[int]:
+    """DeepSeek-V3's node-limited choice for one token of choice scores c: the experts in `groups`
+    consecutive groups, a group scored by the sum of its 2 best c; the top k of the `kept` best groups."""
+    size = len(c) // groups
+    group_score = [sum(sorted(c[g * size:(g + 1) * size])[-2:]) for g in range(groups)]
+    best = ranked(group_score)[:kept]
+    return ranked([v if i // size in best else -math.inf for i, v in enumerate(c)])[:k]
+
+
+@pytest.mark.parametrize("score, bias", [("softmax", False), ("sigmoid", True)])
+def test_group_limited_routing_chooses_within_the_best_groups(score, bias):
+    """12 experts in 3 groups of 4, top-3 within the 2 best groups, a group's score the sum of its 2
+    best choice scores (s, or s + b under bias balance); the gates s of the chosen, normalized; the
+    aux loss over the chosen experts as before."""
+    n, G, M, k = 12, 3, 2, 3
+    keys = dict(balance="bias") if bias else {}
+    m, x = layer(n=n, score=score, top_k=k, expert_groups=G, max_groups=M, aux_loss_weight=0.2, **keys), tokens()
+    b = [0.3 * math.sin(3 * i) for i in range(n)] if bias else [0.0] * n
+    if bias:
+        m.router.expert_bias.copy_(torch.tensor(b, dtype=torch.float64))
+    S = [(softmax if score == "softmax" else sigmoid)(v) for v in logits(m.router.weight, x)]
+    C = [[s[i] + b[i] for i in range(n)] for s in S]
+    experts = [group_limited(c, G, M, k) for c in C]
+    weights = [[s[e] / sum(s[j] for j in ch) for e in ch] for s, ch in zip(S, experts)]
+    f = [sum(e.count(i) for e in experts) / (k * N) for i in range(n)]
+    aux = n * sum(f[i] * sum(s[i] / sum(s) for s in S) / N for i in range(n))
+    check(m.router(x), experts, weights, [[True] * k] * N, aux, 0.2)
+    assert experts != [ranked(c)[:k] for c in C], "the group limit must change some choice"
+    best_one = [ranked([max(c[g * 4:(g + 1) * 4]) for g in range(G)])[:M] for c in C]  # DeepSeek-V2's score
+    assert any({e // 4 for e in ch} - set(g) for ch, g in zip(experts, best_one)), "top-2 sum must differ from max"
+
+
+def test_expert_groups_without_a_limit_route_as_before():
+    """max_groups unset keeps every group: the same choices and gates as the plain router."""
+    a, b, x = layer(n=8, seed=4, expert_groups=4), layer(n=8, seed=4), tokens()
+    ra, rb = a.router(x), b.router(x)
+    assert torch.equal(ra.experts, rb.experts) and torch.equal(ra.weights, rb.weights)
+
+
+def test_at_ep_equal_to_the_groups_a_token_reaches_at_most_max_groups_ranks():
+    """Expert parallelism at ep = expert_groups holds one group per rank (ep_plan.local_experts), so
+    each token's choices are sent to at most max_groups ranks; without the limit some reach more."""
+    n, G, M, k = 12, 3, 1, 3
+    x = tokens()
+    rank_of = {e: r for r in range(G) for e in ep_plan.local_experts(n, G, r)}
+    limited = layer(n=n, top_k=k, expert_groups=G, max_groups=M).router(x).experts.tolist()
+    free = layer(n=n, top_k=k).router(x).experts.tolist()
+    assert max(len({rank_of[e] for e in ch}) for ch in limited) == M
+    assert max(len({rank_of[e] for e in ch}) for ch in free) > M
+
+
 def swiglu(w1, w3, w2, x):
     return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
 
@@ -148,6 +201,10 @@ def test_count_params_with_fine_grained_and_shared_experts(keys):
     (["model.moe.score=sigmoid", "model.moe.aux_loss_convention=transformers"], "aux_loss_convention"),
     (["model.moe.shared_gate=true"], "shared_experts"),
     (["model.moe.num_experts=4", "model.n_layers=2", "model.moe.first_dense_layers=2"], "first_dense_layers"),
+    (["model.moe.router=switch-top1", "model.moe.expert_groups=2"], "model.moe.expert_groups"),
+    (["model.moe.expert_groups=3"], "model.moe.expert_groups"),
+    (["model.moe.expert_groups=2", "model.moe.max_groups=3"], "model.moe.max_groups"),
+    (["model.moe.expert_groups=4", "model.moe.max_groups=1", "model.moe.top_k=3"], "model.moe.top_k"),
 ])
 def test_bad_combinations_are_one_sentence(sets, words):
     with pytest.raises(ConfigError) as e:

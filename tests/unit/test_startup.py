@@ -57,10 +57,11 @@ def test_summary_names_the_experts_and_the_family_of_a_mixtral_start(tmp_path):
     text = startup.summary(make_config("model.preset=moe-tiny"), Runtime.single("cpu"), Path("runs/x"), 0)
     assert "(llama, 4 layers, d_model 128, 8 experts x top-2)" in text
     deepseek = ["model.moe.expert_d_ff=64", "model.moe.shared_experts=2", "model.moe.score=sigmoid",
-                "model.moe.balance=bias", "model.moe.first_dense_layers=1"]
+                "model.moe.balance=bias", "model.moe.first_dense_layers=1", "model.moe.expert_groups=4",
+                "model.moe.max_groups=2"]
     text = startup.summary(make_config("model.preset=moe-tiny", *deepseek), Runtime.single("cpu"), Path("runs/x"), 0)
     assert ("8 experts x top-2, width 64, first 1 dense, 2 shared experts of width 64, sigmoid scores, "
-            "bias balance (rate 0.001))") in text
+            "experts of the best 2 of 4 groups, bias balance (rate 0.001))") in text
     save_mixtral(tmp_path)
     text = startup.summary(make_config(f"model.init_from={str(tmp_path)!r}", "model.seq_len=16"),
                            Runtime.single("cpu"), Path("runs/x"), 0)
