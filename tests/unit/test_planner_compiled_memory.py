@@ -95,7 +95,11 @@ FP8_WIDTH = ["model.arch=llama", "model.d_model=4096", "model.n_layers=8", "mode
     (TRAIN_STEP, "2026-12-02_train_step.json", "ours_plain", 8),
     (FP8_WIDTH, "2026-12-02_fp8_modes.json", "ours", 1),
     (FP8_WIDTH, "2026-12-02_fp8.json", "ours", 4),  # 4 micro-batches a step
-], ids=["llama-1b-model-scope", "llama-8b-width-block-scope", "llama-8b-width-4-micro-batches"])
+    # held out (measured after the rule was written): planned 25.4 GiB against 26.7 measured, -4.8%
+    pytest.param([*TRAIN_STEP, "train.micro_batch=4", "memory.loss_chunks=0"], "2026-12-02_train_step_mb4.json",
+                 "ours", 4, marks=pytest.mark.xfail(strict=True, reason="planned 4.8% under the measured peak")),
+], ids=["llama-1b-model-scope", "llama-8b-width-block-scope", "llama-8b-width-4-micro-batches",
+        "llama-1b-micro-batch-4-held-out"])
 def test_compiled_peak_against_recorded_runs(sets, file, impl, batch):
     """Planned peak allocated (before the allowance) within 3% of torch.cuda.max_memory_allocated of compiled
     bf16 steps on one H200 (eager plans these within 0.1%: 47.9 GiB at llama-1b, 47.85 against 47.91 at the
