@@ -295,6 +295,18 @@ def float8_linear(recipe: str, emulate: bool):
                                              mm(config.gemm_config_grad_weight))
 
 
+def float8_weight_cast():
+    """torchao's pieces of a tensorwise float8 weight cast, for ZeRO-3's float8 gathers
+    (parallel/zero_fp8.py): (amax_to_scale, to_fp8_saturated, Float8TrainingTensor, the WEIGHT role).
+    The first two are the very functions torchao's dynamic cast calls, so a shard cast with them gives
+    the bytes torchao's own cast of the whole weight gives; internals, the same in 0.17 and 0.18."""
+    import importlib
+
+    ao = torchao_float8()
+    utils = importlib.import_module("torchao.float8.float8_utils")
+    return utils.amax_to_scale, utils.to_fp8_saturated, ao.Float8TrainingTensor, ao.GemmInputRole.WEIGHT
+
+
 @functools.cache
 def gemm_and_attention_ops() -> frozenset:
     """The aten ops whose outputs memory.recompute=selective-ops keeps (memory/recompute.py): matrix

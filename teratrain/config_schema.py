@@ -112,6 +112,10 @@ class MemoryConfig(Section):
                             "torchao, with dynamic scales per tensor (tensorwise) or per row (rowwise); needs "
                             "memory.precision=bf16 and a GPU of compute capability >= 8.9; fast only with "
                             "train.compile (memory/fp8.py)")
+    fp8_gather: bool = Field(True, description="with memory.fp8=tensorwise under parallel.zero=3: gather the float8 "
+                             "linears' weights in float8, 1 byte an element, cast once a step with each weight's "
+                             "global scale (parallel/zero_fp8.py); false gathers them in the compute dtype. "
+                             "Has no effect elsewhere (rowwise casts each weight two ways)")
     fp8_emulate: bool = Field(False, description="with memory.fp8: emulate the float8 GEMMs in high precision "
                               "(any device, slowly), to check numerics where there are no float8 tensor cores")
     loss_chunks: int = Field(

@@ -19,6 +19,8 @@ train.compile (bench/README.md, "FP8 training").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -67,11 +69,40 @@ class Fp8Gemm:
     def __init__(self, recipe: str, emulate: bool):
         self.recipe = recipe
         self.matmul, self.config, self.mm_config = compat.float8_linear(recipe, emulate)
+        _, _, self.float8_tensor, self.weight_role = compat.float8_weight_cast()
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 gathered: GatheredFloat8 | None = None) -> torch.Tensor:
+        """`gathered`: the weight as ZeRO-3 gathered it in float8 (parallel/zero_fp8.py), used as it is
+        (torchao casts no operand it finds in float8); `weight` then only receives the gradient."""
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
-        y = self.matmul.apply(x, weight.t(), self.mm_config, self.config)  # (.., d_out)
+        w = weight if gathered is None else _Gathered.apply(weight, gathered, self)
+        y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)
+
+
+@dataclass
+class GatheredFloat8:
+    """A float8 linear's weight as ZeRO-3 gathered it (parallel/zero_fp8.py): its e4m3 elements (a view
+    of the gathered block's bytes; empty between gathers) and its tensorwise scale (a 0-d view)."""
+
+    data: torch.Tensor  # (d_out, d_in) float8_e4m3fn
+    scale: torch.Tensor  # () float32: data = saturate(weight * scale)
+
+
+class _Gathered(torch.autograd.Function):
+    """The gathered float8 weight as torchao's Float8TrainingTensor, standing for `weight`: forward reads
+    nothing of `weight` (its storage is empty), backward hands the weight's gradient to it unchanged,
+    as torchao's own cast does (`_ToFloat8ConstrFunc`)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, gathered: GatheredFloat8, gemm: Fp8Gemm):
+        return gemm.float8_tensor(gathered.data, gathered.scale, weight.dtype, linear_mm_config=gemm.mm_config,
+                                  gemm_input_role=gemm.weight_role)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 class Fp8Linear(nn.Module):
@@ -83,8 +114,10 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.gemm = linear.weight, linear.bias, gemm
 
+    float8_weight: GatheredFloat8 | None = None  # set by ZeRO-3 where it gathers this weight in float8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias, self.float8_weight)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, fp8={self.gemm.recipe}"
@@ -137,6 +170,12 @@ def note(model: nn.Module, recipe: str, compiled: bool) -> str:
         line += ("; eager, each float8 cast runs as several kernels and the step is slower than bf16's: "
                  "set train.compile=true")
     return line
+
+
+def float8_linears(model: nn.Module) -> list[nn.Module]:
+    """The block linears whose GEMMs run in float8 (Fp8Linear, or a tensor-parallel piece given a gemm)."""
+    return [child for _, _, child, expert in _block_linears(model)
+            if not expert and getattr(child, "gemm", None) is not None]
 
 
 def _block_linears(model: nn.Module):

@@ -76,9 +76,12 @@ class _Parallel(nn.Module):
         self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout = adapter or (None, None, 0.0, None)
 
     gemm = None  # memory/fp8.py's Fp8Gemm where this piece's GEMMs run in float8; else F.linear
+    float8_weight = None  # memory/fp8.py's GatheredFloat8 where ZeRO-3 gathers the weight in float8
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, self.weight, bias) if self.gemm is None else self.gemm(x, self.weight, bias)
+        if self.gemm is None:
+            return linear(x, self.weight, bias)
+        return self.gemm(x, self.weight, bias, self.float8_weight)
 
     def _adapter_term(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.lora_a is None:

@@ -57,6 +57,7 @@ from teratrain.parallel.buckets import LaunchOrder, ordered_buckets
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES, WHOLE_PARAM_OPTIMIZERS, FlatGroup
 from teratrain.parallel.grads import CrossRank, reduce_scale
 from teratrain.parallel.placement import init_local_, placement
+from teratrain.parallel.zero_fp8 import float8_buffer, gathered_in_float8
 from teratrain.parallel.zero_gather import ZeroGatherMixin
 from teratrain.parallel.zero_state import ZeroCheckpointMixin
 
@@ -76,6 +77,7 @@ class _Group(FlatGroup):
     gather: object | None = None  # pending all-gather handle (stage 3)
     gather_done: object | None = None  # offload.Mark of a gather launched from the copy stream
     gathered: bool = False
+    float8: object | None = None  # zero_fp8.Float8Shard where the group's weights are gathered in float8
 
     def __init__(self, names, params, mesh, block: str | None, whole: bool):
         pl = placement(params[0])
@@ -116,9 +118,10 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self.accumulates = self.stage == 1 or self.step_resident
         # Row/column statistics (Adafactor, SM3) need whole matrices: shard by whole parameters (flat.py)
         self.whole = cfg.optim.name in WHOLE_PARAM_OPTIMIZERS
-        self.groups = self._make_groups(model, p.bucket_mb)
+        float8 = gathered_in_float8(model, cfg)  # ids of the weights gathered in float8 (zero_fp8.py)
+        self.groups = self._make_groups(model, p.bucket_mb, lambda q: _key(q) + (id(q) in float8,))
         for g in self.groups:
-            self._materialize(g, init_fn)
+            self._materialize(g, init_fn, id(g.params[0]) in float8)
         init_buffers(model, self.device, getattr(init_fn, "buffers", None))
         self.trainable = [g for g in self.groups if g.trainable]  # in launch order
         self.optimizers = [self._build_optimizer(g, cfg.optim) for g in self.trainable]
@@ -139,9 +142,10 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         self.grad_clip = cfg.train.grad_clip
 
     # ------------------------------------------------------------------ construction
-    def _make_groups(self, model: nn.Module, bucket_mb: float) -> list[_Group]:
+    def _make_groups(self, model: nn.Module, bucket_mb: float, same) -> list[_Group]:
         """Groups in launch order (the order backward completes them): stage 3 per block, last block
-        first, root groups last; stage 1/2 buckets counted in the compute dtype's bytes."""
+        first, root groups last; stage 1/2 buckets counted in the compute dtype's bytes. Members share
+        `same(param)`: `_key`'s, and at stage 3 whether the weight is gathered in float8."""
         named = list(model.named_parameters())
         if self.stage == 3:
             blocks = [(key, [(f"{key}.{n}", q) for n, q in blk.named_parameters()])
@@ -149,13 +153,13 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             in_blocks = {q for _, members in blocks for _, q in members}
             units = blocks[::-1] + [(None, [(n, q) for n, q in named if q not in in_blocks])]
             members = [(key, b.members) for key, unit in units
-                       for b in ordered_buckets(unit[::-1], float("inf"), _key)]  # split by key, in order
+                       for b in ordered_buckets(unit[::-1], float("inf"), same)]  # split by `same`, in order
         else:
             itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
             members = [(None, b.members) for b in ordered_buckets(named, int(bucket_mb * 2**20), _key, lambda _: itemsize)]
         return [_Group([n for n, _ in m], [q for _, q in m], self.mesh, key, self.whole) for key, m in members if m]
 
-    def _materialize(self, g: _Group, init_fn) -> None:
+    def _materialize(self, g: _Group, init_fn, in_float8: bool) -> None:
         full32 = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
         read = getattr(init_fn, "read_piece", None)
         if read is not None and self.stage == 3:  # trained weights: read only this rank's shard of them
@@ -175,6 +179,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
             g.full = torch.empty(g.padded, dtype=self.compute_dtype, device=self.device)
             _bind(g, g.full, self.model)
             g.full.untyped_storage().resize_(0)
+            if in_float8:  # the parameters keep the empty buffer (gradients only); gathers fill a 1-byte one
+                g.full = float8_buffer(g, self.model, self.device)
         else:
             g.param_flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             _bind(g, g.param_flat, self.model)
@@ -388,6 +394,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         an update the offloaded host update already did), then all-gather the full parameters (stage 1/2)."""
         handles = []
         for g in groups:
+            if g.float8 is not None:  # cast anew at the group's next gather
+                g.float8.stale = True
             mine = self._shard_params(g)  # None at stage 3 when gathers cast the master itself
             if cast and mine is not None and g.master is not None:
                 mine.copy_(g.master)

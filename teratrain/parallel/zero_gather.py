@@ -31,10 +31,11 @@ from teratrain.compat import in_backward
 from teratrain.memory.offload import Mark, copy_stream, on_stream
 from teratrain.models.protocol import blocks
 from teratrain.parallel.comm import all_gather
+from teratrain.parallel.zero_fp8 import float8_source
 
 
 class ZeroGatherMixin:
-    """Relies on ZeroEngine's `groups`, `model` and `device`."""
+    """Relies on ZeroEngine's `groups`, `model`, `device` and `compute_dtype`."""
 
     def _install_gather_hooks(self) -> None:
         self.h2d_stream = copy_stream(self.device)
@@ -52,6 +53,12 @@ class ZeroGatherMixin:
 
     def _start_gather(self, g) -> None:
         if g.gathered or g.gather is not None:
+            return
+        if g.float8 is not None:  # 1 byte an element, cast once a step (zero_fp8.py)
+            if g.float8.stale:
+                g.float8.cast(g, float8_source(g, self.compute_dtype, self.device))
+            g.full.untyped_storage().resize_(g.padded)
+            g.gather = all_gather(g.full.data, g.float8.bytes, g.gather_pg, async_op=True)
             return
         g.full.untyped_storage().resize_(g.padded * g.full.element_size())
         src = g.param_shard if g.param_shard is not None else g.master  # the master: cast to the compute dtype
