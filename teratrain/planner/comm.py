@@ -31,6 +31,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from teratrain.config_schema import REPLAYING
+from teratrain.planner.activations import fp8_weights
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.states import accumulates, dp_buckets, is_expert, stage_params, zero_groups
@@ -63,7 +64,8 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.replicas),
                               (True, sp["experts"], lay.replicas // lay.ep)):
         messages = reduce_messages(shape, train, lay, experts, n)
-        for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages).items():
+        float8 = 0 if experts else float8_gathered(shape, train, lay, sp["layers"])
+        for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages, float8).items():
             out[key] += t
     if shape.is_bare:
         return out
@@ -145,22 +147,31 @@ def _reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: b
 
 
 def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
-             messages: tuple[int, int]) -> dict[str, float]:
+             messages: tuple[int, int], float8: int = 0) -> dict[str, float]:
     """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`, which
-    are tp GPUs apart (the mesh's dp axis is outside tp), in `messages` = (reductions, gathers)."""
+    are tp GPUs apart (the mesh's dp axis is outside tp), in `messages` = (reductions, gathers);
+    `float8` of them gathered at 1 byte (`float8_gathered`)."""
     red = train.reduce_bytes
     buckets, gathers = (max(1, k) for k in messages)
     span = ranks * lay.tp
     if lay.zero == 0:
         return {"dp": on_link(gpu, "all_reduce", ranks, span, local * red, buckets)}
     rs = on_link(gpu, "reduce_scatter", ranks, span, local * red, buckets)
-    ag = on_link(gpu, "all_gather", ranks, span, local * w.param, gathers)
+    ag = on_link(gpu, "all_gather", ranks, span, local * w.param - float8 * (w.param - 1), gathers)
     out = {"dp": rs * reduce_passes(lay)}
     if lay.zero < 3:
         out["param_gather"] = ag  # updated shards to every rank after the step: nothing left to hide it
     else:
         out["zero_gather"] = ag * gather_passes(lay)
     return out
+
+
+def float8_gathered(shape: ModelShape, train: Training, lay: Layout, layers: int) -> int:
+    """Elements of a rank's weights that ZeRO-3 gathers in float8, 1 byte each (parallel/zero_fp8.py):
+    its blocks' float8 linears' weights, under memory.fp8=tensorwise with memory.fp8_gather."""
+    if lay.zero != 3 or train.fp8 != "tensorwise" or not train.fp8_gather or shape.is_bare:
+        return 0
+    return layers * fp8_weights(shape, lay.tp)[0]
 
 
 def reduce_passes(lay: Layout) -> int:

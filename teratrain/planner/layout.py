@@ -202,6 +202,7 @@ class Training:
     compile_scope: str = "auto"  # train.compile_scope
     reduces_in_backward: bool = True  # parallel.overlap_comm and parallel.sync=allreduce (resolves compile_scope=auto)
     fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
+    fp8_gather: bool = True  # memory.fp8_gather: ZeRO-3 gathers tensorwise float8 weights in 1 byte
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

@@ -55,3 +55,26 @@ def test_unaligned_linears_stay_out_under_tensor_parallelism():
 def test_cards_without_float8_tensor_cores_are_refused():
     with pytest.raises(ConfigError, match="a100 has none"):
         _plan("memory.fp8=tensorwise", gpu="a100")
+
+
+def test_zero3_gathers_tensorwise_float8_weights_at_one_byte():
+    """Under ZeRO-3 with memory.fp8=tensorwise each block's float8 weights are gathered at 1 byte an
+    element instead of the parameters' 2 (parallel/zero_fp8.py): the gather term drops by exactly the
+    collective's time for (2 - 1) bytes of those elements, gathers counted as before. rowwise, and
+    memory.fp8_gather=false, gather them at 2 bytes."""
+    from teratrain.planner.comm import float8_gathered, on_link, reduce_messages, step_comm
+
+    base = [*WIDTH_8B, "parallel.zero=3", "memory.fp8=tensorwise"]
+    cfg, wide = load_config(None, base), load_config(None, [*base, "memory.fp8_gather=false"])
+    shape, lay, gpu = shape_of(cfg), layout_of(cfg, 8), GPUS["h200"]
+    on, off = (step_comm(shape, training_of(c), lay, gpu)["zero_gather"] for c in (cfg, wide))
+    float8 = float8_gathered(shape, training_of(cfg), lay, cfg.model.n_layers)
+    assert float8 == cfg.model.n_layers * fp8_weights(shape)[0] > 0
+    assert float8_gathered(shape, training_of(wide), lay, cfg.model.n_layers) == 0
+    gathers = reduce_messages(shape, training_of(cfg), lay, False, 1)[1]
+    saved = on_link(gpu, "all_gather", 8, 8, 2 * float8, gathers) - on_link(gpu, "all_gather", 8, 8, float8, gathers)
+    passes = 2 * lay.num_microbatches  # before each micro-batch's forward and its backward
+    assert off - on == pytest.approx(passes * saved, rel=1e-9)
+    assert on < 0.7 * off  # the block linears are most of llama-8b's parameters
+    rowwise = load_config(None, [*WIDTH_8B, "parallel.zero=3", "memory.fp8=rowwise"])
+    assert float8_gathered(shape_of(rowwise), training_of(rowwise), layout_of(rowwise, 8), 8) == 0
