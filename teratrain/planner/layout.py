@@ -202,6 +202,7 @@ class Training:
     compile_scope: str = "auto"  # train.compile_scope
     reduces_in_backward: bool = True  # parallel.overlap_comm and parallel.sync=allreduce (resolves compile_scope=auto)
     fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
+    ep_dedup: bool = True  # parallel.ep_dedup: one row per (token, rank) in the expert exchange, not per choice
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""
