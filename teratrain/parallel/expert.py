@@ -32,6 +32,11 @@ No hang on an idle expert: an expert that receives no token still runs on zero r
 builds the same autograd graph and its gradient hooks launch the same collectives in the same order;
 the all-to-all takes empty blocks.
 
+One row per choice is what this module's exchange sends; `parallel.ep_dedup` (the default) swaps in
+expert_dedup.py's, one row per (token, destination rank), the gates along, the experts' outputs
+weighted and summed on the rank that ran them. Both share the paths below and the pipelining
+(ep_pipeline.py).
+
 The exchange and the host. `all_to_all_single` takes its split sizes as host integers, but the
 routed rows per rank are known only on the device, and reading them back stops the host from queueing
 further work until the GPU has caught up (the step turns host-bound). Two exchanges, by the router:
