@@ -2,8 +2,8 @@
 
 Single-device code. The routed rows are laid out by expert on the device (models/permute.py) and
 run as grouped GEMMs (models/grouped.py), with no read-back to the host. Expert parallelism
-(parallel/expert.py) replaces only `MoE.exchange`, which takes each routed row to the rank that
-holds its expert and brings the output back.
+(parallel/expert.py) replaces only `MoE.exchange`, which takes each routed token to the ranks that
+hold its experts and brings back its gate-weighted expert outputs.
 
 The router (models/routers.py) picks each token's experts, gates and capacity and computes the aux
 loss; `aux_loss_convention = "transformers"` (softmax-topk) replaces the sum of the layers' losses by
