@@ -168,6 +168,11 @@ class ParallelConfig(Section):
                                    "forward and backward (Tutel, DeepSpeed-MoE; parallel/expert.py); 1 = one "
                                    "exchange each way, nothing overlapped; no effect at ep=1 (slower than 1 where measured: "
                                    "docs/moe.md, \"Expert parallelism\")")
+    ep_dedup: bool = Field(True, description="at ep > 1, send each token once to each rank holding one of its "
+                           "chosen experts (its gates along), which runs them, weights and sums their outputs and "
+                           "sends one row back, instead of one row per chosen expert each way (DeepSeek-V3; "
+                           "parallel/expert_dedup.py): with top-8 of 128 experts at ep=4, 3.6 rows a token "
+                           "instead of 8; false: one row per choice")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
     offload: Literal["none", "optimizer", "params"] = Field("none", description="keep optimizer state (and ZeRO-3 params) in CPU memory")
     offload_threads: int = Field(0, ge=0, description="CPU threads each rank's host optimizer step runs on under "

@@ -2,8 +2,8 @@
 
 Single-device code. The routed rows are laid out by expert on the device (models/permute.py) and
 run as grouped GEMMs (models/grouped.py), with no read-back to the host. Expert parallelism
-(parallel/expert.py) replaces only `MoE.exchange`, which takes each routed row to the rank that
-holds its expert and brings the output back.
+(parallel/expert.py) replaces only `MoE.exchange`, which takes each routed token to the ranks that
+hold its experts and brings back its gate-weighted expert outputs.
 
 The router (models/routers.py) picks each token's experts, gates and capacity and computes the aux
 loss; `aux_loss_convention = "transformers"` (softmax-topk) replaces the sum of the layers' losses by
@@ -71,7 +71,7 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.convention, self.aux_weight = m.aux_loss_convention, m.aux_loss_weight
         self.kernel = "auto"  # grouped GEMM where it runs without a read-back; "grouped" / "loop" force one
-        self.exchange = None  # expert parallelism: (flat, key, k, max_rows, moe) -> (outputs, layout); None: all here
+        self.exchange = None  # expert parallelism: (flat, key, w, k, max_rows, moe) -> (out, counts); None: all here
         self.routing_seed: int | None = None  # draw router noise from a generator seeded per forward (seed_routing)
         self.aux_loss: torch.Tensor | None = None  # of the latest forward; the model adds it to the loss
         self.balance: tuple | None = None  # transformers convention: (choices (n,), summed softmax (n,), tokens)
@@ -83,19 +83,19 @@ class MoE(nn.Module):
         r = self.router(flat, self._generator(x.device), x.shape[1] if x.dim() == 3 else None)
         N, K = r.experts.shape
         key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
+        w = torch.where(r.routed, r.weights, 0.0)  # (N, K)
         if self.exchange is None:
             ys, lay = self.run_local(flat, key, K)
+            out, counts = combine(ys, lay, w.to(ys.dtype), K), lay.counts  # (N, d); all choices dropped: zero
         else:
-            ys, lay = self.exchange(flat, key, K, self.router.max_rows(N, K), self)
-        w = torch.where(r.routed, r.weights, 0.0).to(ys.dtype)
-        out = combine(ys, lay, w, K)  # (N, d); all choices dropped: zero
+            out, counts = self.exchange(flat, key, w, K, self.router.max_rows(N, K), self)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(flat))
             out = out + shared.to(out.dtype)
         self._set_aux(r)
-        self._record(r, lay.counts)
+        self._record(r, counts)
         return self.dropout(out.view(x.shape))
 
     def run_local(self, x: torch.Tensor, key: torch.Tensor, k: int = 1,

@@ -11,11 +11,27 @@ too, over `ep_replicas_tp`.
 
 from __future__ import annotations
 
+from math import comb
+
 from torch import nn
 
 from teratrain.config_base import ConfigError
 from teratrain.models.moe import moe_layers
 from teratrain.parallel.placement import place, placement
+
+
+# parallel.ep_dedup: the receiver's local expert indices (+ 1) travel as columns of the rows in the
+# compute dtype, exact integers up to 256 in bf16 (8 significant bits), the narrowest one
+MAX_LOCAL = 255
+
+
+def expected_ranks(num_experts: int, ep: int, k: int) -> float:
+    """Ranks a token's k distinct experts fall on, expected under uniform routing: each of the ep ranks
+    holds n/ep experts and is missed with probability C(n - n/ep, k) / C(n, k), so
+    ep * (1 - C(n - n/ep, k) / C(n, k)) (the rows per token of the deduplicated exchange,
+    parallel/expert_dedup.py; k of the per-choice one)."""
+    n = num_experts
+    return ep * (1 - comb(n - n // ep, k) / comb(n, k))
 
 
 def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
@@ -58,6 +74,10 @@ def check_ep(cfg) -> None:
     if m.num_experts % p.ep:
         raise ConfigError(f"parallel.ep ({p.ep}) must divide model.moe.num_experts ({m.num_experts}); choose an ep "
                           "that divides it.")
+    if p.ep_dedup and m.num_experts // p.ep > MAX_LOCAL:
+        raise ConfigError(f"parallel.ep_dedup carries each row's local experts as numbers exact up to {MAX_LOCAL} "
+                          f"experts per rank, but model.moe.num_experts / parallel.ep is {m.num_experts // p.ep}; "
+                          "raise parallel.ep or set parallel.ep_dedup=false.")
     if p.sync != "allreduce":
         raise ConfigError(f"parallel.sync={p.sync} keeps whole replicas, but expert parallelism splits the experts; "
                           "set parallel.sync=allreduce or parallel.ep=1.")

@@ -32,6 +32,11 @@ No hang on an idle expert: an expert that receives no token still runs on zero r
 builds the same autograd graph and its gradient hooks launch the same collectives in the same order;
 the all-to-all takes empty blocks.
 
+One row per choice is what this module's exchange sends; `parallel.ep_dedup` (the default) swaps in
+expert_dedup.py's, one row per (token, destination rank), the gates along, the experts' outputs
+weighted and summed on the rank that ran them. Both share the paths below and the pipelining
+(ep_pipeline.py).
+
 The exchange and the host. `all_to_all_single` takes its split sizes as host integers, but the
 routed rows per rank are known only on the device, and reading them back stops the host from queueing
 further work until the GPU has caught up (the step turns host-bound). Two exchanges, by the router:
@@ -115,7 +120,9 @@ from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, gr
 from teratrain.models.moe import moe_layers
 from teratrain.parallel import comm
 from teratrain.parallel.comm import all_gather
+from teratrain.parallel.ep_pipeline import chunk_rows, pipeline
 from teratrain.parallel.ep_plan import keep_local_experts
+from teratrain.parallel.expert_dedup import DedupExchange
 from teratrain.parallel.placement import placement
 
 
@@ -132,11 +139,12 @@ class ExpertExchange:
     def group(self):
         return self.mesh.group("ep")
 
-    def __call__(self, flat: torch.Tensor, key: torch.Tensor, k: int, slot: int | None,
-                 moe) -> tuple[torch.Tensor, Layout]:
-        """flat (N, d) this rank's tokens; key (N*k,) the global expert of each choice (n: not sent).
-        Returns the experts' outputs laid out by the returned layout (`combine` takes them to the
-        choices). `slot`: the most rows one expert can take (its capacity), or None without a limit."""
+    def __call__(self, flat: torch.Tensor, key: torch.Tensor, w: torch.Tensor, k: int, slot: int | None,
+                 moe) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat (N, d) this rank's tokens; key (N*k,) the global expert of each choice (n: not sent); w
+        (N, k) their gate weights. Returns (N, d) the weighted sum of each token's expert outputs and
+        (n,) the rows routed to each expert. `slot`: the most rows one expert can take (its capacity),
+        or None without a limit."""
         n = self.ep * self.local
         if slot is None and comm.traced():  # dropless, compiled: padded to the most an expert can take
             slot = flat.shape[0]
@@ -144,8 +152,10 @@ class ExpertExchange:
         recv = torch.empty_like(lay.counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
         comm.all_to_all(recv, lay.counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # no read-back
         if slot is not None:
-            return self._padded(flat, lay, k, recv.view(self.ep, self.local), slot, moe)
-        return self._counted(flat, lay, k, recv.view(self.ep, self.local), moe)
+            ys, lay = self._padded(flat, lay, k, recv.view(self.ep, self.local), slot, moe)
+        else:
+            ys, lay = self._counted(flat, lay, k, recv.view(self.ep, self.local), moe)
+        return combine(ys, lay, w.to(ys.dtype), k), lay.counts
 
     def _padded(self, flat, lay: Layout, k: int, recv, slot: int, moe) -> tuple[torch.Tensor, Layout]:
         """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank;
@@ -161,7 +171,7 @@ class ExpertExchange:
             used = torch.arange(lo[c], lo[c + 1], device=flat.device) < recv.unsqueeze(-1)  # (ep, local, slots)
             return combine(*moe.run_local(got, torch.where(used, experts, self.local).flatten(), stacks=stacks))
 
-        return self._pipeline(send, [([b] * self.ep, [b] * self.ep) for b in blocks], experts_on, moe), lay
+        return pipeline(send, [([b] * self.ep, [b] * self.ep) for b in blocks], experts_on, moe, self.group), lay
 
     def _counted(self, flat, lay: Layout, k: int, recv, moe) -> tuple[torch.Tensor, Layout]:
         """Exactly the routed rows, with split sizes read back to the host (all_to_all_single takes
@@ -169,7 +179,7 @@ class ExpertExchange:
         n, C = self.ep * self.local, self.chunks
         host = torch.cat([recv.flatten(), lay.counts]).tolist()
         got_rows, sent_rows = host[:n], host[n:]  # per (source, local expert), per (destination, its expert)
-        got, sent = _chunk_rows(got_rows, self.ep, C), _chunk_rows(sent_rows, self.ep, C)
+        got, sent = chunk_rows(got_rows, self.ep, C), chunk_rows(sent_rows, self.ep, C)
         splits = list(zip(got, sent))  # chunk c: (rows from each source, rows to each destination)
         if C > 1:
             lay = chunk_major(lay, lay.counts, C)
@@ -181,35 +191,10 @@ class ExpertExchange:
             key = experts.repeat_interleave(pieces[c + 1] - pieces[c], output_size=sum(splits[c][0]))
             return combine(*moe.run_local(got, key, stacks=stacks))
 
-        back = self._pipeline(send, splits, experts_on, moe)
+        back = pipeline(send, splits, experts_on, moe, self.group)
         if back.shape[0] == 0:  # nothing sent: a row for the choices not sent to read (masked), inside the graph
             back = torch.cat([back, back.new_zeros(1, back.shape[1])])
         return back, lay.first(back.shape[0])
-
-    def _pipeline(self, send: torch.Tensor, splits: list[tuple[list[int], list[int]]], experts_on,
-                  moe) -> torch.Tensor:
-        """send (rows, d) chunk after chunk; splits[c] = (rows chunk c receives from each rank, rows it
-        sends to each). Every chunk's dispatch is launched first; chunk c's experts
-        (experts_on(c, received rows, stacks) -> their outputs in the same row order) wait only for
-        dispatch c, and its combine is launched right after them, under chunk c + 1's experts.
-        Returns the combined rows, chunk after chunk. Backward mirrors it (module docstring)."""
-        pieces = send.split([sum(sent) for _, sent in splits]) if len(splits) > 1 else [send]
-        arriving = [comm.launch_rows(p, got, sent, self.group) for p, (got, sent) in zip(pieces, splits)]
-        stacks = moe.stacked(send)  # the weights cast once, under the first dispatch
-        leaving = []
-        for c, ((rows, ex), (got, sent)) in enumerate(zip(arriving, splits)):
-            ys = experts_on(c, comm.land_rows(rows, ex), stacks)
-            leaving.append(comm.launch_rows(ys, sent, got, self.group))
-        back = [comm.land_rows(rows, ex) for rows, ex in leaving]
-        return back[0] if len(back) == 1 else torch.cat(back)
-
-
-def _chunk_rows(rows: list[int], ep: int, chunks: int) -> list[list[int]]:
-    """[c][r]: rows of chunk c for (or from) rank r, given rows[r * local + j] for its expert j, each
-    block cut by piece_bounds."""
-    local = len(rows) // ep
-    bounds = [piece_bounds(x, chunks) for x in rows]
-    return [[sum(b[c + 1] - b[c] for b in bounds[r * local:(r + 1) * local]) for r in range(ep)] for c in range(chunks)]
 
 
 def apply_ep(model: nn.Module, rt, cfg) -> None:
@@ -221,8 +206,9 @@ def apply_ep(model: nn.Module, rt, cfg) -> None:
         return
     if any(placement(p).group == "ep_replicas_tp" for p in model.parameters()):
         rt.mesh.define("ep_replicas_tp", lambda c: (c["pp"], c["ep"]))
+    exchange = DedupExchange if cfg.parallel.ep_dedup else ExpertExchange
     for _, layer in moe_layers(model):
-        layer.exchange = ExpertExchange(rt.mesh, ep, n // ep, cfg.parallel.ep_overlap_chunks)
+        layer.exchange = exchange(rt.mesh, ep, n // ep, cfg.parallel.ep_overlap_chunks)
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from teratrain.config_schema import REPLAYING
+from teratrain.parallel.ep_plan import expected_ranks
 from teratrain.planner.activations import fp8_weights
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
@@ -229,11 +230,17 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU 
 def all_to_all_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """One expert-parallel all-to-all of one micro-batch: each token's top_k routed copies,
     (micro_batch x T x top_k, d) in the compute dtype, (ep-1)/ep of them leaving the rank (GShard's
-    dispatch or combine, parallel/expert.py; capacity drops ignored). Every tp rank sends the whole
-    (gathered) tokens to the ep peers of its own tp index."""
+    dispatch or combine, parallel/expert.py; capacity drops and padded slots ignored). Deduplicated
+    (parallel.ep_dedup, parallel/expert_dedup.py): one copy per rank holding one of its experts,
+    `expected_ranks` of them under uniform routing, each d + 2 min(top_k, n/ep) wide (its gates and
+    expert ids ride along). Every tp rank sends the whole (gathered) tokens to the ep peers of its
+    own tp index."""
     c = shape.cfg
-    rows = lay.tokens(c.seq_len) * shape.top_k
-    nbytes = rows * c.d_model * train.widths(lay.zero, lay.offload).compute
+    rows, width = lay.tokens(c.seq_len) * shape.top_k, c.d_model
+    if train.ep_dedup:
+        rows = lay.tokens(c.seq_len) * expected_ranks(shape.num_experts, lay.ep, shape.top_k)
+        width += 2 * min(shape.top_k, shape.num_experts // lay.ep)
+    nbytes = rows * width * train.widths(lay.zero, lay.offload).compute
     return on_link(gpu, "all_to_all", lay.ep, lay.ep * lay.cp * lay.tp, nbytes)
 
 

@@ -63,8 +63,10 @@ def training_of(cfg: Config, notes: list[str] | None = None) -> Training:
                     grad_bytes=bytes_of[cfg.parallel.grad_dtype],
                     dropout=cfg.model.dropout, compress=cfg.memory.compress_activations,
                     lora=_lora_of(cfg), graphed=cfg.train.cuda_graphs, compiled=cfg.train.compile,
-                    compile_scope=cfg.train.compile_scope, fp8=cfg.memory.fp8, fp8_gather=cfg.memory.fp8_gather, loss_chunks=cfg.memory.loss_chunks,
-                    reduces_in_backward=cfg.parallel.overlap_comm and cfg.parallel.sync == "allreduce")
+                    compile_scope=cfg.train.compile_scope, fp8=cfg.memory.fp8, fp8_gather=cfg.memory.fp8_gather,
+                    loss_chunks=cfg.memory.loss_chunks,
+                    reduces_in_backward=cfg.parallel.overlap_comm and cfg.parallel.sync == "allreduce",
+                    ep_dedup=cfg.parallel.ep_dedup)
 
 
 def _lora_of(cfg: Config) -> tuple:

@@ -203,6 +203,7 @@ class Training:
     reduces_in_backward: bool = True  # parallel.overlap_comm and parallel.sync=allreduce (resolves compile_scope=auto)
     fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
     fp8_gather: bool = True  # memory.fp8_gather: ZeRO-3 gathers tensorwise float8 weights in 1 byte
+    ep_dedup: bool = True  # parallel.ep_dedup: one row per (token, rank) in the expert exchange, not per choice
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

@@ -85,7 +85,8 @@ def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
     there, and tp=2 x ep=2: megatron (experts split like the MLP, sequence parallel) on llama, with the
     transformers aux-loss convention (its pooled loss's gradient scaled by 1/tp like ours), and gpt2
     (biases: the row-parallel expert bias added on one tp rank), and the all-gather form (experts whole);
-    the chunked exchange (parallel.ep_overlap_chunks) dropless at ep=4 and under megatron tp x ep."""
+    the chunked exchange (parallel.ep_overlap_chunks) dropless at ep=4 and under megatron tp x ep; the
+    per-choice exchange (parallel.ep_dedup=false) chunked, dropless at ep=4 and padded at ep=2."""
     gpt2 = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
     layouts = [TOP2 + ["parallel.ep=4"], TOP1 + ["parallel.ep=4", "parallel.zero=3"],
                TOP2 + ["parallel.ep=2"], GSHARD + ["parallel.ep=2", "parallel.zero=2"],
@@ -94,7 +95,9 @@ def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
                gpt2 + TOP1 + ["parallel.tp=2", "parallel.ep=2"],
                TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.tp_form=all-gather"],
                TOP2_ALL + ["parallel.ep=4", "parallel.ep_overlap_chunks=2"],  # dropless, chunked, 4 ranks
-               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.ep_overlap_chunks=3"]]  # chunked under megatron tp
+               TOP2 + ["parallel.tp=2", "parallel.ep=2", "parallel.ep_overlap_chunks=3"],  # chunked under megatron tp
+               TOP2_ALL + ["parallel.ep=4", "parallel.ep_overlap_chunks=2", "parallel.ep_dedup=false"],  # per choice
+               TOP2 + ["parallel.ep=2", "parallel.ep_overlap_chunks=2", "parallel.ep_dedup=false"]]
     # Parameters within 2e-5: tp x ep with drops measured 1.2e-5 on one CPU (and under 1e-5 on another):
     # AdamW divides by sqrt(v), so entries with tiny second moments turn the tp reduction's 1e-7
     # rounding differences into ~1e-5 relative steps. Losses stay within 1e-5.

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2] / "teratrain"
 # ep_plan.py, support.py, buckets.py, flat.py, pipeline/split.py, ...), never these.
 ENGINES = {f"teratrain.parallel.{m}" for m in (
     "zero", "zero_gather", "zero_fp8", "zero_state", "data", "sync", "param_server", "tensor", "tp_layers", "tp_overlap",
-    "expert", "parallelize", "comm", "inflight", "pipeline.runtime", "pipeline.p2p", "pipeline.timing", "context",
+    "expert", "expert_dedup", "ep_pipeline", "parallelize", "comm", "inflight", "pipeline.runtime", "pipeline.p2p",
+    "pipeline.timing", "context",
     "ring_attention")}
 ENGINES |= {"teratrain.mesh", "teratrain.launch"}
 # compat.py, the torch-version shim, names torch's flat collectives at import (no process group, no

@@ -73,8 +73,9 @@ def test_moe_overhead_is_not_split_by_tensor_parallelism():
 
 def test_all_to_all_term():
     """4 all-to-alls per MoE layer and micro-batch (dispatch, combine; forward, backward), each moving
-    (ep-1)/ep of micro_batch x T x top_k rows of d in bf16; none at ep=1; half with every=2."""
-    shape, train = _shape()
+    (ep-1)/ep of micro_batch x T x top_k rows of d in bf16 (parallel.ep_dedup=false; deduplicated:
+    test_deduplicated_all_to_all_rows); none at ep=1; half with every=2."""
+    shape, train = _shape("parallel.ep_dedup=false")
     lay = Layout(dp=8, ep=4, micro_batch=2, num_microbatches=3)
     bw, alpha = H200.link("all_to_all", 4)
     one = collective("all_to_all", 4, 2 * 4096 * 2 * 4096 * 2, bw, alpha)
@@ -86,6 +87,36 @@ def test_all_to_all_term():
     half, _ = _shape("model.moe.every=2")
     assert evaluate(half, train, lay, H200).time.terms["comm_ep_s"] == pytest.approx(3 * 16 * 4 * one)
     assert mem.total > 0
+
+
+def test_expected_ranks_per_token():
+    """ep (1 - C(n - n/ep, k) / C(n, k)): against counting every k-subset of experts by the ranks it
+    touches (exact), and the limits: top-1 one rank, ep=1 one rank, k > n - n/ep every rank."""
+    from itertools import combinations
+
+    from teratrain.parallel.ep_plan import expected_ranks
+
+    for n, ep, k in [(8, 2, 4), (8, 4, 4), (8, 4, 2), (12, 3, 5), (16, 4, 8)]:
+        subsets = list(combinations(range(n), k))
+        exact = sum(len({e // (n // ep) for e in s}) for s in subsets) / len(subsets)
+        assert expected_ranks(n, ep, k) == pytest.approx(exact, rel=1e-12), (n, ep, k)
+    assert expected_ranks(64, 8, 1) == pytest.approx(1.0) and expected_ranks(64, 1, 6) == pytest.approx(1.0)
+    assert expected_ranks(8, 4, 7) == pytest.approx(4.0)
+    assert expected_ranks(128, 4, 8) == pytest.approx(3.629, abs=1e-3)
+
+
+def test_deduplicated_all_to_all_rows():
+    """parallel.ep_dedup (the default): expected_ranks rows per token instead of top_k, each d + 2 min(k,
+    n/ep) wide (gates and expert ids): Mixtral's top-2 of 8 at ep=4, 13/7 ranks a token."""
+    from teratrain.parallel.ep_plan import expected_ranks
+
+    shape, train = _shape()
+    lay = Layout(dp=8, ep=4, micro_batch=2, num_microbatches=3)
+    bw, alpha = H200.link("all_to_all", 4)
+    ranks = expected_ranks(8, 4, 2)
+    assert ranks == pytest.approx(13 / 7)
+    one = collective("all_to_all", 4, 2 * 4096 * ranks * (4096 + 2 * 2) * 2, bw, alpha)
+    assert all_to_all_s(shape, train, lay, H200) == pytest.approx(one)
 
 
 def test_search_borrows_ep_from_dp():

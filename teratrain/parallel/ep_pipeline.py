@@ -1,0 +1,36 @@
+"""The pipelined expert-parallel exchange shared by both exchanges (parallel/expert.py, one row per
+choice; parallel/expert_dedup.py, one row per token and rank): the dispatches of every chunk launched
+first, each chunk's experts under the others' exchanges, backward mirrored (expert.py's docstring
+draws the schedule)."""
+
+from __future__ import annotations
+
+import torch
+
+from teratrain.models.permute import piece_bounds
+from teratrain.parallel import comm
+
+
+def pipeline(send: torch.Tensor, splits: list[tuple[list[int], list[int]]], experts_on, moe, group) -> torch.Tensor:
+    """send (rows, d) chunk after chunk; splits[c] = (rows chunk c receives from each rank, rows it
+    sends to each). Every chunk's dispatch is launched first; chunk c's experts
+    (experts_on(c, received rows, stacks) -> their outputs in the same row order) wait only for
+    dispatch c, and its combine is launched right after them, under chunk c + 1's experts.
+    Returns the combined rows, chunk after chunk. Backward mirrors it (parallel/expert.py's docstring)."""
+    pieces = send.split([sum(sent) for _, sent in splits]) if len(splits) > 1 else [send]
+    arriving = [comm.launch_rows(p, got, sent, group) for p, (got, sent) in zip(pieces, splits)]
+    stacks = moe.stacked(send)  # the weights cast once, under the first dispatch
+    leaving = []
+    for c, ((rows, ex), (got, sent)) in enumerate(zip(arriving, splits)):
+        ys = experts_on(c, comm.land_rows(rows, ex), stacks)
+        leaving.append(comm.launch_rows(ys, sent, got, group))
+    back = [comm.land_rows(rows, ex) for rows, ex in leaving]
+    return back[0] if len(back) == 1 else torch.cat(back)
+
+
+def chunk_rows(rows: list[int], ep: int, chunks: int) -> list[list[int]]:
+    """[c][r]: rows of chunk c for (or from) rank r, given rows[r * local + j] for its expert j, each
+    block cut by piece_bounds."""
+    local = len(rows) // ep
+    bounds = [piece_bounds(x, chunks) for x in rows]
+    return [[sum(b[c + 1] - b[c] for b in bounds[r * local:(r + 1) * local]) for r in range(ep)] for c in range(chunks)]
