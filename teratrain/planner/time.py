@@ -66,7 +66,7 @@ OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (84, 145),
 OPS_OUTSIDE = 60
 # an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
 # GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
-OPS_MOE_EXTRA = (105, 57)
+OPS_MOE_EXTRA = (95, 48)
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
 # Python and index arithmetic each than a dense block's. Fitted (calibration/common.toml says on what).
