@@ -38,7 +38,9 @@ VIRTUAL_STAGES = (2, 4, 8)  # interleaving tried at these chunk counts per rank
 # cp=2) a chunk is too short for the ring's transfers to hide under its attention on any GPU we plan.
 CP_MIN_SEQ = 8192
 CP_FORMS = ("ring", "all-to-all")
-RECOMPUTE_SEARCHED = ("none", "selective", "sqrt", "full")
+# memory.recompute policies tried, least recomputed first; selective-ops only for dense models, whose
+# kept outputs planner/activations.py ops_saved counts (an MoE layer's are not planned)
+RECOMPUTE_SEARCHED = ("none", "selective", "selective-ops", "sqrt", "full")
 MAX_MICRO_BATCH = 64
 
 
@@ -127,7 +129,8 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
         zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
         offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "params"]
         recomputes = [fixed["recompute"]] if "recompute" in fixed else \
-            (["none"] if shape.is_bare else list(RECOMPUTE_SEARCHED))
+            (["none"] if shape.is_bare else [r for r in RECOMPUTE_SEARCHED
+                                            if r != "selective-ops" or shape.num_experts == 1])
         forms = [fixed.get("cp_form", "ring")] if cp == 1 or "cp_form" in fixed else list(CP_FORMS)
         for zero, offload, form in ((z, o, f) for z in zeros for o in offloads for f in forms):
             if dp * cp == 1 and zero and offload == "none" and "zero" not in fixed:

@@ -10,7 +10,8 @@ Terms, each with its source or assumption:
   all-reduce, gather every head everywhere).
 - eager ops: every op our model issues costs a launch and, for the elementwise kernels between the
   matmuls, some HBM time; a calibrated cost per op (ops counted from our Block). This is what makes
-  small models slower than their FLOPs say.
+  small models slower than their FLOPs say. memory.recompute=selective-ops replays a block's norms, casts,
+  RoPE and activations in backward: their ops and HBM traffic (planner/replay.py).
 - optimizer: the fused AdamW sweep streams params, grads and states: ~36 bytes/param (+12 with fp32
   masters) at hbm_gbps x mem efficiency.
 - MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs), the
@@ -53,6 +54,7 @@ from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
+from teratrain.planner.replay import replay_ops, replay_s
 from teratrain.planner.states import is_expert, stage_params, zero_groups
 
 _COMMON = calibrated("common")  # the fitted and counted constants of every card
@@ -279,7 +281,7 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     layers = stage_params(shape, lay)["layers"]
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
-                 + fp8_ops(shape, train, lay))
+                 + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay)))
 
 
 def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -431,7 +433,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     compute_s, flops, replay = _compute(shape, train, lay, gpu, tokens)
     ops = issued_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
-    compute_s -= fused_s(shape, train, lay, gpu, tokens)
+    compute_s += replay_s(shape, w, lay, c.seq_len, hbm) - fused_s(shape, train, lay, gpu, tokens)
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here
     busy = compute_s + ops_s + loss / lay.pp
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather

@@ -1,0 +1,117 @@
+"""What memory.recompute=selective-ops replays in backward, and what that costs one rank.
+
+selective-ops (memory/recompute.py) checkpoints each block with a per-op policy: the GEMMs' and fused
+attention's outputs are kept, and backward reruns the block's forward for everything else (norms,
+casts, RoPE, SiLU/GELU and the gating product, the first residual add; the checkpoint stops early, so
+the block's last add, which backward needs nothing of, is not rerun). No FLOPs of the 6N count run
+twice; what it costs is ops (launches and the host's issue time) and HBM traffic of memory-bound kernels.
+A compiled block (train.compile, whose scope selective-ops allows) is planned as eager here: inductor
+fuses the replayed kernels, which this module does not model.
+"""
+
+from __future__ import annotations
+
+from teratrain.planner.layout import Layout, ModelShape, Widths
+from teratrain.planner.states import stage_params
+
+# aten ops one block adds per micro-batch under selective-ops, (forward, backward), counted with a
+# TorchDispatchMode over our Block as time.OPS_PER_BLOCK was (CPU, dropout 0; same columns), as the
+# step's ops less those of recompute=none: the forward detaches each kept output (6 llama, 7 gpt2);
+# backward reruns the replayed ops and detaches what it caches and restores. Of llama's 118 in fp32,
+# 63 are detaches and 24 other views: no kernel, host time alone. On CUDA an RMSNorm is one kernel
+# (aten._fused_rms_norm) where the CPU count decomposes it into six ops: llama's count is the CPU's, as
+# OPS_PER_BLOCK's is. tests/unit/test_planner_replay.py counts them again.
+OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 134), ("llama", "low"): (6, 124),
+                        ("gpt2", "fp32"): (7, 74), ("gpt2", "autocast"): (7, 90), ("gpt2", "low"): (7, 74)}
+
+# HBM bytes of an RMSNorm of fp32 input, (per element, per row): a fused kernel (CUDA's
+# aten._fused_rms_norm) reads x and writes y and the row's rstd; the CPU decomposition (pow, mean, add_,
+# rsqrt, mul, mul) reads and writes the row four times over (pow 8, mean 4, two muls 8 each) and its
+# per-row scalar five times (mean's output 4, add_ 8, rsqrt 8, the mul's read 4).
+RMS_NORM_BYTES = {"fused": (8, 4), "decomposed": (28, 24)}
+
+
+def replay_ops(shape: ModelShape, lay: Layout, mode: str) -> float:
+    """The ops selective-ops adds to one rank's eager step (OPS_SELECTIVE_REPLAY per block and
+    micro-batch, `mode` the OPS_PER_BLOCK column). MoE layers are charged as the dense blocks."""
+    if lay.recompute != "selective-ops" or shape.is_bare:
+        return 0.0
+    return stage_params(shape, lay)["layers"] * sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) * lay.num_microbatches
+
+
+def _cast(elems: float, src: int, dst: int) -> float:
+    """A dtype conversion reads `elems` at `src` bytes and writes them at `dst` (none if they match)."""
+    return elems * (src + dst) if src != dst else 0.0
+
+
+def _rms(rows: float, dim: int, x: int, param: int, norm: str) -> float:
+    """models/layers.py RMSNorm of `rows` rows of `dim` at `x` bytes: upcast to fp32, the norm, the
+    weight's fp32 copy (once), the cast back."""
+    per_elem, per_row = RMS_NORM_BYTES[norm]
+    elems = rows * dim
+    return (2 * _cast(elems, x, 4) + _cast(dim, param, 4) + elems * per_elem + rows * per_row + dim * 4)
+
+
+def _rope(rows: float, width: int, positions: int, head: int, c: int, table: int) -> float:
+    """apply_rotary on `rows` tokens of `width` at `c` bytes: neg of one half (1 + 1 half), the cat
+    (2), x*cos and rotated*sin (2 + 2, each reading its (T, hs) table), their sum (3); the tables cast
+    to the compute width first when they are wider."""
+    elems = rows * width
+    return 10 * elems * c + 2 * positions * head * c + 2 * _cast(positions * head, table, c)
+
+
+def _weight_casts(shape: ModelShape, w: Widths, tp: int) -> float:
+    """Autocast copies of a block's linear weights and biases (fp32 read, compute width written), remade
+    in the replay: the forward's copies are not kept (planner/activations.py)."""
+    if not w.autocast_copies:
+        return 0.0
+    elems = sum(_numel(s) for name, s in shape.param_shapes()
+                if name.startswith("layers.0.") and "norm" not in name)
+    return elems / tp * (w.param + w.compute)
+
+
+def _numel(dims: tuple) -> int:
+    n = 1
+    for k in dims:
+        n *= k
+    return n
+
+
+def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: int = 1, sp: bool = False,
+                 norm: str = "fused") -> float:
+    """HBM bytes the ops selective-ops replays read and write, one block, one micro-batch of
+    `micro_batch` x `seq` tokens on one rank, each op from the block's shapes (models/layers.py): the
+    residual stream at `w.param` bytes (fp32 parameters keep it fp32 under autocast), the projections
+    at `w.compute`. Tensor parallelism splits the heads and the MLP; the norms and the residual add
+    split only under sequence parallelism. `norm`: how an RMSNorm runs (RMS_NORM_BYTES)."""
+    c = shape.cfg
+    r, cw, p = w.param, w.compute, w.param
+    tokens = micro_batch * seq
+    res = tokens / (tp if sp else 1)  # tokens of the residual stream on this rank
+    q, kv, f = c.n_heads * c.head_width / tp, c.kv_heads * c.head_width / tp, c.ffn_dim / tp
+    d = c.d_model
+    add = res * d * (r + cw + max(r, cw))  # h + attn: the stream and the attention's output, the sum
+    linears_in = 3 + (2 if c.arch == "llama" else 1)  # autocast casts each first-layer linear's input
+    moved = add + _weight_casts(shape, w, tp) + (linears_in * _cast(res * d, r, cw) if w.autocast_copies else 0)
+    if c.arch == "llama":
+        moved += 2 * _rms(res, d, r, p, norm)
+        moved += sum(_rope(tokens, width, seq, c.head_width, cw, p) for width in (q, kv))
+        moved += 5 * tokens * f * cw  # silu (1 + 1), its product with w3's output (2 + 1)
+        for width in (q, kv) if c.qk_norm != "none" else ():
+            heads = width / c.head_width if c.qk_norm == "head" else 1  # "head": one norm per head
+            moved += _rms(tokens * heads, width / heads, cw, p, norm)
+    else:
+        # read x, write y; weight and bias; a row's mean and rstd (at x's width on CPU, fp32 on CUDA: the
+        # difference, 4 bytes a row in low precision, is left out)
+        ln = res * d * 2 * r + (2 if c.use_bias else 1) * d * p + res * 2 * r
+        moved += 2 * ln + 2 * tokens * f * cw  # gelu (1 + 1)
+    return moved
+
+
+def replay_s(shape: ModelShape, w: Widths, lay: Layout, seq: int, hbm_bytes_per_s: float) -> float:
+    """Seconds of one rank's step that selective-ops' replayed ops stream through HBM (replay_bytes for
+    each block of the stage and each micro-batch)."""
+    if lay.recompute != "selective-ops" or shape.is_bare:
+        return 0.0
+    per = replay_bytes(shape, w, lay.micro_batch, seq // lay.cp, lay.tp, lay.sequence_parallel)
+    return stage_params(shape, lay)["layers"] * lay.num_microbatches * per / hbm_bytes_per_s

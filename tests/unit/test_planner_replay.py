@@ -1,0 +1,137 @@
+"""memory.recompute=selective-ops as the planner prices it (planner/replay.py): the ops a block adds
+(OPS_SELECTIVE_REPLAY) and the HBM bytes of the ops its backward replays (replay_bytes), both counted
+again here with a TorchDispatchMode over our model on CPU."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from teratrain.memory import recompute
+from teratrain.memory.precision import autocast
+from teratrain.models.transformer import lm_loss
+from teratrain.planner.layout import ModelShape, widths
+from teratrain.planner.replay import OPS_SELECTIVE_REPLAY, replay_bytes
+from tests.helpers import small_model
+
+MODES = {"fp32": ("fp32", torch.float32), "autocast": ("bf16", torch.float32), "low": ("bf16", torch.bfloat16)}
+
+
+class Ops(TorchDispatchMode):
+    """Counts the ops of the step (forward and backward apart) and the bytes of those run while
+    `replaying` is set: every tensor an op reads and writes, an op that returns a view of its input
+    (detach, view, transpose, split) none."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.replaying, self.bytes = "forward", False, 0
+        self.ops = {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops[self.phase] += 1
+        if self.replaying:
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            held = {t.untyped_storage().data_ptr() for t in ins}
+            inplace = func._schema.name.endswith("_")
+            if inplace or not any(t.untyped_storage().data_ptr() in held for t in outs):
+                self.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
+        return out
+
+
+def _step(arch: str, mode: str, policy: str, n_layers: int, monkeypatch, **keys) -> Ops:
+    precision, dtype = MODES[mode]
+    model = recompute.apply_recompute(small_model(arch=arch, n_layers=n_layers, dtype=dtype, dropout=0.0, **keys),
+                                      policy)
+    count = Ops()
+    contexts = recompute.keep_gemm_outputs
+
+    def flagged():  # the replay runs inside the recompute context: mark it
+        fwd, rec = contexts()
+
+        @contextlib.contextmanager
+        def replaying():  # the checkpoint stops a replay early by raising through it
+            count.replaying = True
+            try:
+                with rec:
+                    yield
+            finally:
+                count.replaying = False
+        return fwd, replaying()
+
+    monkeypatch.setattr(recompute, "keep_gemm_outputs", flagged)
+    x = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with count:
+        with autocast(precision, x.device):  # backward outside it, as optim/engine.py train_step runs it
+            loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        count.phase = "backward"
+        loss.backward()
+    return count, model.cfg
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_ops_a_block_adds_are_counted_again(arch, mode, monkeypatch):
+    """Per block (two depths, so the embedding, head and loss drop out), selective-ops' step less
+    recompute=none's, forward and backward apart."""
+    got = {}
+    for policy in ("none", "selective-ops"):
+        one, two = (_step(arch, mode, policy, n, monkeypatch)[0].ops for n in (1, 2))
+        got[policy] = [two[k] - one[k] for k in ("forward", "backward")]
+    extra = tuple(s - n for s, n in zip(got["selective-ops"], got["none"]))
+    assert extra == OPS_SELECTIVE_REPLAY[(arch, mode)]
+
+
+@pytest.mark.parametrize("arch, keys", [("llama", {}), ("gpt2", {}), ("llama", {"qk_norm": "head"}),
+                                        ("llama", {"qk_norm": "full", "n_kv_heads": 4})])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_replayed_bytes_are_the_dispatched_ones(arch, keys, mode, monkeypatch):
+    """replay_bytes, with the CPU's decomposed RMSNorm, equals the bytes the replayed ops read and write."""
+    count, cfg = _step(arch, mode, "selective-ops", 2, monkeypatch, **keys)
+    w = widths(MODES[mode][0], MODES[mode][1] == torch.bfloat16)
+    planned = cfg.n_layers * replay_bytes(ModelShape(cfg=cfg), w, 2, cfg.seq_len, norm="decomposed")
+    assert planned == count.bytes
+
+
+def _planned(*sets: str):
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import shape_of, training_of
+
+    cfg = load_config(None, ["model.preset=llama-1b", "model.n_layers=4", "memory.precision=bf16", *sets])
+    return shape_of(cfg), training_of(cfg)
+
+
+def test_the_step_pays_the_replays_ops_and_bytes():
+    """eager_ops adds OPS_SELECTIVE_REPLAY per block and micro-batch; the GPU's time adds replay_bytes at
+    the card's sustained HBM rate; nothing else of the step moves (no FLOPs replayed)."""
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.layout import Layout
+    from teratrain.planner.search import evaluate
+    from teratrain.planner.time import eager_ops
+
+    shape, train = _planned()
+    gpu = GPUS["h200"]
+    lay = Layout(micro_batch=2, num_microbatches=3)
+    ops = lay.with_(recompute="selective-ops")
+    assert eager_ops(shape, train, ops) - eager_ops(shape, train, lay) == 4 * 3 * sum(OPS_SELECTIVE_REPLAY[("llama",
+                                                                                                       "autocast")])
+    base, replayed = (evaluate(shape, train, x, gpu).time for x in (lay, ops))
+    w = train.widths(0)
+    moved = 4 * 3 * replay_bytes(shape, w, 2, shape.cfg.seq_len)
+    assert replayed.compute_s - base.compute_s == pytest.approx(moved / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency))
+    assert replayed.ops_s - base.ops_s == pytest.approx((eager_ops(shape, train, ops) - eager_ops(shape, train, lay))
+                                                        * gpu.op_overhead_s)
+    assert replayed.terms["recompute_flops"] == 0
+
+
+def test_the_search_tries_selective_ops_on_dense_models_only():
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.search import layouts
+
+    dense = {lay.recompute for lay in layouts(*_planned(), 1, GPUS["h200"], {"micro_batch": 1})}
+    assert "selective-ops" in dense
+    moe = _planned("model.moe.num_experts=4", "model.moe.top_k=2")
+    assert "selective-ops" not in {lay.recompute for lay in layouts(*moe, 1, GPUS["h200"], {"micro_batch": 1})}
