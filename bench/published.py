@@ -61,6 +61,8 @@ def sets_of(run: dict) -> list[str]:
     sets += [f"parallel.{k}={run[k]}" for k in ("tp", "pp", "dp", "cp", "virtual_stages")]
     if run["virtual_stages"] > 1:
         sets.append("parallel.schedule=interleaved-1f1b")
+    if "stage_layers" in run:  # the blocks of each pipeline stage, where the run split them unevenly
+        sets.append(f"parallel.stage_layers=[{','.join(map(str, run['stage_layers']))}]")
     sets += [f"parallel.sequence_parallel={str(run['sequence_parallel']).lower()}",
              f"train.micro_batch={run['micro_batch']}", f"train.global_batch={run['global_batch']}",
              f"memory.recompute={run['recompute']}", f"memory.precision={run['precision']}"]
@@ -71,15 +73,22 @@ def sets_of(run: dict) -> list[str]:
     return sets
 
 
+def card(run: dict):
+    """The run's GPU: its card's preset with the machine's own terms where the paper states them (`hw`,
+    e.g. a slower network between nodes than the preset's)."""
+    from teratrain.planner.hardware import gpu_with
+
+    return gpu_with(run["gpu"], run.get("hw"))
+
+
 def plan(run: dict, gpu=None):
     """The planner's Candidate for a run's layout on its card (`gpu`: another GPU object, e.g. a fit's)."""
     from teratrain.config import load_config
-    from teratrain.planner.hardware import GPUS
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.search import evaluate
 
     cfg = load_config(None, sets_of(run))
-    return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, run["gpus"]), gpu or GPUS[run["gpu"]])
+    return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, run["gpus"]), gpu or card(run))
 
 
 def rows(runs: list[dict] | None = None) -> list[dict]:
