@@ -53,7 +53,7 @@ from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.states import is_expert, stage_params, zero_groups
+from teratrain.planner.states import is_expert, rank_layers, stage_params, zero_groups
 
 # aten ops one block issues per micro-batch, (forward, backward), counted with a TorchDispatchMode
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
@@ -202,7 +202,7 @@ def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     fwd, bwd = OPS_FP8_LINEAR
     per = fwd + bwd + (fwd if lay.recompute in REPLAYING else 0)
     linears = sum(share for _, _, share in fp8_linears(shape, lay.tp))
-    return stage_params(shape, lay)["layers"] * linears * per * lay.num_microbatches
+    return rank_layers(shape, lay) * linears * per * lay.num_microbatches
 
 
 def attention_flops(shape: ModelShape, tokens: float) -> float:
@@ -285,7 +285,7 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     and the optimizer step's per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
     fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))]
     replay = fwd if lay.recompute in REPLAYING else 0
-    layers = stage_params(shape, lay)["layers"]
+    layers = rank_layers(shape, lay)
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
                  + fp8_ops(shape, train, lay))
@@ -306,7 +306,7 @@ def fused_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: f
     token, block and unit of width; sequence-parallel or tp-split activations divide by tp)."""
     if not train.compiled:
         return 0.0
-    layers = stage_params(shape, lay)["layers"]
+    layers = rank_layers(shape, lay)
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
     return COMPILED_FUSED_BYTES * tokens * layers * shape.cfg.d_model / lay.tp / hbm
 
@@ -317,7 +317,7 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
     exchanges the counts, dispatches and combines (3; again when a recomputed segment replays it),
     each backward returns the two (parallel/expert.py). parallel.ep_overlap_chunks, which multiplies
     the dispatch and combine, is not modelled."""
-    layers = stage_params(shape, lay)["layers"]
+    layers = rank_layers(shape, lay)
     n = tp_per_microbatch(shape, train, lay, None, layers, count=True)
     if shape.num_experts > 1 and lay.ep > 1:
         n += layers * shape.moe_share * (3 * (2 if lay.recompute in REPLAYING else 1) + 2)
@@ -382,14 +382,14 @@ def moe_ops(shape: ModelShape, lay: Layout, forward_only: bool = False) -> float
         return 0.0
     fwd, bwd = OPS_MOE_EXTRA
     per_block = fwd if forward_only else fwd + (fwd if lay.recompute in REPLAYING else 0) + bwd
-    return stage_params(shape, lay)["layers"] * shape.moe_share * per_block * lay.num_microbatches
+    return rank_layers(shape, lay) * shape.moe_share * per_block * lay.num_microbatches
 
 
 def split_ops(shape: ModelShape, lay: Layout) -> float:
     """The host's ops beyond `eager_ops` on a stage whose backward is split (OPS_SPLIT_EXTRA)."""
     if not pipeline.splits_backward(lay):
         return 0.0
-    return stage_params(shape, lay)["layers"] * OPS_SPLIT_EXTRA * lay.num_microbatches
+    return rank_layers(shape, lay) * OPS_SPLIT_EXTRA * lay.num_microbatches
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
@@ -491,6 +491,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    fwd_ops = (stage_params(shape, lay)["layers"] * OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))][0]
+    fwd_ops = (rank_layers(shape, lay) * OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))][0]
                + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, lay, forward_only=True)
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
