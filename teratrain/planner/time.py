@@ -448,8 +448,13 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
         comm["zero_gather"] = comm.get("zero_gather", 0.0) + gathers * shard * w.param / (gpu.pcie_gbps * 1e9)
     # Bucketed gradient reduces hide behind the last micro-batch's backward, ZeRO-3 gathers behind
     # all compute; both share the data-parallel links, so together they cannot hide more than `busy`.
+    # parallel.overlap_comm=false waits for each reduction where it is launched: none hides (as
+    # Megatron-LM's local DDP and DeepSpeed's pipeline engine reduce, after the last backward).
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
-    exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
+    if train.overlap_comm:
+        exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
+    else:
+        exposed = dp_s + max(0.0, gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
     cp_exposed = cp_s(shape, train, lay, gpu)[1] if lay.cp > 1 else 0.0  # what the attention does not hide
     exposed += cp_exposed
