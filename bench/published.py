@@ -69,6 +69,8 @@ def sets_of(run: dict) -> list[str]:
     # as Megatron-LM trains: 16-bit weights with fp32 master copies in the optimizer, no optimizer sharding
     # or offload, and GPT's output layer tied to its embedding
     sets += ["memory.master_weights=true", f"parallel.zero={run.get('zero', 0)}", "parallel.offload=none",
+             f"parallel.overlap_comm={str(run.get('overlap_comm', True)).lower()}",
+             f"parallel.reduce_dtype={run.get('reduce_dtype', 'fp32')}",
              f"model.tie_embeddings={str(run['arch'] == 'gpt2').lower()}"]
     return sets
 
