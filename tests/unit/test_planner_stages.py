@@ -44,8 +44,9 @@ def test_llama3_405b_plans_126_layers_on_16_stages_as_published():
     first and the last; the planner's balanced split (the head is 0.6 of a block) is that split. Against the
     count split (8 x 14, 7, 7: the head on a 7) its busiest stage holds as many blocks (8), so the bubble is
     the same within 1%, and its fullest rank holds the embedding's parameters fewer (7 blocks and the
-    embedding, or 8 blocks, against 8 and the embedding): less to reduce over dp and to step."""
-    run, cfg, shape, train = _run("dubey24-405b-8k")
+    embedding, or 8 blocks, against 8 and the embedding): at ZeRO-0, less to reduce over dp and to step."""
+    run, cfg, shape, train = _run("dubey24-405b-8k", "parallel.stage_layers", "parallel.virtual_stages",
+                                  "parallel.schedule", "parallel.zero")  # 1F1B, ZeRO-0: the ends' split alone
     assert head_blocks(shape) == pytest.approx(0.6, abs=0.05)
     lay = layout_of(cfg, run["gpus"])
     assert stage_split(shape, lay) == (8,) * 14 + (7, 7)
