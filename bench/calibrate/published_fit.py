@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"two of different widths split = \"fit\" (refused: {refused or 'none'}).")
     fm, dh, _ = fit(curves)
     before = {"fit": errors(fit_runs), "held_out": errors(held)}
-    after = {split: errors(runs, flops_max=fm, flops_d_half=dh) for split, runs in (("fit", fit_runs), ("held_out", held))}
+    after = {split: errors(runs, flops_max=fm, flops_d_half=dh)
+             for split, runs in (("fit", fit_runs), ("held_out", held))}
     report = {"card": args.card, "flops_max": fm, "flops_d_half": dh, "before": before, "after": after}
     print(f"{args.card}: flops_max {GPUS[args.card].flops_max:g} -> {fm:.3f}, "
           f"flops_d_half {GPUS[args.card].flops_d_half:g} -> {dh:g}")
@@ -116,8 +117,9 @@ def _write(card_name: str, fm: float, dh: float, names: list[str], after: dict) 
     runs = [f"bench/published_runs.toml: {n}" for n in names]
     err = f"step time, fit runs: {summary(after['fit'])}; held-out runs: {summary(after['held_out'])}"
     source = "bench/calibrate/published_fit.py"
-    write_calibration(card_name, {"flops_max": {"value": round(fm, 3), "source": source, "runs": runs, "fit_error": err},
-                             "flops_d_half": {"value": dh, "source": source, "runs": runs, "fit_error": err}})
+    entry = {"source": source, "runs": runs, "fit_error": err}
+    write_calibration(card_name, {"flops_max": {"value": round(fm, 3), **entry},
+                                  "flops_d_half": {"value": dh, **entry}})
 
 
 if __name__ == "__main__":
