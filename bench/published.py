@@ -1,5 +1,6 @@
 """The planner against published large training runs (bench/published_runs.toml): each run's layout
-planned as the paper ran it, its step time against the paper's, and whether the planner says it fits.
+planned as the paper ran it, its step time against the paper's, whether the planner says it fits, and the
+planner's own pick for the run (its search over FREE: about ten minutes for all runs on two cores).
 
     python bench/published.py                  # the table, to stdout
     python bench/published.py --write-docs     # the same table into docs/planner.md, between its markers
@@ -61,30 +62,59 @@ def sets_of(run: dict) -> list[str]:
     sets += [f"parallel.{k}={run[k]}" for k in ("tp", "pp", "dp", "cp", "virtual_stages")]
     if run["virtual_stages"] > 1:
         sets.append("parallel.schedule=interleaved-1f1b")
+    if "stage_layers" in run:  # the blocks of each pipeline stage, where the run split them unevenly
+        sets.append(f"parallel.stage_layers=[{','.join(map(str, run['stage_layers']))}]")
     sets += [f"parallel.sequence_parallel={str(run['sequence_parallel']).lower()}",
              f"train.micro_batch={run['micro_batch']}", f"train.global_batch={run['global_batch']}",
              f"memory.recompute={run['recompute']}", f"memory.precision={run['precision']}"]
     # as Megatron-LM trains: 16-bit weights with fp32 master copies in the optimizer, no optimizer sharding
     # or offload, and GPT's output layer tied to its embedding
     sets += ["memory.master_weights=true", f"parallel.zero={run.get('zero', 0)}", "parallel.offload=none",
+             f"parallel.overlap_comm={str(run.get('overlap_comm', True)).lower()}",
+             f"parallel.reduce_dtype={run.get('reduce_dtype', 'fp32')}",
              f"model.tie_embeddings={str(run['arch'] == 'gpt2').lower()}"]
     return sets
+
+
+def card(run: dict):
+    """The run's GPU: its card's preset with the machine's own terms where the paper states them (`hw`,
+    e.g. a slower network between nodes than the preset's)."""
+    from teratrain.planner.hardware import gpu_with
+
+    return gpu_with(run["gpu"], run.get("hw"))
 
 
 def plan(run: dict, gpu=None):
     """The planner's Candidate for a run's layout on its card (`gpu`: another GPU object, e.g. a fit's)."""
     from teratrain.config import load_config
-    from teratrain.planner.hardware import GPUS
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.search import evaluate
 
     cfg = load_config(None, sets_of(run))
-    return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, run["gpus"]), gpu or GPUS[run["gpu"]])
+    return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, run["gpus"]), gpu or card(run))
 
 
-def rows(runs: list[dict] | None = None) -> list[dict]:
-    """Per run: the published and predicted step, their ratio, whether it fits; `error` (and no
-    prediction) where the planner refuses the layout (PlanError: e.g. layers that do not split evenly)."""
+# What the planner's pick of a run chooses (the rest of the run is kept: its model, GPUs, global batch,
+# card, precision and engines, its tensor- and context-parallel degrees, no offload). tp stays the run's
+# (a node's worth or less in every run) to keep the search of thousands of GPUs to minutes.
+FREE = ("parallel.pp", "parallel.dp", "parallel.virtual_stages", "parallel.schedule", "parallel.stage_layers",
+        "parallel.zero", "parallel.sequence_parallel", "train.micro_batch", "memory.recompute")
+
+
+def pick(run: dict):
+    """The planner's fastest fitting Candidate for the run with the FREE choices left to its search."""
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import fixed_of, shape_of, training_of
+    from teratrain.planner.search import search
+
+    cfg = load_config(None, [s for s in sets_of(run) if s.split("=")[0] not in FREE])
+    return search(shape_of(cfg), training_of(cfg), run["gpus"], card(run), fixed_of(cfg))[0]
+
+
+def rows(runs: list[dict] | None = None, picks: bool = True) -> list[dict]:
+    """Per run: the published and predicted step, their ratio, whether it fits, and with `picks` the
+    planner's pick (`pick`); `error` (and no prediction) where the planner refuses the layout (PlanError:
+    e.g. layers that do not split evenly)."""
     from teratrain.planner.states import PlanError
 
     out = []
@@ -96,16 +126,33 @@ def rows(runs: list[dict] | None = None) -> list[dict]:
             out.append({**row, "predicted_s": None, "ratio": None, "fits": None, "error": str(e)})
             continue
         out.append({**row, "predicted_s": cand.time.step_time_s, "ratio": cand.time.step_time_s / row["published_s"],
-                    "fits": cand.fits, "peak_gib": cand.memory.total / 2**30})
+                    "fits": cand.fits, "peak_gib": cand.memory.total / 2**30, **({"pick": pick(run)} if picks else {})})
     return out
 
 
+RECOMPUTE = {"full": "full rc", "selective": "sel. rc", "none": "no rc"}
+
+
 def _layout(run: dict) -> str:
-    parts = [f"t{run['tp']} p{run['pp']} d{run['dp']}"] + ([f"cp{run['cp']}"] if run["cp"] > 1 else [])
-    parts += [f"v{run['virtual_stages']}"] if run["virtual_stages"] > 1 else []
-    parts.append(f"mb{run['micro_batch']} B{run['global_batch']}")
-    parts.append({"full": "full rc", "selective": "sel. rc", "none": "no rc"}[run["recompute"]])
-    return " ".join(parts) + (" SP" if run["sequence_parallel"] else "")
+    return _describe(run["tp"], run["pp"], run["dp"], run["cp"], run["virtual_stages"], run["micro_batch"],
+                     run["recompute"], run["sequence_parallel"], run.get("zero", 0), run["global_batch"])
+
+
+def _describe(tp, pp, dp, cp, v, mb, recompute, sp, zero, batch=None) -> str:
+    """A layout in a few words: t2 p4 d8 [cp2] [v2] mb1 [B512] full rc [SP] [ZeRO-1]."""
+    parts = [f"t{tp} p{pp} d{dp}"] + ([f"cp{cp}"] if cp > 1 else []) + ([f"v{v}"] if v > 1 else [])
+    parts += [f"mb{mb}"] + ([f"B{batch}"] if batch else []) + [RECOMPUTE.get(recompute, f"{recompute} rc")]
+    return " ".join(parts + (["SP"] if sp else []) + ([f"ZeRO-{zero}"] if zero else []))
+
+
+def _pick_cells(r: dict) -> str:
+    """The pick's layout and predicted step, or "-" where not computed (rows(picks=False))."""
+    if "pick" not in r:
+        return "- | -"
+    lay = r["pick"].layout
+    words = _describe(lay.tp, lay.pp, lay.dp, lay.cp, lay.virtual_stages, lay.micro_batch, lay.recompute,
+                      lay.sequence_parallel, lay.zero)
+    return f"{words} | {r['pick'].time.step_time_s:.2f}"
 
 
 def _figure(run: dict) -> str:
@@ -113,8 +160,9 @@ def _figure(run: dict) -> str:
 
 
 def table(result: list[dict]) -> str:
-    lines = ["| run | paper | GPUs | layout | published | published s | predicted s | ratio | split | fits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | paper | GPUs | layout | published | published s | predicted s | ratio | split | fits "
+             "| planner's pick | pick s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result:
         run = r["run"]
         mark = "*" if run.get("uncertain") else ""
@@ -124,7 +172,7 @@ def table(result: list[dict]) -> str:
             predicted, ratio, fits = f"{r['predicted_s']:.2f}", f"{r['ratio']:.2f}", "yes" if r["fits"] else "no"
         lines.append(f"| {r['name']}{mark} | {run['paper']}, {run['table']} | {run['gpus']} x {CARD[run['gpu']]} "
                      f"| {_layout(run)} | {_figure(run)} | {r['published_s']:.2f} | {predicted} | {ratio} "
-                     f"| {run['split'].replace('_', '-')} | {fits} |")
+                     f"| {run['split'].replace('_', '-')} | {fits} | {_pick_cells(r)} |")
     return "\n".join(lines)
 
 

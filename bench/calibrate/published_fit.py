@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from published import load_runs, plan, published_step_s  # noqa: E402  (bench/published.py)
+from published import card, load_runs, plan, published_step_s  # noqa: E402  (bench/published.py)
 
 from teratrain.planner.hardware import GPUS  # noqa: E402
 from teratrain.planner.states import PlanError  # noqa: E402
@@ -32,9 +32,9 @@ from teratrain.planner.states import PlanError  # noqa: E402
 EFFS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-def curve(run: dict, card: str) -> list[tuple[float, float]]:
+def curve(run: dict) -> list[tuple[float, float]]:
     """(1/eff, predicted step s) of `run` at each of EFFS."""
-    return [(1 / e, plan(run, replace(GPUS[card], flops_max=e, flops_d_half=0.0)).time.step_time_s) for e in EFFS]
+    return [(1 / e, plan(run, replace(card(run), flops_max=e, flops_d_half=0.0)).time.step_time_s) for e in EFFS]
 
 
 def interpolate(points: list[tuple[float, float]], x: float) -> float:
@@ -60,12 +60,13 @@ def fit(curves: dict[str, tuple[int, float, list]]) -> tuple[float, float, float
     return best
 
 
-def errors(runs: list[dict], card: str, gpu) -> dict[str, float | str]:
-    """name -> predicted / published - 1, or the planner's refusal."""
+def errors(runs: list[dict], **constants: float) -> dict[str, float | str]:
+    """name -> predicted / published - 1 on each run's card with `constants` (flops_max, flops_d_half), or the
+    planner's refusal."""
     out = {}
     for run in runs:
         try:
-            out[run["name"]] = plan(run, gpu).time.step_time_s / published_step_s(run) - 1
+            out[run["name"]] = plan(run, replace(card(run), **constants)).time.step_time_s / published_step_s(run) - 1
         except PlanError as e:
             out[run["name"]] = f"not planned: {e}"
     return out
@@ -88,16 +89,16 @@ def main(argv: list[str] | None = None) -> dict:
     curves, refused = {}, {}
     for run in fit_runs:
         try:
-            curves[run["name"]] = (run["d_model"], published_step_s(run), curve(run, args.card))
+            curves[run["name"]] = (run["d_model"], published_step_s(run), curve(run))
         except PlanError as e:
             refused[run["name"]] = str(e)
     if len(curves) < 2:
         raise SystemExit(f"{args.card}: {len(curves)} plannable fit runs in bench/published_runs.toml; mark at least "
                          f"two of different widths split = \"fit\" (refused: {refused or 'none'}).")
     fm, dh, _ = fit(curves)
-    gpu = replace(GPUS[args.card], flops_max=fm, flops_d_half=dh)
-    before = {"fit": errors(fit_runs, args.card, GPUS[args.card]), "held_out": errors(held, args.card, GPUS[args.card])}
-    after = {"fit": errors(fit_runs, args.card, gpu), "held_out": errors(held, args.card, gpu)}
+    before = {"fit": errors(fit_runs), "held_out": errors(held)}
+    after = {split: errors(runs, flops_max=fm, flops_d_half=dh)
+             for split, runs in (("fit", fit_runs), ("held_out", held))}
     report = {"card": args.card, "flops_max": fm, "flops_d_half": dh, "before": before, "after": after}
     print(f"{args.card}: flops_max {GPUS[args.card].flops_max:g} -> {fm:.3f}, "
           f"flops_d_half {GPUS[args.card].flops_d_half:g} -> {dh:g}")
@@ -110,14 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _write(card: str, fm: float, dh: float, names: list[str], after: dict) -> None:
+def _write(card_name: str, fm: float, dh: float, names: list[str], after: dict) -> None:
     from teratrain.planner.refit import write_calibration
 
     runs = [f"bench/published_runs.toml: {n}" for n in names]
     err = f"step time, fit runs: {summary(after['fit'])}; held-out runs: {summary(after['held_out'])}"
     source = "bench/calibrate/published_fit.py"
-    write_calibration(card, {"flops_max": {"value": round(fm, 3), "source": source, "runs": runs, "fit_error": err},
-                             "flops_d_half": {"value": dh, "source": source, "runs": runs, "fit_error": err}})
+    entry = {"source": source, "runs": runs, "fit_error": err}
+    write_calibration(card_name, {"flops_max": {"value": round(fm, 3), **entry},
+                                  "flops_d_half": {"value": dh, **entry}})
 
 
 if __name__ == "__main__":

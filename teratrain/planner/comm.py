@@ -35,7 +35,7 @@ from teratrain.parallel.ep_plan import expected_ranks
 from teratrain.planner.activations import fp8_weights
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.planner.states import accumulates, dp_buckets, is_expert, stage_params, zero_groups
+from teratrain.planner.states import accumulates, dp_buckets, is_expert, rank_layers, stage_params, zero_groups
 
 FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
             "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
@@ -70,7 +70,7 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
             out[key] += t
     if shape.is_bare:
         return out
-    m, layers = lay.num_microbatches, sp["layers"]
+    m, layers = lay.num_microbatches, rank_layers(shape, lay)
     out["tp"] = m * tp_per_microbatch(shape, train, lay, gpu, layers)
     if lay.pp > 1:
         out["pp"] = 2 * (lay.virtual_stages * m + lay.pp - 1) * p2p_s(shape, train, lay, gpu)
@@ -113,7 +113,7 @@ def cp_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[flo
         per_block = forwards * (cp - 1) * kv + (cp - 1) * kv + cp * grad
         exposed = (forwards * (cp - 1) * max(0.0, kv - attn_step)
                    + (cp - 1) * max(0.0, kv + grad - 2 * attn_step) + grad)
-    blocks = stage_params(shape, lay)["layers"] * lay.num_microbatches
+    blocks = rank_layers(shape, lay) * lay.num_microbatches
     return blocks * per_block, blocks * exposed
 
 

@@ -59,7 +59,8 @@ def training_of(cfg: Config, notes: list[str] | None = None) -> Training:
         notes.append(f"memory.precision unset: planned for {PLAN_PRECISION} (set --set memory.precision=fp32 to plan fp32)")
     return Training(precision=precision, master_weights=cfg.memory.master_weights,
                     optimizer=cfg.optim.name, momentum=cfg.optim.momentum, global_batch=cfg.train.global_batch,
-                    bucket_mb=cfg.parallel.bucket_mb, reduce_bytes=bytes_of[cfg.parallel.reduce_dtype],
+                    bucket_mb=cfg.parallel.bucket_mb, overlap_comm=cfg.parallel.overlap_comm,
+                    reduce_bytes=bytes_of[cfg.parallel.reduce_dtype],
                     grad_bytes=bytes_of[cfg.parallel.grad_dtype],
                     dropout=cfg.model.dropout, compress=cfg.memory.compress_activations,
                     lora=_lora_of(cfg), graphed=cfg.train.cuda_graphs, compiled=cfg.train.compile,

@@ -191,6 +191,7 @@ class Training:
     momentum: float = 0.9  # SGD/SM3 momentum (0 = no momentum buffer)
     global_batch: int = 32  # sequences per optimizer step
     bucket_mb: float = 25.0
+    overlap_comm: bool = True  # parallel.overlap_comm: false waits for each data-parallel reduction where it starts
     reduce_bytes: int = 4  # parallel.reduce_dtype width
     grad_bytes: int = 4  # parallel.grad_dtype width: ZeRO's gradient buffer (stage 1) or shard (2/3)
     dropout: float = 0.0

@@ -136,7 +136,7 @@ def _unit_makespan(schedule: str, pp: int, m: int, v: int, r: float, last_extra:
     per = [k / m / v for k in shares]
     per[-1] += last_extra / m  # the model's last stage: chunk v-1 of the last rank
     costs = Costs(forward_s=[t / (1 + r) for t in per], backward_s=[t * r / (1 + r) for t in per])
-    return simulate(_build(schedule, pp, m, v), costs).makespan_s
+    return simulate(_build(schedule, pp, m, v), costs, peaks=False).makespan_s
 
 
 def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:

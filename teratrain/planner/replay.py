@@ -12,7 +12,7 @@ fuses the replayed kernels, which this module does not model.
 from __future__ import annotations
 
 from teratrain.planner.layout import Layout, ModelShape, Widths
-from teratrain.planner.states import stage_params
+from teratrain.planner.states import rank_layers
 
 # aten ops one block adds per micro-batch under selective-ops, (forward, backward), counted with a
 # TorchDispatchMode over our Block as time.OPS_PER_BLOCK was (CPU, dropout 0; same columns), as the
@@ -36,7 +36,7 @@ def replay_ops(shape: ModelShape, lay: Layout, mode: str) -> float:
     micro-batch, `mode` the OPS_PER_BLOCK column). MoE layers are charged as the dense blocks."""
     if lay.recompute != "selective-ops" or shape.is_bare:
         return 0.0
-    return stage_params(shape, lay)["layers"] * sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) * lay.num_microbatches
+    return rank_layers(shape, lay) * sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) * lay.num_microbatches
 
 
 def _cast(elems: float, src: int, dst: int) -> float:
@@ -114,4 +114,4 @@ def replay_s(shape: ModelShape, w: Widths, lay: Layout, seq: int, hbm_bytes_per_
     if lay.recompute != "selective-ops" or shape.is_bare:
         return 0.0
     per = replay_bytes(shape, w, lay.micro_batch, seq // lay.cp, lay.tp, lay.sequence_parallel)
-    return stage_params(shape, lay)["layers"] * lay.num_microbatches * per / hbm_bytes_per_s
+    return rank_layers(shape, lay) * lay.num_microbatches * per / hbm_bytes_per_s

@@ -146,6 +146,14 @@ def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) 
     return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0}
 
 
+def rank_layers(shape: ModelShape, lay: Layout) -> float:
+    """Blocks of the average pipeline rank, n_layers / pp: what one rank's per-block time terms (its ops,
+    tensor- and context-parallel exchanges) count, as its compute does (time.rank_flops divides by pp);
+    pipeline.makespan then weighs each stage by its own blocks. stage_params' `layers`, the first rank's
+    count, is for memory: with uneven stages (BLOOM's 5, 6 x 10, 5) it is not the average."""
+    return 0.0 if shape.is_bare else shape.cfg.n_layers / lay.pp
+
+
 @dataclass(frozen=True)
 class _Sized:
     """A parameter as FlatGroup sees it, for layouts the planner approximates (1-D, trainable)."""

@@ -55,7 +55,7 @@ from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
 from teratrain.planner.replay import replay_ops, replay_s
-from teratrain.planner.states import is_expert, stage_params, zero_groups
+from teratrain.planner.states import is_expert, rank_layers, stage_params, zero_groups
 
 _COMMON = calibrated("common")  # the fitted and counted constants of every card
 
@@ -195,7 +195,7 @@ def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     fwd, bwd = OPS_FP8_LINEAR
     per = fwd + bwd + (fwd if lay.recompute in REPLAYING else 0)
     linears = sum(share for _, _, share in fp8_linears(shape, lay.tp))
-    return stage_params(shape, lay)["layers"] * linears * per * lay.num_microbatches
+    return rank_layers(shape, lay) * linears * per * lay.num_microbatches
 
 
 def attention_flops(shape: ModelShape, tokens: float) -> float:
@@ -278,7 +278,7 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     and the optimizer step's per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
     fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))]
     replay = fwd if lay.recompute in REPLAYING else 0
-    layers = stage_params(shape, lay)["layers"]
+    layers = rank_layers(shape, lay)
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
                  + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay)))
@@ -299,7 +299,7 @@ def fused_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: f
     token, block and unit of width; sequence-parallel or tp-split activations divide by tp)."""
     if not train.compiled:
         return 0.0
-    layers = stage_params(shape, lay)["layers"]
+    layers = rank_layers(shape, lay)
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
     return COMPILED_FUSED_BYTES * tokens * layers * shape.cfg.d_model / lay.tp / hbm
 
@@ -310,7 +310,7 @@ def issued_collectives(shape: ModelShape, train: Training, lay: Layout) -> float
     exchanges the counts, dispatches and combines (3; again when a recomputed segment replays it),
     each backward returns the two (parallel/expert.py). parallel.ep_overlap_chunks, which multiplies
     the dispatch and combine, is not modelled."""
-    layers = stage_params(shape, lay)["layers"]
+    layers = rank_layers(shape, lay)
     n = tp_per_microbatch(shape, train, lay, None, layers, count=True)
     if shape.num_experts > 1 and lay.ep > 1:
         n += layers * shape.moe_share * (3 * (2 if lay.recompute in REPLAYING else 1) + 2)
@@ -375,14 +375,14 @@ def moe_ops(shape: ModelShape, lay: Layout, forward_only: bool = False) -> float
         return 0.0
     fwd, bwd = OPS_MOE_EXTRA
     per_block = fwd if forward_only else fwd + (fwd if lay.recompute in REPLAYING else 0) + bwd
-    return stage_params(shape, lay)["layers"] * shape.moe_share * per_block * lay.num_microbatches
+    return rank_layers(shape, lay) * shape.moe_share * per_block * lay.num_microbatches
 
 
 def split_ops(shape: ModelShape, lay: Layout) -> float:
     """The host's ops beyond `eager_ops` on a stage whose backward is split (OPS_SPLIT_EXTRA)."""
     if not pipeline.splits_backward(lay):
         return 0.0
-    return stage_params(shape, lay)["layers"] * OPS_SPLIT_EXTRA * lay.num_microbatches
+    return rank_layers(shape, lay) * OPS_SPLIT_EXTRA * lay.num_microbatches
 
 
 def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
@@ -441,8 +441,13 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
         comm["zero_gather"] = comm.get("zero_gather", 0.0) + gathers * shard * w.param / (gpu.pcie_gbps * 1e9)
     # Bucketed gradient reduces hide behind the last micro-batch's backward, ZeRO-3 gathers behind
     # all compute; both share the data-parallel links, so together they cannot hide more than `busy`.
+    # parallel.overlap_comm=false waits for each reduction where it is launched: none hides (as
+    # Megatron-LM's local DDP and DeepSpeed's pipeline engine reduce, after the last backward).
     dp_s, gather_s = comm.get("dp", 0.0), comm.get("zero_gather", 0.0)
-    exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
+    if train.overlap_comm:
+        exposed = max(0.0, dp_s - busy * 2 / 3 / lay.num_microbatches, dp_s + gather_s - busy)
+    else:
+        exposed = dp_s + max(0.0, gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
     cp_exposed = cp_s(shape, train, lay, gpu)[1] if lay.cp > 1 else 0.0  # what the attention does not hide
     exposed += cp_exposed
@@ -484,6 +489,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    fwd_ops = (stage_params(shape, lay)["layers"] * OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))][0]
+    fwd_ops = (rank_layers(shape, lay) * OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))][0]
                + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, lay, forward_only=True)
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))

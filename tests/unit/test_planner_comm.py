@@ -90,3 +90,21 @@ def test_hw_file_feeds_the_plan(capsys, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"hw": {"warp_gbps": 1}}))
     with pytest.raises(ValueError, match="'warp_gbps' is not a hardware term"):
         read_hw_file(str(tmp_path / "bad.json"))
+
+
+def test_reductions_not_overlapped_are_exposed_whole():
+    """parallel.overlap_comm=false waits for each gradient reduction where it is launched (parallel/data.py):
+    the step carries all of it, where overlapped it hides behind the last micro-batch's backward."""
+    from teratrain.planner.inputs import layout_of
+    from teratrain.planner.search import evaluate
+
+    def timed(overlap):
+        cfg = load_config(None, ["model.preset=llama-1b", "memory.precision=bf16", "parallel.dp=16",
+                                 "train.global_batch=32", "train.micro_batch=2", f"parallel.overlap_comm={overlap}"])
+        return evaluate(shape_of(cfg), training_of(cfg), layout_of(cfg, 16), H100).time
+
+    hidden, waited = timed("true"), timed("false")
+    dp_s = waited.terms["comm_dp_s"]
+    assert dp_s == pytest.approx(hidden.terms["comm_dp_s"]) and dp_s > 0.01
+    assert waited.comm_exposed_s == pytest.approx(dp_s) and hidden.comm_exposed_s < dp_s
+    assert waited.step_time_s - hidden.step_time_s == pytest.approx(dp_s - hidden.comm_exposed_s, rel=1e-6)

@@ -98,8 +98,10 @@ def bubble_fraction(intervals: Sequence[Interval], num_ranks: int) -> float:
     return 1.0 - busy / (num_ranks * span) if span > 0 else 0.0
 
 
-def simulate(sched: Schedule, costs: Costs = Costs()) -> Timeline:
-    """Run every rank's list under the execution model above."""
+def simulate(sched: Schedule, costs: Costs = Costs(), peaks: bool = True) -> Timeline:
+    """Run every rank's list under the execution model above. `peaks=False` leaves the activation and
+    weight-version counts empty (they depend on the lists alone, not the costs): for callers that read
+    the times only, at a third of the work."""
     pp = sched.pp
     ops = _compile(sched, costs)
     pos, clock = [0] * pp, [0.0] * pp
@@ -133,8 +135,9 @@ def simulate(sched: Schedule, costs: Costs = Costs()) -> Timeline:
     busy = [sum(e - s for s, e, _ in run) for run in runs]
     makespan = max(clock) if clock else 0.0
     frac = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
-    return Timeline(runs, pp, makespan, frac, [peak_activations(acts) for acts in sched.ranks],
-                    [peak_versions(acts) for acts in sched.ranks], busy)
+    acts = sched.ranks if peaks else ()
+    return Timeline(runs, pp, makespan, frac, [peak_activations(a) for a in acts], [peak_versions(a) for a in acts],
+                    busy)
 
 
 def _compile(sched: Schedule, costs: Costs) -> list[list[tuple]]:
