@@ -3,7 +3,7 @@ planned as the paper ran it, its step time against the paper's, whether the plan
 planner's own pick for the run (its search over FREE: about ten minutes for all runs on two cores).
 
     python bench/published.py                  # the table, to stdout
-    python bench/published.py --write-docs     # the same table into docs/planner.md, between its markers
+    python bench/published.py --write-docs     # the same table into docs/published_runs.md, between its markers
 
 A paper that states achieved TFLOP/s per GPU is turned into a step time with the paper's own FLOP count
 (`flops` of a run): the time that FLOP rate takes for one global batch on its GPUs. The ratio is
@@ -26,7 +26,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "bench" / "published_runs.toml"
-DOCS = ROOT / "docs" / "planner.md"
+DOCS = ROOT / "docs" / "published_runs.md"
 BEGIN, END = "<!-- published-runs:begin -->", "<!-- published-runs:end -->"
 CARD = {"a100": "A100 80GB", "h100": "H100 80GB"}
 

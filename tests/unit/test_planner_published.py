@@ -1,4 +1,4 @@
-"""The published runs (bench/published_runs.toml) and their table in docs/planner.md: the data is
+"""The published runs (bench/published_runs.toml) and their table in docs/published_runs.md: the data is
 consistent, and the table in the docs is what `python bench/published.py --write-docs` writes (the rows
 without a pipeline recomputed here, the rest under -m long)."""
 
@@ -17,9 +17,9 @@ RUNS = published.load_runs()
 
 
 def _docs_lines() -> list[str]:
-    doc = (ROOT / "docs" / "planner.md").read_text()
+    doc = (ROOT / "docs" / "published_runs.md").read_text()
     block = re.search(re.escape(published.BEGIN) + r"\n(.*?)\n" + re.escape(published.END), doc, re.DOTALL)
-    assert block, "docs/planner.md lacks the published-runs markers"
+    assert block, "docs/published_runs.md lacks the published-runs markers"
     return block.group(1).splitlines()
 
 
