@@ -30,6 +30,24 @@ def small_model(dtype: torch.dtype = torch.float64, seed: int = 0, **keys) -> Tr
     return build_model(model_config(**keys), dtype=dtype, seed=seed)
 
 
+def one_rank_moe(kernel: str, **moe_keys):
+    """An MoE layer (4 experts, softmax-topk, width 8) with random weights on one rank, an input x and an
+    output weighting c for a loss (y * c).sum(), and the tensors to differentiate: (layer, x, c, [x, *params])."""
+    from teratrain.models import moe
+
+    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12, bias=kernel == "grouped",
+                       moe=dict(num_experts=4, router="softmax-topk", **moe_keys))
+    m = moe.MoE(cfg, layer=0).train()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    m.kernel = kernel
+    x = torch.randn(1, 10, 8, generator=g, requires_grad=True)
+    c = torch.randn(1, 10, 8, generator=g)
+    return m, x, c, [x] + list(m.parameters())
+
+
 def truncate(path: Path, keep_fraction: float = 0.5) -> None:
     """Cut a file short, as a crash in the middle of a write would."""
     data = path.read_bytes()

@@ -5,10 +5,28 @@ draws the schedule)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from teratrain.models.permute import piece_bounds
 from teratrain.parallel import comm
+
+
+@dataclass
+class Exchange:
+    """What both exchanges (`MoE.exchange`) hold: the mesh whose "ep" group they use, looked up at the first
+    exchange (the planner applies them without one), ep, the experts per rank, and
+    parallel.ep_overlap_chunks, the pieces of the exchange pipelined with the experts."""
+
+    mesh: object
+    ep: int
+    local: int
+    chunks: int = 1
+
+    @property
+    def group(self):
+        return self.mesh.group("ep")
 
 
 def pipeline(send: torch.Tensor, splits: list[tuple[list[int], list[int]]], experts_on, moe, group) -> torch.Tensor:

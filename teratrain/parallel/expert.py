@@ -109,8 +109,6 @@ without a measurement of the model at hand (bench/moe.py reports both).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -120,24 +118,14 @@ from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, gr
 from teratrain.models.moe import moe_layers
 from teratrain.parallel import comm
 from teratrain.parallel.comm import all_gather
-from teratrain.parallel.ep_pipeline import chunk_rows, pipeline
+from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline
 from teratrain.parallel.ep_plan import keep_local_experts
 from teratrain.parallel.expert_dedup import DedupExchange
 from teratrain.parallel.placement import placement
 
 
-@dataclass
-class ExpertExchange:
+class ExpertExchange(Exchange):
     """Dispatch and combine for one MoE layer: `MoE.exchange`."""
-
-    mesh: object  # the group is looked up at the first exchange: the planner applies this without one
-    ep: int
-    local: int  # experts per rank
-    chunks: int = 1  # parallel.ep_overlap_chunks: pieces of the exchange pipelined with the experts
-
-    @property
-    def group(self):
-        return self.mesh.group("ep")
 
     def __call__(self, flat: torch.Tensor, key: torch.Tensor, w: torch.Tensor, k: int, slot: int | None,
                  moe) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,6 @@ zero rows. Chunking (`parallel.ep_overlap_chunks`) cuts each rank's block as exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from teratrain.models.grouped import compute_dtype
@@ -39,7 +37,7 @@ from teratrain.models.permute import Layout, chunk_major, combine, dispatch, gro
     slotted_layout
 from teratrain.parallel import comm
 from teratrain.parallel.ep_plan import MAX_LOCAL
-from teratrain.parallel.ep_pipeline import chunk_rows, pipeline
+from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline
 
 
 def rank_choices(key: torch.Tensor, w: torch.Tensor, ep: int, local: int):
@@ -66,18 +64,8 @@ def rank_choices(key: torch.Tensor, w: torch.Tensor, ep: int, local: int):
     return dest, gates, ids
 
 
-@dataclass
-class DedupExchange:
+class DedupExchange(Exchange):
     """`MoE.exchange` sending one row per (token, destination rank) (module docstring)."""
-
-    mesh: object  # the group is looked up at the first exchange: the planner applies this without one
-    ep: int
-    local: int  # experts per rank
-    chunks: int = 1  # parallel.ep_overlap_chunks: pieces of the exchange pipelined with the experts
-
-    @property
-    def group(self):
-        return self.mesh.group("ep")
 
     def __call__(self, flat: torch.Tensor, key: torch.Tensor, w: torch.Tensor, k: int, slot: int | None,
                  moe) -> tuple[torch.Tensor, torch.Tensor]:

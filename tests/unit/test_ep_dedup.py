@@ -9,7 +9,7 @@ import torch
 from teratrain.models import moe
 from teratrain.models.permute import grouped_layout
 from teratrain.parallel.expert_dedup import DedupExchange, rank_choices
-from tests.helpers import model_config
+from tests.helpers import one_rank_moe
 from tests.unit.test_moe import _OneRank
 
 
@@ -67,17 +67,7 @@ def test_dedup_exchange_equals_the_layer_without_one(keys, kernel):
     (gates included, through the router) equal the layer's own dispatch (fp32, 1e-5)."""
     if kernel == "grouped" and getattr(torch, "_grouped_mm", None) is None:
         pytest.skip("this torch has no grouped GEMM")
-    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12, bias=kernel == "grouped",
-                       moe=dict(num_experts=4, router="softmax-topk", top_k=3, **keys))
-    m = moe.MoE(cfg, layer=0).train()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    m.kernel = kernel
-    x = torch.randn(1, 10, 8, generator=g, requires_grad=True)
-    c = torch.randn(1, 10, 8, generator=g)
-    params = [x] + list(m.parameters())
+    m, x, c, params = one_rank_moe(kernel, top_k=3, **keys)
 
     def run(exchange):
         m.exchange = exchange

@@ -10,7 +10,7 @@ import torch
 from teratrain.config import ConfigError
 from teratrain.models import moe, routers
 from teratrain.models.transformer import build_model, count_params
-from tests.helpers import make_config, model_config
+from tests.helpers import make_config, model_config, one_rank_moe
 
 N, D = 12, 6  # tokens, width
 
@@ -491,17 +491,7 @@ def test_chunked_exchange_equals_the_layer_without_one(keys, kernel):
 
     if kernel == "grouped" and getattr(torch, "_grouped_mm", None) is None:
         pytest.skip("this torch has no grouped GEMM")
-    cfg = model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12, bias=kernel == "grouped",
-                       moe=dict(num_experts=4, router="softmax-topk", **keys))
-    m = moe.MoE(cfg, layer=0).train()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    m.kernel = kernel
-    x = torch.randn(1, 10, 8, generator=g, requires_grad=True)
-    c = torch.randn(1, 10, 8, generator=g)
-    params = [x] + list(m.parameters())
+    m, x, c, params = one_rank_moe(kernel, **keys)
 
     def run(exchange):
         m.exchange = exchange
