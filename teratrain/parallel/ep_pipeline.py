@@ -52,3 +52,9 @@ def chunk_rows(rows: list[int], ep: int, chunks: int) -> list[list[int]]:
     local = len(rows) // ep
     bounds = [piece_bounds(x, chunks) for x in rows]
     return [[sum(b[c + 1] - b[c] for b in bounds[r * local:(r + 1) * local]) for r in range(ep)] for c in range(chunks)]
+
+
+def with_a_row(back: torch.Tensor) -> torch.Tensor:
+    """The combined rows of an exact exchange, with one zero row where none came back (nothing sent): the
+    rows not sent read it (masked) inside the graph."""
+    return back if back.shape[0] else torch.cat([back, back.new_zeros(1, back.shape[1])])

@@ -118,7 +118,7 @@ from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, gr
 from teratrain.models.moe import moe_layers
 from teratrain.parallel import comm
 from teratrain.parallel.comm import all_gather
-from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline
+from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline, with_a_row
 from teratrain.parallel.ep_plan import keep_local_experts
 from teratrain.parallel.expert_dedup import DedupExchange
 from teratrain.parallel.placement import placement
@@ -179,9 +179,7 @@ class ExpertExchange(Exchange):
             key = experts.repeat_interleave(pieces[c + 1] - pieces[c], output_size=sum(splits[c][0]))
             return combine(*moe.run_local(got, key, stacks=stacks))
 
-        back = pipeline(send, splits, experts_on, moe, self.group)
-        if back.shape[0] == 0:  # nothing sent: a row for the choices not sent to read (masked), inside the graph
-            back = torch.cat([back, back.new_zeros(1, back.shape[1])])
+        back = with_a_row(pipeline(send, splits, experts_on, moe, self.group))
         return back, lay.first(back.shape[0])
 
 

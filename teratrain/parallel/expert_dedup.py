@@ -37,7 +37,7 @@ from teratrain.models.permute import Layout, chunk_major, combine, dispatch, gro
     slotted_layout
 from teratrain.parallel import comm
 from teratrain.parallel.ep_plan import MAX_LOCAL
-from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline
+from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline, with_a_row
 
 
 def rank_choices(key: torch.Tensor, w: torch.Tensor, ep: int, local: int):
@@ -122,7 +122,5 @@ class DedupExchange(Exchange):
         if self.chunks > 1:
             lay = chunk_major(lay, lay.counts, self.chunks)
         send = self._rows(flat, meta, lay.first(sum(sent_rows)))
-        back = pipeline(send, splits, self._experts_on(moe, meta.shape[1] // 2), moe, self.group)
-        if back.shape[0] == 0:  # nothing sent: a row for the pairs not sent to read (masked), inside the graph
-            back = torch.cat([back, back.new_zeros(1, back.shape[1])])
+        back = with_a_row(pipeline(send, splits, self._experts_on(moe, meta.shape[1] // 2), moe, self.group))
         return back, lay.first(back.shape[0])

@@ -53,6 +53,7 @@ class Float8Shard:
     def __init__(self, g, device: torch.device):
         self.bytes = torch.zeros(g.shard_numel, dtype=torch.uint8, device=device)
         self.scales = torch.ones(len(g.params), dtype=torch.float32, device=device)
+        self.index = torch.tensor([pc.index for pc in g.pieces], dtype=torch.long, device=device)  # each piece's weight
         self.stale = True
 
     def cast(self, g, shard: torch.Tensor) -> None:
@@ -62,8 +63,7 @@ class Float8Shard:
         pieces = g.shard_views(shard)
         amax = torch.zeros(len(g.params), dtype=torch.float32, device=shard.device)  # absent piece: 0
         if pieces:  # torch.max(abs(.)) in the shard's dtype, as torchao's tensor_to_amax
-            index = torch.tensor([pc.index for pc in g.pieces], device=shard.device)
-            amax.index_copy_(0, index, torch.stack([p.abs().max() for p in pieces]).float())
+            amax.index_copy_(0, self.index, torch.stack([p.abs().max() for p in pieces]).float())
         all_reduce(amax, g.gather_pg, op=MAX)
         self.scales.copy_(to_scale(amax, compat.FLOAT8_E4M3))
         for pc, piece, out in zip(g.pieces, pieces, g.shard_views(self.bytes)):

@@ -11,6 +11,8 @@ fuses the replayed kernels, which this module does not model.
 
 from __future__ import annotations
 
+import math
+
 from teratrain.planner.layout import Layout, ModelShape, Widths
 from teratrain.planner.states import rank_layers
 
@@ -65,16 +67,9 @@ def _weight_casts(shape: ModelShape, w: Widths, tp: int) -> float:
     in the replay: the forward's copies are not kept (planner/activations.py)."""
     if not w.autocast_copies:
         return 0.0
-    elems = sum(_numel(s) for name, s in shape.param_shapes()
+    elems = sum(math.prod(s) for name, s in shape.param_shapes()
                 if name.startswith("layers.0.") and "norm" not in name)
     return elems / tp * (w.param + w.compute)
-
-
-def _numel(dims: tuple) -> int:
-    n = 1
-    for k in dims:
-        n *= k
-    return n
 
 
 def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: int = 1, sp: bool = False,
@@ -85,7 +80,7 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
     at `w.compute`. Tensor parallelism splits the heads and the MLP; the norms and the residual add
     split only under sequence parallelism. `norm`: how an RMSNorm runs (RMS_NORM_BYTES)."""
     c = shape.cfg
-    r, cw, p = w.param, w.compute, w.param
+    r, cw = w.param, w.compute
     tokens = micro_batch * seq
     res = tokens / (tp if sp else 1)  # tokens of the residual stream on this rank
     q, kv, f = c.n_heads * c.head_width / tp, c.kv_heads * c.head_width / tp, c.ffn_dim / tp
@@ -94,16 +89,16 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
     linears_in = 3 + (2 if c.arch == "llama" else 1)  # autocast casts each first-layer linear's input
     moved = add + _weight_casts(shape, w, tp) + (linears_in * _cast(res * d, r, cw) if w.autocast_copies else 0)
     if c.arch == "llama":
-        moved += 2 * _rms(res, d, r, p, norm)
-        moved += sum(_rope(tokens, width, seq, c.head_width, cw, p) for width in (q, kv))
+        moved += 2 * _rms(res, d, r, r, norm)
+        moved += sum(_rope(tokens, width, seq, c.head_width, cw, r) for width in (q, kv))
         moved += 5 * tokens * f * cw  # silu (1 + 1), its product with w3's output (2 + 1)
         for width in (q, kv) if c.qk_norm != "none" else ():
             heads = width / c.head_width if c.qk_norm == "head" else 1  # "head": one norm per head
-            moved += _rms(tokens * heads, width / heads, cw, p, norm)
+            moved += _rms(tokens * heads, width / heads, cw, r, norm)
     else:
         # read x, write y; weight and bias; a row's mean and rstd (at x's width on CPU, fp32 on CUDA: the
         # difference, 4 bytes a row in low precision, is left out)
-        ln = res * d * 2 * r + (2 if c.use_bias else 1) * d * p + res * 2 * r
+        ln = res * d * 2 * r + (2 if c.use_bias else 1) * d * r + res * 2 * r
         moved += 2 * ln + 2 * tokens * f * cw  # gelu (1 + 1)
     return moved
 
