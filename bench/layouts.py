@@ -491,7 +491,8 @@ def _bf16_cell(r: dict) -> str:
     the mean of the last half of the steps, then its worst step."""
     err, _, floor, _ = _bf16(r)
     cell = f"{err:.1e}" + (f" ({floor:.1e})" if floor is not None else " (not measured)")
-    return cell + (f" mean of last half; worst step {r['bf16_rel_err']:.1e}" if r.get("bf16_check") == "tail-mean" else "")
+    tail = r.get("bf16_check") == "tail-mean"
+    return cell + (f" mean of last half; worst step {r['bf16_rel_err']:.1e}" if tail else "")
 
 
 if __name__ == "__main__":

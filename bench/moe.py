@@ -414,7 +414,8 @@ def one_gpu(base: list[str], mb: int, args) -> dict:
     out = {}
     if int(os.environ["RANK"]) == 0:
         per_gpu = [f"train.global_batch={MICRO_PER_RANK * mb}"]  # after base's: the later setting wins
-        for name, sets in in_modes(models(args.smoke, [1], [1], args.shape, args.capacity), args).items():  # dense and moe_ep1
+        runs = models(args.smoke, [1], [1], args.shape, args.capacity)  # dense and moe_ep1
+        for name, sets in in_modes(runs, args).items():
             out[f"one_gpu_{name}"] = measure(base + sets + per_gpu, args, single=True)
     dist.barrier()
     return out

@@ -262,7 +262,9 @@ def _noisy_topk(clean: torch.Tensor, noise_logits: torch.Tensor, k: int, scale: 
     n = clean.shape[-1]
     std = F.softplus(noise_logits) * scale
     noisy = noisy and scale > 0
-    h = clean + torch.randn(clean.shape, device=clean.device, dtype=clean.dtype, generator=gen) * std if noisy else clean
+    h = clean
+    if noisy:
+        h = clean + torch.randn(clean.shape, device=clean.device, dtype=clean.dtype, generator=gen) * std
     top, idx = h.topk(min(k + 1, n), dim=-1)
     gates = top[..., :k].softmax(-1)  # Softmax(KeepTopK(H, k)) restricted to the kept entries
     dense = torch.zeros_like(clean).scatter(-1, idx[..., :k], gates)
@@ -306,7 +308,8 @@ class Hierarchical(Router):
         weights = (gp.unsqueeze(-1) * gs.gather(1, pick)).flatten(1)
         importance = (Gp.unsqueeze(-1) * Gs).sum(0)  # (a, b), eq. 13
         member = (Gp > 0).to(load_s.dtype)  # (N, a): x in X^(i)
-        load = load_p.sum(0).unsqueeze(-1) * (member.unsqueeze(-1) * load_s).sum(0) / member.sum(0).clamp(min=1).unsqueeze(-1)  # eq. 14
+        members = member.sum(0).clamp(min=1).unsqueeze(-1)
+        load = load_p.sum(0).unsqueeze(-1) * (member.unsqueeze(-1) * load_s).sum(0) / members  # eq. 14
         aux = cv_squared(importance.flatten()) + cv_squared(load.flatten())
         return experts, weights, torch.ones_like(experts, dtype=torch.bool), aux, None, None
 

@@ -2,10 +2,12 @@
 
 The keys: every parallel.* degree (dp, tp, pp, ep), parallel.zero, parallel.offload, train.micro_batch,
 memory.recompute and the execution mode (train.compile, train.compile_mode: planner/modes.py says which
-modes a config allows and when a faster one is taken, each planned with its own fastest layout); parallel.cp and parallel.cp_form too where the pick splits sequences (the search
-tries cp for long ones, search.CP_MIN_SEQ); parallel.schedule, parallel.virtual_stages and
-parallel.stage_layers where the pick is a pipeline (its split is the planner's balanced one, which the
-executor then runs; not under parallel.partition=profiled, which measures its own). A key given (in the TOML or with --set) is kept; the planner searches the rest
+modes a config allows and when a faster one is taken, each planned with its own fastest layout);
+parallel.cp and parallel.cp_form too where the pick splits sequences (the search tries cp for long ones,
+search.CP_MIN_SEQ); parallel.schedule, parallel.virtual_stages and parallel.stage_layers where the pick is
+a pipeline (its split is the planner's balanced one, which the executor then runs; not under
+parallel.partition=profiled, which measures its own). A key given (in the TOML or with --set) is kept; the
+planner searches the rest
 (search.py) for the processes of the job and:
 - on GPUs, takes the fastest layout whose predicted total fits the memory of the device found and whose
   pinned host memory (offload) of one node's GPUs fits the host's memory (MemTotal), exactly as

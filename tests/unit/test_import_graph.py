@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2] / "teratrain"
 # the planner reads their rules from the plans and checks they share (parallel/tp_plan.py,
 # ep_plan.py, support.py, buckets.py, flat.py, pipeline/split.py, ...), never these.
 ENGINES = {f"teratrain.parallel.{m}" for m in (
-    "zero", "zero_gather", "zero_fp8", "zero_state", "data", "sync", "param_server", "tensor", "tp_layers", "tp_overlap",
+    "zero", "zero_gather", "zero_fp8", "zero_state", "data", "sync", "param_server", "tensor", "tp_layers",
+    "tp_overlap",
     "expert", "expert_dedup", "ep_pipeline", "parallelize", "comm", "inflight", "pipeline.runtime", "pipeline.p2p",
     "pipeline.timing", "context",
     "ring_attention")}
