@@ -178,6 +178,12 @@ def float8_linears(model: nn.Module) -> list[nn.Module]:
             if not expert and getattr(child, "gemm", None) is not None]
 
 
+def float8_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights `apply_fp8` runs in float8 where their local shape is `aligned`: the block linears'
+    outside MoE layers (the planner reads them off its meta model, planner/local.py)."""
+    return [child.weight for _, _, child, expert in _block_linears(model) if not expert]
+
+
 def _block_linears(model: nn.Module):
     """(parent, name, linear, inside an MoE layer?) for every linear layer of every block: nn.Linear,
     Fp8Linear, or a tensor-parallel piece that takes a `gemm` (parallel/tp_layers.py)."""

@@ -418,6 +418,8 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
     def state_bytes(self) -> dict[str, int]:
         """Live bytes of this rank's model state; `host` is the part of it held in CPU memory."""
         params = [t for g in self.groups if (t := g.param_shard if self.stage == 3 else g.param_flat) is not None]
+        params += [t for g in self.groups if g.float8 is not None for t in (g.float8.bytes, g.float8.scales,
+                                                                             g.float8.index)]
         grads = [t for g in self.trainable for t in (g.grad_flat, g.grad_shard) if t is not None]
         opt = [t for o in self.optimizers if o for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
         opt += [g.master for g in self.trainable if g.master is not None]

@@ -35,7 +35,8 @@ from teratrain.parallel.ep_plan import expected_ranks
 from teratrain.planner.activations import fp8_weights
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.planner.states import accumulates, dp_buckets, is_expert, rank_layers, stage_params, zero_groups
+from teratrain.planner.states import (accumulates, dp_buckets, gathers_float8, is_expert, rank_layers, stage_params,
+                                      zero_groups)
 
 FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
             "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
@@ -170,7 +171,7 @@ def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
 def float8_gathered(shape: ModelShape, train: Training, lay: Layout, layers: int) -> int:
     """Elements of a rank's weights that ZeRO-3 gathers in float8, 1 byte each (parallel/zero_fp8.py):
     its blocks' float8 linears' weights, under memory.fp8=tensorwise with memory.fp8_gather."""
-    if lay.zero != 3 or train.fp8 != "tensorwise" or not train.fp8_gather or shape.is_bare:
+    if not gathers_float8(train, lay) or shape.is_bare:
         return 0
     return layers * fp8_weights(shape, lay.tp)[0]
 

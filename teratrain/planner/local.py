@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from teratrain.memory.fp8 import aligned, float8_weights
 from teratrain.memory.lora import apply_lora
 from teratrain.models.transformer import Transformer
 from teratrain.parallel.ep_plan import keep_local_experts
@@ -32,6 +33,7 @@ class LocalTensor:
     tied: tuple[str, ...]
     block: str | None  # key of the block holding it (None: embeddings, final norm, head)
     trainable: bool = True  # False: frozen (LoRA's base weights)
+    float8: bool = False  # a weight memory.fp8 runs in float8 (memory/fp8.py: a block linear's, not an expert's)
 
     def numel(self) -> int:  # a method, like a tensor's: buckets.ordered_buckets reads it
         return math.prod(self.shape)
@@ -74,11 +76,13 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
         mark_stages(model, layout, "pp_ends" if shape.cfg.tie_embeddings and stage_rank in (0, pp - 1) else None)
     if shape.cfg.moe.enabled:  # the experts of ep rank 0
         keep_local_experts(model, shape.cfg.moe.num_experts, ep, 0)
+    float8 = {id(w) for w in float8_weights(model)}
     out = []
     for name, p in model.named_parameters():
         pl = placement(p)
         block = name.split(".")[1] if name.startswith("layers.") else None
-        out.append(LocalTensor(name, pl.local_shape(), pl.group, pl.tied, block, p.requires_grad))
+        local = pl.local_shape()
+        out.append(LocalTensor(name, local, pl.group, pl.tied, block, p.requires_grad, id(p) in float8 and aligned(local)))
     return tuple(out)
 
 

@@ -156,11 +156,11 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
         out["end"] = z["biggest"] * (k + (red + temp if dp > 1 else 0)) + max(0, flight - 1) * group * red
         return out
     if lay.pp > 1:  # the stage stays gathered all step; fp32 accumulators reduced once, cast if need be
-        out["gathered"] = z["all_padded"] * k
+        out["gathered"] = (z["all_padded"] - z["float8_padded"]) * k + z["float8_padded"]  # float8 in 1 byte
         out["end"] = min(MAX_INFLIGHT_REDUCES + 1, z["groups"]) * group * red if dp > 1 and red != 4 else 0
         return out
-    root = z["root"]
-    out["gathered"] = (min(2, z["blocks"]) * group + root) * k  # current + prefetched block, root group
+    root, held = z["root"], min(2, z["blocks"])  # current + prefetched block, root group; float8 weights in 1 byte
+    out["gathered"] = (held * (group - z["block_float8"]) + root) * k + held * z["block_float8"]
     out["during"] = flight * group * (red + temp) + group * k + root * k  # the root's grads live all backward
     out["end"] = root * (k + (red + temp if dp > 1 else 0)) + max(0, flight - 1) * group * red
     return out

@@ -178,13 +178,21 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
         if lay.zero == 3:
             keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
             units = [(key, [t for t in tensors if t.block == key]) for key in keys]  # last block first, root last
-            buckets = [(key, b) for key, unit in units for b in ordered_buckets(unit[::-1], math.inf, _key, lambda t: 1)]
+            in8 = gathers_float8(train, lay)  # float8-gathered weights form groups of their own (zero_fp8.py)
+            buckets = [(key, b) for key, unit in units for b in
+                       ordered_buckets(unit[::-1], math.inf, lambda t: _key(t) + (in8 and t.float8,), lambda t: 1)]
         else:
             buckets = [(None, b) for b in ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)]
         return [([t for _, t in b.members], group_size(b.key[0], lay.replicas, lay.tp, lay.ep), key) for key, b in buckets]
     per = max(1, bucket_bytes // w.param)
     sizes = [per] * (local // per) + ([local % per] if local % per else [])
     return [([_Sized((n,))], lay.replicas, i) for i, n in enumerate(sizes)]
+
+
+def gathers_float8(train: Training, lay: Layout) -> bool:
+    """Does ZeRO-3 gather the float8 linears' weights in float8 (memory.fp8=tensorwise with
+    memory.fp8_gather; parallel/zero_fp8.py)?"""
+    return lay.zero == 3 and train.fp8 == "tensorwise" and train.fp8_gather
 
 
 def is_expert(t) -> bool:
@@ -227,17 +235,28 @@ def _zero_summary(shape, train: Training, zero3: bool, tp: int, pp: int, ep: int
              if g.params[0].trainable and getattr(m[0], "group", None) == "pp_ends"]
     owned = tuple(g.shapes[pc.index] if whole else (pc.numel,) for g in trained for pc in g.pieces)
     sums = [g.numel for g in groups] or [0]
+    in8 = gathers_float8(train, lay)
+
+    def is8(members: list) -> bool:  # a group gathered in float8: its members share the flag (zero_groups)
+        return in8 and getattr(members[0], "float8", False)
+
     units: dict = {}  # stage 3 gathers every group of a block together (zero_gather.py)
-    for (_, _, key), g in zip(planned, groups):
+    units8: dict = {}  # of which gathered at 1 byte: float8 groups (zero_fp8.py)
+    for (members, _, key), g in zip(planned, groups):
         units[key] = units.get(key, 0) + g.numel
+        units8[key] = units8.get(key, 0) + (g.numel if is8(members) else 0)
     blocks = [n for key, n in units.items() if key is not None] if zero3 and len(units) > 1 else sums
+    float8 = [g for (m, _, _), g in zip(planned, groups) if is8(m)]
     return tuple({"shard": sum(g.shard_numel for g in trained), "pieces": len(owned), "owned": owned,
                   "padded": sum(g.padded for g in trained),
                   "deferred_padded": sum(g.padded for g in spans), "deferred_shard": sum(g.shard_numel for g in spans),
                   "all_shard": sum(g.shard_numel for g in groups),
                   "all_padded": sum(g.padded for g in groups),
                   "groups": len(sums), "biggest": max(sums), "typical": sorted(sums)[len(sums) // 2],
-                  "block": max(blocks), "blocks": len(blocks),
+                  "block": max(blocks), "blocks": len(blocks), "block_float8": max(units8.values(), default=0),
+                  # each float8 group's kept 1-byte shard, its scales (fp32) and piece index (int64)
+                  "float8_padded": sum(g.padded for g in float8),
+                  "float8_bytes": sum(g.shard_numel + 4 * len(g.params) + 8 * len(g.pieces) for g in float8),
                   "root": units.get(None, 0) if zero3 and len(units) > 1 else sums[-1]}.items())
 
 
@@ -304,6 +323,7 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
         return _replica_states(shape, train, lay, local, w, steps)
     z = zero_summary(shape, train, lay, local)
     shard, pieces, padded = z["shard"], z["pieces"], z["padded"]
+    float8 = z["float8_bytes"]  # the float8-gathered weights' 1-byte shard, kept on the device (zero_fp8.py)
     if lay.zero == 3:  # no low-precision copy of a trainable shard whose fp32 master is on the device (zero.py)
         params = (z["all_shard"] - (shard if w.master and lay.offload == "none" else 0)) * w.param
     else:
@@ -317,9 +337,9 @@ def model_states(shape: ModelShape, train: Training, lay: Layout, device: str = 
     whole = train.optimizer in WHOLE_PARAM_OPTIMIZERS
     opt = optimizer_elems(train, list(owned), sum(map(math.prod, owned)), not whole) * 4 + shard * w.master + steps * pieces
     host = (opt + host_grad if lay.offload != "none" else 0) + (params if lay.offload == "params" else 0)
-    gpu = {"gpu_params": 0 if lay.offload == "params" else params, "gpu_grads": grads,
+    gpu = {"gpu_params": (0 if lay.offload == "params" else params) + float8, "gpu_grads": grads,
            "gpu_optimizer": 0 if lay.offload != "none" else opt}
     if device != "cuda":
         host = 0  # the engine reports host bytes only when there is a device to differ from
-    return {"params": params, "grads": grads + host_grad, "optimizer": opt, "host": host, **gpu,
+    return {"params": params + float8, "grads": grads + host_grad, "optimizer": opt, "host": host, **gpu,
             "local_params": local, "shard": shard, "padded": padded}

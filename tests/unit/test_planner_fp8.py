@@ -59,10 +59,11 @@ def test_cards_without_float8_tensor_cores_are_refused():
 
 def test_zero3_gathers_tensorwise_float8_weights_at_one_byte():
     """Under ZeRO-3 with memory.fp8=tensorwise each block's float8 weights are gathered at 1 byte an
-    element instead of the parameters' 2 (parallel/zero_fp8.py): the gather term drops by exactly the
-    collective's time for (2 - 1) bytes of those elements, gathers counted as before. rowwise, and
-    memory.fp8_gather=false, gather them at 2 bytes."""
+    element instead of the parameters' 2, as a flat group of their own (parallel/zero_fp8.py): one more
+    gather a block, and the gather term is the collective's time for the bytes that remain. rowwise,
+    and memory.fp8_gather=false, gather them at 2 bytes in the block's one group."""
     from teratrain.planner.comm import float8_gathered, on_link, reduce_messages, step_comm
+    from teratrain.planner.states import stage_params
 
     base = [*WIDTH_8B, "parallel.zero=3", "memory.fp8=tensorwise"]
     cfg, wide = load_config(None, base), load_config(None, [*base, "memory.fp8_gather=false"])
@@ -71,10 +72,13 @@ def test_zero3_gathers_tensorwise_float8_weights_at_one_byte():
     float8 = float8_gathered(shape, training_of(cfg), lay, cfg.model.n_layers)
     assert float8 == cfg.model.n_layers * fp8_weights(shape)[0] > 0
     assert float8_gathered(shape, training_of(wide), lay, cfg.model.n_layers) == 0
-    gathers = reduce_messages(shape, training_of(cfg), lay, False, 1)[1]
-    saved = on_link(gpu, "all_gather", 8, 8, 2 * float8, gathers) - on_link(gpu, "all_gather", 8, 8, float8, gathers)
+    local = stage_params(shape, lay)["first"]
+    g_on, g_off = (reduce_messages(shape, training_of(c), lay, False, local)[1] for c in (cfg, wide))
+    assert g_on == g_off + cfg.model.n_layers
     passes = 2 * lay.num_microbatches  # before each micro-batch's forward and its backward
-    assert off - on == pytest.approx(passes * saved, rel=1e-9)
-    assert on < 0.7 * off  # the block linears are most of llama-8b's parameters
+    want_on = on_link(gpu, "all_gather", 8, 8, 2 * local - float8, g_on)
+    assert on == pytest.approx(passes * want_on, rel=1e-9)
+    assert off == pytest.approx(passes * on_link(gpu, "all_gather", 8, 8, 2 * local, g_off), rel=1e-9)
+    assert on < off
     rowwise = load_config(None, [*WIDTH_8B, "parallel.zero=3", "memory.fp8=rowwise"])
     assert float8_gathered(shape_of(rowwise), training_of(rowwise), layout_of(rowwise, 8), 8) == 0

@@ -143,6 +143,26 @@ def test_states_equal_zero_engine_live_bytes(arch, zero, offload, grads):
     assert _live(engine) == {k: pred[k] for k in ("params", "grads", "optimizer")}
 
 
+@pytest.mark.parametrize("offload", ["none", "params"])
+def test_float8_gathered_shard_equals_zero_engine_live_bytes(offload):
+    """ZeRO-3 gathering float8 weights keeps each float8 group's 1-byte shard, its scales and piece
+    index on the device (parallel/zero_fp8.py): live bytes equal the planner's, which exceed the
+    memory.fp8_gather=false plan's by exactly those."""
+    fp8 = ["memory.fp8=tensorwise", "memory.fp8_emulate=true", "parallel.zero=3", f"parallel.offload={offload}"]
+    plans = {}
+    for gather in ("true", "false"):
+        cfg = _cfg("llama", "bf16", "adamw", *fp8, f"memory.fp8_gather={gather}")
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        engine = parallelize(model, Runtime.single("cpu"), cfg)
+        train_step(model, engine, [random_batch(cfg, 2)], "bf16", 1e-4)
+        plans[gather] = model_states(shape_of(cfg), training_of(cfg), Layout(zero=3, offload=offload), device="cpu")
+        assert _live(engine) == {k: plans[gather][k] for k in ("params", "grads", "optimizer")}
+    n_float8 = 3 * 7  # q, k, v, o and the MLP's three in each of the 3 blocks
+    shard = plans["true"]["params"] - plans["false"]["params"]
+    assert shard > 4 * n_float8 and plans["true"]["gpu_params"] - plans["false"]["gpu_params"] == shard
+
+
 def test_sharding_divides_model_states():
     shape = ModelShape(cfg=None, bare_params=8 * 10**9)
     one = model_states(shape, MIXED_ADAM, Layout(dp=8, zero=1))
