@@ -82,7 +82,8 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
         pl = placement(p)
         block = name.split(".")[1] if name.startswith("layers.") else None
         local = pl.local_shape()
-        out.append(LocalTensor(name, local, pl.group, pl.tied, block, p.requires_grad, id(p) in float8 and aligned(local)))
+        in8 = id(p) in float8 and aligned(local)
+        out.append(LocalTensor(name, local, pl.group, pl.tied, block, p.requires_grad, in8))
     return tuple(out)
 
 
