@@ -221,6 +221,7 @@ def measure(sets: list[str], args, single: bool = False) -> dict:
     times = time_steps(step, args.warmup, args.steps, rt.device)
     tokens = tc.global_batch * m.seq_len
     out = summarize(times, tokens, flops_per_token(m), rt.device, cfg.memory.precision)
+    out["step_ms_each"] = [round(t * 1e3, 1) for t in times]  # how many steps a mode takes to reach speed
     out["mfu"] = round(out["mfu"] / rt.dims.workers, 4) if out["mfu"] else None  # peak of every rank
     out["step_ms_max_rank"] = _max_over_ranks(out["step_ms"], rt)
     if moe_layers(model):
