@@ -6,7 +6,8 @@ planner's own pick for the run (its search over FREE: about ten minutes for all 
     python bench/published.py --write-docs     # the same table into docs/published_runs.md, between its markers
 
 A paper that states achieved TFLOP/s per GPU is turned into a step time with the paper's own FLOP count
-(`flops` of a run): the time that FLOP rate takes for one global batch on its GPUs. The ratio is
+(`flops` of a run): the time that FLOP rate takes for one global batch on its GPUs; one that states tokens
+per second per GPU, into the time that rate takes for the global batch's tokens. The ratio is
 predicted / published step time: over 1 the planner is slower than the paper. Runs with
 split = "fit" calibrated the card's GEMM efficiency (bench/calibrate/published_fit.py); the others
 never informed a constant.
@@ -47,9 +48,19 @@ def paper_flops(run: dict) -> float:
     raise ValueError(f"run {run['name']}: flops = {run['flops']!r} is unknown; use \"narayanan21\" or \"dense6n\".")
 
 
+# the figure types a run may state, with the unit the table prints
+FIGURE_UNIT = {"step_s": "s", "tflops_per_gpu": "TFLOP/s", "tokens_per_s_per_gpu": "tokens/s/GPU"}
+
+
 def published_step_s(run: dict) -> float:
+    """The published figure as seconds per global batch (a tokens-per-second figure: the time the run's
+    GPUs take for its global batch of sequences at that rate)."""
+    if run["figure"] not in FIGURE_UNIT:
+        raise ValueError(f"run {run['name']}: figure = {run['figure']!r} is unknown; use one of {sorted(FIGURE_UNIT)}.")
     if run["figure"] == "step_s":
         return float(run["value"])
+    if run["figure"] == "tokens_per_s_per_gpu":
+        return run["global_batch"] * run["seq_len"] / (run["gpus"] * run["value"])
     return paper_flops(run) / (run["gpus"] * run["value"] * 1e12)
 
 
@@ -156,7 +167,7 @@ def _pick_cells(r: dict) -> str:
 
 
 def _figure(run: dict) -> str:
-    return f"{run['value']:g} s" if run["figure"] == "step_s" else f"{run['value']:g} TFLOP/s"
+    return f"{run['value']:g} {FIGURE_UNIT[run['figure']]}"
 
 
 def table(result: list[dict]) -> str:

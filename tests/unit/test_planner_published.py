@@ -28,7 +28,8 @@ def test_published_runs_are_consistent():
         assert run["tp"] * run["pp"] * run["dp"] * run["cp"] == run["gpus"], run["name"]
         assert run["global_batch"] % (run["dp"] * run["micro_batch"]) == 0, run["name"]
         assert run["split"] in ("fit", "held_out") and run["gpu"] in published.CARD, run["name"]
-        assert run["figure"] == "step_s" or run["flops"] in ("narayanan21", "dense6n"), run["name"]
+        assert run["figure"] in published.FIGURE_UNIT, run["name"]
+        assert run["figure"] != "tflops_per_gpu" or run["flops"] in ("narayanan21", "dense6n"), run["name"]
     assert len({r["name"] for r in RUNS}) == len(RUNS)
 
 
@@ -39,6 +40,17 @@ def test_narayanan_flops_give_the_papers_aggregate():
     assert round(502e3 / run["gpus"]) == run["value"]
     step = published.published_step_s(run)
     assert published.paper_flops(run) / (step * run["gpus"]) == pytest.approx(163e12)
+
+
+def test_tokens_per_second_give_the_step_of_the_global_batch():
+    """A tokens-per-second-per-GPU figure is the step of the run's global batch at that rate: llm-foundry's
+    7B row states 85,144 tokens/s on 8 GPUs (10,643 a GPU) for 48 sequences of 2,048 tokens a step."""
+    run = next(r for r in RUNS if r["name"] == "llmfoundry-mpt-7b")
+    assert published.published_step_s(run) == pytest.approx(48 * 2048 / 85144, rel=1e-4)
+    assert published.published_step_s({**run, "value": 2 * run["value"]}) == pytest.approx(
+        published.published_step_s(run) / 2)
+    with pytest.raises(ValueError, match="figure = 'tokens_per_s' is unknown"):
+        published.published_step_s({**run, "figure": "tokens_per_s"})
 
 
 def _cells(line: str) -> list[str]:
