@@ -75,7 +75,7 @@ def picked(shape: tuple[int, ...], repeat: bool) -> str:
         r = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
     choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    return next((b.name for b in SDPBackend if int(b) == choice), str(choice))
+    return next((name for name, b in SDPBackend.__members__.items() if int(b) == choice), str(choice))
 
 
 def main() -> None:
