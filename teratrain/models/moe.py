@@ -84,19 +84,24 @@ class MoE(nn.Module):
         N, K = r.experts.shape
         key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
         w = torch.where(r.routed, r.weights, 0.0)  # (N, K)
+        shared = _Once(lambda: self._shared(flat)) if self.shared_expert is not None else None
         if self.exchange is None:
             ys, lay = self.run_local(flat, key, K)
             out, counts = combine(ys, lay, w.to(ys.dtype), K), lay.counts  # (N, d); all choices dropped: zero
-        else:
-            out, counts = self.exchange(flat, key, w, K, self.router.max_rows(N, K), self)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
-            if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(flat))
-            out = out + shared.to(out.dtype)
+        else:  # the shared experts run while the dispatch moves
+            out, counts = self.exchange(flat, key, w, K, self.router.max_rows(N, K), self, shared)
+        if shared is not None:
+            out = out + shared().to(out.dtype)
         self._set_aux(r)
         self._record(r, counts)
         return self.dropout(out.view(x.shape))
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output on every token (Qwen2-MoE's scaled by its sigmoid gate)."""
+        shared = self.shared_expert(flat)
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(self.shared_expert_gate(flat))
+        return shared
 
     def run_local(self, x: torch.Tensor, key: torch.Tensor, k: int = 1,
                   stacks: dict | None = None) -> tuple[torch.Tensor, Layout]:
@@ -231,6 +236,19 @@ def seed_routing(model: nn.Module, seed: int | None) -> None:
     micro-batch the same way. None returns to the default generator."""
     for _, m in moe_layers(model):
         m.routing_seed = seed
+
+
+class _Once:
+    """A value computed at its first call and kept: the shared experts' output, which an exchange
+    computes while its dispatch moves (parallel/ep_pipeline.py) and the layer adds after."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
 
 
 def expert_biases(model: nn.Module) -> dict[str, list[float]]:

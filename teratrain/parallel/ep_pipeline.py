@@ -29,14 +29,18 @@ class Exchange:
         return self.mesh.group("ep")
 
 
-def pipeline(send: torch.Tensor, splits: list[tuple[list[int], list[int]]], experts_on, moe, group) -> torch.Tensor:
+def pipeline(send: torch.Tensor, splits: list[tuple[list[int], list[int]]], experts_on, moe, group,
+             under=None) -> torch.Tensor:
     """send (rows, d) chunk after chunk; splits[c] = (rows chunk c receives from each rank, rows it
-    sends to each). Every chunk's dispatch is launched first; chunk c's experts
-    (experts_on(c, received rows, stacks) -> their outputs in the same row order) wait only for
-    dispatch c, and its combine is launched right after them, under chunk c + 1's experts.
-    Returns the combined rows, chunk after chunk. Backward mirrors it (parallel/expert.py's docstring)."""
+    sends to each). Every chunk's dispatch is launched first, then `under()` runs beneath them (the
+    shared experts: models/moe.py); chunk c's experts (experts_on(c, received rows, stacks) -> their
+    outputs in the same row order) wait only for dispatch c, and its combine is launched right after
+    them, under chunk c + 1's experts. Returns the combined rows, chunk after chunk. Backward mirrors
+    it (parallel/expert.py's docstring)."""
     pieces = send.split([sum(sent) for _, sent in splits]) if len(splits) > 1 else [send]
     arriving = [comm.launch_rows(p, got, sent, group) for p, (got, sent) in zip(pieces, splits)]
+    if under is not None:
+        under()
     stacks = moe.stacked(send)  # the weights cast once, under the first dispatch
     leaving = []
     for c, ((rows, ex), (got, sent)) in enumerate(zip(arriving, splits)):

@@ -128,11 +128,12 @@ class ExpertExchange(Exchange):
     """Dispatch and combine for one MoE layer: `MoE.exchange`."""
 
     def __call__(self, flat: torch.Tensor, key: torch.Tensor, w: torch.Tensor, k: int, slot: int | None,
-                 moe) -> tuple[torch.Tensor, torch.Tensor]:
+                 moe, under=None) -> tuple[torch.Tensor, torch.Tensor]:
         """flat (N, d) this rank's tokens; key (N*k,) the global expert of each choice (n: not sent); w
         (N, k) their gate weights. Returns (N, d) the weighted sum of each token's expert outputs and
         (n,) the rows routed to each expert. `slot`: the most rows one expert can take (its capacity),
-        or None without a limit."""
+        or None without a limit. `under()`: work that needs no exchanged row, run while the dispatch
+        moves (ep_pipeline.pipeline)."""
         n = self.ep * self.local
         if slot is None and comm.traced():  # dropless, compiled: padded to the most an expert can take
             slot = flat.shape[0]
@@ -140,12 +141,12 @@ class ExpertExchange(Exchange):
         recv = torch.empty_like(lay.counts)  # recv[s * local + j]: rows rank s sends to this rank's expert j
         comm.all_to_all(recv, lay.counts, [self.local] * self.ep, [self.local] * self.ep, self.group)  # no read-back
         if slot is not None:
-            ys, lay = self._padded(flat, lay, k, recv.view(self.ep, self.local), slot, moe)
+            ys, lay = self._padded(flat, lay, k, recv.view(self.ep, self.local), slot, moe, under)
         else:
-            ys, lay = self._counted(flat, lay, k, recv.view(self.ep, self.local), moe)
+            ys, lay = self._counted(flat, lay, k, recv.view(self.ep, self.local), moe, under)
         return combine(ys, lay, w.to(ys.dtype), k), lay.counts
 
-    def _padded(self, flat, lay: Layout, k: int, recv, slot: int, moe) -> tuple[torch.Tensor, Layout]:
+    def _padded(self, flat, lay: Layout, k: int, recv, slot: int, moe, under) -> tuple[torch.Tensor, Layout]:
         """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank;
         chunk c carries slots [lo_c, lo_c+1) of every expert (`piece_bounds`)."""
         n, lo = self.ep * self.local, piece_bounds(slot, self.chunks)
@@ -159,9 +160,9 @@ class ExpertExchange(Exchange):
             used = torch.arange(lo[c], lo[c + 1], device=flat.device) < recv.unsqueeze(-1)  # (ep, local, slots)
             return combine(*moe.run_local(got, torch.where(used, experts, self.local).flatten(), stacks=stacks))
 
-        return pipeline(send, [([b] * self.ep, [b] * self.ep) for b in blocks], experts_on, moe, self.group), lay
+        return pipeline(send, [([b] * self.ep, [b] * self.ep) for b in blocks], experts_on, moe, self.group, under), lay
 
-    def _counted(self, flat, lay: Layout, k: int, recv, moe) -> tuple[torch.Tensor, Layout]:
+    def _counted(self, flat, lay: Layout, k: int, recv, moe, under) -> tuple[torch.Tensor, Layout]:
         """Exactly the routed rows, with split sizes read back to the host (all_to_all_single takes
         them there): the layer's one device-to-host copy, which also gives every chunk's splits."""
         n, C = self.ep * self.local, self.chunks
@@ -179,7 +180,7 @@ class ExpertExchange(Exchange):
             key = experts.repeat_interleave(pieces[c + 1] - pieces[c], output_size=sum(splits[c][0]))
             return combine(*moe.run_local(got, key, stacks=stacks))
 
-        back = with_a_row(pipeline(send, splits, experts_on, moe, self.group))
+        back = with_a_row(pipeline(send, splits, experts_on, moe, self.group, under))
         return back, lay.first(back.shape[0])
 
 

@@ -68,9 +68,9 @@ class DedupExchange(Exchange):
     """`MoE.exchange` sending one row per (token, destination rank) (module docstring)."""
 
     def __call__(self, flat: torch.Tensor, key: torch.Tensor, w: torch.Tensor, k: int, slot: int | None,
-                 moe) -> tuple[torch.Tensor, torch.Tensor]:
+                 moe, under=None) -> tuple[torch.Tensor, torch.Tensor]:
         """As expert.py's ExpertExchange: (N, d) the weighted sum of each token's expert outputs, (n,) the
-        rows routed to each expert."""
+        rows routed to each expert; `under()` runs while the dispatch moves."""
         N, n = flat.shape[0], self.ep * self.local
         assert self.local <= MAX_LOCAL, "check_ep refuses more local experts than the ids carry exactly"
         counts = torch.zeros(n + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))[:n]
@@ -79,9 +79,9 @@ class DedupExchange(Exchange):
         if slot is None and comm.traced():  # dropless, compiled: a token goes to a rank at most once
             slot = N
         if slot is not None:
-            back, lay = self._padded_ranks(flat, meta, dest, min(N, self.local * slot), moe)
+            back, lay = self._padded_ranks(flat, meta, dest, min(N, self.local * slot), moe, under)
         else:
-            back, lay = self._counted_ranks(flat, meta, dest, moe)
+            back, lay = self._counted_ranks(flat, meta, dest, moe, under)
         return combine(back, lay, back.new_ones(N, self.ep), self.ep), counts
 
     def _rows(self, flat: torch.Tensor, meta: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -99,7 +99,7 @@ class DedupExchange(Exchange):
             return combine(ys, lay, got[:, d:d + m].to(ys.dtype), m)  # (rows, d)
         return run
 
-    def _padded_ranks(self, flat, meta, dest, per_rank: int, moe) -> tuple[torch.Tensor, Layout]:
+    def _padded_ranks(self, flat, meta, dest, per_rank: int, moe, under) -> tuple[torch.Tensor, Layout]:
         """`per_rank` fixed slots for each destination rank, unused ones zero (ids none); chunk c carries
         slots [lo_c, lo_c+1) of every rank."""
         lay = slotted_layout(dest, self.ep, per_rank)
@@ -108,9 +108,9 @@ class DedupExchange(Exchange):
         lo = piece_bounds(per_rank, self.chunks)
         splits = [([b - a] * self.ep, [b - a] * self.ep) for a, b in zip(lo, lo[1:])]
         send = self._rows(flat, meta, lay)
-        return pipeline(send, splits, self._experts_on(moe, meta.shape[1] // 2), moe, self.group), lay
+        return pipeline(send, splits, self._experts_on(moe, meta.shape[1] // 2), moe, self.group, under), lay
 
-    def _counted_ranks(self, flat, meta, dest, moe) -> tuple[torch.Tensor, Layout]:
+    def _counted_ranks(self, flat, meta, dest, moe, under) -> tuple[torch.Tensor, Layout]:
         """Exactly the (token, rank) rows: their counts exchanged and read back (the one device-to-host
         copy of the layer, which gives every chunk's splits too)."""
         lay = grouped_layout(dest, self.ep)
@@ -122,5 +122,5 @@ class DedupExchange(Exchange):
         if self.chunks > 1:
             lay = chunk_major(lay, lay.counts, self.chunks)
         send = self._rows(flat, meta, lay.first(sum(sent_rows)))
-        back = with_a_row(pipeline(send, splits, self._experts_on(moe, meta.shape[1] // 2), moe, self.group))
+        back = with_a_row(pipeline(send, splits, self._experts_on(moe, meta.shape[1] // 2), moe, self.group, under))
         return back, lay.first(back.shape[0])

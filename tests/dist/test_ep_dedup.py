@@ -95,3 +95,40 @@ def test_ep2_dedup_compiled():
 
     compiled_compare([DEDUP + ["parallel.ep=2"], DROPS + ["parallel.ep=2", "parallel.ep_overlap_chunks=2"],
                       DEDUP + ["parallel.ep=2", "parallel.ep_dedup=false"]], world=2)  # N slots per expert
+
+
+def _event_order(rank: int, world: int, overrides: list[str]) -> list[str]:
+    """One forward: the order in which each MoE layer launches and lands its exchanges' rows and runs
+    its shared expert."""
+    from teratrain.models.moe import moe_layers
+    from teratrain.parallel import comm
+
+    cfg, _, model, _ = build(overrides)
+    events, launch, land = [], comm.launch_rows, comm.land_rows
+
+    def launched(*a):
+        events.append("launch")
+        return launch(*a)
+
+    def landed(*a):
+        events.append("land")
+        return land(*a)
+
+    comm.launch_rows, comm.land_rows = launched, landed
+    for _, layer in moe_layers(model):
+        layer.shared_expert.register_forward_hook(lambda *_: events.append("shared"))
+    try:
+        model(torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank)))
+    finally:
+        comm.launch_rows, comm.land_rows = launch, land
+    return events
+
+
+@pytest.mark.parametrize("dedup, chunks", [("true", 1), ("false", 2)])
+def test_shared_experts_run_while_the_dispatch_moves(dedup, chunks):
+    """Every dispatch is launched before the shared expert runs, and its rows land after: the shared
+    experts' GEMMs overlap the exchange (ep_pipeline.pipeline), on both exchanges, whole and chunked."""
+    layout = SHARED + ["parallel.ep=2", f"parallel.ep_dedup={dedup}", f"parallel.ep_overlap_chunks={chunks}"]
+    for events in run_ranks(_event_order, 2, layout):
+        layer = ["launch"] * chunks + ["shared"] + ["land", "launch"] * chunks + ["land"] * chunks
+        assert events == layer * (len(events) // len(layer)) and len(events) >= len(layer), events
