@@ -17,10 +17,11 @@ and optimizer step, over the whole global batch), both averaged over the layers,
 - `max_over_mean_summed` (the target's figure): the busiest expert's load summed over the last
   `--window` steps over the mean of those sums, 1 + MaxVio_global of Wang et al. 2024 (Loss-Free
   Balancing, sec. 4.1) over the window's 102,400 tokens. The bias moves each expert's expected load;
-  at 16 sequences a step, which expert is busiest in one step follows the batch's text (16 files'
-  worth of correlated tokens: an expert's per-step load varies ~3x as much as under independent
-  tokens, uncorrelated from one step to the next), which no update made after the step can undo.
-  DeepSeek-V3's steps hold millions of tokens, where the two figures meet.
+  at 16 sequences a step, which expert is busiest in one step follows the batch's text (16 runs of
+  64 correlated tokens: an expert's per-step load varies 2.4-3x as much as under independent tokens,
+  with the aux loss too, and uncorrelated from one step to the next: `load_std_over_independent`,
+  `load_lag1_autocorr`), which no update made after the step can undo. DeepSeek-V3's steps hold
+  millions of tokens, where the two figures meet.
 - `max_over_mean`: the same ratio per step, averaged over the window's steps (`_worst`: the worst
   layer-step), kept as before.
 Then the mean training loss over the window (`loss_window`), the last step's (`final_loss`), the wall
