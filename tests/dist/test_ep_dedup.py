@@ -89,12 +89,13 @@ def test_rows_sent_are_the_distinct_token_rank_pairs(world):
 def test_ep2_dedup_compiled():
     """train.compile (aot_eager, one graph, no graph break; test_moe_compile.py's check): the padded
     deduplicated exchange, N slots per destination rank dropless and min(N, n/ep x capacity) with
-    drops, the latter in 2 chunks, and the per-choice one (N slots per expert); equal to one process
-    eager."""
+    drops, the latter in 2 chunks, and the per-choice one (N slots per expert), and the shared expert
+    traced between the dispatch and its landing; equal to one process eager."""
     from test_moe_compile import _compare as compiled_compare
 
     compiled_compare([DEDUP + ["parallel.ep=2"], DROPS + ["parallel.ep=2", "parallel.ep_overlap_chunks=2"],
-                      DEDUP + ["parallel.ep=2", "parallel.ep_dedup=false"]], world=2)  # N slots per expert
+                      DEDUP + ["parallel.ep=2", "parallel.ep_dedup=false"],  # N slots per expert
+                      SHARED + ["parallel.ep=2"]], world=2)
 
 
 def _event_order(rank: int, world: int, overrides: list[str]) -> list[str]:
