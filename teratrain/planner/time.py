@@ -69,6 +69,11 @@ OPS_OUTSIDE = 60
 # an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
 # GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
 OPS_MOE_EXTRA = (95, 48)
+# Each expert is its own parameters, each gradient accumulated by its own op every micro-batch: a
+# layer of E local experts issues (E - OPS_MOE_EXPERTS) x (its parameter tensors) ops more than the
+# count above (bench/calibrate/moe_host_ops.py's block: 376, 388, 412, 460 ops at 4, 8, 16, 32 SwiGLU
+# experts). They run outside a compiled graph (autograd's AccumulateGrad), so compiling keeps them.
+OPS_MOE_EXPERTS = 4
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
 # Python and index arithmetic each than a dense block's. Fitted (calibration/common.toml says on what).
@@ -281,17 +286,29 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     layers = rank_layers(shape, lay)
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
-                 + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay)))
+                 + expert_grad_ops(shape, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay)))
+
+
+def expert_grad_ops(shape: ModelShape, lay: Layout) -> float:
+    """The gradient accumulations of one rank's experts beyond the OPS_MOE_EXPERTS that OPS_MOE_EXTRA
+    counts, a step: one op per expert parameter tensor per micro-batch (negative below that count)."""
+    if shape.num_experts == 1:
+        return 0.0
+    c = shape.cfg
+    leaves = (3 if c.arch == "llama" else 2) * (2 if c.use_bias else 1)
+    local = shape.num_experts // lay.ep
+    return rank_layers(shape, lay) * shape.moe_share * leaves * (local - OPS_MOE_EXPERTS) * lay.num_microbatches
 
 
 def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     """Ops (kernels) one rank issues per step: eager_ops, or compiled, the model's share of them at
-    COMPILED_OPS_SHARE (the optimizer step, one op per parameter tensor and its fused kernels, stays eager)."""
+    COMPILED_OPS_SHARE (the optimizer step, one op per parameter tensor and its fused kernels, and the
+    experts' gradient accumulations stay eager)."""
     ops = eager_ops(shape, train, lay)
     if not train.compiled:
         return ops
-    tensors = len(shape.param_shapes()) // lay.pp
-    return (ops - tensors) * COMPILED_OPS_SHARE + tensors
+    eager = len(shape.param_shapes()) // lay.pp + expert_grad_ops(shape, lay)
+    return (ops - eager) * COMPILED_OPS_SHARE + eager
 
 
 def fused_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> float:
