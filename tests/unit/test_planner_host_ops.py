@@ -61,3 +61,31 @@ def test_the_moe_share_follows_the_stage_and_the_dropless_readback(monkeypatch):
     monkeypatch.setattr(planner_time, "MOE_HOST_OP_SHARE", 1.0)
     plain = planner_time._readback_s(shape, train, lay, gpu, busy=1e9)
     assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * 4 * fwd * gpu.host_op_s) < 1e-12
+
+
+def test_each_local_expert_adds_its_gradient_accumulations():
+    """A block of E experts issues its parameter tensors' accumulations once more per expert, counted
+    live (bench/calibrate/moe_host_ops.py's block, SwiGLU: 3 tensors an expert); the planner's
+    expert_grad_ops is that count beyond OPS_MOE_EXPERTS, per local expert, layer and micro-batch, and
+    stays eager when compiled, as the optimizer's op per tensor does."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(root / "bench"), str(root / "bench" / "calibrate")]
+    from moe_host_ops import block_step
+
+    from teratrain.planner.time import OPS_MOE_EXPERTS, expert_grad_ops, issued_ops
+
+    live = {n: block_step([f"model.moe.num_experts={n}", "model.moe.top_k=2"])[1] for n in (4, 12)}
+    assert live[12] - live[4] == 3 * 8
+    sets = ["model.preset=llama-1b", "model.n_layers=2", "model.moe.num_experts=12", "model.moe.top_k=2",
+            "train.global_batch=6", "train.micro_batch=2"]
+    shape, train = shape_of(load_config(None, sets)), training_of(load_config(None, sets))
+    lay = Layout(micro_batch=2, num_microbatches=3)
+    assert expert_grad_ops(shape, lay) == 2 * 3 * (12 - OPS_MOE_EXPERTS) * 3  # 2 layers, 3 tensors, 3 micro-batches
+    assert expert_grad_ops(shape, dataclasses.replace(lay, ep=6, dp=6)) == 2 * 3 * (2 - OPS_MOE_EXPERTS) * 3
+    compiled = dataclasses.replace(train, compiled=True)
+    more = dataclasses.replace(shape, cfg=load_config(None, sets[:2] + ["model.moe.num_experts=20"] + sets[3:]).model)
+    # 8 experts more: 48 tensors, each accumulated in 3 micro-batches and stepped once, all eager
+    assert issued_ops(more, compiled, lay) - issued_ops(shape, compiled, lay) == 2 * 3 * 8 * (3 + 1)
