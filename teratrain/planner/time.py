@@ -220,6 +220,24 @@ def moe_flops(shape: ModelShape, tokens: float) -> float:
     return 6 * tokens * c.n_layers * shape.moe_share * shape.top_k * mlp
 
 
+def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: every
+    micro-batch, each MoE layer stacks its local experts' weights in the compute dtype (read the
+    parameter, write the copy: models/grouped.py stack_cast), casts their gradient back (read, write)
+    and, after the first micro-batch, adds it to the accumulated one (read both, write). The fitted
+    rates price that traffic for the top_k experts a token runs (a dense MLP's weights, cast by autocast,
+    move as much per FLOP), so only the local experts beyond top_k are charged: nothing where a rank holds
+    top_k of them, most of the step for many fine-grained experts (128 of width 768, top-8)."""
+    if shape.num_experts == 1:
+        return 0.0
+    c, w = shape.cfg, train.widths(lay.zero, lay.offload)
+    mats = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim // (lay.tp if lay.tp_form == "megatron" else 1)
+    idle = max(0, shape.num_experts // lay.ep - shape.top_k) * mats * rank_layers(shape, lay) * shape.moe_share
+    m = lay.num_microbatches
+    cast = (w.param + w.compute) + (w.compute + w.grad if w.compute != w.grad else 0)
+    return idle * (m * cast + (m - 1) * 3 * w.grad) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+
+
 def head_flops(shape: ModelShape, tokens: float) -> float:
     """The LM head's share of the model FLOPs: forward and backward of the (d, V) matmul, 6*d*V per
     token (never recomputed: the policies replay blocks)."""
@@ -430,7 +448,7 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: 
     rate = gpu.sustained_flops(train.precision, shape.cfg.d_model)
     speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
     rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu)
-    return rest / rate + fp8_flops / (rate * speedup) + cast_s, flops, replay
+    return rest / rate + fp8_flops / (rate * speedup) + cast_s + expert_stack_s(shape, train, lay, gpu), flops, replay
 
 
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:
