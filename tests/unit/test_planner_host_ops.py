@@ -89,3 +89,20 @@ def test_each_local_expert_adds_its_gradient_accumulations():
     more = dataclasses.replace(shape, cfg=load_config(None, sets[:2] + ["model.moe.num_experts=20"] + sets[3:]).model)
     # 8 experts more: 48 tensors, each accumulated in 3 micro-batches and stepped once, all eager
     assert issued_ops(more, compiled, lay) - issued_ops(shape, compiled, lay) == 2 * 3 * 8 * (3 + 1)
+
+
+def test_only_experts_beyond_top_k_pay_for_their_stacks():
+    """expert_stack_s: bf16 autocast over fp32 parameters, each micro-batch the weight stack (4 + 2
+    bytes), the gradient's cast back (2 + 4), after the first micro-batch its accumulation (3 x 4), for
+    the local experts beyond top_k only: none at ep = num_experts / top_k."""
+    from teratrain.planner.time import expert_stack_s
+
+    sets = ["model.preset=llama-1b", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2",
+            "memory.precision=bf16", "train.global_batch=6", "train.micro_batch=2"]
+    cfg = load_config(None, sets)
+    shape, train, gpu = shape_of(cfg), training_of(cfg), GPUS["h200"]
+    lay = Layout(micro_batch=2, num_microbatches=3)
+    idle = (8 - 2) * 3 * cfg.model.d_model * cfg.model.expert_ffn_dim * 2  # experts, matrices, layers
+    hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
+    assert abs(expert_stack_s(shape, train, lay, gpu) - idle * (3 * (6 + 6) + 2 * 12) / hbm) < 1e-12
+    assert expert_stack_s(shape, train, dataclasses.replace(lay, dp=4, ep=4), gpu) == 0  # 2 local = top_k
