@@ -1,0 +1,81 @@
+"""The experts' grouped GEMM rate by expert width and rows per expert, against one dense GEMM of the same
+rows: the data behind the planner's expert rate (calibration `moe_efficiency`, one constant today).
+
+    python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, about a minute
+
+One SwiGLU expert MLP per group, as models/grouped.py runs it: h = silu(x W1_g^T) * (x W3_g^T), y = h W2_g^T
+through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, 16 groups of R rows
+each, for expert widths 256-4096 and R 128-4096. The dense row runs the same MLP on all 16 R rows with one
+weight (the rate the planner prices a dense MLP at). TFLOP/s count 6 FLOPs per weight and row (forward 2,
+backward 4); median of 20 timed calls after 3 warm-up ones. `share`: grouped over dense TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, without installing
+
+from teratrain import compat  # noqa: E402
+
+D, GROUPS = 2048, 16
+WIDTHS = (256, 512, 768, 1024, 1408, 2048, 2816, 4096)
+ROWS = (128, 256, 512, 1024, 2048, 4096)
+
+
+def _mlp_ms(rows: int, width: int, groups: int, iters: int) -> float:
+    """Median ms of one forward + backward of the expert MLP over `groups` groups of `rows` rows."""
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(groups * rows, D, device=dev, dtype=bf16, requires_grad=True)
+    w1, w3 = (torch.randn(groups, width, D, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(groups, D, width, device=dev, dtype=bf16, requires_grad=True)
+    offs = torch.arange(1, groups + 1, device=dev, dtype=torch.int32) * rows
+    grad = torch.randn(groups * rows, D, device=dev, dtype=bf16)
+
+    def gmm(a, w):
+        if groups == 1:
+            return a @ w[0].t()
+        return compat.grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gmm(F.silu(gmm(x, w1)) * gmm(x, w3), w2).backward(grad)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out")
+    a = p.parse_args()
+    rows_out = []
+    for width in WIDTHS:
+        for rows in ROWS:
+            flops = 6 * 3 * GROUPS * rows * D * width
+            grouped = _mlp_ms(rows, width, GROUPS, a.iters)
+            dense = _mlp_ms(rows * GROUPS, width, 1, a.iters)
+            row = {"width": width, "rows_per_group": rows, "grouped_tflops": round(flops / grouped / 1e9, 1),
+                   "dense_tflops": round(flops / dense / 1e9, 1), "share": round(dense / grouped, 3)}
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+    out = {"bench": "grouped_gemm", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "d_model": D, "groups": GROUPS, "rows": rows_out}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
