@@ -121,7 +121,8 @@ def verdicts(runs: dict, rates: list[float]) -> dict:
         b = runs[f"bias {rate:g}"]
         out[f"bias {rate:g}"] = {
             "summed_vs_aux": b["max_over_mean_summed"] / a["max_over_mean_summed"],
-            "per_step_vs_aux": b["max_over_mean"] / a["max_over_mean"], "loss_vs_aux": b["loss_window"] / a["loss_window"],
+            "per_step_vs_aux": b["max_over_mean"] / a["max_over_mean"],
+            "loss_vs_aux": b["loss_window"] / a["loss_window"],
             "target_met": b["max_over_mean_summed"] <= TARGET and b["loss_window"] <= a["loss_window"]}
     return out
 

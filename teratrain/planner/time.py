@@ -231,7 +231,8 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     if shape.num_experts == 1:
         return 0.0
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
-    mats = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim // (lay.tp if lay.tp_form == "megatron" else 1)
+    split = lay.tp if lay.tp_form == "megatron" else 1  # the per-layer tp forms keep experts whole
+    mats = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim // split
     idle = max(0, shape.num_experts // lay.ep - shape.top_k) * mats * rank_layers(shape, lay) * shape.moe_share
     m = lay.num_microbatches
     cast = (w.param + w.compute) + (w.compute + w.grad if w.compute != w.grad else 0)

@@ -14,7 +14,8 @@ from teratrain.train import run
 
 RATE, STEPS, BATCH, MICRO, SEQ, K = 0.01, 3, 8, 2, 32, 2
 SETS = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", f"model.seq_len={SEQ}", "model.moe.num_experts=8",
-        f"model.moe.top_k={K}", "model.moe.router=softmax-topk", "model.moe.balance=bias", f"model.moe.bias_rate={RATE}",
+        f"model.moe.top_k={K}", "model.moe.router=softmax-topk", "model.moe.balance=bias",
+        f"model.moe.bias_rate={RATE}",
         f"train.global_batch={BATCH}", f"train.micro_batch={MICRO}", f"train.steps={STEPS}", "train.eval_batches=0",
         f"checkpoint.every={STEPS}", "metrics.progress=false", "train.device=cpu"]
 
