@@ -57,6 +57,7 @@ TRAIN = ["train.global_batch=16", "train.micro_batch=16", "optim.lr=3e-3", "trai
          "checkpoint.every=0", "metrics.progress=false"]
 AUX = ["model.moe.balance=aux", "model.moe.aux_loss_weight=0.01"]
 RATES = (1e-3, 3e-3, 1e-2)
+TARGET = 1.2  # busiest expert over the mean, load summed over the window (DeepSeek-V3's ~1.2x)
 
 
 def bias_sets(rate: float) -> list[str]:
@@ -125,9 +126,6 @@ def verdicts(runs: dict, rates: list[float]) -> dict:
             "loss_vs_aux": b["loss_window"] / a["loss_window"],
             "target_met": b["max_over_mean_summed"] <= TARGET and b["loss_window"] <= a["loss_window"]}
     return out
-
-
-TARGET = 1.2  # busiest expert over the mean, load summed over the window (DeepSeek-V3's ~1.2x)
 
 
 def main() -> None:
