@@ -1,19 +1,25 @@
-"""The experts' grouped GEMM rate by expert width and rows per expert, against one dense GEMM of the same
-rows: the data behind the planner's expert rate (calibration `moe_efficiency`, one constant today).
+"""planner/hardware.py GPU.grouped_half_work: the experts' grouped GEMM rate by expert width and rows per
+expert, against one dense GEMM of the same rows, and the constant fitted on it.
 
     python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, about a minute
+    python bench/calibrate/grouped_gemm.py --fit FILE [--card h200] [--write]   # the fit (CPU), into <card>.toml
 
 One SwiGLU expert MLP per group, as models/grouped.py runs it: h = silu(x W1_g^T) * (x W3_g^T), y = h W2_g^T
 through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, 16 groups of R rows
 each, for expert widths 256-4096 and R 128-4096. The dense row runs the same MLP on all 16 R rows with one
 weight (the rate the planner prices a dense MLP at). TFLOP/s count 6 FLOPs per weight and row (forward 2,
 backward 4); median of 20 timed calls after 3 warm-up ones. `share`: grouped over dense TFLOP/s.
+
+The fit: the planner runs a compiled step's experts at its dense rate at this d_model (GPU.sustained_flops)
+times w / (w + grouped_half_work), w = rows x width of one expert's GEMM; grouped_half_work is the value of
+least squared log error over the rows of width >= 512 (narrower ones are not a width models use).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -56,11 +62,42 @@ def _mlp_ms(rows: int, width: int, groups: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def fit(result: dict, card: str) -> tuple[float, float]:
+    """(grouped_half_work, rms log error) of a measurement against `card`'s dense rate at its d_model."""
+    from teratrain.planner.hardware import GPUS
+
+    dense = GPUS[card].sustained_flops("bf16", result["d_model"]) / 1e12
+    rows = [(r["rows_per_group"] * r["width"], r["grouped_tflops"] / dense) for r in result["rows"] if r["width"] >= 512]
+
+    def err(half: float) -> float:
+        return statistics.fmean((math.log(share) - math.log(w / (w + half))) ** 2 for w, share in rows)
+
+    half = min(range(10_000, 4_000_001, 10_000), key=err)
+    return half, math.sqrt(err(half))
+
+
+def write(card: str, half: float, rms: float, source: str) -> None:
+    from teratrain.planner.refit import write_calibration
+
+    write_calibration(card, {"grouped_half_work": {
+        "value": half, "source": "bench/calibrate/grouped_gemm.py --write", "runs": [source],
+        "fit_error": f"rate, the rows of width >= 512: {rms:.0%} rms (log)"}})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out")
+    p.add_argument("--fit", metavar="RESULT", help="fit grouped_half_work on a result of this script instead")
+    p.add_argument("--card", default="h200", help="the card the result was measured on")
+    p.add_argument("--write", action="store_true", help="with --fit: write it into planner/calibration/<card>.toml")
     a = p.parse_args()
+    if a.fit:
+        half, rms = fit(json.loads(Path(a.fit).read_text()), a.card)
+        print(json.dumps({"grouped_half_work": half, "rms_log_error": round(rms, 4)}))
+        if a.write:
+            write(a.card, half, rms, a.fit)
+        return
     rows_out = []
     for width in WIDTHS:
         for rows in ROWS:

@@ -82,6 +82,9 @@ class GPU:
     flops_d_half: float = _REFERENCE["flops_d_half"]  # width at which bf16/fp16 reaches half of flops_max
     flops_efficiency_fp32: float = _REFERENCE["flops_efficiency_fp32"]
     moe_efficiency: float = _REFERENCE["moe_efficiency"]  # MoE expert FLOPs' rate, share of the dense rate
+    # Compiled, the experts' grouped GEMM at the dense rate x w / (w + grouped_half_work), w = an expert's
+    # rows times its width per micro-batch (bench/calibrate/grouped_gemm.py)
+    grouped_half_work: float = _REFERENCE["grouped_half_work"]
     # memory.fp8: a float8 GEMM (torch._scaled_mm, bf16 output) against the bf16 GEMM of the same shape,
     # by recipe. Cards without float8 tensor cores have no "fp8" peak (metrics.GPU_PEAK_TFLOPS): the
     # planner refuses memory.fp8 on them.

@@ -149,16 +149,30 @@ def model_flops(shape: ModelShape, tokens: float) -> float:
     return flops_per_token(shape.cfg) * tokens
 
 
-def moe_extra_flops(lay: Layout, moe: float, gpu: GPU) -> float:
+def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
+    """The experts' rate as a share of the dense rate. Eager: gpu.moe_efficiency, fitted on eager steps
+    (the grouped GEMMs and the permutations' kernels around them). Compiled (the permutations fused into
+    few kernels, priced with the rest of the step): the grouped GEMM's own rate, w / (w + gpu.grouped_half_work)
+    for w = an expert's rows (a micro-batch's tokens x top_k over the experts, which expert parallelism
+    gathers from its ep ranks) times its width (bench/calibrate/grouped_gemm.py)."""
+    if not train.compiled or shape.num_experts == 1:
+        return gpu.moe_efficiency
+    c = shape.cfg
+    width = c.expert_ffn_dim / (lay.tp if lay.tp_form == "megatron" else 1)
+    work = lay.tokens(c.seq_len) * shape.top_k * lay.ep / shape.num_experts * width
+    return work / (work + gpu.grouped_half_work)
+
+
+def moe_extra_flops(lay: Layout, moe: float, gpu: GPU, efficiency: float | None = None) -> float:
     """What one rank's MoE layers cost beyond their experts' FLOPs at the dense rate, as FLOPs at that
-    rate: the experts run at gpu.moe_efficiency (small grouped GEMMs and the permutations around them).
+    rate: the experts run at `efficiency` of it (`expert_efficiency`; gpu.moe_efficiency by default).
     Pipeline stages split it. Tensor parallelism does not: in the megatron form every tp rank routes
     and permutes all of its tokens (parallel/tensor.py, the MoE region) and only the experts' weights
     are split; the per-layer forms keep MoE layers whole on every tp rank, FLOPs too, so rank_flops'
     division by tp is taken back (divided by tp, this term plans the recorded MoE rows with tp up to 28%
     fast)."""
     whole = moe / lay.pp
-    extra = whole * (1 / gpu.moe_efficiency - 1)
+    extra = whole * (1 / (efficiency or gpu.moe_efficiency) - 1)
     if lay.tp_form != "megatron":
         extra += whole * (1 - 1 / lay.tp)
     return extra
@@ -448,7 +462,7 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: 
     fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)
     rate = gpu.sustained_flops(train.precision, shape.cfg.d_model)
     speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
-    rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu)
+    rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu, expert_efficiency(shape, train, lay, gpu))
     return rest / rate + fp8_flops / (rate * speedup) + cast_s + expert_stack_s(shape, train, lay, gpu), flops, replay
 
 
