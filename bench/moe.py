@@ -386,6 +386,8 @@ def worker(args) -> None:
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
     base += args.set  # every model, dense and MoE alike (e.g. memory.master_weights=true)
+    ran = load_config(None, base).train  # the batch the runs take (--set may change the micro-batch)
+    batch = (ran.micro_batch, ran.global_batch)
     if args.compile and args.smoke:
         smoke_compile()
     runs = models(args.smoke, eps, args.a2a_chunks, args.shape, args.capacity)
@@ -397,12 +399,12 @@ def worker(args) -> None:
     for name, sets in runs.items():  # the speeds first: a run cut short by a time limit keeps those it measured
         results[name] = measure(base + sets, args)
         if int(os.environ["RANK"]) == 0 and args.out:
-            Path(args.out).write_text(_report(args, world, eps, mb, None, results, partial=True))
+            Path(args.out).write_text(_report(args, world, eps, batch, None, results, partial=True))
     if args.one_gpu:
         results.update(one_gpu(base, mb, args))
     check = parity(checked, args.parity_steps) if args.parity_steps > 0 else None
     if int(os.environ["RANK"]) == 0:
-        text = _report(args, world, eps, mb, check, results)
+        text = _report(args, world, eps, batch, check, results)
         print(text)
         if args.out:
             Path(args.out).write_text(text)
@@ -459,12 +461,15 @@ def per_gpu_efficiency_same_mode(results: dict, world: int) -> dict:
     return out
 
 
-def _report(args, world: int, eps: list[int], mb: int, check: dict | None, results: dict, partial: bool = False) -> str:
-    """The JSON object of the runs measured so far (`partial`: more were due)."""
+def _report(args, world: int, eps: list[int], batch: tuple[int, int], check: dict | None, results: dict,
+            partial: bool = False) -> str:
+    """The JSON object of the runs measured so far (`partial`: more were due); `batch`: (micro-batch,
+    global batch) in sequences."""
     cuda = torch.cuda.is_available() and not args.smoke
     hopper = cuda and grouped_mm_without_sync(torch.device("cuda"), torch.bfloat16)
     return json.dumps({"world": world, "eps": eps, "shape": args.shape, "set": args.set, "smoke": args.smoke, "torch": torch.__version__,
-                       "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": mb,
+                       "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": batch[0],
+                       "global_batch": batch[1],
                        "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
                        "experts_kernel": "grouped_mm" if hopper else "loop",
                        "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",

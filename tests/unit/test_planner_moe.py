@@ -180,13 +180,22 @@ def test_compiled_experts_run_at_the_grouped_gemm_rate():
     assert expert_efficiency(shape, compiled, ep2, H200) == pytest.approx(2 * work / (2 * work + H200.grouped_half_work))
 
 
-@pytest.mark.parametrize("result, run", [("2026-12-02_moe_dropless.json", "moe_ep1_compiled"),
-                                         ("2026-12-02_moe_dropless_graphed.json", "moe_ep1_graphed"),
-                                         ("2026-12-02_moe_qwen3.json", "moe_ep1_compiled")])
-def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run):
+SMALL_BATCH = pytest.mark.xfail(strict=True, reason="planned 21% slow at one sequence a micro-batch (512 rows an "
+                                "expert); dense at that batch 11% slow too")
+
+
+@pytest.mark.parametrize("result, run, batch", [
+    ("2026-12-02_moe_dropless.json", "moe_ep1_compiled", None),
+    ("2026-12-02_moe_dropless_graphed.json", "moe_ep1_graphed", None),
+    ("2026-12-02_moe_qwen3.json", "moe_ep1_compiled", None),
+    ("2026-12-02_moe_qwen3_mb4.json", "moe_ep1_compiled", (4, 8)),
+    pytest.param("2026-12-02_moe_mb1.json", "moe_ep1_compiled", (1, 2), marks=SMALL_BATCH)])
+def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out from the grouped GEMM's fit (a micro-benchmark): bench/moe.py's dropless MoE steps on one
     H200, the 8-expert model compiled and graphed and Qwen3-30B-A3B's layers (128 experts of width 768)
-    compiled, planned within 10% of the measured tokens/s (tolerance fixed before comparing)."""
+    compiled, planned within 10% of the measured tokens/s (tolerance fixed before comparing). `batch`:
+    (micro-batch, global batch) where the run's command set them (bench/results/INDEX.md), else the
+    bench's own (MICRO_PER_RANK micro-batches of the recorded size)."""
     import sys
     from pathlib import Path
 
@@ -195,11 +204,10 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run):
     import moe as bench_moe
 
     data = json.loads((root / "bench" / "results" / "h200" / result).read_text())
-    mb = data["micro_batch"]
-    sets = bench_moe.GPU + [f"train.micro_batch={mb}", f"train.global_batch={bench_moe.MICRO_PER_RANK * mb}",
-                            *data["set"], *bench_moe.models(False, [1], [1], data["shape"], 0)["moe_ep1"],
-                            *bench_moe.COMPILED]
+    mb, gb = batch or (data["micro_batch"], bench_moe.MICRO_PER_RANK * data["micro_batch"])
+    sets = bench_moe.GPU + [*data["set"], f"train.micro_batch={mb}", f"train.global_batch={gb}",
+                            *bench_moe.models(False, [1], [1], data["shape"], 0)["moe_ep1"], *bench_moe.COMPILED]
     cfg = load_config(None, sets)
-    lay = Layout(micro_batch=mb, num_microbatches=bench_moe.MICRO_PER_RANK)
+    lay = Layout(micro_batch=mb, num_microbatches=gb // mb)
     planned = evaluate(shape_of(cfg), training_of(cfg), lay, H200).time.tokens_per_s
     assert planned == pytest.approx(data[run]["tokens_per_s"], rel=0.10)
