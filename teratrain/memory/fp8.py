@@ -172,6 +172,12 @@ def note(model: nn.Module, recipe: str, compiled: bool) -> str:
     return line
 
 
+def gathers_in_float8(zero: int, recipe: str, gather: bool) -> bool:
+    """Does ZeRO-3 gather the float8 linears' weights in float8 (memory.fp8_gather; parallel/zero_fp8.py)?
+    Only under tensorwise scales: rowwise casts each weight two ways, which no single float8 copy serves."""
+    return zero == 3 and recipe == "tensorwise" and gather
+
+
 def float8_linears(model: nn.Module) -> list[nn.Module]:
     """The block linears whose GEMMs run in float8 (Fp8Linear, or a tensor-parallel piece given a gemm)."""
     return [child for _, _, child, expert in _block_linears(model)

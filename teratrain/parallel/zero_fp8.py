@@ -33,15 +33,14 @@ import torch
 from torch import nn
 
 from teratrain import compat
-from teratrain.memory.fp8 import GatheredFloat8, float8_linears
+from teratrain.memory.fp8 import GatheredFloat8, float8_linears, gathers_in_float8
 from teratrain.parallel.comm import MAX, all_reduce
 
 
 def gathered_in_float8(model: nn.Module, cfg) -> set[int]:
     """ids of the weights ZeRO-3 gathers in float8: the float8 linears' under tensorwise scales with
     memory.fp8_gather (their biases and every other parameter gather in the compute dtype)."""
-    m = cfg.memory
-    if cfg.parallel.zero != 3 or m.fp8 != "tensorwise" or not m.fp8_gather:
+    if not gathers_in_float8(cfg.parallel.zero, cfg.memory.fp8, cfg.memory.fp8_gather):
         return set()
     return {id(linear.weight) for linear in float8_linears(model)}
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from teratrain.config_schema import compile_scope_problem
+from teratrain.memory.fp8 import gathers_in_float8
 from teratrain.parallel.buckets import ordered_buckets
 from teratrain.parallel.cp_plan import cp_problem
 from teratrain.parallel.flat import WHOLE_PARAM_OPTIMIZERS, FlatGroup
@@ -190,9 +191,8 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
 
 
 def gathers_float8(train: Training, lay: Layout) -> bool:
-    """Does ZeRO-3 gather the float8 linears' weights in float8 (memory.fp8=tensorwise with
-    memory.fp8_gather; parallel/zero_fp8.py)?"""
-    return lay.zero == 3 and train.fp8 == "tensorwise" and train.fp8_gather
+    """Does ZeRO-3 gather the float8 linears' weights in float8 under this layout (memory/fp8.py)?"""
+    return gathers_in_float8(lay.zero, train.fp8, train.fp8_gather)
 
 
 def is_expert(t) -> bool:

@@ -158,7 +158,7 @@ def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU)
     if not train.compiled or shape.num_experts == 1:
         return gpu.moe_efficiency
     c = shape.cfg
-    width = c.expert_ffn_dim / (lay.tp if lay.tp_form == "megatron" else 1)
+    width = c.expert_ffn_dim / expert_tp(lay)
     work = lay.tokens(c.seq_len) * shape.top_k * lay.ep / shape.num_experts * width
     return work / (work + gpu.grouped_half_work)
 
@@ -172,7 +172,7 @@ def moe_extra_flops(lay: Layout, moe: float, gpu: GPU, efficiency: float | None 
     division by tp is taken back (divided by tp, this term plans the recorded MoE rows with tp up to 28%
     fast)."""
     whole = moe / lay.pp
-    extra = whole * (1 / (efficiency or gpu.moe_efficiency) - 1)
+    extra = whole * (1 / (gpu.moe_efficiency if efficiency is None else efficiency) - 1)
     if lay.tp_form != "megatron":
         extra += whole * (1 - 1 / lay.tp)
     return extra
@@ -229,9 +229,23 @@ def moe_flops(shape: ModelShape, tokens: float) -> float:
     experts are a dense MLP, at the dense rate."""
     if shape.num_experts == 1:
         return 0.0
-    c = shape.cfg
-    mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim
-    return 6 * tokens * c.n_layers * shape.moe_share * shape.top_k * mlp
+    return 6 * tokens * shape.cfg.n_layers * shape.moe_share * shape.top_k * expert_weights(shape.cfg)
+
+
+def mlp_matrices(c) -> int:
+    """Weight matrices of one MLP (an expert's): SwiGLU's w1, w3, w2; GELU's w1, w2."""
+    return 3 if c.arch == "llama" else 2
+
+
+def expert_tp(lay: Layout) -> int:
+    """The ways tensor parallelism splits each expert: tp in the megatron form, none in the per-layer
+    forms, which keep MoE layers whole."""
+    return lay.tp if lay.tp_form == "megatron" else 1
+
+
+def expert_weights(c, tp: int = 1) -> int:
+    """Weight elements of one routed expert, its matrices split `tp` ways."""
+    return mlp_matrices(c) * c.d_model * c.expert_ffn_dim // tp
 
 
 def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
@@ -245,9 +259,8 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     if shape.num_experts == 1:
         return 0.0
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
-    split = lay.tp if lay.tp_form == "megatron" else 1  # the per-layer tp forms keep experts whole
-    mats = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim // split
-    idle = max(0, shape.num_experts // lay.ep - shape.top_k) * mats * rank_layers(shape, lay) * shape.moe_share
+    idle = max(0, shape.num_experts // lay.ep - shape.top_k) * expert_weights(c, expert_tp(lay)) \
+        * rank_layers(shape, lay) * shape.moe_share
     m = lay.num_microbatches
     cast = (w.param + w.compute) + (w.compute + w.grad if w.compute != w.grad else 0)
     return idle * (m * cast + (m - 1) * 3 * w.grad) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
@@ -328,7 +341,7 @@ def expert_grad_ops(shape: ModelShape, lay: Layout) -> float:
     if shape.num_experts == 1:
         return 0.0
     c = shape.cfg
-    leaves = (3 if c.arch == "llama" else 2) * (2 if c.use_bias else 1)
+    leaves = mlp_matrices(c) * (2 if c.use_bias else 1)
     local = shape.num_experts // lay.ep
     return rank_layers(shape, lay) * shape.moe_share * leaves * (local - OPS_MOE_EXPERTS) * lay.num_microbatches
 
