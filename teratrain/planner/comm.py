@@ -32,7 +32,6 @@ from functools import lru_cache
 
 from teratrain.config_schema import REPLAYING
 from teratrain.parallel.ep_plan import expected_ranks
-from teratrain.planner.activations import fp8_weights
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.states import (accumulates, dp_buckets, gathers_float8, is_expert, rank_layers, stage_params,
@@ -66,7 +65,7 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.replicas),
                               (True, sp["experts"], lay.replicas // lay.ep)):
         messages = reduce_messages(shape, train, lay, experts, n)
-        float8 = 0 if experts else float8_gathered(shape, train, lay, sp["layers"])
+        float8 = 0 if experts else float8_gathered(shape, train, lay)
         for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages, float8).items():
             out[key] += t
     if shape.is_bare:
@@ -168,12 +167,11 @@ def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
     return out
 
 
-def float8_gathered(shape: ModelShape, train: Training, lay: Layout, layers: int) -> int:
+def float8_gathered(shape: ModelShape, train: Training, lay: Layout) -> int:
     """Elements of a rank's weights that ZeRO-3 gathers in float8, 1 byte each (parallel/zero_fp8.py):
-    its blocks' float8 linears' weights, under memory.fp8=tensorwise with memory.fp8_gather."""
-    if not gathers_float8(train, lay) or shape.is_bare:
-        return 0
-    return layers * fp8_weights(shape, lay.tp)[0]
+    its blocks' float8 linears' weights (planner/local.py marks them), under memory.fp8=tensorwise with
+    memory.fp8_gather."""
+    return stage_params(shape, lay)["float8"] if gathers_float8(train, lay) else 0
 
 
 def reduce_passes(lay: Layout) -> int:

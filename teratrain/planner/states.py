@@ -121,7 +121,8 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
     return tuple({"first": max(middle, sum(t.numel() for t in first)), "last": sum(t.numel() for t in last),
                   "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
                   "block": max(blocks.values()), "layers": len(blocks),
-                  "experts": sum(t.numel() for t in first if is_expert(t))}.items())
+                  "experts": sum(t.numel() for t in first if is_expert(t)),
+                  "float8": sum(t.numel() for t in first if t.float8)}.items())
 
 
 def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller"):
@@ -139,12 +140,13 @@ def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = 
 
 def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) -> dict[str, int]:
     """Parameters a rank holds: the first and the last pipeline stage (`train` adds LoRA's adapters);
-    `block` is the largest block, `experts` the expert parameters (reduced over dp/ep ranks)."""
+    `block` is the largest block, `experts` the expert parameters (reduced over dp/ep ranks), `float8`
+    the first stage's weights memory.fp8 runs in float8."""
     if _exact(shape, lay):
         return dict(_stage_params(shape, lay.tp, lay.sequence_parallel, lay.tp_form, train.lora if train else (),
                                   lay.pp, lay.virtual_stages, lay.ep, lay.stage_layers))
     p = ceil_div(shape.bare_params, lay.tp * lay.pp)
-    return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0}
+    return {"first": p, "last": p, "block": 0, "layers": 0, "root": p, "experts": 0, "float8": 0}
 
 
 def rank_layers(shape: ModelShape, lay: Layout) -> float:

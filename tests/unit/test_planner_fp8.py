@@ -69,9 +69,9 @@ def test_zero3_gathers_tensorwise_float8_weights_at_one_byte():
     cfg, wide = load_config(None, base), load_config(None, [*base, "memory.fp8_gather=false"])
     shape, lay, gpu = shape_of(cfg), layout_of(cfg, 8), GPUS["h200"]
     on, off = (step_comm(shape, training_of(c), lay, gpu)["zero_gather"] for c in (cfg, wide))
-    float8 = float8_gathered(shape, training_of(cfg), lay, cfg.model.n_layers)
+    float8 = float8_gathered(shape, training_of(cfg), lay)
     assert float8 == cfg.model.n_layers * fp8_weights(shape)[0] > 0
-    assert float8_gathered(shape, training_of(wide), lay, cfg.model.n_layers) == 0
+    assert float8_gathered(shape, training_of(wide), lay) == 0
     local = stage_params(shape, lay)["first"]
     g_on, g_off = (reduce_messages(shape, training_of(c), lay, False, local)[1] for c in (cfg, wide))
     assert g_on == g_off + cfg.model.n_layers
@@ -81,4 +81,4 @@ def test_zero3_gathers_tensorwise_float8_weights_at_one_byte():
     assert off == pytest.approx(passes * on_link(gpu, "all_gather", 8, 8, 2 * local, g_off), rel=1e-9)
     assert on < off
     rowwise = load_config(None, [*WIDTH_8B, "parallel.zero=3", "memory.fp8=rowwise"])
-    assert float8_gathered(shape_of(rowwise), training_of(rowwise), layout_of(rowwise, 8), 8) == 0
+    assert float8_gathered(shape_of(rowwise), training_of(rowwise), layout_of(rowwise, 8)) == 0
