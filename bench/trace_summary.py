@@ -25,12 +25,47 @@ COPY_MARKS = ("copy", "memcpy", "memset", "chunk_cat")
 # ep=2 profile on 2 x H200), and inductor's template GEMMs (max-autotune) are named after the
 # casts fused into them. cuBLAS's nvjet and sm90 xmma names hold no copy mark today.
 GEMM_MARKS = ("gemm", "cutlass", "nvjet", "xmma", "triton_tem")
+# Attention kernels: cuDNN's (`cudnn_generated_fort_native_sdpa_...`), flash (`pytorch_flash::flash_fwd_kernel`),
+# memory-efficient (`fmha_cutlassF_...`). Inductor's fused kernels (`triton_poi_fused_...`) are named after the
+# ops they fuse, attention's among them, so they are sorted before any name mark is read.
+ATTENTION_MARKS = ("sdpa", "flash", "fmha", "attention")
+# The fused AdamW and clipping's norms and scaling: multi-tensor kernels (their weight casts are copies).
+OPTIMIZER_MARKS = ("adam", "multi_tensor_apply", "foreach")
+KINDS = ("gemm", "attention", "elementwise", "copy", "optimizer", "nccl")
 
 
 def is_copy(name: str) -> bool:
     """A kernel that only moves bytes, by its name (a fused kernel inductor names after a cast counts)."""
     low = name.lower()
     return "nccl" not in low and any(m in low for m in COPY_MARKS) and not any(m in low for m in GEMM_MARKS)
+
+
+def kernel_kind(name: str) -> str:
+    """One of KINDS for a kernel, by its name: inductor's fused kernels are elementwise (or copies when
+    they only cast), its template GEMMs GEMMs."""
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if low.startswith("triton_") and not low.startswith("triton_tem"):
+        return "copy" if is_copy(name) else "elementwise"
+    for kind, marks in (("attention", ATTENTION_MARKS), ("gemm", GEMM_MARKS)):
+        if any(m in low for m in marks):
+            return kind
+    if is_copy(name):
+        return "copy"
+    return "optimizer" if any(m in low for m in OPTIMIZER_MARKS) else "elementwise"
+
+
+def kernel_kinds(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """Device time per step by kernel kind (KINDS): {kind: {"ms", "share" of the kernels' time, "kernels"
+    per step, "top": its three longest kernels by name}}."""
+    by: dict[str, list] = {k: [] for k in KINDS}
+    for k in kernels:
+        by[kernel_kind(k[0])].append(k)
+    total = sum(b - a for _, a, b in kernels) or 1.0
+    return {kind: {"ms": round(sum(b - a for _, a, b in ks) * 1e-3 / steps, 3),
+                   "share": round(sum(b - a for _, a, b in ks) / total, 4), "kernels": len(ks) // steps,
+                   "top": _top_names(ks, steps, top=3)} for kind, ks in by.items() if ks}
 
 
 def traced_kernels(step, device: torch.device, steps: int = 2) -> tuple:
@@ -53,6 +88,7 @@ def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> 
     """Run step() `steps` times under the profiler (after one untraced call) and summarize per step."""
     prof, kernels, _ = traced_kernels(step, device, steps)
     out = kernel_account(kernels, steps)
+    out["kinds"] = kernel_kinds(kernels, steps)
     out["top_ops"] = top_ops(prof, device, steps, top)
     out["host"] = host_account(prof, steps)
     return out

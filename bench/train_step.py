@@ -12,6 +12,13 @@ TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a tr
 
     python bench/train_step.py                 # on the GPU machine
     python bench/train_step.py --smoke         # tiny shapes on CPU, to check the script itself
+    python bench/train_step.py --modes compile --impls ours_plain,hf --profile   # + device time by kernel kind
+
+`--profile`: 2 more steps of each row under torch.profiler (bench/trace_summary.py): device time by kernel kind
+(GEMMs, attention, elementwise, copies, optimizer), idle time, and the rate the GEMMs reach (6 x the matmul
+parameters x tokens over the GEMM kernels' time: the bf16 GEMM ceiling is what `bench/fp8.py` measures
+for torch.mm) and the attention kernels' (a causal kernel's 6LHQT per token). `--compile-mode`: the mode of
+torch.compile on both sides (`max-autotune-no-cudagraphs` lets inductor time its own GEMM templates).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 import torch
 from common import (config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, smoke_compile,
                     summarize, time_steps)
+from trace_summary import profile_steps
 
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -34,13 +42,13 @@ SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_layers=2", "model.n_he
          "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64", "model.tie_embeddings=false"]
 
 
-def ours(cfg, dev, compiled: bool, loss_chunks: int = 0, liger: bool = False):
+def ours(cfg, dev, compiled: str | None, loss_chunks: int = 0, liger: bool = False):
     model = build_model(cfg.model, dev, seed=0)
     model.chunked_loss.chunks = loss_chunks
     if liger:
         model.chunked_loss = LigerLoss()
     if compiled:
-        model.compile()
+        model.compile(mode=None if compiled == "default" else compiled)
     engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=False)
 
     def step(x, y):
@@ -63,14 +71,14 @@ class LigerLoss(torch.nn.Module):
         return self.fn(weight, h.flatten(0, 1), targets.flatten())
 
 
-def hf(cfg, dev, compiled: bool, liger: bool = False):
+def hf(cfg, dev, compiled: str | None, liger: bool = False):
     model = hf_llama(cfg.model, dev)
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model)  # rope, RMSNorm, SwiGLU and the fused linear cross-entropy
     if compiled:
-        model.compile()
+        model.compile(mode=None if compiled == "default" else compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                             weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
 
@@ -95,6 +103,8 @@ def main() -> None:
     ap.add_argument("--impls", default="ours,ours_plain,ours_liger,hf,hf_liger",
                     help="the *_liger rows are skipped where liger_kernel does not import")
     ap.add_argument("--loss-chunks", type=int, default=0, help="memory.loss_chunks of the `ours` row (0: auto)")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
+    ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -117,6 +127,7 @@ def main() -> None:
         rows.append(measure(impl, mode, cfg, dev, inputs, targets, args))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T, "liger": has_liger(),
+          "compile_mode": args.compile_mode,
           "params": count_params(cfg.model)["total"], "results": rows, "ratios_tokens_per_s": ratios(rows)}, args.out)
 
 
@@ -126,14 +137,25 @@ def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
     fresh_compile()
     B, T = inputs.shape
     try:
-        step, keep = BUILD[impl](cfg, dev, mode == "compile")
+        step, keep = BUILD[impl](cfg, dev, args.compile_mode if mode == "compile" else None)
         warmup = args.warmup + (2 if mode == "compile" else 0)
         times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
         loss = step(inputs, targets)
+        prof = profile_steps(lambda: step(inputs, targets), dev, steps=2, top=8) if args.profile else None
     except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the job
         return {"impl": impl, "mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    return {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
-            "loss": round(loss, 4)}
+    row = {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
+           "loss": round(loss, 4)}
+    if prof is not None:
+        row.update(profile=prof, **kernel_rates(prof["kinds"], cfg.model, B * T))
+    return row
+
+
+def kernel_rates(kinds: dict, m, tokens: int) -> dict:
+    """TFLOP/s the GEMM kernels and the attention kernels reach over their own device time in a step."""
+    work = {"gemm": 6 * count_params(m)["matmul"], "attention": 6 * m.n_layers * m.n_heads * m.head_width * m.seq_len}
+    return {f"{kind}_tflops": round(per_token * tokens / (kinds[kind]["ms"] * 1e-3) / 1e12, 1)
+            for kind, per_token in work.items() if kinds.get(kind, {}).get("ms")}
 
 
 BUILD = {"ours": lambda c, d, m: ours(c, d, m, loss_chunks=c.memory.loss_chunks),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from trace_summary import is_copy, kernel_account  # noqa: E402
+from trace_summary import is_copy, kernel_account, kernel_kind, kernel_kinds  # noqa: E402
 
 
 def test_exposed_nccl_idle_and_copies_per_step():
@@ -34,3 +34,24 @@ def test_fsdp2_gradient_copy_in_is_a_copy():
     # FSDP2 casts its bf16 gradients into its fp32 reduce-scatter input with this kernel: no "copy" in its name
     assert is_copy("void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>(c10::BFloat16**, float*)")
     assert not is_copy("void at::native::vectorized_elementwise_kernel<4, at::native::FusedAdamMathFunctor>")
+
+
+def test_kernel_kinds_by_name():
+    names = {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128": "attention",
+             "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+             "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+             "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": "gemm",
+             "triton_tem_fused_mm_0": "gemm",
+             # inductor names its fused kernels after the ops they hold, attention's too: elementwise
+             "triton_poi_fused__scaled_dot_product_cudnn_attention_transpose_3": "elementwise",
+             "triton_red_fused__fused_rms_norm_backward_add_7": "elementwise",
+             "triton_poi_fused__to_copy_26": "copy",
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<CopyFunctor<c10::BFloat16>>": "copy",
+             "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "nccl",
+             "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": "elementwise"}
+    assert {n: kernel_kind(n) for n in names} == names
+    kinds = kernel_kinds([("nvjet_a", 0.0, 30.0), ("nvjet_b", 40.0, 50.0), ("triton_poi_fused_mul_0", 50.0, 60.0)],
+                         steps=2)
+    assert kinds["gemm"]["ms"] == 0.02 and kinds["gemm"]["kernels"] == 1 and kinds["gemm"]["share"] == 0.8
+    assert kinds["elementwise"]["ms"] == 0.005 and set(kinds) == {"gemm", "elementwise"}
