@@ -58,6 +58,46 @@ def hf_llama(m, dev: torch.device):
     return LlamaForCausalLM(hf_cfg).to(dev).train()
 
 
+def hf_step(model, cfg, dev: torch.device, accum: int = 1):
+    """A training step of transformers' model `model` on (x, x) (it shifts the labels itself): `accum`
+    micro-batches, clipping, AdamW, as the bench's teratrain rows step. With `memory.master_weights` the
+    model's weights become bf16 and teratrain's engine steps fp32 masters, as on teratrain's side; else
+    torch's fused AdamW steps the fp32 weights. Returns (step, what must stay alive)."""
+    from teratrain.memory.precision import autocast
+    from teratrain.optim.engine import LocalEngine
+
+    if cfg.memory.master_weights:
+        engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=True)
+
+        def backward(loss):
+            engine.backward(loss)
+
+        def update():
+            engine.step(cfg.optim.lr)
+        keep = engine
+    else:
+        keep = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                 weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
+
+        def backward(loss):
+            loss.backward()
+
+        def update():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            keep.step()
+            keep.zero_grad(set_to_none=True)
+
+    def step(x, y):
+        for _ in range(accum):
+            with autocast("bf16", dev):
+                loss = model(input_ids=x, labels=x).loss
+            backward(loss / accum)
+        update()
+        return loss.item()
+
+    return step, (model, keep)
+
+
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

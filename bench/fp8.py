@@ -6,7 +6,8 @@ in fp8, transformers' LlamaForCausalLM (sdpa) in bf16 and with torchao's float8 
 (`convert_to_float8_training`, the head left in bf16 as ours), each eager and compiled (each block
 compiled apart on both sides: `train.compile_scope=block` for ours, each decoder layer for transformers;
 `--scope model`: the whole model on both sides, teratrain's default on one GPU). Ratios compare one mode on
-both sides only.
+both sides only. `--weights bf16`: bf16 weights with fp32 masters in the optimizer on both sides
+(`memory.master_weights=true`; transformers' model stepped by teratrain's engine).
 
     python bench/fp8.py --modes compile --accum 4 --out fp8.json   # speed, on the GPU machine (~4 min)
     python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
@@ -27,12 +28,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import (config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, smoke_compile,
-                    summarize, time_steps)
+from common import (config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, hf_step,
+                    smoke_compile, summarize, time_steps)
 from trace_summary import profile_steps
 
 from teratrain.memory.fp8 import float8_linears
-from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer, count_params, flops_per_token
 from teratrain.optim.engine import train_step
@@ -96,20 +96,7 @@ def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
     elif cfg.train.compile:
         for layer in model.model.layers:
             layer.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                            weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
-
-    def step(x, y):
-        for _ in range(accum):
-            with autocast("bf16", dev):
-                loss = model(input_ids=x, labels=x).loss  # HF shifts labels itself
-            (loss / accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step, (model, opt)
+    return hf_step(model, cfg, dev, accum)
 
 
 def speed(args, dev) -> dict:
@@ -122,6 +109,7 @@ def speed(args, dev) -> dict:
         for impl in args.impls.split(","):
             for fp8 in ("none", args.recipe) + (("cast-once",) if args.cast_once and impl == "ours" else ()):
                 sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
+                                f"memory.master_weights={str(args.weights == 'bf16').lower()}",
                                 f"memory.fp8={fp8.replace('cast-once', 'tensorwise')}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
                 sets += ["train.compile=true", f"train.compile_scope={args.scope}"] if mode == "compile" else []
@@ -147,6 +135,7 @@ def speed(args, dev) -> dict:
                 step = keep = None  # free this model before the next one is built
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
             "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "scope": args.scope,
+            "weights": args.weights,
             "results": rows,
             "ratios": ratios(rows, args.recipe)}
 
@@ -283,6 +272,8 @@ def main() -> None:
     ap.add_argument("--cast-once", action="store_true",
                     help="+ a row of ours with each weight cast to float8 once a step (tensorwise), an experiment")
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: bf16 weights with fp32 masters in the optimizer on both sides (memory.master_weights)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -18,7 +18,9 @@ TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a tr
 (GEMMs, attention, elementwise, copies, optimizer), idle time, and the rate the GEMMs reach (6 x the matmul
 parameters x tokens over the GEMM kernels' time: the bf16 GEMM ceiling is what `bench/fp8.py` measures
 for torch.mm) and the attention kernels' (a causal kernel's 6LHQT per token). `--compile-mode`: the mode of
-torch.compile on both sides (`max-autotune-no-cudagraphs` lets inductor time its own GEMM templates).
+torch.compile on both sides (`max-autotune-no-cudagraphs` lets inductor time its own GEMM templates). `--weights bf16`:
+bf16 weights with fp32 master copies in the optimizer on both sides (`memory.master_weights=true`, as Megatron-LM and
+torchtitan's FSDP2 keep them), through teratrain's engine for both models.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ import json
 import sys
 
 import torch
-from common import (config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, smoke_compile,
+from common import (config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, hf_step, smoke_compile,
                     summarize, time_steps)
 from trace_summary import profile_steps
 
-from teratrain.memory.precision import autocast
 from teratrain.models.transformer import build_model, count_params, flops_per_token
 from teratrain.optim.engine import LocalEngine, train_step
 
@@ -49,7 +50,8 @@ def ours(cfg, dev, compiled: str | None, loss_chunks: int = 0, liger: bool = Fal
         model.chunked_loss = LigerLoss()
     if compiled:
         model.compile(mode=None if compiled == "default" else compiled)
-    engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=False)
+    engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip,
+                         master_weights=bool(cfg.memory.master_weights))
 
     def step(x, y):
         return train_step(model, engine, [(x, y)], "bf16", cfg.optim.lr)[1].item()
@@ -79,19 +81,7 @@ def hf(cfg, dev, compiled: str | None, liger: bool = False):
         apply_liger_kernel_to_llama(model=model)  # rope, RMSNorm, SwiGLU and the fused linear cross-entropy
     if compiled:
         model.compile(mode=None if compiled == "default" else compiled)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                            weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
-
-    def step(x, y):
-        with autocast("bf16", dev):
-            loss = model(input_ids=x, labels=x).loss  # HF shifts labels itself
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step, (model, opt)
+    return hf_step(model, cfg, dev)
 
 
 def main() -> None:
@@ -105,6 +95,8 @@ def main() -> None:
     ap.add_argument("--loss-chunks", type=int, default=0, help="memory.loss_chunks of the `ours` row (0: auto)")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: bf16 weights with fp32 masters in the optimizer on both sides (memory.master_weights)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -112,7 +104,8 @@ def main() -> None:
     if args.smoke:
         smoke_compile()
     cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
-                                                     f"memory.loss_chunks={args.loss_chunks}"])
+                                                     f"memory.loss_chunks={args.loss_chunks}",
+                                                     f"memory.master_weights={str(args.weights == 'bf16').lower()}"])
     B, T = args.micro_batch, cfg.model.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
@@ -127,7 +120,7 @@ def main() -> None:
         rows.append(measure(impl, mode, cfg, dev, inputs, targets, args))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T, "liger": has_liger(),
-          "compile_mode": args.compile_mode,
+          "compile_mode": args.compile_mode, "weights": args.weights,
           "params": count_params(cfg.model)["total"], "results": rows, "ratios_tokens_per_s": ratios(rows)}, args.out)
 
 
