@@ -32,7 +32,6 @@ from common import (config, count_ops, device, emit, env_info, fresh_compile, fr
                     smoke_compile, summarize, time_steps)
 from trace_summary import profile_steps
 
-from teratrain.memory.fp8 import float8_linears
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer, count_params, flops_per_token
 from teratrain.optim.engine import train_step
@@ -48,35 +47,15 @@ CONVERGE = ["model.preset=llama-1b", "model.n_layers=8", "model.vocab_size=8192"
             "checkpoint.every=0", "memory.precision=bf16", "metrics.progress=false"]
 
 
-def ours(cfg, dev, accum: int, cast_once: bool = False):
+def ours(cfg, dev, accum: int):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = parallelize(model, Runtime.single(dev), cfg)
 
     def step(x, y):
-        if cast_once:
-            cast_weights_once(model)
-        loss = train_step(model, engine, [(x, y)] * accum, "bf16", cfg.optim.lr)[1].item()
-        for linear in float8_linears(model) if cast_once else ():
-            linear.float8_weight = None
-        return loss
+        return train_step(model, engine, [(x, y)] * accum, "bf16", cfg.optim.lr)[1].item()
 
     return step, (model, engine)
-
-
-def cast_weights_once(model) -> None:
-    """An experiment (`--cast-once`): each float8 linear's weight cast to e4m3 once for the step, before its
-    first micro-batch, and handed to its GEMMs as ZeRO-3's float8 gather hands it (memory/fp8.py
-    GatheredFloat8), so no micro-batch casts a weight in forward or backward."""
-    from teratrain import compat
-    from teratrain.memory.fp8 import GatheredFloat8
-
-    to_scale, saturate, _, _ = compat.float8_weight_cast()
-    with torch.no_grad():
-        for linear in float8_linears(model):
-            w = linear.weight
-            scale = to_scale(w.abs().max().float(), compat.FLOAT8_E4M3)
-            linear.float8_weight = GatheredFloat8(saturate(w.float() * scale, compat.FLOAT8_E4M3), scale)
 
 
 def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
@@ -107,17 +86,16 @@ def speed(args, dev) -> dict:
     rows = []
     for mode in args.modes.split(","):
         for impl in args.impls.split(","):
-            for fp8 in ("none", args.recipe) + (("cast-once",) if args.cast_once and impl == "ours" else ()):
+            for fp8 in ("none", args.recipe):
                 sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
                                 f"memory.master_weights={str(args.weights == 'bf16').lower()}",
-                                f"memory.fp8={fp8.replace('cast-once', 'tensorwise')}", f"train.device={dev.type}"]
+                                f"memory.fp8={fp8}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
                 sets += ["train.compile=true", f"train.compile_scope={args.scope}"] if mode == "compile" else []
                 cfg = config(sets)
                 fresh_memory(dev)
                 fresh_compile()
-                step, keep = (ours(cfg, dev, args.accum, fp8 == "cast-once") if impl == "ours"
-                              else hf(cfg, dev, fp8, emulate, args.accum))
+                step, keep = ours(cfg, dev, args.accum) if impl == "ours" else hf(cfg, dev, fp8, emulate, args.accum)
                 B, T = args.micro_batch, cfg.model.seq_len
                 g = torch.Generator().manual_seed(0)
                 x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
@@ -184,8 +162,6 @@ def ratios(rows: list[dict], recipe: str) -> dict:
         pairs = {"ours_fp8_over_ours_bf16": (("ours", recipe), ("ours", "none")),
                  "hf_fp8_over_hf_bf16": (("hf", recipe), ("hf", "none")),
                  "ours_fp8_over_hf_fp8": (("ours", recipe), ("hf", recipe)),
-                 "ours_cast_once_over_ours_bf16": (("ours", "cast-once"), ("ours", "none")),
-                 "ours_cast_once_over_ours_fp8": (("ours", "cast-once"), ("ours", recipe)),
                  "ours_bf16_over_hf_bf16": (("ours", "none"), ("hf", "none"))}
         for name, ((ia, fa), (ib, fb)) in pairs.items():
             a, b = by.get((ia, mode, fa)), by.get((ib, mode, fb))
@@ -269,8 +245,6 @@ def main() -> None:
     ap.add_argument("--converge", type=int, default=0, help="train this many steps in bf16 and in fp8 instead")
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
-    ap.add_argument("--cast-once", action="store_true",
-                    help="+ a row of ours with each weight cast to float8 once a step (tensorwise), an experiment")
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
                     help="bf16: bf16 weights with fp32 masters in the optimizer on both sides (memory.master_weights)")
