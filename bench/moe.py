@@ -527,7 +527,7 @@ def main() -> None:
     p.add_argument("--parity-only", action="store_true", help="only the parity check, no timed runs")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every model, dense and MoE (repeatable), e.g. memory.master_weights=true "
-                        "(bf16 weights: no per-micro-batch cast of the 2.6x larger MoE) or parallel.reduce_dtype=bf16")
+                        "(bf16 weights, fp32 masters) or parallel.reduce_dtype=bf16")
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process (0: none)")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 steps of each model")
     p.add_argument("--compile", action="store_true",
