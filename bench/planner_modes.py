@@ -68,7 +68,8 @@ def validate_gpus(args) -> dict:
             "model": f"llama-1b width, {layers} layers (MoE rows: 4 experts, {max(4, layers // 2)} layers)",
             "steps": steps, "warmup": WARMUP, "hw": hw, "host_threads": (machine or {}).get("host_threads"),
             "collectives": {"rows": (machine or {}).get("collectives", []), "fit": fits},
-            "host_probe": host, "rows": cmp, "summary": summary(cmp)}
+            "host_probe": host, "rows": cmp, "summary": summary(cmp),
+            "norms": "residual dtype"}  # how the norms ran (planner/refit.py plans earlier runs as theirs did)
 
 
 def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str, list[str]]]:

@@ -23,7 +23,11 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and returned in x's dtype. Where x
+    and the weight share a dtype (the residual stream over bf16 parameters, or fp32 throughout) the
+    kernel takes x as it is: it computes in fp32 inside and keeps x itself for backward, not an fp32
+    copy (half the bytes under bf16 parameters, as Megatron-LM's fused norm keeps). Otherwise (a bf16
+    q/k norm over fp32 weights) x and the weight go up to fp32 first."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,6 +35,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
@@ -44,6 +50,12 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in x's dtype, as RMSNorm (the kernel computes in fp32 inside): CUDA autocast would run it on an fp32
+        # copy of a bf16 residual stream and hand every following linear its own bf16 cast of the fp32 output
+        dev = x.device.type
+        if x.dtype == self.weight.dtype and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):
+                return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 

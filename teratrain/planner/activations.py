@@ -8,8 +8,9 @@ Models", sec. 4) is the template: per layer, sum the saved tensors, divide what 
 parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from our code:
 - attention runs through `scaled_dot_product_attention` (flash/cuDNN on GPU, flash on CPU): it keeps
   q, k, v, the output and a logsumexp (fp32, one per head and token), never the T x T scores;
-- RMSNorm/LayerNorm keep their input in fp32 (RMSNorm upcasts with x.float(); CUDA autocast runs
-  layer_norm in fp32), plus fp32 statistics;
+- RMSNorm/LayerNorm run in the residual stream's dtype and keep their input and fp32 statistics: bf16
+  under bf16 parameters, as Megatron-LM's fused norms (CUDA autocast would run layer_norm on an fp32
+  copy; models/layers.py turns it off there);
 - with fp32 parameters under autocast, every linear layer casts its own copy of its input, so the
   norm output is saved once per consumer (3 times before wq/wk/wv, twice before w1/w3), and every
   weight is cast to bf16 and held until its backward (`weight_copies`); under megatron tensor
@@ -17,8 +18,8 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
   parallelism they keep only this rank's shard of it and gather it again in backward, as Megatron-LM
   does (parallel/comm.py Regather), so it is divided by tp;
 - SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
-`device` selects the two kernels that differ: CPU's composite rms_norm also keeps x*rstd, and
-CPU autocast runs layer_norm in bf16. The GPU numbers assume dropout inside attention is fused
+`device` selects the two kernels that differ: CPU's composite rms_norm keeps fp32 upcasts of its input
+and x*rstd, and CPU's layer_norm keeps its statistics in the input's dtype. The GPU numbers assume dropout inside attention is fused
 (flash/cuDNN keep only an RNG seed); CPU runs with dropout > 0 take the math path (T x T kept),
 which this module does not describe.
 
@@ -69,28 +70,29 @@ def _held(terms: dict[str, list[Saved]], compress: str, in_blocks: bool, device:
 
 
 def _norm_saved(shape: ModelShape, w: Widths, n: int, device: str) -> list[Saved]:
-    """What one pre-norm keeps for backward, for n tokens."""
+    """What one pre-norm keeps for backward, for n tokens: the norm runs in the residual stream's dtype,
+    the parameters' (models/layers.py)."""
     c = shape.cfg
     d = c.d_model
     if c.arch == "llama":
-        return _rms_saved(w, n * d, n, d, device)
-    # LayerNorm: native_layer_norm keeps input, mean, rstd (the statistics are not differentiable outputs)
-    if w.param == 4 or (device == "cuda" and w.compute == 2):
-        # CUDA autocast's fp32 weight casts
-        weights = [Saved(d, 4, "param")] * (2 if c.use_bias else 1) if w.param == 2 else []
-        return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + weights
-    return [Saved(n * d, w.param), Saved(n, w.param, "keep"), Saved(n, w.param, "keep")]  # CPU autocast: params' dtype
+        return _rms_saved(w, n * d, n, d, device, w.param)
+    # LayerNorm: native_layer_norm keeps its input, mean and rstd (fp32 on CUDA, the input's dtype on CPU)
+    if w.norms_fp32 and w.param == 2 and device == "cuda":  # CUDA autocast's fp32 copies of x and the weights
+        return [Saved(n * d, 4), Saved(n, 4, "keep"), Saved(n, 4, "keep")] + [Saved(d, 4, "param")] * (
+            2 if c.use_bias else 1)
+    stats = 4 if device == "cuda" else w.param
+    return [Saved(n * d, w.param), Saved(n, stats, "keep"), Saved(n, stats, "keep")]
 
 
-def _rms_saved(w: Widths, numel: int, rows: int, width: int, device: str) -> list[Saved]:
-    """What one RMSNorm (models/layers.py: F.rms_norm(x.float(), ..., weight.float())) keeps for
-    backward: its input of `numel` numbers, normalised over `rows` rows of `width`."""
-    kept = [Saved(numel, 4), Saved(rows, 4)]  # fp32 input (x itself when fp32, else the x.float() copy) + rstd
-    if device == "cpu":
-        kept.append(Saved(numel, 4))  # the composite CPU kernel also keeps x * rstd for the weight gradient
-    if w.param == 2:
-        kept.append(Saved(width, 4, "param"))  # weight.float() copy
-    return kept
+def _rms_saved(w: Widths, numel: int, rows: int, width: int, device: str, x: int) -> list[Saved]:
+    """What one RMSNorm (models/layers.py) keeps for backward: its input of `numel` numbers at `x` bytes,
+    normalised over `rows` rows of `width`. Where x is in the weight's dtype CUDA's fused kernel keeps x
+    itself, else the x.float() copy; the CPU's composite kernel keeps fp32 upcasts either way."""
+    upcast = x != w.param or w.norms_fp32
+    copy = [Saved(width, 4, "param")] if upcast and w.param == 2 else []  # weight.float()
+    if device == "cpu":  # the fp32 input, rstd, and x * rstd for the weight gradient
+        return [Saved(numel, 4), Saved(rows, 4), Saved(numel, 4)] + copy
+    return [Saved(numel, 4 if upcast else x), Saved(rows, 4)] + copy
 
 
 def _qk_norm_saved(shape: ModelShape, w: Widths, n: int, device: str, tp: int) -> list[Saved]:
@@ -102,17 +104,18 @@ def _qk_norm_saved(shape: ModelShape, w: Widths, n: int, device: str, tp: int) -
     full, hd = c.qk_norm == "full", c.head_width
     out = []
     for heads in (c.n_heads // tp, max(1, c.kv_heads // tp)):
-        out += _rms_saved(w, n * heads * hd, n if full else n * heads, heads * hd if full else hd, device)
+        out += _rms_saved(w, n * heads * hd, n if full else n * heads, heads * hd if full else hd, device, w.compute)
     return out
 
 
 def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str) -> list[Saved]:
-    """Saved inputs of the linear layers reading one norm output (n tokens)."""
+    """Saved inputs of the linear layers reading one norm output (n tokens), which is in the parameters'
+    dtype: fp32 under autocast gives each linear its own cast."""
     c = shape.cfg
-    out_fp32 = w.param == 4 or (c.arch == "gpt2" and device == "cuda" and w.compute == 2)
+    out_fp32 = w.param == 4 or (w.norms_fp32 and c.arch == "gpt2" and device == "cuda" and w.compute == 2)
     if out_fp32 and w.compute == 2:
         return [Saved(n * c.d_model, 2)] * consumers  # autocast casts a separate bf16 copy for each linear
-    return [Saved(n * c.d_model, 4 if out_fp32 else w.param)]  # one tensor, shared by every consumer
+    return [Saved(n * c.d_model, w.param)]  # one tensor, shared by every consumer
 
 
 def _region_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str, tp: int, sp: bool,

@@ -171,14 +171,17 @@ class Widths:
     bf16: bool = False  # computes in bf16, where the experts run as grouped GEMMs (models/grouped.py)
     fp8: str = "none"  # memory.fp8: the block linears' GEMMs in float8 (memory/fp8.py)
     keep_shard: bool = True  # under SP the linears keep their input's sequence shard (not under ZB-H1)
+    norms_fp32: bool = False  # Training.norms_fp32
 
 
-def widths(precision: str, master_weights: bool, fp8: str = "none") -> Widths:
+def widths(precision: str, master_weights: bool, fp8: str = "none", norms_fp32: bool = False) -> Widths:
     low, bf16 = precision != "fp32", precision == "bf16"
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
-        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8)
-    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16, fp8=fp8)
+        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8,
+                      norms_fp32=norms_fp32)
+    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16, fp8=fp8,
+                  norms_fp32=norms_fp32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,13 +208,17 @@ class Training:
     fp8: str = "none"  # memory.fp8: none | tensorwise | rowwise
     fp8_gather: bool = True  # memory.fp8_gather: ZeRO-3 gathers tensorwise float8 weights in 1 byte
     ep_dedup: bool = True  # parallel.ep_dedup: one row per (token, rank) in the expert exchange, not per choice
+    # The norms ran on fp32 copies of a bf16 residual stream (RMSNorm's x.float(), CUDA autocast's layer_norm)
+    # before they ran in its dtype (models/layers.py): how the runs recorded before measured, which
+    # planner/refit.py plans as they ran. Never set from a Config.
+    norms_fp32: bool = False
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""
         return uses_master_weights(self.precision, zero, offload, self.master_weights)
 
     def widths(self, zero: int, offload: str = "none") -> Widths:
-        return widths(self.precision, self.uses_masters(zero, offload), self.fp8)
+        return widths(self.precision, self.uses_masters(zero, offload), self.fp8, self.norms_fp32)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -156,10 +156,12 @@ def _prepared(result: dict) -> list[tuple]:
     from teratrain.planner.inputs import layout_of, shape_of, training_of
 
     out = []
+    norms_fp32 = result.get("norms") != "residual dtype"  # measured before the norms ran in it (planner/layout.py)
     for row in result["rows"]:
         if row.get("measured_step_s"):
             cfg = load_config(None, row["sets"])
-            out.append((shape_of(cfg), training_of(cfg), layout_of(cfg, result["gpus"]), row))
+            train = replace(training_of(cfg), norms_fp32=norms_fp32)
+            out.append((shape_of(cfg), train, layout_of(cfg, result["gpus"]), row))
     return out
 
 

@@ -23,7 +23,7 @@ from teratrain.planner.states import rank_layers
 # 63 are detaches and 24 other views: no kernel, host time alone. On CUDA an RMSNorm is one kernel
 # (aten._fused_rms_norm) where the CPU count decomposes it into six ops: llama's count is the CPU's, as
 # OPS_PER_BLOCK's is. tests/unit/test_planner_replay.py counts them again.
-OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 134), ("llama", "low"): (6, 124),
+OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 134), ("llama", "low"): (6, 122),
                         ("gpt2", "fp32"): (7, 74), ("gpt2", "autocast"): (7, 90), ("gpt2", "low"): (7, 74)}
 
 # HBM bytes of an RMSNorm of fp32 input, (per element, per row): a fused kernel (CUDA's
@@ -46,11 +46,16 @@ def _cast(elems: float, src: int, dst: int) -> float:
     return elems * (src + dst) if src != dst else 0.0
 
 
-def _rms(rows: float, dim: int, x: int, param: int, norm: str) -> float:
-    """models/layers.py RMSNorm of `rows` rows of `dim` at `x` bytes: upcast to fp32, the norm, the
-    weight's fp32 copy (once), the cast back."""
+def _rms(rows: float, dim: int, x: int, param: int, norm: str, upcast: bool = False) -> float:
+    """models/layers.py RMSNorm of `rows` rows of `dim` at `x` bytes. x in the weight's dtype: the kernel
+    takes both as they are (the fused kernel reads x and writes y at x's width; the CPU's composite
+    upcasts x and casts back inside). Else, or `upcast` (Widths.norms_fp32): upcast to fp32, the norm, the
+    weight's fp32 copy, the cast back."""
     per_elem, per_row = RMS_NORM_BYTES[norm]
     elems = rows * dim
+    if x == param and not upcast:
+        inner = elems * per_elem * x / 4 if norm == "fused" else 2 * _cast(elems, x, 4) + elems * per_elem
+        return inner + rows * per_row + dim * x
     return (2 * _cast(elems, x, 4) + _cast(dim, param, 4) + elems * per_elem + rows * per_row + dim * 4)
 
 
@@ -89,12 +94,12 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
     linears_in = 3 + (2 if c.arch == "llama" else 1)  # autocast casts each first-layer linear's input
     moved = add + _weight_casts(shape, w, tp) + (linears_in * _cast(res * d, r, cw) if w.autocast_copies else 0)
     if c.arch == "llama":
-        moved += 2 * _rms(res, d, r, r, norm)
+        moved += 2 * _rms(res, d, r, r, norm, w.norms_fp32)
         moved += sum(_rope(tokens, width, seq, c.head_width, cw, r) for width in (q, kv))
         moved += 5 * tokens * f * cw  # silu (1 + 1), its product with w3's output (2 + 1)
         for width in (q, kv) if c.qk_norm != "none" else ():
             heads = width / c.head_width if c.qk_norm == "head" else 1  # "head": one norm per head
-            moved += _rms(tokens * heads, width / heads, cw, r, norm)
+            moved += _rms(tokens * heads, width / heads, cw, r, norm, w.norms_fp32)
     else:
         # read x, write y; weight and bias; a row's mean and rstd (at x's width on CPU, fp32 on CUDA: the
         # difference, 4 bytes a row in low precision, is left out)

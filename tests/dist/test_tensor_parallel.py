@@ -365,15 +365,15 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, kv: int, f: int, t: 
     sequence parallelism, CPU kernels), term by term as Korthikanti et al. 2022 count GPT's 34 s b h / t
     + 5 a s^2 b / t (sec. 4.2, Table 2). Ours differs where the architecture does: SDPA keeps the output
     and a fp32 logsumexp (4 a s b / t), no s x s scores nor their dropout mask (the 5 a s^2 b / t term);
-    RMSNorm keeps an fp32 copy of its input (4 s b h, not LayerNorm's 2) and its fp32 statistics
-    (4 s b), the CPU kernel also x * rstd (4 s b h), and an fp32 copy of its weight (4 h, whole); GQA's
+    the CPU's composite RMSNorm keeps fp32 upcasts of its bf16 input (4 s b h, where the GPU's fused kernel
+    keeps the input itself: LayerNorm's 2) and x * rstd (4 s b h), and its fp32 statistics (4 s b); GQA's
     k and v are kv wide (replicated heads under t > their count); SwiGLU keeps w1 x, silu(w1 x), w3 x
     and their product (4 x 2 s b f / t) where GELU keeps 2 x 2 s b 4h / t plus a dropout mask; no
     dropout (p = 0); RoPE's cos and sin cast to bf16 for q and k (4 x 2 s d_head). The column-parallel
     linears keep the sequence shard of their input (2 s b h / t each region), as the paper does."""
     n, hd = s * b, h // a
     kv_t = max(1, kv // hd // t) * hd  # key/value width on a rank
-    norms = 2 * (n * h * (4 + 4) // t + n * 4 // t + 4 * h)  # fp32 input, x * rstd, rstd; fp32 weight
+    norms = 2 * (n * h * (4 + 4) // t + n * 4 // t)  # fp32 input, x * rstd, rstd
     attention = 2 * n * h // t + 2 * n * h // t + 2 * 2 * n * kv_t + 2 * n * h // t  # input shard, q, k and v, output
     logsumexp = 4 * n * a // t
     mlp = 2 * n * h // t + 4 * 2 * n * f // t  # input shard, SwiGLU's four
