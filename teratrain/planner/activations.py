@@ -19,9 +19,9 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
   does (parallel/comm.py Regather), so it is divided by tp;
 - SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
 `device` selects the two kernels that differ: CPU's composite rms_norm keeps fp32 upcasts of its input
-and x*rstd, and CPU's layer_norm keeps its statistics in the input's dtype. The GPU numbers assume dropout inside attention is fused
-(flash/cuDNN keep only an RNG seed); CPU runs with dropout > 0 take the math path (T x T kept),
-which this module does not describe.
+and x*rstd, and CPU's layer_norm keeps its statistics in the input's dtype. The GPU numbers assume
+dropout inside attention is fused (flash/cuDNN keep only an RNG seed); CPU runs with dropout > 0 take
+the math path (T x T kept), which this module does not describe.
 
 Each term is a list of saved tensors (`Saved`: elements, bytes per element, kind), so activation
 compression (memory/compression.py, `compress`) can be priced per tensor as it encodes them: under
@@ -104,7 +104,8 @@ def _qk_norm_saved(shape: ModelShape, w: Widths, n: int, device: str, tp: int) -
     full, hd = c.qk_norm == "full", c.head_width
     out = []
     for heads in (c.n_heads // tp, max(1, c.kv_heads // tp)):
-        out += _rms_saved(w, n * heads * hd, n if full else n * heads, heads * hd if full else hd, device, w.compute)
+        rows, width = (n, heads * hd) if full else (n * heads, hd)
+        out += _rms_saved(w, n * heads * hd, rows, width, device, w.compute)
     return out
 
 
