@@ -58,6 +58,17 @@ def hf_llama(m, dev: torch.device):
     return LlamaForCausalLM(hf_cfg).to(dev).train()
 
 
+def add_weights_arg(ap) -> None:
+    """`--weights`: fp32 weights, or bf16 weights with fp32 masters on both sides (`weights_set`)."""
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: bf16 weights with fp32 masters in the optimizer on both sides (memory.master_weights)")
+
+
+def weights_set(weights: str) -> str:
+    """The config setting of `--weights`."""
+    return f"memory.master_weights={str(weights == 'bf16').lower()}"
+
+
 def hf_step(model, cfg, dev: torch.device, accum: int = 1):
     """A training step of transformers' model `model` on (x, x) (it shifts the labels itself): `accum`
     micro-batches, clipping, AdamW, as the bench's teratrain rows step. With `memory.master_weights` the
@@ -67,25 +78,17 @@ def hf_step(model, cfg, dev: torch.device, accum: int = 1):
     from teratrain.optim.engine import LocalEngine
 
     if cfg.memory.master_weights:
-        engine = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=True)
-
-        def backward(loss):
-            engine.backward(loss)
-
-        def update():
-            engine.step(cfg.optim.lr)
-        keep = engine
+        keep = LocalEngine(model, cfg.optim, cfg.memory, cfg.train.grad_clip, master_weights=True)
+        backward, update = keep.backward, lambda: keep.step(cfg.optim.lr)
     else:
         keep = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                  weight_decay=cfg.optim.weight_decay, fused=dev.type == "cuda")
-
-        def backward(loss):
-            loss.backward()
 
         def update():
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             keep.step()
             keep.zero_grad(set_to_none=True)
+        backward = torch.Tensor.backward
 
     def step(x, y):
         for _ in range(accum):

@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import (config, count_ops, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, hf_step,
-                    smoke_compile, summarize, time_steps)
+from common import (add_weights_arg, config, count_ops, device, emit, env_info, fresh_compile, fresh_memory,
+                    hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
 from trace_summary import profile_steps
 
 from teratrain.mesh import Runtime
@@ -88,7 +88,7 @@ def speed(args, dev) -> dict:
         for impl in args.impls.split(","):
             for fp8 in ("none", args.recipe):
                 sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
-                                f"memory.master_weights={str(args.weights == 'bf16').lower()}",
+                                weights_set(args.weights),
                                 f"memory.fp8={fp8}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
                 sets += ["train.compile=true", f"train.compile_scope={args.scope}"] if mode == "compile" else []
@@ -246,8 +246,7 @@ def main() -> None:
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
-    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
-                    help="bf16: bf16 weights with fp32 masters in the optimizer on both sides (memory.master_weights)")
+    add_weights_arg(ap)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -30,8 +30,8 @@ import json
 import sys
 
 import torch
-from common import (config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, hf_step, smoke_compile,
-                    summarize, time_steps)
+from common import (add_weights_arg, config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, hf_step,
+                    smoke_compile, summarize, time_steps, weights_set)
 from trace_summary import profile_steps
 
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -95,8 +95,7 @@ def main() -> None:
     ap.add_argument("--loss-chunks", type=int, default=0, help="memory.loss_chunks of the `ours` row (0: auto)")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
-    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
-                    help="bf16: bf16 weights with fp32 masters in the optimizer on both sides (memory.master_weights)")
+    add_weights_arg(ap)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -105,7 +104,7 @@ def main() -> None:
         smoke_compile()
     cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
                                                      f"memory.loss_chunks={args.loss_chunks}",
-                                                     f"memory.master_weights={str(args.weights == 'bf16').lower()}"])
+                                                     weights_set(args.weights)])
     B, T = args.micro_batch, cfg.model.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
