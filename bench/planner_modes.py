@@ -69,7 +69,8 @@ def validate_gpus(args) -> dict:
             "steps": steps, "warmup": WARMUP, "hw": hw, "host_threads": (machine or {}).get("host_threads"),
             "collectives": {"rows": (machine or {}).get("collectives", []), "fit": fits},
             "host_probe": host, "rows": cmp, "summary": summary(cmp),
-            "norms": "residual dtype"}  # how the norms ran (planner/refit.py plans earlier runs as theirs did)
+            # how the norms and the projections' input casts ran (planner/refit.py plans earlier runs as they ran)
+            "norms": "residual dtype", "linear inputs": "cast once"}
 
 
 def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str, list[str]]]:

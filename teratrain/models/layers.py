@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain.memory.precision import to_compute_dtype
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and returned in x's dtype. Where x
@@ -206,6 +208,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions | None, cache: KVCache | None = None, start: int = 0):
         hd = self.head_dim
+        x = to_compute_dtype(x)  # one cast for the three projections, not a cast (and a saved copy) each
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh*hs), (B, T, nkv*hs) x 2
         B, T = q.shape[:2]  # from the projections: sequence parallelism gathers x's T/tp tokens in wq
         if self.qk_norm == "full":
@@ -237,6 +240,7 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_compute_dtype(x)  # one cast for w1 and w3
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 

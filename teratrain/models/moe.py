@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import in_backward
+from teratrain.memory.precision import to_compute_dtype
 from teratrain.models.grouped import compute_dtype, row_align, run_experts, stack_experts, use_grouped
 from teratrain.models.permute import Layout, combine, dispatch, grouped_layout
 from teratrain.models.routers import ROUTERS, Routing, router_param_names, router_rows
@@ -42,7 +43,11 @@ class Expert(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.w1(x)) * self.w3(x) if self.w3 is not None else F.gelu(self.w1(x), approximate="tanh")
+        if self.w3 is not None:
+            x = to_compute_dtype(x)  # one cast for w1 and w3
+            h = F.silu(self.w1(x)) * self.w3(x)
+        else:
+            h = F.gelu(self.w1(x), approximate="tanh")
         return self.w2(self.dropout(h))
 
 

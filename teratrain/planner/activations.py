@@ -11,10 +11,10 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
 - RMSNorm/LayerNorm run in the residual stream's dtype and keep their input and fp32 statistics: bf16
   under bf16 parameters, as Megatron-LM's fused norms (CUDA autocast would run layer_norm on an fp32
   copy; models/layers.py turns it off there);
-- with fp32 parameters under autocast, every linear layer casts its own copy of its input, so the
-  norm output is saved once per consumer (3 times before wq/wk/wv, twice before w1/w3), and every
-  weight is cast to bf16 and held until its backward (`weight_copies`); under megatron tensor
-  parallelism the region entry casts once and the projections share that one input; with sequence
+- with fp32 parameters under autocast, the attention and the MLP cast the norm output once for
+  their projections (wq/wk/wv, w1/w3 share one bf16 copy; a linear on its own would cast its own),
+  and every weight is cast to bf16 and held until its backward (`weight_copies`); under megatron
+  tensor parallelism the region entry casts once, before its collective; with sequence
   parallelism they keep only this rank's shard of it and gather it again in backward, as Megatron-LM
   does (parallel/comm.py Regather), so it is divided by tp;
 - SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
@@ -111,11 +111,12 @@ def _qk_norm_saved(shape: ModelShape, w: Widths, n: int, device: str, tp: int) -
 
 def _linear_inputs(shape: ModelShape, w: Widths, n: int, consumers: int, device: str) -> list[Saved]:
     """Saved inputs of the linear layers reading one norm output (n tokens), which is in the parameters'
-    dtype: fp32 under autocast gives each linear its own cast."""
+    dtype: fp32 under autocast is cast once for them all (runs recorded before: a copy each,
+    `Widths.linear_casts`)."""
     c = shape.cfg
     out_fp32 = w.param == 4 or (w.norms_fp32 and c.arch == "gpt2" and device == "cuda" and w.compute == 2)
     if out_fp32 and w.compute == 2:
-        return [Saved(n * c.d_model, 2)] * consumers  # autocast casts a separate bf16 copy for each linear
+        return [Saved(n * c.d_model, 2)] * (consumers if w.linear_casts else 1)
     return [Saved(n * c.d_model, w.param)]  # one tensor, shared by every consumer
 
 

@@ -172,16 +172,17 @@ class Widths:
     fp8: str = "none"  # memory.fp8: the block linears' GEMMs in float8 (memory/fp8.py)
     keep_shard: bool = True  # under SP the linears keep their input's sequence shard (not under ZB-H1)
     norms_fp32: bool = False  # Training.norms_fp32
+    linear_casts: bool = False  # Training.linear_casts
 
 
-def widths(precision: str, master_weights: bool, fp8: str = "none", norms_fp32: bool = False) -> Widths:
+def widths(precision: str, master_weights: bool, fp8: str = "none", norms_fp32: bool = False,
+           linear_casts: bool = False) -> Widths:
     low, bf16 = precision != "fp32", precision == "bf16"
+    ran = {"norms_fp32": norms_fp32, "linear_casts": linear_casts}
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
-        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8,
-                      norms_fp32=norms_fp32)
-    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16, fp8=fp8,
-                  norms_fp32=norms_fp32)
+        return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8, **ran)
+    return Widths(param=4, grad=4, compute=2 if low else 4, master=0, autocast_copies=low, bf16=bf16, fp8=fp8, **ran)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,13 +213,17 @@ class Training:
     # before they ran in its dtype (models/layers.py): how the runs recorded before measured, which
     # planner/refit.py plans as they ran. Never set from a Config.
     norms_fp32: bool = False
+    # Under autocast over fp32 parameters each projection cast its own bf16 copy of the norm output (3 before
+    # wq/wk/wv, 2 before w1/w3) before the attention and the MLP cast it once for all (models/layers.py):
+    # how the runs recorded before measured, planned as they ran by planner/refit.py. Never set from a Config.
+    linear_casts: bool = False
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""
         return uses_master_weights(self.precision, zero, offload, self.master_weights)
 
     def widths(self, zero: int, offload: str = "none") -> Widths:
-        return widths(self.precision, self.uses_masters(zero, offload), self.fp8, self.norms_fp32)
+        return widths(self.precision, self.uses_masters(zero, offload), self.fp8, self.norms_fp32, self.linear_casts)
 
 
 def ceil_div(a: int, b: int) -> int:

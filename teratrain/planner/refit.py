@@ -156,11 +156,14 @@ def _prepared(result: dict) -> list[tuple]:
     from teratrain.planner.inputs import layout_of, shape_of, training_of
 
     out = []
-    norms_fp32 = result.get("norms") != "residual dtype"  # measured before the norms ran in it (planner/layout.py)
+    # measured before the norms ran in the residual stream's dtype, before the projections shared one cast
+    # of their input (planner/layout.py Training)
+    ran = {"norms_fp32": result.get("norms") != "residual dtype",
+           "linear_casts": result.get("linear inputs") != "cast once"}
     for row in result["rows"]:
         if row.get("measured_step_s"):
             cfg = load_config(None, row["sets"])
-            train = replace(training_of(cfg), norms_fp32=norms_fp32)
+            train = replace(training_of(cfg), **ran)
             out.append((shape_of(cfg), train, layout_of(cfg, result["gpus"]), row))
     return out
 

@@ -23,8 +23,13 @@ from teratrain.planner.states import rank_layers
 # 63 are detaches and 24 other views: no kernel, host time alone. On CUDA an RMSNorm is one kernel
 # (aten._fused_rms_norm) where the CPU count decomposes it into six ops: llama's count is the CPU's, as
 # OPS_PER_BLOCK's is. tests/unit/test_planner_replay.py counts them again.
-OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 134), ("llama", "low"): (6, 122),
-                        ("gpt2", "fp32"): (7, 74), ("gpt2", "autocast"): (7, 90), ("gpt2", "low"): (7, 74)}
+OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 131), ("llama", "low"): (6, 122),
+                        ("gpt2", "fp32"): (7, 74), ("gpt2", "autocast"): (7, 88), ("gpt2", "low"): (7, 74)}
+
+# what each projection's own cast of its input added to a block under autocast, (forward, backward), before
+# the attention and the MLP cast it once (Training.linear_casts: how the runs recorded before ran); a
+# selective-ops replay reruns the forward's
+LINEAR_CAST_OPS = {"llama": (3, 3), "gpt2": (2, 2)}
 
 # HBM bytes of an RMSNorm of fp32 input, (per element, per row): a fused kernel (CUDA's
 # aten._fused_rms_norm) reads x and writes y and the row's rstd; the CPU decomposition (pow, mean, add_,
@@ -33,12 +38,14 @@ OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 
 RMS_NORM_BYTES = {"fused": (8, 4), "decomposed": (28, 24)}
 
 
-def replay_ops(shape: ModelShape, lay: Layout, mode: str) -> float:
+def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False) -> float:
     """The ops selective-ops adds to one rank's eager step (OPS_SELECTIVE_REPLAY per block and
-    micro-batch, `mode` the OPS_PER_BLOCK column). MoE layers are charged as the dense blocks."""
+    micro-batch, `mode` the OPS_PER_BLOCK column; `linear_casts`: the projections' own input casts
+    replayed, time.LINEAR_CAST_OPS's forward count). MoE layers are charged as the dense blocks."""
     if lay.recompute != "selective-ops" or shape.is_bare:
         return 0.0
-    return rank_layers(shape, lay) * sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) * lay.num_microbatches
+    extra = LINEAR_CAST_OPS[shape.cfg.arch][0] if linear_casts and mode == "autocast" else 0
+    return rank_layers(shape, lay) * (sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) + extra) * lay.num_microbatches
 
 
 def _cast(elems: float, src: int, dst: int) -> float:
@@ -91,7 +98,8 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
     q, kv, f = c.n_heads * c.head_width / tp, c.kv_heads * c.head_width / tp, c.ffn_dim / tp
     d = c.d_model
     add = res * d * (r + cw + max(r, cw))  # h + attn: the stream and the attention's output, the sum
-    linears_in = 3 + (2 if c.arch == "llama" else 1)  # autocast casts each first-layer linear's input
+    # autocast casts the attention's and the MLP's input once each (before: each first-layer linear's)
+    linears_in = 3 + (2 if c.arch == "llama" else 1) if w.linear_casts else 2
     moved = add + _weight_casts(shape, w, tp) + (linears_in * _cast(res * d, r, cw) if w.autocast_copies else 0)
     if c.arch == "llama":
         moved += 2 * _rms(res, d, r, r, norm, w.norms_fp32)

@@ -54,7 +54,7 @@ from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.replay import replay_ops, replay_s
+from teratrain.planner.replay import LINEAR_CAST_OPS, replay_ops, replay_s
 from teratrain.planner.states import is_expert, rank_layers, stage_params, zero_groups
 
 _COMMON = calibrated("common")  # the fitted and counted constants of every card
@@ -63,8 +63,8 @@ _COMMON = calibrated("common")  # the fitted and counted constants of every card
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
 # input: more ops); low-precision params (fp32 masters in the optimizer). Priced by
 # hardware.GPU.op_overhead_s, which was calibrated with these counts.
-OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (84, 145), ("llama", "low"): (76, 137),
-                 ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (55, 111), ("gpt2", "low"): (39, 93)}
+OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (81, 142), ("llama", "low"): (76, 137),
+                 ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (53, 109), ("gpt2", "low"): (39, 93)}
 OPS_OUTSIDE = 60
 # an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
 # GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
@@ -323,16 +323,25 @@ def _mode(train: Training, lay: Layout) -> str:
     return "fp32" if w.compute == 4 else ("autocast" if w.autocast_copies else "low")
 
 
+def block_ops(shape: ModelShape, train: Training, lay: Layout) -> tuple[int, int]:
+    """OPS_PER_BLOCK of this layout's precision, (forward, backward), as the run issues them."""
+    mode = _mode(train, lay)
+    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    if train.linear_casts and mode == "autocast":
+        return fwd + LINEAR_CAST_OPS[shape.cfg.arch][0], bwd + LINEAR_CAST_OPS[shape.cfg.arch][1]
+    return fwd, bwd
+
+
 def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     """Ops one rank issues per step: every block's forward and backward per micro-batch, the
     forward again when a segment is recomputed, what MoE layers add (`moe_ops`), the embedding/head/loss,
     and the optimizer step's per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
-    fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))]
+    fwd, bwd = block_ops(shape, train, lay)
     replay = fwd if lay.recompute in REPLAYING else 0
     layers = rank_layers(shape, lay)
     tensors = len(shape.param_shapes()) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
-                 + expert_grad_ops(shape, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay)))
+                 + expert_grad_ops(shape, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
 
 
 def expert_grad_ops(shape: ModelShape, lay: Layout) -> float:
@@ -552,6 +561,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    fwd_ops = (rank_layers(shape, lay) * OPS_PER_BLOCK[(shape.cfg.arch, _mode(train, lay))][0]
+    fwd_ops = (rank_layers(shape, lay) * block_ops(shape, train, lay)[0]
                + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, lay, forward_only=True)
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
