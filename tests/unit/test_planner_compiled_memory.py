@@ -102,11 +102,22 @@ FP8_WIDTH = ["model.arch=llama", "model.d_model=4096", "model.n_layers=8", "mode
         "llama-1b-micro-batch-4-held-out"])
 def test_compiled_peak_against_recorded_runs(sets, file, impl, batch):
     """Planned peak allocated (before the allowance) within 3% of torch.cuda.max_memory_allocated of compiled
-    bf16 steps on one H200 (eager plans these within 0.1%: 47.9 GiB at llama-1b, 47.85 against 47.91 at the
-    llama-8b width): 36.9 GiB planned against 36.1, 43.1 against 42.1 and 52.5 against 52.6."""
+    bf16 steps on one H200 (eager plans these within 0.2%: test_eager_peak_against_the_recorded_run; 47.85
+    against 47.91 at the llama-8b width): 36.9 GiB planned against 36.1, 43.1 against 42.1 and 52.5 against 52.6."""
     cfg = load_config(None, [*sets, f"train.global_batch={batch}", "parallel.dp=1"])
     shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, 1)
     planned = plan_memory(shape, train, lay, GPUS["h200"]).peak_allocated / GIB
     rows = json.loads((RESULTS / file).read_text())["results"]
     row = next(r for r in rows if r["impl"] == impl and r["mode"] == "compile" and r.get("fp8", "none") == "none")
+    assert planned == pytest.approx(row["peak_gib"], rel=0.03)
+
+
+def test_eager_peak_against_the_recorded_run():
+    """The eager step of llama-1b (bench/train_step.py, one H200, bf16 autocast over fp32 weights), measured after
+    the attention and the MLP cast their input once for their projections: planned 44.87 GiB against 44.94
+    (3 GiB under the 47.9 of a cast per projection), within the compiled rows' 3%."""
+    cfg = load_config(None, [*TRAIN_STEP, "train.compile=false", "train.global_batch=8", "parallel.dp=1"])
+    planned = plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), GPUS["h200"]).peak_allocated / GIB
+    rows = json.loads((RESULTS / "2026-12-03_train_step_cast_once.json").read_text())["results"]
+    row = next(r for r in rows if r["impl"] == "ours_plain" and r["mode"] == "eager")
     assert planned == pytest.approx(row["peak_gib"], rel=0.03)
