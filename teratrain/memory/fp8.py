@@ -26,7 +26,7 @@ from torch import nn
 
 from teratrain import compat
 from teratrain.config_base import ConfigError
-from teratrain.memory.precision import to_compute_dtype
+from teratrain.models.layers import to_compute_dtype
 
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (sm89), Hopper (sm90) and later

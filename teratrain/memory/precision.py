@@ -22,16 +22,6 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
-def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in the dtype autocast gives a matmul's fp32 input (unchanged outside autocast). A region
-    entry casts once, before its collective, so the collective moves half the bytes and the region's
-    linears share one cast instead of casting (and saving) a copy each."""
-    dev = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
-        return x.to(torch.get_autocast_dtype(dev))
-    return x
-
-
 def uses_master_weights(precision: str, zero: int, offload: str, explicit: bool | None) -> bool:
     """Low-precision params with fp32 masters: always for fp16 (loss-scaled fp16 updates lose small
     steps), for bf16 under ZeRO (whose savings come from sharding the fp32 master copy), and with

@@ -21,7 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teratrain.memory.precision import to_compute_dtype
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype autocast gives a matmul's fp32 input (unchanged outside autocast). The attention
+    and the MLP cast their input once, so their projections share one cast instead of casting (and
+    saving) a copy each; a tensor-parallel region entry casts before its collective, which then moves
+    half the bytes."""
+    dev = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
 
 
 class RMSNorm(nn.Module):

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import in_backward
-from teratrain.memory.precision import to_compute_dtype
 from teratrain.models.grouped import compute_dtype, row_align, run_experts, stack_experts, use_grouped
+from teratrain.models.layers import to_compute_dtype
 from teratrain.models.permute import Layout, combine, dispatch, grouped_layout
 from teratrain.models.routers import ROUTERS, Routing, router_param_names, router_rows
 

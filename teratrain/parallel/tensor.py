@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from teratrain.memory.precision import to_compute_dtype
+from teratrain.models.layers import to_compute_dtype
 from teratrain.parallel import comm
 from teratrain.parallel.placement import Placement, place
 from teratrain.parallel.tp_layers import (ColumnParallel, ForkedRNG, PartialRowParallel, RowParallel,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teratrain.memory.precision import to_compute_dtype
+from teratrain.models.layers import to_compute_dtype
 from teratrain.parallel.comm import MAX, SUM, all_reduce, sequence_rows
 from teratrain.parallel.placement import placement
 from teratrain.parallel.tp_overlap import column_group, row_exit
