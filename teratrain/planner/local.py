@@ -14,6 +14,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 from teratrain.memory.fp8 import aligned, float8_weights
 from teratrain.memory.lora import apply_lora
@@ -47,6 +48,16 @@ def _built(shape) -> Transformer:
         return Transformer(shape.cfg)
 
 
+def _copied(shape, blocks: set[int] | None) -> Transformer:
+    """A copy of the meta-device model to cut down; with `blocks`, only those blocks are copied (a pipeline
+    stage's: copying a hundred blocks to drop all but a few was most of a large model's planning time)."""
+    whole = _built(shape)
+    if blocks is None:
+        return copy.deepcopy(whole)
+    kept = nn.ModuleDict({k: copy.deepcopy(b) for k, b in whole.layers.items() if int(k) in blocks})
+    return copy.deepcopy(whole, {id(whole.layers): kept})
+
+
 @lru_cache(maxsize=256)
 def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int = 1, virtual_stages: int = 1,
                   stage_rank: int = 0, ep: int = 1, stage_layers: tuple[int, ...] = ()) -> tuple[LocalTensor, ...]:
@@ -55,17 +66,18 @@ def local_tensors(shape, tp: int, sp: bool, form: str, lora: tuple = (), pp: int
     vocabulary piece is padded; every ep rank as many experts). `lora` = Training.lora (rank, alpha,
     targets, dropout, base dtype), or () without adapters. Pipeline stages hold `stage_layers` blocks each
     (parallel.stage_layers), or the executor's count split without it (parallel.partition=layers)."""
-    model = copy.deepcopy(_built(shape))
-    if lora:
-        rank, alpha, targets, dropout, _ = lora
-        apply_lora(model, SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=alpha, targets=targets, dropout=dropout)))
-    assign_defaults(model)
     layout = None
     if pp > 1:
         stages = pp * virtual_stages
         counts = stage_layers or [len(r) for r in split_layers(shape.cfg.n_layers, stages)]
         starts = [sum(counts[:s]) for s in range(stages)]
         layout = StageLayout(pp, virtual_stages, stage_rank, tuple(range(a, a + n) for a, n in zip(starts, counts)))
+    model = _copied(shape, None if layout is None else layout.blocks)
+    if lora:
+        rank, alpha, targets, dropout, _ = lora
+        apply_lora(model, SimpleNamespace(lora=SimpleNamespace(rank=rank, alpha=alpha, targets=targets, dropout=dropout)))
+    assign_defaults(model)
+    if layout is not None:
         keep_stages(model, layout)
     if tp > 1:  # the pieces of tp rank 0 (every tp rank's are the same shape: the last piece padded)
         split = tp_placements(model, TPSplit(tp, 0, sp, form, shape.cfg.kv_heads))

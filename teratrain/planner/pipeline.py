@@ -157,6 +157,7 @@ def head_blocks(shape: ModelShape) -> float:
     return 6 * c.d_model * c.vocab_size / block
 
 
+@lru_cache(maxsize=4096)
 def balanced_split(n_layers: int, stages: int, first: float = 0.0, last: float = 0.0) -> tuple[int, ...]:
     """Blocks per stage that minimise the slowest stage, the first stage costing `first` blocks more
     (the embedding) and the last `last` more (the head and the loss): the least bound T at which

@@ -69,10 +69,15 @@ def gpus_per_node(lay: Layout, gpu: GPU) -> int:
 def evaluate(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, gpu_mem_gib: float | None = None,
              host_mem_gib: float | None = None, device: str = "cuda") -> Candidate:
     mem = plan_memory(shape, train, lay, gpu, device)
-    tim = plan_time(shape, train, lay, gpu, mem)
+    return Candidate(lay, mem, plan_time(shape, train, lay, gpu, mem), *_fit(mem, lay, gpu, gpu_mem_gib, host_mem_gib))
+
+
+def _fit(mem: MemoryBreakdown, lay: Layout, gpu: GPU, gpu_mem_gib: float | None,
+         host_mem_gib: float | None) -> tuple[bool, bool]:
+    """(fits the GPU and the host, fits the host): a node's ranks share its host memory."""
     cap = (gpu_mem_gib if gpu_mem_gib is not None else gpu.memory_gib) * GIB
     host_ok = host_mem_gib is None or mem.host * gpus_per_node(lay, gpu) <= host_mem_gib * GIB
-    return Candidate(lay, mem, tim, mem.total <= cap and host_ok, host_ok)
+    return mem.total <= cap and host_ok, host_ok
 
 
 def _divisors(n: int) -> list[int]:
@@ -220,17 +225,16 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refus
 
 def smallest_gpu_count(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
                        gpu_mem_gib: float, limit: int = 4096, host_mem_gib: float | None = None) -> int | None:
-    """The fewest GPUs (doubling from `gpus`) at which some layout fits, or None up to `limit`."""
+    """The fewest GPUs (doubling from `gpus`) at which some layout fits, or None up to `limit`. Memory
+    alone decides: each count stops at its first fitting layout, and no step time is planned."""
     n = gpus * 2
     free = {k: v for k, v in fixed.items() if k not in ("dp",)}
     while n <= limit:
         batch = max(train.global_batch, n)  # a data-parallel rank needs at least one sequence
         t = Training(**{**train.__dict__, "global_batch": batch})
-        try:
-            if any(c.fits for c in search(shape, t, n, gpu, free, gpu_mem_gib, host_mem_gib)):
-                return n
-        except PlanError:
-            pass
+        if any(_fit(plan_memory(shape, t, lay, gpu), lay, gpu, gpu_mem_gib, host_mem_gib)[0]
+               for lay in layouts(shape, t, n, gpu, free)):
+            return n
         n *= 2
     return None
 

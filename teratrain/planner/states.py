@@ -125,9 +125,10 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
                   "float8": sum(t.numel() for t in first if t.float8)}.items())
 
 
-def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller"):
-    """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two."""
-    lora = train.lora if train else ()
+def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller", lora: tuple = ()):
+    """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two (LoRA's
+    adapters from `train`, or `lora`)."""
+    lora = train.lora if train else lora
 
     def at(stage_rank: int):
         return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, lora, lay.pp, lay.virtual_stages,
@@ -177,19 +178,31 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
     w = train.widths(lay.zero, lay.offload)
     bucket_bytes = int(train.bucket_mb * 2**20)
     if _exact(shape, lay):
-        tensors = _tensors(shape, lay, train)
-        if lay.zero == 3:
-            keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
-            units = [(key, [t for t in tensors if t.block == key]) for key in keys]  # last block first, root last
-            in8 = gathers_float8(train, lay)  # float8-gathered weights form groups of their own (zero_fp8.py)
-            buckets = [(key, b) for key, unit in units for b in
-                       ordered_buckets(unit[::-1], math.inf, lambda t: _key(t) + (in8 and t.float8,), lambda t: 1)]
-        else:
-            buckets = [(None, b) for b in ordered_buckets(tensors, bucket_bytes, _key, lambda t: w.param)]
-        return [([t for _, t in b.members], group_size(b.key[0], lay.replicas, lay.tp, lay.ep), key) for key, b in buckets]
+        grouping = Layout(dp=lay.replicas, tp=lay.tp, pp=lay.pp, ep=lay.ep, zero=3 if lay.zero == 3 else 1,
+                          sequence_parallel=lay.sequence_parallel, tp_form=lay.tp_form,
+                          virtual_stages=lay.virtual_stages, stage_layers=lay.stage_layers)
+        groups = _zero_groups(shape, grouping, train.lora, bucket_bytes, w.param, gathers_float8(train, lay))
+        return [(list(members), ranks, key) for members, ranks, key in groups]
     per = max(1, bucket_bytes // w.param)
     sizes = [per] * (local // per) + ([local % per] if local % per else [])
     return [([_Sized((n,))], lay.replicas, i) for i, n in enumerate(sizes)]
+
+
+@lru_cache(maxsize=1024)
+def _zero_groups(shape: ModelShape, lay: Layout, lora: tuple, bucket_bytes: int, param_bytes: int, in8: bool) -> tuple:
+    """zero_groups of a shaped model, once per distinct layout (the search asks for it per candidate and term):
+    `lay` with only what the grouping reads (tensor, pipeline and expert degrees, ZeRO-3 or not, replicas)."""
+    tensors = _tensors(shape, lay, None, lora=lora)
+    if lay.zero == 3:
+        keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
+        units = [(key, [t for t in tensors if t.block == key]) for key in keys]  # last block first, root last
+        # float8-gathered weights (in8) form groups of their own (zero_fp8.py)
+        buckets = [(key, b) for key, unit in units for b in
+                   ordered_buckets(unit[::-1], math.inf, lambda t: _key(t) + (in8 and t.float8,), lambda t: 1)]
+    else:
+        buckets = [(None, b) for b in ordered_buckets(tensors, bucket_bytes, _key, lambda t: param_bytes)]
+    return tuple((tuple(t for _, t in b.members), group_size(b.key[0], lay.dp, lay.tp, lay.ep), key)
+                 for key, b in buckets)
 
 
 def gathers_float8(train: Training, lay: Layout) -> bool:

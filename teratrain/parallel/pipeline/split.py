@@ -43,6 +43,11 @@ class StageLayout:
         """This rank's stages, chunk by chunk."""
         return [c * self.pp + self.rank for c in range(self.virtual_stages)]
 
+    @property
+    def blocks(self) -> set[int]:
+        """The blocks this rank's stages hold."""
+        return {i for s in self.stages for i in self.bounds[s]}
+
     def stage_of_block(self, index: int) -> int:
         return next(s for s, r in enumerate(self.bounds) if index in r)
 
@@ -97,7 +102,7 @@ def apply_pipeline(model: nn.Module, rt, cfg) -> StageLayout:
 def keep_stages(model: nn.Module, layout: StageLayout) -> None:
     """Drop, from the meta-device model, every block and end module the stages of `layout.rank` do
     not hold. Pure: the planner runs it on a meta-device model."""
-    mine = {i for s in layout.stages for i in layout.bounds[s]}
+    mine = layout.blocks
     for key in list(model.layers.keys()):
         if int(key) not in mine:
             del model.layers[key]
