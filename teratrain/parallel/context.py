@@ -97,11 +97,14 @@ class RingCore(nn.Module):
     def __init__(self, group, ranks: list[int], fused: bool = True):
         super().__init__()
         self.group, self.ranks, self.fused = group, ranks, fused
+        # eager between compiled pieces; wrapped here, not where it is defined: the wrapper imports
+        # torch._dynamo (seconds), which a process without context parallelism need not pay at import
+        self.attend = torch.compiler.disable(ring_attention)
 
     def forward(self, q, k, v, causal: bool, pos: Positions) -> torch.Tensor:
         lay = pos.layout
         ring = Ring(self.group, self.ranks, lay.rank, lay.steps, lay.positions, lay.docs, self.fused)
-        return ring_attention(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]))
+        return self.attend(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]))
 
 
 class AllToAllCore(nn.Module):

@@ -195,9 +195,9 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-@torch.compiler.disable  # point-to-point transfers between kernels: eager between the compiled pieces
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, scale: float) -> torch.Tensor:
     """Causal attention of this rank's queries q (B, H, T, D) over the whole samples' keys and values,
-    k and v (B, Hkv, T, D) this rank's share of them -> (B, H, T, D)."""
+    k and v (B, Hkv, T, D) this rank's share of them -> (B, H, T, D). Point-to-point transfers between
+    kernels: context.RingCore calls it through torch.compiler.disable, eager between compiled pieces."""
     ring.kernel = compat.attention_lse_kind(q) if ring.fused else None
     return _RingAttention.apply(q, k, v, ring, scale)
