@@ -173,3 +173,14 @@ def test_reading_a_config_imports_no_torch():
 
     code = "import sys, teratrain.config; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_starting_a_run_imports_no_dynamo():
+    """torch._dynamo takes about two seconds to import and only a compiled run needs it: the CLI and the
+    training loop load without it (ring attention is wrapped in torch.compiler.disable where a ring core
+    is built, not where it is defined), so every `teratrain` process and every spawned rank starts sooner."""
+    import subprocess
+    import sys
+
+    code = "import sys, teratrain.cli, teratrain.train; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
