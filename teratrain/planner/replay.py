@@ -41,7 +41,7 @@ RMS_NORM_BYTES = {"fused": (8, 4), "decomposed": (28, 24)}
 def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False) -> float:
     """The ops selective-ops adds to one rank's eager step (OPS_SELECTIVE_REPLAY per block and
     micro-batch, `mode` the OPS_PER_BLOCK column; `linear_casts`: the projections' own input casts
-    replayed, time.LINEAR_CAST_OPS's forward count). MoE layers are charged as the dense blocks."""
+    replayed, LINEAR_CAST_OPS's forward count). MoE layers are charged as the dense blocks."""
     if lay.recompute != "selective-ops" or shape.is_bare:
         return 0.0
     extra = LINEAR_CAST_OPS[shape.cfg.arch][0] if linear_casts and mode == "autocast" else 0
