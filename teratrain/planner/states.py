@@ -125,10 +125,9 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
                   "float8": sum(t.numel() for t in first if t.float8)}.items())
 
 
-def _tensors(shape: ModelShape, lay: Layout, train: Training | None, end: str = "fuller", lora: tuple = ()):
-    """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two (LoRA's
-    adapters from `train`, or `lora`)."""
-    lora = train.lora if train else lora
+def _tensors(shape: ModelShape, lay: Layout, lora: tuple = (), end: str = "fuller"):
+    """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two (`lora`:
+    Training.lora, LoRA's adapters)."""
 
     def at(stage_rank: int):
         return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, lora, lay.pp, lay.virtual_stages,
@@ -192,7 +191,7 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
 def _zero_groups(shape: ModelShape, lay: Layout, lora: tuple, bucket_bytes: int, param_bytes: int, in8: bool) -> tuple:
     """zero_groups of a shaped model, once per distinct layout (the search asks for it per candidate and term):
     `lay` with only what the grouping reads (tensor, pipeline and expert degrees, ZeRO-3 or not, replicas)."""
-    tensors = _tensors(shape, lay, None, lora=lora)
+    tensors = _tensors(shape, lay, lora)
     if lay.zero == 3:
         keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
         units = [(key, [t for t in tensors if t.block == key]) for key in keys]  # last block first, root last
@@ -219,7 +218,7 @@ def dp_buckets(shape: ModelShape, train: Training, lay: Layout) -> list[list]:
     """DataParallel's buckets (parallel/data.py: ~parallel.bucket_mb by reduction group, counted in the
     parameters' own width) over the trainable tensors of the fuller pipeline end: their members."""
     w = train.widths(lay.zero, lay.offload)
-    tensors = [(t.name, t) for t in _tensors(shape, lay, train) if t.trainable]
+    tensors = [(t.name, t) for t in _tensors(shape, lay, train.lora) if t.trainable]
     return [[t for _, t in b.members]
             for b in ordered_buckets(tensors, int(train.bucket_mb * 2**20), lambda t: t.group, lambda t: w.param)]
 
@@ -300,7 +299,7 @@ def _replica_states(shape, train: Training, lay: Layout, local: int, w, steps: i
     """Unsharded replica (LocalEngine / DataParallelEngine): gradients, masters and optimizer state for
     the trainable parameters only; frozen ones (LoRA's base) stay fp32, or bf16 with lora.base_dtype."""
     if _exact(shape, lay):
-        tensors = _tensors(shape, lay, train)
+        tensors = _tensors(shape, lay, train.lora)
         trained = [t.shape for t in tensors if t.trainable]
         n_train = sum(map(math.prod, trained))
         elems, n_tensors = optimizer_elems(train, trained, n_train, False), len(trained)
