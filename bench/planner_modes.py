@@ -70,7 +70,8 @@ def validate_gpus(args) -> dict:
             "collectives": {"rows": (machine or {}).get("collectives", []), "fit": fits},
             "host_probe": host, "rows": cmp, "summary": summary(cmp),
             # how the norms and the projections' input casts ran (planner/refit.py plans earlier runs as they ran)
-            "norms": "residual dtype", "linear inputs": "cast once"}
+            "norms": "residual dtype", "linear inputs": "cast once",
+            "experts": "stacked"}
 
 
 def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str, list[str]]]:

@@ -48,6 +48,20 @@ def one_rank_moe(kernel: str, **moe_keys):
     return m, x, c, [x] + list(m.parameters())
 
 
+def expert_out(experts, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert e of a stack (models/moe.py's Experts) on rows x, written out: SwiGLU
+    (silu(x w1_e^T + b1_e) * (x w3_e^T + b3_e)) w2_e^T + b2_e, or GELU's without w3; no dropout."""
+    def lin(w, b, h):
+        return h @ w[e].t() + (b[e] if b is not None else 0)
+
+    h = lin(experts.w1, experts.b1, x)
+    if experts.w3 is not None:
+        h = torch.nn.functional.silu(h) * lin(experts.w3, experts.b3, x)
+    else:
+        h = torch.nn.functional.gelu(h, approximate="tanh")
+    return lin(experts.w2, experts.b2, h)
+
+
 def truncate(path: Path, keep_fraction: float = 0.5) -> None:
     """Cut a file short, as a crash in the middle of a write would."""
     data = path.read_bytes()

@@ -102,10 +102,14 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
 
 
 def _by_hf_key(model_cfg) -> dict[str, list]:
-    """HF tensor -> [(our name, Source)] in row order (c_attn: q, k, v)."""
+    """HF tensor -> [(our name, Source, our row or None)] in row order (c_attn: q, k, v); a stack of
+    experts' row e is HF's tensor of expert e."""
     groups: dict[str, list] = {}
     for name, src in hf_names(model_cfg).items():
-        groups.setdefault(src.key, []).append((name, src))
+        for e in range(src.experts):
+            groups[src.key.format(e=e)] = [(name, src, e)]
+        if not src.experts:
+            groups.setdefault(src.key, []).append((name, src, None))
     return {k: sorted(v, key=lambda x: x[1].start) for k, v in groups.items()}
 
 
@@ -113,11 +117,12 @@ def _plan_shards(index: Index, groups: dict, itemsize: int, max_bytes: int) -> l
     """HF keys per shard, in name order, each shard at most `max_bytes` (a larger tensor alone)."""
     shards, size = [[]], 0
     for key in sorted(groups):
-        info = [index.info(PARAM, name) for name, _ in groups[key]]
-        missing = [name for (name, _), i in zip(groups[key], info) if i is None]
+        info = [index.info(PARAM, name) for name, _, _ in groups[key]]
+        missing = [name for (name, _, _), i in zip(groups[key], info) if i is None]
         if missing:
             raise CheckpointError(f"{index.dir} lacks parameter {missing[0]}; it was written for another model.")
-        nbytes = sum(itemsize * int(torch.Size(i["shape"]).numel()) for i in info)
+        nbytes = sum(itemsize * int(torch.Size(i["shape"][1:] if row is not None else i["shape"]).numel())
+                     for (_, _, row), i in zip(groups[key], info))
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -127,7 +132,8 @@ def _plan_shards(index: Index, groups: dict, itemsize: int, max_bytes: int) -> l
 
 
 def _hf_tensor(reader: Reader, members: list, dtype: torch.dtype, lora_alpha: float) -> torch.Tensor:
-    parts = [_merged(reader, name, lora_alpha).to(dtype) for name, _ in members]
+    parts = [(_merged(reader, name, lora_alpha) if row is None else reader.read(PARAM, name, row=row)).to(dtype)
+             for name, _, row in members]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return t.T.contiguous() if members[0][1].transpose else t
 

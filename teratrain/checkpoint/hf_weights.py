@@ -6,10 +6,10 @@ Each of our parameters is a block of rows of one HF tensor, possibly transposed:
             Llama checkpoints already hold q/k in the rotate-half RoPE order our Rotary uses); Qwen2's
             q/k/v biases and Qwen3's ....self_attn.q_norm.weight -> layers.{i}.attention.q_norm.weight alike
     Mixtral model.layers.{i}.block_sparse_moe.gate.weight -> layers.{i}.feed_forward.router.weight,
-            ....block_sparse_moe.experts.{e}.w1.weight -> layers.{i}.feed_forward.experts.{e}.w1.weight (w2,
+            ....block_sparse_moe.experts.{e}.w1.weight -> row e of layers.{i}.feed_forward.experts.w1 (w2,
             w3 alike): the layout transformers 4 and 5 both save (5 fuses the experts only in memory)
     Qwen2-MoE, Qwen3-MoE, OLMoE  ....mlp.gate.weight -> ....feed_forward.router.weight, ....mlp.experts.{e}.
-            gate_proj / up_proj / down_proj -> ....experts.{e}.w1 / w3 / w2; Qwen2-MoE's mlp.shared_expert.*
+            gate_proj / up_proj / down_proj -> row e of ....experts.w1 / w3 / w2; Qwen2-MoE's mlp.shared_expert.*
             -> feed_forward.shared_expert.* and mlp.shared_expert_gate -> feed_forward.shared_expert_gate
     GPT-2   transformer.h.{i}.attn.c_attn.weight (d, 3d), a Conv1D stored (in, out) -> transposed, rows
             [0, d) are wq, [d, 2d) wk, [2d, 3d) wv; the other Conv1D weights (c_proj, c_fc) are transposed;
@@ -19,7 +19,7 @@ Each of our parameters is a block of rows of one HF tensor, possibly transposed:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ class Source:
     key: str  # HF tensor name
     transpose: bool = False  # a GPT-2 Conv1D weight, stored (in, out)
     start: int = 0  # our tensor is rows [start, start + rows) of the (transposed) HF tensor
+    experts: int = 0  # a stack of this many experts (models/moe.py): row e of dim 0 is HF tensor key.format(e=e)
 
 
 def hf_names(m) -> dict[str, Source]:
@@ -67,7 +68,8 @@ def hf_names(m) -> dict[str, Source]:
             pairs = [("self_attn.q_proj", "attention.wq"), ("self_attn.k_proj", "attention.wk"),
                      ("self_attn.v_proj", "attention.wv"), ("self_attn.o_proj", "attention.wo")]
             if m.moe.is_moe_layer(i):
-                pairs += _experts(m)
+                pairs += _moe_modules(m)
+                out.update(_expert_stacks(m, hf, ours, leaves))
             else:
                 pairs += [("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
                           ("mlp.down_proj", "feed_forward.w2")]
@@ -84,23 +86,34 @@ def hf_names(m) -> dict[str, Source]:
     return out
 
 
-def _experts(m) -> list[tuple[str, str]]:
-    """(HF module, ours) of an MoE layer's router and experts: Mixtral's block_sparse_moe.{gate, experts.e.w1,
-    w3, w2}; the others' mlp.{gate, experts.e.gate_proj, up_proj, down_proj} and Qwen2-MoE's
-    mlp.shared_expert (one MLP) and mlp.shared_expert_gate (d -> 1)."""
+def _moe_modules(m) -> list[tuple[str, str]]:
+    """(HF module, ours) of an MoE layer's router and shared experts: Mixtral's block_sparse_moe.gate, the
+    others' mlp.gate, Qwen2-MoE's mlp.shared_expert (one MLP) and mlp.shared_expert_gate (d -> 1)."""
     if moe_type(m) == "mixtral":
-        pairs = [("block_sparse_moe.gate", "feed_forward.router")]
-        for e in range(m.moe.num_experts):
-            pairs += [(f"block_sparse_moe.experts.{e}.{w}", f"feed_forward.experts.{e}.{w}") for w in ("w1", "w3", "w2")]
-        return pairs
-    mlp = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+        return [("block_sparse_moe.gate", "feed_forward.router")]
     pairs = [("mlp.gate", "feed_forward.router")]
-    for e in range(m.moe.num_experts):
-        pairs += [(f"mlp.experts.{e}.{theirs}", f"feed_forward.experts.{e}.{w}") for theirs, w in mlp]
     if m.moe.shared_experts:
-        pairs += [(f"mlp.shared_expert.{theirs}", f"feed_forward.shared_expert.{w}") for theirs, w in mlp]
+        pairs += [(f"mlp.shared_expert.{theirs}", f"feed_forward.shared_expert.{w}") for theirs, w in _HF_MLP]
         pairs.append(("mlp.shared_expert_gate", "feed_forward.shared_expert_gate"))
     return pairs
+
+
+_HF_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+
+
+def _expert_stacks(m, hf: str, ours: str, leaves: tuple[str, ...]) -> dict[str, Source]:
+    """Our stacks of the routed experts (weights w1 w3 w2, biases b1 b3 b2) -> HF's tensors, one an expert:
+    Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2, the others' mlp.experts.{e}.gate_proj / up_proj /
+    down_proj (the layout transformers 4 and 5 both save)."""
+    mixtral = moe_type(m) == "mixtral"
+    prefix = f"{hf}.block_sparse_moe.experts" if mixtral else f"{hf}.mlp.experts"
+    out = {}
+    for theirs, w in ((w, w) for _, w in _HF_MLP) if mixtral else _HF_MLP:
+        for leaf in leaves:
+            mine = w if leaf == "weight" else "b" + w[1:]
+            out[f"{ours}.feed_forward.experts.{mine}"] = Source(f"{prefix}.{{e}}.{theirs}.{leaf}",
+                                                                experts=m.moe.num_experts)
+    return out
 
 
 class HFWeights:
@@ -143,6 +156,10 @@ class HFWeights:
 
     def read(self, src: Source, lo: tuple[int, ...], hi: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Region [lo, hi) of our tensor of global shape `shape` that `src` holds."""
+        if src.experts:  # one HF tensor an expert: rows [lo[0], hi[0]) of the stack
+            one = Source(src.key, src.transpose, src.start)
+            return torch.stack([self.read(replace(one, key=src.key.format(e=e)), lo[1:], hi[1:], shape[1:])
+                                for e in range(lo[0], hi[0])])
         sl = self.slice(src.key)
         stored = tuple(sl.get_shape())
         want = shape[::-1] if src.transpose else shape

@@ -160,11 +160,17 @@ class Reader:
     def fill(self, e: Entry) -> None:
         self.run(self.plan(e), e.tensor)
 
-    def read(self, kind: str, name: str, replica: int | None = None) -> torch.Tensor:
-        """One whole logical tensor (generate, export): memory for this tensor only."""
+    def read(self, kind: str, name: str, replica: int | None = None, row: int | None = None) -> torch.Tensor:
+        """One whole logical tensor (generate, export), or its `row` of dim 0 (one expert of a stack):
+        memory for that only."""
         info = self.index.info(kind, name)
         if info is None:
             raise CheckpointError(f"{self.index.dir.name} has no {kind}/{name}; it was written for another model.")
-        out = torch.zeros(info["shape"], dtype=DTYPES_BY_NAME[info["dtype"]])
-        self.fill(Entry(kind, Piece.whole_of(name, tuple(info["shape"])), out, replica))
-        return out
+        shape = tuple(info["shape"])
+        piece = Piece.whole_of(name, shape)
+        if row is not None:
+            box = (1, *shape[1:])
+            piece = Piece(name, shape, (row,) + (0,) * (len(shape) - 1), box, 0, math.prod(box))
+        out = torch.zeros(piece.box, dtype=DTYPES_BY_NAME[info["dtype"]])
+        self.fill(Entry(kind, piece, out, replica))
+        return out if row is None else out[0]

@@ -4,8 +4,8 @@ A logical tensor has a global name and shape: a parameter (`layers.3.attention.w
 its optimizer moments. A rank holds a *piece* of it, described in global coordinates only:
 
     box      offsets + shape of a hyper-rectangle of the global tensor: the local tensor a placement
-             describes (tensor parallelism splits one dim; an expert or a pipeline stage holds whole
-             tensors). It may run past the global shape: padding (a vocabulary padded to tp pieces).
+             describes (tensor parallelism splits one dim, expert parallelism keeps rows of a stack of
+             experts; a pipeline stage holds whole tensors). It may run past the global shape: padding (a vocabulary padded to tp pieces).
     lo, hi   the flat range of the box, in row-major order, that the piece holds: all of it, or one
              rank's ZeRO shard of the flat buffer the local tensor lies in (parallel/flat.py).
 
@@ -41,7 +41,10 @@ class Piece:
     def of(cls, pl: Placement, lo: int = 0, hi: int | None = None) -> "Piece":
         """The piece of a local tensor shaped as `pl` describes, or the flat range [lo, hi) of it."""
         box = pl.local_shape()
-        offsets = tuple(pl.bounds()[0] if d == pl.dim else 0 for d in range(len(box)))
+        offsets = [pl.bounds()[0] if d == pl.dim else 0 for d in range(len(box))]
+        if pl.experts is not None:  # a stack of experts: this rank's rows of dim 0
+            offsets[0] = pl.experts[0]
+        offsets = tuple(offsets)
         return cls(pl.name, tuple(pl.global_shape), offsets, tuple(box), lo, math.prod(box) if hi is None else hi)
 
     @classmethod

@@ -153,15 +153,16 @@ def note(model: nn.Module, recipe: str, compiled: bool) -> str:
     that an eager run pays for its casts (each is several unfused kernels: on one H200 an eager fp8 step
     took 1.8x the eager bf16 step, a compiled one 0.89x the compiled bf16 step; bench/README.md,
     "FP8 training")."""
-    fp8 = experts = other = 0
+    from teratrain.models.moe import moe_layers
+
+    fp8 = other = 0
     for _, _, child, expert in _block_linears(model):
-        if expert:
-            experts += 1
-        elif getattr(child, "gemm", None) is not None:
+        if not expert and getattr(child, "gemm", None) is not None:
             fp8 += 1
-        else:
+        elif not expert:
             other += 1
-    kept = [f"{experts} expert linears" if experts else "",
+    layers = len(moe_layers(model))
+    kept = [f"the experts of {layers} MoE layers" if layers else "",
             f"{other} linears with a dimension not a multiple of {ALIGN}" if other else ""]
     kept = ", ".join(k for k in kept if k)
     line = (f"fp8: {fp8} block linears in float8 ({recipe} scales, torchao); " + (f"{kept}, " if kept else "")

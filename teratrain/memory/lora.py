@@ -43,7 +43,8 @@ class LoRALinear(nn.Module):
 
 def apply_lora(model: nn.Module, cfg) -> None:
     """Swap every targeted linear layer of every block for a LoRALinear, and freeze everything else
-    (embeddings, norms, head): only the adapters train."""
+    (embeddings, norms, head, MoE layers' routed experts, which are stacks and not linear layers):
+    only the adapters train."""
     lc = cfg.lora
     if lc.rank == 0:
         return

@@ -165,7 +165,8 @@ class QuantLinear(nn.Module):
 
 def block_linears(model: nn.Module) -> list[str]:
     """Names of the linear layers quantized: every nn.Linear inside the blocks (`layers.*`). The
-    embedding and the output head stay as trained, as in GPTQ's experiments."""
+    embedding and the output head stay as trained, as in GPTQ's experiments, and so do the routed
+    experts of MoE layers (stacks, not linear layers: models/moe.py Experts)."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")]
 
 

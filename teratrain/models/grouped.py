@@ -21,6 +21,7 @@ from torch import nn
 
 from teratrain import compat
 from teratrain.models.grouped_loop import grouped_mm_loop
+from teratrain.models.layers import to_compute_dtype
 
 
 def row_align(grouped: bool) -> int:
@@ -30,15 +31,6 @@ def row_align(grouped: bool) -> int:
 
 # ---------------------------------------------------------------- the experts on a laid-out buffer
 
-def affine(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight (out, in), bias or None) of a layer that computes exactly x W^T + b on its input, else
-    None (a LoRA adapter, a quantized weight, a layer that communicates): those run one by one."""
-    if type(linear) is nn.Linear:
-        return linear.weight, linear.bias
-    own = getattr(linear, "affine", None)  # tensor-parallel pieces (parallel/tp_layers.py) say it themselves
-    return own() if callable(own) else None
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts' matmuls run in: autocast's where it is on, else x's."""
     if torch.is_autocast_enabled(x.device.type):
@@ -46,56 +38,58 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def use_grouped(experts: list[nn.Module], x: torch.Tensor, kernel: str) -> bool:
-    """Whether `experts` run as grouped GEMMs: `kernel` "grouped" wherever torch has one (tests force it
-    on the CPU), "loop" never, "auto" where it needs no read-back (compat.grouped_mm_without_sync) and
-    the weights' rows are 16-byte aligned (8 bf16 values) as its kernel requires. Under torch.compile
-    "auto" is grouped wherever torch has one: the loop's read-back of the offsets would end the graph
-    there (a graph break: a Python round trip per layer, what compiling is meant to remove), while
-    the grouped op is one node of the graph whatever kernel runs it (its own fallback off Hopper
-    reads the offsets back inside the op)."""
+def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
+    """Whether `experts` (models/moe.py's Experts) run as grouped GEMMs: `kernel` "grouped" wherever torch
+    has one (tests force it on the CPU), "loop" never, "auto" where it needs no read-back
+    (compat.grouped_mm_without_sync) and the weights' rows are 16-byte aligned (8 bf16 values) as its
+    kernel requires. Under torch.compile "auto" is grouped wherever torch has one: the loop's read-back
+    of the offsets would end the graph there (a graph break: a Python round trip per layer, what
+    compiling is meant to remove), while the grouped op is one node of the graph whatever kernel runs
+    it (its own fallback off Hopper reads the offsets back inside the op)."""
     if kernel == "loop" or compat.grouped_mm is None:
-        return False
-    parts = [affine(getattr(e, leaf)) for e in experts for leaf in ("w1", "w3", "w2") if getattr(e, leaf) is not None]
-    if any(p is None for p in parts):
         return False
     if kernel == "grouped" or torch.compiler.is_compiling():
         return True
-    aligned = all(s % compat.GROUPED_MM_ROW_ALIGN == 0 for w, _ in parts for s in w.shape)
+    aligned = all(s % compat.GROUPED_MM_ROW_ALIGN == 0 for _, w, _ in experts.leaves() for s in w.shape[1:])
     return aligned and compat.grouped_mm_without_sync(x.device, compute_dtype(x))
 
 
-def run_experts(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, grouped: bool,
+def cast_stacks(experts: nn.Module, dtype: torch.dtype) -> dict:
+    """Each (weight, bias) stack of the experts by leaf (w1, w3, w2), in `dtype`: one cast a stack.
+    Made once per forward of a layer: a chunked exchange (parallel/expert.py) runs the experts once
+    per chunk on the same casts."""
+    return {name: (w.to(dtype), None if b is None else b.to(dtype)) for name, w, b in experts.leaves()}
+
+
+def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grouped: bool,
                 stacks: dict | None = None) -> torch.Tensor:
     """Expert g on rows [offsets[g-1], offsets[g]) of x (rows, d); outputs (rows, d_out), undefined
-    past offsets[-1]. Every expert enters the autograd graph, also on zero rows, so every rank builds
-    the same graph (its gradient hooks, and the collectives they launch, fire in the same order).
-    `stacks`: the grouped GEMMs' weights from `stack_experts`, when several calls share them."""
+    past offsets[-1]. Every expert's weights enter the autograd graph, also on zero rows, so every
+    rank builds the same graph (its gradient hooks, and the collectives they launch, fire in the same
+    order). `stacks`: the grouped GEMMs' weights from `cast_stacks`, when several calls share them."""
     if grouped:
-        return _grouped(experts, x, offsets, stacks or stack_experts(experts, compute_dtype(x)))
+        return _grouped(experts, x, offsets, stacks or cast_stacks(experts, compute_dtype(x)))
     ends = offsets.tolist()  # the loop's one read-back
     sizes = [b - a for a, b in zip([0] + ends[:-1], ends)] + [x.shape[0] - ends[-1]]
     parts = x.split(sizes)  # backward: one concatenation (slices would each add a whole zero buffer)
-    outs = [e(p) for e, p in zip(experts, parts)]
+    leaves = {name: (w.unbind(0), None if b is None else b.unbind(0)) for name, w, b in experts.leaves()}
+
+    def linear(name: str, e: int, rows: torch.Tensor) -> torch.Tensor:
+        w, b = leaves[name]
+        return F.linear(rows, w[e], None if b is None else b[e])
+
+    outs = []
+    for e, rows in enumerate(parts[:-1]):
+        if "w3" in leaves:
+            rows = to_compute_dtype(rows)  # one cast for w1 and w3
+            h = F.silu(linear("w1", e, rows)) * linear("w3", e, rows)
+        else:
+            h = F.gelu(linear("w1", e, rows), approximate="tanh")
+        outs.append(linear("w2", e, experts.dropout(h)))
     return torch.cat(outs + [outs[0].new_zeros(sizes[-1], outs[0].shape[1])])
 
 
-def stack_experts(experts: list[nn.Module], dtype: torch.dtype) -> dict:
-    """Each weight of the experts' MLP as one (G, out, in) stack in `dtype` (and its biases (G, out),
-    or None), by leaf (w1, w3, w2). Built once per forward of a layer: a chunked exchange
-    (parallel/expert.py) runs the experts once per chunk on the same stacks, where a stack per call
-    would cast every expert weight once per chunk."""
-    out = {}
-    for leaf in ("w1", "w3", "w2"):
-        if getattr(experts[0], leaf) is None:
-            continue
-        parts = [affine(getattr(e, leaf)) for e in experts]
-        biases = None if parts[0][1] is None else stack_cast([p[1] for p in parts], dtype)
-        out[leaf] = (stack_cast([p[0] for p in parts], dtype), biases)
-    return out
-
-
-def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, stacks: dict) -> torch.Tensor:
+def _grouped(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, stacks: dict) -> torch.Tensor:
     """The Expert MLP (models/moe.py) of every group at once: SwiGLU w2(silu(w1 x) * w3 x) or GELU
     w2(gelu(w1 x)), with the experts' dropout on the hidden activations."""
     x = x.to(compute_dtype(x))
@@ -107,7 +101,7 @@ def _grouped(experts: list[nn.Module], x: torch.Tensor, offsets: torch.Tensor, s
         h = F.silu(h) * _gmm(x, *stacks["w3"], offsets, group)
     else:
         h = F.gelu(h, approximate="tanh")
-    return _gmm(experts[0].dropout(h), *stacks["w2"], offsets, group)
+    return _gmm(experts.dropout(h), *stacks["w2"], offsets, group)
 
 
 def _gmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, offsets: torch.Tensor,
@@ -118,35 +112,6 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, offsets: torc
     else:
         y = compat.grouped_mm(x, w.transpose(-2, -1), offs=offsets)  # (rows, out)
     return y if b is None else _GroupBias.apply(y, b, group)
-
-
-@torch.library.custom_op("teratrain::stack_cast", mutates_args=())
-def stack_cast(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """torch.stack([w.to(dtype) for w in ws]) in one pass: each weight cast straight into its slot (a
-    multi-tensor copy: a few kernels whatever the expert count). An opaque operator to torch.compile:
-    traced as a stack of casts, 128 experts made inductor generate kernels of 384 inputs and 384
-    outputs a layer, whose compilation grew with the expert count (8 blocks of 128 experts outran
-    minutes); as one node it costs nothing to compile. Backward: one cast of the stacked gradient,
-    each slot a view of it."""
-    out = ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
-    torch._foreach_copy_(list(out.unbind(0)), ws)
-    return out
-
-
-@stack_cast.register_fake
-def _(ws, dtype):
-    return ws[0].new_empty((len(ws), *ws[0].shape), dtype=dtype)
-
-
-def _stack_cast_context(ctx, inputs, output):
-    ctx.dtype = inputs[0][0].dtype
-
-
-def _stack_cast_backward(ctx, grad):
-    return list(grad.to(ctx.dtype).unbind(0)), None
-
-
-stack_cast.register_autograd(_stack_cast_backward, setup_context=_stack_cast_context)
 
 
 class _GroupBias(torch.autograd.Function):

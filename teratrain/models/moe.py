@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.compat import in_backward
-from teratrain.models.grouped import compute_dtype, row_align, run_experts, stack_experts, use_grouped
+from teratrain.models.grouped import cast_stacks, compute_dtype, row_align, run_experts, use_grouped
 from teratrain.models.layers import to_compute_dtype
 from teratrain.models.permute import Layout, combine, dispatch, grouped_layout
 from teratrain.models.routers import ROUTERS, Routing, router_param_names, router_rows
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 
 class Expert(nn.Module):
-    """One expert: the block's MLP, SwiGLU w2(silu(w1 x) * w3 x) (llama) or GELU w2(gelu(w1 x)) (gpt2),
-    with dropout on its hidden activations (Switch's expert dropout, sec. 2.4)."""
+    """The shared experts' MLP (their sum is one MLP as wide as all of them), as each routed expert
+    computes it (`Experts`): SwiGLU w2(silu(w1 x) * w3 x) (llama) or GELU w2(gelu(w1 x)) (gpt2), with
+    dropout on its hidden activations (Switch's expert dropout, sec. 2.4)."""
 
     def __init__(self, d_model: int, d_ff: int, bias: bool, dropout: float, gated: bool):
         super().__init__()
@@ -51,9 +52,38 @@ class Expert(nn.Module):
         return self.w2(self.dropout(h))
 
 
+class Experts(nn.Module):
+    """The routed experts of an MoE layer, each weight one stack over the experts: w1 and, gated, w3
+    (E, d_ff, d), w2 (E, d, d_ff), expert e's being the (out, in) weight of its Expert's linear; biases
+    b1, b3 (E, d_ff) and b2 (E, d) where the model has them. One parameter a weight, not one per
+    expert: the optimizer, the gradient accumulation and the casts each see three tensors a layer
+    whatever the expert count (128 experts of 8 layers were 3,072 parameters a step, each with its own
+    kernels and autograd node), and the grouped GEMM reads the stacks as they are. Expert parallelism
+    keeps rows of dim 0 (parallel/ep_plan.py), tensor parallelism splits d_ff (parallel/tensor.py)."""
+
+    def __init__(self, n: int, d_model: int, d_ff: int, bias: bool, dropout: float, gated: bool):
+        super().__init__()
+        stack = lambda *shape: nn.Parameter(torch.empty(n, *shape))  # noqa: E731
+        self.w1, self.w3, self.w2 = stack(d_ff, d_model), stack(d_ff, d_model) if gated else None, stack(d_model, d_ff)
+        self.b1 = stack(d_ff) if bias else None
+        self.b3 = stack(d_ff) if bias and gated else None
+        self.b2 = stack(d_model) if bias else None
+        self.dropout = nn.Dropout(dropout)
+        self.bias_share = 1.0  # b2 added times this: 0 on all but one tp rank (parallel/tensor.py)
+
+    def __len__(self) -> int:
+        return self.w1.shape[0]
+
+    def leaves(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """(name, weight stack, bias stack or None) of w1, w3 (gated only) and w2, in that order."""
+        b2 = self.b2 * self.bias_share if self.b2 is not None and self.bias_share != 1.0 else self.b2
+        out = [("w1", self.w1, self.b1), ("w3", self.w3, self.b3), ("w2", self.w2, b2)]
+        return [leaf for leaf in out if leaf[1] is not None]
+
+
 class MoE(nn.Module):
-    """The feed-forward layer of an MoE block: (B, T, d) -> (B, T, d). Experts live in a ModuleDict
-    keyed by global expert index, so expert parallelism keeps only its own without renaming any.
+    """The feed-forward layer of an MoE block: (B, T, d) -> (B, T, d). The experts are stacked
+    (`Experts`); expert parallelism keeps its rows of the stacks, under the same names.
 
     Dispatch: each of the N*K choices has a key, its expert or n when it is not sent; the rows are
     laid out by expert on the device by a permutation whose forward and backward are gathers
@@ -67,8 +97,7 @@ class MoE(nn.Module):
         self.num_experts, self.layer = m.num_experts, layer
         self.router = ROUTERS[m.router](m, cfg.d_model)
         drop = cfg.dropout if m.expert_dropout is None else m.expert_dropout
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.d_model, cfg.expert_ffn_dim, cfg.use_bias, drop,
-                                                     cfg.arch == "llama") for e in range(m.num_experts)})
+        self.experts = Experts(m.num_experts, cfg.d_model, cfg.expert_ffn_dim, cfg.use_bias, drop, cfg.arch == "llama")
         # shared experts (DeepSeek-MoE): one MLP as wide as all of them together, which is their sum
         self.shared_expert = Expert(cfg.d_model, cfg.shared_ffn_dim, cfg.use_bias, drop, cfg.arch == "llama") \
             if m.shared_experts else None
@@ -114,16 +143,14 @@ class MoE(nn.Module):
         nowhere for key len(self.experts). Returns the experts' outputs laid out by the returned
         layout (models/permute.py: `combine` brings them back to the input rows). `stacks`: from
         `stacked`, shared by several calls of one forward."""
-        experts = list(self.experts.values())
-        grouped = use_grouped(experts, x, self.kernel)
-        lay = grouped_layout(key, len(experts), row_align(grouped))
-        return run_experts(experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped, stacks), lay
+        grouped = use_grouped(self.experts, x, self.kernel)
+        lay = grouped_layout(key, len(self.experts), row_align(grouped))
+        return run_experts(self.experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped, stacks), lay
 
     def stacked(self, x: torch.Tensor) -> dict | None:
-        """This module's expert weights stacked for the grouped GEMMs of run_local on rows like x (None
+        """This module's expert stacks cast for the grouped GEMMs of run_local on rows like x (None
         where the experts run one by one): a chunked exchange runs the experts once per chunk."""
-        experts = list(self.experts.values())
-        return stack_experts(experts, compute_dtype(x)) if use_grouped(experts, x, self.kernel) else None
+        return cast_stacks(self.experts, compute_dtype(x)) if use_grouped(self.experts, x, self.kernel) else None
 
     def _set_aux(self, r: Routing) -> None:
         """The aux loss of this forward, by `model.moe.aux_loss_convention` (docs/moe.md, "Auxiliary loss:

@@ -181,6 +181,8 @@ def init_param_(t: torch.Tensor, name: str, cfg: "ModelConfig", seed: int) -> No
     else N(0, init_std)."""
     leaf = name.rsplit(".", 1)[-1]
     parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    if parent == "experts":  # a stack of experts' weights (w1 w3 w2) or biases (b1 b3 b2): as their linears'
+        parent, leaf = "w" + leaf[1:], "weight" if leaf.startswith("w") else "bias"
     g = torch.Generator(device=t.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if leaf == "bias":
         t.zero_()

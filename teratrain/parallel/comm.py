@@ -482,16 +482,29 @@ def land_rows(y: torch.Tensor, ex: RowExchange | None) -> torch.Tensor:
 
 def to_global(t: torch.Tensor, pl, mesh) -> torch.Tensor:
     """The whole logical tensor from this rank's piece: all-gather the pieces over `pl.axis` and put
-    each where it belongs (collective over that axis; a whole parameter is returned as is)."""
-    if pl.dim is None:
-        return t
+    each where it belongs, then a stack of experts' ep ranks' experts along dim 0 (collectives over
+    those axes; a whole parameter is returned as is)."""
+    if pl.dim is not None:
+        t = _gather_pieces(t, pl, mesh)
+    if pl.experts is not None and mesh is not None and mesh.size("ep") > 1:
+        n = mesh.size("ep")
+        flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+        all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group("ep"))  # ep rank r: experts r*E/ep..
+        t = flat.view(n * t.shape[0], *t.shape[1:])
+    return t
+
+
+def _gather_pieces(t: torch.Tensor, pl, mesh) -> torch.Tensor:
+    """The tensor whole along `pl.dim` from the pieces of the ranks along `pl.axis`."""
     n = mesh.size(pl.axis)
     flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
     all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group(pl.axis))
-    out = torch.empty(pl.global_shape, dtype=t.dtype, device=t.device)
+    shape = list(pl.global_shape)
+    shape[0] = t.shape[0] if pl.experts is not None else shape[0]  # this rank's experts only
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
     rep = n // pl.count  # ranks holding each piece (1 unless pieces repeat)
     for index, local in enumerate(flat.view(n, *t.shape)[::rep]):
-        peer = pl.with_(index=index)
+        peer = pl.with_(index=index, experts=None)
         out[peer.global_slices()] = local[peer.local_slices()]
     return out
 

@@ -17,7 +17,6 @@ import torch
 from teratrain.memory.precision import DTYPES
 from teratrain.optim.engine import LocalEngine, weak_hook
 from teratrain.parallel.comm import AVG, all_reduce, gather_stages, to_global
-from teratrain.parallel.expert import gather_experts
 from teratrain.parallel.buckets import LaunchOrder, ordered_buckets
 from teratrain.parallel.flat import MAX_INFLIGHT_REDUCES
 from teratrain.parallel.grads import CrossRank, group_key, reduce_scale
@@ -131,7 +130,7 @@ class DataParallelEngine(LocalEngine):
         params = dict(self.model.named_parameters())
         out = {placement(params[n]).name: to_global(t, placement(params[n]), self.mesh).cpu().clone()
                for n, t in self.training_values().items()}
-        return gather_stages(gather_experts(out, self.model, self.mesh, self.cross.device), self.mesh)
+        return gather_stages(out, self.mesh)
 
     def keeps_grad(self, p: torch.nn.Parameter) -> bool:
         return p in self._bucket_of

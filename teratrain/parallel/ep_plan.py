@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from math import comb
 
+import torch
 from torch import nn
 
 from teratrain.config_base import ConfigError
@@ -50,17 +51,16 @@ def expert_group(group: str) -> str:
 
 
 def keep_local_experts(model: nn.Module, num_experts: int, ep: int, ep_rank: int) -> None:
-    """Drop from the meta-device model every expert another ep rank holds (names unchanged) and record
-    the kept ones' placements: their global index, and at ep > 1 their expert group."""
+    """Keep, of every expert stack of the meta-device model, the rows (experts) this ep rank holds
+    (names unchanged) and record it in their placements, with at ep > 1 their expert group."""
     mine = local_experts(num_experts, ep, ep_rank)
     for _, layer in moe_layers(model):
-        for key in list(layer.experts.keys()):
-            if int(key) not in mine:
-                del layer.experts[key]
-        for key, expert in layer.experts.items():
-            for p in expert.parameters():
-                pl = placement(p)
-                place(p, pl.with_(group=expert_group(pl.group) if ep > 1 else pl.group, expert=int(key)))
+        experts = layer.experts
+        for name, p in list(experts.named_parameters()):
+            pl = placement(p)
+            kept = nn.Parameter(torch.empty((len(mine), *p.shape[1:]), device="meta"), requires_grad=p.requires_grad)
+            place(kept, pl.with_(group=expert_group(pl.group) if ep > 1 else pl.group, experts=(mine.start, mine.stop)))
+            setattr(experts, name, kept)
 
 
 def check_ep(cfg) -> None:

@@ -95,8 +95,8 @@ forward schedule mirrored, each piece's expert backward under the other pieces' 
 Function around the whole layer could force the same order, but would have to run the experts'
 backward itself (a nested autograd call per piece, whose weight gradients would each fire the
 data-parallel hooks) and rebuild the grouped GEMMs' saved state; the graph keeps one node per weight,
-accumulated over the pieces before its hook fires once. The expert weights are stacked for the
-grouped GEMMs once per layer forward (models/grouped.py `stack_experts`), after the dispatches are
+accumulated over the pieces before its hook fires once. The expert stacks are cast for the
+grouped GEMMs once per layer forward (models/grouped.py `cast_stacks`), after the dispatches are
 launched, so casting them runs under the first dispatch and the pieces share it.
 
 Default 1. Cutting costs C times the launches of the exchange and of the expert pass (argsort,
@@ -117,7 +117,6 @@ from teratrain.models.permute import (Layout, chunk_major, combine, dispatch, gr
                                       slotted_layout)
 from teratrain.models.moe import moe_layers
 from teratrain.parallel import comm
-from teratrain.parallel.comm import all_gather
 from teratrain.parallel.ep_pipeline import Exchange, chunk_rows, pipeline, with_a_row
 from teratrain.parallel.ep_plan import keep_local_experts
 from teratrain.parallel.expert_dedup import DedupExchange
@@ -196,29 +195,3 @@ def apply_ep(model: nn.Module, rt, cfg) -> None:
     exchange = DedupExchange if cfg.parallel.ep_dedup else ExpertExchange
     for _, layer in moe_layers(model):
         layer.exchange = exchange(rt.mesh, ep, n // ep, cfg.parallel.ep_overlap_chunks)
-
-
-@torch.no_grad()
-def gather_experts(full: dict[str, torch.Tensor], model: nn.Module, mesh, device) -> dict[str, torch.Tensor]:
-    """`full` (whole CPU tensors by global name, this rank's experts among them) plus the experts of
-    the other ep ranks, gathered through `device`. Collective over `ep`; rank r's j-th expert is
-    global expert r * n/ep + j."""
-    group = mesh.group("ep") if mesh is not None else None
-    if group is None or not moe_layers(model):  # a pipeline stage without MoE layers (its ep peers neither)
-        return full
-    names = [(f"layers.{key}.feed_forward.experts.", j, int(e), f".{leaf}")
-             for key, layer in moe_layers(model) for j, e in enumerate(layer.experts)
-             for leaf, _ in layer.experts[e].named_parameters()]
-    mine = [full[f"{pre}{e}{leaf}"] for pre, _, e, leaf in names]
-    flat = torch.cat([t.reshape(-1).to(mine[0].dtype) for t in mine]).to(device)
-    everyone = torch.empty(mesh.size("ep") * flat.numel(), dtype=flat.dtype, device=device)
-    all_gather(everyone, flat, group)
-    everyone = everyone.cpu()
-    out = dict(full)
-    local = len(next(iter(moe_layers(model)))[1].experts)
-    for s, chunk in enumerate(everyone.view(mesh.size("ep"), -1)):
-        offset = 0
-        for (pre, j, _, leaf), t in zip(names, mine):
-            out[f"{pre}{s * local + j}{leaf}"] = chunk[offset:offset + t.numel()].view(t.shape).to(t.dtype).clone()
-            offset += t.numel()
-    return out

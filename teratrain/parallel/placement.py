@@ -43,7 +43,7 @@ class Placement:
     group: str = "dp"  # mesh group the gradient is summed over (then divided by dp x cp)
     tied: tuple[str, ...] = ("tp",)  # axes with identical copies outside `group`: counted once
     stage: int | None = None  # pipeline stage holding it (None: every stage's model has it)
-    expert: int | None = None  # global expert index
+    experts: tuple[int, int] | None = None  # a stack of experts along dim 0: global experts [start, stop) held
 
     @property
     def piece(self) -> int:
@@ -60,13 +60,21 @@ class Placement:
         shape = list(self.global_shape)
         if self.dim is not None:
             shape[self.dim] = self.piece
+        if self.experts is not None:
+            shape[0] = self.experts[1] - self.experts[0]
         return tuple(shape)
+
+    def whole(self) -> bool:
+        """Does this rank hold the whole tensor (no tensor-parallel piece, every expert)?"""
+        return self.dim is None and self.experts is None
 
     def global_slices(self) -> tuple[slice, ...]:
         """Index into the global tensor giving this rank's data (padding excluded)."""
         out = [slice(None)] * len(self.global_shape)
         if self.dim is not None:
             out[self.dim] = slice(*self.bounds())
+        if self.experts is not None:
+            out[0] = slice(*self.experts)
         return tuple(out)
 
     def local_slices(self) -> tuple[slice, ...]:
@@ -80,11 +88,15 @@ class Placement:
     def to_json(self) -> dict:
         d = asdict(self)
         d["global_shape"], d["tied"] = list(self.global_shape), list(self.tied)
+        d["experts"] = None if self.experts is None else list(self.experts)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Placement":
-        return cls(**{**d, "global_shape": tuple(d["global_shape"]), "tied": tuple(d["tied"])})
+        experts = d.get("experts")
+        d = {k: v for k, v in d.items() if k != "expert"}  # one expert a tensor: written before the stacks
+        return cls(**{**d, "global_shape": tuple(d["global_shape"]), "tied": tuple(d["tied"]),
+                      "experts": None if experts is None else tuple(experts)})
 
     def with_(self, **changes) -> "Placement":
         return replace(self, **changes)
@@ -131,7 +143,7 @@ def init_local_(t: torch.Tensor, pl: Placement, init_fn: Callable[[torch.Tensor,
     if read is not None:
         read(t, pl)
         return
-    if pl.dim is None:
+    if pl.whole():
         init_fn(t, pl.name)
         return
     full = torch.empty(pl.global_shape, dtype=t.dtype, device=t.device)

@@ -174,9 +174,21 @@ def _moe_region(module, ctx, name):
 
 
 def _rowwise_partial(linear, ctx, name):
-    """An expert's w2: its rows of the partial product, no reduction (the MoE region reduces the
+    """The shared experts' w2: its rows of the partial product, no reduction (the MoE region reduces the
     gated sum); the whole bias is added on tp rank 0 only, so its gradient is partial over tp."""
     return PartialRowParallel(_param(linear, ctx, name, "weight"), _param(linear, ctx, name, "bias"), ctx.rank == 0)
+
+
+def _experts(experts, ctx, name):
+    """The expert stacks' pieces of this tp rank (tp_plan.py `_experts`), in place: every expert split
+    like the dense MLP, its hidden dropout on this rank's stream, b2 added on tp rank 0 only."""
+    for leaf in ("w1", "w3", "w2", "b1", "b3", "b2"):
+        piece = _param(experts, ctx, name, leaf)
+        if piece is not None:
+            setattr(experts, leaf, piece)
+    experts.bias_share = 1.0 if ctx.rank == 0 else 0.0
+    experts.dropout = ForkedRNG(experts.dropout, ctx.rank) if experts.dropout.p > 0 else experts.dropout
+    return None
 
 
 def _rng(module, ctx, split: bool):
@@ -200,6 +212,7 @@ _STYLES = {  # how each style of the plan (tp_plan.py) swaps a module; None: it 
     "moe_router": lambda m, ctx, name: None,  # replicated: its gradient is partial over tp (its placement)
     "head_norm": lambda m, ctx, name: None,  # replicated: each rank normalises its heads (its placement)
     "rowwise_partial": _rowwise_partial,
+    "experts": _experts,
     "split_rng": lambda m, ctx, name: ForkedRNG(m, ctx.rank) if m.p > 0 else None,  # a split hidden activation
     "head_rng": lambda m, ctx, name: _rng(m, ctx, ctx.form == "megatron"),  # local heads under the megatron form
     "sequence_rng": lambda m, ctx, name: _rng(m, ctx, ctx.sp),

@@ -112,12 +112,6 @@ class ColumnParallel(_Parallel):
         y = self._adapted(x, self._linear(x, self.bias))
         return self.exit(y) if self.exit is not None else y
 
-    def affine(self):
-        """(W', b') when this layer is exactly x W'^T + b' (an expert's w1/w3: no communication, no
-        adapter), for the experts' grouped GEMM (models/grouped.py); else None."""
-        plain = self.entry is None and self.exit is None and self.lora_a is None
-        return (self.weight, self.bias) if plain else None
-
 
 class RowParallel(_Parallel):
     """y = reduce(X' W'^T) + b with W' this rank's columns of W (its input features): the partial
@@ -141,7 +135,7 @@ class RowParallel(_Parallel):
 
 class PartialRowParallel(nn.Module):
     """y = X' W'^T (+ b on one rank): a row-parallel product left unreduced, for a caller that sums
-    it later (an expert, whose gated outputs the MoE layer reduces at once). The bias is added on the
+    it later (the shared experts, whose gated outputs the MoE layer reduces at once). The bias is added on the
     rank given `add_bias` and multiplied by zero elsewhere, so every rank builds the same graph."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, add_bias: bool):
@@ -151,10 +145,6 @@ class PartialRowParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         return y + self.bias * self.bias_share if self.bias is not None else y
-
-    def affine(self):
-        """(W', b * share): this layer as x W'^T + b', for the experts' grouped GEMM (models/grouped.py)."""
-        return self.weight, (self.bias * self.bias_share if self.bias is not None else None)
 
 
 class VocabParallelEmbedding(nn.Module):

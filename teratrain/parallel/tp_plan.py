@@ -52,7 +52,7 @@ FORM_STYLE = {"all-gather": "colwise_gather", "all-reduce": "rowwise_split"}
 # parallel norm's), each expert is split like the dense MLP, and the gated sum of the experts' partial
 # outputs leaves the region once. The per-layer forms keep MoE layers whole, replicated over tp.
 MOE_PLAN = {"feed_forward": "moe_region", "feed_forward.router": "moe_router"}
-EXPERT_PLAN = {"w1": "colwise", "w3": "colwise", "w2": "rowwise_partial", "dropout": "split_rng"}
+SHARED_EXPERT_PLAN = {"w1": "colwise", "w3": "colwise", "w2": "rowwise_partial", "dropout": "split_rng"}
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,10 @@ def _block_plan(block: nn.Module, form: str) -> dict[str, str]:
     plan = {path: style for path, style in BLOCK_PLAN.items() if not path.startswith("feed_forward")}
     if form == "megatron":
         plan.update(MOE_PLAN)
-        plan.update({f"feed_forward.experts.{e}.{leaf}": style for e in block.feed_forward.experts
-                     for leaf, style in EXPERT_PLAN.items()})
+        plan["feed_forward.experts"] = "experts"
         # the shared experts are split like an expert; their gate, like the router, runs whole
         if block.feed_forward.shared_expert is not None:
-            plan.update({f"feed_forward.shared_expert.{leaf}": style for leaf, style in EXPERT_PLAN.items()})
+            plan.update({f"feed_forward.shared_expert.{leaf}": style for leaf, style in SHARED_EXPERT_PLAN.items()})
             plan["feed_forward.shared_expert_gate"] = "moe_router"
     return plan
 
@@ -156,6 +155,17 @@ def _row(module, split: TPSplit, name: str, out: dict, partial: bool) -> None:
         out[f"{name}.lora_b"] = _whole(module, name, "lora_b", partial=True)
 
 
+def _experts(module, split: TPSplit, name: str, out: dict) -> None:
+    """The expert stacks (models/moe.py's Experts) split like the dense MLP, expert by expert: w1, w3
+    and their biases by rows of d_ff (dim 1), w2 by its d_ff columns (dim 2); b2 whole, added on tp
+    rank 0 only (its gradient partial over tp), as the MoE region reduces the gated sum."""
+    for leaf, dim in (("w1", 1), ("w3", 1), ("w2", 2), ("b1", 1), ("b3", 1)):
+        if getattr(module, leaf) is not None:
+            out[f"{name}.{leaf}"] = _cut(module, split, name, leaf, dim, split.tp)
+    if module.b2 is not None:
+        out[f"{name}.b2"] = _whole(module, name, "b2", partial=True)
+
+
 def _partial_over_tp(module, name: str, out: dict) -> None:
     """Each tp rank's gradient of these (replicated) parameters is a part of the whole: sum over dp and tp."""
     for leaf, p in module.named_parameters():
@@ -173,8 +183,9 @@ _RULES = {
     "rowwise": lambda m, s, name, out: _row(m, s, name, out, partial=s.sp),
     "colwise_gather": _column,
     "rowwise_split": lambda m, s, name, out: _row(m, s, name, out, partial=False),
-    "rowwise_partial": lambda m, s, name, out: _row(m, s, name, out, partial=True),  # an expert's w2: the MoE
-    # region reduces the gated sum, the whole bias is added on tp rank 0 only
+    "rowwise_partial": lambda m, s, name, out: _row(m, s, name, out, partial=True),  # the shared experts' w2: the
+    # MoE region reduces the gated sum, the whole bias is added on tp rank 0 only
+    "experts": _experts,
     "sequence_norm": lambda m, s, name, out: _partial_over_tp(m, name, out) if s.sp else None,
     "sequence_positions": lambda m, s, name, out: _partial_over_tp(m, name, out) if s.sp else None,
     "moe_router": lambda m, s, name, out: _partial_over_tp(m, name, out),

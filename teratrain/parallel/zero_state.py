@@ -8,7 +8,6 @@ import torch
 
 from teratrain.checkpoint.holdings import Holdings, Slot
 from teratrain.parallel.comm import all_gather, gather_stages, to_global
-from teratrain.parallel.expert import gather_experts
 from teratrain.parallel.placement import placement
 
 
@@ -52,7 +51,7 @@ class ZeroCheckpointMixin:
             for q, v in zip(g.params, g.views(full)):
                 pl = placement(q)
                 out[pl.name] = to_global(v, pl, self.mesh).cpu().clone()
-        return gather_stages(gather_experts(out, self.model, self.mesh, self.device), self.mesh)
+        return gather_stages(out, self.mesh)
 
 
 def _slots(g, views: list[torch.Tensor]) -> list[Slot]:

@@ -69,8 +69,8 @@ class ModelShape:
     def _shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter tensor of our Transformer in `named_parameters()` order,
         nn.Linear weights as (out, in). ZeRO's bucketing and per-tensor optimizer state follow it.
-        An MoE block's feed-forward is its router (models/moe.py), every expert's MLP (of width
-        model.moe.expert_d_ff), then the shared experts' MLP and its gate."""
+        An MoE block's feed-forward is its router (models/moe.py), the experts' MLPs stacked (of width
+        model.moe.expert_d_ff: weights, then biases), then the shared experts' MLP and its gate."""
         if self.is_bare:
             return []
         c = self.cfg
@@ -90,7 +90,9 @@ class ModelShape:
         if self.num_experts > 1:
             rows = router_rows(c.moe)
             moe = [(f"router.{n}", (rows, d)) for n in router_param_names(c.moe)]
-            moe += [(f"experts.{e}.{n}", s) for e in range(self.num_experts) for n, s in mlp_of(c.expert_ffn_dim)]
+            stacks = [(n.split(".")[0], s) for n, s in mlp_of(c.expert_ffn_dim)]  # models/moe.py's Experts
+            moe += [(f"experts.{n}", (self.num_experts, *s)) for n, s in stacks if len(s) == 2]
+            moe += [(f"experts.b{n[1:]}", (self.num_experts, *s)) for n, s in stacks if len(s) == 1]
             moe += [(f"shared_expert.{n}", s) for n, s in (mlp_of(c.shared_ffn_dim) if c.moe.shared_experts else [])]
             moe += [("shared_expert_gate.weight", (1, d))] if c.moe.shared_gate else []
         head = ([(f"attention_norm.{n}", s) for n, s in norm]
@@ -217,6 +219,10 @@ class Training:
     # wq/wk/wv, 2 before w1/w3) before the attention and the MLP cast it once for all (models/layers.py):
     # how the runs recorded before measured, planned as they ran by planner/refit.py. Never set from a Config.
     linear_casts: bool = False
+    # Each routed expert held its own parameters (3,072 tensors for 128 experts of 8 layers, each gradient
+    # accumulated by its own op) before the experts were stacked (models/moe.py Experts): how the runs
+    # recorded before measured, planned as they ran by planner/refit.py. Never set from a Config.
+    expert_tensors: bool = False
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

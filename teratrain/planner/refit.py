@@ -157,9 +157,10 @@ def _prepared(result: dict) -> list[tuple]:
 
     out = []
     # measured before the norms ran in the residual stream's dtype, before the projections shared one cast
-    # of their input (planner/layout.py Training)
+    # of their input, before the experts were stacked (planner/layout.py Training)
     ran = {"norms_fp32": result.get("norms") != "residual dtype",
-           "linear_casts": result.get("linear inputs") != "cast once"}
+           "linear_casts": result.get("linear inputs") != "cast once",
+           "expert_tensors": result.get("experts") != "stacked"}
     for row in result["rows"]:
         if row.get("measured_step_s"):
             cfg = load_config(None, row["sets"])

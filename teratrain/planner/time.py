@@ -66,13 +66,16 @@ _COMMON = calibrated("common")  # the fitted and counted constants of every card
 OPS_PER_BLOCK = {("llama", "fp32"): (68, 131), ("llama", "autocast"): (81, 142), ("llama", "low"): (76, 137),
                  ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (53, 109), ("gpt2", "low"): (39, 93)}
 OPS_OUTSIDE = 60
-# an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, grouped expert
-# GEMMs), (forward, backward), counted the same way over moe.MoE (4 experts, top-2, grouped kernel)
-OPS_MOE_EXTRA = (95, 48)
-# Each expert is its own parameters, each gradient accumulated by its own op every micro-batch: a
-# layer of E local experts issues (E - OPS_MOE_EXPERTS) x (its parameter tensors) ops more than the
-# count above (bench/calibrate/moe_host_ops.py's block: 376, 388, 412, 460 ops at 4, 8, 16, 32 SwiGLU
-# experts). They run outside a compiled graph (autograd's AccumulateGrad), so compiling keeps them.
+# an MoE layer's ops beyond the dense MLP it replaces (router, top-k, permutation, the cast expert
+# stacks, grouped expert GEMMs, the stacks' gradient accumulations), (forward, backward), counted the
+# same way over moe.MoE (top-2, grouped kernel): the same at any expert count (bench/calibrate/
+# moe_host_ops.py's block: 360 ops at 4 and at 12 SwiGLU experts)
+OPS_MOE_EXTRA = (91, 37)
+# Runs recorded while each expert held its own parameters (Training.expert_tensors): the count at 4
+# experts, and (E - OPS_MOE_EXPERTS) x (an expert's parameter tensors) gradient accumulations more for
+# E local experts (that block: 376, 388, 412, 460 ops at 4, 8, 16, 32 experts), which ran outside a
+# compiled graph (autograd's AccumulateGrad), so compiling kept them.
+OPS_MOE_EXTRA_PER_EXPERT = (95, 48)
 OPS_MOE_EXPERTS = 4
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
@@ -250,8 +253,8 @@ def expert_weights(c, tp: int = 1) -> int:
 
 def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: every
-    micro-batch, each MoE layer stacks its local experts' weights in the compute dtype (read the
-    parameter, write the copy: models/grouped.py stack_cast), casts their gradient back (read, write)
+    micro-batch, each MoE layer casts its local experts' weight stacks to the compute dtype (read the
+    parameter, write the copy: models/grouped.py cast_stacks), casts their gradient back (read, write)
     and, after the first micro-batch, adds it to the accumulated one (read both, write). The fitted
     rates price that traffic for the top_k experts a token runs (a dense MLP's weights, cast by autocast,
     move as much per FLOP), so only the local experts beyond top_k are charged: nothing where a rank holds
@@ -339,20 +342,32 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     fwd, bwd = block_ops(shape, train, lay)
     replay = fwd if lay.recompute in REPLAYING else 0
     layers = rank_layers(shape, lay)
-    tensors = len(shape.param_shapes()) // lay.pp
-    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, lay) + tensors
-                 + expert_grad_ops(shape, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
+    tensors = len(shape.param_shapes()) // lay.pp + expert_tensors(shape, train, lay)
+    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, train, lay) + tensors
+                 + expert_grad_ops(shape, train, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
 
 
-def expert_grad_ops(shape: ModelShape, lay: Layout) -> float:
-    """The gradient accumulations of one rank's experts beyond the OPS_MOE_EXPERTS that OPS_MOE_EXTRA
-    counts, a step: one op per expert parameter tensor per micro-batch (negative below that count)."""
-    if shape.num_experts == 1:
+def expert_grad_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
+    """Runs recorded with a parameter per expert (Training.expert_tensors): the gradient accumulations of
+    one rank's experts beyond the OPS_MOE_EXPERTS that OPS_MOE_EXTRA_PER_EXPERT counts, a step: one op per
+    expert parameter tensor per micro-batch (negative below that count). Stacked experts: none."""
+    return _per_expert(shape, train, lay, OPS_MOE_EXPERTS) * lay.num_microbatches
+
+
+def expert_tensors(shape: ModelShape, train: Training, lay: Layout) -> float:
+    """Runs recorded with a parameter per expert: one rank's parameter tensors beyond the stacks that
+    ModelShape.param_shapes lists (each stepped by the optimizer's op per tensor)."""
+    return _per_expert(shape, train, lay, 1)
+
+
+def _per_expert(shape: ModelShape, train: Training, lay: Layout, counted: int) -> float:
+    """Under Training.expert_tensors: one rank's expert parameter tensors beyond `counted` experts a layer."""
+    if shape.num_experts == 1 or not train.expert_tensors:
         return 0.0
     c = shape.cfg
     leaves = mlp_matrices(c) * (2 if c.use_bias else 1)
     local = shape.num_experts // lay.ep
-    return rank_layers(shape, lay) * shape.moe_share * leaves * (local - OPS_MOE_EXPERTS) * lay.num_microbatches
+    return rank_layers(shape, lay) * shape.moe_share * leaves * (local - counted)
 
 
 def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -362,7 +377,7 @@ def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     ops = eager_ops(shape, train, lay)
     if not train.compiled:
         return ops
-    eager = len(shape.param_shapes()) // lay.pp + expert_grad_ops(shape, lay)
+    eager = len(shape.param_shapes()) // lay.pp + expert_tensors(shape, train, lay) + expert_grad_ops(shape, train, lay)
     return (ops - eager) * COMPILED_OPS_SHARE + eager
 
 
@@ -435,17 +450,17 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
     the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each. The host
     probe's rows (refit.fit_host) have no pipeline and no MoE layer: no split ops, no MoE ops."""
-    ops += split_ops(shape, lay) + (MOE_HOST_OP_SHARE - 1) * moe_ops(shape, lay)
+    ops += split_ops(shape, lay) + (MOE_HOST_OP_SHARE - 1) * moe_ops(shape, train, lay)
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 
 
-def moe_ops(shape: ModelShape, lay: Layout, forward_only: bool = False) -> float:
+def moe_ops(shape: ModelShape, train: Training, lay: Layout, forward_only: bool = False) -> float:
     """The ops of `eager_ops` that MoE layers add to one rank's step (OPS_MOE_EXTRA, the forward again
     where a recomputed segment replays it), or to its first forward pass only (`forward_only`)."""
     if shape.num_experts == 1:
         return 0.0
-    fwd, bwd = OPS_MOE_EXTRA
+    fwd, bwd = OPS_MOE_EXTRA_PER_EXPERT if train.expert_tensors else OPS_MOE_EXTRA
     per_block = fwd if forward_only else fwd + (fwd if lay.recompute in REPLAYING else 0) + bwd
     return rank_layers(shape, lay) * shape.moe_share * per_block * lay.num_microbatches
 
@@ -562,5 +577,5 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
     fwd_ops = (rank_layers(shape, lay) * block_ops(shape, train, lay)[0]
-               + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, lay, forward_only=True)
+               + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, train, lay, forward_only=True)
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))

@@ -48,8 +48,9 @@ def test_resume_consolidate_and_metrics(zero, dist_workdir):
     path, _ = find_valid(root / "straight" / "checkpoints")
     weights = full_model(path)
     assert weights.keys() == params.keys()
-    assert {k for k in params if ".experts." in k} == {f"layers.{i}.feed_forward.experts.{e}.{w}.weight"
-                                                       for i in range(2) for e in range(4) for w in ("w1", "w2", "w3")}
+    assert {k for k in params if ".experts." in k} == {f"layers.{i}.feed_forward.experts.{w}"
+                                                       for i in range(2) for w in ("w1", "w2", "w3")}
+    assert all(params[f"layers.0.feed_forward.experts.{w}"].shape[0] == 4 for w in ("w1", "w2", "w3"))
     for name, value in params.items():
         assert torch.equal(weights[name].view_as(value), value), name
     assert isinstance(generate(str(root / "straight"), "def ", 8, 0.0, 0, 0), str)

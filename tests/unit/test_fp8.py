@@ -4,13 +4,13 @@ float8 GEMMs themselves through torchao's emulation on CPU (no float8 tensor cor
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from teratrain import compat
 from teratrain.config import ConfigError
 from teratrain.memory import fp8
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime
+from teratrain.models.moe import MoE
 from teratrain.models.transformer import Transformer
 from teratrain.parallel.parallelize import parallelize
 from tests.helpers import make_config
@@ -105,9 +105,9 @@ def test_block_linears_swapped_keeping_parameters_and_names():
 def test_experts_stay_bf16_and_the_note_says_so():
     moe = ["model.moe.num_experts=4", "model.moe.top_k=2"]
     _, model, _, _ = _model(FP8 + moe)
-    experts = [n for n, m in model.named_modules() if ".experts." in n and isinstance(m, nn.Linear)]
-    assert experts and not any(".experts." in n for n, m in model.named_modules() if isinstance(m, fp8.Fp8Linear))
-    assert f"{len(experts)} expert linears" in fp8.note(model, "tensorwise", True)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers and not any(isinstance(m, fp8.Fp8Linear) for layer in layers for m in layer.modules())
+    assert f"the experts of {len(layers)} MoE layers" in fp8.note(model, "tensorwise", True)
 
 
 def test_unaligned_linears_stay_bf16():

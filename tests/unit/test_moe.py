@@ -10,7 +10,7 @@ import torch
 from teratrain.config import ConfigError
 from teratrain.models import moe, routers
 from teratrain.models.transformer import build_model, count_params
-from tests.helpers import make_config, model_config, one_rank_moe
+from tests.helpers import expert_out, make_config, model_config, one_rank_moe
 
 N, D = 12, 6  # tokens, width
 
@@ -200,7 +200,7 @@ def test_layer_output_is_the_gated_sum_and_dropped_tokens_pass_through(router, k
     y = m(x).view(N, D)
     r = m.router(x.view(N, D), m._generator(x.device))
     for t in range(N):
-        want = sum(r.weights[t, j] * m.experts[str(int(r.experts[t, j]))](x.view(N, D)[t:t + 1])[0]
+        want = sum(r.weights[t, j] * expert_out(m.experts, int(r.experts[t, j]), x.view(N, D)[t:t + 1])[0]
                    for j in range(r.experts.shape[1]) if r.routed[t, j])
         torch.testing.assert_close(y[t], want if torch.is_tensor(want) else torch.zeros(D, dtype=torch.float64))
     stats = m.pop_stats()
@@ -431,7 +431,7 @@ def reference_forward(m: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.
     choice = choice[torch.argsort(expert_of, stable=True)]
     counts = torch.bincount(r.experts.flatten()[choice], minlength=m.num_experts).tolist()
     token = choice // K
-    ys = torch.cat([e(rows) for e, rows in zip(m.experts.values(), flat[token].split(counts))])
+    ys = torch.cat([expert_out(m.experts, e, rows) for e, rows in enumerate(flat[token].split(counts))])
     w = r.weights.flatten()[choice].unsqueeze(1)
     return ys.new_zeros(flat.shape).index_add(0, token, ys * w).view(x.shape), r.aux_loss
 
@@ -573,39 +573,6 @@ def test_grouped_mm_loop_op_equals_torchs_grouped_mm_with_gradients():
     assert torch.allclose(gx[:9], rx[:9], atol=1e-6) and not gx[9:].any()  # torch's: undefined past the groups
     assert torch.allclose(gw, rw, atol=1e-6)
     torch.library.opcheck(grouped_mm_loop, (x, w, offs))
-
-
-def test_stacked_expert_weights_are_one_operator_to_compile():
-    """models/grouped.py's stack of the experts' weights (cast to bf16) is one opaque operator under
-    inductor, whatever the expert count: traced as a stack of casts, 128 experts made kernels of 384
-    inputs a layer whose compilation grew with the count. Values and gradients equal eager's stack of
-    casts; torch.library.opcheck checks its fake and autograd registrations."""
-    import torch._functorch.config
-    import torch._inductor.config
-    from torch._inductor.utils import run_and_get_code
-
-    from teratrain.models.grouped import stack_cast
-
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(16, 8, generator=g, requires_grad=True) for _ in range(64)]
-    x = torch.randn(64, 3, 8, generator=g).to(torch.bfloat16)
-
-    def f(*ws):
-        return torch.bmm(x, stack_cast(list(ws), torch.bfloat16).transpose(1, 2)).float().square().sum()
-
-    caches = torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache
-    torch._inductor.config.fx_graph_cache = torch._functorch.config.enable_autograd_cache = False
-    try:
-        torch._dynamo.reset()
-        got, codes = run_and_get_code(torch.compile(f, fullgraph=True), *ws)
-    finally:
-        torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache = caches
-    assert "teratrain.stack_cast" in codes[0], codes[0]
-    ref = torch.bmm(x, torch.stack([w.to(torch.bfloat16) for w in ws]).transpose(1, 2)).float().square().sum()
-    assert torch.allclose(got, ref, rtol=1e-6)
-    grads, refs = torch.autograd.grad(got, ws), torch.autograd.grad(ref, ws)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(grads, refs))
-    torch.library.opcheck(stack_cast, ([w.detach().requires_grad_() for w in ws[:3]], torch.bfloat16))
 
 
 @pytest.mark.parametrize("graphed", [False, True])

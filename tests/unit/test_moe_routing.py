@@ -16,7 +16,7 @@ from teratrain.config import ConfigError
 from teratrain.models import moe
 from teratrain.models.transformer import build_model, count_params
 from teratrain.parallel import ep_plan
-from tests.helpers import make_config, model_config
+from tests.helpers import expert_out, make_config, model_config
 from tests.unit.test_moe import D, N, check, layer, logits, ranked, softmax, tokens
 
 
@@ -163,11 +163,11 @@ def test_shared_experts_add_to_the_routed_output(gated):
     x = tokens()
     r = m.router(x)
     sh = m.shared_expert
-    assert m.experts["0"].w1.weight.shape == (4, D) and sh.w1.weight.shape == (6, D)
+    assert m.experts.w1.shape == (4, 4, D) and sh.w1.weight.shape == (6, D)
     y = m(x.view(1, N, D)).view(N, D)
     for t in range(N):
         xt = x[t:t + 1]
-        routed = sum(r.weights[t, j] * m.experts[str(int(r.experts[t, j]))](xt)[0] for j in range(2))
+        routed = sum(r.weights[t, j] * expert_out(m.experts, int(r.experts[t, j]), xt)[0] for j in range(2))
         shared = sum(swiglu(sh.w1.weight[h], sh.w3.weight[h], sh.w2.weight[:, h], xt)[0] for h in (slice(0, 3), slice(3, 6)))
         if gated:
             shared = shared * torch.sigmoid(xt @ m.shared_expert_gate.weight.t())[0]

@@ -36,15 +36,15 @@ def test_an_moe_layers_ops_cost_the_host_more_than_a_dense_blocks(monkeypatch):
     moe_sets = sets + ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2"]  # 4 of the 8 layers
     dense, moe = (load_config(None, s) for s in (sets, moe_sets))
     lay = Layout(tp=2, micro_batch=2, num_microbatches=2)
-    assert moe_ops(shape_of(dense), lay) == 0
+    assert moe_ops(shape_of(dense), training_of(dense), lay) == 0
     fwd, bwd = OPS_MOE_EXTRA
-    assert moe_ops(shape_of(moe), lay) == 4 * (fwd + bwd) * 2
-    assert moe_ops(shape_of(moe), dataclasses.replace(lay, recompute="full")) == 4 * (2 * fwd + bwd) * 2
+    assert moe_ops(shape_of(moe), training_of(moe), lay) == 4 * (fwd + bwd) * 2
+    assert moe_ops(shape_of(moe), training_of(moe), dataclasses.replace(lay, recompute="full")) == 4 * (2 * fwd + bwd) * 2
     charged = _host(shape_of(moe), training_of(moe), lay)
     monkeypatch.setattr(planner_time, "MOE_HOST_OP_SHARE", 1.0)
     plain = _host(shape_of(moe), training_of(moe), lay)
     assert MOE_HOST_OP_SHARE > 1
-    assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * moe_ops(shape_of(moe), lay) * GPUS["h200"].host_op_s) < 1e-12
+    assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * moe_ops(shape_of(moe), training_of(moe), lay) * GPUS["h200"].host_op_s) < 1e-12
 
 
 def test_the_moe_share_follows_the_stage_and_the_dropless_readback(monkeypatch):
@@ -54,20 +54,21 @@ def test_the_moe_share_follows_the_stage_and_the_dropless_readback(monkeypatch):
                              "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2"])
     shape, train, gpu = shape_of(cfg), training_of(cfg), GPUS["h200"]
     fwd, bwd = OPS_MOE_EXTRA
-    assert moe_ops(shape, Layout(pp=2, micro_batch=2, num_microbatches=4)) == 2 * (fwd + bwd) * 4  # 2 of a stage's 4
+    assert moe_ops(shape, train, Layout(pp=2, micro_batch=2, num_microbatches=4)) == 2 * (fwd + bwd) * 4  # 2 of a stage's 4
     lay = Layout(dp=2, ep=2, micro_batch=2, num_microbatches=1)
-    assert moe_ops(shape, lay, forward_only=True) == 4 * fwd
+    assert moe_ops(shape, train, lay, forward_only=True) == 4 * fwd
     charged = planner_time._readback_s(shape, train, lay, gpu, busy=1e9)  # the host side is the shorter
     monkeypatch.setattr(planner_time, "MOE_HOST_OP_SHARE", 1.0)
     plain = planner_time._readback_s(shape, train, lay, gpu, busy=1e9)
     assert abs(charged - plain - (MOE_HOST_OP_SHARE - 1) * 4 * fwd * gpu.host_op_s) < 1e-12
 
 
-def test_each_local_expert_adds_its_gradient_accumulations():
-    """A block of E experts issues its parameter tensors' accumulations once more per expert, counted
-    live (bench/calibrate/moe_host_ops.py's block, SwiGLU: 3 tensors an expert); the planner's
-    expert_grad_ops is that count beyond OPS_MOE_EXPERTS, per local expert, layer and micro-batch, and
-    stays eager when compiled, as the optimizer's op per tensor does."""
+def test_stacked_experts_issue_the_same_ops_at_any_count_and_recorded_runs_one_per_expert():
+    """The experts are stacked (models/moe.py Experts): a block of 4 or 12 experts issues the same ops,
+    counted live (bench/calibrate/moe_host_ops.py's block), and so does the planner. Runs recorded while
+    each expert held its own parameters (Training.expert_tensors) are planned as they ran: 3 tensors an
+    expert (SwiGLU), each accumulated per micro-batch beyond OPS_MOE_EXPERTS and stepped once, all eager
+    under compilation."""
     import sys
     from pathlib import Path
 
@@ -78,15 +79,20 @@ def test_each_local_expert_adds_its_gradient_accumulations():
     from teratrain.planner.time import OPS_MOE_EXPERTS, expert_grad_ops, issued_ops
 
     live = {n: block_step([f"model.moe.num_experts={n}", "model.moe.top_k=2"])[1] for n in (4, 12)}
-    assert live[12] - live[4] == 3 * 8
+    assert live[12] == live[4]
     sets = ["model.preset=llama-1b", "model.n_layers=2", "model.moe.num_experts=12", "model.moe.top_k=2",
             "train.global_batch=6", "train.micro_batch=2"]
     shape, train = shape_of(load_config(None, sets)), training_of(load_config(None, sets))
     lay = Layout(micro_batch=2, num_microbatches=3)
-    assert expert_grad_ops(shape, lay) == 2 * 3 * (12 - OPS_MOE_EXPERTS) * 3  # 2 layers, 3 tensors, 3 micro-batches
-    assert expert_grad_ops(shape, dataclasses.replace(lay, ep=6, dp=6)) == 2 * 3 * (2 - OPS_MOE_EXPERTS) * 3
-    compiled = dataclasses.replace(train, compiled=True)
     more = dataclasses.replace(shape, cfg=load_config(None, sets[:2] + ["model.moe.num_experts=20"] + sets[3:]).model)
+    for compiled in (False, True):
+        t = dataclasses.replace(train, compiled=compiled)
+        assert issued_ops(more, t, lay) == issued_ops(shape, t, lay)
+    assert expert_grad_ops(shape, train, lay) == 0
+    recorded = dataclasses.replace(train, expert_tensors=True)
+    assert expert_grad_ops(shape, recorded, lay) == 2 * 3 * (12 - OPS_MOE_EXPERTS) * 3  # 2 layers, 3 tensors, 3 mbs
+    assert expert_grad_ops(shape, recorded, dataclasses.replace(lay, ep=6, dp=6)) == 2 * 3 * (2 - OPS_MOE_EXPERTS) * 3
+    compiled = dataclasses.replace(recorded, compiled=True)
     # 8 experts more: 48 tensors, each accumulated in 3 micro-batches and stepped once, all eager
     assert issued_ops(more, compiled, lay) - issued_ops(shape, compiled, lay) == 2 * 3 * 8 * (3 + 1)
 

@@ -40,7 +40,8 @@ def _result(scale: float) -> dict:
             for mb in (2, 4, 8)]
     result = {"device": "NVIDIA H100 80GB HBM3", "device_mem_gib": 79.2, "gpus": 2, "rows": rows,
               "hw": {"all_reduce_gbps": 200.0, "pcie_gbps": 40.0},
-              "norms": "residual dtype", "linear inputs": "cast once"}  # today's model, as planner_modes.py says
+              "norms": "residual dtype", "linear inputs": "cast once",
+              "experts": "stacked"}  # today's model, as planner_modes.py says
     gpu = result_gpu(result)
     for r in rows:
         cfg = load_config(None, r["sets"])
