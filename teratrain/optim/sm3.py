@@ -1,9 +1,8 @@
 """SM3 (Anil, Gupta, Koren, Singer 2019, "Memory-Efficient Adaptive Optimization"), the SM3-II variant.
 
 Adagrad keeps one second-moment sum per parameter entry. SM3 keeps one accumulator per *cover set*
-and bounds each entry's sum by the smallest accumulator covering it. Our cover sets are the slices of
-a tensor along each dimension (rows and columns of a matrix; for rank k, one accumulator per index of
-each of the k dimensions), so a (m, n) matrix keeps m + n numbers instead of m*n; a vector is its own
+and bounds each entry's sum by the smallest accumulator covering it. Our cover sets are the rows and
+the columns of a matrix, so a (m, n) matrix keeps m + n numbers instead of m*n; a vector is its own
 cover (one set per entry: exactly diagonal Adagrad). SM3-II, per step t (paper, Algorithm SM3-II):
 
     nu_t(i)    = min over sets S_r containing i of mu_{t-1}(r)  +  g_t(i)^2
@@ -12,13 +11,16 @@ cover (one set per entry: exactly diagonal Adagrad). SM3-II, per step t (paper, 
 
 For a matrix: nu = min(row_acc[:, None], col_acc[None, :]) + g^2, then row_acc = nu.max(1),
 col_acc = nu.max(0). nu >= g^2, so |g / sqrt(nu)| <= 1: no epsilon is needed (0/0 is taken as 0).
+A tensor of more dimensions is a stack of matrices (an MoE layer's experts, models/moe.py `Experts`):
+each matrix keeps its own rows and columns, accumulators of shapes (*stack, m) and (*stack, n), as the
+matrices would apart.
 
 Momentum (optim.momentum, shared with SGD; 0 turns it off and drops the buffer), as in the authors'
 implementation (google-research/sm3): m_t = beta*m_{t-1} + (1 - beta) * g_t/sqrt(nu_t), w -= lr * m_t.
 Weight decay is decoupled as in AdamW: w <- w * (1 - lr*wd) before the update.
 
-State per parameter: `acc_0 .. acc_{k-1}` (the per-dimension accumulators; `acc_0` is the whole
-diagonal for a vector or scalar) and `momentum_buffer` when momentum > 0. Created eagerly, fp32.
+State per parameter: `acc_0` and `acc_1` (rows and columns; `acc_0` alone is the whole diagonal for a
+vector or scalar) and `momentum_buffer` when momentum > 0. Created eagerly, fp32.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def init_sm3_state(p: torch.Tensor, momentum: float) -> dict[str, torch.Tensor]:
     """Zero accumulators: one per index of every dimension (a vector or scalar: one per entry)."""
     if p.dim() <= 1:
         state = {"acc_0": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
-    else:
-        state = {f"acc_{d}": torch.zeros(n, dtype=torch.float32, device=p.device) for d, n in enumerate(p.shape)}
+    else:  # a matrix, or a stack of them: rows and columns of each
+        kw = {"dtype": torch.float32, "device": p.device}
+        state = {"acc_0": torch.zeros(p.shape[:-1], **kw), "acc_1": torch.zeros((*p.shape[:-2], p.shape[-1]), **kw)}
     if momentum > 0:
         state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
     return state
@@ -75,14 +78,8 @@ def _sm3_update(g: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor
     """g / sqrt(nu_t) with nu_t from the accumulators; updates the accumulators to mu_t."""
     if g.dim() <= 1:
         nu = state["acc_0"].add_(g * g)  # one set per entry: mu = nu (diagonal Adagrad)
-    else:
-        k = g.dim()
-        accs = [state[f"acc_{d}"].view([-1 if e == d else 1 for e in range(k)]) for d in range(k)]
-        nu = accs[0]
-        for a in accs[1:]:
-            nu = torch.minimum(nu, a)  # broadcast to g's shape: min over the k sets covering each entry
-        nu = nu + g * g
-        for d in range(k):  # mu_t(r) = max over the set: reduce over every other dimension
-            others = [e for e in range(k) if e != d]
-            state[f"acc_{d}"].copy_(nu.amax(dim=others))
+    else:  # min over the row and the column covering each entry, then each set's max
+        nu = torch.minimum(state["acc_0"].unsqueeze(-1), state["acc_1"].unsqueeze(-2)) + g * g
+        state["acc_0"].copy_(nu.amax(dim=-1))
+        state["acc_1"].copy_(nu.amax(dim=-2))
     return torch.where(nu > 0, g * nu.rsqrt(), torch.zeros_like(g))

@@ -278,9 +278,10 @@ def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, 
     """fp32 optimizer-state elements (master copy excluded). AdamW: m and v (Loshchilov & Hutter);
     SGD: one momentum buffer; Adafactor (Shazeer & Stern 2018, torch.optim.Adafactor): for rank >= 2,
     second-moment sums over the last dim and over the second-to-last (shapes[:-1] and
-    shapes[:-2] + shapes[-1:]), full for vectors; SM3 (Anil et al. 2019, optim/sm3.py): one
-    accumulator per index of every dimension (rows + columns for a matrix), full for vectors, plus a
-    full momentum buffer when optim.momentum > 0. Flat shards (ZeRO) factor as whole 1-D pieces."""
+    shapes[:-2] + shapes[-1:]), full for vectors; SM3 (Anil et al. 2019, optim/sm3.py): the same
+    sums, one accumulator per row and per column of each matrix (a stack of experts' matrices: of
+    each), full for vectors, plus a full momentum buffer when optim.momentum > 0. Flat shards (ZeRO)
+    factor as whole 1-D pieces."""
     name = train.optimizer
     if name == "adamw":
         return 2 * numel
@@ -290,9 +291,8 @@ def optimizer_elems(train: Training, shapes: list[tuple[int, ...]], numel: int, 
         raise PlanError(f"optimizer {name!r} is unknown to the planner")
     if sharded or not shapes:
         return numel + (numel if name == "sm3" and train.momentum > 0 else 0)  # a 1-D piece factors into itself
-    if name == "adafactor":
-        return sum(math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else math.prod(s) for s in shapes)
-    return sum(sum(s) if len(s) >= 2 else math.prod(s) for s in shapes) + (numel if train.momentum > 0 else 0)
+    factors = sum(math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] if len(s) >= 2 else math.prod(s) for s in shapes)
+    return factors + (numel if name == "sm3" and train.momentum > 0 else 0)
 
 
 def _replica_states(shape, train: Training, lay: Layout, local: int, w, steps: int) -> dict[str, int]:

@@ -19,12 +19,15 @@ SHAPES = [(3, 4), (2, 3, 4), (5,), ()]
 
 
 def cover_sets(shape: tuple) -> list[list[tuple]]:
-    """SM3's cover: for rank >= 2, one set per index of each dimension (rows, columns, ...); a vector
-    or scalar covers each entry by itself."""
+    """SM3's cover: the rows, then the columns, of each matrix (rank > 2: a stack of matrices, each
+    with its own, in the stack's order); a vector or scalar covers each entry by itself."""
     entries = list(itertools.product(*[range(n) for n in shape]))
     if len(shape) <= 1:
         return [[e] for e in entries]
-    return [[e for e in entries if e[d] == k] for d, n in enumerate(shape) for k in range(n)]
+    stacks = list(itertools.product(*[range(n) for n in shape[:-2]]))
+    rows = [[e for e in entries if e[:-2] == s and e[-2] == k] for s in stacks for k in range(shape[-2])]
+    cols = [[e for e in entries if e[:-2] == s and e[-1] == k] for s in stacks for k in range(shape[-1])]
+    return rows + cols
 
 
 class ReferenceSM3:
@@ -52,14 +55,13 @@ class ReferenceSM3:
         self.w = self.w * (1 - self.lr * self.wd) - self.lr * update
 
     def accumulators(self) -> list[torch.Tensor]:
-        """mu laid out as the optimizer keeps it: acc_d[k] is the set of index k along dimension d."""
+        """mu laid out as the optimizer keeps it: acc_0 the rows (*stack, m), acc_1 the columns (*stack, n)."""
+        mu = torch.tensor(self.mu, dtype=torch.float64)
         if self.w.dim() <= 1:
-            return [torch.tensor(self.mu, dtype=torch.float64).reshape(self.w.shape)]
-        out, r = [], 0
-        for n in self.w.shape:
-            out.append(torch.tensor(self.mu[r:r + n], dtype=torch.float64))
-            r += n
-        return out
+            return [mu.reshape(self.w.shape)]
+        *stack, m, n = self.w.shape
+        rows = math.prod(stack) * m
+        return [mu[:rows].reshape(*stack, m), mu[rows:].reshape(*stack, n)]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -98,12 +100,12 @@ def test_zero_gradient_entries_do_not_move():
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_state_is_sum_of_dims_times_4_bytes_plus_momentum(momentum):
+def test_state_is_rows_and_columns_times_4_bytes_plus_momentum(momentum):
     shapes = [(64, 48), (8, 6, 5), (100,)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     opt = SM3(params, lr=0.1, momentum=momentum)  # state exists before the first step
     tensors = [t for st in opt.state.values() for t in st.values()]
-    expected = 4 * ((64 + 48) + (8 + 6 + 5) + 100)
+    expected = 4 * ((64 + 48) + 8 * (6 + 5) + 100)  # (8, 6, 5): 8 matrices of 6 rows and 5 columns
     if momentum:
         expected += 4 * sum(p.numel() for p in params)
     assert tensor_bytes(tensors) == expected
