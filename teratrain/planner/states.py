@@ -25,7 +25,7 @@ Our engines differ in ways counted here, each mirrored from the code:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from teratrain.config_schema import compile_scope_problem
@@ -125,9 +125,10 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
                   "float8": sum(t.numel() for t in first if t.float8)}.items())
 
 
-def _tensors(shape: ModelShape, lay: Layout, lora: tuple = (), end: str = "fuller"):
+def _tensors(shape: ModelShape, lay: Layout, lora: tuple = (), end: str = "fuller", expert_tensors: bool = False):
     """The tensors of the first or last pipeline stage's ranks, or of the fuller of the two (`lora`:
-    Training.lora, LoRA's adapters)."""
+    Training.lora, LoRA's adapters; `expert_tensors`: Training.expert_tensors, each stack of experts
+    as the expert tensors a run recorded before the stacks held, in their order)."""
 
     def at(stage_rank: int):
         return local_tensors(shape, lay.tp, lay.sequence_parallel, lay.tp_form, lora, lay.pp, lay.virtual_stages,
@@ -135,7 +136,27 @@ def _tensors(shape: ModelShape, lay: Layout, lora: tuple = (), end: str = "fulle
     first, last = at(0), at(lay.pp - 1)
     if end == "fuller":
         end = "last" if sum(t.numel() for t in last) >= sum(t.numel() for t in first) else "first"
-    return first if end == "first" else last
+    tensors = first if end == "first" else last
+    return _unstacked(tensors) if expert_tensors else tensors
+
+
+_EXPERT_ORDER = ("w1", "b1", "w3", "b3", "w2", "b2")  # an expert's own parameters: w1, w3, w2, each weight, bias
+
+
+def _unstacked(tensors) -> tuple:
+    """Each layer's expert stacks (models/moe.py Experts) as per-expert tensors, expert by expert."""
+    out, stacks = [], []
+    for t in [*tensors, None]:
+        if t is not None and ".experts." in t.name:
+            stacks.append(t)
+            continue
+        stacks.sort(key=lambda x: _EXPERT_ORDER.index(x.name.rsplit(".", 1)[1]))
+        out += [replace(x, name=f"{x.name}.{e}", shape=x.shape[1:]) for e in range(stacks[0].shape[0] if stacks else 0)
+                for x in stacks]
+        stacks = []
+        if t is not None:
+            out.append(t)
+    return tuple(out)
 
 
 def stage_params(shape: ModelShape, lay: Layout, train: Training | None = None) -> dict[str, int]:
@@ -180,7 +201,8 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
         grouping = Layout(dp=lay.replicas, tp=lay.tp, pp=lay.pp, ep=lay.ep, zero=3 if lay.zero == 3 else 1,
                           sequence_parallel=lay.sequence_parallel, tp_form=lay.tp_form,
                           virtual_stages=lay.virtual_stages, stage_layers=lay.stage_layers)
-        groups = _zero_groups(shape, grouping, train.lora, bucket_bytes, w.param, gathers_float8(train, lay))
+        groups = _zero_groups(shape, grouping, train.lora, bucket_bytes, w.param, gathers_float8(train, lay),
+                              train.expert_tensors)
         return [(list(members), ranks, key) for members, ranks, key in groups]
     per = max(1, bucket_bytes // w.param)
     sizes = [per] * (local // per) + ([local % per] if local % per else [])
@@ -188,10 +210,11 @@ def zero_groups(shape: ModelShape, train: Training, lay: Layout, local: int) -> 
 
 
 @lru_cache(maxsize=1024)
-def _zero_groups(shape: ModelShape, lay: Layout, lora: tuple, bucket_bytes: int, param_bytes: int, in8: bool) -> tuple:
+def _zero_groups(shape: ModelShape, lay: Layout, lora: tuple, bucket_bytes: int, param_bytes: int, in8: bool,
+                 expert_tensors: bool = False) -> tuple:
     """zero_groups of a shaped model, once per distinct layout (the search asks for it per candidate and term):
     `lay` with only what the grouping reads (tensor, pipeline and expert degrees, ZeRO-3 or not, replicas)."""
-    tensors = _tensors(shape, lay, lora)
+    tensors = _tensors(shape, lay, lora, expert_tensors=expert_tensors)
     if lay.zero == 3:
         keys = [k for k in dict.fromkeys(t.block for t in tensors) if k is not None][::-1] + [None]
         units = [(key, [t for t in tensors if t.block == key]) for key in keys]  # last block first, root last
@@ -218,7 +241,7 @@ def dp_buckets(shape: ModelShape, train: Training, lay: Layout) -> list[list]:
     """DataParallel's buckets (parallel/data.py: ~parallel.bucket_mb by reduction group, counted in the
     parameters' own width) over the trainable tensors of the fuller pipeline end: their members."""
     w = train.widths(lay.zero, lay.offload)
-    tensors = [(t.name, t) for t in _tensors(shape, lay, train.lora) if t.trainable]
+    tensors = [(t.name, t) for t in _tensors(shape, lay, train.lora, expert_tensors=train.expert_tensors) if t.trainable]
     return [[t for _, t in b.members]
             for b in ordered_buckets(tensors, int(train.bucket_mb * 2**20), lambda t: t.group, lambda t: w.param)]
 

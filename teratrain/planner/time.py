@@ -342,7 +342,7 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
     fwd, bwd = block_ops(shape, train, lay)
     replay = fwd if lay.recompute in REPLAYING else 0
     layers = rank_layers(shape, lay)
-    tensors = len(shape.param_shapes()) // lay.pp + expert_tensors(shape, train, lay)
+    tensors = (len(shape.param_shapes()) + expert_tensors(shape, train)) // lay.pp
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, train, lay) + tensors
                  + expert_grad_ops(shape, train, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
 
@@ -351,23 +351,25 @@ def expert_grad_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     """Runs recorded with a parameter per expert (Training.expert_tensors): the gradient accumulations of
     one rank's experts beyond the OPS_MOE_EXPERTS that OPS_MOE_EXTRA_PER_EXPERT counts, a step: one op per
     expert parameter tensor per micro-batch (negative below that count). Stacked experts: none."""
-    return _per_expert(shape, train, lay, OPS_MOE_EXPERTS) * lay.num_microbatches
-
-
-def expert_tensors(shape: ModelShape, train: Training, lay: Layout) -> float:
-    """Runs recorded with a parameter per expert: one rank's parameter tensors beyond the stacks that
-    ModelShape.param_shapes lists (each stepped by the optimizer's op per tensor)."""
-    return _per_expert(shape, train, lay, 1)
-
-
-def _per_expert(shape: ModelShape, train: Training, lay: Layout, counted: int) -> float:
-    """Under Training.expert_tensors: one rank's expert parameter tensors beyond `counted` experts a layer."""
     if shape.num_experts == 1 or not train.expert_tensors:
         return 0.0
-    c = shape.cfg
-    leaves = mlp_matrices(c) * (2 if c.use_bias else 1)
     local = shape.num_experts // lay.ep
-    return rank_layers(shape, lay) * shape.moe_share * leaves * (local - counted)
+    return rank_layers(shape, lay) * shape.moe_share * _expert_leaves(shape) * (local - OPS_MOE_EXPERTS) \
+        * lay.num_microbatches
+
+
+def expert_tensors(shape: ModelShape, train: Training) -> int:
+    """Runs recorded with a parameter per expert: the model's parameter tensors beyond the stacks
+    ModelShape.param_shapes lists, every expert's (each stepped by the optimizer's op per tensor)."""
+    if shape.num_experts == 1 or not train.expert_tensors:
+        return 0
+    moe_layers = sum(shape.cfg.moe.is_moe_layer(i) for i in range(shape.cfg.n_layers))
+    return moe_layers * _expert_leaves(shape) * (shape.num_experts - 1)
+
+
+def _expert_leaves(shape: ModelShape) -> int:
+    """Parameter tensors of one expert: its matrices, and their biases where the model has them."""
+    return mlp_matrices(shape.cfg) * (2 if shape.cfg.use_bias else 1)
 
 
 def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -377,7 +379,7 @@ def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     ops = eager_ops(shape, train, lay)
     if not train.compiled:
         return ops
-    eager = len(shape.param_shapes()) // lay.pp + expert_tensors(shape, train, lay) + expert_grad_ops(shape, train, lay)
+    eager = (len(shape.param_shapes()) + expert_tensors(shape, train)) // lay.pp + expert_grad_ops(shape, train, lay)
     return (ops - eager) * COMPILED_OPS_SHARE + eager
 
 
