@@ -153,3 +153,19 @@ def test_what_cannot_carry_over_is_one_sentence(tmp_path):
         check_resume(lsgd, one, lsgd, {**one, "dp": 2}, tmp_path, index)
     with pytest.raises(ConfigError, match="optim.name is 'sgd'"):
         check_resume(cfg, one, make_config(*SMALL, "optim.name=sgd"), one, tmp_path, index)
+
+
+def test_a_checkpoint_of_one_parameter_per_expert_names_the_way_to_stacked_experts(tmp_path):
+    """Experts are stacks (models/moe.py Experts): a checkpoint that holds each expert as its own parameter
+    cannot fill a stack, and the error says so and how to carry the weights over (through Hugging Face)."""
+    from teratrain.checkpoint.format import FORMAT
+
+    one = {"name": "layers.0.feed_forward.experts.0.w1.weight", "kind": "param", "shape": [8, 4], "dtype": "fp32",
+           "pieces": []}
+    (tmp_path / INDEX).write_text(json.dumps({"format": FORMAT, "tensors": {f"param/{one['name']}": one}}))
+    stack = Piece.whole_of("layers.0.feed_forward.experts.w1", (2, 8, 4))
+    with pytest.raises(CheckpointError, match=r"each expert as its own parameter .*teratrain export.*model.init_from"):
+        Reader(Index(tmp_path)).plan(Entry(PARAM, stack, torch.empty(2, 8, 4)))
+    other = Piece.whole_of("layers.0.attention.wq.weight", (4, 4))
+    with pytest.raises(CheckpointError, match="written for another model"):
+        Reader(Index(tmp_path)).plan(Entry(PARAM, other, torch.empty(4, 4)))
