@@ -35,7 +35,7 @@ def load_weights(model: nn.Module, ckpt_dir: Path) -> None:
     with Reader(Index(ckpt_dir)) as reader:
         for name, p in model.named_parameters():
             if reader.index.info(PARAM, name) is None:
-                raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; it was written for another model.")
+                raise CheckpointError(f"{ckpt_dir} lacks parameter {name}; {reader.index.why_missing(name)}")
             reader.fill(Entry(PARAM, Piece.whole_of(name, tuple(p.shape)), p.data))
 
 

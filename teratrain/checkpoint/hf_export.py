@@ -120,7 +120,7 @@ def _plan_shards(index: Index, groups: dict, itemsize: int, max_bytes: int) -> l
         info = [index.info(PARAM, name) for name, _, _ in groups[key]]
         missing = [name for (name, _, _), i in zip(groups[key], info) if i is None]
         if missing:
-            raise CheckpointError(f"{index.dir} lacks parameter {missing[0]}; it was written for another model.")
+            raise CheckpointError(f"{index.dir} lacks parameter {missing[0]}; {index.why_missing(missing[0])}")
         nbytes = sum(itemsize * int(torch.Size(i["shape"][1:] if row is not None else i["shape"]).numel())
                      for (_, _, row), i in zip(groups[key], info))
         if shards[-1] and size + nbytes > max_bytes:

@@ -76,6 +76,16 @@ class Index:
         return [Stored(p["file"], p["key"], Piece.from_json(name, t["shape"], p), p["replica"])
                 for p in t["pieces"] if p["replica"] in wanted]
 
+    def why_missing(self, name: str) -> str:
+        """Why a checkpoint lacks a parameter: another model, or experts saved one parameter per expert."""
+        stack, _, leaf = name.rpartition(".experts.")
+        one = f"{stack}.experts.0.w{leaf[1:]}.{'weight' if leaf.startswith('w') else 'bias'}"
+        if stack and one in self.by_name:
+            return (f"it holds each expert as its own parameter ({one}), as teratrain saved experts before it "
+                    "stacked them; where Hugging Face has the model's kind, export it with the teratrain that wrote "
+                    "it (teratrain export) and start from that folder (model.init_from).")
+        return "it was written for another model."
+
     def dtype(self, kind: str, name: str) -> torch.dtype:
         return DTYPES_BY_NAME[self.info(kind, name)["dtype"]]
 
@@ -108,7 +118,7 @@ class Reader:
         want, copies, covered = e.piece, [], 0
         info = self.index.info(e.kind, want.name)
         if info is None:
-            raise CheckpointError(f"{self.index.dir.name} has no {e.logical}; " + self._written_for(want.name))
+            raise CheckpointError(f"{self.index.dir.name} has no {e.logical}; " + self.index.why_missing(want.name))
         if tuple(info["shape"]) != want.shape:
             raise CheckpointError(f"{self.index.dir.name}: {e.logical} has shape {info['shape']}, this run needs "
                                   f"{list(want.shape)}.")
@@ -124,16 +134,6 @@ class Reader:
             raise CheckpointError(f"{self.index.dir.name}: the index covers {covered} of the {want.in_bounds()} "
                                   f"elements of {e.logical} this rank needs (a wrong or partial index).")
         return copies
-
-    def _written_for(self, name: str) -> str:
-        """Why a checkpoint lacks a parameter: another model, or experts saved one parameter per expert."""
-        stack, _, leaf = name.rpartition(".experts.")
-        one = f"{stack}.experts.0.w{leaf[1:]}.{'weight' if leaf.startswith('w') else 'bias'}"
-        if stack and one in self.index.by_name:
-            return (f"it holds each expert as its own parameter ({one}), as teratrain saved experts before it "
-                    "stacked them; export it to Hugging Face with the teratrain that wrote it (teratrain export) and "
-                    "start from that folder (model.init_from).")
-        return "it was written for another model."
 
     def _check_key(self, s: Stored, e: Entry) -> None:
         f = self._open(s.file)
@@ -175,7 +175,7 @@ class Reader:
         memory for that only."""
         info = self.index.info(kind, name)
         if info is None:
-            raise CheckpointError(f"{self.index.dir.name} has no {kind}/{name}; it was written for another model.")
+            raise CheckpointError(f"{self.index.dir.name} has no {kind}/{name}; " + self.index.why_missing(name))
         shape = tuple(info["shape"])
         piece = Piece.whole_of(name, shape)
         if row is not None:

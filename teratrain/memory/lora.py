@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain.config_base import ConfigError
+
 ADAPTERS = ("lora_a", "lora_b")
 
 
@@ -50,11 +52,17 @@ def apply_lora(model: nn.Module, cfg) -> None:
         return
     for p in model.parameters():
         p.requires_grad_(False)
+    adapted = 0
     for block in model.layers.values():
         for path, module in list(block.named_modules()):
             if path.rpartition(".")[2] in lc.targets and isinstance(module, nn.Linear):
                 owner_path, _, leaf = path.rpartition(".")
                 setattr(block.get_submodule(owner_path), leaf, LoRALinear(module, lc.rank, lc.alpha, lc.dropout))
+                adapted += 1
+    if not adapted:
+        raise ConfigError(f"lora.targets {list(lc.targets)} name no linear layer of this model, so nothing would "
+                          "train (the routed experts of MoE layers take no adapters); add the attention's wq wk "
+                          "wv wo to lora.targets.")
 
 
 class LoraInit:

@@ -69,14 +69,14 @@ class Experts(nn.Module):
         self.b3 = stack(d_ff) if bias and gated else None
         self.b2 = stack(d_model) if bias else None
         self.dropout = nn.Dropout(dropout)
-        self.bias_share = 1.0  # b2 added times this: 0 on all but one tp rank (parallel/tensor.py)
+        self.bias_share: float | None = None  # tensor parallelism: b2 added times this, 0 on all but one tp rank
 
     def __len__(self) -> int:
         return self.w1.shape[0]
 
     def leaves(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
         """(name, weight stack, bias stack or None) of w1, w3 (gated only) and w2, in that order."""
-        b2 = self.b2 * self.bias_share if self.b2 is not None and self.bias_share != 1.0 else self.b2
+        b2 = self.b2 * self.bias_share if self.b2 is not None and self.bias_share is not None else self.b2
         out = [("w1", self.w1, self.b1), ("w3", self.w3, self.b3), ("w2", self.w2, b2)]
         return [leaf for leaf in out if leaf[1] is not None]
 

@@ -1,6 +1,7 @@
 """Optimizer construction: AdamW (fused/foreach), SGD with momentum, Adafactor, SM3 (optim/sm3.py).
 
-Weight decay applies to matrices only (dim >= 2); norms, biases and other vectors get none.
+Weight decay applies to matrices only (dim >= 2; a stack of experts' biases, models/moe.py Experts, is a
+stack of vectors); norms, biases and other vectors get none.
 """
 
 from __future__ import annotations
@@ -10,11 +11,18 @@ import torch
 from teratrain.optim.sm3 import SM3
 
 
+def is_matrix(name: str, shape) -> bool:
+    """Is the parameter `name` of `shape` a matrix, or a stack of matrices (decayed)? The stacked
+    experts' biases (`...experts.b1`, (experts, out)) are vectors."""
+    stack, _, leaf = name.rpartition(".experts.")
+    return len(shape) >= 2 and not (stack and leaf.startswith("b"))
+
+
 def param_groups(named_params, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
-    for _, p in named_params:
+    for name, p in named_params:
         # ZeRO hands in 1-D pieces of flat shards; they carry `_decay` from the parameter they cut
-        (decay if getattr(p, "_decay", p.dim() >= 2) else no_decay).append(p)
+        (decay if getattr(p, "_decay", is_matrix(name, p.shape)) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

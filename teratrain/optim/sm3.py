@@ -13,7 +13,8 @@ For a matrix: nu = min(row_acc[:, None], col_acc[None, :]) + g^2, then row_acc =
 col_acc = nu.max(0). nu >= g^2, so |g / sqrt(nu)| <= 1: no epsilon is needed (0/0 is taken as 0).
 A tensor of more dimensions is a stack of matrices (an MoE layer's experts, models/moe.py `Experts`):
 each matrix keeps its own rows and columns, accumulators of shapes (*stack, m) and (*stack, n), as the
-matrices would apart.
+matrices would apart. A stack of the experts' biases (experts, out) is covered as a matrix: a coarser
+cover than each bias alone (which would keep one accumulator an entry), still a valid SM3 cover.
 
 Momentum (optim.momentum, shared with SGD; 0 turns it off and drops the buffer), as in the authors'
 implementation (google-research/sm3): m_t = beta*m_{t-1} + (1 - beta) * g_t/sqrt(nu_t), w -= lr * m_t.

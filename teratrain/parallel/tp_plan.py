@@ -222,8 +222,8 @@ def check_tp(cfg) -> None:
     for ok, why in checks:
         if not ok:
             raise ConfigError(f"{why}; choose another parallel.tp or change the model.")
-    if p.tp_form == "megatron" and m.moe.enabled and cfg.lora.rank and "w2" in cfg.lora.targets:
-        raise ConfigError("lora.targets names w2, and under tensor parallelism an expert's w2 is a partial "
+    if p.tp_form == "megatron" and m.moe.shared_experts and cfg.lora.rank and "w2" in cfg.lora.targets:
+        raise ConfigError("lora.targets names w2, and under tensor parallelism the shared experts' w2 is a partial "
                           "row-parallel product that carries no adapter; drop w2 from lora.targets or set "
                           "parallel.tp=1.")
     check_overlap(cfg)

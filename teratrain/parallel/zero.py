@@ -50,7 +50,7 @@ from teratrain.memory.offload import HostUpdate, use_host_threads
 from teratrain.memory.precision import DTYPES, make_scaler, param_dtype
 from teratrain.models.protocol import blocks as model_blocks
 from teratrain.models.protocol import init_buffers
-from teratrain.optim.build import build_optimizer
+from teratrain.optim.build import build_optimizer, is_matrix
 from teratrain.optim.engine import EngineBase, StepStats, step_scaled, tensor_bytes, weak_hook
 from teratrain.parallel.comm import AVG, all_gather, reduce_scatter
 from teratrain.parallel.buckets import LaunchOrder, ordered_buckets
@@ -204,7 +204,7 @@ class ZeroEngine(ZeroCheckpointMixin, ZeroGatherMixin, EngineBase):
         is exact for elementwise optimizers), each piece's gradient a view of the gradient shard.
         The gradients are bound at each step (`_update`): the shard's own views, an fp32 copy of a
         bf16 shard, or (offloaded) host staging buffers."""
-        g.opt_views = [_mark_decay(self._shaped(v, g, pc), g.shapes[pc.index])
+        g.opt_views = [_mark_decay(self._shaped(v, g, pc), g.names[pc.index], g.shapes[pc.index])
                        for v, pc in zip(g.shard_views(self._opt_target(g)), g.pieces)]
         if not g.opt_views:  # this rank's shard is all padding (tiny groups, many ranks)
             return None
@@ -448,7 +448,7 @@ def _clone_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype, pinned:
     return t.to(device=device, dtype=dtype, copy=True)
 
 
-def _mark_decay(view: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def _mark_decay(view: torch.Tensor, name: str, shape: torch.Size) -> torch.Tensor:
     """Pieces are 1-D views, so record whether the parameter they come from is a matrix (decayed)."""
-    view._decay = len(shape) >= 2  # read by optim.build.param_groups
+    view._decay = is_matrix(name, shape)  # read by optim.build.param_groups
     return view

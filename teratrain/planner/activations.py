@@ -325,9 +325,9 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
     holds until that block's backward. Biases are cast too but not saved. For MoE (a mean block),
     every local expert (num_experts / ep) is assumed to receive tokens; the per-layer tp forms keep
-    MoE layers whole. The experts' grouped GEMM (models/grouped.py: bf16 on a GPU) stacks the local
-    experts' weights into one (experts, out, in) operand, saved for backward: a copy also where
-    autocast makes none (bf16 parameters)."""
+    MoE layers whole. The experts' grouped GEMM (models/grouped.py: bf16 on a GPU) takes each stack of
+    the local experts' weights cast to the compute dtype, saved for backward (runs recorded while each
+    expert was its own parameter stacked them: a copy also where autocast makes none, bf16 parameters)."""
     c = shape.cfg
     d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
     attn = d * (q + 2 * kvd) + q * d
@@ -348,13 +348,13 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
 
 
 def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, mlp: int, tp: int) -> int:
-    """weight_copies' experts: their stacked (experts, out, in) operand of the grouped GEMM, in the
-    compute dtype, on a GPU also where autocast makes no copies (bf16 parameters)."""
+    """weight_copies' experts: their (experts, out, in) operands of the grouped GEMM in the compute dtype,
+    a copy where the parameters are wider (and, Widths.expert_tensors, on a GPU also where not)."""
     experts = (max(1, shape.num_experts // ep) - 1) * shape.moe_share * mlp  # beyond one MLP's worth
     mlp_tp = tp if form == "megatron" else 1
     stacked = int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp
     if not w.autocast_copies:
-        return stacked if device == "cuda" and w.bf16 else 0
+        return stacked if device == "cuda" and w.bf16 and w.expert_tensors else 0
     return stacked
 
 

@@ -175,12 +175,13 @@ class Widths:
     keep_shard: bool = True  # under SP the linears keep their input's sequence shard (not under ZB-H1)
     norms_fp32: bool = False  # Training.norms_fp32
     linear_casts: bool = False  # Training.linear_casts
+    expert_tensors: bool = False  # Training.expert_tensors
 
 
 def widths(precision: str, master_weights: bool, fp8: str = "none", norms_fp32: bool = False,
-           linear_casts: bool = False) -> Widths:
+           linear_casts: bool = False, expert_tensors: bool = False) -> Widths:
     low, bf16 = precision != "fp32", precision == "bf16"
-    ran = {"norms_fp32": norms_fp32, "linear_casts": linear_casts}
+    ran = {"norms_fp32": norms_fp32, "linear_casts": linear_casts, "expert_tensors": expert_tensors}
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
         return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8, **ran)
@@ -229,7 +230,8 @@ class Training:
         return uses_master_weights(self.precision, zero, offload, self.master_weights)
 
     def widths(self, zero: int, offload: str = "none") -> Widths:
-        return widths(self.precision, self.uses_masters(zero, offload), self.fp8, self.norms_fp32, self.linear_casts)
+        return widths(self.precision, self.uses_masters(zero, offload), self.fp8, self.norms_fp32, self.linear_casts,
+                      self.expert_tensors)
 
 
 def ceil_div(a: int, b: int) -> int:

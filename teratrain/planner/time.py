@@ -254,7 +254,8 @@ def expert_weights(c, tp: int = 1) -> int:
 def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
     """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: every
     micro-batch, each MoE layer casts its local experts' weight stacks to the compute dtype (read the
-    parameter, write the copy: models/grouped.py cast_stacks), casts their gradient back (read, write)
+    parameter, write the copy: models/grouped.py cast_stacks; none where the parameters are in it, but in
+    runs recorded while each expert was its own parameter, stacked), casts their gradient back (read, write)
     and, after the first micro-batch, adds it to the accumulated one (read both, write). The fitted
     rates price that traffic for the top_k experts a token runs (a dense MLP's weights, cast by autocast,
     move as much per FLOP), so only the local experts beyond top_k are charged: nothing where a rank holds
@@ -265,7 +266,8 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     idle = max(0, shape.num_experts // lay.ep - shape.top_k) * expert_weights(c, expert_tp(lay)) \
         * rank_layers(shape, lay) * shape.moe_share
     m = lay.num_microbatches
-    cast = (w.param + w.compute) + (w.compute + w.grad if w.compute != w.grad else 0)
+    copy = w.param + w.compute if w.param != w.compute or w.expert_tensors else 0
+    cast = copy + (w.compute + w.grad if w.compute != w.grad else 0)
     return idle * (m * cast + (m - 1) * 3 * w.grad) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
 
 

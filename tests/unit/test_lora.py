@@ -75,15 +75,30 @@ def test_planner_counts_lora_states(sets):
     assert planned["optimizer"] < full["optimizer"] / 10  # model states shrink to the adapters
 
 
-def test_an_adapter_on_the_experts_w2_under_tensor_parallelism_is_refused():
-    """An expert's w2 under the megatron form is a partial row-parallel product (tp_plan.py) that
-    carries no adapter: the layout is refused in one sentence instead of dropping the adapter."""
+def test_an_adapter_on_the_shared_experts_w2_under_tensor_parallelism_is_refused():
+    """The shared experts' w2 under the megatron form is a partial row-parallel product (tp_plan.py) that
+    carries no adapter: the layout is refused in one sentence instead of dropping the adapter. The routed
+    experts take no adapters at all (stacks, not linear layers), so without shared experts it runs."""
     from teratrain.config import ConfigError
     from teratrain.parallel.support import check_supported
 
-    sets = ["model.preset=moe-tiny", "parallel.tp=2", *LORA]
+    sets = ["model.preset=moe-tiny", "model.moe.shared_experts=1", "parallel.tp=2", *LORA]
     with pytest.raises(ConfigError, match="w2") as e:
         check_supported(load_config(None, sets))
     assert "\n" not in str(e.value)
-    check_supported(load_config(None, sets[:2] + ["lora.rank=4", "lora.targets=[\"wq\", \"w1\"]"]))
-    check_supported(load_config(None, sets[:1] + LORA))  # tp=1
+    check_supported(load_config(None, sets[:3] + ["lora.rank=4", "lora.targets=[\"wq\", \"w1\"]"]))
+    check_supported(load_config(None, sets[:2] + LORA))  # tp=1
+    check_supported(load_config(None, sets[:1] + sets[2:]))  # no shared experts
+
+
+def test_targets_that_name_only_the_routed_experts_are_refused():
+    """An MoE model's routed experts are stacks, not linear layers: targets naming only their w1 w2 w3, in a
+    model whose every MLP is MoE, would train nothing, and are refused with the fix."""
+    from teratrain.config import ConfigError
+    from teratrain.memory.lora import apply_lora
+
+    cfg = load_config(None, ["model.preset=moe-tiny", "lora.rank=4", "lora.targets=[\"w1\", \"w2\", \"w3\"]"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    with pytest.raises(ConfigError, match="name no linear layer.*wq wk wv wo"):
+        apply_lora(model, cfg)

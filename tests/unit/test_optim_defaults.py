@@ -32,3 +32,18 @@ def test_each_optimizer_learns_with_its_default_lr(name):
     first, adamw = losses()
     _, mine = losses(f"optim.name={name}")
     assert first - mine > 0.5 * (first - adamw), (name, first, mine, adamw)  # at least half AdamW's progress
+
+
+def test_stacked_expert_biases_are_vectors_and_get_no_decay():
+    """The experts' weights are stacks of matrices (decayed), their biases stacks of vectors (not), as each
+    expert's own linear would have them; other names keep the rule by dimensions."""
+    from teratrain.models.transformer import build_model
+    from teratrain.optim.build import param_groups
+    from tests.helpers import model_config
+
+    model = build_model(model_config(arch="gpt2", moe=dict(num_experts=4)))
+    decay, no_decay = (set(map(id, g["params"])) for g in param_groups(model.named_parameters(), 0.1))
+    named = dict(model.named_parameters())
+    assert named["layers.0.feed_forward.experts.b1"].dim() == 2 and id(named["layers.0.feed_forward.experts.b1"]) in no_decay
+    assert id(named["layers.0.feed_forward.experts.b2"]) in no_decay and id(named["layers.0.feed_forward.experts.w1"]) in decay
+    assert id(named["layers.0.attention.wq.weight"]) in decay and id(named["layers.0.attention.wq.bias"]) in no_decay
