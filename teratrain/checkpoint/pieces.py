@@ -5,7 +5,8 @@ its optimizer moments. A rank holds a *piece* of it, described in global coordin
 
     box      offsets + shape of a hyper-rectangle of the global tensor: the local tensor a placement
              describes (tensor parallelism splits one dim, expert parallelism keeps rows of a stack of
-             experts; a pipeline stage holds whole tensors). It may run past the global shape: padding (a vocabulary padded to tp pieces).
+             experts; a pipeline stage holds whole tensors). It may run past the global shape: padding
+             (a vocabulary padded to tp pieces).
     lo, hi   the flat range of the box, in row-major order, that the piece holds: all of it, or one
              rank's ZeRO shard of the flat buffer the local tensor lies in (parallel/flat.py).
 
