@@ -157,8 +157,7 @@ class HFWeights:
     def read(self, src: Source, lo: tuple[int, ...], hi: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Region [lo, hi) of our tensor of global shape `shape` that `src` holds."""
         if src.experts:  # one HF tensor an expert: rows [lo[0], hi[0]) of the stack
-            one = Source(src.key, src.transpose, src.start)
-            return torch.stack([self.read(replace(one, key=src.key.format(e=e)), lo[1:], hi[1:], shape[1:])
+            return torch.stack([self.read(replace(src, key=src.key.format(e=e), experts=0), lo[1:], hi[1:], shape[1:])
                                 for e in range(lo[0], hi[0])])
         sl = self.slice(src.key)
         stored = tuple(sl.get_shape())

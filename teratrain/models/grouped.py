@@ -50,7 +50,8 @@ def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
         return False
     if kernel == "grouped" or torch.compiler.is_compiling():
         return True
-    aligned = all(s % compat.GROUPED_MM_ROW_ALIGN == 0 for _, w, _ in experts.leaves() for s in w.shape[1:])
+    weights = [w for w in (experts.w1, experts.w3, experts.w2) if w is not None]
+    aligned = all(s % compat.GROUPED_MM_ROW_ALIGN == 0 for w in weights for s in w.shape[1:])
     return aligned and compat.grouped_mm_without_sync(x.device, compute_dtype(x))
 
 

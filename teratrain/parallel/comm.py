@@ -487,23 +487,26 @@ def to_global(t: torch.Tensor, pl, mesh) -> torch.Tensor:
     if pl.dim is not None:
         t = _gather_pieces(t, pl, mesh)
     if pl.experts is not None and mesh is not None and mesh.size("ep") > 1:
-        n = mesh.size("ep")
-        flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-        all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group("ep"))  # ep rank r: experts r*E/ep..
-        t = flat.view(n * t.shape[0], *t.shape[1:])
+        t = _stacked(t, mesh, "ep").flatten(0, 1)  # ep rank r holds experts r*E/ep ..
     return t
+
+
+def _stacked(t: torch.Tensor, mesh, axis: str) -> torch.Tensor:
+    """(n, *t.shape): every rank's `t` along `axis` (n ranks), in rank order (all-gather)."""
+    n = mesh.size(axis)
+    flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+    all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group(axis))
+    return flat.view(n, *t.shape)
 
 
 def _gather_pieces(t: torch.Tensor, pl, mesh) -> torch.Tensor:
     """The tensor whole along `pl.dim` from the pieces of the ranks along `pl.axis`."""
-    n = mesh.size(pl.axis)
-    flat = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-    all_gather(flat, t.detach().contiguous().reshape(-1), mesh.group(pl.axis))
+    pieces = _stacked(t, mesh, pl.axis)
     shape = list(pl.global_shape)
     shape[0] = t.shape[0] if pl.experts is not None else shape[0]  # this rank's experts only
     out = torch.empty(shape, dtype=t.dtype, device=t.device)
-    rep = n // pl.count  # ranks holding each piece (1 unless pieces repeat)
-    for index, local in enumerate(flat.view(n, *t.shape)[::rep]):
+    rep = pieces.shape[0] // pl.count  # ranks holding each piece (1 unless pieces repeat)
+    for index, local in enumerate(pieces[::rep]):
         peer = pl.with_(index=index, experts=None)
         out[peer.global_slices()] = local[peer.local_slices()]
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import groupby
 
 from teratrain.config_schema import compile_scope_problem
 from teratrain.memory.fp8 import gathers_in_float8
@@ -145,17 +146,11 @@ _EXPERT_ORDER = ("w1", "b1", "w3", "b3", "w2", "b2")  # an expert's own paramete
 
 def _unstacked(tensors) -> tuple:
     """Each layer's expert stacks (models/moe.py Experts) as per-expert tensors, expert by expert."""
-    out, stacks = [], []
-    for t in [*tensors, None]:
-        if t is not None and ".experts." in t.name:
-            stacks.append(t)
-            continue
-        stacks.sort(key=lambda x: _EXPERT_ORDER.index(x.name.rsplit(".", 1)[1]))
-        out += [replace(x, name=f"{x.name}.{e}", shape=x.shape[1:]) for e in range(stacks[0].shape[0] if stacks else 0)
-                for x in stacks]
-        stacks = []
-        if t is not None:
-            out.append(t)
+    out = []
+    for stacked, run in groupby(tensors, key=lambda t: ".experts." in t.name):  # a layer's stacks lie together
+        run = sorted(run, key=lambda x: _EXPERT_ORDER.index(x.name.rsplit(".", 1)[1])) if stacked else list(run)
+        out += [replace(x, name=f"{x.name}.{e}", shape=x.shape[1:]) for e in range(run[0].shape[0]) for x in run] \
+            if stacked else run
     return tuple(out)
 
 
