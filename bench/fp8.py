@@ -113,7 +113,7 @@ def speed(args, dev) -> dict:
                 step = keep = None  # free this model before the next one is built
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
             "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "scope": args.scope,
-            "weights": args.weights,
+            "weights": args.weights, "weight casts": "once a step",  # memory/step_casts.py (planner/refit.py)
             "results": rows,
             "ratios": ratios(rows, args.recipe)}
 

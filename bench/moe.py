@@ -472,6 +472,7 @@ def _report(args, world: int, eps: list[int], batch: tuple[int, int], check: dic
                        "global_batch": batch[1],
                        "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
                        "experts": "stacked",  # one parameter a weight of the experts (planner/refit.py reads it)
+                       "weight casts": "once a step",  # memory/step_casts.py (refit reads it too)
                        "experts_kernel": "grouped_mm" if hopper else "loop",
                        "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
                        **({"partial": True} if partial else {}),

@@ -71,7 +71,7 @@ def validate_gpus(args) -> dict:
             "host_probe": host, "rows": cmp, "summary": summary(cmp),
             # how the norms and the projections' input casts ran (planner/refit.py plans earlier runs as they ran)
             "norms": "residual dtype", "linear inputs": "cast once",
-            "experts": "stacked"}
+            "experts": "stacked", "weight casts": "once a step"}
 
 
 def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str, list[str]]]:

@@ -73,8 +73,9 @@ class Fp8Gemm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  gathered: GatheredFloat8 | None = None) -> torch.Tensor:
-        """`gathered`: the weight as ZeRO-3 gathered it in float8 (parallel/zero_fp8.py), used as it is
-        (torchao casts no operand it finds in float8); `weight` then only receives the gradient."""
+        """`gathered`: the weight already in float8 (ZeRO-3's gather, parallel/zero_fp8.py, or the step's
+        cast, memory/step_casts.py), used as it is (torchao casts no operand it finds in float8); `weight`
+        then only receives the gradient."""
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
         w = weight if gathered is None else _Gathered.apply(weight, gathered, self)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
@@ -83,17 +84,38 @@ class Fp8Gemm:
 
 @dataclass
 class GatheredFloat8:
-    """A float8 linear's weight as ZeRO-3 gathered it (parallel/zero_fp8.py): its e4m3 elements (a view
-    of the gathered block's bytes; empty between gathers) and its tensorwise scale (a 0-d view)."""
+    """A float8 linear's weight cast before its forward: as ZeRO-3 gathered it (parallel/zero_fp8.py: its
+    e4m3 elements a view of the gathered block's bytes, empty between gathers; its scale a 0-d view), or
+    as the step cast it for all its micro-batches (memory/step_casts.py)."""
 
     data: torch.Tensor  # (d_out, d_in) float8_e4m3fn
     scale: torch.Tensor  # () float32: data = saturate(weight * scale)
 
 
+def scaled_e4m3(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """values in float8 e4m3 at `scale` (saturated), as torchao's cast makes them (_ToFloat8ConstrFunc:
+    the values in fp32 times the scale)."""
+    _, saturate, _, _ = compat.float8_weight_cast()
+    return saturate(values.to(torch.float32) * scale, compat.FLOAT8_E4M3)
+
+
+def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The tensorwise scale of a tensor whose absolute maximum is `amax` (torchao's amax_to_scale)."""
+    to_scale, _, _, _ = compat.float8_weight_cast()
+    return to_scale(amax, compat.FLOAT8_E4M3)
+
+
+def tensorwise(weight: torch.Tensor) -> GatheredFloat8:
+    """`weight` cast to float8 under one tensorwise scale, the bytes torchao's own cast of it makes (its
+    amax in the weight's dtype, as torchao's tensor_to_amax): memory/step_casts.py makes it once a step."""
+    scale = e4m3_scale(weight.abs().max().to(torch.float32))
+    return GatheredFloat8(scaled_e4m3(weight, scale), scale)
+
+
 class _Gathered(torch.autograd.Function):
-    """The gathered float8 weight as torchao's Float8TrainingTensor, standing for `weight`: forward reads
-    nothing of `weight` (its storage is empty), backward hands the weight's gradient to it unchanged,
-    as torchao's own cast does (`_ToFloat8ConstrFunc`)."""
+    """The float8 weight made before the forward as torchao's Float8TrainingTensor, standing for `weight`:
+    forward reads nothing of `weight` (under ZeRO-3 its storage is empty), backward hands the weight's
+    gradient to it unchanged, as torchao's own cast does (`_ToFloat8ConstrFunc`)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, gathered: GatheredFloat8, gemm: Fp8Gemm):
@@ -114,7 +136,7 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.gemm = linear.weight, linear.bias, gemm
 
-    float8_weight: GatheredFloat8 | None = None  # set by ZeRO-3 where it gathers this weight in float8
+    float8_weight: GatheredFloat8 | None = None  # set by ZeRO-3's float8 gathers and the step's casts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, self.bias, self.float8_weight)

@@ -58,8 +58,30 @@ def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
 def cast_stacks(experts: nn.Module, dtype: torch.dtype) -> dict:
     """Each (weight, bias) stack of the experts by leaf (w1, w3, w2), in `dtype`: one cast a stack.
     Made once per forward of a layer: a chunked exchange (parallel/expert.py) runs the experts once
-    per chunk on the same casts."""
-    return {name: (w.to(dtype), None if b is None else b.to(dtype)) for name, w, b in experts.leaves()}
+    per chunk on the same casts. Where the step made its weight casts ahead (`experts.step_casts`,
+    memory/step_casts.py: once for all its micro-batches), those stand for the weights' casts."""
+    made = experts.step_casts or {}
+    out = {}
+    for name, w, b in experts.leaves():
+        copy = made.get(name)
+        w = MadeCast.apply(w, copy) if copy is not None and copy.dtype == dtype else w.to(dtype)
+        out[name] = (w, None if b is None else b.to(dtype))
+    return out
+
+
+class MadeCast(torch.autograd.Function):
+    """`copy`, param's cast made before this forward (param.to(copy.dtype), detached), standing for that
+    cast in the graph: backward hands param the gradient in param's dtype, as the cast's own backward
+    does, so its accumulation and gradient hooks see no difference."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = param.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grouped: bool,
@@ -73,7 +95,8 @@ def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grou
     ends = offsets.tolist()  # the loop's one read-back
     sizes = [b - a for a, b in zip([0] + ends[:-1], ends)] + [x.shape[0] - ends[-1]]
     parts = x.split(sizes)  # backward: one concatenation (slices would each add a whole zero buffer)
-    leaves = {name: (w.unbind(0), None if b is None else b.unbind(0)) for name, w, b in experts.leaves()}
+    stacks = cast_stacks(experts, compute_dtype(x)) if experts.step_casts else {n: (w, b) for n, w, b in experts.leaves()}
+    leaves = {name: (w.unbind(0), None if b is None else b.unbind(0)) for name, (w, b) in stacks.items()}
 
     def linear(name: str, e: int, rows: torch.Tensor) -> torch.Tensor:
         w, b = leaves[name]

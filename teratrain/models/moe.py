@@ -70,6 +70,9 @@ class Experts(nn.Module):
         self.b2 = stack(d_model) if bias else None
         self.dropout = nn.Dropout(dropout)
         self.bias_share: float | None = None  # tensor parallelism: b2 added times this, 0 on all but one tp rank
+        # {leaf: its weight stack in the compute dtype} where the step casts them once for its micro-batches
+        # (memory/step_casts.py); None: each forward casts them (models/grouped.py cast_stacks)
+        self.step_casts: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.w1.shape[0]

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from teratrain.checkpoint.holdings import Holdings, Slot
+from teratrain.memory import step_casts
 from teratrain.memory.compression import compressed_saves
-from teratrain.memory.precision import LossScaler, autocast, has_inf_or_nan, make_scaler, param_dtype
+from teratrain.memory.precision import DTYPES, LossScaler, autocast, has_inf_or_nan, make_scaler, param_dtype
 from teratrain.models.moe import moe_layers
 from teratrain.optim.build import build_optimizer
 from teratrain.parallel.placement import assign_defaults, placement
@@ -305,15 +306,17 @@ def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precis
                lr: float) -> tuple[StepStats, torch.Tensor]:
     """One optimizer step as the trainer runs it for every strategy: each micro-batch's loss, divided
     by their number, back-propagated inside `engine.accumulate` (which tells data-parallel engines
-    when to communicate), then `engine.step`. Returns the stats and the mean loss (a tensor: no sync)."""
+    when to communicate), then `engine.step`. Returns the stats and the mean loss (a tensor: no sync).
+    Where parallelize enabled it, the weights memory/step_casts.py names are cast once for the step."""
     total = None
-    for i, (x, y) in enumerate(micro_batches):
-        with engine.accumulate(last=i == len(micro_batches) - 1):
-            with autocast(precision, x.device), compressed_saves(model):
-                loss = model(x, y)
-            engine.backward(loss / len(micro_batches))
-        total = loss.detach().clone() if total is None else total + loss.detach()  # a CUDA graph's output
-        # (train.compile_mode=reduce-overhead) is overwritten by the next micro-batch's replay: copied out
-        for _, layer in moe_layers(model):  # so are the MoE layers' statistics (nothing to do ungraphed)
-            layer.settle_stats()
+    with step_casts.around_step(model, len(micro_batches), DTYPES[precision]):  # some weights cast once for all
+        for i, (x, y) in enumerate(micro_batches):
+            with engine.accumulate(last=i == len(micro_batches) - 1):
+                with autocast(precision, x.device), compressed_saves(model):
+                    loss = model(x, y)
+                engine.backward(loss / len(micro_batches))
+            total = loss.detach().clone() if total is None else total + loss.detach()  # a CUDA graph's output
+            # (train.compile_mode=reduce-overhead) is overwritten by the next micro-batch's replay: copied out
+            for _, layer in moe_layers(model):  # so are the MoE layers' statistics (nothing to do ungraphed)
+                layer.settle_stats()
     return engine.step(lr), total / len(micro_batches)

@@ -32,6 +32,7 @@ from torch import nn
 from teratrain import compat
 from teratrain.config_base import ConfigError
 from teratrain.config_schema import resolved_compile_scope
+from teratrain.memory import step_casts
 from teratrain.memory.compression import apply_compression
 from teratrain.memory.fp8 import apply_fp8
 from teratrain.memory.lora import LoraInit, apply_lora
@@ -90,6 +91,8 @@ def parallelize(model: nn.Module, rt, cfg):
             else:
                 module.compile(mode=mode)
     engine = build_engine(model, rt, cfg, init)  # 6
+    if step_casts.applies(cfg.parallel.zero, rt.dims.pp, cfg.parallel.sync, cfg.train.cuda_graphs):
+        step_casts.enable(model)  # train_step casts the float8 weights and expert stacks once a step
     for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
         layer.start_stats(rt.device, graphed=cfg.train.cuda_graphs)
     retie(model, aliases)

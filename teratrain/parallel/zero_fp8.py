@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from teratrain import compat
-from teratrain.memory.fp8 import GatheredFloat8, float8_linears, gathers_in_float8
+from teratrain.memory.fp8 import GatheredFloat8, e4m3_scale, float8_linears, gathers_in_float8, scaled_e4m3
 from teratrain.parallel.comm import MAX, all_reduce
 
 
@@ -58,16 +58,14 @@ class Float8Shard:
     def cast(self, g, shard: torch.Tensor) -> None:
         """Cast this rank's `shard` (shard_numel,) of the group's weights, in the compute dtype, with
         the scales of the weights' global amaxes (one all-reduce over the group's gather ranks)."""
-        to_scale, saturate, _, _ = compat.float8_weight_cast()
         pieces = g.shard_views(shard)
         amax = torch.zeros(len(g.params), dtype=torch.float32, device=shard.device)  # absent piece: 0
         if pieces:  # torch.max(abs(.)) in the shard's dtype, as torchao's tensor_to_amax
             amax.index_copy_(0, self.index, torch.stack([p.abs().max() for p in pieces]).float())
         all_reduce(amax, g.gather_pg, op=MAX)
-        self.scales.copy_(to_scale(amax, compat.FLOAT8_E4M3))
+        self.scales.copy_(e4m3_scale(amax))
         for pc, piece, out in zip(g.pieces, pieces, g.shard_views(self.bytes)):
-            scaled = piece.to(torch.float32) * self.scales[pc.index]  # as torchao's _ToFloat8ConstrFunc
-            out.view(compat.FLOAT8_E4M3).copy_(saturate(scaled, compat.FLOAT8_E4M3))
+            out.view(compat.FLOAT8_E4M3).copy_(scaled_e4m3(piece, self.scales[pc.index]))
         self.stale = False
 
 

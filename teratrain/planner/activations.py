@@ -34,11 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from teratrain.memory import step_casts
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
 from teratrain.models.chunked_loss import auto_chunks
 from teratrain.parallel.pipeline.stage import grad_in_i
-from teratrain.planner.layout import ModelShape, Widths, ceil_div
+from teratrain.planner.layout import Layout, ModelShape, Training, Widths, ceil_div
 
 INDEX_BYTES = 8  # token ids and targets are int64
 
@@ -320,19 +321,42 @@ def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
     return int(fp8), int(total - fp8)
 
 
+def casts_once(train: Training, lay: Layout) -> bool:
+    """Does the step cast its float8 weights (tensorwise) and its experts' weight stacks once for all its
+    micro-batches (memory/step_casts.py `applies`; not in runs recorded before, Training.casts_per_micro_batch)?"""
+    return (lay.num_microbatches > 1 and not train.casts_per_micro_batch
+            and step_casts.applies(lay.zero, lay.pp, "allreduce", train.graphed))
+
+
+def step_cast_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: int = 1, form: str = "megatron",
+                    device: str = "cuda") -> int:
+    """What a step that casts once (`casts_once`) holds from its first forward to its last backward in
+    `layers` blocks: each float8 weight in 1 byte (tensorwise), each expert weight stack held wider than
+    the compute dtype in it (the copies `weight_copies` then leaves out)."""
+    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
+    experts = 0
+    if shape.num_experts > 1 and w.autocast_copies:
+        c = shape.cfg
+        experts = _expert_copies(shape, w, ep, form, device, (3 if c.arch == "llama" else 2) * c.d_model
+                                 * c.expert_ffn_dim, tp)
+    return layers * (float8 + experts)
+
+
 def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron",
-                  device: str = "cuda") -> int:
+                  device: str = "cuda", once: bool = False) -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd
     holds until that block's backward. Biases are cast too but not saved. For MoE (a mean block),
     every local expert (num_experts / ep) is assumed to receive tokens; the per-layer tp forms keep
     MoE layers whole. The experts' grouped GEMM (models/grouped.py: bf16 on a GPU) takes each stack of
     the local experts' weights cast to the compute dtype, saved for backward (runs recorded while each
-    expert was its own parameter stacked them: a copy also where autocast makes none, bf16 parameters)."""
+    expert was its own parameter stacked them: a copy also where autocast makes none, bf16 parameters).
+    `once`: the step casts the stacks once for all micro-batches (`casts_once`; `step_cast_bytes` holds them)."""
     c = shape.cfg
     d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
     attn = d * (q + 2 * kvd) + q * d
     n_mats = 3 if c.arch == "llama" else 2
-    mlp, expert = n_mats * d * c.ffn_dim, n_mats * d * c.expert_ffn_dim
+    mlp = n_mats * d * c.ffn_dim
+    expert = 0 if once else n_mats * d * c.expert_ffn_dim  # once: the step's casts, not a block's copies
     attn += shape.moe_share * n_mats * d * c.shared_ffn_dim  # shared experts: cast like the attention
     if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
         attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) if w.autocast_copies else 0
@@ -414,14 +438,15 @@ def rope_tables(shape: ModelShape) -> int:
 
 
 def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,
-                  every: int, **kw) -> dict[str, int]:
+                  every: int, once: bool = False, **kw) -> dict[str, int]:
     """Bytes the blocks of one stage hold from forward to backward for one micro-batch, by policy
     (memory/recompute.py). Segment policies keep only each segment's input hidden state (Chen et al.
     2016); selective drops what the attention core alone keeps (with SDPA that is the logsumexp: q,
-    k, v are the checkpoint's inputs and the output is wo's input, so they stay)."""
+    k, v are the checkpoint's inputs and the output is wo's input, so they stay). `once`: casts_once."""
     per = block_saved(shape, w, tokens, seq_len, **kw)
     tp = kw.get("tp", 1)
-    copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"), kw.get("device", "cuda"))
+    copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"), kw.get("device", "cuda"),
+                           once)
     cp = kw.get("cp", 1)
     # the all-to-all form's two position indices (the whole sample's, int64), shared by every block
     index = 2 * seq_len * cp * INDEX_BYTES if cp > 1 and kw.get("cp_form") == "all-to-all" else 0

@@ -75,8 +75,9 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
               form=lay.tp_form)
     layers = stage_params(shape, lay)["layers"]
     # the blocks' tensors depend on these, the rest does not
+    once = act.casts_once(train, lay)  # the experts' stacks cast for the whole step, not per block
     bkw = {**kw, "form": lay.tp_form, "ep": lay.ep, "cp": lay.cp, "cp_form": lay.cp_form}
-    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
+    blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, once, **bkw)
     pieces = act.loss_pieces(shape, train.loss_chunks, lay.tp, n)
     first = act.outside_saved(shape, w, n, T, first=True, last=lay.pp == 1, loss_pieces=pieces, **kw)
     last = act.outside_saved(shape, w, n, T, first=lay.pp == 1, last=True, loss_pieces=pieces, **kw)
@@ -91,7 +92,8 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
         first = compiled.outside_saved(shape, w, n, T, where, first=True, last=True)
         last, embed_side = first, compiled.outside_saved(shape, w, n, T, where, first=True, last=False)
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
-    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device)
+    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device, once)
+    casts = act.step_cast_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if once else 0
     head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
     pending = act.pending_block(shape, w, n, T, **bkw)
     if pending is None:  # not read off the graph: a whole forward's tensors
@@ -103,7 +105,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
-            "recompute": recompute, "loss_compiled": loss_compiled,
+            "recompute": recompute, "loss_compiled": loss_compiled, "step_casts": casts,
             # what the first block still holds in its own backward: its activations, or where a segment is
             # replayed only the first segment's stored input (the replayed activations are `recompute`)
             "first_block": (sum(per_block.values()) + copies_block if not recompute
@@ -232,7 +234,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     grads_now = max(tied_kept, int(grads_held * end["made"])) if no_buffer else grads_held
     base = {"params": int(st["gpu_params"] * scale), "optimizer": int(st["gpu_optimizer"] * scale),
             "grads": tied_kept if progressive else grads_now}
-    module = act.rope_tables(shape) + eng["gathered"]
+    module = act.rope_tables(shape) + eng["gathered"] + saved["step_casts"]  # all through the micro-batches
     S, copies, fwd_copies = _held_at(saved, end)
     pieces = act.loss_pieces(shape, train.loss_chunks, lay.tp, n)
     if saved["loss_compiled"]:  # inductor's fused passes over the logits it keeps (planner/compiled.py)
@@ -341,6 +343,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
     terms.update({"local_params": st["local_params"], "shard_params": st["shard"],
                   "saved_per_microbatch_first_stage": saved.get("blocks", 0) + saved.get("first", 0),
                   "autocast_weight_copies": saved.get("copies", 0), "recompute_segment": saved.get("recompute", 0),
+                  "step_casts": saved.get("step_casts", 0),
                   "in_flight_microbatches": in_flight(lay), "weight_versions": versions,
                   **{f"engine_{k}": v for k, v in eng.items()}})
     return MemoryBreakdown(params=st["gpu_params"], grads=st["gpu_grads"], optimizer=st["gpu_optimizer"],

@@ -157,10 +157,12 @@ def _prepared(result: dict) -> list[tuple]:
 
     out = []
     # measured before the norms ran in the residual stream's dtype, before the projections shared one cast
-    # of their input, before the experts were stacked (planner/layout.py Training)
+    # of their input, before the experts were stacked, before a step cast its weights once (planner/layout.py
+    # Training)
     ran = {"norms_fp32": result.get("norms") != "residual dtype",
            "linear_casts": result.get("linear inputs") != "cast once",
-           "expert_tensors": result.get("experts") != "stacked"}
+           "expert_tensors": result.get("experts") != "stacked",
+           "casts_per_micro_batch": result.get("weight casts") != "once a step"}
     for row in result["rows"]:
         if row.get("measured_step_s"):
             cfg = load_config(None, row["sets"])

@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass, field
 from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
+from teratrain.planner.activations import casts_once, fp8_linears
 from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
 from teratrain.planner.hardware import GPU, calibrated
-from teratrain.planner.activations import fp8_linears
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
 from teratrain.planner.replay import LINEAR_CAST_OPS, replay_ops, replay_s
@@ -186,7 +186,7 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
     its float8 GEMMs, seconds of HBM traffic of their casts). Every local block linear that runs in
     float8 (activations.fp8_linears) does 6 FLOPs per weight and token; pipeline stages split the
     blocks. The casts move FP8_CAST_* bytes per element of input (tokens x in), output gradient
-    (tokens x out) and weight (once per micro-batch)."""
+    (tokens x out) and weight (each micro-batch, or once a step where the step casts once: casts_once)."""
     if train.fp8 == "none" or shape.is_bare:
         return 0.0, 0.0
     if not gpu.peak_tflops.get("fp8"):
@@ -196,13 +196,17 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
                           "another GPU (--gpu h100 or h200) or set memory.fp8=none.")
     layers = shape.cfg.n_layers / lay.pp
     param = train.widths(lay.zero, lay.offload).param
-    weight = (2 * param + 1) * 2 + FP8_LAYOUT_BYTES
+    m = lay.num_microbatches
+    if train.fp8 == "tensorwise" and casts_once(train, lay):  # the step's cast serves every GEMM of the step
+        weight = (2 * param + 1) + m * FP8_LAYOUT_BYTES
+    else:
+        weight = m * ((2 * param + 1) * 2 + FP8_LAYOUT_BYTES)
     flops = moved = 0.0
     for rows, cols, share in fp8_linears(shape, lay.tp):  # (out, in) of the local weight
         flops += 6 * tokens * rows * cols * share
         moved += share * (tokens * cols * (FP8_CAST_INPUT_BYTES + FP8_LAYOUT_BYTES)
                           + tokens * rows * (FP8_CAST_GRAD_BYTES + FP8_LAYOUT_BYTES)
-                          + lay.num_microbatches * rows * cols * weight)
+                          + rows * cols * weight)
     return layers * flops, layers * moved / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
 
 
@@ -252,11 +256,12 @@ def expert_weights(c, tp: int = 1) -> int:
 
 
 def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
-    """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: every
-    micro-batch, each MoE layer casts its local experts' weight stacks to the compute dtype (read the
-    parameter, write the copy: models/grouped.py cast_stacks; none where the parameters are in it, but in
-    runs recorded while each expert was its own parameter, stacked), casts their gradient back (read, write)
-    and, after the first micro-batch, adds it to the accumulated one (read both, write). The fitted
+    """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: each MoE
+    layer casts its local experts' weight stacks to the compute dtype (read the parameter, write the copy:
+    models/grouped.py cast_stacks; none where the parameters are in it, but in runs recorded while each
+    expert was its own parameter, stacked) every micro-batch, or once a step (casts_once); every
+    micro-batch casts their gradient back (read, write) and, after the first, adds it to the accumulated
+    one (read both, write). The fitted
     rates price that traffic for the top_k experts a token runs (a dense MLP's weights, cast by autocast,
     move as much per FLOP), so only the local experts beyond top_k are charged: nothing where a rank holds
     top_k of them, most of the step for many fine-grained experts (128 of width 768, top-8)."""
@@ -267,8 +272,9 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
         * rank_layers(shape, lay) * shape.moe_share
     m = lay.num_microbatches
     copy = w.param + w.compute if w.param != w.compute or w.expert_tensors else 0
-    cast = copy + (w.compute + w.grad if w.compute != w.grad else 0)
-    return idle * (m * cast + (m - 1) * 3 * w.grad) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+    copies = copy if casts_once(train, lay) else m * copy
+    back = w.compute + w.grad if w.compute != w.grad else 0
+    return idle * (copies + m * back + (m - 1) * 3 * w.grad) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
 
 
 def head_flops(shape: ModelShape, tokens: float) -> float:

@@ -26,6 +26,23 @@ def test_compiled_fp8_is_faster_than_bf16_by_less_than_the_gemm_speedup():
     assert fp8.time.step_time_s < rowwise.time.step_time_s < bf16.time.step_time_s
 
 
+def test_a_step_of_several_micro_batches_casts_its_float8_weights_once():
+    """memory/step_casts.py: 4 micro-batches, tensorwise: each weight's amax and cast (4 + 4 + 1 bytes an
+    element from fp32) once a step, not forward and backward in each (4 x 18); only its layout copy (2)
+    stays per micro-batch. Rowwise and the runs recorded before cast per micro-batch."""
+    import dataclasses
+
+    from teratrain.planner.time import fp8_terms
+
+    cfg = load_config(None, [*WIDTH_8B, "memory.fp8=tensorwise"])
+    shape, train, lay, gpu = shape_of(cfg), training_of(cfg), layout_of(cfg, 1), GPUS["h200"]
+    assert lay.num_microbatches == 4
+    once = fp8_terms(shape, train, lay, gpu, 4 * 4096)[1]
+    every = fp8_terms(shape, dataclasses.replace(train, casts_per_micro_batch=True), lay, gpu, 4 * 4096)[1]
+    weights = cfg.model.n_layers * fp8_weights(shape)[0] / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+    assert every - once == pytest.approx(weights * (4 * 18 + 4 * 2 - (9 + 4 * 2)))
+
+
 def test_eager_fp8_pays_its_cast_ops_on_the_host_and_gpu():
     eager, compiled = _plan("memory.fp8=tensorwise"), _plan("memory.fp8=tensorwise", "train.compile=true")
     assert eager.time.ops_s > compiled.time.ops_s

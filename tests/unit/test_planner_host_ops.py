@@ -98,9 +98,10 @@ def test_stacked_experts_issue_the_same_ops_at_any_count_and_recorded_runs_one_p
 
 
 def test_only_experts_beyond_top_k_pay_for_their_stacks():
-    """expert_stack_s: bf16 autocast over fp32 parameters, each micro-batch the weight stack (4 + 2
-    bytes), the gradient's cast back (2 + 4), after the first micro-batch its accumulation (3 x 4), for
-    the local experts beyond top_k only: none at ep = num_experts / top_k."""
+    """expert_stack_s: bf16 autocast over fp32 parameters, the weight stack's cast (4 + 2 bytes) once a
+    step (each micro-batch in runs recorded before, Training.casts_per_micro_batch), each micro-batch the
+    gradient's cast back (2 + 4), after the first its accumulation (3 x 4), for the local experts beyond
+    top_k only: none at ep = num_experts / top_k."""
     from teratrain.planner.time import expert_stack_s
 
     sets = ["model.preset=llama-1b", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2",
@@ -110,5 +111,7 @@ def test_only_experts_beyond_top_k_pay_for_their_stacks():
     lay = Layout(micro_batch=2, num_microbatches=3)
     idle = (8 - 2) * 3 * cfg.model.d_model * cfg.model.expert_ffn_dim * 2  # experts, matrices, layers
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
-    assert abs(expert_stack_s(shape, train, lay, gpu) - idle * (3 * (6 + 6) + 2 * 12) / hbm) < 1e-12
+    assert abs(expert_stack_s(shape, train, lay, gpu) - idle * (6 + 3 * 6 + 2 * 12) / hbm) < 1e-12
+    recorded = dataclasses.replace(train, casts_per_micro_batch=True)
+    assert abs(expert_stack_s(shape, recorded, lay, gpu) - idle * (3 * (6 + 6) + 2 * 12) / hbm) < 1e-12
     assert expert_stack_s(shape, train, dataclasses.replace(lay, dp=4, ep=4), gpu) == 0  # 2 local = top_k

@@ -1,0 +1,86 @@
+"""Weight casts made once a step instead of once a micro-batch.
+
+Under gradient accumulation every micro-batch's forward casts the same weights again: each forward
+casts the routed experts' fp32 weight stacks to bf16 for the grouped GEMMs (models/grouped.py), and
+torchao's float8 GEMM casts each weight to e4m3 in forward and again for the input gradient in backward
+(an amax reduction and a scaled copy each time: on one H200 at the llama-8b width, 4 micro-batches,
+about 20 ms of a 390 ms step). The weights do not change within a step, so one cast serves all of its
+micro-batches:
+- the float8 linears under tensorwise scales (memory/fp8.py): each weight's amax, scale and e4m3 bytes,
+  handed to the linear as its `float8_weight`, which torchao uses as it is (it casts no operand it finds
+  in float8, neither forward nor for the input gradient), as ZeRO-3's float8 gathers do; rowwise scales
+  cast each weight along two axes, which no single copy serves;
+- the experts' weight stacks held wider than the compute dtype (fp32 parameters under autocast):
+  their bf16 copies (`Experts.step_casts`), which each micro-batch's grouped GEMMs read and save for
+  backward (at the end of a forward every layer's copy is alive either way).
+Each parameter receives its gradient in its own dtype through the graph, as through the casts of
+each micro-batch (models/grouped.py MadeCast, memory/fp8.py _Gathered), so accumulation, gradient hooks
+and data-parallel reductions see no difference; the bytes are those the per-micro-batch casts make (the
+same elementwise casts of the same weights), so the losses and gradients are too.
+
+The casts exist from the step's first forward to its last backward (1 byte a float8 weight, the compute
+dtype's width a stacked expert weight; planner/memory.py counts them there): evaluation and any other
+forward cast as before. `applies` says where: the step without a pipeline (`train_step`; the pipeline
+executor's asynchronous schedules run micro-batches on different weight versions), an engine that keeps
+each parameter whole through the step (not ZeRO-3, which gathers its parameters per use and casts its
+float8 weights once a step itself; not a parameter server's worker, whose pulls may land mid-step),
+and no CUDA graph replays (a graph reads its inputs at fixed addresses: casts made anew would be copied
+into them each replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+
+from teratrain.memory.fp8 import float8_linears, tensorwise
+from teratrain.models.moe import moe_layers
+
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
+
+
+def applies(zero: int, pp: int, sync: str, graphed: bool) -> bool:
+    """Does a run of this layout cast its weights once a step (when a step has several micro-batches)?"""
+    return pp == 1 and zero < 3 and sync != "param-server" and not graphed
+
+
+class StepCasts:
+    """What `model`'s step casts once for all its micro-batches: its float8 linears under tensorwise
+    scales and its experts' weight stacks."""
+
+    def __init__(self, model: nn.Module):
+        self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
+        self.experts = [layer.experts for _, layer in moe_layers(model)]
+
+    @contextlib.contextmanager
+    def step(self, dtype: torch.dtype):
+        """Around a step's micro-batches: cast each weight in the compute `dtype` (bf16, float8) once."""
+        try:
+            with torch.no_grad():
+                for linear in self.linears:
+                    linear.float8_weight = tensorwise(linear.weight)
+                for experts in self.experts:
+                    experts.step_casts = {name: w.to(dtype) for name, w, _ in experts.leaves() if w.dtype != dtype} \
+                        or None
+            yield
+        finally:
+            for linear in self.linears:
+                linear.float8_weight = None
+            for experts in self.experts:
+                experts.step_casts = None
+
+
+def enable(model: nn.Module) -> None:
+    """Let `train_step` cast `model`'s weights once a step (parallelize does, where `applies`)."""
+    casts = StepCasts(model)
+    if casts.linears or casts.experts:
+        _RUNS[model] = casts
+
+
+def around_step(model: nn.Module, micro_batches: int, dtype: torch.dtype):
+    """The context a step of `micro_batches` runs in: its casts made once, where enabled and worth it."""
+    casts = _RUNS.get(model)
+    return casts.step(dtype) if casts is not None and micro_batches > 1 else contextlib.nullcontext()

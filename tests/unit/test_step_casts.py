@@ -1,0 +1,150 @@
+"""memory/step_casts.py: the float8 weights (tensorwise) and the experts' bf16 weight stacks cast once a
+step for all its micro-batches give the very losses and gradients of casting them every micro-batch,
+exist only inside the step, and are made only where `applies`."""
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from teratrain import compat
+from teratrain.memory import fp8, step_casts
+from teratrain.mesh import Runtime
+from teratrain.models import grouped
+from teratrain.models.moe import moe_layers
+from teratrain.models.transformer import Transformer
+from teratrain.optim.engine import train_step
+from teratrain.parallel.parallelize import parallelize
+from tests.helpers import make_config
+
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+         "model.vocab_size=50", "model.seq_len=16", "train.device=cpu", "memory.precision=bf16",
+         "train.global_batch=6", "train.micro_batch=2"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_d_ff=32"]
+
+
+def _has_torchao() -> bool:
+    try:
+        compat.torchao_float8()
+    except ImportError:
+        return False
+    return True
+
+
+def _run(sets: list[str], once: bool, steps: int = 2, kernel: str = "grouped"):
+    """Losses and the final gradients of `steps` steps of 3 micro-batches, casting once a step or not;
+    the casts a step made; the model; how many times the GEMMs took a weight cast before the forward."""
+    cfg = make_config(*SMALL, *sets)
+    used = [0]
+    for fn in (fp8._Gathered, grouped.MadeCast):
+        apply = fn.apply
+        spy = staticmethod(lambda *a, apply=apply: (used.__setitem__(0, used[0] + 1), apply(*a))[1])
+        fn.apply = spy
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    engine = parallelize(model, Runtime.single("cpu"), cfg)
+    for _, layer in moe_layers(model):
+        layer.kernel = kernel
+    if not once:
+        step_casts._RUNS.pop(model, None)
+    g = torch.Generator().manual_seed(1)
+    losses, made = [], []
+    grads = {}
+    for _ in range(steps):
+        micro = [(x, x.roll(-1, 1)) for x in torch.randint(0, 50, (3, 2, 16), generator=g)]
+        _, loss = train_step(model, engine, micro, "bf16", 1e-3)
+        losses.append(loss.item())
+    for name, p in model.named_parameters():  # one more step's gradients, before the update clears them
+        p.register_hook(lambda grad, name=name: grads.__setitem__(name, grads.get(name, 0) + grad))
+    micro = [(x, x.roll(-1, 1)) for x in torch.randint(0, 50, (3, 2, 16), generator=g)]
+    with step_casts.around_step(model, len(micro), torch.bfloat16):
+        made.append(([lin.float8_weight for lin in fp8.float8_linears(model)],
+                     [layer.experts.step_casts for _, layer in moe_layers(model)]))
+    train_step(model, engine, micro, "bf16", 1e-3)
+    for fn in (fp8._Gathered, grouped.MadeCast):
+        del fn.apply  # the spy: torch.autograd.Function's own apply again
+    return losses, grads, made[0], model, used[0]
+
+
+@pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
+def test_float8_weights_cast_once_a_step_train_bit_for_bit_as_every_micro_batch():
+    sets = ["memory.fp8=tensorwise", "memory.fp8_emulate=true"]
+    once_losses, once_grads, (float8, _), model, used = _run(sets, once=True)
+    every_losses, every_grads, (none, _), _, unused = _run(sets, once=False)
+    assert (used, unused) == (14 * 3 * 3, 0)  # 14 linears, 3 micro-batches, 3 steps
+    assert len(float8) == 14 and all(isinstance(w, fp8.GatheredFloat8) for w in float8)
+    assert all(w is None for w in none)
+    assert once_losses == every_losses
+    assert once_grads.keys() == every_grads.keys() and len(once_grads) > 0
+    for name, grad in once_grads.items():
+        assert torch.equal(grad, every_grads[name]), name
+    assert all(lin.float8_weight is None for lin in fp8.float8_linears(model))  # gone after the step
+
+
+@pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
+def test_float8_cast_is_torchaos_bytes():
+    w = torch.randn(32, 48) * 3
+    made = fp8.tensorwise(w)
+    scaling = importlib.import_module("torchao.float8.float8_scaling_utils")
+    theirs = scaling.hp_tensor_to_float8_dynamic(w, compat.FLOAT8_E4M3, fp8.Fp8Gemm("tensorwise", True).mm_config)
+    assert torch.equal(made.scale, theirs._scale)
+    assert torch.equal(made.data.view(torch.uint8), theirs._data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "loop"])
+def test_expert_stacks_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(kernel):
+    if kernel == "grouped" and compat.grouped_mm is None:
+        pytest.skip("this torch has no grouped GEMM")
+    once_losses, once_grads, (_, stacks), model, used = _run(MOE, once=True, kernel=kernel)
+    every_losses, every_grads, (_, none), _, unused = _run(MOE, once=False, kernel=kernel)
+    assert (used, unused) == (2 * 3 * 3 * 3, 0)  # 2 layers of 3 stacks, 3 micro-batches, 3 steps
+    assert len(stacks) == 2 and all(set(s) == {"w1", "w3", "w2"} for s in stacks)
+    assert all(t.dtype == torch.bfloat16 for s in stacks for t in s.values())
+    assert none == [None, None]
+    assert once_losses == every_losses
+    for name, grad in once_grads.items():
+        assert grad.dtype == torch.float32 and torch.equal(grad, every_grads[name]), name
+    assert all(layer.experts.step_casts is None for _, layer in moe_layers(model))
+
+
+def test_stacks_in_the_compute_dtype_are_not_copied():
+    """Parameters already in bf16 (fp32 masters in the optimizer) are what the grouped GEMMs read."""
+    *_, (_, stacks), _, used = _run([*MOE, "memory.master_weights=true"], once=True, steps=1)
+    assert stacks == [None, None] and used == 0
+
+
+@pytest.mark.parametrize("zero, pp, sync, graphed, expected", [
+    (0, 1, "allreduce", False, True), (2, 1, "allreduce", False, True), (3, 1, "allreduce", False, False),
+    (0, 2, "allreduce", False, False), (0, 1, "param-server", False, False), (0, 1, "allreduce", True, False),
+])
+def test_where_the_casts_are_made_once(zero, pp, sync, graphed, expected):
+    assert step_casts.applies(zero, pp, sync, graphed) is expected
+
+
+@pytest.mark.parametrize("sets", [
+    pytest.param(["memory.fp8=tensorwise", "memory.fp8_emulate=true"], id="float8",
+                 marks=pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")),
+    pytest.param([*MOE, "model.moe.shared_experts=1"], id="experts"),
+    pytest.param([*MOE, "memory.fp8=tensorwise", "memory.fp8_emulate=true"], id="both",
+                 marks=pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")),
+])
+def test_planner_counts_the_casts_live_bytes(sets):
+    """What the step holds (its tensors, counted live) is the planner's step_casts term, and the planner
+    leaves the stacks out of the blocks' autocast copies."""
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import plan_memory
+
+    *_, (float8, stacks), _, _ = _run(sets, once=True, steps=1)
+    live = sum(w.data.numel() * w.data.element_size() for w in float8)
+    live += sum(t.numel() * t.element_size() for s in stacks if s for t in s.values())
+    cfg = make_config(*SMALL, *sets)
+    shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg)
+    assert lay.num_microbatches == 3
+    planned = plan_memory(shape, train, lay, device="cpu")
+    assert live > 0 and planned.terms["step_casts"] == live
+    per_micro_batch = plan_memory(shape, dataclasses.replace(train, casts_per_micro_batch=True), lay, device="cpu")
+    assert per_micro_batch.terms["step_casts"] == 0
+    stacks_bytes = sum(t.numel() * t.element_size() for s in stacks if s for t in s.values())
+    copies = per_micro_batch.terms["autocast_weight_copies"] - planned.terms["autocast_weight_copies"]
+    assert copies == stacks_bytes  # a block's copies no more
