@@ -36,7 +36,7 @@ import weakref
 import torch
 from torch import nn
 
-from teratrain.memory.fp8 import float8_linears, tensorwise
+from teratrain.memory.fp8 import GatheredFloat8, float8_linears, tensorwise
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -51,9 +51,12 @@ class StepCasts:
     """What `model`'s step casts once for all its micro-batches: its float8 linears under tensorwise
     scales and its experts' weight stacks."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compiled: bool = False):
         self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
         self.experts = [layer.experts for _, layer in moe_layers(model)]
+        # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
+        # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
+        self.float8 = torch.compile(_float8, dynamic=False) if compiled and self.linears else _float8
 
     @contextlib.contextmanager
     def step(self, dtype: torch.dtype):
@@ -61,7 +64,7 @@ class StepCasts:
         try:
             with torch.no_grad():
                 for linear in self.linears:
-                    linear.float8_weight = tensorwise(linear.weight)
+                    linear.float8_weight = GatheredFloat8(*self.float8(linear.weight))
                 for experts in self.experts:
                     experts.step_casts = {name: w.to(dtype) for name, w, _ in experts.leaves() if w.dtype != dtype} \
                         or None
@@ -73,9 +76,15 @@ class StepCasts:
                 experts.step_casts = None
 
 
-def enable(model: nn.Module) -> None:
-    """Let `train_step` cast `model`'s weights once a step (parallelize does, where `applies`)."""
-    casts = StepCasts(model)
+def _float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    made = tensorwise(weight)
+    return made.data, made.scale
+
+
+def enable(model: nn.Module, compiled: bool = False) -> None:
+    """Let `train_step` cast `model`'s weights once a step (parallelize does, where `applies`; `compiled`:
+    train.compile, which compiles the float8 cast too)."""
+    casts = StepCasts(model, compiled)
     if casts.linears or casts.experts:
         _RUNS[model] = casts
 

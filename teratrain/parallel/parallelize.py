@@ -92,7 +92,7 @@ def parallelize(model: nn.Module, rt, cfg):
                 module.compile(mode=mode)
     engine = build_engine(model, rt, cfg, init)  # 6
     if step_casts.applies(cfg.parallel.zero, rt.dims.pp, cfg.parallel.sync, cfg.train.cuda_graphs):
-        step_casts.enable(model)  # train_step casts the float8 weights and expert stacks once a step
+        step_casts.enable(model, cfg.train.compile)  # train_step casts float8 weights and expert stacks once a step
     for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
         layer.start_stats(rt.device, graphed=cfg.train.cuda_graphs)
     retie(model, aliases)
