@@ -105,11 +105,19 @@ def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
     return to_scale(amax, compat.FLOAT8_E4M3)
 
 
-def tensorwise(weight: torch.Tensor) -> GatheredFloat8:
-    """`weight` cast to float8 under one tensorwise scale, the bytes torchao's own cast of it makes (its
-    amax in the weight's dtype, as torchao's tensor_to_amax): memory/step_casts.py makes it once a step."""
-    scale = e4m3_scale(weight.abs().max().to(torch.float32))
-    return GatheredFloat8(scaled_e4m3(weight, scale), scale)
+def tensorwise_cast():
+    """weight -> (its e4m3 bytes, its scale) under one tensorwise scale: the bytes torchao's own cast of it
+    makes (its amax in the weight's dtype, as torchao's tensor_to_amax; `scaled_e4m3` at `e4m3_scale`).
+    torchao's functions are looked up here, once, so torch.compile traces the cast whole (memory/step_casts.py
+    makes it once a step)."""
+    to_scale, saturate, _, _ = compat.float8_weight_cast()
+    e4m3 = compat.FLOAT8_E4M3
+
+    def cast(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = to_scale(weight.abs().max().to(torch.float32), e4m3)
+        return saturate(weight.to(torch.float32) * scale, e4m3), scale
+
+    return cast
 
 
 class _Gathered(torch.autograd.Function):

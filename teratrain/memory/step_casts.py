@@ -36,7 +36,7 @@ import weakref
 import torch
 from torch import nn
 
-from teratrain.memory.fp8 import GatheredFloat8, float8_linears, tensorwise
+from teratrain.memory.fp8 import GatheredFloat8, float8_linears, tensorwise_cast
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -56,7 +56,8 @@ class StepCasts:
         self.experts = [layer.experts for _, layer in moe_layers(model)]
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
-        self.float8 = torch.compile(_float8, dynamic=False) if compiled and self.linears else _float8
+        cast = tensorwise_cast() if self.linears else None
+        self.float8 = torch.compile(cast, dynamic=False) if compiled and cast else cast
 
     @contextlib.contextmanager
     def step(self, dtype: torch.dtype):
@@ -74,11 +75,6 @@ class StepCasts:
                 linear.float8_weight = None
             for experts in self.experts:
                 experts.step_casts = None
-
-
-def _float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    made = tensorwise(weight)
-    return made.data, made.scale
 
 
 def enable(model: nn.Module, compiled: bool = False) -> None:

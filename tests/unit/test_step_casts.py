@@ -85,11 +85,22 @@ def test_float8_weights_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(
 @pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
 def test_float8_cast_is_torchaos_bytes():
     w = torch.randn(32, 48) * 3
-    made = fp8.tensorwise(w)
+    made = fp8.GatheredFloat8(*fp8.tensorwise_cast()(w))
     scaling = importlib.import_module("torchao.float8.float8_scaling_utils")
     theirs = scaling.hp_tensor_to_float8_dynamic(w, compat.FLOAT8_E4M3, fp8.Fp8Gemm("tensorwise", True).mm_config)
     assert torch.equal(made.scale, theirs._scale)
     assert torch.equal(made.data.view(torch.uint8), theirs._data.view(torch.uint8))
+
+
+@pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
+def test_float8_cast_compiles_whole_to_the_same_bytes():
+    """Under train.compile the step's cast is compiled: one graph (a graph break would cost each of its
+    calls a Python round trip), the eager cast's bytes."""
+    cast = fp8.tensorwise_cast()
+    w = torch.randn(48, 32) * 5
+    data, scale = torch.compile(cast, fullgraph=True, dynamic=False)(w)
+    ref, ref_scale = cast(w)
+    assert torch.equal(scale, ref_scale) and torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kernel", ["grouped", "loop"])
