@@ -224,9 +224,9 @@ class Training:
     # accumulated by its own op) before the experts were stacked (models/moe.py Experts): how the runs
     # recorded before measured, planned as they ran by planner/refit.py. Never set from a Config.
     expert_tensors: bool = False
-    # Each micro-batch cast the float8 weights and the experts' weight stacks anew before a step cast them
-    # once for all (memory/step_casts.py): how the runs recorded before measured, planned as they ran by
-    # planner/refit.py. Never set from a Config.
+    # Each micro-batch casts the float8 weights and the experts' weight stacks anew, not the step once for all
+    # (memory/step_casts.py): memory.cast_once=false, and the runs recorded before the step cast them once
+    # (planner/refit.py plans them as they ran)
     casts_per_micro_batch: bool = False
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:

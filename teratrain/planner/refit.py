@@ -161,12 +161,13 @@ def _prepared(result: dict) -> list[tuple]:
     # Training)
     ran = {"norms_fp32": result.get("norms") != "residual dtype",
            "linear_casts": result.get("linear inputs") != "cast once",
-           "expert_tensors": result.get("experts") != "stacked",
-           "casts_per_micro_batch": result.get("weight casts") != "once a step"}
+           "expert_tensors": result.get("experts") != "stacked"}
+    every_micro_batch = result.get("weight casts") != "once a step"
     for row in result["rows"]:
         if row.get("measured_step_s"):
             cfg = load_config(None, row["sets"])
-            train = replace(training_of(cfg), **ran)
+            train = training_of(cfg)
+            train = replace(train, **ran, casts_per_micro_batch=train.casts_per_micro_batch or every_micro_batch)
             out.append((shape_of(cfg), train, layout_of(cfg, result["gpus"]), row))
     return out
 

@@ -125,6 +125,15 @@ def test_stacks_in_the_compute_dtype_are_not_copied():
     assert stacks == [None, None] and used == 0
 
 
+def test_cast_once_false_casts_every_micro_batch_and_is_planned_so():
+    from teratrain.planner.inputs import training_of
+
+    *_, (_, stacks), model, used = _run([*MOE, "memory.cast_once=false"], once=True, steps=1)
+    assert step_casts._RUNS.get(model) is None and used == 0
+    assert training_of(make_config(*SMALL, *MOE, "memory.cast_once=false")).casts_per_micro_batch
+    assert not training_of(make_config(*SMALL, *MOE)).casts_per_micro_batch
+
+
 @pytest.mark.parametrize("zero, pp, sync, graphed, expected", [
     (0, 1, "allreduce", False, True), (2, 1, "allreduce", False, True), (3, 1, "allreduce", False, False),
     (0, 2, "allreduce", False, False), (0, 1, "param-server", False, False), (0, 1, "allreduce", True, False),
