@@ -184,7 +184,7 @@ def test_compiled_experts_run_at_the_grouped_gemm_rate():
 SMALL_BATCH = pytest.mark.xfail(strict=True, reason="planned 21% slow at one sequence a micro-batch (512 rows an "
                                 "expert); dense at that batch 11% slow too")
 
-STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound: planned 14-21% slow; at fp32 "
+STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound: planned 14-22% slow; at fp32 "
                                  "parameters the casts and gradient accumulation of the idle experts (expert_stack_s, "
                                  "51 ms) measure 37 ms for all experts, AdamW 49 ms against 56 planned")
 
@@ -199,7 +199,10 @@ STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound
     pytest.param("2026-12-03_moe_stacked_qwen3_mb4.json", "moe_ep1_compiled", (4, 8), marks=STACKED_FINE),
     pytest.param("2026-12-03_moe_stacked_qwen3_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE),
     pytest.param("2026-12-03_moe_stacked_qwen3_mw_gb8.json", "moe_ep1_compiled", (4, 8), marks=STACKED_FINE),
-    pytest.param("2026-12-03_moe_stacked_qwen3_mw_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE)])
+    pytest.param("2026-12-03_moe_stacked_qwen3_mw_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE),
+    pytest.param("2026-12-03_moe_cast_once_qwen3_gb8.json", "moe_ep1_compiled", (4, 8), marks=STACKED_FINE),
+    pytest.param("2026-12-03_moe_cast_once_qwen3_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE),
+    ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None)])
 def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out from the grouped GEMM's fit (a micro-benchmark): bench/moe.py's dropless MoE steps on one
     H200, the 8-expert model compiled and graphed and Qwen3-30B-A3B's layers (128 experts of width 768)
