@@ -3,16 +3,18 @@
 Under gradient accumulation every micro-batch's forward casts the same weights again: each forward
 casts the routed experts' fp32 weight stacks to bf16 for the grouped GEMMs (models/grouped.py), and
 torchao's float8 GEMM casts each weight to e4m3 in forward and again for the input gradient in backward
-(an amax reduction and a scaled copy each time: on one H200 at the llama-8b width, 4 micro-batches,
-about 20 ms of a 390 ms step). The weights do not change within a step, so one cast serves all of its
-micro-batches:
+(an amax reduction and a scaled copy each time). The weights do not change within a step, so one cast
+serves all of its micro-batches (one H200, 4 micro-batches, compiled: float8 at the llama-8b width, the
+casts 43 ms of a 392 ms step cast per micro-batch, 29 of 387 cast once; Qwen3-30B-A3B-shaped experts,
+the stacks' casts 23 ms of 241, 6.6 of 219; bench/README.md):
 - the float8 linears under tensorwise scales (memory/fp8.py): each weight's amax, scale and e4m3 bytes,
   handed to the linear as its `float8_weight`, which torchao uses as it is (it casts no operand it finds
   in float8, neither forward nor for the input gradient), as ZeRO-3's float8 gathers do; rowwise scales
   cast each weight along two axes, which no single copy serves;
 - the experts' weight stacks held wider than the compute dtype (fp32 parameters under autocast):
   their bf16 copies (`Experts.step_casts`), which each micro-batch's grouped GEMMs read and save for
-  backward (at the end of a forward every layer's copy is alive either way).
+  backward (eager, every layer's copy is alive at the end of a forward either way; compiled, the
+  partition recast them in backward instead: the step's copies add their bytes to the peak).
 Each parameter receives its gradient in its own dtype through the graph, as through the casts of
 each micro-batch (models/grouped.py MadeCast, memory/fp8.py _Gathered), so accumulation, gradient hooks
 and data-parallel reductions see no difference; the bytes are those the per-micro-batch casts make (the
@@ -20,7 +22,7 @@ same elementwise casts of the same weights), so the losses and gradients are too
 
 The casts exist from the step's first forward to its last backward (1 byte a float8 weight, the compute
 dtype's width a stacked expert weight; planner/memory.py counts them there): evaluation and any other
-forward cast as before. `applies` says where: the step without a pipeline (`train_step`; the pipeline
+forward cast as before, and so does every step under memory.cast_once=false. `applies` says where: the step without a pipeline (`train_step`; the pipeline
 executor's asynchronous schedules run micro-batches on different weight versions), an engine that keeps
 each parameter whole through the step (not ZeRO-3, which gathers its parameters per use and casts its
 float8 weights once a step itself; not a parameter server's worker, whose pulls may land mid-step),

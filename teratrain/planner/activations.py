@@ -323,7 +323,8 @@ def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
 
 def casts_once(train: Training, lay: Layout) -> bool:
     """Does the step cast its float8 weights (tensorwise) and its experts' weight stacks once for all its
-    micro-batches (memory/step_casts.py `applies`; not in runs recorded before, Training.casts_per_micro_batch)?"""
+    micro-batches (memory/step_casts.py `applies`; not under memory.cast_once=false nor in the runs recorded
+    before: Training.casts_per_micro_batch)?"""
     return (lay.num_microbatches > 1 and not train.casts_per_micro_batch
             and step_casts.applies(lay.zero, lay.pp, "allreduce", train.graphed))
 
