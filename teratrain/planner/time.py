@@ -261,10 +261,10 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     models/grouped.py cast_stacks; none where the parameters are in it, but in runs recorded while each
     expert was its own parameter, stacked) every micro-batch, or once a step (casts_once); every
     micro-batch casts their gradient back (read, write) and, after the first, adds it to the accumulated
-    one (read both, write). The fitted
-    rates price that traffic for the top_k experts a token runs (a dense MLP's weights, cast by autocast,
-    move as much per FLOP), so only the local experts beyond top_k are charged: nothing where a rank holds
-    top_k of them, most of the step for many fine-grained experts (128 of width 768, top-8)."""
+    one (read both, write). The fitted rates price that traffic for the top_k experts a token runs (a dense
+    MLP's weights, cast by autocast, move as much per FLOP), so only the local experts beyond top_k are
+    charged: nothing where a rank holds top_k of them, most of the step for many fine-grained experts (128
+    of width 768, top-8)."""
     if shape.num_experts == 1:
         return 0.0
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
