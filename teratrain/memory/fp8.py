@@ -72,18 +72,18 @@ class Fp8Gemm:
         _, _, self.float8_tensor, self.weight_role = compat.float8_weight_cast()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 gathered: GatheredFloat8 | None = None) -> torch.Tensor:
-        """`gathered`: the weight already in float8 (ZeRO-3's gather, parallel/zero_fp8.py, or the step's
+                 float8: Float8Weight | None = None) -> torch.Tensor:
+        """`float8`: the weight already in float8 (ZeRO-3's gather, parallel/zero_fp8.py, or the step's
         cast, memory/step_casts.py), used as it is (torchao casts no operand it finds in float8); `weight`
         then only receives the gradient."""
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
-        w = weight if gathered is None else _Gathered.apply(weight, gathered, self)
+        w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)
 
 
 @dataclass
-class GatheredFloat8:
+class Float8Weight:
     """A float8 linear's weight cast before its forward: as ZeRO-3 gathered it (parallel/zero_fp8.py: its
     e4m3 elements a view of the gathered block's bytes, empty between gathers; its scale a 0-d view), or
     as the step cast it for all its micro-batches (memory/step_casts.py)."""
@@ -92,42 +92,37 @@ class GatheredFloat8:
     scale: torch.Tensor  # () float32: data = saturate(weight * scale)
 
 
-def scaled_e4m3(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """values in float8 e4m3 at `scale` (saturated), as torchao's cast makes them (_ToFloat8ConstrFunc:
-    the values in fp32 times the scale)."""
-    _, saturate, _, _ = compat.float8_weight_cast()
-    return saturate(values.to(torch.float32) * scale, compat.FLOAT8_E4M3)
+class TensorwiseCast:
+    """torchao's tensorwise float8 cast (its amax_to_scale and to_fp8_saturated), looked up once, so that a
+    cast through it holds no lookup torch.compile would break its graph on. ZeRO-3 casts its weight shards
+    with it (parallel/zero_fp8.py), the step its whole weights (memory/step_casts.py)."""
+
+    def __init__(self):
+        self.to_scale, self.saturate, _, _ = compat.float8_weight_cast()
+
+    def scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale of a tensor whose absolute maximum is `amax`."""
+        return self.to_scale(amax, compat.FLOAT8_E4M3)
+
+    def e4m3(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """values in e4m3 at `scale`, saturated: torchao's _ToFloat8ConstrFunc (the values in fp32 times it)."""
+        return self.saturate(values.to(torch.float32) * scale, compat.FLOAT8_E4M3)
+
+    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight's e4m3 bytes, its scale): the bytes torchao's own cast of it makes (its amax in the
+        weight's dtype, as torchao's tensor_to_amax)."""
+        scale = self.scale(weight.abs().max().to(torch.float32))
+        return self.e4m3(weight, scale), scale
 
 
-def e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The tensorwise scale of a tensor whose absolute maximum is `amax` (torchao's amax_to_scale)."""
-    to_scale, _, _, _ = compat.float8_weight_cast()
-    return to_scale(amax, compat.FLOAT8_E4M3)
-
-
-def tensorwise_cast():
-    """weight -> (its e4m3 bytes, its scale) under one tensorwise scale: the bytes torchao's own cast of it
-    makes (its amax in the weight's dtype, as torchao's tensor_to_amax; `scaled_e4m3` at `e4m3_scale`).
-    torchao's functions are looked up here, once, so torch.compile traces the cast whole (memory/step_casts.py
-    makes it once a step)."""
-    to_scale, saturate, _, _ = compat.float8_weight_cast()
-    e4m3 = compat.FLOAT8_E4M3
-
-    def cast(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = to_scale(weight.abs().max().to(torch.float32), e4m3)
-        return saturate(weight.to(torch.float32) * scale, e4m3), scale
-
-    return cast
-
-
-class _Gathered(torch.autograd.Function):
+class _Float8Operand(torch.autograd.Function):
     """The float8 weight made before the forward as torchao's Float8TrainingTensor, standing for `weight`:
     forward reads nothing of `weight` (under ZeRO-3 its storage is empty), backward hands the weight's
     gradient to it unchanged, as torchao's own cast does (`_ToFloat8ConstrFunc`)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, gathered: GatheredFloat8, gemm: Fp8Gemm):
-        return gemm.float8_tensor(gathered.data, gathered.scale, weight.dtype, linear_mm_config=gemm.mm_config,
+    def forward(ctx, weight: torch.Tensor, float8: Float8Weight, gemm: Fp8Gemm):
+        return gemm.float8_tensor(float8.data, float8.scale, weight.dtype, linear_mm_config=gemm.mm_config,
                                   gemm_input_role=gemm.weight_role)
 
     @staticmethod
@@ -144,7 +139,7 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.gemm = linear.weight, linear.bias, gemm
 
-    float8_weight: GatheredFloat8 | None = None  # set by ZeRO-3's float8 gathers and the step's casts
+    float8_weight: Float8Weight | None = None  # set by ZeRO-3's float8 gathers and the step's casts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight, self.bias, self.float8_weight)

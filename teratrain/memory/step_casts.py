@@ -16,7 +16,7 @@ the stacks' casts 23 ms of 241, 6.6 of 219; bench/README.md):
   backward (eager, every layer's copy is alive at the end of a forward either way; compiled, the
   partition recast them in backward instead: the step's copies add their bytes to the peak).
 Each parameter receives its gradient in its own dtype through the graph, as through the casts of
-each micro-batch (models/grouped.py MadeCast, memory/fp8.py _Gathered), so accumulation, gradient hooks
+each micro-batch (models/grouped.py MadeCast, memory/fp8.py _Float8Operand), so accumulation, gradient hooks
 and data-parallel reductions see no difference; the bytes are those the per-micro-batch casts make (the
 same elementwise casts of the same weights), so the losses and gradients are too.
 
@@ -38,7 +38,7 @@ import weakref
 import torch
 from torch import nn
 
-from teratrain.memory.fp8 import GatheredFloat8, float8_linears, tensorwise_cast
+from teratrain.memory.fp8 import Float8Weight, TensorwiseCast, float8_linears
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -58,7 +58,7 @@ class StepCasts:
         self.experts = [layer.experts for _, layer in moe_layers(model)]
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
-        cast = tensorwise_cast() if self.linears else None
+        cast = TensorwiseCast() if self.linears else None
         self.float8 = torch.compile(cast, dynamic=False) if compiled and cast else cast
 
     @contextlib.contextmanager
@@ -67,7 +67,7 @@ class StepCasts:
         try:
             with torch.no_grad():
                 for linear in self.linears:
-                    linear.float8_weight = GatheredFloat8(*self.float8(linear.weight))
+                    linear.float8_weight = Float8Weight(*self.float8(linear.weight))
                 for experts in self.experts:
                     experts.step_casts = {name: w.to(dtype) for name, w, _ in experts.leaves() if w.dtype != dtype} \
                         or None

@@ -76,7 +76,7 @@ class _Parallel(nn.Module):
         self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout = adapter or (None, None, 0.0, None)
 
     gemm = None  # memory/fp8.py's Fp8Gemm where this piece's GEMMs run in float8; else F.linear
-    float8_weight = None  # memory/fp8.py's GatheredFloat8: set by ZeRO-3's float8 gathers and the step's casts
+    float8_weight = None  # memory/fp8.py's Float8Weight: set by ZeRO-3's float8 gathers and the step's casts
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemm is None:

@@ -18,7 +18,7 @@ fp32 master shard, optimizer state and gradient reduction as any group; what cha
   backward and the next micro-batches' cast nothing.
 - the gather moves that 1-byte shard (as uint8: gloo and NCCL both take it) into the group's
   gathered buffer, itself 1 byte an element and freed after use like any gathered block.
-- each float8 linear holds a `GatheredFloat8` (memory/fp8.py): a view of its weight in that buffer
+- each float8 linear holds a `Float8Weight` (memory/fp8.py): a view of its weight in that buffer
   and its scale. Its GEMMs take it as torchao's Float8TrainingTensor, so torchao casts the weight no
   more (neither in forward nor for the input gradient in backward). The module's weight parameter
   is a view of a compute-dtype buffer whose storage stays empty: it exists to receive the gradient,
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from teratrain import compat
-from teratrain.memory.fp8 import GatheredFloat8, e4m3_scale, float8_linears, gathers_in_float8, scaled_e4m3
+from teratrain.memory.fp8 import Float8Weight, TensorwiseCast, float8_linears, gathers_in_float8
 from teratrain.parallel.comm import MAX, all_reduce
 
 
@@ -54,6 +54,7 @@ class Float8Shard:
         self.scales = torch.ones(len(g.params), dtype=torch.float32, device=device)
         self.index = torch.tensor([pc.index for pc in g.pieces], dtype=torch.long, device=device)  # each piece's weight
         self.stale = True
+        self.tensorwise = TensorwiseCast()
 
     def cast(self, g, shard: torch.Tensor) -> None:
         """Cast this rank's `shard` (shard_numel,) of the group's weights, in the compute dtype, with
@@ -63,21 +64,21 @@ class Float8Shard:
         if pieces:  # torch.max(abs(.)) in the shard's dtype, as torchao's tensor_to_amax
             amax.index_copy_(0, self.index, torch.stack([p.abs().max() for p in pieces]).float())
         all_reduce(amax, g.gather_pg, op=MAX)
-        self.scales.copy_(e4m3_scale(amax))
+        self.scales.copy_(self.tensorwise.scale(amax))
         for pc, piece, out in zip(g.pieces, pieces, g.shard_views(self.bytes)):
-            out.view(compat.FLOAT8_E4M3).copy_(scaled_e4m3(piece, self.scales[pc.index]))
+            out.view(compat.FLOAT8_E4M3).copy_(self.tensorwise.e4m3(piece, self.scales[pc.index]))
         self.stale = False
 
 
 def float8_buffer(g, model: nn.Module, device: torch.device) -> torch.Tensor:
     """Set up float8 group `g` (its parameters already views of an empty compute-dtype buffer): its
-    cast shard, and each owning linear's GatheredFloat8 viewing the returned 1-byte gathered buffer
+    cast shard, and each owning linear's Float8Weight viewing the returned 1-byte gathered buffer
     (empty until gathered)."""
     g.float8 = Float8Shard(g, device)
     full = torch.empty(g.padded, dtype=torch.uint8, device=device)
     for i, (name, data) in enumerate(zip(g.names, g.views(full))):
         owner = model.get_submodule(name.rpartition(".")[0])
-        owner.float8_weight = GatheredFloat8(data.view(compat.FLOAT8_E4M3), g.float8.scales[i])
+        owner.float8_weight = Float8Weight(data.view(compat.FLOAT8_E4M3), g.float8.scales[i])
     full.untyped_storage().resize_(0)
     return full
 

@@ -335,11 +335,7 @@ def step_cast_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: 
     `layers` blocks: each float8 weight in 1 byte (tensorwise), each expert weight stack held wider than
     the compute dtype in it (the copies `weight_copies` then leaves out)."""
     float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
-    experts = 0
-    if shape.num_experts > 1 and w.autocast_copies:
-        c = shape.cfg
-        experts = _expert_copies(shape, w, ep, form, device, (3 if c.arch == "llama" else 2) * c.d_model
-                                 * c.expert_ffn_dim, tp)
+    experts = _expert_copies(shape, w, ep, form, device, tp) if shape.num_experts > 1 and w.autocast_copies else 0
     return layers * (float8 + experts)
 
 
@@ -357,24 +353,24 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     attn = d * (q + 2 * kvd) + q * d
     n_mats = 3 if c.arch == "llama" else 2
     mlp = n_mats * d * c.ffn_dim
-    expert = 0 if once else n_mats * d * c.expert_ffn_dim  # once: the step's casts, not a block's copies
+    # once, the stacks' copies are the step's (step_cast_bytes), not a block's
+    experts = 0 if once or shape.num_experts == 1 else _expert_copies(shape, w, ep, form, device, tp)
     attn += shape.moe_share * n_mats * d * c.shared_ffn_dim  # shared experts: cast like the attention
     if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
         attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) if w.autocast_copies else 0
-        if shape.num_experts == 1:
-            return attn_mlp
-        return attn_mlp + _expert_copies(shape, w, ep, form, device, expert, tp)
+        return attn_mlp + experts
     if shape.num_experts == 1:
         return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
-        return _expert_copies(shape, w, ep, form, device, expert, tp)
-    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + _expert_copies(
-        shape, w, ep, form, device, expert, tp)
+        return experts
+    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + experts
 
 
-def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, mlp: int, tp: int) -> int:
+def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, tp: int) -> int:
     """weight_copies' experts: their (experts, out, in) operands of the grouped GEMM in the compute dtype,
     a copy where the parameters are wider (and, Widths.expert_tensors, on a GPU also where not)."""
+    c = shape.cfg
+    mlp = (3 if c.arch == "llama" else 2) * c.d_model * c.expert_ffn_dim  # one expert's weights
     experts = (max(1, shape.num_experts // ep) - 1) * shape.moe_share * mlp  # beyond one MLP's worth
     mlp_tp = tp if form == "megatron" else 1
     stacked = int((shape.moe_share * mlp + experts) * w.compute) // mlp_tp

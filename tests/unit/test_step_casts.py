@@ -37,7 +37,7 @@ def _run(sets: list[str], once: bool, steps: int = 2, kernel: str = "grouped"):
     the casts a step made; the model; how many times the GEMMs took a weight cast before the forward."""
     cfg = make_config(*SMALL, *sets)
     used = [0]
-    for fn in (fp8._Gathered, grouped.MadeCast):
+    for fn in (fp8._Float8Operand, grouped.MadeCast):
         apply = fn.apply
         spy = staticmethod(lambda *a, apply=apply: (used.__setitem__(0, used[0] + 1), apply(*a))[1])
         fn.apply = spy
@@ -62,7 +62,7 @@ def _run(sets: list[str], once: bool, steps: int = 2, kernel: str = "grouped"):
         made.append(([lin.float8_weight for lin in fp8.float8_linears(model)],
                      [layer.experts.step_casts for _, layer in moe_layers(model)]))
     train_step(model, engine, micro, "bf16", 1e-3)
-    for fn in (fp8._Gathered, grouped.MadeCast):
+    for fn in (fp8._Float8Operand, grouped.MadeCast):
         del fn.apply  # the spy: torch.autograd.Function's own apply again
     return losses, grads, made[0], model, used[0]
 
@@ -73,7 +73,7 @@ def test_float8_weights_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(
     once_losses, once_grads, (float8, _), model, used = _run(sets, once=True)
     every_losses, every_grads, (none, _), _, unused = _run(sets, once=False)
     assert (used, unused) == (14 * 3 * 3, 0)  # 14 linears, 3 micro-batches, 3 steps
-    assert len(float8) == 14 and all(isinstance(w, fp8.GatheredFloat8) for w in float8)
+    assert len(float8) == 14 and all(isinstance(w, fp8.Float8Weight) for w in float8)
     assert all(w is None for w in none)
     assert once_losses == every_losses
     assert once_grads.keys() == every_grads.keys() and len(once_grads) > 0
@@ -85,7 +85,7 @@ def test_float8_weights_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(
 @pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
 def test_float8_cast_is_torchaos_bytes():
     w = torch.randn(32, 48) * 3
-    made = fp8.GatheredFloat8(*fp8.tensorwise_cast()(w))
+    made = fp8.Float8Weight(*fp8.TensorwiseCast()(w))
     scaling = importlib.import_module("torchao.float8.float8_scaling_utils")
     theirs = scaling.hp_tensor_to_float8_dynamic(w, compat.FLOAT8_E4M3, fp8.Fp8Gemm("tensorwise", True).mm_config)
     assert torch.equal(made.scale, theirs._scale)
@@ -96,7 +96,7 @@ def test_float8_cast_is_torchaos_bytes():
 def test_float8_cast_compiles_whole_to_the_same_bytes():
     """Under train.compile the step's cast is compiled: one graph (a graph break would cost each of its
     calls a Python round trip), the eager cast's bytes."""
-    cast = fp8.tensorwise_cast()
+    cast = fp8.TensorwiseCast()
     w = torch.randn(48, 32) * 5
     data, scale = torch.compile(cast, fullgraph=True, dynamic=False)(w)
     ref, ref_scale = cast(w)
@@ -128,7 +128,7 @@ def test_stacks_in_the_compute_dtype_are_not_copied():
 def test_cast_once_false_casts_every_micro_batch_and_is_planned_so():
     from teratrain.planner.inputs import training_of
 
-    *_, (_, stacks), model, used = _run([*MOE, "memory.cast_once=false"], once=True, steps=1)
+    *_, model, used = _run([*MOE, "memory.cast_once=false"], once=True, steps=1)
     assert step_casts._RUNS.get(model) is None and used == 0
     assert training_of(make_config(*SMALL, *MOE, "memory.cast_once=false")).casts_per_micro_batch
     assert not training_of(make_config(*SMALL, *MOE)).casts_per_micro_batch
