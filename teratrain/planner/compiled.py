@@ -45,18 +45,40 @@ from teratrain.planner.layout import Layout, ModelShape, Training, Widths
 STAT_BYTES = 4  # a norm's statistics and the loss's per-token numbers are fp32
 
 
-def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
-    """How train.compile graphs the blocks of `lay` where this module's count applies ("model": the whole
-    forward in one graph, "block": each block apart, as a pipeline stage and ZeRO-3 compile them), or None
-    (eager, or a block this module does not describe: see the module docstring)."""
-    if not train.compiled or shape.is_bare or shape.num_experts > 1:
-        return None
-    if lay.tp > 1 or lay.cp > 1 or lay.recompute != "none" or train.dropout > 0 or train.fp8 != "none" or train.lora:
+def graph_scope(train: Training, lay: Layout) -> str | None:
+    """How train.compile graphs the step of `lay`, whatever its blocks ("model": the whole forward in one
+    graph, "block": each block apart, as a pipeline stage and ZeRO-3 compile them), or None (eager)."""
+    if not train.compiled:
         return None
     if lay.pp > 1:  # a pipeline stage compiles its blocks (parallelize.compile_units)
         return "block"
     reduces = lay.replicas > 1 and train.reduces_in_backward
     return resolved_compile_scope(train.compile_scope, lay.zero, reduces, train.graphed, lay.recompute)
+
+
+def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
+    """`graph_scope` where this module's count of the saved tensors applies, or None (eager, or a block
+    this module does not describe: see the module docstring)."""
+    if shape.is_bare or shape.num_experts > 1:
+        return None
+    if lay.tp > 1 or lay.cp > 1 or lay.recompute != "none" or train.dropout > 0 or train.fp8 != "none" or train.lora:
+        return None
+    return graph_scope(train, lay)
+
+
+def gradients_at_once(train: Training, lay: Layout, made: int, buffered: bool) -> int:
+    """Bytes of gradients the compiled whole-model backward holds beside those already kept, at its end:
+    its one autograd node hands every parameter's gradient (`made` bytes, in the parameters' dtype) over
+    at once (parallelize.compile_units), and only then does autograd add each into the gradient kept from
+    the step's earlier micro-batches or into the engine's buffer (`buffered`), one by one. Where nothing
+    is kept yet (the step's only micro-batch, autograd's own gradients) they become the kept ones. Eager,
+    and each block in its own graph, hand over a parameter's or a block's gradient at a time: not counted
+    (CUDA graphs: their pools are not modelled). On one H200 the Qwen3-30B-A3B-shaped MoE compiled at 2
+    micro-batches peaks at 103.3 GiB where its states and step casts are 84.1: 18.8 GiB of fp32
+    gradients at once (bench/results/h200/2026-12-03_moe_cast_once_qwen3_gb8.json)."""
+    if graph_scope(train, lay) != "model" or train.graphed or (lay.num_microbatches == 1 and not buffered):
+        return 0
+    return made
 
 
 def compiled_loss(shape: ModelShape, train: Training, lay: Layout, loss_pieces: int) -> bool:

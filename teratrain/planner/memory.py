@@ -256,6 +256,8 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         head_grad = ceil_div(V * c.d_model // lay.tp, lay.replicas) * train.grad_bytes
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
     log_softmax = saved["log_softmax"] * ends if last else 0
+    made = st["gpu_grads"] if lay.zero == 0 else st["local_params"] * w.grad  # the backward's, before any reduction
+    at_once = compiled.gradients_at_once(train, lay, int(made * scale), not no_buffer)
     embed_side = saved["embed_side"] if end["first"] else 0
     return {
         "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
@@ -263,7 +265,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd},
         "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - log_softmax,
                                  "buffers": module + copies + T_layer + eng["during"]},
-        "end of backward": {**base, "grads": grads_held, "activations": embed_side + saved["first_block"],
+        "end of backward": {**base, "grads": grads_held + at_once, "activations": embed_side + saved["first_block"],
                             "buffers": module + T_layer + eng["end"] + eng["pending"]},
         "optimizer step": {**base, "grads": grads_held, "activations": 0,
                            "buffers": act.rope_tables(shape) + eng["pending"]

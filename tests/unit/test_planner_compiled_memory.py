@@ -62,6 +62,59 @@ def test_bf16_weights_and_another_shape(scope):
     assert _planned(cfg) == _measured(cfg)
 
 
+def _handed_over(model, x, y, precision: str) -> list[int]:
+    """Bytes of the parameters' gradients each compiled backward node hands over at once (its outputs, alive
+    together before autograd accumulates any), one entry per node, from one forward and backward."""
+    import torch
+
+    from teratrain.memory.precision import autocast
+
+    handed = []
+    with autocast(precision, x.device):
+        loss = model(x, y)
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunctionBackward" in node.name():  # the parameters' gradients: those AccumulateGrad takes
+            into = [f is not None and "AccumulateGrad" in f.name() for f, _ in node.next_functions]
+            node.register_hook(lambda grads, _, into=into: handed.append(
+                sum(g.numel() * g.element_size() for g, p in zip(grads, into) if p and g is not None)))
+        todo.extend(f for f, _ in node.next_functions)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return handed
+
+
+@pytest.mark.slow
+def test_the_whole_model_graph_hands_every_gradient_over_at_once():
+    """The compiled whole model's backward is one autograd node: it hands every parameter's gradient over
+    together, all alive at once before autograd adds them into those of the step's earlier micro-batches
+    (planner/compiled.py gradients_at_once, added to the end of backward). Each block in its own graph
+    hands over that block's alone (not counted)."""
+    from teratrain.planner import compiled
+
+    cfg = _cfg("llama", "bf16", "model")
+    model, _ = build_engine(cfg)
+    x, y = random_batch(cfg, cfg.train.micro_batch)
+    _handed_over(model, x, y, cfg.memory.precision)  # compiles
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert _handed_over(model, x, y, cfg.memory.precision) == [params]
+    lay = layout_of(load_config(None, ["model.preset=tiny", "train.compile=true", "train.micro_batch=3",
+                                      "train.global_batch=6"]), 1)
+    train = training_of(cfg)
+    assert compiled.gradients_at_once(train, lay, params, buffered=False) == params  # the second micro-batch's
+    assert compiled.gradients_at_once(train, layout_of(cfg, 1), params, buffered=False) == 0  # the only one
+    cfg = _cfg("llama", "bf16", "block")
+    model, _ = build_engine(cfg)
+    _handed_over(model, x, y, cfg.memory.precision)
+    blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.layers]
+    assert sorted(_handed_over(model, x, y, cfg.memory.precision), reverse=True)[:len(blocks)] == blocks
+    assert compiled.gradients_at_once(training_of(cfg), lay, params, buffered=True) == 0
+
+
 def test_compiled_blocks_keep_less_than_eager():
     """Per token, a compiled bf16 Llama block over fp32 weights keeps 14d + 4kv + 6f bytes (+ 2d more as the whole
     model's one graph) where eager keeps 16d + 4kv + 8f, statistics and RoPE casts aside (planner/compiled.py)."""
