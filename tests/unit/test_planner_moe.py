@@ -245,6 +245,7 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, 
     ("2026-12-03_moe_stacked_qwen3_mw_gb8.json", "moe_ep1_compiled", (4, 8)),
     ("2026-12-03_moe_stacked_qwen3_mb4_eager.json", "moe_ep1", (4, 8)),
     ("2026-12-03_moe_stacked_dropless.json", "moe_ep1", None),
+    ("2026-12-03_moe_qwen3_block_scope.json", "moe_ep1_compiled", (4, 8)),  # held out: planned 96.77 before it ran
     pytest.param("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None, marks=pytest.mark.xfail(
         strict=True, reason="planned 12% over: a compiled MoE block is planned with eager's saved tensors"))])
 def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
@@ -252,7 +253,8 @@ def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
     runs on one H200, the dense rows' 3% (test_planner_compiled_memory.py). The compiled Qwen3-shaped MoE at 2
     micro-batches peaks at the end of a backward, where the whole model's compiled backward hands all its 18.8
     GiB of fp32 gradients over at once (compiled.gradients_at_once): 104.5 GiB planned against 103.3 measured
-    (96.8 before that term, 6.4% under). These rows were read while writing the term: none is held out."""
+    (96.8 before that term, 6.4% under). Each block compiled apart hands one block's over at a time: 96.8 planned,
+    94.1 measured. The other rows were read while writing the term."""
     data, shape, train, lay = _recorded_moe_run(result, run, batch)
     planned = plan_memory(shape, train, lay, H200).peak_allocated / 2**30
     assert planned == pytest.approx(data[run]["peak_gib"], rel=0.03)
