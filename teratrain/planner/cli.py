@@ -123,6 +123,8 @@ def _search_modes(cfg, shape, job: tuple, notes: list[str]) -> tuple:
     allowed = modes.allowed(cfg, gpu.name) if cfg.parallel.auto else [modes.configured(cfg)]
     searched = {}
     for mode in allowed:
+        if mode == modes.BLOCKS and modes.COMPILED in searched and not modes.blocks_may_help(*searched[modes.COMPILED]):
+            continue
         train = training_of(modes.with_mode(cfg, mode) if cfg.parallel.auto else cfg, [])  # notes: said once
         try:
             searched[mode] = (train, search(shape, train, gpus, gpu, fixed, gpu_mem, host_mem))

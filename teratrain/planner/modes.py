@@ -1,43 +1,56 @@
 """Which execution mode `parallel.auto` (and `teratrain plan` of such a config) runs: eager, compiled
-(train.compile=true) or CUDA graphs (train.compile=true, train.compile_mode=reduce-overhead).
+(train.compile=true), compiled block by block (and train.compile_scope=block) or CUDA graphs
+(train.compile=true, train.compile_mode=reduce-overhead).
 
 The rule, stated in docs/planner.md:
-- a mode key the user gave is kept: train.compile=false allows eager only, train.compile=true the two
+- a mode key the user gave is kept: train.compile=false allows eager only, train.compile=true the
   compiled modes, train.compile_mode=reduce-overhead CUDA graphs only among them, another compile_mode the
-  plain compiled mode only (with that compile_mode); train.compile_overlap=true needs a compiled mode;
-  memory.compress_activations (saved-tensor hooks that dynamo does not trace) allows eager only;
+  plain compiled modes only (with that compile_mode), a given train.compile_scope the one compiled mode
+  that it names; train.compile_overlap=true needs a compiled mode; memory.compress_activations (saved-tensor
+  hooks that dynamo does not trace) allows eager only;
+- compiled block by block plans as compiled but where the whole model would be one graph, whose backward
+  hands every gradient over at once (planner/compiled.py gradients_at_once): it is taken where that
+  second copy of the gradients keeps a faster layout from fitting;
 - CUDA graphs hold an MoE layer only with torch's grouped GEMM, in bf16 on an sm90 GPU (H100, H200:
   parallelize.check_graphed_experts), so they are not tried for MoE models elsewhere;
 - on CPU, where the planner's GPU time model means nothing, the configured mode stays;
 - among the allowed modes, each with its own fastest fitting layout, a mode is taken over a simpler one
-  (eager, then compiled, then CUDA graphs) only where it plans more than FASTER faster: compiling costs
-  minutes at start, and the memory pools of CUDA graphs are not modelled (planner/memory.py).
+  (eager, then compiled, then block by block, then CUDA graphs) only where it plans more than FASTER
+  faster: compiling costs minutes at start, the whole model in one graph ran 1-2% faster than block by
+  block on one H200 (docs/memory.md), and the memory pools of CUDA graphs are not modelled (planner/memory.py).
 """
 
 from __future__ import annotations
 
 from teratrain.config_schema import Config
+from teratrain.planner.compiled import graph_scope
 from teratrain.planner.layout import Training
 
-EAGER, COMPILED, GRAPHS = "eager", "compiled", "CUDA graphs"
-ORDER = (EAGER, COMPILED, GRAPHS)  # simpler first
+EAGER, COMPILED, BLOCKS, GRAPHS = "eager", "compiled", "compiled block by block", "CUDA graphs"
+ORDER = (EAGER, COMPILED, BLOCKS, GRAPHS)  # simpler first
 # The keys each mode writes where the user gave none (a given one already holds the mode's value: `allowed`), so
 # that the run's config.toml pins the mode (a --resume plans no other); "compiled" keeps a given compile_mode
 # (max-autotune-no-cudagraphs).
 SETS = {EAGER: {"train.compile": False}, COMPILED: {"train.compile": True, "train.compile_mode": "default"},
+        BLOCKS: {"train.compile": True, "train.compile_mode": "default", "train.compile_scope": "block"},
         GRAPHS: {"train.compile": True, "train.compile_mode": "reduce-overhead"}}
-KEYS = ("train.compile", "train.compile_mode")
+KEYS = ("train.compile", "train.compile_mode", "train.compile_scope")
+SCOPES = {COMPILED: ("auto", "model"), BLOCKS: ("block",)}  # the train.compile_scope each compiled mode runs
 FASTER = 0.01  # below the planner's own error on its validated rows: not worth a change of mode
 GROUPED_MM_GPUS = ("h100", "h200")  # sm90: torch's grouped GEMM reads no row offsets back to the host
 
 
 def mode_of(train: Training) -> str:
-    return GRAPHS if train.graphed else COMPILED if train.compiled else EAGER
+    if train.graphed or not train.compiled:
+        return GRAPHS if train.graphed else EAGER
+    return BLOCKS if train.compile_scope == "block" else COMPILED
 
 
 def configured(cfg: Config) -> str:
     t = cfg.train
-    return GRAPHS if t.cuda_graphs else COMPILED if t.compile else EAGER
+    if t.cuda_graphs or not t.compile:
+        return GRAPHS if t.cuda_graphs else EAGER
+    return BLOCKS if t.compile_scope == "block" else COMPILED
 
 
 def allowed(cfg: Config, gpu_name: str | None) -> list[str]:
@@ -52,13 +65,25 @@ def allowed(cfg: Config, gpu_name: str | None) -> list[str]:
         out.append(EAGER)
     if "compile" in given and not t.compile:
         return out
-    mode_given = "compile_mode" in given
+    mode_given, scope_given = "compile_mode" in given, "compile_scope" in given
     if not mode_given or t.compile_mode != "reduce-overhead":
-        out.append(COMPILED)
+        out += [mode for mode in (COMPILED, BLOCKS) if not scope_given or t.compile_scope in SCOPES[mode]]
+    if t.compile_scope == "block":  # CUDA graphs record the whole step (config_schema.compile_scope_problem)
+        return out
     graphed_experts = cfg.memory.precision == "bf16" and gpu_name in GROUPED_MM_GPUS
     if (not mode_given or t.compile_mode == "reduce-overhead") and (not cfg.model.moe.enabled or graphed_experts):
         out.append(GRAPHS)
     return out
+
+
+def blocks_may_help(train: Training, cands) -> bool:
+    """Whether compiled block by block can plan faster than compiled, read off the compiled mode's search
+    (`train` and its candidates, or the PlanError it ended in): only where its fastest layout does not fit and
+    runs the whole model as one graph, whose gradients come at once. Elsewhere it is not searched."""
+    if not isinstance(cands, list) or not cands:
+        return False
+    fastest = min(cands, key=lambda c: c.time.step_time_s)
+    return not fastest.fits and graph_scope(train, fastest.layout) == "model"
 
 
 def with_mode(cfg: Config, mode: str) -> Config:

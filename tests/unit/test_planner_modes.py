@@ -24,16 +24,22 @@ def _fastest_s(cfg, mode: str) -> float:
     return next(c for c in cands if c.fits).time.step_time_s
 
 
+E, C, B, G = modes.EAGER, modes.COMPILED, modes.BLOCKS, modes.GRAPHS
+
+
 @pytest.mark.parametrize("sets, allowed", [
-    ([], [modes.EAGER, modes.COMPILED, modes.GRAPHS]),
-    (["train.compile=false"], [modes.EAGER]),
-    (["train.compile=true"], [modes.COMPILED, modes.GRAPHS]),
-    (["train.compile_mode=default"], [modes.EAGER, modes.COMPILED]),
-    (["train.compile=true", "train.compile_mode=reduce-overhead"], [modes.GRAPHS]),
-    (["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"], [modes.COMPILED]),
-    (["train.compile=true", "train.compile_overlap=true"], [modes.COMPILED, modes.GRAPHS]),
-    (["memory.compress_activations=int8"], [modes.EAGER]),
-    (["model.preset=moe-tiny"], [modes.EAGER, modes.COMPILED, modes.GRAPHS]),  # bf16 on an H100: grouped GEMM
+    ([], [E, C, B, G]),
+    (["train.compile=false"], [E]),
+    (["train.compile=true"], [C, B, G]),
+    (["train.compile_mode=default"], [E, C, B]),
+    (["train.compile=true", "train.compile_mode=reduce-overhead"], [G]),
+    (["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"], [C, B]),
+    (["train.compile=true", "train.compile_overlap=true"], [C, B, G]),
+    (["train.compile=true", "train.compile_scope=block"], [B]),
+    (["train.compile=true", "train.compile_scope=model"], [C, G]),
+    (["train.compile=true", "train.compile_scope=auto"], [C, G]),
+    (["memory.compress_activations=int8"], [E]),
+    (["model.preset=moe-tiny"], [E, C, B, G]),  # bf16 on an H100: grouped GEMM
 ])
 def test_a_mode_the_user_turned_off_is_never_chosen(sets, allowed):
     cfg = load_config(None, LLAMA + sets)
@@ -93,3 +99,28 @@ def test_plan_shows_the_mode_and_its_command_runs_it(capsys):
     assert {"train.compile=true", "train.compile_mode=default"} <= set(d["train_command"])
     plain = plan_json(capsys, "--model", "llama-1b", "--gpus", "4")
     assert plain["mode"] == modes.EAGER and not any(n.startswith("parallel.auto") for n in plain["notes"])
+
+
+def test_block_by_block_is_taken_where_the_gradients_at_once_keep_the_whole_graph_out():
+    """llama-1b, 4 micro-batches of 2 a step on one GPU: the whole model in one graph holds its fp32 gradients
+    twice at the end of each later backward (planner/compiled.py gradients_at_once), each block in its own graph
+    does not. With memory between the two layouts' needs, the whole graph must recompute and block by block
+    need not: parallel.auto takes block by block and writes train.compile_scope=block, which the trainer runs."""
+    from teratrain.planner.layout import Layout
+    from teratrain.planner.search import evaluate
+
+    sets = ["model.preset=llama-1b", "memory.precision=bf16", "parallel.auto=true", "train.global_batch=8",
+            "train.micro_batch=2"]
+    cfg = load_config(None, sets)
+    lay = Layout(micro_batch=2, num_microbatches=4)
+    need = {mode: evaluate(shape_of(cfg), training_of(modes.with_mode(cfg, mode)), lay, H100).memory.total / 2**30
+            for mode in (modes.COMPILED, modes.BLOCKS)}
+    assert need[modes.BLOCKS] < need[modes.COMPILED]
+    between = Target(H100, (need[modes.BLOCKS] + need[modes.COMPILED]) / 2, 2048, 8)
+    choice = resolve(cfg, 1, between)
+    assert choice.chosen["train.compile_scope"] == "block" and choice.chosen["memory.recompute"] == "none"
+    assert "mode: compiled block by block (train.compile=true, train.compile_mode=default, train.compile_scope=block)" \
+        in choice.note
+    assert cfg.train.compile_scope == "block"  # written into the config the trainer runs
+    roomy = load_config(None, sets)
+    assert "train.compile_scope" not in resolve(roomy, 1, Target(H100, need[modes.COMPILED] + 1, 2048, 8)).chosen
