@@ -362,6 +362,26 @@ def test_layouts_group_rows_by_key_on_the_device():
     assert grouped_layout(torch.zeros(0, dtype=torch.long), 2).offsets.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("m, groups, align", [(1, 1, 1), (37, 4, 1), (64, 8, 8), (200, 16, 8), (5, 8, 4)])
+def test_grouped_layout_against_its_definition(m, groups, align):
+    """grouped_layout against its definition written row by row: group g's rows in input order from the
+    group's start (its predecessors' rows rounded up to `align`), dest 0 and no buffer row for key G."""
+    from teratrain.models.permute import grouped_layout
+
+    key = torch.randint(0, groups + 1, (m,), generator=torch.Generator().manual_seed(m))
+    rows = m + groups * (align - 1) + 1
+    dest, src, ends, start = [0] * m, [m] * rows, [], 0
+    for g in range(groups):
+        members = [i for i in range(m) if key[i] == g]
+        for rank, i in enumerate(members):
+            dest[i], src[start + rank] = start + rank, i
+        start += -(-len(members) // align) * align
+        ends.append(start)
+    lay = grouped_layout(key, groups, align)
+    assert (lay.dest.tolist(), lay.src.tolist(), lay.offsets.tolist(), lay.rows) == (dest, src, ends, rows)
+    assert lay.counts.tolist() == [int((key == g).sum()) for g in range(groups)] and lay.sent.tolist() == (key < groups).tolist()
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_permutations_backward_are_gathers_equal_to_autograds_indexing(k):
     """dispatch / combine against the same maps written with advanced indexing (whose backward is an
