@@ -40,17 +40,20 @@ FASTER = 0.01  # below the planner's own error on its validated rows: not worth 
 GROUPED_MM_GPUS = ("h100", "h200")  # sm90: torch's grouped GEMM reads no row offsets back to the host
 
 
+def _mode(graphed: bool, compiled: bool, scope: str) -> str:
+    if graphed:
+        return GRAPHS
+    if not compiled:
+        return EAGER
+    return BLOCKS if scope == "block" else COMPILED
+
+
 def mode_of(train: Training) -> str:
-    if train.graphed or not train.compiled:
-        return GRAPHS if train.graphed else EAGER
-    return BLOCKS if train.compile_scope == "block" else COMPILED
+    return _mode(train.graphed, train.compiled, train.compile_scope)
 
 
 def configured(cfg: Config) -> str:
-    t = cfg.train
-    if t.cuda_graphs or not t.compile:
-        return GRAPHS if t.cuda_graphs else EAGER
-    return BLOCKS if t.compile_scope == "block" else COMPILED
+    return _mode(cfg.train.cuda_graphs, cfg.train.compile, cfg.train.compile_scope)
 
 
 def allowed(cfg: Config, gpu_name: str | None) -> list[str]:
