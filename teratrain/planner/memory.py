@@ -256,8 +256,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         head_grad = ceil_div(V * c.d_model // lay.tp, lay.replicas) * train.grad_bytes
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
     log_softmax = saved["log_softmax"] * ends if last else 0
-    made = st["gpu_grads"] if lay.zero == 0 else st["local_params"] * w.grad  # the backward's, before any reduction
-    at_once = compiled.gradients_at_once(train, lay, int(made * scale), not no_buffer)
+    at_once = int(_gradients_at_once(train, lay, st) * scale)
     embed_side = saved["embed_side"] if end["first"] else 0
     return {
         "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
@@ -271,6 +270,12 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
                            "buffers": act.rope_tables(shape) + eng["pending"]
                                       + _step_temporaries(shape, train, lay, st)},
     }
+
+
+def _gradients_at_once(train: Training, lay: Layout, st: dict) -> int:
+    """compiled.gradients_at_once of the gradients this rank's backward makes, before any reduction."""
+    made = st["gpu_grads"] if lay.zero == 0 else st["local_params"] * train.widths(lay.zero, lay.offload).grad
+    return compiled.gradients_at_once(train, lay, made, not _no_buffer(train, lay))
 
 
 def _no_buffer(train: Training, lay: Layout) -> bool:
@@ -346,6 +351,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
                   "saved_per_microbatch_first_stage": saved.get("blocks", 0) + saved.get("first", 0),
                   "autocast_weight_copies": saved.get("copies", 0), "recompute_segment": saved.get("recompute", 0),
                   "step_casts": saved.get("step_casts", 0),
+                  "gradients_at_once": 0 if shape.is_bare else _gradients_at_once(train, lay, st),
                   "in_flight_microbatches": in_flight(lay), "weight_versions": versions,
                   **{f"engine_{k}": v for k, v in eng.items()}})
     return MemoryBreakdown(params=st["gpu_params"], grads=st["gpu_grads"], optimizer=st["gpu_optimizer"],

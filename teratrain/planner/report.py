@@ -56,6 +56,9 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
         else:
             grads = f"{kind} shard, {dp}" + (", made by backward, freed by the update" if lay.num_microbatches == 1
                                                 and lay.pp == 1 else "")
+    if m.terms.get("gradients_at_once") and m.phase.startswith("end of backward"):
+        grads += ("; at the peak a second copy: the whole model compiled hands every gradient over at once "
+                  "(train.compile_scope=block: a block's at a time)")
     master = "fp32 master 4 B + " if w.master else ""
     opt = f"{master}{OPT_BYTES.get(train.optimizer, train.optimizer)}" + (f", {dp}" if lay.zero else "")
     if lay.offload != "none":

@@ -14,6 +14,8 @@ from teratrain.measure import build_engine, random_batch, saved_bytes
 from teratrain.planner.hardware import GPUS
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.memory import GIB, forward_saved, plan_memory
+from teratrain.planner.report import memory_lines
+from teratrain.planner.search import evaluate
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200"
 
@@ -187,6 +189,9 @@ def test_peaks_at_two_micro_batches_planned_before_the_run(mode, fp8, planned_gi
     lay = layout_of(load_config(None, [*sets, "train.micro_batch=1", "train.global_batch=2"]), 1)
     planned = plan_memory(shape_of(cfg), training_of(cfg), lay, GPUS["h200"]).peak_allocated / GIB
     assert planned == pytest.approx(planned_gib, abs=0.005)  # the prediction, as written before the run
+    cand = evaluate(shape_of(cfg), training_of(cfg), lay, GPUS["h200"])
+    grads = next(line for line in memory_lines(shape_of(cfg), training_of(cfg), GPUS["h200"], cand) if line[0] == "gradients")
+    assert ("a second copy" in grads[3]) == (mode == "compile")  # `teratrain plan` says why
     rows = json.loads((RESULTS / "2026-12-03_compiled_gradients_at_once.json").read_text())["results"]
     row = next(r for r in rows if r["mode"] == mode and r["fp8"] == fp8)
     assert planned == pytest.approx(row["peak_gib"], rel=0.03)
