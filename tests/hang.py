@@ -8,14 +8,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def _rank(rank: int, port: int, reports: str, kind: str, device: str, timeout_s: float) -> None:
@@ -52,7 +47,7 @@ def _rank(rank: int, port: int, reports: str, kind: str, device: str, timeout_s:
 def hang(reports: str, kind: str, device: str, timeout_s: float) -> tuple[int | None, dict, float]:
     """(rank 0's exit status, its report, seconds until it ended, start-up included)."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, reports, kind, device, timeout_s), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()

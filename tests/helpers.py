@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
 from pathlib import Path
 
 import torch
@@ -12,6 +15,29 @@ from teratrain.models.transformer import Transformer, build_model
 # A model small enough that a CLI run of ~50 steps takes a few seconds on 2 CPU cores.
 TINY_SETS = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.seq_len=64",
              "train.global_batch=8", "train.micro_batch=4", "metrics.progress=false"]
+
+
+PORT_BLOCK = 2000  # rendezvous ports of each pytest-xdist worker
+_ports = itertools.count()
+
+
+def free_port() -> int:
+    """A free TCP port for a job's rendezvous (MASTER_PORT): below the kernel's ephemeral range (Linux: from
+    32768), where no connection's own end is put (gloo's pairs and the store's clients take ephemeral ports),
+    and in a block of PORT_BLOCK ports of its own for each pytest-xdist worker. So no other test, in this
+    worker or the other, can take it between the moment it is picked here and the moment rank 0 listens
+    on it (port 0's pick could be taken: EADDRINUSE, seen with the suite on 2 workers)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    base = 20000 + worker * PORT_BLOCK
+    for _ in range(PORT_BLOCK):
+        port = base + next(_ports) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still closing from an earlier test
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}-{base + PORT_BLOCK - 1} for this test worker")
 
 
 def make_config(*overrides: str) -> Config:

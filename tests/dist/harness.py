@@ -11,15 +11,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def _entry(fn, rank: int, world: int, port: int, results, args) -> None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import TINY_SETS
+from tests.helpers import TINY_SETS, free_port
 from tests.integration.runner import pids_running
 
 # The job every test runs: 12 steps, a checkpoint every 5, no evaluation; a lost peer is named within
@@ -73,12 +72,6 @@ if folder and "RANK" in os.environ:
 
     metrics.MetricsLog.write = logged
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
