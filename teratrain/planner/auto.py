@@ -132,8 +132,7 @@ def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
         fixed = {**{k: v for k, v in CPU_FIXED.items() if k not in fixed}, **fixed}
     picks = {}
     for mode in allowed:
-        if mode == modes.BLOCKS and modes.COMPILED in picks and not modes.blocks_may_help(
-                training_of(modes.with_mode(cfg, modes.COMPILED)), picks[modes.COMPILED][2]):
+        if mode == modes.BLOCKS and modes.COMPILED in picks and not modes.blocks_may_help(picks[modes.COMPILED][2]):
             continue
         picks[mode] = _fastest(modes.with_mode(cfg, mode), world, target, fixed)
     planned = {mode: best.time.step_time_s for mode, (best, _, _) in picks.items() if best is not None}

@@ -123,7 +123,7 @@ def _search_modes(cfg, shape, job: tuple, notes: list[str]) -> tuple:
     allowed = modes.allowed(cfg, gpu.name) if cfg.parallel.auto else [modes.configured(cfg)]
     searched = {}
     for mode in allowed:
-        if mode == modes.BLOCKS and modes.COMPILED in searched and not modes.blocks_may_help(*searched[modes.COMPILED]):
+        if mode == modes.BLOCKS and modes.COMPILED in searched and not modes.blocks_may_help(searched[modes.COMPILED][1]):
             continue
         train = training_of(modes.with_mode(cfg, mode) if cfg.parallel.auto else cfg, [])  # notes: said once
         try:

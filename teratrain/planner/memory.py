@@ -256,7 +256,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         head_grad = ceil_div(V * c.d_model // lay.tp, lay.replicas) * train.grad_bytes
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
     log_softmax = saved["log_softmax"] * ends if last else 0
-    at_once = int(_gradients_at_once(train, lay, st) * scale)
+    at_once = int(st["gradients_at_once"] * scale)
     embed_side = saved["embed_side"] if end["first"] else 0
     return {
         "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
@@ -332,6 +332,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
     st = model_states(shape, train, lay, device)
     versions = pipeline.summary(lay)[2]  # asynchronous pipelines stash older copies of the stage's weights
     st = {**st, "gpu_params": st["gpu_params"] * versions}
+    st["gradients_at_once"] = _gradients_at_once(train, lay, st)
     eng = _engine_buffers(shape, train, lay, st)
     if shape.is_bare:
         phases = {"optimizer step": {"params": st["gpu_params"], "optimizer": st["gpu_optimizer"],
@@ -351,7 +352,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
                   "saved_per_microbatch_first_stage": saved.get("blocks", 0) + saved.get("first", 0),
                   "autocast_weight_copies": saved.get("copies", 0), "recompute_segment": saved.get("recompute", 0),
                   "step_casts": saved.get("step_casts", 0),
-                  "gradients_at_once": 0 if shape.is_bare else _gradients_at_once(train, lay, st),
+                  "gradients_at_once": 0 if shape.is_bare else st["gradients_at_once"],
                   "in_flight_microbatches": in_flight(lay), "weight_versions": versions,
                   **{f"engine_{k}": v for k, v in eng.items()}})
     return MemoryBreakdown(params=st["gpu_params"], grads=st["gpu_grads"], optimizer=st["gpu_optimizer"],

@@ -23,7 +23,6 @@ The rule, stated in docs/planner.md:
 from __future__ import annotations
 
 from teratrain.config_schema import Config
-from teratrain.planner.compiled import graph_scope
 from teratrain.planner.layout import Training
 
 EAGER, COMPILED, BLOCKS, GRAPHS = "eager", "compiled", "compiled block by block", "CUDA graphs"
@@ -79,14 +78,14 @@ def allowed(cfg: Config, gpu_name: str | None) -> list[str]:
     return out
 
 
-def blocks_may_help(train: Training, cands) -> bool:
-    """Whether compiled block by block can plan faster than compiled, read off the compiled mode's search
-    (`train` and its candidates, or the PlanError it ended in): only where its fastest layout does not fit and
-    runs the whole model as one graph, whose gradients come at once. Elsewhere it is not searched."""
+def blocks_may_help(cands) -> bool:
+    """Whether compiled block by block can plan faster than compiled, read off the compiled mode's candidates
+    (or the PlanError its search ended in): only where its fastest layout does not fit and holds gradients
+    handed over at once (its plan's `gradients_at_once` term). Elsewhere it is not searched."""
     if not isinstance(cands, list) or not cands:
         return False
     fastest = min(cands, key=lambda c: c.time.step_time_s)
-    return not fastest.fits and graph_scope(train, fastest.layout) == "model"
+    return not fastest.fits and fastest.memory.terms.get("gradients_at_once", 0) > 0
 
 
 def with_mode(cfg: Config, mode: str) -> Config:
