@@ -113,7 +113,20 @@ def kernel_account(kernels: list[tuple[str, float, float]], steps: int) -> dict:
             "nccl_exposed_ms": round(minus(nccl_u, union(compute)) * per, 3),
             "copy_ms": round(length(union(copies)) * per, 3), "copy_kernels_per_step": len(copies) // steps,
             "nccl_kernels_per_step": len(nccl) // steps, "kernels_per_step": len(kernels) // steps,
-            "top_copy_kernels": _top_names(named_copies, steps)}
+            "top_copy_kernels": _top_names(named_copies, steps), "longest_gaps": longest_gaps(kernels)}
+
+
+def longest_gaps(kernels: list[tuple[str, float, float]], top: int = 6) -> list[dict]:
+    """Where the device idles: the `top` longest gaps with no kernel running, each with the kernel that
+    ended before it and the one that started after it (the host's work between them is the gap's cause)."""
+    gaps, end, last = [], None, None
+    for name, a, b in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and a > end:
+            gaps.append((a - end, last, name))
+        if end is None or b > end:
+            end, last = b, name
+    return [{"ms": round(us * 1e-3, 3), "after": before[:100], "before": after[:100]}
+            for us, before, after in sorted(gaps, key=lambda g: -g[0])[:top]]
 
 
 def _top_names(kernels: list[tuple[str, float, float]], steps: int, top: int = 8) -> list[dict]:

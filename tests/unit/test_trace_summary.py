@@ -28,6 +28,8 @@ def test_exposed_nccl_idle_and_copies_per_step():
     assert got["nccl_kernels_per_step"] == 1 and got["kernels_per_step"] == 2  # 5 kernels over 2 steps
     assert got["top_copy_kernels"] == [{"kernel": "void at::native::direct_copy_kernel_cuda", "ms": 0.01,
                                         "per_step": 0.5}]
+    assert got["longest_gaps"] == [{"ms": 0.01, "after": "void at::native::direct_copy_kernel_cuda",
+                                    "before": "ncclDevKernel_ReduceScatter_RING_LL"}]  # 220-230: the only gap
 
 
 def test_fsdp2_gradient_copy_in_is_a_copy():
