@@ -31,13 +31,25 @@ two LayerNorms of a GPT-2 block recomputes its statistics, and GPT-2 keeps its p
 output. tests/unit/test_planner_compiled_memory.py counts every term with `saved_tensors_hooks` around
 compiled models on CPU (torch 2.13), both flavours, both scopes, fp32, bf16 autocast and bf16 weights.
 
-Where the count applies (`scope`): dense blocks, one rank per layer (no tensor or context parallelism),
-no dropout, no float8 linears, no recomputation, no LoRA. Elsewhere a compiled step is planned with eager's
-tensors, which is more than it keeps.
+An MoE layer in place of the MLP (every layer routed, softmax top-k, nothing dropped, no shared
+experts, the experts on one rank, bf16 autocast: `moe_counted`) runs its experts as grouped GEMMs over a buffer of the
+routed rows laid out by expert (models/permute.py: M = tokens x top_k rows, each expert's from a multiple
+of compat.GROUPED_MM_ROW_ALIGN, and one zero row). Its block keeps, beside the attention's: the buffer
+(the norm's output gathered, in the compute dtype; the norm's own output is not kept, nor the router's
+fp32 input, both recomputed), the experts' w2 outputs on the same rows, w1x, w3x and their product on
+them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each
+row's source, the laid-out gates with their zero row, the mask of rows sent, the groups' int32 offsets)
+and the aux loss's load vector. Eager keeps silu's output too, the router's fp32 input and a mask
+more (activations._moe_saved).
+
+Where the count applies (`scope`): dense blocks and those MoE layers, one rank per layer (no tensor,
+context or expert parallelism), no dropout, no float8 linears, no recomputation, no LoRA. Elsewhere a
+compiled step is planned with eager's tensors, which is more than it keeps.
 """
 
 from __future__ import annotations
 
+from teratrain.compat import GROUPED_MM_ROW_ALIGN
 from teratrain.config_schema import resolved_compile_scope
 from teratrain.planner.activations import INDEX_BYTES
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths
@@ -59,11 +71,24 @@ def graph_scope(train: Training, lay: Layout) -> str | None:
 def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
     """`graph_scope` where this module's count of the saved tensors applies, or None (eager, or a block
     this module does not describe: see the module docstring)."""
-    if shape.is_bare or shape.num_experts > 1:
+    if shape.is_bare or (shape.num_experts > 1 and not (moe_counted(shape, train.widths(lay.zero)) and lay.ep == 1)):
         return None
     if lay.tp > 1 or lay.cp > 1 or lay.recompute != "none" or train.dropout > 0 or train.fp8 != "none" or train.lora:
         return None
     return graph_scope(train, lay)
+
+
+def moe_counted(shape: ModelShape, w: Widths) -> bool:
+    """Is every block of this MoE model the one whose compiled count `block_saved` gives: a Llama block whose
+    MLP is routed in every layer (softmax top-k, the chosen scores normalised, an fp32 router, the aux loss
+    and no other, no expert groups), nothing dropped, no shared experts, bf16 autocast over fp32 weights
+    (read off the partition for these; elsewhere the eager count stands)?"""
+    m = shape.cfg.moe
+    return (shape.cfg.arch == "llama" and w.bf16 and w.autocast_copies and not w.expert_tensors
+            and m.router == "softmax-topk" and m.score == "softmax" and m.normalize_topk and m.router_dtype == "fp32"
+            and m.aux_loss_weight > 0 and not m.z_loss_weight and m.balance == "aux" and m.expert_groups == 1
+            and m.capacity == 0 and m.every == 1 and m.first_dense_layers == 0 and m.shared_experts == 0
+            and not m.expert_dropout)
 
 
 def gradients_at_once(train: Training, lay: Layout, made: int, buffered: bool) -> int:
@@ -88,7 +113,7 @@ def compiled_loss(shape: ModelShape, train: Training, lay: Layout, loss_pieces: 
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str) -> dict[str, int]:
-    """Bytes one compiled dense Block keeps for backward for `tokens` = b*T tokens, per term, under scope
+    """Bytes one compiled Block (dense, or an MoE layer `moe_counted`) keeps for backward for `tokens` = b*T tokens, per term, under scope
     `where` ("model" or "block"); the weights' autocast copies apart (activations.weight_copies)."""
     c = shape.cfg
     n, d, cb = tokens, c.d_model, w.compute
@@ -107,9 +132,32 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
         "residual": n * d * (w.param if where == "model" else cb),
         "mlp_hidden": (3 if llama else 2) * n * c.ffn_dim * cb,  # SwiGLU: w1x, w3x, their product; GELU: w1x, gelu
     }
+    if shape.num_experts > 1:  # the routed experts in place of the MLP (module docstring)
+        out["norm_outputs"] = n * d * cb  # the attention's; the experts read the laid-out buffer
+        out.update(_moe_saved(shape, w, n, llama, where))
     if llama and where == "block" and cb != 4:  # cos and sin cast once for q and k (one graph keeps the fp32 buffers)
         out["rope_casts"] = 2 * seq_len * c.head_width * cb
     return out
+
+
+def moe_rows(shape: ModelShape, n: int) -> int:
+    """Rows of an MoE layer's laid-out buffer for n tokens (models/permute.py grouped_layout)."""
+    return n * shape.top_k + shape.num_experts * (GROUPED_MM_ROW_ALIGN - 1) + 1
+
+
+def _moe_saved(shape: ModelShape, w: Widths, n: int, llama: bool, where: str) -> dict[str, int]:
+    """What a compiled MoE layer keeps for n tokens (module docstring), per term. The experts' outputs:
+    on the laid-out rows each block apart; in one graph, gathered back to the M routed rows (all blocks
+    but one, `outside_saved`'s "first_block")."""
+    c, cb = shape.cfg, w.compute
+    e, m = shape.num_experts, n * shape.top_k
+    rows = moe_rows(shape, n)
+    return {"moe_rows": (rows + (m if where == "model" else rows)) * c.d_model * cb,  # the input, the outputs
+            "mlp_hidden": (3 if llama else 2) * rows * c.expert_ffn_dim * cb,
+            "router": n * e * STAT_BYTES + m * (INDEX_BYTES + STAT_BYTES),  # probabilities; top-k indices, gates
+            # the permutation, each row's source, the laid-out gates and their zero row, the mask, the offsets
+            "moe_layout": m * INDEX_BYTES + rows * INDEX_BYTES + (m + 1) * cb + m + e * 4,
+            "aux_loss": e * STAT_BYTES}  # the load vector
 
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str, *, first: bool = True,
@@ -129,6 +177,8 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where
             out["position_embeddings"] = seq_len * d * w.param if where == "model" else 0
         elif where == "model":  # the first block keeps wo's output where the others keep the sum
             out["first_block"] = -n * d * (w.param - cb)
+        if where == "model" and shape.num_experts > 1:  # and one MoE layer its experts' outputs laid out
+            out["first_block"] = out.get("first_block", 0) + (moe_rows(shape, n) - n * shape.top_k) * d * cb
     if last:
         out["final_norm"] = n * d * w.param + (1 if llama else 2) * n * STAT_BYTES
         out["head_input"] = n * d * cb

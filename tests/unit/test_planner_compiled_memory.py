@@ -4,6 +4,7 @@ excluded, after a first call that compiles. Exact: every term is read off the pa
 torch's partitioner shows here as a difference of whole tensors. Then the compiled plan against the peaks
 recorded on one H200 (torch 2.11), tolerances fixed before the comparison."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -62,6 +63,32 @@ def test_bf16_weights_and_another_shape(scope):
     cfg = _cfg("llama", "bf16", scope, "memory.master_weights=true", "model.d_model=192", "model.n_heads=6",
                "model.n_kv_heads=6", "model.d_ff=320")
     assert _planned(cfg) == _measured(cfg)
+
+
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope, extra", [("model", MOE), ("block", MOE), pytest.param(
+    "model", ["model.moe.num_experts=8", "model.moe.top_k=3", "model.moe.expert_d_ff=96"], marks=pytest.mark.long)])
+def test_compiled_moe_keeps_what_the_planner_counts(scope, extra):
+    """MoE layers in place of the MLPs (dropless softmax top-k, the experts as grouped GEMMs over their laid-out
+    rows): in one graph all blocks but one keep their experts' outputs gathered back to the routed rows."""
+    cfg = _cfg("llama", "bf16", scope, *extra)
+    assert _planned(cfg) == _measured(cfg)
+
+
+def test_moe_blocks_the_partition_was_not_read_for_are_planned_as_eager():
+    """Where the compiled MoE count was not read off the partition (here: the router in bf16, fp32 compute,
+    bf16 weights), the compiled step is planned with eager's tensors, more than it keeps."""
+    for precision, extra in (("bf16", ["model.moe.router_dtype=compute"]), ("fp32", []),
+                             ("bf16", ["memory.master_weights=true"])):
+        cfg = _cfg("llama", precision, "model", *MOE, *extra)
+        eager = dataclasses.replace(training_of(cfg), compiled=False)
+        assert _planned(cfg) == forward_saved(shape_of(cfg), eager, layout_of(cfg, 1), "cpu")
+    cfg = _cfg("llama", "bf16", "model", *MOE)  # the count read off the partition: less than eager's
+    assert _planned(cfg) < forward_saved(shape_of(cfg), dataclasses.replace(training_of(cfg), compiled=False),
+                                         layout_of(cfg, 1), "cpu")
 
 
 def _handed_over(model, x, y, precision: str) -> list[int]:
