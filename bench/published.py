@@ -84,6 +84,8 @@ def sets_of(run: dict) -> list[str]:
              f"parallel.overlap_comm={str(run.get('overlap_comm', True)).lower()}",
              f"parallel.reduce_dtype={run.get('reduce_dtype', 'fp32')}",
              f"model.tie_embeddings={str(run['arch'] == 'gpt2').lower()}"]
+    if run.get("fused_loss"):  # a loss that keeps no fp32 copy of the logits: teratrain's chunked head and loss
+        sets.append("memory.loss_chunks=0")
     return sets
 
 
