@@ -5,7 +5,8 @@ head), bf16 autocast over fp32 weights, fused AdamW, grad clipping 1.0, in one p
 in fp8, transformers' LlamaForCausalLM (sdpa) in bf16 and with torchao's float8 on its decoder layers
 (`convert_to_float8_training`, the head left in bf16 as ours), each eager and compiled (each block
 compiled apart on both sides: `train.compile_scope=block` for ours, each decoder layer for transformers;
-`--scope model`: the whole model on both sides, teratrain's default on one GPU). Ratios compare one mode on
+`--scope model`: the whole model on both sides, teratrain's default on one GPU; `--compile-mode`: torch.compile's
+mode on both sides). Ratios compare one mode on
 both sides only. `--weights bf16`: bf16 weights with fp32 masters in the optimizer on both sides
 (`memory.master_weights=true`; transformers' model stepped by teratrain's engine).
 
@@ -70,11 +71,12 @@ def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
 
             ao_cfg = dataclasses.replace(ao_cfg, emulate=True)
         ao.convert_to_float8_training(model.model.layers, config=ao_cfg)
+    mode = None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
     if cfg.train.compile and cfg.train.compile_scope == "model":
-        model.compile()
+        model.compile(mode=mode)
     elif cfg.train.compile:
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(mode=mode)
     return hf_step(model, cfg, dev, accum)
 
 
@@ -91,7 +93,8 @@ def speed(args, dev) -> dict:
                                 weights_set(args.weights),
                                 f"memory.fp8={fp8}", f"train.device={dev.type}"]
                 sets += ["memory.fp8_emulate=true"] if emulate and fp8 != "none" else []
-                sets += ["train.compile=true", f"train.compile_scope={args.scope}"] if mode == "compile" else []
+                sets += ["train.compile=true", f"train.compile_scope={args.scope}",
+                         f"train.compile_mode={args.compile_mode}"] if mode == "compile" else []
                 cfg = config(sets)
                 fresh_memory(dev)
                 fresh_compile()
@@ -113,6 +116,7 @@ def speed(args, dev) -> dict:
                 step = keep = None  # free this model before the next one is built
     return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
             "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "scope": args.scope,
+            "compile_mode": args.compile_mode,
             "weights": args.weights, "weight casts": "once a step",  # memory/step_casts.py (planner/refit.py)
             "results": rows,
             "ratios": ratios(rows, args.recipe)}
@@ -242,6 +246,8 @@ def main() -> None:
     ap.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     ap.add_argument("--scope", default="block", choices=["block", "model"],
                     help="compiled: each block apart (default) or the whole model, on both sides")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                    help="torch.compile's mode on both sides (max-autotune-no-cudagraphs: inductor times GEMM templates)")
     ap.add_argument("--converge", type=int, default=0, help="train this many steps in bf16 and in fp8 instead")
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
