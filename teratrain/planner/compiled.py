@@ -31,16 +31,18 @@ two LayerNorms of a GPT-2 block recomputes its statistics, and GPT-2 keeps its p
 output. tests/unit/test_planner_compiled_memory.py counts every term with `saved_tensors_hooks` around
 compiled models on CPU (torch 2.13), both flavours, both scopes, fp32, bf16 autocast and bf16 weights.
 
-An MoE layer in place of the MLP (every layer routed, softmax top-k, nothing dropped, no shared
-experts, the experts on one rank, bf16 autocast: `moe_counted`) runs its experts as grouped GEMMs over a buffer of the
+An MoE layer in place of the MLP (every layer routed, softmax top-k, nothing dropped, the experts on
+one rank, bf16 autocast: `moe_counted`) runs its experts as grouped GEMMs over a buffer of the
 routed rows laid out by expert (models/permute.py: M = tokens x top_k rows, each expert's from a multiple
 of compat.GROUPED_MM_ROW_ALIGN, and one zero row). Its block keeps, beside the attention's: the buffer
 (the norm's output gathered, in the compute dtype; the norm's own output is not kept, nor the router's
 fp32 input, both recomputed), the experts' w2 outputs on the same rows, w1x, w3x and their product on
 them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each
 row's source, the laid-out gates with their zero row, the mask of rows sent, the groups' int32 offsets)
-and the aux loss's load vector. Eager keeps silu's output too, the router's fp32 input and a mask
-more (activations._moe_saved).
+and the aux loss's load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the
+normalised gates a tensor more; shared experts keep their input (the norm's output) and hidden
+tensors as a dense MLP does, and under a gate its output and logit. Eager keeps silu's output too, the
+router's fp32 input and a mask more (activations._moe_saved).
 
 Where the count applies (`scope`): dense blocks and those MoE layers, one rank per layer (no tensor,
 context or expert parallelism), no dropout, no float8 linears, no recomputation, no LoRA. Elsewhere a
@@ -79,15 +81,16 @@ def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
 
 
 def moe_counted(shape: ModelShape, w: Widths) -> bool:
-    """Is every block of this MoE model the one whose compiled count `block_saved` gives: a Llama block whose
-    MLP is routed in every layer (softmax top-k, the chosen scores normalised, an fp32 router, the aux loss
-    and no other, no expert groups), nothing dropped, no shared experts, bf16 autocast over fp32 weights
-    (read off the partition for these; elsewhere the eager count stands)?"""
+    """Is every block of this MoE model one whose compiled count `block_saved` gives: a Llama block whose MLP
+    is routed in every layer by softmax top-k (softmax scores, normalised or not, or sigmoid scores
+    normalised), an fp32 router, the aux loss or the bias balancing and no z-loss, no expert groups, nothing
+    dropped, shared experts gated or not, bf16 autocast over fp32 weights (read off the partition for
+    these; elsewhere the eager count stands)?"""
     m = shape.cfg.moe
     return (shape.cfg.arch == "llama" and w.bf16 and w.autocast_copies and not w.expert_tensors
-            and m.router == "softmax-topk" and m.score == "softmax" and m.normalize_topk and m.router_dtype == "fp32"
-            and m.aux_loss_weight > 0 and not m.z_loss_weight and m.balance == "aux" and m.expert_groups == 1
-            and m.capacity == 0 and m.every == 1 and m.first_dense_layers == 0 and m.shared_experts == 0
+            and m.router == "softmax-topk" and (m.score == "softmax" or m.normalize_topk)
+            and m.router_dtype == "fp32" and not m.z_loss_weight
+            and m.expert_groups == 1 and m.capacity == 0 and m.every == 1 and m.first_dense_layers == 0
             and not m.expert_dropout)
 
 
@@ -149,15 +152,24 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, llama: bool, where: str) ->
     """What a compiled MoE layer keeps for n tokens (module docstring), per term. The experts' outputs:
     on the laid-out rows each block apart; in one graph, gathered back to the M routed rows (all blocks
     but one, `outside_saved`'s "first_block")."""
-    c, cb = shape.cfg, w.compute
+    c, cb, moe = shape.cfg, w.compute, shape.cfg.moe
     e, m = shape.num_experts, n * shape.top_k
     rows = moe_rows(shape, n)
-    return {"moe_rows": (rows + (m if where == "model" else rows)) * c.d_model * cb,  # the input, the outputs
-            "mlp_hidden": (3 if llama else 2) * rows * c.expert_ffn_dim * cb,
-            "router": n * e * STAT_BYTES + m * (INDEX_BYTES + STAT_BYTES),  # probabilities; top-k indices, gates
-            # the permutation, each row's source, the laid-out gates and their zero row, the mask, the offsets
-            "moe_layout": m * INDEX_BYTES + rows * INDEX_BYTES + (m + 1) * cb + m + e * 4,
-            "aux_loss": e * STAT_BYTES}  # the load vector
+    router = n * e * STAT_BYTES + m * INDEX_BYTES  # the probabilities, the top-k indices
+    router += m * STAT_BYTES if moe.normalize_topk else 0  # the gates, normalised
+    router += n * (e + 1) * STAT_BYTES if moe.score == "sigmoid" else 0  # the scores again, the gates' sum
+    out = {"moe_rows": (rows + (m if where == "model" else rows)) * c.d_model * cb,  # the input, the outputs
+           "mlp_hidden": (3 if llama else 2) * rows * c.expert_ffn_dim * cb,
+           "router": router,
+           # the permutation, each row's source, the laid-out gates and their zero row, the mask, the offsets
+           "moe_layout": m * INDEX_BYTES + rows * INDEX_BYTES + (m + 1) * cb + m + e * 4,
+           # the load vector; under bias balancing or at an aux weight of 0, a scalar more
+           "aux_loss": e * STAT_BYTES + (STAT_BYTES if moe.balance == "bias" or not moe.aux_loss_weight else 0)}
+    if moe.shared_experts:  # a dense MLP on every token: its input (the norm's output), its hidden tensors
+        out["shared_experts"] = n * c.d_model * cb + 3 * n * c.shared_ffn_dim * cb
+        if moe.shared_gate:  # sigmoid(x w_g) scales its output: the output, the gate's logit, w_g's bf16 copy
+            out["shared_experts"] += n * c.d_model * cb + n * cb + c.d_model * cb
+    return out
 
 
 def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str, *, first: bool = True,
