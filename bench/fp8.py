@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--scope", default="block", choices=["block", "model"],
                     help="compiled: each block apart (default) or the whole model, on both sides")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
-                    help="torch.compile's mode on both sides (max-autotune-no-cudagraphs: inductor times GEMM templates)")
+                    help="torch.compile's mode on both sides (max-autotune-no-cudagraphs: inductor times its GEMMs)")
     ap.add_argument("--converge", type=int, default=0, help="train this many steps in bf16 and in fp8 instead")
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")

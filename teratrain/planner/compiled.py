@@ -83,15 +83,15 @@ def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
 def moe_counted(shape: ModelShape, w: Widths) -> bool:
     """Is every block of this MoE model one whose compiled count `block_saved` gives: a Llama block whose MLP
     is routed in every layer by softmax top-k (softmax scores, normalised or not, or sigmoid scores
-    normalised), an fp32 router, the aux loss or the bias balancing and no z-loss, no expert groups, nothing
-    dropped, shared experts gated or not, bf16 autocast over fp32 weights (read off the partition for
-    these; elsewhere the eager count stands)?"""
+    normalised), an fp32 router, the aux loss (over the batch, each layer's own) or the bias balancing and no
+    z-loss, no expert or token groups, nothing dropped, shared experts gated or not, bf16 autocast over fp32
+    weights (read off the partition for these; elsewhere the eager count stands)?"""
     m = shape.cfg.moe
     return (shape.cfg.arch == "llama" and w.bf16 and w.autocast_copies and not w.expert_tensors
             and m.router == "softmax-topk" and (m.score == "softmax" or m.normalize_topk)
-            and m.router_dtype == "fp32" and not m.z_loss_weight
-            and m.expert_groups == 1 and m.capacity == 0 and m.every == 1 and m.first_dense_layers == 0
-            and not m.expert_dropout)
+            and m.router_dtype == "fp32" and not m.z_loss_weight and m.aux_loss_kind == "batch"
+            and m.aux_loss_convention == "ours" and m.num_groups == 1 and m.expert_groups == 1 and m.capacity == 0
+            and m.every == 1 and m.first_dense_layers == 0 and not m.expert_dropout)
 
 
 def gradients_at_once(train: Training, lay: Layout, made: int, buffered: bool) -> int:
@@ -116,8 +116,9 @@ def compiled_loss(shape: ModelShape, train: Training, lay: Layout, loss_pieces: 
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str) -> dict[str, int]:
-    """Bytes one compiled Block (dense, or an MoE layer `moe_counted`) keeps for backward for `tokens` = b*T tokens, per term, under scope
-    `where` ("model" or "block"); the weights' autocast copies apart (activations.weight_copies)."""
+    """Bytes one compiled Block (dense, or an MoE layer `moe_counted`) keeps for backward for `tokens` = b*T
+    tokens, per term, under scope `where` ("model" or "block"); the weights' autocast copies apart
+    (activations.weight_copies)."""
     c = shape.cfg
     n, d, cb = tokens, c.d_model, w.compute
     llama = c.arch == "llama"
