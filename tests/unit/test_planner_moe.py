@@ -226,7 +226,8 @@ STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound
     pytest.param("2026-12-03_moe_stacked_qwen3_mw_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE),
     pytest.param("2026-12-03_moe_cast_once_qwen3_gb8.json", "moe_ep1_compiled", (4, 8), marks=STACKED_FINE),
     pytest.param("2026-12-03_moe_cast_once_qwen3_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE),
-    ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None)])
+    ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None),
+    ("2026-12-03_moe_shared_sigmoid_compiled.json", "moe_ep1_compiled", None)])  # held out: 106,960 planned
 def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out from the grouped GEMM's fit (a micro-benchmark): bench/moe.py's dropless MoE steps on one
     H200, the 8-expert model compiled and graphed and Qwen3-30B-A3B's layers (128 experts of width 768)
@@ -246,7 +247,8 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, 
     ("2026-12-03_moe_stacked_qwen3_mb4_eager.json", "moe_ep1", (4, 8)),
     ("2026-12-03_moe_stacked_dropless.json", "moe_ep1", None),
     ("2026-12-03_moe_qwen3_block_scope.json", "moe_ep1_compiled", (4, 8)),
-    ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None)])
+    ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None),
+    ("2026-12-03_moe_shared_sigmoid_compiled.json", "moe_ep1_compiled", None)])
 def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
     """The planned peak allocated (before the allowance) against torch.cuda.max_memory_allocated of bench/moe.py's
     runs on one H200, the dense rows' 3% (test_planner_compiled_memory.py). The compiled Qwen3-shaped MoE at 2
@@ -255,8 +257,9 @@ def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
     (96.8 before that term, 6.4% under). Each block compiled apart hands one block's over at a time: 93.4
     planned, 94.1 measured (96.8 planned before it ran, with eager's saved tensors). The compiled 8-expert MoE,
     whose activations weigh most: 28.45 planned, 28.18 measured (31.6, 12% over, with eager's tensors). The
-    compiled MoE blocks' count is read off the partition on CPU (planner/compiled.py); every row's figure was
-    known while writing it."""
+    compiled MoE blocks' count is read off the partition on CPU (planner/compiled.py); those rows' figures were
+    known while writing it. Held out: the 8-expert model with sigmoid scores, bias balancing and a shared
+    expert, 32.05 GiB planned before it ran (eager's tensors: 35.57), 31.77 measured."""
     data, shape, train, lay = _recorded_moe_run(result, run, batch)
     planned = plan_memory(shape, train, lay, H200).peak_allocated / 2**30
     assert planned == pytest.approx(data[run]["peak_gib"], rel=0.03)
