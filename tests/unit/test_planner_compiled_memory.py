@@ -69,8 +69,10 @@ MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope, extra", [("model", MOE), ("block", MOE), pytest.param(
-    "model", ["model.moe.num_experts=8", "model.moe.top_k=3", "model.moe.expert_d_ff=96"], marks=pytest.mark.long)])
+@pytest.mark.parametrize("scope, extra", [
+    ("model", MOE), pytest.param("block", MOE, marks=pytest.mark.long),
+    pytest.param("model", ["model.moe.num_experts=8", "model.moe.top_k=3", "model.moe.expert_d_ff=96"],
+                 marks=pytest.mark.long)])
 def test_compiled_moe_keeps_what_the_planner_counts(scope, extra):
     """MoE layers in place of the MLPs (dropless softmax top-k, the experts as grouped GEMMs over their laid-out
     rows): in one graph all blocks but one keep their experts' outputs gathered back to the routed rows.
@@ -81,9 +83,9 @@ def test_compiled_moe_keeps_what_the_planner_counts(scope, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scope, extra", [
-    ("model", ["model.moe.score=sigmoid", "model.moe.balance=bias", "model.moe.shared_experts=1",  # DeepSeek-V3's
+    ("block", ["model.moe.score=sigmoid", "model.moe.balance=bias", "model.moe.shared_experts=1",  # DeepSeek-V3's
                "model.moe.num_experts=8", "model.moe.top_k=3", "model.moe.expert_d_ff=96"]),
-    pytest.param("block", ["model.moe.shared_experts=1", "model.moe.shared_gate=true",  # Qwen2-MoE's
+    pytest.param("model", ["model.moe.shared_experts=1", "model.moe.shared_gate=true",  # Qwen2-MoE's
                            "model.moe.norm_topk=false", "model.moe.shared_d_ff=256"], marks=pytest.mark.long)])
 def test_compiled_moe_routers_and_shared_experts_keep_what_the_planner_counts(scope, extra):
     """Sigmoid scores, bias balancing, unnormalised gates and shared experts, gated or not (within 16 bytes)."""
