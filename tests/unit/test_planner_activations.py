@@ -58,6 +58,21 @@ def test_moe_saved_bytes_match_hooks(ep):
     assert predicted - measured == (0 if ep == 1 else 2 * 2 * 64 * 8) - 4  # 2 layers x 2 x (2 x 32 rows) int64
 
 
+@pytest.mark.parametrize("mix, policy", [("model.moe.every=2", "none"), ("model.moe.first_dense_layers=1", "none"),
+                                         ("model.moe.every=2", "selective")])
+def test_dense_blocks_of_an_moe_model_keep_a_dense_mlps_tensors(mix, policy):
+    """GShard's every other layer and DeepSeek's first dense layers: each dense block counted as a dense
+    block, not as an MoE one (exact to the loss scalar)."""
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import forward_saved as rank_saved
+
+    cfg = _cfg("llama", "fp32", False, policy, 16, 4, "model.moe.num_experts=4", "model.moe.top_k=2", mix)
+    model, _ = build_engine(cfg)
+    measured = saved_bytes(model, *random_batch(cfg, 2), "fp32", targets_in_model=True)
+    predicted = rank_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1).with_(micro_batch=2), "cpu")
+    assert predicted - measured == -4
+
+
 def test_flash_attention_keeps_no_seq_by_seq_scores():
     """Doubling T doubles what a block keeps (it would quadruple a T x T term)."""
     cfg = _cfg("llama", "fp32", False, "none", seq_len=64, n_layers=1)
