@@ -86,6 +86,12 @@ def _src(order: torch.Tensor, bounds: torch.Tensor, group: torch.Tensor, rank: t
     return order[torch.where(valid, bounds[g] + rank, order.numel() - 1)]
 
 
+def laid_out_rows(routed: int, num_groups: int, align: int = 1) -> int:
+    """Rows of `grouped_layout`'s buffer for `routed` rows: each group's start padded to a multiple of
+    `align`, and one more so that it is never empty (a rank may receive no row)."""
+    return routed + num_groups * (align - 1) + 1
+
+
 def grouped_layout(key: torch.Tensor, num_groups: int, align: int = 1) -> Layout:
     """Rows of key g < num_groups to group g, each group from a multiple of `align`; key num_groups to none."""
     order, bounds, sorted_key = _sorted(key, num_groups)
@@ -93,7 +99,7 @@ def grouped_layout(key: torch.Tensor, num_groups: int, align: int = 1) -> Layout
     size = (counts + align - 1) // align * align
     ends = size.cumsum(0)
     starts = torch.cat([ends - size, ends.new_zeros(1)])  # (G + 1,): key num_groups has no start
-    rows = key.numel() + num_groups * (align - 1) + 1  # + 1: never empty (a rank may receive no row)
+    rows = laid_out_rows(key.numel(), num_groups, align)
     j = torch.arange(rows, device=key.device)
     group = torch.searchsorted(ends, j, right=True)  # G past the last group
     src = _src(order, bounds, group, j - starts[group], counts)

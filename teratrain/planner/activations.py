@@ -440,9 +440,14 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     (memory/recompute.py). Segment policies keep only each segment's input hidden state (Chen et al.
     2016); selective drops what the attention core alone keeps (with SDPA that is the logsumexp: q,
     k, v are the checkpoint's inputs and the output is wo's input, so they stay). `once`: casts_once."""
-    per = block_saved(shape, w, tokens, seq_len, **kw)
-    routed, dense = moe_layers(shape, n_layers)
-    dense_per = sum(block_saved(dense, w, tokens, seq_len, **kw).values()) if routed < n_layers else 0
+    own, dense = block_mix(shape, n_layers)
+
+    def stage(**bkw) -> int:  # the stage's blocks: `own` as the shape builds them, the rest dense
+        held = own * sum(block_saved(shape, w, tokens, seq_len, **bkw).values())
+        if dense is not None:
+            held += (n_layers - own) * sum(block_saved(dense, w, tokens, seq_len, **bkw).values())
+        return held
+
     tp = kw.get("tp", 1)
     copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"), kw.get("device", "cuda"),
                            once)
@@ -450,35 +455,31 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     # the all-to-all form's two position indices (the whole sample's, int64), shared by every block
     index = 2 * seq_len * cp * INDEX_BYTES if cp > 1 and kw.get("cp_form") == "all-to-all" else 0
     if policy == "none":
-        blocks = routed * sum(per.values()) + (n_layers - routed) * dense_per
-        return {"blocks": blocks + index, "weight_copies": n_layers * copies}
+        return {"blocks": stage(**kw) + index, "weight_copies": n_layers * copies}
     if policy == "selective-ops":  # the casts of the weights are recomputed too: no copies kept
         # the kept outputs live in the checkpoint's own cache, which activation compression never sees
         return {"blocks": n_layers * sum(t.numel * t.itemsize for t in ops_saved(shape, w, tokens, **kw)),
                 "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
-        per = block_saved(shape, w, tokens, seq_len, **{**kw, "cp_form": "ring"})
-        lse = per["logsumexp"]
-        if routed < n_layers:
-            dense_per = sum(block_saved(dense, w, tokens, seq_len, **{**kw, "cp_form": "ring"}).values())
-        blocks = routed * (sum(per.values()) - lse) + (n_layers - routed) * (dense_per - lse)
-        return {"blocks": blocks, "weight_copies": n_layers * copies}
+        ring = {**kw, "cp_form": "ring"}
+        lse = block_saved(shape, w, tokens, seq_len, **ring)["logsumexp"]  # the same in a dense block
+        return {"blocks": stage(**ring) - n_layers * lse, "weight_copies": n_layers * copies}
     rep = tp if kw.get("sp") else 1
     hidden = Saved(tokens * shape.cfg.d_model // rep, w.param)  # residual stream in the params' dtype
     held = hidden.held(kw.get("compress", "none"), True, kw.get("device", "cuda"))  # a checkpoint input, in the stack
     return {"blocks": segments(policy, n_layers, every) * held, "weight_copies": 0}
 
 
-def moe_layers(shape: ModelShape, n_layers: int) -> tuple[int, ModelShape]:
-    """(how many of a stage's `n_layers` blocks route to experts, the model's dense block as a shape):
-    every block of a dense model is dense; an MoE model's dense blocks (model.moe.every, first_dense_layers)
-    keep a dense MLP's tensors. The whole model's count where the stage holds every layer, else its
-    share of them, rounded up (an MoE block keeps more)."""
+def block_mix(shape: ModelShape, n_layers: int) -> tuple[int, ModelShape | None]:
+    """(how many of a stage's `n_layers` blocks are built as `shape` says, the shape of the others or None):
+    all of a dense model's or of an MoE model routed in every layer; else its routed blocks, the rest
+    being dense blocks (model.moe.every, first_dense_layers) that keep a dense MLP's tensors. The whole
+    model's count where the stage holds every layer, else its share, rounded up (an MoE block keeps more)."""
     c = shape.cfg
-    if shape.num_experts == 1:
-        return 0, shape
+    routed = shape.routed_layers
+    if shape.num_experts == 1 or routed == c.n_layers:
+        return n_layers, None
     dense = ModelShape(cfg=c.model_copy(update={"moe": c.moe.model_copy(update={"num_experts": 1})}), name=shape.name)
-    routed = sum(c.moe.is_moe_layer(i) for i in range(c.n_layers))
     return (routed if n_layers == c.n_layers else ceil_div(routed * n_layers, c.n_layers)), dense
 
 

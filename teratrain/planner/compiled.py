@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from teratrain.compat import GROUPED_MM_ROW_ALIGN
 from teratrain.config_schema import resolved_compile_scope
+from teratrain.models.permute import laid_out_rows
 from teratrain.planner.activations import INDEX_BYTES
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths
 
@@ -148,8 +149,8 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
 
 
 def moe_rows(shape: ModelShape, n: int) -> int:
-    """Rows of an MoE layer's laid-out buffer for n tokens (models/permute.py grouped_layout)."""
-    return n * shape.top_k + shape.num_experts * (GROUPED_MM_ROW_ALIGN - 1) + 1
+    """Rows of an MoE layer's laid-out buffer for n tokens (the grouped GEMM's row alignment)."""
+    return laid_out_rows(n * shape.top_k, shape.num_experts, GROUPED_MM_ROW_ALIGN)
 
 
 def _moe_saved(shape: ModelShape, w: Widths, n: int, llama: bool, where: str) -> dict[str, int]:

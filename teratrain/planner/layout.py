@@ -44,11 +44,16 @@ class ModelShape:
         return self.top_k * self.cfg.expert_ffn_dim + self.cfg.shared_ffn_dim
 
     @property
-    def moe_share(self) -> float:
-        """Fraction of the blocks that hold experts (model.moe.every)."""
+    def routed_layers(self) -> int:
+        """Blocks that hold experts (model.moe.every, first_dense_layers); 0 in a dense model."""
         if self.num_experts == 1:
-            return 0.0
-        return sum(self.cfg.moe.is_moe_layer(i) for i in range(self.cfg.n_layers)) / self.cfg.n_layers
+            return 0
+        return sum(self.cfg.moe.is_moe_layer(i) for i in range(self.cfg.n_layers))
+
+    @property
+    def moe_share(self) -> float:
+        """Fraction of the blocks that hold experts."""
+        return self.routed_layers / self.cfg.n_layers if self.num_experts > 1 else 0.0
 
     def counts(self) -> dict[str, int]:
         return dict(self._counts)

@@ -371,8 +371,7 @@ def expert_tensors(shape: ModelShape, train: Training) -> int:
     ModelShape.param_shapes lists, every expert's (each stepped by the optimizer's op per tensor)."""
     if shape.num_experts == 1 or not train.expert_tensors:
         return 0
-    moe_layers = sum(shape.cfg.moe.is_moe_layer(i) for i in range(shape.cfg.n_layers))
-    return moe_layers * _expert_leaves(shape) * (shape.num_experts - 1)
+    return shape.routed_layers * _expert_leaves(shape) * (shape.num_experts - 1)
 
 
 def _expert_leaves(shape: ModelShape) -> int:
