@@ -1,4 +1,5 @@
-"""Optimizer construction: AdamW (fused/foreach), SGD with momentum, Adafactor, SM3 (optim/sm3.py).
+"""Optimizer construction: AdamW (fused/foreach; on CUDA fp32 parameters teratrain's kernel,
+optim/adamw_kernel.py, unless optim.kernel=torch), SGD with momentum, Adafactor, SM3 (optim/sm3.py).
 
 Weight decay applies to matrices only (dim >= 2; a stack of experts' biases, models/moe.py Experts, is a
 stack of vectors); norms, biases and other vectors get none.
@@ -32,8 +33,13 @@ def build_optimizer(named_params, cfg) -> torch.optim.Optimizer:
     named_params = list(named_params)
     groups = param_groups(named_params, cfg.weight_decay)
     if cfg.name == "adamw":
-        impl = {"fused": True} if _fused_ok(named_params) else {"foreach": True}
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+        fused = _fused_ok(named_params)
+        impl = {"fused": True} if fused else {"foreach": True}
+        cls = torch.optim.AdamW
+        if fused and cfg.kernel == "auto" and any(p.is_cuda for _, p in named_params):
+            from teratrain.optim import adamw_kernel  # imports Triton: only where a CUDA tensor steps
+            cls = adamw_kernel.AdamW
+        opt = cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
     elif cfg.name == "sgd":
         opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
     elif cfg.name == "adafactor":
