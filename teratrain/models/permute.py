@@ -160,23 +160,47 @@ class _Dispatch(torch.autograd.Function):
         table[:n].copy_(x)
         table[n].zero_()
         ctx.save_for_backward(dest, sent)
-        ctx.k, ctx.dtype = k, x.dtype
+        ctx.k, ctx.dtype, ctx.by_choice = k, x.dtype, k > 1 and torch.compiler.is_compiling()
         return table.index_select(0, src // k)  # src = M = n * k: row n, zero
 
     @staticmethod
     def backward(ctx, grad):
         dest, sent = ctx.saved_tensors
+        if ctx.by_choice:  # compiled: one elementwise kernel that reads each token's k rows (_by_choice)
+            return _by_choice(grad, dest, sent, ctx.k, None, ctx.dtype), None, None, None, None, None
         g = grad.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # a row not sent: no gradient
         if ctx.k > 1:
             g = g.view(-1, ctx.k, g.shape[1]).sum(1, dtype=ctx.dtype)
         return g.to(ctx.dtype), None, None, None, None, None
 
 
+def _by_choice(y: torch.Tensor, dest: torch.Tensor, sent: torch.Tensor, k: int, w: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """(N, d): sum over each token's k choices i of y[dest[t, i]] (times w[t, i]), zero where not sent,
+    summed in `dtype`, written as k gathers added elementwise. Compiled, inductor makes it one pointwise
+    kernel reading k rows per output row, 3.5-4x faster on an H200 (N 8,192 tokens, k 8, d 2,048: 0.08
+    against 0.29-0.33 ms) than a gather of all N * k rows reduced over k (a reduction whose each element
+    loads k rows); eager, it would be 3k kernels instead of 3."""
+    d2, s2 = dest.view(-1, k), sent.view(-1, k)
+    out = None
+    for i in range(k):
+        term = torch.where(s2[:, i, None], y.index_select(0, d2[:, i]), 0).to(dtype)
+        if w is not None:
+            term = term * w[:, i, None]
+        out = term if out is None else out + term
+    return out
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w, src, dest, sent, k: int):
-        g = y.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # (M, d): zero where not sent
         ctx.k, ctx.rows, ctx.weighted = k, y.shape[0], w is not None
+        if w is not None and k > 1 and torch.compiler.is_compiling():  # as _Dispatch's compiled backward
+            ctx.by_choice = True
+            ctx.save_for_backward(src, y, w, dest, sent)
+            return _by_choice(y, dest, sent, k, w, y.dtype)
+        ctx.by_choice = False
+        g = y.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # (M, d): zero where not sent
         if w is None:
             ctx.save_for_backward(src)
             return g
@@ -192,7 +216,11 @@ class _Combine(torch.autograd.Function):
         g = grad.index_select(0, (src // ctx.k).clamp(max=grad.shape[0] - 1))  # (rows, d); src = M: any row...
         if not ctx.weighted:
             return g.masked_fill_((src == m).unsqueeze(1), 0), None, None, None, None, None  # ... then zero
-        kept, w = saved
+        if ctx.by_choice:  # the kept rows gathered again from y (the forward wrote none)
+            y, w, dest, sent = saved
+            kept = y.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)
+        else:
+            kept, w = saved
         scale = torch.cat([w.flatten(), w.new_zeros(1)])[src]  # ... times weight zero
         grad_w = (kept.view(-1, ctx.k, d) * grad.unsqueeze(1)).sum(-1) if ctx.needs_input_grad[1] else None
         return g.mul_(scale.unsqueeze(1)), grad_w, None, None, None, None

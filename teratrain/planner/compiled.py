@@ -26,8 +26,8 @@ numbers per token (their maximum and log-sum-exp) where eager keeps an fp32 log-
 
 Read off the partition, not derived alone: which of two equal-cost cuts the partitioner takes depends on
 its heuristics (it weighs a tensor by its distance to the backward), and four choices are taken as
-counted: under the model scope the first Llama block keeps wo's output (the others the sum), one MoE
-layer its experts' outputs on the laid-out rows (the others gathered back to the routed rows), one of the
+counted: under the model scope the first Llama block keeps wo's output (the others the sum), a top-1
+MoE layer its experts' outputs on the laid-out rows (the others gathered back to the routed rows), one of the
 two LayerNorms of a GPT-2 block recomputes its statistics, and GPT-2 keeps its position embeddings'
 output. tests/unit/test_planner_compiled_memory.py counts every term with `saved_tensors_hooks` around
 compiled models on CPU (torch 2.13), both flavours, both scopes, fp32, bf16 autocast and bf16 weights.
@@ -37,8 +37,9 @@ one rank, bf16 autocast: `moe_counted`) runs its experts as grouped GEMMs over a
 routed rows laid out by expert (models/permute.py: M = tokens x top_k rows, each expert's from a multiple
 of compat.GROUPED_MM_ROW_ALIGN, and one zero row). Its block keeps, beside the attention's: the buffer
 (the norm's output gathered, in the compute dtype; the norm's own output is not kept, nor the router's
-fp32 input, both recomputed), the experts' w2 outputs on the same rows, w1x, w3x and their product on
-them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each
+fp32 input, both recomputed), the experts' w2 outputs on the same rows (top-k > 1: the compiled combine
+reads each token's k rows of them elementwise, models/permute.py, and backward reads them again), w1x,
+w3x and their product on them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each
 row's source, the laid-out gates with their zero row, the mask of rows sent, the groups' int32 offsets)
 and the aux loss's load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the
 normalised gates a tensor more; shared experts keep their input (the norm's output) and hidden
@@ -154,16 +155,17 @@ def moe_rows(shape: ModelShape, n: int) -> int:
 
 
 def _moe_saved(shape: ModelShape, w: Widths, n: int, llama: bool, where: str) -> dict[str, int]:
-    """What a compiled MoE layer keeps for n tokens (module docstring), per term. The experts' outputs:
-    on the laid-out rows each block apart; in one graph, gathered back to the M routed rows (all blocks
-    but one, `outside_saved`'s "first_block")."""
+    """What a compiled MoE layer keeps for n tokens (module docstring), per term. The experts' outputs: on
+    the laid-out rows; top-1 in one graph, gathered back to the M routed rows (all blocks but one,
+    `outside_saved`'s "first_block")."""
     c, cb, moe = shape.cfg, w.compute, shape.cfg.moe
     e, m = shape.num_experts, n * shape.top_k
     rows = moe_rows(shape, n)
     router = n * e * STAT_BYTES + m * INDEX_BYTES  # the probabilities, the top-k indices
     router += m * STAT_BYTES if moe.normalize_topk else 0  # the gates, normalised
     router += n * (e + 1) * STAT_BYTES if moe.score == "sigmoid" else 0  # the scores again, the gates' sum
-    out = {"moe_rows": (rows + (m if where == "model" else rows)) * c.d_model * cb,  # the input, the outputs
+    gathered = where == "model" and shape.top_k == 1
+    out = {"moe_rows": (rows + (m if gathered else rows)) * c.d_model * cb,  # the input, the outputs
            "mlp_hidden": (3 if llama else 2) * rows * c.expert_ffn_dim * cb,
            "router": router,
            # the permutation, each row's source, the laid-out gates and their zero row, the mask, the offsets
@@ -194,7 +196,7 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where
             out["position_embeddings"] = seq_len * d * w.param if where == "model" else 0
         elif where == "model":  # the first block keeps wo's output where the others keep the sum
             out["first_block"] = -n * d * (w.param - cb)
-        if where == "model" and shape.num_experts > 1:  # and one MoE layer its experts' outputs laid out
+        if where == "model" and shape.num_experts > 1 and shape.top_k == 1:  # one top-1 MoE layer its experts' rows
             out["first_block"] = out.get("first_block", 0) + (moe_rows(shape, n) - n * shape.top_k) * d * cb
     if last:
         out["final_norm"] = n * d * w.param + (1 if llama else 2) * n * STAT_BYTES

@@ -620,3 +620,27 @@ def test_graphed_statistics_leave_the_replays_memory_after_each_micro_batch(grap
         for name, value in m.stats.items():
             torch.testing.assert_close(value, written[key][name])
             assert (value.data_ptr() != written[key][name].data_ptr()) == graphed, (key, name)
+
+
+@pytest.mark.parametrize("k, capacity", [(2, 0.0), (3, 0.6)])
+def test_compiled_layer_equals_eager_with_gradients(k, capacity):
+    """Compiled, the layer sums each token's k expert outputs (combine) and the k gradients of its rows
+    (dispatch's backward) as k gathers added elementwise (models/permute.py `_by_choice`), not as a gather
+    of all N * k rows reduced over k: the output and every gradient (input, router, experts) equal eager's
+    in fp64 (1e-10), nothing dropped and with choices dropped for capacity (zero rows, zero gates)."""
+    m = layer(n=4, top_k=k, capacity_factor=capacity)
+    x = tokens().requires_grad_()
+    up = torch.randn(N, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run(fn):
+        out = fn(x)
+        grads = torch.autograd.grad((out * up).sum(), [x, *m.parameters()])
+        return out.detach(), grads
+
+    ref, ref_grads = run(m)
+    got, got_grads = run(torch.compile(m, backend="aot_eager"))
+    if capacity:
+        assert m.pop_stats()["dropped"] > 0
+    assert torch.allclose(got, ref, atol=1e-10)
+    for g, r in zip(got_grads, ref_grads):
+        assert torch.allclose(g, r, atol=1e-10)
