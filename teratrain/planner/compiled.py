@@ -41,9 +41,9 @@ fp32 input, both recomputed), the experts' w2 outputs on the same rows (top-k > 
 combine reads each token's k rows of them elementwise, models/permute.py, and backward reads them
 again), w1x, w3x and their product on them; the router's probabilities, the top-k indices and gates;
 the layout (the permutation, each row's source, the laid-out gates with their zero row, the mask of
-rows sent, the groups' int32 offsets) and the aux loss's load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the
-normalised gates a tensor more; shared experts keep their input (the norm's output) and hidden
-tensors as a dense MLP does, and under a gate its output and logit. Eager keeps silu's output too, the
+rows sent, the groups' int32 offsets) and the aux loss's load vector. Sigmoid scores keep the scores
+again and the chosen ones' sum, the normalised gates a tensor more; shared experts keep their input
+(the norm's output) and hidden tensors as a dense MLP does, and under a gate its output and logit. Eager keeps silu's output too, the
 router's fp32 input and a mask more (activations._moe_saved). Read on CPU, the count planned a compiled
 MoE with sigmoid scores, bias balancing and a shared expert on one H200 (torch 2.11) before it ran:
 32.05 GiB, measured 31.77 (tests/unit/test_planner_moe.py).
