@@ -32,21 +32,21 @@ two LayerNorms of a GPT-2 block recomputes its statistics, and GPT-2 keeps its p
 output. tests/unit/test_planner_compiled_memory.py counts every term with `saved_tensors_hooks` around
 compiled models on CPU (torch 2.13), both flavours, both scopes, fp32, bf16 autocast and bf16 weights.
 
-An MoE layer in place of the MLP (every layer routed, softmax top-k, nothing dropped, the experts on
-one rank, bf16 autocast: `moe_counted`) runs its experts as grouped GEMMs over a buffer of the
-routed rows laid out by expert (models/permute.py: M = tokens x top_k rows, each expert's from a multiple
-of compat.GROUPED_MM_ROW_ALIGN, and one zero row). Its block keeps, beside the attention's: the buffer
-(the norm's output gathered, in the compute dtype; the norm's own output is not kept, nor the router's
-fp32 input, both recomputed), the experts' w2 outputs on the same rows (top-k > 1: the compiled
-combine reads each token's k rows of them elementwise, models/permute.py, and backward reads them
-again), w1x, w3x and their product on them; the router's probabilities, the top-k indices and gates;
-the layout (the permutation, each row's source, the laid-out gates with their zero row, the mask of
-rows sent, the groups' int32 offsets) and the aux loss's load vector. Sigmoid scores keep the scores
-again and the chosen ones' sum, the normalised gates a tensor more; shared experts keep their input
-(the norm's output) and hidden tensors as a dense MLP does, and under a gate its output and logit. Eager keeps silu's output too, the
-router's fp32 input and a mask more (activations._moe_saved). Read on CPU, the count planned a compiled
-MoE with sigmoid scores, bias balancing and a shared expert on one H200 (torch 2.11) before it ran:
-32.05 GiB, measured 31.77 (tests/unit/test_planner_moe.py).
+An MoE layer in place of the MLP (every layer routed, softmax top-k, nothing dropped, the experts on one rank,
+bf16 autocast: `moe_counted`) runs its experts as grouped GEMMs over a buffer of the routed rows laid out by
+expert (models/permute.py: M = tokens x top_k rows, each expert's from a multiple of
+compat.GROUPED_MM_ROW_ALIGN, and one zero row). Its block keeps, beside the attention's: the buffer (the
+norm's output gathered, in the compute dtype; the norm's own output is not kept, nor the router's fp32 input,
+both recomputed), the experts' w2 outputs on the same rows (top-k > 1: the compiled combine reads each token's
+k rows of them elementwise, models/permute.py, and backward reads them again), w1x, w3x and their product on
+them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each row's source,
+the laid-out gates with their zero row, the mask of rows sent, the groups' int32 offsets) and the aux loss's
+load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the normalised gates a tensor
+more; shared experts keep their input (the norm's output) and hidden tensors as a dense MLP does, and under a
+gate its output and logit. Eager keeps silu's output too, the router's fp32 input and a mask more
+(activations._moe_saved). Read on CPU, the count planned a compiled MoE with sigmoid scores, bias balancing
+and a shared expert on one H200 (torch 2.11) before it ran: 32.05 GiB, measured 31.77
+(tests/unit/test_planner_moe.py).
 
 Where the count applies (`scope`): dense blocks and those MoE layers, one rank per layer (no tensor,
 context or expert parallelism), no dropout, no float8 linears, no recomputation, no LoRA. Elsewhere a
