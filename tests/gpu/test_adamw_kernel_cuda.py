@@ -4,6 +4,8 @@ weight decay on one, the clip's gradient scale on some steps, shapes of 1 to 3 x
 every parameter and moment within 2e-6 relative in norm of torch's (the kernel's arithmetic is torch's
 up to the rounding of lr x wd and of the powers of the betas)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -64,7 +66,7 @@ def test_state_dicts_cross_between_the_kernel_and_torchs_adamw():
         c.grad = p.grad.clone()
     ours.step()
     ref.step()
-    ref.load_state_dict(ours.state_dict())  # now the same moments and steps on both sides
+    ref.load_state_dict(copy.deepcopy(ours.state_dict()))  # the same moments and steps (copies, not shared)
     for c, p in zip(clones, params):
         c.data.copy_(p)
     for p, c in zip(params, clones):
