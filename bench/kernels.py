@@ -1,0 +1,154 @@
+"""Two bandwidth-bound pieces of the training step, each against its alternatives on one GPU.
+
+`adamw`: one AdamW step over fp32 parameters shaped as llama-1b's (1.10 B, 147 tensors) and as the
+Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks): torch's fused AdamW (with the
+clip's gradient scale, as optim/engine.py runs it), torch.compile over torch's foreach AdamW (tensor lr,
+capturable), and teratrain's kernel (optim/adamw_kernel.py). `ideal_ms` = 28 bytes a parameter at the
+card's datasheet bandwidth (--hbm-gbps).
+
+`moe_gather`: the compiled MoE layer's two row gathers summed over each token's k choices (models/
+permute.py): dispatch's backward and the weighted combine, as a gather of all N x k rows reduced over k
+and as k gathers added elementwise (`_by_choice`), each compiled on its own, at Qwen3-30B-A3B's routing
+(N 8,192 tokens, 128 experts, top-8) and an 8-expert top-2 layer, d 2,048, bf16.
+
+    python bench/kernels.py --out FILE       # --smoke: tiny shapes on the CPU (the compiled foreach only)
+
+Times are the mean of --iters calls after 3 warm-up calls, CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+# common puts the checkout on sys.path
+from common import emit, env_info
+
+from teratrain.models import permute  # noqa: E402
+from teratrain.optim import adamw_kernel  # noqa: E402
+
+
+def timed(fn, dev: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def shapes(kind: str, smoke: bool) -> list[tuple[int, ...]]:
+    if smoke:
+        return [(64, 32)] * 6 + [(100,)] * 4
+    out = []
+    if kind == "qwen3-30b-a3b":  # 8 blocks: 3 expert stacks, attention, the router, 4 norms; embedding and head
+        for _ in range(8):
+            out += [(128, 768, 2048)] * 3 + [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096), (128, 2048)]
+            out += [(2048,), (2048,), (128,), (128,)]
+        return out + [(151936 // 4, 2048), (151936 // 4, 2048), (2048,)]
+    for _ in range(16):  # llama-1b: 16 blocks, embedding and head untied
+        out += [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
+        out += [(2048,), (2048,)]
+    return out + [(32000, 2048), (32000, 2048), (2048,)]
+
+
+def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float) -> dict:
+    out = {}
+    for kind in ("llama-1b", "qwen3-30b-a3b"):
+        params = [torch.randn(s, device=dev) * 0.02 for s in shapes(kind, smoke)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        count = sum(p.numel() for p in params)
+        row = {"params": count, "tensors": len(params), "ideal_ms": round(count * 28 / hbm_gbps / 1e6, 3)}
+        scale = torch.ones((), device=dev)
+        impls = {"torch_fused": torch.optim.AdamW, "teratrain": adamw_kernel.AdamW} if dev.type == "cuda" else {}
+        for name, cls in impls.items():
+            if name == "teratrain" and not adamw_kernel.available():
+                continue
+            opt = cls(params, lr=1e-4, weight_decay=0.1, fused=True)
+
+            def step(opt=opt):
+                opt.grad_scale = scale
+                opt.step()
+            row[f"{name}_ms"] = round(timed(step, dev, iters), 3)
+            del opt
+        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=dev) if dev.type == "cuda" else 1e-4,
+                                weight_decay=0.1, foreach=True, capturable=dev.type == "cuda")
+        compiled = torch.compile(opt.step)
+        t = time.perf_counter()
+        compiled()
+        row["compiled_foreach_first_call_s"] = round(time.perf_counter() - t, 1)
+        row["compiled_foreach_ms"] = round(timed(compiled, dev, iters), 3)
+        del opt, compiled, params
+        if "teratrain_ms" in row:
+            row["teratrain_speedup_over_torch_fused"] = round(row["torch_fused_ms"] / row["teratrain_ms"], 3)
+            row["teratrain_bandwidth_share"] = round(row["ideal_ms"] / row["teratrain_ms"], 3)
+        out[kind] = row
+        print(kind, row, flush=True)
+    return out
+
+
+def reduced(y, dest, sent, k, w):
+    """The gather of all N x k rows reduced over k (permute's eager form)."""
+    g = y.index_select(0, dest).masked_fill(~sent.unsqueeze(1), 0)
+    if w is None:
+        return g.view(-1, k, g.shape[1]).sum(1, dtype=torch.float32)
+    return (g.view(w.shape[0], k, -1) * w.unsqueeze(-1)).sum(1)
+
+
+def by_choice(y, dest, sent, k, w):
+    return permute._by_choice(y, dest, sent, k, w, torch.float32 if w is None else y.dtype)
+
+
+def moe_gather(dev: torch.device, smoke: bool, iters: int) -> dict:
+    out = {}
+    for name, n, k, e in (("qwen3-30b-a3b", 8192, 8, 128), ("8 experts top-2", 8192, 2, 8)):
+        n, d = (256, 64) if smoke else (n, 2048)
+        key = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(n)]).flatten()
+        key[::7] = e  # some choices not sent (dropped for capacity): zero rows
+        lay = permute.grouped_layout(key, e, 8)
+        y = torch.randn(lay.rows, d, device=dev, dtype=torch.bfloat16)
+        w = torch.rand(n, k, device=dev, dtype=torch.bfloat16)
+        row = {"tokens": n, "k": k, "experts": e, "d": d}
+        for part, weights in (("dispatch_backward", None), ("combine", w)):
+            ref = reduced(y, lay.dest, lay.sent, k, weights).float()
+            for form, fn in (("reduced", reduced), ("by_choice", by_choice)):
+                c = torch.compile(fn)
+                got = c(y, lay.dest, lay.sent, k, weights).float()
+                row[f"{part}_{form}_rel_diff"] = float((got - ref).norm() / ref.norm())
+                row[f"{part}_{form}_ms"] = round(timed(lambda c=c: c(y, lay.dest, lay.sent, k, weights), dev, iters), 4)
+        out[name] = row
+        print(name, row, flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="adamw,moe_gather")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--hbm-gbps", type=float, default=4800, help="datasheet bandwidth for ideal_ms (H200: 4800)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    result = {"bench": "kernels", **env_info(dev)}
+    only = args.only.split(",")
+    if "adamw" in only:
+        result["adamw"] = adamw(dev, args.smoke, args.iters, args.hbm_gbps)
+    if "moe_gather" in only:
+        result["moe_gather"] = moe_gather(dev, args.smoke, args.iters)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
