@@ -55,16 +55,18 @@ def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
     return aligned and compat.grouped_mm_without_sync(x.device, compute_dtype(x))
 
 
-def cast_stacks(experts: nn.Module, dtype: torch.dtype) -> dict:
+def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) -> dict:
     """Each (weight, bias) stack of the experts by leaf (w1, w3, w2), in `dtype`: one cast a stack.
     Made once per forward of a layer: a chunked exchange (parallel/expert.py) runs the experts once
     per chunk on the same casts. Where the step made its weight casts ahead (`experts.step_casts`,
-    memory/step_casts.py: once for all its micro-batches), those stand for the weights' casts."""
-    made = experts.step_casts or {}
+    memory/step_casts.py: once for all its micro-batches), those stand for the weights' casts, and with
+    `take_acc` (the one call of a forward whose stacks the grouped GEMMs read) each carries the
+    gradient its weight had so far (`experts.grad_acc`) into its backward."""
+    made, acc = experts.step_casts or {}, (experts.grad_acc or {}) if take_acc else {}
     out = {}
     for name, w, b in experts.leaves():
         copy = made.get(name)
-        w = MadeCast.apply(w, copy) if copy is not None and copy.dtype == dtype else w.to(dtype)
+        w = MadeCast.apply(w, copy, acc.get(name)) if copy is not None and copy.dtype == dtype else w.to(dtype)
         out[name] = (w, None if b is None else b.to(dtype))
     return out
 
@@ -72,16 +74,22 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype) -> dict:
 class MadeCast(torch.autograd.Function):
     """`copy`, param's cast made before this forward (param.to(copy.dtype), detached), standing for that
     cast in the graph: backward hands param the gradient in param's dtype, as the cast's own backward
-    does, so its accumulation and gradient hooks see no difference."""
+    does. With `acc`, the gradient param had before this micro-batch (taken off it by
+    memory/step_casts.py `take_grads`), backward hands acc + the gradient, which autograd then adopts
+    as param's gradient: the cast and the accumulation one pass (10 bytes a parameter where the cast
+    wrote 4 and read 2 and the accumulation read 8 and wrote 4). param.grad and its post-accumulate
+    hooks see what they would have; a tensor hook on param sees the sum."""
 
     @staticmethod
-    def forward(ctx, param: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, param: torch.Tensor, copy: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
         ctx.dtype = param.dtype
+        ctx.save_for_backward(acc)
         return copy.view_as(copy)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+        (acc,) = ctx.saved_tensors
+        return grad.to(ctx.dtype) if acc is None else acc + grad, None, None
 
 
 def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grouped: bool,
@@ -91,11 +99,14 @@ def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grou
     rank builds the same graph (its gradient hooks, and the collectives they launch, fire in the same
     order). `stacks`: the grouped GEMMs' weights from `cast_stacks`, when several calls share them."""
     if grouped:
-        return _grouped(experts, x, offsets, stacks or cast_stacks(experts, compute_dtype(x)))
+        return _grouped(experts, x, offsets, stacks or cast_stacks(experts, compute_dtype(x), take_acc=True))
     ends = offsets.tolist()  # the loop's one read-back
     sizes = [b - a for a, b in zip([0] + ends[:-1], ends)] + [x.shape[0] - ends[-1]]
     parts = x.split(sizes)  # backward: one concatenation (slices would each add a whole zero buffer)
-    stacks = cast_stacks(experts, compute_dtype(x)) if experts.step_casts else {n: (w, b) for n, w, b in experts.leaves()}
+    if stacks is None and experts.step_casts:  # cast once a step: this forward's cast, carrying the gradients
+        stacks = cast_stacks(experts, compute_dtype(x), take_acc=True)
+    elif stacks is None:
+        stacks = {name: (w, b) for name, w, b in experts.leaves()}
     leaves = {name: (w.unbind(0), None if b is None else b.unbind(0)) for name, (w, b) in stacks.items()}
 
     def linear(name: str, e: int, rows: torch.Tensor) -> torch.Tensor:

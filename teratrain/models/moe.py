@@ -73,6 +73,9 @@ class Experts(nn.Module):
         # {leaf: its weight stack in the compute dtype} where the step casts them once for its micro-batches
         # (memory/step_casts.py); None: each forward casts them (models/grouped.py cast_stacks)
         self.step_casts: dict[str, torch.Tensor] | None = None
+        # {leaf: its weight's gradient before this micro-batch}, carried through the cast's backward
+        # (models/grouped.py MadeCast; memory/step_casts.py take_grads); None: autograd accumulates
+        self.grad_acc: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return self.w1.shape[0]
@@ -151,9 +154,13 @@ class MoE(nn.Module):
         return run_experts(self.experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped, stacks), lay
 
     def stacked(self, x: torch.Tensor) -> dict | None:
-        """This module's expert stacks cast for the grouped GEMMs of run_local on rows like x (None
-        where the experts run one by one): a chunked exchange runs the experts once per chunk."""
-        return cast_stacks(self.experts, compute_dtype(x)) if use_grouped(self.experts, x, self.kernel) else None
+        """This module's expert stacks cast for run_local on rows like x, shared by the calls of one forward
+        (a chunked exchange runs the experts once per chunk): for the grouped GEMMs, or for the loop where
+        the step cast them ahead (the one cast that carries their gradients so far, models/grouped.py
+        cast_stacks); else None, each call casting its own."""
+        if use_grouped(self.experts, x, self.kernel) or self.experts.step_casts:
+            return cast_stacks(self.experts, compute_dtype(x), take_acc=True)
+        return None
 
     def _set_aux(self, r: Routing) -> None:
         """The aux loss of this forward, by `model.moe.aux_loss_convention` (docs/moe.md, "Auxiliary loss:

@@ -309,8 +309,10 @@ def train_step(model: nn.Module, engine: EngineBase, micro_batches: list, precis
     when to communicate), then `engine.step`. Returns the stats and the mean loss (a tensor: no sync).
     Where parallelize enabled it, the weights memory/step_casts.py names are cast once for the step."""
     total = None
-    with step_casts.around_step(model, len(micro_batches), DTYPES[precision]):  # some weights cast once for all
+    with step_casts.around_step(model, len(micro_batches), DTYPES[precision]) as casts:  # some cast once for all
         for i, (x, y) in enumerate(micro_batches):
+            if casts is not None:
+                casts.take_grads()
             with engine.accumulate(last=i == len(micro_batches) - 1):
                 with autocast(precision, x.device), compressed_saves(model):
                     loss = model(x, y)

@@ -40,7 +40,7 @@ def _run(sets: list[str], once: bool):
         micro = [(x, x.roll(-1, 1)) for x in xs]
         if i == len(batches) - 1:
             for name, p in model.named_parameters():
-                p.register_hook(lambda grad, name=name: grads.__setitem__(name, grads.get(name, 0) + grad.float()))
+                p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.float()))
         losses.append(train_step(model, engine, micro, "bf16", 1e-3)[1].item())
     return losses, grads, model
 

@@ -56,7 +56,7 @@ def _run(sets: list[str], once: bool, steps: int = 2, kernel: str = "grouped"):
         _, loss = train_step(model, engine, micro, "bf16", 1e-3)
         losses.append(loss.item())
     for name, p in model.named_parameters():  # one more step's gradients, before the update clears them
-        p.register_hook(lambda grad, name=name: grads.__setitem__(name, grads.get(name, 0) + grad))
+        p.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
     micro = [(x, x.roll(-1, 1)) for x in torch.randint(0, 50, (3, 2, 16), generator=g)]
     with step_casts.around_step(model, len(micro), torch.bfloat16):
         made.append(([lin.float8_weight for lin in fp8.float8_linears(model)],
@@ -117,6 +117,23 @@ def test_expert_stacks_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(k
     for name, grad in once_grads.items():
         assert grad.dtype == torch.float32 and torch.equal(grad, every_grads[name]), name
     assert all(layer.experts.step_casts is None for _, layer in moe_layers(model))
+
+
+@pytest.mark.long
+def test_compiled_expert_stacks_carry_the_gradients_so_far_through_their_casts():
+    """Compiled (bf16 autocast, the grouped GEMM), the backward of each stack's cast adds the gradient of
+    the step's earlier micro-batches (memory/step_casts.py take_grads): the same losses (1e-5) and
+    gradients (1e-3 relative in norm, the tolerance of tests/gpu/test_step_casts_cuda.py) as casting
+    every micro-batch, where autograd accumulates."""
+    if compat.grouped_mm is None:
+        pytest.skip("this torch has no grouped GEMM")
+    sets = [*MOE, "train.compile=true"]
+    once_losses, once_grads, *_ = _run(sets, once=True, steps=1)
+    every_losses, every_grads, *_ = _run(sets, once=False, steps=1)
+    assert once_losses == pytest.approx(every_losses, rel=1e-5)
+    for name, grad in once_grads.items():
+        ref = every_grads[name]
+        assert (grad - ref).norm() <= 1e-3 * ref.norm() + 1e-12, name
 
 
 def test_stacks_in_the_compute_dtype_are_not_copied():
