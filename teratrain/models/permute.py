@@ -180,7 +180,7 @@ def _by_choice(y: torch.Tensor, dest: torch.Tensor, sent: torch.Tensor, k: int, 
     summed in `dtype`, written as k gathers added elementwise. Compiled, inductor makes it one pointwise
     kernel reading k rows per output row, where a gather of all N * k rows reduced over k is a reduction
     whose every element loads k rows: on an H200 at N 8,192 tokens, d 2,048, k 8, dispatch's backward
-    0.13 ms against 0.35, the combine 0.10 against 0.39; k 2: 0.12 against 0.15-0.16 (bench/kernels.py).
+    0.13 ms against 0.35, the combine 0.10 against 0.39; k 2: 0.12 against 0.15-0.16 (bench/step_kernels.py).
     Eager, it would be 3k kernels instead of 3."""
     d2, s2 = dest.view(-1, k), sent.view(-1, k)
     out = None

@@ -11,7 +11,7 @@ permute.py): dispatch's backward and the weighted combine, as a gather of all N 
 and as k gathers added elementwise (`_by_choice`), each compiled on its own, at Qwen3-30B-A3B's routing
 (N 8,192 tokens, 128 experts, top-8) and an 8-expert top-2 layer, d 2,048, bf16.
 
-    python bench/kernels.py --out FILE       # --smoke: tiny shapes on the CPU (the compiled foreach only)
+    python bench/step_kernels.py --out FILE       # --smoke: tiny shapes on the CPU (the compiled foreach only)
 
 Times are the mean of --iters calls after 3 warm-up calls, CUDA events.
 """
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    result = {"bench": "kernels", **env_info(dev)}
+    result = {"bench": "step_kernels", **env_info(dev)}
     only = args.only.split(",")
     if "adamw" in only:
         result["adamw"] = adamw(dev, args.smoke, args.iters, args.hbm_gbps)
