@@ -15,13 +15,15 @@ the stacks' casts 23 ms of 241, 6.6 of 219; bench/README.md):
   their bf16 copies (`Experts.step_casts`), which each micro-batch's grouped GEMMs read and save for
   backward (eager, every layer's copy is alive at the end of a forward either way; compiled, the
   partition recast them in backward instead: the step's copies add their bytes to the peak).
-Each parameter receives its gradient in its own dtype through the graph, as through the casts of
-each micro-batch (models/grouped.py MadeCast, memory/fp8.py _Float8Operand), so accumulation, gradient hooks
-and data-parallel reductions see no difference; the bytes are those the per-micro-batch casts make (the
-same elementwise casts of the same weights), so the losses and gradients are too. A stacked expert
-weight's gradient from the earlier micro-batches rides along (`take_grads`): the backward of its cast
-adds it to the micro-batch's in the same pass (one H200, a Qwen3-30B-A3B-shaped MoE, 2 micro-batches: the
-casts and the accumulation of the 4.8 B expert parameters' gradients 28 ms of 192 a step before).
+Each parameter receives its gradient in its own dtype through the graph, as through the casts of each
+micro-batch (models/grouped.py MadeCast, memory/fp8.py _Float8Operand), so accumulation, gradient hooks
+(post-accumulate; below, a stacked weight's tensor hook sees the sum) and data-parallel reductions see no
+difference; the bytes are those the per-micro-batch casts make (the same elementwise casts of the same
+weights), so the losses and gradients are too. A stacked expert weight's gradient from the earlier
+micro-batches rides along (`take_grads`): the backward of its cast adds it to the micro-batch's in the same
+pass (one H200, a Qwen3-30B-A3B-shaped MoE, 2 micro-batches: the gradients' casts and the accumulation 28 ms
+of 192 a step before, 18 of 184 since; compiled, the forward with the gradients carried is a second graph,
+compiled at the second micro-batch; bench/README.md).
 
 The casts exist from the step's first forward to its last backward (1 byte a float8 weight, the compute
 dtype's width a stacked expert weight; planner/memory.py counts them there): evaluation and any other

@@ -60,8 +60,8 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
     Made once per forward of a layer: a chunked exchange (parallel/expert.py) runs the experts once
     per chunk on the same casts. Where the step made its weight casts ahead (`experts.step_casts`,
     memory/step_casts.py: once for all its micro-batches), those stand for the weights' casts, and with
-    `take_acc` (the one call of a forward whose stacks the grouped GEMMs read) each carries the
-    gradient its weight had so far (`experts.grad_acc`) into its backward."""
+    `take_acc` (the one call of a forward whose casts the experts read: run_experts, MoE.stacked) each
+    carries the gradient its weight had so far (`experts.grad_acc`) into its backward."""
     made, acc = experts.step_casts or {}, (experts.grad_acc or {}) if take_acc else {}
     out = {}
     for name, w, b in experts.leaves():

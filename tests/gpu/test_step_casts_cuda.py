@@ -3,7 +3,10 @@ experts' bf16 stacks (the grouped GEMM) cast once a step against each micro-batc
 autocast over fp32 parameters, 3 micro-batches a step, 3 steps. Eager: the same bytes, so the same losses
 and gradients, bit for bit. Compiled: the per-micro-batch casts are traced into inductor's kernels and the
 step's are made eagerly; tolerance fixed before the run: losses within 1e-5 relative, gradients within
-1e-3 relative in norm (one float8 step of the input gradient, 2^-3, would be far above it)."""
+1e-3 relative in norm (one float8 step of the input gradient, 2^-3, would be far above it). The compiled
+experts' case failed it once (one H200, 2026-12-03: the token embedding's gradient 1.9e-3 relative, the
+gradients summed by tensor hooks) and passed once (2026-12-04, the accumulated gradients compared, the
+stacks' casts carrying them)."""
 
 import gc
 
@@ -45,14 +48,9 @@ def _run(sets: list[str], once: bool):
     return losses, grads, model
 
 
-COMPILED_EXPERTS = pytest.mark.xfail(reason="fails its fixed tolerance: on one H200 (2026-12-03) the token embedding's "
-                                     "gradient differed by 1.9e-3 relative (losses within 1e-5); eager is bit for bit",
-                                     strict=False)
-
-
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("kind, compiled", [("float8", False), ("float8", True), ("experts", False),
-                                            pytest.param("experts", True, marks=COMPILED_EXPERTS)])
+                                            ("experts", True)])
 def test_casts_once_a_step_train_as_every_micro_batch(kind, compiled):
     if kind == "float8" and (torch.cuda.get_device_capability() < (8, 9) or _no_torchao()):
         pytest.skip("needs float8 tensor cores and torchao")

@@ -103,13 +103,17 @@ def test_float8_cast_compiles_whole_to_the_same_bytes():
     assert torch.equal(scale, ref_scale) and torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kernel", ["grouped", "loop"])
-def test_expert_stacks_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(kernel):
+@pytest.mark.parametrize("kernel, recompute", [("grouped", "none"), ("loop", "none"), ("grouped", "full")])
+def test_expert_stacks_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(kernel, recompute):
+    """Also where recomputation replays each block's forward in backward: the replayed cast carries the same
+    accumulated gradient (memory/step_casts.py take_grads) as the first."""
     if kernel == "grouped" and compat.grouped_mm is None:
         pytest.skip("this torch has no grouped GEMM")
-    once_losses, once_grads, (_, stacks), model, used = _run(MOE, once=True, kernel=kernel)
-    every_losses, every_grads, (_, none), _, unused = _run(MOE, once=False, kernel=kernel)
-    assert (used, unused) == (2 * 3 * 3 * 3, 0)  # 2 layers of 3 stacks, 3 micro-batches, 3 steps
+    sets = [*MOE, f"memory.recompute={recompute}"]
+    once_losses, once_grads, (_, stacks), model, used = _run(sets, once=True, kernel=kernel)
+    every_losses, every_grads, (_, none), _, unused = _run(sets, once=False, kernel=kernel)
+    replays = 2 if recompute == "full" else 1  # recomputation casts again in backward
+    assert (used, unused) == (2 * 3 * 3 * 3 * replays, 0)  # 2 layers of 3 stacks, 3 micro-batches, 3 steps
     assert len(stacks) == 2 and all(set(s) == {"w1", "w3", "w2"} for s in stacks)
     assert all(t.dtype == torch.bfloat16 for s in stacks for t in s.values())
     assert none == [None, None]
