@@ -102,6 +102,7 @@ from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.parallel import comm  # noqa: E402
 from teratrain.parallel.comm import AVG, MAX, all_reduce  # noqa: E402
 from teratrain.parallel.parallelize import compile_scope, parallelize  # noqa: E402
+from teratrain.planner.refit import how_it_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ["model.n_layers=8", "model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.vocab_size=32000",
@@ -471,8 +472,7 @@ def _report(args, world: int, eps: list[int], batch: tuple[int, int], check: dic
                        "device": torch.cuda.get_device_name() if cuda else "cpu", "micro_batch": batch[0],
                        "global_batch": batch[1],
                        "gpu_gib": round(torch.cuda.mem_get_info()[1] / 2**30, 1) if cuda else None,
-                       "experts": "stacked",  # one parameter a weight of the experts (planner/refit.py reads it)
-                       "weight casts": "once a step",  # memory/step_casts.py (refit reads it too)
+                       **how_it_runs(),  # the code's settings planner/refit.py as_ran reads
                        "experts_kernel": "grouped_mm" if hopper else "loop",
                        "experts_kernel_compiled": "grouped_mm" if cuda else "grouped_mm_loop",
                        **({"partial": True} if partial else {}),

@@ -16,6 +16,8 @@ from planner_multi import run_rows
 from planner_report import compare, device_gpu, markdown, measured_hw, pick_check, summary
 from planner_rows import BUILD_S, COMMON, full_sets, probe_rows, rows_for, size_layers
 
+from teratrain.planner.refit import how_it_runs
+
 WARMUP, STEPS = 2, 4
 # The share of --budget-s the rows' first visits may take (planner_rows.size_layers sizes the model to
 # it); with relaunches half: on 2 x H200 at 32 layers the first visits took ~230 s of a 315 s job
@@ -69,9 +71,7 @@ def validate_gpus(args) -> dict:
             "steps": steps, "warmup": WARMUP, "hw": hw, "host_threads": (machine or {}).get("host_threads"),
             "collectives": {"rows": (machine or {}).get("collectives", []), "fit": fits},
             "host_probe": host, "rows": cmp, "summary": summary(cmp),
-            # how the norms and the projections' input casts ran (planner/refit.py plans earlier runs as they ran)
-            "norms": "residual dtype", "linear inputs": "cast once",
-            "experts": "stacked", "weight casts": "once a step"}
+            **how_it_runs()}  # planner/refit.py as_ran plans earlier runs as they ran
 
 
 def _models(n: int, gpu, host_mem: float | None, smoke: bool) -> list[tuple[str, list[str]]]:

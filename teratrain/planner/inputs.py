@@ -67,7 +67,8 @@ def training_of(cfg: Config, notes: list[str] | None = None) -> Training:
                     compile_scope=cfg.train.compile_scope, fp8=cfg.memory.fp8, fp8_gather=cfg.memory.fp8_gather,
                     loss_chunks=cfg.memory.loss_chunks,
                     reduces_in_backward=cfg.parallel.overlap_comm and cfg.parallel.sync == "allreduce",
-                    ep_dedup=cfg.parallel.ep_dedup, casts_per_micro_batch=not cfg.memory.cast_once)
+                    ep_dedup=cfg.parallel.ep_dedup, casts_per_micro_batch=not cfg.memory.cast_once,
+                    torch_adamw=cfg.optim.kernel == "torch")
 
 
 def _lora_of(cfg: Config) -> tuple:

@@ -233,6 +233,13 @@ class Training:
     # (memory/step_casts.py): memory.cast_once=false, and the runs recorded before the step cast them once
     # (planner/refit.py plans them as they ran)
     casts_per_micro_batch: bool = False
+    # AdamW steps through torch's fused kernel (optim.kernel=torch; and the runs recorded before teratrain's
+    # kernel, optim/adamw_kernel.py, which planner/refit.py and the tests plan as they ran), else teratrain's
+    torch_adamw: bool = False
+    # Each stacked expert weight's gradient was cast back and then added by autograd, before the cast's
+    # backward carried the accumulated one (memory/step_casts.py take_grads): how the runs recorded before
+    # measured, planned as they ran by planner/refit.py. Never set from a Config.
+    grads_after_casts: bool = False
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

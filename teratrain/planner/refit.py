@@ -150,25 +150,39 @@ def result_gpu(result: dict) -> GPU:
     return replace(gpu, **{k: v for k, v in result.get("hw", {}).items() if k in known})
 
 
+def how_it_runs() -> dict:
+    """The settings `as_ran` reads, as this checkout runs them: bench scripts write them into their results."""
+    from teratrain.optim import adamw_kernel
+
+    return {"norms": "residual dtype", "linear inputs": "cast once", "experts": "stacked",
+            "weight casts": "once a step", "expert gradients": "through the casts",
+            "adamw": "teratrain kernel" if adamw_kernel.available() else "torch fused"}
+
+
+def as_ran(train, result: dict):
+    """`train` as a recorded run ran it: the settings its result file names ("norms", "linear inputs",
+    "experts", "weight casts", "adamw", "expert gradients"), and for each it does not name the code before
+    that setting existed (planner/layout.py Training): the norms on fp32 copies, each projection casting
+    its input, each expert its own parameters, the casts every micro-batch, torch's fused AdamW, the stacked
+    experts' gradients cast back before autograd added them."""
+    return replace(train, norms_fp32=result.get("norms") != "residual dtype",
+                   linear_casts=result.get("linear inputs") != "cast once",
+                   expert_tensors=result.get("experts") != "stacked",
+                   casts_per_micro_batch=train.casts_per_micro_batch or result.get("weight casts") != "once a step",
+                   torch_adamw=train.torch_adamw or result.get("adamw") != "teratrain kernel",
+                   grads_after_casts=result.get("expert gradients") != "through the casts")
+
+
 def _prepared(result: dict) -> list[tuple]:
     """(shape, train, layout, row) of every measured row, built once (the search caches by shape)."""
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
 
     out = []
-    # measured before the norms ran in the residual stream's dtype, before the projections shared one cast
-    # of their input, before the experts were stacked, before a step cast its weights once (planner/layout.py
-    # Training)
-    ran = {"norms_fp32": result.get("norms") != "residual dtype",
-           "linear_casts": result.get("linear inputs") != "cast once",
-           "expert_tensors": result.get("experts") != "stacked"}
-    every_micro_batch = result.get("weight casts") != "once a step"
     for row in result["rows"]:
         if row.get("measured_step_s"):
             cfg = load_config(None, row["sets"])
-            train = training_of(cfg)
-            train = replace(train, **ran, casts_per_micro_batch=train.casts_per_micro_batch or every_micro_batch)
-            out.append((shape_of(cfg), train, layout_of(cfg, result["gpus"]), row))
+            out.append((shape_of(cfg), as_ran(training_of(cfg), result), layout_of(cfg, result["gpus"]), row))
     return out
 
 

@@ -109,9 +109,12 @@ OPS_FP8_LINEAR = (21, 34)
 # torch.compile fuses some of these passes into the neighbouring kernels (not modelled: compiled steps
 # are planned as eager).
 FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
-# fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied inside
-# the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8)
+# torch's fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied
+# inside the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8).
+# teratrain's kernel (optim/adamw_kernel.py) moves the 28 bytes at its own measured share of the bandwidth
+# (calibration/common.toml adamw_kernel_share) and writes no gradient back; the norm's read stays.
 OPTIMIZER_BYTES_PER_PARAM = 28 + 4 + 4
+ADAMW_KERNEL_BYTES, ADAMW_KERNEL_SHARE, NORM_READ_BYTES = 28, _COMMON["adamw_kernel_share"], 4
 
 
 # train.compile's constants of issued_ops, fused_s and the compiled loss_s (calibration/common.toml says what each
@@ -276,7 +279,7 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     copy = w.param + w.compute if w.param != w.compute or w.expert_tensors else 0
     copies = copy if casts_once(train, lay) else m * copy
     back = w.compute + w.grad if w.compute != w.grad else 0
-    fused = back and casts_once(train, lay) and lay.replicas == 1 and lay.zero == 0
+    fused = back and casts_once(train, lay) and lay.replicas == 1 and lay.zero == 0 and not train.grads_after_casts
     later = w.compute + 2 * w.grad if fused else back + 3 * w.grad  # each micro-batch after the first
     return idle * (copies + back + (m - 1) * later) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
 
@@ -516,12 +519,24 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: 
     return rest / rate + fp8_flops / (rate * speedup) + cast_s + expert_stack_s(shape, train, lay, gpu), flops, replay
 
 
+def optimizer_s(train: Training, w, shard: float, gpu: GPU) -> float:
+    """The optimizer step's HBM sweep over the `shard` parameters this rank steps (fp32 masters: their copy
+    back to the parameters, 12 bytes more): torch's fused AdamW (and every other optimizer) at
+    OPTIMIZER_BYTES_PER_PARAM and the fitted mem_efficiency, teratrain's AdamW kernel at its own share."""
+    hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
+    masters = (12 if w.master else 0) / hbm
+    if train.optimizer != "adamw" or train.torch_adamw:
+        return shard * (OPTIMIZER_BYTES_PER_PARAM / hbm + masters)
+    kernel = ADAMW_KERNEL_BYTES / (gpu.hbm_gbps * 1e9 * ADAMW_KERNEL_SHARE)
+    return shard * (kernel + NORM_READ_BYTES / hbm + masters)
+
+
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:
     """Predicted time of one optimizer step of train.global_batch sequences under `lay`."""
     w = train.widths(lay.zero, lay.offload)
     shard = mem.terms["shard_params"]  # the parameters this rank's optimizer steps
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
-    opt_s = 0.0 if lay.offload != "none" else shard * (OPTIMIZER_BYTES_PER_PARAM + (12 if w.master else 0)) / hbm
+    opt_s = 0.0 if lay.offload != "none" else optimizer_s(train, w, shard, gpu)
     offload_s = _offload_s(train, lay, gpu, shard)
     comm = step_comm(shape, train, lay, gpu) if lay.gpus > 1 else {}
     if shape.is_bare:  # no shape, no FLOPs: only the model-state traffic can be timed

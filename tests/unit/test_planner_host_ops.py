@@ -99,9 +99,10 @@ def test_stacked_experts_issue_the_same_ops_at_any_count_and_recorded_runs_one_p
 
 def test_only_experts_beyond_top_k_pay_for_their_stacks():
     """expert_stack_s: bf16 autocast over fp32 parameters, the weight stack's cast (4 + 2 bytes) once a
-    step (each micro-batch in runs recorded before, Training.casts_per_micro_batch), each micro-batch the
-    gradient's cast back (2 + 4), after the first its accumulation (3 x 4), for the local experts beyond
-    top_k only: none at ep = num_experts / top_k."""
+    step (each micro-batch in runs recorded before, Training.casts_per_micro_batch), the first
+    micro-batch's gradient cast back (2 + 4), each later one cast and added to the accumulated one in one
+    pass (2 + 4 + 4; recorded before, Training.grads_after_casts: cast back, then 3 x 4), for the local
+    experts beyond top_k only: none at ep = num_experts / top_k."""
     from teratrain.planner.time import expert_stack_s
 
     sets = ["model.preset=llama-1b", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2",
@@ -111,7 +112,11 @@ def test_only_experts_beyond_top_k_pay_for_their_stacks():
     lay = Layout(micro_batch=2, num_microbatches=3)
     idle = (8 - 2) * 3 * cfg.model.d_model * cfg.model.expert_ffn_dim * 2  # experts, matrices, layers
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
-    assert abs(expert_stack_s(shape, train, lay, gpu) - idle * (6 + 3 * 6 + 2 * 12) / hbm) < 1e-12
-    recorded = dataclasses.replace(train, casts_per_micro_batch=True)
+    assert abs(expert_stack_s(shape, train, lay, gpu) - idle * (6 + 6 + 2 * 10) / hbm) < 1e-12
+    before = dataclasses.replace(train, grads_after_casts=True)
+    assert abs(expert_stack_s(shape, before, lay, gpu) - idle * (6 + 3 * 6 + 2 * 12) / hbm) < 1e-12
+    recorded = dataclasses.replace(train, casts_per_micro_batch=True, grads_after_casts=True)
     assert abs(expert_stack_s(shape, recorded, lay, gpu) - idle * (3 * (6 + 6) + 2 * 12) / hbm) < 1e-12
+    dp = dataclasses.replace(lay, dp=2)  # the gradients views of the data-parallel engine's buckets: added apart
+    assert abs(expert_stack_s(shape, train, dp, gpu) - idle * (6 + 3 * 6 + 2 * 12) / hbm) < 1e-12
     assert expert_stack_s(shape, train, dataclasses.replace(lay, dp=4, ep=4), gpu) == 0  # 2 local = top_k

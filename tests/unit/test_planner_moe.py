@@ -199,18 +199,24 @@ def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None):
                             *(bench_moe.COMPILED if run.endswith(bench_moe.MODE_TAGS) else [])]
     cfg = load_config(None, sets)
     lay = Layout(micro_batch=mb, num_microbatches=gb // mb)
-    train = training_of(cfg)  # as it ran: before the experts were stacked, before the step cast them once
+    train = training_of(cfg)  # as it ran: before the experts were stacked, the step cast them once, teratrain's
+    # AdamW kernel, the stacks' casts carrying their gradients (planner/refit.py as_ran; bench/moe.py wrote no
+    # "norms" nor "linear inputs": their runs are planned with today's)
+    since = result >= "2026-12-04"  # the first results with both (commit a61c2da), before they were written down
     train = replace(train, expert_tensors=data.get("experts") != "stacked",
-                    casts_per_micro_batch=train.casts_per_micro_batch or data.get("weight casts") != "once a step")
+                    casts_per_micro_batch=train.casts_per_micro_batch or data.get("weight casts") != "once a step",
+                    torch_adamw=not since and data.get("adamw") != "teratrain kernel",
+                    grads_after_casts=not since and data.get("expert gradients") != "through the casts")
     return data, shape_of(cfg), train, lay
 
 
 SMALL_BATCH = pytest.mark.xfail(strict=True, reason="planned 21% slow at one sequence a micro-batch (512 rows an "
                                 "expert); dense at that batch 11% slow too")
 
-STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound: planned 14-22% slow; at fp32 "
+STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound: planned 14-25% slow; at fp32 "
                                  "parameters the casts and gradient accumulation of the idle experts (expert_stack_s, "
-                                 "51 ms) measure 37 ms for all experts, AdamW 49 ms against 56 planned")
+                                 "51 ms) measure 37 ms for all experts, AdamW 49 ms against 56 planned; with the AdamW "
+                                 "kernel and the carried gradients (2026-12-04) 245 ms planned against 184 measured")
 
 
 @pytest.mark.parametrize("result, run, batch", [
@@ -227,7 +233,9 @@ STACKED_FINE = pytest.mark.xfail(strict=True, reason="stacked experts, GPU-bound
     pytest.param("2026-12-03_moe_cast_once_qwen3_gb8.json", "moe_ep1_compiled", (4, 8), marks=STACKED_FINE),
     pytest.param("2026-12-03_moe_cast_once_qwen3_gb32.json", "moe_ep1_compiled", (4, 32), marks=STACKED_FINE),
     ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None),
-    ("2026-12-03_moe_shared_sigmoid_compiled.json", "moe_ep1_compiled", None)])  # held out: 106,960 planned
+    ("2026-12-03_moe_shared_sigmoid_compiled.json", "moe_ep1_compiled", None),  # held out: 106,960 planned
+    ("2026-12-04_moe_dropless.json", "moe_ep1_compiled", None),  # held out: the AdamW kernel, carried gradients
+    pytest.param("2026-12-04_moe_qwen3_profile.json", "moe_ep1_compiled", (4, 8), marks=STACKED_FINE)])  # held out
 def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out from the grouped GEMM's fit (a micro-benchmark): bench/moe.py's dropless MoE steps on one
     H200, the 8-expert model compiled and graphed and Qwen3-30B-A3B's layers (128 experts of width 768)
@@ -248,7 +256,10 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, 
     ("2026-12-03_moe_stacked_dropless.json", "moe_ep1", None),
     ("2026-12-03_moe_qwen3_block_scope.json", "moe_ep1_compiled", (4, 8)),
     ("2026-12-03_moe_cast_once_dropless.json", "moe_ep1_compiled", None),
-    ("2026-12-03_moe_shared_sigmoid_compiled.json", "moe_ep1_compiled", None)])
+    ("2026-12-03_moe_shared_sigmoid_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_dropless.json", "moe_ep1_compiled", None),  # held out: the compiled combine keeps the
+    ("2026-12-04_moe_dropless.json", "moe_ep1", None),  # experts' rows laid out, carried gradients
+    ("2026-12-04_moe_qwen3_profile.json", "moe_ep1_compiled", (4, 8))])
 def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
     """The planned peak allocated (before the allowance) against torch.cuda.max_memory_allocated of bench/moe.py's
     runs on one H200, the dense rows' 3% (test_planner_compiled_memory.py). The compiled Qwen3-shaped MoE at 2

@@ -164,7 +164,8 @@ def test_graphed_step_times(result, tp):
 
     shape = json.loads((RESULTS / result).read_text())["shapes"]["llama8b_width"]
     common = shape["shape"] + ["memory.precision=bf16", "train.grad_clip=1.0", "train.micro_batch=1",
-                               "train.global_batch=1", "train.compile=true", "train.compile_mode=reduce-overhead"]
+                               "train.global_batch=1", "train.compile=true", "train.compile_mode=reduce-overhead",
+                               "optim.kernel=torch"]  # as they ran: before teratrain's AdamW kernel
     rows = {"one_gpu_graphed": [], "ours_no_sp_graphed": [f"parallel.tp={tp}", "parallel.sequence_parallel=false"],
             "ours_sp_graphed": [f"parallel.tp={tp}", "parallel.sequence_parallel=true"]}
     errors = {}
@@ -193,7 +194,7 @@ def test_eager_tp_step_times_at_the_8b_width():
     for result, tp in EAGER_TP:
         shape = json.loads((RESULTS / result).read_text())["shapes"]["llama8b_width"]
         common = shape["shape"] + ["memory.precision=bf16", "train.grad_clip=1.0", "train.micro_batch=1",
-                                   "train.global_batch=1"]
+                                   "train.global_batch=1", "optim.kernel=torch"]  # before the AdamW kernel
         rows = {"one_gpu": [], "ours_no_sp": [f"parallel.tp={tp}", "parallel.sequence_parallel=false"],
                 "ours_sp": [f"parallel.tp={tp}", "parallel.sequence_parallel=true"]}
         for name, sets in rows.items():

@@ -10,7 +10,7 @@ from teratrain.config import load_config
 from teratrain.planner.comm import collective
 from teratrain.planner.hardware import GPUS, read_hw_file
 from teratrain.planner.inputs import layout_of, shape_of, training_of
-from teratrain.planner.refit import fit_alpha_beta, fit_collectives, refit, render, result_gpu
+from teratrain.planner.refit import fit_alpha_beta, fit_collectives, how_it_runs, refit, render, result_gpu
 from teratrain.planner.search import evaluate
 
 SIZES = [2**16, 2**20, 2**23, 2**26, 2**28]
@@ -40,8 +40,7 @@ def _result(scale: float) -> dict:
             for mb in (2, 4, 8)]
     result = {"device": "NVIDIA H100 80GB HBM3", "device_mem_gib": 79.2, "gpus": 2, "rows": rows,
               "hw": {"all_reduce_gbps": 200.0, "pcie_gbps": 40.0},
-              "norms": "residual dtype", "linear inputs": "cast once",
-              "experts": "stacked"}  # today's model, as planner_modes.py says
+              **how_it_runs(), "adamw": "teratrain kernel"}  # today's code on a GPU, as planner_modes.py says
     gpu = result_gpu(result)
     for r in rows:
         cfg = load_config(None, r["sets"])
