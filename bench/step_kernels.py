@@ -77,7 +77,7 @@ def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float) -> dict:
                 continue
             opt = cls(params, lr=1e-4, weight_decay=0.1, fused=True)
 
-            def step(opt=opt):
+            def step(opt=opt, scale=scale):
                 opt.grad_scale = scale
                 opt.step()
             row[f"{name}_ms"] = round(timed(step, dev, iters), 3)
@@ -126,7 +126,8 @@ def moe_gather(dev: torch.device, smoke: bool, iters: int) -> dict:
                 c = torch.compile(fn)
                 got = c(y, lay.dest, lay.sent, k, weights).float()
                 row[f"{part}_{form}_rel_diff"] = float((got - ref).norm() / ref.norm())
-                row[f"{part}_{form}_ms"] = round(timed(lambda c=c: c(y, lay.dest, lay.sent, k, weights), dev, iters), 4)
+                call = lambda c=c, y=y, lay=lay, k=k, weights=weights: c(y, lay.dest, lay.sent, k, weights)
+                row[f"{part}_{form}_ms"] = round(timed(call, dev, iters), 4)
         out[name] = row
         print(name, row, flush=True)
     return out
