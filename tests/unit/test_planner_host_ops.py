@@ -103,7 +103,7 @@ def test_only_experts_beyond_top_k_pay_for_their_stacks():
     micro-batch's gradient cast back (2 + 4), each later one cast and added to the accumulated one in one
     pass (2 + 4 + 4; recorded before, Training.grads_after_casts: cast back, then 3 x 4), for the local
     experts beyond top_k only: none at ep = num_experts / top_k."""
-    from teratrain.planner.time import expert_stack_s
+    from teratrain.planner.experts import expert_stack_s
 
     sets = ["model.preset=llama-1b", "model.n_layers=2", "model.moe.num_experts=8", "model.moe.top_k=2",
             "memory.precision=bf16", "train.global_batch=6", "train.micro_batch=2"]

@@ -9,14 +9,15 @@ import pytest
 
 from teratrain.config import load_config
 from teratrain.models.transformer import count_params
+from teratrain.planner.comm import all_to_all_s, collective
+from teratrain.planner.experts import moe_extra_flops, moe_flops
 from teratrain.planner.hardware import GPUS
 from teratrain.planner.inputs import load, shape_of, training_of
 from teratrain.planner.layout import Layout
 from teratrain.planner.memory import plan_memory
 from teratrain.planner.search import evaluate, search
 from teratrain.planner.states import model_states
-from teratrain.planner.comm import all_to_all_s, collective
-from teratrain.planner.time import model_flops, moe_extra_flops, moe_flops
+from teratrain.planner.time import model_flops
 
 H200 = GPUS["h200"]
 
@@ -169,7 +170,7 @@ SETS = ["model.preset=llama-1b", "model.moe.num_experts=16", "model.moe.top_k=4"
 def test_compiled_experts_run_at_the_grouped_gemm_rate():
     """Compiled, the experts run at w / (w + grouped_half_work) of the dense rate, w = rows x width of one
     expert's GEMM a micro-batch; eager keeps moe_efficiency (fitted on eager steps)."""
-    from teratrain.planner.time import expert_efficiency
+    from teratrain.planner.experts import expert_efficiency
 
     cfg = load_config(None, SETS)
     shape, train = shape_of(cfg), training_of(cfg)
