@@ -3,7 +3,6 @@ active weights only, bytes per rank under expert parallelism, the all-to-all ter
 which ep borrows data-parallel ranks."""
 
 import json
-from dataclasses import replace
 
 import pytest
 
@@ -15,6 +14,7 @@ from teratrain.planner.hardware import GPUS
 from teratrain.planner.inputs import load, shape_of, training_of
 from teratrain.planner.layout import Layout
 from teratrain.planner.memory import plan_memory
+from teratrain.planner.refit import as_ran
 from teratrain.planner.search import evaluate, search
 from teratrain.planner.states import model_states
 from teratrain.planner.time import model_flops
@@ -200,14 +200,12 @@ def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None):
                             *(bench_moe.COMPILED if run.endswith(bench_moe.MODE_TAGS) else [])]
     cfg = load_config(None, sets)
     lay = Layout(micro_batch=mb, num_microbatches=gb // mb)
-    train = training_of(cfg)  # as it ran: before the experts were stacked, the step cast them once, teratrain's
-    # AdamW kernel, the stacks' casts carrying their gradients (planner/refit.py as_ran; bench/moe.py wrote no
-    # "norms" nor "linear inputs": their runs are planned with today's)
-    since = result >= "2026-12-04"  # the first results with both (commit a61c2da), before they were written down
-    train = replace(train, expert_tensors=data.get("experts") != "stacked",
-                    casts_per_micro_batch=train.casts_per_micro_batch or data.get("weight casts") != "once a step",
-                    torch_adamw=not since and data.get("adamw") != "teratrain kernel",
-                    grads_after_casts=not since and data.get("expert gradients") != "through the casts")
+    # as it ran (planner/refit.py as_ran); bench/moe.py wrote no "norms" nor "linear inputs" (planned with today's),
+    # and its first results with the AdamW kernel and the carried gradients (a61c2da) did not name them yet
+    ran = {"norms": "residual dtype", "linear inputs": "cast once"}
+    if result >= "2026-12-04":
+        ran |= {"adamw": "teratrain kernel", "expert gradients": "through the casts"}
+    train = as_ran(training_of(cfg), {**ran, **data})
     return data, shape_of(cfg), train, lay
 
 
