@@ -5,8 +5,8 @@ Why. torch's fused AdamW (a multi-tensor CUDA kernel) reaches ~60% of an H200's 
 streaming kernel 79-87%: one step over llama-1b's 1.10 B parameters (147 tensors) 8.19 ms against
 10.57 (1.29x), over a 128-expert model's 5.14 B (99 tensors) 34.4 against 48.5 (1.41x)
 (bench/step_kernels.py, bench/results/h200/2026-12-04_step_kernels.json). torch.compile over torch's foreach
-AdamW is faster on llama-1b (7.49 ms; one launch for many tensors, where this kernel launches one a
-tensor) and slower on the 5.14 B (38.3), after 52 and 103 s of compiling at start-up.
+AdamW is faster on llama-1b (7.49 ms; likely its one launch for many tensors, where this kernel launches
+one a tensor: not measured apart) and slower on the 5.14 B (38.3), after 52 and 103 s of compiling.
 
 What it computes, element by element, as torch's CUDA kernel (ATen's fused_adam_utils, ADAMW mode):
 g = grad / grad_scale (the clip's scale, optim/engine.py clip_; 1 without one); p -= lr * wd * p;
