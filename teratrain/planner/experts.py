@@ -59,17 +59,17 @@ def expert_weights(c, tp: int = 1) -> int:
     return mlp_matrices(c) * c.d_model * c.expert_ffn_dim // tp
 
 def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
-    """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: each MoE
-    layer casts its local experts' weight stacks to the compute dtype (read the parameter, write the copy:
-    models/grouped.py cast_stacks; none where the parameters are in it, but in runs recorded while each
-    expert was its own parameter, stacked) every micro-batch, or once a step (casts_once); every
-    micro-batch casts their gradient back (read, write) and, after the first, adds it to the accumulated
-    one (read both, write); cast once a step where the gradients are autograd's own (one replica, no
-    ZeRO: no engine buffer they are views of), the cast's backward adds the compute-width gradient to the
-    accumulated one in the same pass (read both, write: memory/step_casts.py take_grads). The fitted
-    rates price that traffic for the top_k experts a token runs (a dense MLP's weights, cast by autocast,
-    move as much per FLOP), so only the local experts beyond top_k are charged: nothing where a rank holds
-    top_k of them, most of the step for many fine-grained experts (128 of width 768, top-8)."""
+    """Seconds of HBM traffic one rank's experts move per step beyond what their FLOPs pay for: each MoE layer casts its
+    local experts' weight stacks to the compute dtype (read the parameter, write the copy: models/grouped.py
+    cast_stacks; none where the parameters are in it, but in runs recorded while each expert was its own
+    parameter, stacked) every micro-batch, or once a step (casts_once); every micro-batch casts their gradient
+    back (read, write) and, after the first, adds it to the accumulated one (read both, write); cast once a step
+    where the gradients are autograd's own (one GPU, no ZeRO; on several the engines' buffers may hold them as
+    views: not measured there), the cast's backward adds the compute-width gradient to the accumulated one in the
+    same pass (read both, write: memory/step_casts.py take_grads). The fitted rates price that traffic for the
+    top_k experts a token runs (a dense MLP's weights, cast by autocast, move as much per FLOP), so only the
+    local experts beyond top_k are charged: nothing where a rank holds top_k of them, most of the step for many
+    fine-grained experts (128 of width 768, top-8)."""
     if shape.num_experts == 1:
         return 0.0
     c, w = shape.cfg, train.widths(lay.zero, lay.offload)
@@ -79,6 +79,6 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     copy = w.param + w.compute if w.param != w.compute or w.expert_tensors else 0
     copies = copy if casts_once(train, lay) else m * copy
     back = w.compute + w.grad if w.compute != w.grad else 0
-    fused = back and casts_once(train, lay) and lay.replicas == 1 and lay.zero == 0 and not train.grads_after_casts
+    fused = back and casts_once(train, lay) and lay.gpus == 1 and lay.zero == 0 and not train.grads_after_casts
     later = w.compute + 2 * w.grad if fused else back + 3 * w.grad  # each micro-batch after the first
     return idle * (copies + back + (m - 1) * later) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
