@@ -1,14 +1,19 @@
-"""planner/hardware.py GPU.grouped_half_work: the experts' grouped GEMM rate by expert width and rows per
-expert, against one dense GEMM of the same rows, and the constant fitted on it.
+"""planner/hardware.py GPU.grouped_half_work: the experts' grouped GEMM rate by expert width, rows per
+expert and expert count, against one dense GEMM of the same rows, and the constant fitted on it.
 
-    python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, about a minute
+    python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, about three minutes
     python bench/calibrate/grouped_gemm.py --fit FILE [--card h200] [--write]   # the fit (CPU), into <card>.toml
 
 One SwiGLU expert MLP per group, as models/grouped.py runs it: h = silu(x W1_g^T) * (x W3_g^T), y = h W2_g^T
-through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, 16 groups of R rows
-each, for expert widths 256-4096 and R 128-4096. The dense row runs the same MLP on all 16 R rows with one
-weight (the rate the planner prices a dense MLP at). TFLOP/s count 6 FLOPs per weight and row (forward 2,
-backward 4); median of 20 timed calls after 3 warm-up ones. `share`: grouped over dense TFLOP/s.
+through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, G groups of R rows
+each (G 8-128, at most 131,072 rows in all: a micro-batch of 16k tokens at top-8), for expert widths
+256-4096 and R 128-4096. The dense row runs the same MLP on all G R rows with one weight (the rate the
+planner prices a dense MLP at). Each call is captured in a CUDA graph and replayed: the GPU's time,
+as a compiled step queues its kernels, not the host's launches (timed call by call, the small shapes
+measure the host: 16 groups of 128 rows of width 768 at 90 TFLOP/s eager, against 519 TFLOP/s for 128
+groups of the Qwen3-30B-A3B shape inside a compiled step). TFLOP/s count 6 FLOPs per weight and row
+(forward 2, backward 4); the mean of 20 replays after 3 warm-up ones. `share`: grouped over dense
+TFLOP/s.
 
 The fit: the planner runs a compiled step's experts at its dense rate at this d_model (GPU.sustained_flops)
 times w / (w + grouped_half_work), w = rows x width of one expert's GEMM; grouped_half_work is the value of
@@ -31,13 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout, wi
 
 from teratrain import compat  # noqa: E402
 
-D, GROUPS = 2048, 16
+D = 2048
+GROUPS = (8, 16, 32, 64, 128)
 WIDTHS = (256, 512, 768, 1024, 1408, 2048, 2816, 4096)
 ROWS = (128, 256, 512, 1024, 2048, 4096)
+MAX_ROWS = 131_072
 
 
 def _mlp_ms(rows: int, width: int, groups: int, iters: int) -> float:
-    """Median ms of one forward + backward of the expert MLP over `groups` groups of `rows` rows."""
+    """Mean GPU ms of one forward + backward of the expert MLP over `groups` groups of `rows` rows, from
+    replays of its CUDA graph."""
     dev, bf16 = "cuda", torch.bfloat16
     x = torch.randn(groups * rows, D, device=dev, dtype=bf16, requires_grad=True)
     w1, w3 = (torch.randn(groups, width, D, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
@@ -50,16 +58,31 @@ def _mlp_ms(rows: int, width: int, groups: int, iters: int) -> float:
             return a @ w[0].t()
         return compat.grouped_mm(a, w.transpose(-2, -1), offs=offs)
 
-    times = []
-    for i in range(iters + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def call():
         gmm(F.silu(gmm(x, w1)) * gmm(x, w3), w2).backward(grad)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (x, w1, w3, w2):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    del graph
+    return ms
 
 
 def fit(result: dict, card: str) -> tuple[float, float]:
@@ -98,18 +121,22 @@ def main() -> None:
         if a.write:
             write(a.card, half, rms, a.fit)
         return
-    rows_out = []
-    for width in WIDTHS:
-        for rows in ROWS:
-            flops = 6 * 3 * GROUPS * rows * D * width
-            grouped = _mlp_ms(rows, width, GROUPS, a.iters)
-            dense = _mlp_ms(rows * GROUPS, width, 1, a.iters)
-            row = {"width": width, "rows_per_group": rows, "grouped_tflops": round(flops / grouped / 1e9, 1),
-                   "dense_tflops": round(flops / dense / 1e9, 1), "share": round(dense / grouped, 3)}
-            rows_out.append(row)
-            print(json.dumps(row), flush=True)
+    rows_out, dense_ms = [], {}
+    for groups in GROUPS:
+        for width in WIDTHS:
+            for rows in (r for r in ROWS if groups * r <= MAX_ROWS):
+                flops = 6 * 3 * groups * rows * D * width
+                grouped = _mlp_ms(rows, width, groups, a.iters)
+                if (rows * groups, width) not in dense_ms:
+                    dense_ms[rows * groups, width] = _mlp_ms(rows * groups, width, 1, a.iters)
+                dense = dense_ms[rows * groups, width]
+                row = {"groups": groups, "width": width, "rows_per_group": rows,
+                       "grouped_tflops": round(flops / grouped / 1e9, 1), "dense_tflops": round(flops / dense / 1e9, 1),
+                       "share": round(dense / grouped, 3)}
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
     out = {"bench": "grouped_gemm", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "d_model": D, "groups": GROUPS, "rows": rows_out}
+           "d_model": D, "timing": "CUDA graph replays", "rows": rows_out}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
 
