@@ -12,7 +12,8 @@ the stacks' casts 23 ms of 241, 6.6 of 219; bench/README.md):
   in float8, neither forward nor for the input gradient), as ZeRO-3's float8 gathers do; rowwise scales
   cast each weight along two axes, which no single copy serves;
 - the experts' weight stacks held wider than the compute dtype (fp32 parameters under autocast):
-  their bf16 copies (`Experts.step_casts`), which each micro-batch's grouped GEMMs read and save for
+  their bf16 copies (`Experts.step_casts`; compiled, w1 and w3 written side by side into one, for one
+  grouped GEMM: models/grouped.py fuses_gate_up), which each micro-batch's grouped GEMMs read and save for
   backward (eager, every layer's copy is alive at the end of a forward either way; compiled, the
   partition recast them in backward instead: the step's copies add their bytes to the peak).
 Each parameter receives its gradient in its own dtype through the graph, as through the casts of each
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from teratrain.memory.fp8 import Float8Weight, TensorwiseCast, float8_linears
+from teratrain.models.grouped import fuses_gate_up
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -61,6 +63,7 @@ class StepCasts:
     def __init__(self, model: nn.Module, compiled: bool = False):
         self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
         self.experts = [layer.experts for _, layer in moe_layers(model)]
+        self.compiled = compiled
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
         cast = TensorwiseCast() if self.linears else None
@@ -74,8 +77,7 @@ class StepCasts:
                 for linear in self.linears:
                     linear.float8_weight = Float8Weight(*self.float8(linear.weight))
                 for experts in self.experts:
-                    experts.step_casts = {name: w.to(dtype) for name, w, _ in experts.leaves() if w.dtype != dtype} \
-                        or None
+                    experts.step_casts = _stack_casts(experts, dtype, self.compiled) or None
             yield self
         finally:
             for linear in self.linears:
@@ -89,11 +91,25 @@ class StepCasts:
         place), to its layer's `grad_acc`; the backward of the weight's cast hands back that gradient plus
         the micro-batch's (models/grouped.py MadeCast), which autograd adopts as the weight's gradient."""
         for experts in self.experts:
-            acc = {}
+            acc, made = {}, set(experts.step_casts or {})
+            made |= {"w1", "w3"} if "w13" in made else set()
             for name, w, _ in experts.leaves():
-                if name in (experts.step_casts or {}) and w.grad is not None and w.grad._base is None:
+                if name in made and w.grad is not None and w.grad._base is None:
                     acc[name], w.grad = w.grad, None
             experts.grad_acc = acc or None
+
+
+def _stack_casts(experts: nn.Module, dtype: torch.dtype, compiled: bool) -> dict:
+    """{leaf: its stack cast to `dtype`} for the stacks wider than it; compiled, w1 and w3 as one stack
+    "w13", each written into its half (models/grouped.py fuses_gate_up)."""
+    wide = {name: w for name, w, _ in experts.leaves() if w.dtype != dtype}
+    out = {}
+    if compiled and "w1" in wide and fuses_gate_up(experts, dtype):
+        w1, w3 = wide.pop("w1"), wide.pop("w3")
+        out["w13"] = w1.new_empty(w1.shape[0], 2 * w1.shape[1], w1.shape[2], dtype=dtype)
+        out["w13"][:, :w1.shape[1]].copy_(w1)
+        out["w13"][:, w1.shape[1]:].copy_(w3)
+    return out | {name: w.to(dtype) for name, w in wide.items()}
 
 
 def enable(model: nn.Module, compiled: bool = False) -> None:

@@ -240,6 +240,10 @@ class Training:
     # backward carried the accumulated one (memory/step_casts.py take_grads): how the runs recorded before
     # measured, planned as they ran by planner/refit.py. Never set from a Config.
     grads_after_casts: bool = False
+    # Compiled gated experts ran w1 and w3 as two grouped GEMMs, before one over their stacks side by side
+    # (models/grouped.py fuses_gate_up): how the runs recorded before measured, planned as they ran by
+    # planner/refit.py. Never set from a Config.
+    gate_up_apart: bool = False
 
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""

@@ -169,7 +169,8 @@ SETS = ["model.preset=llama-1b", "model.moe.num_experts=16", "model.moe.top_k=4"
 
 def test_compiled_experts_run_at_the_grouped_gemm_rate():
     """Compiled, the experts run at w / (w + grouped_half_work) of the dense rate, w = rows x width of one
-    expert's GEMM a micro-batch; eager keeps moe_efficiency (fitted on eager steps)."""
+    expert's GEMM a micro-batch; eager keeps moe_efficiency (fitted on eager steps). Stacks cast to bf16 run
+    w1 and w3 as one GEMM of 2w: two thirds of the FLOPs at its rate; stacks held in bf16 run them apart."""
     from teratrain.planner.experts import expert_efficiency
 
     cfg = load_config(None, SETS)
@@ -181,6 +182,13 @@ def test_compiled_experts_run_at_the_grouped_gemm_rate():
     assert expert_efficiency(shape, compiled, lay, H200) == pytest.approx(work / (work + H200.grouped_half_work))
     ep2 = Layout(dp=2, ep=2, micro_batch=2, num_microbatches=1)  # each expert gathers rows from 2 ranks
     assert expert_efficiency(shape, compiled, ep2, H200) == pytest.approx(2 * work / (2 * work + H200.grouped_half_work))
+    rate = lambda w: w / (w + H200.grouped_half_work)  # noqa: E731
+    cast = training_of(load_config(None, [*SETS, "train.compile=true", "memory.precision=bf16"]))
+    assert expert_efficiency(shape, cast, lay, H200) == pytest.approx(1 / (2 / 3 / rate(2 * work) + 1 / 3 / rate(work)))
+    held = training_of(load_config(None, [*SETS, "train.compile=true", "memory.precision=bf16",
+                                          "memory.master_weights=true"]))
+    assert expert_efficiency(shape, held, lay, H200) == pytest.approx(rate(work))
+    assert expert_efficiency(shape, as_ran(cast, {}), lay, H200) == pytest.approx(rate(work))  # recorded before
 
 
 def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None):
