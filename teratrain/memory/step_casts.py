@@ -63,7 +63,9 @@ class StepCasts:
     def __init__(self, model: nn.Module, compiled: bool = False):
         self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
         self.experts = [layer.experts for _, layer in moe_layers(model)]
-        self.compiled = compiled
+        # compiled, w1 and w3 are cast into one stack (models/grouped.py fuses_gate_up) by one kernel: torch's
+        # copy into each half, strided, runs at about half the bandwidth of a contiguous cast
+        self.join = torch.compile(join_gate_up, dynamic=False) if compiled and self.experts else None
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
         cast = TensorwiseCast() if self.linears else None
@@ -77,7 +79,7 @@ class StepCasts:
                 for linear in self.linears:
                     linear.float8_weight = Float8Weight(*self.float8(linear.weight))
                 for experts in self.experts:
-                    experts.step_casts = _stack_casts(experts, dtype, self.compiled) or None
+                    experts.step_casts = stack_casts(experts, dtype, self.join) or None
             yield self
         finally:
             for linear in self.linears:
@@ -99,16 +101,18 @@ class StepCasts:
             experts.grad_acc = acc or None
 
 
-def _stack_casts(experts: nn.Module, dtype: torch.dtype, compiled: bool) -> dict:
-    """{leaf: its stack cast to `dtype`} for the stacks wider than it; compiled, w1 and w3 as one stack
-    "w13", each written into its half (models/grouped.py fuses_gate_up)."""
+def join_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w1 and w3 side by side along dim 1, cast to `dtype`: the stack models/grouped.py's one GEMM reads."""
+    return torch.cat([w1, w3], 1).to(dtype)
+
+
+def stack_casts(experts: nn.Module, dtype: torch.dtype, join=None) -> dict:
+    """{leaf: its stack cast to `dtype`} for the stacks wider than it; with `join` (join_gate_up, compiled
+    under train.compile), w1 and w3 as one stack "w13" (models/grouped.py fuses_gate_up)."""
     wide = {name: w for name, w, _ in experts.leaves() if w.dtype != dtype}
     out = {}
-    if compiled and "w1" in wide and fuses_gate_up(experts, dtype):
-        w1, w3 = wide.pop("w1"), wide.pop("w3")
-        out["w13"] = w1.new_empty(w1.shape[0], 2 * w1.shape[1], w1.shape[2], dtype=dtype)
-        out["w13"][:, :w1.shape[1]].copy_(w1)
-        out["w13"][:, w1.shape[1]:].copy_(w3)
+    if join is not None and "w1" in wide and fuses_gate_up(experts, dtype):
+        out["w13"] = join(wide.pop("w1"), wide.pop("w3"), dtype)
     return out | {name: w.to(dtype) for name, w in wide.items()}
 
 

@@ -34,7 +34,7 @@ def rows(dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
 def run(ex: Experts, x: torch.Tensor, offsets: torch.Tensor, kernel: str, fused: bool, acc: dict | None = None):
     """Output rows (up to offsets[-1]) and each parameter's gradient, the stacks cast once as the step does
     (fused: as a compiled step does) and `acc` carried into their casts' backward."""
-    ex.step_casts = step_casts._stack_casts(ex, x.dtype, compiled=fused)
+    ex.step_casts = step_casts.stack_casts(ex, x.dtype, step_casts.join_gate_up if fused else None)
     assert ("w13" in ex.step_casts) == fused and ("w1" in ex.step_casts) != fused
     ex.grad_acc = acc
     x = x.clone().requires_grad_()
@@ -87,7 +87,7 @@ def test_compiled_forward_casts_w1_and_w3_into_one_stack():
     def fn(x, grouped_mm=True):  # compiled in fp64: the loop of per-group GEMMs inside the graph (_gmm)
         return grouped.run_experts(ex, x, offsets, grouped_mm)[:offsets[-1]]
 
-    ex.step_casts = step_casts._stack_casts(ex, x.dtype, compiled=False)  # two GEMMs, eager
+    ex.step_casts = step_casts.stack_casts(ex, x.dtype)  # two GEMMs, eager
     ref = fn(x, grouped_mm=False)
     ex.step_casts = None
     ref_grads = torch.autograd.grad(ref.square().sum(), list(ex.parameters()), allow_unused=True)
@@ -106,5 +106,5 @@ def test_stacks_already_in_the_compute_dtype_stay_two():
     """Parameters in the compute dtype are read as they are: joining them would copy both stacks."""
     ex = experts(False)
     assert not grouped.fuses_gate_up(ex, torch.float32) and grouped.fuses_gate_up(ex, torch.bfloat16)
-    assert step_casts._stack_casts(ex, torch.float32, compiled=True) == {}
+    assert step_casts.stack_casts(ex, torch.float32, step_casts.join_gate_up) == {}
     assert not grouped.fuses_gate_up(Experts(E, D, F, bias=False, dropout=0.0, gated=False), torch.bfloat16)
