@@ -4,7 +4,7 @@ expert and expert count, against one dense GEMM of the same rows, and the consta
     python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, about three minutes
     python bench/calibrate/grouped_gemm.py --fit FILE [--card h200] [--write]   # the fit (CPU), into <card>.toml
 
-One SwiGLU expert MLP per group, as models/grouped.py runs it: h = silu(x W1_g^T) * (x W3_g^T), y = h W2_g^T
+One SwiGLU expert MLP per group, as models/grouped.py runs it uncompiled: h = silu(x W1_g^T) * (x W3_g^T), y = h W2_g^T
 through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, G groups of R rows
 each (G 8-128, at most 131,072 rows in all: a micro-batch of 16k tokens at top-8), for expert widths
 256-4096 and R 128-4096. The dense row runs the same MLP on all G R rows with one weight (the rate the
@@ -17,7 +17,9 @@ TFLOP/s.
 
 The fit: the planner runs a compiled step's experts at its dense rate at this d_model (GPU.sustained_flops)
 times w / (w + grouped_half_work), w = rows x width of one expert's GEMM; grouped_half_work is the value of
-least squared log error over the rows of width >= 512 (narrower ones are not a width models use).
+least squared log error over the rows of width >= 512 (narrower ones are not a width models use). Compiled, w1
+and w3 run as one GEMM of twice the width (models/grouped.py fuses_gate_up): the planner prices it by this fit at
+that width, not measured here.
 """
 
 from __future__ import annotations

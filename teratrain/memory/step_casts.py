@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from teratrain.memory.fp8 import Float8Weight, TensorwiseCast, float8_linears
-from teratrain.models.grouped import fuses_gate_up
+from teratrain.models.grouped import fuses_gate_up, join_gate_up
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -99,11 +99,6 @@ class StepCasts:
                 if name in made and w.grad is not None and w.grad._base is None:
                     acc[name], w.grad = w.grad, None
             experts.grad_acc = acc or None
-
-
-def join_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w1 and w3 side by side along dim 1, cast to `dtype`: the stack models/grouped.py's one GEMM reads."""
-    return torch.cat([w1, w3], 1).to(dtype)
 
 
 def stack_casts(experts: nn.Module, dtype: torch.dtype, join=None) -> dict:

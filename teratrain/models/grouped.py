@@ -1,4 +1,5 @@
-"""Every expert's matmuls as one grouped GEMM per weight over exactly the rows routed to it (MegaBlocks,
+"""Every expert's matmuls as one grouped GEMM per weight (compiled, w1 and w3 one: `fuses_gate_up`) over
+exactly the rows routed to it (MegaBlocks,
 Gale et al. 2023: dropless MoE as grouped matmuls over a permutation of the tokens, instead of one
 matmul per expert or a padded (experts, capacity, d) batch). The rows come laid out by expert
 (models/permute.py): group g's rows are [offsets[g-1], offsets[g]) of the buffer.
@@ -56,9 +57,10 @@ def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
 
 
 def fuses_gate_up(experts: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether a compiled forward runs w1 and w3 as one grouped GEMM over their stacks side by side, (E,
-    2 d_ff, d): gated experts whose weights are cast to `dtype` anyway (the cast writes both into one buffer;
-    stacks already in `dtype` would be copied for it). One GEMM reads the rows once and, in backward, gives
+    """Whether w1 and w3 run as one grouped GEMM over their stacks side by side, (E, 2 d_ff, d): gated
+    experts whose weights are cast to `dtype` anyway (the cast writes both into one buffer; stacks already in
+    `dtype` would be copied for it), in a compiled forward (cast_stacks) or wherever the step's casts joined
+    them (memory/step_casts.py, under train.compile). One GEMM reads the rows once and, in backward, gives
     their input gradient by one GEMM over 2 d_ff instead of two added (one H200, the Qwen3-30B-A3B-shaped
     step compiled: its grouped GEMMs 57.4 -> 54.3 ms, the GPU busy 181.9 -> 179.1 ms a step; bench/README.md).
     Eager, the split's backward would copy the halves' gradients into one more buffer: not used there."""
@@ -78,16 +80,22 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
     leaves = {name: (w, b) for name, w, b in experts.leaves()}
     out = {}
     fused = made.get("w13")
-    if (fused is not None and fused.dtype == dtype) or (torch.compiler.is_compiling() and fuses_gate_up(experts, dtype)):
+    fused = fused if fused is not None and fused.dtype == dtype else None
+    if fused is not None or (not made and torch.compiler.is_compiling() and fuses_gate_up(experts, dtype)):
         (w1, b1), (w3, b3) = leaves.pop("w1"), leaves.pop("w3")
-        w = torch.cat([w1, w3], 1).to(dtype) if fused is None else \
-            MadeCast.apply(fused, acc.get("w1"), acc.get("w3"), w1, w3)
-        out["w13"] = (w, None if b1 is None else torch.cat([b1, b3], 1).to(dtype))
+        # cast, then joined: the backward hands each weight a contiguous gradient, not a slice of a joined one
+        w = join_gate_up(w1, w3, dtype) if fused is None else MadeCast.apply(fused, acc.get("w1"), acc.get("w3"), w1, w3)
+        out["w13"] = (w, None if b1 is None else join_gate_up(b1, b3, dtype))
     for name, (w, b) in leaves.items():
         copy = made.get(name)
         w = MadeCast.apply(copy, acc.get(name), w) if copy is not None and copy.dtype == dtype else w.to(dtype)
         out[name] = (w, None if b is None else b.to(dtype))
     return out
+
+
+def join_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w1 and w3 (or b1 and b3) each cast to `dtype`, side by side along dim 1: the stack the one GEMM reads."""
+    return torch.cat([w1.to(dtype), w3.to(dtype)], 1)
 
 
 def split_gate_up(stacks: dict) -> dict:
@@ -108,7 +116,8 @@ class MadeCast(torch.autograd.Function):
     backward hands acc + its gradient, which autograd then adopts as param's gradient: the cast and the
     accumulation one pass (10 bytes a parameter where the cast wrote 4 and read 2 and the accumulation
     read 8 and wrote 4). param.grad and its post-accumulate hooks see what they would have; a tensor hook
-    on param sees the sum. Call: apply(copy, acc_1, ..., acc_n, param_1, ..., param_n), accs None where none."""
+    on param sees the sum. Call: apply(copy, acc_1, ..., acc_n, param_1, ..., param_n), accs None where none;
+    the params of one dtype (the stacks of one module)."""
 
     @staticmethod
     def forward(ctx, copy: torch.Tensor, *accs_params) -> torch.Tensor:

@@ -70,8 +70,9 @@ class Experts(nn.Module):
         self.b2 = stack(d_model) if bias else None
         self.dropout = nn.Dropout(dropout)
         self.bias_share: float | None = None  # tensor parallelism: b2 added times this, 0 on all but one tp rank
-        # {leaf: its weight stack in the compute dtype} where the step casts them once for its micro-batches
-        # (memory/step_casts.py); None: each forward casts them (models/grouped.py cast_stacks)
+        # {leaf: its weight stack in the compute dtype; "w13": w1 and w3 side by side, under train.compile} where
+        # the step casts them once for its micro-batches (memory/step_casts.py); None: each forward casts them
+        # (models/grouped.py cast_stacks)
         self.step_casts: dict[str, torch.Tensor] | None = None
         # {leaf: its weight's gradient before this micro-batch}, carried through the cast's backward
         # (models/grouped.py MadeCast; memory/step_casts.py take_grads); None: autograd accumulates
@@ -93,7 +94,7 @@ class MoE(nn.Module):
 
     Dispatch: each of the N*K choices has a key, its expert or n when it is not sent; the rows are
     laid out by expert on the device by a permutation whose forward and backward are gathers
-    (models/permute.py), the experts run as one grouped GEMM per weight (or one by one: `kernel`;
+    (models/permute.py), the experts run as one grouped GEMM per weight (compiled, w1 and w3 one), or one by one (`kernel`;
     models/grouped.py), and the outputs are gathered back, weighted and summed per token; no device
     value is read back to the host."""
 

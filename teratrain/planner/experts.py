@@ -16,14 +16,15 @@ def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU)
     few kernels, priced with the rest of the step): the grouped GEMM's own rate, w / (w + gpu.grouped_half_work)
     for w = an expert's rows (a micro-batch's tokens x top_k over the experts, which expert parallelism
     gathers from its ep ranks) times its width (bench/calibrate/grouped_gemm.py). Gated experts whose stacks
-    are cast for the GEMMs run w1 and w3 as one GEMM of twice the width (models/grouped.py fuses_gate_up):
-    two thirds of the FLOPs at that GEMM's rate."""
+    are cast for the GEMMs (not held in the compute dtype, nor frozen in bf16 under LoRA) run w1 and w3 as one
+    GEMM of twice the width (models/grouped.py fuses_gate_up): two thirds of the FLOPs at that GEMM's rate."""
     if not train.compiled or shape.num_experts == 1:
         return gpu.moe_efficiency
     c, widths = shape.cfg, train.widths(lay.zero, lay.offload)
     work = lay.tokens(c.seq_len) * shape.top_k * lay.ep / shape.num_experts * c.expert_ffn_dim / expert_tp(lay)
     rate = lambda w: w / (w + gpu.grouped_half_work)  # noqa: E731
-    if c.arch == "llama" and widths.param != widths.compute and not train.gate_up_apart:
+    frozen_bf16 = bool(train.lora) and train.lora[-1] == "bf16"  # parallelize stores frozen weights in bf16
+    if c.arch == "llama" and widths.param != widths.compute and not frozen_bf16 and not train.gate_up_apart:
         return 1 / (2 / 3 / rate(2 * work) + 1 / 3 / rate(work))
     return rate(work)
 

@@ -34,7 +34,7 @@ def rows(dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
 def run(ex: Experts, x: torch.Tensor, offsets: torch.Tensor, kernel: str, fused: bool, acc: dict | None = None):
     """Output rows (up to offsets[-1]) and each parameter's gradient, the stacks cast once as the step does
     (fused: as a compiled step does) and `acc` carried into their casts' backward."""
-    ex.step_casts = step_casts.stack_casts(ex, x.dtype, step_casts.join_gate_up if fused else None)
+    ex.step_casts = step_casts.stack_casts(ex, x.dtype, grouped.join_gate_up if fused else None)
     assert ("w13" in ex.step_casts) == fused and ("w1" in ex.step_casts) != fused
     ex.grad_acc = acc
     x = x.clone().requires_grad_()
@@ -102,9 +102,39 @@ def test_compiled_forward_casts_w1_and_w3_into_one_stack():
     assert all(close(g, r, 1e-7) for g, r in zip(got_grads, ref_grads))
 
 
+def test_the_join_hands_each_weight_a_whole_gradient():
+    """Each stack cast, then the two joined: backward hands w1 and w3 gradients of their own (a slice of one
+    joined gradient would be copied again by autograd's accumulation to match the parameter's layout)."""
+    ex = experts(False)
+    seen = []
+    for w in (ex.w1, ex.w3):
+        w.register_hook(lambda g: seen.append(g.is_contiguous()))
+    grouped.join_gate_up(ex.w1, ex.w3, torch.bfloat16).float().square().sum().backward()
+    assert seen == [True, True]
+
+
+def test_compiled_forward_on_the_steps_separate_casts_carries_their_gradients():
+    """Casts the step made apart (its StepCasts not compiled) stand for w1's and w3's casts in a compiled
+    forward too, carrying the gradients so far: the forward does not join the parameters anew."""
+    ex = experts(False)
+    x, offsets = rows()
+    acc = {name: torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) for name, w, _ in ex.leaves()}
+
+    def grads(compiled: bool):
+        ex.step_casts, ex.grad_acc = step_casts.stack_casts(ex, x.dtype), dict(acc)
+        fn = lambda x: grouped.run_experts(ex, x, offsets, compiled)[:offsets[-1]]  # noqa: E731
+        out = (torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn)(x)
+        ex.step_casts = ex.grad_acc = None
+        return torch.autograd.grad(out.square().sum(), [w for _, w, _ in ex.leaves()])
+
+    ref = grads(False)
+    for g, r in zip(grads(True), ref):
+        assert close(g, r, 1e-7)
+
+
 def test_stacks_already_in_the_compute_dtype_stay_two():
     """Parameters in the compute dtype are read as they are: joining them would copy both stacks."""
     ex = experts(False)
     assert not grouped.fuses_gate_up(ex, torch.float32) and grouped.fuses_gate_up(ex, torch.bfloat16)
-    assert step_casts.stack_casts(ex, torch.float32, step_casts.join_gate_up) == {}
+    assert step_casts.stack_casts(ex, torch.float32, grouped.join_gate_up) == {}
     assert not grouped.fuses_gate_up(Experts(E, D, F, bias=False, dropout=0.0, gated=False), torch.bfloat16)
