@@ -1,11 +1,11 @@
 """planner/hardware.py GPU.grouped_half_work: the experts' grouped GEMM rate by expert width, rows per
 expert and expert count, against one dense GEMM of the same rows, and the constant fitted on it.
 
-    python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, about three minutes
+    python bench/calibrate/grouped_gemm.py --out FILE      # one GPU, under a minute
     python bench/calibrate/grouped_gemm.py --fit FILE [--card h200] [--write]   # the fit (CPU), into <card>.toml
 
-One SwiGLU expert MLP per group, as models/grouped.py runs it uncompiled: h = silu(x W1_g^T) * (x W3_g^T), y = h W2_g^T
-through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, G groups of R rows
+One SwiGLU expert MLP per group, as models/grouped.py runs it uncompiled: h = silu(x W1_g^T) * (x W3_g^T),
+y = h W2_g^T through torch's grouped GEMM in bf16, forward and backward (autograd), d_model 2048, G groups of R rows
 each (G 8-128, at most 131,072 rows in all: a micro-batch of 16k tokens at top-8), for expert widths
 256-4096 and R 128-4096. The dense row runs the same MLP on all G R rows with one weight (the rate the
 planner prices a dense MLP at). Each call is captured in a CUDA graph and replayed: the GPU's time,

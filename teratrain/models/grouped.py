@@ -1,8 +1,8 @@
 """Every expert's matmuls as one grouped GEMM per weight (compiled, w1 and w3 one: `fuses_gate_up`) over
-exactly the rows routed to it (MegaBlocks,
-Gale et al. 2023: dropless MoE as grouped matmuls over a permutation of the tokens, instead of one
-matmul per expert or a padded (experts, capacity, d) batch). The rows come laid out by expert
-(models/permute.py): group g's rows are [offsets[g-1], offsets[g]) of the buffer.
+exactly the rows routed to it (MegaBlocks, Gale et al. 2023: dropless MoE as grouped matmuls over a
+permutation of the tokens, instead of one matmul per expert or a padded (experts, capacity, d) batch).
+The rows come laid out by expert (models/permute.py): group g's rows are [offsets[g-1], offsets[g]) of
+the buffer.
 
 Nothing here reads a device value back to the host (only the loop fallback reads the group offsets
 back, once per call: free on a CPU), so the host can queue the next layers while the GPU works.
@@ -84,7 +84,8 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
     if fused is not None or (not made and torch.compiler.is_compiling() and fuses_gate_up(experts, dtype)):
         (w1, b1), (w3, b3) = leaves.pop("w1"), leaves.pop("w3")
         # cast, then joined: the backward hands each weight a contiguous gradient, not a slice of a joined one
-        w = join_gate_up(w1, w3, dtype) if fused is None else MadeCast.apply(fused, acc.get("w1"), acc.get("w3"), w1, w3)
+        w = join_gate_up(w1, w3, dtype) if fused is None else \
+            MadeCast.apply(fused, acc.get("w1"), acc.get("w3"), w1, w3)
         out["w13"] = (w, None if b1 is None else join_gate_up(b1, b3, dtype))
     for name, (w, b) in leaves.items():
         copy = made.get(name)

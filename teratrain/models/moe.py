@@ -94,9 +94,9 @@ class MoE(nn.Module):
 
     Dispatch: each of the N*K choices has a key, its expert or n when it is not sent; the rows are
     laid out by expert on the device by a permutation whose forward and backward are gathers
-    (models/permute.py), the experts run as one grouped GEMM per weight (compiled, w1 and w3 one), or one by one (`kernel`;
-    models/grouped.py), and the outputs are gathered back, weighted and summed per token; no device
-    value is read back to the host."""
+    (models/permute.py), the experts run as one grouped GEMM per weight (compiled, w1 and w3 one), or one
+    by one (`kernel`; models/grouped.py), and the outputs are gathered back, weighted and summed per
+    token; no device value is read back to the host."""
 
     def __init__(self, cfg: "ModelConfig", layer: int):
         super().__init__()

@@ -74,7 +74,8 @@ def test_one_gemm_for_w1_and_w3_equals_two(kernel, bias):
 
 def test_compiled_forward_casts_w1_and_w3_into_one_stack():
     """Without the step's casts (one micro-batch a step), a compiled forward casts w1 and w3 into one stack
-    (two grouped GEMMs a forward where there were three) and matches eager's two GEMMs (fp64; the fp32 gradients 1e-7)."""
+    (two grouped GEMMs a forward where there were three) and matches eager's two GEMMs (fp64; the fp32
+    gradients 1e-7)."""
     ex = experts(False)
     x, offsets = rows()
     widths = []
