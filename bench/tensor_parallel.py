@@ -218,7 +218,7 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
                         profiled(one))
         for name, (impl, extra) in VARIANTS.items():
             if (args.variants and name not in args.variants) or (compiled and impl == "dtensor"):
-                continue  # compiled DTensor blocks fail in backward (torch 2.13: a plain grad where a DTensor is due)
+                continue  # compiled DTensor blocks fail in backward: bench/dtensor_compile_repro.py
             if (not compiled and any(o in extra for o in COMPILED_ONLY)) or (ASYNC[0] in extra and args.smoke):
                 continue  # a setting of compiled code; async TP needs CUDA symmetric memory
             cfg = load_config(None, base + COMMON + batch + [f"parallel.tp={rt.world}"] + extra + extra_all)

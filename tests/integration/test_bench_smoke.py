@@ -175,3 +175,18 @@ def test_moe_host_ops_counts_the_planners_moe_ops(tmp_path):
     extra = result["ops"]["moe"] - result["ops"]["dense"]
     assert abs(extra - sum(OPS_MOE_EXTRA)) <= 0.05 * sum(OPS_MOE_EXTRA), extra
     assert result["extra_op_share"] > 0 and result["us_per_op_fastest"]["dense"] > 0
+
+
+def test_dtensor_compile_repro_runs_each_case_on_cpu(tmp_path):
+    """bench/dtensor_compile_repro.py (why the DTensor comparison runs eager) reports every case, and the
+    uncompiled one, its reference, passes: what fails compiled is the compile, not the reproduction."""
+    out = tmp_path / "repro.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(ROOT / "bench" / "dtensor_compile_repro.py"), "--backends", "aot_eager", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["sequence_parallel"], r["compile"]) for r in rows] == [
+        (True, "none"), (True, "aot_eager"), (False, "none"), (False, "aot_eager")]
+    assert all(r["outcome"] == "ok" for r in rows if r["compile"] == "none")
+    assert all(r["outcome"] for r in rows)
