@@ -9,8 +9,10 @@ it replicated), then each block compiled on its own, as torchtitan does, and one
 
 Each case runs in its own try: `eager` (no compile), and torch.compile with the backend `eager` (dynamo's
 graph, run eagerly), `aot_eager` (AOTAutograd's forward and backward graphs, run eagerly) and `inductor`;
-with and without sequence parallelism. The result names each case's outcome: "ok", or the exception's type
-and message. Measured: bench/README.md, "Tensor parallelism against DTensor".
+with and without sequence parallelism; the residual stream between the blocks as plain local tensors
+(torchtitan's plan: `use_local_output` left on) or kept a DTensor (`use_local_output=False`, what
+bench/tensor_parallel.py's compiled DTensor rows use). The result names each case's outcome: "ok", or the
+exception's type and message. Measured: bench/README.md, "Tensor parallelism against DTensor".
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def case(mesh, sp: bool, backend: str | None) -> str:
+def case(mesh, sp: bool, local: bool, backend: str | None) -> str:
     """One forward and backward of the split model; "ok" or what it raised."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
@@ -58,14 +60,18 @@ def case(mesh, sp: bool, backend: str | None) -> str:
     emb, head = nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
     blocks = nn.ModuleList(Block(d) for _ in range(2))
     seq = Shard(1) if sp else Replicate()
-    parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+    parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                                  use_local_output=local))
     parallelize_module(head, mesh, ColwiseParallel(input_layouts=seq, output_layouts=Replicate()))
     for block in blocks:
-        plan = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        plan = {"feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=local),
                 "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
         if sp:
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, mesh, plan)
+        if not sp and not local:  # the norm meets a DTensor: its weight one too, whole on every rank
+            distribute_module(block.ffn_norm, mesh)
         if backend:
             block.compile(backend=backend, fullgraph=True)
     try:
@@ -76,7 +82,8 @@ def case(mesh, sp: bool, backend: str | None) -> str:
         return "ok"
     except Exception as e:  # noqa: BLE001 - the outcome is what this script reports
         where = traceback.extract_tb(e.__traceback__)[-1]
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} ({where.filename.split('site-packages/')[-1]}:{where.lineno})"
+        message = str(e).splitlines()[0] if str(e) else ""
+        return f"{type(e).__name__}: {message} ({where.filename.split('site-packages/')[-1]}:{where.lineno})"
 
 
 def main() -> None:
@@ -91,10 +98,12 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rows = []
     for sp in (True, False):
-        for backend in [None, *a.backends]:
-            torch._dynamo.reset()
-            rows.append({"sequence_parallel": sp, "compile": backend or "none", "outcome": case(mesh, sp, backend)})
-            dist.barrier()
+        for local in (True, False):
+            for backend in [None, *a.backends]:
+                torch._dynamo.reset()
+                rows.append({"sequence_parallel": sp, "stream": "local" if local else "dtensor",
+                             "compile": backend or "none", "outcome": case(mesh, sp, local, backend)})
+                dist.barrier()
     if dist.get_rank() == 0:
         emit({"bench": "dtensor_compile_repro", **env_info(torch.device("cpu")), "world": dist.get_world_size(),
               "rows": rows}, a.out)

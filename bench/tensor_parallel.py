@@ -97,7 +97,7 @@ def dtensor(cfg, rt):
     mesh = init_device_mesh(rt.device.type, (rt.world,))
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    _dtensor_plan(model, mesh, cfg.parallel.use_sp)
+    _dtensor_plan(model, mesh, cfg.parallel.use_sp, local=not cfg.train.compile)
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:  # the fused optimizer (and clipping) would fail on, or mis-handle, a mix
         raise RuntimeError(f"the DTensor plan left plain parameters: {', '.join(plain[:4])}")
@@ -107,6 +107,9 @@ def dtensor(cfg, rt):
             init_param_(p.to_local(), name, cfg.model, 0)  # values differ from ours (sliced per rank): timing only
     model.init_buffers(rt.device)
     opt = build_optimizer(list(model.named_parameters()), cfg.optim)
+    if cfg.train.compile:  # torchtitan's: each block compiled on its own
+        for block in model.layers:
+            block.compile(mode=cfg.train.compile_mode)
 
     def step(x, y):
         with autocast("bf16", rt.device):
@@ -123,22 +126,28 @@ def dtensor(cfg, rt):
     return step
 
 
-def _dtensor_plan(model, mesh, sp: bool) -> None:
+def _dtensor_plan(model, mesh, sp: bool, local: bool = True) -> None:
+    """torchtitan's plan. `local`: the residual stream between the split regions as plain local tensors
+    (torchtitan's, eager); else kept a DTensor, as compiled blocks need: with plain tensors between them
+    their backward fails (bench/dtensor_compile_repro.py). Without SP it fails compiled either way: kept a
+    DTensor, the embedding's backward redistributes a Partial(sum) gradient to its MaskPartial, which
+    DTensor does not support (torch 2.13)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
     seq = Shard(1) if sp else Replicate()
     norm = SequenceParallel if sp else None
-    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+    top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=local),
            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
     if sp:
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in model.layers:
         plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=seq), "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=local),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=local),
                 # one entry per region: its gradient is reduced once, not once per projection
                 "attention": PrepareModuleInput(input_layouts=(seq, None, None, None),
                                                 desired_input_layouts=(Replicate(), None, None, None)),
@@ -146,18 +155,20 @@ def _dtensor_plan(model, mesh, sp: bool) -> None:
         if norm:
             plan.update({"attention_norm": norm(), "ffn_norm": norm()})
         parallelize_module(block, mesh, plan)
-    if not sp:  # whole norms on every rank: Replicate DTensor weights, plain tensors in and out
+    if not sp:  # whole norms on every rank
         for module in [model.norm] + [m for b in model.layers for m in (b.attention_norm, b.ffn_norm)]:
-            _replicate(module, mesh)
+            _replicate(module, mesh, local)
 
 
-def _replicate(module, mesh) -> None:
+def _replicate(module, mesh, local: bool) -> None:
+    """Whole norms on every rank: Replicate weights; plain tensors in and out where `local`, else DTensors."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
     def enter(mod, inputs, mesh):
-        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+        return tuple(t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                     for t in inputs)
 
-    distribute_module(module, mesh, input_fn=enter, output_fn=lambda mod, out, mesh: out.to_local())
+    distribute_module(module, mesh, input_fn=enter, output_fn=lambda mod, out, mesh: out.to_local() if local else out)
 
 
 def one_gpu(cfg, rt):
@@ -217,8 +228,8 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
         out[one] = _run(one_gpu, load_config(None, base + COMMON + batch + extra_all), rt, mb, warmup, steps, 1,
                         profiled(one))
         for name, (impl, extra) in VARIANTS.items():
-            if (args.variants and name not in args.variants) or (compiled and impl == "dtensor"):
-                continue  # compiled DTensor blocks fail in backward: bench/dtensor_compile_repro.py
+            if (args.variants and name not in args.variants) or (compiled and name == "dtensor_no_sp"):
+                continue  # compiled, DTensor without SP fails in backward either way (_dtensor_plan)
             if (not compiled and any(o in extra for o in COMPILED_ONLY)) or (ASYNC[0] in extra and args.smoke):
                 continue  # a setting of compiled code; async TP needs CUDA symmetric memory
             cfg = load_config(None, base + COMMON + batch + [f"parallel.tp={rt.world}"] + extra + extra_all)
