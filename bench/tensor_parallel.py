@@ -233,8 +233,15 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
             if (not compiled and any(o in extra for o in COMPILED_ONLY)) or (ASYNC[0] in extra and args.smoke):
                 continue  # a setting of compiled code; async TP needs CUDA symmetric memory
             cfg = load_config(None, base + COMMON + batch + [f"parallel.tp={rt.world}"] + extra + extra_all)
-            row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps, rt.world,
-                                         profiled(name + tag))
+            try:
+                row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps,
+                                             rt.world, profiled(name + tag))
+            except Exception as e:  # noqa: BLE001 - the peer's compiled form: recorded as it failed, the run goes on
+                if impl == "ours" or not compiled:
+                    raise
+                out[name + tag] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                keep(out)
+                continue
             row.update(against_one_gpu(row, out[one], out["one_gpu"], rt.world))
             if compiled:  # the same layout, eager in the same run: what compiling is worth to each
                 eager = out.get(name.removesuffix("_reorder").removesuffix("_async"))  # their eager run: the plain one
@@ -245,7 +252,7 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
             out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
     for tag, (a, b) in PAIRS.items():
         for c in ("",) + tuple(MODE_TAGS.values()):
-            if a + c in out and b + c in out:
+            if "tokens_per_s" in out.get(a + c, {}) and "tokens_per_s" in out.get(b + c, {}):
                 out[f"ours_vs_dtensor_{tag}{c}"] = round(out[a + c]["tokens_per_s"] / out[b + c]["tokens_per_s"], 4)
     return out
 
