@@ -1,4 +1,5 @@
-"""Why bench/tensor_parallel.py compares against DTensor TP only eager: a minimal reproduction in plain
+"""What DTensor tensor parallelism needs to train compiled, and why bench/tensor_parallel.py's compiled
+DTensor rows keep the residual stream a DTensor and run with SP only: a minimal reproduction in plain
 PyTorch, none of teratrain's code. Two residual blocks (an RMSNorm, then an MLP of two linears) between
 an embedding and a head, split by torchtitan's tensor-parallel plan (the embedding rowwise, each block's
 first linear colwise and second rowwise with `PrepareModuleInput` gathering the block's input; with

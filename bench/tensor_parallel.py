@@ -377,11 +377,12 @@ def main() -> None:
     ap.add_argument("--variants", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated subset of {','.join(VARIANTS)} (one GPU always runs); default all")
     ap.add_argument("--compile", nargs="?", const="default", type=lambda s: s.split(","), default=None,
-                    help="run ours and one GPU once more per train.compile_mode given (comma-separated; default: "
-                         "default), reported as NAME_compiled / _graphed (reduce-overhead) / _autotuned with "
-                         "vs_eager; one GPU runs in every mode too, and each tp row's per_gpu_efficiency_same_mode "
-                         "is against the one-GPU run of its own mode (DTensor's compiled blocks fail in backward on "
-                         "torch 2.13, so its rows stay eager)")
+                    help="run each variant and one GPU once more per train.compile_mode given (comma-separated; "
+                         "default: default), reported as NAME_compiled / _graphed (reduce-overhead) / _autotuned "
+                         "with vs_eager; one GPU runs in every mode too, and each tp row's "
+                         "per_gpu_efficiency_same_mode is against the one-GPU run of its own mode (DTensor compiled: "
+                         "with SP only, each block compiled, its residual stream kept a DTensor; a failure is "
+                         "recorded in its row: bench/dtensor_compile_repro.py)")
     ap.add_argument("--no-parity", action="store_true", help="skip the loss check against one GPU")
     ap.add_argument("--parity-only", action="store_true", help="only the loss check (no timed variants)")
     args = ap.parse_args()
