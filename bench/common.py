@@ -213,6 +213,11 @@ def count_ops(step) -> int:
     return c.n
 
 
+def error_text(e: BaseException) -> str:
+    """An exception as a result row records it: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+
+
 def emit(obj: dict, out: str | None = None) -> None:
     text = json.dumps(obj, indent=1)
     print(text, flush=True)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # common puts the checkout on sys.path
-from common import emit, env_info
+from common import emit, env_info, error_text
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 
@@ -83,8 +83,7 @@ def case(mesh, sp: bool, local: bool, backend: str | None) -> str:
         return "ok"
     except Exception as e:  # noqa: BLE001 - the outcome is what this script reports
         where = traceback.extract_tb(e.__traceback__)[-1]
-        message = str(e).splitlines()[0] if str(e) else ""
-        return f"{type(e).__name__}: {message} ({where.filename.split('site-packages/')[-1]}:{where.lineno})"
+        return f"{error_text(e)} ({where.filename.split('site-packages/')[-1]}:{where.lineno})"
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit, env_info, fresh_compile, fresh_memory, graph_breaks, peak_gib, sync  # noqa: E402
+from common import emit, env_info, error_text, fresh_compile, fresh_memory, graph_breaks, peak_gib, sync  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
 
 from teratrain.config import load_config  # noqa: E402
@@ -239,7 +239,7 @@ def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
             except Exception as e:  # noqa: BLE001 - the peer's compiled form: recorded as it failed, the run goes on
                 if impl == "ours" or not compiled:
                     raise
-                out[name + tag] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                out[name + tag] = {"error": error_text(e)}
                 keep(out)
                 continue
             row.update(against_one_gpu(row, out[one], out["one_gpu"], rt.world))

@@ -30,8 +30,8 @@ import json
 import sys
 
 import torch
-from common import (add_weights_arg, config, device, emit, env_info, fresh_compile, fresh_memory, hf_llama, hf_step,
-                    smoke_compile, summarize, time_steps, weights_set)
+from common import (add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory, hf_llama,
+                    hf_step, smoke_compile, summarize, time_steps, weights_set)
 from trace_summary import profile_steps
 
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -135,7 +135,7 @@ def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
         loss = step(inputs, targets)
         prof = profile_steps(lambda: step(inputs, targets), dev, steps=2, top=8) if args.profile else None
     except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the job
-        return {"impl": impl, "mode": mode, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"impl": impl, "mode": mode, "error": error_text(e)}
     row = {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
            "loss": round(loss, 4)}
     if prof is not None:

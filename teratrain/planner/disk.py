@@ -36,8 +36,7 @@ def params_checkpoint_bytes(params: Iterable[tuple[tuple[int, ...], bool]], trai
     trained = [tuple(s) for s, trainable in params if trainable]
     n_trained = sum(map(math.prod, trained))
     frozen = sum(math.prod(s) for s, trainable in params if not trainable)
-    frozen_width = 2 if train.lora and train.lora[-1] == "bf16" else 4
     sharded = lay.zero >= 1 and train.optimizer not in WHOLE_PARAM_OPTIMIZERS
     steps = 4 * len(trained) if train.optimizer in ("adamw", "adafactor") else 0
-    one = 4 * n_trained + frozen_width * frozen + 4 * optimizer_elems(train, trained, n_trained, sharded) + steps
+    one = 4 * n_trained + train.frozen_width * frozen + 4 * optimizer_elems(train, trained, n_trained, sharded) + steps
     return one * (lay.dp if sync == "local-sgd" else 1)

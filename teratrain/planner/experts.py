@@ -23,8 +23,8 @@ def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU)
     c, widths = shape.cfg, train.widths(lay.zero, lay.offload)
     work = lay.tokens(c.seq_len) * shape.top_k * lay.ep / shape.num_experts * c.expert_ffn_dim / expert_tp(lay)
     rate = lambda w: w / (w + gpu.grouped_half_work)  # noqa: E731
-    frozen_bf16 = bool(train.lora) and train.lora[-1] == "bf16"  # parallelize stores frozen weights in bf16
-    if c.arch == "llama" and widths.param != widths.compute and not frozen_bf16 and not train.gate_up_apart:
+    cast = widths.param != widths.compute and train.frozen_width == 4  # a bf16 LoRA base is read as it is
+    if c.arch == "llama" and cast and not train.gate_up_apart:
         return 1 / (2 / 3 / rate(2 * work) + 1 / 3 / rate(work))
     return rate(work)
 

@@ -245,6 +245,11 @@ class Training:
     # planner/refit.py. Never set from a Config.
     gate_up_apart: bool = False
 
+    @property
+    def frozen_width(self) -> int:
+        """Bytes of a frozen parameter: LoRA's base in lora.base_dtype (parallelize stores it in bf16), else fp32."""
+        return 2 if self.lora and self.lora[-1] == "bf16" else 4
+
     def uses_masters(self, zero: int, offload: str = "none") -> bool:
         """Config.use_master_weights's rule (memory/precision.py) for this layout."""
         return uses_master_weights(self.precision, zero, offload, self.master_weights)

@@ -321,8 +321,7 @@ def _replica_states(shape, train: Training, lay: Layout, local: int, w, steps: i
         trained = [t.shape for t in tensors if t.trainable]
         n_train = sum(map(math.prod, trained))
         elems, n_tensors = optimizer_elems(train, trained, n_train, False), len(trained)
-        frozen_bytes = 2 if train.lora and train.lora[-1] == "bf16" else 4
-        params = n_train * w.param + (local - n_train) * frozen_bytes
+        params = n_train * w.param + (local - n_train) * train.frozen_width
     else:
         (elems, n_tensors), n_train = _local_opt_elems(train, shape, local), local
         params = local * w.param
