@@ -202,10 +202,10 @@ def _losses(cfg, rt, model, engine, batches: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def measure(sets: list[str], args, single: bool = False) -> dict:
+def measure(sets: list[str], args, single: bool = False, name: str = "") -> dict:
     """Build one model through parallelize() and time its optimizer steps on random tokens; compiled
     (train.compile): also its graph breaks, every one a return to Python on each step. `single`: one
-    process on this rank's GPU (`--one-gpu`)."""
+    process on this rank's GPU (`--one-gpu`); `name`: the run's, naming its `--trace` file."""
     compiled = "train.compile=true" in sets
     if compiled:
         fresh_compile()
@@ -242,7 +242,8 @@ def measure(sets: list[str], args, single: bool = False) -> dict:
         if rt.device.type == "cuda" and not compiled:  # the layer alone runs eager: said for the eager rows
             out["moe_layer_host_syncs"] = _host_syncs(moe_layers(model)[0][1], micro[0][0].numel(), cfg, rt.device)
     if args.profile:
-        out["profile"] = _profile(step, rt.device)
+        trace = f"{args.trace}_{name}.json.gz" if args.trace and int(os.environ["RANK"]) == 0 else None
+        out["profile"] = _profile(step, rt.device, trace)
     out["active_params"], out["params"] = count_params(m)["active"], count_params(m)["total"]
     if compiled:
         out["first_step_s"] = round(first_s, 1)  # the compile, mostly
@@ -362,12 +363,13 @@ def _host_syncs(layer, tokens: int, cfg, device: torch.device) -> str:
         layer.pop_stats()
 
 
-def _profile(step, device: torch.device) -> dict:
+def _profile(step, device: torch.device, trace: str | None = None) -> dict:
     """torch.profiler over 2 steps (bench/trace_summary.py): per step, the GPU's busy and idle time, its
-    NCCL kernels' time and the part of it no compute kernel runs under, copies, and the top ops."""
+    NCCL kernels' time and the part of it no compute kernel runs under, copies, and the top ops;
+    `trace`: the Chrome trace written there too."""
     from trace_summary import profile_steps
 
-    return profile_steps(step, device, steps=2, top=12)
+    return profile_steps(step, device, steps=2, top=12, trace=trace)
 
 
 def _max_over_ranks(value: float, rt) -> float:
@@ -398,7 +400,7 @@ def worker(args) -> None:
                      if not args.parity_only and (not args.only or name in args.only)}, args)
     results = {}
     for name, sets in runs.items():  # the speeds first: a run cut short by a time limit keeps those it measured
-        results[name] = measure(base + sets, args)
+        results[name] = measure(base + sets, args, name=name)
         if int(os.environ["RANK"]) == 0 and args.out:
             Path(args.out).write_text(_report(args, world, eps, batch, None, results, partial=True))
     if args.one_gpu:
@@ -532,6 +534,8 @@ def main() -> None:
                         "(bf16 weights, fp32 masters) or parallel.reduce_dtype=bf16")
     p.add_argument("--parity-steps", type=int, default=6, help="steps of the loss check against one process (0: none)")
     p.add_argument("--profile", action="store_true", help="add a torch.profiler account of 2 steps of each model")
+    p.add_argument("--trace", metavar="PREFIX", help="with --profile: rank 0 also writes each model's Chrome trace "
+                   "to PREFIX_NAME.json.gz (Perfetto opens it)")
     p.add_argument("--compile", action="store_true",
                    help="run every model once more with train.compile (NAME_compiled: graph breaks, vs_eager, "
                         "moe_vs_dense against the compiled dense model); the parity check runs compiled")

@@ -68,9 +68,10 @@ def kernel_kinds(kernels: list[tuple[str, float, float]], steps: int) -> dict:
                    "top": _top_names(ks, steps, top=3)} for kind, ks in by.items() if ks}
 
 
-def traced_kernels(step, device: torch.device, steps: int = 2) -> tuple:
+def traced_kernels(step, device: torch.device, steps: int = 2, trace: str | None = None) -> tuple:
     """Run step() `steps` times under the profiler (after one untraced call): the profile, every
-    device kernel as (name, start_us, end_us), and the traced steps' wall seconds."""
+    device kernel as (name, start_us, end_us), and the traced steps' wall seconds. `trace`: also write
+    the Chrome trace there (gzipped when it ends in .gz; open it in Perfetto)."""
     step()
     sync(device)
     with profile(activities=activities(device)) as prof:
@@ -79,6 +80,8 @@ def traced_kernels(step, device: torch.device, steps: int = 2) -> tuple:
             step()
         sync(device)
         wall = time.perf_counter() - t0
+    if trace:
+        prof.export_chrome_trace(trace)
     # a record_function range (the optimizer's "Optimizer.step#AdamW.step") also shows on the device as a
     # user annotation spanning its kernels: not a kernel, so not counted
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
@@ -87,9 +90,10 @@ def traced_kernels(step, device: torch.device, steps: int = 2) -> tuple:
     return prof, kernels, wall
 
 
-def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15) -> dict:
-    """Run step() `steps` times under the profiler (after one untraced call) and summarize per step."""
-    prof, kernels, _ = traced_kernels(step, device, steps)
+def profile_steps(step, device: torch.device, steps: int = 2, top: int = 15, trace: str | None = None) -> dict:
+    """Run step() `steps` times under the profiler (after one untraced call) and summarize per step
+    (`trace`: also write the Chrome trace there)."""
+    prof, kernels, _ = traced_kernels(step, device, steps, trace)
     out = kernel_account(kernels, steps)
     out["kinds"] = kernel_kinds(kernels, steps)
     out["top_ops"] = top_ops(prof, device, steps, top)
