@@ -388,14 +388,14 @@ def worker(args) -> None:
     mb = micro_batch(args.smoke) if args.shape != "qwen3-30b-a3b" else min(micro_batch(args.smoke), 2)
     base = (SMOKE if args.smoke else GPU) + [f"train.micro_batch={mb}",
                                              f"train.global_batch={args.global_batch or MICRO_PER_RANK * world * mb}"]
-    base += args.set  # every model, dense and MoE alike (e.g. memory.master_weights=true)
+    base += [s for s in args.set if s not in compiled_sets(args)]  # every model, dense and MoE alike
     ran = load_config(None, base).train  # the batch the runs take (--set may change the micro-batch)
     batch = (ran.micro_batch, ran.global_batch)
     if args.compile and args.smoke:
         smoke_compile()
     runs = models(args.smoke, eps, args.a2a_chunks, args.shape, args.capacity)
     checked = f"moe_ep{max(eps)}_chunks{max(args.a2a_chunks)}"  # the pipelined exchange where there is one
-    checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (COMPILED if args.compile else [])
+    checked = base + runs.get(checked, runs[f"moe_ep{max(eps)}"]) + (compiled_sets(args) if args.compile else [])
     runs = in_modes({name: sets for name, sets in runs.items()
                      if not args.parity_only and (not args.only or name in args.only)}, args)
     results = {}
@@ -433,11 +433,17 @@ def in_modes(runs: dict[str, list[str]], args) -> dict[str, list[str]]:
     if not args.compile:
         return runs
     tag = compiled_tag(args)
-    compiled = {f"{name}{tag}": sets + COMPILED for name, sets in runs.items()}
+    compiled = {f"{name}{tag}": sets + compiled_sets(args) for name, sets in runs.items()}
     if args.reorder:  # each exchanging MoE once more with inductor's collective reordering
-        compiled.update({f"{name}_reorder{tag}": sets + COMPILED + ["train.compile_overlap=true"]
+        compiled.update({f"{name}_reorder{tag}": sets + compiled_sets(args) + ["train.compile_overlap=true"]
                          for name, sets in runs.items() if name.startswith("moe_") and "parallel.ep=1" not in sets})
     return compiled if args.compile_only else {**runs, **compiled}
+
+
+def compiled_sets(args) -> list[str]:
+    """The settings of this job's compiled runs: train.compile, and any `--set train.compile_mode=...` (a mode
+    of train.compile, refused on the eager runs)."""
+    return COMPILED + [s for s in args.set if s.startswith("train.compile_mode=")]
 
 
 def compiled_tag(args) -> str:
