@@ -12,7 +12,7 @@ the stacks' casts 23 ms of 241, 6.6 of 219; bench/README.md):
   in float8, neither forward nor for the input gradient), as ZeRO-3's float8 gathers do; rowwise scales
   cast each weight along two axes, which no single copy serves;
 - the experts' weight stacks held wider than the compute dtype (fp32 parameters under autocast):
-  their bf16 copies (`Experts.step_casts`; compiled, w1 and w3 written interleaved into one, for one
+  their bf16 copies (`Experts.step_casts`; compiled, w1 and w3 written side by side into one, for one
   grouped GEMM: models/grouped.py fuses_gate_up), which each micro-batch's grouped GEMMs read and save for
   backward (eager, every layer's copy is alive at the end of a forward either way; compiled, the
   partition recast them in backward instead: the step's copies add their bytes to the peak).

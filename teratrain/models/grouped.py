@@ -57,7 +57,7 @@ def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
 
 
 def fuses_gate_up(experts: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether w1 and w3 run as one grouped GEMM over their stacks joined (`join_gate_up`), (E, 2 d_ff, d): gated
+    """Whether w1 and w3 run as one grouped GEMM over their stacks side by side, (E, 2 d_ff, d): gated
     experts whose weights are cast to `dtype` anyway (the cast writes both into one buffer; stacks already in
     `dtype` would be copied for it), in a compiled forward (cast_stacks) or wherever the step's casts joined
     them (memory/step_casts.py, under train.compile). One GEMM reads the rows once and, in backward, gives
@@ -69,7 +69,7 @@ def fuses_gate_up(experts: nn.Module, dtype: torch.dtype) -> bool:
 
 def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) -> dict:
     """Each (weight, bias) stack of the experts by leaf (w1, w3, w2), in `dtype`: one cast a stack; w1 and
-    w3 as one stack "w13" (E, 2 d_ff, d; `join_gate_up`) where the step's casts made them so or, compiling,
+    w3 as one stack "w13" (E, 2 d_ff, d) where the step's casts made them so or, compiling,
     `fuses_gate_up`. Made once per forward of a layer: a chunked exchange (parallel/expert.py) runs the
     experts once per chunk on the same casts. Where the step made its weight casts ahead
     (`experts.step_casts`, memory/step_casts.py: once for all its micro-batches), those stand for the
@@ -95,18 +95,8 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
 
 
 def join_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w1 and w3 (or b1 and b3) each cast to `dtype` and interleaved along dim 1, row i of w1 at 2i and of
-    w3 at 2i + 1: the stack the one GEMM reads. Its output holds each hidden unit's gate and up values
-    side by side (`gate_up_halves`), so the backward of silu(h1) * h3 reads and writes each pair in one
-    place; with the halves apart (w1's rows, then w3's), inductor's concatenation of their gradients read
-    every input once per half (one H200, 8 experts of 2816, 16,384 rows: 0.208 ms a layer against dense
-    SwiGLU's 0.110 for the same elements)."""
-    return torch.stack([w1.to(dtype), w3.to(dtype)], 2).flatten(1, 2)
-
-
-def gate_up_halves(joined: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The w1 and w3 parts of a `join_gate_up` stack (dim 1) or of its GEMM's output (dim -1): strided views."""
-    return joined.unflatten(dim, (-1, 2)).unbind(dim + 1 if dim >= 0 else dim)
+    """w1 and w3 (or b1 and b3) each cast to `dtype`, side by side along dim 1: the stack the one GEMM reads."""
+    return torch.cat([w1.to(dtype), w3.to(dtype)], 1)
 
 
 def split_gate_up(stacks: dict) -> dict:
@@ -114,33 +104,33 @@ def split_gate_up(stacks: dict) -> dict:
     if "w13" not in stacks:
         return stacks
     (w, b), rest = stacks["w13"], {k: v for k, v in stacks.items() if k != "w13"}
-    w1, w3 = gate_up_halves(w, 1)
-    b1, b3 = (None, None) if b is None else gate_up_halves(b, 1)
+    w1, w3 = w.chunk(2, 1)
+    b1, b3 = (None, None) if b is None else b.chunk(2, 1)
     return {"w1": (w1, b1), "w3": (w3, b3), **rest}
 
 
 class MadeCast(torch.autograd.Function):
-    """`copy`, the cast of params made before this forward (param.to(copy.dtype), detached; two params
-    joined along dim 1 as one stack by `join_gate_up`), standing for their casts in the graph: backward hands each
+    """`copy`, the cast of params made before this forward (param.to(copy.dtype), detached; several params
+    side by side along dim 1, as one stack), standing for their casts in the graph: backward hands each
     param its part of the gradient in param's dtype, as the cast's own backward does. With its `acc`, the
     gradient param had before this micro-batch (taken off it by memory/step_casts.py `take_grads`),
     backward hands acc + its gradient, which autograd then adopts as param's gradient: the cast and the
     accumulation one pass (10 bytes a parameter where the cast wrote 4 and read 2 and the accumulation
     read 8 and wrote 4). param.grad and its post-accumulate hooks see what they would have; a tensor hook
-    on param sees the sum. Call: apply(copy, acc, param) or, for a joined stack, apply(copy, acc_1, acc_3,
-    w1, w3); accs None where none; the params of one dtype (the stacks of one module)."""
+    on param sees the sum. Call: apply(copy, acc_1, ..., acc_n, param_1, ..., param_n), accs None where none;
+    the params of one dtype (the stacks of one module)."""
 
     @staticmethod
     def forward(ctx, copy: torch.Tensor, *accs_params) -> torch.Tensor:
         n = len(accs_params) // 2
-        ctx.dtype = accs_params[n].dtype
+        ctx.dtype, ctx.sizes = accs_params[n].dtype, [p.shape[1] for p in accs_params[n:]]
         ctx.save_for_backward(*accs_params[:n])
         return copy.view_as(copy)
 
     @staticmethod
     def backward(ctx, grad):
         accs = ctx.saved_tensors
-        parts = gate_up_halves(grad, 1) if len(accs) > 1 else (grad,)
+        parts = grad.split(ctx.sizes, 1) if len(accs) > 1 else (grad,)
         out = [g.to(ctx.dtype) if acc is None else acc + g for acc, g in zip(accs, parts)]
         return None, *(None for _ in accs), *out
 
@@ -184,8 +174,8 @@ def _grouped(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, stacks:
     group = None
     if stacks["w2"][1] is not None:  # each row's expert, for its bias (len(experts): past the end)
         group = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype), right=True)
-    if "w13" in stacks:  # w1 and w3 joined: one GEMM (fuses_gate_up)
-        h1, h3 = gate_up_halves(_gmm(x, *stacks["w13"], offsets, group), -1)
+    if "w13" in stacks:  # w1 and w3 side by side: one GEMM (fuses_gate_up)
+        h1, h3 = _gmm(x, *stacks["w13"], offsets, group).chunk(2, -1)
         h = F.silu(h1) * h3
     elif "w3" in stacks:
         h = F.silu(_gmm(x, *stacks["w1"], offsets, group)) * _gmm(x, *stacks["w3"], offsets, group)

@@ -70,7 +70,7 @@ class Experts(nn.Module):
         self.b2 = stack(d_model) if bias else None
         self.dropout = nn.Dropout(dropout)
         self.bias_share: float | None = None  # tensor parallelism: b2 added times this, 0 on all but one tp rank
-        # {leaf: its weight stack in the compute dtype; "w13": w1 and w3 joined (join_gate_up), under train.compile} where
+        # {leaf: its weight stack in the compute dtype; "w13": w1 and w3 side by side, under train.compile} where
         # the step casts them once for its micro-batches (memory/step_casts.py); None: each forward casts them
         # (models/grouped.py cast_stacks)
         self.step_casts: dict[str, torch.Tensor] | None = None

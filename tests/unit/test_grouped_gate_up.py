@@ -1,4 +1,4 @@
-"""models/grouped.py: w1 and w3 of the gated experts as one grouped GEMM over their stacks joined
+"""models/grouped.py: w1 and w3 of the gated experts as one grouped GEMM over their stacks side by side
 ("w13", `fuses_gate_up`) give the outputs and gradients of two GEMMs, from the step's casts
 (memory/step_casts.py, compiled) carrying the gradients so far and from the cast a compiled forward makes."""
 
@@ -139,16 +139,3 @@ def test_stacks_already_in_the_compute_dtype_stay_two():
     assert not grouped.fuses_gate_up(ex, torch.float32) and grouped.fuses_gate_up(ex, torch.bfloat16)
     assert step_casts.stack_casts(ex, torch.float32, grouped.join_gate_up) == {}
     assert not grouped.fuses_gate_up(Experts(E, D, F, bias=False, dropout=0.0, gated=False), torch.bfloat16)
-
-
-def test_the_join_interleaves_gate_and_up_rows():
-    """Row i of w1 at 2i of the joined stack and of w3 at 2i + 1 (so the GEMM's output holds each hidden
-    unit's gate and up values side by side), and gate_up_halves reads them back, of weights and of biases."""
-    ex = experts(True)
-    w = grouped.join_gate_up(ex.w1, ex.w3, torch.float64)
-    assert torch.equal(w[:, 0::2], ex.w1.double()) and torch.equal(w[:, 1::2], ex.w3.double())
-    halves = grouped.split_gate_up({"w13": (w, grouped.join_gate_up(ex.b1, ex.b3, torch.float64))})
-    for name in ("w1", "w3"):
-        got_w, got_b = halves[name]
-        assert torch.equal(got_w, getattr(ex, name).double())
-        assert torch.equal(got_b, getattr(ex, "b" + name[1]).double())
