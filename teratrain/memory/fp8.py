@@ -77,7 +77,7 @@ class Fp8Gemm:
         cast, memory/step_casts.py), used as it is (torchao casts no operand it finds in float8); `weight`
         then only receives the gradient."""
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
-        w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
+        w = weight if float8 is None else _Float8Operand.apply(weight, float8, self, float8.acc)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -90,6 +90,7 @@ class Float8Weight:
 
     data: torch.Tensor  # (d_out, d_in) float8_e4m3fn
     scale: torch.Tensor  # () float32: data = saturate(weight * scale)
+    acc: torch.Tensor | None = None  # the step's cast: the weight's gradient so far (step_casts.py take_grads)
 
 
 class TensorwiseCast:
@@ -118,16 +119,22 @@ class TensorwiseCast:
 class _Float8Operand(torch.autograd.Function):
     """The float8 weight made before the forward as torchao's Float8TrainingTensor, standing for `weight`:
     forward reads nothing of `weight` (under ZeRO-3 its storage is empty), backward hands the weight's
-    gradient to it unchanged, as torchao's own cast does (`_ToFloat8ConstrFunc`)."""
+    gradient to it unchanged, as torchao's own cast does (`_ToFloat8ConstrFunc`), or, with `acc` (the
+    gradient the weight had before this micro-batch, taken off it by memory/step_casts.py `take_grads`),
+    acc plus it, which autograd adopts as the weight's gradient: the cast of the bf16 gradient to the
+    weight's dtype and the accumulation one pass (10 bytes a weight where they moved 18), as for the
+    stacked experts (models/grouped.py MadeCast)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, float8: Float8Weight, gemm: Fp8Gemm):
+    def forward(ctx, weight: torch.Tensor, float8: Float8Weight, gemm: Fp8Gemm, acc: torch.Tensor | None):
+        ctx.save_for_backward(acc)
         return gemm.float8_tensor(float8.data, float8.scale, weight.dtype, linear_mm_config=gemm.mm_config,
                                   gemm_input_role=gemm.weight_role)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        (acc,) = ctx.saved_tensors
+        return grad if acc is None else acc + grad, None, None, None
 
 
 class Fp8Linear(nn.Module):

@@ -18,11 +18,10 @@ the stacks' casts 23 ms of 241, 6.6 of 219; bench/README.md):
   partition recast them in backward instead: the step's copies add their bytes to the peak).
 Each parameter receives its gradient in its own dtype through the graph, as through the casts of each
 micro-batch (models/grouped.py MadeCast, memory/fp8.py _Float8Operand), so accumulation, gradient hooks
-(post-accumulate; below, a stacked weight's tensor hook sees the sum) and data-parallel reductions see no
+(post-accumulate; below, a tensor hook on a weight cast once sees the sum) and data-parallel reductions see no
 difference; the bytes are those the per-micro-batch casts make (the same elementwise casts of the same
-weights), so the losses and gradients are too. A stacked expert weight's gradient from the earlier
-micro-batches rides along (`take_grads`): the backward of its cast adds it to the micro-batch's in the same
-pass (one H200, a Qwen3-30B-A3B-shaped MoE, 2 micro-batches: the gradients' casts and the accumulation 28 ms
+weights), so the losses and gradients are too. A weight's gradient from the earlier micro-batches rides
+along (`take_grads`): the backward of its cast adds it to the micro-batch's in the same pass (one H200, a Qwen3-30B-A3B-shaped MoE, 2 micro-batches: the gradients' casts and the accumulation 28 ms
 of 192 a step before, 18 of 184 since; compiled, the forward with the gradients carried is a second graph,
 compiled at the second micro-batch; bench/README.md).
 
@@ -88,10 +87,15 @@ class StepCasts:
                 experts.step_casts = experts.grad_acc = None
 
     def take_grads(self) -> None:
-        """Before a micro-batch's forward: each stacked expert weight cast this step moves the gradient it
-        has so far, where autograd owns it (not a view of an engine's buffer, into which autograd adds in
-        place), to its layer's `grad_acc`; the backward of the weight's cast hands back that gradient plus
-        the micro-batch's (models/grouped.py MadeCast), which autograd adopts as the weight's gradient."""
+        """Before a micro-batch's forward: each weight cast this step (float8 linears, stacked experts)
+        moves the gradient it has so far, where autograd owns it (not a view of an engine's buffer, into
+        which autograd adds in place), to its cast (`Float8Weight.acc`, its layer's `grad_acc`); the
+        backward of the weight's cast hands back that gradient plus the micro-batch's (memory/fp8.py
+        _Float8Operand, models/grouped.py MadeCast), which autograd adopts as the weight's gradient."""
+        for linear in self.linears:
+            w, made = linear.weight, linear.float8_weight
+            if made is not None and w.grad is not None and w.grad._base is None:
+                made.acc, w.grad = w.grad, None
         for experts in self.experts:
             acc, made = {}, set(experts.step_casts or {})
             made |= {"w1", "w3"} if "w13" in made else set()
