@@ -77,7 +77,9 @@ class Fp8Gemm:
         cast, memory/step_casts.py), used as it is (torchao casts no operand it finds in float8); `weight`
         then only receives the gradient."""
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
-        w = weight if float8 is None else _Float8Operand.apply(weight, float8, self, float8.acc)
+        if float8 is not None:
+            weight = weight if float8.acc is None else _CarriedGrad.apply(weight, float8.acc)
+        w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -119,22 +121,35 @@ class TensorwiseCast:
 class _Float8Operand(torch.autograd.Function):
     """The float8 weight made before the forward as torchao's Float8TrainingTensor, standing for `weight`:
     forward reads nothing of `weight` (under ZeRO-3 its storage is empty), backward hands the weight's
-    gradient to it unchanged, as torchao's own cast does (`_ToFloat8ConstrFunc`), or, with `acc` (the
-    gradient the weight had before this micro-batch, taken off it by memory/step_casts.py `take_grads`),
-    acc plus it, which autograd adopts as the weight's gradient: the cast of the bf16 gradient to the
-    weight's dtype and the accumulation one pass (10 bytes a weight where they moved 18), as for the
-    stacked experts (models/grouped.py MadeCast)."""
+    gradient to it unchanged, as torchao's own cast does (`_ToFloat8ConstrFunc`)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, float8: Float8Weight, gemm: Fp8Gemm, acc: torch.Tensor | None):
-        ctx.save_for_backward(acc)
+    def forward(ctx, weight: torch.Tensor, float8: Float8Weight, gemm: Fp8Gemm):
         return gemm.float8_tensor(float8.data, float8.scale, weight.dtype, linear_mm_config=gemm.mm_config,
                                   gemm_input_role=gemm.weight_role)
 
     @staticmethod
     def backward(ctx, grad):
+        return grad, None, None
+
+
+class _CarriedGrad(torch.autograd.Function):
+    """`weight` itself forward; backward hands it `acc` (the gradient the weight had before this
+    micro-batch, taken off it by memory/step_casts.py `take_grads`) plus the micro-batch's, which autograd
+    adopts as the weight's gradient: the cast of the bf16 gradient to the weight's dtype and the accumulation
+    one pass (10 bytes a weight where they moved 18), as for the stacked experts (models/grouped.py
+    MadeCast). Apart from _Float8Operand, whose output is a float8 tensor: tracing its backward, torch.compile
+    stands a float8 tensor for the gradient, which an addition does not take."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, acc: torch.Tensor):
+        ctx.save_for_backward(acc)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
         (acc,) = ctx.saved_tensors
-        return grad if acc is None else acc + grad, None, None, None
+        return acc + grad, None
 
 
 class Fp8Linear(nn.Module):
