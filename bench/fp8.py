@@ -118,6 +118,7 @@ def speed(args, dev) -> dict:
             "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "scope": args.scope,
             "compile_mode": args.compile_mode,
             "weights": args.weights, "weight casts": "once a step",  # memory/step_casts.py (planner/refit.py)
+            "float8 gradients": "through the casts",  # the gradient so far carried (memory/fp8.py _CarriedGrad)
             "results": rows,
             "ratios": ratios(rows, args.recipe)}
 
