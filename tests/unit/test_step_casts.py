@@ -68,11 +68,15 @@ def _run(sets: list[str], once: bool, steps: int = 2, kernel: str = "grouped"):
 
 
 @pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
-def test_float8_weights_cast_once_a_step_train_bit_for_bit_as_every_micro_batch():
-    sets = ["memory.fp8=tensorwise", "memory.fp8_emulate=true"]
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_float8_weights_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(recompute):
+    """Also where recomputation replays each block's forward in backward: the replay carries the same
+    gradient so far (memory/step_casts.py take_grads) as the first forward."""
+    sets = ["memory.fp8=tensorwise", "memory.fp8_emulate=true", f"memory.recompute={recompute}"]
     once_losses, once_grads, (float8, _), model, used = _run(sets, once=True)
     every_losses, every_grads, (none, _), _, unused = _run(sets, once=False)
-    assert (used, unused) == (14 * 3 * 3, 0)  # 14 linears, 3 micro-batches, 3 steps
+    replays = 2 if recompute == "full" else 1  # recomputation casts again in backward
+    assert (used, unused) == (14 * 3 * 3 * replays, 0)  # 14 linears, 3 micro-batches, 3 steps
     assert len(float8) == 14 and all(isinstance(w, fp8.Float8Weight) for w in float8)
     assert all(w is None for w in none)
     assert once_losses == every_losses
