@@ -180,6 +180,21 @@ def test_compiled_expert_stacks_carry_the_gradients_so_far_through_their_casts()
         assert (grad - ref).norm() <= 1e-3 * ref.norm() + 1e-12, name
 
 
+@pytest.mark.long
+@pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
+def test_compiled_float8_weights_carry_the_gradients_so_far_through_their_casts():
+    """Compiled (emulated float8), the backward of each float8 weight's cast adds the gradient of the step's
+    earlier micro-batches: the same losses (1e-5) and gradients (1e-3 relative in norm) as casting every
+    micro-batch, where autograd accumulates (tests/gpu/test_step_casts_cuda.py's tolerances)."""
+    sets = ["memory.fp8=tensorwise", "memory.fp8_emulate=true", "train.compile=true"]
+    once_losses, once_grads, *_ = _run(sets, once=True, steps=1)
+    every_losses, every_grads, *_ = _run(sets, once=False, steps=1)
+    assert once_losses == pytest.approx(every_losses, rel=1e-5)
+    for name, grad in once_grads.items():
+        ref = every_grads[name]
+        assert (grad - ref).norm() <= 1e-3 * ref.norm() + 1e-12, name
+
+
 def test_stacks_in_the_compute_dtype_are_not_copied():
     """Parameters already in bf16 (fp32 masters in the optimizer) are what the grouped GEMMs read."""
     *_, (_, stacks), _, used = _run([*MOE, "memory.master_weights=true"], once=True, steps=1)
