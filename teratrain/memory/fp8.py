@@ -77,8 +77,8 @@ class Fp8Gemm:
         cast, memory/step_casts.py), used as it is (torchao casts no operand it finds in float8); `weight`
         then only receives the gradient."""
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
-        if float8 is not None:
-            weight = weight if float8.acc is None else _CarriedGrad.apply(weight, float8.acc)
+        if float8 is not None and float8.acc is not None:  # the step's cast carrying the gradient so far
+            weight = _CarriedGrad.apply(weight, float8.acc)
         w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)

@@ -21,9 +21,11 @@ micro-batch (models/grouped.py MadeCast, memory/fp8.py _Float8Operand), so accum
 (post-accumulate; below, a tensor hook on a weight cast once sees the sum) and data-parallel reductions see no
 difference; the bytes are those the per-micro-batch casts make (the same elementwise casts of the same
 weights), so the losses and gradients are too. A weight's gradient from the earlier micro-batches rides
-along (`take_grads`): the backward of its cast adds it to the micro-batch's in the same pass (one H200, a Qwen3-30B-A3B-shaped MoE, 2 micro-batches: the gradients' casts and the accumulation 28 ms
-of 192 a step before, 18 of 184 since; compiled, the forward with the gradients carried is a second graph,
-compiled at the second micro-batch; bench/README.md).
+along (`take_grads`): the backward of its cast adds it to the micro-batch's in the same pass (one H200,
+compiled: a Qwen3-30B-A3B-shaped MoE, 2 micro-batches, the gradients' casts and the accumulation 28 ms of
+192 a step before, 18 of 184 since; float8 at the llama-8b width, 4 micro-batches, 381.6 -> 372.3 ms a step;
+compiled, the forward with the gradients carried is a second graph, compiled at the second micro-batch;
+bench/README.md).
 
 The casts exist from the step's first forward to its last backward (1 byte a float8 weight, the compute
 dtype's width a stacked expert weight; planner/memory.py counts them there): evaluation and any other
@@ -91,7 +93,7 @@ class StepCasts:
         moves the gradient it has so far, where autograd owns it (not a view of an engine's buffer, into
         which autograd adds in place), to its cast (`Float8Weight.acc`, its layer's `grad_acc`); the
         backward of the weight's cast hands back that gradient plus the micro-batch's (memory/fp8.py
-        _Float8Operand, models/grouped.py MadeCast), which autograd adopts as the weight's gradient."""
+        _CarriedGrad, models/grouped.py MadeCast), which autograd adopts as the weight's gradient."""
         for linear in self.linears:
             w, made = linear.weight, linear.float8_weight
             if made is not None and w.grad is not None and w.grad._base is None:
