@@ -4,10 +4,20 @@ no compute kernel hides, time in pure data movement (casts, copies, cat, memcpy/
 runs) the kernel figures are zero and the top ops are ranked by CPU time, so the code path runs.
 
     summary = profile_steps(step, device, steps=2)
+    python bench/trace_summary.py TRACE.json.gz [--steps 2]   # a saved trace (bench/moe.py --trace): host-late gaps
+
+A gap the host causes: the device idles, and the kernel after the gap was launched only after the device had
+run dry (its launch call ended after the last kernel did). `host_late_gaps` sums those gaps by the host ops that
+were launching it (outermost and innermost CPU op around the launch), so an eager step paced by the host shows
+which of its ops the device waited on.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import gzip
+import json
 import time
 
 import torch
@@ -165,3 +175,81 @@ def host_account(prof, steps: int, top: int = 10) -> dict:
                               for e in runtime[:top]],
             "top_cpu_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total * per, 3), "calls": e.count // steps}
                             for e in ops[:top]]}
+
+
+def host_late_gaps(events: list[dict], steps: int = 1, top: int = 20, min_us: float = 5.0) -> dict:
+    """A Chrome trace's events (torch.profiler's export_chrome_trace) -> ms per step of device idle gaps
+    (no kernel, memcpy or memset running, `min_us` or longer), of those the host caused (the next kernel's
+    launch ended after the device ran dry), and the host-late time by (outermost, innermost) CPU op around
+    that launch on its thread, the most first: {"gaps_ms", "host_late_ms", "by_op": [{"ops", "ms", "gaps"}]}."""
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    late, gaps, end = [], 0.0, None
+    for k in device:
+        if end is not None and k["ts"] - end >= min_us:
+            gaps += k["ts"] - end
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] + launch["dur"] > end:
+                late.append((launch["tid"], launch["ts"], k["ts"] - end))
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    around = _ops_around(events, [(tid, ts) for tid, ts, _ in late])
+    by, count = collections.Counter(), collections.Counter()
+    for (tid, ts, gap) in late:
+        by[around[(tid, ts)]] += gap
+        count[around[(tid, ts)]] += 1
+    per = 1e-3 / steps
+    return {"gaps_ms": round(gaps * per, 3), "host_late_ms": round(sum(g for *_, g in late) * per, 3),
+            "by_op": [{"ops": list(ops), "ms": round(us * per, 3), "gaps": count[ops] / steps}
+                      for ops, us in by.most_common(top)]}
+
+
+def _ops_around(events: list[dict], queries: list[tuple]) -> dict:
+    """{(tid, ts): (outermost, innermost) CPU op name running on thread tid at ts ("-" where none)}: one
+    sweep per thread over its ops in start order, keeping the stack of those still open (ops nest)."""
+    ops = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
+            ops[e["tid"]].append(e)
+    out = {}
+    for tid, times in _by_thread(queries).items():
+        run, stack, i = sorted(ops.get(tid, []), key=lambda e: (e["ts"], -e["dur"])), [], 0
+        for ts in sorted(times):
+            while i < len(run) and run[i]["ts"] <= ts:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < run[i]["ts"]:
+                    stack.pop()
+                stack.append(run[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            open_ = [e for e in stack if e["ts"] + e["dur"] >= ts]
+            out[(tid, ts)] = (open_[0]["name"], open_[-1]["name"]) if open_ else ("-", "-")
+    return out
+
+
+def _by_thread(queries: list[tuple]) -> dict:
+    by = collections.defaultdict(list)
+    for tid, ts in queries:
+        by[tid].append(ts)
+    return by
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Host-late device gaps of a saved torch.profiler trace, by host op.")
+    ap.add_argument("trace", help="a Chrome trace (.json or .json.gz), e.g. from bench/moe.py --trace")
+    ap.add_argument("--steps", type=int, default=2, help="steps the trace holds (bench scripts trace 2)")
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    out = host_late_gaps(events, args.steps, args.top)
+    print(f"device idle {out['gaps_ms']:.1f} ms a step, {out['host_late_ms']:.1f} of it waiting on the host; by the "
+          "host ops launching the kernel after each gap (outermost / innermost):")
+    for row in out["by_op"]:
+        print(f"{row['ms']:8.2f} ms {row['gaps']:7.1f} gaps  {' / '.join(row['ops'])}")
+
+
+if __name__ == "__main__":
+    main()

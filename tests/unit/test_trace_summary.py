@@ -1,13 +1,13 @@
 """bench/trace_summary.py's account of device kernels (the part a CPU run cannot exercise): NCCL
 time hidden by concurrent compute is not exposed, idle gaps are what no kernel covers, copies are
-recognized by name."""
+recognized by name; a saved trace's device gaps are laid to the host ops whose launches came late."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from trace_summary import is_copy, kernel_account, kernel_kind, kernel_kinds  # noqa: E402
+from trace_summary import host_late_gaps, is_copy, kernel_account, kernel_kind, kernel_kinds  # noqa: E402
 
 
 def test_exposed_nccl_idle_and_copies_per_step():
@@ -57,3 +57,23 @@ def test_kernel_kinds_by_name():
                          steps=2)
     assert kinds["gemm"]["ms"] == 0.02 and kinds["gemm"]["kernels"] == 1 and kinds["gemm"]["share"] == 0.8
     assert kinds["elementwise"]["ms"] == 0.005 and set(kinds) == {"gemm", "elementwise"}
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict:
+    """One Chrome-trace event as torch.profiler exports it."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
+            "args": {} if corr is None else {"correlation": corr}}
+
+
+def test_host_late_gaps_are_laid_to_the_ops_launching_after_the_device_ran_dry():
+    """Kernel 2 waits 30 us after kernel 1 and was launched inside aten::index (inside _Dispatch) after
+    kernel 1 ended: host-late. Kernel 3 waits 20 us but was launched long before (the device, not the
+    host, left the gap: a dependency). A 2 us gap is under the 5 us floor."""
+    events = [_x("cpu_op", "_Dispatch", 0, 200), _x("cpu_op", "aten::index", 90, 30),
+              _x("cuda_runtime", "cudaLaunchKernel", 0, 5, corr=1), _x("kernel", "k1", 10, 90, tid=7, corr=1),
+              _x("cuda_runtime", "cudaLaunchKernel", 100, 20, corr=2), _x("kernel", "k2", 130, 20, tid=7, corr=2),
+              _x("cuda_runtime", "cudaLaunchKernel", 125, 5, corr=3), _x("kernel", "k3", 170, 10, tid=7, corr=3),
+              _x("cuda_runtime", "cudaLaunchKernel", 131, 5, corr=4), _x("kernel", "k4", 182, 10, tid=7, corr=4)]
+    got = host_late_gaps(events, steps=1)
+    assert got["gaps_ms"] == 0.05 and got["host_late_ms"] == 0.03  # 30 + 20 us of gaps, 30 host-late
+    assert got["by_op"] == [{"ops": ["_Dispatch", "aten::index"], "ms": 0.03, "gaps": 1.0}]
