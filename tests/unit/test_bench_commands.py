@@ -1,8 +1,9 @@
-"""Every bench command the pages show (README.md, docs/*.md, bench/README.md: code lines and inline commands) is
-accepted by its script's argument parser as written: optional parts in [brackets] included, FILE, PREFIX and other
-capitals standing for the reader's own values. A renamed or removed flag fails here, not in a reader's GPU session.
-(bench/results/INDEX.md's commands are left out: each is the command at its own commit, which later code may have
-outgrown.) Each script runs in-process up to its parse_args and stops there: torch is imported once for all."""
+"""Every bench command the pages show, in the code lines and inline code of the front page, the guides and the
+bench page, is accepted by its script's argument parser as written: optional parts in [brackets] included,
+FILE, PREFIX and other capitals standing for the reader's own values. A renamed or removed flag fails here,
+not in a reader's GPU session. (bench/results/INDEX.md's commands are left out: each is the command at its
+own commit, which later code may have outgrown.) Each script runs in-process up to its parse_args and stops
+there: torch is imported once for all."""
 
 import argparse
 import re
