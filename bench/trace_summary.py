@@ -212,8 +212,11 @@ def _ops_around(events: list[dict], queries: list[tuple]) -> dict:
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e:
             ops[e["tid"]].append(e)
+    times_of = collections.defaultdict(list)
+    for tid, ts in queries:
+        times_of[tid].append(ts)
     out = {}
-    for tid, times in _by_thread(queries).items():
+    for tid, times in times_of.items():
         run, stack, i = sorted(ops.get(tid, []), key=lambda e: (e["ts"], -e["dur"])), [], 0
         for ts in sorted(times):
             while i < len(run) and run[i]["ts"] <= ts:
@@ -226,13 +229,6 @@ def _ops_around(events: list[dict], queries: list[tuple]) -> dict:
             open_ = [e for e in stack if e["ts"] + e["dur"] >= ts]
             out[(tid, ts)] = (open_[0]["name"], open_[-1]["name"]) if open_ else ("-", "-")
     return out
-
-
-def _by_thread(queries: list[tuple]) -> dict:
-    by = collections.defaultdict(list)
-    for tid, ts in queries:
-        by[tid].append(ts)
-    return by
 
 
 def main() -> None:

@@ -95,16 +95,23 @@ class StepCasts:
         backward of the weight's cast hands back that gradient plus the micro-batch's (memory/fp8.py
         _CarriedGrad, models/grouped.py MadeCast), which autograd adopts as the weight's gradient."""
         for linear in self.linears:
-            w, made = linear.weight, linear.float8_weight
-            if made is not None and w.grad is not None and w.grad._base is None:
-                made.acc, w.grad = w.grad, None
+            if linear.float8_weight is not None:  # None where not taken: no earlier micro-batch's sum left over
+                linear.float8_weight.acc = _take_grad(linear.weight)
         for experts in self.experts:
-            acc, made = {}, set(experts.step_casts or {})
+            made = set(experts.step_casts or {})
             made |= {"w1", "w3"} if "w13" in made else set()
-            for name, w, _ in experts.leaves():
-                if name in made and w.grad is not None and w.grad._base is None:
-                    acc[name], w.grad = w.grad, None
-            experts.grad_acc = acc or None
+            acc = {name: _take_grad(w) for name, w, _ in experts.leaves() if name in made}
+            experts.grad_acc = {name: g for name, g in acc.items() if g is not None} or None
+
+
+def _take_grad(w: torch.Tensor) -> torch.Tensor | None:
+    """w's gradient so far, taken off it, where autograd owns it; else None (none yet, or a view of an
+    engine's buffer, which autograd adds into in place)."""
+    g = w.grad
+    if g is None or g._base is not None:
+        return None
+    w.grad = None
+    return g
 
 
 def stack_casts(experts: nn.Module, dtype: torch.dtype, join=None) -> dict:
