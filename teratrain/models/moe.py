@@ -123,11 +123,14 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (N, d)
         r = self.router(flat, self._generator(x.device), x.shape[1] if x.dim() == 3 else None)
         N, K = r.experts.shape
-        key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
-        w = torch.where(r.routed, r.weights, 0.0)  # (N, K)
+        if r.every:  # nothing dropped or unsampled: no masking (two kernels and their backward fewer)
+            key, w = r.experts.flatten(), r.weights
+        else:
+            key = torch.where(r.routed, r.experts, self.num_experts).flatten()  # (N*K,) token-major; n: not sent
+            w = torch.where(r.routed, r.weights, 0.0)  # (N, K)
         shared = _Once(lambda: self._shared(flat)) if self.shared_expert is not None else None
         if self.exchange is None:
-            ys, lay = self.run_local(flat, key, K)
+            ys, lay = self.run_local(flat, key, K, every=r.every)
             out, counts = combine(ys, lay, w.to(ys.dtype), K), lay.counts  # (N, d); all choices dropped: zero
         else:  # the shared experts run while the dispatch moves
             out, counts = self.exchange(flat, key, w, K, self.router.max_rows(N, K), self, shared)
@@ -145,13 +148,14 @@ class MoE(nn.Module):
         return shared
 
     def run_local(self, x: torch.Tensor, key: torch.Tensor, k: int = 1,
-                  stacks: dict | None = None) -> tuple[torch.Tensor, Layout]:
+                  stacks: dict | None = None, every: bool = False) -> tuple[torch.Tensor, Layout]:
         """This module's experts on rows of x: input row i (x[i // k]) goes to the key[i]-th of them,
         nowhere for key len(self.experts). Returns the experts' outputs laid out by the returned
         layout (models/permute.py: `combine` brings them back to the input rows). `stacks`: from
-        `stacked`, shared by several calls of one forward."""
+        `stacked`, shared by several calls of one forward. `every`: no key is len(self.experts) (known on
+        the host: nothing dropped), so the permutations mask nothing."""
         grouped = use_grouped(self.experts, x, self.kernel)
-        lay = grouped_layout(key, len(self.experts), row_align(grouped))
+        lay = grouped_layout(key, len(self.experts), row_align(grouped), every)
         return run_experts(self.experts, dispatch(x, lay, k, compute_dtype(x)), lay.offsets, grouped, stacks), lay
 
     def stacked(self, x: torch.Tensor) -> dict | None:
@@ -199,11 +203,13 @@ class MoE(nn.Module):
         evaluation and when recomputation replays this forward inside backward."""
         if not self.training or (not torch.compiler.is_compiling() and in_backward()):
             return  # compiled: recomputation replays the traced graph, never this Python
-        new = {"load": counts.double(), "dropped": (r.attempted - r.routed.sum()).double(),
-               "attempted": r.attempted.double(), "aux_loss": self.aux_loss.detach().double(),
-               "forwards": torch.ones((), dtype=torch.float64, device=counts.device)}
-        for key, value in new.items():
-            self.stats[key] = self.stats[key] + value if key in self.stats else value
+        new = {"load": counts, "dropped": 0 if r.every else r.attempted - r.routed.sum(), "attempted": r.attempted,
+               "aux_loss": self.aux_loss.detach(), "forwards": 1}
+        for key, value in new.items():  # one addition each (into the float64 sums), none for nothing dropped
+            if key not in self.stats:
+                self.stats[key] = torch.as_tensor(value, dtype=torch.float64, device=counts.device)
+            elif not (isinstance(value, int) and value == 0):
+                self.stats[key] = self.stats[key] + value
 
     def start_stats(self, device: torch.device, graphed: bool = False) -> None:
         """Zero statistics on `device`, before the first forward (parallelize does it). From then on their

@@ -53,37 +53,59 @@ class Layout:
     rows: int  # buffer rows, known on the host
     sent: torch.Tensor  # (M,) bool: the row belongs to a group (else it goes nowhere)
     counts: torch.Tensor  # (G,) long: rows of each group
+    every: bool = False  # known on the host: every input row is sent (`sent` all True), nothing to mask
 
     def first(self, rows: int) -> "Layout":
         """The same layout cut to its first `rows` buffer rows, which must hold every sent row."""
-        return Layout(self.dest, self.src[:rows], self.offsets, rows, self.sent, self.counts)
+        return Layout(self.dest, self.src[:rows], self.offsets, rows, self.sent, self.counts, self.every)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """`sent` where some input row may go nowhere, else None: the permutations then mask nothing."""
+        return None if self.every else self.sent
 
 
-def _sorted(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order (M + 1,): the input rows by key, stably, then M; bounds (G + 1,): where each key starts
-    in that order, bounds[G] the sent rows; sorted_key (M,)). Searches, no scatter-add."""
+def _ranked(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank (M,): each row's place among the rows of its key, in input order; counts (G,) rows of each
+    group) from a running count of the rows' one-hot keys, (M, G + 1): five kernels, no sort, no
+    scatter-add. The running count holds M * (G + 1) integers; past RANKED_MAX of them (fine-grained
+    experts, long sequences) a stable sort ranks the rows instead (`_sorted_rank`), in more kernels."""
+    m = key.numel()
+    if m == 0 or m * (num_groups + 1) > RANKED_MAX:
+        return _sorted_rank(key, num_groups)
+    run = (key.unsqueeze(1) == torch.arange(num_groups + 1, device=key.device)).cumsum(0)  # (M, G + 1)
+    return run.gather(1, key.unsqueeze(1)).squeeze(1) - 1, run[-1, :num_groups]
+
+
+# The one-hot running count's size limit (integers): 64 MiB of int64. An MoE layer of 8 experts top-2 at
+# 8,192 tokens counts 147,456; 128 experts top-8 at 8,192 tokens 8.5 M.
+RANKED_MAX = 1 << 23
+
+
+def _sorted_rank(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_ranked` by a stable sort of the keys and searches in it."""
+    m = key.numel()
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=key.device, dtype=key.dtype))
-    return torch.cat([order, order.new_full((1,), key.numel())]), bounds, sorted_key
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(m, device=key.device) - bounds[sorted_key])
+    return rank, bounds[1:] - bounds[:-1]
 
 
-def _dest(order: torch.Tensor, sorted_key: torch.Tensor, bounds: torch.Tensor, starts: torch.Tensor,
-          num_groups: int) -> torch.Tensor:
-    """(M,) each input row's buffer row: its group's start plus its rank in the group; 0 if not sent.
-    A scatter of distinct indices (the inverse permutation), M integers."""
-    m = sorted_key.numel()
-    place = torch.arange(m, device=order.device) - bounds[sorted_key] + starts[sorted_key]
-    place = torch.where(sorted_key < num_groups, place, 0)
-    return torch.empty_like(place).scatter_(0, order[:m], place)
-
-
-def _src(order: torch.Tensor, bounds: torch.Tensor, group: torch.Tensor, rank: torch.Tensor,
-         counts: torch.Tensor) -> torch.Tensor:
-    """(rows,) each buffer row's input row (M where none), from its group and rank in the group."""
-    g = group.clamp(max=counts.numel() - 1)
-    valid = (group < counts.numel()) & (rank < counts[g])
-    return order[torch.where(valid, bounds[g] + rank, order.numel() - 1)]
+def _placed(key: torch.Tensor, rank: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, rows: int,
+            offsets: torch.Tensor, every: bool) -> Layout:
+    """The layout putting row i (of key < G) at buffer row starts[key[i]] + rank[i]: `dest` by that sum,
+    `src` by scattering the rows' indices to their buffer rows (distinct; the rows not sent all write one
+    extra row, cut off). `every`: the caller knows every key is < G."""
+    m, groups = key.numel(), counts.numel()
+    sent, index = key < groups, torch.arange(m, device=key.device)
+    if every:
+        dest = starts[key] + rank
+        return Layout(dest, key.new_full((rows,), m).scatter_(0, dest, index), offsets.to(torch.int32), rows, sent,
+                      counts, every=True)
+    dest = torch.where(sent, starts[key.clamp(max=groups - 1)] + rank, 0)
+    src = key.new_full((rows + 1,), m).scatter_(0, torch.where(sent, dest, rows), index)
+    return Layout(dest, src[:rows], offsets.to(torch.int32), rows, sent, counts)
 
 
 def laid_out_rows(routed: int, num_groups: int, align: int = 1) -> int:
@@ -92,31 +114,23 @@ def laid_out_rows(routed: int, num_groups: int, align: int = 1) -> int:
     return routed + num_groups * (align - 1) + 1
 
 
-def grouped_layout(key: torch.Tensor, num_groups: int, align: int = 1) -> Layout:
-    """Rows of key g < num_groups to group g, each group from a multiple of `align`; key num_groups to none."""
-    order, bounds, sorted_key = _sorted(key, num_groups)
-    counts = bounds[1:] - bounds[:-1]
-    size = (counts + align - 1) // align * align
-    ends = size.cumsum(0)
-    starts = torch.cat([ends - size, ends.new_zeros(1)])  # (G + 1,): key num_groups has no start
-    rows = laid_out_rows(key.numel(), num_groups, align)
-    j = torch.arange(rows, device=key.device)
-    group = torch.searchsorted(ends, j, right=True)  # G past the last group
-    src = _src(order, bounds, group, j - starts[group], counts)
-    dest = _dest(order, sorted_key, bounds, starts, num_groups)
-    return Layout(dest, src, ends.to(torch.int32), rows, key < num_groups, counts)
+def grouped_layout(key: torch.Tensor, num_groups: int, align: int = 1, every: bool = False) -> Layout:
+    """Rows of key g < num_groups to group g, each group from a multiple of `align`; key num_groups to none.
+    `every`: no key is num_groups (the caller knows it on the host: every routed choice is sent)."""
+    rank, counts = _ranked(key, num_groups)
+    if align & (align - 1):
+        raise ValueError(f"grouped_layout aligns groups to powers of 2, not {align}")
+    size = counts if align == 1 else (counts + (align - 1)) & -align
+    ends = size.cumsum(0, dtype=torch.int32)  # the grouped GEMM's offsets
+    return _placed(key, rank, ends - size, counts, laid_out_rows(key.numel(), num_groups, align), ends, every)
 
 
 def slotted_layout(key: torch.Tensor, num_groups: int, slot: int) -> Layout:
     """Rows of key g < num_groups to slots [g * slot, g * slot + count_g); key num_groups to none. The
     caller guarantees count_g <= slot (the expert capacity)."""
-    order, bounds, sorted_key = _sorted(key, num_groups)
-    counts = bounds[1:] - bounds[:-1]
+    rank, counts = _ranked(key, num_groups)
     starts = torch.arange(num_groups + 1, device=key.device) * slot
-    j = torch.arange(num_groups * slot, device=key.device)
-    src = _src(order, bounds, j // slot, j % slot, counts)
-    dest = _dest(order, sorted_key, bounds, starts, num_groups)
-    return Layout(dest, src, starts[1:].to(torch.int32), num_groups * slot, key < num_groups, counts)
+    return _placed(key, rank, starts[:-1], counts, num_groups * slot, starts[1:], False)
 
 
 def piece_bounds(extent, chunks: int):
@@ -147,7 +161,7 @@ def chunk_major(lay: Layout, extents: torch.Tensor, chunks: int) -> Layout:
     piece = c * G + g
     perm = torch.where(j < ends[-1], piece_ends[piece] - sizes[piece] + q - lo[c, g], j)  # (rows,) new row of each
     src = torch.empty_like(lay.src).scatter_(0, perm, lay.src)
-    return Layout(perm[lay.dest], src, piece_ends.to(torch.int32), rows, lay.sent, lay.counts)
+    return Layout(perm[lay.dest], src, piece_ends.to(torch.int32), rows, lay.sent, lay.counts, lay.every)
 
 
 # ---------------------------------------------------------------- the two permutations
@@ -168,13 +182,19 @@ class _Dispatch(torch.autograd.Function):
         dest, sent = ctx.saved_tensors
         if ctx.by_choice:  # compiled: one elementwise kernel that reads each token's k rows (_by_choice)
             return _by_choice(grad, dest, sent, ctx.k, None, ctx.dtype), None, None, None, None, None
-        g = grad.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # a row not sent: no gradient
+        g = _kept(grad.index_select(0, dest), sent)  # a row not sent: no gradient
         if ctx.k > 1:
             g = g.view(-1, ctx.k, g.shape[1]).sum(1, dtype=ctx.dtype)
         return g.to(ctx.dtype), None, None, None, None, None
 
 
-def _by_choice(y: torch.Tensor, dest: torch.Tensor, sent: torch.Tensor, k: int, w: torch.Tensor | None,
+def _kept(rows: torch.Tensor, sent: torch.Tensor | None) -> torch.Tensor:
+    """rows (M, d), each of an input row, zeroed (in place) where that row was not sent; `sent` None:
+    every row was (Layout.mask), as they are."""
+    return rows if sent is None else rows.masked_fill_(~sent.unsqueeze(1), 0)
+
+
+def _by_choice(y: torch.Tensor, dest: torch.Tensor, sent: torch.Tensor | None, k: int, w: torch.Tensor | None,
                dtype: torch.dtype) -> torch.Tensor:
     """(N, d): sum over each token's k choices i of y[dest[t, i]] (times w[t, i]), zero where not sent,
     summed in `dtype`, written as k gathers added elementwise. Compiled, inductor makes it one pointwise
@@ -182,10 +202,11 @@ def _by_choice(y: torch.Tensor, dest: torch.Tensor, sent: torch.Tensor, k: int, 
     whose every element loads k rows: on an H200 at N 8,192 tokens, d 2,048, k 8, dispatch's backward
     0.13 ms against 0.35, the combine 0.10 against 0.39; k 2: 0.12 against 0.15-0.16 (bench/step_kernels.py).
     Eager, it would be 3k kernels instead of 3."""
-    d2, s2 = dest.view(-1, k), sent.view(-1, k)
+    d2, s2 = dest.view(-1, k), None if sent is None else sent.view(-1, k)
     out = None
     for i in range(k):
-        term = torch.where(s2[:, i, None], y.index_select(0, d2[:, i]), 0).to(dtype)
+        term = y.index_select(0, d2[:, i])
+        term = (term if s2 is None else torch.where(s2[:, i, None], term, 0)).to(dtype)
         if w is not None:
             term = term * w[:, i, None]
         out = term if out is None else out + term
@@ -201,7 +222,7 @@ class _Combine(torch.autograd.Function):
             ctx.save_for_backward(src, y, w, dest, sent)
             return _by_choice(y, dest, sent, k, w, y.dtype)
         ctx.by_choice = False
-        g = y.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)  # (M, d): zero where not sent
+        g = _kept(y.index_select(0, dest), sent)  # (M, d): zero where not sent
         if w is None:
             ctx.save_for_backward(src)
             return g
@@ -219,7 +240,7 @@ class _Combine(torch.autograd.Function):
             return g.masked_fill_((src == m).unsqueeze(1), 0), None, None, None, None, None  # ... then zero
         if ctx.by_choice:  # the kept rows gathered again from y (the forward wrote none)
             y, w, dest, sent = saved
-            kept = y.index_select(0, dest).masked_fill_(~sent.unsqueeze(1), 0)
+            kept = _kept(y.index_select(0, dest), sent)
         else:
             kept, w = saved
         scale = torch.cat([w.flatten(), w.new_zeros(1)])[src]  # ... times weight zero
@@ -230,10 +251,10 @@ class _Combine(torch.autograd.Function):
 def dispatch(x: torch.Tensor, lay: Layout, k: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(lay.rows, d) in `dtype` (x's by default): buffer row j holds x[lay.src[j] // k], zero where it
     holds no row. x: (M / k, d), each row the source of its k consecutive input rows."""
-    return _Dispatch.apply(x, lay.src, lay.dest, lay.sent, k, dtype or x.dtype)
+    return _Dispatch.apply(x, lay.src, lay.dest, lay.mask, k, dtype or x.dtype)
 
 
 def combine(y: torch.Tensor, lay: Layout, weights: torch.Tensor | None = None, k: int = 1) -> torch.Tensor:
     """(M / k, d): each input row's buffer row of y, zero where not sent, weighted by `weights` (M / k,
     k) and summed over each token's k rows; weights None: k = 1, the rows unweighted (an unpermute)."""
-    return _Combine.apply(y, weights, lay.src, lay.dest, lay.sent, k)
+    return _Combine.apply(y, weights, lay.src, lay.dest, lay.mask, k)

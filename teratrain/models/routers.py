@@ -49,8 +49,9 @@ class Routing:
     weights: torch.Tensor  # (N, K) combine weight of each choice (used where `routed`)
     routed: torch.Tensor  # (N, K) bool: sent to its expert (within capacity; GShard: and sampled)
     aux_loss: torch.Tensor  # () weighted auxiliary loss
-    attempted: torch.Tensor  # () choices that asked for their expert (before the capacity cut)
+    attempted: torch.Tensor | int  # () choices that asked for their expert (before the capacity cut)
     probs: torch.Tensor | None = None  # (N, n) the softmax over all experts (softmax-topk, switch-top1)
+    every: bool = False  # known on the host: every choice routed (no capacity, no sampling), `routed` all True
 
 
 def cv_squared(x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,12 @@ def within_capacity(experts: torch.Tensor, routed: torch.Tensor, num_experts: in
         position = seen.gather(0, e.reshape(1, -1)).view(K, S) - 1  # (K, S): slot in the expert's buffer
         keep[lo:hi] = (r & (position < cap)).t()
     return keep
+
+
+def sends_every_choice(router: str, capacity_factor: float) -> bool:
+    """Known on the host: every choice of every token goes to its expert (no capacity limit; not GShard's
+    random routing, which leaves second choices unsent in training)."""
+    return capacity_factor <= 0 and not ROUTERS[router].random_routing
 
 
 def capacity_rows(num_tokens: int, k: int, num_experts: int, factor: float, groups: int) -> int | None:
@@ -113,6 +120,8 @@ def router_param_names(cfg: "MoEConfig") -> list[str]:
 class Router(nn.Module, abc.ABC):
     """x (N, d) -> Routing. Subclasses implement `gate`; capacity and the aux weight are applied here."""
 
+    random_routing = False  # does the gate leave some choices unsent in training (GShard)?
+
     def __init__(self, cfg: "MoEConfig", d_model: int):
         super().__init__()
         self.n, self.k, self.fp32 = cfg.num_experts, cfg.k, cfg.router_dtype == "fp32"
@@ -128,7 +137,8 @@ class Router(nn.Module, abc.ABC):
         loss = self.aux_weight * aux
         if self.z_weight:
             loss = loss + self.z_weight * z_loss(logits)
-        return Routing(experts, weights, kept, loss, routed.sum(), probs)
+        every = self.capacity <= 0 and not self.random_routing
+        return Routing(experts, weights, kept, loss, experts.numel() if every else routed.sum(), probs, every)
 
     def max_rows(self, num_tokens: int, k: int) -> int | None:
         """Rows one expert takes at most from `num_tokens` tokens of k choices (None: no limit)."""
@@ -237,6 +247,8 @@ class SwitchTop1(Router):
 
 
 class GShardTop2(Router):
+    random_routing = True
+
     def gate(self, x, gen, seq_len):
         logits = self.logits(x, self.weight)
         gates = logits.softmax(-1)  # (N, E)

@@ -38,6 +38,7 @@ from teratrain.memory import step_casts
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
 from teratrain.models.chunked_loss import auto_chunks
+from teratrain.models.routers import sends_every_choice
 from teratrain.parallel.pipeline.stage import grad_in_i
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths, ceil_div
 
@@ -243,18 +244,20 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
     router) and its probabilities, the top-k indices and weights, the load vector of the aux loss;
     the experts' input buffer (M rows and the zero row that choices sent nowhere read, shared by the
     experts' first linears); to combine, the laid-out expert outputs, the gate weights, the
-    permutation both ways (M destinations, M + 1 sources) and two masks of the choices sent (two more
+    permutation both ways (M destinations, M + 1 sources) and, where some choice may go nowhere (a
+    capacity, random routing: routers.sends_every_choice), two masks of the choices sent (two more
     index tensors under expert parallelism, which lays out the rows it receives again). A rank's
     experts are assumed to receive M rows (balanced routing): read off the autograd graph of
     softmax-topk routing."""
     c = shape.cfg
     k, m = shape.top_k, n * shape.top_k
     router_bytes = 4 if c.moe.router_dtype == "fp32" else w.compute
+    masks = 0 if sends_every_choice(c.moe.router, c.moe.capacity) else 2
     return {"router": [Saved(n * c.d_model, router_bytes), Saved(n * shape.num_experts, 4, "keep"),
                        Saved(n * k, INDEX_BYTES, "keep"), Saved(n * k, 4, "keep"), Saved(n, 4, "keep")],
             "moe_dispatch": [Saved((m + 1) * c.d_model, w.compute)],
             "moe_combine": [Saved(m * c.d_model, w.compute), Saved(m, w.compute, "keep"), Saved(m, INDEX_BYTES, "keep"),
-                            Saved(m + 1, INDEX_BYTES, "keep"), Saved(m, 1, "keep"), Saved(m, 1, "keep")]
+                            Saved(m + 1, INDEX_BYTES, "keep")] + [Saved(m, 1, "keep")] * masks
             + [Saved(m, INDEX_BYTES, "keep")] * (2 if ep > 1 else 0),
             "aux_loss": [Saved(shape.num_experts, 4, "keep")], **_shared_saved(shape, w, n)}
 

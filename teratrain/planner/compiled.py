@@ -40,10 +40,9 @@ norm's output gathered, in the compute dtype; the norm's own output is not kept,
 both recomputed), the experts' w2 outputs on the same rows (top-k > 1: the compiled combine reads each token's
 k rows of them elementwise, models/permute.py, and backward reads them again), w1x, w3x and their product on
 them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each row's source,
-the laid-out gates with their zero row, the mask of rows sent, the groups' int32 offsets) and the aux loss's
-load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the normalised gates a tensor
+the groups' int32 offsets; unnormalised gates laid out with a zero row) and the aux loss's load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the normalised gates a tensor
 more; shared experts keep their input (the norm's output) and hidden tensors as a dense MLP does, and under a
-gate its output and logit. Eager keeps silu's output too, the router's fp32 input and a mask more
+gate its output and logit. Eager keeps silu's output too and the router's fp32 input
 (activations._moe_saved). Read on CPU, the count planned a compiled MoE with sigmoid scores, bias balancing
 and a shared expert on one H200 (torch 2.11) before it ran: 32.05 GiB, measured 31.77
 (tests/unit/test_planner_moe.py).
@@ -168,8 +167,9 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, llama: bool, where: str) ->
     out = {"moe_rows": (rows + (m if gathered else rows)) * c.d_model * cb,  # the input, the outputs
            "mlp_hidden": (3 if llama else 2) * rows * c.expert_ffn_dim * cb,
            "router": router,
-           # the permutation, each row's source, the laid-out gates and their zero row, the mask, the offsets
-           "moe_layout": m * INDEX_BYTES + rows * INDEX_BYTES + (m + 1) * cb + m + e * 4,
+           # the permutation, each row's source, the offsets (every choice is sent: no mask) and, where the
+           # gates are not normalised (no tensor of the router's holds them), the gates laid out with a zero row
+           "moe_layout": m * INDEX_BYTES + rows * INDEX_BYTES + e * 4 + (0 if moe.normalize_topk else (m + 1) * cb),
            # the load vector; under bias balancing or at an aux weight of 0, a scalar more
            "aux_loss": e * STAT_BYTES + (STAT_BYTES if moe.balance == "bias" or not moe.aux_loss_weight else 0)}
     if moe.shared_experts:  # a dense MLP on every token: its input (the norm's output), its hidden tensors

@@ -161,11 +161,11 @@ def _probe_moe(model) -> torch.Tensor:
     for _, layer in moe_layers(model):
         run, local = layer.run_local, len(layer.experts)
 
-        def counting(x, key, k=1, stacks=None, run=run, local=local):
+        def counting(x, key, k=1, stacks=None, every=False, run=run, local=local):
             if torch.compiler.is_compiling():  # a read-back would break the graph: compiled runs count nothing
-                return run(x, key, k, stacks)
+                return run(x, key, k, stacks, every)
             probe[1] += int((torch.bincount(key, minlength=local + 1)[:local] == 0).sum())
-            return run(x, key, k, stacks)
+            return run(x, key, k, stacks, every)
 
         layer.run_local = counting
     return probe
