@@ -67,14 +67,15 @@ class Layout:
 
 def _ranked(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rank (M,): each row's place among the rows of its key, in input order; counts (G,) rows of each
-    group) from a running count of the rows' one-hot keys, (M, G + 1): five kernels, no sort, no
+    group) from a running count of the rows' one-hot keys, (G + 1, M): five kernels, no sort, no
     scatter-add. The running count holds M * (G + 1) integers; past RANKED_MAX of them (fine-grained
     experts, long sequences) a stable sort ranks the rows instead (`_sorted_rank`), in more kernels."""
     m = key.numel()
     if m == 0 or m * (num_groups + 1) > RANKED_MAX:
         return _sorted_rank(key, num_groups)
-    run = (key.unsqueeze(1) == torch.arange(num_groups + 1, device=key.device)).cumsum(0)  # (M, G + 1)
-    return run.gather(1, key.unsqueeze(1)).squeeze(1) - 1, run[-1, :num_groups]
+    # (G + 1, M): a scan along each key's row (along the M rows of a few columns it is a slow kernel on GPUs)
+    run = (torch.arange(num_groups + 1, device=key.device).unsqueeze(1) == key).cumsum(1)
+    return run.gather(0, key.unsqueeze(0)).squeeze(0) - 1, run[:num_groups, -1]
 
 
 # The one-hot running count's size limit (integers): 64 MiB of int64. An MoE layer of 8 experts top-2 at
