@@ -244,6 +244,11 @@ class Training:
     # (models/grouped.py fuses_gate_up): how the runs recorded before measured, planned as they ran by
     # planner/refit.py. Never set from a Config.
     gate_up_apart: bool = False
+    # An MoE layer laid its rows out by a stable sort and masked every choice, sent or not, and summed its
+    # statistics in more ops, before the running count and the masks only where a choice may go nowhere
+    # (models/permute.py, models/moe.py; planner/time.py OPS_MOE_EXTRA_SORTED): how the runs recorded before
+    # measured, planned as they ran by planner/refit.py. Never set from a Config.
+    moe_sorted_layout: bool = False
 
     @property
     def frozen_width(self) -> int:

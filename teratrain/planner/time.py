@@ -72,6 +72,9 @@ OPS_OUTSIDE = 60
 # same way over moe.MoE (top-2, grouped kernel, nothing dropped): the same at any expert count
 # (bench/calibrate/moe_host_ops.py's block: 315 ops at 4 and at 12 SwiGLU experts, the dense one 227)
 OPS_MOE_EXTRA = (56, 32)
+# Runs recorded while the layout sorted the rows and masked every choice (Training.moe_sorted_layout): the
+# block's count then (360 ops).
+OPS_MOE_EXTRA_SORTED = (91, 37)
 # Runs recorded while each expert held its own parameters (Training.expert_tensors): the count at 4
 # experts, and (E - OPS_MOE_EXPERTS) x (an expert's parameter tensors) gradient accumulations more for
 # E local experts (that block: 376, 388, 412, 460 ops at 4, 8, 16, 32 experts), which ran outside a
@@ -80,8 +83,10 @@ OPS_MOE_EXTRA_PER_EXPERT = (95, 48)
 OPS_MOE_EXPERTS = 4
 # The host's cost of one of those ops, in units of host_op_s (the dense host probe's cost per op, which
 # never runs an MoE layer): the router's, the permutation's and the expert dispatch's ops carry more
-# Python and index arithmetic each than a dense block's. Fitted (calibration/common.toml says on what).
-MOE_HOST_OP_SHARE = _COMMON["moe_host_op_share"]
+# Python and index arithmetic each than a dense block's. Fitted on runs of the sorted layout, and for the
+# current code scaled by the ratio measured on CPU (calibration/common.toml says on what).
+MOE_HOST_OP_SHARE_SORTED = _COMMON["moe_host_op_share"]
+MOE_HOST_OP_SHARE = MOE_HOST_OP_SHARE_SORTED * _COMMON["moe_running_count_op_share"]
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
@@ -401,7 +406,8 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
     the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each. The host
     probe's rows (refit.fit_host) have no pipeline and no MoE layer: no split ops, no MoE ops."""
-    ops += split_ops(shape, lay) + (MOE_HOST_OP_SHARE - 1) * moe_ops(shape, train, lay)
+    share = MOE_HOST_OP_SHARE_SORTED if train.moe_sorted_layout else MOE_HOST_OP_SHARE
+    ops += split_ops(shape, lay) + (share - 1) * moe_ops(shape, train, lay)
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 
@@ -411,7 +417,8 @@ def moe_ops(shape: ModelShape, train: Training, lay: Layout, forward_only: bool 
     where a recomputed segment replays it), or to its first forward pass only (`forward_only`)."""
     if shape.num_experts == 1:
         return 0.0
-    fwd, bwd = OPS_MOE_EXTRA_PER_EXPERT if train.expert_tensors else OPS_MOE_EXTRA
+    fwd, bwd = OPS_MOE_EXTRA_PER_EXPERT if train.expert_tensors else \
+        OPS_MOE_EXTRA_SORTED if train.moe_sorted_layout else OPS_MOE_EXTRA
     per_block = fwd if forward_only else fwd + (fwd if lay.recompute in REPLAYING else 0) + bwd
     return rank_layers(shape, lay) * shape.moe_share * per_block * lay.num_microbatches
 

@@ -362,11 +362,18 @@ def test_layouts_group_rows_by_key_on_the_device():
     assert grouped_layout(torch.zeros(0, dtype=torch.long), 2).offsets.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("ranked", ["count", "sort"])
 @pytest.mark.parametrize("m, groups, align", [(1, 1, 1), (37, 4, 1), (64, 8, 8), (200, 16, 8), (5, 8, 4)])
-def test_grouped_layout_against_its_definition(m, groups, align):
+def test_grouped_layout_against_its_definition(m, groups, align, ranked, monkeypatch):
     """grouped_layout against its definition written row by row: group g's rows in input order from the
-    group's start (its predecessors' rows rounded up to `align`), dest 0 and no buffer row for key G."""
+    group's start (its predecessors' rows rounded up to `align`), dest 0 and no buffer row for key G. Each
+    row's rank in its group from the running count of one-hot keys, or from the stable sort that takes
+    over past RANKED_MAX."""
+    from teratrain.models import permute
     from teratrain.models.permute import grouped_layout
+
+    if ranked == "sort":
+        monkeypatch.setattr(permute, "RANKED_MAX", 0)
 
     key = torch.randint(0, groups + 1, (m,), generator=torch.Generator().manual_seed(m))
     rows = m + groups * (align - 1) + 1
@@ -380,6 +387,35 @@ def test_grouped_layout_against_its_definition(m, groups, align):
     lay = grouped_layout(key, groups, align)
     assert (lay.dest.tolist(), lay.src.tolist(), lay.offsets.tolist(), lay.rows) == (dest, src, ends, rows)
     assert lay.counts.tolist() == [int((key == g).sum()) for g in range(groups)] and lay.sent.tolist() == (key < groups).tolist()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_layout_known_to_send_every_row_masks_nothing_and_moves_the_same(k):
+    """grouped_layout(every=True), where no key is G: the same layout, `mask` None, and dispatch / combine
+    give the same values and gradients without masking; the MoE layer says so where nothing can be dropped."""
+    from teratrain.models.permute import combine, dispatch, grouped_layout
+
+    g = torch.Generator().manual_seed(0)
+    n, d = 6, 3
+    key = torch.randint(0, 3, (n * k,), generator=g)
+    masked, every = grouped_layout(key, 3, align=4), grouped_layout(key, 3, align=4, every=True)
+    for f in ("dest", "src", "offsets", "sent", "counts"):
+        assert torch.equal(getattr(masked, f), getattr(every, f)), f
+    assert (masked.mask is masked.sent, every.mask) == (True, None)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(masked.rows, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    cb, co = torch.randn(masked.rows, d, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64)
+    got = [torch.autograd.grad((dispatch(x, lay, k) * cb).sum() + (combine(y, lay, w, k) * co).sum(), [x, y, w])
+           for lay in (masked, every)]
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    dropless = moe.MoE(model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12,
+                                    moe=dict(num_experts=4, router="softmax-topk", capacity_factor=0.0)), layer=0)
+    capped = moe.MoE(model_config(d_model=8, n_heads=2, n_kv_heads=2, d_ff=12,
+                                  moe=dict(num_experts=4, router="softmax-topk", capacity_factor=1.0)), layer=0)
+    flat = torch.randn(10, 8, generator=g)
+    assert (dropless.router(flat).every, capped.router(flat).every) == (True, False)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -213,10 +213,15 @@ def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None):
     ran = {"norms": "residual dtype", "linear inputs": "cast once"}
     if result >= "2026-12-04":
         ran |= {"adamw": "teratrain kernel", "expert gradients": "through the casts"}
+    if "running_count" in result:  # the first runs of the layout by a running count did not name it yet
+        ran["moe layout"] = "running count"
     train = as_ran(training_of(cfg), {**ran, **data})
     return data, shape_of(cfg), train, lay
 
 
+FAST_AT_64 = pytest.mark.xfail(strict=True, reason="the Qwen3-shaped MoE at 64 sequences a step (8 micro-batches of "
+                               "8) with the layout by a running count: planned 12.3% fast (the run of the sorted "
+                               "layout, planned as it ran, 9.7%); at 8 sequences within 1%: not analysed")
 SMALL_BATCH = pytest.mark.xfail(strict=True, reason="planned 21% slow at one sequence a micro-batch (512 rows an "
                                 "expert); dense at that batch 11% slow too")
 
@@ -248,7 +253,11 @@ EXPERT_TENSORS = pytest.mark.xfail(strict=True, reason="each expert its own para
     ("2026-12-04_moe_qwen3_gb64.json", "moe_ep1_compiled", (8, 64)),
     ("2026-12-04_moe_dropless_gb32.json", "moe_ep1_compiled", (4, 32)),
     ("2026-12-04_moe_compiled_profile.json", "moe_ep1_compiled", None),  # held out: recorded after the tests
-    ("2026-12-04_moe_dropless_graphed.json", "moe_ep1_graphed", None)])  # above were written
+    ("2026-12-04_moe_dropless_graphed.json", "moe_ep1_graphed", None),  # above were written
+    # held out: the layout by a running count, 45 ops fewer a layer (planned before they ran)
+    ("2026-12-04_moe_running_count_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_running_count_qwen3_gb8.json", "moe_ep1_compiled", (4, 8)),
+    pytest.param("2026-12-04_moe_running_count_qwen3_gb64.json", "moe_ep1_compiled", (8, 64), marks=FAST_AT_64)])
 def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out from the grouped GEMM's fit (a micro-benchmark timed on the GPU: CUDA graph replays,
     bench/calibrate/grouped_gemm.py): bench/moe.py's dropless MoE steps on one H200, the 8-expert model
@@ -281,7 +290,12 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, 
     ("2026-12-04_moe_dropless_gb32.json", "moe_ep1_compiled", (4, 32)),
     ("2026-12-04_moe_dropless_gb32.json", "moe_ep1", (4, 32)),
     ("2026-12-04_moe_compiled_profile.json", "moe_ep1_compiled", None),  # held out: recorded after the tests
-    ("2026-12-04_moe_eager_profile.json", "moe_ep1", None)])  # above were written
+    ("2026-12-04_moe_eager_profile.json", "moe_ep1", None),  # above were written
+    # held out: no masks saved where every choice is sent (planned before they ran)
+    ("2026-12-04_moe_running_count_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_running_count_eager_a.json", "moe_ep1", None),
+    ("2026-12-04_moe_running_count_qwen3_gb8.json", "moe_ep1_compiled", (4, 8)),
+    ("2026-12-04_moe_running_count_qwen3_gb64.json", "moe_ep1_compiled", (8, 64))])
 def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
     """The planned peak allocated (before the allowance) against torch.cuda.max_memory_allocated of bench/moe.py's
     runs on one H200, the dense rows' 3% (test_planner_compiled_memory.py). The compiled Qwen3-shaped MoE at 2

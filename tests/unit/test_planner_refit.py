@@ -162,7 +162,8 @@ def test_calibration_files_give_every_preset_its_constants():
         for key, entry in entries.items():
             assert getattr(gpu, key) == entry["value"] and {"term", "source", "runs", "fit_error"} <= set(entry), key
     common = calibration("common")
-    assert planner_time.MOE_HOST_OP_SHARE == common["moe_host_op_share"]["value"]
+    assert planner_time.MOE_HOST_OP_SHARE_SORTED == common["moe_host_op_share"]["value"]
+    assert planner_time.MOE_HOST_OP_SHARE == common["moe_host_op_share"]["value"] * common["moe_running_count_op_share"]["value"]
     assert planner_time.DP_LAUNCH_SHARE == common["dp_launch_share"]["value"]
     for key in ("compiled_ops_share", "compiled_loss_bytes_per_logit", "compiled_fused_bytes"):
         assert getattr(planner_time, key.upper()) == common[key]["value"], key
