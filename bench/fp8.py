@@ -119,7 +119,6 @@ def speed(args, dev) -> dict:
             "compile_mode": args.compile_mode,
             "weights": args.weights, "weight casts": "once a step",  # memory/step_casts.py (planner/refit.py)
             "float8 gradients": "through the casts",  # the gradient so far carried (memory/fp8.py _CarriedGrad)
-            "float8 weight layouts": "both, cast once",  # the input gradient's W laid out once (memory/fp8.py _BothLayouts)
             "results": rows,
             "ratios": ratios(rows, args.recipe)}
 

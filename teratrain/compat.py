@@ -295,18 +295,6 @@ def float8_linear(recipe: str, emulate: bool):
                                              mm(config.gemm_config_grad_weight))
 
 
-def float8_dynamic_cast():
-    """torchao's dynamic float8 cast of a high-precision tensor (`hp_tensor_to_float8_dynamic`, what its
-    float8 GEMM casts each operand with) and its GEMM input roles by name, for memory/fp8.py _BothLayouts;
-    internals, the same in 0.17 and 0.18."""
-    import importlib
-
-    ao = torchao_float8()
-    scaling = importlib.import_module("torchao.float8.float8_scaling_utils")
-    return scaling.hp_tensor_to_float8_dynamic, {"input": ao.GemmInputRole.INPUT,
-                                                 "grad_output": ao.GemmInputRole.GRAD_OUTPUT}
-
-
 def float8_weight_cast():
     """torchao's pieces of a tensorwise float8 weight cast, for ZeRO-3's float8 gathers
     (parallel/zero_fp8.py): (amax_to_scale, to_fp8_saturated, Float8TrainingTensor, the WEIGHT role).

@@ -70,17 +70,6 @@ class Fp8Gemm:
         self.recipe = recipe
         self.matmul, self.config, self.mm_config = compat.float8_linear(recipe, emulate)
         _, _, self.float8_tensor, self.weight_role = compat.float8_weight_cast()
-        self.to_float8, self.roles = compat.float8_dynamic_cast()
-
-    def cast(self, t: torch.Tensor, operand: str) -> torch.Tensor:
-        """`t` (2-d, high precision) cast to float8 as torchao's tensorwise GEMM casts that operand
-        ("input", "grad_output", "input_for_grad_weight": the recipe's cast config of that name) with its
-        dynamic scale (_BothLayouts)."""
-        cast = getattr(self.config, f"cast_config_{operand}")
-        role = self.roles["grad_output" if operand == "grad_output" else "input"]
-        return self.to_float8(t, cast.target_dtype, self.mm_config, gemm_input_role=role,
-                              scaling_granularity=cast.scaling_granularity,
-                              round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  float8: Float8Weight | None = None) -> torch.Tensor:
@@ -91,12 +80,7 @@ class Fp8Gemm:
         if float8 is not None and float8.acc is not None:  # the step's cast carrying the gradient so far
             weight = _CarriedGrad.apply(weight, float8.acc)
         w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
-        if float8 is not None and float8.data_t is not None:  # the step's cast in both layouts
-            w_t = self.float8_tensor(float8.data_t, float8.scale, weight.dtype, linear_mm_config=self.mm_config,
-                                     gemm_input_role=self.weight_role)
-            y = _BothLayouts.apply(x, w.t(), w_t, self)
-        else:
-            y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
+        y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -109,7 +93,6 @@ class Float8Weight:
     data: torch.Tensor  # (d_out, d_in) float8_e4m3fn
     scale: torch.Tensor  # () float32: data = saturate(weight * scale)
     acc: torch.Tensor | None = None  # the step's cast: the weight's gradient so far (step_casts.py take_grads)
-    data_t: torch.Tensor | None = None  # the step's cast: (d_in, d_out), data transposed, contiguous (_BothLayouts)
 
 
 class TensorwiseCast:
@@ -148,32 +131,6 @@ class _Float8Operand(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None
-
-
-class _BothLayouts(torch.autograd.Function):
-    """x W^T over a float8 weight the step cast in both layouts, tensorwise: torchao's float8 GEMM
-    (`matmul_with_hp_or_float8_args`: the same casts of x and of the output gradient, the same three
-    torch._scaled_mm, so the same bytes), except for the layout of W in the input gradient's GEMM.
-    torch._scaled_mm takes its second operand column-major: the forward's W^T, a view of the row-major
-    e4m3 bytes, is; the backward's W is not, and torchao copies it into that layout in every micro-batch's
-    backward (1 byte read and written a weight). Here the backward reads `w_t`, the same values and scale
-    laid out transposed once for the step (memory/step_casts.py), whose W is a column-major view."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight_t: torch.Tensor, w_t: torch.Tensor, gemm: Fp8Gemm):
-        ctx.save_for_backward(x, w_t)
-        ctx.gemm = gemm
-        rows = gemm.cast(x, "input").reshape(-1, x.shape[-1])
-        return torch.mm(rows, weight_t).reshape(*x.shape[:-1], weight_t.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w_t = ctx.saved_tensors
-        gemm = ctx.gemm
-        g = gemm.cast(grad.reshape(-1, grad.shape[-1]), "grad_output")
-        grad_x = torch.mm(g, w_t.t()).reshape(*grad.shape[:-1], w_t.shape[0])
-        grad_w = torch.mm(g.t(), gemm.cast(x.reshape(-1, x.shape[-1]), "input_for_grad_weight"))
-        return grad_x, grad_w.t(), None, None
 
 
 class _CarriedGrad(torch.autograd.Function):

@@ -77,9 +77,8 @@ class StepCasts:
         """Around a step's micro-batches: cast each weight in the compute `dtype` (bf16, float8) once."""
         try:
             with torch.no_grad():
-                for linear in self.linears:  # each in both layouts (memory/fp8.py _BothLayouts)
-                    data, scale = self.float8(linear.weight)
-                    linear.float8_weight = Float8Weight(data, scale, data_t=data.t().contiguous())
+                for linear in self.linears:
+                    linear.float8_weight = Float8Weight(*self.float8(linear.weight))
                 for experts in self.experts:
                     experts.step_casts = stack_casts(experts, dtype, self.join) or None
             yield self

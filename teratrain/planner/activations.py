@@ -335,10 +335,9 @@ def casts_once(train: Training, lay: Layout) -> bool:
 def step_cast_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: int = 1, form: str = "megatron",
                     device: str = "cuda") -> int:
     """What a step that casts once (`casts_once`) holds from its first forward to its last backward in
-    `layers` blocks: each float8 weight in 2 bytes (tensorwise: its e4m3 bytes in both layouts,
-    memory/fp8.py _BothLayouts), each expert weight stack held wider than the compute dtype in it (the
-    copies `weight_copies` then leaves out)."""
-    float8 = 2 * fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
+    `layers` blocks: each float8 weight in 1 byte (tensorwise), each expert weight stack held wider than
+    the compute dtype in it (the copies `weight_copies` then leaves out)."""
+    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
     experts = _expert_copies(shape, w, ep, form, device, tp) if shape.num_experts > 1 and w.autocast_copies else 0
     return layers * (float8 + experts)
 

@@ -181,8 +181,8 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
     layers = shape.cfg.n_layers / lay.pp
     param = train.widths(lay.zero, lay.offload).param
     m = lay.num_microbatches
-    if train.fp8 == "tensorwise" and casts_once(train, lay):  # the step's cast, in both layouts, serves every
-        weight = (2 * param + 1) + FP8_LAYOUT_BYTES  # GEMM of the step (memory/fp8.py _BothLayouts)
+    if train.fp8 == "tensorwise" and casts_once(train, lay):  # the step's cast serves every GEMM of the step
+        weight = (2 * param + 1) + m * FP8_LAYOUT_BYTES
     else:
         weight = m * ((2 * param + 1) * 2 + FP8_LAYOUT_BYTES)
     flops = moved = 0.0

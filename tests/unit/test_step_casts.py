@@ -245,7 +245,7 @@ def test_planner_counts_the_casts_live_bytes(sets):
     from teratrain.planner.memory import plan_memory
 
     *_, (float8, stacks), _, _ = _run(sets, once=True, steps=1)
-    live = sum(t.numel() * t.element_size() for w in float8 for t in (w.data, w.data_t))  # both layouts
+    live = sum(w.data.numel() * w.data.element_size() for w in float8)
     live += sum(t.numel() * t.element_size() for s in stacks if s for t in s.values())
     cfg = make_config(*SMALL, *sets)
     shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg)
