@@ -80,10 +80,11 @@ def within_capacity(experts: torch.Tensor, routed: torch.Tensor, num_experts: in
     return keep
 
 
-def sends_every_choice(router: str, capacity_factor: float) -> bool:
+def sends_every_choice(router: type[Router] | Router, capacity_factor: float) -> bool:
     """Known on the host: every choice of every token goes to its expert (no capacity limit; not GShard's
-    random routing, which leaves second choices unsent in training)."""
-    return capacity_factor <= 0 and not ROUTERS[router].random_routing
+    random routing, which leaves second choices unsent in training). `router`: a router or its class
+    (ROUTERS[model.moe.router])."""
+    return capacity_factor <= 0 and not router.random_routing
 
 
 def capacity_rows(num_tokens: int, k: int, num_experts: int, factor: float, groups: int) -> int | None:
@@ -137,7 +138,7 @@ class Router(nn.Module, abc.ABC):
         loss = self.aux_weight * aux
         if self.z_weight:
             loss = loss + self.z_weight * z_loss(logits)
-        every = self.capacity <= 0 and not self.random_routing
+        every = sends_every_choice(self, self.capacity)
         return Routing(experts, weights, kept, loss, experts.numel() if every else routed.sum(), probs, every)
 
     def max_rows(self, num_tokens: int, k: int) -> int | None:

@@ -38,7 +38,7 @@ from teratrain.memory import step_casts
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
 from teratrain.models.chunked_loss import auto_chunks
-from teratrain.models.routers import sends_every_choice
+from teratrain.models.routers import ROUTERS, sends_every_choice
 from teratrain.parallel.pipeline.stage import grad_in_i
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths, ceil_div
 
@@ -252,7 +252,7 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
     c = shape.cfg
     k, m = shape.top_k, n * shape.top_k
     router_bytes = 4 if c.moe.router_dtype == "fp32" else w.compute
-    masks = 0 if sends_every_choice(c.moe.router, c.moe.capacity) else 2
+    masks = 0 if sends_every_choice(ROUTERS[c.moe.router], c.moe.capacity) else 2
     return {"router": [Saved(n * c.d_model, router_bytes), Saved(n * shape.num_experts, 4, "keep"),
                        Saved(n * k, INDEX_BYTES, "keep"), Saved(n * k, 4, "keep"), Saved(n, 4, "keep")],
             "moe_dispatch": [Saved((m + 1) * c.d_model, w.compute)],

@@ -40,10 +40,10 @@ norm's output gathered, in the compute dtype; the norm's own output is not kept,
 both recomputed), the experts' w2 outputs on the same rows (top-k > 1: the compiled combine reads each token's
 k rows of them elementwise, models/permute.py, and backward reads them again), w1x, w3x and their product on
 them; the router's probabilities, the top-k indices and gates; the layout (the permutation, each row's source,
-the groups' int32 offsets; unnormalised gates laid out with a zero row) and the aux loss's load vector. Sigmoid scores keep the scores again and the chosen ones' sum, the normalised gates a tensor
-more; shared experts keep their input (the norm's output) and hidden tensors as a dense MLP does, and under a
-gate its output and logit. Eager keeps silu's output too and the router's fp32 input
-(activations._moe_saved). Read on CPU, the count planned a compiled MoE with sigmoid scores, bias balancing
+the groups' int32 offsets; unnormalised gates laid out with a zero row) and the aux loss's load vector.
+Sigmoid scores keep the scores again and the chosen ones' sum, the normalised gates a tensor more; shared
+experts keep their input (the norm's output) and hidden tensors as a dense MLP does, and under a gate its
+output and logit. Eager keeps silu's output too and the router's fp32 input (activations._moe_saved). Read on CPU, the count planned a compiled MoE with sigmoid scores, bias balancing
 and a shared expert on one H200 (torch 2.11) before it ran: 32.05 GiB, measured 31.77
 (tests/unit/test_planner_moe.py).
 

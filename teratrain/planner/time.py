@@ -406,10 +406,14 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
     the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each. The host
     probe's rows (refit.fit_host) have no pipeline and no MoE layer: no split ops, no MoE ops."""
-    share = MOE_HOST_OP_SHARE_SORTED if train.moe_sorted_layout else MOE_HOST_OP_SHARE
-    ops += split_ops(shape, lay) + (share - 1) * moe_ops(shape, train, lay)
+    ops += split_ops(shape, lay) + (moe_host_share(train) - 1) * moe_ops(shape, train, lay)
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
+
+
+def moe_host_share(train: Training) -> float:
+    """MOE_HOST_OP_SHARE, or for runs recorded with the sorted layout the share fitted on them."""
+    return MOE_HOST_OP_SHARE_SORTED if train.moe_sorted_layout else MOE_HOST_OP_SHARE
 
 
 def moe_ops(shape: ModelShape, train: Training, lay: Layout, forward_only: bool = False) -> float:
@@ -547,5 +551,5 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
     fwd_ops = (rank_layers(shape, lay) * block_ops(shape, train, lay)[0]
-               + OPS_OUTSIDE) * lay.num_microbatches + MOE_HOST_OP_SHARE * moe_ops(shape, train, lay, forward_only=True)
+               + OPS_OUTSIDE) * lay.num_microbatches + moe_host_share(train) * moe_ops(shape, train, lay, forward_only=True)
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
