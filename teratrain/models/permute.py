@@ -75,7 +75,7 @@ def _ranked(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Ten
         return _sorted_rank(key, num_groups)
     # (G + 1, M): a scan along each key's row (along the M rows of a few columns it is a slow kernel on GPUs)
     run = (torch.arange(num_groups + 1, device=key.device).unsqueeze(1) == key).cumsum(1)
-    return run.gather(0, key.unsqueeze(0)).squeeze(0) - 1, run[:num_groups, -1]
+    return run.gather(0, key.unsqueeze(0)).squeeze(0) - 1, run[:num_groups, -1].contiguous()  # the counts are exchanged
 
 
 # The one-hot running count's size limit (integers): 64 MiB of int64. An MoE layer of 8 experts top-2 at

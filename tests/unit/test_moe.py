@@ -387,6 +387,7 @@ def test_grouped_layout_against_its_definition(m, groups, align, ranked, monkeyp
     lay = grouped_layout(key, groups, align)
     assert (lay.dest.tolist(), lay.src.tolist(), lay.offsets.tolist(), lay.rows) == (dest, src, ends, rows)
     assert lay.counts.tolist() == [int((key == g).sum()) for g in range(groups)] and lay.sent.tolist() == (key < groups).tolist()
+    assert lay.counts.is_contiguous()  # expert parallelism exchanges them
 
 
 @pytest.mark.parametrize("k", [1, 2])
