@@ -35,7 +35,8 @@ concatenation), 1 R-row gather (dispatch); 1 M-row gather, 1 M-row mask, a produ
 (combine). Backward: 1 R-row gather and 1 R-row product (combine), grad_w's product and sum over d;
 1 M-row gather, 1 M-row mask, 1 sum over k that also casts back (dispatch). Before: the same forward
 (with a select in place of the mask), and in backward two accumulating index_put_ (R and N + 1 rows)
-and a select, where now there are gathers and masks.
+and a select, where now there are gathers and masks. Where no choice can go nowhere (no capacity, no
+random routing), `sent` is None and neither mask is made.
 """
 
 from __future__ import annotations
@@ -51,18 +52,14 @@ class Layout:
     src: torch.Tensor  # (rows,) long: the input row of each buffer row, M where none
     offsets: torch.Tensor  # (G,) int32: where each group's rows end (cumulative; the grouped GEMM's `offs`)
     rows: int  # buffer rows, known on the host
-    sent: torch.Tensor  # (M,) bool: the row belongs to a group (else it goes nowhere)
+    # (M,) bool: the row belongs to a group (else it goes nowhere); None where every row does (known on the
+    # host: nothing dropped), and the permutations mask nothing
+    sent: torch.Tensor | None
     counts: torch.Tensor  # (G,) long: rows of each group
-    every: bool = False  # known on the host: every input row is sent (`sent` all True), nothing to mask
 
     def first(self, rows: int) -> "Layout":
         """The same layout cut to its first `rows` buffer rows, which must hold every sent row."""
-        return Layout(self.dest, self.src[:rows], self.offsets, rows, self.sent, self.counts, self.every)
-
-    @property
-    def mask(self) -> torch.Tensor | None:
-        """`sent` where some input row may go nowhere, else None: the permutations then mask nothing."""
-        return None if self.every else self.sent
+        return Layout(self.dest, self.src[:rows], self.offsets, rows, self.sent, self.counts)
 
 
 def _ranked(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +96,12 @@ def _placed(key: torch.Tensor, rank: torch.Tensor, starts: torch.Tensor, counts:
     `src` by scattering the rows' indices to their buffer rows (distinct; the rows not sent all write one
     extra row, cut off). `every`: the caller knows every key is < G."""
     m, groups = key.numel(), counts.numel()
-    sent, index = key < groups, torch.arange(m, device=key.device)
+    index = torch.arange(m, device=key.device)
     if every:
         dest = starts[key] + rank
-        return Layout(dest, key.new_full((rows,), m).scatter_(0, dest, index), offsets.to(torch.int32), rows, sent,
-                      counts, every=True)
+        return Layout(dest, key.new_full((rows,), m).scatter_(0, dest, index), offsets.to(torch.int32), rows, None,
+                      counts)
+    sent = key < groups
     dest = torch.where(sent, starts[key.clamp(max=groups - 1)] + rank, 0)
     src = key.new_full((rows + 1,), m).scatter_(0, torch.where(sent, dest, rows), index)
     return Layout(dest, src[:rows], offsets.to(torch.int32), rows, sent, counts)
@@ -162,7 +160,7 @@ def chunk_major(lay: Layout, extents: torch.Tensor, chunks: int) -> Layout:
     piece = c * G + g
     perm = torch.where(j < ends[-1], piece_ends[piece] - sizes[piece] + q - lo[c, g], j)  # (rows,) new row of each
     src = torch.empty_like(lay.src).scatter_(0, perm, lay.src)
-    return Layout(perm[lay.dest], src, piece_ends.to(torch.int32), rows, lay.sent, lay.counts, lay.every)
+    return Layout(perm[lay.dest], src, piece_ends.to(torch.int32), rows, lay.sent, lay.counts)
 
 
 # ---------------------------------------------------------------- the two permutations
@@ -191,7 +189,7 @@ class _Dispatch(torch.autograd.Function):
 
 def _kept(rows: torch.Tensor, sent: torch.Tensor | None) -> torch.Tensor:
     """rows (M, d), each of an input row, zeroed (in place) where that row was not sent; `sent` None:
-    every row was (Layout.mask), as they are."""
+    every row was (Layout.sent), as they are."""
     return rows if sent is None else rows.masked_fill_(~sent.unsqueeze(1), 0)
 
 
@@ -252,10 +250,10 @@ class _Combine(torch.autograd.Function):
 def dispatch(x: torch.Tensor, lay: Layout, k: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(lay.rows, d) in `dtype` (x's by default): buffer row j holds x[lay.src[j] // k], zero where it
     holds no row. x: (M / k, d), each row the source of its k consecutive input rows."""
-    return _Dispatch.apply(x, lay.src, lay.dest, lay.mask, k, dtype or x.dtype)
+    return _Dispatch.apply(x, lay.src, lay.dest, lay.sent, k, dtype or x.dtype)
 
 
 def combine(y: torch.Tensor, lay: Layout, weights: torch.Tensor | None = None, k: int = 1) -> torch.Tensor:
     """(M / k, d): each input row's buffer row of y, zero where not sent, weighted by `weights` (M / k,
     k) and summed over each token's k rows; weights None: k = 1, the rows unweighted (an unpermute)."""
-    return _Combine.apply(y, weights, lay.src, lay.dest, lay.mask, k)
+    return _Combine.apply(y, weights, lay.src, lay.dest, lay.sent, k)

@@ -392,7 +392,7 @@ def test_grouped_layout_against_its_definition(m, groups, align, ranked, monkeyp
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_layout_known_to_send_every_row_masks_nothing_and_moves_the_same(k):
-    """grouped_layout(every=True), where no key is G: the same layout, `mask` None, and dispatch / combine
+    """grouped_layout(every=True), where no key is G: the same layout, `sent` None, and dispatch / combine
     give the same values and gradients without masking; the MoE layer says so where nothing can be dropped."""
     from teratrain.models.permute import combine, dispatch, grouped_layout
 
@@ -400,9 +400,9 @@ def test_a_layout_known_to_send_every_row_masks_nothing_and_moves_the_same(k):
     n, d = 6, 3
     key = torch.randint(0, 3, (n * k,), generator=g)
     masked, every = grouped_layout(key, 3, align=4), grouped_layout(key, 3, align=4, every=True)
-    for f in ("dest", "src", "offsets", "sent", "counts"):
+    for f in ("dest", "src", "offsets", "counts"):
         assert torch.equal(getattr(masked, f), getattr(every, f)), f
-    assert (masked.mask is masked.sent, every.mask) == (True, None)
+    assert masked.sent.all() and every.sent is None
     x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(masked.rows, d, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.rand(n, k, generator=g, dtype=torch.float64, requires_grad=True)
