@@ -117,6 +117,10 @@ class TensorwiseCast:
         scale = self.scale(weight.abs().max().to(torch.float32))
         return self.e4m3(weight, scale), scale
 
+    def many(self, weights: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each weight's cast, as `__call__`: compiled, one call for all of them (memory/step_casts.py)."""
+        return [self(w) for w in weights]
+
 
 class _Float8Operand(torch.autograd.Function):
     """The float8 weight made before the forward as torchao's Float8TrainingTensor, standing for `weight`:

@@ -68,8 +68,11 @@ class StepCasts:
         # copy into each half, strided, took 0.50 ms a Qwen3-shaped stack on one H200, a contiguous cast 0.27
         self.join = torch.compile(join_gate_up, dynamic=False) if compiled and self.experts else None
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
-        # clamp and the cast each read the weight or a temporary of its size); one compilation a shape
-        cast = TensorwiseCast() if self.linears else None
+        # clamp and the cast each read the weight or a temporary of its size), and one call casts every weight:
+        # a call a weight cost the host about 0.1 ms more than its two kernels took, and the step's first casts
+        # follow an idle GPU (one H200, the llama-8b width's 56 linears: 7.2 ms of the step idle, 1.3 without
+        # float8; bench/README.md)
+        cast = TensorwiseCast().many if self.linears else None
         self.float8 = torch.compile(cast, dynamic=False) if compiled and cast else cast
 
     @contextlib.contextmanager
@@ -77,8 +80,9 @@ class StepCasts:
         """Around a step's micro-batches: cast each weight in the compute `dtype` (bf16, float8) once."""
         try:
             with torch.no_grad():
-                for linear in self.linears:
-                    linear.float8_weight = Float8Weight(*self.float8(linear.weight))
+                made = self.float8([linear.weight for linear in self.linears]) if self.linears else []
+                for linear, (data, scale) in zip(self.linears, made):
+                    linear.float8_weight = Float8Weight(data, scale)
                 for experts in self.experts:
                     experts.step_casts = stack_casts(experts, dtype, self.join) or None
             yield self

@@ -147,13 +147,18 @@ def test_float8_cast_is_torchaos_bytes():
 
 @pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
 def test_float8_cast_compiles_whole_to_the_same_bytes():
-    """Under train.compile the step's cast is compiled: one graph (a graph break would cost each of its
-    calls a Python round trip), the eager cast's bytes."""
+    """Under train.compile the step's casts are compiled: one graph for all the weights (a graph break, or a
+    call a weight, would cost each a Python round trip), each the eager cast's bytes."""
     cast = fp8.TensorwiseCast()
-    w = torch.randn(48, 32) * 5
-    data, scale = torch.compile(cast, fullgraph=True, dynamic=False)(w)
-    ref, ref_scale = cast(w)
-    assert torch.equal(scale, ref_scale) and torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
+    weights = [torch.randn(48, 32) * 5, torch.randn(16, 48) / 7, torch.randn(48, 32)]
+    try:
+        made = torch.compile(cast.many, fullgraph=True, dynamic=False)(weights)
+    finally:
+        torch._dynamo.reset()
+    assert len(made) == len(weights)
+    for w, (data, scale) in zip(weights, made):
+        ref, ref_scale = cast(w)
+        assert torch.equal(scale, ref_scale) and torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kernel, recompute", [("grouped", "none"), ("loop", "none"), ("grouped", "full")])
