@@ -69,9 +69,8 @@ class StepCasts:
         self.join = torch.compile(join_gate_up, dynamic=False) if compiled and self.experts else None
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size), and one call casts every weight:
-        # a call a weight cost the host about 0.1 ms more than its two kernels took, and the step's first casts
-        # follow an idle GPU (one H200, the llama-8b width's 56 linears: 7.2 ms of the step idle, 1.3 without
-        # float8; bench/README.md)
+        # the casts open the step on an idle GPU, which a compiled call a weight kept waiting on the host (one
+        # H200, the llama-8b width's 56 linears, 4 micro-batches: 375.1 -> 370.4 ms a step; bench/README.md)
         cast = TensorwiseCast().many if self.linears else None
         self.float8 = torch.compile(cast, dynamic=False) if compiled and cast else cast
 
