@@ -226,7 +226,9 @@ class _Combine(torch.autograd.Function):
             ctx.save_for_backward(src)
             return g
         ctx.save_for_backward(src, g, w)
-        return g * w if k == 1 else (g.view(w.shape[0], k, -1) * w.unsqueeze(-1)).sum(1)  # (N, d)
+        # k > 1: each token's (1, k) weights times its (k, d) rows, one batched GEMM: a product broadcast to
+        # (N, k, d) and reduced over k took two kernels and wrote N k d values
+        return g * w if k == 1 else torch.bmm(w.unsqueeze(1), g.view(w.shape[0], k, -1)).squeeze(1)  # (N, d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -243,7 +245,11 @@ class _Combine(torch.autograd.Function):
         else:
             kept, w = saved
         scale = torch.cat([w.flatten(), w.new_zeros(1)])[src]  # ... times weight zero
-        grad_w = (kept.view(-1, ctx.k, d) * grad.unsqueeze(1)).sum(-1) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # <kept row, grad row>: compiled, one fused reduction; eager, a batched GEMM
+            rows = kept.view(-1, ctx.k, d)  # (not a product of N k d values reduced over d: two kernels)
+            grad_w = (rows * grad.unsqueeze(1)).sum(-1) if ctx.by_choice or ctx.k == 1 else \
+                torch.bmm(rows, grad.unsqueeze(-1).to(rows.dtype)).squeeze(-1)
         return g.mul_(scale.unsqueeze(1)), grad_w, None, None, None, None
 
 
