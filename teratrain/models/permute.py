@@ -31,9 +31,10 @@ The two permutations, with N = M / k tokens of k choices each (choice c = t * k 
 
 Copies per MoE layer at ep=1 (N tokens, M = N k choices, R >= M buffer rows, all d wide), forward:
 1 N-row copy (the cast to the compute dtype with the zero row appended; before, a cast and a
-concatenation), 1 R-row gather (dispatch); 1 M-row gather, 1 M-row mask, a product and a sum over k
-(combine). Backward: 1 R-row gather and 1 R-row product (combine), grad_w's product and sum over d;
-1 M-row gather, 1 M-row mask, 1 sum over k that also casts back (dispatch). Before: the same forward
+concatenation), 1 R-row gather (dispatch); 1 M-row gather, 1 M-row mask, the weighted sum over k
+(combine: eager a batched GEMM, (1, k) x (k, d) a token). Backward: 1 R-row gather and 1 R-row product
+(combine), grad_w's dot products over d (eager a batched GEMM); 1 M-row gather, 1 M-row mask, 1 sum over
+k that also casts back (dispatch). Before: the same forward
 (with a select in place of the mask), and in backward two accumulating index_put_ (R and N + 1 rows)
 and a select, where now there are gathers and masks. Where no choice can go nowhere (no capacity, no
 random routing), `sent` is None and neither mask is made.
