@@ -29,15 +29,15 @@ The two permutations, with N = M / k tokens of k choices each (choice c = t * k 
   grad_y[j] = w[src[j]] grad_out[src[j] // k], a gather by `src` times the weight (zero where src[j]
   = M); grad_w[c] = <y[dest[c]], grad_out[t]>.
 
-Copies per MoE layer at ep=1 (N tokens, M = N k choices, R >= M buffer rows, all d wide), forward:
-1 N-row copy (the cast to the compute dtype with the zero row appended; before, a cast and a
+Copies per MoE layer at ep=1 (N tokens, M = N k choices, R >= M buffer rows, all d wide), forward: 1
+N-row copy (the cast to the compute dtype with the zero row appended; before, a cast and a
 concatenation), 1 R-row gather (dispatch); 1 M-row gather, 1 M-row mask, the weighted sum over k
 (combine: eager a batched GEMM, (1, k) x (k, d) a token). Backward: 1 R-row gather and 1 R-row product
 (combine), grad_w's dot products over d (eager a batched GEMM); 1 M-row gather, 1 M-row mask, 1 sum over
-k that also casts back (dispatch). Before: the same forward
-(with a select in place of the mask), and in backward two accumulating index_put_ (R and N + 1 rows)
-and a select, where now there are gathers and masks. Where no choice can go nowhere (no capacity, no
-random routing), `sent` is None and neither mask is made.
+k that also casts back (dispatch). Before: the same forward (with a select in place of the mask), and in
+backward two accumulating index_put_ (R and N + 1 rows) and a select, where now there are gathers and
+masks. Where no choice can go nowhere (no capacity, no random routing), `sent` is None and neither mask
+is made.
 """
 
 from __future__ import annotations
