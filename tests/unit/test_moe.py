@@ -419,15 +419,39 @@ def test_a_layout_known_to_send_every_row_masks_nothing_and_moves_the_same(k):
     assert (dropless.router(flat).every, capped.router(flat).every) == (True, False)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [2, 8])
+def test_combine_in_bf16_keeps_its_dtype_and_tracks_fp64(k):
+    """The eager combine's batched GEMMs in bf16 (the compute dtype): output and gradients in bf16, within bf16's
+    rounding of the same combine in fp64 (tolerance fixed before the run: 2e-2 relative to each tensor's largest)."""
+    from teratrain.models.permute import combine, grouped_layout
+
+    g = torch.Generator().manual_seed(1)
+    n, d = 16, 64
+    key = torch.randint(0, 4, (n * k,), generator=g)  # 4 = nowhere
+    lay = grouped_layout(key, 4, align=8)
+    y64 = torch.randn(lay.rows, d, generator=g, dtype=torch.float64)
+    w64, co = torch.rand(n, k, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64)
+    out = []
+    for dtype in (torch.float64, torch.bfloat16):
+        y, w = y64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
+        z = combine(y, lay, w, k)
+        gy, gw = torch.autograd.grad((z * co.to(dtype)).sum(), [y, w])
+        assert {z.dtype, gy.dtype, gw.dtype} == {dtype}
+        out.append((z, gy, gw))
+    for want, got in zip(*out):
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
 def test_permutations_backward_are_gathers_equal_to_autograds_indexing(k):
     """dispatch / combine against the same maps written with advanced indexing (whose backward is an
-    accumulating index_put_), values and gradients, with rows not sent, padding and empty groups."""
+    accumulating index_put_), values and gradients, with rows not sent, padding and empty groups (k = 8:
+    fine-grained routing, the combine's batched GEMMs over 8 rows a token)."""
     from teratrain.models.permute import combine, dispatch, grouped_layout
 
     g = torch.Generator().manual_seed(0)
     n, d = 5, 3
-    key = torch.tensor([1, 3, 0, 3, 1, 1, 3, 1, 0, 3])[:n * k]  # 3 groups, 3 = nowhere; group 2 empty
+    key = torch.tensor([1, 3, 0, 3, 1, 1, 3, 1, 0, 3] * 4)[:n * k]  # 3 groups, 3 = nowhere; group 2 empty
     lay = grouped_layout(key, 3, align=4)
     x = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(lay.rows, d, generator=g, dtype=torch.float64, requires_grad=True)
