@@ -11,20 +11,25 @@ from teratrain.planner.states import rank_layers
 
 
 def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> float:
-    """The experts' rate as a share of the dense rate. Eager: gpu.moe_efficiency, fitted on eager steps
-    (the grouped GEMMs and the permutations' kernels around them). Compiled (the permutations fused into
-    few kernels, priced with the rest of the step): the grouped GEMM's own rate, w / (w + gpu.grouped_half_work)
-    for w = an expert's rows (a micro-batch's tokens x top_k over the experts, which expert parallelism
-    gathers from its ep ranks) times its width (bench/calibrate/grouped_gemm.py). Gated experts whose stacks
-    are cast for the GEMMs (not held in the compute dtype, nor frozen in bf16 under LoRA) run w1 and w3 as one
-    GEMM of twice the width (models/grouped.py fuses_gate_up): two thirds of the FLOPs at that GEMM's rate."""
-    if not train.compiled or shape.num_experts == 1:
+    """The experts' rate as a share of the dense rate: the grouped GEMM's own rate, w / (w + gpu.grouped_half_work)
+    for w = an expert's rows (a micro-batch's tokens x top_k over the experts, which expert parallelism gathers
+    from its ep ranks) times its width (bench/calibrate/grouped_gemm.py), wherever the permutations around it are
+    priced with the rest of the step: compiled (fused into few kernels), and eager where the experts are stacked,
+    nothing is dropped and nothing exchanged (each permutation an op of `issued_ops`). Other eager steps (a
+    capacity, expert parallelism, each expert its own parameters) keep gpu.moe_efficiency, fitted on eager 4-GPU
+    steps with a capacity, whose masks and exchanges it stands for. Compiled, gated experts whose stacks are cast
+    (not held in the compute dtype, nor frozen in bf16 under LoRA) run w1 and w3 as one GEMM of twice the width
+    (models/grouped.py fuses_gate_up): two thirds of the FLOPs at that GEMM's rate; eager runs them apart."""
+    if shape.num_experts == 1:
         return gpu.moe_efficiency
-    c, widths = shape.cfg, train.widths(lay.zero, lay.offload)
+    c = shape.cfg
+    if not train.compiled and (lay.ep > 1 or c.moe.capacity > 0 or train.expert_tensors):
+        return gpu.moe_efficiency
+    widths = train.widths(lay.zero, lay.offload)
     work = lay.tokens(c.seq_len) * shape.top_k * lay.ep / shape.num_experts * c.expert_ffn_dim / expert_tp(lay)
     rate = lambda w: w / (w + gpu.grouped_half_work)  # noqa: E731
     cast = widths.param != widths.compute and train.frozen_width == 4  # a bf16 LoRA base is read as it is
-    if c.arch == "llama" and cast and not train.gate_up_apart:
+    if train.compiled and c.arch == "llama" and cast and not train.gate_up_apart:
         return 1 / (2 / 3 / rate(2 * work) + 1 / 3 / rate(work))
     return rate(work)
 

@@ -15,9 +15,10 @@ Terms, each with its source or assumption:
 - optimizer: the AdamW sweep streams params, grads and states: teratrain's kernel 28 bytes/param at its
   measured share of hbm_gbps, torch's fused one ~36 at mem efficiency (+12 with fp32 masters): optimizer_s.
 - MoE: FLOPs of the active weights only (router + top_k experts per token: MFU on active FLOPs), the
-  experts' at gpu.moe_efficiency of the dense rate (grouped GEMMs of a few hundred rows per expert,
-  the permutations around them: measured by bench/moe.py against the dense model; that overhead is
-  not split by tensor parallelism, which splits only the experts' weights; planner/experts.py); expert
+  experts' at the grouped GEMM's rate by rows x width (compiled, and eager where stacked, dropless and
+  at ep = 1), else at gpu.moe_efficiency of the dense rate (the grouped GEMMs and the masks and exchanges
+  around them: measured by bench/moe.py against the dense model; that overhead is not split by tensor
+  parallelism, which splits only the experts' weights; planner/experts.py expert_efficiency); expert
   parallelism adds 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
   backward; 6 when recomputation replays the forward), exposed; expert gradients reduce over dp/ep ranks.
 - communication: every collective of the step, alpha-beta priced per ring (planner/comm.py says
