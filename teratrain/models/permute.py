@@ -98,7 +98,7 @@ def _placed(key: torch.Tensor, rank: torch.Tensor, starts: torch.Tensor, counts:
     extra row, cut off). `every`: the caller knows every key is < G."""
     m, groups = key.numel(), counts.numel()
     index = torch.arange(m, device=key.device)
-    if every:
+    if every:  # exactly `rows` sources: no extra row to cut off (a view of it would keep the row alive)
         dest = starts[key] + rank
         return Layout(dest, key.new_full((rows,), m).scatter_(0, dest, index), offsets.to(torch.int32), rows, None,
                       counts)
@@ -216,8 +216,8 @@ def _by_choice(y: torch.Tensor, dest: torch.Tensor, sent: torch.Tensor | None, k
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w, src, dest, sent, k: int):
-        ctx.k, ctx.rows, ctx.weighted = k, y.shape[0], w is not None
-        if w is not None and k > 1 and torch.compiler.is_compiling():  # as _Dispatch's compiled backward
+        ctx.k, ctx.rows, ctx.weighted, ctx.compiled = k, y.shape[0], w is not None, torch.compiler.is_compiling()
+        if w is not None and k > 1 and ctx.compiled:  # as _Dispatch's compiled backward
             ctx.by_choice = True
             ctx.save_for_backward(src, y, w, dest, sent)
             return _by_choice(y, dest, sent, k, w, y.dtype)
@@ -249,7 +249,7 @@ class _Combine(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:  # <kept row, grad row>: compiled, one fused reduction; eager, a batched GEMM
             rows = kept.view(-1, ctx.k, d)  # (not a product of N k d values reduced over d: two kernels)
-            grad_w = (rows * grad.unsqueeze(1)).sum(-1) if ctx.by_choice or ctx.k == 1 else \
+            grad_w = (rows * grad.unsqueeze(1)).sum(-1) if ctx.compiled else \
                 torch.bmm(rows, grad.unsqueeze(-1).to(rows.dtype)).squeeze(-1)
         return g.mul_(scale.unsqueeze(1)), grad_w, None, None, None, None
 

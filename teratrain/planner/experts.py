@@ -20,10 +20,8 @@ def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU)
     steps with a capacity, whose masks and exchanges it stands for. Compiled, gated experts whose stacks are cast
     (not held in the compute dtype, nor frozen in bf16 under LoRA) run w1 and w3 as one GEMM of twice the width
     (models/grouped.py fuses_gate_up): two thirds of the FLOPs at that GEMM's rate; eager runs them apart."""
-    if shape.num_experts == 1:
-        return gpu.moe_efficiency
     c = shape.cfg
-    if not train.compiled and (lay.ep > 1 or c.moe.capacity > 0 or train.expert_tensors):
+    if shape.num_experts == 1 or not train.compiled and (lay.ep > 1 or c.moe.capacity > 0 or train.expert_tensors):
         return gpu.moe_efficiency
     widths = train.widths(lay.zero, lay.offload)
     work = lay.tokens(c.seq_len) * shape.top_k * lay.ep / shape.num_experts * c.expert_ffn_dim / expert_tp(lay)
