@@ -23,6 +23,7 @@ from torch import nn
 from teratrain import compat
 from teratrain.models.grouped_loop import grouped_mm_loop
 from teratrain.models.layers import to_compute_dtype
+from teratrain.models.swiglu_kernel import swiglu_joined
 
 
 def row_align(grouped: bool) -> int:
@@ -175,8 +176,7 @@ def _grouped(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, stacks:
     if stacks["w2"][1] is not None:  # each row's expert, for its bias (len(experts): past the end)
         group = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype), right=True)
     if "w13" in stacks:  # w1 and w3 side by side: one GEMM (fuses_gate_up)
-        h1, h3 = _gmm(x, *stacks["w13"], offsets, group).chunk(2, -1)
-        h = F.silu(h1) * h3
+        h = swiglu_joined(_gmm(x, *stacks["w13"], offsets, group))
     elif "w3" in stacks:
         h = F.silu(_gmm(x, *stacks["w1"], offsets, group)) * _gmm(x, *stacks["w3"], offsets, group)
     else:

@@ -1,0 +1,89 @@
+"""SwiGLU over one GEMM's joined gate and up outputs: y = [x W1^T | x W3^T] (rows, 2 f) gives
+h = silu(y1) * y3, and the backward the joined gradient [dh/dy1 | dh/dy3] (rows, 2 f), which the joined
+GEMM's backward reads (models/grouped.py, `fuses_gate_up`).
+
+On CUDA each direction is one Triton kernel over (row, column of a half): it reads y1, y3 (and the output
+gradient) once and writes h (both halves of the gradient). Why: compiled, inductor writes the backward's
+concatenation of the halves' gradients as one kernel over the (rows, 2 f) output, each element choosing its
+half, so every input is read once per half through masked loads; a custom op stays one node of the compiled
+graph (torch.library.triton_op), which inductor fuses nothing into here either way (a grouped GEMM on each
+side). Elsewhere (CPU, or torch without Triton) the same function in torch ops, differentiated by autograd.
+Both compute in fp32 from the stored dtype and round once, as inductor's fused kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # CUDA builds of torch ship Triton; CPU builds do not
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def swiglu_joined(y: torch.Tensor) -> torch.Tensor:
+    """silu(y[:, :f]) * y[:, f:] of a (rows, 2 f) tensor."""
+    if triton is not None and y.is_cuda and y.dim() == 2:
+        return torch.ops.teratrain.swiglu_joined(y)
+    y1, y3 = y.chunk(2, -1)
+    return F.silu(y1) * y3
+
+
+def _block(f: int) -> int:
+    """Columns a program: the largest power of 2 dividing f (no masked lanes), 128 to 1024."""
+    return max(128, min(1024, f & -f))
+
+
+if triton is not None:
+    @triton.jit
+    def _forward(y_ptr, h_ptr, f, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < f
+        a = tl.load(y_ptr + row * 2 * f + col, mask=mask).to(tl.float32)
+        b = tl.load(y_ptr + row * 2 * f + f + col, mask=mask).to(tl.float32)
+        tl.store(h_ptr + row * f + col, (a * tl.sigmoid(a) * b).to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _backward(y_ptr, g_ptr, dy_ptr, f, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < f
+        a = tl.load(y_ptr + row * 2 * f + col, mask=mask).to(tl.float32)
+        b = tl.load(y_ptr + row * 2 * f + f + col, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + row * f + col, mask=mask).to(tl.float32)
+        s = tl.sigmoid(a)
+        out = dy_ptr.dtype.element_ty
+        tl.store(dy_ptr + row * 2 * f + col, (g * b * s * (1.0 + a * (1.0 - s))).to(out), mask=mask)
+        tl.store(dy_ptr + row * 2 * f + f + col, (g * a * s).to(out), mask=mask)
+
+    @torch.library.triton_op("teratrain::swiglu_joined", mutates_args=())
+    def _swiglu_joined(y: torch.Tensor) -> torch.Tensor:
+        y = y.contiguous()
+        rows, f = y.shape[0], y.shape[1] // 2
+        h = y.new_empty(rows, f)
+        if rows:
+            block = _block(f)
+            torch.library.wrap_triton(_forward)[(rows, triton.cdiv(f, block))](y, h, f, BLOCK=block)
+        return h
+
+    @torch.library.triton_op("teratrain::swiglu_joined_backward", mutates_args=())
+    def _swiglu_joined_backward(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        y, g = y.contiguous(), g.contiguous()
+        rows, f = g.shape
+        dy = torch.empty_like(y)
+        if rows:
+            block = _block(f)
+            torch.library.wrap_triton(_backward)[(rows, triton.cdiv(f, block))](y, g, dy, f, BLOCK=block)
+        return dy
+
+    def _setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def _grad(ctx, g):
+        (y,) = ctx.saved_tensors
+        return torch.ops.teratrain.swiglu_joined_backward(y, g)
+
+    torch.library.register_autograd("teratrain::swiglu_joined", _grad, setup_context=_setup)
