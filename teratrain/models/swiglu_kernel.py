@@ -23,41 +23,53 @@ except ImportError:
     triton = None
 
 
+def available(device: torch.device) -> bool:
+    """Whether the Triton kernels run on `device`."""
+    return triton is not None and device.type == "cuda"
+
+
 def swiglu_joined(y: torch.Tensor) -> torch.Tensor:
     """silu(y[:, :f]) * y[:, f:] of a (rows, 2 f) tensor."""
-    if triton is not None and y.is_cuda and y.dim() == 2:
+    if available(y.device) and y.dim() == 2:
         return torch.ops.teratrain.swiglu_joined(y)
     y1, y3 = y.chunk(2, -1)
     return F.silu(y1) * y3
 
 
-def _block(f: int) -> int:
-    """Columns a program: the largest power of 2 dividing f (no masked lanes), 128 to 1024."""
-    return max(128, min(1024, f & -f))
+def config(f: int) -> tuple[int, int, int]:
+    """(rows, columns, warps) of a program for halves of width f: 2,048 elements a program, 16 a thread,
+    columns the largest power of 2 dividing f (no masked lanes) from 64 to 256."""
+    cols = max(64, min(256, f & -f))
+    return 2048 // cols, cols, 4
 
 
 if triton is not None:
     @triton.jit
-    def _forward(y_ptr, h_ptr, f, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < f
-        a = tl.load(y_ptr + row * 2 * f + col, mask=mask).to(tl.float32)
-        b = tl.load(y_ptr + row * 2 * f + f + col, mask=mask).to(tl.float32)
-        tl.store(h_ptr + row * f + col, (a * tl.sigmoid(a) * b).to(h_ptr.dtype.element_ty), mask=mask)
+    def _forward(y_ptr, h_ptr, rows, f, BR: tl.constexpr, BC: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)[:, None]
+        c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+        mask = (r < rows) & (c < f)
+        a = tl.load(y_ptr + r * 2 * f + c, mask=mask).to(tl.float32)
+        b = tl.load(y_ptr + r * 2 * f + f + c, mask=mask).to(tl.float32)
+        tl.store(h_ptr + r * f + c, (a * tl.sigmoid(a) * b).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _backward(y_ptr, g_ptr, dy_ptr, f, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < f
-        a = tl.load(y_ptr + row * 2 * f + col, mask=mask).to(tl.float32)
-        b = tl.load(y_ptr + row * 2 * f + f + col, mask=mask).to(tl.float32)
-        g = tl.load(g_ptr + row * f + col, mask=mask).to(tl.float32)
+    def _backward(y_ptr, g_ptr, dy_ptr, rows, f, BR: tl.constexpr, BC: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)[:, None]
+        c = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+        mask = (r < rows) & (c < f)
+        a = tl.load(y_ptr + r * 2 * f + c, mask=mask).to(tl.float32)
+        b = tl.load(y_ptr + r * 2 * f + f + c, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + r * f + c, mask=mask).to(tl.float32)
         s = tl.sigmoid(a)
         out = dy_ptr.dtype.element_ty
-        tl.store(dy_ptr + row * 2 * f + col, (g * b * s * (1.0 + a * (1.0 - s))).to(out), mask=mask)
-        tl.store(dy_ptr + row * 2 * f + f + col, (g * a * s).to(out), mask=mask)
+        tl.store(dy_ptr + r * 2 * f + c, (g * b * s * (1.0 + a * (1.0 - s))).to(out), mask=mask)
+        tl.store(dy_ptr + r * 2 * f + f + c, (g * a * s).to(out), mask=mask)
+
+    def launch(kernel, rows: int, f: int, *args, cfg: tuple[int, int, int] | None = None) -> None:
+        br, bc, warps = cfg or config(f)
+        grid = (triton.cdiv(rows, br), triton.cdiv(f, bc))
+        torch.library.wrap_triton(kernel)[grid](*args, rows, f, BR=br, BC=bc, num_warps=warps)
 
     @torch.library.triton_op("teratrain::swiglu_joined", mutates_args=())
     def _swiglu_joined(y: torch.Tensor) -> torch.Tensor:
@@ -65,8 +77,7 @@ if triton is not None:
         rows, f = y.shape[0], y.shape[1] // 2
         h = y.new_empty(rows, f)
         if rows:
-            block = _block(f)
-            torch.library.wrap_triton(_forward)[(rows, triton.cdiv(f, block))](y, h, f, BLOCK=block)
+            launch(_forward, rows, f, y, h)
         return h
 
     @torch.library.triton_op("teratrain::swiglu_joined_backward", mutates_args=())
@@ -75,8 +86,7 @@ if triton is not None:
         rows, f = g.shape
         dy = torch.empty_like(y)
         if rows:
-            block = _block(f)
-            torch.library.wrap_triton(_backward)[(rows, triton.cdiv(f, block))](y, g, dy, f, BLOCK=block)
+            launch(_backward, rows, f, y, g, dy)
         return dy
 
     def _setup(ctx, inputs, output):
