@@ -46,8 +46,7 @@ import torch
 from torch import nn
 
 from teratrain.memory.fp8 import Float8Weight, TensorwiseCast, float8_linears
-from teratrain.models import swiglu_kernel
-from teratrain.models.grouped import join_gate_up
+from teratrain.models.grouped import fuses_gate_up, join_gate_up
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -65,11 +64,9 @@ class StepCasts:
     def __init__(self, model: nn.Module, compiled: bool = False):
         self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
         self.experts = [layer.experts for _, layer in moe_layers(model)]
-        # w1 and w3 cast into one stack where the grouped GEMMs join them (models/grouped.py fuses_gate_up);
-        # compiled, by one kernel: torch's copy into each half, strided, took 0.50 ms a Qwen3-shaped stack on
-        # one H200, a contiguous cast 0.27
-        joins = bool(self.experts) and (compiled or swiglu_kernel.available(self.experts[0].w1.device))
-        self.join = (torch.compile(join_gate_up, dynamic=False) if compiled else join_gate_up) if joins else None
+        # compiled, w1 and w3 are cast into one stack (models/grouped.py fuses_gate_up) by one kernel: torch's
+        # copy into each half, strided, took 0.50 ms a Qwen3-shaped stack on one H200, a contiguous cast 0.27
+        self.join = torch.compile(join_gate_up, dynamic=False) if compiled and self.experts else None
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size), and one call casts every weight:
         # the casts open the step on an idle GPU, which a compiled call a weight kept waiting on the host (one
@@ -125,7 +122,7 @@ def stack_casts(experts: nn.Module, dtype: torch.dtype, join=None) -> dict:
     under train.compile), w1 and w3 as one stack "w13" (models/grouped.py fuses_gate_up)."""
     wide = {name: w for name, w, _ in experts.leaves() if w.dtype != dtype}
     out = {}
-    if join is not None and "w1" in wide and "w3" in wide:
+    if join is not None and "w1" in wide and fuses_gate_up(experts, dtype):
         out["w13"] = join(wide.pop("w1"), wide.pop("w3"), dtype)
     return out | {name: w.to(dtype) for name, w in wide.items()}
 

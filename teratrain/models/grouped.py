@@ -23,7 +23,7 @@ from torch import nn
 from teratrain import compat
 from teratrain.models.grouped_loop import grouped_mm_loop
 from teratrain.models.layers import to_compute_dtype
-from teratrain.models import swiglu_kernel
+from teratrain.models.swiglu_kernel import swiglu_joined
 
 
 def row_align(grouped: bool) -> int:
@@ -57,16 +57,16 @@ def use_grouped(experts: nn.Module, x: torch.Tensor, kernel: str) -> bool:
     return aligned and compat.grouped_mm_without_sync(x.device, compute_dtype(x))
 
 
-def fuses_gate_up(experts: nn.Module, dtype: torch.dtype, compiled: bool) -> bool:
+def fuses_gate_up(experts: nn.Module, dtype: torch.dtype) -> bool:
     """Whether w1 and w3 run as one grouped GEMM over their stacks side by side, (E, 2 d_ff, d): gated
     experts whose weights are cast to `dtype` anyway (the cast writes both into one buffer; stacks already in
-    `dtype` would be copied for it), in a compiled forward, or eager where the joined SwiGLU runs as its own
-    kernel (models/swiglu_kernel.py: its backward writes the halves' gradients into one buffer, where torch's
-    ops would write each apart and copy them into one more). One GEMM reads the rows once and, in backward,
-    gives their input gradient by one GEMM over 2 d_ff instead of two added (one H200, the Qwen3-30B-A3B-shaped
-    step compiled: its grouped GEMMs 57.4 -> 54.3 ms, the GPU busy 181.9 -> 179.1 ms a step; bench/README.md)."""
-    return (experts.w3 is not None and experts.w1.dtype != dtype
-            and (compiled or swiglu_kernel.available(experts.w1.device)))
+    `dtype` would be copied for it), in a compiled forward (cast_stacks) or wherever the step's casts joined
+    them (memory/step_casts.py, under train.compile). One GEMM reads the rows once and, in backward, gives
+    their input gradient by one GEMM over 2 d_ff instead of two added (one H200, the Qwen3-30B-A3B-shaped
+    step compiled: its grouped GEMMs 57.4 -> 54.3 ms, the GPU busy 181.9 -> 179.1 ms a step; bench/README.md);
+    the SwiGLU between reads both halves and writes their joined gradient (models/swiglu_kernel.py). Eager
+    runs them apart, as the planner's eager rates and activation bytes count them."""
+    return experts.w3 is not None and experts.w1.dtype != dtype
 
 
 def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) -> dict:
@@ -83,7 +83,7 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
     out = {}
     fused = made.get("w13")
     fused = fused if fused is not None and fused.dtype == dtype else None
-    if fused is not None or (not made and fuses_gate_up(experts, dtype, torch.compiler.is_compiling())):
+    if fused is not None or (not made and torch.compiler.is_compiling() and fuses_gate_up(experts, dtype)):
         (w1, b1), (w3, b3) = leaves.pop("w1"), leaves.pop("w3")
         # cast, then joined: the backward hands each weight a contiguous gradient, not a slice of a joined one
         w = join_gate_up(w1, w3, dtype) if fused is None else \
@@ -177,7 +177,7 @@ def _grouped(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, stacks:
     if stacks["w2"][1] is not None:  # each row's expert, for its bias (len(experts): past the end)
         group = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype), right=True)
     if "w13" in stacks:  # w1 and w3 side by side: one GEMM (fuses_gate_up)
-        h = swiglu_kernel.swiglu_joined(_gmm(x, *stacks["w13"], offsets, group))
+        h = swiglu_joined(_gmm(x, *stacks["w13"], offsets, group))
     elif "w3" in stacks:
         h = F.silu(_gmm(x, *stacks["w1"], offsets, group)) * _gmm(x, *stacks["w3"], offsets, group)
     else:

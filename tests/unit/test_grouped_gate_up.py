@@ -136,7 +136,6 @@ def test_compiled_forward_on_the_steps_separate_casts_carries_their_gradients():
 def test_stacks_already_in_the_compute_dtype_stay_two():
     """Parameters in the compute dtype are read as they are: joining them would copy both stacks."""
     ex = experts(False)
-    assert not grouped.fuses_gate_up(ex, torch.float32, True) and grouped.fuses_gate_up(ex, torch.bfloat16, True)
+    assert not grouped.fuses_gate_up(ex, torch.float32) and grouped.fuses_gate_up(ex, torch.bfloat16)
     assert step_casts.stack_casts(ex, torch.float32, grouped.join_gate_up) == {}
-    assert not grouped.fuses_gate_up(ex, torch.bfloat16, False)  # eager off CUDA: no joined SwiGLU kernel
-    assert not grouped.fuses_gate_up(Experts(E, D, F, bias=False, dropout=0.0, gated=False), torch.bfloat16, True)
+    assert not grouped.fuses_gate_up(Experts(E, D, F, bias=False, dropout=0.0, gated=False), torch.bfloat16)
