@@ -1,4 +1,4 @@
-"""Two bandwidth-bound pieces of the training step, each against its alternatives on one GPU.
+"""Three bandwidth-bound pieces of the training step, each against its alternatives on one GPU.
 
 `adamw`: one AdamW step over fp32 parameters shaped as llama-1b's (1.10 B, 147 tensors) and as the
 Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks): torch's fused AdamW (with the
@@ -11,21 +11,30 @@ permute.py): dispatch's backward and the weighted combine, as a gather of all N 
 and as k gathers added elementwise (`_by_choice`), each compiled on its own, at Qwen3-30B-A3B's routing
 (N 8,192 tokens, 128 experts, top-8) and an 8-expert top-2 layer, d 2,048, bf16.
 
+`swiglu`: the compiled MoE experts' SwiGLU over their joined gate and up GEMM output (rows, 2 f), forward and
+backward, at both routings' rows (bf16): inductor's fusion of silu(y1) * y3 (its backward concatenates the
+halves' gradients) against teratrain's Triton op (models/swiglu_kernel.py), each compiled on its own, as
+device time (the profiler's kernels: the host's autograd call takes as long); and the op's two kernels alone
+at tiles of 1-32 rows, 64-1024 columns and 2-8 warps (`tiles`: the 8 fastest, and the one `config` picks).
+`ideal_ms` = 3 + 5 passes over (rows, f) bf16 at --hbm-gbps.
+
     python bench/step_kernels.py --out FILE       # --smoke: tiny shapes on the CPU (the compiled foreach only)
 
-Times are the mean of --iters calls after 3 warm-up calls, CUDA events.
+Times are the mean of --iters calls after 3 warm-up calls, CUDA events (swiglu: the profiler's).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
+import torch.nn.functional as F
 # common puts the checkout on sys.path
 from common import emit, env_info
 
-from teratrain.models import permute  # noqa: E402
+from teratrain.models import permute, swiglu_kernel  # noqa: E402
 from teratrain.optim import adamw_kernel  # noqa: E402
 
 
@@ -133,9 +142,59 @@ def moe_gather(dev: torch.device, smoke: bool, iters: int) -> dict:
     return out
 
 
+def device_ms(fn, iters: int) -> float:
+    """Mean device time of fn's kernels a call (CUDA), from the profiler's kernel events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / iters
+
+
+def inductor_form(y):
+    y1, y3 = y.chunk(2, -1)
+    return F.silu(y1) * y3
+
+
+def swiglu(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float) -> dict:
+    out = {}
+    for name, rows, f in (("qwen3-30b-a3b", 8192 * 8 + 128 * 16, 768), ("8 experts top-2", 8192 * 2 + 8 * 16, 2816)):
+        rows, f = (64, 96) if smoke else (rows, f)
+        y = torch.randn(rows, 2 * f, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(rows, f, device=dev, dtype=torch.bfloat16)
+        row = {"rows": rows, "f": f, "ideal_ms": round(rows * f * 2 * 8 / hbm_gbps / 1e6, 4)}
+        ref = torch.autograd.grad(inductor_form(y.double()), y, g.double())[0]
+        for form, fn in (("inductor", inductor_form), ("kernel", swiglu_kernel.swiglu_joined)):
+            torch._dynamo.reset()
+            c = torch.compile(fn)
+            call = lambda c=c, y=y, g=g: torch.autograd.grad(c(y), y, g)  # noqa: E731
+            row[f"{form}_rel_diff"] = float((call()[0].double() - ref).norm() / ref.norm())
+            row[f"{form}_ms"] = round(device_ms(call, iters) if dev.type == "cuda" else timed(call, dev, iters), 4)
+        if swiglu_kernel.available(dev):
+            h, dy, yd = torch.empty_like(g), torch.empty_like(y), y.detach()
+            tiles = []
+            for cfg in itertools.product((1, 2, 4, 8, 16, 32), (64, 128, 256, 512, 1024), (2, 4, 8)):
+                if 256 <= cfg[0] * cfg[1] <= 16384:
+                    def both(cfg=cfg):
+                        swiglu_kernel.launch(swiglu_kernel._forward, rows, f, yd, h, cfg=cfg)
+                        swiglu_kernel.launch(swiglu_kernel._backward, rows, f, yd, g, dy, cfg=cfg)
+                    tiles.append({"tile": list(cfg), "ms": round(timed(both, dev, iters), 4)})
+            tiles.sort(key=lambda t: t["ms"])
+            picked = list(swiglu_kernel.config(f))
+            row["tiles"] = tiles[:8] + [t for t in tiles[8:] if t["tile"] == picked]
+            row["tile_picked"] = picked
+        out[name] = row
+        print(name, {k: v for k, v in row.items() if k != "tiles"}, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="adamw,moe_gather")
+    ap.add_argument("--only", default="adamw,moe_gather,swiglu")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--hbm-gbps", type=float, default=4800, help="datasheet bandwidth for ideal_ms (H200: 4800)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
@@ -148,6 +207,8 @@ def main() -> None:
         result["adamw"] = adamw(dev, args.smoke, args.iters, args.hbm_gbps)
     if "moe_gather" in only:
         result["moe_gather"] = moe_gather(dev, args.smoke, args.iters)
+    if "swiglu" in only:
+        result["swiglu"] = swiglu(dev, args.smoke, args.iters, args.hbm_gbps)
     emit(result, args.out)
 
 

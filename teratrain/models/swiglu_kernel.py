@@ -38,9 +38,8 @@ def swiglu_joined(y: torch.Tensor) -> torch.Tensor:
 
 def config(f: int) -> tuple[int, int, int]:
     """(rows, columns, warps) of a program for halves of width f: columns the largest power of 2 dividing f
-    (no masked lanes), 64 to 256; 512 elements a program, 8 warps (of tiles of 1-32 rows, 64-1024 columns and
-    2-8 warps timed on one H200 at bench/moe.py's two MoE shapes, 2 x 256 x 8 came within 4% of the fastest
-    at both; 8 x 256 x 4 took 2.3 and 1.8 times as long)."""
+    (no masked lanes), 64 to 256; 512 elements a program, 8 warps: of the tiles timed on one H200 at the two
+    MoE shapes of bench/moe.py, one near the fastest at both (`python bench/step_kernels.py --only swiglu`)."""
     cols = max(64, min(256, f & -f))
     return 512 // cols, cols, 8
 
