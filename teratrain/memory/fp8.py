@@ -26,6 +26,7 @@ from torch import nn
 
 from teratrain import compat
 from teratrain.config_base import ConfigError
+from teratrain.models.grouped import held_or_saved
 from teratrain.models.layers import to_compute_dtype
 
 RECIPES = ("tensorwise", "rowwise")
@@ -79,6 +80,8 @@ class Fp8Gemm:
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
         if float8 is not None and float8.acc is not None:  # the step's cast carrying the gradient so far
             weight = _CarriedGrad.apply(weight, float8.acc)
+            if not torch.compiler.is_compiling():
+                float8.acc = None  # eager: the node holds it now, and frees it once summed
         w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)
@@ -143,16 +146,17 @@ class _CarriedGrad(torch.autograd.Function):
     adopts as the weight's gradient: the cast of the bf16 gradient to the weight's dtype and the accumulation
     one pass (10 bytes a weight where they moved 18), as for the stacked experts (models/grouped.py
     MadeCast). Apart from _Float8Operand, whose output is a float8 tensor: tracing its backward, torch.compile
-    stands a float8 tensor for the gradient, which an addition does not take."""
+    stands a float8 tensor for the gradient, which an addition does not take. Eager, the node holds `acc`
+    and drops it as it makes the sum (models/grouped.py held_or_saved)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, acc: torch.Tensor):
-        ctx.save_for_backward(acc)
+        ctx.held = held_or_saved(ctx, [acc])
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        (acc,) = ctx.saved_tensors
+        (acc,), ctx.held = (ctx.saved_tensors if ctx.held is None else ctx.held), None
         return acc + grad, None
 
 

@@ -79,6 +79,8 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
     run_experts, MoE.stacked) each carries the gradient its weight had so far (`experts.grad_acc`) into
     its backward."""
     made, acc = experts.step_casts or {}, (experts.grad_acc or {}) if take_acc else {}
+    if take_acc and not torch.compiler.is_compiling():
+        experts.grad_acc = None  # eager: the casts' backward holds them now, and frees each once summed
     leaves = {name: (w, b) for name, w, b in experts.leaves()}
     out = {}
     fused = made.get("w13")
@@ -120,21 +122,34 @@ class MadeCast(torch.autograd.Function):
     accumulation one pass (10 bytes a parameter where the cast wrote 4 and read 2 and the accumulation
     read 8 and wrote 4). param.grad and its post-accumulate hooks see what they would have; a tensor hook
     on param sees the sum. Call: apply(copy, acc_1, ..., acc_n, param_1, ..., param_n), accs None where none;
-    the params of one dtype (the stacks of one module)."""
+    the params of one dtype (the stacks of one module). Eager, the node holds the accs (`held`, not saved: a
+    replay under recomputation regenerates none of them) and drops them as it makes the sums, which
+    cast_stacks took off the layer: each gradient so far is freed as its sum is made, not held beside the
+    sums to the step's end (the layer's reference, kept before, doubled the carried weights' gradient bytes
+    at the end of the last backward)."""
 
     @staticmethod
     def forward(ctx, copy: torch.Tensor, *accs_params) -> torch.Tensor:
         n = len(accs_params) // 2
         ctx.dtype, ctx.sizes = accs_params[n].dtype, [p.shape[1] for p in accs_params[n:]]
-        ctx.save_for_backward(*accs_params[:n])
+        ctx.held = held_or_saved(ctx, accs_params[:n])
         return copy.view_as(copy)
 
     @staticmethod
     def backward(ctx, grad):
-        accs = ctx.saved_tensors
+        accs, ctx.held = (ctx.saved_tensors if ctx.held is None else ctx.held), None
         parts = grad.split(ctx.sizes, 1) if len(accs) > 1 else (grad,)
         out = [g.to(ctx.dtype) if acc is None else acc + g for acc, g in zip(accs, parts)]
         return None, *(None for _ in accs), *out
+
+
+def held_or_saved(ctx, accs) -> list | None:
+    """A cast's gradients so far (MadeCast, memory/fp8.py _CarriedGrad), for its backward: compiled, saved
+    for backward (the graph's inputs); eager, returned for the node to hold and drop once used."""
+    if torch.compiler.is_compiling():
+        ctx.save_for_backward(*accs)
+        return None
+    return list(accs)
 
 
 def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grouped: bool,

@@ -266,7 +266,12 @@ EXPERT_TENSORS = pytest.mark.xfail(strict=True, reason="each expert its own para
     # held out: the layout by a running count, 45 ops fewer a layer (planned before they ran)
     ("2026-12-04_moe_running_count_compiled.json", "moe_ep1_compiled", None),
     ("2026-12-04_moe_running_count_qwen3_gb8.json", "moe_ep1_compiled", (4, 8)),
-    pytest.param("2026-12-04_moe_running_count_qwen3_gb64.json", "moe_ep1_compiled", (8, 64), marks=FAST_AT_64)])
+    pytest.param("2026-12-04_moe_running_count_qwen3_gb64.json", "moe_ep1_compiled", (8, 64), marks=FAST_AT_64),
+    # held out: the joined SwiGLU as a Triton op (planned before they ran), and the code before it, same jobs
+    ("2026-12-04_moe_swiglu_kernel_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_swiglu_inductor_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_swiglu_kernel_tiles_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_qwen3_swiglu_kernel.json", "moe_ep1_compiled", (4, 8))])
 def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out from the grouped GEMM's fit (a micro-benchmark timed on the GPU: CUDA graph replays,
     bench/calibrate/grouped_gemm.py): bench/moe.py's dropless MoE steps on one H200, the 8-expert model
@@ -281,15 +286,22 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, 
     assert planned == pytest.approx(data[run]["tokens_per_s"], rel=0.10)
 
 
-@pytest.mark.parametrize("result", ["2026-12-04_moe_combine_bmm_eager_a.json", "2026-12-04_moe_combine_bmm_eager_b.json",
-                                    "2026-12-04_moe_combine_bmm_eager_c.json", "2026-12-04_moe_combine_bmm_eager_d.json"])
-def test_one_h200_eager_dropless_moe_steps_are_planned_within_10_percent(result):
+QWEN3_EAGER = pytest.mark.xfail(strict=True, reason="held out: the Qwen3-shaped MoE eager (128 experts, top-8), "
+                                "planned 10.2% fast")
+
+
+@pytest.mark.parametrize("result, batch", [
+    ("2026-12-04_moe_combine_bmm_eager_a.json", None), ("2026-12-04_moe_combine_bmm_eager_b.json", None),
+    ("2026-12-04_moe_combine_bmm_eager_c.json", None), ("2026-12-04_moe_combine_bmm_eager_d.json", None),
+    ("2026-12-04_moe_eager_gate_up_apart.json", None),  # held out: the same code in a later job
+    pytest.param("2026-12-04_moe_qwen3_eager.json", (4, 8), marks=QWEN3_EAGER)])
+def test_one_h200_eager_dropless_moe_steps_are_planned_within_10_percent(result, batch):
     """Eager, the experts stacked, nothing dropped, ep=1 (expert_efficiency: the grouped GEMM's rate, the
     permutations priced as ops): the 8-expert model's eager steps since its combine runs as batched GEMMs, within
     10% of the measured tokens/s (tolerance fixed before comparing; no constant fitted on them, the rule chosen
     seeing them). Eager steps of older code (the combine broadcast, the rows sorted) are planned 3-35% fast:
     docs/planner.md."""
-    data, shape, train, lay = _recorded_moe_run(result, "moe_ep1", None)
+    data, shape, train, lay = _recorded_moe_run(result, "moe_ep1", batch)
     planned = evaluate(shape, train, lay, H200).time.tokens_per_s
     assert planned == pytest.approx(data["moe_ep1"]["tokens_per_s"], rel=0.10)
 
@@ -318,7 +330,14 @@ def test_one_h200_eager_dropless_moe_steps_are_planned_within_10_percent(result)
     ("2026-12-04_moe_running_count_eager_a.json", "moe_ep1", None),
     ("2026-12-04_moe_running_count_qwen3_gb8.json", "moe_ep1_compiled", (4, 8)),
     ("2026-12-04_moe_running_count_qwen3_gb64.json", "moe_ep1_compiled", (8, 64)),
-    ("2026-12-04_moe_combine_bmm_eager_a.json", "moe_ep1", None)])  # held out: the eager combine's batched GEMMs
+    ("2026-12-04_moe_combine_bmm_eager_a.json", "moe_ep1", None),  # held out: the eager combine's batched GEMMs
+    # held out: the joined SwiGLU as a Triton op, compiled
+    ("2026-12-04_moe_swiglu_kernel_compiled.json", "moe_ep1_compiled", None),
+    ("2026-12-04_moe_qwen3_swiglu_kernel.json", "moe_ep1_compiled", (4, 8)),
+    pytest.param("2026-12-04_moe_qwen3_eager.json", "moe_ep1", (4, 8), marks=pytest.mark.xfail(strict=True, reason=(
+        "103.2 GiB measured, 96.8 planned: at the end of the last backward each expert stack's gradient so far "
+        "was held by its layer beside the new sum (18.0 GiB of fp32), which the planner does not count; "
+        "the casts' nodes free them since (models/grouped.py MadeCast), not yet measured on a GPU")))])
 def test_one_h200_moe_peaks_are_planned_within_3_percent(result, run, batch):
     """The planned peak allocated (before the allowance) against torch.cuda.max_memory_allocated of bench/moe.py's
     runs on one H200, the dense rows' 3% (test_planner_compiled_memory.py). The compiled Qwen3-shaped MoE at 2
