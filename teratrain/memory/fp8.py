@@ -80,8 +80,7 @@ class Fp8Gemm:
         x = to_compute_dtype(x)  # (.., d_in) bf16 under autocast
         if float8 is not None and float8.acc is not None:  # the step's cast carrying the gradient so far
             weight = _CarriedGrad.apply(weight, float8.acc)
-            if not torch.compiler.is_compiling():
-                float8.acc = None  # eager: the node holds it now, and frees it once summed
+            float8.acc = None  # the node holds it now, and frees it once summed
         w = weight if float8 is None else _Float8Operand.apply(weight, float8, self)
         y = self.matmul.apply(x, w.t(), self.mm_config, self.config)  # (.., d_out)
         return y if bias is None else y + bias.to(y.dtype)

@@ -79,8 +79,8 @@ def cast_stacks(experts: nn.Module, dtype: torch.dtype, take_acc: bool = False) 
     run_experts, MoE.stacked) each carries the gradient its weight had so far (`experts.grad_acc`) into
     its backward."""
     made, acc = experts.step_casts or {}, (experts.grad_acc or {}) if take_acc else {}
-    if take_acc and not torch.compiler.is_compiling():
-        experts.grad_acc = None  # eager: the casts' backward holds them now, and frees each once summed
+    if take_acc:
+        experts.grad_acc = None  # the casts' backward holds them now, and frees each once summed
     leaves = {name: (w, b) for name, w, b in experts.leaves()}
     out = {}
     fused = made.get("w13")

@@ -107,7 +107,10 @@ def gradients_at_once(train: Training, lay: Layout, made: int, buffered: bool) -
     and each block in its own graph, hand over a parameter's or a block's gradient at a time: not counted
     (CUDA graphs: their pools are not modelled). On one H200 the Qwen3-30B-A3B-shaped MoE compiled at 2
     micro-batches peaks at 103.3 GiB where its states and step casts are 84.1: 18.8 GiB of fp32
-    gradients at once (bench/results/h200/2026-12-03_moe_cast_once_qwen3_gb8.json)."""
+    gradients at once (bench/results/h200/2026-12-03_moe_cast_once_qwen3_gb8.json). The weights whose cast
+    carries their gradient so far (memory/step_casts.py) are counted too: that run's layers held those
+    gradients beside the graph's sums to the step's end; the casts' nodes now hold them alone, and whether
+    the compiled backward frees them before its end is not yet measured."""
     if graph_scope(train, lay) != "model" or train.graphed or (lay.num_microbatches == 1 and not buffered):
         return 0
     return made

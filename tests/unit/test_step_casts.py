@@ -183,8 +183,10 @@ def test_expert_stacks_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(k
     assert all(layer.experts.step_casts is None for _, layer in moe_layers(model))
 
 
-@pytest.mark.parametrize("kind", ["experts", "float8"])
-def test_the_gradients_carried_through_the_casts_are_freed_as_they_are_summed(kind, monkeypatch):
+@pytest.mark.parametrize("kind, compiled", [
+    ("experts", False), ("float8", False),
+    pytest.param("experts", True, marks=pytest.mark.long), pytest.param("float8", True, marks=pytest.mark.long)])
+def test_the_gradients_carried_through_the_casts_are_freed_as_they_are_summed(kind, compiled, monkeypatch):
     """Eager: a weight's gradient from the step's earlier micro-batches, taken off it before a forward
     (memory/step_casts.py take_grads), lives until its cast's backward has made the sum: after each backward
     none is alive. Held by its layer to the step's end, each doubled the carried weights' gradient bytes at
@@ -203,7 +205,8 @@ def test_the_gradients_carried_through_the_casts_are_freed_as_they_are_summed(ki
         return g
 
     monkeypatch.setattr(step_casts, "_take_grad", spy)
-    cfg = make_config(*SMALL, *(MOE if kind == "experts" else ["memory.fp8=tensorwise", "memory.fp8_emulate=true"]))
+    cfg = make_config(*SMALL, *(MOE if kind == "experts" else ["memory.fp8=tensorwise", "memory.fp8_emulate=true"]),
+                      f"train.compile={str(compiled).lower()}")
     with torch.device("meta"):
         model = Transformer(cfg.model)
     engine = parallelize(model, Runtime.single("cpu"), cfg)
