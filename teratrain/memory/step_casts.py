@@ -96,8 +96,8 @@ class StepCasts:
         moves the gradient it has so far, where autograd owns it (not a view of an engine's buffer, into
         which autograd adds in place), to its cast (`Float8Weight.acc`, its layer's `grad_acc`); the
         backward of the weight's cast hands back that gradient plus the micro-batch's (memory/fp8.py
-        _CarriedGrad, models/grouped.py MadeCast), which autograd adopts as the weight's gradient. Eager, the
-        forward that reads it takes it off the layer, and the cast's node frees it once the sum is made."""
+        _CarriedGrad, models/grouped.py MadeCast), which autograd adopts as the weight's gradient. The
+        forward that reads it takes it off the layer: the cast's node alone holds it, until the sum is made."""
         for linear in self.linears:
             if linear.float8_weight is not None:  # None where not taken: no earlier micro-batch's sum left over
                 linear.float8_weight.acc = _take_grad(linear.weight)

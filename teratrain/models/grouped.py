@@ -122,11 +122,11 @@ class MadeCast(torch.autograd.Function):
     accumulation one pass (10 bytes a parameter where the cast wrote 4 and read 2 and the accumulation
     read 8 and wrote 4). param.grad and its post-accumulate hooks see what they would have; a tensor hook
     on param sees the sum. Call: apply(copy, acc_1, ..., acc_n, param_1, ..., param_n), accs None where none;
-    the params of one dtype (the stacks of one module). Eager, the node holds the accs (`held`, not saved: a
-    replay under recomputation regenerates none of them) and drops them as it makes the sums, which
-    cast_stacks took off the layer: each gradient so far is freed as its sum is made, not held beside the
-    sums to the step's end (the layer's reference, kept before, doubled the carried weights' gradient bytes
-    at the end of the last backward)."""
+    the params of one dtype (the stacks of one module). cast_stacks takes the accs off the layer, so that only
+    this node holds them: eager it holds them itself (`held`, not saved: a replay under recomputation
+    regenerates none of them) and drops them as it makes the sums; compiled, the backward graph's saved
+    inputs do. The layer's reference, kept to the step's end before, held every carried weight's gradient
+    so far beside its sum at the end of the last backward."""
 
     @staticmethod
     def forward(ctx, copy: torch.Tensor, *accs_params) -> torch.Tensor:
