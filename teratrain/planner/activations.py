@@ -342,6 +342,15 @@ def step_cast_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: 
     return layers * (float8 + experts)
 
 
+def carried_grad_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: int = 1, form: str = "megatron",
+                      device: str = "cuda") -> int:
+    """The gradients of the weights `step_cast_bytes` casts once, in the gradient's width: those its casts'
+    backward carries from micro-batch to micro-batch (memory/step_casts.py take_grads)."""
+    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
+    experts = _expert_copies(shape, w, ep, form, device, tp) // w.compute if shape.num_experts > 1 and w.autocast_copies else 0
+    return layers * (float8 + experts) * w.grad
+
+
 def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron",
                   device: str = "cuda", once: bool = False) -> int:
     """bf16 copies of one block's weight matrices that autocast makes (fp32 params) and autograd

@@ -240,6 +240,11 @@ class Training:
     # backward carried the accumulated one (memory/step_casts.py take_grads): how the runs recorded before
     # measured, planned as they ran by planner/refit.py. Never set from a Config.
     grads_after_casts: bool = False
+    # The gradients carried through the casts were held by their layers to the step's end, beside the sums
+    # the casts' backward made of them (memory/step_casts.py take_grads): at the end of the last backward,
+    # the carried weights' gradients twice. How the runs recorded before measured, planned as they ran by
+    # planner/refit.py. Never set from a Config.
+    carried_grads_held: bool = False
     # Compiled gated experts ran w1 and w3 as two grouped GEMMs, before one over their stacks side by side
     # (models/grouped.py fuses_gate_up): how the runs recorded before measured, planned as they ran by
     # planner/refit.py. Never set from a Config.

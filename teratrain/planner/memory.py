@@ -94,6 +94,10 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device, once)
     casts = act.step_cast_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if once else 0
+    # runs recorded while the layers held the carried gradients beside their sums (Training.carried_grads_held;
+    # carried where autograd owns the gradient: one process, no ZeRO)
+    held = train.carried_grads_held and once and lay.gpus == 1 and lay.zero == 0 and not train.grads_after_casts
+    carried = act.carried_grad_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if held else 0
     head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
     pending = act.pending_block(shape, w, n, T, **bkw)
     if pending is None:  # not read off the graph: a whole forward's tensors
@@ -105,7 +109,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
             "all_copies": layers * copies_block + head_copy,
             "first": sum(first.values()), "last": sum(last.values()), "log_softmax": last["log_softmax"],
             "embed_side": sum(embed_side.values()), "per_block": sum(per_block.values()) + copies_block,
-            "recompute": recompute, "loss_compiled": loss_compiled, "step_casts": casts,
+            "recompute": recompute, "loss_compiled": loss_compiled, "step_casts": casts, "carried_held": carried,
             # what the first block still holds in its own backward: its activations, or where a segment is
             # replayed only the first segment's stored input (the replayed activations are `recompute`)
             "first_block": (sum(per_block.values()) + copies_block if not recompute
@@ -257,6 +261,7 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     T_layer = _layer_backward(shape, train, lay) + saved["recompute"]
     log_softmax = saved["log_softmax"] * ends if last else 0
     at_once = int(st["gradients_at_once"] * scale)
+    carried_held = saved["carried_held"] if not at_once else 0  # compiled whole, at_once counts them
     embed_side = saved["embed_side"] if end["first"] else 0
     return {
         "forward end": {**base, "activations": S, "buffers": module + fwd_copies + loss_fwd},
@@ -264,7 +269,8 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         "loss backward": {**base, "activations": S, "buffers": module + copies + loss_bwd},
         "first block backward": {**base, "grads": base["grads"] + head_grad, "activations": S - log_softmax,
                                  "buffers": module + copies + T_layer + eng["during"]},
-        "end of backward": {**base, "grads": grads_held + at_once, "activations": embed_side + saved["first_block"],
+        "end of backward": {**base, "grads": grads_held + at_once + carried_held,
+                            "activations": embed_side + saved["first_block"],
                             "buffers": module + T_layer + eng["end"] + eng["pending"]},
         "optimizer step": {**base, "grads": grads_held, "activations": 0,
                            "buffers": act.rope_tables(shape) + eng["pending"]
