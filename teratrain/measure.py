@@ -84,6 +84,27 @@ class LiveStorages(TorchDispatchMode):
         return sum(alive.values())
 
 
+class PeakStorages(TorchDispatchMode):
+    """The most bytes alive at once, after any op run while the mode is on, of the storages those ops made
+    (each storage once, however many tensors view it; storages made before the mode left out): on CPU, the
+    peak torch.cuda.max_memory_allocated measures on a GPU, less the allocator's rounding and caches."""
+
+    def __init__(self):
+        super().__init__()
+        self._alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                s = t.untyped_storage()
+                self._alive[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self._alive = {ptr: held for ptr, held in self._alive.items() if not held[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self._alive.values()))
+        return out
+
+
 def live_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
     """Bytes one training forward (model(x, y), the loss included) leaves alive for its backward,
     parameters excluded, as `LiveStorages` counts them."""
