@@ -332,23 +332,29 @@ def casts_once(train: Training, lay: Layout) -> bool:
             and step_casts.applies(lay.zero, lay.pp, "allreduce", train.graphed))
 
 
+def _cast_once(shape: ModelShape, w: Widths, tp: int, ep: int, form: str, device: str) -> tuple[int, int]:
+    """Elements a block's step casts once (`casts_once`): its float8 weights (tensorwise), and its expert
+    weight stacks held wider than the compute dtype."""
+    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
+    stacks = shape.num_experts > 1 and w.autocast_copies
+    experts = _expert_copies(shape, w, ep, form, device, tp) // w.compute if stacks else 0
+    return float8, experts
+
+
 def step_cast_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: int = 1, form: str = "megatron",
                     device: str = "cuda") -> int:
     """What a step that casts once (`casts_once`) holds from its first forward to its last backward in
     `layers` blocks: each float8 weight in 1 byte (tensorwise), each expert weight stack held wider than
     the compute dtype in it (the copies `weight_copies` then leaves out)."""
-    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
-    experts = _expert_copies(shape, w, ep, form, device, tp) if shape.num_experts > 1 and w.autocast_copies else 0
-    return layers * (float8 + experts)
+    float8, experts = _cast_once(shape, w, tp, ep, form, device)
+    return layers * (float8 + experts * w.compute)
 
 
 def carried_grad_bytes(shape: ModelShape, w: Widths, layers: int, tp: int = 1, ep: int = 1, form: str = "megatron",
-                      device: str = "cuda") -> int:
+                       device: str = "cuda") -> int:
     """The gradients of the weights `step_cast_bytes` casts once, in the gradient's width: those its casts'
     backward carries from micro-batch to micro-batch (memory/step_casts.py take_grads)."""
-    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
-    experts = _expert_copies(shape, w, ep, form, device, tp) // w.compute if shape.num_experts > 1 and w.autocast_copies else 0
-    return layers * (float8 + experts) * w.grad
+    return layers * sum(_cast_once(shape, w, tp, ep, form, device)) * w.grad
 
 
 def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: str = "megatron",
