@@ -69,10 +69,7 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                self._made.append((s.data_ptr(), StorageWeakRef(s), s.nbytes()))
+        self._made += _storages(out)
         return out
 
     def alive_bytes(self, exclude: set[int] = frozenset()) -> int:
@@ -96,13 +93,16 @@ class PeakStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                s = t.untyped_storage()
-                self._alive[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self._alive.update((ptr, (ref, n)) for ptr, ref, n in _storages(out))
         self._alive = {ptr: held for ptr, held in self._alive.items() if not held[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self._alive.values()))
         return out
+
+
+def _storages(out) -> list[tuple[int, StorageWeakRef, int]]:
+    """(address, weak reference, bytes) of the storage of each tensor an op returned."""
+    return [(s.data_ptr(), StorageWeakRef(s), s.nbytes())
+            for t in tree_leaves(out) if isinstance(t, torch.Tensor) for s in [t.untyped_storage()]]
 
 
 def live_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 
 from teratrain import compat
 from teratrain.config_base import ConfigError
-from teratrain.models.grouped import held_or_saved
+from teratrain.models.grouped import held_or_saved, take_held
 from teratrain.models.layers import to_compute_dtype
 
 RECIPES = ("tensorwise", "rowwise")
@@ -155,7 +155,7 @@ class _CarriedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (acc,), ctx.held = (ctx.saved_tensors if ctx.held is None else ctx.held), None
+        (acc,) = take_held(ctx)
         return acc + grad, None
 
 

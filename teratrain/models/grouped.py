@@ -137,7 +137,7 @@ class MadeCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        accs, ctx.held = (ctx.saved_tensors if ctx.held is None else ctx.held), None
+        accs = take_held(ctx)
         parts = grad.split(ctx.sizes, 1) if len(accs) > 1 else (grad,)
         out = [g.to(ctx.dtype) if acc is None else acc + g for acc, g in zip(accs, parts)]
         return None, *(None for _ in accs), *out
@@ -145,11 +145,17 @@ class MadeCast(torch.autograd.Function):
 
 def held_or_saved(ctx, accs) -> list | None:
     """A cast's gradients so far (MadeCast, memory/fp8.py _CarriedGrad), for its backward: compiled, saved
-    for backward (the graph's inputs); eager, returned for the node to hold and drop once used."""
+    for backward (the graph's inputs); eager, returned for the node to hold (ctx.held) until `take_held`."""
     if torch.compiler.is_compiling():
         ctx.save_for_backward(*accs)
         return None
     return list(accs)
+
+
+def take_held(ctx) -> list:
+    """The gradients `held_or_saved` kept for this backward; the node holds them no more."""
+    accs, ctx.held = (ctx.saved_tensors if ctx.held is None else ctx.held), None
+    return accs
 
 
 def run_experts(experts: nn.Module, x: torch.Tensor, offsets: torch.Tensor, grouped: bool,

@@ -332,6 +332,13 @@ def casts_once(train: Training, lay: Layout) -> bool:
             and step_casts.applies(lay.zero, lay.pp, "allreduce", train.graphed))
 
 
+def carries_grads(train: Training, lay: Layout) -> bool:
+    """Does the backward of each weight cast once a step (`casts_once`) add the gradient so far into the one it
+    makes (memory/step_casts.py take_grads)? Where the gradients are autograd's own: one GPU, no ZeRO (on several
+    the engines' buffers may hold them as views), not in the runs recorded before (Training.grads_after_casts)."""
+    return casts_once(train, lay) and lay.gpus == 1 and lay.zero == 0 and not train.grads_after_casts
+
+
 def _cast_once(shape: ModelShape, w: Widths, tp: int, ep: int, form: str, device: str) -> tuple[int, int]:
     """Elements a block's step casts once (`casts_once`): its float8 weights (tensorwise), and its expert
     weight stacks held wider than the compute dtype."""

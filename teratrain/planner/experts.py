@@ -4,7 +4,7 @@ gradients beyond what the FLOPs pay for."""
 
 from __future__ import annotations
 
-from teratrain.planner.activations import casts_once
+from teratrain.planner.activations import carries_grads, casts_once
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.states import rank_layers
@@ -88,6 +88,6 @@ def expert_stack_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) ->
     copy = w.param + w.compute if w.param != w.compute or w.expert_tensors else 0
     copies = copy if casts_once(train, lay) else m * copy
     back = w.compute + w.grad if w.compute != w.grad else 0
-    fused = back and casts_once(train, lay) and lay.gpus == 1 and lay.zero == 0 and not train.grads_after_casts
+    fused = back and carries_grads(train, lay)
     later = w.compute + 2 * w.grad if fused else back + 3 * w.grad  # each micro-batch after the first
     return idle * (copies + back + (m - 1) * later) / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)

@@ -94,9 +94,8 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
     copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device, once)
     casts = act.step_cast_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if once else 0
-    # runs recorded while the layers held the carried gradients beside their sums (Training.carried_grads_held;
-    # carried where autograd owns the gradient: one process, no ZeRO)
-    held = train.carried_grads_held and once and lay.gpus == 1 and lay.zero == 0 and not train.grads_after_casts
+    # runs recorded while the layers held the carried gradients beside their sums (Training.carried_grads_held)
+    held = train.carried_grads_held and act.carries_grads(train, lay)
     carried = act.carried_grad_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if held else 0
     head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
     pending = act.pending_block(shape, w, n, T, **bkw)

@@ -12,12 +12,9 @@ import torch
 
 from teratrain import compat, measure
 from teratrain.memory import fp8, step_casts
-from teratrain.mesh import Runtime
 from teratrain.models import grouped
 from teratrain.models.moe import moe_layers
-from teratrain.models.transformer import Transformer
 from teratrain.optim.engine import train_step
-from teratrain.parallel.parallelize import parallelize
 from tests.helpers import make_config
 
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -43,9 +40,7 @@ def _run(sets: list[str], once: bool, steps: int = 2, kernel: str = "grouped"):
         apply = fn.apply
         spy = staticmethod(lambda *a, apply=apply: (used.__setitem__(0, used[0] + 1), apply(*a))[1])
         fn.apply = spy
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    engine = parallelize(model, Runtime.single("cpu"), cfg)
+    model, engine = measure.build_engine(cfg)
     for _, layer in moe_layers(model):
         layer.kernel = kernel
     if not once:
@@ -120,9 +115,7 @@ def test_float8_weights_carry_the_gradients_so_far_through_their_casts(monkeypat
         monkeypatch.setattr(torch.nn.Module, "compile",
                             lambda self, **kw: module_compile(self, **{**kw, "backend": "aot_eager"}))
     cfg = make_config(*SMALL, "memory.fp8=tensorwise", "memory.fp8_emulate=true", f"train.compile={compiled}".lower())
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    engine = parallelize(model, Runtime.single("cpu"), cfg)
+    model, engine = measure.build_engine(cfg)
     torch._dynamo.reset()
     counters = importlib.import_module("torch._dynamo.utils").counters
     counters.clear()
@@ -207,9 +200,7 @@ def test_the_gradients_carried_through_the_casts_are_freed_as_they_are_summed(ki
     monkeypatch.setattr(step_casts, "_take_grad", spy)
     cfg = make_config(*SMALL, *(MOE if kind == "experts" else ["memory.fp8=tensorwise", "memory.fp8_emulate=true"]),
                       f"train.compile={str(compiled).lower()}")
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    engine = parallelize(model, Runtime.single("cpu"), cfg)
+    model, engine = measure.build_engine(cfg)
     backward = engine.backward
 
     def checked(loss):
@@ -239,9 +230,7 @@ def test_the_stacks_cast_once_add_nothing_to_the_peak():
     peaks = []
     for once in (True, False):
         cfg = make_config(*sets)
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        engine = parallelize(model, Runtime.single("cpu"), cfg)
+        model, engine = measure.build_engine(cfg)
         for _, layer in moe_layers(model):
             layer.kernel = "grouped"  # as on a GPU
         if not once:
