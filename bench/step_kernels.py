@@ -13,14 +13,15 @@ and as k gathers added elementwise (`_by_choice`), each compiled on its own, at 
 
 `swiglu`: the compiled MoE experts' SwiGLU over their joined gate and up GEMM output (rows, 2 f), forward and
 backward, at both routings' rows (bf16): inductor's fusion of silu(y1) * y3 (its backward concatenates the
-halves' gradients) against teratrain's Triton op (models/swiglu_kernel.py), each compiled on its own, as
-device time (the profiler's kernels: the host's autograd call takes as long); and the op's two kernels alone
-at tiles of 1-32 rows, 64-1024 columns and 2-8 warps (`tiles`: the 8 fastest, and the one `config` picks).
+halves' gradients) against teratrain's Triton op (models/swiglu_kernel.py), each compiled on its own, as the
+device time of one call (bench/pipeline_profile.py: the host's autograd call takes as long); and the op's two
+kernels alone at tiles of 1-32 rows, 64-1024 columns and 2-8 warps (`tiles`: the 8 fastest, and the one `config`
+picks).
 `ideal_ms` = 3 + 5 passes over (rows, f) bf16 at --hbm-gbps.
 
     python bench/step_kernels.py --out FILE       # --smoke: tiny shapes on the CPU (the compiled foreach only)
 
-Times are the mean of --iters calls after 3 warm-up calls, CUDA events (swiglu: the profiler's).
+Times are the mean of --iters calls after 3 warm-up calls, CUDA events (swiglu's forms: one profiled call).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 # common puts the checkout on sys.path
 from common import emit, env_info
+from pipeline_profile import profile_step
 
 from teratrain.models import permute, swiglu_kernel  # noqa: E402
 from teratrain.optim import adamw_kernel  # noqa: E402
@@ -142,19 +144,6 @@ def moe_gather(dev: torch.device, smoke: bool, iters: int) -> dict:
     return out
 
 
-def device_ms(fn, iters: int) -> float:
-    """Mean device time of fn's kernels a call (CUDA), from the profiler's kernel events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / 1e3 / iters
-
-
 def inductor_form(y):
     y1, y3 = y.chunk(2, -1)
     return F.silu(y1) * y3
@@ -173,7 +162,8 @@ def swiglu(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float) -> dict:
             c = torch.compile(fn)
             call = lambda c=c, y=y, g=g: torch.autograd.grad(c(y), y, g)  # noqa: E731
             row[f"{form}_rel_diff"] = float((call()[0].double() - ref).norm() / ref.norm())
-            row[f"{form}_ms"] = round(device_ms(call, iters) if dev.type == "cuda" else timed(call, dev, iters), 4)
+            busy = profile_step(call, dev)["compute_s"] * 1e3 if dev.type == "cuda" else timed(call, dev, iters)
+            row[f"{form}_ms"] = round(busy, 4)
         if swiglu_kernel.available(dev):
             h, dy, yd = torch.empty_like(g), torch.empty_like(y), y.detach()
             tiles = []
