@@ -8,7 +8,7 @@ from teratrain.planner.layout import ModelShape, Training
 from teratrain.planner.memory import GIB
 from teratrain.planner.modes import mode_of
 from teratrain.planner.search import Candidate, gpus_per_node
-from teratrain.planner.time import launch_s
+from teratrain.planner.time import FP8_HOST_OP_SHARE, launch_s
 
 OPT_BYTES = {"adamw": "AdamW m + v (8 B/param)", "sgd": "SGD momentum (4 B/param)",
              "adafactor": "Adafactor row + column sums", "sm3": "SM3 row + column accumulators"}
@@ -105,7 +105,8 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
         replay = t.terms.get("recompute_flops", 0.0)
         out.append(("compute", t.compute_s, f"{t.model_flops_per_step / 1e12:,.1f} model TFLOP (PaLM 6N + 12LHQT)"
                     + (f" + {replay / 1e12:,.1f} recomputed" if replay else "") + f" at {rate:.0f} TFLOP/s "
-                    f"({gpu.efficiency(train.precision, d):.0%} of the {train.precision} peak at width {d})"))
+                    f"({gpu.efficiency(train.precision, d):.0%} of the {train.precision} peak at width {d})"
+                    + _fp8_part(train, gpu, rate, t.terms.get("fp8_flops", 0.0))))
         out.append(("eager ops", t.ops_s, f"launches and elementwise kernels, {gpu.op_overhead_s * 1e6:.1f} us per op"))
     if t.optimizer_s:
         out.append(("optimizer step", t.optimizer_s, f"fused AdamW sweep at {gpu.hbm_gbps * gpu.mem_efficiency:.0f} GB/s"))
@@ -123,7 +124,11 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
     if t.terms.get("host_s"):
         busy = t.terms["gpu_s"]
         paced = "the step waits on it: host-paced" if t.host_paced else f"under the GPU's {busy * 1e3:.1f} ms: hidden"
-        out.append(("host issue", t.terms["host_s"], f"eager ops at {gpu.host_op_s * 1e6:.1f} us, tp / ep collectives at "
+        fp8 = t.terms.get("fp8_ops", 0.0)
+        fp8 = (f" (memory.fp8's {fp8:,.0f} at {FP8_HOST_OP_SHARE * gpu.host_op_s * 1e6:.1f} us: torchao's float8 "
+               "tensors)") if fp8 else ""
+        out.append(("host issue", t.terms["host_s"], f"eager ops at {gpu.host_op_s * 1e6:.1f} us{fp8}, tp / ep "
+                    "collectives at "
                     f"{gpu.host_collective_s * 1e3:.2f} ms each, data-parallel launches at {launch_s(gpu) * 1e3:.2f} ms; "
                     f"{paced}"))
     if t.offload_s:
@@ -131,6 +136,14 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
                     f"({gpu.host_adam_params_per_s / 1e9:g} G params/s) and the host's cast of the masters "
                     f"({gpu.host_cast_rate() / 1e9:g} G params/s)"))
     return out
+
+
+def _fp8_part(train: Training, gpu: GPU, rate: float, flops: float) -> str:
+    """The compute line's float8 GEMMs: their FLOPs and rate (memory.fp8)."""
+    if not flops:
+        return ""
+    speedup = getattr(gpu, f"fp8_speedup_{train.fp8}")
+    return f"; {flops / 1e12:,.1f} TFLOP of it in float8 GEMMs ({train.fp8}) at {rate * speedup:.0f} TFLOP/s"
 
 
 def _host_line(gpu: GPU, c: Candidate, host_mem: float | None) -> str:
@@ -150,7 +163,8 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
     head = f"teratrain plan: {shape.name} ({n / 1e9:.3g} B params{active}) on {gpus} x {gpu.name.upper()} ({gpu_mem:g} GiB)"
     if not shape.is_bare:
         head += f", global batch {train.global_batch} x {shape.cfg.seq_len} tokens"
-    out = [head + f", {train.precision}, {train.optimizer}, {mode_of(train)}", "",
+    fp8 = f" + fp8 {train.fp8}" if train.fp8 != "none" else ""
+    out = [head + f", {train.precision}{fp8}, {train.optimizer}, {mode_of(train)}", "",
            f"Chosen layout: {_layout_str(lay)}  ({lay.num_microbatches} micro-batch(es) per step)", "",
            f"{'Memory per GPU':24}{'GiB':>8}{'at peak':>9}  what it is"]
     for name, held, peak, why in memory_lines(shape, train, gpu, best):
@@ -164,12 +178,12 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
     out.append(f"  {'step time':22}{t.step_time_s:8.4f}" + (f"  {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}"
                                                             if not shape.is_bare else "  (no compute: bare count)"))
     out += ["", f"Top {min(top, len(cands))} layouts (fastest first, * = chosen; {sum(c.fits for c in cands)} of "
-            f"{len(cands)} fit):", f"    {'dp':>4}{'tp':>4}{'pp':>4}{'ep':>4}{'zero':>5}{'mb':>4} {'recompute':10}"
+            f"{len(cands)} fit):", f"    {'dp':>4}{'tp':>4}{'pp':>4}{'ep':>4}{'zero':>5}{'mb':>4} {'recompute':14}"
             f"{'offload':10}{'GiB':>8}{'step s':>9}{'MFU':>7}" + ("  cp" if any(c.layout.cp > 1 for c in cands) else "")]
     for c in [c for c in cands if c.fits][:top]:
         L = c.layout
         out.append(f"  {'*' if c is best else ' '} {L.dp:>4}{L.tp:>4}{L.pp:>4}{L.ep:>4}{L.zero:>5}{L.micro_batch:>4} "
-                   f"{L.recompute:10}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
+                   f"{L.recompute:14}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
                    + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}")
                    + (f"  {L.cp} {L.cp_form}" if L.cp > 1 else ""))
     rejected = [c for c in cands if not c.fits]

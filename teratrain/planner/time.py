@@ -99,22 +99,27 @@ MOE_HOST_OP_SHARE = MOE_HOST_OP_SHARE_SORTED * _COMMON["moe_running_count_op_sha
 # does not split (no input gradient to send); every later one does, the last among them, which the host
 # paces. MoE blocks (more saved tensors) and recomputed ones (fewer) are charged the same.
 OPS_SPLIT_EXTRA = 65
-# memory.fp8 (memory/fp8.py): aten ops one float8 linear adds per micro-batch, (forward, backward): the
-# dynamic casts of its input and weight (amax, scale, clamp, convert), of the output gradient and of the
-# input again for the weight gradient, and the scaled GEMMs' layout copies. Counted with a
-# TorchDispatchMode over teratrain's train step of an 8-block Llama, bf16 against fp8 (tensorwise, torchao's
-# emulation on CPU: 1,176 more ops forward and 3,080 in all over 56 float8 linears); on one H200 the variant
-# that casts the weight again in backward added the same 3,640 ops a step as on CPU (bench/fp8.py,
-# aten_ops_per_step), so the CPU count stands for the GPU's.
-OPS_FP8_LINEAR = (21, 34)
+# memory.fp8 (memory/fp8.py): aten ops one float8 linear adds per micro-batch, (forward, backward), by
+# recipe: the dynamic casts of its input and weight (amax, scale, clamp, convert), of the output gradient and
+# of the input again for the weight gradient, and the scaled GEMMs' layout copies. Where the step casts its
+# tensorwise weights once for its micro-batches (activations.casts_once) a linear issues
+# OPS_FP8_LINEAR_CAST_ONCE a micro-batch and OPS_FP8_STEP_CAST a step. Counted with a TorchDispatchMode over
+# teratrain's train step, bf16 against fp8 through torchao's emulation on CPU
+# (tests/unit/test_planner_fp8.py counts them again); on one H200 the same steps added the same ops (bench/fp8.py
+# aten_ops_per_step: 3,640 over 56 linears at one micro-batch; 2,800 over 28 at two, cast once, the step's
+# casts one compiled call there), so the CPU count stands for the GPU's.
+OPS_FP8_LINEAR = {"tensorwise": (21, 44), "rowwise": (27, 56)}
+OPS_FP8_LINEAR_CAST_ONCE, OPS_FP8_STEP_CAST = (11.3, 35.7), 8
+# The host's cost of one of those ops, in units of host_op_s: each passes through torchao's float8 tensor
+# subclass and its Python casts (calibration/common.toml says what it was fitted on and what the CPU measures).
+FP8_HOST_OP_SHARE = _COMMON["fp8_host_op_share"]
 # HBM bytes per element the casts around one float8 linear move, counted from torchao's tensorwise path
 # as eager runs it (a cast reads its input twice, for the amax and for the scaled copy, and writes one
 # byte): the input, bf16, cast forward and again for the weight gradient (2 x (2 + 2 + 1)); the output
 # gradient, bf16, once (2 + 2 + 1); the weight, from the parameters' width (2 x param + 1), forward and
 # again for the input gradient; and the copy each operand gets into the layout torch._scaled_mm takes
 # (1 + 1).
-# torch.compile fuses some of these passes into the neighbouring kernels (not modelled: compiled steps
-# are planned as eager).
+# torch.compile fuses some of these passes into the neighbouring kernels (not modelled).
 FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
 # torch's fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied
 # inside the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8).
@@ -196,17 +201,18 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
 
 
 def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
-    """The ops memory.fp8 adds to one rank's eager step (OPS_FP8_LINEAR per float8 linear, the forward's
-    again where a recomputed segment replays it). Compiled, none: inductor fuses each cast into a kernel or
-    two, whose HBM traffic fp8_terms counts. Eager float8 is planned optimistic: its casts run as several
-    unfused kernels each, and an eager fp8 step measured 1.8x the eager bf16 one on one H200 (bench/fp8.py)
-    where this plan says about 1.0x; FP8 is a setting for compiled runs (memory/fp8.py)."""
+    """The ops memory.fp8 adds to one rank's eager step (OPS_FP8_LINEAR per float8 linear and micro-batch, the
+    forward's again where a recomputed segment replays it; cast once, OPS_FP8_LINEAR_CAST_ONCE and the step's
+    casts). Compiled, none: inductor fuses each cast into a kernel or
+    two, whose HBM traffic fp8_terms counts. Eager, the host issues each at FP8_HOST_OP_SHARE of a dense
+    op's cost (host_s), which paces the step: FP8 is a setting for compiled runs (memory/fp8.py)."""
     if train.fp8 == "none" or shape.is_bare or train.compiled:
         return 0.0
-    fwd, bwd = OPS_FP8_LINEAR
+    once = train.fp8 == "tensorwise" and casts_once(train, lay)
+    fwd, bwd = OPS_FP8_LINEAR_CAST_ONCE if once else OPS_FP8_LINEAR[train.fp8]
     per = fwd + bwd + (fwd if lay.recompute in REPLAYING else 0)
     linears = sum(share for _, _, share in fp8_linears(shape, lay.tp))
-    return rank_layers(shape, lay) * linears * per * lay.num_microbatches
+    return rank_layers(shape, lay) * linears * (per * lay.num_microbatches + (OPS_FP8_STEP_CAST if once else 0))
 
 
 def attention_flops(shape: ModelShape, tokens: float) -> float:
@@ -405,9 +411,11 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     backward's extra ones, `split_ops`; gpu.host_op_s each), every tensor- and expert-parallel
     collective `issued_collectives` counts (gpu.host_collective_s) and every launch of the data-parallel
     engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
-    the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each. The host
-    probe's rows (refit.fit_host) have no pipeline and no MoE layer: no split ops, no MoE ops."""
-    ops += split_ops(shape, lay) + (moe_host_share(train) - 1) * moe_ops(shape, train, lay)
+    the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each, memory.fp8's
+    (`fp8_ops`) FP8_HOST_OP_SHARE. The host probe's rows (refit.fit_host) have no pipeline, no MoE layer and
+    no float8: none of these ops."""
+    ops += (split_ops(shape, lay) + (moe_host_share(train) - 1) * moe_ops(shape, train, lay)
+            + (FP8_HOST_OP_SHARE - 1) * fp8_ops(shape, train, lay))
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 
@@ -450,9 +458,10 @@ def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
     return shard * train.grad_bytes / pcie + shard / gpu.host_adam_params_per_s + shard / gpu.host_cast_rate() + up
 
 
-def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> tuple[float, float, float]:
+def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU,
+             tokens: float) -> tuple[float, float, float, float]:
     """(seconds of one rank's compute for `tokens` tokens, its model FLOPs, the FLOPs recomputation
-    replays): everything at the sustained rate of the width, the experts' extra at theirs, the float8
+    replays, the FLOPs of its float8 GEMMs): everything at the sustained rate of the width, the experts' extra at theirs, the float8
     GEMMs at their speed-up over it and their casts' HBM traffic on top."""
     attn = attention_flops(shape, tokens)
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
@@ -463,7 +472,8 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: 
     rate = gpu.sustained_flops(train.precision, shape.cfg.d_model)
     speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
     rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu, expert_efficiency(shape, train, lay, gpu))
-    return rest / rate + fp8_flops / (rate * speedup) + cast_s + expert_stack_s(shape, train, lay, gpu), flops, replay
+    compute_s = rest / rate + fp8_flops / (rate * speedup) + cast_s + expert_stack_s(shape, train, lay, gpu)
+    return compute_s, flops, replay, fp8_flops
 
 
 def optimizer_s(train: Training, w, shard: float, gpu: GPU) -> float:
@@ -492,7 +502,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
                              {"note": "bare parameter count: no compute term"})
     c = shape.cfg
     tokens = lay.tokens(c.seq_len) * lay.num_microbatches  # one rank's share of its replica's samples
-    compute_s, flops, replay = _compute(shape, train, lay, gpu, tokens)
+    compute_s, flops, replay, fp8_flops = _compute(shape, train, lay, gpu, tokens)
     ops = issued_ops(shape, train, lay)
     ops_s = ops * gpu.op_overhead_s
     compute_s += replay_s(shape, w, lay, c.seq_len, hbm) - fused_s(shape, train, lay, gpu, tokens)
@@ -539,7 +549,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
-                         {"recompute_flops": replay, "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
+                         {"recompute_flops": replay, "fp8_flops": fp8_flops, "fp8_ops": fp8_ops(shape, train, lay),
+                          "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
                           "cp_exposed_s": cp_exposed,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
 

@@ -1,0 +1,174 @@
+"""planner/time.py FP8_HOST_OP_SHARE: the host's time per op of the float8 casts and GEMMs, in dense ops.
+
+The host's time per aten op that memory.fp8 adds to a block against a dense block's; prints one JSON object.
+
+    python bench/calibrate/fp8_host_ops.py [--rounds 15] [--out fp8_host_ops.json]     # CPU, ~20 s
+    python bench/calibrate/fp8_host_ops.py --fit [--write]      # the constant from recorded GPU runs
+
+One Llama block at a width where every kernel costs next to nothing (d 16, 8 tokens), forward and backward
+under bf16 autocast over fp32 weights, its linears in bf16 and in tensorwise float8 (memory/fp8.py
+Fp8Linear through torchao's emulation, which issues the ops a GPU's float8 path issues: planner/time.py
+OPS_FP8_LINEAR), timed in interleaved rounds of 50 steps on one CPU thread; the ops are counted with a
+dispatch mode. Eager, each float8 op passes through torchao's tensor subclass and its Python casts, so it
+costs the host more than a dense op; the planner prices memory.fp8's ops (planner/time.py fp8_ops) at
+`extra_op_share` of the host's cost per dense op (host_op_s): (float8 block - dense block) seconds per
+extra op over the dense block's seconds per op, at the fastest round of each. CPU only: on a GPU host
+each op also pays its kernel launch, which both kinds share.
+
+`--fit`: the share at which the planner's eager fp8 step equals the recorded one-H200 run FIT (bench/fp8.py,
+llama-8b width, 8 layers, seq 4096, one micro-batch), and the planner against the held-out run HELD_OUT
+(4 layers, seq 2048, two micro-batches, the weights cast once a step); `--write` writes the share into
+planner/calibration/common.toml. Both runs' bf16 rows are planned too: the bf16 step is the same code
+without the float8 ops, so its error is what the share cannot mend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
+
+import json  # noqa: E402
+
+from teratrain.config import load_config  # noqa: E402
+from teratrain.memory.fp8 import Fp8Gemm, Fp8Linear  # noqa: E402
+from teratrain.models.layers import Positions, Rotary  # noqa: E402
+from teratrain.models.transformer import Block  # noqa: E402
+
+SHAPE = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=16",
+         "model.seq_len=8"]
+
+
+def block_step(recipe: str):
+    """A forward and backward of one block with its linears in `recipe` ("none": bf16 autocast), and the
+    aten ops it issues."""
+    cfg = load_config(None, SHAPE).model
+    torch.manual_seed(0)
+    block = Block(cfg, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    if recipe != "none":
+        gemm = Fp8Gemm(recipe, emulate=True)
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, name, Fp8Linear(child, gemm))
+    rotary = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta)
+    rotary.reset()
+    rope, x = rotary(0, cfg.seq_len), torch.randn(1, cfg.seq_len, cfg.d_model, requires_grad=True)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = block(x, Positions(rope))
+        y.float().sum().backward()
+
+    step()
+    return step, count_ops(step)
+
+
+def measure(rounds: int = 15, calls: int = 50, recipe: str = "tensorwise") -> dict:
+    torch.set_num_threads(1)
+    blocks = {"bf16": block_step("none"), "fp8": block_step(recipe)}
+    per_op = {k: [] for k in blocks}
+    for _ in range(rounds):
+        for name, (step, ops) in blocks.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            per_op[name].append((time.perf_counter() - t0) / calls / ops)
+    (_, dense_ops), (_, fp8_ops) = blocks["bf16"], blocks["fp8"]
+    dense, fp8 = min(per_op["bf16"]), min(per_op["fp8"])
+    share = (fp8 * fp8_ops - dense * dense_ops) / (fp8_ops - dense_ops) / dense
+    return {"bench": "fp8_host_ops", "torch": torch.__version__, "recipe": recipe,
+            "ops": {"bf16": dense_ops, "fp8": fp8_ops},
+            "us_per_op_fastest": {"bf16": round(dense * 1e6, 3), "fp8": round(fp8 * 1e6, 3)},
+            "us_per_op_median": {k: round(statistics.median(v) * 1e6, 3) for k, v in per_op.items()},
+            "extra_op_share": round(share, 3)}
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
+FIT, HELD_OUT = "2026-12-02_fp8_modes.json", "2026-12-03_compiled_gradients_at_once.json"
+WIDTH_8B = ["model.arch=llama", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.d_ff=14336",
+            "model.vocab_size=128256", "model.tie_embeddings=false", "memory.precision=bf16", "train.grad_clip=1.0"]
+
+
+def _recorded(file: str, fp8: str):
+    """(shape, training as the run ran, layout, measured eager step s) of `file`'s teratrain eager row."""
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.refit import as_ran
+
+    result = json.loads((RESULTS / file).read_text())
+    row = next(r for r in result["results"] if (r["impl"], r["mode"], r["fp8"]) == ("ours", "eager", fp8))
+    mb, accum = result["micro_batch"], result.get("accumulation", 1)
+    cfg = load_config(None, [*WIDTH_8B, f"model.n_layers={result['n_layers']}", f"model.seq_len={result['seq_len']}",
+                             f"train.micro_batch={mb}", f"train.global_batch={mb * accum}", f"memory.fp8={fp8}",
+                             f"memory.master_weights={str(result.get('weights') == 'bf16').lower()}",
+                             "parallel.dp=1"])
+    return shape_of(cfg), as_ran(training_of(cfg), result), layout_of(cfg, 1), row["step_ms"] / 1e3
+
+
+def _planned_s(recorded, share: float) -> float:
+    from teratrain.planner import time as planner_time
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.search import evaluate
+
+    shape, train, lay, _ = recorded
+    kept, planner_time.FP8_HOST_OP_SHARE = planner_time.FP8_HOST_OP_SHARE, share
+    try:
+        return evaluate(shape, train, lay, GPUS["h200"]).time.step_time_s
+    finally:
+        planner_time.FP8_HOST_OP_SHARE = kept
+
+
+def fit() -> dict:
+    """The share that puts the planned eager fp8 step of FIT on its measured one (bisection: the step grows
+    with the share), and the errors it leaves on FIT and HELD_OUT, fp8 and bf16."""
+    runs = {(f, r): _recorded(f, r) for f in (FIT, HELD_OUT) for r in ("tensorwise", "none")}
+    target = runs[FIT, "tensorwise"]
+    lo, hi = 1.0, 50.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _planned_s(target, mid) < target[3] else (lo, mid)
+    share = round((lo + hi) / 2, 2)
+    errors = {f"{'fit' if f == FIT else 'held out'} {f[:10]} {'bf16' if r == 'none' else 'fp8'}":
+              round(_planned_s(run, share) / run[3] - 1, 4) for (f, r), run in runs.items()}
+    return {"bench": "fp8_host_ops_fit", "fit": FIT, "held_out": HELD_OUT, "fp8_host_op_share": share,
+            "step_errors": errors}
+
+
+def write(result: dict) -> None:
+    from teratrain.planner.refit import write_calibration
+
+    errors = result["step_errors"]
+    write_calibration("common", {"fp8_host_op_share": {
+        "value": result["fp8_host_op_share"],
+        "source": "bench/calibrate/fp8_host_ops.py --fit (the eager fp8 step of the fit run planned equal to its "
+                  "measured one); on one CPU, before any kernel launch, the same script measures the float8 ops' "
+                  "host cost in dense ops (extra_op_share of bench/results/cpu/2026-12-04_fp8_host_ops.json)",
+        "runs": [f"bench/results/h200/{FIT}", f"held out: bench/results/h200/{HELD_OUT}"],
+        "fit_error": "; ".join(f"{k} {v:+.1%}" for k, v in errors.items())}})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
+    ap.add_argument("--fit", action="store_true", help="fit the share on the recorded GPU runs instead")
+    ap.add_argument("--write", action="store_true", help="with --fit: write it into calibration/common.toml")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    result = fit() if args.fit else measure(args.rounds, recipe=args.recipe)
+    if args.fit and args.write:
+        write(result)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
