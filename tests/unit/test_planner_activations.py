@@ -245,8 +245,8 @@ def test_published_sequence_parallel_runs_fit_their_a100s(name):
     """The 530B (t8 p35) and 1T (t8 p64) layouts of Korthikanti et al. 2022 (bench/published_runs.toml:
     selective recomputation, sequence parallelism, on A100 80 GB) plan under 80 GB with bf16 parameters,
     fp32 masters and AdamW, no ZeRO (dp = 1): with the column-parallel linears keeping their input's
-    sequence shard, as those runs did (`teratrain plan` at the published batch: 54.97 and 67.64 GiB; 70.76 and
-    91.70 GiB when the linears kept it whole)."""
+    sequence shard, as those runs did (planned at the published batch: 52.19 and 63.76 GiB; before, with
+    the linears keeping it whole, 70.76 and 91.70 GiB)."""
     from teratrain.planner.hardware import gpu_with
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.search import evaluate
