@@ -4,8 +4,9 @@ a step in 4 micro-batches of 2 per pipeline (2 with dp=2), clipping on; pp=2 and
 data parallelism (ZeRO 0-2; ZeRO-3, MoE, compression and compile: test_pipeline_compose.py) and tensor
 parallelism (with and without sequence parallelism: without it the stage-to-stage messages are scattered
 over the tp ranks and all-gathered after, p2p.Scatter), the chunked loss on the last stage, even and
-uneven splits (`parallel.partition=profiled` on a layer count no stage count divides; given
-`parallel.stage_layers` under GPipe and interleaved 1F1B), tied embeddings held at both ends, recomputation.
+uneven splits (`parallel.partition=profiled` on a layer count no stage count divides;
+the planner's own split, handed over in `parallel.stage_layers` under naive, GPipe and interleaved 1F1B; the
+asynchronous schedules' in test_pipeline_async.py), tied embeddings held at both ends, recomputation.
 
 Tolerance: 1e-5 relative on every step's loss and every final parameter (gathered whole across
 stages by `engine.full_params()`). Measured: pipelining alone is bitwise (each stage runs the same
@@ -13,14 +14,30 @@ kernels on the same micro-batches in the same order of accumulation); dp and tp 
 alone (up to ~2e-6, test_tensor_parallel.py)."""
 
 from harness import run_ranks
-from layout_workers import GPT2, train_random
+from layout_workers import BASE, GPT2, train_random
 from test_tensor_parallel import TOL, max_rel_diff
 
 STEPS = 2
 GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 UNEVEN = ["model.n_layers=3", "parallel.partition=profiled"]  # 3 blocks over 2 stages: 2 + 1 or 1 + 2
-SPLIT_5 = ["model.n_layers=5", "parallel.stage_layers=[3, 2]"]  # a given uneven split (as the planner hands it)
-SPLIT_5_V2 = ["model.n_layers=5", "parallel.stage_layers=[1, 2, 1, 1]"]  # interleaved: rank 0 holds 1 + 1
+INTERLEAVED = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
+
+
+def _planned_split(*more: str) -> list[str]:
+    """5 blocks over 2 pipeline ranks, split as the planner splits them (planner/pipeline.py planned_split,
+    which `parallel.auto` hands the executor): uneven, 3 + 2, or interleaved 1 + 1 + 2 + 1."""
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import layout_of, shape_of
+    from teratrain.planner.pipeline import planned_split
+
+    sets = ["model.n_layers=5", "parallel.pp=2", *more]
+    cfg = load_config(None, BASE + sets)
+    split = list(planned_split(shape_of(cfg), layout_of(cfg, 2)))
+    assert sum(split) == 5 and len(set(split)) > 1, split
+    return ["model.n_layers=5", f"parallel.stage_layers={split}"]
+
+
+SPLIT_5, SPLIT_5_V2 = _planned_split(), _planned_split(*INTERLEAVED)
 
 
 def _compare(layouts: list[list[str]], world: int, check=None) -> list[dict]:
@@ -52,14 +69,12 @@ def _pp(schedule: str, *more: str, pp: int = 2) -> list[str]:
     return [f"parallel.pp={pp}", f"parallel.schedule={schedule}", *more]
 
 
-INTERLEAVED = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
-
 
 def test_every_flush_schedule_at_pp2():
     layouts = [_pp(s) for s in ("naive", "gpipe", "1f1b", "zb-h1")]
     layouts += [["parallel.pp=2", *INTERLEAVED, "model.n_layers=4"],
                 _pp("1f1b", *UNEVEN), _pp("zb-h1", *UNEVEN, "memory.recompute=full"),
-                _pp("gpipe", *SPLIT_5), ["parallel.pp=2", *INTERLEAVED, *SPLIT_5_V2],
+                _pp("gpipe", *SPLIT_5), _pp("naive", *SPLIT_5), ["parallel.pp=2", *INTERLEAVED, *SPLIT_5_V2],
                 _pp("1f1b", "parallel.pipeline_recv=ahead"),  # receives posted one action early (p2p.py)
                 _pp("1f1b", "memory.loss_chunks=3"), GPT2_SGD + _pp("zb-h1", "memory.loss_chunks=3"),  # chunked loss
                 ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4", "parallel.pipeline_recv=ahead"],
