@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from teratrain.metrics import read_metrics
-from teratrain.models.moe import moe_layers
+from teratrain.models.moe import EXCHANGE_STATS, moe_layers
 from teratrain.parallel.comm import all_gather_objects, all_reduce
 
 
@@ -20,7 +20,9 @@ def step_metrics(model, rt) -> dict:
     (and pp for an MoE model: after the step, when no stage waits on another); {} for a dense model.
     Resets the layers' counters and moves each balance=bias router's expert bias by the summed load
     (the same counts, so the same bias, on every rank). Keys: `moe` {layer: {aux_loss, dropped, load}}, `moe_aux_loss`
-    (summed over layers), `moe_dropped` (over all layers)."""
+    (summed over layers), `moe_dropped` (over all layers), and where experts are exchanged between ranks
+    `exchange_padding` per layer and `moe_exchange_padding`: the share of the rows sent that carried no token
+    (a padded exchange's empty slots; 0 for the exact one)."""
     layers = moe_layers(model)
     if rt.dims.pp > 1 and model.cfg.moe.enabled:  # pipelines run teratrain's own decoder only
         parts = all_gather_objects(_stage_rows(layers, rt), rt.group("pp"))  # a stage may hold no MoE layer
@@ -29,8 +31,8 @@ def step_metrics(model, rt) -> dict:
 
 
 def _stage_rows(layers, rt) -> dict[str, list[float]]:
-    """{layer key: [load per expert..., dropped, attempted, summed aux loss, forwards]} of this rank's
-    MoE layers, summed over dp (collective over dp)."""
+    """{layer key: [load per expert..., dropped, attempted, summed aux loss, forwards, exchanged rows that
+    carried a token, all exchanged rows]} of this rank's MoE layers, summed over dp (collective over dp)."""
     if not layers:
         return {}
     n = layers[0][1].num_experts
@@ -40,8 +42,9 @@ def _stage_rows(layers, rt) -> dict[str, list[float]]:
         zero = torch.zeros((), dtype=torch.float64, device=rt.device)
         rows.append(torch.cat([s.get("load", torch.zeros(n, dtype=torch.float64, device=rt.device)).to(rt.device),
                                torch.stack([s.get(k, zero).to(rt.device)
-                                            for k in ("dropped", "attempted", "aux_loss", "forwards")])]))
-    table = torch.stack(rows)  # (layers, n + 4)
+                                            for k in ("dropped", "attempted", "aux_loss", "forwards",
+                                                      *EXCHANGE_STATS)])]))
+    table = torch.stack(rows)  # (layers, n + 6)
     all_reduce(table, rt.dp_group)
     for (_, layer), row in zip(layers, table):
         layer.update_bias(row[:n])  # DeepSeek-V3's auxiliary-loss-free balancing: load over the global batch
@@ -51,14 +54,17 @@ def _stage_rows(layers, rt) -> dict[str, list[float]]:
 def _summary(rows: dict[str, list[float]]) -> dict:
     if not rows:
         return {}
-    out, dropped, attempted = {}, 0.0, 0.0
+    out, dropped, attempted, sent, slots = {}, 0.0, 0.0, 0.0, 0.0
     for key in sorted(rows, key=int):  # global layer order
-        *load, d, a, aux, forwards = rows[key]
+        *load, d, a, aux, forwards, carried, rows_sent = rows[key]
         out[f"layers.{key}"] = {"aux_loss": aux / max(forwards, 1), "dropped": d / a if a else 0.0,
                                 "load": [int(x) for x in load]}
-        dropped, attempted = dropped + d, attempted + a
+        if rows_sent:
+            out[f"layers.{key}"]["exchange_padding"] = 1 - carried / rows_sent
+        dropped, attempted, sent, slots = dropped + d, attempted + a, sent + carried, slots + rows_sent
+    exchange = {"moe_exchange_padding": 1 - sent / slots} if slots else {}
     return {"moe": out, "moe_aux_loss": sum(v["aux_loss"] for v in out.values()),
-            "moe_dropped": dropped / attempted if attempted else 0.0}
+            "moe_dropped": dropped / attempted if attempted else 0.0, **exchange}
 
 
 def plot_moe_load(metrics_path: Path, out: Path) -> bool:

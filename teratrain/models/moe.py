@@ -30,6 +30,9 @@ from teratrain.models.routers import ROUTERS, Routing, router_param_names, route
 if TYPE_CHECKING:
     from teratrain.config_model import ModelConfig
 
+# the expert-parallel exchanges' statistics (MoE.count_exchange): rows that carried a token, rows sent
+EXCHANGE_STATS = ("sent", "slots")
+
 
 class Expert(nn.Module):
     """The shared experts' MLP (their sum is one MLP as wide as all of them), as each routed expert
@@ -211,6 +214,16 @@ class MoE(nn.Module):
             elif not (isinstance(value, int) and value == 0):
                 self.stats[key] = self.stats[key] + value
 
+    @torch.no_grad()
+    def count_exchange(self, rows: torch.Tensor | int, slots: int) -> None:
+        """An expert-parallel exchange's rows this rank sent (`slots`, padding included) and how many of
+        them carried a token (`rows`): the padding a padded exchange moves (parallel/expert.py,
+        expert_dedup.py). Kept as _record keeps its statistics, where start_stats made the keys."""
+        if "slots" not in self.stats or not self.training or (not torch.compiler.is_compiling() and in_backward()):
+            return
+        self.stats["sent"] = self.stats["sent"] + rows
+        self.stats["slots"] = self.stats["slots"] + slots
+
     def start_stats(self, device: torch.device, graphed: bool = False) -> None:
         """Zero statistics on `device`, before the first forward (parallelize does it). From then on their
         keys and shapes stay the same (`pop_stats` resets them to zeros), so a compiled forward traces
@@ -218,8 +231,9 @@ class MoE(nn.Module):
         as a CUDA graph (train.compile_mode=reduce-overhead), see `settle_stats`."""
         self.graphed = graphed
         kw = {"dtype": torch.float64, "device": device}
-        self.stats = {"load": torch.zeros(self.num_experts, **kw),  # the keys in _record's order
-                      **{key: torch.zeros((), **kw) for key in ("dropped", "attempted", "aux_loss", "forwards")}}
+        self.stats = {"load": torch.zeros(self.num_experts, **kw),  # the keys in _record's order, then the exchange's
+                      **{key: torch.zeros((), **kw) for key in ("dropped", "attempted", "aux_loss", "forwards")},
+                      **{key: torch.zeros((), **kw) for key in EXCHANGE_STATS}}
 
     def settle_stats(self) -> None:
         """A CUDA graph's replay (train.compile_mode=reduce-overhead) leaves the statistics it summed in
@@ -231,7 +245,8 @@ class MoE(nn.Module):
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """This rank's statistics since the last call: load (n,) routed tokens per expert, dropped and
-        attempted choices, summed aux loss and the forwards they came from; then reset to zeros of
+        attempted choices, summed aux loss and the forwards they came from, the exchanges' rows that
+        carried a token and all they sent (EXCHANGE_STATS); then reset to zeros of
         the same keys (empty stays empty)."""
         out, self.stats = self.stats, {key: torch.zeros_like(value) for key, value in self.stats.items()}
         return out

@@ -149,6 +149,7 @@ class ExpertExchange(Exchange):
         """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank;
         chunk c carries slots [lo_c, lo_c+1) of every expert (`piece_bounds`)."""
         n, lo = self.ep * self.local, piece_bounds(slot, self.chunks)
+        moe.count_exchange(lay.counts.clamp(max=slot).sum(), n * slot)
         if self.chunks > 1:
             lay = chunk_major(lay, torch.full((n,), slot, device=flat.device), self.chunks)
         send = dispatch(flat, lay, k, compute_dtype(flat))  # (n * slot, d): [chunk][rank][expert][slot], unused zero
@@ -167,6 +168,7 @@ class ExpertExchange(Exchange):
         n, C = self.ep * self.local, self.chunks
         host = torch.cat([recv.flatten(), lay.counts]).tolist()
         got_rows, sent_rows = host[:n], host[n:]  # per (source, local expert), per (destination, its expert)
+        moe.count_exchange(sum(sent_rows), sum(sent_rows))
         got, sent = chunk_rows(got_rows, self.ep, C), chunk_rows(sent_rows, self.ep, C)
         splits = list(zip(got, sent))  # chunk c: (rows from each source, rows to each destination)
         if C > 1:

@@ -103,6 +103,7 @@ class DedupExchange(Exchange):
         """`per_rank` fixed slots for each destination rank, unused ones zero (ids none); chunk c carries
         slots [lo_c, lo_c+1) of every rank."""
         lay = slotted_layout(dest, self.ep, per_rank)
+        moe.count_exchange(lay.counts.clamp(max=per_rank).sum(), self.ep * per_rank)
         if self.chunks > 1:
             lay = chunk_major(lay, torch.full((self.ep,), per_rank, device=flat.device), self.chunks)
         lo = piece_bounds(per_rank, self.chunks)
@@ -118,6 +119,7 @@ class DedupExchange(Exchange):
         comm.all_to_all(recv, lay.counts, [1] * self.ep, [1] * self.ep, self.group)
         host = torch.cat([recv, lay.counts]).tolist()
         got_rows, sent_rows = host[:self.ep], host[self.ep:]
+        moe.count_exchange(sum(sent_rows), sum(sent_rows))
         splits = list(zip(chunk_rows(got_rows, self.ep, self.chunks), chunk_rows(sent_rows, self.ep, self.chunks)))
         if self.chunks > 1:
             lay = chunk_major(lay, lay.counts, self.chunks)

@@ -78,6 +78,11 @@ def test_ep2_top1_top2_with_and_without_drops_zero_and_recompute():
     for whole, pieces in zip([runs[i] for i in (0, 1, 2, 3, 6, 10)], runs[len(layouts):]):  # chunks=1 vs C
         err = max(abs(a - b) / abs(b) for a, b in zip(pieces["losses"], whole["losses"]))
         assert err < TOL and pieces["moe"]["dropped"] == whole["moe"]["dropped"], f"chunked exchange: {err:.2e}"
+        pad = [r["moe_metrics"]["moe_exchange_padding"] for r in (whole, pieces)]
+        assert pad[0] == pytest.approx(pad[1], abs=1e-12), f"the exchange's padding, whole and in chunks: {pad}"
+    padding = [r["moe_metrics"]["moe_exchange_padding"] for r in runs[:6]]  # the share of sent rows left empty
+    assert padding[1] == padding[3] == 0, f"the dropless exchange sends exactly the routed rows: {padding}"
+    assert all(0 < padding[i] < 1 for i in (0, 2, 4, 5)), f"a capacity's slots, some empty: {padding}"
 
 
 def test_ep4_and_ep2_over_dp4_and_with_tensor_parallelism():
