@@ -239,7 +239,7 @@ class MoE(nn.Module):
         """A CUDA graph's replay (train.compile_mode=reduce-overhead) leaves the statistics it summed in
         the graph's memory pool, which the next step's replay overwrites while reading them as its
         inputs ("accessing tensor output of CUDAGraphs that has been overwritten"): copied out after each
-        micro-batch (train_step), 5 small copies a layer. Eager and compiled without graphs: nothing."""
+        micro-batch (train_step), 7 small copies a layer. Eager and compiled without graphs: nothing."""
         if self.graphed:
             self.stats = {key: value.clone() for key, value in self.stats.items()}
 
