@@ -32,6 +32,13 @@ about sqrt(10)-fold in a mean of 10 (2.6e-2 / sqrt(10) = 8e-3), rounded up to 1%
 and the same mean's floor (one GPU against itself) are recorded beside the row; the fp32 check (1e-4 per
 step) still holds every MoE layout to one GPU's arithmetic.
 
+Two MoE models: 8 experts top-2 (`moe`), and the MoE of recent models (`moe-fine`, rows named `*-fine`): the
+same expert parameters as 32 narrow experts, top-4, a gated shared expert, sigmoid scores and DeepSeek-V3's
+auxiliary-loss-free bias, which `_train` moves after every step as `teratrain train` does. Both are judged as
+above. A bias left unmoved shifts the fp32 losses of `--smoke` by 1.6e-5 in 5 steps, inside 1e-4, so each fp32
+row also records how far its biases lie from one GPU's (`fp32_bias_max_diff`: 0 unless a token chose otherwise
+somewhere; not judged).
+
 FP8 rows (`memory.fp8=tensorwise`, the `fp8` model) train in bf16 only: float8 GEMMs run inside bf16
 training, so there is no fp32 run. They are checked against one GPU training in fp8, within the same
 fixed bf16 tolerance (a tensor-parallel rank scales its own weight shard, so its float8 roundings differ
@@ -68,7 +75,7 @@ from common import in_job, job_env  # noqa: E402
 FP32_TOL, BF16_TOL = 1e-4, 2e-2  # fixed before any run
 # MoE rows in bf16 (fixed before any run; the argument: the module docstring): the mean loss over the last half of
 # the bf16 steps (10 of 20) within 1% of one GPU's, both sides under train.deterministic
-MOE_BF16_TOL, MOE_MODELS = 1e-2, ("moe", "moe-cp")
+MOE_BF16_TOL, MOE_MODELS = 1e-2, ("moe", "moe-cp", "moe-fine")
 # llama-1b width, 8 layers, 32k vocabulary; global batch 8 in micro-batches of 2
 MODEL = ["model.preset=llama-1b", "model.vocab_size=32000", "model.n_layers=8", "model.seq_len=2048"]
 SMOKE = ["model.preset=llama-1b", "model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4",
@@ -80,6 +87,15 @@ COMMON = ["train.global_batch=8", "train.micro_batch=2", "optim.lr=1e-4", "optim
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.capacity_factor=0"]
 MOE_SMOKE_WIDTH = ["model.d_ff=64"]
 MOE_WIDTH = ["model.d_ff=2816"]  # 8 experts of width 2816, top-2 (bench/moe.py's shape)
+# the MoE of recent models (docs/moe.md): the 8 experts each cut in 4 (DeepSeek-MoE's fine-grained segmentation,
+# the same expert parameters), top-4, one shared expert of the same width gated by sigmoid(x w_g) (Qwen2-MoE: the
+# gate is a replicated (d_model -> 1) weight beside tp's split ones), sigmoid scores with the chosen 4 normalized
+# and the aux-loss-free bias (DeepSeek-V3), which every step moves by the load over the whole global batch
+MOE_FINE = ["model.moe.num_experts=32", "model.moe.top_k=4", "model.moe.capacity_factor=0",
+            "model.moe.shared_experts=1", "model.moe.shared_gate=true", "model.moe.score=sigmoid",
+            "model.moe.norm_topk=true", "model.moe.balance=bias"]
+MOE_FINE_SMOKE_WIDTH = [*MOE_SMOKE_WIDTH, "model.moe.expert_d_ff=16"]
+MOE_FINE_WIDTH = [*MOE_WIDTH, "model.moe.expert_d_ff=704"]  # 32 x 704 = 8 x 2816
 # models besides dense and moe, each with its own one-GPU reference: a tied embedding (at pp > 1 its
 # ZeRO-3 gather spans both end stages), int8 activation compression (it changes the math)
 MODELS = {"tied": ["model.tie_embeddings=true"], "int8": ["memory.compress_activations=int8"],
@@ -118,6 +134,7 @@ def layouts(gpus: int) -> list[dict]:
         L(f"pp{n}-pipedream", pp("pipedream", p=n), check="async"),
         L(f"pp{n}-pipedream-2bw", pp("pipedream-2bw", p=n), check="async"),
         L(f"ep{n}", [f"parallel.ep={n}"], "moe"),
+        L(f"ep{n}-fine", [f"parallel.ep={n}"], "moe-fine"),  # 32 / ep experts a rank
         # FP8 (bf16 only: no fp32 run to compare), data parallel, ZeRO-3 (bf16 gathers, cast after), tp
         L(f"dp{n}-fp8", [], "fp8", "parity-bf16"),
         L(f"dp{n}-zero3-fp8-compile", ["parallel.zero=3", "train.compile=true"], "fp8", "parity-bf16"),
@@ -152,6 +169,11 @@ def layouts(gpus: int) -> list[dict]:
         L("ep2-tp2", ["parallel.ep=2", "parallel.tp=2"], "moe"),
         L("ep2-dp2-zero1", ["parallel.ep=2", "parallel.zero=1"], "moe"),  # experts in 2 shards, each on 2 ranks
         L("pp2-ep2", pp("1f1b", "parallel.ep=2"), "moe"),  # the all-to-all among each stage's dp ranks
+        # the fine-grained model: tp splits the routed and the shared experts' width; each stage moves its own
+        # layers' biases; ZeRO-1 shards the expert states over the ranks holding the same 16 experts
+        L("ep2-tp2-fine", ["parallel.ep=2", "parallel.tp=2"], "moe-fine"),
+        L("ep2-dp2-zero1-fine", ["parallel.ep=2", "parallel.zero=1"], "moe-fine"),
+        L("pp2-ep2-fine", pp("1f1b", "parallel.ep=2"), "moe-fine"),
         L("cp4", ["parallel.cp=4"]), L("cp4-all-to-all", ["parallel.cp=4", "parallel.cp_form=all-to-all"]),
         L("dp2-cp2-zero3", ["parallel.cp=2", "parallel.zero=3"]),  # ZeRO-3 sharded over dp x cp
         L("tp2-cp2", ["parallel.cp=2", "parallel.tp=2"]),  # sequence parallelism inside each cp rank's chunks
@@ -183,23 +205,26 @@ def _token_file(path: str | None, vocab: int):
 def _config(args, layout: dict, precision: str):
     from teratrain.config import load_config
 
-    base = SMOKE if args.smoke else SMALL if args.small else MODEL
-    moe = MOE + (MOE_SMOKE_WIDTH if args.smoke or args.small else MOE_WIDTH) if layout["model"] in ("moe", "moe-cp") \
-        else []
+    base, tiny = SMOKE if args.smoke else SMALL if args.small else MODEL, args.smoke or args.small
+    eight = MOE + (MOE_SMOKE_WIDTH if tiny else MOE_WIDTH)
+    moe = {"moe": eight, "moe-cp": eight, "moe-fine": MOE_FINE + (MOE_FINE_SMOKE_WIDTH if tiny else MOE_FINE_WIDTH)}
     device = ["train.device=cpu"] if args.smoke else []
     if layout["model"] == "fp8" and args.smoke:  # no float8 tensor cores on a CPU: torchao's emulation
         device.append("memory.fp8_emulate=true")
     deterministic = ["train.deterministic=true"] if layout["model"] in MOE_MODELS else []  # both sides
-    return load_config(None, base + COMMON + moe + {**MODELS, "moe-cp": CP_MOE}.get(layout["model"], []) + device
-                       + deterministic + [f"memory.precision={precision}"] + layout["sets"])
+    model = moe.get(layout["model"], []) + {**MODELS, "moe-cp": CP_MOE}.get(layout["model"], [])
+    return load_config(None, base + COMMON + model + device + deterministic + [f"memory.precision={precision}"]
+                       + layout["sets"])
 
 
 def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = False) -> dict:
-    """`steps` optimizer steps of the trainer's step path on this layout; every step's loss (mean over
-    data-parallel ranks), the step times, the peak memory of the fullest rank. `reverse`: each step's
+    """`steps` optimizer steps of the trainer's step path on this layout, each followed by the MoE statistics
+    that move an expert bias; every step's loss (mean over data-parallel ranks), the step times, the peak
+    memory of the fullest rank, the expert biases at the end (balance=bias). `reverse`: each step's
     micro-batches in the opposite order (the same sum, rounded in another order: the noise floor)."""
     import torch
 
+    from teratrain import moe_metrics
     from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
     from teratrain.collector import Collector
     from teratrain.data.loader import Batches
@@ -233,6 +258,7 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
             micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))
             micro = micro[::-1] if reverse else micro
             _, loss = run_step(micro, cfg.memory.precision, lr)
+            moe_metrics.step_metrics(model, rt)  # as train.py after each step: it moves balance=bias routers' bias
             loss = loss.detach().float().clone()
             all_reduce(loss, rt.dp_group, op=AVG)
             losses.append(float(loss))  # synchronizes
@@ -248,12 +274,33 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
 
         acts = run_step.schedule(len(micro)).ranks[run_step.rank]
         out["audit"] = audit_versions(run_step.records, peak_versions(acts))
+    if cfg.model.moe.enabled and cfg.model.moe.balance == "bias":
+        out["expert_bias"] = _expert_bias(model, rt)
     del run_step, engine, model
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
     return out
+
+
+def _expert_bias(model, rt) -> dict[str, list[float]]:
+    """Each balance=bias router's expert bias by global layer key, every pipeline stage's (collective over pp).
+    The bias moves by the load counts alone (a sign), so in fp32 a layout holds one GPU's exactly unless a
+    token's choice differs somewhere; the losses barely show a bias left unmoved (module docstring)."""
+    from teratrain.models.moe import expert_biases
+    from teratrain.parallel.comm import all_gather_objects
+
+    own = expert_biases(model)
+    parts = all_gather_objects(own, rt.group("pp")) if rt.dims.pp > 1 else [own]
+    return {key: bias for part in parts for key, bias in part.items()}
+
+
+def _bias_diff(a: dict, b: dict) -> float:
+    """The largest difference between two runs' expert biases (inf where they hold other layers)."""
+    if a.keys() != b.keys():
+        return math.inf
+    return max((abs(x - y) for k in a for x, y in zip(a[k], b[k], strict=True)), default=0.0)
 
 
 _MESHES: dict = {}  # one runtime per layout shape: its groups (and their NCCL communicators) are reused
@@ -337,6 +384,9 @@ def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int
         if fp32 is not None:
             ref32 = refs[(layout["model"], "fp32")]
             row.update(fp32_losses=fp32["losses"], fp32_ref=ref32["losses"], fp32_rel_err=_rel(fp32["losses"], ref32["losses"]))
+            if "expert_bias" in ref32:  # recorded, not judged: the losses are (module docstring)
+                row.update(fp32_bias_max_diff=_bias_diff(fp32.get("expert_bias", {}), ref32["expert_bias"]),
+                           fp32_bias_max_one_gpu=max(abs(x) for b in ref32["expert_bias"].values() for x in b))
         row["bf16_noise_floor"] = ref16["noise_floor"]
         row["bf16_tol"] = BF16_TOL
         if layout["model"] in MOE_MODELS:  # judged on the learning curve (module docstring)
@@ -396,7 +446,9 @@ def worker(args) -> None:
             _write(args.result, refs, rows, world, args)
         _say(rank, f"{row['name']} ({row['wall_s']} s): {'ok' if row['ok'] else 'FAILED'} "
                    + (f"fp32 {row.get('fp32_rel_err', 0):.1e} bf16 {row.get('bf16_rel_err', 0):.1e} "
-                      f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"]))
+                      f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"])
+                   + (f", fp32 expert bias off by {row['fp32_bias_max_diff']:.1e} (one GPU's reaches "
+                      f"{row['fp32_bias_max_one_gpu']:.1e})" if "fp32_bias_max_diff" in row else ""))
 
 
 def _noise_floor(cfg, args, steps: int, losses: list[float]) -> dict:
@@ -416,7 +468,8 @@ def _write(path: str, refs: dict, rows: list[dict], world: int, args) -> None:
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
             and not args.smoke else "cpu", "gpus": world, "model": _config(args, {"sets": [], "model": "dense"},
                                                                            "bf16").model.model_dump(),
-            "common": COMMON, "moe": MOE, "fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL, "moe_bf16_tol": MOE_BF16_TOL,
+            "common": COMMON, "moe": MOE, "moe_fine": MOE_FINE, "fp32_tol": FP32_TOL, "bf16_tol": BF16_TOL,
+            "moe_bf16_tol": MOE_BF16_TOL,
             "one_gpu": {f"{m}-{p}": {"losses": r["losses"], "tokens_per_s": round(r["tokens_per_s"], 1),
                                      "peak_gib": round(r["peak_gib"], 2), "noise_floor": r.get("noise_floor"),
                                      "repeatable": r.get("repeatable"), "floor_by_order": r.get("floor_by_order"),

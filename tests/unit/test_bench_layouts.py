@@ -1,7 +1,7 @@
 """bench/layouts.py's verdict on a parity row: tolerances fixed before the run (fp32 1e-4, bf16 2e-2; MoE rows in
 bf16: the mean of the last half of the steps within 1%),
 one GPU's own bf16 noise floor recorded beside the row but never widening the tolerance; a failing row
-says why."""
+says why. The fine-grained MoE model and its rows."""
 
 import sys
 from pathlib import Path
@@ -65,6 +65,35 @@ def test_moe_runs_are_deterministic_on_both_sides_and_dense_ones_are_not():
     from types import SimpleNamespace
 
     args = SimpleNamespace(smoke=True, small=False)
-    for model, on in (("moe", True), ("moe-cp", True), ("dense", False)):
+    for model, on in (("moe", True), ("moe-cp", True), ("moe-fine", True), ("dense", False)):
         for precision in ("fp32", "bf16"):
             assert layouts._config(args, {"sets": [], "model": model}, precision).train.deterministic is on
+
+
+def test_the_fine_grained_moe_has_its_ep_rows_at_2_and_4_gpus():
+    """The MoE of recent models (32 narrow experts, top-4, a gated shared expert, sigmoid scores normalized
+    over the chosen, bias balancing) beside each 8-expert ep row: ep2, ep4, ep2 x tp2, ep2 x dp2 ZeRO-1, pp2 x ep2."""
+    from types import SimpleNamespace
+
+    fine = {n: {lay["name"]: lay for lay in layouts.layouts(n) if lay["model"] == "moe-fine"} for n in (2, 4)}
+    assert set(fine[2]) == {"ep2-fine"}
+    assert set(fine[4]) == {"ep4-fine", "ep2-tp2-fine", "ep2-dp2-zero1-fine", "pp2-ep2-fine"}
+    eight = {lay["name"]: lay["sets"] for n in (2, 4) for lay in layouts.layouts(n) if lay["model"] == "moe"}
+    assert all(lay["sets"] == eight[name.removesuffix("-fine")] and lay["check"] == "parity"
+               for rows in fine.values() for name, lay in rows.items())
+    assert "moe-fine" in layouts.MOE_MODELS  # judged in bf16 on the mean of the last half, like the 8 experts
+    for smoke, small, width in ((True, False, 16), (False, True, 16), (False, False, 704)):
+        cfg = layouts._config(SimpleNamespace(smoke=smoke, small=small), fine[4]["pp2-ep2-fine"], "fp32")
+        moe = cfg.model.moe
+        assert (moe.num_experts, moe.k, moe.capacity, cfg.model.expert_ffn_dim) == (32, 4, 0.0, width)
+        assert (moe.shared_experts, moe.shared_gate, moe.score, moe.normalize_topk) == (1, True, "sigmoid", True)
+        assert moe.balance == "bias" and moe.aux_loss_weight == 0.0
+        assert 32 * width == 8 * cfg.model.d_ff  # the 8-expert model's expert parameters, cut in 4
+        assert (cfg.parallel.pp, cfg.parallel.ep) == (2, 2)
+
+
+def test_an_expert_bias_differs_by_its_largest_entry_and_other_layers_by_inf():
+    ref = {"0": [0.0, 2e-3, -1e-3], "1": [1e-3, 0.0, -1e-3]}
+    assert layouts._bias_diff(ref, ref) == 0.0
+    assert layouts._bias_diff({**ref, "1": [1e-3, 2e-3, -1e-3]}, ref) == 2e-3
+    assert layouts._bias_diff({"0": ref["0"]}, ref) == float("inf")  # a stage's layers missing
