@@ -8,6 +8,8 @@ rank 0 prints one JSON object (and writes it with --out).
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --copy-per-tensor   # + ours with a copy_ per tensor (A/B)
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --rounds 3   # each side 3 times, order alternated: median ratio
     torchrun --nproc-per-node 2 bench/fsdp2_compare.py --dp-max-ctas 16,8 --fsdp2-max-ctas 8   # + NCCL capped
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --compile --fp8 tensorwise   # + both sides in float8
+    torchrun --nproc-per-node 2 bench/fsdp2_compare.py --smoke --fp8 tensorwise     # float8 GEMMs emulated
 
 Both shard every block and the root over all ranks, compute in bf16 with fp32 master weights and an
 fp32 gradient reduction, use fused AdamW and clip at 1.0, and see the same random tokens. Llama-8B
@@ -18,7 +20,12 @@ Each side: build, 3 warm-up steps, `--steps` timed steps, then one step with all
 allocated/reserved of the whole run, and the model states each side holds. `--compile`: both once more
 with each block's forward compiled (ours: train.compile under ZeRO-3, its gather/free hooks eager
 around each block, and the final norm and the loss; FSDP2: torchtitan's order, `torch.compile` on each
-block, then `fully_shard`, and the final norm and the loss compiled too).
+block, then `fully_shard`, and the final norm and the loss compiled too). `--fp8 RECIPE`: both once more
+per mode with the block linears in float8 (ours: memory.fp8, gathering float8 weights under tensorwise,
+memory.fp8_gather; FSDP2: torchtitan's torchao float8 training, see `torchao_float8`), reported as
+`*_fp8` rows and, per mode, `fp8` / `fp8_compiled`: each side's float8 against its bf16, ours against
+FSDP2 both in float8, and the four peaks. --smoke emulates the float8 GEMMs on both sides (torchao's
+emulation, memory.fp8_emulate); FSDP2's float8 all-gather runs on gloo as it is.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from memory_trace import traced_step  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
 from teratrain.compat import nccl_options  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
+from teratrain.memory.fp8 import RECIPES, aligned, float8_weights, fp8_problem, gathers_in_float8  # noqa: E402
 from teratrain.mesh import init_runtime, shutdown  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
 from teratrain.optim.engine import tensor_bytes, train_step  # noqa: E402
@@ -99,6 +107,9 @@ def fsdp2(cfg, rt, group=None):
     mesh = init_device_mesh(rt.device.type, (rt.world,)) if group is None else DeviceMesh.from_group(group, rt.device.type)
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    float8 = torchao_float8(model, cfg) if cfg.memory.fp8 != "none" else None  # before compiling and sharding
+    if float8 is not None:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     if cfg.train.compile:  # torchtitan's order: each block compiled, then sharded (its hooks outside the graph)
         for key, block in list(model.layers.items()):
             model.layers[key] = torch.compile(block)
@@ -121,16 +132,37 @@ def fsdp2(cfg, rt, group=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if not held:  # as ours counts them: sharded params (the fp32 masters), grads before the update
-            local = [p.to_local() for p in model.parameters()]
+            local = [_unwrapped(p.to_local()) for p in model.parameters()]
             held["states"] = tensor_bytes(local) + tensor_bytes(p.grad.to_local() for p in model.parameters())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if float8 is not None and float8.enable_fsdp_float8_all_gather:  # torchtitan: after every optimizer step,
+            precompute_float8_dynamic_scale_for_fsdp(model)  # the weights' scales in one all-reduce, for the gathers
 
     def states() -> int:
         moments = [t.to_local() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
         return held["states"] + tensor_bytes(moments)
 
     return step, states
+
+
+def torchao_float8(model, cfg):
+    """torchtitan's float8 training on FSDP2's side: torchao's `convert_to_float8_training` swaps exactly the
+    linears ours runs in float8 (memory/fp8.py: the block linears outside MoE layers whose weight torch._scaled_mm
+    takes; not the embedding, not the head) for its Float8Linear, with the recipe of memory.fp8; tensorwise
+    gathers its weights in float8 (`enable_fsdp_float8_all_gather`, as ours does, memory.fp8_gather). Returns the
+    Float8LinearConfig used; memory.fp8_emulate: torchao's high-precision emulation of the float8 GEMMs (CPU)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(cfg.memory.fp8)
+    config = dataclasses.replace(config, emulate=cfg.memory.fp8_emulate,
+                                 enable_fsdp_float8_all_gather=cfg.memory.fp8 == "tensorwise")
+    ours_fp8 = {id(w) for w in float8_weights(model) if aligned(tuple(w.shape))}
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda mod, fqn: id(getattr(mod, "weight", None)) in ours_fp8)
+    return config
 
 
 def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12, profile: bool = False) -> dict:
@@ -177,6 +209,32 @@ def _ratios(rows: dict, ours_key: str, peer_key: str, tag: str) -> None:
         rows[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_rounds"] = [round(x / y, 4) for x, y in zip(ra, rb)]
 
 
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass (torchao's float8 weight, whose storage cannot be read), else t."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return getattr(t, t.__tensor_flatten__()[0][0]) if is_traceable_wrapper_subclass(t) else t
+
+
+def _fp8_summary(rows: dict, tag: str, cfg) -> dict:
+    """The float8 sides of one mode against each other and against their bf16 runs: tokens/s ratios (of the
+    first round, and of the rounds' medians with --rounds > 1), each side's peak, and what each gathers in."""
+    names = {"ours_fp8": f"ours_zero3{tag}_fp8", "ours_bf16": f"ours_zero3{tag}",
+             "fsdp2_fp8": f"fsdp2{tag}_fp8", "fsdp2_bf16": f"fsdp2{tag}"}
+    row = {k: rows[v] for k, v in names.items()}
+    recipe = cfg.memory.fp8
+    out = {"mode": "compiled" if tag else "eager", "recipe": recipe,
+           "gathers": {"ours": "float8" if gathers_in_float8(3, recipe, cfg.memory.fp8_gather) else "bf16",
+                       "fsdp2": "float8" if recipe == "tensorwise" else "bf16"}}  # torchao: tensorwise only
+    for a, b in (("ours_fp8", "ours_bf16"), ("ours_fp8", "fsdp2_fp8"), ("fsdp2_fp8", "fsdp2_bf16")):
+        out[f"tokens_per_s_{a}_over_{b}"] = round(row[a]["tokens_per_s"] / row[b]["tokens_per_s"], 4)
+        ra, rb = row[a]["tokens_per_s_rounds"], row[b]["tokens_per_s_rounds"]
+        if len(ra) > 1:
+            out[f"tokens_per_s_{a}_over_{b}_median"] = round(statistics.median(ra) / statistics.median(rb), 4)
+    out.update({f"peak_gib_{k}": round(r["peak_gib_max_over_ranks"], 3) for k, r in row.items()})
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -213,6 +271,8 @@ def main() -> None:
                                                        "(comma-separated), each on groups of its own")
     ap.add_argument("--fsdp2-max-ctas", default="", help="also FSDP2 on a group whose NCCL config caps the CTAs "
                                                          "at each of these (comma-separated)")
+    ap.add_argument("--fp8", choices=RECIPES, help="also both sides with the block linears in float8 at this "
+                                                   "recipe: ours memory.fp8, FSDP2 torchao's float8 training")
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure every side this many times, each round after the first in the reverse order "
                          "of the one before (unprofiled), and report the ratio of the median tokens/s too")
@@ -225,16 +285,22 @@ def main() -> None:
         dist.init_process_group("gloo" if args.smoke else "nccl")
     world = dist.get_world_size()
     batch = [f"train.micro_batch={args.micro_batch}", f"train.global_batch={args.micro_batch * world}"]
+    # the float8 sides: on CPU (--smoke) both emulate the float8 GEMMs in high precision
+    fp8 = [f"memory.fp8={args.fp8}"] + (["memory.fp8_emulate=true"] if args.smoke else []) if args.fp8 else []
     if args.smoke:
         shape = SMOKE
     else:
         fit = SHAPES[args.model] + RUN + batch
-        layers = args.layers or fit_layers(fit, world, torch.cuda.mem_get_info()[1], FIT)
+        total = torch.cuda.mem_get_info()[1]  # the float8 sides run the same blocks: the fewer of both fits
+        layers = args.layers or min(fit_layers(fit + extra, world, total, FIT) for extra in ([], fp8))
         shape = SHAPES[args.model] + [f"model.n_layers={layers}"]
     shape += args.set
     cfg = load_config(None, shape + RUN + batch)
     rt = init_runtime(cfg)
-    rows = {}
+    why = fp8_problem(args.fp8 or "none", args.smoke, rt.device)
+    if why:
+        raise SystemExit(why)
+    rows = {"fp8_recipe": args.fp8} if args.fp8 else {}
 
     def run(build, config, side_rt, first: bool = True) -> dict:
         return measure(build, config, side_rt, args.micro_batch, 3, args.steps, args.trace_top, args.profile and first)
@@ -244,23 +310,31 @@ def main() -> None:
                    for n in _ints(args.dp_max_ctas)}
     capped_fsdp2 = {n: dist.new_group(list(range(world)), pg_options=nccl_options(n)) for n in _ints(args.fsdp2_max_ctas)}
 
-    modes = [] if args.compile_only else [("", cfg)]
+    modes = [] if args.compile_only else [("", [])]
     if args.compile or args.compile_only:  # both sides compiled, each block apart
-        modes.append(("_compiled", load_config(None, shape + RUN + batch + ["train.compile=true"])))
-    for tag, config in modes:
-        sides = [(f"ours_zero3{tag}", ours, rt), (f"fsdp2{tag}", fsdp2, rt)]
+        modes.append(("_compiled", ["train.compile=true"]))
+    for tag, mode in modes:
+        config = load_config(None, shape + RUN + batch + mode)
+        sides = [(f"ours_zero3{tag}", ours, rt, config), (f"fsdp2{tag}", fsdp2, rt, config)]
+        if args.fp8:  # the same two, each with its block linears in float8
+            config_fp8 = load_config(None, shape + RUN + batch + mode + fp8)
+            sides += [(f"ours_zero3{tag}_fp8", ours, rt, config_fp8), (f"fsdp2{tag}_fp8", fsdp2, rt, config_fp8)]
         if args.copy_per_tensor:
-            sides.append((f"ours_zero3{tag}_copy_per_tensor", ours_copy_per_tensor, rt))
-        sides += [(f"ours_zero3{tag}_ctas{n}", ours, r) for n, r in capped_ours.items()]
-        sides += [(f"fsdp2{tag}_ctas{n}", functools.partial(fsdp2, group=g), rt) for n, g in capped_fsdp2.items()]
+            sides.append((f"ours_zero3{tag}_copy_per_tensor", ours_copy_per_tensor, rt, config))
+        sides += [(f"ours_zero3{tag}_ctas{n}", ours, r, config) for n, r in capped_ours.items()]
+        sides += [(f"fsdp2{tag}_ctas{n}", functools.partial(fsdp2, group=g), rt, config)
+                  for n, g in capped_fsdp2.items()]
         for r in range(args.rounds):  # each round after the first in the reverse order, unprofiled
-            for name, build, side_rt in sides if r % 2 == 0 else sides[::-1]:
+            for name, build, side_rt, side_cfg in sides if r % 2 == 0 else sides[::-1]:
                 fresh_compile()
-                row = run(build, config, side_rt, first=r == 0)
+                row = run(build, side_cfg, side_rt, first=r == 0)
                 if r == 0:
                     rows[name] = row  # the first round's row is the one reported in full
                 rows[name].setdefault("tokens_per_s_rounds", []).append(round(row["tokens_per_s"], 1))
         _ratios(rows, f"ours_zero3{tag}", f"fsdp2{tag}", tag)
+        if args.fp8:  # like for like: both sides float8, and each side's float8 against its bf16, in this mode
+            _ratios(rows, f"ours_zero3{tag}_fp8", f"fsdp2{tag}_fp8", f"{tag}_fp8")
+            rows[f"fp8{tag}"] = _fp8_summary(rows, tag, config_fp8)
         if args.copy_per_tensor:
             _ratios(rows, f"ours_zero3{tag}_copy_per_tensor", f"fsdp2{tag}", f"{tag}_copy_per_tensor")
         for n in capped_ours:

@@ -10,11 +10,20 @@ micro-batch 2).
     torchrun --nproc-per-node 2 bench/tensor_parallel.py --out tp.json
     torchrun --nproc-per-node 2 bench/tensor_parallel.py --profile    # + a trace summary per variant
     torchrun --nproc-per-node 2 bench/tensor_parallel.py --smoke      # gloo CPU, tiny shapes
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --compile --fp8 tensorwise   # + each in float8
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --smoke --fp8 tensorwise     # float8 GEMMs emulated
 
 Both sides: bf16 autocast over fp32 weights, AdamW built by teratrain's `build_optimizer` (fused
 where the device allows: on CPU too, so the smoke run steps the DTensor parameters exactly as the GPU
 run does), gradient clipping at 1.0 with the norm read back every step. One GPU: every rank runs the
 unsplit model on its own device at the same time (no communication); rank 0's figures are reported.
+`--fp8 RECIPE`: every variant and one GPU once more per mode with the block linears in float8 (ours:
+memory.fp8=RECIPE; DTensor: torchtitan's torchao float8 training, `_torchao_float8`), rows NAME_fp8 whose
+per-GPU efficiency is against one GPU in float8, each with `fp8_over_bf16_same_mode` (its tokens/s over its
+bf16 row's, same variant and mode), gathered at the top under that name with each row's mode and, for ours,
+the target at the llama-8b width (1.2x); `ours_vs_dtensor_*_fp8*`: both sides float8. A variant memory.fp8
+does not take (tp_overlap=chunked) is listed in its shape's `fp8_not_run` with the reason; --smoke emulates
+the float8 GEMMs (memory.fp8_emulate, torchao's emulate).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from common import emit, env_info, error_text, fresh_compile, fresh_memory, grap
 from trace_summary import profile_steps  # noqa: E402
 
 from teratrain.config import load_config  # noqa: E402
+from teratrain.config_base import ConfigError  # noqa: E402
+from teratrain.memory.fp8 import RECIPES, aligned, float8_weights, fp8_problem  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime, shutdown  # noqa: E402
 from teratrain.metrics import peak_flops  # noqa: E402
@@ -73,6 +84,7 @@ VARIANTS = {"ours_no_sp": ("ours", ["parallel.sequence_parallel=false"]),
             "dtensor_no_sp": ("dtensor", ["parallel.sequence_parallel=false"]),
             "dtensor_sp": ("dtensor", ["parallel.sequence_parallel=true"])}
 SMOKE_PROFILED = ("ours_sp_chunked2", "dtensor_sp")  # --smoke --profile: enough to run the code path
+FP8_TARGET = {"llama8b_width": 1.2}  # --fp8: float8 tokens/s over bf16's, same variant and mode (tp=2 and tp=4)
 PAIRS = {"no_sp": ("ours_no_sp", "dtensor_no_sp"), "sp": ("ours_sp", "dtensor_sp"),
          "no_sp_chunked2": ("ours_no_sp_chunked2", "dtensor_no_sp"), "sp_chunked2": ("ours_sp_chunked2", "dtensor_sp"),
          "sp_chunked4": ("ours_sp_chunked4", "dtensor_sp")}
@@ -97,7 +109,9 @@ def dtensor(cfg, rt):
     mesh = init_device_mesh(rt.device.type, (rt.world,))
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    _dtensor_plan(model, mesh, cfg.parallel.use_sp, local=not cfg.train.compile)
+    if cfg.memory.fp8 != "none":  # torchtitan's order: the float8 linears swapped in, then split
+        _torchao_float8(model, cfg, rt.world)
+    _dtensor_plan(model, mesh, cfg.parallel.use_sp, local=not cfg.train.compile, float8=cfg.memory.fp8)
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:  # the fused optimizer (and clipping) would fail on, or mis-handle, a mix
         raise RuntimeError(f"the DTensor plan left plain parameters: {', '.join(plain[:4])}")
@@ -126,32 +140,59 @@ def dtensor(cfg, rt):
     return step
 
 
-def _dtensor_plan(model, mesh, sp: bool, local: bool = True) -> None:
+def _torchao_float8(model, cfg, tp: int) -> None:
+    """torchao's float8 training (torchtitan's) on the block linears ours runs in float8 (memory/fp8.py: outside
+    MoE layers, each local weight's dimensions multiples of 16; not the embedding, not the head)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.memory.fp8), emulate=cfg.memory.fp8_emulate)
+    block = {id(w) for w in float8_weights(model)}
+
+    def local(fqn: str, d_out: int, d_in: int) -> tuple[int, int]:  # the plan's split: rowwise wo, w2; else colwise
+        return (d_out, d_in // tp) if fqn.rsplit(".", 1)[-1] in ("wo", "w2") else (d_out // tp, d_in)
+
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(
+        getattr(mod, "weight", None)) in block and aligned(local(fqn, *mod.weight.shape)))
+
+
+def _dtensor_plan(model, mesh, sp: bool, local: bool = True, float8: str = "none") -> None:
     """torchtitan's plan. `local`: the residual stream between the split regions as plain local tensors
     (torchtitan's, eager); else kept a DTensor, as compiled blocks need: with plain tensors between them
     their backward fails (bench/dtensor_compile_repro.py). Without SP it fails compiled either way: kept a
     DTensor, the embedding's backward redistributes a Partial(sum) gradient to its MaskPartial, which
-    DTensor does not support (torch 2.13)."""
+    DTensor does not support (torch 2.13). `float8=tensorwise`: torchtitan's float8 styles (torchao): with
+    SP, each region's input cast to float8 before its all-gather, and its output gradient before the exit's
+    backward all-gather; gloo all-gathers no float8 tensor ("Invalid scalar type"), so on CPU with SP the
+    entries and exits keep the plain styles (bf16 gathers, float8 GEMMs). rowwise: the plain styles."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
     seq = Shard(1) if sp else Replicate()
     norm = SequenceParallel if sp else None
+    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8 == "tensorwise":
+        from torchao.float8 import float8_tensor_parallel as ao
+
+        colwise = ao.Float8ColwiseParallel
+        if mesh.device_type == "cuda" or not sp:  # else gloo: the plain entry and exit (the docstring)
+            rowwise, prepare = ao.Float8RowwiseParallel, ao.PrepareFloat8ModuleInput
     top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=local),
            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
     if sp:
         top["norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
     for block in model.layers:
-        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=local),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=local),
+        plan = {"attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise(),
+                "attention.wo": rowwise(output_layouts=seq, use_local_output=local),
+                "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=seq, use_local_output=local),
                 # one entry per region: its gradient is reduced once, not once per projection
-                "attention": PrepareModuleInput(input_layouts=(seq, None, None, None),
-                                                desired_input_layouts=(Replicate(), None, None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
+                "attention": prepare(input_layouts=(seq, None, None, None),
+                                     desired_input_layouts=(Replicate(), None, None, None)),
+                "feed_forward": prepare(input_layouts=(seq,), desired_input_layouts=(Replicate(),))}
         if norm:
             plan.update({"attention_norm": norm(), "ffn_norm": norm()})
         parallelize_module(block, mesh, plan)
@@ -216,45 +257,75 @@ def fitting_layers(base: list[str], mb: int, most: int, device: torch.device) ->
 
 
 def run_shape(base: list[str], mb: int, rt, args, keep) -> dict:
-    """Every variant of one shape; `keep(out)` after each, so a run cut short keeps what it measured."""
+    """Every variant of one shape, in bf16 and, with --fp8, again with the block linears in float8 (rows
+    NAME_fp8[mode tag], one GPU's included); `keep(out)` after each, so a run cut short keeps what it
+    measured."""
     warmup, steps = (1, 2) if args.smoke else (3, args.steps)
     out = {"shape": base, "micro_batch": mb}
     profiled = lambda name: args.profile and (not args.smoke or name in SMOKE_PROFILED)  # noqa: E731
+
+    def measured(build, cfg, name: str, world: int) -> dict:
+        return _run(build, cfg, rt, mb, warmup, steps, world, profiled(name))
+
     batch = [f"train.micro_batch={mb}", f"train.global_batch={mb}"]  # what a step runs (async TP sizes on it)
+    precisions = [("", [])] + ([("_fp8", fp8_settings(args))] if args.fp8 else [])
     for mode in [None] + (args.compile or []):
         compiled, tag = mode is not None, MODE_TAGS.get(mode, "")
-        extra_all = ["train.compile=true", f"train.compile_mode={mode}"] if compiled else []
-        one = "one_gpu" + tag
-        out[one] = _run(one_gpu, load_config(None, base + COMMON + batch + extra_all), rt, mb, warmup, steps, 1,
-                        profiled(one))
-        for name, (impl, extra) in VARIANTS.items():
-            if (args.variants and name not in args.variants) or (compiled and name == "dtensor_no_sp"):
-                continue  # compiled, DTensor without SP fails in backward either way (_dtensor_plan)
-            if (not compiled and any(o in extra for o in COMPILED_ONLY)) or (ASYNC[0] in extra and args.smoke):
-                continue  # a setting of compiled code; async TP needs CUDA symmetric memory
-            cfg = load_config(None, base + COMMON + batch + [f"parallel.tp={rt.world}"] + extra + extra_all)
-            try:
-                row = out[name + tag] = _run(ours if impl == "ours" else dtensor, cfg, rt, mb, warmup, steps,
-                                             rt.world, profiled(name + tag))
-            except Exception as e:  # noqa: BLE001 - the peer's compiled form: recorded as it failed, the run goes on
-                if impl == "ours" or not compiled:
-                    raise
-                out[name + tag] = {"error": error_text(e)}
-                keep(out)
-                continue
-            row.update(against_one_gpu(row, out[one], out["one_gpu"], rt.world))
-            if compiled:  # the same layout, eager in the same run: what compiling is worth to each
-                eager = out.get(name.removesuffix("_reorder").removesuffix("_async"))  # their eager run: the plain one
-                if eager:
-                    row["vs_eager"] = round(row["tokens_per_s"] / eager["tokens_per_s"], 4)
-            keep(out)
-        if compiled:
-            out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu"]["tokens_per_s"], 4)
-    for tag, (a, b) in PAIRS.items():
-        for c in ("",) + tuple(MODE_TAGS.values()):
+        for kind, precision in precisions:
+            extra_all = (["train.compile=true", f"train.compile_mode={mode}"] if compiled else []) + precision
+            one = "one_gpu" + kind + tag
+            out[one] = measured(one_gpu, load_config(None, base + COMMON + batch + extra_all), one, 1)
+            _variants(out, base + COMMON + batch, extra_all, kind, tag, rt, args, measured, keep)
+            if compiled:
+                out[one]["vs_eager"] = round(out[one]["tokens_per_s"] / out["one_gpu" + kind]["tokens_per_s"], 4)
+    for tag, (a, b) in PAIRS.items():  # like for like: the same mode, and both bf16 or both float8
+        for c in [kind + mode for kind, _ in precisions for mode in ("",) + tuple(MODE_TAGS.values())]:
             if "tokens_per_s" in out.get(a + c, {}) and "tokens_per_s" in out.get(b + c, {}):
                 out[f"ours_vs_dtensor_{tag}{c}"] = round(out[a + c]["tokens_per_s"] / out[b + c]["tokens_per_s"], 4)
     return out
+
+
+def _variants(out: dict, sets: list[str], extra_all: list[str], kind: str, tag: str, rt, args, measured,
+              keep) -> None:
+    """The tp variants of one mode (`tag`) and precision (`kind`: "" bf16, "_fp8"), each against the one-GPU
+    run of the same mode and precision; a float8 row also against its bf16 row of the same mode. A variant
+    whose settings memory.fp8 does not take (tp_overlap=chunked) is listed in `fp8_not_run` with the reason."""
+    compiled, one = bool(tag), "one_gpu" + kind + tag
+    for name, (impl, extra) in VARIANTS.items():
+        if (args.variants and name not in args.variants) or (compiled and name == "dtensor_no_sp"):
+            continue  # compiled, DTensor without SP fails in backward either way (_dtensor_plan)
+        if (not compiled and any(o in extra for o in COMPILED_ONLY)) or (ASYNC[0] in extra and args.smoke):
+            continue  # a setting of compiled code; async TP needs CUDA symmetric memory
+        try:
+            cfg = load_config(None, sets + [f"parallel.tp={rt.world}"] + extra + extra_all)
+        except ConfigError as e:
+            if not kind:
+                raise
+            out.setdefault("fp8_not_run", {})[name + tag] = str(e)
+            continue
+        try:
+            row = out[name + kind + tag] = measured(ours if impl == "ours" else dtensor, cfg, name + kind + tag,
+                                                    rt.world)
+        except Exception as e:  # noqa: BLE001 - DTensor's compiled or float8 form: recorded as it failed, run on
+            if impl == "ours" or not (compiled or kind):
+                raise
+            out[name + kind + tag] = {"error": error_text(e)}
+            keep(out)
+            continue
+        row.update(against_one_gpu(row, out[one], out["one_gpu" + kind], rt.world))
+        if compiled:  # the same layout, eager in the same run: what compiling is worth to each
+            plain = name.removesuffix("_reorder").removesuffix("_async")
+            eager = out.get(plain + kind)  # their eager run: the plain one, in the same precision
+            if eager:
+                row["vs_eager"] = round(row["tokens_per_s"] / eager["tokens_per_s"], 4)
+        if kind and "tokens_per_s" in out.get(name + tag, {}):  # float8 against bf16, same variant, same mode
+            row["fp8_over_bf16_same_mode"] = round(row["tokens_per_s"] / out[name + tag]["tokens_per_s"], 4)
+        keep(out)
+
+
+def fp8_settings(args) -> list[str]:
+    """--fp8's settings: memory.fp8 at the recipe; on CPU (--smoke) the float8 GEMMs emulated in high precision."""
+    return [f"memory.fp8={args.fp8}"] + (["memory.fp8_emulate=true"] if args.smoke else [])
 
 
 def mode_of(name: str) -> str:
@@ -279,10 +350,23 @@ def headline(shapes: dict) -> dict:
             for shape, rows in shapes.items()}
 
 
+def fp8_headline(shapes: dict, recipe: str) -> dict:
+    """Per shape, every float8 tp row's tokens/s over its bf16 row (same variant, same mode), with that mode,
+    and where the shape has one, the target and whether the row meets it (FP8_TARGET)."""
+    out = {}
+    for shape, rows in shapes.items():
+        target = FP8_TARGET.get(shape)  # ours only: DTensor's rows are listed for comparison
+        out[shape] = {name: {"mode": mode_of(name), "recipe": recipe, "fp8_over_bf16_same_mode": r}
+                      | ({"target": target, "met": r >= target} if target and name.startswith("ours") else {})
+                      for name, row in rows.items() if isinstance(row, dict)
+                      and (r := row.get("fp8_over_bf16_same_mode")) is not None}
+    return out
+
+
 def _run(build, cfg, rt, mb, warmup, steps, world, profile: bool) -> dict:
     if rt.rank == 0:  # where a run cut short by a time limit stopped
         print(f"[tp] tp={world} compile={cfg.train.compile} sp={cfg.parallel.use_sp if world > 1 else None} "
-              f"at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
+              f"fp8={cfg.memory.fp8} at {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
     # release first: a previous run's CUDA graph pools stay allocated until released, and a peak
     # reset while they are alive counts them in this run's peak
     fresh_compile()
@@ -383,6 +467,9 @@ def main() -> None:
                          "per_gpu_efficiency_same_mode is against the one-GPU run of its own mode (DTensor compiled: "
                          "with SP only, each block compiled, its residual stream kept a DTensor; a failure is "
                          "recorded in its row: bench/dtensor_compile_repro.py)")
+    ap.add_argument("--fp8", choices=RECIPES, help="also every variant and one GPU with the block linears in float8 "
+                                                   "at this recipe (ours memory.fp8, DTensor torchao's float8 "
+                                                   "training): rows NAME_fp8, each with fp8_over_bf16_same_mode")
     ap.add_argument("--no-parity", action="store_true", help="skip the loss check against one GPU")
     ap.add_argument("--parity-only", action="store_true", help="only the loss check (no timed variants)")
     args = ap.parse_args()
@@ -394,10 +481,14 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rt = init_runtime(load_config(None, [f"parallel.tp={world}"] + (["train.device=cpu"] if args.smoke else [])))
+    why = fp8_problem(args.fp8 or "none", args.smoke, rt.device)
+    if why:
+        raise SystemExit(why)
     shapes = SMOKE if args.smoke else {k: SHAPES[k] for k in (args.shapes or SHAPES)}
     result = {"tp": rt.world, "env": env_info(rt.device), "shapes": {}}
     for name, (base, mb, most) in shapes.items():
-        layers = fitting_layers(base, mb, most, rt.device)
+        layers = min(fitting_layers(base + extra, mb, most, rt.device)  # the float8 runs hold the same blocks
+                     for extra in ([], fp8_settings(args) if args.fp8 else []))
 
         def keep(partial: dict, name=name) -> None:
             result["shapes"][name] = partial
@@ -410,6 +501,8 @@ def main() -> None:
         result["parity"] = parity(small + ([] if args.smoke else ["model.seq_len=1024"]), rt, 3 if args.smoke else 8,
                                   args.compile or [])
     result["per_gpu_efficiency_same_mode"] = headline(result["shapes"])
+    if args.fp8:
+        result["fp8_over_bf16_same_mode"] = fp8_headline(result["shapes"], args.fp8)
     if rt.rank == 0:
         emit(result, args.out)
     shutdown()

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_smoke(script, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "bench" / script),
-           "--smoke", "--out", str(out)] + (["--profile"] if script == "tensor_parallel.py" else [])
+           "--smoke", "--out", str(out)]
+    cmd += ["--profile", "--fp8", "tensorwise"] if script == "tensor_parallel.py" else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -28,12 +29,25 @@ def test_bench_smoke(script, tmp_path):
                     "dtensor_sp"):
         assert shape[variant]["tokens_per_s"] > 0, variant
     assert shape["ours_sp_chunked2"]["profile"]["top_ops"] and shape["dtensor_sp"]["profile"]["top_ops"]
-    # eager only here: every tp row against the eager one-GPU run, and the headline lists each with its mode
+    # eager only here: every tp row against the eager one-GPU run of its precision, and the headline lists each
+    # with its mode
     (headline,) = result["per_gpu_efficiency_same_mode"].values()
     for variant, row in headline.items():
+        one = shape["one_gpu_fp8" if variant.endswith("_fp8") else "one_gpu"]
         assert row == {"mode": "eager", "per_gpu_efficiency_same_mode": round(
-            shape[variant]["tokens_per_s"] / shape["one_gpu"]["tokens_per_s"] / 2, 4)}, variant
-    assert set(headline) == {v for v in shape if v != "one_gpu" and isinstance(shape[v], dict)}
+            shape[variant]["tokens_per_s"] / one["tokens_per_s"] / 2, 4)}, variant
+    assert set(headline) == {v for v in shape if not v.startswith(("one_gpu", "fp8_not_run"))
+                             and isinstance(shape[v], dict)}
+    # --fp8 (emulated on CPU): each variant again in float8 but the chunked ones, which memory.fp8 refuses
+    # with its reason; each float8 row against its bf16 row of the same mode, both sides float8 in ours_vs_dtensor
+    assert set(shape["fp8_not_run"]) == {"ours_no_sp_chunked2", "ours_sp_chunked2", "ours_sp_chunked4"}
+    (fp8,) = result["fp8_over_bf16_same_mode"].values()
+    assert set(fp8) == {"ours_no_sp_fp8", "ours_sp_fp8", "dtensor_no_sp_fp8", "dtensor_sp_fp8"}
+    for variant, row in fp8.items():
+        ratio = round(shape[variant]["tokens_per_s"] / shape[variant.removesuffix("_fp8")]["tokens_per_s"], 4)
+        assert row == {"mode": "eager", "recipe": "tensorwise", "fp8_over_bf16_same_mode": ratio}, variant
+    assert shape["ours_vs_dtensor_sp_fp8"] == round(shape["ours_sp_fp8"]["tokens_per_s"]
+                                                    / shape["dtensor_sp_fp8"]["tokens_per_s"], 4)
 
 
 @pytest.mark.long
@@ -130,17 +144,29 @@ def test_ddp_compare_trains_what_ddp_trains_on_cpu(tmp_path):
 def test_fsdp2_compare_rounds_and_capped_sides(tmp_path):
     """bench/fsdp2_compare.py's A/B options on 2 gloo processes: every side measured each round (the
     order reversed every other round), the ratio of the medians and each round's ratio; the NCCL-capped
-    sides (`--dp-max-ctas`, `--fsdp2-max-ctas`) run on groups of their own, gloo taking no NCCL options."""
+    sides (`--dp-max-ctas`, `--fsdp2-max-ctas`) run on groups of their own, gloo taking no NCCL options;
+    `--fp8 tensorwise` adds both sides in float8 (emulated on CPU, FSDP2 gathering float8 over gloo)."""
     out = tmp_path / "fsdp2.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            str(ROOT / "bench" / "fsdp2_compare.py"), "--smoke", "--steps", "1", "--rounds", "2",
-                           "--dp-max-ctas", "8", "--fsdp2-max-ctas", "8", "--out", str(out)],
+                           "--dp-max-ctas", "8", "--fsdp2-max-ctas", "8", "--fp8", "tensorwise", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    for side in ("ours_zero3", "fsdp2", "ours_zero3_ctas8", "fsdp2_ctas8"):
+    for side in ("ours_zero3", "fsdp2", "ours_zero3_ctas8", "fsdp2_ctas8", "ours_zero3_fp8", "fsdp2_fp8"):
         assert len(r[side]["tokens_per_s_rounds"]) == 2 and r[side]["tokens_per_s"] > 0, side
-    for tag in ("", "_ctas8", "_both_ctas8"):
+    fp8 = r["fp8"]  # like for like, eager here: each side's float8 over its bf16, and ours over FSDP2 in float8
+    assert fp8["mode"] == "eager" and fp8["recipe"] == "tensorwise"
+    assert fp8["gathers"] == {"ours": "float8", "fsdp2": "float8"}
+    ratios = {"ours_fp8_over_ours_bf16": ("ours_zero3_fp8", "ours_zero3"),
+              "ours_fp8_over_fsdp2_fp8": ("ours_zero3_fp8", "fsdp2_fp8"),
+              "fsdp2_fp8_over_fsdp2_bf16": ("fsdp2_fp8", "fsdp2")}
+    for key, (a, b) in ratios.items():
+        assert fp8[f"tokens_per_s_{key}"] == round(r[a]["tokens_per_s"] / r[b]["tokens_per_s"], 4), key
+        assert fp8[f"tokens_per_s_{key}_median"] > 0, key
+    assert r["tokens_per_s_ratio_ours_over_fsdp2_fp8"] == r["ours_zero3_fp8"]["tokens_per_s"] / r["fsdp2_fp8"][
+        "tokens_per_s"]
+    for tag in ("", "_ctas8", "_both_ctas8", "_fp8"):
         rounds = r[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_rounds"]
         assert len(rounds) == 2 and r[f"tokens_per_s_ratio_ours_over_fsdp2{tag}_median"] > 0, tag
     a, b = r["ours_zero3"]["tokens_per_s_rounds"], r["fsdp2"]["tokens_per_s_rounds"]
