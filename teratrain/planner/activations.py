@@ -259,18 +259,19 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
             "moe_combine": [Saved(m * c.d_model, w.compute), Saved(m, w.compute, "keep"), Saved(m, INDEX_BYTES, "keep"),
                             Saved(m + 1, INDEX_BYTES, "keep")] + [Saved(m, 1, "keep")] * masks
             + [Saved(m, INDEX_BYTES, "keep")] * (2 if ep > 1 else 0),
-            "aux_loss": [Saved(shape.num_experts, 4, "keep")], **_shared_saved(shape, w, n)}
+            "aux_loss": [Saved(shape.num_experts, 4, "keep")], **_shared_saved(shape, w, n, router_bytes == w.compute == w.param)}
 
 
-def _shared_saved(shape: ModelShape, w: Widths, n: int) -> dict[str, list[Saved]]:
-    """The shared experts' MLP (models/moe.py) on all n tokens: its input, its hidden tensors as a dense
-    MLP's, and the gate's logit and sigmoid (shared_gate)."""
+def _shared_saved(shape: ModelShape, w: Widths, n: int, router_reads_it: bool) -> dict[str, list[Saved]]:
+    """The shared experts' MLP (models/moe.py) on all n tokens: its input (unless the router saved that
+    very tensor, reading it uncast: `router_reads_it`), its hidden tensors as a dense MLP's, and the gate's
+    logit and sigmoid (shared_gate)."""
     c = shape.cfg
     if not c.moe.shared_experts:
         return {}
     hidden = [Saved(n * c.shared_ffn_dim, w.compute)] * (4 if c.arch == "llama" else 2)
     gate = [Saved(n, w.compute, "keep")] * 2 if c.moe.shared_gate else []
-    return {"shared_experts": [Saved(n * c.d_model, w.compute)] + hidden + gate}
+    return {"shared_experts": [Saved(n * c.d_model, w.compute)] * (not router_reads_it) + hidden + gate}
 
 
 def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: str, tp: int, dropout: float,
@@ -483,7 +484,10 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
         return {"blocks": stage(**kw) + index, "weight_copies": n_layers * copies}
     if policy == "selective-ops":  # the casts of the weights are recomputed too: no copies kept
         # the kept outputs live in the checkpoint's own cache, which activation compression never sees
-        return {"blocks": n_layers * sum(t.numel * t.itemsize for t in ops_saved(shape, w, tokens, **kw)),
+        def kept(s: ModelShape) -> int:
+            return sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, **kw))
+
+        return {"blocks": own * kept(shape) + (n_layers - own) * (kept(dense) if dense is not None else 0),
                 "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
         ring = {**kw, "cp_form": "ring"}
@@ -510,22 +514,41 @@ def block_mix(shape: ModelShape, n_layers: int) -> tuple[int, ModelShape | None]
 
 def ops_saved(shape: ModelShape, w: Widths, tokens: int, *, tp: int = 1, sp: bool = False,
               form: str = "megatron", **_) -> list[Saved]:
-    """What memory.recompute=selective-ops keeps of one dense Block for `tokens` tokens (memory/recompute.py:
-    the outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; the
-    attention output and its fp32 logsumexp; wo's output; w1's (and w3's); w2's. Column-parallel outputs
-    and the attention's are split by tp; the row-parallel products (wo, w2) are kept as the GEMM made
-    them, the partial sums of all tokens, before their reduction. Plus the block's input, the checkpoint's
-    (the residual stream in the parameters' dtype, a sequence shard under SP)."""
+    """What memory.recompute=selective-ops keeps of one Block for `tokens` tokens (memory/recompute.py: the
+    outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; the attention
+    output and its fp32 logsumexp; wo's output; the MLP's (`_mlp_ops_saved`). Column-parallel outputs and
+    the attention's are split by tp; the row-parallel products (wo, w2) are kept as the GEMM made them, the
+    partial sums of all tokens, before their reduction. Plus the block's input, the checkpoint's (the
+    residual stream in the parameters' dtype, a sequence shard under SP)."""
     c, cb, n = shape.cfg, w.compute, tokens
     t = tp if form == "megatron" else 1
     kvd = max(1, c.kv_heads // t) * c.head_width if t > 1 else c.kv_heads * c.head_width
     q = c.n_heads * c.head_width // t
     column = [Saved(n * q, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)]
-    column += [Saved(n * c.ffn_dim // t, cb)] * (2 if c.arch == "llama" else 1)
-    attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep")]
-    row = [Saved(n * c.d_model, cb)] * 2  # wo, w2
+    attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep"), Saved(n * c.d_model, cb)]  # with wo's
     block_input = Saved(n * c.d_model // (tp if sp else 1), w.param)
-    return column + attention + row + [block_input]
+    return column + attention + _mlp_ops_saved(shape, cb, n, t) + [block_input]
+
+
+def _mlp_ops_saved(shape: ModelShape, cb: int, n: int, t: int) -> list[Saved]:
+    """selective-ops's kept GEMM outputs of a block's MLP: a dense MLP's w1 (and w3) by column, w2's
+    partial sums whole. An MoE layer's: the router's scores (in its dtype), the routed experts' grouped
+    GEMMs over n x top_k rows (balanced, as `_moe_saved`; w1 and w3 split by tp, w2 whole), the combine's
+    batched product of each token's k rows by its gates (n x d), and the shared experts as a dense MLP of
+    their width, with their gate's logit."""
+    c = shape.cfg
+    gated = 2 if c.arch == "llama" else 1
+
+    def mlp(rows: int, width: int) -> list[Saved]:
+        return [Saved(rows * width // t, cb)] * gated + [Saved(rows * c.d_model, cb)]
+
+    if shape.num_experts == 1:
+        return mlp(n, c.ffn_dim)
+    router = 4 if c.moe.router_dtype == "fp32" else cb
+    out = [Saved(n * shape.num_experts, router)] + mlp(n * shape.top_k, c.expert_ffn_dim) + [Saved(n * c.d_model, cb)]
+    if c.moe.shared_experts:
+        out += mlp(n, c.shared_ffn_dim) + ([Saved(n, cb)] if c.moe.shared_gate else [])
+    return out
 
 
 def segments(policy: str, n_layers: int, every: int) -> int:

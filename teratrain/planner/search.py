@@ -38,8 +38,9 @@ VIRTUAL_STAGES = (2, 4, 8)  # interleaving tried at these chunk counts per rank
 # cp=2) a chunk is too short for the ring's transfers to hide under its attention on any GPU we plan.
 CP_MIN_SEQ = 8192
 CP_FORMS = ("ring", "all-to-all")
-# memory.recompute policies tried, least recomputed first; selective-ops only for dense models, whose
-# kept outputs planner/activations.py ops_saved counts (an MoE layer's are not planned)
+# memory.recompute policies tried, least recomputed first; selective-ops only for dense models: an MoE layer's
+# kept outputs are counted (planner/activations.py ops_saved), but not what its replay reruns (the router, top-k
+# and the permutations: planner/replay.py prices a dense block's)
 RECOMPUTE_SEARCHED = ("none", "selective", "selective-ops", "sqrt", "full")
 MAX_MICRO_BATCH = 64
 

@@ -271,3 +271,28 @@ def test_chunked_loss_saved_bytes_match_hooks(precision, masters):
     w = widths(cfg.memory.precision, cfg.use_master_weights)
     predicted = forward_saved(ModelShape(cfg=cfg.model), w, 32, 16, "none", 2, device="cpu", loss_pieces=3)
     assert predicted == pytest.approx(measured, rel=0.05) and abs(predicted - measured) <= 8
+
+
+MOE_OPS = [(p, m, "selective-ops", extra) for p, m in PRECISIONS for extra in (
+    [], ["model.moe.shared_experts=1", "model.moe.shared_gate=true"],
+    ["model.moe.expert_d_ff=96", "model.moe.router_dtype=compute"])]
+
+
+@pytest.mark.parametrize("precision, masters, policy, extra", MOE_OPS + [
+    ("fp32", False, "none", ["model.moe.shared_experts=1"]), ("bf16", False, "none", ["model.moe.shared_experts=1"])])
+def test_one_moe_block_keeps_what_the_planner_counts(precision, masters, policy, extra):
+    """An MoE block (4 experts, top-2): under selective-ops the router's scores, the experts' grouped GEMM
+    outputs, the combine's product and the shared experts' GEMM outputs (activations._mlp_ops_saved); with
+    shared experts in fp32 the router and the shared MLP read one input tensor, counted once. What one more
+    block leaves alive equals the plan within 64 bytes: the layer's float64 routing statistics (models/moe.py
+    _record), made anew each forward, are live storages but no activation. (Not examined: with bf16
+    parameters and no recomputation a shared-expert block keeps 2,108 bytes more than planned.)"""
+    got = []
+    for n_layers in (1, 2):
+        cfg = _cfg("llama", precision, masters, policy, 48, n_layers, "model.moe.num_experts=4", "model.moe.top_k=2",
+                   *extra)
+        model, _ = build_engine(cfg)
+        got.append(live_bytes(model, *random_batch(cfg, 2), precision))
+    planned = stored_blocks(ModelShape(cfg=cfg.model), widths(precision, cfg.use_master_weights), 1, 2 * 48, 48,
+                            policy, 2, device="cpu")
+    assert 0 <= got[1] - got[0] - sum(planned.values()) <= 64
