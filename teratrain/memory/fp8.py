@@ -7,10 +7,13 @@ from each operand's absolute maximum in the same step (no history, nothing kept 
 - `rowwise`: one scale per row of each operand, all e4m3, scales rounded down to powers of 2: closer to
   bf16's numerics, a little slower (each operand is cast twice, once per GEMM it enters along its rows).
 The output GEMM accumulates with the tensor cores' fast accumulation, the two gradient GEMMs in full
-fp32 (torchao's recipes). Everything else stays as bf16 training has it: the embedding, the output head,
-norms, attention's softmax(QK^T)V, MoE routers and experts (bf16, said in the start-up summary), fp32
-master weights and optimizer state. Checkpoints hold no float8 tensor: a run saved in bf16 resumes in
-fp8 and back.
+fp32 (torchao's recipes). An MoE layer's shared experts (models/moe.py), a dense MLP every token passes
+through, run in float8 as the dense MLP does. Everything else stays as bf16 training has it: the embedding,
+the output head, norms, attention's softmax(QK^T)V, MoE routers, the shared experts' gate and the routed
+experts (the start-up summary says so), fp32 master weights and optimizer state. The routed experts' grouped
+GEMM would need torchao's float8 grouped GEMM (torchao.prototype.moe_training), a prototype that calls
+torch._scaled_grouped_mm with no emulated mode to check it on CPU. Checkpoints hold no float8 tensor: a run
+saved in bf16 resumes in fp8 and back.
 
 Float8 pays where GEMMs are large: each cast is an amax reduction plus a scaled copy, memory traffic that
 only torch.compile fuses into the neighbouring kernels. Eager FP8 is slower than eager bf16; run it with
@@ -163,9 +166,9 @@ class Fp8Linear(nn.Module):
     """An nn.Linear whose GEMMs run in float8 (Fp8Gemm). It holds the very parameters of the layer it
     replaces, under the same names, so placements, checkpoints and engines see no difference."""
 
-    def __init__(self, linear: nn.Linear, gemm: Fp8Gemm):
+    def __init__(self, linear: nn.Module, gemm: Fp8Gemm):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = linear.weight.shape  # the local (out, in)
         self.weight, self.bias, self.gemm = linear.weight, linear.bias, gemm
 
     float8_weight: Float8Weight | None = None  # set by ZeRO-3's float8 gathers and the step's casts
@@ -177,27 +180,44 @@ class Fp8Linear(nn.Module):
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, fp8={self.gemm.recipe}"
 
 
+class Fp8PartialRow(Fp8Linear):
+    """The shared experts' w2 under megatron tensor parallelism (parallel/tp_layers.py PartialRowParallel:
+    X' W'^T left unreduced for the MoE layer's one reduction, the bias added times `bias_share`, 1 on one tp
+    rank and 0 on the others) with its GEMMs in float8."""
+
+    def __init__(self, piece: nn.Module, gemm: Fp8Gemm):
+        super().__init__(piece, gemm)
+        self.bias_share = piece.bias_share
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gemm(x, self.weight, None, self.float8_weight)  # (.., d_model), partial over tp
+        return y + self.bias * self.bias_share if self.bias is not None else y
+
+
 def aligned(weight_shape: tuple[int, ...]) -> bool:
     """Can torch._scaled_mm take this (local) weight: both dimensions multiples of 16?"""
     return all(n % ALIGN == 0 for n in weight_shape[-2:])
 
 
 def apply_fp8(model: nn.Module, cfg, device: torch.device) -> None:
-    """Run the block linears of `model` (attention q/k/v/o and the dense MLP; tensor-parallel pieces
-    included, after parallel/tensor.py swapped them in) in float8. Routers and experts keep bf16. A
-    linear whose local weight torch._scaled_mm cannot take (a dimension not a multiple of 16) keeps bf16
-    too, emulated or not, so a CPU check runs what a GPU runs (`note` counts each kind for the start-up
-    summary; planner/activations.py `fp8_weights` applies the same rule to a shape)."""
+    """Run the block linears of `model` (attention q/k/v/o, the dense MLP and an MoE layer's shared experts;
+    tensor-parallel pieces included, after parallel/tensor.py swapped them in) in float8. Routers, the
+    shared experts' gate and the routed experts keep bf16. A linear whose local weight torch._scaled_mm
+    cannot take (a dimension not a multiple of 16) keeps bf16 too, emulated or not, so a CPU check runs
+    what a GPU runs (`note` counts each kind for the start-up summary; planner/activations.py
+    `fp8_linears` applies the same rule to a shape)."""
     m = cfg.memory
     why = fp8_problem(m.fp8, m.fp8_emulate, device)
     if why:
         raise ConfigError(why)
     gemm = Fp8Gemm(m.fp8, m.fp8_emulate)
-    for parent, name, child, expert in list(_block_linears(model)):
-        if expert or not aligned(tuple(child.weight.shape)):
+    for parent, name, child, routed in list(_block_linears(model)):
+        if routed or not aligned(tuple(child.weight.shape)):
             continue
         if type(child) is nn.Linear:
             setattr(parent, name, Fp8Linear(child, gemm))
+        elif _partial_row(child):
+            setattr(parent, name, Fp8PartialRow(child, gemm))
         else:
             child.gemm = gemm  # a tensor-parallel piece (parallel/tp_layers.py) calls it itself
 
@@ -210,13 +230,15 @@ def note(model: nn.Module, recipe: str, compiled: bool) -> str:
     from teratrain.models.moe import moe_layers
 
     fp8 = other = 0
-    for _, _, child, expert in _block_linears(model):
-        if not expert and getattr(child, "gemm", None) is not None:
+    for _, _, child, routed in _block_linears(model):
+        if not routed and getattr(child, "gemm", None) is not None:
             fp8 += 1
-        elif not expert:
+        elif not routed:
             other += 1
-    layers = len(moe_layers(model))
-    kept = [f"the experts of {layers} MoE layers" if layers else "",
+    layers = [moe for _, moe in moe_layers(model)]
+    gates = ", shared-expert gates" if any(moe.shared_expert_gate is not None for moe in layers) else ""
+    moe = f"{len(layers)} MoE layer" + ("s" if len(layers) > 1 else "")
+    kept = [f"the routers{gates} and routed experts of {moe}" if layers else "",
             f"{other} linears with a dimension not a multiple of {ALIGN}" if other else ""]
     kept = ", ".join(k for k in kept if k)
     line = (f"fp8: {fp8} block linears in float8 ({recipe} scales, torchao); " + (f"{kept}, " if kept else "")
@@ -235,25 +257,39 @@ def gathers_in_float8(zero: int, recipe: str, gather: bool) -> bool:
 
 def float8_linears(model: nn.Module) -> list[nn.Module]:
     """The block linears whose GEMMs run in float8 (Fp8Linear, or a tensor-parallel piece given a gemm)."""
-    return [child for _, _, child, expert in _block_linears(model)
-            if not expert and getattr(child, "gemm", None) is not None]
+    return [child for _, _, child, routed in _block_linears(model)
+            if not routed and getattr(child, "gemm", None) is not None]
 
 
 def float8_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights `apply_fp8` runs in float8 where their local shape is `aligned`: the block linears'
-    outside MoE layers (the planner reads them off its meta model, planner/local.py)."""
-    return [child.weight for _, _, child, expert in _block_linears(model) if not expert]
+    """The weights `apply_fp8` runs in float8 where their local shape is `aligned`: the block linears' but
+    the routers', the shared experts' gate's and the routed experts' (the planner reads them off its meta
+    model, planner/local.py)."""
+    return [child.weight for _, _, child, routed in _block_linears(model) if not routed]
+
+
+def _partial_row(module: nn.Module) -> bool:
+    """Is `module` parallel/tp_layers.py's PartialRowParallel (the shared experts' w2 under megatron tensor
+    parallelism)? Told by its `bias_share` beside a weight, since the planner reads this module and so it
+    imports none of the engines' layers (tests/unit/test_import_graph.py); the routed experts' stacks,
+    which have a `bias_share` too, have no `weight`."""
+    return hasattr(module, "bias_share") and isinstance(getattr(module, "weight", None), torch.Tensor)
 
 
 def _block_linears(model: nn.Module):
-    """(parent, name, linear, inside an MoE layer?) for every linear layer of every block: nn.Linear,
-    Fp8Linear, or a tensor-parallel piece that takes a `gemm` (parallel/tp_layers.py)."""
+    """(parent, name, linear, routed?) for every linear layer of every block: nn.Linear, Fp8Linear, a
+    tensor-parallel piece that takes a `gemm` (parallel/tp_layers.py), or the shared experts' partial
+    row-parallel w2. routed: inside an MoE layer but outside its shared experts' MLP (the router, the
+    shared experts' gate), kept in bf16 as the routed experts are."""
     from teratrain.models.moe import MoE
     from teratrain.models.protocol import blocks
 
     for _, block in blocks(model):
-        experts = {id(x) for moe in block.modules() if isinstance(moe, MoE) for x in moe.modules()}
+        routed = set()
+        for moe in (m for m in block.modules() if isinstance(m, MoE)):
+            shared = set() if moe.shared_expert is None else {id(x) for x in moe.shared_expert.modules()}
+            routed |= {id(x) for x in moe.modules() if id(x) not in shared}
         for parent in block.modules():
             for name, child in parent.named_children():
-                if type(child) in (nn.Linear, Fp8Linear) or hasattr(child, "gemm"):
-                    yield parent, name, child, id(child) in experts
+                if type(child) in (nn.Linear, Fp8Linear) or hasattr(child, "gemm") or _partial_row(child):
+                    yield parent, name, child, id(child) in routed

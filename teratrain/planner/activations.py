@@ -298,29 +298,41 @@ def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: 
 
 
 def fp8_linears(shape: ModelShape, tp: int = 1) -> list[tuple[int, int, float]]:
-    """(rows, columns, share of the blocks) of each attention and dense-MLP weight of one block on a rank
-    that runs in float8 under memory.fp8 (memory/fp8.py apply_fp8): a linear whose local weight has both
-    dimensions multiples of 16 (megatron tensor parallelism splits q/k/v and w1/w3 by rows, wo and w2 by
-    columns; key/value heads fewer than tp are replicated). Experts keep bf16; MoE layers (moe_share of
-    the blocks) have no dense MLP."""
+    """(rows, columns, share of the blocks) of each attention, dense-MLP and shared-expert weight of one block
+    on a rank that runs in float8 under memory.fp8 (memory/fp8.py apply_fp8): a linear whose local weight has
+    both dimensions multiples of 16 (megatron tensor parallelism splits q/k/v and w1/w3 by rows, wo and w2 by
+    columns, the shared experts' as the dense MLP's; key/value heads fewer than tp are replicated). MoE layers
+    (moe_share of the blocks) have no dense MLP; their shared experts, one MLP of model.moe's shared width that
+    every token passes, run in float8 as the dense MLP does, and the routers, the shared experts' gate and the
+    routed experts keep bf16. The shared experts' FLOPs are a dense MLP's (planner/experts.py moe_flops leaves
+    them out of the experts'), so time.py `fp8_terms` moves them to the float8 rate by the same rule."""
     from teratrain.memory.fp8 import aligned
 
     c = shape.cfg
-    d, hd, ff = c.d_model, c.head_width, c.ffn_dim
+    d, hd = c.d_model, c.head_width
     kv = max(1, c.kv_heads // tp) * hd
-    dense = 1 - shape.moe_share if shape.num_experts > 1 else 1.0
+    moe = shape.num_experts > 1
+    dense = 1 - shape.moe_share if moe else 1.0
+    shared = shape.moe_share if moe and c.shared_ffn_dim else 0.0
     attn = [(c.n_heads * hd // tp, d, 1.0), (kv, d, 1.0), (kv, d, 1.0), (d, c.n_heads * hd // tp, 1.0)]
-    mlp = [(ff // tp, d, dense)] * (2 if c.arch == "llama" else 1) + [(d, ff // tp, dense)]
-    return [(r, k, share) for r, k, share in attn + mlp if share and aligned((r, k))]
+
+    def mlp(width: int, share: float) -> list[tuple[int, int, float]]:  # w1 (w3) by rows, w2 by columns
+        return [(width // tp, d, share)] * (2 if c.arch == "llama" else 1) + [(d, width // tp, share)]
+
+    out = attn + mlp(c.ffn_dim, dense) + mlp(c.shared_ffn_dim, shared)
+    return [(r, k, share) for r, k, share in out if share and aligned((r, k))]
 
 
 def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
-    """(elements in float8, elements not) of one mean block's attention and dense-MLP weights on a rank
-    under memory.fp8 (`fp8_linears`)."""
+    """(elements in float8, elements not) of one mean block's attention, dense-MLP and shared-expert weights
+    on a rank under memory.fp8 (`fp8_linears`)."""
     c = shape.cfg
     d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
-    dense = 1 - shape.moe_share if shape.num_experts > 1 else 1.0
-    total = (d * (q + 2 * kvd) + q * d + (3 if c.arch == "llama" else 2) * d * c.ffn_dim * dense) / tp
+    moe = shape.num_experts > 1
+    dense = 1 - shape.moe_share if moe else 1.0
+    shared = shape.moe_share if moe else 0.0
+    n_mats = 3 if c.arch == "llama" else 2
+    total = (d * (q + 2 * kvd) + q * d + n_mats * d * (c.ffn_dim * dense + c.shared_ffn_dim * shared)) / tp
     fp8 = sum(r * k * share for r, k, share in fp8_linears(shape, tp))
     return int(fp8), int(total - fp8)
 
