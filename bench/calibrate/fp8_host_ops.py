@@ -5,10 +5,10 @@ The host's time per aten op that memory.fp8 adds to a block against a dense bloc
     python bench/calibrate/fp8_host_ops.py [--rounds 15] [--out fp8_host_ops.json]     # CPU, ~20 s
     python bench/calibrate/fp8_host_ops.py --fit [--write]      # the constant from recorded GPU runs
 
-One Llama block at a width where every kernel costs next to nothing (d 16, 8 tokens), forward and backward
-under bf16 autocast over fp32 weights, its linears in bf16 and in tensorwise float8 (memory/fp8.py
-Fp8Linear through torchao's emulation, which issues the ops a GPU's float8 path issues: planner/time.py
-OPS_FP8_LINEAR), timed in interleaved rounds of 50 steps on one CPU thread; the ops are counted with a
+One Llama block at a width where every kernel costs next to nothing (d 16, 8 tokens; moe_host_ops.py's block
+and timing), forward and backward under bf16 autocast over fp32 weights, its linears in bf16 and in tensorwise
+float8 (memory/fp8.py Fp8Linear through torchao's emulation, which issues the ops a GPU's float8 path issues:
+planner/time.py OPS_FP8_LINEAR), timed in interleaved rounds of 50 steps on one CPU thread; the ops are counted with a
 dispatch mode. Eager, each float8 op passes through torchao's tensor subclass and its Python casts, so it
 costs the host more than a dense op; the planner prices memory.fp8's ops (planner/time.py fp8_ops) at
 `extra_op_share` of the host's cost per dense op (host_op_s): (float8 block - dense block) seconds per
@@ -25,72 +25,45 @@ without the float8 ops, so its error is what the share cannot mend.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
-from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
-
-import json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/calibrate: moe_host_ops
+import moe_host_ops  # noqa: E402  (the same block, timing and share)
+from common import emit  # noqa: E402  (it puts the checkout on the path)
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.fp8 import Fp8Gemm, Fp8Linear  # noqa: E402
-from teratrain.models.layers import Positions, Rotary  # noqa: E402
-from teratrain.models.transformer import Block  # noqa: E402
-
-SHAPE = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=16",
-         "model.seq_len=8"]
 
 
 def block_step(recipe: str):
     """A forward and backward of one block with its linears in `recipe` ("none": bf16 autocast), and the
     aten ops it issues."""
-    cfg = load_config(None, SHAPE).model
-    torch.manual_seed(0)
-    block = Block(cfg, 0)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, 0, 0.02)
-    if recipe != "none":
+    def to_fp8(block):
         gemm = Fp8Gemm(recipe, emulate=True)
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
                     setattr(parent, name, Fp8Linear(child, gemm))
-    rotary = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta)
-    rotary.reset()
-    rope, x = rotary(0, cfg.seq_len), torch.randn(1, cfg.seq_len, cfg.d_model, requires_grad=True)
 
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = block(x, Positions(rope))
-        y.float().sum().backward()
-
-    step()
-    return step, count_ops(step)
+    return moe_host_ops.block_step([], None if recipe == "none" else to_fp8)
 
 
 def measure(rounds: int = 15, calls: int = 50, recipe: str = "tensorwise") -> dict:
-    torch.set_num_threads(1)
     blocks = {"bf16": block_step("none"), "fp8": block_step(recipe)}
-    per_op = {k: [] for k in blocks}
-    for _ in range(rounds):
-        for name, (step, ops) in blocks.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                step()
-            per_op[name].append((time.perf_counter() - t0) / calls / ops)
+    per_op = moe_host_ops.timed_per_op(blocks, rounds, calls)
     (_, dense_ops), (_, fp8_ops) = blocks["bf16"], blocks["fp8"]
     dense, fp8 = min(per_op["bf16"]), min(per_op["fp8"])
-    share = (fp8 * fp8_ops - dense * dense_ops) / (fp8_ops - dense_ops) / dense
     return {"bench": "fp8_host_ops", "torch": torch.__version__, "recipe": recipe,
             "ops": {"bf16": dense_ops, "fp8": fp8_ops},
             "us_per_op_fastest": {"bf16": round(dense * 1e6, 3), "fp8": round(fp8 * 1e6, 3)},
             "us_per_op_median": {k: round(statistics.median(v) * 1e6, 3) for k, v in per_op.items()},
-            "extra_op_share": round(share, 3)}
+            "extra_op_share": round(moe_host_ops.extra_op_share(dense, dense_ops, fp8, fp8_ops), 3)}
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"

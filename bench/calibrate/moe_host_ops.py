@@ -37,8 +37,8 @@ SHAPE = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.n_kv_
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
 
 
-def block_step(extra: list[str]):
-    """A forward and backward of one block, and the aten ops it issues."""
+def block_step(extra: list[str], prepare=None):
+    """A forward and backward of one block (`prepare(block)` first, if given), and the aten ops it issues."""
     cfg = load_config(None, SHAPE + extra).model
     torch.manual_seed(0)
     block = Block(cfg, 0)
@@ -47,6 +47,8 @@ def block_step(extra: list[str]):
     for m in block.modules():
         if getattr(m, "kernel", None) == "auto":
             m.kernel = "grouped"
+    if prepare is not None:
+        prepare(block)
     rotary = Rotary(cfg.head_width, cfg.seq_len, cfg.rope_theta)
     rotary.reset()
     rope, x = rotary(0, cfg.seq_len), torch.randn(1, cfg.seq_len, cfg.d_model, requires_grad=True)
@@ -60,9 +62,10 @@ def block_step(extra: list[str]):
     return step, count_ops(step)
 
 
-def measure(rounds: int = 15, calls: int = 50) -> dict:
+def timed_per_op(blocks: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+    """Seconds per op of each block's step ({name: (step, ops)}), a list of rounds each, the blocks
+    interleaved within every round, on one CPU thread."""
     torch.set_num_threads(1)
-    blocks = {"dense": block_step([]), "moe": block_step(MOE)}
     per_op = {k: [] for k in blocks}
     for _ in range(rounds):
         for name, (step, ops) in blocks.items():
@@ -70,9 +73,20 @@ def measure(rounds: int = 15, calls: int = 50) -> dict:
             for _ in range(calls):
                 step()
             per_op[name].append((time.perf_counter() - t0) / calls / ops)
+    return per_op
+
+
+def extra_op_share(base: float, base_ops: int, other: float, other_ops: int) -> float:
+    """The host's seconds per op of what `other`'s block issues beyond `base`'s, over `base`'s per op."""
+    return (other * other_ops - base * base_ops) / (other_ops - base_ops) / base
+
+
+def measure(rounds: int = 15, calls: int = 50) -> dict:
+    blocks = {"dense": block_step([]), "moe": block_step(MOE)}
+    per_op = timed_per_op(blocks, rounds, calls)
     (_, dense_ops), (_, moe_ops) = blocks["dense"], blocks["moe"]
     dense, moe = min(per_op["dense"]), min(per_op["moe"])
-    share = (moe * moe_ops - dense * dense_ops) / (moe_ops - dense_ops) / dense
+    share = extra_op_share(dense, dense_ops, moe, moe_ops)
     return {"bench": "moe_host_ops", "torch": torch.__version__, "ops": {"dense": dense_ops, "moe": moe_ops},
             "us_per_op_fastest": {"dense": round(dense * 1e6, 3), "moe": round(moe * 1e6, 3)},
             "us_per_op_median": {k: round(statistics.median(v) * 1e6, 3) for k, v in per_op.items()},
