@@ -264,13 +264,15 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
 
 def _shared_saved(shape: ModelShape, w: Widths, n: int, router_reads_it: bool) -> dict[str, list[Saved]]:
     """The shared experts' MLP (models/moe.py) on all n tokens: its input (unless the router saved that
-    very tensor, reading it uncast: `router_reads_it`), its hidden tensors as a dense MLP's, and the gate's
-    logit and sigmoid (shared_gate)."""
+    very tensor, reading it uncast: `router_reads_it`), its hidden tensors as a dense MLP's, and with
+    shared_gate (Qwen2-MoE) what the gated product keeps: the MLP's output and the gate's sigmoid, and the
+    gate's own cast of the input where autocast casts it (parameters wider than the compute dtype)."""
     c = shape.cfg
     if not c.moe.shared_experts:
         return {}
     hidden = [Saved(n * c.shared_ffn_dim, w.compute)] * (4 if c.arch == "llama" else 2)
-    gate = [Saved(n, w.compute, "keep")] * 2 if c.moe.shared_gate else []
+    cast = [Saved(n * c.d_model, w.compute)] if w.compute != w.param else []
+    gate = [Saved(n * c.d_model, w.compute), Saved(n, w.compute, "keep")] + cast if c.moe.shared_gate else []
     return {"shared_experts": [Saved(n * c.d_model, w.compute)] * (not router_reads_it) + hidden + gate}
 
 
@@ -394,14 +396,16 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     # once, the stacks' copies are the step's (step_cast_bytes), not a block's
     experts = 0 if once or shape.num_experts == 1 else _expert_copies(shape, w, ep, form, device, tp)
     attn += shape.moe_share * n_mats * d * c.shared_ffn_dim  # shared experts: cast like the attention
+    # the shared experts' gate (d -> 1, whole on every tp rank, bf16 under memory.fp8 too)
+    gate = int(shape.moe_share * d * w.compute) if c.moe.shared_experts and c.moe.shared_gate else 0
     if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
-        attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) if w.autocast_copies else 0
+        attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) + gate if w.autocast_copies else 0
         return attn_mlp + experts
     if shape.num_experts == 1:
         return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
         return experts
-    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + experts
+    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + gate + experts
 
 
 def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, tp: int) -> int:
