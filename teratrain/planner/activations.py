@@ -299,7 +299,7 @@ def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: 
     return out
 
 
-def fp8_linears(shape: ModelShape, tp: int = 1) -> list[tuple[int, int, float]]:
+def fp8_linears(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[tuple[int, int, float]]:
     """(rows, columns, share of the blocks) of each attention, dense-MLP and shared-expert weight of one block
     on a rank that runs in float8 under memory.fp8 (memory/fp8.py apply_fp8): a linear whose local weight has
     both dimensions multiples of 16 (megatron tensor parallelism splits q/k/v and w1/w3 by rows, wo and w2 by
@@ -318,14 +318,15 @@ def fp8_linears(shape: ModelShape, tp: int = 1) -> list[tuple[int, int, float]]:
     shared = shape.moe_share if moe and c.shared_ffn_dim else 0.0
     attn = [(c.n_heads * hd // tp, d, 1.0), (kv, d, 1.0), (kv, d, 1.0), (d, c.n_heads * hd // tp, 1.0)]
 
-    def mlp(width: int, share: float) -> list[tuple[int, int, float]]:  # w1 (w3) by rows, w2 by columns
-        return [(width // tp, d, share)] * (2 if c.arch == "llama" else 1) + [(d, width // tp, share)]
+    def mlp(width: int, share: float, t: int) -> list[tuple[int, int, float]]:  # w1 (w3) by rows, w2 by columns
+        return [(width // t, d, share)] * (2 if c.arch == "llama" else 1) + [(d, width // t, share)]
 
-    out = attn + mlp(c.ffn_dim, dense) + mlp(c.shared_ffn_dim, shared)
+    # the per-layer tp forms keep MoE layers whole, their shared experts too (parallel/tensor.py)
+    out = attn + mlp(c.ffn_dim, dense, tp) + mlp(c.shared_ffn_dim, shared, tp if form == "megatron" else 1)
     return [(r, k, share) for r, k, share in out if share and aligned((r, k))]
 
 
-def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
+def fp8_weights(shape: ModelShape, tp: int = 1, form: str = "megatron") -> tuple[int, int]:
     """(elements in float8, elements not) of one mean block's attention, dense-MLP and shared-expert weights
     on a rank under memory.fp8 (`fp8_linears`)."""
     c = shape.cfg
@@ -334,8 +335,9 @@ def fp8_weights(shape: ModelShape, tp: int = 1) -> tuple[int, int]:
     dense = 1 - shape.moe_share if moe else 1.0
     shared = shape.moe_share if moe else 0.0
     n_mats = 3 if c.arch == "llama" else 2
-    total = (d * (q + 2 * kvd) + q * d + n_mats * d * (c.ffn_dim * dense + c.shared_ffn_dim * shared)) / tp
-    fp8 = sum(r * k * share for r, k, share in fp8_linears(shape, tp))
+    total = (d * (q + 2 * kvd) + q * d + n_mats * d * c.ffn_dim * dense) / tp \
+        + n_mats * d * c.shared_ffn_dim * shared / (tp if form == "megatron" else 1)  # as fp8_linears splits them
+    fp8 = sum(r * k * share for r, k, share in fp8_linears(shape, tp, form))
     return int(fp8), int(total - fp8)
 
 
@@ -357,7 +359,7 @@ def carries_grads(train: Training, lay: Layout) -> bool:
 def _cast_once(shape: ModelShape, w: Widths, tp: int, ep: int, form: str, device: str) -> tuple[int, int]:
     """Elements a block's step casts once (`casts_once`): its float8 weights (tensorwise), and its expert
     weight stacks held wider than the compute dtype."""
-    float8 = fp8_weights(shape, tp)[0] if w.fp8 == "tensorwise" else 0
+    float8 = fp8_weights(shape, tp, form)[0] if w.fp8 == "tensorwise" else 0
     stacks = shape.num_experts > 1 and w.autocast_copies
     experts = _expert_copies(shape, w, ep, form, device, tp) // w.compute if stacks else 0
     return float8, experts
@@ -395,17 +397,18 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     mlp = n_mats * d * c.ffn_dim
     # once, the stacks' copies are the step's (step_cast_bytes), not a block's
     experts = 0 if once or shape.num_experts == 1 else _expert_copies(shape, w, ep, form, device, tp)
-    attn += shape.moe_share * n_mats * d * c.shared_ffn_dim  # shared experts: cast like the attention
+    # shared experts: cast like the attention, split by tp in the megatron form (the others keep MoE layers whole)
+    shared = int(shape.moe_share * n_mats * d * c.shared_ffn_dim * w.compute) // (tp if form == "megatron" else 1)
     # the shared experts' gate (d -> 1, whole on every tp rank, bf16 under memory.fp8 too)
     gate = int(shape.moe_share * d * w.compute) if c.moe.shared_experts and c.moe.shared_gate else 0
     if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
-        attn_mlp = int(fp8_weights(shape, tp)[1] * w.compute) + gate if w.autocast_copies else 0
+        attn_mlp = int(fp8_weights(shape, tp, form)[1] * w.compute) + gate if w.autocast_copies else 0
         return attn_mlp + experts
     if shape.num_experts == 1:
         return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
         return experts
-    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + gate + experts
+    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + shared + gate + experts
 
 
 def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, tp: int) -> int:

@@ -32,19 +32,28 @@ def expert_efficiency(shape: ModelShape, train: Training, lay: Layout, gpu: GPU)
     return rate(work)
 
 
-def moe_extra_flops(lay: Layout, moe: float, gpu: GPU, efficiency: float | None = None) -> float:
+def moe_extra_flops(lay: Layout, moe: float, gpu: GPU, efficiency: float | None = None, shared: float = 0.0) -> float:
     """What one rank's MoE layers cost beyond their experts' FLOPs at the dense rate, as FLOPs at that
     rate: the experts run at `efficiency` of it (`expert_efficiency`; gpu.moe_efficiency by default).
     Pipeline stages split it. Tensor parallelism does not: in the megatron form every tp rank routes
     and permutes all of its tokens (parallel/tensor.py, the MoE region) and only the experts' weights
-    are split; the per-layer forms keep MoE layers whole on every tp rank, FLOPs too, so rank_flops'
-    division by tp is taken back (divided by tp, this term plans the recorded MoE rows with tp up to 28%
-    fast)."""
+    are split; the per-layer forms keep MoE layers whole on every tp rank, FLOPs too (the routed experts'
+    `moe` and the shared experts' `shared`), so rank_flops' division by tp is taken back (divided by tp,
+    this term plans the recorded MoE rows with tp up to 28% fast)."""
     whole = moe / lay.pp
     extra = whole * (1 / (gpu.moe_efficiency if efficiency is None else efficiency) - 1)
     if lay.tp_form != "megatron":
-        extra += whole * (1 - 1 / lay.tp)
+        extra += (whole + shared / lay.pp) * (1 - 1 / lay.tp)
     return extra
+
+
+def shared_flops(shape: ModelShape, tokens: float) -> float:
+    """The shared experts' FLOPs of the model FLOPs: one MLP of their width on every token of every MoE
+    layer, forward and backward, at the dense rate."""
+    c = shape.cfg
+    if shape.num_experts == 1 or not c.moe.shared_experts:
+        return 0.0
+    return 6 * tokens * c.n_layers * shape.moe_share * mlp_matrices(c) * c.d_model * c.shared_ffn_dim
 
 def moe_flops(shape: ModelShape, tokens: float) -> float:
     """The MoE layers' expert FLOPs of the model FLOPs: each token's top_k routed expert MLPs (of

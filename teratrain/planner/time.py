@@ -52,7 +52,8 @@ from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.activations import casts_once, fp8_linears
 from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
-from teratrain.planner.experts import expert_efficiency, expert_stack_s, mlp_matrices, moe_extra_flops, moe_flops
+from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_matrices, moe_extra_flops, moe_flops,
+                                       shared_flops)
 from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
@@ -192,7 +193,7 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
     else:
         weight = m * ((2 * param + 1) * 2 + FP8_LAYOUT_BYTES)
     flops = moved = 0.0
-    for rows, cols, share in fp8_linears(shape, lay.tp):  # (out, in) of the local weight
+    for rows, cols, share in fp8_linears(shape, lay.tp, lay.tp_form):  # (out, in) of the local weight
         flops += 6 * tokens * rows * cols * share
         moved += share * (tokens * cols * (FP8_CAST_INPUT_BYTES + FP8_LAYOUT_BYTES)
                           + tokens * rows * (FP8_CAST_GRAD_BYTES + FP8_LAYOUT_BYTES)
@@ -211,7 +212,7 @@ def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     once = train.fp8 == "tensorwise" and casts_once(train, lay)
     fwd, bwd = OPS_FP8_LINEAR_CAST_ONCE if once else OPS_FP8_LINEAR[train.fp8]
     per = fwd + bwd + (fwd if lay.recompute in REPLAYING else 0)
-    linears = sum(share for _, _, share in fp8_linears(shape, lay.tp))
+    linears = sum(share for _, _, share in fp8_linears(shape, lay.tp, lay.tp_form))
     return rank_layers(shape, lay) * linears * (per * lay.num_microbatches + (OPS_FP8_STEP_CAST if once else 0))
 
 
@@ -471,7 +472,8 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU,
     fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)
     rate = gpu.sustained_flops(train.precision, shape.cfg.d_model)
     speedup = getattr(gpu, f"fp8_speedup_{train.fp8}", 1.0)
-    rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu, expert_efficiency(shape, train, lay, gpu))
+    rest = flops - fp8_flops + replay + moe_extra_flops(lay, moe, gpu, expert_efficiency(shape, train, lay, gpu),
+                                                        shared_flops(shape, tokens))
     compute_s = rest / rate + fp8_flops / (rate * speedup) + cast_s + expert_stack_s(shape, train, lay, gpu)
     return compute_s, flops, replay, fp8_flops
 
