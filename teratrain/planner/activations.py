@@ -401,14 +401,18 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     shared = int(shape.moe_share * n_mats * d * c.shared_ffn_dim * w.compute) // (tp if form == "megatron" else 1)
     # the shared experts' gate (d -> 1, whole on every tp rank, bf16 under memory.fp8 too)
     gate = int(shape.moe_share * d * w.compute) if c.moe.shared_experts and c.moe.shared_gate else 0
+    # an fp32 router over narrower parameters multiplies by its weight cast up, a copy autograd keeps
+    router = int(shape.moe_share * d * shape.num_experts * 4) if c.moe.router_dtype == "fp32" and w.param < 4 \
+        and shape.num_experts > 1 else 0
     if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
         attn_mlp = int(fp8_weights(shape, tp, form)[1] * w.compute) + gate if w.autocast_copies else 0
-        return attn_mlp + experts
+        return attn_mlp + router + experts
     if shape.num_experts == 1:
         return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
-        return experts
-    return int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + shared + gate + experts
+        return router + experts
+    return (int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + shared + gate
+            + router + experts)
 
 
 def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, tp: int) -> int:

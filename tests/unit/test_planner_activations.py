@@ -283,15 +283,15 @@ GATED = ["model.moe.shared_experts=1", "model.moe.shared_gate=true"]
 
 @pytest.mark.parametrize("precision, masters, policy, extra", MOE_OPS + [
     ("fp32", False, "none", ["model.moe.shared_experts=1"]), ("bf16", False, "none", ["model.moe.shared_experts=1"]),
-    ("fp32", False, "none", GATED), ("bf16", False, "none", GATED)])
+    ("fp32", False, "none", GATED), ("bf16", False, "none", GATED), ("bf16", True, "none", GATED)])
 def test_one_moe_block_keeps_what_the_planner_counts(precision, masters, policy, extra):
     """An MoE block (4 experts, top-2): under selective-ops the router's scores, the experts' grouped GEMM
     outputs, the combine's product and the shared experts' GEMM outputs (activations._mlp_ops_saved); with
     shared experts in fp32 the router and the shared MLP read one input tensor, counted once; Qwen2-MoE's gate
-    keeps the MLP's output, its sigmoid and, under autocast over fp32 parameters, its own cast of the input.
-    What one more block leaves alive equals the plan within 64 bytes: the layer's float64 routing statistics
-    (models/moe.py _record), made anew each forward, are live storages but no activation. (Not examined: with
-    bf16 parameters and no recomputation an MoE block keeps 2,048 bytes more than planned.)"""
+    keeps the MLP's output, its sigmoid and, under autocast over fp32 parameters, its own cast of the input;
+    with bf16 parameters the fp32 router keeps its weight cast up. What one more block leaves alive equals the
+    plan within 64 bytes: the layer's float64 routing statistics (models/moe.py _record), made anew each
+    forward, are live storages but no activation."""
     got = []
     for n_layers in (1, 2):
         cfg = _cfg("llama", precision, masters, policy, 48, n_layers, "model.moe.num_experts=4", "model.moe.top_k=2",
