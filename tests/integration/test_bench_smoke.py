@@ -218,3 +218,35 @@ def test_dtensor_compile_repro_runs_each_case_on_cpu(tmp_path):
                          for c in ("none", "aot_eager")}
     assert rows[True, "local", "none"] == rows[False, "local", "none"] == rows[True, "dtensor", "aot_eager"] == "ok"
     assert all(rows.values())
+
+
+def test_parallel_host_ops_counts_the_planners_collectives(tmp_path):
+    """bench/calibrate/parallel_host_ops.py (a fake process group, two depths): the tensor- and expert-parallel
+    collectives a block issues per micro-batch are planner/time.py issued_collectives' (4 all-reduces without
+    sequence parallelism, the ep exchange's 5), and under sequence parallelism its 8 region crossings plus the 2
+    all-gathers parallel/comm.py Regather launches in backward, which the planner does not count (their host cost
+    on a GPU is not measured)."""
+    import sys as _sys
+
+    from teratrain.config import load_config
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.time import issued_collectives
+
+    out = tmp_path / "parallel_host_ops.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate" / "parallel_host_ops.py"), "--layers",
+                           "1", "2", "--rounds", "1", "--steps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = {k: v["collectives"] for k, v in json.loads(out.read_text())["per_block_micro_batch"].items()}
+    _sys.path[:0] = [str(ROOT / "bench" / "calibrate"), str(ROOT / "bench")]
+    import parallel_host_ops
+
+    planned = {}
+    for name, layout in parallel_host_ops.LAYOUTS.items():
+        per = []
+        for layers in (1, 2):
+            cfg = load_config(None, parallel_host_ops._sets(layout, layers))
+            lay = layout_of(cfg, parallel_host_ops.WORLD)
+            per.append(issued_collectives(shape_of(cfg), training_of(cfg), lay) / lay.num_microbatches)
+        planned[name] = per[1] - per[0]
+    assert counted == {**planned, "tp2_sp": planned["tp2_sp"] + 2}, (counted, planned)
