@@ -55,6 +55,7 @@ def block_step(recipe: str):
 
 
 def measure(rounds: int = 15, calls: int = 50, recipe: str = "tensorwise") -> dict:
+    torch.set_num_threads(1)  # as moe_host_ops.measure: before the blocks' first steps
     blocks = {"bf16": block_step("none"), "fp8": block_step(recipe)}
     per_op = moe_host_ops.timed_per_op(blocks, rounds, calls)
     (_, dense_ops), (_, fp8_ops) = blocks["bf16"], blocks["fp8"]

@@ -63,9 +63,8 @@ def block_step(extra: list[str], prepare=None):
 
 
 def timed_per_op(blocks: dict, rounds: int, calls: int) -> dict[str, list[float]]:
-    """Seconds per op of each block's step ({name: (step, ops)}), a list of rounds each, the blocks
-    interleaved within every round, on one CPU thread."""
-    torch.set_num_threads(1)
+    """Seconds per op of each block's step ({name: (step, ops)}, built on one CPU thread), a list of rounds
+    each, the blocks interleaved within every round."""
     per_op = {k: [] for k in blocks}
     for _ in range(rounds):
         for name, (step, ops) in blocks.items():
@@ -82,6 +81,7 @@ def extra_op_share(base: float, base_ops: int, other: float, other_ops: int) -> 
 
 
 def measure(rounds: int = 15, calls: int = 50) -> dict:
+    torch.set_num_threads(1)  # before the blocks' first steps: a change of the thread pool costs the next ops
     blocks = {"dense": block_step([]), "moe": block_step(MOE)}
     per_op = timed_per_op(blocks, rounds, calls)
     (_, dense_ops), (_, moe_ops) = blocks["dense"], blocks["moe"]
