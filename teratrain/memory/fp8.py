@@ -204,7 +204,7 @@ def apply_fp8(model: nn.Module, cfg, device: torch.device) -> None:
     tensor-parallel pieces included, after parallel/tensor.py swapped them in) in float8. Routers, the
     shared experts' gate and the routed experts keep bf16. A linear whose local weight torch._scaled_mm
     cannot take (a dimension not a multiple of 16) keeps bf16 too, emulated or not, so a CPU check runs
-    what a GPU runs (`note` counts each kind for the start-up summary; planner/activations.py
+    what a GPU runs (`note` counts each kind for the start-up summary; planner/weight_casts.py
     `fp8_linears` applies the same rule to a shape)."""
     m = cfg.memory
     why = fp8_problem(m.fp8, m.fp8_emulate, device)

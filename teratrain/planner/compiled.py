@@ -125,7 +125,7 @@ def compiled_loss(shape: ModelShape, train: Training, lay: Layout, loss_pieces: 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str) -> dict[str, int]:
     """Bytes one compiled Block (dense, or an MoE layer `moe_counted`) keeps for backward for `tokens` = b*T
     tokens, per term, under scope `where` ("model" or "block"); the weights' autocast copies apart
-    (activations.weight_copies)."""
+    (weight_casts.weight_copies)."""
     c = shape.cfg
     n, d, cb = tokens, c.d_model, w.compute
     llama = c.arch == "llama"

@@ -4,7 +4,7 @@ gradients beyond what the FLOPs pay for."""
 
 from __future__ import annotations
 
-from teratrain.planner.activations import carries_grads, casts_once
+from teratrain.planner.weight_casts import carries_grads, casts_once
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.states import rank_layers

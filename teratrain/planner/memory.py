@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
 from teratrain.planner import activations as act
+from teratrain.planner import weight_casts as wc
 from teratrain.planner import compiled
 from teratrain.planner import pipeline
 from teratrain.planner.hardware import GPU, GPUS
@@ -75,7 +76,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
               form=lay.tp_form)
     layers = stage_params(shape, lay)["layers"]
     # the blocks' tensors depend on these, the rest does not
-    once = act.casts_once(train, lay)  # the experts' stacks cast for the whole step, not per block
+    once = wc.casts_once(train, lay)  # the experts' stacks cast for the whole step, not per block
     bkw = {**kw, "form": lay.tp_form, "ep": lay.ep, "cp": lay.cp, "cp_form": lay.cp_form}
     blocks = act.stored_blocks(shape, w, layers, n, T, lay.recompute, lay.recompute_every, once, **bkw)
     pieces = act.loss_pieces(shape, train.loss_chunks, lay.tp, n)
@@ -92,11 +93,11 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
         first = compiled.outside_saved(shape, w, n, T, where, first=True, last=True)
         last, embed_side = first, compiled.outside_saved(shape, w, n, T, where, first=True, last=False)
     recompute = act.recompute_transient(shape, w, layers, n, T, lay.recompute, lay.recompute_every, **bkw)
-    copies_block = act.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device, once)
-    casts = act.step_cast_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if once else 0
+    copies_block = wc.weight_copies(shape, w, lay.tp, lay.ep, lay.tp_form, device, once)
+    casts = wc.step_cast_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if once else 0
     # runs recorded while the layers held the carried gradients beside their sums (Training.carried_grads_held)
-    held = train.carried_grads_held and act.carries_grads(train, lay)
-    carried = act.carried_grad_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if held else 0
+    held = train.carried_grads_held and wc.carries_grads(train, lay)
+    carried = wc.carried_grad_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if held else 0
     head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
     pending = act.pending_block(shape, w, n, T, **bkw)
     if pending is None:  # not read off the graph: a whole forward's tensors

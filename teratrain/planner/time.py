@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.activations import casts_once, fp8_linears
+from teratrain.planner.weight_casts import casts_once, fp8_linears
 from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
 from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_matrices, moe_extra_flops, moe_flops,
                                        shared_flops)
@@ -103,7 +103,7 @@ OPS_SPLIT_EXTRA = 65
 # memory.fp8 (memory/fp8.py): aten ops one float8 linear adds per micro-batch, (forward, backward), by
 # recipe: the dynamic casts of its input and weight (amax, scale, clamp, convert), of the output gradient and
 # of the input again for the weight gradient, and the scaled GEMMs' layout copies. Where the step casts its
-# tensorwise weights once for its micro-batches (activations.casts_once) a linear issues
+# tensorwise weights once for its micro-batches (weight_casts.casts_once) a linear issues
 # OPS_FP8_LINEAR_CAST_ONCE a micro-batch and OPS_FP8_STEP_CAST a step. Counted with a TorchDispatchMode over
 # teratrain's train step, bf16 against fp8 through torchao's emulation on CPU
 # (tests/unit/test_planner_fp8.py counts them again); on one H200 the same steps added the same ops (bench/fp8.py
@@ -175,7 +175,7 @@ def model_flops(shape: ModelShape, tokens: float) -> float:
 def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> tuple[float, float]:
     """memory.fp8 on one rank, for `tokens` tokens (one data-parallel replica's step): (the FLOPs of
     its float8 GEMMs, seconds of HBM traffic of their casts). Every local block linear that runs in
-    float8 (activations.fp8_linears) does 6 FLOPs per weight and token; pipeline stages split the
+    float8 (weight_casts.fp8_linears) does 6 FLOPs per weight and token; pipeline stages split the
     blocks. The casts move FP8_CAST_* bytes per element of input (tokens x in), output gradient
     (tokens x out) and weight (each micro-batch, or once a step where the step casts once: casts_once)."""
     if train.fp8 == "none" or shape.is_bare:

@@ -157,10 +157,10 @@ def test_routed_experts_stay_bf16_and_the_note_says_so():
 
 
 def test_planner_counts_the_linears_apply_fp8_swaps_shared_experts_included():
-    """planner/activations.py fp8_linears, the rule on a shape, against the weights apply_fp8 put in float8
+    """planner/weight_casts.py fp8_linears, the rule on a shape, against the weights apply_fp8 put in float8
     (one dense block, one MoE block whose shared experts are 2 x 64 wide); and planner/time.py fp8_terms
     counts the shared experts' GEMMs, 6 FLOPs a weight and token, among the float8 ones."""
-    from teratrain.planner.activations import fp8_linears
+    from teratrain.planner.weight_casts import fp8_linears
     from teratrain.planner.hardware import GPUS
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.time import fp8_terms

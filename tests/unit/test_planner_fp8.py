@@ -4,7 +4,7 @@ for backward, and the cards it refuses."""
 import pytest
 
 from teratrain.config import ConfigError, load_config
-from teratrain.planner.activations import fp8_linears, fp8_weights
+from teratrain.planner.weight_casts import fp8_linears, fp8_weights
 from teratrain.planner.hardware import GPUS
 from teratrain.planner.inputs import layout_of, shape_of, training_of
 from teratrain.planner.search import evaluate
@@ -49,7 +49,7 @@ def test_eager_fp8_pays_its_cast_ops_on_the_host_and_gpu():
 
 
 def test_fp8_keeps_no_weight_copy_where_autocast_keeps_a_bf16_one():
-    from teratrain.planner.activations import weight_copies
+    from teratrain.planner.weight_casts import weight_copies
     from teratrain.planner.layout import widths
 
     shape = shape_of(load_config(None, WIDTH_8B))

@@ -357,7 +357,7 @@ def test_per_layer_tp_forms_run_the_shared_experts_whole_on_every_rank():
     """parallel/tensor.py keeps an MoE layer whole under tp_form all-gather / all-reduce, its shared experts too:
     at tp=2 the shared experts' FLOPs on a rank are the whole model's in those forms, half in the megatron form
     (planned compute with a shared expert less without), and their weights' autocast copies likewise."""
-    from teratrain.planner.activations import weight_copies
+    from teratrain.planner.weight_casts import weight_copies
     from teratrain.planner.experts import shared_flops
     from teratrain.planner.layout import widths
     from teratrain.planner.time import _compute
