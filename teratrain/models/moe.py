@@ -204,8 +204,8 @@ class MoE(nn.Module):
     def _record(self, r: Routing, counts: torch.Tensor) -> None:
         """Accumulate the step's statistics (tensors on the device: no synchronization). Skipped in
         evaluation and when recomputation replays this forward inside backward."""
-        if not self.training or (not torch.compiler.is_compiling() and in_backward()):
-            return  # compiled: recomputation replays the traced graph, never this Python
+        if not self._counting():
+            return
         new = {"load": counts, "dropped": 0 if r.every else r.attempted - r.routed.sum(), "attempted": r.attempted,
                "aux_loss": self.aux_loss.detach(), "forwards": 1}
         for key, value in new.items():  # one addition each (into the float64 sums), none for nothing dropped
@@ -214,12 +214,17 @@ class MoE(nn.Module):
             elif not (isinstance(value, int) and value == 0):
                 self.stats[key] = self.stats[key] + value
 
+    def _counting(self) -> bool:
+        """Are the statistics counted in this forward: in training, not where recomputation replays it inside
+        backward (compiled, recomputation replays the traced graph, never this Python)?"""
+        return self.training and (torch.compiler.is_compiling() or not in_backward())
+
     @torch.no_grad()
     def count_exchange(self, rows: torch.Tensor | int, slots: int) -> None:
         """An expert-parallel exchange's rows this rank sent (`slots`, padding included) and how many of
         them carried a token (`rows`): the padding a padded exchange moves (parallel/expert.py,
         expert_dedup.py). Kept as _record keeps its statistics, where start_stats made the keys."""
-        if "slots" not in self.stats or not self.training or (not torch.compiler.is_compiling() and in_backward()):
+        if "slots" not in self.stats or not self._counting():
             return
         self.stats["sent"] = self.stats["sent"] + rows
         self.stats["slots"] = self.stats["slots"] + slots
