@@ -197,20 +197,22 @@ def env_info(dev: torch.device) -> dict:
     return info
 
 
-def count_ops(step) -> int:
-    """The aten ops one call of `step` dispatches (what planner/time.py's op counts count)."""
+def count_ops(step, also=None):
+    """The aten ops one call of `step` dispatches (what planner/time.py's op counts count); with `also` (a
+    predicate on an op), (all ops, those it holds for)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        n = 0
+        n = hits = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.n += 1
+            self.hits += also is not None and bool(also(func))
             return func(*args, **(kwargs or {}))
 
     with Count() as c:
         step()
-    return c.n
+    return c.n if also is None else (c.n, c.hits)
 
 
 def error_text(e: BaseException) -> str:

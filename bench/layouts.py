@@ -246,6 +246,7 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
     else:
         run_step = step_runner(model, engine, rt, cfg)
     tc, dev = cfg.train, rt.device
+    moves_bias = cfg.model.moe.enabled and cfg.model.moe.balance == "bias"
     batches = Batches(tokens, cfg.model.seq_len, tc.seed, tc.global_batch)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -258,7 +259,8 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
             micro = list(batches.micro_batches(step, rt.dp_rank, rt.dims.dp, tc.micro_batch, dev))
             micro = micro[::-1] if reverse else micro
             _, loss = run_step(micro, cfg.memory.precision, lr)
-            moe_metrics.step_metrics(model, rt)  # as train.py after each step: it moves balance=bias routers' bias
+            if moves_bias:  # as train.py after each step: it moves balance=bias routers' bias (a dp all-reduce)
+                moe_metrics.step_metrics(model, rt)
             loss = loss.detach().float().clone()
             all_reduce(loss, rt.dp_group, op=AVG)
             losses.append(float(loss))  # synchronizes
@@ -274,7 +276,7 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
 
         acts = run_step.schedule(len(micro)).ranks[run_step.rank]
         out["audit"] = audit_versions(run_step.records, peak_versions(acts))
-    if cfg.model.moe.enabled and cfg.model.moe.balance == "bias":
+    if moves_bias:
         out["expert_bias"] = _expert_bias(model, rt)
     del run_step, engine, model
     gc.collect()

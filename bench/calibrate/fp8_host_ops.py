@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/calibrate: moe_host_ops
 import moe_host_ops  # noqa: E402  (the same block, timing and share)
-from common import emit  # noqa: E402  (it puts the checkout on the path)
+from common import emit, weights_set  # noqa: E402  (it puts the checkout on the path)
+from fp8 import WIDTH_8B  # noqa: E402  (bench/fp8.py: the recorded runs' shape)
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.memory.fp8 import Fp8Gemm, Fp8Linear  # noqa: E402
@@ -55,22 +55,13 @@ def block_step(recipe: str):
 
 
 def measure(rounds: int = 15, calls: int = 50, recipe: str = "tensorwise") -> dict:
-    torch.set_num_threads(1)  # as moe_host_ops.measure: before the blocks' first steps
-    blocks = {"bf16": block_step("none"), "fp8": block_step(recipe)}
-    per_op = moe_host_ops.timed_per_op(blocks, rounds, calls)
-    (_, dense_ops), (_, fp8_ops) = blocks["bf16"], blocks["fp8"]
-    dense, fp8 = min(per_op["bf16"]), min(per_op["fp8"])
-    return {"bench": "fp8_host_ops", "torch": torch.__version__, "recipe": recipe,
-            "ops": {"bf16": dense_ops, "fp8": fp8_ops},
-            "us_per_op_fastest": {"bf16": round(dense * 1e6, 3), "fp8": round(fp8 * 1e6, 3)},
-            "us_per_op_median": {k: round(statistics.median(v) * 1e6, 3) for k, v in per_op.items()},
-            "extra_op_share": round(moe_host_ops.extra_op_share(dense, dense_ops, fp8, fp8_ops), 3)}
+    steps = {"bf16": lambda: block_step("none"), "fp8": lambda: block_step(recipe)}
+    return {"bench": "fp8_host_ops", "recipe": recipe, **moe_host_ops.compare(steps, rounds, calls)}
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "h200"
 FIT, HELD_OUT = "2026-12-02_fp8_modes.json", "2026-12-03_compiled_gradients_at_once.json"
-WIDTH_8B = ["model.arch=llama", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.d_ff=14336",
-            "model.vocab_size=128256", "model.tie_embeddings=false", "memory.precision=bf16", "train.grad_clip=1.0"]
+RUN = [*WIDTH_8B, "memory.precision=bf16", "train.grad_clip=1.0"]  # as bench/fp8.py's rows ran
 
 
 def _recorded(file: str, fp8: str):
@@ -81,10 +72,9 @@ def _recorded(file: str, fp8: str):
     result = json.loads((RESULTS / file).read_text())
     row = next(r for r in result["results"] if (r["impl"], r["mode"], r["fp8"]) == ("ours", "eager", fp8))
     mb, accum = result["micro_batch"], result.get("accumulation", 1)
-    cfg = load_config(None, [*WIDTH_8B, f"model.n_layers={result['n_layers']}", f"model.seq_len={result['seq_len']}",
+    cfg = load_config(None, [*RUN, f"model.n_layers={result['n_layers']}", f"model.seq_len={result['seq_len']}",
                              f"train.micro_batch={mb}", f"train.global_batch={mb * accum}", f"memory.fp8={fp8}",
-                             f"memory.master_weights={str(result.get('weights') == 'bf16').lower()}",
-                             "parallel.dp=1"])
+                             weights_set(result.get("weights", "fp32")), "parallel.dp=1"])
     return shape_of(cfg), as_ran(training_of(cfg), result), layout_of(cfg, 1), row["step_ms"] / 1e3
 
 

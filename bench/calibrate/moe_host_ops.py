@@ -80,17 +80,23 @@ def extra_op_share(base: float, base_ops: int, other: float, other_ops: int) -> 
     return (other * other_ops - base * base_ops) / (other_ops - base_ops) / base
 
 
-def measure(rounds: int = 15, calls: int = 50) -> dict:
+def compare(steps: dict, rounds: int, calls: int) -> dict:
+    """Two blocks' steps ({name: a builder of (step, ops)}, the base first) timed against each other on one
+    CPU thread: their ops, microseconds per op (fastest and median round) and `extra_op_share`."""
     torch.set_num_threads(1)  # before the blocks' first steps: a change of the thread pool costs the next ops
-    blocks = {"dense": block_step([]), "moe": block_step(MOE)}
+    blocks = {name: build() for name, build in steps.items()}
     per_op = timed_per_op(blocks, rounds, calls)
-    (_, dense_ops), (_, moe_ops) = blocks["dense"], blocks["moe"]
-    dense, moe = min(per_op["dense"]), min(per_op["moe"])
-    share = extra_op_share(dense, dense_ops, moe, moe_ops)
-    return {"bench": "moe_host_ops", "torch": torch.__version__, "ops": {"dense": dense_ops, "moe": moe_ops},
-            "us_per_op_fastest": {"dense": round(dense * 1e6, 3), "moe": round(moe * 1e6, 3)},
+    (base, (_, base_ops)), (other, (_, other_ops)) = blocks.items()
+    fastest = {k: min(v) for k, v in per_op.items()}
+    return {"torch": torch.__version__, "ops": {base: base_ops, other: other_ops},
+            "us_per_op_fastest": {k: round(v * 1e6, 3) for k, v in fastest.items()},
             "us_per_op_median": {k: round(statistics.median(v) * 1e6, 3) for k, v in per_op.items()},
-            "extra_op_share": round(share, 3)}
+            "extra_op_share": round(extra_op_share(fastest[base], base_ops, fastest[other], other_ops), 3)}
+
+
+def measure(rounds: int = 15, calls: int = 50) -> dict:
+    return {"bench": "moe_host_ops", **compare({"dense": lambda: block_step([]), "moe": lambda: block_step(MOE)},
+                                               rounds, calls)}
 
 
 def main() -> None:

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, planner_multi, planner_rows
-from common import emit  # noqa: E402  (it puts the checkout on the path)
+from common import count_ops, emit  # noqa: E402  (it puts the checkout on the path)
 from planner_multi import build_row  # noqa: E402
 from planner_rows import COMMON  # noqa: E402
 
@@ -47,19 +46,9 @@ LAYOUTS = {"dp2": [], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=tr
 TWINS = {"tp2_sp": "dp2", "tp2_no_sp": "dp2", "moe_ep2": "moe_dp2"}  # each layout against its data-parallel twin
 
 
-class Counted(TorchDispatchMode):
-    """Aten ops dispatched, and how many of them launched a collective (a functional collective's wait is
-    an op of its own, not counted as one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = self.collectives = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.collectives += (func.namespace in ("c10d", "_c10d_functional", "c10d_functional")
-                             and "wait" not in func.__name__)
-        return func(*args, **(kwargs or {}))
+def launches_collective(func) -> bool:
+    """Does this op launch a collective (c10d or functional; a functional collective's wait is an op of its own)?"""
+    return func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and "wait" not in func.__name__
 
 
 def _sets(layout: list[str], layers: int) -> list[str]:
@@ -76,9 +65,7 @@ def depth(layers: int, rounds: int, steps: int, runtimes: dict) -> dict:
         *_, step = build_row(_sets(layout, layers), 120, torch.device("cpu"), runtimes)
         for _ in range(2):
             step()
-        with Counted() as c:
-            step()
-        built[name] = (step, c.ops, c.collectives)
+        built[name] = (step, *count_ops(step, launches_collective))
     times = {name: [] for name in built}
     for _ in range(rounds):
         for name, (step, _, _) in built.items():
