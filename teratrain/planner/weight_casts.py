@@ -10,17 +10,13 @@ from teratrain.memory import step_casts
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths
 
 
-def fp8_linears(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[tuple[int, int, float]]:
+def block_matrices(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[tuple[int, int, float]]:
     """(rows, columns, share of the blocks) of each attention, dense-MLP and shared-expert weight of one block
-    on a rank that runs in float8 under memory.fp8 (memory/fp8.py apply_fp8): a linear whose local weight has
-    both dimensions multiples of 16 (megatron tensor parallelism splits q/k/v and w1/w3 by rows, wo and w2 by
-    columns, the shared experts' as the dense MLP's; key/value heads fewer than tp are replicated). MoE layers
-    (moe_share of the blocks) have no dense MLP; their shared experts, one MLP of model.moe's shared width that
-    every token passes, run in float8 as the dense MLP does, and the routers, the shared experts' gate and the
-    routed experts keep bf16. The shared experts' FLOPs are a dense MLP's (planner/experts.py moe_flops leaves
-    them out of the experts'), so time.py `fp8_terms` moves them to the float8 rate by the same rule."""
-    from teratrain.memory.fp8 import aligned
-
+    on a rank: megatron tensor parallelism splits q/k/v and w1/w3 by rows, wo and w2 by columns (key/value
+    heads fewer than tp are replicated, as parallel/tp_plan.py places them); MoE layers (moe_share of the
+    blocks) have no dense MLP, and their shared experts, one MLP of model.moe's shared width that every token
+    passes, split as the dense MLP is in the megatron form (the per-layer tp forms keep MoE layers whole,
+    parallel/tensor.py)."""
     c = shape.cfg
     d, hd = c.d_model, c.head_width
     kv = max(1, c.kv_heads // tp) * hd
@@ -32,22 +28,23 @@ def fp8_linears(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[
     def mlp(width: int, share: float, t: int) -> list[tuple[int, int, float]]:  # w1 (w3) by rows, w2 by columns
         return [(width // t, d, share)] * (2 if c.arch == "llama" else 1) + [(d, width // t, share)]
 
-    # the per-layer tp forms keep MoE layers whole, their shared experts too (parallel/tensor.py)
     out = attn + mlp(c.ffn_dim, dense, tp) + mlp(c.shared_ffn_dim, shared, tp if form == "megatron" else 1)
-    return [(r, k, share) for r, k, share in out if share and aligned((r, k))]
+    return [(r, k, share) for r, k, share in out if share]
+
+
+def fp8_linears(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[tuple[int, int, float]]:
+    """The `block_matrices` that run in float8 under memory.fp8 (memory/fp8.py apply_fp8): those whose local
+    weight has both dimensions multiples of 16. The routers, the shared experts' gate and the routed experts
+    keep bf16. The shared experts' FLOPs are a dense MLP's (planner/experts.py moe_flops leaves them out of the
+    experts'), so time.py `fp8_terms` moves them to the float8 rate by the same rule."""
+    from teratrain.memory.fp8 import aligned
+
+    return [(r, k, share) for r, k, share in block_matrices(shape, tp, form) if aligned((r, k))]
 
 
 def fp8_weights(shape: ModelShape, tp: int = 1, form: str = "megatron") -> tuple[int, int]:
-    """(elements in float8, elements not) of one mean block's attention, dense-MLP and shared-expert weights
-    on a rank under memory.fp8 (`fp8_linears`)."""
-    c = shape.cfg
-    d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
-    moe = shape.num_experts > 1
-    dense = 1 - shape.moe_share if moe else 1.0
-    shared = shape.moe_share if moe else 0.0
-    n_mats = 3 if c.arch == "llama" else 2
-    total = (d * (q + 2 * kvd) + q * d + n_mats * d * c.ffn_dim * dense) / tp \
-        + n_mats * d * c.shared_ffn_dim * shared / (tp if form == "megatron" else 1)  # as fp8_linears splits them
+    """(elements in float8, elements not) of one mean block's `block_matrices` on a rank under memory.fp8."""
+    total = sum(r * k * share for r, k, share in block_matrices(shape, tp, form))
     fp8 = sum(r * k * share for r, k, share in fp8_linears(shape, tp, form))
     return int(fp8), int(total - fp8)
 

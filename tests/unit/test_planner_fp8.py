@@ -172,3 +172,12 @@ def test_the_plan_says_what_runs_in_float8(capsys):
     assert "in float8 GEMMs (tensorwise) at" in out and "memory.fp8's" in out
     assert main(["plan", *sets]) == 0
     assert "float8" not in capsys.readouterr().out
+
+
+def test_replicated_key_value_heads_count_whole_in_float8():
+    """4 key/value heads at tp=8 are replicated, each rank holding one whole head's wk and wv (as
+    parallel/tp_plan.py places them): every local weight is 16-aligned, so none stays bf16."""
+    shape = shape_of(load_config(None, ["model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=4",
+                                        "model.d_ff=8192"]))
+    fp8, rest = fp8_weights(shape, 8)
+    assert rest == 0 and fp8 == 2048 * 2048 * 2 // 8 + 2 * 128 * 2048 + 3 * 2048 * 8192 // 8
