@@ -54,15 +54,15 @@ def _stage_rows(layers, rt) -> dict[str, list[float]]:
 def _summary(rows: dict[str, list[float]]) -> dict:
     if not rows:
         return {}
-    out, dropped, attempted, sent, slots = {}, 0.0, 0.0, 0.0, 0.0
+    out, dropped, attempted, carried, slots = {}, 0.0, 0.0, 0.0, 0.0
     for key in sorted(rows, key=int):  # global layer order
-        *load, d, a, aux, forwards, carried, rows_sent = rows[key]
+        *load, d, a, aux, forwards, full, sent = rows[key]  # exchanged rows: carrying a token, all
         out[f"layers.{key}"] = {"aux_loss": aux / max(forwards, 1), "dropped": d / a if a else 0.0,
                                 "load": [int(x) for x in load]}
-        if rows_sent:
-            out[f"layers.{key}"]["exchange_padding"] = 1 - carried / rows_sent
-        dropped, attempted, sent, slots = dropped + d, attempted + a, sent + carried, slots + rows_sent
-    exchange = {"moe_exchange_padding": 1 - sent / slots} if slots else {}
+        if sent:
+            out[f"layers.{key}"]["exchange_padding"] = 1 - full / sent
+        dropped, attempted, carried, slots = dropped + d, attempted + a, carried + full, slots + sent
+    exchange = {"moe_exchange_padding": 1 - carried / slots} if slots else {}
     return {"moe": out, "moe_aux_loss": sum(v["aux_loss"] for v in out.values()),
             "moe_dropped": dropped / attempted if attempted else 0.0, **exchange}
 

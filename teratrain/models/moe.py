@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from teratrain.config_model import ModelConfig
 
 # the expert-parallel exchanges' statistics (MoE.count_exchange): rows that carried a token, rows sent
-EXCHANGE_STATS = ("sent", "slots")
+EXCHANGE_STATS = ("carried", "slots")
 
 
 class Expert(nn.Module):
@@ -226,7 +226,7 @@ class MoE(nn.Module):
         expert_dedup.py). Kept as _record keeps its statistics, where start_stats made the keys."""
         if "slots" not in self.stats or not self._counting():
             return
-        self.stats["sent"] = self.stats["sent"] + rows
+        self.stats["carried"] = self.stats["carried"] + rows
         self.stats["slots"] = self.stats["slots"] + slots
 
     def start_stats(self, device: torch.device, graphed: bool = False) -> None:

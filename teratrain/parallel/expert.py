@@ -149,7 +149,7 @@ class ExpertExchange(Exchange):
         """Every expert's rows in `slot` fixed slots: equal blocks of local * slot rows to every rank;
         chunk c carries slots [lo_c, lo_c+1) of every expert (`piece_bounds`)."""
         n, lo = self.ep * self.local, piece_bounds(slot, self.chunks)
-        moe.count_exchange(lay.counts.clamp(max=slot).sum(), n * slot)
+        moe.count_exchange(lay.counts.sum(), n * slot)  # slotted_layout: no count above its slot
         if self.chunks > 1:
             lay = chunk_major(lay, torch.full((n,), slot, device=flat.device), self.chunks)
         send = dispatch(flat, lay, k, compute_dtype(flat))  # (n * slot, d): [chunk][rank][expert][slot], unused zero

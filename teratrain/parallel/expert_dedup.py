@@ -103,7 +103,7 @@ class DedupExchange(Exchange):
         """`per_rank` fixed slots for each destination rank, unused ones zero (ids none); chunk c carries
         slots [lo_c, lo_c+1) of every rank."""
         lay = slotted_layout(dest, self.ep, per_rank)
-        moe.count_exchange(lay.counts.clamp(max=per_rank).sum(), self.ep * per_rank)
+        moe.count_exchange(lay.counts.sum(), self.ep * per_rank)  # slotted_layout: none above per_rank
         if self.chunks > 1:
             lay = chunk_major(lay, torch.full((self.ep,), per_rank, device=flat.device), self.chunks)
         lo = piece_bounds(per_rank, self.chunks)

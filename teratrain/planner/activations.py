@@ -259,12 +259,12 @@ def _moe_saved(shape: ModelShape, w: Widths, n: int, ep: int) -> dict[str, list[
             "moe_combine": [Saved(m * c.d_model, w.compute), Saved(m, w.compute, "keep"), Saved(m, INDEX_BYTES, "keep"),
                             Saved(m + 1, INDEX_BYTES, "keep")] + [Saved(m, 1, "keep")] * masks
             + [Saved(m, INDEX_BYTES, "keep")] * (2 if ep > 1 else 0),
-            "aux_loss": [Saved(shape.num_experts, 4, "keep")], **_shared_saved(shape, w, n, router_bytes == w.compute == w.param)}
+            "aux_loss": [Saved(shape.num_experts, 4, "keep")], **_shared_saved(shape, w, n, router_bytes)}
 
 
-def _shared_saved(shape: ModelShape, w: Widths, n: int, router_reads_it: bool) -> dict[str, list[Saved]]:
-    """The shared experts' MLP (models/moe.py) on all n tokens: its input (unless the router saved that
-    very tensor, reading it uncast: `router_reads_it`), its hidden tensors as a dense MLP's, and with
+def _shared_saved(shape: ModelShape, w: Widths, n: int, router_bytes: int) -> dict[str, list[Saved]]:
+    """The shared experts' MLP (models/moe.py) on all n tokens: its input (unless the router, computing in
+    `router_bytes`, saved that very tensor, reading it uncast), its hidden tensors as a dense MLP's, and with
     shared_gate (Qwen2-MoE) what the gated product keeps: the MLP's output and the gate's sigmoid, and the
     gate's own cast of the input where autocast casts it (parameters wider than the compute dtype)."""
     c = shape.cfg
@@ -273,6 +273,7 @@ def _shared_saved(shape: ModelShape, w: Widths, n: int, router_reads_it: bool) -
     hidden = [Saved(n * c.shared_ffn_dim, w.compute)] * (4 if c.arch == "llama" else 2)
     cast = [Saved(n * c.d_model, w.compute)] if w.compute != w.param else []
     gate = [Saved(n * c.d_model, w.compute), Saved(n, w.compute, "keep")] + cast if c.moe.shared_gate else []
+    router_reads_it = router_bytes == w.compute == w.param
     return {"shared_experts": [Saved(n * c.d_model, w.compute)] * (not router_reads_it) + hidden + gate}
 
 
@@ -362,11 +363,11 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     k, v are the checkpoint's inputs and the output is wo's input, so they stay). `once`: casts_once."""
     own, dense = block_mix(shape, n_layers)
 
-    def stage(**bkw) -> int:  # the stage's blocks: `own` as the shape builds them, the rest dense
-        held = own * sum(block_saved(shape, w, tokens, seq_len, **bkw).values())
-        if dense is not None:
-            held += (n_layers - own) * sum(block_saved(dense, w, tokens, seq_len, **bkw).values())
-        return held
+    def mixed(per_block) -> int:  # the stage's blocks: `own` as the shape builds them, the rest dense
+        return own * per_block(shape) + (n_layers - own) * (per_block(dense) if dense is not None else 0)
+
+    def stage(**bkw) -> int:
+        return mixed(lambda s: sum(block_saved(s, w, tokens, seq_len, **bkw).values()))
 
     tp = kw.get("tp", 1)
     copies = weight_copies(shape, w, tp, kw.get("ep", 1), kw.get("form", "megatron"), kw.get("device", "cuda"),
@@ -378,10 +379,7 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
         return {"blocks": stage(**kw) + index, "weight_copies": n_layers * copies}
     if policy == "selective-ops":  # the casts of the weights are recomputed too: no copies kept
         # the kept outputs live in the checkpoint's own cache, which activation compression never sees
-        def kept(s: ModelShape) -> int:
-            return sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, **kw))
-
-        return {"blocks": own * kept(shape) + (n_layers - own) * (kept(dense) if dense is not None else 0),
+        return {"blocks": mixed(lambda s: sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, **kw))),
                 "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
         ring = {**kw, "cp_form": "ring"}

@@ -38,7 +38,8 @@ Terms, each with its source or assumption:
   issues and the GPU runs: fewer of them (COMPILED_OPS_SHARE), less elementwise HBM traffic in the
   blocks (COMPILED_FUSED_BYTES) and in the loss (COMPILED_LOSS_BYTES_PER_LOGIT): `issued_ops` and `fused_s`.
 - fp8 (memory.fp8): the block linears' FLOPs at the float8 GEMM's measured speed-up over bf16
-  (hardware.GPU.fp8_speedup_*), plus the HBM traffic of their casts; planned for compiled runs.
+  (hardware.GPU.fp8_speedup_*), plus the HBM traffic of their casts; eager, their casts' ops on the host
+  at FP8_HOST_OP_SHARE of a dense op each.
 - offload (ZeRO-Offload, Ren et al. 2021): gradient shards down over PCIe, the CPU optimizer, the
   updated fp32 masters up.
 """
@@ -50,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
-from teratrain.planner.weight_casts import casts_once, fp8_linears
+from teratrain.planner.weight_casts import casts_float8_once, fp8_linears
 from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
 from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_matrices, moe_extra_flops, moe_flops,
                                        shared_flops)
@@ -188,7 +189,7 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
     layers = shape.cfg.n_layers / lay.pp
     param = train.widths(lay.zero, lay.offload).param
     m = lay.num_microbatches
-    if train.fp8 == "tensorwise" and casts_once(train, lay):  # the step's cast serves every GEMM of the step
+    if casts_float8_once(train, lay):  # the step's cast serves every GEMM of the step
         weight = (2 * param + 1) + m * FP8_LAYOUT_BYTES
     else:
         weight = m * ((2 * param + 1) * 2 + FP8_LAYOUT_BYTES)
@@ -209,7 +210,7 @@ def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
     op's cost (host_s), which paces the step: FP8 is a setting for compiled runs (memory/fp8.py)."""
     if train.fp8 == "none" or shape.is_bare or train.compiled:
         return 0.0
-    once = train.fp8 == "tensorwise" and casts_once(train, lay)
+    once = casts_float8_once(train, lay)
     fwd, bwd = OPS_FP8_LINEAR_CAST_ONCE if once else OPS_FP8_LINEAR[train.fp8]
     per = fwd + bwd + (fwd if lay.recompute in REPLAYING else 0)
     linears = sum(share for _, _, share in fp8_linears(shape, lay.tp, lay.tp_form))

@@ -57,6 +57,12 @@ def casts_once(train: Training, lay: Layout) -> bool:
             and step_casts.applies(lay.zero, lay.pp, "allreduce", train.graphed))
 
 
+def casts_float8_once(train: Training, lay: Layout) -> bool:
+    """Does the step cast its float8 weights once for its micro-batches (tensorwise only: rowwise casts each
+    weight two ways, memory/step_casts.py)?"""
+    return train.fp8 == "tensorwise" and casts_once(train, lay)
+
+
 def carries_grads(train: Training, lay: Layout) -> bool:
     """Does the backward of each weight cast once a step (`casts_once`) add the gradient so far into the one it
     makes (memory/step_casts.py take_grads)? Where the gradients are autograd's own: one GPU, no ZeRO (on several
