@@ -226,8 +226,6 @@ def test_parallel_host_ops_counts_the_planners_collectives(tmp_path):
     sequence parallelism, the ep exchange's 5), and under sequence parallelism its 8 region crossings plus the 2
     all-gathers parallel/comm.py Regather launches in backward, which the planner does not count (their host cost
     on a GPU is not measured)."""
-    import sys as _sys
-
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.time import issued_collectives
@@ -238,7 +236,7 @@ def test_parallel_host_ops_counts_the_planners_collectives(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counted = {k: v["collectives"] for k, v in json.loads(out.read_text())["per_block_micro_batch"].items()}
-    _sys.path[:0] = [str(ROOT / "bench" / "calibrate"), str(ROOT / "bench")]
+    sys.path[:0] = [str(ROOT / "bench" / "calibrate"), str(ROOT / "bench")]
     import parallel_host_ops
 
     planned = {}

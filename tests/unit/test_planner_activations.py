@@ -273,12 +273,9 @@ def test_chunked_loss_saved_bytes_match_hooks(precision, masters):
     assert predicted == pytest.approx(measured, rel=0.05) and abs(predicted - measured) <= 8
 
 
-MOE_OPS = [(p, m, "selective-ops", extra) for p, m in PRECISIONS for extra in (
-    [], ["model.moe.shared_experts=1", "model.moe.shared_gate=true"],
-    ["model.moe.expert_d_ff=96", "model.moe.router_dtype=compute"])]
-
-
 GATED = ["model.moe.shared_experts=1", "model.moe.shared_gate=true"]
+MOE_OPS = [(p, m, "selective-ops", extra) for p, m in PRECISIONS
+           for extra in ([], GATED, ["model.moe.expert_d_ff=96", "model.moe.router_dtype=compute"])]
 
 
 @pytest.mark.parametrize("precision, masters, policy, extra", MOE_OPS + [

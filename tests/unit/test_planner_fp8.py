@@ -149,15 +149,13 @@ def test_eager_fp8_steps_are_planned_host_paced_and_slower_than_bf16():
     _bench_on_path()
     import fp8_host_ops as fit
 
-    from teratrain.planner.time import FP8_HOST_OP_SHARE
 
     for file, tol in ((fit.FIT, 0.01), (fit.HELD_OUT, 0.15)):
         fp8, bf16 = fit._recorded(file, "tensorwise"), fit._recorded(file, "none")
-        planned = fit._planned_s(fp8, FP8_HOST_OP_SHARE)
-        assert planned == pytest.approx(fp8[3], rel=tol)
-        assert fit._planned_s(bf16, FP8_HOST_OP_SHARE) / planned < 0.75
-        plan = evaluate(*fp8[:3], GPUS["h200"])
-        assert plan.time.terms["host_s"] > plan.time.terms["gpu_s"]  # the host paces it
+        plan = evaluate(*fp8[:3], GPUS["h200"]).time  # at the calibrated share
+        assert plan.step_time_s == pytest.approx(fp8[3], rel=tol)
+        assert evaluate(*bf16[:3], GPUS["h200"]).time.step_time_s / plan.step_time_s < 0.75
+        assert plan.terms["host_s"] > plan.terms["gpu_s"]  # the host paces it
 
 
 def test_the_plan_says_what_runs_in_float8(capsys):

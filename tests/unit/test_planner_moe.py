@@ -364,15 +364,14 @@ def test_per_layer_tp_forms_run_the_shared_experts_whole_on_every_rank():
 
     sets = ["model.preset=llama-1b", "model.n_layers=4", "train.global_batch=2", "train.micro_batch=2",
             "model.moe.num_experts=4", "model.moe.top_k=2", "memory.precision=bf16"]
-    gpu, tokens = GPUS["h200"], 2 * 2048
+    tokens, w = 2 * 2048, widths("bf16", False)
+    plain, shared = (load_config(None, sets + more) for more in ([], ["model.moe.shared_experts=1"]))
+    s_plain, s_shared = shape_of(plain), shape_of(shared)
+    rate = H200.sustained_flops("bf16", plain.model.d_model)
     for form, share in (("megatron", 0.5), ("all-gather", 1.0), ("all-reduce", 1.0)):
         lay = Layout(tp=2, micro_batch=2, tp_form=form)
-        plain, shared = (load_config(None, sets + more) for more in ([], ["model.moe.shared_experts=1"]))
-        s_plain, s_shared = shape_of(plain), shape_of(shared)
-        extra_s = _compute(s_shared, training_of(shared), lay, gpu, tokens)[0] - \
-            _compute(s_plain, training_of(plain), lay, gpu, tokens)[0]
-        rate = gpu.sustained_flops("bf16", plain.model.d_model)
+        extra_s = _compute(s_shared, training_of(shared), lay, H200, tokens)[0] - \
+            _compute(s_plain, training_of(plain), lay, H200, tokens)[0]
         assert extra_s == pytest.approx(share * shared_flops(s_shared, tokens) / rate, rel=1e-6), form
-        w = widths("bf16", False)
         copies = weight_copies(s_shared, w, 2, form=form) - weight_copies(s_plain, w, 2, form=form)
         assert copies == pytest.approx(share * 3 * 2048 * 8192 * 2 * s_shared.moe_share, abs=2), form
