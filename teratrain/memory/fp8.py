@@ -180,20 +180,6 @@ class Fp8Linear(nn.Module):
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, fp8={self.gemm.recipe}"
 
 
-class Fp8PartialRow(Fp8Linear):
-    """The shared experts' w2 under megatron tensor parallelism (parallel/tp_layers.py PartialRowParallel:
-    X' W'^T left unreduced for the MoE layer's one reduction, the bias added times `bias_share`, 1 on one tp
-    rank and 0 on the others) with its GEMMs in float8."""
-
-    def __init__(self, piece: nn.Module, gemm: Fp8Gemm):
-        super().__init__(piece, gemm)
-        self.bias_share = piece.bias_share
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gemm(x, self.weight, None, self.float8_weight)  # (.., d_model), partial over tp
-        return y + self.bias * self.bias_share if self.bias is not None else y
-
-
 def aligned(weight_shape: tuple[int, ...]) -> bool:
     """Can torch._scaled_mm take this (local) weight: both dimensions multiples of 16?"""
     return all(n % ALIGN == 0 for n in weight_shape[-2:])
@@ -216,8 +202,6 @@ def apply_fp8(model: nn.Module, cfg, device: torch.device) -> None:
             continue
         if type(child) is nn.Linear:
             setattr(parent, name, Fp8Linear(child, gemm))
-        elif _partial_row(child):
-            setattr(parent, name, Fp8PartialRow(child, gemm))
         else:
             child.gemm = gemm  # a tensor-parallel piece (parallel/tp_layers.py) calls it itself
 
@@ -268,18 +252,10 @@ def float8_weights(model: nn.Module) -> list[torch.Tensor]:
     return [child.weight for _, _, child, routed in _block_linears(model) if not routed]
 
 
-def _partial_row(module: nn.Module) -> bool:
-    """Is `module` parallel/tp_layers.py's PartialRowParallel (the shared experts' w2 under megatron tensor
-    parallelism)? Told by its `bias_share` beside a weight, since the planner reads this module and so it
-    imports none of the engines' layers (tests/unit/test_import_graph.py); the routed experts' stacks,
-    which have a `bias_share` too, have no `weight`."""
-    return hasattr(module, "bias_share") and isinstance(getattr(module, "weight", None), torch.Tensor)
-
-
 def _block_linears(model: nn.Module):
-    """(parent, name, linear, routed?) for every linear layer of every block: nn.Linear, Fp8Linear, a
-    tensor-parallel piece that takes a `gemm` (parallel/tp_layers.py), or the shared experts' partial
-    row-parallel w2. routed: inside an MoE layer but outside its shared experts' MLP (the router, the
+    """(parent, name, linear, routed?) for every linear layer of every block: nn.Linear, Fp8Linear, or a
+    tensor-parallel piece that takes a `gemm` (parallel/tp_layers.py; the shared experts' partial row-parallel
+    w2 among them). routed: inside an MoE layer but outside its shared experts' MLP (the router, the
     shared experts' gate), kept in bf16 as the routed experts are."""
     from teratrain.models.moe import MoE
     from teratrain.models.protocol import blocks
@@ -291,5 +267,5 @@ def _block_linears(model: nn.Module):
             routed |= {id(x) for x in moe.modules() if id(x) not in shared}
         for parent in block.modules():
             for name, child in parent.named_children():
-                if type(child) in (nn.Linear, Fp8Linear) or hasattr(child, "gemm") or _partial_row(child):
+                if type(child) in (nn.Linear, Fp8Linear) or hasattr(child, "gemm"):
                     yield parent, name, child, id(child) in routed

@@ -142,8 +142,11 @@ class PartialRowParallel(nn.Module):
         super().__init__()
         self.weight, self.bias, self.bias_share = weight, bias, 1.0 if add_bias else 0.0
 
+    gemm = None  # memory/fp8.py's Fp8Gemm where the product runs in float8, as the pieces above take it
+    float8_weight = None  # memory/fp8.py's Float8Weight: set by ZeRO-3's float8 gathers and the step's casts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.gemm is None else self.gemm(x, self.weight, None, self.float8_weight)
         return y + self.bias * self.bias_share if self.bias is not None else y
 
 

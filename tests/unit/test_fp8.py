@@ -126,8 +126,8 @@ def test_shared_experts_run_in_float8_and_routers_gates_and_routed_experts_stay_
 @pytest.mark.parametrize("add_bias", [True, False])
 def test_the_shared_experts_partial_row_piece_runs_in_float8(add_bias):
     """Under megatron tensor parallelism the shared experts' w2 is a PartialRowParallel (parallel/tensor.py):
-    apply_fp8 swaps it for Fp8PartialRow, the same weight and bias, whose output is the float8 GEMM's, the
-    bias added on the one tp rank that adds it (add_bias) and times 0 on the others, as the piece's own."""
+    apply_fp8 gives it the float8 gemm, as the other tensor-parallel pieces, keeping its weight and bias; its
+    output is the float8 GEMM's, the bias added on the one tp rank that adds it (add_bias) and times 0 on the others, as the piece's own."""
     from teratrain.parallel.tp_layers import PartialRowParallel
 
     cfg = make_config(*SMALL, *FP8, *MOE_SHARED, "model.bias=true", "model.arch=gpt2", "model.n_kv_heads=4")
@@ -140,7 +140,7 @@ def test_the_shared_experts_partial_row_piece_runs_in_float8(add_bias):
     shared.w2 = PartialRowParallel(w2.weight, w2.bias, add_bias)
     fp8.apply_fp8(model, cfg, torch.device("cpu"))
     piece = shared.w2
-    assert type(piece) is fp8.Fp8PartialRow and piece.weight is w2.weight and piece.bias is w2.bias
+    assert type(piece) is PartialRowParallel and piece.weight is w2.weight and piece.bias is w2.bias
     assert isinstance(piece.gemm, fp8.Fp8Gemm)
     x = torch.randn(8, w2.in_features, generator=g)
     with autocast("bf16", torch.device("cpu")):
