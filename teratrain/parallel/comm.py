@@ -259,6 +259,9 @@ def start_seq_gather(x: torch.Tensor, group, chunks: int = 1) -> tuple[torch.Ten
     n = group_size(group)
     if n == 1:
         return x, []
+    if chunks == 1:  # one unit: the output is the ranks' blocks end to end, written through flat views
+        out = x.new_empty((x.shape[0], n * x.shape[1], *x.shape[2:]))
+        return out, [all_gather(out.view(-1), x.contiguous().view(-1), group, async_op=True)]
     pieces = x.contiguous().view(chunks, -1)  # (units, this rank's rows of a unit)
     out = x.new_empty((chunks, n, pieces.shape[1]))
     works = [all_gather(out[k].view(-1), pieces[k], group, async_op=True) for k in range(chunks)]
@@ -278,6 +281,10 @@ def _seq_reduce_scatter(x: torch.Tensor, group, chunks: int = 1) -> torch.Tensor
         blocks = x.contiguous().view(chunks, n, -1).transpose(0, 1).contiguous()  # no copy when chunks == 1
         out = funcol.reduce_scatter_tensor(blocks, SUM, 0, group)
         return out.view(x.shape[0], x.shape[1] // n, *x.shape[2:])
+    if chunks == 1:  # one unit: rank r's block is the r-th of the flat input
+        out = x.new_empty((x.shape[0], x.shape[1] // n, *x.shape[2:]))
+        reduce_scatter(out.view(-1), x.contiguous().view(-1), group)
+        return out
     units = x.contiguous().view(chunks, n, -1)  # (units, ranks, rows of a unit's block)
     out = x.new_empty((chunks, units.shape[2]))
     for k in range(chunks):
