@@ -73,7 +73,7 @@ def model_keys(hf: dict, path: Path) -> tuple[dict, list[str]]:
             model["rope_scaling"] = {k: float(rope[k]) for k in ROPE_SCALING_KEYS}
     else:
         raise ConfigError(f"'{path}' has neither Llama (hidden_size, num_hidden_layers) nor GPT-2 (n_embd, n_layer) "
-                     "keys; pass a Llama, Mistral, Mixtral or GPT-2 config.json.")
+                     "keys; pass a config.json of a Llama, Mistral, Qwen or GPT-2 family.")
     model.update({ours: hf[theirs] for theirs, ours in keys.items() if hf.get(theirs) is not None})
     model.setdefault("n_kv_heads", model["n_heads"])  # every key given: none is left to a preset's value
     model.setdefault("d_ff", 4 * model["d_model"])  # GPT-2's n_inner = null

@@ -30,7 +30,8 @@ from teratrain.planner.states import PlanError
 def add_plan_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="predict per-GPU memory and step time; pick the fastest layout that fits",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("config", nargs="?", help="TOML config, or a HF config.json (Llama, Mistral, Mixtral, GPT-2)")
+    p.add_argument("config", nargs="?", help="TOML config, or a HF config.json (Llama, Mistral, Qwen2/3, Mixtral, "
+                                             "Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-2)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="model preset, e.g. llama-8b (shorthand for --set model.preset=...)")
     src.add_argument("--params", type=float, help="bare parameter count, e.g. 1.5e9: model states only")
