@@ -58,6 +58,32 @@ def hf_llama(m, dev: torch.device):
     return LlamaForCausalLM(hf_cfg).to(dev).train()
 
 
+def torchao_float8(model, cfg, tp: int = 1, **options):
+    """torchtitan's float8 training on a peer's side: torchao's `convert_to_float8_training` swaps for its
+    Float8Linear exactly the linears teratrain runs in float8 (memory/fp8.py `float8_weights`: the block linears
+    outside MoE layers, not the embedding, not the head) whose local weight torch._scaled_mm takes (`aligned`),
+    with the recipe of memory.fp8 and, under memory.fp8_emulate, torchao's high-precision emulation of the float8
+    GEMMs (CPU). `tp`: the ranks torchtitan's tensor-parallel plan splits each weight over (rowwise wo and w2 by
+    columns, the others colwise by rows); `options`: more fields of the Float8LinearConfig (FSDP2's
+    `enable_fsdp_float8_all_gather`). Returns the Float8LinearConfig used."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from teratrain.memory.fp8 import aligned, float8_weights
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.memory.fp8), emulate=cfg.memory.fp8_emulate,
+                                 **options)
+    block = {id(w) for w in float8_weights(model)}
+
+    def local(fqn: str, d_out: int, d_in: int) -> tuple[int, int]:  # the plan's split: rowwise wo, w2; else colwise
+        return (d_out, d_in // tp) if fqn.rsplit(".", 1)[-1] in ("wo", "w2") else (d_out // tp, d_in)
+
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(
+        getattr(mod, "weight", None)) in block and aligned(local(fqn, *mod.weight.shape)))
+    return config
+
+
 def add_weights_arg(ap) -> None:
     """`--weights`: fp32 weights, or bf16 weights with fp32 masters on both sides (`weights_set`)."""
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],

@@ -22,10 +22,11 @@ with each block's forward compiled (ours: train.compile under ZeRO-3, its gather
 around each block, and the final norm and the loss; FSDP2: torchtitan's order, `torch.compile` on each
 block, then `fully_shard`, and the final norm and the loss compiled too). `--fp8 RECIPE`: both once more
 per mode with the block linears in float8 (ours: memory.fp8, gathering float8 weights under tensorwise,
-memory.fp8_gather; FSDP2: torchtitan's torchao float8 training, see `torchao_float8`), reported as
-`*_fp8` rows and, per mode, `fp8` / `fp8_compiled`: each side's float8 against its bf16, ours against
-FSDP2 both in float8, and the four peaks. --smoke emulates the float8 GEMMs on both sides (torchao's
-emulation, memory.fp8_emulate); FSDP2's float8 all-gather runs on gloo as it is.
+memory.fp8_gather; FSDP2: torchtitan's torchao float8 training, common.py `torchao_float8`), reported
+as `*_fp8` rows, ours against FSDP2 both in float8 as `tokens_per_s_ratio_ours_over_fsdp2_fp8` (compiled:
+`_compiled_fp8`) beside the bf16 ratios, and per mode `fp8` / `fp8_compiled`: each side's float8 against its
+bf16 and the four peaks. --smoke emulates the float8 GEMMs on both sides (torchao's emulation,
+memory.fp8_emulate); FSDP2's float8 all-gather runs on gloo as it is.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fit_layers, fresh_compile, smoke_compile  # noqa: E402
+from common import fit_layers, fresh_compile, smoke_compile, torchao_float8  # noqa: E402
 from memory_trace import traced_step  # noqa: E402
 from trace_summary import profile_steps  # noqa: E402
 from teratrain.compat import nccl_options  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
-from teratrain.memory.fp8 import RECIPES, aligned, float8_weights, fp8_problem, gathers_in_float8  # noqa: E402
+from teratrain.memory.fp8 import RECIPES, fp8_problem, gathers_in_float8  # noqa: E402
 from teratrain.mesh import init_runtime, shutdown  # noqa: E402
 from teratrain.models.transformer import Transformer, flops_per_token  # noqa: E402
 from teratrain.optim.engine import tensor_bytes, train_step  # noqa: E402
@@ -104,12 +105,15 @@ def fsdp2(cfg, rt, group=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh(rt.device.type, (rt.world,)) if group is None else DeviceMesh.from_group(group, rt.device.type)
+    mesh = (init_device_mesh(rt.device.type, (rt.world,)) if group is None
+            else DeviceMesh.from_group(group, rt.device.type))
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    float8 = torchao_float8(model, cfg) if cfg.memory.fp8 != "none" else None  # before compiling and sharding
-    if float8 is not None:
+    float8 = None
+    if cfg.memory.fp8 != "none":  # before compiling and sharding; tensorwise gathers float8 weights, as ours does
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        float8 = torchao_float8(model, cfg, enable_fsdp_float8_all_gather=cfg.memory.fp8 == "tensorwise")
     if cfg.train.compile:  # torchtitan's order: each block compiled, then sharded (its hooks outside the graph)
         for key, block in list(model.layers.items()):
             model.layers[key] = torch.compile(block)
@@ -144,25 +148,6 @@ def fsdp2(cfg, rt, group=None):
         return held["states"] + tensor_bytes(moments)
 
     return step, states
-
-
-def torchao_float8(model, cfg):
-    """torchtitan's float8 training on FSDP2's side: torchao's `convert_to_float8_training` swaps exactly the
-    linears ours runs in float8 (memory/fp8.py: the block linears outside MoE layers whose weight torch._scaled_mm
-    takes; not the embedding, not the head) for its Float8Linear, with the recipe of memory.fp8; tensorwise
-    gathers its weights in float8 (`enable_fsdp_float8_all_gather`, as ours does, memory.fp8_gather). Returns the
-    Float8LinearConfig used; memory.fp8_emulate: torchao's high-precision emulation of the float8 GEMMs (CPU)."""
-    import dataclasses
-
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    config = Float8LinearConfig.from_recipe_name(cfg.memory.fp8)
-    config = dataclasses.replace(config, emulate=cfg.memory.fp8_emulate,
-                                 enable_fsdp_float8_all_gather=cfg.memory.fp8 == "tensorwise")
-    ours_fp8 = {id(w) for w in float8_weights(model) if aligned(tuple(w.shape))}
-    convert_to_float8_training(model, config=config,
-                               module_filter_fn=lambda mod, fqn: id(getattr(mod, "weight", None)) in ours_fp8)
-    return config
 
 
 def measure(build, cfg, rt, mb: int, warmup: int, steps: int, top: int = 12, profile: bool = False) -> dict:
@@ -217,8 +202,9 @@ def _unwrapped(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_summary(rows: dict, tag: str, cfg) -> dict:
-    """The float8 sides of one mode against each other and against their bf16 runs: tokens/s ratios (of the
-    first round, and of the rounds' medians with --rounds > 1), each side's peak, and what each gathers in."""
+    """The float8 sides of one mode against their bf16 runs: tokens/s ratios (of the first round, and of the
+    rounds' medians with --rounds > 1), each side's peak, and what each gathers in. Ours against FSDP2, both in
+    float8, is `_ratios`' (tokens_per_s_ratio_ours_over_fsdp2{tag}_fp8 and its median, rounds and peak ratio)."""
     names = {"ours_fp8": f"ours_zero3{tag}_fp8", "ours_bf16": f"ours_zero3{tag}",
              "fsdp2_fp8": f"fsdp2{tag}_fp8", "fsdp2_bf16": f"fsdp2{tag}"}
     row = {k: rows[v] for k, v in names.items()}
@@ -226,7 +212,7 @@ def _fp8_summary(rows: dict, tag: str, cfg) -> dict:
     out = {"mode": "compiled" if tag else "eager", "recipe": recipe,
            "gathers": {"ours": "float8" if gathers_in_float8(3, recipe, cfg.memory.fp8_gather) else "bf16",
                        "fsdp2": "float8" if recipe == "tensorwise" else "bf16"}}  # torchao: tensorwise only
-    for a, b in (("ours_fp8", "ours_bf16"), ("ours_fp8", "fsdp2_fp8"), ("fsdp2_fp8", "fsdp2_bf16")):
+    for a, b in (("ours_fp8", "ours_bf16"), ("fsdp2_fp8", "fsdp2_bf16")):
         out[f"tokens_per_s_{a}_over_{b}"] = round(row[a]["tokens_per_s"] / row[b]["tokens_per_s"], 4)
         ra, rb = row[a]["tokens_per_s_rounds"], row[b]["tokens_per_s_rounds"]
         if len(ra) > 1:
@@ -308,7 +294,8 @@ def main() -> None:
     # NCCL-capped variants, each on process groups of its own, made once (every rank, the same order)
     capped_ours = {n: init_runtime(load_config(None, shape + RUN + batch + [f"parallel.dp_max_ctas={n}"]))
                    for n in _ints(args.dp_max_ctas)}
-    capped_fsdp2 = {n: dist.new_group(list(range(world)), pg_options=nccl_options(n)) for n in _ints(args.fsdp2_max_ctas)}
+    capped_fsdp2 = {n: dist.new_group(list(range(world)), pg_options=nccl_options(n))
+                    for n in _ints(args.fsdp2_max_ctas)}
 
     modes = [] if args.compile_only else [("", [])]
     if args.compile or args.compile_only:  # both sides compiled, each block apart

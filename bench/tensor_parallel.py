@@ -18,12 +18,12 @@ where the device allows: on CPU too, so the smoke run steps the DTensor paramete
 run does), gradient clipping at 1.0 with the norm read back every step. One GPU: every rank runs the
 unsplit model on its own device at the same time (no communication); rank 0's figures are reported.
 `--fp8 RECIPE`: every variant and one GPU once more per mode with the block linears in float8 (ours:
-memory.fp8=RECIPE; DTensor: torchtitan's torchao float8 training, `_torchao_float8`), rows NAME_fp8 whose
-per-GPU efficiency is against one GPU in float8, each with `fp8_over_bf16_same_mode` (its tokens/s over its
-bf16 row's, same variant and mode), gathered at the top under that name with each row's mode and, for ours,
-the target at the llama-8b width (1.2x); `ours_vs_dtensor_*_fp8*`: both sides float8. A variant memory.fp8
-does not take (tp_overlap=chunked) is listed in its shape's `fp8_not_run` with the reason; --smoke emulates
-the float8 GEMMs (memory.fp8_emulate, torchao's emulate).
+memory.fp8=RECIPE; DTensor: torchtitan's torchao float8 training, common.py `torchao_float8`), rows
+NAME_fp8 whose per-GPU efficiency is against one GPU in float8, each with `fp8_over_bf16_same_mode` (its
+tokens/s over its bf16 row's, same variant and mode), gathered at the top under that name with each row's
+mode and, for ours, the target at the llama-8b width (1.2x); `ours_vs_dtensor_*_fp8*`: both sides float8.
+A variant memory.fp8 does not take (tp_overlap=chunked) is listed in its shape's `fp8_not_run` with the
+reason; --smoke emulates the float8 GEMMs (memory.fp8_emulate, torchao's emulate).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import emit, env_info, error_text, fresh_compile, fresh_memory, graph_breaks, peak_gib, sync  # noqa: E402
+from common import emit, env_info, error_text, fresh_compile, fresh_memory, graph_breaks, peak_gib, sync, torchao_float8
 from trace_summary import profile_steps  # noqa: E402
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.config_base import ConfigError  # noqa: E402
-from teratrain.memory.fp8 import RECIPES, aligned, float8_weights, fp8_problem  # noqa: E402
+from teratrain.memory.fp8 import RECIPES, fp8_problem  # noqa: E402
 from teratrain.memory.precision import autocast  # noqa: E402
 from teratrain.mesh import Runtime, init_runtime, shutdown  # noqa: E402
 from teratrain.metrics import peak_flops  # noqa: E402
@@ -110,7 +110,7 @@ def dtensor(cfg, rt):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if cfg.memory.fp8 != "none":  # torchtitan's order: the float8 linears swapped in, then split
-        _torchao_float8(model, cfg, rt.world)
+        torchao_float8(model, cfg, rt.world)
     _dtensor_plan(model, mesh, cfg.parallel.use_sp, local=not cfg.train.compile, float8=cfg.memory.fp8)
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:  # the fused optimizer (and clipping) would fail on, or mis-handle, a mix
@@ -138,23 +138,6 @@ def dtensor(cfg, rt):
         return loss.detach()
 
     return step
-
-
-def _torchao_float8(model, cfg, tp: int) -> None:
-    """torchao's float8 training (torchtitan's) on the block linears ours runs in float8 (memory/fp8.py: outside
-    MoE layers, each local weight's dimensions multiples of 16; not the embedding, not the head)."""
-    import dataclasses
-
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.memory.fp8), emulate=cfg.memory.fp8_emulate)
-    block = {id(w) for w in float8_weights(model)}
-
-    def local(fqn: str, d_out: int, d_in: int) -> tuple[int, int]:  # the plan's split: rowwise wo, w2; else colwise
-        return (d_out, d_in // tp) if fqn.rsplit(".", 1)[-1] in ("wo", "w2") else (d_out // tp, d_in)
-
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: id(
-        getattr(mod, "weight", None)) in block and aligned(local(fqn, *mod.weight.shape)))
 
 
 def _dtensor_plan(model, mesh, sp: bool, local: bool = True, float8: str = "none") -> None:
@@ -426,9 +409,11 @@ def parity(base: list[str], rt, steps: int, modes: list[str]) -> dict:
     batches = [torch.randint(0, vocab, (2, T + 1), generator=g).to(rt.device) for _ in range(steps)]
     runs = {"tp": [], "tp_chunked": CHUNKED}
     runs.update({"tp" + MODE_TAGS[m]: ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
-    runs.update({"tp_chunked" + MODE_TAGS[m]: CHUNKED + ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
+    runs.update({"tp_chunked" + MODE_TAGS[m]: CHUNKED + ["train.compile=true", f"train.compile_mode={m}"]
+                 for m in modes})
     if rt.device.type == "cuda":  # async TP: symmetric memory
-        runs.update({"tp_async" + MODE_TAGS[m]: ASYNC + ["train.compile=true", f"train.compile_mode={m}"] for m in modes})
+        runs.update({"tp_async" + MODE_TAGS[m]: ASYNC + ["train.compile=true", f"train.compile_mode={m}"]
+                     for m in modes})
     out = {}
     for tag, extra in runs.items():
         fresh_compile()  # else dynamo reuses the previous run's graphs for this model's blocks, whatever changed
