@@ -88,14 +88,22 @@ class PeakStorages(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self._alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._alive: dict[int, tuple[StorageWeakRef, int]] = {}  # address -> the storage last seen there
+        self._total = 0  # bytes of every entry of _alive, those whose storage has expired since included
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._alive.update((ptr, (ref, n)) for ptr, ref, n in _storages(out))
-        self._alive = {ptr: held for ptr, held in self._alive.items() if not held[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self._alive.values()))
+        for ptr, ref, n in _storages(out):
+            held = self._alive.get(ptr)
+            self._total += n - (held[1] if held is not None else 0)
+            self._alive[ptr] = (ref, n)
+        # the live bytes are at most the running total, so the peak can rise only where the total tops it: only
+        # then are the expired entries dropped (a storage once expired stays so) and the live bytes compared
+        if self._total > self.peak:
+            for ptr in [ptr for ptr, (ref, _) in self._alive.items() if ref.expired()]:
+                self._total -= self._alive.pop(ptr)[1]
+            self.peak = max(self.peak, self._total)
         return out
 
 
