@@ -299,16 +299,19 @@ def block_ops(shape: ModelShape, train: Training, lay: Layout) -> tuple[int, int
     return fwd, bwd
 
 
-def eager_ops(shape: ModelShape, train: Training, lay: Layout) -> int:
+def eager_ops(shape: ModelShape, train: Training, lay: Layout, fp8: float | None = None) -> int:
     """Ops one rank issues per step: every block's forward and backward per micro-batch, the
     forward again when a segment is recomputed, what MoE layers add (`moe_ops`), the embedding/head/loss,
-    and the optimizer step's per-tensor work (gradient bookkeeping, the fused kernels' chunks)."""
+    the optimizer step's per-tensor work (gradient bookkeeping, the fused kernels' chunks) and memory.fp8's
+    (`fp8`: this plan's `fp8_ops`, counted here where not given)."""
     fwd, bwd = block_ops(shape, train, lay)
     replay = fwd if lay.recompute in REPLAYING else 0
     layers = rank_layers(shape, lay)
     tensors = (len(shape.param_shapes()) + expert_tensors(shape, train)) // lay.pp
-    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, train, lay) + tensors
-                 + expert_grad_ops(shape, train, lay) + fp8_ops(shape, train, lay) + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
+    fp8 = fp8_ops(shape, train, lay) if fp8 is None else fp8
+    return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, train, lay)
+                 + tensors + expert_grad_ops(shape, train, lay) + fp8
+                 + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
 
 
 def expert_grad_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -335,11 +338,11 @@ def _expert_leaves(shape: ModelShape) -> int:
     return mlp_matrices(shape.cfg) * (2 if shape.cfg.use_bias else 1)
 
 
-def issued_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
+def issued_ops(shape: ModelShape, train: Training, lay: Layout, fp8: float | None = None) -> float:
     """Ops (kernels) one rank issues per step: eager_ops, or compiled, the model's share of them at
     COMPILED_OPS_SHARE (the optimizer step, one op per parameter tensor and its fused kernels, and the
-    experts' gradient accumulations stay eager)."""
-    ops = eager_ops(shape, train, lay)
+    experts' gradient accumulations stay eager). `fp8`: this plan's `fp8_ops`, where the caller has it."""
+    ops = eager_ops(shape, train, lay, fp8)
     if not train.compiled:
         return ops
     eager = (len(shape.param_shapes()) + expert_tensors(shape, train)) // lay.pp + expert_grad_ops(shape, train, lay)
@@ -395,7 +398,8 @@ def engine_launches(shape: ModelShape, train: Training, lay: Layout) -> float:
             reduces, gathers = reduce_messages(shape, train, lay, experts, n)
             total += reduces * reduce_passes(lay)
             if lay.zero == 3 and lay.pp == 1:  # the root's groups: once a micro-step, not twice
-                units = [key for members, _, key in zero_groups(shape, train, lay, n) if is_expert(members[0]) == experts]
+                units = [key for members, _, key in zero_groups(shape, train, lay, n)
+                         if is_expert(members[0]) == experts]
                 total += sum(gathered // 2 if key is None else gathered for key in units)
             elif lay.zero:
                 total += gathers * gathered
@@ -408,16 +412,17 @@ def launch_s(gpu: GPU) -> float:
     return gpu.host_launch_s if gpu.host_launch_s is not None else DP_LAUNCH_SHARE * gpu.host_collective_s
 
 
-def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float) -> float:
+def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float, fp8: float | None = None) -> float:
     """Seconds the host needs to issue one rank's step in eager mode: every op (`ops`, and a split
     backward's extra ones, `split_ops`; gpu.host_op_s each), every tensor- and expert-parallel
     collective `issued_collectives` counts (gpu.host_collective_s) and every launch of the data-parallel
     engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
     the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each, memory.fp8's
-    (`fp8_ops`) FP8_HOST_OP_SHARE. The host probe's rows (refit.fit_host) have no pipeline, no MoE layer and
-    no float8: none of these ops."""
+    (`fp8_ops`; `fp8`, where the caller has counted them) FP8_HOST_OP_SHARE. The host probe's rows
+    (refit.fit_host) have no pipeline, no MoE layer and no float8: none of these ops."""
+    fp8 = fp8_ops(shape, train, lay) if fp8 is None else fp8
     ops += (split_ops(shape, lay) + (moe_host_share(train) - 1) * moe_ops(shape, train, lay)
-            + (FP8_HOST_OP_SHARE - 1) * fp8_ops(shape, train, lay))
+            + (FP8_HOST_OP_SHARE - 1) * fp8)
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 
@@ -463,8 +468,8 @@ def _offload_s(train: Training, lay: Layout, gpu: GPU, shard: int) -> float:
 def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU,
              tokens: float) -> tuple[float, float, float, float]:
     """(seconds of one rank's compute for `tokens` tokens, its model FLOPs, the FLOPs recomputation
-    replays, the FLOPs of its float8 GEMMs): everything at the sustained rate of the width, the experts' extra at theirs, the float8
-    GEMMs at their speed-up over it and their casts' HBM traffic on top."""
+    replays, the FLOPs of its float8 GEMMs): everything at the sustained rate of the width, the experts' extra
+    at theirs, the float8 GEMMs at their speed-up over it and their casts' HBM traffic on top."""
     attn = attention_flops(shape, tokens)
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
     replay_attn = attn / 3 if lay.recompute not in ("none", "selective-ops") else 0.0
@@ -506,7 +511,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     c = shape.cfg
     tokens = lay.tokens(c.seq_len) * lay.num_microbatches  # one rank's share of its replica's samples
     compute_s, flops, replay, fp8_flops = _compute(shape, train, lay, gpu, tokens)
-    ops = issued_ops(shape, train, lay)
+    fp8 = fp8_ops(shape, train, lay)  # counted once: the ops, the host's time and the terms read it
+    ops = issued_ops(shape, train, lay, fp8)
     ops_s = ops * gpu.op_overhead_s
     compute_s += replay_s(shape, w, lay, c.seq_len, hbm) - fused_s(shape, train, lay, gpu, tokens)
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here
@@ -533,7 +539,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # CUDA graphs (train.compile_mode=reduce-overhead) replay the step with one launch per graph: the
     # host issues nothing per op, and the GPU's timeline is the step (graphed tp on 2 and 4 H200s: the
     # planner 0.4-9.7% over it, tests/unit/test_planner_recorded.py). Their memory pools are not modelled.
-    issue_s = 0.0 if train.graphed else host_s(shape, train, lay, gpu, ops)
+    issue_s = 0.0 if train.graphed else host_s(shape, train, lay, gpu, ops, fp8)
     # ZB-H1's split backward costs the GPU nothing extra: I is one autograd call and W launches B's own
     # weight kernels (parallel/pipeline/backward.py; I + W measured at 1.02-1.19x B's GPU time per stage
     # on 4 x H200, bench/results/h200x4/2026-11-27_pipeline.json "zb_vs_1f1b"); its host pays more
@@ -552,7 +558,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     mfu = model_flops(shape, global_tokens) / step / (lay.gpus * gpu.peak_flops(train.precision))
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
-                         {"recompute_flops": replay, "fp8_flops": fp8_flops, "fp8_ops": fp8_ops(shape, train, lay),
+                         {"recompute_flops": replay, "fp8_flops": fp8_flops, "fp8_ops": fp8,
                           "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
                           "cp_exposed_s": cp_exposed,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
@@ -565,6 +571,6 @@ def _readback_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, busy:
     forward is 1 of the 1 + backward_ratio parts of the compute)."""
     if shape.num_experts == 1 or lay.ep == 1 or shape.cfg.moe.capacity > 0:
         return 0.0
-    fwd_ops = (rank_layers(shape, lay) * block_ops(shape, train, lay)[0]
-               + OPS_OUTSIDE) * lay.num_microbatches + moe_host_share(train) * moe_ops(shape, train, lay, forward_only=True)
+    fwd_ops = ((rank_layers(shape, lay) * block_ops(shape, train, lay)[0] + OPS_OUTSIDE) * lay.num_microbatches
+               + moe_host_share(train) * moe_ops(shape, train, lay, forward_only=True))
     return min(fwd_ops * gpu.host_op_s, busy / (1 + pipeline.backward_ratio(lay)))
