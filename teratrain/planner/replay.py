@@ -95,7 +95,8 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
     r, cw = w.param, w.compute
     tokens = micro_batch * seq
     res = tokens / (tp if sp else 1)  # tokens of the residual stream on this rank
-    q, kv, f = c.n_heads * c.head_width / tp, c.kv_heads * c.head_width / tp, c.ffn_dim / tp
+    # key/value heads fewer than tp are replicated, one whole head a rank (parallel/tp_plan.py colwise_kv)
+    q, kv, f = c.n_heads * c.head_width / tp, max(1, c.kv_heads // tp) * c.head_width, c.ffn_dim / tp
     d = c.d_model
     add = res * d * (r + cw + max(r, cw))  # h + attn: the stream and the attention's output, the sum
     # autocast casts the attention's and the MLP's input once each (before: each first-layer linear's)

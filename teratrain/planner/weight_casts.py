@@ -18,18 +18,26 @@ def block_matrices(shape: ModelShape, tp: int = 1, form: str = "megatron") -> li
     passes, split as the dense MLP is in the megatron form (the per-layer tp forms keep MoE layers whole,
     parallel/tensor.py)."""
     c = shape.cfg
-    d, hd = c.d_model, c.head_width
-    kv = max(1, c.kv_heads // tp) * hd
+    d = c.d_model
     moe = shape.num_experts > 1
     dense = 1 - shape.moe_share if moe else 1.0
     shared = shape.moe_share if moe and c.shared_ffn_dim else 0.0
-    attn = [(c.n_heads * hd // tp, d, 1.0), (kv, d, 1.0), (kv, d, 1.0), (d, c.n_heads * hd // tp, 1.0)]
+    attn = [(r, k, 1.0) for r, k in attention_matrices(shape, tp)]
 
     def mlp(width: int, share: float, t: int) -> list[tuple[int, int, float]]:  # w1 (w3) by rows, w2 by columns
         return [(width // t, d, share)] * (2 if c.arch == "llama" else 1) + [(d, width // t, share)]
 
     out = attn + mlp(c.ffn_dim, dense, tp) + mlp(c.shared_ffn_dim, shared, tp if form == "megatron" else 1)
     return [(r, k, share) for r, k, share in out if share]
+
+
+def attention_matrices(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
+    """(rows, columns) of a block's q, k, v and o weights on a rank, the attention's part of `block_matrices`:
+    tensor parallelism splits q/k/v by rows (whole heads) and wo by columns; key/value heads fewer than tp are
+    replicated, one whole head on each rank (parallel/tp_plan.py colwise_kv)."""
+    c = shape.cfg
+    d, q, kv = c.d_model, c.n_heads * c.head_width // tp, max(1, c.kv_heads // tp) * c.head_width
+    return [(q, d), (kv, d), (kv, d), (d, q)]
 
 
 def fp8_linears(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[tuple[int, int, float]]:
@@ -105,8 +113,8 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     expert was its own parameter stacked them: a copy also where autocast makes none, bf16 parameters).
     `once`: the step casts the stacks once for all micro-batches (`casts_once`; `step_cast_bytes` holds them)."""
     c = shape.cfg
-    d, q, kvd = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width
-    attn = d * (q + 2 * kvd) + q * d
+    d = c.d_model
+    attn = sum(r * k for r, k in attention_matrices(shape, tp))  # on a rank: replicated key/value heads whole
     n_mats = 3 if c.arch == "llama" else 2
     mlp = n_mats * d * c.ffn_dim
     # once, the stacks' copies are the step's (step_cast_bytes), not a block's
@@ -122,10 +130,10 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
         attn_mlp = int(fp8_weights(shape, tp, form)[1] * w.compute) + gate if w.autocast_copies else 0
         return attn_mlp + router + experts
     if shape.num_experts == 1:
-        return int((attn + mlp) * w.compute) // tp if w.autocast_copies else 0
+        return int(attn * w.compute) + int(mlp * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
         return router + experts
-    return (int(attn * w.compute) // tp + int((1 - shape.moe_share) * mlp * w.compute) // tp + shared + gate
+    return (int(attn * w.compute) + int((1 - shape.moe_share) * mlp * w.compute) // tp + shared + gate
             + router + experts)
 
 

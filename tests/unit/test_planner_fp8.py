@@ -179,3 +179,18 @@ def test_replicated_key_value_heads_count_whole_in_float8():
                                         "model.d_ff=8192"]))
     fp8, rest = fp8_weights(shape, 8)
     assert rest == 0 and fp8 == 2048 * 2048 * 2 // 8 + 2 * 128 * 2048 + 3 * 2048 * 8192 // 8
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_autocast_copies_of_replicated_key_value_heads_are_whole_heads(tp):
+    """8 query heads and 2 key/value heads at tp 4 and 8: each rank holds one whole key/value head's wk and wv
+    (parallel/tp_plan.py colwise_kv), and autocast copies those local weights to bf16: weight_copies is
+    `block_matrices`' elements in 2 bytes, as memory.fp8 counts the same weights."""
+    from teratrain.planner.layout import widths
+    from teratrain.planner.weight_casts import block_matrices, weight_copies
+
+    shape = shape_of(load_config(None, ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=2",
+                                        "model.d_ff=1024"]))
+    local = sum(r * k * share for r, k, share in block_matrices(shape, tp))
+    assert local == 2 * 512 * 512 // tp + 2 * 64 * 512 + 3 * 512 * 1024 // tp  # q and wo split, k and v one head
+    assert weight_copies(shape, widths("bf16", False), tp) == 2 * local
