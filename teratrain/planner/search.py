@@ -85,13 +85,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _splits(c, tp: int, form: str = "megatron") -> bool:
+    """Whether tensor parallelism of degree `tp` splits this model's heads and MLP (parallel/tp_plan.py
+    check_tp): in the megatron form key/value heads fewer than tp are replicated, one whole head a rank."""
+    kv = c.kv_heads % tp == 0 or (form == "megatron" and tp % c.kv_heads == 0)
+    return kv and not (c.n_heads % tp or c.ffn_dim % tp)
+
+
 def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[int, int, int, int, int]]:
     """(dp, tp, pp, ep, cp) with dp*cp*tp*pp = gpus that the model's shape allows; ep divides dp and the
     experts (expert parallelism borrows data-parallel ranks)."""
     c = shape.cfg
     out = []
     for tp in [fixed["tp"]] if "tp" in fixed else _divisors(min(gpus, gpu.gpus_per_node)):
-        if c is not None and (c.n_heads % tp or c.kv_heads % tp or c.ffn_dim % tp):
+        if c is not None and not _splits(c, tp, fixed.get("tp_form", "megatron")):
             continue
         for pp in [fixed["pp"]] if "pp" in fixed else _divisors(gpus // tp if gpus % tp == 0 else 1):
             if c is not None and c.n_layers < pp and "pp" not in fixed:
@@ -205,10 +212,13 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refus
     """One sentence naming the key that rules every layout out, and the fix."""
     c = shape.cfg
     tp = fixed.get("tp")
-    if c is not None and tp and (c.n_heads % tp or c.kv_heads % tp or c.ffn_dim % tp):
-        ok = [d for d in _divisors(min(gpus, 64)) if not (c.n_heads % d or c.kv_heads % d or c.ffn_dim % d)]
-        return (f"parallel.tp={tp} must divide model.n_heads ({c.n_heads}), model.n_kv_heads ({c.kv_heads}) and "
-                f"the MLP width ({c.ffn_dim}); set parallel.tp to one of {', '.join(map(str, ok))}.")
+    form = fixed.get("tp_form", "megatron")
+    if c is not None and tp and not _splits(c, tp, form):
+        ok = [d for d in _divisors(min(gpus, 64)) if _splits(c, d, form)]
+        multiple = " or be a multiple of it" if form == "megatron" else ""
+        return (f"parallel.tp={tp} must divide model.n_heads ({c.n_heads}) and the MLP width ({c.ffn_dim}), and "
+                f"divide model.n_kv_heads ({c.kv_heads}){multiple}; set parallel.tp to one of "
+                f"{', '.join(map(str, ok))}.")
     prod = math.prod(fixed.get(k, 1) for k in ("dp", "cp", "tp", "pp"))
     if "ep" in fixed and (fixed.get("dp", gpus // max(1, prod)) % fixed["ep"] or shape.num_experts % fixed["ep"]):
         return (f"parallel.ep={fixed['ep']} must divide the data-parallel degree and model.moe.num_experts "

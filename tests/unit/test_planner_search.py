@@ -86,6 +86,16 @@ def test_tensor_parallel_degree_must_divide_the_heads():
     assert {c.layout.tp for c in search(shape, train, 8, H100, {}, 80)} <= {1, 5}
 
 
+def test_tensor_parallel_beyond_the_key_value_heads_replicates_them_as_the_runtime_does():
+    """tp a multiple of n_kv_heads runs (parallel/tp_plan.py check_tp, the megatron form: one whole key/value
+    head a rank) and is searched; the per-layer forms split the heads and may not exceed them."""
+    shape, train = _shape("llama-1b", "model.n_kv_heads=4", "train.global_batch=16")
+    assert 8 in {c.layout.tp for c in search(shape, train, 8, H100, {}, 80)}
+    assert {c.layout.tp for c in search(shape, train, 8, H100, {"tp_form": "all-gather"}, 80)} <= {1, 2, 4}
+    with pytest.raises(Exception, match=r"divide model.n_kv_heads \(4\) or be a multiple of it"):
+        search(shape, train, 8, H100, {"tp": 3}, 80)
+
+
 def test_more_gpus_take_less_time_per_step():
     shape, train = _shape("llama-1b", "train.global_batch=32")
     one = evaluate(shape, train, Layout(dp=1, micro_batch=2, num_microbatches=16, recompute="full"), H100)
