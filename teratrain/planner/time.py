@@ -93,14 +93,15 @@ MOE_HOST_OP_SHARE = MOE_HOST_OP_SHARE_SORTED * _COMMON["moe_running_count_op_sha
 # A split backward (ZB-H1's I, then W: parallel/pipeline/backward.py) issues this many ops more per
 # block and micro-batch than one backward: its saved-tensor hook detaches every tensor the forward
 # saves (saved.py), and I hands the gradients at the weight-side edges back through the engine.
-# Counted with a TorchDispatchMode over the last stage's program at two depths
-# (bench/calibrate/split_cost.py: 74.0 in fp32 on CPU and in bf16 on an H200;
-# tests/integration/test_bench_smoke.py counts it again). None launches a kernel: the host alone pays,
+# Counted with a TorchDispatchMode over the last stage's program of pp=2 x tp=2 at two depths
+# (bench/calibrate/split_cost.py; tests/integration/test_bench_smoke.py counts it again on CPU): net of the
+# sequence shards ZB-H1 does not re-gather (parallel/tensor.py keep_shard: 2 collectives a block fewer, each
+# 4 ops since one unit's gather runs through flat views). None launches a kernel: the host alone pays,
 # priced here at the average op (`python bench/calibrate/split_cost.py --layers 8 32` times the host's
 # cost of them on one GPU; bench/README.md, "Calibration scripts"). The first stage
 # does not split (no input gradient to send); every later one does, the last among them, which the host
 # paces. MoE blocks (more saved tensors) and recomputed ones (fewer) are charged the same.
-OPS_SPLIT_EXTRA = 65
+OPS_SPLIT_EXTRA = 71
 # memory.fp8 (memory/fp8.py): aten ops one float8 linear adds per micro-batch, (forward, backward), by
 # recipe: the dynamic casts of its input and weight (amax, scale, clamp, convert), of the output gradient and
 # of the input again for the weight gradient, and the scaled GEMMs' layout copies. Where the step casts its
