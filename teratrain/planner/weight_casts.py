@@ -18,26 +18,17 @@ def block_matrices(shape: ModelShape, tp: int = 1, form: str = "megatron") -> li
     passes, split as the dense MLP is in the megatron form (the per-layer tp forms keep MoE layers whole,
     parallel/tensor.py)."""
     c = shape.cfg
-    d = c.d_model
+    d, q, kv = c.d_model, c.n_heads * c.head_width // tp, max(1, c.kv_heads // tp) * c.head_width
     moe = shape.num_experts > 1
     dense = 1 - shape.moe_share if moe else 1.0
     shared = shape.moe_share if moe and c.shared_ffn_dim else 0.0
-    attn = [(r, k, 1.0) for r, k in attention_matrices(shape, tp)]
+    attn = [(q, d, 1.0), (kv, d, 1.0), (kv, d, 1.0), (d, q, 1.0)]  # key/value heads fewer than tp: one whole a rank
 
     def mlp(width: int, share: float, t: int) -> list[tuple[int, int, float]]:  # w1 (w3) by rows, w2 by columns
         return [(width // t, d, share)] * (2 if c.arch == "llama" else 1) + [(d, width // t, share)]
 
     out = attn + mlp(c.ffn_dim, dense, tp) + mlp(c.shared_ffn_dim, shared, tp if form == "megatron" else 1)
     return [(r, k, share) for r, k, share in out if share]
-
-
-def attention_matrices(shape: ModelShape, tp: int = 1) -> list[tuple[int, int]]:
-    """(rows, columns) of a block's q, k, v and o weights on a rank, the attention's part of `block_matrices`:
-    tensor parallelism splits q/k/v by rows (whole heads) and wo by columns; key/value heads fewer than tp are
-    replicated, one whole head on each rank (parallel/tp_plan.py colwise_kv)."""
-    c = shape.cfg
-    d, q, kv = c.d_model, c.n_heads * c.head_width // tp, max(1, c.kv_heads // tp) * c.head_width
-    return [(q, d), (kv, d), (kv, d), (d, q)]
 
 
 def fp8_linears(shape: ModelShape, tp: int = 1, form: str = "megatron") -> list[tuple[int, int, float]]:
@@ -114,27 +105,20 @@ def weight_copies(shape: ModelShape, w: Widths, tp: int = 1, ep: int = 1, form: 
     `once`: the step casts the stacks once for all micro-batches (`casts_once`; `step_cast_bytes` holds them)."""
     c = shape.cfg
     d = c.d_model
-    attn = sum(r * k for r, k in attention_matrices(shape, tp))  # on a rank: replicated key/value heads whole
-    n_mats = 3 if c.arch == "llama" else 2
-    mlp = n_mats * d * c.ffn_dim
     # once, the stacks' copies are the step's (step_cast_bytes), not a block's
     experts = 0 if once or shape.num_experts == 1 else _expert_copies(shape, w, ep, form, device, tp)
-    # shared experts: cast like the attention, split by tp in the megatron form (the others keep MoE layers whole)
-    shared = int(shape.moe_share * n_mats * d * c.shared_ffn_dim * w.compute) // (tp if form == "megatron" else 1)
     # the shared experts' gate (d -> 1, whole on every tp rank, bf16 under memory.fp8 too)
     gate = int(shape.moe_share * d * w.compute) if c.moe.shared_experts and c.moe.shared_gate else 0
     # an fp32 router over narrower parameters multiplies by its weight cast up, a copy autograd keeps
     router = int(shape.moe_share * d * shape.num_experts * 4) if c.moe.router_dtype == "fp32" and w.param < 4 \
         and shape.num_experts > 1 else 0
-    if w.fp8 != "none":  # a float8 linear saves the weight itself: no copy (memory/fp8.py Fp8Gemm)
-        attn_mlp = int(fp8_weights(shape, tp, form)[1] * w.compute) + gate if w.autocast_copies else 0
-        return attn_mlp + router + experts
-    if shape.num_experts == 1:
-        return int(attn * w.compute) + int(mlp * w.compute) // tp if w.autocast_copies else 0
     if not w.autocast_copies:
         return router + experts
-    return (int(attn * w.compute) + int((1 - shape.moe_share) * mlp * w.compute) // tp + shared + gate
-            + router + experts)
+    # attention, dense MLP and shared experts as a rank holds them; a float8 linear saves the weight itself:
+    # no copy (memory/fp8.py Fp8Gemm)
+    copied = fp8_weights(shape, tp, form)[1] if w.fp8 != "none" else sum(
+        r * k * share for r, k, share in block_matrices(shape, tp, form))
+    return int(copied * w.compute) + gate + router + experts
 
 
 def _expert_copies(shape: ModelShape, w: Widths, ep: int, form: str, device: str, tp: int) -> int:
