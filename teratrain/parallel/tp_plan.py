@@ -195,6 +195,12 @@ _RULES = {
 }
 
 
+def splits_kv_heads(kv_heads: int, tp: int, form: str) -> bool:
+    """Whether `tp` ranks can hold the key/value heads: split evenly, or in the megatron form also replicated,
+    one whole head a rank (colwise_kv) where tp is a multiple of them."""
+    return kv_heads % tp == 0 or (form == "megatron" and tp % kv_heads == 0)
+
+
 def check_tp(cfg) -> None:
     """Refuse, with the fix, tensor-parallel layouts this model's shape cannot be split into."""
     p, m = cfg.parallel, cfg.model
@@ -205,14 +211,15 @@ def check_tp(cfg) -> None:
               (m.ffn_dim % tp == 0, f"the MLP width ({m.ffn_dim}, model.d_ff) must be divisible by parallel.tp ({tp})"),
               (m.vocab_size >= tp, f"model.vocab_size ({m.vocab_size}) must be at least parallel.tp ({tp})")]
     if p.tp_form == "megatron":
-        checks.append((m.kv_heads % tp == 0 or tp % m.kv_heads == 0,
+        checks.append((splits_kv_heads(m.kv_heads, tp, p.tp_form),
                        f"model.n_kv_heads ({m.kv_heads}) and parallel.tp ({tp}) must divide one another"))
         checks.append((m.qk_norm != "full", f"model.qk_norm=full normalises over the whole q and k widths, which "
                                             f"parallel.tp_form=megatron splits over parallel.tp ({tp}) ranks (the "
                                             f"all-gather form keeps them whole)"))
     else:
-        checks += [(m.kv_heads % tp == 0, f"parallel.tp_form={p.tp_form} splits key/value heads: model.n_kv_heads "
-                                          f"({m.kv_heads}) must be divisible by parallel.tp ({tp})"),
+        checks += [(splits_kv_heads(m.kv_heads, tp, p.tp_form),
+                    f"parallel.tp_form={p.tp_form} splits key/value heads: model.n_kv_heads "
+                    f"({m.kv_heads}) must be divisible by parallel.tp ({tp})"),
                    (m.d_model % tp == 0, f"model.d_model ({m.d_model}) must be divisible by parallel.tp ({tp})"),
                    (not p.sequence_parallel, f"parallel.sequence_parallel needs parallel.tp_form=megatron "
                                              f"(this run has {p.tp_form})")]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from teratrain.parallel.tp_plan import splits_kv_heads
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import GIB, MemoryBreakdown, plan_memory
@@ -88,8 +89,7 @@ def _divisors(n: int) -> list[int]:
 def _splits(c, tp: int, form: str = "megatron") -> bool:
     """Whether tensor parallelism of degree `tp` splits this model's heads and MLP (parallel/tp_plan.py
     check_tp): in the megatron form key/value heads fewer than tp are replicated, one whole head a rank."""
-    kv = c.kv_heads % tp == 0 or (form == "megatron" and tp % c.kv_heads == 0)
-    return kv and not (c.n_heads % tp or c.ffn_dim % tp)
+    return splits_kv_heads(c.kv_heads, tp, form) and not (c.n_heads % tp or c.ffn_dim % tp)
 
 
 def _degrees(shape: ModelShape, gpus: int, gpu: GPU, fixed: dict) -> list[tuple[int, int, int, int, int]]:
