@@ -158,6 +158,16 @@ def gemms(dev) -> dict:
     return out
 
 
+def gemm_speedups(dev) -> dict:
+    """`gemms` and float8's speed over bf16 per recipe: the mean over the llama-8b width's shapes at 4096 tokens
+    (the planner's fp8_speedup_tensorwise / _rowwise)."""
+    rows = gemms(dev)
+    mine = [r for r in rows if r["m"] == 4096]
+    return {"bench": "fp8_gemms", **env_info(dev), "gemm_tflops": rows,
+            "speedup": {recipe: round(statistics.fmean(r[f"fp8_{recipe}"] / r["bf16"] for r in mine), 3)
+                        for recipe in ("tensorwise", "rowwise")}}
+
+
 def ratios(rows: list[dict], recipe: str) -> dict:
     """Tokens/s ratios, each within one mode: fp8 over bf16 (ours, transformers), ours over transformers
     (bf16, fp8)."""
@@ -253,6 +263,8 @@ def main() -> None:
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
+    ap.add_argument("--gemms-only", action="store_true", help="only the GEMM rates and float8's speed-ups over bf16 "
+                    "(planner/calibration/<card>.toml fp8_speedup_*)")
     add_weights_arg(ap)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
@@ -265,6 +277,9 @@ def main() -> None:
     if args.smoke:
         smoke_compile()
         args.steps, args.warmup = 2, 1
+    if args.gemms_only:
+        emit(gemm_speedups(dev), args.out)
+        return
     emit(converge(args, dev) if args.converge else speed(args, dev), args.out)
 
 

@@ -9,7 +9,9 @@ layout. Prints one JSON object (rows with predicted / measured / error %).
     python bench/planner_validate.py            # on a GPU (H200: ~3-4 minutes, < 60 GiB)
     python bench/planner_validate.py --smoke    # tiny shapes on CPU: proves the script runs
 
-The H200 rows calibrate the H200 constants (teratrain/planner/calibration/h200.toml) and are tabulated in docs/planner.md.
+Each row is planned with the preset of the GPU it runs on (planner/hardware.py gpu_for_device) and the host terms
+measured here. The result records each row's settings, so `--refit RESULT [--write]` fits that card's constants
+(teratrain/planner/calibration/<card>.toml) on the rows not named "held-out"; tabulated in docs/planner.md.
 
 Several GPUs of one host (bench/planner_modes.py; one torchrun job, rows in the same processes):
 
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,10 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.planner.activations import forward_saved  # noqa: E402
-from teratrain.planner.hardware import gpu_with  # noqa: E402
+from teratrain.planner.hardware import gpu_for_device, gpu_with  # noqa: E402
 from teratrain.planner.inputs import layout_of, shape_of, training_of  # noqa: E402
 from teratrain.optim.engine import train_step  # noqa: E402
 from teratrain.measure import build_engine, random_batch, saved_bytes  # noqa: E402
+from teratrain.planner.refit import how_it_runs  # noqa: E402
 from teratrain.planner.search import evaluate  # noqa: E402
 from machine import HOST_NUMEL, host_adam, host_cast, pcie_gbps  # noqa: E402
 
@@ -119,8 +123,21 @@ def phases(model, engine, batch, precision: str, device: torch.device, repeats: 
             **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
 
 
+def full_sets(sets: list[str]) -> list[str]:
+    """The --set overrides a row runs with (recorded in the result, so that planner/refit.py plans it again)."""
+    return COMMON + sets + [f"train.global_batch={_mb(sets)}"]
+
+
+def preset_of(device: torch.device, hw: dict):
+    """The planner's preset for this device (the H200's on CPU), with the host terms measured here."""
+    if device.type != "cuda":
+        return gpu_with("h200", hw)
+    props = torch.cuda.get_device_properties(device)
+    return replace(gpu_for_device(props.name, props.total_memory), **hw)
+
+
 def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup: int, hw: dict) -> dict:
-    cfg = load_config(None, COMMON + sets + [f"train.global_batch={_mb(sets)}"])
+    cfg = load_config(None, full_sets(sets))
     model, engine = build_engine(cfg, device)
     batch = random_batch(cfg, cfg.train.micro_batch, device)
     times = []
@@ -132,7 +149,8 @@ def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup
         train_step(model, engine, [batch], cfg.memory.precision, 1e-4)
         sync(device)
         times.append(time.perf_counter() - t0)
-    row = {"name": name, "measured_step_s": statistics.median(times[warmup:]),
+    row = {"name": name, "held_out": name.startswith("held-out"), "sets": full_sets(sets),
+           "measured_step_s": statistics.median(times[warmup:]),
            "step_times_s": [round(t, 5) for t in times[warmup:]]}
     if device.type == "cuda":
         row["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -154,7 +172,8 @@ def _mb(sets: list[str]) -> int:
 def _predict(row: dict, cfg, device: torch.device, hw: dict) -> None:
     shape, train = shape_of(cfg), training_of(cfg)
     lay = layout_of(cfg, 1)
-    cand = evaluate(shape, train, lay, gpu_with("h200", hw))
+    gpu = preset_of(device, hw)
+    cand = evaluate(shape, train, lay, gpu)
     w = train.widths(lay.zero, lay.offload)
     n = lay.micro_batch * cfg.model.seq_len
     row["layout"] = {k: v for k, v in lay.as_dict().items() if k in ("zero", "micro_batch", "recompute", "offload")}
@@ -174,7 +193,7 @@ def _predict(row: dict, cfg, device: torch.device, hw: dict) -> None:
         row["predicted_total_gib"] = cand.memory.total / GIB
         row["measured_total_gib"] = row["measured_reserved_gib"] + row["outside_allocator_gib"]
         row["total_err_pct"] = _err(row["predicted_total_gib"], row["measured_total_gib"])
-        peak = gpu_with("h200").peak_flops(cfg.memory.precision)
+        peak = gpu.peak_flops(cfg.memory.precision)
         row["mfu_measured"] = round(cand.time.model_flops_per_step / row["measured_step_s"] / peak, 4)
         row["mfu_predicted"] = round(cand.time.mfu, 4)
 
@@ -220,7 +239,7 @@ def main() -> int:
                     "rows' first visits get 65%% of it, 50%% with relaunches)")
     ap.add_argument("--relaunches", type=int, default=2, help="with --gpus: jobs after the main one that run the host "
                     "probe and the host-paced rows again in fresh processes, while the budget leaves time")
-    ap.add_argument("--refit", metavar="RESULT", help="print what a --gpus result would change in the planner")
+    ap.add_argument("--refit", metavar="RESULT", help="print what a result of this script would change in the planner")
     ap.add_argument("--write", action="store_true", help="with --refit: write the refitted constants into "
                     "teratrain/planner/calibration/<card>.toml")
     ap.add_argument("--out", help="also write the JSON here")
@@ -277,13 +296,20 @@ def main() -> int:
             continue
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"{name}: done", file=sys.stderr)
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "measured_host": hw, "rows": rows}
+    gpu = preset_of(device, hw)
+    # planner/refit.py reads the device, its memory, the host terms ("hw") and each row's sets: `--refit` fits
+    # the card's constants (calibration/<card>.toml) on the rows not held out
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus": 1,
+           "device_mem_gib": gpu.memory_gib, "gpu_preset": gpu.name, "torch": torch.__version__,
+           "measured_host": hw, "hw": hw, **how_it_runs(), "rows": rows}
     for key in ("peak_err_pct", "time_err_pct", "saved_err_pct", "total_err_pct"):
         errs = [abs(r[key]) for r in rows if key in r]
         if errs:
             out[f"worst_{key}"] = max(errs)
-    print(json.dumps(out, indent=1))
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
     if args.table:
         print(markdown(out))
     return 0

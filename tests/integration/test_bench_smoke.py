@@ -249,3 +249,20 @@ def test_parallel_host_ops_counts_the_planners_collectives(tmp_path):
             per.append(issued_collectives(shape_of(cfg), training_of(cfg), lay) / lay.num_microbatches)
         planned[name] = per[1] - per[0]
     assert counted == {**planned, "tp2_sp": planned["tp2_sp"] + 2}, (counted, planned)
+
+
+def test_one_gpu_validation_is_refittable_on_cpu(tmp_path):
+    """bench/planner_validate.py's one-process form records what planner/refit.py needs to fit a card on it:
+    each row's settings and whether it is held out, the device, its memory and the host terms measured."""
+    from teratrain.planner.refit import refit
+
+    out = tmp_path / "validate.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planner_validate.py"), "--smoke", "--only",
+                           "tiny full", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["held_out"] is False and "memory.recompute=full" in row["sets"] and row["measured_step_s"] > 0
+    assert result["gpus"] == 1 and result["device_mem_gib"] > 0 and result["hw"]["host_adam_params_per_s"] > 0
+    report = refit(result)  # the row plans again from its settings, with the host terms measured
+    assert report["changes"]["host_adam_params_per_s"][1] == result["hw"]["host_adam_params_per_s"]

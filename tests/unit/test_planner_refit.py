@@ -191,9 +191,13 @@ def test_write_calibration_rewrites_one_entry(tmp_path):
 def test_calibration_updates_take_the_fitted_constants_of_a_report():
     from teratrain.planner.refit import calibration_updates
 
-    report = {"changes": {"flops_max": [0.84, 0.7], "pcie_gbps": [55, 40.0]},
+    report = {"changes": {"flops_max": [0.84, 0.7], "pcie_gbps": [55, 40.0], "context_gib": [0.75, 0.6]},
               "step_time_errors": {"refit": {"fit rows": {"rows": 2, "max_abs_pct": 1.0, "median_abs_pct": 0.5},
                                              "held-out rows": {"rows": 0, "max_abs_pct": None, "median_abs_pct": None}}}}
-    assert calibration_updates(report, "r.json") == {"flops_max": {
+    updates = calibration_updates(report, "r.json")
+    assert updates["flops_max"] == {
         "value": 0.7, "source": "bench/planner_validate.py --refit", "runs": ["r.json"],
-        "fit_error": "fit rows: 2 rows, max 1.0%, median 0.5%"}}  # measured terms (pcie_gbps) stay --hw-file's
+        "fit_error": "fit rows: 2 rows, max 1.0%, median 0.5%"}
+    # the allowance's context is measured, not fitted to the step times; measured terms (pcie_gbps) stay --hw-file's
+    assert updates["context_gib"]["value"] == 0.6 and "outside the allocator" in updates["context_gib"]["fit_error"]
+    assert set(updates) == {"flops_max", "context_gib"}
