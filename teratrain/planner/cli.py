@@ -14,8 +14,8 @@ import dataclasses
 import json
 
 from teratrain.config import ConfigError, load_config
-from teratrain.planner.hardware import (GPUS, HOST_GIB_PER_GPU, gpu_with, host_memory_gib, hw_keys, local_gpu_count,
-                                        read_hw_file)
+from teratrain.planner.hardware import (GPUS, HOST_GIB_PER_GPU, borrowed, gpu_with, host_memory_gib, hw_keys,
+                                        local_gpu_count, read_hw_file)
 from teratrain.planner import modes
 from teratrain.planner.auto import KEYS, command_line, train_command
 from teratrain.planner.inputs import PLAN_PRECISION, fixed_of, load, model_sets, shape_of, training_of
@@ -68,6 +68,7 @@ def cmd_plan(args) -> int:
     training_of(cfg, notes)  # its notes, once
     host_mem = _host_mem(args, notes, gpus, gpu.gpus_per_node)
     mode, train, cands = _search_modes(cfg, shape, (gpus, gpu, fixed, gpu_mem, host_mem), notes)
+    notes += _borrowed(gpu, shape, train)
     fitting = [c for c in cands if c.fits]
     limits = (gpu_mem, host_mem)
     if not fitting:
@@ -260,6 +261,24 @@ def _gpu(args, notes: list[str]):
         raise ConfigError(f"--hw {e.args[0]} is not a hardware assumption; use one of {', '.join(hw_keys())}.") from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _borrowed(gpu, shape, train) -> list[str]:
+    """A note naming the constants this plan reads that the card's preset holds from another card (not given
+    with --hw or --hw-file)."""
+    preset = GPUS.get(gpu.name)
+    if preset is None:
+        return []
+    unused = {"fp8_speedup_tensorwise", "fp8_speedup_rowwise"} if train.fp8 == "none" else set()
+    unused |= {"moe_efficiency", "grouped_half_work"} if shape.num_experts <= 1 else set()
+    unused |= {"flops_efficiency_fp32"} if train.precision != "fp32" else set()
+    others = [k for k in borrowed(gpu.name) if k not in unused and getattr(gpu, k) == getattr(preset, k)]
+    if not others:
+        return []
+    card = gpu.name.upper()
+    return [f"the {card} preset's {', '.join(others)} are another card's values, not measured on an {card} "
+            f"(planner/calibration/{gpu.name}.toml says whose); on one, `python bench/planner_validate.py --out "
+            "r.json`, then the same with `--refit r.json --write`, measures those the step time fits"]
 
 
 def _default_gpus(fixed: dict) -> int:

@@ -47,6 +47,14 @@ def calibrated(name: str) -> dict[str, float]:
     return {key: entry["value"] for key, entry in calibration(name).items()}
 
 
+NOT_MEASURED = "not measured on this card"  # in an entry's source: the value is another card's
+
+
+def borrowed(name: str) -> list[str]:
+    """The constants of calibration/<name>.toml that hold another card's value (their source says so)."""
+    return [key for key, entry in calibration(name).items() if NOT_MEASURED in entry.get("source", "")]
+
+
 _REFERENCE = calibrated("h200")  # the GPU dataclass's defaults: the card most constants were fitted on
 
 

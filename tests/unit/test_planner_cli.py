@@ -193,3 +193,19 @@ def test_graphed_expert_parallelism_is_pointed_at_the_reordered_exchange(capsys)
     assert not said(plan_json(capsys, *graphed, "--set", "parallel.ep=4", "--set", "parallel.dp=4",
                               "--set", "train.compile_overlap=true"))
     assert not said(plan_json(capsys, *graphed, "--set", "parallel.ep=2", "--set", "parallel.dp=4"))
+
+
+def test_constants_another_card_measured_are_named(capsys):
+    """A preset's constants that hold another card's values (calibration/<card>.toml) are named where the plan
+    reads them; one given with --hw is the user's, and the H200's own are all measured there."""
+    from teratrain.planner.hardware import borrowed
+
+    assert borrowed("h200") == [] and "mem_efficiency" in borrowed("a100")
+    note = next(n for n in plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu", "a100")["notes"]
+                if "another card's values" in n)
+    assert "mem_efficiency" in note and "fp8_speedup" not in note and "moe_efficiency" not in note  # dense, bf16
+    notes = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu", "a100", "--hw", "mem_efficiency=0.6",
+                      "--hw", "host_op_s=1e-5")["notes"]
+    assert not any("mem_efficiency" in n or "host_op_s" in n for n in notes if "another card's values" in n)
+    h200 = plan_json(capsys, "--model", "gpt2-124m", "--gpu", "h200")["notes"]
+    assert not any("another card's values" in n for n in h200)
