@@ -1,10 +1,11 @@
 """Three bandwidth-bound pieces of the training step, each against its alternatives on one GPU.
 
-`adamw`: one AdamW step over fp32 parameters shaped as llama-1b's (1.10 B, 147 tensors) and as the
-Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks): torch's fused AdamW (with the
+`adamw`: one AdamW step over fp32 parameters shaped as llama-1b's (1.10 B, 147 tensors), as the
+Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks) and as gpt2-350m's (355 M in 292 tensors,
+most of them biases and norms: where launches a tensor would pace the step): torch's fused AdamW (with the
 clip's gradient scale, as optim/engine.py runs it), torch.compile over torch's foreach AdamW (tensor lr,
-capturable), and teratrain's kernel (optim/adamw_kernel.py). `ideal_ms` = 28 bytes a parameter at the
-card's datasheet bandwidth (--hbm-gbps).
+capturable; `--no-compiled-adamw` leaves it out), and teratrain's kernel (optim/adamw_kernel.py). `ideal_ms` =
+28 bytes a parameter at the card's datasheet bandwidth (--hbm-gbps).
 
 `moe_gather`: the compiled MoE layer's two row gathers summed over each token's k choices (models/
 permute.py): dispatch's backward and the weighted combine, as a gather of all N x k rows reduced over k
@@ -67,15 +68,20 @@ def shapes(kind: str, smoke: bool) -> list[tuple[int, ...]]:
             out += [(128, 768, 2048)] * 3 + [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096), (128, 2048)]
             out += [(2048,), (2048,), (128,), (128,)]
         return out + [(151936 // 4, 2048), (151936 // 4, 2048), (2048,)]
+    if kind == "gpt2-350m":  # 24 blocks of 12 tensors (norms and linears with biases); the embeddings, the last norm
+        for _ in range(24):
+            out += [(1024,), (1024,), (3072, 1024), (3072,), (1024, 1024), (1024,), (1024,), (1024,), (4096, 1024),
+                    (4096,), (1024, 4096), (1024,)]
+        return out + [(50257, 1024), (1024, 1024), (1024,), (1024,)]
     for _ in range(16):  # llama-1b: 16 blocks, embedding and head untied
         out += [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
         out += [(2048,), (2048,)]
     return out + [(32000, 2048), (32000, 2048), (2048,)]
 
 
-def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float) -> dict:
+def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float, compiled_too: bool = True) -> dict:
     out = {}
-    for kind in ("llama-1b", "qwen3-30b-a3b"):
+    for kind in ("llama-1b", "qwen3-30b-a3b", "gpt2-350m"):
         params = [torch.randn(s, device=dev) * 0.02 for s in shapes(kind, smoke)]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
@@ -93,14 +99,16 @@ def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float) -> dict:
                 opt.step()
             row[f"{name}_ms"] = round(timed(step, dev, iters), 3)
             del opt
-        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=dev) if dev.type == "cuda" else 1e-4,
-                                weight_decay=0.1, foreach=True, capturable=dev.type == "cuda")
-        compiled = torch.compile(opt.step)
-        t = time.perf_counter()
-        compiled()
-        row["compiled_foreach_first_call_s"] = round(time.perf_counter() - t, 1)
-        row["compiled_foreach_ms"] = round(timed(compiled, dev, iters), 3)
-        del opt, compiled, params
+        if compiled_too:
+            opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=dev) if dev.type == "cuda" else 1e-4,
+                                    weight_decay=0.1, foreach=True, capturable=dev.type == "cuda")
+            compiled = torch.compile(opt.step)
+            t = time.perf_counter()
+            compiled()
+            row["compiled_foreach_first_call_s"] = round(time.perf_counter() - t, 1)
+            row["compiled_foreach_ms"] = round(timed(compiled, dev, iters), 3)
+            del opt, compiled
+        del params
         if "teratrain_ms" in row:
             row["teratrain_speedup_over_torch_fused"] = round(row["torch_fused_ms"] / row["teratrain_ms"], 3)
             row["teratrain_bandwidth_share"] = round(row["ideal_ms"] / row["teratrain_ms"], 3)
@@ -187,6 +195,7 @@ def main() -> None:
     ap.add_argument("--only", default="adamw,moe_gather,swiglu")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--hbm-gbps", type=float, default=4800, help="datasheet bandwidth for ideal_ms (H200: 4800)")
+    ap.add_argument("--no-compiled-adamw", action="store_true", help="adamw: leave torch.compile's form out")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -194,7 +203,7 @@ def main() -> None:
     result = {"bench": "step_kernels", **env_info(dev)}
     only = args.only.split(",")
     if "adamw" in only:
-        result["adamw"] = adamw(dev, args.smoke, args.iters, args.hbm_gbps)
+        result["adamw"] = adamw(dev, args.smoke, args.iters, args.hbm_gbps, not args.no_compiled_adamw)
     if "moe_gather" in only:
         result["moe_gather"] = moe_gather(dev, args.smoke, args.iters)
     if "swiglu" in only:
