@@ -260,11 +260,34 @@ def refit(result: dict, split: str = "fit") -> dict:
         changes["context_gib"] = [preset.context_gib, round(own, 3)]
     if frag:
         changes["fragmentation"] = [preset.fragmentation, round(statistics.median(frag), 3)]
+    launch = optimizer_tensor_s(measured, fit_rows)
+    if launch is not None:
+        changes["host_optimizer_tensor_s"] = [preset.host_optimizer_tensor_s, launch]
     errors = {}
     for name, gpu in (("assumed", preset), ("measured terms", measured), ("refit", fitted)):
         errors[name] = {"fit rows": _stats(step_errors(gpu, fit_rows)), "held-out rows": _stats(step_errors(gpu, held))}
     flags = " ".join(f"--hw {k}={v[1]:.6g}" for k, v in changes.items())
     return {"changes": changes, "step_time_errors": errors, "hw_flags": flags, "host_paced": paced}
+
+
+def optimizer_tensor_s(gpu: GPU, prepared: list[tuple]) -> float | None:
+    """The host's time a stepped tensor costs teratrain's AdamW kernel: the median, over the rows whose optimizer
+    phase (bench/planner_validate.py "phases") took over twice its planned HBM sweep, of that phase over the tensors
+    the row steps; None where no row ran the kernel so."""
+    from teratrain.planner.search import evaluate
+    from teratrain.planner.states import stepped_tensors
+    from teratrain.planner.time import optimizer_s
+
+    each = []
+    for shape, train, lay, row in prepared:
+        took = (row.get("phases") or {}).get("step_s")
+        if not took or lay.offload != "none" or train.optimizer != "adamw" or train.torch_adamw:
+            continue
+        shard = evaluate(shape, train, lay, gpu).memory.terms["shard_params"]
+        sweep = optimizer_s(train, train.widths(lay.zero, lay.offload), shard, gpu)
+        if took > 2 * sweep:
+            each.append(took / stepped_tensors(shape, train, lay))
+    return float(f"{statistics.median(each):.3g}") if each else None
 
 
 def host_paced(gpu: GPU, prepared: list[tuple]) -> dict[str, dict]:
@@ -308,7 +331,9 @@ def calibration_updates(report: dict, run: str) -> dict[str, dict]:
     err = "; ".join(f"{g}: {s['rows']} rows, max {s['max_abs_pct']}%, median {s['median_abs_pct']}%"
                     for g, s in errs.items() if s["rows"])
     allowance = {"context_gib": "the memory measured outside the allocator (module docstring)",
-                 "fragmentation": "the median of reserved / allocated - 1 over the rows"}
+                 "fragmentation": "the median of reserved / allocated - 1 over the rows",
+                 "host_optimizer_tensor_s": "measured: the optimizer phase over the tensors stepped, the median "
+                                            "over the fit rows it paces (refit.optimizer_tensor_s)"}
     return {k: {"value": new, "source": "bench/planner_validate.py --refit", "runs": [run],
                 "fit_error": allowance.get(k, err)}
             for k, (_, new) in report["changes"].items() if k in FITTED or k in allowance}

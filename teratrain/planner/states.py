@@ -141,6 +141,17 @@ def _tensors(shape: ModelShape, lay: Layout, lora: tuple = (), end: str = "fulle
     return _unstacked(tensors) if expert_tensors else tensors
 
 
+def stepped_tensors(shape: ModelShape, train: Training, lay: Layout) -> int:
+    """Parameter tensors a rank's optimizer steps: the trainable ones of the fuller pipeline end, or under ZeRO the
+    pieces of them its shard holds. A bare parameter count has no tensors to count: 0."""
+    if not _exact(shape, lay):
+        return 0
+    if lay.zero:  # the pieces of the flat groups' shards this rank owns (parallel/zero.py steps each)
+        sp = stage_params(shape, lay, train)
+        return max(1, zero_summary(shape, train, lay, max(sp["first"], sp["last"]))["pieces"])
+    return sum(t.trainable for t in _tensors(shape, lay, train.lora, expert_tensors=train.expert_tensors))
+
+
 _EXPERT_ORDER = ("w1", "b1", "w3", "b3", "w2", "b2")  # an expert's own parameters: w1, w3, w2, each weight, bias
 
 
