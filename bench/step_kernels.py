@@ -1,7 +1,7 @@
 """Three bandwidth-bound pieces of the training step, each against its alternatives on one GPU.
 
 `adamw`: one AdamW step over fp32 parameters shaped as llama-1b's (1.10 B, 147 tensors), as the
-Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks) and as gpt2-350m's (355 M in 292 tensors,
+Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks) and as gpt2-350m's (355 M in 388 tensors,
 most of them biases and norms: where launches a tensor would pace the step): torch's fused AdamW (with the
 clip's gradient scale, as optim/engine.py runs it), torch.compile over torch's foreach AdamW (tensor lr,
 capturable; `--no-compiled-adamw` leaves it out), and teratrain's kernel (optim/adamw_kernel.py). `ideal_ms` =
@@ -68,11 +68,11 @@ def shapes(kind: str, smoke: bool) -> list[tuple[int, ...]]:
             out += [(128, 768, 2048)] * 3 + [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096), (128, 2048)]
             out += [(2048,), (2048,), (128,), (128,)]
         return out + [(151936 // 4, 2048), (151936 // 4, 2048), (2048,)]
-    if kind == "gpt2-350m":  # 24 blocks of 12 tensors (norms and linears with biases); the embeddings, the last norm
-        for _ in range(24):
-            out += [(1024,), (1024,), (3072, 1024), (3072,), (1024, 1024), (1024,), (1024,), (1024,), (4096, 1024),
-                    (4096,), (1024, 4096), (1024,)]
-        return out + [(50257, 1024), (1024, 1024), (1024,), (1024,)]
+    if kind == "gpt2-350m":  # the model's own tensors, as the planner lists them (norms and linears with biases)
+        from teratrain.config import load_config
+        from teratrain.planner.inputs import shape_of
+
+        return [s for _, s in shape_of(load_config(None, ["model.preset=gpt2-350m"])).param_shapes()]
     for _ in range(16):  # llama-1b: 16 blocks, embedding and head untied
         out += [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
         out += [(2048,), (2048,)]
