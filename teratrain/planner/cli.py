@@ -68,8 +68,8 @@ def cmd_plan(args) -> int:
     training_of(cfg, notes)  # its notes, once
     host_mem = _host_mem(args, notes, gpus, gpu.gpus_per_node)
     mode, train, cands = _search_modes(cfg, shape, (gpus, gpu, fixed, gpu_mem, host_mem), notes)
-    notes += _borrowed(gpu, shape, train)
     fitting = [c for c in cands if c.fits]
+    notes += _borrowed(gpu, shape, train, (fitting or cands)[0].layout)
     limits = (gpu_mem, host_mem)
     if not fitting:
         why = nothing_fits(shape, train, gpus, gpu, fixed, limits, cands)
@@ -263,20 +263,22 @@ def _gpu(args, notes: list[str]):
         raise ConfigError(str(e)) from None
 
 
-def _borrowed(gpu, shape, train) -> list[str]:
-    """A note naming the constants this plan reads that the card's preset holds from another card (not given
-    with --hw or --hw-file)."""
+def _borrowed(gpu, shape, train, lay) -> list[str]:
+    """A note naming the constants the plan of `lay` reads that the card's preset holds from another card (not
+    given with --hw or --hw-file)."""
     preset = GPUS.get(gpu.name)
     if preset is None:
         return []
     unused = {"fp8_speedup_tensorwise", "fp8_speedup_rowwise"} if train.fp8 == "none" else set()
     unused |= {"moe_efficiency", "grouped_half_work"} if shape.num_experts <= 1 else set()
     unused |= {"flops_efficiency_fp32"} if train.precision != "fp32" else set()
+    unused |= {"host_adam_params_per_s"} if lay.offload == "none" else set()
+    unused |= {"host_optimizer_tensor_s"} if train.optimizer != "adamw" or train.torch_adamw else set()
     others = [k for k in borrowed(gpu.name) if k not in unused and getattr(gpu, k) == getattr(preset, k)]
     if not others:
         return []
-    card = gpu.name.upper()
-    return [f"the {card} preset's {', '.join(others)} are another card's values, not measured on an {card} "
+    card, what = gpu.name.upper(), ("are another card's values" if len(others) > 1 else "is another card's value")
+    return [f"the {card} preset's {', '.join(others)} {what}, not measured on an {card} "
             f"(planner/calibration/{gpu.name}.toml says whose); on one, `python bench/planner_validate.py --out "
             "r.json`, then the same with `--refit r.json --write`, measures those the step time fits"]
 

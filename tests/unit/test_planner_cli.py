@@ -203,10 +203,10 @@ def test_constants_another_card_measured_are_named(capsys):
 
     assert borrowed("h200") == ["host_optimizer_tensor_s"] and "mem_efficiency" in borrowed("a100")
     note = next(n for n in plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu", "a100")["notes"]
-                if "another card's values" in n)
+                if "another card's value" in n)
     assert "mem_efficiency" in note and "fp8_speedup" not in note and "moe_efficiency" not in note  # dense, bf16
     notes = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu", "a100", "--hw", "mem_efficiency=0.6",
                       "--hw", "host_op_s=1e-5")["notes"]
-    assert not any("mem_efficiency" in n or "host_op_s" in n for n in notes if "another card's values" in n)
+    assert not any("mem_efficiency" in n or "host_op_s" in n for n in notes if "another card's value" in n)
     h200 = plan_json(capsys, "--model", "gpt2-124m", "--gpu", "h200", "--hw", "host_optimizer_tensor_s=5e-5")["notes"]
-    assert not any("another card's values" in n for n in h200)
+    assert not any("another card's value" in n for n in h200)
