@@ -149,7 +149,16 @@ def stepped_tensors(shape: ModelShape, train: Training, lay: Layout) -> int:
     if lay.zero:  # the pieces of the flat groups' shards this rank owns (parallel/zero.py steps each)
         sp = stage_params(shape, lay, train)
         return max(1, zero_summary(shape, train, lay, max(sp["first"], sp["last"]))["pieces"])
-    return sum(t.trainable for t in _tensors(shape, lay, train.lora, expert_tensors=train.expert_tensors))
+    return _trained(shape, train.lora, train.expert_tensors, lay.tp, lay.sequence_parallel, lay.tp_form, lay.pp,
+                    lay.virtual_stages, lay.ep, lay.stage_layers)
+
+
+@lru_cache(maxsize=4096)
+def _trained(shape, lora, expert_tensors, tp, sp, form, pp, virtual_stages, ep, stage_layers) -> int:
+    """stepped_tensors without ZeRO, once per distinct layout of the tensors (the search asks per candidate)."""
+    lay = Layout(tp=tp, sequence_parallel=sp, tp_form=form, pp=pp, virtual_stages=virtual_stages, ep=ep,
+                 stage_layers=stage_layers)
+    return sum(t.trainable for t in _tensors(shape, lay, lora, expert_tensors=expert_tensors))
 
 
 _EXPERT_ORDER = ("w1", "b1", "w3", "b3", "w2", "b2")  # an expert's own parameters: w1, w3, w2, each weight, bias
