@@ -204,7 +204,7 @@ def _err(pred: float, meas: float) -> float:
 
 def markdown(out: dict) -> str:
     """The validation table for docs/planner.md and bench/README.md."""
-    host = out["measured_host"]
+    host = out["hw"]
     cast = f", cast {host['host_cast_params_per_s'] / 1e9:.2f}" if "host_cast_params_per_s" in host else ""
     lines = [f"{out['device']}, torch {out['torch']}; host: PCIe {host.get('pcie_gbps', 0):.0f} GB/s, "
              f"CPU AdamW {host['host_adam_params_per_s'] / 1e9:.2f}{cast} G params/s", "",
@@ -301,7 +301,7 @@ def main() -> int:
     # the card's constants (calibration/<card>.toml) on the rows not held out
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus": 1,
            "device_mem_gib": gpu.memory_gib, "gpu_preset": gpu.name, "torch": torch.__version__,
-           "measured_host": hw, "hw": hw, **how_it_runs(), "rows": rows}
+           "hw": hw, **how_it_runs(), "rows": rows}
     for key in ("peak_err_pct", "time_err_pct", "saved_err_pct", "total_err_pct"):
         errs = [abs(r[key]) for r in rows if key in r]
         if errs:

@@ -275,7 +275,6 @@ def optimizer_tensor_s(gpu: GPU, prepared: list[tuple]) -> float | None:
     phase (bench/planner_validate.py "phases") took over twice its planned HBM sweep, of that phase over the tensors
     the row steps; None where no row ran the kernel so."""
     from teratrain.planner.search import evaluate
-    from teratrain.planner.states import stepped_tensors
     from teratrain.planner.time import optimizer_s
 
     each = []
@@ -283,10 +282,10 @@ def optimizer_tensor_s(gpu: GPU, prepared: list[tuple]) -> float | None:
         took = (row.get("phases") or {}).get("step_s")
         if not took or lay.offload != "none" or train.optimizer != "adamw" or train.torch_adamw:
             continue
-        shard = evaluate(shape, train, lay, gpu).memory.terms["shard_params"]
-        sweep = optimizer_s(train, train.widths(lay.zero, lay.offload), shard, gpu)
+        cand = evaluate(shape, train, lay, gpu)
+        sweep = optimizer_s(train, train.widths(lay.zero, lay.offload), cand.memory.terms["shard_params"], gpu)
         if took > 2 * sweep:
-            each.append(took / stepped_tensors(shape, train, lay))
+            each.append(took / cand.time.terms["optimizer_tensors"])
     return float(f"{statistics.median(each):.3g}") if each else None
 
 
@@ -330,13 +329,13 @@ def calibration_updates(report: dict, run: str) -> dict[str, dict]:
     errs = report["step_time_errors"]["refit"]
     err = "; ".join(f"{g}: {s['rows']} rows, max {s['max_abs_pct']}%, median {s['median_abs_pct']}%"
                     for g, s in errs.items() if s["rows"])
-    allowance = {"context_gib": "the memory measured outside the allocator (module docstring)",
-                 "fragmentation": "the median of reserved / allocated - 1 over the rows",
-                 "host_optimizer_tensor_s": "measured: the optimizer phase over the tensors stepped, the median "
-                                            "over the fit rows it paces (refit.optimizer_tensor_s)"}
+    measured = {"context_gib": "the memory measured outside the allocator (module docstring)",
+                "fragmentation": "the median of reserved / allocated - 1 over the rows",
+                "host_optimizer_tensor_s": "measured: the optimizer phase over the tensors stepped, the median "
+                                           "over the fit rows it paces (refit.optimizer_tensor_s)"}
     return {k: {"value": new, "source": "bench/planner_validate.py --refit", "runs": [run],
-                "fit_error": allowance.get(k, err)}
-            for k, (_, new) in report["changes"].items() if k in FITTED or k in allowance}
+                "fit_error": measured.get(k, err)}
+            for k, (_, new) in report["changes"].items() if k in FITTED or k in measured}
 
 
 def write_calibration(card: str, updates: dict[str, dict], path=None) -> None:

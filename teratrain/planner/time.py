@@ -504,7 +504,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     w = train.widths(lay.zero, lay.offload)
     shard = mem.terms["shard_params"]  # the parameters this rank's optimizer steps
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
-    opt_s = 0.0 if lay.offload != "none" else optimizer_s(train, w, shard, gpu, stepped_tensors(shape, train, lay))
+    tensors = stepped_tensors(shape, train, lay)
+    opt_s = 0.0 if lay.offload != "none" else optimizer_s(train, w, shard, gpu, tensors)
     offload_s = _offload_s(train, lay, gpu, shard)
     comm = step_comm(shape, train, lay, gpu) if lay.gpus > 1 else {}
     if shape.is_bare:  # no shape, no FLOPs: only the model-state traffic can be timed
@@ -563,7 +564,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
                          global_tokens / step, mfu, flops,
                          {"recompute_flops": replay, "fp8_flops": fp8_flops, "fp8_ops": fp8,
                           "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
-                          "cp_exposed_s": cp_exposed,
+                          "cp_exposed_s": cp_exposed, "optimizer_tensors": tensors,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
 
 
