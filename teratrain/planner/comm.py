@@ -18,7 +18,8 @@ What is counted per step, and where it comes from in our code:
   output all-gathered forward, its input's gradient all-reduced backward; the all-reduce form: every
   output all-reduced forward, its input's gradient all-gathered backward. Recomputation that replays
   the blocks replays their forward collectives. The vocab-parallel embedding and head cross once more
-  each (and the loss all-reduces three per-token vectors);
+  each (and the loss all-reduces three per-token vectors); under eager sequence parallelism the
+  column-parallel linears' inputs are all-gathered again in backward: `regather_s`;
 - pipeline: an activation forward and its gradient backward across every stage boundary, for each
   micro-batch and model chunk (2 x (v x m + p - 1) on the critical path);
 - expert parallelism: 4 all-to-alls per MoE layer and micro-batch (dispatch and combine, forward and
@@ -78,7 +79,41 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
         per_layer = 6 if lay.recompute in REPLAYING else 4
         out["ep"] = m * layers * shape.moe_share * per_layer * all_to_all_s(shape, train, lay, gpu)
     out["cp"] = cp_s(shape, train, lay, gpu)[0]
+    out["regather"] = regather_s(shape, train, lay, gpu)[0]
     return out
+
+
+def regathers(train: Training, lay: Layout) -> bool:
+    """Whether the column-parallel linears keep their input's sequence shard and gather it again in backward
+    (parallel/comm.py Regather, parallel/tensor.py TPContext.keep_shard): eager megatron-form sequence
+    parallelism with bf16 GEMMs (float8 GEMMs keep the gathered input, the compiler's graph gathers as it
+    chooses) outside ZB-H1 pipelines, whose split backward keeps it whole."""
+    return (lay.tp > 1 and lay.sequence_parallel and lay.tp_form == "megatron" and not train.compiled
+            and train.fp8 == "none" and not (lay.pp > 1 and lay.schedule in ("zb_h1", "zb-h1")))
+
+
+def regather_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[float, float]:
+    """(seconds, seconds exposed) of one rank's step's `regathers`: per micro-batch one all-gather of the
+    attention's input a block, one of a dense MLP's (an MoE layer's tokens enter whole) and one of the head's,
+    each launched by the first linear of its region that autograd reaches and run under that linear's
+    input-gradient GEMM (wv's, w3's or GELU's w1's, the head's: Megatron-LM's order, Korthikanti et al. 2022
+    sec. 4.2.2), so only what outlasts that GEMM is exposed."""
+    if not regathers(train, lay) or shape.is_bare:
+        return 0.0, 0.0
+    c, tp = shape.cfg, lay.tp
+    n, cb = lay.tokens(c.seq_len), train.widths(lay.zero, lay.offload).compute
+    gather = on_link(gpu, "all_gather", tp, tp, n * c.d_model * cb)
+    rate = gpu.sustained_flops(train.precision, c.d_model)
+    dense = 1 - (shape.moe_share if shape.num_experts > 1 else 0.0)
+    ends = ((1.0, c.kv_heads * c.head_width), (dense, c.ffn_dim))  # per block: (share of blocks, GEMM width)
+
+    def outlasts(width: int) -> float:  # what of the gather its GEMM (n x d in, width / tp out) does not hide
+        return max(0.0, gather - 2 * n * c.d_model * width / tp / rate)
+
+    per_block = sum(share for share, _ in ends) * gather
+    exposed = sum(share * outlasts(width) for share, width in ends)
+    m, layers = lay.num_microbatches, rank_layers(shape, lay)
+    return m * (layers * per_block + gather), m * (layers * exposed + outlasts(c.vocab_size))
 
 
 def cp_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[float, float]:

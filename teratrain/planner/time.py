@@ -52,7 +52,8 @@ from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.weight_casts import casts_float8_once, fp8_linears
-from teratrain.planner.comm import cp_s, gather_passes, reduce_messages, reduce_passes, step_comm, tp_per_microbatch
+from teratrain.planner.comm import (cp_s, gather_passes, reduce_messages, reduce_passes, regather_s, step_comm,
+                                    tp_per_microbatch)
 from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_matrices, moe_extra_flops, moe_flops,
                                        shared_flops)
 from teratrain.planner.hardware import GPU, calibrated
@@ -535,7 +536,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
         exposed = dp_s + max(0.0, gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
     cp_exposed = cp_s(shape, train, lay, gpu)[1] if lay.cp > 1 else 0.0  # what the attention does not hide
-    exposed += cp_exposed
+    exposed += cp_exposed + (regather_s(shape, train, lay, gpu)[1] if lay.gpus > 1 else 0.0)
     # eager execution: the GPU runs what the host has issued, so a rank's step is the longer of the
     # two timelines (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is
     # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes

@@ -225,8 +225,8 @@ def test_parallel_host_ops_counts_the_planners_collectives(tmp_path):
     """bench/calibrate/parallel_host_ops.py (a fake process group, two depths): the tensor- and expert-parallel
     collectives a block issues per micro-batch are planner/time.py issued_collectives' (4 all-reduces without
     sequence parallelism, the ep exchange's 5), and under sequence parallelism its 8 region crossings plus the 2
-    all-gathers parallel/comm.py Regather launches in backward, which the planner does not count (their host cost
-    on a GPU is not measured)."""
+    all-gathers parallel/comm.py Regather launches in backward, which issued_collectives does not count (their host
+    cost on a GPU is not measured; their GPU time is planner/comm.py regather_s's)."""
     from teratrain.config import load_config
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.time import issued_collectives

@@ -2,11 +2,12 @@
 --hw or a --hw-file), and every tensor-parallel form is priced by the collectives its layers issue."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from teratrain.config import load_config
-from teratrain.planner.comm import collective, p2p_s, tp_per_microbatch
+from teratrain.planner.comm import collective, p2p_s, regather_s, tp_per_microbatch
 from teratrain.planner.hardware import GPUS, gpu_with, read_hw_file
 from teratrain.planner.inputs import shape_of, training_of
 from teratrain.planner.layout import Layout
@@ -55,6 +56,34 @@ def test_tensor_parallel_forms_issue_their_layers_collectives():
     for form, per_block in (("all-gather", gather), ("all-reduce", reduce)):
         got = tp_per_microbatch(shape, train, lay.with_(tp_form=form), H100, 4)
         assert got == pytest.approx(4 * per_block + vocab_plain), form
+
+
+def test_sequence_shards_gathered_again_in_backward_expose_what_outlasts_their_gemm():
+    """Eager sequence parallelism gathers the attention's and the MLP's input again in each block's backward
+    and the head's once a micro-batch (parallel/comm.py Regather), each under the input-gradient GEMM of the
+    first linear autograd reaches (wv, w3, the head): only what outlasts it is exposed, and the step pays it.
+    Compiled steps, float8 GEMMs, ZB-H1 pipelines and the other tp forms issue none."""
+    shape, train = _llama()
+    c, n = shape.cfg, 2 * shape.cfg.seq_len
+    slow = gpu_with("h100", {"all_gather_gbps": 5.0})  # every gather outlasts its GEMM
+    lay = Layout(tp=2, micro_batch=2, num_microbatches=3, sequence_parallel=True)
+    gather = collective("all_gather", 2, n * c.d_model * 2, *slow.link("all_gather", 2))
+    rate = slow.sustained_flops("bf16", c.d_model)
+    gemms = [2 * n * c.d_model * width / 2 / rate for width in (c.kv_heads * c.head_width, c.ffn_dim)]
+    total, exposed = regather_s(shape, train, lay, slow)
+    layers = c.n_layers
+    assert total == pytest.approx(3 * (2 * layers + 1) * gather)
+    head = 2 * n * c.d_model * c.vocab_size / 2 / rate
+    assert exposed == pytest.approx(3 * (layers * sum(gather - g for g in gemms) + max(0.0, gather - head)))
+    assert 0 < regather_s(shape, train, lay, H100)[1] < regather_s(shape, train, lay, H100)[0]
+    for off, other in ((train, lay.with_(sequence_parallel=False)), (train, lay.with_(tp_form="all-gather")),
+                       (replace(train, compiled=True), lay), (replace(train, fp8="rowwise"), lay),
+                       (train, lay.with_(pp=2, schedule="zb-h1"))):
+        assert regather_s(shape, off, other, slow) == (0.0, 0.0)
+    from teratrain.planner.search import evaluate
+    step = evaluate(shape, train, lay, slow).time
+    assert step.terms["comm_regather_s"] == pytest.approx(total)
+    assert step.comm_exposed_s >= exposed
 
 
 def test_pipeline_send_is_a_sequence_shard_under_sequence_parallelism():
