@@ -32,7 +32,7 @@ from teratrain.checkpoint.index import Index, Reader
 from teratrain.checkpoint.io import find_valid, write_safetensors
 from teratrain.config import ConfigError, load_config
 from teratrain.data.tokenizer import EOT
-from teratrain.fsio import atomic_write_bytes
+from teratrain.fsio import atomic_write_bytes, make_dir
 from teratrain.memory.lora import fold
 from teratrain.memory.precision import DTYPES
 
@@ -80,7 +80,7 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
     groups = _by_hf_key(cfg.model)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    make_dir(tmp, "--to", dest)
     with Reader(Index(ckpt_dir)) as reader:
         shards = _plan_shards(reader.index, groups, DTYPES[dtype].itemsize, max_shard_bytes)
         weight_map, total = {}, 0

@@ -44,7 +44,7 @@ from teratrain.checkpoint.format import CheckpointError
 from teratrain.checkpoint.io import sha256, write_safetensors
 from teratrain.config import Config, load_config
 from teratrain.config_toml import to_toml
-from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file
+from teratrain.fsio import atomic_write_bytes, fsync_dir, fsync_file, make_dir
 from teratrain.models.transformer import Transformer
 
 QUANT_META = "quant.json"
@@ -193,7 +193,7 @@ def save_quantized(out: Path, model: nn.Module, cfg: Config, tokenizer: Path | N
                               "written over another).")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    make_dir(tmp, "--out", out)
     digest = write_safetensors(tmp / "model.safetensors", model.state_dict())
     fsync_file(tmp / "model.safetensors")
     layers = {n: {"in_features": m.in_features, "out_features": m.out_features, "bias": m.bias is not None}

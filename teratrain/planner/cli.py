@@ -14,6 +14,8 @@ import dataclasses
 import json
 
 from teratrain.config import ConfigError, load_config
+from teratrain.fsio import PICTURES, output_file
+from teratrain.parallel.ep_plan import check_ep
 from teratrain.planner.hardware import (GPUS, HOST_GIB_PER_GPU, borrowed, gpu_with, host_memory_gib, hw_keys,
                                         local_gpu_count, read_hw_file)
 from teratrain.planner import modes
@@ -50,14 +52,17 @@ def add_plan_parser(subparsers) -> None:
                    "bench/planner_validate.py result (its collectives, PCIe and CPU optimizer speed) or a JSON "
                    "{key: number} object; --hw flags override it")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--plot", metavar="FILE", help="write a stacked bar chart of memory per GPU (PNG)")
+    p.add_argument("--plot", metavar="FILE", help="write a stacked bar chart of memory per GPU (.png, .svg or .pdf)")
     p.add_argument("--schedule-plot", metavar="FILE", help="draw the chosen layout's pipeline step as simulated "
-                   "(PNG; e.g. with --set parallel.pp=4 --set parallel.schedule=interleaved-1f1b)")
+                   "(.png, .svg or .pdf; e.g. with --set parallel.pp=4 --set parallel.schedule=interleaved-1f1b)")
     p.add_argument("--top", type=int, default=5, help="layouts shown in the ranking (default 5)")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args) -> int:
+    for flag, path in (("--plot", args.plot), ("--schedule-plot", args.schedule_plot)):
+        if path:
+            output_file(path, flag, PICTURES)
     cfg, shape, notes = _inputs(args)
     gpu = _gpu(args, notes)
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else gpu.memory_gib
@@ -229,8 +234,10 @@ def _inputs(args) -> tuple:
         if args.config and args.config.endswith(".json"):
             raise ConfigError("--params replaces the model shape; pass either a config.json or --params, not both.")
         cfg = load_config(args.config, args.overrides)
+        check_ep(cfg)
         return cfg, ModelShape(cfg=None, bare_params=int(args.params), name="bare parameter count"), []
     cfg, notes = load(args.config, args.model, args.overrides)
+    check_ep(cfg)  # an expert-parallel degree the model cannot take, as `teratrain train` refuses it
     name = args.model or (args.config.rsplit("/", 1)[-1] if args.config else cfg.model.preset)
     return cfg, shape_of(cfg, name), notes
 
