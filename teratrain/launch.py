@@ -100,11 +100,12 @@ def stop_on_signals() -> Iterator[dict]:
         yield state
         return
     old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    wake = _exit_if_stuck(state) if "WORLD_SIZE" in os.environ else None
+    wake = _exit_if_stuck(state)
     outer, _active = _active, state
     try:
         yield state
     finally:
+        state["closed"] = True
         _active = outer
         for s, h in old.items():
             signal.signal(s, h)
@@ -132,19 +133,26 @@ def stop_after_step(timeout_s: float) -> Iterator[dict]:
 
 def _exit_if_stuck(state: dict) -> tuple[int, int]:
     """A rank blocked in a collective whose peer is gone runs no Python, so its signal handler would
-    wait (up to parallel.timeout_s), and a rank saving at a stop may take too long. CPython writes each
-    signal's number to the wakeup fd at once, from C; a thread reading it ends the process
-    state["timeout_s"] after the first stop signal if it is still there (checkpoints are atomic: a save
-    cut short leaves the previous one). Returns (the previous wakeup fd, our write end)."""
+    wait (up to parallel.timeout_s); a process inside one long kernel (a step of a large model on a CPU)
+    runs none either, and saving at a stop may take too long. CPython writes each signal's number to the
+    wakeup fd at once, from C; a thread reading it ends the process state["timeout_s"] after the first
+    stop signal (checkpoints are atomic: a save cut short leaves the previous one): a rank if it is still
+    there (its teardown may hang on a lost peer), a process of its own if it is still inside the block (a
+    caller that goes on after it, e.g. a test, is left alone). Returns (the previous wakeup fd, our write end)."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     previous = signal.set_wakeup_fd(w)
+    rank = "WORLD_SIZE" in os.environ
 
     def watch():
         while got := os.read(r, 1):  # b"" once the block ends normally and the write end is closed
             if got[0] in STOP_SIGNALS:
                 time.sleep(state["timeout_s"])
-                os._exit(128 + got[0])
+                if rank or not state.get("closed"):
+                    if not rank:  # a rank's launcher reports for the job
+                        os.write(2, f"teratrain: stopped by {signal.Signals(got[0]).name}, still running "
+                                    f"{state['timeout_s']:g} s after it: exited without a new checkpoint.\n".encode())
+                    os._exit(128 + got[0])
         os.close(r)
 
     threading.Thread(target=watch, name="teratrain-stop-watch", daemon=True).start()
