@@ -94,21 +94,28 @@ def _host_bytes(mem, device: torch.device) -> int:
 
 
 def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool) -> None:
-    """Refuse, before anything is allocated, a run whose model states alone (parameters, gradients,
-    optimizer state, as the planner counts them) exceed this machine's free memory: building it would
-    end in the kernel's OOM killer, not in a sentence."""
+    """Refuse, before anything is allocated, a run whose model states (parameters, gradients, optimizer
+    state, as the planner counts them) exceed this machine's free memory, or on a CPU its predicted peak with
+    the activations: building or stepping it would end in the kernel's OOM killer, not in a sentence."""
     try:
         mem = predict(cfg, workers, torch.device("cpu") if on_cpu else None)
     except Exception:  # noqa: BLE001 - the planner informs; the summary warns that it could not
         return
     states = (mem.params + mem.grads + mem.optimizer if on_cpu else 0) + mem.host
-    need, avail = states * local_procs, host_available_bytes()
-    if avail is not None and need > avail:
-        per = f" ({local_procs} processes x {states / GIB:,.1f} GiB)" if local_procs > 1 else ""
-        raise ConfigError(f"model.preset={cfg.model.preset} needs about {need / GIB:,.1f} GiB of host memory for its "
-                          f"parameters, gradients and optimizer state{per}, but this machine has "
-                          f"{avail / GIB:,.1f} GiB free; use a smaller model, or shard it over more GPUs with "
+    peak = (mem.peak_allocated if on_cpu else 0) + mem.host
+    avail = host_available_bytes()
+    if avail is None or peak * local_procs <= avail:
+        return
+    per = (lambda b: f" ({local_procs} processes x {b / GIB:,.1f} GiB)" if local_procs > 1 else "")
+    if states * local_procs > avail:
+        raise ConfigError(f"model.preset={cfg.model.preset} needs about {states * local_procs / GIB:,.1f} GiB of host "
+                          f"memory for its parameters, gradients and optimizer state{per(states)}, but this machine "
+                          f"has {avail / GIB:,.1f} GiB free; use a smaller model, or shard it over more GPUs with "
                           "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
+    raise ConfigError(f"this run's step needs about {peak * local_procs / GIB:,.1f} GiB of host memory at its peak "
+                      f"(activations of train.micro_batch={cfg.train.micro_batch} x model.seq_len={cfg.model.seq_len} "
+                      f"tokens included){per(peak)}, but this machine has {avail / GIB:,.1f} GiB free; lower "
+                      "train.micro_batch or model.seq_len, or set memory.recompute=full.")
 
 
 def checkpoint_size(cfg: Config, workers: int, own: nn.Module | None = None) -> int:

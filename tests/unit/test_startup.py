@@ -19,6 +19,17 @@ def test_model_states_beyond_free_memory_are_refused():
     startup.check_host_memory(make_config(), 1, 1, on_cpu=True)
 
 
+def test_a_cpu_step_whose_activations_exceed_free_memory_is_refused(monkeypatch):
+    """The tiny model's states are small, but 100,000-token sequences' activations are not: on a CPU the
+    predicted peak is checked too (the OOM killer would end it without a word), on a GPU only the states."""
+    long = make_config("model.seq_len=100000", "train.micro_batch=1", "train.global_batch=1")
+    monkeypatch.setattr(startup, "host_available_bytes", lambda: 8 * 2**30)
+    with pytest.raises(ConfigError, match="train.micro_batch or model.seq_len"):
+        startup.check_host_memory(long, 1, 1, on_cpu=True)
+    startup.check_host_memory(long, 1, 1, on_cpu=False)
+    startup.check_host_memory(make_config(), 1, 1, on_cpu=True)
+
+
 def test_summary_warns_when_the_prediction_exceeds_free_memory(monkeypatch):
     monkeypatch.setattr(startup, "host_available_bytes", lambda: 1024)
     text = startup.summary(make_config(), Runtime.single("cpu"), Path("runs/x"), 0)
