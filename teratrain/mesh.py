@@ -75,8 +75,10 @@ class ParallelDims:
         other = pcfg.tp * pcfg.pp * pcfg.cp
         names = "tp*pp*cp" if pcfg.cp > 1 else "tp*pp"
         if workers % other:
+            ones = " ".join(f"--set parallel.{k}=1" for k in ("tp", "pp", "cp") if getattr(pcfg, k) > 1)
             raise ConfigError(f"parallel.{names} = {other} does not divide the {workers} worker processes; "
-                              f"choose degrees whose product divides {workers}.")
+                              f"choose degrees whose product divides {workers} (e.g. {ones}: a resumed run keeps "
+                              "its saved degrees unless given others).")
         dims = cls(dp=pcfg.dp or workers // other, tp=pcfg.tp, pp=pcfg.pp, ep=pcfg.ep, cp=pcfg.cp, num_servers=servers)
         if dims.world != world:
             raise ConfigError(f"parallel.dp*{names}{plus} = {dims.world} but {world} processes were launched; "
