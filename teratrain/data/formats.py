@@ -26,6 +26,7 @@ from teratrain.data.errors import DataError
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 RECORD_KINDS = ("jsonl", "parquet", "arrow", "hf")  # kinds whose documents are fields of records
 ROWS_PER_BATCH = 1024  # rows converted to Python strings at a time (Parquet, Arrow)
+SET_FIELD = "set data.text_field (teratrain tokenize: --text-field)"  # the fix, in both commands' words
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,14 @@ def _record_text(line: str, field: str, path: Path, where: str) -> str:
     except json.JSONDecodeError as e:
         raise DataError(f"{path} {where} is not JSON ({e.msg}); fix or remove that line.") from None
     text = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        keys = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none: not an object"
-        raise DataError(f"{path} {where} has no text field '{field}' (its keys: {keys}); set data.text_field "
-                        "to the field that holds the text.")
-    return text
+    if isinstance(text, str):
+        return text
+    if isinstance(record, dict) and field in record:
+        raise DataError(f"{path} {where} holds {type(text).__name__} in its field '{field}', not text; make it a "
+                        f"string, or {SET_FIELD} to the field that holds the text.")
+    keys = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none: not an object"
+    raise DataError(f"{path} {where} has no text field '{field}' (its keys: {keys}); {SET_FIELD} to the field that "
+                    "holds the text.")
 
 
 # ------------------------------------------------------------------ Parquet, Arrow, datasets folders
@@ -197,7 +201,7 @@ def _strings(column, path: Path, field: str):
 
     is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or is_view(column.type)):
-        raise DataError(f"column '{field}' of {path} holds {column.type}, not text; set data.text_field to the "
+        raise DataError(f"column '{field}' of {path} holds {column.type}, not text; {SET_FIELD} to the "
                         "column that holds the text.")
     for text in column.to_pylist():
         if text is not None:
@@ -206,7 +210,7 @@ def _strings(column, path: Path, field: str):
 
 def _no_column(path: Path, field: str, names: list[str]) -> DataError:
     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-    return DataError(f"{path} has no column '{field}' (its columns: {shown}); set data.text_field to the column "
+    return DataError(f"{path} has no column '{field}' (its columns: {shown}); {SET_FIELD} to the column "
                      "that holds the text.")
 
 

@@ -103,6 +103,17 @@ def test_a_column_that_is_not_text(formats):
         list(read_documents([root / "d.parquet"], "id"))
 
 
+@pytest.mark.parametrize("record, words", [({"text": 5}, "holds int in its field 'text', not text"),
+                                           ({"body": "x"}, "has no text field 'text' (its keys: body)")])
+def test_a_jsonl_record_without_text_says_which_way(tmp_path, record, words):
+    """A field that holds no string is told apart from a missing field; the fix names both commands' spellings."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataError) as e:
+        list(read_documents([path], "text"))
+    assert words in str(e.value) and "data.text_field (teratrain tokenize: --text-field)" in str(e.value)
+
+
 def test_a_datasetdict_without_a_train_split(formats, tmp_path):
     root, _ = formats
     ds = datasets.Dataset.from_dict({"content": DOCS[:5]})
