@@ -128,6 +128,7 @@ def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
     allowed = modes.allowed(cfg, target.gpu.name if target.gpu is not None else None)
     if len(kept) == len(KEYS) and len(allowed) == 1:
         return AutoChoice({}, kept, "auto layout: every layout key is given, nothing left to choose")
+    given = set(fixed)  # the user's, not the CPU's own limits below
     if target.gpu is None:
         fixed = {**{k: v for k, v in CPU_FIXED.items() if k not in fixed}, **fixed}
     picks = {}
@@ -143,7 +144,7 @@ def resolve(cfg: Config, world: int, target: Target) -> AutoChoice:
         raise ConfigError(_nothing(shape_of(cfg), world, target, kept, cands))
     mode = modes.pick(planned)
     best, fitting, _ = picks[mode]
-    kept += [key for field, key in {**CP_KEYS, **PP_KEYS}.items() if field in fixed]
+    kept += [key for field, key in {**CP_KEYS, **PP_KEYS}.items() if field in given]
     chosen = {key: _value(best.layout, field) for field, key in _keys(best.layout, p.partition).items()
               if key not in kept}
     if len(allowed) > 1:  # a mode chosen, not one the config fixes
