@@ -236,18 +236,25 @@ def _why_empty(shape: ModelShape, train: Training, gpus: int, fixed: dict, refus
 
 def smallest_gpu_count(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
                        gpu_mem_gib: float, limit: int = 4096, host_mem_gib: float | None = None) -> int | None:
-    """The fewest GPUs (doubling from `gpus`) at which some layout fits, or None up to `limit`. Memory
-    alone decides: each count stops at its first fitting layout, and no step time is planned."""
-    n = gpus * 2
+    """The fewest GPUs above `gpus` at which some layout fits, or None up to `limit`: doubling from `gpus` finds
+    a count that fits, then the counts between it and the last that did not are tried in order (every count
+    within two nodes, whole nodes beyond). Memory alone decides: each count stops at its first fitting layout,
+    and no step time is planned."""
     free = {k: v for k, v in fixed.items() if k not in ("dp",)}
-    while n <= limit:
-        batch = max(train.global_batch, n)  # a data-parallel rank needs at least one sequence
-        t = Training(**{**train.__dict__, "global_batch": batch})
-        if any(_fit(plan_memory(shape, t, lay, gpu), lay, gpu, gpu_mem_gib, host_mem_gib)[0]
-               for lay in layouts(shape, t, n, gpu, free)):
-            return n
-        n *= 2
-    return None
+
+    def fits(n: int) -> bool:
+        t = Training(**{**train.__dict__, "global_batch": max(train.global_batch, n)})  # a rank needs a sequence
+        return any(_fit(plan_memory(shape, t, lay, gpu), lay, gpu, gpu_mem_gib, host_mem_gib)[0]
+                   for lay in layouts(shape, t, n, gpu, free))
+
+    low, n = gpus, gpus * 2
+    while n <= limit and not fits(n):
+        low, n = n, n * 2
+    if n > limit:
+        return None
+    node = gpu.gpus_per_node
+    between = [k for k in range(low + 1, n) if k <= 2 * node or k % node == 0]
+    return next((k for k in between if fits(k)), n)
 
 
 def batch_advice(lr: float, rule: str, base_batch: int | None, global_batch: int, warmup: int) -> dict | None:

@@ -79,3 +79,17 @@ def test_host_memory_is_the_targets_unless_the_gpus_are_this_machines(capsys, mo
     rc, _, err = plan(capsys, *args)
     assert rc == 2 and "23.5 GiB of host memory" in err and "--host-mem" in err
     assert plan_json(capsys, *args, "--host-mem", "2048")["host_mem_gib"] == 2048
+
+
+def test_the_gpu_count_advised_is_the_fewest_that_fits():
+    """Not the next power of two: gpt2-124m in 1.2 GiB a GPU does not fit 2 GPUs, fits 3 (doubling said 4)."""
+    from teratrain.config import load_config
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import fixed_of, shape_of, training_of
+    from teratrain.planner.search import search, smallest_gpu_count
+
+    cfg = load_config(None, ["model.preset=gpt2-124m", "train.global_batch=8", "memory.precision=bf16"])
+    shape, train, h100 = shape_of(cfg), training_of(cfg), GPUS["h100"]
+    assert smallest_gpu_count(shape, train, 2, h100, fixed_of(cfg), 1.2) == 3
+    for n, fits in ((2, False), (3, True)):
+        assert any(c.fits for c in search(shape, train, n, h100, fixed_of(cfg), 1.2)) == fits
