@@ -41,6 +41,9 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     if lay.ep > 1:
         dp = dp[:-1] + f"; experts 1/(dp/ep), ep={lay.ep})"
     params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
+    if lay.zero == 3 and not m.params and local:  # the gathers cast the fp32 masters (states.py)
+        params = (f"no low-precision copy of the {local / 1e9:.3g} B params on this rank: each gather casts the fp32 "
+                  f"masters (optimizer state), {dp}")
     if lay.ep > 1:
         params += f"; 1/{lay.ep} of the experts"
     if lay.offload == "params":
@@ -114,7 +117,8 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
         parts = ", ".join(f"{k[5:-2]} {v * 1e3:.1f} ms" for k, v in t.terms.items() if k.startswith("comm_") and v)
         for key, words in (("zero_gather", "ZeRO-3 gathers"), ("param_gather", "param all-gather"),
                            ("dp ", "gradient reduce "), ("tp ", "tensor-parallel "), ("pp ", "pipeline sends "),
-                           ("ep ", "all-to-all "), ("cp ", "context-parallel ")):
+                           ("ep ", "all-to-all "), ("cp ", "context-parallel "),
+                           ("regather ", "SP inputs gathered again in backward ")):
             parts = parts.replace(key, words)
         out.append(("communication", t.comm_exposed_s, f"not hidden behind compute, of {t.comm_s * 1e3:.1f} ms ({parts})"))
     if t.bubble_s:

@@ -25,6 +25,18 @@ def plan_json(capsys, *argv) -> dict:
     return json.loads(out)
 
 
+def test_the_docs_memory_table_is_the_commands_output(capsys):
+    """docs/planner.md "Reading the output" shows this command's memory table as it prints it today."""
+    from pathlib import Path
+
+    rc, out, _ = plan(capsys, "--model", "llama-8b", "--gpus", "8", "--set", "parallel.tp=2", "--set", "parallel.dp=4",
+                      "--set", "parallel.zero=1")
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    shown = docs.split("## Reading the output", 1)[1].split("```")[1].strip().splitlines()
+    printed = out[out.index("Memory per GPU"):].splitlines()[:len(shown)]
+    assert rc == 0 and printed == shown
+
+
 def test_json_schema_and_fit(capsys):
     d = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu-mem", "40")
     assert KEYS <= d.keys() and LAYOUT_KEYS <= d["layout"].keys()
