@@ -84,3 +84,11 @@ def test_quantize_refuses_an_existing_out_and_a_missing_run(cli, quantized, trai
     assert_user_error(proc, "does not exist")
     proc = cli("quantize", "--ckpt", quantized[4][0], "--bits", 8, expect_rc=None, in_process=True)
     assert_user_error(proc, "already a quantized model")
+    proc = cli("export", "--ckpt", quantized[4][0], "--to", tmp_path / "hf", expect_rc=None, in_process=True)
+    assert_user_error(proc, "is a quantized model", "teratrain generate")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for command, flag in (("quantize", "--out"), ("export", "--to")):  # a folder inside a file
+        proc = cli(command, "--ckpt", trained_run, *(["--bits", 8] if command == "quantize" else []), flag,
+                   blocker / "sub", expect_rc=None, in_process=True)
+        assert_user_error(proc, f"cannot create {blocker / 'sub'}", flag)

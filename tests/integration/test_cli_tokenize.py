@@ -55,3 +55,15 @@ def test_a_missing_source_is_one_sentence(cli, tmp_path):
     assert_user_error(proc, "SRC", "nope.jsonl", "does not exist")
     proc = cli("tokenize", tmp_path, "--out", tmp_path / "out", "--workers", 0, expect_rc=None, in_process=True)
     assert_user_error(proc, "--workers must be at least 1")
+
+
+def test_a_missing_tokenizer_or_an_unwritable_out_is_one_sentence(cli, tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"text": "hello world"}\n')
+    for given, why in ((tmp_path / "nope.json", "No such file"), (tmp_path, "Is a directory")):
+        proc = cli("tokenize", src, "--out", tmp_path / "out", "--tokenizer", given, expect_rc=None, in_process=True)
+        assert_user_error(proc, "--tokenizer", why)
+        assert not (tmp_path / "out").exists(), "a refused tokenizer must not leave an empty --out behind"
+    (tmp_path / "a_file").write_text("")
+    proc = cli("tokenize", src, "--out", tmp_path / "a_file" / "out", expect_rc=None, in_process=True)
+    assert_user_error(proc, "cannot create", "--out")

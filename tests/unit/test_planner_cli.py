@@ -132,6 +132,11 @@ def test_batch_advice(capsys):
      "multiple of parallel.pp=4"),
     (["--model", "gpt2-124m", "--set", "parallel.pp=2", "--set", "parallel.virtual_stages=2"],
      "needs parallel.schedule=interleaved-1f1b"),
+    (["--model", "tiny", "--gpus", "2", "--set", "parallel.ep=2"], "needs a mixture-of-experts model"),
+    (["--model", "tiny", "--plot", "/nonexistent/m.png"], "does not exist or is not writable"),
+    (["--model", "tiny", "--plot", "m.txt"], "does not end in .png, .svg or .pdf"),
+    (["--model", "tiny", "--gpus", "2", "--set", "parallel.pp=2", "--schedule-plot", "/nonexistent/s.png"],
+     "--schedule-plot /nonexistent/s.png"),
 ])
 def test_bad_input_exits_2_with_one_sentence(capsys, argv, words):
     rc, out, err = plan(capsys, *argv)
