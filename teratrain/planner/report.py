@@ -196,13 +196,16 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
                                                             if not shape.is_bare else "  (no compute: bare count)"))
     out += ["", f"Top {min(top, len(cands))} layouts (fastest first, * = chosen; {sum(c.fits for c in cands)} of "
             f"{len(cands)} fit):", f"    {'dp':>4}{'tp':>4}{'pp':>4}{'ep':>4}{'zero':>5}{'mb':>4} {'recompute':14}"
-            f"{'offload':10}{'GiB':>8}{'step s':>9}{'MFU':>7}" + ("  cp" if any(c.layout.cp > 1 for c in cands) else "")]
+            f"{'offload':10}{'GiB':>8}{'step s':>9}{'MFU':>7}" + ("  cp" if any(c.layout.cp > 1 for c in cands) else "")
+            + ("  schedule (stage layers)" if any(c.layout.pp > 1 for c in cands) else "")]
     for c in [c for c in cands if c.fits][:top]:
         L = c.layout
         out.append(f"  {'*' if c is best else ' '} {L.dp:>4}{L.tp:>4}{L.pp:>4}{L.ep:>4}{L.zero:>5}{L.micro_batch:>4} "
                    f"{L.recompute:14}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
                    + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}")
-                   + (f"  {L.cp} {L.cp_form}" if L.cp > 1 else ""))
+                   + (f"  {L.cp} {L.cp_form}" if L.cp > 1 else "")
+                   + (f"  {_schedule_str(L)}" + (f" ({'/'.join(map(str, L.stage_layers))})" if L.stage_layers else "")
+                      if L.pp > 1 else ""))
     rejected = [c for c in cands if not c.fits]
     on_host = sum(not c.host_fits for c in rejected)
     if rejected:
@@ -214,6 +217,11 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
                 f"{advice['lr_linear']:.3g}, sqrt {advice['lr_sqrt']:.3g}) with {advice['warmup_steps']} warmup steps."]
     out += [f"Note: {n}" for n in notes]
     return "\n".join(out)
+
+
+def _layout_json(lay) -> dict:
+    """The layout's fields, its schedule in the config's spelling (parallel.schedule)."""
+    return {**lay.as_dict(), "schedule": config_name(lay.schedule)}
 
 
 def as_json(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, top, advice, notes) -> dict:
@@ -228,8 +236,8 @@ def as_json(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands,
                                           "total", "peak_allocated", "host", "phase", "at_peak", "phases")},
             "step_time_s": None if shape.is_bare else t.step_time_s,
             "tokens_per_s": None if shape.is_bare else t.tokens_per_s,
-            "mfu": None if shape.is_bare else t.mfu, "time": t.as_dict(), "layout": best.layout.as_dict(),
-            "candidates": [{"layout": c.layout.as_dict(), "total": c.memory.total, "fits": c.fits,
+            "mfu": None if shape.is_bare else t.mfu, "time": t.as_dict(), "layout": _layout_json(best.layout),
+            "candidates": [{"layout": _layout_json(c.layout), "total": c.memory.total, "fits": c.fits,
                             "host": c.memory.host, "host_fits": c.host_fits,
                             "step_time_s": c.time.step_time_s, "mfu": c.time.mfu} for c in cands[:top]],
             "num_candidates": len(cands), "num_fitting": sum(c.fits for c in cands),

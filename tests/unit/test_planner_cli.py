@@ -227,3 +227,16 @@ def test_constants_another_card_measured_are_named(capsys):
     assert not any("mem_efficiency" in n or "host_op_s" in n for n in notes if "another card's value" in n)
     h200 = plan_json(capsys, "--model", "gpt2-124m", "--gpu", "h200", "--hw", "host_optimizer_tensor_s=5e-5")["notes"]
     assert not any("another card's value" in n for n in h200)
+
+
+def test_pipelined_layouts_show_their_schedule_in_the_config_spelling(capsys):
+    """The ranking tells apart layouts that differ only in schedule or virtual stages; --json spells the
+    schedule as parallel.schedule takes it."""
+    sets = ["--model", "gpt2-124m", "--gpus", "2", "--set", "parallel.pp=2", "--set", "train.global_batch=8"]
+    d = plan_json(capsys, *sets)
+    from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
+
+    assert {c["layout"]["schedule"] for c in d["candidates"]} <= set(CONFIG_NAMES)
+    rc, out, _ = plan(capsys, *sets)
+    ranking = out[out.index("Top "):].splitlines()
+    assert rc == 0 and "schedule" in ranking[1] and d["layout"]["schedule"] in ranking[2]
