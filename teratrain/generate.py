@@ -82,6 +82,8 @@ def _locate(path: Path) -> tuple[Path, Path | None]:
         raise CheckpointError(f"--ckpt '{path}' does not exist; give a run directory such as runs/20260101-120000.")
     if (path / "meta.json").exists():
         return path.parent.parent, path
+    if not path.is_dir():
+        raise CheckpointError(f"--ckpt '{path}' is a file, not a run; give the run directory that holds it.")
     if not (path / "config.toml").exists():
         raise CheckpointError(f"--ckpt '{path}' is not a teratrain run (no config.toml); give the run directory.")
     return path, None

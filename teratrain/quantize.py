@@ -44,6 +44,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     for flag, value in (("--calib-batches", args.calib_batches), ("--eval-batches", args.eval_batches)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}; give a positive number of micro-batches.")
+    if args.group_size < -1:
+        raise ConfigError(f"--group-size {args.group_size} is not a group size; give a positive number of input "
+                          "columns, or 0 (or -1) for one scale per output channel.")
     r = quantize_run(args.ckpt, args.bits, args.group_size, args.method, args.out, args.calib_batches,
                      args.eval_batches)
     before, after = r["heldout_loss"]["before"], r["heldout_loss"]["after"]

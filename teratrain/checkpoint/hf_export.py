@@ -55,7 +55,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.max_shard_gb <= 0:
         raise ConfigError(f"--max-shard-gb must be positive, got {args.max_shard_gb}; pass e.g. --max-shard-gb 5.")
     out = export(args.ckpt, args.to, args.dtype, int(args.max_shard_gb * 1e9), args.merge)
-    print(f"exported {out['checkpoint']} -> {out['folder']} ({out['shards']} shard(s), {out['bytes'] / 1e9:.2f} GB, "
+    size = f"{out['bytes'] / 1e9:.2f} GB" if out["bytes"] >= 1e8 else f"{out['bytes'] / 1e6:.1f} MB"
+    print(f"exported {out['checkpoint']} -> {out['folder']} ({out['shards']} shard(s), {size}, "
           f"{out['architecture']})")
     return 0
 

@@ -50,7 +50,8 @@ def add_tokenize_parser(sub) -> None:
 
 
 def cmd_tokenize(args) -> int:
-    for flag, value, low in (("--workers", args.workers, 1), ("--vocab-size", args.vocab_size, 2),
+    bpe_low = 2 if args.tokenizer else 257  # a byte-level BPE starts from 256 bytes, plus its end-of-text token
+    for flag, value, low in (("--workers", args.workers, 1), ("--vocab-size", args.vocab_size, bpe_low),
                              ("--shard-mb", args.shard_mb, 1e-6), ("--bpe-sample-mb", args.bpe_sample_mb, 1e-6)):
         if value is not None and value < low:
             raise DataError(f"{flag} must be at least {low:g}, got {value}; give a larger value.")
@@ -63,6 +64,9 @@ def cmd_tokenize(args) -> int:
         print(f"teratrain: stopped by {signal.Signals(e.signum).name}; the shards written in {args.out} are kept: "
               "run the same command again to continue.", file=sys.stderr)
         return e.exit_code
+    if not index["tokens"]:
+        raise DataError(f"{args.src} holds no text: 0 documents in field '{args.text_field}' (training would refuse "
+                        f"{args.out}); give a corpus with text, or --text-field the field that holds it.")
     print(f"done: {index['tokens']:,} tokens of {index['documents']:,} documents in {len(index['shards'])} shards, "
           f"{index['tokens_per_s']:,.0f} tokens/s on {index['workers']} workers -> {args.out} "
           f"(train with --set data.path={args.out})")
@@ -314,7 +318,7 @@ class _Bar:
 
     def __init__(self, total_bytes: int, show: bool):
         self.total, self.done, self.tokens, self.t0, self.said = total_bytes, 0.0, 0, time.perf_counter(), 0.0
-        self.show, self.bar = show, None
+        self.show, self.bar, self.said_done = show, None, 0.0
         if show and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -328,15 +332,20 @@ class _Bar:
             self.bar.update(nbytes)
             self.bar.set_postfix(tok_s=f"{rate:,.0f}", tokens=f"{self.tokens:,}", refresh=False)
         elif self.show and time.perf_counter() - self.said >= 10:
-            self.said = time.perf_counter()
-            elapsed = self.said - self.t0
-            eta = elapsed / max(self.done, 1) * (self.total - self.done)
-            print(f"tokenize: {100 * self.done / max(self.total, 1):.0f}% of {self.total / 1e6:,.0f} MB | "
-                  f"{self.tokens:,} tokens | {rate:,.0f} tokens/s | eta {eta:,.0f} s", file=sys.stderr, flush=True)
+            self._line(rate)
+
+    def _line(self, rate: float) -> None:
+        self.said, self.said_done = time.perf_counter(), self.done
+        eta = (self.said - self.t0) / max(self.done, 1) * (self.total - self.done)
+        mb = self.total / 1e6
+        print(f"tokenize: {100 * self.done / max(self.total, 1):.0f}% of {mb:,.{0 if mb >= 10 else 2}f} MB | "
+              f"{self.tokens:,} tokens | {rate:,.0f} tokens/s | eta {eta:,.0f} s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        elif self.show and self.done != self.said_done:  # where it ended, not 10 s before
+            self._line(self.tokens / max(time.perf_counter() - self.t0, 1e-9))
 
 
 def _write_index(out_dir: Path, src: str, plan: dict, shards: list[list[Part]], done: dict[int, dict]) -> dict:
