@@ -27,7 +27,7 @@ from teratrain.data import mixture
 from teratrain.data.mixture import Mixture
 from teratrain.data.shards import gather, is_tokenized, open_tokenized
 from teratrain.data.tokenizer import EOT, file_digest, load_or_train
-from teratrain.fsio import atomic_write_bytes, sha256_file
+from teratrain.fsio import atomic_write_bytes, make_dir, sha256_file
 
 
 @dataclass
@@ -39,13 +39,8 @@ class TokenData:
 
 
 def cache_dir(configured: str | None) -> Path:
-    path = Path(configured).expanduser() if configured else Path.home() / ".cache" / "teratrain"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"data.cache_dir '{path}' cannot be created ({e.strerror}); point data.cache_dir at a "
-                        "writable folder.") from None
-    return path
+    return make_dir(Path(configured).expanduser() if configured else Path.home() / ".cache" / "teratrain",
+                    "data.cache_dir")
 
 
 def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None) -> TokenData:
