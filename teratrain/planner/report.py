@@ -41,7 +41,7 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
     if lay.ep > 1:
         dp = dp[:-1] + f"; experts 1/(dp/ep), ep={lay.ep})"
     params = f"{local / 1e9:.3g} B params on this rank x {w.param} B" + (f"; {dp}" if lay.zero == 3 else "")
-    if lay.zero == 3 and not m.params and local:  # the gathers cast the fp32 masters (states.py)
+    if lay.zero == 3 and lay.offload == "none" and not m.params and local:  # gathers cast the masters (states.py)
         params = (f"no low-precision copy of the {local / 1e9:.3g} B params on this rank: each gather casts the fp32 "
                   f"masters (optimizer state), {dp}")
     if lay.ep > 1:
