@@ -66,7 +66,7 @@ def cmd_tokenize(args) -> int:
         return e.exit_code
     if not index["tokens"]:
         raise DataError(f"{args.src} holds no text: 0 documents in field '{args.text_field}' (training would refuse "
-                        f"{args.out}); give a corpus with text, or --text-field the field that holds it.")
+                        f"{args.out}); give a corpus with text, or give --text-field the field that holds it.")
     print(f"done: {index['tokens']:,} tokens of {index['documents']:,} documents in {len(index['shards'])} shards, "
           f"{index['tokens_per_s']:,.0f} tokens/s on {index['workers']} workers -> {args.out} "
           f"(train with --set data.path={args.out})")
