@@ -283,7 +283,7 @@ def cmd_generate(args) -> int:
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 0),
                              ("--temperature", args.temperature, 0)):
-        if value is not None and value < low:
+        if value is not None and not value >= low:  # NaN too
             raise ConfigError(f"{flag} must be at least {low}, got {value}; give a value >= {low}.")
 
     text = generate(args.ckpt, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)

@@ -324,7 +324,8 @@ class MetricsConfig(Section):
     wandb_mode: Literal["auto", "online", "offline"] = Field(
         "auto", description="auto = online where a W&B API key is configured (WANDB_API_KEY or wandb login), else "
                             "offline into <run>/wandb (upload later with wandb sync)")
-    progress: bool = Field(True, description="show a progress bar")
+    progress: bool = Field(True, description="progress on stderr: a bar on a terminal, else a plain line every "
+                                             "train.log_every steps; false: neither (the summary and the end still print)")
 
 
 class LoraConfig(Section):
@@ -431,6 +432,14 @@ class Config(Section):
                               "set memory.precision=bf16 or lora.base_dtype=param.")
         self._check_fp8()
         p = self.parallel
+        if self.lora.rank and p.pp > 1:
+            raise ConfigError(f"lora.rank={self.lora.rank} trains adapters beside frozen weights, which the pipeline "
+                              f"engine (parallel.pp={p.pp}) does not train; set parallel.pp=1 (LoRA trains with dp, "
+                              "ZeRO, tp and ep).")
+        eot = self.data.eot_id
+        if eot is not None and eot >= self.model.vocab_size:
+            raise ConfigError(f"data.eot_id={eot} is no token of model.vocab_size={self.model.vocab_size}, so no "
+                              "document would ever end; give the tokenizer's end-of-text id.")
         if self.memory.recompute == "selective-ops" and p.tp_overlap == "chunked":
             raise ConfigError("memory.recompute=selective-ops keeps GEMM outputs, and parallel.tp_overlap=chunked "
                               "writes its GEMMs into buffers it cannot keep; set parallel.tp_overlap=none or "

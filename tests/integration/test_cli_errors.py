@@ -23,6 +23,9 @@ BAD_SETTINGS = [
     (["optim.lr_scaling=linear"], ["optim.base_batch"]),
     (["trainn.steps=3"], ["trainn"]),
     (["parallel.tp=2"], ["parallel.tp"]),
+    (["lora.rank=4", "parallel.pp=2"], ["lora.rank=4", "parallel.pp=1"]),
+    (["data.eot_id=5000"], ["data.eot_id=5000", "model.vocab_size=4096"]),
+    (['data.sources=[{path="nope.jsonl", weight=1}]'], ["data.sources[0].path", "does not exist"]),
 ]
 
 
@@ -109,7 +112,8 @@ def test_resume_of_a_finished_run_says_so(cli, trained_run, tmp_path):
     assert_user_error(proc, "already reached step 50", "--steps")
 
 
-@pytest.mark.parametrize("flag, value", [("--top-k", "-1"), ("--max-new-tokens", "-5"), ("--temperature", "-0.5")])
+@pytest.mark.parametrize("flag, value", [("--top-k", "-1"), ("--max-new-tokens", "-5"), ("--temperature", "-0.5"),
+                                         ("--temperature", "nan")])
 def test_generate_rejects_out_of_range_flags(cli, trained_run, flag, value):
     proc = cli("generate", "--ckpt", trained_run, "--prompt", "x", flag, value, expect_rc=None, in_process=True)
     assert_user_error(proc, flag)
