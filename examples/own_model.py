@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import zlib
 
 import torch
@@ -111,9 +113,14 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue --out from its newest checkpoint (any layout)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    cfg = teratrain.load_config(None, ["model.n_layers=4", "model.d_model=128", "model.n_heads=4",
-                                       "train.steps=100", *args.sets])
-    summary = teratrain.run(cfg, out=args.out, resume=args.resume, model_fn=hf_llama if args.hf else tiny_decoder)
+    try:
+        cfg = teratrain.load_config(None, ["model.n_layers=4", "model.d_model=128", "model.n_heads=4",
+                                           "train.steps=100", *args.sets])
+        summary = teratrain.run(cfg, out=args.out, resume=args.resume, model_fn=hf_llama if args.hf else tiny_decoder)
+    except teratrain.ConfigError as e:  # bad input: one sentence (from the first rank) and status 2, as the CLI does
+        if os.environ.get("RANK", "0") == "0":
+            print(f"own_model.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if summary.get("step") and summary["rank"] == 0:  # every rank returns the same losses: one says them
         print(f"done: {summary['step']} steps, loss {summary['loss']:.4f} -> {summary['run_dir']}")
 

@@ -49,8 +49,12 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
     cache = cache_dir(data_cfg.cache_dir)
     if data_cfg.sources:  # a mixture: each source prepared as data.path, all with one tokenizer
         tok_path = data_cfg.tokenizer or mixture.shared_tokenizer(data_cfg, vocab_size, cache, builder, wait)
-        streams = [prepare(mixture.source_config(data_cfg, src, tok_path), vocab_size, builder, wait).train
-                   for src in data_cfg.sources]
+        streams = []
+        for i, src in enumerate(data_cfg.sources):
+            try:
+                streams.append(prepare(mixture.source_config(data_cfg, src, tok_path), vocab_size, builder, wait).train)
+            except DataError as e:  # named by the source's own key, not the data.path it is prepared as
+                raise DataError(str(e).replace("data.path", f"data.sources[{i}].path")) from None
         train, val, source = mixture.split(data_cfg, streams)
         return TokenData(train, val, Path(tok_path).expanduser() if tok_path else None, source)
     path = data_cfg.path

@@ -135,8 +135,8 @@ def shared_tokenizer(data_cfg, vocab_size: int, cache: Path, builder: bool, wait
                 raise DataError(f"data.sources '{folders[0]}' and '{other}' were tokenized with different tokenizers; "
                                 "tokenize every source with the same --tokenizer.")
         return str(folders[0] / "tokenizer.json")
-    texts = [(user_files(s["path"]), s.get("text_field", data_cfg.text_field)) for s in data_cfg.sources
-             if Path(s["path"]).suffix != ".bin"]
+    texts = [(user_files(s["path"], key=f"data.sources[{i}].path"), s.get("text_field", data_cfg.text_field))
+             for i, s in enumerate(data_cfg.sources) if Path(s["path"]).suffix != ".bin"]
     if not texts:
         return None
     key = hashlib.sha256("|".join(fingerprint(f, field) for f, field in texts).encode()).hexdigest()[:16]
