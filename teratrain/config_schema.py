@@ -436,6 +436,15 @@ class Config(Section):
             raise ConfigError(f"lora.rank={self.lora.rank} trains adapters beside frozen weights, which the pipeline "
                               f"engine (parallel.pp={p.pp}) does not train; set parallel.pp=1 (LoRA trains with dp, "
                               "ZeRO, tp and ep).")
+        if self.lora.rank:
+            m = self.model
+            q, kv = m.n_heads * m.head_width, m.kv_heads * m.head_width
+            sides = {"wq": (m.d_model, q), "wk": (m.d_model, kv), "wv": (m.d_model, kv), "wo": (q, m.d_model),
+                     "w1": (m.d_model, m.ffn_dim), "w3": (m.d_model, m.ffn_dim), "w2": (m.ffn_dim, m.d_model)}
+            name, least = min(((t, min(sides[t])) for t in self.lora.targets if t in sides), key=lambda x: x[1])
+            if self.lora.rank > least:
+                raise ConfigError(f"lora.rank={self.lora.rank} exceeds the {least} features of {name}'s narrower side, "
+                                  f"so its adapter would not be low-rank; choose lora.rank <= {least}.")
         eot = self.data.eot_id
         if eot is not None and eot >= self.model.vocab_size:
             raise ConfigError(f"data.eot_id={eot} is no token of model.vocab_size={self.model.vocab_size}, so no "

@@ -304,7 +304,8 @@ def _name(shape: ModelShape) -> str:
 def _advice(cfg) -> dict | None:
     o = cfg.optim
     rule = o.lr_scaling if o.lr_scaling != "none" else ("linear" if o.name == "sgd" else "sqrt")
-    return batch_advice(o.lr, rule, o.base_batch, cfg.train.global_batch, o.warmup_steps)
+    advice = batch_advice(o.lr, rule, o.base_batch, cfg.train.global_batch, o.warmup_steps)
+    return advice and {**advice, "applied": o.lr_scaling != "none"}  # training scales optim.lr itself
 
 
 def nothing_fits(shape, train, gpus, gpu, fixed, limits: tuple, cands: list[Candidate]) -> str:

@@ -211,7 +211,11 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
     if rejected:
         out.append(f"  ({len(rejected)} layouts exceed {gpu_mem:g} GiB" + (
             f" or the host's {host_mem:,.4g} GiB: {on_host} of them by their pinned host memory)" if on_host else ")"))
-    if advice:
+    if advice and advice.get("applied"):
+        out += ["", f"Batch: optim.lr_scaling={advice['rule']} scales LR {advice['base_lr']:g} (tuned at global batch "
+                f"{advice['base_batch']}) to {advice['lr']:.3g} at {advice['global_batch']} as it trains; keep optim.lr "
+                f"as tuned. Suggested warmup: {advice['warmup_steps']} steps."]
+    elif advice:
         out += ["", f"Batch advice: LR {advice['base_lr']:g} was tuned at global batch {advice['base_batch']}; at "
                 f"{advice['global_batch']} use lr={advice['lr']:.3g} ({advice['rule']} rule; linear gives "
                 f"{advice['lr_linear']:.3g}, sqrt {advice['lr_sqrt']:.3g}) with {advice['warmup_steps']} warmup steps."]

@@ -24,6 +24,7 @@ BAD_SETTINGS = [
     (["trainn.steps=3"], ["trainn"]),
     (["parallel.tp=2"], ["parallel.tp"]),
     (["lora.rank=4", "parallel.pp=2"], ["lora.rank=4", "parallel.pp=1"]),
+    (["lora.rank=200"], ["lora.rank=200", "not be low-rank"]),
     (["data.eot_id=5000"], ["data.eot_id=5000", "model.vocab_size=4096"]),
     (['data.sources=[{path="nope.jsonl", weight=1}]'], ["data.sources[0].path", "does not exist"]),
 ]

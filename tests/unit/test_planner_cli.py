@@ -116,7 +116,11 @@ def test_plot_writes_a_png(capsys, tmp_path):
 def test_batch_advice(capsys):
     d = plan_json(capsys, "--model", "gpt2-124m", "--set", "optim.base_batch=8", "--set", "train.global_batch=32")
     adv = d["batch_advice"]
-    assert adv["rule"] == "sqrt" and adv["lr"] == pytest.approx(2 * adv["base_lr"])
+    assert adv["rule"] == "sqrt" and adv["lr"] == pytest.approx(2 * adv["base_lr"]) and not adv["applied"]
+    # a config that scales the LR itself is told to keep it as tuned, not to scale it a second time
+    rc, out, _ = plan(capsys, "--model", "gpt2-124m", "--set", "optim.base_batch=8", "--set", "train.global_batch=32",
+                      "--set", "optim.lr_scaling=sqrt")
+    assert rc == 0 and "keep optim.lr as tuned" in out and "use lr=" not in out
 
 
 @pytest.mark.parametrize("argv, words", [
