@@ -58,10 +58,10 @@ def on_link(gpu: GPU, kind: str, n: int, span: int, nbytes: float, messages: int
 
 
 def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict[str, float]:
-    """Seconds per step of each communication term (before overlap)."""
+    """Seconds per step of each communication term (before overlap), but `self_overlapped`'s."""
     w = train.widths(lay.zero, lay.offload)
     sp = stage_params(shape, lay)
-    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0}
+    out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
     # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
     for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.replicas),
                               (True, sp["experts"], lay.replicas // lay.ep)):
@@ -78,18 +78,21 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     if shape.num_experts > 1:
         per_layer = 6 if lay.recompute in REPLAYING else 4
         out["ep"] = m * layers * shape.moe_share * per_layer * all_to_all_s(shape, train, lay, gpu)
-    out["cp"] = cp_s(shape, train, lay, gpu)[0]
-    out["regather"] = regather_s(shape, train, lay, gpu)[0]
     return out
+
+
+def self_overlapped(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict[str, tuple[float, float]]:
+    """(seconds, seconds exposed) of the terms that hide part of themselves under their own neighbours' kernels,
+    which plan_time adds to step_comm's: context parallelism's exchanges and sequence parallelism's re-gathers."""
+    return {"cp": cp_s(shape, train, lay, gpu), "regather": regather_s(shape, train, lay, gpu)}
 
 
 def regathers(train: Training, lay: Layout) -> bool:
     """Whether the column-parallel linears keep their input's sequence shard and gather it again in backward
-    (parallel/comm.py Regather, parallel/tensor.py TPContext.keep_shard): eager megatron-form sequence
-    parallelism with bf16 GEMMs (float8 GEMMs keep the gathered input, the compiler's graph gathers as it
-    chooses) outside ZB-H1 pipelines, whose split backward keeps it whole."""
+    (parallel/comm.py Regather, Layout.keeps_shard): eager megatron-form sequence parallelism with bf16 GEMMs
+    (float8 GEMMs keep the gathered input, the compiler's graph gathers as it chooses)."""
     return (lay.tp > 1 and lay.sequence_parallel and lay.tp_form == "megatron" and not train.compiled
-            and train.fp8 == "none" and not (lay.pp > 1 and lay.schedule in ("zb_h1", "zb-h1")))
+            and train.fp8 == "none" and lay.keeps_shard)
 
 
 def regather_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> tuple[float, float]:

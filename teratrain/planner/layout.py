@@ -157,6 +157,12 @@ class Layout:
         """Tokens of one micro-batch that one rank computes: micro_batch x seq_len / cp."""
         return self.micro_batch * seq_len // self.cp
 
+    @property
+    def keeps_shard(self) -> bool:
+        """Whether sequence parallelism's column-parallel linears may keep their input's sequence shard and gather
+        it again in backward (parallel/tensor.py TPContext.keep_shard): not under ZB-H1's split backward."""
+        return not (self.pp > 1 and self.schedule in ("zb_h1", "zb-h1"))
+
     def as_dict(self) -> dict:
         """The fields as JSON holds them (stage_layers a list)."""
         return {k: list(v) if isinstance(v, tuple) else v for k in self.__dataclass_fields__ for v in [getattr(self, k)]}

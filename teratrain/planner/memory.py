@@ -68,8 +68,8 @@ def in_flight(lay: Layout) -> float:
 def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict[str, int]:
     """Saved bytes per micro-batch of the first and last stage, by kind."""
     w = train.widths(lay.zero, lay.offload)
-    if lay.pp > 1 and lay.schedule in ("zb_h1", "zb-h1"):
-        w = replace(w, keep_shard=False)  # parallel/tensor.py TPContext.keep_shard
+    if not lay.keeps_shard:
+        w = replace(w, keep_shard=False)
     T = shape.cfg.seq_len // lay.cp  # the positions a rank holds (context parallelism: its chunks)
     n = lay.tokens(shape.cfg.seq_len)
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress,

@@ -52,7 +52,7 @@ from teratrain.config_schema import REPLAYING
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.weight_casts import casts_float8_once, fp8_linears
-from teratrain.planner.comm import (cp_s, gather_passes, reduce_messages, reduce_passes, regather_s, step_comm,
+from teratrain.planner.comm import (gather_passes, reduce_messages, reduce_passes, self_overlapped, step_comm,
                                     tp_per_microbatch)
 from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_matrices, moe_extra_flops, moe_flops,
                                        shared_flops)
@@ -509,6 +509,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     opt_s = 0.0 if lay.offload != "none" else optimizer_s(train, w, shard, gpu, tensors)
     offload_s = _offload_s(train, lay, gpu, shard)
     comm = step_comm(shape, train, lay, gpu) if lay.gpus > 1 else {}
+    own = self_overlapped(shape, train, lay, gpu) if comm else {}  # each (seconds, exposed), computed once
+    comm.update({k: total for k, (total, _) in own.items()})
     if shape.is_bare:  # no shape, no FLOPs: only the model-state traffic can be timed
         c_s = sum(comm.values())
         return TimeBreakdown(0.0, 0.0, opt_s, c_s, c_s, 0.0, offload_s, opt_s + offload_s + c_s, 0.0, 0.0, 0.0,
@@ -535,8 +537,8 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     else:
         exposed = dp_s + max(0.0, gather_s - busy)
     exposed += sum(comm.get(k, 0.0) for k in ("param_gather", "tp", "pp", "ep"))
-    cp_exposed = cp_s(shape, train, lay, gpu)[1] if lay.cp > 1 else 0.0  # what the attention does not hide
-    exposed += cp_exposed + (regather_s(shape, train, lay, gpu)[1] if lay.gpus > 1 else 0.0)
+    exposed += sum(part for _, part in own.values())  # what the attention or the dgrad GEMMs do not hide
+    cp_exposed = own.get("cp", (0.0, 0.0))[1]
     # eager execution: the GPU runs what the host has issued, so a rank's step is the longer of the
     # two timelines (the host runs ahead where the GPU is the bottleneck, the GPU idles where it is
     # not). A pipeline's idle time is the GPU's, waiting for a neighbour's activations: the host goes
