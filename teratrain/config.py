@@ -119,7 +119,7 @@ def _explain(e: ValidationError) -> str:
     """Turn pydantic's first error into one sentence naming the key and the fix."""
     err = e.errors()[0]
     loc = ".".join(str(x) for x in err["loc"])
-    kind, given = err["type"], _Toml(err.get("input"))
+    kind, given = err["type"], _as_toml(err.get("input"))
     if kind == "extra_forbidden":
         section, _, name = loc.rpartition(".")
         fields = _fields_of(section)
@@ -129,22 +129,17 @@ def _explain(e: ValidationError) -> str:
     if isinstance(err.get("ctx", {}).get("error"), ConfigError):
         return str(err["ctx"]["error"])
     if kind in _TYPE_WORDS:
-        return f"config key '{loc}' must be {_TYPE_WORDS[kind]}, got {given!r}; fix its value."
+        return f"config key '{loc}' must be {_TYPE_WORDS[kind]}, got {given}; fix its value."
     if kind == "literal_error":
-        return f"config key '{loc}' got {given!r}; {err['msg'].lower().replace('input ', 'it ')}."
+        return f"config key '{loc}' got {given}; {err['msg'].lower().replace('input ', 'it ')}."
     if kind == "model_type" or kind == "dict_type":
-        return f"config key '{loc}' must be a [section] table, got {given!r}; write it as a TOML table."
-    return f"config key '{loc}' is invalid ({err['msg'].lower()}, got {given!r}); fix its value."
+        return f"config key '{loc}' must be a [section] table, got {given}; write it as a TOML table."
+    return f"config key '{loc}' is invalid ({err['msg'].lower()}, got {given}); fix its value."
 
 
-class _Toml:
-    """A value as TOML writes it (true, not Python's True) where a sentence quotes it with !r."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return str(self.value).lower() if isinstance(self.value, bool) else repr(self.value)
+def _as_toml(value) -> str:
+    """A value quoted in a sentence as the user wrote it: TOML's true, not Python's True."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _fields_of(section: str) -> list[str]:

@@ -432,16 +432,17 @@ class Config(Section):
                               "set memory.precision=bf16 or lora.base_dtype=param.")
         self._check_fp8()
         p = self.parallel
-        if self.lora.rank and p.pp > 1:
-            raise ConfigError(f"lora.rank={self.lora.rank} trains adapters beside frozen weights, which the pipeline "
-                              f"engine (parallel.pp={p.pp}) does not train; set parallel.pp=1 (LoRA trains with dp, "
-                              "ZeRO, tp and ep).")
         if self.lora.rank:
+            if p.pp > 1:
+                raise ConfigError(f"lora.rank={self.lora.rank} trains adapters beside frozen weights, which the "
+                                  f"pipeline engine (parallel.pp={p.pp}) does not train; set parallel.pp=1 (LoRA "
+                                  "trains with dp, ZeRO, tp and ep).")
             m = self.model
             q, kv = m.n_heads * m.head_width, m.kv_heads * m.head_width
-            sides = {"wq": (m.d_model, q), "wk": (m.d_model, kv), "wv": (m.d_model, kv), "wo": (q, m.d_model),
-                     "w1": (m.d_model, m.ffn_dim), "w3": (m.d_model, m.ffn_dim), "w2": (m.ffn_dim, m.d_model)}
-            name, least = min(((t, min(sides[t])) for t in self.lora.targets if t in sides), key=lambda x: x[1])
+            narrow = {"wq": min(m.d_model, q), "wk": min(m.d_model, kv), "wv": min(m.d_model, kv),
+                      "wo": min(q, m.d_model), "w1": min(m.d_model, m.ffn_dim), "w3": min(m.d_model, m.ffn_dim),
+                      "w2": min(m.ffn_dim, m.d_model)}
+            least, name = min((narrow[t], t) for t in self.lora.targets)  # LoraConfig allows only these names
             if self.lora.rank > least:
                 raise ConfigError(f"lora.rank={self.lora.rank} exceeds the {least} features of {name}'s narrower side, "
                                   f"so its adapter would not be low-rank; choose lora.rank <= {least}.")

@@ -14,7 +14,7 @@ from teratrain.checkpoint.consolidate import load_weights
 from teratrain.config import Config, load_config
 from teratrain.data.tokenizer import EOT
 from teratrain.memory import lora
-from teratrain.memory.quantize import QUANT_META, load_quantized
+from teratrain.memory.quantize import is_quantized, load_quantized
 from teratrain.models.sampling import sample
 from teratrain.models.transformer import build_model
 
@@ -47,7 +47,7 @@ def load_model(run: str | Path, device: torch.device) -> tuple[Config, Path, nn.
     """The config, the folder holding the tokenizer, and the model with its weights, of a run folder,
     one of its checkpoint folders, or a `teratrain quantize` output folder."""
     path = Path(run)
-    if (path / QUANT_META).exists():
+    if is_quantized(path):
         cfg, model = load_quantized(path, device)
         return cfg, path, model
     run_dir, ckpt_dir = _locate(path)

@@ -20,7 +20,7 @@ from teratrain.config_base import ConfigError
 from teratrain.data.loader import Batches, prepare
 from teratrain.generate import load_model
 from teratrain.memory.gptq import gptq_model
-from teratrain.memory.quantize import QUANT_META, block_linears, quantize_rtn, save_quantized, swap_in, tensor_nbytes
+from teratrain.memory.quantize import block_linears, is_quantized, quantize_rtn, save_quantized, swap_in, tensor_nbytes
 from teratrain.mesh import Runtime
 from teratrain.train import evaluate
 
@@ -62,7 +62,7 @@ def quantize_run(ckpt: str, bits: int, group_size: int, method: str = "rtn", out
                  calib_batches: int = 8, eval_batches: int | None = None) -> dict:
     """Quantize a run's model, save it, return the report (also stored in the folder's quant.json)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if (Path(ckpt) / QUANT_META).exists():
+    if is_quantized(ckpt):
         raise ConfigError(f"--ckpt {ckpt} is already a quantized model; give the run it was made from.")
     cfg, run_dir, model = load_model(ckpt, device)
     group_size = max(group_size, 0)

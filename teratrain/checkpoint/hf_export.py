@@ -64,9 +64,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_bytes: int = 5 * 10**9,
            merge_lora: bool = False) -> dict:
     from teratrain.generate import _locate  # a run folder or one of its checkpoint folders
-    from teratrain.memory.quantize import QUANT_META
+    from teratrain.memory.quantize import is_quantized
 
-    if (Path(ckpt) / QUANT_META).exists():
+    if is_quantized(ckpt):
         raise ConfigError(f"--ckpt {ckpt} is a quantized model (teratrain quantize), which a Hugging Face folder "
                           "does not hold; export the run it was made from, or sample from it "
                           "with teratrain generate.")

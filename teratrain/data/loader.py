@@ -43,18 +43,16 @@ def cache_dir(configured: str | None) -> Path:
                     "data.cache_dir")
 
 
-def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None) -> TokenData:
+def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], None] = lambda: None,
+            key: str = "data.path") -> TokenData:
     """Tokenize the corpus once (cached), then memory-map it. With several processes, `builder` is
-    true on one per machine and `wait` is a barrier the others pass once the files exist."""
+    true on one per machine and `wait` is a barrier the others pass once the files exist. `key`: the
+    setting that named data_cfg.path, as sentences about it say (a mixture's data.sources[i].path)."""
     cache = cache_dir(data_cfg.cache_dir)
     if data_cfg.sources:  # a mixture: each source prepared as data.path, all with one tokenizer
         tok_path = data_cfg.tokenizer or mixture.shared_tokenizer(data_cfg, vocab_size, cache, builder, wait)
-        streams = []
-        for i, src in enumerate(data_cfg.sources):
-            try:
-                streams.append(prepare(mixture.source_config(data_cfg, src, tok_path), vocab_size, builder, wait).train)
-            except DataError as e:  # named by the source's own key, not the data.path it is prepared as
-                raise DataError(str(e).replace("data.path", f"data.sources[{i}].path")) from None
+        streams = [prepare(mixture.source_config(data_cfg, src, tok_path), vocab_size, builder, wait,
+                           f"data.sources[{i}].path").train for i, src in enumerate(data_cfg.sources)]
         train, val, source = mixture.split(data_cfg, streams)
         return TokenData(train, val, Path(tok_path).expanduser() if tok_path else None, source)
     path = data_cfg.path
@@ -62,9 +60,9 @@ def prepare(data_cfg, vocab_size: int, builder: bool = True, wait: Callable[[], 
         tokens, tok_path = open_tokenized(Path(path).expanduser(), vocab_size, data_cfg.tokenizer)
         source = path
     elif path and Path(path).suffix == ".bin":
-        tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, data_cfg.tokenizer), data_cfg.tokenizer, path
+        tokens, tok_path, source = _open_bin(Path(path).expanduser(), vocab_size, key), data_cfg.tokenizer, path
     else:
-        files, field = (user_files(path) if path else stdlib_files()), data_cfg.text_field
+        files, field = (user_files(path, key) if path else stdlib_files()), data_cfg.text_field
         source = path or f"python {sys.version_info.major}.{sys.version_info.minor} standard library ({len(files)} files)"
         if builder:  # train the tokenizer and encode once; the cache makes later calls cheap
             tok, tok_path = load_or_train(files, vocab_size, cache, data_cfg.tokenizer, field)
@@ -134,11 +132,11 @@ def _encode_to_bin(files: list[Path], tok, out: Path, vocab_size: int, text_fiel
     atomic_write_bytes(out.with_suffix(".json"), json.dumps(rec).encode())
 
 
-def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
-    """A user's pre-tokenized file: token ids back to back, dtype from the `<name>.json` sidecar
-    ({"dtype": "uint16"}) when there is one, else uint16 (what nanoGPT-style scripts write)."""
+def _open_bin(path: Path, vocab_size: int, key: str = "data.path") -> np.ndarray:
+    """A user's pre-tokenized file (the value of `key`): token ids back to back, dtype from the `<name>.json`
+    sidecar ({"dtype": "uint16"}) when there is one, else uint16 (what nanoGPT-style scripts write)."""
     if not path.is_file():
-        raise DataError(f"data.path '{path}' does not exist; give a pre-tokenized .bin file or a text folder.")
+        raise DataError(f"{key} '{path}' does not exist; give a pre-tokenized .bin file or a text folder.")
     side = path.with_suffix(".json")
     if side.exists():
         try:
@@ -149,17 +147,17 @@ def _open_bin(path: Path, vocab_size: int, tokenizer: str | None) -> np.ndarray:
     elif vocab_size <= 2**16:
         dtype = np.dtype(np.uint16)
     else:
-        raise DataError(f"data.path '{path}' has no {side.name} to say its dtype, and model.vocab_size {vocab_size} "
+        raise DataError(f"{key} '{path}' has no {side.name} to say its dtype, and model.vocab_size {vocab_size} "
                         f"does not fit uint16; write {side.name} with {{\"dtype\": \"uint32\"}} beside it.")
     if os.path.getsize(path) == 0:
-        raise DataError(f"data.path '{path}' is empty; write the token ids into it (e.g. "
-                        f"np.array(ids, dtype=np.{dtype.name}).tofile(...)) or point data.path at another file.")
+        raise DataError(f"{key} '{path}' is empty; write the token ids into it (e.g. "
+                        f"np.array(ids, dtype=np.{dtype.name}).tofile(...)) or point {key} at another file.")
     if os.path.getsize(path) % dtype.itemsize:
-        raise DataError(f"data.path '{path}' is not a whole number of {dtype.name} tokens; write it with numpy "
+        raise DataError(f"{key} '{path}' is not a whole number of {dtype.name} tokens; write it with numpy "
                         f"as {dtype.name} or give its dtype in {side.name}.")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(f"data.path '{path}' holds token id {int(tokens.max())} >= model.vocab_size {vocab_size}; "
+        raise DataError(f"{key} '{path}' holds token id {int(tokens.max())} >= model.vocab_size {vocab_size}; "
                         "raise model.vocab_size.")
     return tokens
 

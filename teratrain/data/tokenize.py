@@ -117,21 +117,22 @@ def _tokenizer(files: list[Path], out_dir: Path, given: str | None, vocab_size: 
     from teratrain.data.tokenizer import EOT, train_bpe
 
     path = out_dir / "tokenizer.json"
-    if given:
-        file = Path(given).expanduser()
+    data = None
+    if given:  # checked before anything is written
         try:
-            data = file.read_bytes()
+            data = Path(given).expanduser().read_bytes()
             Tokenizer.from_str(data.decode())
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad files
             why = e.strerror if isinstance(e, OSError) else str(e)[:80]
             raise DataError(f"--tokenizer '{given}' could not be loaded ({why}); give a tokenizer.json saved by HF "
                             "tokenizers.") from None
-        make_dir(out_dir, "--out")
+    make_dir(out_dir, "--out")
+    if data is not None:
         if path.exists() and path.read_bytes() != data:
             raise DataError(f"'{out_dir}' holds tokens of another tokenizer; give another --out or delete it.")
         if not path.exists():
             atomic_write_bytes(path, data)
-    elif not make_dir(out_dir, "--out").joinpath(path.name).exists():
+    elif not path.exists():
         _say(f"training a {vocab_size:,}-token BPE tokenizer on the first {sample_mb:,.0f} MB of "
              f"{_count(len(files), 'input')}; saved as {path}")
         train_bpe(files, vocab_size, path, text_field, _first_bytes(files, text_field, int(sample_mb * 1e6)))

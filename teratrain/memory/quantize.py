@@ -51,6 +51,11 @@ QUANT_META = "quant.json"
 FORMAT = "teratrain-quantized-v1"
 
 
+def is_quantized(path: str | Path) -> bool:
+    """Whether `path` is a `teratrain quantize` output folder (its quant.json, written last)."""
+    return (Path(path) / QUANT_META).exists()
+
+
 @dataclass
 class QuantizedWeight:
     """One linear layer's weight on the grid: codes (out, in) uint8 (unpacked), scales fp16 and zeros
