@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from teratrain import wandb_sink
+from teratrain.config_base import ConfigError
 
 # Dense (no sparsity) peak TFLOP/s from vendor datasheets, by substring of the device name.
 # bf16/fp16 on tensor cores; fp32 is plain (non-TF32) FP32.
@@ -44,6 +48,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
 
 
+def check_sinks(cfg) -> None:
+    """Refuse metrics.tensorboard or metrics.wandb without its package, before anything starts."""
+    if cfg.metrics.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError:
+            raise ConfigError("metrics.tensorboard needs the tensorboard package; install it with pip install "
+                              "tensorboard, or set metrics.tensorboard=false.") from None
+    wandb_sink.check(cfg)
+
+
 class MetricsLog:
     """metrics.jsonl (one object per optimizer step, flushed) and optional TensorBoard events. Files are
     made at the first record, so a run that fails before its first step leaves none (rundir.remove_if_unused)."""
@@ -57,13 +72,9 @@ class MetricsLog:
     def _open(self) -> None:
         self.file = open(self.path, self.mode)
         if self.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                print("teratrain: warning: metrics.tensorboard needs `pip install tensorboard`; skipping it",
-                      file=sys.stderr)
-            else:
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            from torch.utils.tensorboard import SummaryWriter  # present: train.py checked it (check_sinks)
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if self.file is None:

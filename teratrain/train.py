@@ -28,7 +28,7 @@ from teratrain.fsio import atomic_write_bytes
 from teratrain.launch import Stopped, stop_after_step
 from teratrain.memory.precision import autocast
 from teratrain.mesh import Runtime, init_runtime
-from teratrain.metrics import MetricsLog, peak_flops, peak_memory_bytes, plot_loss, read_metrics
+from teratrain.metrics import MetricsLog, check_sinks, peak_flops, peak_memory_bytes, plot_loss, read_metrics
 from teratrain.models.protocol import model_flops_per_token
 from teratrain.models.transformer import Transformer
 from teratrain.optim.lr import lr_at, scaled_lr
@@ -53,7 +53,7 @@ def run(cfg: Config, out: str | None = None, resume: bool = False,
         world = int(os.environ.get("WORLD_SIZE", "1"))
         notes = [for_job(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))).note]
     check_supported(cfg)  # before any process group or data work, so bad input fails fast
-    wandb_sink.check(cfg)
+    check_sinks(cfg)
     rt = init_runtime(cfg)
     cfg.parallel.dp = rt.dims.dp
     check_batch(cfg, rt.dims.dp)

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from teratrain.config import ConfigError
-from teratrain.metrics import MetricsLog
+from teratrain.metrics import MetricsLog, check_sinks
 from teratrain.wandb_sink import WandbSink, check, mode
 from tests.helpers import make_config
 
@@ -90,6 +90,14 @@ def test_without_the_package_it_is_one_sentence(monkeypatch):
     with pytest.raises(ConfigError, match="metrics.wandb needs the wandb package; install it with pip install wandb"):
         check(make_config("metrics.wandb=true"))
     check(make_config())  # off: nothing needed
+
+
+def test_tensorboard_without_its_package_is_refused_before_the_run(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ConfigError, match="metrics.tensorboard needs the tensorboard package; install it with pip "
+                                          "install tensorboard, or set metrics.tensorboard=false"):
+        check_sinks(make_config("metrics.tensorboard=true"))
+    check_sinks(make_config())
 
 
 def test_real_wandb_offline(tmp_path, monkeypatch):
