@@ -343,6 +343,12 @@ class LoraConfig(Section):
         unknown = sorted(set(self.targets) - {"wq", "wk", "wv", "wo", "w1", "w2", "w3"})
         if unknown:
             raise ConfigError(f"lora.targets names unknown layers {unknown}; choose among wq wk wv wo w1 w2 w3.")
+        if not self.rank:  # a setting that changes nothing while LoRA is off is a mistake, not a no-op
+            moved = [k for k in ("targets", "alpha", "dropout", "base_dtype")
+                     if getattr(self, k) != type(self).model_fields[k].default]
+            if moved:
+                raise ConfigError(f"lora.{moved[0]} is set but lora.rank=0 leaves LoRA off; set lora.rank (16 is "
+                                  f"common) to train adapters, or remove lora.{moved[0]}.")
         return self
 
 

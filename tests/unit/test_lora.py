@@ -4,7 +4,7 @@ them in exactly, the frozen base can be stored in bf16, and the planner counts t
 import pytest
 import torch
 
-from teratrain.config import load_config
+from teratrain.config import ConfigError, load_config
 from teratrain.memory.lora import merge
 from teratrain.mesh import Runtime
 from teratrain.models.transformer import Transformer
@@ -70,9 +70,17 @@ def test_planner_counts_lora_states(sets):
     assert {k: live[k] for k in ("params", "grads", "optimizer")} == {k: planned[k] for k in ("params", "grads", "optimizer")}
     if "lora.base_dtype=bf16" in sets:
         assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
-    full = model_states(shape_of(cfg), training_of(load_config(None, SMALL + sets)),
+    unadapted = SMALL + [s for s in sets if "lora" not in s]
+    full = model_states(shape_of(cfg), training_of(load_config(None, unadapted)),
                         layout_of(cfg, 1), device="cpu")
     assert planned["optimizer"] < full["optimizer"] / 10  # model states shrink to the adapters
+
+
+def test_a_lora_setting_while_lora_is_off_is_refused():
+    for item in ['lora.targets=["wq"]', "lora.alpha=32", "lora.dropout=0.1"]:
+        with pytest.raises(ConfigError, match=f"lora.{item.split('=')[0][5:]} is set but lora.rank=0 leaves LoRA off"):
+            load_config(None, SMALL + [item])
+    load_config(None, SMALL + ['lora.targets=["wq", "wk", "wv", "wo"]'])  # the default, as a saved config.toml has it
 
 
 def test_an_adapter_on_the_shared_experts_w2_under_tensor_parallelism_is_refused():
