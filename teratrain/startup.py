@@ -203,7 +203,7 @@ def summary(cfg: Config, rt, run_dir: Path, start: int, notes: list[str] = (),
     degrees = f"dp={d.dp} tp={d.tp} pp={d.pp}" + (f" ({p.schedule})" if d.pp > 1 else "") + f" ep={d.ep}"
     degrees += f" cp={d.cp} ({p.cp_form})" if d.cp > 1 else ""
     params = _param_count(own) if own is not None else None
-    lines = [_model_line(m, own, params, run_dir), *_source_lines(m, own, run_dir),
+    lines = [_model_line(cfg, own, params, run_dir), *_source_lines(m, own, run_dir),
              f"device: {where}, {rt.world} process(es)",
              f"layout: {degrees} zero={p.zero} offload={_offload(p)} sync={p.sync} precision={cfg.memory.precision} "
              f"recompute={cfg.memory.recompute}, accumulation {accum} x micro-batch {t.micro_batch}"
@@ -236,7 +236,7 @@ def _compiled(cfg: Config, dims) -> str:
     return f", compiled ({scope}{graphs})"
 
 
-def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> str:
+def _model_line(cfg: Config, own: nn.Module | None, params: int | None, run_dir: Path) -> str:
     """What is trained: the user's own model by its class, a Hugging Face start by its folder and
     family (config.json's model_type), else the preset; its shape as configured, experts included."""
     from teratrain.models.transformer import count_params
@@ -244,14 +244,36 @@ def _model_line(m, own: nn.Module | None, params: int | None, run_dir: Path) -> 
     if own is not None:
         name = type(getattr(own, "hf", own)).__name__  # teratrain.CausalLM: the transformers model inside
         return f"model: {name} (your own, from model_fn), {params / 1e6:,.2f} M parameters"
-    name = f"{Path(m.init_from).expanduser().name} from model.init_from" if m.init_from else m.preset
+    m = cfg.model
+    name = f"{Path(m.init_from).expanduser().name} from model.init_from" if m.init_from else _preset_name(m)
     family = (_source_config(m, run_dir) or {}).get("model_type", m.arch) if m.init_from else m.arch
     e = m.moe
     experts = (f", {e.num_experts} experts x top-{e.k}" + (f" in one layer of {e.every}" if e.every > 1 else "")
                + _moe_options(m) if e.enabled else "")
     n = count_params(m)["total"]
     return (f"model: {name} ({family}, {m.n_layers} layers, d_model {m.d_model}{experts}), "
-            f"{n / 1e6:,.2f} M parameters")
+            f"{n / 1e6:,.2f} M parameters" + _lora(cfg, n))
+
+
+def _preset_name(m) -> str:
+    """The preset's name, and which of its shape keys the config changed: `tiny preset with d_model, d_ff changed`."""
+    from teratrain.models.presets import PRESETS
+
+    keys = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+    changed = [k for k in keys if k in PRESETS[m.preset] and getattr(m, k) != PRESETS[m.preset][k]]
+    return f"{m.preset} preset with {', '.join(changed)} changed" if changed else m.preset
+
+
+def _lora(cfg: Config, total: int) -> str:
+    """`, LoRA rank 8 on wq wv: 851,968 of them trained (0.07%)`, or '' without adapters."""
+    if not cfg.lora.rank:
+        return ""
+    from teratrain.planner.inputs import shape_of, training_of
+    from teratrain.planner.states import trainable_params
+
+    n = trainable_params(shape_of(cfg), training_of(cfg).lora)
+    count = f"{n / 1e6:,.2f} M" if n >= 1e6 else f"{n:,}"
+    return f", LoRA rank {cfg.lora.rank} on {' '.join(cfg.lora.targets)}: {count} of them trained ({n / total:.2%})"
 
 
 def _moe_options(m) -> str:

@@ -161,6 +161,12 @@ def _trained(shape, lora, expert_tensors, tp, sp, form, pp, virtual_stages, ep, 
     return sum(t.trainable for t in _tensors(shape, lay, lora, expert_tensors=expert_tensors))
 
 
+def trainable_params(shape: ModelShape, lora: tuple) -> int:
+    """Parameters the optimizer trains in the whole model (one rank, no layout): LoRA's adapters where `lora`
+    (Training.lora) is set, else every parameter."""
+    return sum(math.prod(t.shape) for t in _tensors(shape, Layout(), lora) if t.trainable)
+
+
 _EXPERT_ORDER = ("w1", "b1", "w3", "b3", "w2", "b2")  # an expert's own parameters: w1, w3, w2, each weight, bias
 
 

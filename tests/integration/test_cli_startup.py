@@ -14,7 +14,8 @@ def test_summary_and_plain_log_lines(cli, tmp_path):
     proc = cli.train(run, "metrics.progress=true", "train.log_every=2", "train.eval_batches=0", steps=4)
     err = proc.stderr
     n = count_params(load_config(run / "config.toml").model)["total"]
-    for words in (f"teratrain: model: tiny (llama, 2 layers, d_model 64), {n / 1e6:,.2f} M parameters",
+    for words in ("teratrain: model: tiny preset with n_layers, d_model changed (llama, 2 layers, d_model 64), "
+                  f"{n / 1e6:,.2f} M parameters",
                   "teratrain: device: cpu, 1 process(es)",
                   "layout: dp=1 tp=1 pp=1 ep=1 zero=0 offload=none sync=allreduce precision=fp32 recompute=none, "
                   "accumulation 2 x micro-batch 4", "8 sequences x 64 tokens = 512 tokens per step, 4 steps",

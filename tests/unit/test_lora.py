@@ -110,3 +110,15 @@ def test_targets_that_name_only_the_routed_experts_are_refused():
         model = Transformer(cfg.model)
     with pytest.raises(ConfigError, match="name no linear layer.*wq wk wv wo"):
         apply_lora(model, cfg)
+
+
+def test_the_start_up_summary_counts_the_parameters_the_adapters_train():
+    from pathlib import Path
+
+    from teratrain.startup import summary
+
+    cfg, model, _ = built(*LORA)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    text = summary(cfg, Runtime.single("cpu"), Path("runs/x"), 0)
+    assert f"LoRA rank 4 on wq wv w2: {trained:,} of them trained" in text
+    assert "model: tiny preset with n_layers, d_model, d_ff, vocab_size changed (llama, 2 layers" in text
