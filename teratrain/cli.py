@@ -20,8 +20,8 @@ from teratrain.config import ConfigError, load_config
 from teratrain.config_toml import describe
 from teratrain.data.corpus import DataError
 from teratrain.jobenv import rank, under_launcher, under_torchrun
-from teratrain.launch import (Stopped, follow_parent, launch, record_failure, stop_on_signals, stopped_message,
-                              write_report)
+from teratrain.launch import (Stopped, error_file, follow_parent, launch, record_failure, stop_on_signals,
+                              stopped_message, write_report)
 from teratrain.parallel import inflight
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
@@ -67,6 +67,8 @@ def _exit_status(e: BaseException, signum: int | None) -> int:
     sentence = str(e) if isinstance(e, USER_ERRORS) else _disk_sentence(e)
     if sentence is not None:
         write_report("user", sentence)
+        if under_torchrun():
+            error_file(sentence)
         if not under_launcher():
             print(f"teratrain: error: {sentence}", file=sys.stderr)
         return 2

@@ -211,6 +211,11 @@ def record_failure(message: str, detail: str | None = None) -> None:
             os.write(fd, (head + (detail or "") + "\n").encode())  # one write: ranks append in turn
         finally:
             os.close(fd)
+    error_file(message)
+
+
+def error_file(message: str) -> None:
+    """On torchrun, `message` in this rank's error file: its failure report quotes it."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(
             {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}))

@@ -91,3 +91,13 @@ def test_every_rank_must_see_the_run_directory_as_rank_0(monkeypatch, tmp_path):
     views[:] = [(True, '{"pid": 1, "host": "node0"}')]
     with pytest.raises(ConfigError, match="rank 1 decided to resume the run in .*, rank 0 the opposite"):
         rundir.agree_run_dir(run, False, rt)
+
+
+def test_a_user_error_under_torchrun_is_quoted_in_its_failure_report(torchrun, tmp_path, capsys):
+    """torchrun's report shows the error file's message: the sentence, not `error_file: <N/A>`."""
+    from teratrain.cli import _exit_status
+
+    assert _exit_status(ConfigError("data.path names no file; give a corpus."), None) == 2
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == \
+        "data.path names no file; give a corpus."
+    assert "teratrain: error: data.path names no file" in capsys.readouterr().err
