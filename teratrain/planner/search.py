@@ -44,6 +44,7 @@ CP_FORMS = ("ring", "all-to-all")
 # and the permutations: planner/replay.py prices a dense block's)
 RECOMPUTE_SEARCHED = ("none", "selective", "selective-ops", "sqrt", "full")
 MAX_MICRO_BATCH = 64
+OFFLOADS = ("none", "optimizer", "params")
 
 
 @dataclass
@@ -59,8 +60,12 @@ class Candidate:
         return self.memory.host * gpus_per_node(self.layout, gpu)
 
     def sort_key(self) -> tuple:
-        # fastest first (to 0.1%); among equals, less communication, then less memory
-        return (not self.fits, float(f"{self.time.step_time_s:.3g}"), self.time.comm_s, self.memory.total)
+        # fastest first (to 0.1%); among equals the simpler layout (no offload, fewer stages, a lower ZeRO
+        # stage, less recomputation), then less communication, then less memory
+        lay = self.layout
+        simpler = (OFFLOADS.index(lay.offload), lay.pp, lay.zero,
+                   RECOMPUTE_SEARCHED.index(lay.recompute) if lay.recompute in RECOMPUTE_SEARCHED else 0)
+        return (not self.fits, float(f"{self.time.step_time_s:.3g}"), simpler, self.time.comm_s, self.memory.total)
 
 
 def gpus_per_node(lay: Layout, gpu: GPU) -> int:
@@ -140,7 +145,7 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
             mb, rest = divmod(per_replica, fixed["num_microbatches"])
             mbs = [mb] if mb and not rest and fixed.get("micro_batch", mb) == mb else []
         zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
-        offloads = [fixed["offload"]] if "offload" in fixed else ["none", "optimizer", "params"]
+        offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
         recomputes = [fixed["recompute"]] if "recompute" in fixed else \
             (["none"] if shape.is_bare else [r for r in RECOMPUTE_SEARCHED
                                             if r != "selective-ops" or shape.num_experts == 1])
