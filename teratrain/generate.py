@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from teratrain.checkpoint import CheckpointError, find_valid
+from teratrain.checkpoint.io import verify
 from teratrain.checkpoint.consolidate import load_weights
 from teratrain.config import Config, load_config
 from teratrain.data.tokenizer import EOT
@@ -80,8 +81,17 @@ def _locate(path: Path) -> tuple[Path, Path | None]:
     """A run folder, or one checkpoint folder inside it."""
     if not path.exists():
         raise CheckpointError(f"--ckpt '{path}' does not exist; give a run directory such as runs/20260101-120000.")
-    if (path / "meta.json").exists():
-        return path.parent.parent, path
+    if (path / "meta.json").exists():  # one checkpoint, named: verified as a run's newest would be
+        run = path.parent.parent
+        if path.name.endswith(".unusable"):
+            raise CheckpointError(f"--ckpt '{path}' was set aside as unusable when its run resumed from an older "
+                                  f"step; give the run directory {run} to use its newest intact checkpoint.")
+        try:
+            verify(path, rank=0)
+        except CheckpointError as e:
+            raise CheckpointError(f"--ckpt '{path}' cannot be used: {e}; give the run directory {run} to use its "
+                                  "newest intact checkpoint.") from None
+        return run, path
     if not path.is_dir():
         raise CheckpointError(f"--ckpt '{path}' is a file, not a run; give the run directory that holds it.")
     if not (path / "config.toml").exists():

@@ -133,3 +133,21 @@ def test_export_of_a_lora_run_folds_the_adapters_in(cli, tmp_path):
     exported = load_file(out / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.allclose(exported, base_wq), "the adapters were not folded in"
     assert cli("generate", "--ckpt", run, "--prompt", "def ", "--max-new-tokens", 4, in_process=True).stdout
+
+
+def test_a_named_checkpoint_folder_is_verified_before_it_is_read(cli, trained_run, tmp_path):
+    """--ckpt naming one step_* folder gets the checks a run directory's newest checkpoint gets: a corrupt
+    tensor file is one sentence (with the run directory as the fix), not NaN weights exported."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    tensors = next(step.glob("*.safetensors"))
+    data = bytearray(tensors.read_bytes())
+    data[-4096:] = b"\xff" * 4096
+    tensors.write_bytes(bytes(data))
+    proc = cli("export", "--ckpt", step, "--to", tmp_path / "hf", expect_rc=None, in_process=True)
+    assert_user_error(proc, f"--ckpt '{step}' cannot be used", "fails its sha256 digest (corrupted)",
+                      f"give the run directory {run}")
+    assert not (tmp_path / "hf").exists()
