@@ -13,6 +13,7 @@ shards opens in milliseconds and costs what a step reads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -120,6 +121,12 @@ def open_tokenized(folder: Path, vocab_size: int, tokenizer: str | None) -> tupl
         raise DataError(f"'{folder}' was tokenized with a {index['vocab_size']}-token tokenizer but model.vocab_size "
                         f"is {vocab_size}; set model.vocab_size >= {index['vocab_size']}.")
     tok_path = folder / "tokenizer.json"
+    if not tok_path.is_file():
+        raise DataError(f"'{folder}' has no tokenizer.json, which teratrain tokenize writes beside its shards; put "
+                        "back the tokenizer it was encoded with, or run teratrain tokenize again.")
+    if index.get("tokenizer_sha256") not in (None, hashlib.sha256(tok_path.read_bytes()).hexdigest()):
+        raise DataError(f"'{tok_path}' is not the tokenizer '{folder}' was encoded with (its sha256 differs from "
+                        "index.json's); put back that tokenizer, or run teratrain tokenize again.")
     if tokenizer and Path(tokenizer).expanduser().read_bytes() != tok_path.read_bytes():
         raise DataError(f"data.tokenizer '{tokenizer}' is not the tokenizer '{folder}' was encoded with; leave "
                         "data.tokenizer unset (the folder's tokenizer.json is used).")

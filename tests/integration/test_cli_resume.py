@@ -110,3 +110,16 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(cli, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5], "metrics logged after step 2 are replaced"
     assert [r["loss"] for r in records[:4]] == [r["loss"] for r in first], "steps 3-4 are redone exactly"
     assert latest_checkpoint(run).name == "step_00000005"
+
+
+def test_a_run_resumed_on_other_text_reads_it_with_its_own_tokenizer(cli, tmp_path):
+    """Resumed on another corpus (data.path changed), the run encodes it with the tokenizer it was trained
+    with, not a new one trained on that corpus (which would remap every token id); the same holds where the
+    tokenizer its config names has moved away."""
+    run, other = tmp_path / "run", tmp_path / "other.txt"
+    other.write_text("\n".join(f"a different corpus, line {i}: {'words ' * (i % 7)}" for i in range(3000)))
+    cli.train(run, "checkpoint.every=2", steps=2)
+    before = (run / "tokenizer.json").read_bytes()
+    proc = cli.train(run, f"data.path={json.dumps(str(other))}", steps=4, resume=True)
+    assert "BPE tokenizer" not in proc.stderr and (run / "tokenizer.json").read_bytes() == before
+    assert len(metrics(run)) == 4

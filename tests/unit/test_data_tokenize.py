@@ -108,6 +108,18 @@ def test_a_damaged_shard_is_named_by_the_loader(tokenized, tmp_path):
         prepare(DataConfig(path=str(copy)), 300)
 
 
+def test_a_missing_or_replaced_tokenizer_is_named_by_the_loader(tokenized, tmp_path):
+    out, _ = tokenized
+    copy = copy_of(out, tmp_path)
+    tok = copy / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"model"', '"model" ', 1))  # the same JSON, other bytes
+    with pytest.raises(DataError, match="is not the tokenizer .* was encoded with .*sha256 differs from index.json"):
+        prepare(DataConfig(path=str(copy)), 300)
+    tok.unlink()
+    with pytest.raises(DataError, match="has no tokenizer.json, which teratrain tokenize writes beside its shards"):
+        prepare(DataConfig(path=str(copy)), 300)
+
+
 def test_a_vocabulary_larger_than_the_model_is_refused(tokenized):
     out, _ = tokenized
     with pytest.raises(DataError, match="set model.vocab_size >= "):
