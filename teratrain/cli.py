@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         except BaseException as e:  # noqa: BLE001 - every way out is decided in one place
             stopping["ending"] = True  # the launcher's SIGTERM must not interrupt the report of `e`
-            return _exit_status(e, stopping["signum"])
+            return _exit_status(e, stopping["signum"], training=args.func is cmd_train)
 
 
-def _exit_status(e: BaseException, signum: int | None) -> int:
+def _exit_status(e: BaseException, signum: int | None, training: bool = True) -> int:
     """How a command that raised ends: one line (or none on ranks that are not rank 0, or under the
     launcher, which reports for the job) and its exit status. Only a bug shows a traceback."""
     if isinstance(e, SystemExit):
@@ -52,7 +52,8 @@ def _exit_status(e: BaseException, signum: int | None) -> int:
     if isinstance(e, Stopped):
         write_report("signal", signal.Signals(e.signum).name)
         if rank() == 0 and not under_launcher():
-            print(stopped_message(e.signum, getattr(e, "run_dir", None)), file=sys.stderr)
+            print(stopped_message(e.signum, getattr(e, "run_dir", None)) if training
+                  else f"teratrain: stopped by {signal.Signals(e.signum).name}.", file=sys.stderr)
         return e.exit_code
     if under_torchrun() and (lost := inflight.lost_peer(e)) is not None:
         record_failure(lost, "".join(traceback.format_exception(e)))

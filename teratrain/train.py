@@ -158,7 +158,16 @@ def _loop(cfg: Config, rt: Runtime, model, engine, data, run_dir: Path, start: i
             if val_batches and (done == tc.steps or (tc.eval_every and done % tc.eval_every == 0)):
                 last["eval_loss"] = evaluate(model, val_batches, cfg, rt, run_step.forward_loss)
             progress.step(done, last["loss"], last["tokens_per_s"], lr, last.get("eval_loss"))
+            # a non-finite loss from a step that was not skipped (fp16's loss scale skips its overflows): diverged
+            stop["diverged"] = not math.isfinite(last["loss"]) and last["grad_norm"] is not None
             signum, due = _stop_or_save(stop, saved_at, cfg, rt, done, saver)
+            if stop["diverged"]:  # every rank agreed (_stop_or_save): end without saving these weights
+                if log:
+                    log.write(last)
+                progress.close()
+                raise ConfigError(f"the loss became {last['loss']} at step {done} (optim.lr {lr:g}): training "
+                                  "diverged; start again, or resume from a checkpoint written before it, with a "
+                                  "lower optim.lr.")
             if done == tc.steps or due or signum:  # the last save of a job is complete before it ends
                 saver.save(done, stopped_by=signum, wait=done == tc.steps or bool(signum))
                 saved_at = time.monotonic()
@@ -235,20 +244,24 @@ def _stop_after_step(cfg: Config):
 def _stop_or_save(stop: dict, saved_at: float, cfg: Config, rt: Runtime, done: int,
                   saver: Saver | None = None) -> tuple[int, bool]:
     """(the signal that stopped any rank, else 0; whether a checkpoint is due at step `done`), the same
-    on every worker: one all-reduce of a few numbers per step, since a signal reaches ranks at different
+    on every worker, and stop["diverged"] made true on every worker where any saw a loss that is not finite:
+    one all-reduce of a few numbers per step, since a signal reaches ranks at different
     times (or only some of them) and their clocks disagree on when checkpoint.every_minutes is up; the
     same all-reduce tells whether every rank finished writing a background save (which then completes).
     An asynchronous parameter server's workers agree on nothing between checkpoints: steps only."""
     ck = cfg.checkpoint
     by_steps = bool(ck.every and done % ck.every == 0)
     if not _lockstep(cfg):
+        stop["diverged"] = False  # a worker that ended alone would leave its servers waiting: it goes on
         return 0, by_steps
     by_time = ck.every is None and time.monotonic() - saved_at >= 60 * ck.every_minutes
     writes = saver.flags() if saver else [0] * NUM_FLAGS
-    flags = torch.tensor([stop["signum"] or 0, int(by_time), *writes], dtype=torch.int64, device=rt.device)
+    flags = torch.tensor([stop["signum"] or 0, int(by_time), int(stop.get("diverged", False)), *writes],
+                         dtype=torch.int64, device=rt.device)
     all_reduce(flags, rt.group("world"), op=MAX)
+    stop["diverged"] = bool(flags[2])  # any rank's loss not finite: every rank ends at this step
     if saver:
-        saver.agree(flags[2:].tolist())
+        saver.agree(flags[3:].tolist())
     return int(flags[0]), bool(flags[1]) or by_steps
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import flip_byte, truncate
 from tests.hf_models import save_llama
-from tests.integration.runner import assert_user_error
+from tests.integration.runner import assert_user_error, metrics
 
 
 BAD_SETTINGS = [
@@ -177,3 +177,15 @@ def test_a_run_stopped_before_its_first_checkpoint_is_not_reused(cli, tmp_path):
     assert_user_error(cli.train(run, steps=1, expect_rc=None, in_process=True), "before its first checkpoint", "delete")
     assert (run / "metrics.jsonl").read_text().startswith('{"step": 1')
     assert_user_error(cli.train(run, steps=1, resume=True, expect_rc=None, in_process=True), f"delete {run}")
+
+
+def test_a_diverged_run_ends_on_every_rank_in_one_sentence(cli, tmp_path):
+    """A loss that is not finite ends the run at that step on every rank (they agree, so none waits in a
+    collective), with the step and the learning rate named, and no checkpoint of those weights."""
+    run = tmp_path / "run"
+    proc = cli.train(run, "optim.lr=1e30", "checkpoint.every=100", steps=20, nproc=2, expect_rc=None)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("teratrain: error: the loss became nan at step") and "lower optim.lr" in last, last
+    assert not list(run.glob("checkpoints/step_*"))
+    assert len(metrics(run)) == int(last.split("at step ")[1].split()[0])  # the diverged step is logged
