@@ -36,6 +36,7 @@ from teratrain.checkpoint.format import DTYPE_NAMES, CheckpointError
 from teratrain.checkpoint.pieces import Piece
 from teratrain.checkpoint.state import rng_state, seed_everything, set_rng_state
 from teratrain.config import Config, ConfigError, validate
+from teratrain.config_toml import toml_value
 from teratrain.models.moe import expert_biases, load_expert_biases
 from teratrain.parallel.comm import all_gather_objects, any_rank_false
 
@@ -206,17 +207,28 @@ def run_restore(reader: Reader, jobs: dict) -> None:
             opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
+# model keys a resume may change: none of them shapes or names a parameter (the context length, dropout, RoPE's
+# base and scaling, the MoE losses' weights, capacity, noise and router precision, the balance's step)
+RESUME_MAY_CHANGE = frozenset({"preset", "init_from", "seq_len", "dropout", "rope_theta", "rope_scaling", "init_std",
+                               "moe.aux_loss_weight", "moe.aux_loss_convention", "moe.capacity_factor",
+                               "moe.expert_dropout", "moe.router_dtype", "moe.noise", "moe.z_loss_weight",
+                               "moe.bias_rate", "moe.aux_loss_kind"})
+
+
 def check_resume(saved: Config, saved_dims: dict, cfg: Config, dims: dict, run_dir: Path, index: Index) -> None:
     """Refuse, in one sentence, a resume whose state cannot carry over: another model shape, optimizer
     or sync mode; a layout change where the state is per rank or per local piece."""
     pairs = [(f"model.{k}", getattr(saved.model, k), getattr(cfg.model, k)) for k in type(cfg.model).model_fields
-             if k != "init_from"]
-    pairs += [("optim.name", saved.optim.name, cfg.optim.name), ("parallel.sync", saved.parallel.sync, cfg.parallel.sync)]
+             if k not in RESUME_MAY_CHANGE and k != "moe"]
+    pairs += [(f"model.moe.{k}", getattr(saved.model.moe, k), getattr(cfg.model.moe, k))
+              for k in type(cfg.model.moe).model_fields if f"moe.{k}" not in RESUME_MAY_CHANGE]
+    pairs += [(f"{section}.{k}", getattr(getattr(saved, section), k), getattr(getattr(cfg, section), k))
+              for section, k in (("optim", "name"), ("parallel", "sync"), ("lora", "rank"), ("lora", "targets"))]
     for key, old, new in pairs:
         if old != new:
-            what = "model config" if key.startswith("model.") else "setting"
-            raise ConfigError(f"{key} is {new!r} but the checkpoint in {run_dir} was written with {old!r}; "
-                              f"resume with the same {what}.")
+            what = "model shape" if key.startswith("model.") else "setting"
+            raise ConfigError(f"{key} is {toml_value(new)} but the checkpoint in {run_dir} was written with "
+                              f"{toml_value(old)}; resume with the same {what}.")
     degrees = {k: v for k, v in saved_dims.items() if v != dims.get(k)}
     if degrees and cfg.parallel.sync != "allreduce":
         raise ConfigError(f"parallel.sync={cfg.parallel.sync} keeps state per rank (replicas or clocks), so it resumes "

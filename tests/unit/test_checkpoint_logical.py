@@ -151,8 +151,15 @@ def test_what_cannot_carry_over_is_one_sentence(tmp_path):
     lsgd = make_config(*SMALL, "optim.name=adafactor", "parallel.sync=local-sgd")
     with pytest.raises(ConfigError, match=r"local-sgd keeps state per rank.*parallel.dp=1\."):
         check_resume(lsgd, one, lsgd, {**one, "dp": 2}, tmp_path, index)
-    with pytest.raises(ConfigError, match="optim.name is 'sgd'"):
+    with pytest.raises(ConfigError, match='optim.name is "sgd" but the checkpoint .* written with "adafactor"'):
         check_resume(cfg, one, make_config(*SMALL, "optim.name=sgd"), one, tmp_path, index)
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts is 4 .* with 1; resume with the same model shape\."):
+        check_resume(cfg, one, make_config(*SMALL, "optim.name=adafactor", "model.moe.num_experts=4"), one, tmp_path,
+                     index)
+    with pytest.raises(ConfigError, match=r"lora.rank is 8 .* with 0; resume with the same setting\."):
+        check_resume(cfg, one, make_config(*SMALL, "optim.name=adafactor", "lora.rank=8"), one, tmp_path, index)
+    for free in ("model.seq_len=32", "model.dropout=0.1", "model.rope_theta=500000.0"):  # no parameter changes
+        check_resume(cfg, one, make_config(*SMALL, "optim.name=adafactor", free), one, tmp_path, index)
 
 
 def test_a_checkpoint_of_one_parameter_per_expert_names_the_way_to_stacked_experts(tmp_path):
