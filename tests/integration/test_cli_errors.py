@@ -64,7 +64,7 @@ def test_resume_with_a_different_model_is_refused(cli, trained_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     proc = cli.train(run, "model.n_layers=3", steps=60, resume=True, expect_rc=None, in_process=True)
-    assert_user_error(proc, "model.n_layers", "same model config")
+    assert_user_error(proc, "model.n_layers", "same model shape")
 
 
 def test_resume_with_a_different_optimizer_is_refused(cli, trained_run, tmp_path):
