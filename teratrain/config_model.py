@@ -205,6 +205,20 @@ class MoEConfig(Section):
         return self.enabled and index >= self.first_dense_layers and (index + 1) % self.every == 0
 
 
+def _refuse_moe_keys_on_a_dense_model(given: Any, merged: Any) -> None:
+    """A model.moe key the user set away from its default while model.moe.num_experts is 1 (a dense model, where
+    it does nothing) is a mistake, not a no-op. The keys a preset set are not the user's (turning a preset's MoE
+    off keeps them), nor are defaults written out (a run's saved config.toml)."""
+    if not isinstance(given, dict) or (merged or {}).get("num_experts", 1) != 1:
+        return
+    fields = MoEConfig.model_fields
+    moved = [k for k, v in given.items() if k in fields and k != "num_experts" and v != fields[k].default]
+    if moved:
+        raise ConfigError(f"model.moe.{moved[0]} is set but model.moe.num_experts is 1 (a dense model, where it does "
+                          "nothing); set model.moe.num_experts to the expert count, or remove "
+                          f"model.moe.{moved[0]}.")
+
+
 class ModelConfig(Section):
     preset: str = Field("tiny", description="named shape (see `teratrain.models.presets`); other keys override it")
     arch: Literal["llama", "gpt2"] = Field("llama", description="llama: RMSNorm/RoPE/SwiGLU/GQA; gpt2: LayerNorm/learned positions/GELU")
@@ -253,6 +267,7 @@ class ModelConfig(Section):
         merged = {**preset, **data}  # model.init_from's keys are among `data` (config.py resolve_init_from)
         if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
             merged["moe"] = {**preset["moe"], **data["moe"]}  # keys given next to the preset override its own
+        _refuse_moe_keys_on_a_dense_model(data.get("moe"), merged.get("moe"))
         return merged
 
     @model_validator(mode="after")

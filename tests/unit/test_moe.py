@@ -308,10 +308,12 @@ def test_mixtral_preset_total_and_active_parameters():
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["model.moe.router=switch-top1", "model.moe.top_k=2"], "top_k"),
+    (["model.moe.num_experts=4", "model.moe.router=switch-top1", "model.moe.top_k=2"], "top_k"),
     (["model.moe.num_experts=4", "model.moe.top_k=5"], "exceeds"),
     (["model.moe.num_experts=6", "model.moe.router=hierarchical", "model.moe.groups=4"], "groups"),
-    (["model.moe.noise=0.5"], "noise"),
+    (["model.moe.num_experts=4", "model.moe.noise=0.5"], "noise"),
+    (["model.moe.top_k=4"], "model.moe.top_k is set but model.moe.num_experts is 1"),
+    (["model.moe.shared_experts=2"], "model.moe.shared_experts is set but model.moe.num_experts is 1"),
     (["model.moe.num_experts=4", "model.moe.every=9"], "every"),
     (["model.moe.nm_experts=4"], "did you mean 'model.moe.num_experts'"),
 ])
@@ -324,6 +326,7 @@ def test_bad_moe_config_is_one_sentence(sets, words):
 def test_preset_moe_keys_merge_with_given_ones():
     cfg = make_config("model.preset=mixtral-8x7b", "model.moe.capacity_factor=1.5")
     assert (cfg.model.moe.num_experts, cfg.model.moe.k, cfg.model.moe.capacity) == (8, 2, 1.5)
+    assert make_config("model.preset=moe-tiny", "model.moe.num_experts=1").model.moe.num_experts == 1  # MoE off
 
 
 @pytest.mark.parametrize("sets, words", [
