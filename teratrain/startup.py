@@ -108,10 +108,14 @@ def check_host_memory(cfg: Config, workers: int, local_procs: int, on_cpu: bool)
         return
     per = (lambda b: f" ({local_procs} processes x {b / GIB:,.1f} GiB)" if local_procs > 1 else "")
     if states * local_procs > avail:
-        raise ConfigError(f"model.preset={cfg.model.preset} needs about {states * local_procs / GIB:,.1f} GiB of host "
-                          f"memory for its parameters, gradients and optimizer state{per(states)}, but this machine "
-                          f"has {avail / GIB:,.1f} GiB free; use a smaller model, or shard it over more GPUs with "
-                          "parallel.zero=3 (`teratrain plan` finds a layout that fits).")
+        from teratrain.models.transformer import count_params
+
+        shard = ("shard it over more GPUs with parallel.zero=3" if cfg.parallel.zero < 3 else
+                 "shard it over more GPUs")
+        raise ConfigError(f"this {count_params(cfg.model)['total'] / 1e9:,.2f} B-parameter model needs about "
+                          f"{states * local_procs / GIB:,.1f} GiB of host memory for its parameters, gradients and "
+                          f"optimizer state{per(states)}, but this machine has {avail / GIB:,.1f} GiB free; use a "
+                          f"smaller model, or {shard} (`teratrain plan` finds a layout that fits).")
     raise ConfigError(f"this run's step needs about {peak * local_procs / GIB:,.1f} GiB of host memory at its peak "
                       f"(activations of train.micro_batch={cfg.train.micro_batch} x model.seq_len={cfg.model.seq_len} "
                       f"tokens included){per(peak)}, but this machine has {avail / GIB:,.1f} GiB free; lower "

@@ -13,8 +13,11 @@ from tests.helpers import make_config
 
 
 def test_model_states_beyond_free_memory_are_refused():
-    with pytest.raises(ConfigError, match="host memory"):  # ~1 TiB of fp32 states on the CPU
-        startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=True)
+    with pytest.raises(ConfigError, match=r"this 70\.\d\d B-parameter model needs .* host memory.*parallel.zero=3"):
+        startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=True)  # ~1 TiB of fp32 states
+    with pytest.raises(ConfigError, match=r"or shard it over more GPUs \(") as e:  # ZeRO-3 already: not advised again
+        startup.check_host_memory(make_config("model.preset=llama-70b", "parallel.zero=3"), 1, 1, on_cpu=True)
+    assert "zero=3" not in str(e.value)
     startup.check_host_memory(make_config("model.preset=llama-70b"), 1, 1, on_cpu=False)  # they live on GPUs
     startup.check_host_memory(make_config(), 1, 1, on_cpu=True)
 
