@@ -75,6 +75,9 @@ def export(ckpt: str | Path, to: str | Path, dtype: str = "fp32", max_shard_byte
     if cfg.lora.rank and not merge_lora:
         raise ConfigError(f"{run_dir} trained LoRA adapters (lora.rank={cfg.lora.rank}), which a Hugging Face "
                           "folder holds only folded into the weights; pass --merge to fold them in.")
+    if merge_lora and not cfg.lora.rank:
+        raise ConfigError(f"--merge folds LoRA adapters into the weights, and {run_dir} trained none (lora.rank=0); "
+                          "export without --merge.")
     if ckpt_dir is None:
         ckpt_dir, _ = find_valid(run_dir / "checkpoints")
     dest = Path(to)

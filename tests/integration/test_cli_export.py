@@ -151,3 +151,8 @@ def test_a_named_checkpoint_folder_is_verified_before_it_is_read(cli, trained_ru
     assert_user_error(proc, f"--ckpt '{step}' cannot be used", "fails its sha256 digest (corrupted)",
                       f"give the run directory {run}")
     assert not (tmp_path / "hf").exists()
+
+
+def test_merge_without_adapters_is_refused(cli, trained_run, tmp_path):
+    proc = cli("export", "--ckpt", trained_run, "--to", tmp_path / "hf", "--merge", expect_rc=None, in_process=True)
+    assert_user_error(proc, "--merge folds LoRA adapters", "trained none", "export without --merge")
