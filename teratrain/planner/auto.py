@@ -242,7 +242,9 @@ def train_command(config: str | None, sets: list[str], lay: Layout, gpus: int, g
     """The argv that trains with layout `lay` on `gpus` GPUs: `teratrain train --nproc N` on one node,
     torchrun on every node beyond that. `config` (a TOML file) and `sets` (--set items) describe the
     model and the run; `skip` are the config keys they already give."""
-    args = ([config] if config else []) + [a for s in sets + layout_sets(lay, skip) for a in ("--set", s)]
+    said = {s.split("=", 1)[0] for s in sets}  # a key given once (a --set the user gave) is not said again
+    layout = [s for s in layout_sets(lay, skip) if s.split("=", 1)[0] not in said]
+    args = ([config] if config else []) + [a for s in sets + layout for a in ("--set", s)]
     if gpus <= gpus_per_node:
         return ["teratrain", "train", *(["--nproc", str(gpus)] if gpus > 1 else []), *args]
     nodes = -(-gpus // gpus_per_node)

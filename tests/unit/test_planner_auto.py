@@ -81,3 +81,6 @@ def test_plan_prints_a_train_command_that_reproduces_its_pick(capsys, tmp_path):
     assert {k: v for k, v in layout_of(cfg, 4).as_dict().items() if k != "schedule"} == \
         {k: v for k, v in d["layout"].items() if k != "schedule"}
     assert argv.count("parallel.zero=2") == 1  # a given key is passed once, as given
+    piped = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--set", "parallel.pp=2", "--set",
+                      "parallel.schedule=zb-h1")["train_command"]
+    assert sum(a.startswith("parallel.schedule=") for a in piped) == 1
