@@ -70,6 +70,9 @@ def resolve_init_from(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, dict) or not model.get("init_from"):
         return raw
     folder = str(model["init_from"])
+    if model.get("preset", "tiny") != "tiny":  # the default is what a run's saved config.toml writes
+        raise ConfigError(f"model.preset={model['preset']} names a built-in shape, and model.init_from takes the "
+                          f"shape from {folder}/config.json; give one of them.")
     from teratrain.checkpoint.hf_config import init_shape  # here: the checkpoint package imports torch
 
     hf = init_shape(folder, model)

@@ -154,7 +154,8 @@ def test_shape_comes_from_config_json_and_explicit_keys_override(tmp_path):
 
 
 @pytest.mark.parametrize("sets, words", [(["model.n_layers=3"], ["model.n_layers=3", "contradicts"]),
-                                         (["model.seq_len=128"], ["model.seq_len=128", "64"])])
+                                         (["model.seq_len=128"], ["model.seq_len=128", "64"]),
+                                         (["model.preset=gpt2-124m"], ["model.preset=gpt2-124m", "give one of them"])])
 def test_a_contradiction_is_one_sentence(tmp_path, sets, words):
     save_gpt2(tmp_path)
     with pytest.raises(ConfigError) as e:
