@@ -172,6 +172,8 @@ def cmd_train(args) -> int:
     jobenv.run_dir = run_dir
     if resume:
         cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
+        if cfg.parallel.auto and args.nproc and args.nproc != rundir.processes(run_dir):  # planned anew for them
+            cfg = rundir.resume_config(run_dir, args.config, _overrides(args), replan=True)
     else:
         cfg = load_config(args.config, _overrides(args))
     if mode == "auto" and run_dir is not None:

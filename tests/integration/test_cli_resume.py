@@ -123,3 +123,12 @@ def test_a_run_resumed_on_other_text_reads_it_with_its_own_tokenizer(cli, tmp_pa
     proc = cli.train(run, f"data.path={json.dumps(str(other))}", steps=4, resume=True)
     assert "BPE tokenizer" not in proc.stderr and (run / "tokenizer.json").read_bytes() == before
     assert len(metrics(run)) == 4
+
+
+def test_a_parallel_auto_run_resumed_on_another_process_count_is_planned_anew(cli, tmp_path):
+    """The saved layout was the pick for 2 processes (micro-batch 4 of a global batch 8 on each): on 1,
+    parallel.auto chooses again instead of refusing the old pick as if the user had fixed it."""
+    run = tmp_path / "run"
+    cli.train(run, "parallel.auto=true", "checkpoint.every=2", steps=2, nproc=2)
+    proc = cli.train(run, steps=4, nproc=1, resume=True)
+    assert "auto layout: dp=1" in proc.stderr and len(metrics(run)) == 4
