@@ -126,9 +126,14 @@ def test_a_run_resumed_on_other_text_reads_it_with_its_own_tokenizer(cli, tmp_pa
 
 
 def test_a_parallel_auto_run_resumed_on_another_process_count_is_planned_anew(cli, tmp_path):
-    """The saved layout was the pick for 2 processes (micro-batch 4 of a global batch 8 on each): on 1,
+    """The saved layout was the pick for 1 process (the whole global batch of 8 as one micro-batch): on 2,
     parallel.auto chooses again instead of refusing the old pick as if the user had fixed it."""
+    from tests.helpers import TINY_SETS
+
     run = tmp_path / "run"
-    cli.train(run, "parallel.auto=true", "checkpoint.every=2", steps=2, nproc=2)
-    proc = cli.train(run, steps=4, nproc=1, resume=True)
-    assert "auto layout: dp=1" in proc.stderr and len(metrics(run)) == 4
+    sets = [a for s in TINY_SETS if not s.startswith("train.micro_batch") for a in ("--set", s)]
+    sets += ["--set", f"data.cache_dir={json.dumps(cli.cache)}"]
+    cli("train", "--out", run, "--steps", 2, "--nproc", 1, *sets, "--set", "parallel.auto=true", "--set",
+        "checkpoint.every=2")
+    proc = cli("train", "--out", run, "--steps", 4, "--nproc", 2, "--resume", *sets)
+    assert "auto layout: dp=2" in proc.stderr and len(metrics(run)) == 4
