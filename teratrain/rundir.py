@@ -330,7 +330,11 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str], repla
         for key in (*KEYS.values(), *CP_KEYS.values(), *PP_KEYS.values()):
             section, name = key.split(".")
             base[section] = {k: v for k, v in base.get(section, {}).items() if k != name}
-    saved, merged = validate(base), _merge(base, given)
+    try:
+        saved = validate(base)
+    except ConfigError as e:
+        raise ConfigError(f"{saved_path} (the run's saved config): {e}") from None
+    merged = _merge(base, given)
     merged["parallel"] = p = dict(merged.get("parallel", {}))
     if "stage_layers" not in given.get("parallel", {}) and \
             (p.get("pp"), p.get("virtual_stages")) != (saved.parallel.pp, saved.parallel.virtual_stages):

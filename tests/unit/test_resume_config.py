@@ -56,3 +56,22 @@ def test_ranks_of_a_launch_take_the_launchers_resume_decision(tmp_path, monkeypa
     said = "resume=auto: ... starting it over"
     assert rundir.decide_resume("auto", str(tmp_path), False, said) == (False, False, said, tmp_path)
     assert rundir.decide_resume("auto", str(tmp_path), True, None)[:2] == (True, True)
+
+
+def test_a_bad_key_in_the_saved_config_names_the_file(tmp_path):
+    import pytest
+
+    from teratrain.config import ConfigError
+
+    run = saved_run(tmp_path)
+    toml = run / "config.toml"
+    toml.write_text(toml.read_text().replace("n_layers = ", "n_layerz = "))
+    with pytest.raises(ConfigError, match=r"config.toml \(the run's saved config\): unknown config key 'model.n_layerz'"):
+        resume_config(run, None, [])
+
+
+def test_an_auto_run_replanned_leaves_its_old_pick_unset(tmp_path):
+    run = saved_run(tmp_path, "parallel.auto=true", "train.micro_batch=16", "parallel.zero=1", "optim.lr=0.01")
+    cfg = resume_config(run, None, [], replan=True)
+    assert "micro_batch" not in cfg.train.model_fields_set and "zero" not in cfg.parallel.model_fields_set
+    assert cfg.optim.lr == 0.01  # what is not a layout key stays
