@@ -60,7 +60,8 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "sgd", "adafactor", "sm3"] = Field("adamw", description="optimizer (sm3: Anil et al. 2019, "
                                                              "row/column accumulators; wants a larger lr, ~0.03-0.2)")
-    lr: float = Field(3e-3, gt=0.0, allow_inf_nan=False, description="peak learning rate at optim.base_batch (before the scaling rule); "
+    lr: float = Field(3e-3, gt=0.0, allow_inf_nan=False,
+                      description="peak learning rate at optim.base_batch (before the scaling rule); "
                       "unset = the optimizer's own: adamw 3e-3, sgd 0.1, sm3 0.03, adafactor 0.1 (the cap of its "
                       "relative step size, a fraction of each parameter's RMS)")
     weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (matrices only; norms and biases get none)")
