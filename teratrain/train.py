@@ -73,10 +73,10 @@ def _run(cfg: Config, rt: Runtime, run_dir: Path, resume: bool, model_fn, notes:
         saved = load_config(run_dir / "config.toml").parallel  # a profiled split, kept for the same stages
         if (saved.pp, saved.virtual_stages) == (cfg.parallel.pp, cfg.parallel.virtual_stages):
             cfg.parallel.stage_layers = saved.stage_layers
-    own = run_dir / "tokenizer.json"
+    data_cfg, own = cfg.data, run_dir / "tokenizer.json"
     if resume and own.is_file() and not (cfg.data.tokenizer and Path(cfg.data.tokenizer).expanduser().is_file()):
-        cfg.data.tokenizer = str(own)  # a resumed run reads its data with its own tokenizer: the same token ids
-    data = prepare(cfg.data, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
+        data_cfg = cfg.data.model_copy(update={"tokenizer": str(own)})  # a resumed run's own token ids
+    data = prepare(data_cfg, cfg.model.vocab_size, builder=rt.local_rank == 0, wait=rt.barrier)
     if cfg.data.document_mask and cfg.data.eot_id is None:
         cfg.data.eot_id = _eot_id(data.tokenizer_path)
     seed_everything(cfg.train.seed + rt.dp_rank)  # dropout streams differ across data-parallel replicas
