@@ -1,12 +1,14 @@
-"""AdamW's update of one fp32 CUDA tensor as one Triton kernel: each element's parameter, gradient and
-two moments read once and written once (28 bytes), the arithmetic of torch's fused AdamW.
+"""AdamW's update of a parameter group's fp32 CUDA tensors as one Triton kernel launch: each element's parameter,
+gradient and two moments read once and written once (28 bytes), the arithmetic of torch's fused AdamW.
 
-Why. torch's fused AdamW (a multi-tensor CUDA kernel) reaches ~60% of an H200's memory bandwidth, this
-streaming kernel 79-87%: one step over llama-1b's 1.10 B parameters (147 tensors) 8.19 ms against
-10.57 (1.29x), over a 128-expert model's 5.14 B (99 tensors) 34.4 against 48.5 (1.41x)
-(bench/step_kernels.py, bench/results/h200/2026-12-04_step_kernels.json). torch.compile over torch's foreach
-AdamW is faster on llama-1b (7.49 ms; likely its one launch for many tensors, where this kernel launches
-one a tensor: not measured apart) and slower on the 5.14 B (38.3), after 52 and 103 s of compiling.
+Why. torch's fused AdamW (a multi-tensor CUDA kernel) reaches ~60% of an H200's memory bandwidth, a streaming
+kernel 79-87%: one step over llama-1b's 1.10 B parameters (147 tensors) 8.19 ms against 10.57 (1.29x), over a
+128-expert model's 5.14 B (99 tensors) 34.4 against 48.5 (1.41x) (bench/step_kernels.py,
+bench/results/h200/2026-12-04_step_kernels.json, launched a tensor at a time). Launched so, each tensor cost the
+host 61 us (one H100, tests/fixtures/planner_runs/h100_2026-12-05.json): gpt2-350m's 388 tensors took 24.7 ms
+against a 4.2 ms sweep. Here a group is one launch: each tensor is cut into chunks of CHUNK elements, each chunk
+is a program, and a program finds its tensor's five addresses in a table on the device (kept between steps,
+rebuilt where an address moved).
 
 What it computes, element by element, as torch's CUDA kernel (ATen's fused_adam_utils, ADAMW mode):
 g = grad / grad_scale (the clip's scale, optim/engine.py clip_; 1 without one); p -= lr * wd * p;
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 1024  # elements a program: of 1024, 2048 and 4096 the fastest on an H200 over 5.14 B parameters
+BLOCK = 1024  # elements an inner iteration: of 1024, 2048 and 4096 the fastest on an H200 over 5.14 B parameters
+CHUNK = 64 * BLOCK  # elements a program: each tensor is cut into chunks, every chunk of a group is one program
 
 
 try:  # CUDA builds of torch ship Triton; CPU builds do not, and step through torch's kernel
@@ -38,37 +41,73 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, lr_wd, beta1, beta2, eps,
-               HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        t = tl.load(step_ptr)
+    def _adamw(table_ptr, sizes_ptr, chunk_tensor_ptr, chunk_start_ptr, scale_ptr, lr, lr_wd, beta1, beta2, eps,
+               HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = tl.load(chunk_tensor_ptr + pid)
+        start = tl.load(chunk_start_ptr + pid)
+        n = tl.load(sizes_ptr + i)
+        row = table_ptr + i * 5  # the pointer table: parameter, gradient, exp_avg, exp_avg_sq, step
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        t = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
         bias1 = 1.0 - libdevice.pow(beta1, t)
         bias2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(beta2, t))
-        p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
-        if HAS_SCALE:
-            g = tl.div_rn(g, tl.load(scale_ptr))
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
-        p = p - lr_wd * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
-        p = p - tl.div_rn(tl.div_rn(lr, bias1) * m, denom)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        for off in tl.range(0, CHUNK, BLOCK):
+            offs = start + off + tl.arange(0, BLOCK)
+            mask = offs < n
+            p = tl.load(p_ptr + offs, mask=mask)
+            g = tl.load(g_ptr + offs, mask=mask)
+            if HAS_SCALE:
+                g = tl.div_rn(g, tl.load(scale_ptr))
+            m = tl.load(m_ptr + offs, mask=mask)
+            v = tl.load(v_ptr + offs, mask=mask)
+            p = p - lr_wd * p
+            m = beta1 * m + (1.0 - beta1) * g
+            v = beta2 * v + (1.0 - beta2) * g * g
+            denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+            p = p - tl.div_rn(tl.div_rn(lr, bias1) * m, denom)
+            tl.store(p_ptr + offs, p, mask=mask)
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
 
 
-def launch(p, grad, exp_avg, exp_avg_sq, step, scale, lr: float, weight_decay: float, beta1: float, beta2: float,
-           eps: float) -> None:
-    """One parameter's update in place (module docstring); `scale` a device scalar or None."""
-    n = p.numel()
-    if n:
-        _adamw[(triton.cdiv(n, BLOCK),)](p, grad, exp_avg, exp_avg_sq, step, step if scale is None else scale, n,
-                                         lr, lr * weight_decay, beta1, beta2, eps, HAS_SCALE=scale is not None,
-                                         BLOCK=BLOCK, num_warps=4)
+class _Tables:
+    """The device tables of one group's launch: each tensor's element count and, per program, its tensor
+    and first element (both fixed by the shapes), and the pointer table (rebuilt where an address moved:
+    gradients may be new tensors every step). Kept between steps, so a steady run copies nothing."""
+
+    def __init__(self):
+        self.shapes = self.pointers = None
+
+    def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device) -> tuple:
+        sizes = tuple(row[0].numel() for row in tensors)
+        if sizes != self.shapes:
+            owner = [i for i, n in enumerate(sizes) for _ in range(triton.cdiv(n, CHUNK))]
+            first = [c * CHUNK for n in sizes for c in range(triton.cdiv(n, CHUNK))]
+            self.sizes = torch.tensor(sizes, dtype=torch.int64).to(device, non_blocking=True)
+            self.owner = torch.tensor(owner, dtype=torch.int32).to(device, non_blocking=True)
+            self.first = torch.tensor(first, dtype=torch.int64).to(device, non_blocking=True)
+            self.shapes, self.pointers = sizes, None
+        pointers = tuple(t.data_ptr() for row in tensors for t in row)
+        if pointers != self.pointers:
+            self.table = torch.tensor(pointers, dtype=torch.int64).to(device, non_blocking=True)
+            self.pointers = pointers
+        return self.table, self.sizes, self.owner, self.first
+
+
+def launch(tables: _Tables, tensors: list[tuple[torch.Tensor, ...]], scale, lr: float, weight_decay: float,
+           beta1: float, beta2: float, eps: float) -> None:
+    """One group's update in place, one kernel launch: `tensors` holds each parameter's (param, grad,
+    exp_avg, exp_avg_sq, step), `scale` a device scalar or None (module docstring)."""
+    tensors = [row for row in tensors if row[0].numel()]
+    if not tensors:
+        return
+    table, sizes, owner, first = tables.get(tensors, tensors[0][0].device)
+    _adamw[(owner.numel(),)](table, sizes, owner, first, table if scale is None else scale, lr, lr * weight_decay,
+                             beta1, beta2, eps, HAS_SCALE=scale is not None, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4)
 
 
 def available() -> bool:
@@ -80,42 +119,54 @@ def kernel_applies(opt: torch.optim.AdamW, group: dict) -> bool:
     """Every parameter with a gradient in `group` is an fp32 CUDA tensor stored densely with its
     gradient and moments, the step is plain AdamW (no amsgrad, maximize, differentiable, tensor lr,
     found_inf), and the kernel is available."""
+    return _plain(opt, group) and _rows(opt, group) is not None
+
+
+def _plain(opt: torch.optim.AdamW, group: dict) -> bool:
     if group["amsgrad"] or group["maximize"] or group.get("differentiable") or torch.is_tensor(group["lr"]):
         return False
-    if getattr(opt, "found_inf", None) is not None or not available():
-        return False
+    return getattr(opt, "found_inf", None) is None and available()
+
+
+def _rows(opt: torch.optim.AdamW, group: dict) -> list[tuple[torch.Tensor, ...]] | None:
+    """(param, grad, exp_avg, exp_avg_sq, step) of each parameter of `group` with a gradient, or None where one
+    of them is not an fp32 CUDA tensor (the first four dense)."""
+    rows, f32 = [], torch.float32
     for p in group["params"]:
-        if p.grad is None:
+        g = p.grad
+        if g is None:
             continue
-        state = opt.state.get(p, {})
-        tensors = [p, p.grad, state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")]
-        if any(t is None or not t.is_cuda or t.dtype != torch.float32 for t in tensors):
-            return False
-        if not all(t.is_contiguous() for t in tensors[:4]):
-            return False
-    return True
+        state = opt.state.get(p)
+        row = (p, g, state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")) if state else (None,)
+        if any(t is None or t.dtype != f32 or not t.is_cuda for t in row):
+            return None
+        if not (p.is_contiguous() and g.is_contiguous() and row[2].is_contiguous() and row[3].is_contiguous()):
+            return None
+        rows.append(row)
+    return rows
 
 
 class AdamW(torch.optim.AdamW):
-    """torch.optim.AdamW with fused=True, whose step runs teratrain's kernel on the groups it applies to
-    (module docstring). Build it as torch's: the state must exist before the first step (optim/build.py
-    init_state creates it)."""
+    """torch.optim.AdamW with fused=True, whose step runs teratrain's kernel, one launch a group, where every
+    group qualifies (module docstring), and torch's fused step otherwise. Build it as torch's: the state must
+    exist before the first step (optim/build.py init_state creates it)."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        if closure is not None or not all(kernel_applies(self, g) for g in self.param_groups):
-            return super().step(closure)
-        scale = getattr(self, "grad_scale", None)
+        groups = []
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
+            rows = _rows(self, group) if closure is None and _plain(self, group) else None
+            if rows is None:
+                return super().step(closure)
+            groups.append((group, rows))
+        torch._foreach_add_([row[4] for _, rows in groups for row in rows], 1)
+        scale = getattr(self, "grad_scale", None)
+        tables = self.__dict__.setdefault("_tables", {})  # a group's device tables (not in state_dict)
+        for index, (group, rows) in enumerate(groups):
+            if not rows:
                 continue
-            steps = [self.state[p]["step"] for p in params]
-            torch._foreach_add_(steps, 1)
             beta1, beta2 = group["betas"]
-            s = None if scale is None else scale.to(params[0].device)
-            for p, t in zip(params, steps):
-                state = self.state[p]
-                launch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], t, s, float(group["lr"]),
-                       float(group["weight_decay"]), beta1, beta2, group["eps"])
+            s = None if scale is None else scale.to(rows[0][0].device)
+            launch(tables.setdefault(index, _Tables()), rows, s, float(group["lr"]), float(group["weight_decay"]),
+                   beta1, beta2, group["eps"])
         return None

@@ -280,7 +280,7 @@ def _borrowed(gpu, shape, train, lay) -> list[str]:
     unused |= {"moe_efficiency", "grouped_half_work"} if shape.num_experts <= 1 else set()
     unused |= {"flops_efficiency_fp32"} if train.precision != "fp32" else set()
     unused |= {"host_adam_params_per_s"} if lay.offload == "none" else set()
-    unused |= {"host_optimizer_tensor_s"} if train.optimizer != "adamw" or train.torch_adamw else set()
+    unused |= {"host_optimizer_tensor_s"} if not train.adamw_per_tensor else set()
     others = [k for k in borrowed(gpu.name) if k not in unused and getattr(gpu, k) == getattr(preset, k)]
     if not others:
         return []

@@ -242,6 +242,10 @@ class Training:
     # AdamW steps through torch's fused kernel (optim.kernel=torch; and the runs recorded before teratrain's
     # kernel, optim/adamw_kernel.py, which planner/refit.py and the tests plan as they ran), else teratrain's
     torch_adamw: bool = False
+    # teratrain's AdamW kernel launched a tensor at a time, each launch costing the host
+    # hardware.GPU.host_optimizer_tensor_s: the runs recorded before it launched once a group (planned as they ran
+    # by planner/refit.py). Never set from a Config.
+    adamw_per_tensor: bool = False
     # Each stacked expert weight's gradient was cast back and then added by autograd, before the cast's
     # backward carried the accumulated one (memory/step_casts.py take_grads): how the runs recorded before
     # measured, planned as they ran by planner/refit.py. Never set from a Config.

@@ -112,7 +112,7 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
                     + _fp8_part(train, gpu, rate, t.terms.get("fp8_flops", 0.0))))
         out.append(("eager ops", t.ops_s, f"launches and elementwise kernels, {gpu.op_overhead_s * 1e6:.1f} us per op"))
     if t.optimizer_s:
-        out.append(("optimizer step", t.optimizer_s, _optimizer_why(train, gpu, c)))
+        out.append(("optimizer step", t.optimizer_s, _optimizer_why(train, gpu)))
     if t.comm_s:
         parts = ", ".join(f"{k[5:-2]} {v * 1e3:.1f} ms" for k, v in t.terms.items() if k.startswith("comm_") and v)
         for key, words in (("zero_gather", "ZeRO-3 gathers"), ("param_gather", "param all-gather"),
@@ -142,17 +142,13 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
     return out
 
 
-def _optimizer_why(train: Training, gpu: GPU, c: Candidate) -> str:
-    """What paces the optimizer step: its HBM sweep, or the host launching teratrain's AdamW kernel a tensor at
-    a time (time.optimizer_s)."""
+def _optimizer_why(train: Training, gpu: GPU) -> str:
+    """What the optimizer step is: an HBM sweep, by torch's fused kernel or teratrain's AdamW kernel
+    (time.optimizer_s)."""
     if train.optimizer != "adamw" or train.torch_adamw:
         name = "AdamW" if train.optimizer == "adamw" else train.optimizer
         return f"fused {name} sweep at {gpu.hbm_gbps * gpu.mem_efficiency:.0f} GB/s"
-    tensors = c.time.terms.get("optimizer_tensors", 0)
-    if tensors * gpu.host_optimizer_tensor_s < c.time.optimizer_s:  # time.optimizer_s took the sweep
-        return "teratrain's AdamW kernel: an HBM sweep of the parameters, gradients and moments"
-    return (f"host-paced: teratrain's AdamW kernel launched on each of {tensors} tensors "
-            f"({gpu.host_optimizer_tensor_s * 1e6:.0f} us each); optim.kernel=torch steps them in few launches")
+    return "teratrain's AdamW kernel: an HBM sweep of the parameters, gradients and moments, a launch a group"
 
 
 def _fp8_part(train: Training, gpu: GPU, rate: float, flops: float) -> str:

@@ -489,15 +489,17 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU,
 def optimizer_s(train: Training, w, shard: float, gpu: GPU, tensors: int = 0) -> float:
     """The optimizer step's HBM sweep over the `shard` parameters this rank steps (fp32 masters: their copy
     back to the parameters, 12 bytes more): torch's fused AdamW (and every other optimizer) at
-    OPTIMIZER_BYTES_PER_PARAM and the fitted mem_efficiency, teratrain's AdamW kernel at its own share, or
-    where longer, the host's time to launch it on each of the `tensors` it steps (gpu.host_optimizer_tensor_s:
-    gpt2's 388 tensors on one H100, 24.7 ms against a 4.2 ms sweep)."""
+    OPTIMIZER_BYTES_PER_PARAM and the fitted mem_efficiency, teratrain's AdamW kernel (a launch a group) at its
+    own share. The runs recorded while the kernel was launched a tensor at a time (Training.adamw_per_tensor)
+    took, where longer, the host's time to launch it on each of the `tensors` they stepped
+    (gpu.host_optimizer_tensor_s: gpt2's 388 tensors on one H100, 24.7 ms against a 4.2 ms sweep)."""
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
     masters = (12 if w.master else 0) / hbm
     if train.optimizer != "adamw" or train.torch_adamw:
         return shard * (OPTIMIZER_BYTES_PER_PARAM / hbm + masters)
     kernel = ADAMW_KERNEL_BYTES / (gpu.hbm_gbps * 1e9 * ADAMW_KERNEL_SHARE)
-    return max(shard * (kernel + NORM_READ_BYTES / hbm + masters), tensors * gpu.host_optimizer_tensor_s)
+    launches = tensors * gpu.host_optimizer_tensor_s if train.adamw_per_tensor else 0.0
+    return max(shard * (kernel + NORM_READ_BYTES / hbm + masters), launches)
 
 
 def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: MemoryBreakdown) -> TimeBreakdown:

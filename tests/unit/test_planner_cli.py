@@ -218,8 +218,8 @@ def test_graphed_expert_parallelism_is_pointed_at_the_reordered_exchange(capsys)
 
 def test_constants_another_card_measured_are_named(capsys):
     """A preset's constants that hold another card's values (calibration/<card>.toml) are named where the plan
-    reads them; one given with --hw is the user's. The H200 holds one: the host's cost of a stepped tensor,
-    measured on an H100's host."""
+    reads them; one given with --hw is the user's. The H200 holds one: the host's cost of a tensor the AdamW
+    kernel was launched on, measured on an H100's host, which only runs recorded so are planned with."""
     from teratrain.planner.hardware import borrowed
 
     assert borrowed("h200") == ["host_optimizer_tensor_s"] and "mem_efficiency" in borrowed("a100")
@@ -229,8 +229,8 @@ def test_constants_another_card_measured_are_named(capsys):
     notes = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--gpu", "a100", "--hw", "mem_efficiency=0.6",
                       "--hw", "host_op_s=1e-5")["notes"]
     assert not any("mem_efficiency" in n or "host_op_s" in n for n in notes if "another card's value" in n)
-    h200 = plan_json(capsys, "--model", "gpt2-124m", "--gpu", "h200", "--hw", "host_optimizer_tensor_s=5e-5")["notes"]
-    assert not any("another card's value" in n for n in h200)
+    h200 = plan_json(capsys, "--model", "gpt2-124m", "--gpu", "h200")["notes"]
+    assert not any("another card's value" in n for n in h200)  # a launch a group: the constant is not read
 
 
 def test_pipelined_layouts_show_their_schedule_in_the_config_spelling(capsys):

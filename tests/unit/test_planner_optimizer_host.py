@@ -1,6 +1,7 @@
-"""The optimizer step's host term (planner/time.py optimizer_s): teratrain's AdamW kernel is launched a tensor at
-a time, so a model of many small tensors has its step paced by the host (gpt2-350m's 388 tensors on one H100,
-24.7 ms against a 4.2 ms sweep: tests/fixtures/planner_runs/h100_2026-12-05.json), torch's multi-tensor step not."""
+"""The optimizer step's host term (planner/time.py optimizer_s): teratrain's AdamW kernel is one launch a group,
+its step an HBM sweep; the runs recorded while it was launched a tensor at a time, so that a model of many small
+tensors had its step paced by the host (gpt2-350m's 388 tensors on one H100, 24.7 ms against a 4.2 ms sweep:
+tests/fixtures/planner_runs/h100_2026-12-05.json), are planned so."""
 
 from dataclasses import replace
 
@@ -25,22 +26,34 @@ def test_the_tensors_planned_are_those_the_engine_steps(sets):
     assert stepped_tensors(shape_of(cfg), training_of(cfg), layout_of(cfg, 1)) == stepped
 
 
-def test_the_kernel_step_takes_the_longer_of_its_sweep_and_its_launches():
+def test_the_kernel_step_is_its_sweep_and_the_recorded_per_tensor_launches_are_priced():
     cfg = load_config(None, ["model.preset=gpt2-350m"])
     shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, 1)
     w, gpu, n = train.widths(0, "none"), GPUS["h100"], 3.5e8
     sweep = optimizer_s(train, w, n, gpu)
-    assert optimizer_s(train, w, n, gpu, 10) == sweep  # a few tensors: the sweep
     many = stepped_tensors(shape, train, lay)
-    assert many > 300 and optimizer_s(train, w, n, gpu, many) == pytest.approx(many * gpu.host_optimizer_tensor_s)
-    torch_step = replace(train, torch_adamw=True)  # one multi-tensor launch: no host term
+    assert many > 300 and optimizer_s(train, w, n, gpu, many) == sweep  # a launch a group: the sweep
+    recorded = replace(train, adamw_per_tensor=True)  # a launch a tensor (the runs recorded before)
+    assert optimizer_s(recorded, w, n, gpu, 10) == sweep
+    assert optimizer_s(recorded, w, n, gpu, many) == pytest.approx(many * gpu.host_optimizer_tensor_s)
+    torch_step = replace(train, torch_adamw=True)
     assert optimizer_s(torch_step, w, n, gpu, many) == optimizer_s(torch_step, w, n, gpu)
 
 
-def test_plan_says_when_the_host_paces_the_optimizer(capsys):
+def test_as_ran_reads_how_a_recorded_run_launched_the_kernel():
+    from teratrain.planner.refit import as_ran
+
+    train = training_of(load_config(None, ["model.preset=gpt2-350m"]))
+    assert as_ran(train, {"adamw": "teratrain kernel"}).adamw_per_tensor
+    now = as_ran(train, {"adamw": "teratrain kernel, a launch a group"})
+    assert not now.adamw_per_tensor and not now.torch_adamw
+    assert as_ran(train, {}).torch_adamw and as_ran(train, {"adamw": "torch fused"}).torch_adamw
+
+
+def test_plan_names_the_optimizer_step_a_sweep(capsys):
     assert main(["plan", "--model", "gpt2-350m", "--gpus", "1"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("optimizer step"))
-    assert "host-paced" in line and "optim.kernel=torch" in line
+    assert "teratrain's AdamW kernel" in line and "a launch a group" in line and "host-paced" not in line
     assert main(["plan", "--model", "gpt2-350m", "--gpus", "1", "--set", "optim.kernel=torch"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("optimizer step"))
-    assert "host-paced" not in line and "fused AdamW sweep" in line
+    assert "fused AdamW sweep" in line
