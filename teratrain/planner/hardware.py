@@ -110,8 +110,9 @@ class GPU:
     # step on the machine it was fitted on. A run's host probe (refit.fit_host) replaces both.
     host_op_s: float = _REFERENCE["host_op_s"]
     host_collective_s: float = _REFERENCE["host_collective_s"]
-    # Host time teratrain's AdamW kernel (optim/adamw_kernel.py) costs a parameter tensor it steps (its checks
-    # and its Triton launch, a launch a tensor): a model of many small tensors has its optimizer step paced by it
+    # Host time teratrain's AdamW kernel (optim/adamw_kernel.py) cost a parameter tensor it stepped while it was
+    # launched a tensor at a time (its checks and its Triton launch): the runs recorded so (Training.adamw_per_tensor)
+    # had a model of many small tensors paced by it; launched once a group, the kernel does not read it
     host_optimizer_tensor_s: float = _REFERENCE["host_optimizer_tensor_s"]
     # Host time of one data-parallel engine launch (a bucket's all-reduce, a ZeRO group's reduce-scatter
     # or gather, with its hook): measured by the host probe's ZeRO-3 row where a run has one; None:
