@@ -40,7 +40,7 @@ def _result(scale: float) -> dict:
             for mb in (2, 4, 8)]
     result = {"device": "NVIDIA H100 80GB HBM3", "device_mem_gib": 79.2, "gpus": 2, "rows": rows,
               "hw": {"all_reduce_gbps": 200.0, "pcie_gbps": 40.0},
-              **how_it_runs(), "adamw": "teratrain kernel"}  # today's code on a GPU, as planner_modes.py says
+              **how_it_runs(), "adamw": "teratrain kernel, a launch a group"}  # today's code on a GPU
     gpu = result_gpu(result)
     for r in rows:
         cfg = load_config(None, r["sets"])
