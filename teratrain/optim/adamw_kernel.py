@@ -83,19 +83,25 @@ class _Tables:
         self.shapes = self.pointers = None
 
     def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device) -> tuple:
-        sizes = tuple(row[0].numel() for row in tensors)
-        if sizes != self.shapes:
+        shapes = (device, *(row[0].numel() for row in tensors))
+        if shapes != self.shapes:
+            sizes = shapes[1:]
             owner = [i for i, n in enumerate(sizes) for _ in range(triton.cdiv(n, CHUNK))]
             first = [c * CHUNK for n in sizes for c in range(triton.cdiv(n, CHUNK))]
-            self.sizes = torch.tensor(sizes, dtype=torch.int64).to(device, non_blocking=True)
-            self.owner = torch.tensor(owner, dtype=torch.int32).to(device, non_blocking=True)
-            self.first = torch.tensor(first, dtype=torch.int64).to(device, non_blocking=True)
-            self.shapes, self.pointers = sizes, None
+            self.sizes, self.first = _upload(sizes, torch.int64, device), _upload(first, torch.int64, device)
+            self.owner = _upload(owner, torch.int32, device)
+            self.shapes, self.pointers = shapes, None
         pointers = tuple(t.data_ptr() for row in tensors for t in row)
         if pointers != self.pointers:
-            self.table = torch.tensor(pointers, dtype=torch.int64).to(device, non_blocking=True)
-            self.pointers = pointers
+            self.table, self.pointers = _upload(pointers, torch.int64, device), pointers
         return self.table, self.sizes, self.owner, self.first
+
+
+def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without the host waiting: through pinned memory, which torch's host allocator keeps
+    until the copy has run."""
+    host = torch.tensor(values, dtype=dtype)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
 def launch(tables: _Tables, tensors: list[tuple[torch.Tensor, ...]], scale, lr: float, weight_decay: float,
@@ -159,7 +165,10 @@ class AdamW(torch.optim.AdamW):
             if rows is None:
                 return super().step(closure)
             groups.append((group, rows))
-        torch._foreach_add_([row[4] for _, rows in groups for row in rows], 1)
+        steps = [row[4] for _, rows in groups for row in rows]
+        if not steps:  # no gradient anywhere: nothing to step, as torch's AdamW
+            return None
+        torch._foreach_add_(steps, 1)
         scale = getattr(self, "grad_scale", None)
         tables = self.__dict__.setdefault("_tables", {})  # a group's device tables (not in state_dict)
         for index, (group, rows) in enumerate(groups):

@@ -272,16 +272,16 @@ def refit(result: dict, split: str = "fit") -> dict:
 
 
 def optimizer_tensor_s(gpu: GPU, prepared: list[tuple]) -> float | None:
-    """The host's time a stepped tensor costs teratrain's AdamW kernel: the median, over the rows whose optimizer
-    phase (bench/planner_validate.py "phases") took over twice its planned HBM sweep, of that phase over the tensors
-    the row steps; None where no row ran the kernel so."""
+    """The host's time a stepped tensor cost teratrain's AdamW kernel launched a tensor at a time (the runs recorded
+    so): the median, over the rows whose optimizer phase (bench/planner_validate.py "phases") took over twice its
+    planned HBM sweep, of that phase over the tensors the row steps; None where no row ran the kernel so."""
     from teratrain.planner.search import evaluate
     from teratrain.planner.time import optimizer_s
 
     each = []
     for shape, train, lay, row in prepared:
         took = (row.get("phases") or {}).get("step_s")
-        if not took or lay.offload != "none" or train.optimizer != "adamw" or train.torch_adamw:
+        if not took or lay.offload != "none" or train.optimizer != "adamw" or not train.adamw_per_tensor:
             continue
         cand = evaluate(shape, train, lay, gpu)
         sweep = optimizer_s(train, train.widths(lay.zero, lay.offload), cand.memory.terms["shard_params"], gpu)

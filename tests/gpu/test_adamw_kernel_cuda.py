@@ -13,7 +13,7 @@ from teratrain.config import load_config
 from teratrain.optim import adamw_kernel
 from teratrain.optim.build import build_optimizer
 
-SHAPES = [(3 << 20) + 5, (256, 1000), (17,), (1,), (4, 33, 7)]
+SHAPES = [(3 << 20) + 5, (256, 1000), (17,), (1,), (4, 33, 7)]  # a launch a group covers 48 + 4 + 1 chunks, 1 + 1
 
 
 def _pair(seed: int = 0):
@@ -90,3 +90,25 @@ def test_build_picks_the_kernel_unless_told_and_falls_back_where_it_does_not_app
     assert not adamw_kernel.kernel_applies(opt, opt.param_groups[0])  # bf16: torch's step
     opt.step()
     assert float(opt.state[half[0][1]]["step"]) == 1
+
+
+@pytest.mark.gpu(1)
+def test_steps_without_some_or_any_gradient_step_as_torchs():
+    """A parameter without a gradient keeps its value, state and step counter (its row leaves the table, which
+    is rebuilt); a step with no gradient at all does nothing."""
+    if not adamw_kernel.available():
+        pytest.skip("needs Triton")
+    params, clones, ours, ref, g = _pair(seed=2)
+    for step in range(4):
+        for i, (p, c) in enumerate(zip(params, clones)):
+            p.grad = None if (i + step) % 3 == 0 else torch.randn(p.shape, device="cuda", generator=g)
+            c.grad = None if p.grad is None else p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, c in zip(params, clones):
+        assert _close(p, c) and float(ours.state[p]["step"]) == float(ref.state[c]["step"])
+    before = [p.clone() for p in params]
+    for p in params:
+        p.grad = None
+    ours.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before))
