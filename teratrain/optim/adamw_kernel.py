@@ -26,6 +26,8 @@ qualifies (`kernel_applies`) and torch's fused step otherwise: the same state (`
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 BLOCK = 1024  # elements an inner iteration: of 1024, 2048 and 4096 the fastest on an H200 over 5.14 B parameters
@@ -117,8 +119,9 @@ def launch(tables: _Tables, tensors: list[tuple[torch.Tensor, ...]], scale, lr: 
 
 
 def available() -> bool:
-    """Whether this process can run the kernel: Triton importable and a CUDA device present."""
-    return triton is not None and torch.cuda.is_available()
+    """Whether this process can run the kernel: Triton importable, a CUDA device present, and no launch of it
+    failed here."""
+    return triton is not None and torch.cuda.is_available() and not _BROKEN
 
 
 def kernel_applies(opt: torch.optim.AdamW, group: dict) -> bool:
@@ -176,6 +179,24 @@ class AdamW(torch.optim.AdamW):
                 continue
             beta1, beta2 = group["betas"]
             s = None if scale is None else scale.to(rows[0][0].device)
-            launch(tables.setdefault(index, _Tables()), rows, s, float(group["lr"]), float(group["weight_decay"]),
-                   beta1, beta2, group["eps"])
+            try:
+                launch(tables.setdefault(index, _Tables()), rows, s, float(group["lr"]), float(group["weight_decay"]),
+                       beta1, beta2, group["eps"])
+            except Exception as e:  # noqa: BLE001 - Triton could not build or launch the kernel on this machine
+                if index != next(i for i, (_, r) in enumerate(groups) if r):
+                    raise  # a group before this one stepped already: no way back to torch's step
+                _unavailable(e)
+                torch._foreach_add_(steps, -1)
+                return super().step(closure)
         return None
+
+
+_BROKEN: list[str] = []  # why the kernel could not run here, once it failed: torch's step from then on
+
+
+def _unavailable(e: Exception) -> None:
+    if not _BROKEN:
+        print(f"teratrain: warning: teratrain's AdamW kernel could not run here ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); stepping with torch's fused AdamW instead "
+              "(optim.kernel=torch chooses it from the start).", file=sys.stderr)
+    _BROKEN.append(type(e).__name__)
