@@ -171,9 +171,8 @@ def cmd_train(args) -> int:
     mode, resume, resume_note, run_dir = rundir.decide_resume(given, args.out, launched, args.resume_note)
     jobenv.run_dir = run_dir
     if resume:
-        cfg = rundir.resume_config(run_dir, args.config, _overrides(args))
-        if cfg.parallel.auto and args.nproc and args.nproc != rundir.processes(run_dir):  # planned anew for them
-            cfg = rundir.resume_config(run_dir, args.config, _overrides(args), replan=True)
+        cfg = rundir.resume_config(run_dir, args.config, _overrides(args),
+                                   replan=bool(args.nproc) and args.nproc != rundir.processes(run_dir))
     else:
         cfg = load_config(args.config, _overrides(args))
     if mode == "auto" and run_dir is not None:

@@ -311,8 +311,8 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str], repla
     """The config a resumed run continues with: the saved `config.toml` (but parallel.dp, which follows
     the processes launched, and a saved stage split when the pipeline changes), then the config file
     and `overrides` on top, nested tables key by key. A new train.steps keeps the schedule's length
-    unless optim.decay_steps is given. `replan`: a parallel.auto run resumed on another process count, whose
-    saved layout keys (the pick for the old count) are left for parallel.auto to choose again."""
+    unless optim.decay_steps is given. `replan` (another process count): a parallel.auto run's saved layout keys,
+    the pick for the old count, are left for parallel.auto to choose again."""
     saved_path = Path(run_dir) / "config.toml"
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--out {run_dir} is a file; give the folder of the run to resume.")
@@ -324,7 +324,7 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str], repla
     # the saved dp is what the launch gave (train.run records it): a resume at another process count
     # (resharding) derives its own unless given
     base = {**base, "parallel": {k: v for k, v in base.get("parallel", {}).items() if k != "dp"}}
-    if replan:
+    if replan and given.get("parallel", {}).get("auto", base.get("parallel", {}).get("auto")):
         from teratrain.planner.auto import CP_KEYS, KEYS, PP_KEYS
 
         for key in (*KEYS.values(), *CP_KEYS.values(), *PP_KEYS.values()):

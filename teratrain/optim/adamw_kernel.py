@@ -55,9 +55,9 @@ if triton is not None:
         m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         t = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
-        bias1 = 1.0 - libdevice.pow(beta1, t)
+        step_size = tl.div_rn(lr, 1.0 - libdevice.pow(beta1, t))
         bias2_sqrt = tl.sqrt_rn(1.0 - libdevice.pow(beta2, t))
-        for off in tl.range(0, CHUNK, BLOCK):
+        for off in tl.range(0, CHUNK, BLOCK):  # the per-element code of the kernel launched a tensor at a time
             offs = start + off + tl.arange(0, BLOCK)
             mask = offs < n
             p = tl.load(p_ptr + offs, mask=mask)
@@ -70,7 +70,7 @@ if triton is not None:
             m = beta1 * m + (1.0 - beta1) * g
             v = beta2 * v + (1.0 - beta2) * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
-            p = p - tl.div_rn(tl.div_rn(lr, bias1) * m, denom)
+            p = p - tl.div_rn(step_size * m, denom)
             tl.store(p_ptr + offs, p, mask=mask)
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
@@ -174,6 +174,7 @@ class AdamW(torch.optim.AdamW):
         torch._foreach_add_(steps, 1)
         scale = getattr(self, "grad_scale", None)
         tables = self.__dict__.setdefault("_tables", {})  # a group's device tables (not in state_dict)
+        stepped = False
         for index, (group, rows) in enumerate(groups):
             if not rows:
                 continue
@@ -183,11 +184,12 @@ class AdamW(torch.optim.AdamW):
                 launch(tables.setdefault(index, _Tables()), rows, s, float(group["lr"]), float(group["weight_decay"]),
                        beta1, beta2, group["eps"])
             except Exception as e:  # noqa: BLE001 - Triton could not build or launch the kernel on this machine
-                if index != next(i for i, (_, r) in enumerate(groups) if r):
+                if stepped:
                     raise  # a group before this one stepped already: no way back to torch's step
                 _unavailable(e)
                 torch._foreach_add_(steps, -1)
                 return super().step(closure)
+            stepped = True
         return None
 
 

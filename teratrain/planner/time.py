@@ -507,7 +507,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     w = train.widths(lay.zero, lay.offload)
     shard = mem.terms["shard_params"]  # the parameters this rank's optimizer steps
     hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
-    tensors = stepped_tensors(shape, train, lay)
+    tensors = stepped_tensors(shape, train, lay) if train.adamw_per_tensor else 0  # only their launches cost
     opt_s = 0.0 if lay.offload != "none" else optimizer_s(train, w, shard, gpu, tensors)
     offload_s = _offload_s(train, lay, gpu, shard)
     comm = step_comm(shape, train, lay, gpu) if lay.gpus > 1 else {}
