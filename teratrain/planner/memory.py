@@ -367,6 +367,14 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
                            phases={k: sum(v.values()) for k, v in phases.items()}, terms=terms)
 
 
+def least_total(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, device: str = "cuda") -> float:
+    """A floor under plan_memory(...).total from the model states alone: the fuller rank's parameters and
+    optimizer states are alive at every moment `_end_phases` weighs, and the allowance adds the context and
+    fragmentation on top of the peak. Cheap: it lets a search skip layouts whose states alone overfill a GPU."""
+    st = model_states(shape, train, lay, device)
+    return gpu.context_gib * GIB + (1 + gpu.fragmentation) * (st["gpu_params"] + st["gpu_optimizer"])
+
+
 def forward_saved(shape: ModelShape, train: Training, lay: Layout, device: str = "cuda") -> int:
     """Bytes one micro-batch's forward keeps for backward on a rank of a layout without a pipeline,
     as `saved_tensors_hooks` count them (measure.saved_bytes, parameters excluded): the

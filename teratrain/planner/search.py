@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from teratrain.parallel.tp_plan import splits_kv_heads
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
-from teratrain.planner.memory import GIB, MemoryBreakdown, plan_memory
+from teratrain.planner.memory import GIB, MemoryBreakdown, least_total, plan_memory
 from teratrain.planner.pipeline import planned_split
 from teratrain.planner.states import PlanError, check_layout
 from teratrain.planner.time import TimeBreakdown, plan_time
@@ -246,11 +246,12 @@ def smallest_gpu_count(shape: ModelShape, train: Training, gpus: int, gpu: GPU, 
     within two nodes, whole nodes beyond). Memory alone decides: each count stops at its first fitting layout,
     and no step time is planned."""
     free = {k: v for k, v in fixed.items() if k not in ("dp",)}
+    cap = gpu_mem_gib * GIB
 
     def fits(n: int) -> bool:
         t = Training(**{**train.__dict__, "global_batch": max(train.global_batch, n)})  # a rank needs a sequence
         return any(_fit(plan_memory(shape, t, lay, gpu), lay, gpu, gpu_mem_gib, host_mem_gib)[0]
-                   for lay in layouts(shape, t, n, gpu, free))
+                   for lay in layouts(shape, t, n, gpu, free) if least_total(shape, t, lay, gpu) <= cap)
 
     low, n = gpus, gpus * 2
     while n <= limit and not fits(n):

@@ -93,3 +93,22 @@ def test_the_gpu_count_advised_is_the_fewest_that_fits():
     assert smallest_gpu_count(shape, train, 2, h100, fixed_of(cfg), 1.2) == 3
     for n, fits in ((2, False), (3, True)):
         assert any(c.fits for c in search(shape, train, n, h100, fixed_of(cfg), 1.2)) == fits
+
+
+def test_the_states_floor_is_under_every_layouts_total():
+    """smallest_gpu_count skips a layout whose least_total (states, context, fragmentation) overfills the GPU:
+    sound only if the floor is never above plan_memory's total, dense or MoE, any ZeRO stage or offload."""
+    from teratrain.config import load_config
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import fixed_of, shape_of, training_of
+    from teratrain.planner.memory import least_total, plan_memory
+    from teratrain.planner.search import layouts
+
+    for preset in ("gpt2-124m", "moe-tiny"):
+        cfg = load_config(None, [f"model.preset={preset}", "train.global_batch=8", "memory.precision=bf16"])
+        shape, train, h100 = shape_of(cfg), training_of(cfg), GPUS["h100"]
+        for n in (1, 4):
+            lays = list(layouts(shape, train, n, h100, fixed_of(cfg)))
+            assert {lay.zero for lay in lays} >= {0, 3} and len({lay.offload for lay in lays}) > 1
+            for lay in lays:
+                assert least_total(shape, train, lay, h100) <= plan_memory(shape, train, lay, h100).total, lay
