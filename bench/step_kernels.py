@@ -4,7 +4,8 @@
 Qwen3-30B-A3B-shaped MoE's of bench/moe.py (5.14 B, 128-expert stacks) and as gpt2-350m's (355 M in 388 tensors,
 most of them biases and norms: where launches a tensor would pace the step): torch's fused AdamW (with the
 clip's gradient scale, as optim/engine.py runs it), torch.compile over torch's foreach AdamW (tensor lr,
-capturable; `--no-compiled-adamw` leaves it out), and teratrain's kernel (optim/adamw_kernel.py). `ideal_ms` =
+capturable; `--no-compiled-adamw` leaves it out), and teratrain's kernel (optim/adamw_kernel.py), also at each
+tile (BLOCK 1024-4096, CHUNK 1-64 BLOCKs, 4 or 8 warps; `chunks`: the 8 fastest, and the kernel's). `ideal_ms` =
 28 bytes a parameter at the card's datasheet bandwidth (--hbm-gbps).
 
 `moe_gather`: the compiled MoE layer's two row gathers summed over each token's k choices (models/
@@ -98,6 +99,8 @@ def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float, compiled_
                 opt.grad_scale = scale
                 opt.step()
             row[f"{name}_ms"] = round(timed(step, dev, iters), 3)
+            if name == "teratrain":
+                row["chunks"] = adamw_chunks(opt, scale, dev, iters)
             del opt
         if compiled_too:
             opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=dev) if dev.type == "cuda" else 1e-4,
@@ -115,6 +118,20 @@ def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float, compiled_
         out[kind] = row
         print(kind, row, flush=True)
     return out
+
+
+def adamw_chunks(opt, scale: torch.Tensor, dev: torch.device, iters: int) -> list[dict]:
+    """teratrain's kernel at each tile (BLOCK, CHUNK, warps): the 8 fastest and the one the kernel takes."""
+    rows = adamw_kernel._rows(opt, opt.param_groups[0])
+    tiles, picked = [], [adamw_kernel.BLOCK, adamw_kernel.CHUNK, adamw_kernel.WARPS]
+    for block, mult, warps in itertools.product((1024, 2048, 4096), (1, 2, 4, 8, 16, 64), (4, 8)):
+        tables, tile = adamw_kernel._Tables(), (block, block * mult, warps)
+
+        def step(tables=tables, tile=tile):
+            adamw_kernel.launch(tables, rows, scale, 1e-4, 0.1, 0.9, 0.999, 1e-8, tile)
+        tiles.append({"tile": list(tile), "ms": round(timed(step, dev, iters), 3)})
+    tiles.sort(key=lambda t: t["ms"])
+    return tiles[:8] + [t for t in tiles[8:] if t["tile"] == picked]
 
 
 def reduced(y, dest, sent, k, w):

@@ -1,14 +1,14 @@
 """AdamW's update of a parameter group's fp32 CUDA tensors as one Triton kernel launch: each element's parameter,
 gradient and two moments read once and written once (28 bytes), the arithmetic of torch's fused AdamW.
 
-Why. torch's fused AdamW (a multi-tensor CUDA kernel) reaches ~60% of an H200's memory bandwidth, a streaming
-kernel 79-87%: one step over llama-1b's 1.10 B parameters (147 tensors) 8.19 ms against 10.57 (1.29x), over a
-128-expert model's 5.14 B (99 tensors) 34.4 against 48.5 (1.41x) (bench/step_kernels.py,
-bench/results/h200/2026-12-04_step_kernels.json, launched a tensor at a time). Launched so, each tensor cost the
-host 61 us (one H100, tests/fixtures/planner_runs/h100_2026-12-05.json): gpt2-350m's 388 tensors took 24.7 ms
-against a 4.2 ms sweep. Here a group is one launch: each tensor is cut into chunks of CHUNK elements, each chunk
-is a program, and a program finds its tensor's five addresses in a table on the device (kept between steps,
-rebuilt where an address moved).
+Why. torch's fused AdamW (a multi-tensor CUDA kernel) reaches ~60% of an H200's memory bandwidth, this kernel
+79-83%: one step over llama-1b's 1.10 B parameters (147 tensors) 7.78 ms against 10.41 (1.34x), over a 128-expert
+model's 5.14 B (99 tensors) 35.9 against 48.2 (1.34x), over gpt2-350m's 355 M in 388 tensors 2.64 against 3.44
+(1.30x) (bench/step_kernels.py, bench/results/h200/2026-12-05_step_kernels_adamw.json). A group is one launch: each
+tensor is cut into chunks of CHUNK elements, each chunk is a program, and a program finds its tensor's five
+addresses in a table on the device (kept between steps, rebuilt where an address moved; 12 bytes a chunk and 48 a
+tensor, not counted by the planner). Launched a tensor at a time instead, each tensor cost the host 61 us (one
+H100, tests/fixtures/planner_runs/h100_2026-12-05.json): gpt2-350m's 388 tensors took 24.7 ms.
 
 What it computes, element by element, as torch's CUDA kernel (ATen's fused_adam_utils, ADAMW mode):
 g = grad / grad_scale (the clip's scale, optim/engine.py clip_; 1 without one); p -= lr * wd * p;
@@ -30,8 +30,10 @@ import sys
 
 import torch
 
-BLOCK = 1024  # elements an inner iteration: of 1024, 2048 and 4096 the fastest on an H200 over 5.14 B parameters
-CHUNK = 2 * BLOCK  # elements a program: each tensor is cut into chunks, every chunk of a group is one program
+# Elements an inner iteration (BLOCK) and a program (CHUNK), and the program's warps: the fastest on one H200 of
+# BLOCK 1024-4096, CHUNK 1-64 BLOCKs, 4 or 8 warps (bench/step_kernels.py --only adamw, `chunks`): a program looping
+# over 64 BLOCKs took 17% longer than one of 2 over llama-1b's parameters.
+BLOCK, CHUNK, WARPS = 1024, 2048, 4
 
 
 try:  # CUDA builds of torch ship Triton; CPU builds do not, and step through torch's kernel
@@ -84,12 +86,12 @@ class _Tables:
     def __init__(self):
         self.shapes = self.pointers = None
 
-    def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device) -> tuple:
-        shapes = (device, *(row[0].numel() for row in tensors))
+    def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device, chunk: int) -> tuple:
+        shapes = (device, chunk, *(row[0].numel() for row in tensors))
         if shapes != self.shapes:
-            sizes = shapes[1:]
-            owner = [i for i, n in enumerate(sizes) for _ in range(triton.cdiv(n, CHUNK))]
-            first = [c * CHUNK for n in sizes for c in range(triton.cdiv(n, CHUNK))]
+            sizes = shapes[2:]
+            owner = [i for i, n in enumerate(sizes) for _ in range(triton.cdiv(n, chunk))]
+            first = [c * chunk for n in sizes for c in range(triton.cdiv(n, chunk))]
             self.sizes, self.first = _upload(sizes, torch.int64, device), _upload(first, torch.int64, device)
             self.owner = _upload(owner, torch.int32, device)
             self.shapes, self.pointers = shapes, None
@@ -107,15 +109,17 @@ def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def launch(tables: _Tables, tensors: list[tuple[torch.Tensor, ...]], scale, lr: float, weight_decay: float,
-           beta1: float, beta2: float, eps: float) -> None:
+           beta1: float, beta2: float, eps: float, tile: tuple[int, int, int] = (BLOCK, CHUNK, WARPS)) -> None:
     """One group's update in place, one kernel launch: `tensors` holds each parameter's (param, grad,
-    exp_avg, exp_avg_sq, step), `scale` a device scalar or None (module docstring)."""
+    exp_avg, exp_avg_sq, step), `scale` a device scalar or None (module docstring); `tile` (BLOCK, CHUNK,
+    warps), CHUNK a multiple of BLOCK."""
     tensors = [row for row in tensors if row[0].numel()]
     if not tensors:
         return
-    table, sizes, owner, first = tables.get(tensors, tensors[0][0].device)
+    block, chunk, warps = tile
+    table, sizes, owner, first = tables.get(tensors, tensors[0][0].device, chunk)
     _adamw[(owner.numel(),)](table, sizes, owner, first, table if scale is None else scale, lr, lr * weight_decay,
-                             beta1, beta2, eps, HAS_SCALE=scale is not None, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4)
+                             beta1, beta2, eps, HAS_SCALE=scale is not None, BLOCK=block, CHUNK=chunk, num_warps=warps)
 
 
 def available() -> bool:
