@@ -30,9 +30,10 @@ import sys
 
 import torch
 
-# Elements an inner iteration (BLOCK) and a program (CHUNK), and the program's warps: the fastest on one H200 of
-# BLOCK 1024-4096, CHUNK 1-64 BLOCKs, 4 or 8 warps (bench/step_kernels.py --only adamw, `chunks`): a program looping
-# over 64 BLOCKs took 17% longer than one of 2 over llama-1b's parameters.
+# Elements an inner iteration (BLOCK) and a program (CHUNK), and the program's warps, timed on one H200 over BLOCK
+# 1024-4096, CHUNK 1-64 BLOCKs, 4 or 8 warps (bench/results/h200/2026-12-05_adamw_chunks.json; bench/step_kernels.py
+# --only adamw, `chunks`): within 0.3% of the fastest (one BLOCK a program) with half its tables; 64 BLOCKs a
+# program took 17% longer over llama-1b's parameters.
 BLOCK, CHUNK, WARPS = 1024, 2048, 4
 
 
