@@ -102,7 +102,7 @@ def sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
     from per-chunk norms: one fused multi-tensor kernel on a GPU (its tree reductions are exact to
     ~1e-7 per chunk), fp64 reductions on a CPU (whose fp32 kernels accumulate sequentially: a
     70k-element shard drifted by 6.5e-6). The chunk norms are squared and summed in fp64. Only tensors
-    above a chunk are split (388 small ones took the host 3.8 ms to split, on one CPU core)."""
+    above a chunk are split (gpt2-350m's 388 tensors: 1.6-3.8 ms of the host split, 0.06 ms listed whole, one CPU)."""
     chunks = []
     for t in tensors:
         if t.numel() > NORM_CHUNK:
