@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from teratrain.models.chunked_loss import padded_vocab
 from teratrain.parallel.flat import BLOCK_REDUCES_IN_FLIGHT, MAX_INFLIGHT_REDUCES
 from teratrain.planner import activations as act
 from teratrain.planner import weight_casts as wc
@@ -244,8 +245,11 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
     if saved["loss_compiled"]:  # inductor's fused passes over the logits it keeps (planner/compiled.py)
         loss_fwd, loss_bwd = compiled.loss_buffers(shape, w, n)
     elif pieces > 1:  # chunked (models/chunked_loss.py): one piece's logits, fp32 copy and gradient, its fp32 dW
-        # accumulator and the weight's cast; backward, the scaled dh and dW
-        loss_fwd = -(-n // pieces) * V * (2 * w.compute + 8) + V * c.d_model * (4 + w.compute)
+        # accumulator and the weight's cast, over the vocabulary padded for the GEMMs (and the padded weight's
+        # copy where padding was needed); backward, the scaled dh and dW
+        Vp = padded_vocab(V)
+        loss_fwd = -(-n // pieces) * Vp * (2 * w.compute + 8) + Vp * c.d_model * 4 + V * c.d_model * w.compute
+        loss_fwd += Vp * c.d_model * w.compute if Vp != V else 0
         loss_bwd = (n + V) * c.d_model * w.compute
     elif lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
         loss_fwd, loss_bwd = n * V * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4

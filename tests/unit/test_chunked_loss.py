@@ -140,3 +140,22 @@ def test_chunked_loss_composes_with_lora_and_fp8(sets, loss_tol, grad_tol):
     assert abs(l3 - l1) <= loss_tol * abs(l1) and g1 and g1.keys() == g3.keys()
     for name, grad in g1.items():
         assert _close(g3[name].float(), grad.float(), grad_tol), name
+
+
+def test_the_gemms_see_a_vocabulary_padded_to_align_rows(monkeypatch):
+    """V = 37 (as GPT-2's 50,257, not a multiple of ALIGN): the head GEMMs multiply 64 rows, the padded logits
+    take no probability (loss and both gradients as F.cross_entropy's, fp32), and the weight's gradient keeps
+    its 37 rows; an aligned vocabulary is multiplied as it is."""
+    from teratrain.models import chunked_loss
+
+    seen = []
+    real = chunked_loss._logits
+    monkeypatch.setattr(chunked_loss, "_logits", lambda h, w, vocab: seen.append(w.shape[0]) or real(h, w, vocab))
+    for V in (37, 64):
+        seen.clear()
+        h, w, y = _inputs(V=V)
+        want = _grads(_plain, h, w, y)
+        got = _grads(lambda h, w, y: chunked_lm_loss(h, w, y, 3), h, w, y)
+        assert set(seen) == {64} and got[2].shape == (V, 16)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, rtol=FP32_RTOL, atol=FP32_RTOL * b.abs().max().item())
