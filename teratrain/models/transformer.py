@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teratrain.models import moe, routers
-from teratrain.models.chunked_loss import ChunkedHeadLoss
+from teratrain.models.chunked_loss import ChunkedHeadLoss, aligned, padded_vocab
 from teratrain.models.layers import (Attention, GeluMLP, KVCache, LayerNorm, Positions, RMSNorm, Rotary, SequenceLayout,
                                      SwiGLU)
 
@@ -122,8 +122,16 @@ class Transformer(nn.Module):
         return self.dropout(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and output projection (tied: through the embedding): (B, T, d) -> (B, T, V)."""
+        """Final norm and output projection (tied: through the embedding): (B, T, d) -> (B, T, V). In training,
+        where the head is one weight of a vocabulary not a multiple of chunked_loss.ALIGN, the GEMMs multiply
+        it padded with zero rows (aligned rows: GPT-2's 50,257 ran far slower, models/chunked_loss.py) and the
+        logits are a view of the padded ones' first V columns: the same values."""
         h = self.norm(h)
+        weight = self.plain_head_weight()
+        if weight is not None and torch.is_grad_enabled() and padded_vocab(weight.shape[0]) != weight.shape[0]:
+            dev = h.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+            return F.linear(h.to(dtype), aligned(weight.to(dtype)))[..., :weight.shape[0]]
         return self.output(h) if self.output is not None else self.tied_head(h, self.tok_embeddings.weight)
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -140,8 +148,12 @@ class Transformer(nn.Module):
         off (memory.loss_chunks=1), or the head or the loss swapped by a strategy."""
         if self.chunked_loss.chunks == 1 or type(self.criterion) is not LMLoss:
             return None
+        return self.plain_head_weight()
+
+    def plain_head_weight(self) -> torch.Tensor | None:
+        """The head's one (V, d) weight (tied: the embedding's), or None where a strategy swapped the head."""
         if self.output is not None:
-            return self.output.weight if type(self.output) is nn.Linear else None
+            return self.output.weight if type(self.output) is nn.Linear and self.output.bias is None else None
         return self.tok_embeddings.weight if type(self.tied_head) is TiedHead else None
 
     @torch.no_grad()

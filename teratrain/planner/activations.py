@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
-from teratrain.models.chunked_loss import auto_chunks
+from teratrain.models.chunked_loss import auto_chunks, padded_vocab
 from teratrain.models.routers import ROUTERS, sends_every_choice
 from teratrain.parallel.pipeline.stage import grad_in_i
 from teratrain.planner.layout import ModelShape, Widths, ceil_div
@@ -335,10 +335,14 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
 
 def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1, loss_pieces: int = 1) -> int:
     """The autocast bf16 copy of the output projection (tied: of the embedding), held to its backward
-    (the chunked loss keeps none: its backward needs only the gradients it made)."""
+    (the chunked loss keeps none: its backward needs only the gradients it made); where the vocabulary is
+    padded for the GEMMs (one rank's head: models/transformer.py head), the padded copy, made in any dtype."""
     if loss_pieces > 1:
         return 0
-    return shape.cfg.vocab_size * shape.cfg.d_model * w.compute // tp if w.autocast_copies else 0
+    V, d = shape.cfg.vocab_size, shape.cfg.d_model
+    if tp == 1 and padded_vocab(V) != V:
+        return padded_vocab(V) * d * w.compute
+    return V * d * w.compute // tp if w.autocast_copies else 0
 
 
 def loss_pieces(shape: ModelShape, loss_chunks: int, tp: int, tokens: int) -> int:

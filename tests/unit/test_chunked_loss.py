@@ -159,3 +159,22 @@ def test_the_gemms_see_a_vocabulary_padded_to_align_rows(monkeypatch):
         assert set(seen) == {64} and got[2].shape == (V, 16)
         for a, b in zip(got, want):
             assert torch.allclose(a, b, rtol=FP32_RTOL, atol=FP32_RTOL * b.abs().max().item())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_whole_logits_head_trains_over_the_padded_vocabulary(monkeypatch, tied):
+    """memory.loss_chunks=1 (the default): in training a 50-token head's GEMM makes 64 columns and hands on a
+    view of the first 50, so the loss and every gradient are those of the unpadded head (fp32, rel. 1e-5)."""
+    from teratrain.models import chunked_loss
+
+    def run(align):
+        monkeypatch.setattr(chunked_loss, "ALIGN", align)
+        model = small_model(torch.float32, tie_embeddings=tied)
+        x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+        logits = model(x)
+        assert logits.shape == (2, 16, 50) and logits.stride(1) == (64 if align == 64 else 50)
+        model(x, x.roll(-1, 1)).backward()
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(run(64), run(1)):
+        assert torch.allclose(a, b, rtol=FP32_RTOL, atol=FP32_RTOL * b.abs().max().item())
