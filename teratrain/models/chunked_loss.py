@@ -43,10 +43,27 @@ def padded_vocab(vocab: int) -> int:
     return -(-vocab // ALIGN) * ALIGN
 
 
+class _Padded(torch.autograd.Function):
+    """w (V, d) with `pad` zero rows appended; backward, the first V rows of the gradient as a tensor of their
+    own (a view of them would keep the padded gradient's storage alive as the weight's .grad)."""
+
+    @staticmethod
+    def forward(w, pad: int):
+        return torch.cat([w, w.new_zeros(pad, w.shape[1])])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rows = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:ctx.rows].clone(), None
+
+
 def aligned(w: torch.Tensor) -> torch.Tensor:
     """w (V, d) with zero rows appended up to padded_vocab(V) (w itself where V is a multiple of ALIGN)."""
     pad = padded_vocab(w.shape[0]) - w.shape[0]
-    return w if pad == 0 else torch.cat([w, w.new_zeros(pad, w.shape[1])])
+    return w if pad == 0 else _Padded.apply(w, pad)
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -90,6 +90,7 @@ class Transformer(nn.Module):
         # Tied: the head reuses tok_embeddings.weight in forward(), so there is no second tensor to keep tied.
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tied_head = TiedHead()  # parameter-free; swapped by tensor parallelism
+        self.pad_head = True  # training's head GEMMs over a padded vocabulary (head); off on pipeline stages
         self.criterion = LMLoss()
         self.chunked_loss = ChunkedHeadLoss(chunks=1)  # parameter-free, off; memory.loss_chunks sets its pieces
 
@@ -125,10 +126,12 @@ class Transformer(nn.Module):
         """Final norm and output projection (tied: through the embedding): (B, T, d) -> (B, T, V). In training,
         where the head is one weight of a vocabulary not a multiple of chunked_loss.ALIGN, the GEMMs multiply
         it padded with zero rows (aligned rows: GPT-2's 50,257 ran far slower, models/chunked_loss.py) and the
-        logits are a view of the padded ones' first V columns: the same values."""
+        logits are a view of the padded ones' first V columns: the same values. Not on a pipeline's stages
+        (pad_head off: their split backward reads the head's own graph)."""
         h = self.norm(h)
         weight = self.plain_head_weight()
-        if weight is not None and torch.is_grad_enabled() and padded_vocab(weight.shape[0]) != weight.shape[0]:
+        pads = weight is not None and padded_vocab(weight.shape[0]) != weight.shape[0]
+        if pads and self.pad_head and torch.is_grad_enabled():
             dev = h.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
             return F.linear(h.to(dtype), aligned(weight.to(dtype)))[..., :weight.shape[0]]

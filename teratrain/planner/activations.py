@@ -333,14 +333,15 @@ def outside_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
     return _held(out, compress, False, device)
 
 
-def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1, loss_pieces: int = 1) -> int:
+def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1, loss_pieces: int = 1, pp: int = 1) -> int:
     """The autocast bf16 copy of the output projection (tied: of the embedding), held to its backward
     (the chunked loss keeps none: its backward needs only the gradients it made); where the vocabulary is
-    padded for the GEMMs (one rank's head: models/transformer.py head), the padded copy, made in any dtype."""
+    padded for the GEMMs (one rank's head, no pipeline: models/transformer.py head), the padded copy, made in
+    any dtype."""
     if loss_pieces > 1:
         return 0
     V, d = shape.cfg.vocab_size, shape.cfg.d_model
-    if tp == 1 and padded_vocab(V) != V:
+    if tp == 1 and pp == 1 and padded_vocab(V) != V:
         return padded_vocab(V) * d * w.compute
     return V * d * w.compute // tp if w.autocast_copies else 0
 

@@ -99,7 +99,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     # runs recorded while the layers held the carried gradients beside their sums (Training.carried_grads_held)
     held = train.carried_grads_held and wc.carries_grads(train, lay)
     carried = wc.carried_grad_bytes(shape, w, layers, lay.tp, lay.ep, lay.tp_form, device) if held else 0
-    head_copy = act.head_weight_copy(shape, w, lay.tp, pieces)
+    head_copy = act.head_weight_copy(shape, w, lay.tp, pieces, lay.pp)
     pending = act.pending_block(shape, w, n, T, **bkw)
     if pending is None:  # not read off the graph: a whole forward's tensors
         pending_blocks = blocks["blocks"]
@@ -252,8 +252,9 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         loss_fwd += Vp * c.d_model * w.compute if Vp != V else 0
         loss_bwd = (n + V) * c.d_model * w.compute
     elif lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
-        # (the logits of the vocabulary padded for the GEMMs where it is: models/transformer.py head)
-        loss_fwd, loss_bwd = n * padded_vocab(V) * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
+        # (the logits of the vocabulary padded for the GEMMs where it is, without a pipeline: transformer.py head)
+        Vp = padded_vocab(V) if lay.pp == 1 else V
+        loss_fwd, loss_bwd = n * Vp * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
     else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax (the saved tensor) straight
         # from the logits and turns it into the gradient in place, cast to the logits' dtype
         loss_fwd = loss_bwd = n * V * w.compute // lay.tp

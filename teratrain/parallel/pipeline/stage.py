@@ -36,6 +36,7 @@ class Chunk:
     def __init__(self, model: nn.Module, stage: int, num_stages: int, blocks: range):
         self.model, self.stage = model, stage
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        model.pad_head = False  # the split backward reads the head's own GEMM (Transformer.head)
         self.blocks = model.layers.part([str(i) for i in blocks])
         self._weights: list[nn.Parameter] | None = None
         watch_blocks(model, self.blocks)  # activation compression: these blocks are the stack's inside
