@@ -116,7 +116,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             dh[lo:hi] = dh_part
             if weight_grad:
                 dw += dw_part
-        ctx.save_for_backward(dh, dw[:w.shape[0]].to(w.dtype) if weight_grad else None)
+        # the first V rows as a tensor of their own (a view would keep the padded rows until backward)
+        ctx.save_for_backward(dh, dw[:w.shape[0]].to(w.dtype, copy=padded is not w) if weight_grad else None)
         # mean over counted targets; nothing counted gives 0, not F.cross_entropy's nan
         return total * scale
 
