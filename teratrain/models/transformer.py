@@ -20,7 +20,7 @@ from torch import nn
 from teratrain.models import moe, routers
 from teratrain.models.chunked_loss import ChunkedHeadLoss, aligned, padded_vocab
 from teratrain.models.layers import (Attention, GeluMLP, KVCache, LayerNorm, Positions, RMSNorm, Rotary, SequenceLayout,
-                                     SwiGLU)
+                                     SwiGLU, to_compute_dtype)
 
 if TYPE_CHECKING:
     from teratrain.config_model import ModelConfig
@@ -132,9 +132,8 @@ class Transformer(nn.Module):
         weight = self.plain_head_weight()
         pads = weight is not None and padded_vocab(weight.shape[0]) != weight.shape[0]
         if pads and self.pad_head and torch.is_grad_enabled():
-            dev = h.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-            return F.linear(h.to(dtype), aligned(weight.to(dtype)))[..., :weight.shape[0]]
+            h = to_compute_dtype(h)  # the padded weight is made in the GEMM's dtype, as autocast would cast it
+            return F.linear(h, aligned(weight.to(h.dtype)))[..., :weight.shape[0]]
         return self.output(h) if self.output is not None else self.tied_head(h, self.tok_embeddings.weight)
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -340,10 +340,17 @@ def head_weight_copy(shape: ModelShape, w: Widths, tp: int = 1, loss_pieces: int
     any dtype."""
     if loss_pieces > 1:
         return 0
-    V, d = shape.cfg.vocab_size, shape.cfg.d_model
-    if tp == 1 and pp == 1 and padded_vocab(V) != V:
-        return padded_vocab(V) * d * w.compute
+    V, d, rows = shape.cfg.vocab_size, shape.cfg.d_model, head_rows(shape, tp, pp)
+    if rows != V:
+        return rows * d * w.compute
     return V * d * w.compute // tp if w.autocast_copies else 0
+
+
+def head_rows(shape: ModelShape, tp: int = 1, pp: int = 1) -> int:
+    """The vocabulary rows the whole-logits head multiplies in training: padded for the GEMMs on one rank's head
+    without a pipeline (models/transformer.py head), else the vocabulary (a tp rank's piece: tp_layers.py)."""
+    V = shape.cfg.vocab_size
+    return padded_vocab(V) if tp == 1 and pp == 1 else V
 
 
 def loss_pieces(shape: ModelShape, loss_chunks: int, tp: int, tokens: int) -> int:

@@ -252,9 +252,9 @@ def _end_phases(shape, train, lay, st, saved, eng, end: dict) -> dict[str, dict[
         loss_fwd += Vp * c.d_model * w.compute if Vp != V else 0
         loss_bwd = (n + V) * c.d_model * w.compute
     elif lay.tp == 1:  # lm_loss: the logits and their fp32 copy; backward, fp32 grads of log_softmax's two ends
-        # (the logits of the vocabulary padded for the GEMMs where it is, without a pipeline: transformer.py head)
-        Vp = padded_vocab(V) if lay.pp == 1 else V
-        loss_fwd, loss_bwd = n * Vp * w.compute + (n * V * 4 if w.compute != 4 else 0), 2 * n * V * 4
+        # (the logits over the rows the head multiplies: act.head_rows)
+        loss_fwd = n * act.head_rows(shape, lay.tp, lay.pp) * w.compute + (n * V * 4 if w.compute != 4 else 0)
+        loss_bwd = 2 * n * V * 4
     else:  # the vocab-parallel loss (tp_layers.py) writes its fp32 softmax (the saved tensor) straight
         # from the logits and turns it into the gradient in place, cast to the logits' dtype
         loss_fwd = loss_bwd = n * V * w.compute // lay.tp
