@@ -101,7 +101,7 @@ def adamw(dev: torch.device, smoke: bool, iters: int, hbm_gbps: float, compiled_
             row[f"{name}_ms"] = round(timed(step, dev, iters), 3)
             if name == "teratrain":
                 row["chunks"] = adamw_chunks(opt, scale, dev, iters)
-            del opt
+            del opt, step  # the step's default holds the optimizer: its state freed before the next shape's
         if compiled_too:
             opt = torch.optim.AdamW(params, lr=torch.tensor(1e-4, device=dev) if dev.type == "cuda" else 1e-4,
                                     weight_decay=0.1, foreach=True, capturable=dev.type == "cuda")
