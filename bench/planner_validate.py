@@ -2,7 +2,7 @@
 
 For each config: build the model as `teratrain train` does for one process (meta device ->
 parallelize(): recompute, then LocalEngine or ZeroEngine; teratrain.measure.build_engine), run warm-up steps, time steps with
-synchronize, read torch.cuda.max_memory_allocated over the steady-state steps, count the bytes
+synchronize (the garbage collector frozen as the trainer freezes it, teratrain/collector.py), read torch.cuda.max_memory_allocated over the steady-state steps, count the bytes
 autograd saves (saved_tensors_hooks), and compare each with the planner's prediction for the same
 layout. Prints one JSON object (rows with predicted / measured / error %).
 
@@ -43,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from teratrain.collector import Collector  # noqa: E402
 from teratrain.config import load_config  # noqa: E402
 from teratrain.planner.activations import forward_saved  # noqa: E402
 from teratrain.planner.hardware import gpu_for_device, gpu_with  # noqa: E402
@@ -136,28 +137,38 @@ def preset_of(device: torch.device, hw: dict):
     return replace(gpu_for_device(props.name, props.total_memory), **hw)
 
 
-def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup: int, hw: dict) -> dict:
+def measure(name: str, sets: list[str], device: torch.device, steps: int, warmup: int, hw: dict,
+            profile: bool = False) -> dict:
     cfg = load_config(None, full_sets(sets))
     model, engine = build_engine(cfg, device)
     batch = random_batch(cfg, cfg.train.micro_batch, device)
     times = []
-    for i in range(warmup + steps):
-        if i == warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)  # steady state: optimizer state already exists
-        sync(device)
-        t0 = time.perf_counter()
-        train_step(model, engine, [batch], cfg.memory.precision, 1e-4)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    row = {"name": name, "held_out": name.startswith("held-out"), "sets": full_sets(sets),
-           "measured_step_s": statistics.median(times[warmup:]),
-           "step_times_s": [round(t, 5) for t in times[warmup:]]}
-    if device.type == "cuda":
-        row["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        row["measured_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-        free, total = torch.cuda.mem_get_info(device)
-        row["outside_allocator_gib"] = (total - free - torch.cuda.memory_reserved(device)) / GIB
-        row["phases"] = phases(model, engine, batch, cfg.memory.precision, device)
+    collector = Collector()  # the garbage collector as `teratrain train` runs it (teratrain/collector.py)
+    with collector:
+        for i in range(warmup + steps):
+            if i == warmup and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)  # steady state: optimizer state already exists
+            sync(device)
+            t0 = time.perf_counter()
+            train_step(model, engine, [batch], cfg.memory.precision, 1e-4)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            collector.step()
+        row = {"name": name, "held_out": name.startswith("held-out"), "sets": full_sets(sets),
+               "measured_step_s": statistics.median(times[warmup:]),
+               "step_times_s": [round(t, 5) for t in times[warmup:]]}
+        if device.type == "cuda":
+            row["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            row["measured_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+            free, total = torch.cuda.mem_get_info(device)
+            row["outside_allocator_gib"] = (total - free - torch.cuda.memory_reserved(device)) / GIB
+            row["phases"] = phases(model, engine, batch, cfg.memory.precision, device)
+        if profile:  # the GPU's busy time a step (what the planner's gpu_s predicts) and its idle time
+            from trace_summary import profile_steps
+
+            prof = profile_steps(lambda: train_step(model, engine, [batch], cfg.memory.precision, 1e-4), device)
+            row["profile"] = {**{k: prof[k] for k in ("window_ms", "busy_ms", "idle_ms", "kernels_per_step")},
+                              "kinds_ms": {k: v["ms"] for k, v in prof.get("kinds", {}).items()}}
     row["measured_saved_bytes"] = saved_bytes(model, *batch, cfg.memory.precision)
     row["measured_states"] = engine.last_state_bytes
     del model, engine, batch
@@ -185,6 +196,7 @@ def _predict(row: dict, cfg, device: torch.device, hw: dict) -> None:
     row["predicted_phase"] = cand.memory.phase
     row["predicted_phases_gib"] = {k: round(v / GIB, 3) for k, v in cand.memory.phases.items()}
     row["predicted_step_s"] = cand.time.step_time_s
+    row["predicted_gpu_s"], row["predicted_host_s"] = cand.time.terms["gpu_s"], cand.time.terms["host_s"]
     row["predicted_time_terms"] = {k: round(v, 5) for k, v in cand.time.as_dict().items() if k.endswith("_s")}
     row["time_err_pct"] = _err(row["predicted_step_s"], row["measured_step_s"])
     if "measured_peak_gib" in row:
@@ -196,6 +208,9 @@ def _predict(row: dict, cfg, device: torch.device, hw: dict) -> None:
         peak = gpu.peak_flops(cfg.memory.precision)
         row["mfu_measured"] = round(cand.time.model_flops_per_step / row["measured_step_s"] / peak, 4)
         row["mfu_predicted"] = round(cand.time.mfu, 4)
+
+
+HOST_PACED_IDLE = 0.10  # a profiled step whose GPU idles more than this share of it is paced by the host
 
 
 def _err(pred: float, meas: float) -> float:
@@ -219,6 +234,18 @@ def markdown(out: dict) -> str:
                      f"{1e3 * r['predicted_step_s']:.1f} ({r['time_err_pct']:+.1f}%) | {r['saved_err_pct']:+.2f}% | "
                      f"{r.get('measured_total_gib', 0):.2f} / {r.get('predicted_total_gib', 0):.2f} "
                      f"({r.get('total_err_pct', 0):+.1f}%) |")
+    profiled = [r for r in out["rows"] if "profile" in r]
+    if profiled:  # where the step's time goes: the GPU's busy time against the planner's, the host's share
+        lines += ["", "| config | GPU busy ms a step meas / pred (err) | GPU idle | host ms pred | paced by, "
+                  "measured / planned |", "|---|---|---|---|---|"]
+        for r in profiled:
+            p = r["profile"]
+            busy, idle = p["busy_ms"], p["idle_ms"] / max(p["window_ms"], 1e-9)
+            gpu_ms = 1e3 * (r["predicted_gpu_s"] + r["predicted_time_terms"]["optimizer_s"])  # the GPU's work
+            paced = "-" if not p["window_ms"] else "host" if idle > HOST_PACED_IDLE else "GPU"  # "-": no kernels
+            planned = "host" if r["predicted_host_s"] > r["predicted_gpu_s"] else "GPU"
+            lines.append(f"| {r['name']} | {busy:.1f} / {gpu_ms:.1f} ({_err(gpu_ms, busy):+.1f}%) | {100 * idle:.0f}% "
+                         f"| {1e3 * r['predicted_host_s']:.1f} | {paced} / {planned} |")
     return "\n".join(lines)
 
 
@@ -229,6 +256,8 @@ def main() -> int:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--table", action="store_true", help="also print the markdown table (after the JSON)")
+    ap.add_argument("--profile", action="store_true", help="also profile two steps a row: the GPU's busy and idle "
+                    "time, against the planner's GPU and host terms (a second table)")
     ap.add_argument("--hw", default="{}", help=argparse.SUPPRESS)  # internal: measured host numbers
     ap.add_argument("--host", action="store_true", help=argparse.SUPPRESS)  # internal: measure them
     ap.add_argument("--gpus", type=int, help="validate layouts on this many GPUs of this host (2 or 4)")
@@ -269,7 +298,8 @@ def main() -> int:
     configs = dict(SMOKE_CONFIGS if device.type == "cpu" else GPU_CONFIGS)
     if args.one:
         hw = json.loads(args.hw)
-        print(json.dumps(measure(args.one, configs[args.one], device, args.steps, 1 if args.smoke else 2, hw)))
+        print(json.dumps(measure(args.one, configs[args.one], device, args.steps, 1 if args.smoke else 2, hw,
+                                 args.profile)))
         return 0
     if args.host:
         numel = 5_000_000 if args.smoke else HOST_NUMEL
@@ -289,7 +319,7 @@ def main() -> int:
         # one process per config: a fresh allocator (clean peaks, no memory kept by the previous
         # engine, whose gradient hooks keep it alive) and a CUDA context measured on its own
         cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--hw", json.dumps(hw)]
-        cmd += ["--smoke"] if args.smoke else []
+        cmd += (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else [])
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             rows.append({"name": name, "error": done.stderr.strip().splitlines()[-1:]})
@@ -301,7 +331,7 @@ def main() -> int:
     # the card's constants (calibration/<card>.toml) on the rows not held out
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus": 1,
            "device_mem_gib": gpu.memory_gib, "gpu_preset": gpu.name, "torch": torch.__version__,
-           "hw": hw, **how_it_runs(), "rows": rows}
+           "hw": hw, **how_it_runs(), "garbage collector": "frozen as teratrain train freezes it", "rows": rows}
     for key in ("peak_err_pct", "time_err_pct", "saved_err_pct", "total_err_pct"):
         errs = [abs(r[key]) for r in rows if key in r]
         if errs:

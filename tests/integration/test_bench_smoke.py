@@ -258,11 +258,14 @@ def test_one_gpu_validation_is_refittable_on_cpu(tmp_path):
 
     out = tmp_path / "validate.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planner_validate.py"), "--smoke", "--only",
-                           "tiny full", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "tiny full", "--out", str(out), "--profile", "--table"], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["held_out"] is False and "memory.recompute=full" in row["sets"] and row["measured_step_s"] > 0
+    assert row["predicted_gpu_s"] > 0 and row["predicted_host_s"] > 0 and row["profile"]["window_ms"] >= 0
+    assert "| tiny full | 0.0 / " in proc.stdout and result["garbage collector"].startswith("frozen")
     assert result["gpus"] == 1 and result["device_mem_gib"] > 0 and result["hw"]["host_adam_params_per_s"] > 0
     report = refit(result)  # the row plans again from its settings, with the host terms measured
     assert report["changes"]["host_adam_params_per_s"][1] == result["hw"]["host_adam_params_per_s"]
