@@ -58,6 +58,18 @@ def hf_llama(m, dev: torch.device):
     return LlamaForCausalLM(hf_cfg).to(dev).train()
 
 
+def hf_gpt2(m, dev: torch.device):
+    """transformers' GPT2LMHeadModel (attention sdpa, the head tied) at the shape of teratrain's GPT-2 config `m`,
+    from the keys teratrain's export writes (checkpoint/hf_config.py to_hf), in training mode on `dev`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from teratrain.checkpoint.hf_config import to_hf
+
+    hf_cfg = GPT2Config(**{k: v for k, v in to_hf(m).items() if k not in ("architectures", "model_type")})
+    hf_cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(hf_cfg).to(dev).train()
+
+
 def torchao_float8(model, cfg, tp: int = 1, **options):
     """torchtitan's float8 training on a peer's side: torchao's `convert_to_float8_training` swaps for its
     Float8Linear exactly the linears teratrain runs in float8 (memory/fp8.py `float8_weights`: the block linears

@@ -1,4 +1,5 @@
-"""Our training step against HF transformers' LlamaForCausalLM (attn sdpa) at the same shape.
+"""Our training step against HF transformers' LlamaForCausalLM (attn sdpa) at the same shape, or with
+`--model gpt2-350m` (any GPT-2 preset) against its GPT2LMHeadModel.
 
 Implementations: `ours` (the head and loss fused and chunked, memory.loss_chunks=0: auto pieces),
 `ours_plain` (whole logits, memory.loss_chunks=1, the default), `ours_liger` (our model, the loss by Liger-Kernel's
@@ -13,6 +14,7 @@ TFLOP/s and MFU compare like for like. Each step ends with `loss.item()` as a tr
     python bench/train_step.py                 # on the GPU machine
     python bench/train_step.py --smoke         # tiny shapes on CPU, to check the script itself
     python bench/train_step.py --modes compile --impls ours_plain,hf --profile   # + device time by kernel kind
+    python bench/train_step.py --model gpt2-350m --impls ours_plain,hf           # GPT-2: its preset, both modes
 
 `--profile`: 2 more steps of each row under torch.profiler (bench/trace_summary.py): device time by kernel kind
 (GEMMs, attention, elementwise, copies, optimizer), idle time, and the rate the GEMMs reach (6 x the matmul
@@ -30,8 +32,8 @@ import json
 import sys
 
 import torch
-from common import (add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory, hf_llama,
-                    hf_step, smoke_compile, summarize, time_steps, weights_set)
+from common import (add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory, hf_gpt2,
+                    hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
 from trace_summary import profile_steps
 
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -41,6 +43,7 @@ SHAPE = ["model.arch=llama", "model.d_model=2048", "model.n_layers=16", "model.n
          "model.d_ff=8192", "model.vocab_size=32000", "model.seq_len=2048", "model.tie_embeddings=false"]
 SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
          "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64", "model.tie_embeddings=false"]
+SMOKE_GPT2 = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=509", "model.seq_len=64"]
 
 
 def ours(cfg, dev, compiled: str | None, loss_chunks: int = 0, liger: bool = False):
@@ -74,7 +77,7 @@ class LigerLoss(torch.nn.Module):
 
 
 def hf(cfg, dev, compiled: str | None, liger: bool = False):
-    model = hf_llama(cfg.model, dev)
+    model = (hf_gpt2 if cfg.model.arch == "gpt2" else hf_llama)(cfg.model, dev)
     if liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -86,6 +89,8 @@ def hf(cfg, dev, compiled: str | None, liger: bool = False):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama", help="llama: the shape above; or a GPT-2 preset (gpt2-350m, ...): "
+                    "its shape, dropout 0, against transformers' GPT-2 (no Liger rows)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -102,14 +107,16 @@ def main() -> None:
     dev = device()
     if args.smoke:
         smoke_compile()
-    cfg = config((SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
+    shape = (SMOKE if args.smoke else SHAPE) if args.model == "llama" else [f"model.preset={args.model}"] + (
+        SMOKE_GPT2 if args.smoke else [])
+    cfg = config(shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
                                                      f"memory.loss_chunks={args.loss_chunks}",
                                                      weights_set(args.weights)])
     B, T = args.micro_batch, cfg.model.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-    impls = [i for i in args.impls.split(",") if not i.endswith("_liger") or has_liger()]
+    impls = [i for i in args.impls.split(",") if not i.endswith("_liger") or has_liger() and args.model == "llama"]
     rows = []
     # Liger patches transformers' Llama classes for the whole process (apply_liger_kernel_to_llama): its rows
     # run after every other row, so no `hf` row is built from patched classes
@@ -118,7 +125,7 @@ def main() -> None:
     for mode, impl in order:
         rows.append(measure(impl, mode, cfg, dev, inputs, targets, args))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    emit({"bench": "train_step", **env_info(dev), "micro_batch": B, "seq_len": T, "liger": has_liger(),
+    emit({"bench": "train_step", **env_info(dev), "model": args.model, "micro_batch": B, "seq_len": T, "liger": has_liger(),
           "compile_mode": args.compile_mode, "weights": args.weights,
           "params": count_params(cfg.model)["total"], "results": rows, "ratios_tokens_per_s": ratios(rows)}, args.out)
 

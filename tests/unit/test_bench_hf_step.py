@@ -33,3 +33,23 @@ def test_bf16_weights_step_fp32_masters_and_fp32_weights_step_themselves():
             assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in keep.masters)
         else:
             assert isinstance(keep, torch.optim.AdamW)
+
+
+def test_the_gpt2_peer_has_teratrain_gpt2s_shape():
+    """bench/train_step.py --model gpt2-*: transformers' GPT-2 built from the keys teratrain exports holds as many
+    parameters as teratrain's (tied head, biases, learned positions; its q, k, v one matrix) and trains."""
+    from common import hf_gpt2
+
+    from teratrain.models.transformer import build_model
+
+    cfg = config(["model.preset=gpt2-124m", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                  "model.vocab_size=61", "model.seq_len=16", "memory.precision=bf16", "train.grad_clip=1.0",
+                  "optim.lr=1e-2", "train.device=cpu"])
+    peer = hf_gpt2(cfg.model, torch.device("cpu"))
+    ours = build_model(cfg.model, torch.device("cpu"), seed=0)
+    assert peer.config.tie_word_embeddings and peer.config._attn_implementation == "sdpa"
+    assert sum(p.numel() for p in peer.parameters()) == sum(p.numel() for p in ours.parameters())
+    step, _ = hf_step(peer, cfg, torch.device("cpu"))
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = [step(x, x) for _ in range(3)]
+    assert losses[-1] < losses[0], losses
