@@ -1,10 +1,13 @@
 """Planner vs reality: predicted peak memory and step time against measured ones, on one GPU or N.
 
 For each config: build the model as `teratrain train` does for one process (meta device ->
-parallelize(): recompute, then LocalEngine or ZeroEngine; teratrain.measure.build_engine), run warm-up steps, time steps with
-synchronize (the garbage collector frozen as the trainer freezes it, teratrain/collector.py), read torch.cuda.max_memory_allocated over the steady-state steps, count the bytes
-autograd saves (saved_tensors_hooks), and compare each with the planner's prediction for the same
-layout. Prints one JSON object (rows with predicted / measured / error %).
+parallelize(): recompute, then LocalEngine or ZeroEngine; teratrain.measure.build_engine), run
+warm-up steps, time steps with synchronize (the garbage collector frozen as the trainer freezes it,
+teratrain/collector.py), read torch.cuda.max_memory_allocated over the steady-state steps, count the
+bytes autograd saves (saved_tensors_hooks), and compare each with the planner's prediction for the
+same layout. Prints one JSON object (rows with predicted / measured / error %). `--profile` also
+profiles two steps a row: the GPU's busy time against the work the planner gives it, and its idle
+share (a GPU idle more than HOST_PACED_IDLE of the step is paced by the host).
 
     python bench/planner_validate.py            # on a GPU (H200: ~3-4 minutes, < 60 GiB)
     python bench/planner_validate.py --smoke    # tiny shapes on CPU: proves the script runs

@@ -125,8 +125,8 @@ def main() -> None:
     for mode, impl in order:
         rows.append(measure(impl, mode, cfg, dev, inputs, targets, args))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    emit({"bench": "train_step", **env_info(dev), "model": args.model, "micro_batch": B, "seq_len": T, "liger": has_liger(),
-          "compile_mode": args.compile_mode, "weights": args.weights,
+    emit({"bench": "train_step", **env_info(dev), "model": args.model, "micro_batch": B, "seq_len": T,
+          "liger": has_liger(), "compile_mode": args.compile_mode, "weights": args.weights,
           "params": count_params(cfg.model)["total"], "results": rows, "ratios_tokens_per_s": ratios(rows)}, args.out)
 
 
