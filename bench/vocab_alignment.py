@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 # common puts the checkout on sys.path
-from common import emit, env_info
+from common import emit, env_info, time_steps
 
 from teratrain.config import load_config  # noqa: E402
 from teratrain.measure import build_engine  # noqa: E402
@@ -44,18 +43,10 @@ def step_ms(preset: str, form: str, micro_batch: int, steps: int, dev: torch.dev
     x, y = (torch.randint(0, vocab, (micro_batch, cfg.model.seq_len), generator=g).to(dev) for _ in range(2))
     align, chunked_loss.ALIGN = chunked_loss.ALIGN, 1 if form == "unpadded" else chunked_loss.ALIGN
     try:
-        times = []
-        for _ in range(3 + steps):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t = time.perf_counter()
-            train_step(model, engine, [(x, y)], "bf16", 1e-4)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t)
+        times = time_steps(lambda: train_step(model, engine, [(x, y)], "bf16", 1e-4), 3, steps, dev)
     finally:
         chunked_loss.ALIGN = align
-    return statistics.median(times[3:]) * 1e3
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:
