@@ -2,8 +2,7 @@
 `--model gpt2-350m` (any GPT-2 preset) against its GPT2LMHeadModel.
 
 Implementations: `ours` (the head and loss fused and chunked, memory.loss_chunks=0: auto pieces),
-`ours_plain` (whole logits, memory.loss_chunks=1, the default), `ours_apart` (ours_plain with each projection its own
-GEMM: models/layers.py joins wq, wk and wv, and w1 and w3, where autocast casts their weights), `ours_liger` (our model, the loss by Liger-Kernel's
+`ours_plain` (whole logits, memory.loss_chunks=1, the default), `ours_liger` (our model, the loss by Liger-Kernel's
 fused linear cross-entropy, where liger_kernel imports), `hf`, and `hf_liger` (transformers with
 Liger-Kernel's Llama kernels, where it imports). Every ratio divides two rows of the same mode.
 
@@ -47,11 +46,8 @@ SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_layers=2", "model.n_he
 SMOKE_GPT2 = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=509", "model.seq_len=64"]
 
 
-def ours(cfg, dev, compiled: str | None, loss_chunks: int = 0, liger: bool = False, apart: bool = False):
+def ours(cfg, dev, compiled: str | None, loss_chunks: int = 0, liger: bool = False):
     model = build_model(cfg.model, dev, seed=0)
-    for m in model.modules():
-        if hasattr(m, "joins"):
-            m.joins = not apart
     model.chunked_loss.chunks = loss_chunks
     if liger:
         model.chunked_loss = LigerLoss()
@@ -163,11 +159,10 @@ def kernel_rates(kinds: dict, m, tokens: int) -> dict:
 
 BUILD = {"ours": lambda c, d, m: ours(c, d, m, loss_chunks=c.memory.loss_chunks),
          "ours_plain": lambda c, d, m: ours(c, d, m, loss_chunks=1),
-         "ours_apart": lambda c, d, m: ours(c, d, m, loss_chunks=1, apart=True),
          "ours_liger": lambda c, d, m: ours(c, d, m, liger=True), "hf": hf,
          "hf_liger": lambda c, d, m: hf(c, d, m, liger=True)}
 PAIRS = [("ours", "hf"), ("ours", "hf_liger"), ("ours", "ours_plain"), ("ours_liger", "ours"),
-         ("ours_plain", "hf"), ("ours_plain", "ours_apart")]
+         ("ours_plain", "hf")]
 
 
 def has_liger() -> bool:

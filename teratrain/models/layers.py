@@ -33,56 +33,6 @@ def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class _CastJoined(torch.autograd.Function):
-    """Weights (fp32) stacked along their rows and cast to `dtype` by one kernel (`torch.cat` into a
-    buffer of the compute dtype); backward casts the stacked gradient back once and hands each weight its
-    rows."""
-
-    @staticmethod
-    def forward(ctx, dtype: torch.dtype, *ws: torch.Tensor) -> torch.Tensor:
-        ctx.rows, ctx.wide = [w.shape[0] for w in ws], ws[0].dtype
-        out = ws[0].new_empty((sum(ctx.rows), *ws[0].shape[1:]), dtype=dtype)
-        return torch.cat(ws, out=out)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return (None, *g.to(ctx.wide).split(ctx.rows))
-
-
-def joinable(linears: tuple[nn.Linear, ...], x: torch.Tensor) -> bool:
-    """Can `linears`, reading the same input x, run as one GEMM over their stacked weights? Where autocast
-    casts their weights anyway (parameters wider than x, the compute dtype): the join is then one cast of
-    the same bytes, and one GEMM (and in backward one GEMM each way, no sums of input gradients) in place of
-    one a projection. Only plain `nn.Linear` without hooks: a tensor-parallel, LoRA, float8 or quantized
-    projection, or one a hook watches, runs as its own module."""
-    dev = x.device.type
-    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
-        return False
-    w0 = linears[0].weight
-    if w0.dtype == x.dtype or x.dtype != torch.get_autocast_dtype(dev):
-        return False
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return False
-    return all(type(m) is nn.Linear and type(m.weight) is nn.Parameter and m.weight.dtype == w0.dtype
-               and not m._forward_hooks and not m._forward_pre_hooks
-               and (m.bias is None) == (linears[0].bias is None) for m in linears)
-
-
-def joined_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """Each linear's output of x, from one GEMM over their stacked weights (`joinable` says where); the
-    outputs are views of the one result, split along its last axis."""
-    dtype = x.dtype
-    if torch.compiler.is_compiling():  # inductor writes the stack and its cast as one kernel itself
-        w = torch.cat([m.weight.to(dtype) for m in linears])
-        b = torch.cat([m.bias.to(dtype) for m in linears]) if linears[0].bias is not None else None
-    else:
-        w = _CastJoined.apply(dtype, *(m.weight for m in linears))
-        b = _CastJoined.apply(dtype, *(m.bias for m in linears)) if linears[0].bias is not None else None
-    with torch.autocast(x.device.type, enabled=False):
-        y = F.linear(x, w, b)
-    return y.split([m.out_features for m in linears], dim=-1)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and returned in x's dtype. Where x
     and the weight share a dtype (the residual stream over bf16 parameters, or fp32 throughout) the
@@ -264,15 +214,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(n_kv_heads * hd if full else hd, norm_eps)
         self.core = CoreAttention(dropout)
         self.resid_dropout = nn.Dropout(dropout)
-        self.joins = True  # wq, wk and wv as one GEMM where `joinable` (False: each its own, as bench rows compare)
 
     def forward(self, x: torch.Tensor, pos: Positions | None, cache: KVCache | None = None, start: int = 0):
         hd = self.head_dim
         x = to_compute_dtype(x)  # one cast for the three projections, not a cast (and a saved copy) each
-        qkv = (self.wq, self.wk, self.wv)
-        joined = self.joins and joinable(qkv, x)
-        # (B, T, nh*hs), (B, T, nkv*hs) x 2
-        q, k, v = joined_linear(x, qkv) if joined else (self.wq(x), self.wk(x), self.wv(x))
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh*hs), (B, T, nkv*hs) x 2
         B, T = q.shape[:2]  # from the projections: sequence parallelism gathers x's T/tp tokens in wq
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -284,8 +230,6 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, hd).transpose(1, 2)  # (B, nkv, T, hs)
         if pos is not None and pos.rope is not None:
             q, k = apply_rotary(q, *pos.rope), apply_rotary(k, *pos.rope)
-        if joined and q._base is None and not torch.compiler.is_compiling():
-            v = v.contiguous()  # q and k are new tensors: v, saved for backward, would keep the whole joined output
         if cache is not None:
             k, v = cache.update(k, v, start)
         # One cached decode token attends to everything before it; longer chunks are causal.
@@ -303,13 +247,10 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(d_model, d_ff, bias=bias)
         self.w2 = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.joins = True  # w1 and w3 as one GEMM where `joinable`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = to_compute_dtype(x)  # one cast for w1 and w3
-        gate_up = (self.w1, self.w3)
-        gate, up = joined_linear(x, gate_up) if self.joins and joinable(gate_up, x) else (self.w1(x), self.w3(x))
-        return self.dropout(self.w2(F.silu(gate) * up))
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class GeluMLP(nn.Module):
