@@ -664,7 +664,9 @@ def test_graphed_statistics_leave_the_replays_memory_after_each_micro_batch(grap
     """Under CUDA graphs (train.compile_mode=reduce-overhead) the statistics a forward sums are the graph's
     outputs, in its pool: the next step's replay read them as inputs after overwriting them (on 2 x
     H200: "accessing tensor output of CUDAGraphs that has been overwritten"). train_step copies them out
-    after each micro-batch, same values; ungraphed it leaves them where the forward put them."""
+    after each micro-batch, same values, into the tensors start_stats made, whose addresses the graph
+    recorded (a new address each step made the graph record again every step); popping zeroes them in place.
+    Ungraphed it leaves them where the forward put them."""
     from teratrain.optim.engine import LocalEngine, train_step
 
     cfg = make_config("model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
@@ -673,6 +675,7 @@ def test_graphed_statistics_leave_the_replays_memory_after_each_micro_batch(grap
     layers = moe.moe_layers(model)
     for _, m in layers:
         m.start_stats(torch.device("cpu"), graphed=graphed)
+    made = {key: {name: v.data_ptr() for name, v in m.stats.items()} for key, m in layers}
     written = {}  # what each layer's forward left, by layer
     for key, m in layers:
         m.register_forward_hook(lambda mod, args, out, key=key: written.__setitem__(key, dict(mod.stats)))
@@ -683,7 +686,11 @@ def test_graphed_statistics_leave_the_replays_memory_after_each_micro_batch(grap
         assert m.stats["forwards"].item() == 2
         for name, value in m.stats.items():
             torch.testing.assert_close(value, written[key][name])
-            assert (value.data_ptr() != written[key][name].data_ptr()) == graphed, (key, name)
+            kept = made[key][name] if graphed else written[key][name].data_ptr()
+            assert value.data_ptr() == kept, (key, name)
+        popped = m.pop_stats()
+        assert popped["forwards"].item() == 2 and m.stats["forwards"].item() == 0
+        assert not graphed or all(v.data_ptr() == made[key][name] for name, v in m.stats.items())
 
 
 @pytest.mark.parametrize("k, capacity", [(2, 0.0), (3, 0.6)])
