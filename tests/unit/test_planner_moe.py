@@ -200,8 +200,8 @@ def test_compiled_experts_run_at_the_grouped_gemm_rate():
     assert expert_efficiency(shape, as_ran(cast, {}), lay, H200) == pytest.approx(rate(work))  # recorded before
 
 
-def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None):
-    """The MoE run `run` of a bench/moe.py result on one H200, as it ran: (the result, shape, Training,
+def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None, card: str = "h200"):
+    """The MoE run `run` of a bench/moe.py result on one `card`, as it ran: (the result, shape, Training,
     Layout). `batch`: (micro-batch, global batch) where the run's command set them."""
     import sys
     from pathlib import Path
@@ -210,7 +210,7 @@ def _recorded_moe_run(result: str, run: str, batch: tuple[int, int] | None):
     sys.path.insert(0, str(root / "bench"))
     import moe as bench_moe
 
-    data = json.loads((root / "bench" / "results" / "h200" / result).read_text())
+    data = json.loads((root / "bench" / "results" / card / result).read_text())
     mb, gb = batch or (data["micro_batch"], bench_moe.MICRO_PER_RANK * data["micro_batch"])
     sets = bench_moe.GPU + [*data["set"], f"train.micro_batch={mb}", f"train.global_batch={gb}",
                             *bench_moe.models(False, [1], [1], data["shape"], 0)["moe_ep1"],
@@ -283,6 +283,26 @@ def test_one_h200_compiled_moe_steps_are_planned_within_10_percent(result, run, 
     bench's own (MICRO_PER_RANK micro-batches of the recorded size)."""
     data, shape, train, lay = _recorded_moe_run(result, run, batch)
     planned = evaluate(shape, train, lay, H200).time.tokens_per_s
+    assert planned == pytest.approx(data[run]["tokens_per_s"], rel=0.10)
+
+
+GRAPHED_ONE_MICRO_BATCH = pytest.mark.xfail(strict=True, reason="held out: one micro-batch of 8 under CUDA graphs "
+                                            "planned 16% fast; it measured below the compiled step (131,734 tokens/s "
+                                            "against 141,232 in another job), which the planner gives it")
+
+
+@pytest.mark.parametrize("result, run, batch", [
+    ("2026-12-05_moe_compiled_mb4x2.json", "moe_ep1_compiled", (4, 8)),
+    ("2026-12-05_moe_compiled_mb8x1.json", "moe_ep1_compiled", (8, 8)),
+    ("2026-12-05_moe_graphed_mb4_held_stats.json", "moe_ep1_graphed", (4, 8)),
+    pytest.param("2026-12-05_moe_graphed_mb8_held_stats.json", "moe_ep1_graphed", (8, 8),
+                 marks=GRAPHED_ONE_MICRO_BATCH)])
+def test_one_h100_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
+    """Held out (no constant saw an H100 MoE step): the 8-expert model's dropless steps on one H100, compiled
+    and graphed (the graph replayed, its statistics held at fixed addresses), planned with the H100's
+    constants within 10% of the measured tokens/s, the H200 rows' tolerance."""
+    data, shape, train, lay = _recorded_moe_run(result, run, batch, card="h100")
+    planned = evaluate(shape, train, lay, GPUS["h100"]).time.tokens_per_s
     assert planned == pytest.approx(data[run]["tokens_per_s"], rel=0.10)
 
 
