@@ -675,22 +675,26 @@ def test_graphed_statistics_leave_the_replays_memory_after_each_micro_batch(grap
     layers = moe.moe_layers(model)
     for _, m in layers:
         m.start_stats(torch.device("cpu"), graphed=graphed)
-    made = {key: {name: v.data_ptr() for name, v in m.stats.items()} for key, m in layers}
+    made = {key: dict(m.stats) for key, m in layers}  # the tensors start_stats made
     written = {}  # what each layer's forward left, by layer
     for key, m in layers:
         m.register_forward_hook(lambda mod, args, out, key=key: written.__setitem__(key, dict(mod.stats)))
     engine = LocalEngine(model, cfg.optim, cfg.memory, 1.0, False)
     x = torch.randint(0, 50, (2, 17))
     train_step(model, engine, [(x[:, :-1], x[:, 1:])] * 2, "fp32", 1e-3)
+    popped = {}
     for key, m in layers:
         assert m.stats["forwards"].item() == 2
         for name, value in m.stats.items():
             torch.testing.assert_close(value, written[key][name])
-            kept = made[key][name] if graphed else written[key][name].data_ptr()
-            assert value.data_ptr() == kept, (key, name)
-        popped = m.pop_stats()
-        assert popped["forwards"].item() == 2 and m.stats["forwards"].item() == 0
-        assert not graphed or all(v.data_ptr() == made[key][name] for name, v in m.stats.items())
+            assert value is (made[key][name] if graphed else written[key][name]), (key, name)
+        popped[key] = m.pop_stats()
+        assert popped[key]["forwards"].item() == 2 and m.stats["forwards"].item() == 0
+        assert not graphed or all(v is made[key][name] for name, v in m.stats.items())
+    train_step(model, engine, [(x[:, :-1], x[:, 1:])], "fp32", 1e-3)  # the sums start again from zero
+    for key, m in layers:
+        assert m.stats["forwards"].item() == 1 and popped[key]["forwards"].item() == 2
+        assert not graphed or all(v is made[key][name] for name, v in m.stats.items())
 
 
 @pytest.mark.parametrize("k, capacity", [(2, 0.0), (3, 0.6)])
