@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from teratrain.config_schema import REPLAYING
 from teratrain.planner.layout import Layout, ModelShape, Widths
 from teratrain.planner.states import rank_layers
 
@@ -26,6 +27,13 @@ from teratrain.planner.states import rank_layers
 OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 118), ("llama", "autocast"): (6, 131), ("llama", "low"): (6, 122),
                         ("gpt2", "fp32"): (7, 74), ("gpt2", "autocast"): (7, 88), ("gpt2", "low"): (7, 74)}
 
+# detaches one block adds per micro-batch when backward recomputes its forward (memory.recompute = full, every-k,
+# sqrt: memory/recompute.py's non-reentrant checkpoints detach each tensor the rerun saves), counted with a
+# TorchDispatchMode as OPS_SELECTIVE_REPLAY (the step's detaches less recompute=none's; the same in every
+# precision). No kernel: the host's time alone (time.host_s). The rerun's other ops are charged as the forward's
+# (time.OPS_PER_BLOCK; counted, 3-10 fewer a block). tests/unit/test_planner_replay.py counts both.
+FULL_REPLAY_DETACHES = {"llama": 60, "gpt2": 44}
+
 # what each projection's own cast of its input added to a block under autocast, (forward, backward), before
 # the attention and the MLP cast it once (Training.linear_casts: how the runs recorded before ran); a
 # selective-ops replay reruns the forward's
@@ -36,6 +44,14 @@ LINEAR_CAST_OPS = {"llama": (3, 3), "gpt2": (2, 2)}
 # rsqrt, mul, mul) reads and writes the row four times over (pow 8, mean 4, two muls 8 each) and its
 # per-row scalar five times (mean's output 4, add_ 8, rsqrt 8, the mul's read 4).
 RMS_NORM_BYTES = {"fused": (8, 4), "decomposed": (28, 24)}
+
+
+def replay_detaches(shape: ModelShape, lay: Layout, compiled: bool) -> float:
+    """The detaches recomputed blocks add to one rank's eager step (FULL_REPLAY_DETACHES per block and
+    micro-batch); compiled, the rerun is the graph's, which issues none."""
+    if lay.recompute not in REPLAYING or compiled or shape.is_bare:
+        return 0.0
+    return rank_layers(shape, lay) * FULL_REPLAY_DETACHES[shape.cfg.arch] * lay.num_microbatches
 
 
 def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False) -> float:

@@ -59,7 +59,7 @@ from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_ma
 from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.replay import LINEAR_CAST_OPS, replay_ops, replay_s
+from teratrain.planner.replay import LINEAR_CAST_OPS, replay_detaches, replay_ops, replay_s
 from teratrain.planner.states import is_expert, rank_layers, stage_params, stepped_tensors, zero_groups
 
 _COMMON = calibrated("common")  # the fitted and counted constants of every card
@@ -418,13 +418,15 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     """Seconds the host needs to issue one rank's step in eager mode: every op (`ops`, and a split
     backward's extra ones, `split_ops`; gpu.host_op_s each), every tensor- and expert-parallel
     collective `issued_collectives` counts (gpu.host_collective_s) and every launch of the data-parallel
-    engines (`launch_s`). When the GPU's work per op is short (tensor parallelism splits every matmul)
-    the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost MOE_HOST_OP_SHARE of an op each, memory.fp8's
-    (`fp8_ops`; `fp8`, where the caller has counted them) FP8_HOST_OP_SHARE. The host probe's rows
+    engines (`launch_s`), and the detaches of recomputed blocks (`replay_detaches`: no kernel, so not in
+    `ops`, which the GPU's per-op overhead prices too). When the GPU's work per op is short (tensor
+    parallelism splits every matmul) the GPU waits on it. An MoE layer's own ops (`moe_ops`) cost
+    MOE_HOST_OP_SHARE of an op each, memory.fp8's (`fp8_ops`; `fp8`, where the caller has counted them)
+    FP8_HOST_OP_SHARE. The host probe's rows
     (refit.fit_host) have no pipeline, no MoE layer and no float8: none of these ops."""
     fp8 = fp8_ops(shape, train, lay) if fp8 is None else fp8
     ops += (split_ops(shape, lay) + (moe_host_share(train) - 1) * moe_ops(shape, train, lay)
-            + (FP8_HOST_OP_SHARE - 1) * fp8)
+            + (FP8_HOST_OP_SHARE - 1) * fp8 + replay_detaches(shape, lay, train.compiled))
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 

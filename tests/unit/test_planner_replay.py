@@ -1,6 +1,7 @@
-"""memory.recompute=selective-ops as the planner prices it (planner/replay.py): the ops a block adds
-(OPS_SELECTIVE_REPLAY) and the HBM bytes of the ops its backward replays (replay_bytes), both counted
-again here with a TorchDispatchMode over our model on CPU."""
+"""Recomputation as the planner prices it (planner/replay.py): the ops a block adds under selective-ops
+(OPS_SELECTIVE_REPLAY), the detaches under recompute=full (FULL_REPLAY_DETACHES), and the HBM bytes of the
+ops selective-ops' backward replays (replay_bytes), counted again here with a TorchDispatchMode over our model
+on CPU."""
 
 import contextlib
 
@@ -13,25 +14,27 @@ from teratrain.memory import recompute
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import lm_loss
 from teratrain.planner.layout import ModelShape, widths
-from teratrain.planner.replay import OPS_SELECTIVE_REPLAY, replay_bytes
+from teratrain.planner.replay import FULL_REPLAY_DETACHES, OPS_SELECTIVE_REPLAY, replay_bytes
+from teratrain.planner.time import OPS_PER_BLOCK
 from tests.helpers import small_model
 
 MODES = {"fp32": ("fp32", torch.float32), "autocast": ("bf16", torch.float32), "low": ("bf16", torch.bfloat16)}
 
 
 class Ops(TorchDispatchMode):
-    """Counts the ops of the step (forward and backward apart) and the bytes of those run while
-    `replaying` is set: every tensor an op reads and writes, an op that returns a view of its input
+    """Counts the ops of the step (forward and backward apart), its detaches, and the bytes of those run
+    while `replaying` is set: every tensor an op reads and writes, an op that returns a view of its input
     (detach, view, transpose, split) none."""
 
     def __init__(self):
         super().__init__()
-        self.phase, self.replaying, self.bytes = "forward", False, 0
+        self.phase, self.replaying, self.bytes, self.detaches = "forward", False, 0, 0
         self.ops = {"forward": 0, "backward": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops[self.phase] += 1
+        self.detaches += func is torch.ops.aten.detach.default
         if self.replaying:
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -83,6 +86,21 @@ def test_the_ops_a_block_adds_are_counted_again(arch, mode, monkeypatch):
         got[policy] = [two[k] - one[k] for k in ("forward", "backward")]
     extra = tuple(s - n for s, n in zip(got["selective-ops"], got["none"]))
     assert extra == OPS_SELECTIVE_REPLAY[(arch, mode)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_recomputed_block_adds_its_forward_and_the_counted_detaches(arch, mode, monkeypatch):
+    """Per block, recompute=full's step less recompute=none's: FULL_REPLAY_DETACHES detaches, and other ops
+    the forward's count (OPS_PER_BLOCK, which the planner charges for the rerun) covers within 10."""
+    ops, detaches = {}, {}
+    for policy in ("none", "full"):
+        one, two = (_step(arch, mode, policy, n, monkeypatch)[0] for n in (1, 2))
+        ops[policy] = sum(two.ops.values()) - sum(one.ops.values())
+        detaches[policy] = two.detaches - one.detaches
+    added = detaches["full"] - detaches["none"]
+    assert added == FULL_REPLAY_DETACHES[arch]
+    assert 0 <= OPS_PER_BLOCK[(arch, mode)][0] - (ops["full"] - ops["none"] - added) <= 10
 
 
 @pytest.mark.parametrize("arch, keys", [("llama", {}), ("gpt2", {}), ("llama", {"qk_norm": "head"}),
