@@ -90,6 +90,17 @@ def test_the_ops_a_block_adds_are_counted_again(arch, mode, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("mode", list(MODES))
+def test_the_ops_of_a_block_are_counted_again(arch, mode, monkeypatch):
+    """OPS_PER_BLOCK, which prices every eager step's host and per-op time: a block's ops per micro-batch (two
+    depths, so the embedding, head, loss and optimizer drop out, but a block's tensors' optimizer ops, which
+    eager_ops counts apart), forward and backward apart."""
+    one, two = (_step(arch, mode, "none", n, monkeypatch)[0].ops for n in (1, 2))
+    got = tuple(two[k] - one[k] for k in ("forward", "backward"))
+    assert got == OPS_PER_BLOCK[(arch, mode)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_a_recomputed_block_adds_its_forward_and_the_counted_detaches(arch, mode, monkeypatch):
     """Per block, recompute=full's step less recompute=none's: FULL_REPLAY_DETACHES detaches, and other ops
     the forward's count (OPS_PER_BLOCK, which the planner charges for the rerun) covers within 10."""
