@@ -120,7 +120,7 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None  # of the latest forward; the model adds it to the loss
         self.balance: tuple | None = None  # transformers convention: (choices (n,), summed softmax (n,), tokens)
         self.stats: dict[str, torch.Tensor] = {}
-        self.graphed = False  # replayed as a CUDA graph (start_stats says so): see settle_stats
+        # replayed as a CUDA graph (start_stats says so): the statistics' tensors, made once (see settle_stats)
         self._held: dict[str, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,12 +235,11 @@ class MoE(nn.Module):
         keys and shapes stay the same (`pop_stats` resets them to zeros), so a compiled forward traces
         one graph, not one that creates them and one that adds to them. `graphed`: the forward replays
         as a CUDA graph (train.compile_mode=reduce-overhead), see `settle_stats`."""
-        self.graphed = graphed
         kw = {"dtype": torch.float64, "device": device}
         self.stats = {"load": torch.zeros(self.num_experts, **kw),  # the keys in _record's order, then the exchange's
                       **{key: torch.zeros((), **kw) for key in ("dropped", "attempted", "aux_loss", "forwards")},
                       **{key: torch.zeros((), **kw) for key in EXCHANGE_STATS}}
-        self._held = dict(self.stats) if graphed else None  # the sums' fixed addresses: see settle_stats
+        self._held = dict(self.stats) if graphed else None
 
     def settle_stats(self) -> None:
         """A CUDA graph's replay (train.compile_mode=reduce-overhead) leaves the statistics it summed in
@@ -251,7 +250,7 @@ class MoE(nn.Module):
         trees record the whole graph again, at every step with one micro-batch a step (one H100, an 8-expert
         model at one micro-batch of 8: 200-520 ms a step against 116 compiled). Eager and compiled without
         graphs: nothing."""
-        if self.graphed:
+        if self._held is not None:
             for key, value in self.stats.items():
                 if value is not self._held[key]:
                     self._held[key].copy_(value)
@@ -262,7 +261,7 @@ class MoE(nn.Module):
         attempted choices, summed aux loss and the forwards they came from, the exchanges' rows that
         carried a token and all they sent (EXCHANGE_STATS); then reset to zeros of
         the same keys (empty stays empty; graphed, the held tensors zeroed in place)."""
-        if self.graphed:
+        if self._held is not None:
             out = {key: value.clone() for key, value in self.stats.items()}
             for value in self._held.values():
                 value.zero_()
