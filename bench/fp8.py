@@ -13,6 +13,7 @@ both sides only. `--weights bf16`: bf16 weights with fp32 masters in the optimiz
     python bench/fp8.py --modes compile --accum 4 --out fp8.json   # speed, on the GPU machine (~4 min)
     python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
     python bench/fp8.py --smoke                              # CPU, tiny shapes, float8 emulated
+    python bench/fp8.py --experts-only --out FILE            # the routed experts' grouped GEMMs (GPU)
 
 Convergence (`--converge STEPS`): `teratrain train` twice on the stdlib corpus, bf16 and fp8, compiled,
 the same seed and batches (llama-1b width, 8 layers, seq 1024, 16 sequences a step, vocabulary 8192,
@@ -168,6 +169,78 @@ def gemm_speedups(dev) -> dict:
                         for recipe in ("tensorwise", "rowwise")}}
 
 
+# (name, tokens, top-k, experts, d_model, expert d_ff): bench/moe.py's two shapes at 8 sequences of 2,048, and
+# Mixtral-8x7B's expert shape at 4 sequences of 2,048
+EXPERT_SHAPES = (("8x2816-top2", 16384, 2, 8, 2048, 2816), ("qwen3-30b-a3b", 16384, 8, 128, 2048, 768),
+                 ("mixtral-8x7b", 8192, 2, 8, 4096, 14336))
+
+
+def expert_gemms(dev, iters: int = 20) -> dict:
+    """The routed experts of one MoE layer (rows laid out by expert, each group a multiple of 16 rows; w1 and w3
+    as one stack, SwiGLU, w2), forward and backward, with bf16 grouped GEMMs (torch._grouped_mm, what
+    models/grouped.py runs) against torchao's rowwise float8 grouped GEMM (torchao.prototype.moe_training: each
+    operand cast with power-of-2 row scales, all three GEMMs torch._scaled_grouped_mm), eager and compiled
+    (the layer whole, static shapes); the median of `iters` calls. `rel_diff`: the float8 output's and w13
+    gradient's distance from bf16's."""
+    import importlib
+
+    import torch.nn.functional as F
+
+    prototype = importlib.import_module("torchao.prototype.moe_training.fp8_grouped_mm")
+    fp8_mm = prototype._to_fp8_rowwise_then_scaled_grouped_mm
+
+    def layer(kind, a, w13, w2, offs):
+        def mm(x, w):
+            if kind == "bf16":
+                return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            return fp8_mm(x, w.transpose(-2, -1), offs, torch.bfloat16, torch.float8_e4m3fn, False)
+
+        h1, h3 = mm(a, w13).chunk(2, -1)
+        return mm(F.silu(h1) * h3, w2)
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, tokens, k, experts, d, f in EXPERT_SHAPES:
+        m = tokens * k
+        share = torch.rand(experts, generator=g) + 0.5  # uneven groups, as routing makes them
+        sizes = (share / share.sum() * m).long() // 16 * 16
+        sizes[-1] += m - sizes.sum()  # every row in a group (m is a multiple of 16): no row left uncomputed
+        offs = sizes.cumsum(0).to(torch.int32).to(dev)
+        a = torch.randn(m, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w13 = (torch.randn(experts, 2 * f, d, device=dev) * d ** -0.5).bfloat16().requires_grad_()
+        w2 = (torch.randn(experts, d, f, device=dev) * f ** -0.5).bfloat16().requires_grad_()
+        dy = torch.randn(m, d, device=dev, dtype=torch.bfloat16)
+        row = {"shape": name, "rows": m, "experts": experts, "d": d, "d_ff": f,
+               "flops": 6 * int(offs[-1]) * 3 * d * f}
+        ref = None
+        for kind in ("bf16", "fp8_rowwise"):
+            for mode in ("eager", "compiled"):
+                torch._dynamo.reset()
+                fn = layer if mode == "eager" else torch.compile(layer, dynamic=False)
+
+                def call(fn=fn, kind=kind):
+                    a.grad = w13.grad = w2.grad = None
+                    y = fn(kind, a, w13, w2, offs)
+                    y.backward(dy)
+                    return y
+
+                ms = statistics.median(time_steps(call, 3, iters, dev)) * 1e3
+                y = call()
+                ref = ref or (y.float(), w13.grad.float())
+                row[f"{kind}_{mode}_ms"] = round(ms, 3)
+                row[f"{kind}_{mode}_tflops"] = round(row["flops"] / ms / 1e9, 1)
+                if kind != "bf16":
+                    row[f"{kind}_{mode}_rel_diff"] = [round(float((t.float() - r).norm() / r.norm()), 4)
+                                                      for t, r in zip((y, w13.grad), ref)]
+        for mode in ("eager", "compiled"):
+            row[f"fp8_over_bf16_{mode}"] = round(row[f"bf16_{mode}_ms"] / row[f"fp8_rowwise_{mode}_ms"], 3)
+        rows.append(row)
+        print(name, {key: v for key, v in row.items() if "over" in key or key.endswith("_ms")}, flush=True)
+        del a, w13, w2, dy
+        torch.cuda.empty_cache()
+    return {"bench": "fp8_expert_gemms", **env_info(dev), "experts": rows}
+
+
 def ratios(rows: list[dict], recipe: str) -> dict:
     """Tokens/s ratios, each within one mode: fp8 over bf16 (ours, transformers), ours over transformers
     (bf16, fp8)."""
@@ -265,6 +338,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
     ap.add_argument("--gemms-only", action="store_true", help="only the GEMM rates and float8's speed-ups over bf16 "
                     "(planner/calibration/<card>.toml fp8_speedup_*)")
+    ap.add_argument("--experts-only", action="store_true", help="only an MoE layer's experts: bf16 grouped GEMMs "
+                    "against torchao's rowwise float8 grouped GEMM, eager and compiled (a GPU with float8)")
     add_weights_arg(ap)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
@@ -279,6 +354,9 @@ def main() -> None:
         args.steps, args.warmup = 2, 1
     if args.gemms_only:
         emit(gemm_speedups(dev), args.out)
+        return
+    if args.experts_only:
+        emit(expert_gemms(dev), args.out)
         return
     emit(converge(args, dev) if args.converge else speed(args, dev), args.out)
 
