@@ -14,8 +14,8 @@ Targets equal to `IGNORE_INDEX` (-100, F.cross_entropy's default) count neither 
 the mean, as in F.cross_entropy.
 
 A vocabulary that is not a multiple of ALIGN (GPT-2's 50,257) leaves every row of the logits and of their
-gradient misaligned for the GEMMs, which then run far slower: on one H100, gpt2-350m's eager step took 90.5 / 96.2
-ms at 50,257 and 76.0 / 76.6 at 50,304 (bench/results/h100/2026-12-05_gpt2_vocab_alignment.json). So the weight
+gradient misaligned for the GEMMs, which then run far slower: on one H100, gpt2-350m's eager step took 91.5 / 90.5
+ms at 50,257 unpadded and 68.3 / 71.0 at 50,304 (bench/results/h100/2026-12-05_gpt2_vocab_padded.json). So the weight
 is padded with zero rows to a multiple of ALIGN for the GEMMs and the padded logits are -inf: they take no
 probability, their gradient is zero, and the loss and gradients are the unpadded ones (the whole-logits head,
 models/transformer.py head, pads the same way and hands on a view of the first V columns).
