@@ -291,12 +291,22 @@ GRAPHED_ONE_MICRO_BATCH = pytest.mark.xfail(strict=True, reason="held out: one m
                                             "against 141,232 in another job), which the planner gives it")
 
 
+MICRO_BATCH_8_AT_32 = pytest.mark.xfail(strict=True, reason="held out: 4 micro-batches of 8 a step planned 12.9-13.8% "
+                                        "fast, compiled and graphed, in both jobs (8 micro-batches of 4: 4-5% fast): "
+                                        "the planner gains more from micro-batch 4 to 8 than the step measured: not "
+                                        "analysed")
+
+
 @pytest.mark.parametrize("result, run, batch", [
     ("2026-12-05_moe_compiled_mb4x2.json", "moe_ep1_compiled", (4, 8)),
     ("2026-12-05_moe_compiled_mb8x1.json", "moe_ep1_compiled", (8, 8)),
     ("2026-12-05_moe_graphed_mb4_held_stats.json", "moe_ep1_graphed", (4, 8)),
     pytest.param("2026-12-05_moe_graphed_mb8_held_stats.json", "moe_ep1_graphed", (8, 8),
-                 marks=GRAPHED_ONE_MICRO_BATCH)])
+                 marks=GRAPHED_ONE_MICRO_BATCH),
+    # held out: 32 sequences a step, two jobs each (the planner unchanged since before they ran)
+    *[pytest.param(f"2026-12-05_moe_gb32_{form}{job}.json", f"moe_ep1_{form.split('_')[0]}", (mb, 32),
+                   marks=[MICRO_BATCH_8_AT_32] if mb == 8 else [])
+      for form, mb in (("compiled_mb8", 8), ("compiled_mb4", 4), ("graphed_mb8", 8)) for job in ("", "_b")]])
 def test_one_h100_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out (no constant saw an H100 MoE step): the 8-expert model's dropless steps on one H100, compiled
     and graphed (the graph replayed, its statistics held at fixed addresses), planned with the H100's
