@@ -11,9 +11,10 @@ fp32 (torchao's recipes). An MoE layer's shared experts (models/moe.py), a dense
 through, run in float8 as the dense MLP does. Everything else stays as bf16 training has it: the embedding,
 the output head, norms, attention's softmax(QK^T)V, MoE routers, the shared experts' gate and the routed
 experts (the start-up summary says so), fp32 master weights and optimizer state. The routed experts' grouped
-GEMM would need torchao's float8 grouped GEMM (torchao.prototype.moe_training), a prototype that calls
-torch._scaled_grouped_mm with no emulated mode to check it on CPU. Checkpoints hold no float8 tensor: a run
-saved in bf16 resumes in fp8 and back.
+GEMM would need torchao's float8 grouped GEMM (torchao.prototype.moe_training, rowwise), a prototype with no
+emulated mode to check it on CPU, which ran an MoE layer's experts no faster than bf16's grouped GEMM on one
+H100 (compiled 0.84-0.85x at 8 experts of width 2,816, 0.57-0.61x at 128 of 768, 1.00x at 8 of 14,336;
+bench/fp8.py --experts-only). Checkpoints hold no float8 tensor: a run saved in bf16 resumes in fp8 and back.
 
 Float8 pays where GEMMs are large: each cast is an amax reduction plus a scaled copy, memory traffic that
 only torch.compile fuses into the neighbouring kernels. Eager FP8 is slower than eager bf16; run it with
