@@ -32,9 +32,12 @@ dtype's width a stacked expert weight; planner/memory.py counts them there): eva
 forward cast as before, and so does every step under memory.cast_once=false. `applies` says where: the step without a pipeline (`train_step`; the pipeline
 executor's asynchronous schedules run micro-batches on different weight versions), an engine that keeps
 each parameter whole through the step (not ZeRO-3, which gathers its parameters per use and casts its
-float8 weights once a step itself; not a parameter server's worker, whose pulls may land mid-step),
-and no CUDA graph replays (a graph reads its inputs at fixed addresses: casts made anew would be copied
-into them each replay).
+float8 weights once a step itself; not a parameter server's worker, whose pulls may land mid-step).
+Under CUDA graphs (train.compile_mode=reduce-overhead) a graph reads its inputs at the addresses it was
+recorded with, and copies any other input into them at each replay: there the casts are made once, at the
+first step, marked as static inputs (as parameters are), and every later step casts into them in place. No
+gradient rides along there: the engine keeps each gradient in a buffer of its own, which the graph's output
+is added into (optim/engine.py LocalEngine), and the casts' backward hands each weight its micro-batch's.
 """
 
 from __future__ import annotations
@@ -52,16 +55,19 @@ from teratrain.models.moe import moe_layers
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
 
 
-def applies(zero: int, pp: int, sync: str, graphed: bool) -> bool:
+def applies(zero: int, pp: int, sync: str) -> bool:
     """Does a run of this layout cast its weights once a step (when a step has several micro-batches)?"""
-    return pp == 1 and zero < 3 and sync != "param-server" and not graphed
+    return pp == 1 and zero < 3 and sync != "param-server"
 
 
 class StepCasts:
     """What `model`'s step casts once for all its micro-batches: its float8 linears under tensorwise
     scales and its experts' weight stacks."""
 
-    def __init__(self, model: nn.Module, compiled: bool = False):
+    def __init__(self, model: nn.Module, compiled: bool = False, graphed: bool = False):
+        self.graphed = graphed
+        # graphed: each cast's tensors as the first step made them, which later steps cast into (module docstring)
+        self.held: dict[int, tuple | dict] = {}
         self.linears = [linear for linear in float8_linears(model) if linear.gemm.recipe == "tensorwise"]
         self.experts = [layer.experts for _, layer in moe_layers(model)]
         # compiled, w1 and w3 are cast into one stack (models/grouped.py fuses_gate_up) by one kernel: torch's
@@ -80,10 +86,12 @@ class StepCasts:
         try:
             with torch.no_grad():
                 made = self.float8([linear.weight for linear in self.linears]) if self.linears else []
-                for linear, (data, scale) in zip(self.linears, made):
-                    linear.float8_weight = Float8Weight(data, scale)
+                for linear, cast in zip(self.linears, made):
+                    linear.float8_weight = Float8Weight(*self._kept(linear, cast))
                 for experts in self.experts:
-                    experts.step_casts = stack_casts(experts, dtype, self.join) or None
+                    held = self.held.get(id(experts)) if self.graphed else None
+                    experts.step_casts = (self._kept(experts, stack_casts(experts, dtype, self.join))
+                                          if held is None else cast_into(held, experts)) or None
             yield self
         finally:
             for linear in self.linears:
@@ -91,13 +99,32 @@ class StepCasts:
             for experts in self.experts:
                 experts.step_casts = experts.grad_acc = None
 
+    def _kept(self, owner: nn.Module, made):
+        """`made`, `owner`'s casts this step: as they are, or under CUDA graphs the first step's tensors,
+        marked static (the graph reads them in place) and kept, with `made`'s values copied in (float8: a byte
+        a weight and its scale; the experts' stacks are cast into theirs by `cast_into` instead)."""
+        if not self.graphed:
+            return made
+        held = self.held.get(id(owner))
+        if held is None:
+            for t in (made.values() if isinstance(made, dict) else made):
+                torch._dynamo.mark_static_address(t)
+            self.held[id(owner)] = held = made
+        elif held is not made:
+            for dst, src in zip(held, made):
+                dst.copy_(src)
+        return held
+
     def take_grads(self) -> None:
         """Before a micro-batch's forward: each weight cast this step (float8 linears, stacked experts)
         moves the gradient it has so far, where autograd owns it (not a view of an engine's buffer, into
         which autograd adds in place), to its cast (`Float8Weight.acc`, its layer's `grad_acc`); the
         backward of the weight's cast hands back that gradient plus the micro-batch's (memory/fp8.py
         _CarriedGrad, models/grouped.py MadeCast), which autograd adopts as the weight's gradient. The
-        forward that reads it takes it off the layer: the cast's node alone holds it, until the sum is made."""
+        forward that reads it takes it off the layer: the cast's node alone holds it, until the sum is made.
+        Under CUDA graphs nothing is taken (module docstring)."""
+        if self.graphed:
+            return
         for linear in self.linears:
             if linear.float8_weight is not None:  # None where not taken: no earlier micro-batch's sum left over
                 linear.float8_weight.acc = _take_grad(linear.weight)
@@ -128,10 +155,25 @@ def stack_casts(experts: nn.Module, dtype: torch.dtype, join=None) -> dict:
     return out | {name: w.to(dtype) for name, w in wide.items()}
 
 
-def enable(model: nn.Module, compiled: bool = False) -> None:
+def cast_into(held: dict, experts: nn.Module) -> dict:
+    """The experts' stacks cast into `held` (an earlier `stack_casts` of them) in place: each leaf's copy
+    casts it, and w1 and w3 each into their half of a joined "w13"."""
+    leaves = {name: w for name, w, _ in experts.leaves()}
+    for name, buf in held.items():
+        if name == "w13":
+            half = leaves["w1"].shape[1]
+            buf[:, :half].copy_(leaves["w1"])
+            buf[:, half:].copy_(leaves["w3"])
+        else:
+            buf.copy_(leaves[name])
+    return held
+
+
+def enable(model: nn.Module, compiled: bool = False, graphed: bool = False) -> None:
     """Let `train_step` cast `model`'s weights once a step (parallelize does, where `applies`; `compiled`:
-    train.compile, which compiles the float8 cast too)."""
-    casts = StepCasts(model, compiled)
+    train.compile, which compiles the float8 cast too; `graphed`: under CUDA graphs, into the same tensors
+    every step)."""
+    casts = StepCasts(model, compiled, graphed)
     if casts.linears or casts.experts:
         _RUNS[model] = casts
 

@@ -91,9 +91,9 @@ def parallelize(model: nn.Module, rt, cfg):
             else:
                 module.compile(mode=mode)
     engine = build_engine(model, rt, cfg, init)  # 6
-    if cfg.memory.cast_once and step_casts.applies(cfg.parallel.zero, rt.dims.pp, cfg.parallel.sync,
-                                                   cfg.train.cuda_graphs):
-        step_casts.enable(model, cfg.train.compile)  # train_step casts float8 weights and expert stacks once a step
+    if cfg.memory.cast_once and step_casts.applies(cfg.parallel.zero, rt.dims.pp, cfg.parallel.sync):
+        # train_step casts float8 weights and expert stacks once a step
+        step_casts.enable(model, cfg.train.compile, graphed=cfg.train.cuda_graphs)
     for _, layer in moe_layers(model):  # on the device now: a compiled forward finds them in place
         layer.start_stats(rt.device, graphed=cfg.train.cuda_graphs)
     retie(model, aliases)

@@ -155,24 +155,26 @@ def how_it_runs() -> dict:
     from teratrain.optim import adamw_kernel
 
     return {"norms": "residual dtype", "linear inputs": "cast once", "experts": "stacked",
-            "weight casts": "once a step", "expert gradients": "through the casts", "gate and up": "one GEMM",
+            "weight casts": "once a step", "graphed weight casts": "once a step",
+            "expert gradients": "through the casts", "gate and up": "one GEMM",
             "moe layout": "running count", "carried gradients": "freed as summed",
             "adamw": "teratrain kernel, a launch a group" if adamw_kernel.available() else "torch fused"}
 
 
 def as_ran(train, result: dict):
     """`train` as a recorded run ran it: the settings its result file names ("norms", "linear inputs",
-    "experts", "weight casts", "adamw", "expert gradients", "gate and up", "moe layout", "carried gradients"),
-    and for each it does not name the code before that setting existed (planner/layout.py Training): the norms
-    on fp32 copies, each projection casting its input, each expert its own parameters, the casts every
-    micro-batch, torch's fused AdamW (or teratrain's kernel launched a tensor at a time), the stacked experts'
+    "experts", "weight casts", "graphed weight casts", "adamw", "expert gradients", "gate and up", "moe layout",
+    "carried gradients"), and for each it does not name the code before that setting existed (planner/layout.py
+    Training): the norms on fp32 copies, each projection casting its input, each expert its own parameters, the
+    casts every micro-batch (under CUDA graphs, every micro-batch until "graphed weight casts"), torch's fused AdamW (or teratrain's kernel launched a tensor at a time), the stacked experts'
     gradients cast back before autograd added them, w1
     and w3 as two grouped GEMMs, the MoE layout by a sort, with masks, the carried gradients held to the step's
     end."""
     return replace(train, norms_fp32=result.get("norms") != "residual dtype",
                    linear_casts=result.get("linear inputs") != "cast once",
                    expert_tensors=result.get("experts") != "stacked",
-                   casts_per_micro_batch=train.casts_per_micro_batch or result.get("weight casts") != "once a step",
+                   casts_per_micro_batch=train.casts_per_micro_batch or result.get("weight casts") != "once a step"
+                   or (train.graphed and result.get("graphed weight casts") != "once a step"),
                    torch_adamw=train.torch_adamw or not str(result.get("adamw")).startswith("teratrain kernel"),
                    adamw_per_tensor=result.get("adamw") == "teratrain kernel",
                    grads_after_casts=result.get("expert gradients") != "through the casts",

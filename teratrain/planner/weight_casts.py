@@ -53,7 +53,7 @@ def casts_once(train: Training, lay: Layout) -> bool:
     micro-batches (memory/step_casts.py `applies`; not under memory.cast_once=false nor in the runs recorded
     before: Training.casts_per_micro_batch)?"""
     return (lay.num_microbatches > 1 and not train.casts_per_micro_batch
-            and step_casts.applies(lay.zero, lay.pp, "allreduce", train.graphed))
+            and step_casts.applies(lay.zero, lay.pp, "allreduce"))
 
 
 def casts_float8_once(train: Training, lay: Layout) -> bool:
@@ -65,8 +65,10 @@ def casts_float8_once(train: Training, lay: Layout) -> bool:
 def carries_grads(train: Training, lay: Layout) -> bool:
     """Does the backward of each weight cast once a step (`casts_once`) add the gradient so far into the one it
     makes (memory/step_casts.py take_grads)? Where the gradients are autograd's own: one GPU, no ZeRO (on several
-    the engines' buffers may hold them as views), not in the runs recorded before (Training.grads_after_casts)."""
-    return casts_once(train, lay) and lay.gpus == 1 and lay.zero == 0 and not train.grads_after_casts
+    the engines' buffers may hold them as views), not under CUDA graphs (the graph's gradients are added into
+    the engine's buffers), not in the runs recorded before (Training.grads_after_casts)."""
+    return (casts_once(train, lay) and lay.gpus == 1 and lay.zero == 0 and not train.graphed
+            and not train.grads_after_casts)
 
 
 def _cast_once(shape: ModelShape, w: Widths, tp: int, ep: int, form: str, device: str) -> tuple[int, int]:

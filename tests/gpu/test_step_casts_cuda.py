@@ -51,24 +51,32 @@ def _run(sets: list[str], once: bool):
     return losses, grads, model
 
 
+MODES = {"eager": [], "compiled": ["train.compile=true"],
+         "graphed": ["train.compile=true", "train.compile_mode=reduce-overhead"]}
+
+
 @pytest.mark.gpu(1)
-@pytest.mark.parametrize("kind, compiled", [
-    ("float8", False), ("float8", True), ("experts", False),
-    pytest.param("experts", True, marks=pytest.mark.xfail(reason="one H200, ec92e87: the third step's loss 1.28e-5 "
-                                                          "relative, over the 1e-5 fixed before the run; within it "
-                                                          "on one H200 at 15790e9 (compiled kernels vary by run)"))])
-def test_casts_once_a_step_train_as_every_micro_batch(kind, compiled):
+@pytest.mark.parametrize("kind, mode", [
+    ("float8", "eager"), ("float8", "compiled"), ("experts", "eager"),
+    pytest.param("experts", "compiled", marks=pytest.mark.xfail(reason="one H200, ec92e87: the third step's loss "
+                                                                "1.28e-5 relative, over the 1e-5 fixed before the "
+                                                                "run; within it on one H200 at 15790e9 (compiled "
+                                                                "kernels vary by run)")),
+    ("float8", "graphed"), ("experts", "graphed")])
+def test_casts_once_a_step_train_as_every_micro_batch(kind, mode):
+    """CUDA graphs: the casts kept at fixed addresses and cast into each step (no gradient carried), against
+    each micro-batch casting inside the graph; losses within 1e-4 relative (fixed before the run: the graphs
+    replay compiled kernels, whose sums may differ from the eager casts'), gradients as compiled."""
     if kind == "float8" and (torch.cuda.get_device_capability() < (8, 9) or _no_torchao()):
         pytest.skip("needs float8 tensor cores and torchao")
-    sets = KINDS[kind] + (["train.compile=true"] if compiled else [])
-    once_losses, once_grads, model = _run(sets, once=True)
-    every_losses, every_grads, _ = _run(sets, once=False)
+    once_losses, once_grads, model = _run(KINDS[kind] + MODES[mode], once=True)
+    every_losses, every_grads, _ = _run(KINDS[kind] + MODES[mode], once=False)
     assert step_casts._RUNS.get(model) is not None
-    if not compiled:
+    if mode == "eager":
         assert once_losses == every_losses
         assert all(torch.equal(g, every_grads[n]) for n, g in once_grads.items())
         return
-    assert once_losses == pytest.approx(every_losses, rel=1e-5)
+    assert once_losses == pytest.approx(every_losses, rel=1e-5 if mode == "compiled" else 1e-4)
     for name, grad in once_grads.items():
         ref = every_grads[name]
         assert (grad - ref).norm() <= 1e-3 * ref.norm() + 1e-12, name

@@ -291,12 +291,53 @@ def test_cast_once_false_casts_every_micro_batch_and_is_planned_so():
     assert not training_of(make_config(*SMALL, *MOE)).casts_per_micro_batch
 
 
-@pytest.mark.parametrize("zero, pp, sync, graphed, expected", [
-    (0, 1, "allreduce", False, True), (2, 1, "allreduce", False, True), (3, 1, "allreduce", False, False),
-    (0, 2, "allreduce", False, False), (0, 1, "param-server", False, False), (0, 1, "allreduce", True, False),
+@pytest.mark.parametrize("zero, pp, sync, expected", [
+    (0, 1, "allreduce", True), (2, 1, "allreduce", True), (3, 1, "allreduce", False),
+    (0, 2, "allreduce", False), (0, 1, "param-server", False),
 ])
-def test_where_the_casts_are_made_once(zero, pp, sync, graphed, expected):
-    assert step_casts.applies(zero, pp, sync, graphed) is expected
+def test_where_the_casts_are_made_once(zero, pp, sync, expected):
+    assert step_casts.applies(zero, pp, sync) is expected
+
+
+def test_graphed_casts_are_made_once_and_cast_into_after():
+    """Under CUDA graphs (graphed=True) the casts are the same tensors every step, marked static, holding
+    each step's weights; no gradient is taken off a weight; and a step trains bit for bit as one casting every
+    micro-batch (eager on the CPU: the graph's addresses are what this checks, not the replay)."""
+    model = measure.build_engine(make_config(*SMALL, *MOE))[0]
+    casts = step_casts.StepCasts(model, graphed=True)
+    experts = casts.experts[0]
+    seen = []
+    for _ in range(2):
+        with casts.step(torch.bfloat16):
+            made = dict(experts.step_casts)
+            seen.append({k: id(v) for k, v in made.items()})
+            fresh = step_casts.stack_casts(experts, torch.bfloat16)
+            assert made.keys() == fresh.keys() == {"w1", "w3", "w2"}
+            assert all(torch.equal(made[k], fresh[k]) for k in made)
+            # torch._dynamo.mark_static_address's mark, the same in 2.11 and 2.13
+            assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in made.values())
+            experts.w1.grad = torch.ones_like(experts.w1)
+            casts.take_grads()
+            assert experts.grad_acc is None and experts.w1.grad is not None  # nothing taken
+            experts.w1.grad = None
+        with torch.no_grad():
+            experts.w1.add_(1.0)  # the next step's weights differ: cast into the same tensors
+    assert seen[0] == seen[1] and experts.step_casts is None
+
+
+def test_graphed_casts_train_as_every_micro_batch():
+    """A step with graphed=True casts (the experts' stacks cast into kept tensors, no gradient carried) gives
+    the losses and gradients of casting every micro-batch, bit for bit, eager on the CPU."""
+    real = step_casts.StepCasts
+    step_casts.StepCasts = lambda model, compiled=False, graphed=False: real(model, compiled, graphed=True)
+    try:
+        once_losses, once_grads, _, model, used = _run(MOE, once=True, steps=3)
+    finally:
+        step_casts.StepCasts = real
+    every_losses, every_grads, *_ = _run(MOE, once=False, steps=3)
+    assert step_casts._RUNS[model].graphed and used > 0
+    assert once_losses == every_losses
+    assert all(torch.equal(g, every_grads[n]) for n, g in once_grads.items())
 
 
 @pytest.mark.parametrize("sets", [
