@@ -110,7 +110,7 @@ class StepCasts:
             for t in (made.values() if isinstance(made, dict) else made):
                 torch._dynamo.mark_static_address(t)
             self.held[id(owner)] = held = made
-        elif held is not made:
+        else:
             for dst, src in zip(held, made):
                 dst.copy_(src)
         return held
