@@ -122,7 +122,8 @@ class MemoryConfig(Section):
                              "Has no effect elsewhere (rowwise casts each weight two ways)")
     cast_once: bool = Field(True, description="with several micro-batches a step: cast the float8 weights (tensorwise) "
                             "and the experts' weight stacks (fp32 parameters under autocast) once for all of them, "
-                            "held from the first forward to the last backward (memory/step_casts.py); false casts "
+                            "held from the first forward to the last backward (under CUDA graphs kept between steps, "
+                            "at the addresses the graphs read; memory/step_casts.py); false casts "
                             "them in each micro-batch, which compiled holds less memory (the backward recasts)")
     fp8_emulate: bool = Field(False, description="with memory.fp8: emulate the float8 GEMMs in high precision "
                               "(any device, slowly), to check numerics where there are no float8 tensor cores")
