@@ -166,10 +166,10 @@ def as_ran(train, result: dict):
     "experts", "weight casts", "graphed weight casts", "adamw", "expert gradients", "gate and up", "moe layout",
     "carried gradients"), and for each it does not name the code before that setting existed (planner/layout.py
     Training): the norms on fp32 copies, each projection casting its input, each expert its own parameters, the
-    casts every micro-batch (under CUDA graphs, every micro-batch until "graphed weight casts"), torch's fused AdamW (or teratrain's kernel launched a tensor at a time), the stacked experts'
-    gradients cast back before autograd added them, w1
-    and w3 as two grouped GEMMs, the MoE layout by a sort, with masks, the carried gradients held to the step's
-    end."""
+    casts every micro-batch (under CUDA graphs, every micro-batch until "graphed weight casts"), torch's fused
+    AdamW (or teratrain's kernel launched a tensor at a time), the stacked experts' gradients cast back before
+    autograd added them, w1 and w3 as two grouped GEMMs, the MoE layout by a sort, with masks, the carried
+    gradients held to the step's end."""
     return replace(train, norms_fp32=result.get("norms") != "residual dtype",
                    linear_casts=result.get("linear inputs") != "cast once",
                    expert_tensors=result.get("experts") != "stacked",
