@@ -8,9 +8,10 @@ planner's own pick for the run (its search over FREE: about ten minutes for all 
 A paper that states achieved TFLOP/s per GPU is turned into a step time with the paper's own FLOP count
 (`flops` of a run): the time that FLOP rate takes for one global batch on its GPUs; one that states tokens
 per second per GPU, into the time that rate takes for the global batch's tokens. The ratio is
-predicted / published step time: over 1 the planner is slower than the paper. Runs with
-split = "fit" calibrated the card's GEMM efficiency (bench/calibrate/published_fit.py); the others
-never informed a constant.
+predicted / published step time: over 1 the planner is slower than the paper. Each run is planned at the GEMM
+efficiency its card's published runs reached (planner/calibration/published.toml: the software that ran them,
+not teratrain's own, which calibration/<card>.toml holds). Runs with split = "fit" calibrated it
+(bench/calibrate/published_fit.py); the others never informed a constant.
 """
 
 from __future__ import annotations
@@ -89,12 +90,21 @@ def sets_of(run: dict) -> list[str]:
     return sets
 
 
+def software_efficiency(gpu: str) -> dict[str, float]:
+    """flops_max and flops_d_half of the software that ran the card's published runs
+    (planner/calibration/published.toml, fitted by bench/calibrate/published_fit.py); {} where none is fitted."""
+    from teratrain.planner.hardware import calibrated
+
+    prefix = f"{gpu}_"
+    return {key[len(prefix):]: value for key, value in calibrated("published").items() if key.startswith(prefix)}
+
+
 def card(run: dict):
-    """The run's GPU: its card's preset with the machine's own terms where the paper states them (`hw`,
-    e.g. a slower network between nodes than the preset's)."""
+    """The run's GPU: its card's preset at the published software's GEMM efficiency (`software_efficiency`),
+    with the machine's own terms where the paper states them (`hw`, e.g. a slower network between nodes)."""
     from teratrain.planner.hardware import gpu_with
 
-    return gpu_with(run["gpu"], run.get("hw"))
+    return gpu_with(run["gpu"], {**software_efficiency(run["gpu"]), **run.get("hw", {})})
 
 
 def plan(run: dict, gpu=None):

@@ -1,8 +1,12 @@
-"""planner/calibration/<card>.toml `flops_max`, `flops_d_half`: a card's bf16/fp16 GEMM efficiency by
-width, fitted on the published runs of bench/published_runs.toml marked split = "fit".
+"""planner/calibration/published.toml `<card>_flops_max`, `<card>_flops_d_half`: the bf16/fp16 GEMM
+efficiency by width that the software of a card's published runs reached, fitted on the runs of
+bench/published_runs.toml marked split = "fit". bench/published.py plans the published runs with it.
 
     python bench/calibrate/published_fit.py --card a100            # the fit and its errors, to stdout
-    python bench/calibrate/published_fit.py --card a100 --write    # and into planner/calibration/a100.toml
+    python bench/calibrate/published_fit.py --card a100 --write    # and into planner/calibration/published.toml
+
+A card without teratrain runs of its own (the A100) takes the fit as its preset too: --write then also
+rewrites calibration/<card>.toml's flops_max and flops_d_half, whose source names this script.
 
 The planner's prediction of a run depends on the two constants only through the efficiency at the run's
 width, eff = flops_max * d / (d + flops_d_half) (planner/hardware.py). So each fit run is planned at a few
@@ -24,11 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from published import card, load_runs, plan, published_step_s  # noqa: E402  (bench/published.py)
+from published import card, load_runs, plan, published_step_s, software_efficiency  # noqa: E402
 
 from teratrain.planner.hardware import GPUS  # noqa: E402
 from teratrain.planner.states import PlanError  # noqa: E402
 
+SOURCE = "bench/calibrate/published_fit.py"
 EFFS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -100,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     after = {split: errors(runs, flops_max=fm, flops_d_half=dh)
              for split, runs in (("fit", fit_runs), ("held_out", held))}
     report = {"card": args.card, "flops_max": fm, "flops_d_half": dh, "before": before, "after": after}
-    print(f"{args.card}: flops_max {GPUS[args.card].flops_max:g} -> {fm:.3f}, "
-          f"flops_d_half {GPUS[args.card].flops_d_half:g} -> {dh:g}")
+    was = {**{k: getattr(GPUS[args.card], k) for k in ("flops_max", "flops_d_half")}, **software_efficiency(args.card)}
+    print(f"{args.card}: flops_max {was['flops_max']:g} -> {fm:.3f}, flops_d_half {was['flops_d_half']:g} -> {dh:g}")
     for split in ("fit", "held_out"):
         print(f"  {split:8} before: {summary(before[split])}; after: {summary(after[split])}")
         for name, e in after[split].items():
@@ -111,16 +116,23 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+TERMS = {"flops_max": "bf16/fp16 share of the datasheet peak at infinite width that the software of the card's "
+                      "published runs reached: eff = flops_max * d / (d + flops_d_half), d the model width",
+         "flops_d_half": "the width at which that efficiency reaches half of flops_max"}
+
+
 def _write(card_name: str, fm: float, dh: float, names: list[str], after: dict) -> None:
+    from teratrain.planner.hardware import calibration
     from teratrain.planner.refit import write_calibration
 
     runs = [f"bench/published_runs.toml: {n}" for n in names]
     err = f"step time, fit runs: {summary(after['fit'])}; held-out runs: {summary(after['held_out'])}"
-    source = "bench/calibrate/published_fit.py"
-    entry = {"source": source, "runs": runs, "fit_error": err}
-    write_calibration(card_name, {"flops_max": {"value": round(fm, 3), **entry},
-                                  "flops_d_half": {"value": dh, **entry}})
-
+    entry = {"source": SOURCE, "runs": runs, "fit_error": err}
+    values = {"flops_max": round(fm, 3), "flops_d_half": dh}
+    write_calibration("published", {f"{card_name}_{k}": {"value": v, "term": TERMS[k], **entry}
+                                    for k, v in values.items()})
+    if calibration(card_name)["flops_max"]["source"] == SOURCE:  # no teratrain run on the card: its preset too
+        write_calibration(card_name, {k: {"value": v, **entry} for k, v in values.items()})
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@ Each collective is a ring (Thakur et al. 2005): all-reduce moves 2(n-1)/n of the
 steps, reduce-scatter, all-gather and all-to-all (n-1)/n in n-1 steps, a send/receive the bytes in
 one. t = steps x alpha + fraction x bytes / bandwidth (Hockney 1994), with bandwidth and alpha of
 the link the group spans (hardware.GPU.link: the kind's measured terms inside a node when given,
-else NVLink; the inter-node link across nodes).
+else NVLink; across nodes the NICs of the group's members on a node, one ring each).
 
 What is counted per step, and where it comes from in our code:
 - data parallelism (parallel/data.py, zero.py): gradients all-reduced in buckets (ZeRO-0), reduce-
@@ -54,7 +54,7 @@ def collective(kind: str, n: int, nbytes: float, gbps: float, alpha: float, mess
 
 def on_link(gpu: GPU, kind: str, n: int, span: int, nbytes: float, messages: int = 1) -> float:
     """`collective` over the link a group of n ranks spread over `span` consecutive GPUs uses."""
-    return collective(kind, n, nbytes, *gpu.link(kind, span), messages)
+    return collective(kind, n, nbytes, *gpu.link(kind, span, n), messages)
 
 
 def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict[str, float]:

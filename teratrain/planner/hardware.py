@@ -6,7 +6,10 @@ Peak FLOP/s come from metrics.GPU_PEAK_TFLOPS (vendor datasheets, dense). Bandwi
 effective per-GPU figures, one direction, in GB/s (1e9 bytes/s):
 - nvlink_gbps: H100/H200 NVLink 4 is 900 GB/s bidirectional per GPU, ~450 per direction (A100: 600, 300);
 - pcie_gbps: PCIe gen5 x16 ~55 GB/s achieved host<->device with pinned memory (A100: gen4, ~25);
-- inter_node_gbps: one 400 Gb/s InfiniBand NIC per GPU (8 per node) = 50 GB/s (A100 nodes: 200 Gb/s, 25);
+- inter_node_gbps: one 400 Gb/s InfiniBand NIC per GPU (8 per node) = 50 GB/s (A100 nodes: 200 Gb/s, 25). A ring
+  collective (all-reduce, reduce-scatter, all-gather) across nodes runs one ring per NIC, so a group with k
+  members on each node crosses at k NICs' bandwidth, at most NVLink's (NCCL: 4 NICs of 12.5 GB/s give
+  48 GB/s); a send or an all-to-all crosses at its GPU's own NIC;
 - hbm_gbps: datasheet HBM bandwidth (H100 SXM 3350, H200 4800, A100-80GB 2039).
 alpha_*_s are per-message latencies of the alpha-beta model (Hockney 1994): t = alpha + bytes / beta.
 
@@ -30,6 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
+RINGS = ("all_reduce", "reduce_scatter", "all_gather")  # across nodes: a ring over each member's NIC
 CALIBRATION = Path(__file__).with_name("calibration")  # <card>.toml, common.toml: packaged data
 
 
@@ -145,11 +149,13 @@ class GPU:
     def sustained_flops(self, precision: str, d_model: int) -> float:
         return self.peak_flops(precision) * self.efficiency(precision, d_model)
 
-    def link(self, kind: str, span: int) -> tuple[float, float]:
-        """(GB/s, alpha per ring step) of collective `kind` over a group whose ranks spread over `span`
-        consecutive GPUs: inside a node the kind's measured terms when given, else NVLink's."""
+    def link(self, kind: str, span: int, n: int = 1) -> tuple[float, float]:
+        """(GB/s, alpha per ring step) of collective `kind` over a group of `n` ranks spread evenly over `span`
+        consecutive GPUs: inside a node the kind's measured terms when given, else NVLink's; across nodes
+        the NICs of the group's members on a node for a ring collective (RINGS), one NIC otherwise."""
         if span > self.gpus_per_node:
-            return self.inter_node_gbps, self.alpha_inter_s
+            nics = max(1, min(self.gpus_per_node, n * self.gpus_per_node // span)) if kind in RINGS else 1
+            return min(nics * self.inter_node_gbps, max(self.inter_node_gbps, self.nvlink_gbps)), self.alpha_inter_s
         gbps, alpha = getattr(self, f"{kind}_gbps"), getattr(self, f"{kind}_alpha_s")
         return (self.nvlink_gbps if gbps is None else gbps), (self.alpha_intra_s if alpha is None else alpha)
 

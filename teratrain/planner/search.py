@@ -6,7 +6,7 @@ Search space (each dimension only where the user did not fix it):
   (pipeline.planned_split: the slowest stage, head included, as fast as block counts allow;
   `parallel.stage_layers` when given); ep dividing dp and the experts (1 for dense models);
 - the schedule, where the user left it unset: 1F1B, and interleaved 1F1B at v = 2, 4, 8 virtual
-  stages (Narayanan et al. 2021 sec. 2.2: a bubble of (p-1)/(v m) of the ideal for v times the sends,
+  stages and every v up to 8 that splits the blocks evenly over pp x v chunks (Narayanan et al. 2021 sec. 2.2: a bubble of (p-1)/(v m) of the ideal for v times the sends,
   and p + (p-1)/v stages' activations in flight); with interleaved-1f1b set, v where unset;
   cp (both forms, ring and all-to-all) for sequences of at least CP_MIN_SEQ tokens, where it splits
   them into 2 x cp x tp equal pieces (shorter ones: cp = 1 unless fixed);
@@ -174,8 +174,9 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
 
 def _pipelines(shape: ModelShape, pp: int, fixed: dict) -> list[tuple[str, int]]:
     """(schedule, virtual stages) to try at `pp`: the fixed ones, else 1F1B and interleaved 1F1B at
-    VIRTUAL_STAGES (v where pp x v stages each get a block; check_layout drops micro-batch counts the
-    interleaved schedule refuses)."""
+    VIRTUAL_STAGES (v where pp x v stages each get a block) and at each v up to their largest that splits
+    the blocks evenly (3 for 105 blocks on 35 stages); check_layout drops micro-batch counts the
+    interleaved schedule refuses."""
     sched, v = fixed.get("schedule"), fixed.get("virtual_stages")
     if pp == 1:
         return [(sched or "one_f_one_b", v or 1)]
@@ -184,7 +185,8 @@ def _pipelines(shape: ModelShape, pp: int, fixed: dict) -> list[tuple[str, int]]
     if sched is not None and (sched != "interleaved_1f1b" or v is not None):
         return [(sched, v or 1)]
     n = shape.cfg.n_layers if shape.cfg is not None else pp
-    vs = [k for k in VIRTUAL_STAGES if pp * k <= n]
+    vs = sorted({k for k in VIRTUAL_STAGES if pp * k <= n}  # and every v that splits the blocks evenly
+                | {k for k in range(2, max(VIRTUAL_STAGES) + 1) if n % (pp * k) == 0})
     return ([] if sched else [("one_f_one_b", 1)]) + [("interleaved_1f1b", k) for k in vs]
 
 

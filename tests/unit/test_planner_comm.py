@@ -23,6 +23,20 @@ def test_measured_terms_replace_nvlink_for_their_kind_inside_a_node():
     assert gpu.link("all_gather", 16) == (H100.inter_node_gbps, H100.alpha_inter_s)  # across nodes
 
 
+def test_rings_across_nodes_run_over_the_nics_of_their_members_on_a_node():
+    """Across nodes a ring collective runs one ring per NIC of the group's members on a node (NCCL: a node's
+    4 NICs of 12.5 GB/s reach 48 GB/s), at most at NVLink's rate; a send and an all-to-all cross at one
+    GPU's NIC. The presets have one NIC per GPU."""
+    nic = H100.inter_node_gbps
+    assert H100.link("all_reduce", 32, 32) == (8 * nic, H100.alpha_inter_s)  # dp 32 on 4 nodes: 8 a node
+    assert H100.link("all_gather", 64, 32)[0] == 4 * nic  # tp 2 inside each node: 4 members a node
+    assert H100.link("reduce_scatter", 32, 4)[0] == nic  # tp 8 inside each node: one member a node
+    assert H100.link("p2p", 16, 2)[0] == H100.link("all_to_all", 32, 32)[0] == nic
+    assert replace(H100, inter_node_gbps=100.0).link("all_reduce", 16, 16)[0] == H100.nvlink_gbps
+    assert collective("all_reduce", 32, 1e9, *H100.link("all_reduce", 32, 32)) < collective(
+        "all_reduce", 32, 1e9, *H100.link("all_reduce", 32)) / 6
+
+
 def _llama(*sets):
     cfg = load_config(None, ["model.preset=llama-1b", "memory.precision=bf16", *sets])
     return shape_of(cfg), training_of(cfg)

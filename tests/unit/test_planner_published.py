@@ -87,6 +87,27 @@ def test_docs_table_is_the_command_output():
     assert _docs_lines() == published.table(published.rows()).splitlines()
 
 
+def test_published_runs_are_planned_at_their_software_efficiency():
+    """Each card of the published runs has the GEMM efficiency its published runs' software reached
+    (calibration/published.toml), fitted on that card's fit runs alone, and bench/published.py plans the runs
+    with it; the A100, without teratrain runs of its own, takes it as its preset too."""
+    from teratrain.planner.hardware import GPUS, calibration
+
+    entries = calibration("published")
+    for gpu in sorted({r["gpu"] for r in RUNS}):
+        eff = published.software_efficiency(gpu)
+        assert set(eff) == {"flops_max", "flops_d_half"}, gpu
+        run = next(r for r in RUNS if r["gpu"] == gpu)
+        assert {k: getattr(published.card(run), k) for k in eff} == eff
+        fit = [r["name"] for r in RUNS if r["gpu"] == gpu and r["split"] == "fit"]
+        for key in eff:
+            entry = entries[f"{gpu}_{key}"]
+            assert {"term", "source", "runs", "fit_error"} <= set(entry)
+            assert [name.split(": ")[1] for name in entry["runs"]] == fit, (gpu, key)
+    assert {k: getattr(GPUS["a100"], k) for k in ("flops_max", "flops_d_half")} == published.software_efficiency("a100")
+    assert GPUS["h100"].flops_max != published.software_efficiency("h100")["flops_max"]  # teratrain's own rate
+
+
 def test_published_fit_recovers_known_constants():
     """Steps made by a known efficiency curve (step = 1 + 9 / eff at each run's width) give the curve back
     from bench/calibrate/published_fit.py's grid: the fit between the planned efficiencies."""
