@@ -134,5 +134,6 @@ def _write(card_name: str, fm: float, dh: float, names: list[str], after: dict) 
     if calibration(card_name)["flops_max"]["source"] == SOURCE:  # no teratrain run on the card: its preset too
         write_calibration(card_name, {k: {"value": v, **entry} for k, v in values.items()})
 
+
 if __name__ == "__main__":
     main()

@@ -6,8 +6,9 @@ Search space (each dimension only where the user did not fix it):
   (pipeline.planned_split: the slowest stage, head included, as fast as block counts allow;
   `parallel.stage_layers` when given); ep dividing dp and the experts (1 for dense models);
 - the schedule, where the user left it unset: 1F1B, and interleaved 1F1B at v = 2, 4, 8 virtual
-  stages and every v up to 8 that splits the blocks evenly over pp x v chunks (Narayanan et al. 2021 sec. 2.2: a bubble of (p-1)/(v m) of the ideal for v times the sends,
-  and p + (p-1)/v stages' activations in flight); with interleaved-1f1b set, v where unset;
+  stages and every v up to 8 that splits the blocks evenly over pp x v chunks (Narayanan et al. 2021
+  sec. 2.2: a bubble of (p-1)/(v m) of the ideal for v times the sends, and p + (p-1)/v stages'
+  activations in flight); with interleaved-1f1b set, v where unset;
   cp (both forms, ring and all-to-all) for sequences of at least CP_MIN_SEQ tokens, where it splits
   them into 2 x cp x tp equal pieces (shorter ones: cp = 1 unless fixed);
 - ZeRO stage 0-3, offload (optimizer with stage >= 1, params with stage 3);

@@ -313,7 +313,8 @@ MICRO_BATCH_8_AT_32 = pytest.mark.xfail(strict=True, reason="held out: 4 micro-b
     # (memory.cast_once=false), eager, and compiled once more
     *[pytest.param(f"2026-12-05_moe_gb32_{name}.json", run, (8, 32), marks=MICRO_BATCH_8_AT_32)
       for name, run in (("compiled_mb8_c", "moe_ep1_compiled"), ("eager_mb8", "moe_ep1"),
-                        *((f"graphed_mb8_cast_{c}{job}", "moe_ep1_graphed") for c in ("once", "each") for job in ("", "_b")))]])
+                        *((f"graphed_mb8_cast_{c}{job}", "moe_ep1_graphed")
+                          for c in ("once", "each") for job in ("", "_b")))]])
 def test_one_h100_compiled_moe_steps_are_planned_within_10_percent(result, run, batch):
     """Held out (no constant saw an H100 MoE step): the 8-expert model's dropless steps on one H100, compiled
     and graphed (the graph replayed, its statistics held at fixed addresses), planned with the H100's
