@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teratrain.models.swiglu_kernel import silu_mul
+
 
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     """x in the dtype autocast gives a matmul's fp32 input (unchanged outside autocast). The attention
@@ -250,7 +252,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = to_compute_dtype(x)  # one cast for w1 and w3
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        return self.dropout(self.w2(silu_mul(self.w1(x), self.w3(x))))  # keeps w1 x, w3 x: not silu's output
 
 
 class GeluMLP(nn.Module):

@@ -9,6 +9,8 @@ half, so every input is read once per half through masked loads; a custom op sta
 graph (torch.library.triton_op), which inductor fuses nothing into here either way (a grouped GEMM on each
 side). Elsewhere (CPU, or torch without Triton) the same function in torch ops, differentiated by autograd.
 Both compute in fp32 from the stored dtype and round once, as inductor's fused kernels do.
+
+`silu_mul`: the dense SwiGLU's silu(w1 x) * w3 x over two tensors, eager, keeping only its inputs.
 """
 
 from __future__ import annotations
@@ -99,3 +101,26 @@ if triton is not None:
         return torch.ops.teratrain.swiglu_joined_backward(y, g)
 
     torch.library.register_autograd("teratrain::swiglu_joined", _grad, setup_context=_setup)
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b of two tensors of one shape (a dense SwiGLU's w1 x and w3 x) keeping only a and b for the
+    backward: silu(a) is made again there, so a block keeps three of its (tokens, d_ff) tensors (a, b and the
+    product, which w2 keeps as its input) instead of autograd's four, as Megatron-LM's fused SwiGLU does.
+    The kernels are autograd's own (silu, mul, silu_backward): the same numbers, one more silu in the backward.
+    Compiled, the plain expression: inductor chooses what its graph keeps."""
+    if torch.compiler.is_compiling():
+        return F.silu(a) * b
+    return _SiluMul.apply(a, b)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(g * b, a), g * F.silu(a)

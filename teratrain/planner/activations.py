@@ -148,6 +148,12 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, devi
                                ep=ep, cp=cp, cp_form=cp_form), compress, True, device)
 
 
+def _mlp_hidden(arch: str, silu_kept: bool) -> int:
+    """(tokens, d_ff) tensors an MLP keeps besides its input: GELU's w1x and output; SwiGLU's w1x, w3x and
+    product, and silu(w1x) where autograd keeps it (`silu_kept`)."""
+    return (4 if silu_kept else 3) if arch == "llama" else 2
+
+
 def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, device: str = "cuda",
                   tp: int = 1, sp: bool = False, dropout: float = 0.0, form: str = "megatron",
                   ep: int = 1, cp: int = 1, cp_form: str = "ring") -> dict[str, list[Saved]]:
@@ -175,9 +181,10 @@ def block_tensors(shape: ModelShape, w: Widths, tokens: int, seq_len: int, *, de
         "ffn_norm": _div(_norm_saved(shape, w, n, device), rep),
         "mlp_inputs": ([] if shape.num_experts > 1 else  # an MoE layer's: its dispatch buffer (_moe_saved)
                        _region_inputs(shape, w, n, 2 if c.arch == "llama" else 1, device, tp, sp, form)),
-        # SwiGLU: w1x (silu's input), silu(w1x), w3x, their product (w2's input); GELU: w1x, gelu(w1x)
+        # SwiGLU: w1x, w3x, their product (w2's input), and silu(w1x) in an MoE's experts (and in the dense
+        # one before models/swiglu_kernel.py silu_mul: Widths.silu_kept); GELU: w1x, gelu(w1x)
         "mlp_hidden": _div([Saved(n * (ff if k_moe == 1 else c.expert_ffn_dim), cb)]
-                           * (k_moe * (4 if c.arch == "llama" else 2)), tp),
+                           * (k_moe * _mlp_hidden(c.arch, shape.num_experts > 1 or w.silu_kept)), tp),
     }
     if c.arch == "llama" and cb != 4:
         out["rope_casts"] = [Saved(seq_len * c.head_width, cb, "keep")] * 4  # cos/sin cast to bf16, for q and for k
@@ -296,7 +303,8 @@ def _per_layer_form(shape: ModelShape, w: Widths, n: int, seq_len: int, device: 
     if shape.num_experts == 1:
         llama = c.arch == "llama"
         out["mlp_inputs"] = [Saved(n * c.d_model // tp, cb)] * (2 if llama else 1)
-        out["mlp_hidden"] = [Saved(n * c.ffn_dim, cb)] * (3 if llama else 1) + [Saved(n * c.ffn_dim // tp, cb)]
+        out["mlp_hidden"] = ([Saved(n * c.ffn_dim, cb)] * (_mlp_hidden(c.arch, w.silu_kept) - 1)
+                             + [Saved(n * c.ffn_dim // tp, cb)])
     return out
 
 

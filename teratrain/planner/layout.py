@@ -187,12 +187,14 @@ class Widths:
     norms_fp32: bool = False  # Training.norms_fp32
     linear_casts: bool = False  # Training.linear_casts
     expert_tensors: bool = False  # Training.expert_tensors
+    silu_kept: bool = False  # Training.silu_kept
 
 
 def widths(precision: str, master_weights: bool, fp8: str = "none", norms_fp32: bool = False,
-           linear_casts: bool = False, expert_tensors: bool = False) -> Widths:
+           linear_casts: bool = False, expert_tensors: bool = False, silu_kept: bool = False) -> Widths:
     low, bf16 = precision != "fp32", precision == "bf16"
-    ran = {"norms_fp32": norms_fp32, "linear_casts": linear_casts, "expert_tensors": expert_tensors}
+    ran = {"norms_fp32": norms_fp32, "linear_casts": linear_casts, "expert_tensors": expert_tensors,
+           "silu_kept": silu_kept}
     if master_weights:  # params in the compute dtype (fp32 stays fp32), fp32 copy in the optimizer
         k = 2 if low else 4
         return Widths(param=k, grad=k, compute=k, master=4, autocast_copies=False, bf16=bf16, fp8=fp8, **ran)
@@ -235,6 +237,10 @@ class Training:
     # accumulated by its own op) before the experts were stacked (models/moe.py Experts): how the runs
     # recorded before measured, planned as they ran by planner/refit.py. Never set from a Config.
     expert_tensors: bool = False
+    # An eager dense SwiGLU kept silu(w1 x) for its backward beside w1 x, w3 x and their product, before it kept
+    # its two inputs alone (models/swiglu_kernel.py silu_mul): how the runs recorded before measured, planned as
+    # they ran by planner/refit.py. Never set from a Config.
+    silu_kept: bool = False
     # Each micro-batch casts the float8 weights and the experts' weight stacks anew, not the step once for all
     # (memory/step_casts.py): memory.cast_once=false, and the runs recorded before the step cast them once
     # (planner/refit.py plans them as they ran)
@@ -275,8 +281,10 @@ class Training:
         return uses_master_weights(self.precision, zero, offload, self.master_weights)
 
     def widths(self, zero: int, offload: str = "none") -> Widths:
+        # compiled, the SwiGLU is the plain expression (models/swiglu_kernel.py silu_mul): where its graph is not
+        # read off (planner/compiled.py), autograd's four tensors are counted
         return widths(self.precision, self.uses_masters(zero, offload), self.fp8, self.norms_fp32, self.linear_casts,
-                      self.expert_tensors)
+                      self.expert_tensors, self.silu_kept or self.compiled)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -155,7 +155,7 @@ def how_it_runs() -> dict:
     from teratrain.optim import adamw_kernel
 
     return {"norms": "residual dtype", "linear inputs": "cast once", "experts": "stacked",
-            "weight casts": "once a step", "graphed weight casts": "once a step",
+            "weight casts": "once a step", "graphed weight casts": "once a step", "swiglu": "keeps its inputs",
             "expert gradients": "through the casts", "gate and up": "one GEMM",
             "moe layout": "running count", "carried gradients": "freed as summed",
             "adamw": "teratrain kernel, a launch a group" if adamw_kernel.available() else "torch fused"}
@@ -164,8 +164,9 @@ def how_it_runs() -> dict:
 def as_ran(train, result: dict):
     """`train` as a recorded run ran it: the settings its result file names ("norms", "linear inputs",
     "experts", "weight casts", "graphed weight casts", "adamw", "expert gradients", "gate and up", "moe layout",
-    "carried gradients"), and for each it does not name the code before that setting existed (planner/layout.py
-    Training): the norms on fp32 copies, each projection casting its input, each expert its own parameters, the
+    "carried gradients", "swiglu"), and for each it does not name the code before that setting existed
+    (planner/layout.py Training): the norms on fp32 copies, each projection casting its input, each expert its own
+    parameters, the eager SwiGLU keeping silu's output, the
     casts every micro-batch (under CUDA graphs, every micro-batch until "graphed weight casts"), torch's fused
     AdamW (or teratrain's kernel launched a tensor at a time), the stacked experts' gradients cast back before
     autograd added them, w1 and w3 as two grouped GEMMs, the MoE layout by a sort, with masks, the carried
@@ -173,6 +174,7 @@ def as_ran(train, result: dict):
     return replace(train, norms_fp32=result.get("norms") != "residual dtype",
                    linear_casts=result.get("linear inputs") != "cast once",
                    expert_tensors=result.get("experts") != "stacked",
+                   silu_kept=result.get("swiglu") != "keeps its inputs",
                    casts_per_micro_batch=train.casts_per_micro_batch or result.get("weight casts") != "once a step"
                    or (train.graphed and result.get("graphed weight casts") != "once a step"),
                    torch_adamw=train.torch_adamw or not str(result.get("adamw")).startswith("teratrain kernel"),

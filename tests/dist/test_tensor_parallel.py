@@ -366,8 +366,9 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, kv: int, f: int, t: 
     and a fp32 logsumexp (4 a s b / t), no s x s scores nor their dropout mask (the 5 a s^2 b / t term);
     the CPU's composite RMSNorm keeps fp32 upcasts of its bf16 input (4 s b h, where the GPU's fused kernel
     keeps the input itself: LayerNorm's 2) and x * rstd (4 s b h), and its fp32 statistics (4 s b); GQA's
-    k and v are kv wide (replicated heads under t > their count); SwiGLU keeps w1 x, silu(w1 x), w3 x
-    and their product (4 x 2 s b f / t) where GELU keeps 2 x 2 s b 4h / t plus a dropout mask; no
+    k and v are kv wide (replicated heads under t > their count); SwiGLU keeps w1 x, w3 x and their
+    product (3 x 2 s b f / t; silu(w1 x) is made again in backward) where GELU keeps 2 x 2 s b 4h / t
+    plus a dropout mask; no
     dropout (p = 0); RoPE's cos and sin cast to bf16 for q and k (4 x 2 s d_head). The column-parallel
     linears keep the sequence shard of their input (2 s b h / t each region), as the paper does."""
     n, hd = s * b, h // a
@@ -375,7 +376,7 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, kv: int, f: int, t: 
     norms = 2 * (n * h * (4 + 4) // t + n * 4 // t)  # fp32 input, x * rstd, rstd
     attention = 2 * n * h // t + 2 * n * h // t + 2 * 2 * n * kv_t + 2 * n * h // t  # input shard, q, k and v, output
     logsumexp = 4 * n * a // t
-    mlp = 2 * n * h // t + 4 * 2 * n * f // t  # input shard, SwiGLU's four
+    mlp = 2 * n * h // t + 3 * 2 * n * f // t  # input shard, SwiGLU's three
     rope = 4 * 2 * s * hd
     if policy == "none":
         return norms + attention + logsumexp + mlp + rope

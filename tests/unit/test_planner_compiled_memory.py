@@ -161,7 +161,8 @@ def test_the_whole_model_graph_hands_every_gradient_over_at_once():
 
 def test_compiled_blocks_keep_less_than_eager():
     """Per token, a compiled bf16 Llama block over fp32 weights keeps 14d + 4kv + 6f bytes (+ 2d more as the whole
-    model's one graph) where eager keeps 16d + 4kv + 8f, statistics and RoPE casts aside (planner/compiled.py)."""
+    model's one graph) where eager keeps 16d + 4kv + 6f (8f while its SwiGLU kept silu's output), statistics and
+    RoPE casts aside (planner/compiled.py)."""
     from teratrain.planner import activations as act
     from teratrain.planner import compiled
 
@@ -174,8 +175,9 @@ def test_compiled_blocks_keep_less_than_eager():
     assert sum(block.values()) - block["rope_casts"] - small == n * (14 * d + 4 * kv + 6 * f)
     model = compiled.block_saved(shape, w, n, 40, "model")
     assert sum(model.values()) - small == n * (16 * d + 4 * kv + 6 * f)
-    eager = act.block_saved(shape, w, n, 40, device="cuda")
-    assert sum(eager.values()) - eager["rope_casts"] - small == n * (16 * d + 4 * kv + 8 * f)
+    for silu_kept, kept in ((False, 6 * f), (True, 8 * f)):
+        eager = act.block_saved(shape, dataclasses.replace(w, silu_kept=silu_kept), n, 40, device="cuda")
+        assert sum(eager.values()) - eager["rope_casts"] - small == n * (16 * d + 4 * kv) + n * kept
     assert compiled.scope(shape, train, lay) == "block"
     assert compiled.scope(shape, training_of(_cfg("llama", "bf16", "block", "model.dropout=0.1")), lay) is None
 
@@ -229,10 +231,11 @@ def test_peaks_at_two_micro_batches_planned_before_the_run(mode, fp8, planned_gi
             *(["train.compile=true", "train.compile_scope=model"] if mode == "compile" else [])]
     cfg = load_config(None, sets)
     lay = layout_of(load_config(None, [*sets, "train.micro_batch=1", "train.global_batch=2"]), 1)
-    planned = plan_memory(shape_of(cfg), training_of(cfg), lay, GPUS["h200"]).peak_allocated / GIB
+    train = dataclasses.replace(training_of(cfg), silu_kept=True)  # the SwiGLU kept silu's output then
+    planned = plan_memory(shape_of(cfg), train, lay, GPUS["h200"]).peak_allocated / GIB
     assert planned == pytest.approx(planned_gib, abs=0.005)  # the prediction, as written before the run
-    cand = evaluate(shape_of(cfg), training_of(cfg), lay, GPUS["h200"])
-    grads = next(line for line in memory_lines(shape_of(cfg), training_of(cfg), GPUS["h200"], cand) if line[0] == "gradients")
+    cand = evaluate(shape_of(cfg), train, lay, GPUS["h200"])
+    grads = next(line for line in memory_lines(shape_of(cfg), train, GPUS["h200"], cand) if line[0] == "gradients")
     assert ("a second copy" in grads[3]) == (mode == "compile")  # `teratrain plan` says why
     rows = json.loads((RESULTS / "2026-12-03_compiled_gradients_at_once.json").read_text())["results"]
     row = next(r for r in rows if r["mode"] == mode and r["fp8"] == fp8)
@@ -244,7 +247,8 @@ def test_eager_peak_against_the_recorded_run():
     the attention and the MLP cast their input once for their projections: planned 44.87 GiB against 44.94
     (3 GiB under the 47.9 of a cast per projection), within the compiled rows' 3%."""
     cfg = load_config(None, [*TRAIN_STEP, "train.compile=false", "train.global_batch=8", "parallel.dp=1"])
-    planned = plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), GPUS["h200"]).peak_allocated / GIB
+    train = dataclasses.replace(training_of(cfg), silu_kept=True)  # the SwiGLU kept silu's output then
+    planned = plan_memory(shape_of(cfg), train, layout_of(cfg, 1), GPUS["h200"]).peak_allocated / GIB
     rows = json.loads((RESULTS / "2026-12-03_train_step_cast_once.json").read_text())["results"]
     row = next(r for r in rows if r["impl"] == "ours_plain" and r["mode"] == "eager")
     assert planned == pytest.approx(row["peak_gib"], rel=0.03)
