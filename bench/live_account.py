@@ -33,9 +33,11 @@ def _ptr(t) -> int | None:
 
 
 def saved_of(node, names=None) -> list[torch.Tensor]:
-    """The tensors `node` still saves (all, or those `names`); a dropped one (split backward) is skipped."""
+    """The tensors `node` still saves (all, or those `names`); a dropped one (split backward) is skipped. A
+    custom autograd Function's node (models/swiglu_kernel.py silu_mul) names them `saved_tensors`."""
     out = []
-    for name in names or [n for n in dir(node) if n.startswith("_saved_")]:
+    own = [n for n in dir(node) if n.startswith("_saved_")] + (["saved_tensors"] if hasattr(node, "apply") else [])
+    for name in names or own:
         try:
             v = getattr(node, name)
         except RuntimeError:  # freed: by a backward without retain_graph, or dropped by saved.py during I
