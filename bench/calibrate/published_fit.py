@@ -87,7 +87,8 @@ def summary(errs: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--card", default="a100", choices=sorted(GPUS))
-    ap.add_argument("--write", action="store_true", help="write the fit into planner/calibration/<card>.toml")
+    ap.add_argument("--write", action="store_true",
+                    help="write the fit into calibration/published.toml (and <card>.toml, a card without own runs)")
     args = ap.parse_args(argv)
     runs = [r for r in load_runs() if r["gpu"] == args.card]
     fit_runs, held = [r for r in runs if r["split"] == "fit"], [r for r in runs if r["split"] != "fit"]

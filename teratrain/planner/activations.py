@@ -17,7 +17,8 @@ parallelism shards. Differences from their 34*s*b*h + 5*a*s^2*b count, all from 
   tensor parallelism the region entry casts once, before its collective; with sequence
   parallelism they keep only this rank's shard of it and gather it again in backward, as Megatron-LM
   does (parallel/comm.py Regather), so it is divided by tp;
-- SwiGLU keeps w1x, silu(w1x), w3x and their product (4 x d_ff per token).
+- SwiGLU keeps w1x, w3x and their product (3 x d_ff per token; models/swiglu_kernel.py silu_mul makes
+  silu(w1x) again in backward; 4 in an MoE's experts and in runs recorded before: Widths.silu_kept).
 `device` selects the two kernels that differ: CPU's composite rms_norm keeps fp32 upcasts of its input
 and x*rstd, and CPU's layer_norm keeps its statistics in the input's dtype. The GPU numbers assume
 dropout inside attention is fused (flash/cuDNN keep only an RNG seed); CPU runs with dropout > 0 take

@@ -62,12 +62,13 @@ def step_comm(shape: ModelShape, train: Training, lay: Layout, gpu: GPU) -> dict
     w = train.widths(lay.zero, lay.offload)
     sp = stage_params(shape, lay)
     out = {"dp": 0.0, "param_gather": 0.0, "zero_gather": 0.0, "tp": 0.0, "pp": 0.0, "ep": 0.0}
-    # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones
+    # dense parameters are reduced over dp, experts over the dp / ep ranks holding the same ones, which spread
+    # over the same GPUs as the dp ranks, ep x tp apart (mesh.py)
     for experts, n, ranks in ((False, sp["first"] - sp["experts"], lay.replicas),
                               (True, sp["experts"], lay.replicas // lay.ep)):
         messages = reduce_messages(shape, train, lay, experts, n)
         float8 = 0 if experts else float8_gathered(shape, train, lay)
-        for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages, float8).items():
+        for key, t in dp_terms(train, lay, w, n, ranks, gpu, messages, float8, lay.replicas * lay.tp).items():
             out[key] += t
     if shape.is_bare:
         return out
@@ -186,13 +187,13 @@ def _reduce_messages(shape: ModelShape, train: Training, lay: Layout, experts: b
 
 
 def dp_terms(train: Training, lay: Layout, w, local: int, ranks: int, gpu: GPU,
-             messages: tuple[int, int], float8: int = 0) -> dict[str, float]:
-    """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`, which
-    are tp GPUs apart (the mesh's dp axis is outside tp), in `messages` = (reductions, gathers);
-    `float8` of them gathered at 1 byte (`float8_gathered`)."""
+             messages: tuple[int, int], float8: int = 0, span: int | None = None) -> dict[str, float]:
+    """Gradient reduction (and ZeRO's parameter gathers) of `local` parameters over `ranks`, spread over
+    `span` consecutive GPUs (by default tp apart: the mesh's dp axis is outside tp), in `messages` =
+    (reductions, gathers); `float8` of them gathered at 1 byte (`float8_gathered`)."""
     red = train.reduce_bytes
     buckets, gathers = (max(1, k) for k in messages)
-    span = ranks * lay.tp
+    span = span or ranks * lay.tp
     if lay.zero == 0:
         return {"dp": on_link(gpu, "all_reduce", ranks, span, local * red, buckets)}
     rs = on_link(gpu, "reduce_scatter", ranks, span, local * red, buckets)

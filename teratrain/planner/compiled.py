@@ -17,8 +17,8 @@ fp32 statistics; two norm outputs; q, k, v, the attention output, one fp32 logsu
 residual stream after attention (the whole model in one graph: the sum, in the parameters' dtype; each
 block apart: wo's output, in the compute dtype, from which the sum is rebuilt); w1x, w3x and their
 product. Against eager's count (activations.block_tensors) that keeps wo's output (2d) in place of the
-second norm's fp32 input (4d) and drops silu's output: 16d + 4kv + 8f bytes per token of a bf16 block
-over fp32 weights become 14d + 4kv + 6f (+2d, the model scope's fp32 sum), with d the width, kv the
+second norm's fp32 input (4d): 16d + 4kv + 6f bytes per token of a bf16 block over fp32 weights (8f while
+eager kept silu's output) become 14d + 4kv + 6f (+2d, the model scope's fp32 sum), with d the width, kv the
 key/value width and f the MLP's. The autocast copies of the weights stay as in eager (a bf16 copy
 is half the bytes of the fp32 weight the cut would otherwise keep), and so do the tensors the loss and
 the embedding keep, except that the compiled loss keeps the logits in the compute dtype with two fp32

@@ -152,12 +152,16 @@ class GPU:
     def link(self, kind: str, span: int, n: int = 1) -> tuple[float, float]:
         """(GB/s, alpha per ring step) of collective `kind` over a group of `n` ranks spread evenly over `span`
         consecutive GPUs: inside a node the kind's measured terms when given, else NVLink's; across nodes
-        the NICs of the group's members on a node for a ring collective (RINGS), one NIC otherwise."""
-        if span > self.gpus_per_node:
-            nics = max(1, min(self.gpus_per_node, n * self.gpus_per_node // span)) if kind in RINGS else 1
-            return min(nics * self.inter_node_gbps, max(self.inter_node_gbps, self.nvlink_gbps)), self.alpha_inter_s
+        the NICs of the group's members on its emptiest node for a ring collective (RINGS), at most the rate
+        inside a node, one NIC otherwise."""
         gbps, alpha = getattr(self, f"{kind}_gbps"), getattr(self, f"{kind}_alpha_s")
-        return (self.nvlink_gbps if gbps is None else gbps), (self.alpha_intra_s if alpha is None else alpha)
+        inside = self.nvlink_gbps if gbps is None else gbps
+        if span > self.gpus_per_node:
+            stride = max(1, span // max(1, n))  # the ring's slowest node: the one holding the fewest members
+            fewest = min(self.gpus_per_node, span % self.gpus_per_node or self.gpus_per_node) // stride
+            nics = max(1, fewest) if kind in RINGS else 1
+            return min(nics * self.inter_node_gbps, max(self.inter_node_gbps, inside)), self.alpha_inter_s
+        return inside, (self.alpha_intra_s if alpha is None else alpha)
 
 
 def _gpu(name: str, table_key: str, **kw) -> GPU:

@@ -32,9 +32,28 @@ def test_rings_across_nodes_run_over_the_nics_of_their_members_on_a_node():
     assert H100.link("all_gather", 64, 32)[0] == 4 * nic  # tp 2 inside each node: 4 members a node
     assert H100.link("reduce_scatter", 32, 4)[0] == nic  # tp 8 inside each node: one member a node
     assert H100.link("p2p", 16, 2)[0] == H100.link("all_to_all", 32, 32)[0] == nic
+    assert H100.link("all_reduce", 12, 12)[0] == 4 * nic  # 8 + 4 members: the emptier node's 4 NICs
+    assert H100.link("all_reduce", 12, 3)[0] == nic  # tp 4 inside: 2 + 1 members
     assert replace(H100, inter_node_gbps=100.0).link("all_reduce", 16, 16)[0] == H100.nvlink_gbps
+    assert replace(H100, all_reduce_gbps=300.0).link("all_reduce", 16, 16)[0] == 300.0  # no faster than inside
     assert collective("all_reduce", 32, 1e9, *H100.link("all_reduce", 32, 32)) < collective(
         "all_reduce", 32, 1e9, *H100.link("all_reduce", 32)) / 6
+
+
+def test_expert_gradients_reduce_over_the_gpus_their_replicas_spread_on():
+    """An expert's replicas (dp / ep ranks holding it) sit ep x tp GPUs apart over the whole dp range (mesh.py):
+    at dp 128, ep 4, 2 of them on each node, so their reduction crosses at 2 NICs; at dp 64, ep 8, one a node
+    (the group spans 8 nodes, not one)."""
+    from teratrain.planner.comm import dp_terms
+
+    shape, train = _llama()
+    w = train.widths(0)
+    for dp, ep, nics in ((128, 4, 2), (64, 8, 1)):
+        lay = Layout(dp=dp, ep=ep)
+        got = dp_terms(train, lay, w, 10**8, dp // ep, H100, (1, 1), 0, dp * lay.tp)["dp"]
+        want = collective("all_reduce", dp // ep, 10**8 * train.reduce_bytes, nics * H100.inter_node_gbps,
+                          H100.alpha_inter_s)
+        assert got == pytest.approx(want)
 
 
 def _llama(*sets):
