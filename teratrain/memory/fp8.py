@@ -127,6 +127,15 @@ class TensorwiseCast:
         """Each weight's cast, as `__call__`: compiled, one call for all of them (memory/step_casts.py)."""
         return [self(w) for w in weights]
 
+    def many_into(self, weights: list[torch.Tensor], held: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """`many`'s casts written into `held`, each weight's (bytes, scale) as an earlier cast made them: compiled,
+        the cast's kernels store into them, with no new tensors to copy from (memory/step_casts.py, under CUDA
+        graphs)."""
+        for w, (data, scale) in zip(weights, held):
+            made, s = self(w)
+            data.copy_(made)
+            scale.copy_(s)
+
 
 class _Float8Operand(torch.autograd.Function):
     """The float8 weight made before the forward as torchao's Float8TrainingTensor, standing for `weight`:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from teratrain.memory.fp8 import Float8Weight, TensorwiseCast, float8_linears
-from teratrain.models.grouped import fuses_gate_up, join_gate_up
+from teratrain.models.grouped import fuses_gate_up, join_gate_up, join_gate_up_into
 from teratrain.models.moe import moe_layers
 
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its StepCasts
@@ -73,25 +73,36 @@ class StepCasts:
         # compiled, w1 and w3 are cast into one stack (models/grouped.py fuses_gate_up) by one kernel: torch's
         # copy into each half, strided, took 0.50 ms a Qwen3-shaped stack on one H200, a contiguous cast 0.27
         self.join = torch.compile(join_gate_up, dynamic=False) if compiled and self.experts else None
+        self.join_into = torch.compile(join_gate_up_into, dynamic=False) if compiled and graphed and self.experts \
+            else None
         # compiled, a weight's amax and its cast are two passes over it (eager: abs, max, the scaling, the
         # clamp and the cast each read the weight or a temporary of its size), and one call casts every weight:
         # the casts open the step on an idle GPU, which a compiled call a weight kept waiting on the host (one
         # H200, the llama-8b width's 56 linears, 4 micro-batches: 375.1 -> 370.4 ms a step; bench/README.md)
         cast = TensorwiseCast().many if self.linears else None
         self.float8 = torch.compile(cast, dynamic=False) if compiled and cast else cast
+        # graphed, every step after the first casts into the first one's tensors: compiled, the casts' kernels
+        # store into them (allocated and then copied in, a float8 weight's bytes were written twice a step)
+        cast_into = TensorwiseCast().many_into if self.linears and graphed else None
+        self.float8_into = torch.compile(cast_into, dynamic=False) if compiled and cast_into else cast_into
 
     @contextlib.contextmanager
     def step(self, dtype: torch.dtype):
         """Around a step's micro-batches: cast each weight in the compute `dtype` (bf16, float8) once."""
         try:
             with torch.no_grad():
-                made = self.float8([linear.weight for linear in self.linears]) if self.linears else []
-                for linear, cast in zip(self.linears, made):
-                    linear.float8_weight = Float8Weight(*self._kept(linear, cast))
+                weights = [linear.weight for linear in self.linears]
+                held = [self.held.get(id(linear)) for linear in self.linears]
+                if weights and self.graphed and None not in held:
+                    self.float8_into(weights, held)
+                elif weights:
+                    held = [self._kept(linear, cast) for linear, cast in zip(self.linears, self.float8(weights))]
+                for linear, cast in zip(self.linears, held):
+                    linear.float8_weight = Float8Weight(*cast)
                 for experts in self.experts:
-                    held = self.held.get(id(experts)) if self.graphed else None
+                    kept = self.held.get(id(experts))
                     experts.step_casts = (self._kept(experts, stack_casts(experts, dtype, self.join))
-                                          if held is None else cast_into(held, experts)) or None
+                                          if kept is None else cast_into(kept, experts, self.join_into)) or None
             yield self
         finally:
             for linear in self.linears:
@@ -100,20 +111,14 @@ class StepCasts:
                 experts.step_casts = experts.grad_acc = None
 
     def _kept(self, owner: nn.Module, made):
-        """`made`, `owner`'s casts this step: as they are, or under CUDA graphs the first step's tensors,
-        marked static (the graph reads them in place) and kept, with `made`'s values copied in (float8: a byte
-        a weight and its scale; the experts' stacks are cast into theirs by `cast_into` instead)."""
-        if not self.graphed:
-            return made
-        held = self.held.get(id(owner))
-        if held is None:
+        """`made`, `owner`'s casts at a step's start: as they are, or under CUDA graphs, at the first step,
+        marked static (the graph reads them in place) and kept, which later steps cast into (float8: a byte a
+        weight and its scale, `float8_into`; the experts' stacks, `cast_into`)."""
+        if self.graphed:
             for t in (made.values() if isinstance(made, dict) else made):
                 torch._dynamo.mark_static_address(t)
-            self.held[id(owner)] = held = made
-        else:
-            for dst, src in zip(held, made):
-                dst.copy_(src)
-        return held
+            self.held[id(owner)] = made
+        return made
 
     def take_grads(self) -> None:
         """Before a micro-batch's forward: each weight cast this step (float8 linears, stacked experts)
@@ -155,12 +160,15 @@ def stack_casts(experts: nn.Module, dtype: torch.dtype, join=None) -> dict:
     return out | {name: w.to(dtype) for name, w in wide.items()}
 
 
-def cast_into(held: dict, experts: nn.Module) -> dict:
+def cast_into(held: dict, experts: nn.Module, join_into=None) -> dict:
     """The experts' stacks cast into `held` (an earlier `stack_casts` of them) in place: each leaf's copy
-    casts it, and w1 and w3 each into their half of a joined "w13"."""
+    casts it, and w1 and w3 into a joined "w13": by `join_into` (compiled join_gate_up_into) where given, else
+    each into its half."""
     leaves = {name: w for name, w, _ in experts.leaves()}
     for name, buf in held.items():
-        if name == "w13":
+        if name == "w13" and join_into is not None:
+            join_into(buf, leaves["w1"], leaves["w3"])
+        elif name == "w13":
             half = leaves["w1"].shape[1]
             buf[:, :half].copy_(leaves["w1"])
             buf[:, half:].copy_(leaves["w3"])

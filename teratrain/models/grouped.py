@@ -103,6 +103,12 @@ def join_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torc
     return torch.cat([w1.to(dtype), w3.to(dtype)], 1)
 
 
+def join_gate_up_into(out: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> None:
+    """join_gate_up's stack written into `out` (an earlier join of them): compiled, one kernel reads both halves
+    and stores the whole stack, where two copies into its halves would each write a strided half."""
+    out.copy_(join_gate_up(w1, w3, out.dtype))
+
+
 def split_gate_up(stacks: dict) -> dict:
     """`stacks` with a fused "w13" (cast_stacks) as its w1 and w3 again: views of its two halves."""
     if "w13" not in stacks:

@@ -156,6 +156,48 @@ def test_float8_cast_compiles_whole_to_the_same_bytes():
         assert torch.equal(scale, ref_scale) and torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
 
 
+@pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")
+def test_float8_casts_compiled_into_held_tensors_are_the_same_bytes_in_place():
+    """Under CUDA graphs a step after the first casts into the first one's tensors (`many_into`): compiled whole,
+    each weight's bytes and scale are the eager cast's, written where the graph reads them."""
+    cast = fp8.TensorwiseCast()
+    weights = [torch.randn(48, 32) * 5, torch.randn(16, 48) / 7]
+    held = [cast(torch.randn_like(w)) for w in weights]
+    where = [(data.data_ptr(), scale.data_ptr()) for data, scale in held]
+    try:
+        torch.compile(cast.many_into, fullgraph=True, dynamic=False)(weights, held)
+    finally:
+        torch._dynamo.reset()
+    assert [(data.data_ptr(), scale.data_ptr()) for data, scale in held] == where
+    for w, (data, scale) in zip(weights, held):
+        ref, ref_scale = cast(w)
+        assert torch.equal(scale, ref_scale) and torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_graphed_compiled_steps_join_the_gate_and_up_stacks_into_the_first_ones():
+    """Compiled under CUDA graphs, w1 and w3 are cast side by side into one "w13" stack at the first step, and
+    every later step writes both halves into that same tensor (one compiled join_gate_up_into) with the new
+    weights' bf16 values."""
+    model = measure.build_engine(make_config(*SMALL, *MOE))[0]
+    casts = step_casts.StepCasts(model, compiled=True, graphed=True)
+    experts = casts.experts[0]
+    seen = []
+    try:
+        for _ in range(3):
+            with casts.step(torch.bfloat16):
+                made = dict(experts.step_casts)
+                seen.append({k: v.data_ptr() for k, v in made.items()})
+                assert made.keys() == {"w13", "w2"}
+                assert torch.equal(made["w13"], grouped.join_gate_up(experts.w1, experts.w3, torch.bfloat16))
+                assert torch.equal(made["w2"], experts.w2.to(torch.bfloat16))
+            with torch.no_grad():
+                experts.w1.mul_(1.5)
+                experts.w3.add_(0.25)
+    finally:
+        torch._dynamo.reset()
+    assert seen[0] == seen[1] == seen[2]
+
+
 @pytest.mark.parametrize("kernel, recompute", [("grouped", "none"), ("loop", "none"), ("grouped", "full")])
 def test_expert_stacks_cast_once_a_step_train_bit_for_bit_as_every_micro_batch(kernel, recompute):
     """Also where recomputation replays each block's forward in backward: the replayed cast carries the same
