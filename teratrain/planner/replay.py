@@ -20,8 +20,8 @@ from teratrain.planner.states import rank_layers
 # aten ops one block adds per micro-batch under selective-ops, (forward, backward), counted with a
 # TorchDispatchMode over our Block as time.OPS_PER_BLOCK was (CPU, dropout 0; same columns), as the
 # step's ops less those of recompute=none: the forward detaches each kept output (6 llama, 7 gpt2);
-# backward reruns the replayed ops and detaches what it caches and restores (llama's backward 2 more
-# while the dense SwiGLU kept silu's output: Training.silu_kept). Of llama's 116 in fp32, most are detaches
+# backward reruns the replayed ops and detaches what it caches and restores (SILU_KEPT_OPS: the runs recorded
+# while the dense SwiGLU kept silu's output). Of llama's 116 in fp32, most are detaches
 # and other views: no kernel, host time alone. On CUDA an RMSNorm is one kernel
 # (aten._fused_rms_norm) where the CPU count decomposes it into six ops: llama's count is the CPU's, as
 # OPS_PER_BLOCK's is. tests/unit/test_planner_replay.py counts them again.
@@ -33,7 +33,13 @@ OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 116), ("llama", "autocast"): (6, 
 # TorchDispatchMode as OPS_SELECTIVE_REPLAY (the step's detaches less recompute=none's; the same in every
 # precision). No kernel: the host's time alone (time.host_s). The rerun's other ops are charged as the forward's
 # (time.OPS_PER_BLOCK; counted, 3-10 fewer a block). tests/unit/test_planner_replay.py counts both.
-FULL_REPLAY_DETACHES = {"llama": 58, "gpt2": 44}  # llama 60 while its SwiGLU kept silu's output
+FULL_REPLAY_DETACHES = {"llama": 58, "gpt2": 44}
+
+# what a llama block issued beyond today's counts while its dense SwiGLU kept silu(w1 x) for backward, before
+# models/swiglu_kernel.py silu_mul (Training.silu_kept, the runs recorded so): its backward one op fewer (silu's
+# backward read the kept output; silu_mul's runs silu again), a selective-ops replay's backward and a full
+# replay's detaches two more each (the kept output cached and restored). Counted as OPS_SELECTIVE_REPLAY was.
+SILU_KEPT_OPS = {"backward": -1, "selective_backward": 2, "replay_detaches": 2}
 
 # what each projection's own cast of its input added to a block under autocast, (forward, backward), before
 # the attention and the MLP cast it once (Training.linear_casts: how the runs recorded before ran); a
@@ -47,21 +53,29 @@ LINEAR_CAST_OPS = {"llama": (3, 3), "gpt2": (2, 2)}
 RMS_NORM_BYTES = {"fused": (8, 4), "decomposed": (28, 24)}
 
 
-def replay_detaches(shape: ModelShape, lay: Layout, compiled: bool) -> float:
+def silu_kept_ops(shape: ModelShape, silu_kept: bool, key: str) -> int:
+    """SILU_KEPT_OPS[key] for a llama block of a run recorded while its SwiGLU kept silu's output, else 0."""
+    return SILU_KEPT_OPS[key] if silu_kept and shape.cfg.arch == "llama" else 0
+
+
+def replay_detaches(shape: ModelShape, lay: Layout, compiled: bool, silu_kept: bool = False) -> float:
     """The detaches recomputed blocks add to one rank's eager step (FULL_REPLAY_DETACHES per block and
-    micro-batch); compiled, the rerun is the graph's, which issues none."""
+    micro-batch; `silu_kept`: Training.silu_kept); compiled, the rerun is the graph's, which issues none."""
     if lay.recompute not in REPLAYING or compiled or shape.is_bare:
         return 0.0
-    return rank_layers(shape, lay) * FULL_REPLAY_DETACHES[shape.cfg.arch] * lay.num_microbatches
+    per_block = FULL_REPLAY_DETACHES[shape.cfg.arch] + silu_kept_ops(shape, silu_kept, "replay_detaches")
+    return rank_layers(shape, lay) * per_block * lay.num_microbatches
 
 
-def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False) -> float:
+def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False, silu_kept: bool = False) -> float:
     """The ops selective-ops adds to one rank's eager step (OPS_SELECTIVE_REPLAY per block and
     micro-batch, `mode` the OPS_PER_BLOCK column; `linear_casts`: the projections' own input casts
-    replayed, LINEAR_CAST_OPS's forward count). MoE layers are charged as the dense blocks."""
+    replayed, LINEAR_CAST_OPS's forward count; `silu_kept`: Training.silu_kept). MoE layers are charged as
+    the dense blocks."""
     if lay.recompute != "selective-ops" or shape.is_bare:
         return 0.0
     extra = LINEAR_CAST_OPS[shape.cfg.arch][0] if linear_casts and mode == "autocast" else 0
+    extra += silu_kept_ops(shape, silu_kept, "selective_backward")
     return rank_layers(shape, lay) * (sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) + extra) * lay.num_microbatches
 
 

@@ -59,7 +59,7 @@ from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_ma
 from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.replay import LINEAR_CAST_OPS, replay_detaches, replay_ops, replay_s
+from teratrain.planner.replay import LINEAR_CAST_OPS, replay_detaches, replay_ops, replay_s, silu_kept_ops
 from teratrain.planner.states import is_expert, rank_layers, stage_params, stepped_tensors, zero_groups
 
 _COMMON = calibrated("common")  # the fitted and counted constants of every card
@@ -68,8 +68,8 @@ _COMMON = calibrated("common")  # the fitted and counted constants of every card
 # over our Block: fp32; bf16/fp16 autocast over fp32 params (every linear casts its weight and
 # input: more ops); low-precision params (fp32 masters in the optimizer). Priced by
 # hardware.GPU.op_overhead_s, which was calibrated with these counts (llama's low column then 76 forward, since
-# 72; llama's backward one op fewer while its SwiGLU kept silu's output, Training.silu_kept: within the count's
-# other drift, not planned apart; tests/unit/test_planner_replay.py counts every column again).
+# 72; llama's backward one op fewer while its SwiGLU kept silu's output: replay.SILU_KEPT_OPS;
+# tests/unit/test_planner_replay.py counts every column again).
 OPS_PER_BLOCK = {("llama", "fp32"): (68, 132), ("llama", "autocast"): (81, 143), ("llama", "low"): (72, 138),
                  ("gpt2", "fp32"): (39, 93), ("gpt2", "autocast"): (53, 109), ("gpt2", "low"): (39, 93)}
 OPS_OUTSIDE = 60
@@ -298,6 +298,7 @@ def block_ops(shape: ModelShape, train: Training, lay: Layout) -> tuple[int, int
     """OPS_PER_BLOCK of this layout's precision, (forward, backward), as the run issues them."""
     mode = _mode(train, lay)
     fwd, bwd = OPS_PER_BLOCK[(shape.cfg.arch, mode)]
+    bwd += silu_kept_ops(shape, train.silu_kept, "backward")
     if train.linear_casts and mode == "autocast":
         return fwd + LINEAR_CAST_OPS[shape.cfg.arch][0], bwd + LINEAR_CAST_OPS[shape.cfg.arch][1]
     return fwd, bwd
@@ -315,7 +316,7 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout, fp8: float | None
     fp8 = fp8_ops(shape, train, lay) if fp8 is None else fp8
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, train, lay)
                  + tensors + expert_grad_ops(shape, train, lay) + fp8
-                 + replay_ops(shape, lay, _mode(train, lay), train.linear_casts))
+                 + replay_ops(shape, lay, _mode(train, lay), train.linear_casts, train.silu_kept))
 
 
 def expert_grad_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -428,7 +429,7 @@ def host_s(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, ops: float
     (refit.fit_host) have no pipeline, no MoE layer and no float8: none of these ops."""
     fp8 = fp8_ops(shape, train, lay) if fp8 is None else fp8
     ops += (split_ops(shape, lay) + (moe_host_share(train) - 1) * moe_ops(shape, train, lay)
-            + (FP8_HOST_OP_SHARE - 1) * fp8 + replay_detaches(shape, lay, train.compiled))
+            + (FP8_HOST_OP_SHARE - 1) * fp8 + replay_detaches(shape, lay, train.compiled, train.silu_kept))
     return (ops * gpu.host_op_s + issued_collectives(shape, train, lay) * gpu.host_collective_s
             + engine_launches(shape, train, lay) * launch_s(gpu))
 

@@ -14,7 +14,8 @@ from teratrain.memory import recompute
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import lm_loss
 from teratrain.planner.layout import ModelShape, widths
-from teratrain.planner.replay import FULL_REPLAY_DETACHES, OPS_SELECTIVE_REPLAY, replay_bytes
+from teratrain.models import layers
+from teratrain.planner.replay import FULL_REPLAY_DETACHES, OPS_SELECTIVE_REPLAY, SILU_KEPT_OPS, replay_bytes
 from teratrain.planner.time import OPS_PER_BLOCK
 from tests.helpers import small_model
 
@@ -112,6 +113,24 @@ def test_a_recomputed_block_adds_its_forward_and_the_counted_detaches(arch, mode
     added = detaches["full"] - detaches["none"]
     assert added == FULL_REPLAY_DETACHES[arch]
     assert 0 <= OPS_PER_BLOCK[(arch, mode)][0] - (ops["full"] - ops["none"] - added) <= 10
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_swiglu_keeping_silus_output_issues_the_counted_ops(mode, monkeypatch):
+    """SILU_KEPT_OPS, how the runs recorded before silu_mul are planned: a llama block with the plain SwiGLU
+    expression (autograd keeps silu's output) against today's, per block, in each policy it changes."""
+    def per_block(policy):
+        one, two = (_step("llama", mode, policy, n, monkeypatch)[0] for n in (1, 2))
+        return two.ops["backward"] - one.ops["backward"], two.detaches - one.detaches
+
+    today = {policy: per_block(policy) for policy in ("none", "selective-ops", "full")}
+    monkeypatch.setattr(layers, "silu_mul", lambda a, b: torch.nn.functional.silu(a) * b)
+    kept = {policy: per_block(policy) for policy in ("none", "selective-ops", "full")}
+    backward = kept["none"][0] - today["none"][0]
+    assert backward == SILU_KEPT_OPS["backward"]
+    assert kept["selective-ops"][0] - today["selective-ops"][0] - backward == SILU_KEPT_OPS["selective_backward"]
+    detaches = kept["full"][1] - kept["none"][1] - (today["full"][1] - today["none"][1])
+    assert detaches == SILU_KEPT_OPS["replay_detaches"]
 
 
 @pytest.mark.parametrize("arch, keys", [("llama", {}), ("gpt2", {}), ("llama", {"qk_norm": "head"}),
