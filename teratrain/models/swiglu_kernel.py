@@ -117,10 +117,11 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
+        ctx.save_for_backward(a, b if ctx.needs_input_grad[0] else None)  # b only for a's gradient
         return F.silu(a) * b
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         a, b = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(g * b, a), g * F.silu(a)
+        da = torch.ops.aten.silu_backward(g * b, a) if ctx.needs_input_grad[0] else None
+        return da, (g * F.silu(a) if ctx.needs_input_grad[1] else None)

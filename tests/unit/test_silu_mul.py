@@ -27,3 +27,20 @@ def test_silu_mul_is_the_plain_expression_keeping_two_tensors(dtype):
     h.backward(g)
     assert torch.equal(h, ref) and torch.equal(ours_a.grad, ref_a.grad) and torch.equal(ours_b.grad, ref_b.grad)
     assert len(_saved(silu_mul, ours_a, ours_b)) == 2 < len(_saved(lambda x, y: F.silu(x) * y, ours_a, ours_b))
+
+
+def test_silu_mul_keeps_only_what_the_gradients_asked_for_need():
+    """a without a gradient: only a is kept (b's gradient is g * silu(a)), and no gradient is made for it;
+    b without one: both are (a's needs b), and b gets none."""
+    torch.manual_seed(0)
+    a, b, g = (torch.randn(4, 6) for _ in range(3))
+    ours_b = b.clone().requires_grad_()
+    assert len(_saved(silu_mul, a, ours_b)) == 1
+    silu_mul(a, ours_b).backward(g)
+    assert torch.equal(ours_b.grad, g * F.silu(a))
+    ours_a = a.clone().requires_grad_()
+    assert len(_saved(silu_mul, ours_a, b)) == 2
+    silu_mul(ours_a, b).backward(g)
+    ref_a = a.clone().requires_grad_()
+    (F.silu(ref_a) * b).backward(g)
+    assert torch.equal(ours_a.grad, ref_a.grad)
