@@ -44,7 +44,7 @@ SMOKE = ["model.preset=tiny", "model.n_layers=2", "model.d_model=64", "model.n_h
          "model.d_ff=128", "model.vocab_size=512", "model.seq_len=64"]
 LORA_SHAPE = ["model.preset=llama-8b", "model.seq_len=2048"]  # LoRA fine-tuning of an 8B model on one GPU
 ACTIVATION_CASES = [("none", "none"), ("selective", "none"), ("none", "int8"), ("none", "fp8"), ("selective", "int8")]
-RECOMPUTE = ["none", "selective", "selective-ops", "full"]
+RECOMPUTE = ["none", "selective", "selective-ops", "selective-ops-alternate", "full"]
 OPTIMIZERS = [("adamw", []), ("adafactor", []), ("sm3", []), ("sm3", ["optim.momentum=0"])]
 
 

@@ -308,13 +308,27 @@ def float8_weight_cast():
 
 
 @functools.cache
-def gemm_and_attention_ops() -> frozenset:
-    """The aten ops whose outputs memory.recompute=selective-ops keeps (memory/recompute.py): matrix
-    products (plain, batched, float8, grouped) and the fused attention kernels (their outputs include
-    the logsumexp). Looked up by name: an op this torch lacks (the grouped GEMM, one SDPA backend on
-    CPU builds) is left out, so 2.11 and 2.13 both work."""
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+def _aten_ops(names: tuple[str, ...]) -> frozenset:
+    """The default overloads of the aten ops `names` this torch has. Looked up by name: an op this torch lacks
+    (the grouped GEMM, one SDPA backend on CPU builds) is left out, so 2.11 and 2.13 both work."""
     aten = torch.ops.aten
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def gemm_ops() -> frozenset:
+    """The matrix products (plain, batched, float8, grouped) whose outputs the per-op recomputation policies
+    keep (memory/recompute.py)."""
+    return linear_gemm_ops() | _aten_ops(("bmm", "baddbmm", "_grouped_mm", "_scaled_grouped_mm"))
+
+
+def linear_gemm_ops() -> frozenset:
+    """The products a linear layer dispatches (with or without bias, float8), which
+    memory.recompute=selective-ops-alternate alternates over (memory/recompute.py)."""
+    return _aten_ops(("mm", "addmm", "_scaled_mm"))
+
+
+def attention_ops() -> frozenset:
+    """The fused attention kernels whose outputs (the logsumexp among them) the per-op recomputation policies
+    keep (memory/recompute.py)."""
+    return _aten_ops(("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                      "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"))

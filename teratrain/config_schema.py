@@ -103,10 +103,13 @@ DEFAULT_LR = {"adamw": 3e-3, "sgd": 0.1, "sm3": 0.03, "adafactor": 0.1}
 class MemoryConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute precision")
     master_weights: bool | None = Field(None, description="keep low-precision params + fp32 master copies in the optimizer; unset = true for fp16, and for bf16 under ZeRO")
-    recompute: Literal["none", "full", "every-k", "sqrt", "selective", "selective-ops"] = Field(
+    recompute: Literal["none", "full", "every-k", "sqrt", "selective", "selective-ops",
+                       "selective-ops-alternate"] = Field(
         "none", description="activation recomputation policy: selective recomputes the attention core; "
                             "selective-ops keeps every GEMM's and fused attention's output per block and "
-                            "recomputes norms, casts and activations (memory/recompute.py)")
+                            "recomputes norms, casts and activations; selective-ops-alternate keeps only the "
+                            "1st, 3rd, ... GEMM's output of a block and runs the others again (torchtitan's "
+                            "per-op policy; dense models) (memory/recompute.py)")
     recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
     compress_activations: Literal["none", "lossless", "int8", "fp8"] = Field(
         "none", description="Gist-style compression of tensors saved for backward: lossless bit-packs dropout masks; "
@@ -356,6 +359,9 @@ class LoraConfig(Section):
 
 # memory.recompute policies whose backward reruns the blocks' forward (memory/recompute.py)
 REPLAYING = ("full", "every-k", "sqrt")
+# the per-op policies (memory/recompute.py): each block a checkpoint that keeps what its GEMMs made (all or every
+# other one) and fused attention's output, and replays the rest
+SELECTIVE_OPS = ("selective-ops", "selective-ops-alternate")
 
 
 def resolved_compile_scope(scope: str, zero: int, reduces_in_backward: bool, graphs: bool, recompute: str) -> str:
@@ -458,10 +464,13 @@ class Config(Section):
         if eot is not None and eot >= self.model.vocab_size:
             raise ConfigError(f"data.eot_id={eot} is no token of model.vocab_size={self.model.vocab_size}, so no "
                               "document would ever end; give the tokenizer's end-of-text id.")
-        if self.memory.recompute == "selective-ops" and p.tp_overlap == "chunked":
-            raise ConfigError("memory.recompute=selective-ops keeps GEMM outputs, and parallel.tp_overlap=chunked "
-                              "writes its GEMMs into buffers it cannot keep; set parallel.tp_overlap=none or "
-                              "memory.recompute=selective.")
+        if self.memory.recompute in SELECTIVE_OPS and p.tp_overlap == "chunked":
+            raise ConfigError(f"memory.recompute={self.memory.recompute} keeps GEMM outputs, and "
+                              "parallel.tp_overlap=chunked writes its GEMMs into buffers it cannot keep; set "
+                              "parallel.tp_overlap=none or memory.recompute=selective.")
+        if self.memory.recompute == "selective-ops-alternate" and self.model.moe.num_experts > 1:
+            raise ConfigError("memory.recompute=selective-ops-alternate alternates over a dense block's GEMMs, and "
+                              "an MoE layer's GEMMs are not a fixed sequence; set memory.recompute=selective-ops.")
         if self.model.n_layers < p.pp * p.virtual_stages:
             raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
                               f"parallel.virtual_stages = {p.pp * p.virtual_stages} pipeline stages; lower them.")

@@ -14,6 +14,11 @@ Policies (`memory.recompute`):
              SiLU/GELU and the gating product, residual adds) is recomputed in backward, so no GEMM
              and no attention runs twice. A block's forward collectives (tensor parallelism) run again
              in its recompute, as under full.
+- selective-ops-alternate: as selective-ops, but of a block's linear layers' products only the 1st, 3rd,
+             5th, ... output is kept (counted in the order the block runs them, apart in forward and
+             in the replay): torchtitan's "op" policy. A Llama block keeps wq's, wv's, w1's and w2's outputs and
+             runs wk, wo and w3 again in backward (at llama-8b's shape 37% of the block's forward GEMM
+             FLOPs). Dense blocks only: an MoE layer's GEMMs vary in number with its kernel.
 Dropout RNG is replayed (`preserve_rng_state`), so gradients equal those without recomputation.
 A model of your own (models/protocol.py) gets `full`: each of its blocks' forward is checkpointed.
 """
@@ -26,13 +31,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from teratrain.compat import gemm_and_attention_ops
+from teratrain.compat import attention_ops, gemm_ops, linear_gemm_ops
+from teratrain.config_schema import SELECTIVE_OPS
 from teratrain.models.protocol import blocks, is_builtin
 from teratrain.models.transformer import Blocks
 
 
 def segment_size(policy: str, n_layers: int, every: int) -> int:
-    if policy in ("full", "selective-ops"):
+    if policy == "full" or policy in SELECTIVE_OPS:
         return 1
     if policy == "every-k":
         return every
@@ -44,14 +50,14 @@ def segment_size(policy: str, n_layers: int, every: int) -> int:
 class RecomputedBlocks(Blocks):
     """The same blocks (same parameter names), run in checkpointed segments of `k` blocks."""
 
-    def __init__(self, blocks: Blocks, k: int, ops: bool = False):
+    def __init__(self, blocks: Blocks, k: int, ops: str | None = None):
         super().__init__(blocks)
-        self.k, self.ops = k, ops  # ops: memory.recompute=selective-ops's per-op policy
+        self.k, self.ops = k, ops  # ops: the per-op policy (SELECTIVE_OPS) each block is checkpointed with
 
     def forward(self, h, pos=None, caches=None, start: int = 0):
         if caches is not None or not torch.is_grad_enabled():
             return super().forward(h, pos, caches, start)
-        kw = {"context_fn": keep_gemm_outputs} if self.ops else {}
+        kw = {"context_fn": per_op_contexts(self.ops)} if self.ops else {}
         for i in range(0, len(self), self.k):
             h = checkpoint(self._segment, h, pos, i, use_reentrant=False, preserve_rng_state=True, **kw)
         return h
@@ -81,31 +87,55 @@ def apply_recompute(model: nn.Module, policy: str, every: int = 2) -> nn.Module:
         return model
     if not is_builtin(model):  # a model of your own: each of its blocks (models/protocol.py) is a segment
         for _, block in blocks(model):
-            block.forward = _checkpointed(block.forward, policy == "selective-ops")
+            block.forward = _checkpointed(block.forward, policy if policy in SELECTIVE_OPS else None)
         return model
     if policy == "selective":
         for block in model.layers:
             block.attention.core = Recomputed(block.attention.core)
         return model
     model.layers = RecomputedBlocks(model.layers, segment_size(policy, len(model.layers), every),
-                                    ops=policy == "selective-ops")
+                                    ops=policy if policy in SELECTIVE_OPS else None)
     return model
 
 
-def _keep_gemms(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """selective-ops: keep what a matrix product or fused attention made, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if func in gemm_and_attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def keep_gemm_outputs():
-    """The (forward, recompute) contexts of memory.recompute=selective-ops (`_keep_gemms`)."""
-    return create_selective_checkpoint_contexts(_keep_gemms)
+    """The (forward, recompute) contexts of memory.recompute=selective-ops: keep what a matrix product or fused
+    attention made, recompute the rest."""
+    kept = gemm_ops() | attention_ops()
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if func in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
-def _checkpointed(forward, ops: bool = False):
+def keep_alternate_gemm_outputs():
+    """The (forward, recompute) contexts of memory.recompute=selective-ops-alternate, made for each checkpointed
+    block: its linear layers' 1st, 3rd, ... product's output kept, counted apart in the forward and in the replay
+    (which meets the same products in the same order); attention's, fused or not, kept as selective-ops does."""
+    linear, kept = linear_gemm_ops(), gemm_ops() | attention_ops()
+    seen = {False: 0, True: 0}  # linear products met so far: in the forward, in the replay
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in linear:
+            seen[ctx.is_recompute] += 1
+            keep = seen[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in kept
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def per_op_contexts(policy: str):
+    """The checkpoint's `context_fn` of a per-op policy (SELECTIVE_OPS)."""
+    return keep_alternate_gemm_outputs if policy == "selective-ops-alternate" else keep_gemm_outputs
+
+
+def _checkpointed(forward, ops: str | None = None):
     """`forward` run under checkpoint: its activations are recomputed in backward (module hooks, such
-    as ZeRO-3's gathers, stay outside it and run once); `ops`: selective-ops's per-op policy."""
-    extra = {"context_fn": keep_gemm_outputs} if ops else {}
+    as ZeRO-3's gathers, stay outside it and run once); `ops`: a per-op policy (SELECTIVE_OPS)."""
+    extra = {"context_fn": per_op_contexts(ops)} if ops else {}
 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from teratrain.config_schema import SELECTIVE_OPS
 from teratrain.memory.compression import BLOCK
 from teratrain.memory.recompute import segment_size
 from teratrain.models.chunked_loss import auto_chunks, padded_vocab
@@ -398,9 +399,10 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     index = 2 * seq_len * cp * INDEX_BYTES if cp > 1 and kw.get("cp_form") == "all-to-all" else 0
     if policy == "none":
         return {"blocks": stage(**kw) + index, "weight_copies": n_layers * copies}
-    if policy == "selective-ops":  # the casts of the weights are recomputed too: no copies kept
+    if policy in SELECTIVE_OPS:  # the casts of the weights are recomputed too: no copies kept
         # the kept outputs live in the checkpoint's own cache, which activation compression never sees
-        return {"blocks": mixed(lambda s: sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, **kw))),
+        alternate = policy == "selective-ops-alternate"
+        return {"blocks": mixed(lambda s: sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, alternate, **kw))),
                 "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
         ring = {**kw, "cp_form": "ring"}
@@ -425,22 +427,25 @@ def block_mix(shape: ModelShape, n_layers: int) -> tuple[int, ModelShape | None]
     return (routed if n_layers == c.n_layers else ceil_div(routed * n_layers, c.n_layers)), dense
 
 
-def ops_saved(shape: ModelShape, w: Widths, tokens: int, *, tp: int = 1, sp: bool = False,
+def ops_saved(shape: ModelShape, w: Widths, tokens: int, alternate: bool = False, *, tp: int = 1, sp: bool = False,
               form: str = "megatron", **_) -> list[Saved]:
     """What memory.recompute=selective-ops keeps of one Block for `tokens` tokens (memory/recompute.py: the
-    outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; the attention
-    output and its fp32 logsumexp; wo's output; the MLP's (`_mlp_ops_saved`). Column-parallel outputs and
+    outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; wo's output;
+    the MLP's (`_mlp_ops_saved`); the attention output and its fp32 logsumexp. Column-parallel outputs and
     the attention's are split by tp; the row-parallel products (wo, w2) are kept as the GEMM made them, the
     partial sums of all tokens, before their reduction. Plus the block's input, the checkpoint's (the
-    residual stream in the parameters' dtype, a sequence shard under SP)."""
+    residual stream in the parameters' dtype, a sequence shard under SP). `alternate`:
+    selective-ops-alternate, which keeps only the 1st, 3rd, ... product's output, in the order the block runs
+    them (a dense block's: wq, wk, wv, wo, then w1, w3, w2)."""
     c, cb, n = shape.cfg, w.compute, tokens
     t = tp if form == "megatron" else 1
     kvd = max(1, c.kv_heads // t) * c.head_width if t > 1 else c.kv_heads * c.head_width
     q = c.n_heads * c.head_width // t
-    column = [Saved(n * q, cb), Saved(n * kvd, cb), Saved(n * kvd, cb)]
-    attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep"), Saved(n * c.d_model, cb)]  # with wo's
+    gemms = [Saved(n * q, cb), Saved(n * kvd, cb), Saved(n * kvd, cb), Saved(n * c.d_model, cb)]
+    gemms += _mlp_ops_saved(shape, cb, n, t)
+    attention = [Saved(n * q, cb), Saved(n * c.n_heads // t, 4, "keep")]
     block_input = Saved(n * c.d_model // (tp if sp else 1), w.param)
-    return column + attention + _mlp_ops_saved(shape, cb, n, t) + [block_input]
+    return (gemms[::2] if alternate else gemms) + attention + [block_input]
 
 
 def _mlp_ops_saved(shape: ModelShape, cb: int, n: int, t: int) -> list[Saved]:

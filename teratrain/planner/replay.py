@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from teratrain.config_schema import REPLAYING
+from teratrain.config_schema import REPLAYING, SELECTIVE_OPS
 from teratrain.planner.layout import Layout, ModelShape, Widths
 from teratrain.planner.states import rank_layers
 
@@ -27,6 +27,10 @@ from teratrain.planner.states import rank_layers
 # OPS_PER_BLOCK's is. tests/unit/test_planner_replay.py counts them again.
 OPS_SELECTIVE_REPLAY = {("llama", "fp32"): (6, 116), ("llama", "autocast"): (6, 129), ("llama", "low"): (6, 120),
                         ("gpt2", "fp32"): (7, 74), ("gpt2", "autocast"): (7, 88), ("gpt2", "low"): (7, 74)}
+# the same under selective-ops-alternate, counted so: 3 fewer outputs kept and detached in forward, the replayed
+# products in backward (llama's wk, wo, w3; GPT-2's wk, wo, w2)
+OPS_ALTERNATE_REPLAY = {("llama", "fp32"): (3, 119), ("llama", "autocast"): (3, 132), ("llama", "low"): (3, 123),
+                        ("gpt2", "fp32"): (4, 76), ("gpt2", "autocast"): (4, 90), ("gpt2", "low"): (4, 76)}
 
 # detaches one block adds per micro-batch when backward recomputes its forward (memory.recompute = full, every-k,
 # sqrt: memory/recompute.py's non-reentrant checkpoints detach each tensor the rerun saves), counted with a
@@ -68,15 +72,16 @@ def replay_detaches(shape: ModelShape, lay: Layout, compiled: bool, silu_kept: b
 
 
 def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False, silu_kept: bool = False) -> float:
-    """The ops selective-ops adds to one rank's eager step (OPS_SELECTIVE_REPLAY per block and
-    micro-batch, `mode` the OPS_PER_BLOCK column; `linear_casts`: the projections' own input casts
+    """The ops a per-op policy adds to one rank's eager step (OPS_SELECTIVE_REPLAY, OPS_ALTERNATE_REPLAY per
+    block and micro-batch, `mode` the OPS_PER_BLOCK column; `linear_casts`: the projections' own input casts
     replayed, LINEAR_CAST_OPS's forward count; `silu_kept`: Training.silu_kept). MoE layers are charged as
     the dense blocks."""
-    if lay.recompute != "selective-ops" or shape.is_bare:
+    if lay.recompute not in SELECTIVE_OPS or shape.is_bare:
         return 0.0
+    counted = OPS_ALTERNATE_REPLAY if lay.recompute == "selective-ops-alternate" else OPS_SELECTIVE_REPLAY
     extra = LINEAR_CAST_OPS[shape.cfg.arch][0] if linear_casts and mode == "autocast" else 0
     extra += silu_kept_ops(shape, silu_kept, "selective_backward")
-    return rank_layers(shape, lay) * (sum(OPS_SELECTIVE_REPLAY[(shape.cfg.arch, mode)]) + extra) * lay.num_microbatches
+    return rank_layers(shape, lay) * (sum(counted[(shape.cfg.arch, mode)]) + extra) * lay.num_microbatches
 
 
 def _cast(elems: float, src: int, dst: int) -> float:
@@ -149,9 +154,10 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
 
 
 def replay_s(shape: ModelShape, w: Widths, lay: Layout, seq: int, hbm_bytes_per_s: float) -> float:
-    """Seconds of one rank's step that selective-ops' replayed ops stream through HBM (replay_bytes for
-    each block of the stage and each micro-batch)."""
-    if lay.recompute != "selective-ops" or shape.is_bare:
+    """Seconds of one rank's step that a per-op policy's replayed ops stream through HBM (replay_bytes for
+    each block of the stage and each micro-batch; selective-ops-alternate's replayed GEMMs are FLOPs,
+    time.recompute_flops)."""
+    if lay.recompute not in SELECTIVE_OPS or shape.is_bare:
         return 0.0
     per = replay_bytes(shape, w, lay.micro_batch, seq // lay.cp, lay.tp, lay.sequence_parallel)
     return rank_layers(shape, lay) * lay.num_microbatches * per / hbm_bytes_per_s

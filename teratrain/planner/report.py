@@ -74,6 +74,7 @@ def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> 
         inflight = m.terms["in_flight_microbatches"]
         why = {"none": "every block's saved tensors", "selective": "all but the attention core's logsumexp",
                "selective-ops": "GEMM and attention outputs, one input per block",
+               "selective-ops-alternate": "every other GEMM's and the attention outputs, one input per block",
                "full": "one input per block", "sqrt": "one input per sqrt(L)-block segment",
                "every-k": f"one input per {lay.recompute_every}-block segment"}[lay.recompute]
         lines.append(("activations", m.activations, m.at_peak.get("activations", 0),

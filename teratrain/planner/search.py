@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from teratrain.config_schema import SELECTIVE_OPS
 from teratrain.parallel.tp_plan import splits_kv_heads
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
@@ -40,10 +41,10 @@ VIRTUAL_STAGES = (2, 4, 8)  # interleaving tried at these chunk counts per rank
 # cp=2) a chunk is too short for the ring's transfers to hide under its attention on any GPU we plan.
 CP_MIN_SEQ = 8192
 CP_FORMS = ("ring", "all-to-all")
-# memory.recompute policies tried, least recomputed first; selective-ops only for dense models: an MoE layer's
+# memory.recompute policies tried, least recomputed first; the per-op ones only for dense models: an MoE layer's
 # kept outputs are counted (planner/activations.py ops_saved), but not what its replay reruns (the router, top-k
-# and the permutations: planner/replay.py prices a dense block's)
-RECOMPUTE_SEARCHED = ("none", "selective", "selective-ops", "sqrt", "full")
+# and the permutations: planner/replay.py prices a dense block's), and the config refuses the alternate one there
+RECOMPUTE_SEARCHED = ("none", "selective", "selective-ops", "selective-ops-alternate", "sqrt", "full")
 MAX_MICRO_BATCH = 64
 OFFLOADS = ("none", "optimizer", "params")
 
@@ -149,7 +150,7 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
         offloads = [fixed["offload"]] if "offload" in fixed else list(OFFLOADS)
         recomputes = [fixed["recompute"]] if "recompute" in fixed else \
             (["none"] if shape.is_bare else [r for r in RECOMPUTE_SEARCHED
-                                            if r != "selective-ops" or shape.num_experts == 1])
+                                            if r not in SELECTIVE_OPS or shape.num_experts == 1])
         forms = [fixed.get("cp_form", "ring")] if cp == 1 or "cp_form" in fixed else list(CP_FORMS)
         for zero, offload, form in ((z, o, f) for z in zeros for o in offloads for f in forms):
             if dp * cp == 1 and zero and offload == "none" and "zero" not in fixed:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from teratrain.config_schema import REPLAYING
+from teratrain.config_schema import REPLAYING, SELECTIVE_OPS
 from teratrain.models.transformer import flops_per_token
 from teratrain.planner import pipeline
 from teratrain.planner.weight_casts import casts_float8_once, fp8_linears
@@ -269,15 +269,28 @@ def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
     """The extra forward recomputation adds: the blocks (2N_blocks + 4LHQT per token), or only the
     attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5), or no matrix
     product at all for selective-ops (it keeps every GEMM's and fused attention's output and replays
-    only norms, casts and activations, memory-bound kernels whose FLOPs the 6N count leaves out)."""
+    only norms, casts and activations, memory-bound kernels whose FLOPs the 6N count leaves out);
+    selective-ops-alternate replays the 2nd, 4th, ... of a block's products (`alternate_replayed`)."""
     c = shape.cfg
     attn = attention_flops(shape, tokens) / 3
+    if lay.recompute == "selective-ops-alternate":
+        return 2 * c.n_layers * alternate_replayed(shape) * tokens
     if lay.recompute in ("none", "selective-ops"):
         return 0.0
     if lay.recompute == "selective":
         return attn
     blocks = shape.counts()["matmul"] - c.vocab_size * c.d_model
     return 2 * blocks * tokens + attn
+
+
+def alternate_replayed(shape: ModelShape) -> int:
+    """Weights a dense block's replayed products multiply under selective-ops-alternate: of wq, wk, wv, wo, w1,
+    (w3,) w2 in the order the block runs them (memory/recompute.py), the 2nd, 4th, ...: llama's wk, wo and w3,
+    GPT-2's wk, wo and w2."""
+    c = shape.cfg
+    q, kv = c.n_heads * c.head_width, c.kv_heads * c.head_width
+    mlp = [c.ffn_dim] * (3 if c.arch == "llama" else 2)
+    return sum(width * c.d_model for width in [q, kv, kv, q, *mlp][1::2])
 
 
 def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> float:
@@ -479,7 +492,7 @@ def _compute(shape: ModelShape, train: Training, lay: Layout, gpu: GPU,
     at theirs, the float8 GEMMs at their speed-up over it and their casts' HBM traffic on top."""
     attn = attention_flops(shape, tokens)
     flops = rank_flops(shape, lay, model_flops(shape, tokens), attn)
-    replay_attn = attn / 3 if lay.recompute not in ("none", "selective-ops") else 0.0
+    replay_attn = attn / 3 if lay.recompute not in ("none", *SELECTIVE_OPS) else 0.0
     replay = rank_flops(shape, lay, recompute_flops(shape, lay, tokens), replay_attn)
     moe = moe_flops(shape, tokens)  # the experts' share, at their own rate
     fp8_flops, cast_s = fp8_terms(shape, train, lay, gpu, tokens)

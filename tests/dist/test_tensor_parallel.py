@@ -341,7 +341,7 @@ def compiled_worker(rank: int, world: int, layouts: list[list[str]], kw: dict) -
 # to backward (measure.live_bytes of 2 blocks less 1) on every rank, against the planner and against
 # the per-layer formula of Korthikanti et al. 2022 (sec. 4, Table 2) derived for our block.
 BLOCK_PRECISION = ["memory.precision=bf16", "memory.master_weights=true"]  # bf16 activations, as the paper's
-BLOCK_POLICIES = ["none", "selective", "full", "selective-ops"]
+BLOCK_POLICIES = ["none", "selective", "full", "selective-ops", "selective-ops-alternate"]
 
 
 def _block_bytes(rank: int, world: int, policies: list[str]) -> dict[str, int]:
@@ -384,6 +384,8 @@ def korthikanti_block_bytes(s: int, b: int, h: int, a: int, kv: int, f: int, t: 
         return norms + attention + mlp + rope
     if policy == "full":  # the block's input, a sequence shard (Korthikanti et al., sec. 5: 2 s b h / t)
         return 2 * n * h // t
+    if policy == "selective-ops-alternate":  # of wq, wk, wv, wo, w1, w3, w2's outputs: q, v, w1 x, w2's sums
+        return 2 * n * h // t + 2 * n * kv_t + 2 * n * f // t + 2 * n * h + 2 * n * h // t + logsumexp + 2 * n * h // t
     # selective-ops: GEMM outputs (q, k, v; w1, w3 split; wo's and w2's partial sums whole), attention's
     # output and logsumexp, the block's input
     return 2 * n * h // t + 2 * 2 * n * kv_t + 2 * 2 * n * f // t + 2 * n * h // t + logsumexp + 2 * 2 * n * h \

@@ -328,3 +328,12 @@ def test_selective_ops_refuses_the_chunked_tp_overlap():
                                           "memory.recompute=selective"):
         load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked", "memory.recompute=selective-ops"])
     assert load_config(None, ["parallel.tp=2", "memory.recompute=selective-ops"]).memory.recompute == "selective-ops"
+    with pytest.raises(ConfigError, match="memory.recompute=selective-ops-alternate .* set parallel.tp_overlap=none"):
+        load_config(None, ["parallel.tp=2", "parallel.tp_overlap=chunked", "memory.recompute=selective-ops-alternate"])
+
+
+def test_selective_ops_alternate_refuses_experts():
+    """The alternate policy counts a dense block's GEMMs; an MoE layer's are not a fixed sequence."""
+    with pytest.raises(ConfigError, match="an MoE layer's GEMMs .* set memory.recompute=selective-ops"):
+        load_config(None, ["model.moe.num_experts=4", "memory.recompute=selective-ops-alternate"])
+    assert load_config(None, ["memory.recompute=selective-ops-alternate"]).memory.recompute == "selective-ops-alternate"

@@ -191,7 +191,7 @@ def test_fp8_saved_bytes_match_hooks(arch, recipe, policy):
     assert abs(predicted - measured) <= 8
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "full", "selective-ops"])
+@pytest.mark.parametrize("policy", ["none", "selective", "full", "selective-ops", "selective-ops-alternate"])
 @pytest.mark.parametrize("precision, masters", PRECISIONS)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_one_block_keeps_what_the_planner_counts(arch, precision, masters, policy):
@@ -213,7 +213,7 @@ ATTENTION_SHAPES = [["model.head_dim=48"], ["model.arch=gpt2", "model.tie_embedd
                     ["model.qk_norm=head", "model.head_dim=48"], ["model.qk_norm=full", "model.n_kv_heads=1"]]
 
 
-@pytest.mark.parametrize("policy", ["none", "selective-ops"])
+@pytest.mark.parametrize("policy", ["none", "selective-ops", "selective-ops-alternate"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda sets: ",".join(sets))
 def test_wide_heads_and_qk_norms_keep_what_the_planner_counts(shape, precision, policy):

@@ -10,22 +10,26 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from teratrain.compat import gemm_ops
 from teratrain.memory import recompute
 from teratrain.memory.precision import autocast
 from teratrain.models.transformer import lm_loss
 from teratrain.planner.layout import ModelShape, widths
 from teratrain.models import layers
-from teratrain.planner.replay import FULL_REPLAY_DETACHES, OPS_SELECTIVE_REPLAY, SILU_KEPT_OPS, replay_bytes
+from teratrain.planner.replay import (FULL_REPLAY_DETACHES, OPS_ALTERNATE_REPLAY, OPS_SELECTIVE_REPLAY, SILU_KEPT_OPS,
+                                      replay_bytes)
 from teratrain.planner.time import OPS_PER_BLOCK
 from tests.helpers import small_model
 
+GEMMS = gemm_ops()
+PER_OP_CONTEXTS = recompute.per_op_contexts  # _step wraps it: a second _step in a test must find this one
 MODES = {"fp32": ("fp32", torch.float32), "autocast": ("bf16", torch.float32), "low": ("bf16", torch.bfloat16)}
 
 
 class Ops(TorchDispatchMode):
     """Counts the ops of the step (forward and backward apart), its detaches, and the bytes of those run
     while `replaying` is set: every tensor an op reads and writes, an op that returns a view of its input
-    (detach, view, transpose, split) none."""
+    (detach, view, transpose, split) none, a matrix product none (its FLOPs are priced instead)."""
 
     def __init__(self):
         super().__init__()
@@ -36,7 +40,7 @@ class Ops(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops[self.phase] += 1
         self.detaches += func is torch.ops.aten.detach.default
-        if self.replaying:
+        if self.replaying and func not in GEMMS:
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             held = {t.untyped_storage().data_ptr() for t in ins}
@@ -51,10 +55,9 @@ def _step(arch: str, mode: str, policy: str, n_layers: int, monkeypatch, **keys)
     model = recompute.apply_recompute(small_model(arch=arch, n_layers=n_layers, dtype=dtype, dropout=0.0, **keys),
                                       policy)
     count = Ops()
-    contexts = recompute.keep_gemm_outputs
 
     def flagged():  # the replay runs inside the recompute context: mark it
-        fwd, rec = contexts()
+        fwd, rec = PER_OP_CONTEXTS(policy)()
 
         @contextlib.contextmanager
         def replaying():  # the checkpoint stops a replay early by raising through it
@@ -66,7 +69,7 @@ def _step(arch: str, mode: str, policy: str, n_layers: int, monkeypatch, **keys)
                 count.replaying = False
         return fwd, replaying()
 
-    monkeypatch.setattr(recompute, "keep_gemm_outputs", flagged)
+    monkeypatch.setattr(recompute, "per_op_contexts", lambda policy: flagged)
     x = torch.randint(0, model.cfg.vocab_size, (2, model.cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with count:
         with autocast(precision, x.device):  # backward outside it, as optim/engine.py train_step runs it
@@ -76,17 +79,19 @@ def _step(arch: str, mode: str, policy: str, n_layers: int, monkeypatch, **keys)
     return count, model.cfg
 
 
+@pytest.mark.parametrize("policy, counted", [("selective-ops", OPS_SELECTIVE_REPLAY),
+                                             ("selective-ops-alternate", OPS_ALTERNATE_REPLAY)])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_the_ops_a_block_adds_are_counted_again(arch, mode, monkeypatch):
-    """Per block (two depths, so the embedding, head and loss drop out), selective-ops' step less
+def test_the_ops_a_block_adds_are_counted_again(arch, mode, policy, counted, monkeypatch):
+    """Per block (two depths, so the embedding, head and loss drop out), a per-op policy's step less
     recompute=none's, forward and backward apart."""
     got = {}
-    for policy in ("none", "selective-ops"):
-        one, two = (_step(arch, mode, policy, n, monkeypatch)[0].ops for n in (1, 2))
-        got[policy] = [two[k] - one[k] for k in ("forward", "backward")]
-    extra = tuple(s - n for s, n in zip(got["selective-ops"], got["none"]))
-    assert extra == OPS_SELECTIVE_REPLAY[(arch, mode)]
+    for each in ("none", policy):
+        one, two = (_step(arch, mode, each, n, monkeypatch)[0].ops for n in (1, 2))
+        got[each] = [two[k] - one[k] for k in ("forward", "backward")]
+    extra = tuple(s - n for s, n in zip(got[policy], got["none"]))
+    assert extra == counted[(arch, mode)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -136,9 +141,11 @@ def test_a_swiglu_keeping_silus_output_issues_the_counted_ops(mode, monkeypatch)
 @pytest.mark.parametrize("arch, keys", [("llama", {}), ("gpt2", {}), ("llama", {"qk_norm": "head"}),
                                         ("llama", {"qk_norm": "full", "n_kv_heads": 4})])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_the_replayed_bytes_are_the_dispatched_ones(arch, keys, mode, monkeypatch):
-    """replay_bytes, with the CPU's decomposed RMSNorm, equals the bytes the replayed ops read and write."""
-    count, cfg = _step(arch, mode, "selective-ops", 2, monkeypatch, **keys)
+@pytest.mark.parametrize("policy", ["selective-ops", "selective-ops-alternate"])
+def test_the_replayed_bytes_are_the_dispatched_ones(arch, keys, mode, policy, monkeypatch):
+    """replay_bytes, with the CPU's decomposed RMSNorm, equals the bytes the replayed ops read and write; the
+    alternate policy's replayed products are FLOPs (time.recompute_flops), left out of the count."""
+    count, cfg = _step(arch, mode, policy, 2, monkeypatch, **keys)
     w = widths(MODES[mode][0], MODES[mode][1] == torch.bfloat16)
     planned = cfg.n_layers * replay_bytes(ModelShape(cfg=cfg), w, 2, cfg.seq_len, norm="decomposed")
     assert planned == count.bytes
@@ -175,11 +182,33 @@ def test_the_step_pays_the_replays_ops_and_bytes():
     assert replayed.terms["recompute_flops"] == 0
 
 
+def test_the_alternate_policy_pays_its_replayed_products_at_the_gemm_rate():
+    """selective-ops-alternate: selective-ops' step plus wk's, wo's and w3's products once more a block and
+    micro-batch (2 x tokens x their weights) at the sustained GEMM rate, its own op counts, the same bytes."""
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.layout import Layout
+    from teratrain.planner.search import evaluate
+    from teratrain.planner.time import eager_ops
+
+    shape, train = _planned()
+    c, gpu = shape.cfg, GPUS["h200"]
+    ops, alternate = (Layout(micro_batch=2, num_microbatches=3, recompute=r)
+                      for r in ("selective-ops", "selective-ops-alternate"))
+    a, b = (evaluate(shape, train, x, gpu).time for x in (ops, alternate))
+    weights = c.d_model * (c.kv_heads * c.head_width + c.n_heads * c.head_width + c.ffn_dim)
+    flops = 2 * weights * 4 * 3 * 2 * c.seq_len
+    assert b.terms["recompute_flops"] == flops
+    assert b.compute_s - a.compute_s == pytest.approx(flops / gpu.sustained_flops("bf16", c.d_model))
+    counted = [sum(d[("llama", "autocast")]) for d in (OPS_SELECTIVE_REPLAY, OPS_ALTERNATE_REPLAY)]
+    assert eager_ops(shape, train, alternate) - eager_ops(shape, train, ops) == 4 * 3 * (counted[1] - counted[0])
+
+
 def test_the_search_tries_selective_ops_on_dense_models_only():
     from teratrain.planner.hardware import GPUS
     from teratrain.planner.search import layouts
 
     dense = {lay.recompute for lay in layouts(*_planned(), 1, GPUS["h200"], {"micro_batch": 1})}
-    assert "selective-ops" in dense
+    assert {"selective-ops", "selective-ops-alternate"} <= dense
     moe = _planned("model.moe.num_experts=4", "model.moe.top_k=2")
-    assert "selective-ops" not in {lay.recompute for lay in layouts(*moe, 1, GPUS["h200"], {"micro_batch": 1})}
+    tried = {lay.recompute for lay in layouts(*moe, 1, GPUS["h200"], {"micro_batch": 1})}
+    assert not tried & {"selective-ops", "selective-ops-alternate"}

@@ -11,7 +11,7 @@ from teratrain.models.layers import CoreAttention
 from teratrain.models.transformer import Block, lm_loss
 from tests.helpers import small_model
 
-POLICIES = ["full", "every-k", "sqrt", "selective", "selective-ops"]
+POLICIES = ["full", "every-k", "sqrt", "selective", "selective-ops", "selective-ops-alternate"]
 SHAPE = dict(n_layers=5, dropout=0.1)  # 5 blocks: every-2 and sqrt (k=2) leave a 1-block tail segment
 
 
@@ -90,6 +90,15 @@ def test_selective_ops_runs_no_matrix_product_twice(arch):
     none, ops, full = (_matmuls(p, arch) for p in ("none", "selective-ops", "full"))
     assert ops[0] == none[0] < full[0]
     assert ops[1] > none[1]
+
+
+@pytest.mark.parametrize("arch, replayed", [("llama", 3), ("gpt2", 3)])
+def test_selective_ops_alternate_runs_every_other_product_again(arch, replayed):
+    """selective-ops-alternate keeps the 1st, 3rd, ... linear product's output of a block and runs the others
+    again in backward (dropout on: attention takes the math path, whose two batched products it keeps): per
+    block, as many more products as it leaves out, fewer than full recomputation runs again."""
+    none, alternate, full = (_matmuls(p, arch)[0] for p in ("none", "selective-ops-alternate", "full"))
+    assert alternate - none == replayed * SHAPE["n_layers"] < full - none
 
 
 @pytest.mark.parametrize("policy, every, k", [("full", 3, 1), ("every-k", 3, 3), ("sqrt", 3, 2)])
