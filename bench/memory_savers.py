@@ -6,7 +6,8 @@
 2. Optimizers: AdamW vs Adafactor vs SM3 (with and without momentum): optimizer-state bytes (live,
    and as the planner predicts them), full training step time and the optimizer step alone.
 4. Recomputation (`--part recompute`): none, selective (the attention core), selective-ops (every
-   GEMM's and fused attention's output kept, norms/casts/activations replayed) and full: peak memory,
+   GEMM's and fused attention's output kept, norms/casts/activations replayed), selective-ops-alternate
+   (every other linear product's output kept, the others run again) and full: peak memory,
    step time, and the bytes the forward leaves alive for backward (measure.live_bytes, which also sees
    selective-ops's own cache), each next to the planner's (forward_saved, peak, step time; H200).
 3. LoRA fine-tuning of llama-8b (rank 16 on the attention projections, frozen base in bf16, full

@@ -374,7 +374,26 @@ def resolved_compile_scope(scope: str, zero: int, reduces_in_backward: bool, gra
         return "block"
     if scope != "auto":
         return scope
-    return "block" if reduces_in_backward and not graphs and recompute not in REPLAYING else "model"
+    return "block" if reduces_in_backward and not graphs and recompute not in REPLAYING + SELECTIVE_OPS else "model"
+
+
+def per_op_problem(recompute: str, schedule: str, pp: int, compiled: bool, scope: str, zero: int) -> str | None:
+    """Why a per-op recomputation policy (SELECTIVE_OPS) cannot keep what it says here (one sentence with the
+    fix), or None. It chooses by the ops a block dispatches inside its checkpoint: a block compiled apart (a
+    pipeline stage's, ZeRO-3's, train.compile_scope=block) runs its kernels as one call the policy cannot see
+    into, so nothing would be kept; ZB-H1's split backward replays each checkpointed block whole. The planner
+    refuses the same layouts (planner/states.py check_layout)."""
+    if recompute not in SELECTIVE_OPS:
+        return None
+    if pp > 1 and schedule in ("zb-h1", "zb_h1"):
+        return (f"memory.recompute={recompute} keeps a block's GEMM outputs, and parallel.schedule=zb-h1's split "
+                "backward replays each checkpointed block whole; set memory.recompute=full or parallel.schedule=1f1b.")
+    apart = "a pipeline stage" if pp > 1 else "ZeRO-3" if zero == 3 else "train.compile_scope=block"
+    if compiled and (pp > 1 or zero == 3 or scope == "block"):
+        fix = "set train.compile_scope=model" if pp == 1 and zero < 3 else "set memory.recompute=full or train.compile=false"
+        return (f"memory.recompute={recompute} keeps GEMM outputs by the ops a block dispatches, and under train.compile "
+                f"{apart} compiles each block apart, hiding them; {fix}.")
+    return None
 
 
 def compile_scope_problem(compile: bool, scope: str, graphs: bool, recompute: str, zero: int) -> str | None:
@@ -410,11 +429,11 @@ class Config(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     def compile_scope_problem(self) -> str | None:
-        """compile_scope_problem of this config (checked when it is read and by
+        """compile_scope_problem, then per_op_problem, of this config (checked when it is read and by
         parallel/support.py check_supported, for the layouts parallel.auto tries)."""
-        t = self.train
-        return compile_scope_problem(t.compile, t.compile_scope, t.cuda_graphs, self.memory.recompute,
-                                     self.parallel.zero)
+        t, p = self.train, self.parallel
+        return (compile_scope_problem(t.compile, t.compile_scope, t.cuda_graphs, self.memory.recompute, p.zero)
+                or per_op_problem(self.memory.recompute, p.schedule, p.pp, t.compile, t.compile_scope, p.zero))
 
     @model_validator(mode="after")
     def _check_cross(self) -> "Config":

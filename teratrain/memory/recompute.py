@@ -8,15 +8,17 @@ Policies (`memory.recompute`):
              al. 2022): the T x T part that is cheap to redo and costly to keep. Fused attention
              (flash/cuDNN SDPA) keeps no T x T part, so this saves only the logsumexp.
 - selective-ops: each block is checkpointed with a per-op policy (torch.utils.checkpoint's
-             `create_selective_checkpoint_contexts`, the "op" selective recomputation of torchtitan;
-             Megatron-LM's recompute of norms and activations): the outputs of the matrix products and
+             `create_selective_checkpoint_contexts`, torchtitan's "op" selective recomputation keeping
+             every product; Megatron-LM's recompute of norms and activations): the outputs of the matrix products and
              of fused attention (with its logsumexp) are kept, everything else (norms, casts, RoPE,
              SiLU/GELU and the gating product, residual adds) is recomputed in backward, so no GEMM
              and no attention runs twice. A block's forward collectives (tensor parallelism) run again
              in its recompute, as under full.
 - selective-ops-alternate: as selective-ops, but of a block's linear layers' products only the 1st, 3rd,
              5th, ... output is kept (counted in the order the block runs them, apart in forward and
-             in the replay): torchtitan's "op" policy. A Llama block keeps wq's, wv's, w1's and w2's outputs and
+             in the replay): torchtitan's "op" policy (which counts only aten.mm and also keeps
+             reduce-scatter outputs: the same without tensor parallelism and float8). LoRA's adapter
+             products count among them. A Llama block keeps wq's, wv's, w1's and w2's outputs and
              runs wk, wo and w3 again in backward (at llama-8b's shape 37% of the block's forward GEMM
              FLOPs). Dense blocks only: an MoE layer's GEMMs vary in number with its kernel.
 Dropout RNG is replayed (`preserve_rng_state`), so gradients equal those without recomputation.
@@ -114,7 +116,9 @@ def keep_alternate_gemm_outputs():
     block: its linear layers' 1st, 3rd, ... product's output kept, counted apart in the forward and in the replay
     (which meets the same products in the same order); attention's, fused or not, kept as selective-ops does."""
     linear, kept = linear_gemm_ops(), gemm_ops() | attention_ops()
-    seen = {False: 0, True: 0}  # linear products met so far: in the forward, in the replay
+    # linear products met so far: in the forward, in the replay (torch versions that ask the policy again while
+    # replaying; others match the replay's ops to the forward's by their order and ask only in the forward)
+    seen = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in linear:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from teratrain.config_schema import REPLAYING
+from teratrain.config_schema import REPLAYING, SELECTIVE_OPS
 from teratrain.parallel.ep_plan import expected_ranks
 from teratrain.planner.hardware import GPU
 from teratrain.planner.layout import Layout, ModelShape, Training
@@ -246,6 +246,9 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU 
     n = lay.tokens(c.seq_len)
     cb = train.widths(lay.zero, lay.offload).compute
     fwd_passes = 2 if lay.recompute in REPLAYING else 1
+    # a per-op policy's replay reruns the block's forward collectives up to the MLP's last product (its output, and
+    # so what follows, no backward reads: the checkpoint stops before them)
+    per_op = lay.recompute in SELECTIVE_OPS
 
     def coll(kind: str, nbytes: float) -> float:
         return 1.0 if count else on_link(gpu, kind, tp, tp, nbytes)
@@ -255,13 +258,16 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU 
     unit = coll("all_gather", act) + coll("reduce_scatter", act) if lay.sequence_parallel else coll("all_reduce", act)
     vocab = 2 * unit + 3 * coll("all_reduce", n * 4)  # the embedding's exit and the head's entry; the loss's vectors
     if lay.tp_form == "megatron":  # two regions a block, each crossed once per forward pass and once backward
-        return layers * 2 * (fwd_passes + 1) * unit + vocab
+        # per-op replay: the attention's region whole, the MLP's entry (under SP its all-gather; else none forward)
+        replay = unit + (coll("all_gather", act) if lay.sequence_parallel else 0.0) if per_op else 0.0
+        return layers * (2 * (fwd_passes + 1) * unit + replay) + vocab
     fwd, bwd = ("all_gather", "all_reduce") if lay.tp_form == "all-gather" else ("all_reduce", "all_gather")
     moe = shape.moe_share if shape.num_experts > 1 else 0.0
     per_block = 0.0
     for share, lin in ((1 - moe, _linears(shape, False)), (moe, _linears(shape, True))):
         if share:
-            per_block += share * sum(fwd_passes * coll(fwd, n * o * cb) + coll(bwd, n * i * cb) for i, o in lin)
+            passes = [fwd_passes + (per_op and k < len(lin) - 1) for k in range(len(lin))]  # not the last again
+            per_block += share * sum(p * coll(fwd, n * o * cb) + coll(bwd, n * i * cb) for p, (i, o) in zip(passes, lin))
     return layers * per_block + vocab
 
 

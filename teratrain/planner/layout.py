@@ -130,7 +130,7 @@ class Layout:
     zero: int = 0  # 0-3 (Rajbhandari et al. 2020: 1 = P_os, 2 = P_os+g, 3 = P_os+g+p)
     micro_batch: int = 1  # sequences per forward/backward on one rank
     num_microbatches: int = 1  # micro-batches per optimizer step on one rank (accumulation or pipeline)
-    recompute: str = "none"  # none | selective | sqrt | every-k | full (memory/recompute.py)
+    recompute: str = "none"  # a memory.recompute policy (memory/recompute.py)
     recompute_every: int = 2
     offload: str = "none"  # none | optimizer | params
     sequence_parallel: bool = False

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import groupby
 
-from teratrain.config_schema import compile_scope_problem
+from teratrain.config_schema import compile_scope_problem, per_op_problem
 from teratrain.memory.fp8 import gathers_in_float8
 from teratrain.parallel.buckets import ordered_buckets
 from teratrain.parallel.cp_plan import cp_problem
@@ -63,7 +63,8 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
     grad_dtype = "bf16" if train.grad_bytes == 2 else "fp32"
     low = train.precision != "fp32" and train.uses_masters(lay.zero, lay.offload)
     why = (zero_problem(lay.zero, lay.offload) or grad_dtype_problem(grad_dtype, lay.zero, low)
-           or compile_scope_problem(train.compiled, train.compile_scope, train.graphed, lay.recompute, lay.zero))
+           or compile_scope_problem(train.compiled, train.compile_scope, train.graphed, lay.recompute, lay.zero)
+           or per_op_problem(lay.recompute, lay.schedule, lay.pp, train.compiled, train.compile_scope, lay.zero))
     if why:
         raise PlanError(why.split(";")[0])
     if train.lora and shape.is_bare:

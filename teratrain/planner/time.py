@@ -286,11 +286,15 @@ def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
 def alternate_replayed(shape: ModelShape) -> int:
     """Weights a dense block's replayed products multiply under selective-ops-alternate: of wq, wk, wv, wo, w1,
     (w3,) w2 in the order the block runs them (memory/recompute.py), the 2nd, 4th, ...: llama's wk, wo and w3,
-    GPT-2's wk, wo and w2."""
+    GPT-2's wk and wo, and its w2 where dropout follows it (else the replay stops before the block's last product,
+    whose output no backward reads)."""
     c = shape.cfg
     q, kv = c.n_heads * c.head_width, c.kv_heads * c.head_width
-    mlp = [c.ffn_dim] * (3 if c.arch == "llama" else 2)
-    return sum(width * c.d_model for width in [q, kv, kv, q, *mlp][1::2])
+    products = [q, kv, kv, q, *[c.ffn_dim] * (3 if c.arch == "llama" else 2)]
+    replayed = products[1::2]
+    if len(products) % 2 == 0 and not c.dropout:  # the last product is among them, and nothing after it is kept
+        replayed = replayed[:-1]
+    return sum(width * c.d_model for width in replayed)
 
 
 def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> float:

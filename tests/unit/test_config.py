@@ -337,3 +337,33 @@ def test_selective_ops_alternate_refuses_experts():
     with pytest.raises(ConfigError, match="an MoE layer's GEMMs .* set memory.recompute=selective-ops"):
         load_config(None, ["model.moe.num_experts=4", "memory.recompute=selective-ops-alternate"])
     assert load_config(None, ["memory.recompute=selective-ops-alternate"]).memory.recompute == "selective-ops-alternate"
+
+
+@pytest.mark.parametrize("sets, names", [
+    (["parallel.pp=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1's split backward .* set memory.recompute=full"),
+    (["train.compile=true", "parallel.zero=3"], "ZeRO-3 compiles each block apart, hiding them; set memory.recompute=full"),
+    (["train.compile=true", "parallel.pp=2"], "a pipeline stage compiles each block apart, hiding them; set memory"),
+    (["train.compile=true", "train.compile_scope=block"], "compile_scope=block compiles each block apart, hiding them; "
+                                                          "set train.compile_scope=model"),
+])
+@pytest.mark.parametrize("policy", ["selective-ops", "selective-ops-alternate"])
+def test_per_op_recomputation_refuses_what_hides_or_replaces_its_policy(policy, sets, names):
+    """A per-op policy chooses by the ops a block dispatches: a block compiled apart hides them (nothing would be
+    kept), and ZB-H1's split backward replays each block whole. One sentence each, naming the fix; the planner
+    refuses the same layouts."""
+    from teratrain.config_schema import per_op_problem
+
+    with pytest.raises(ConfigError, match=f"memory.recompute={policy} .*{names}"):
+        load_config(None, [f"memory.recompute={policy}", "model.n_layers=4", *sets])
+    assert per_op_problem("full", "zb-h1", 2, True, "block", 3) is None
+    assert load_config(None, [f"memory.recompute={policy}", "train.compile=true", "parallel.dp=2"]).memory.recompute
+
+
+def test_per_op_recomputation_compiles_the_whole_model_by_default():
+    """train.compile_scope=auto compiles the whole model (its checkpoints traced, the policy applied) under a per-op
+    policy, as under the replaying ones, where data-parallel reductions in backward would take each block apart."""
+    from teratrain.config_schema import resolved_compile_scope
+
+    assert resolved_compile_scope("auto", 0, True, False, "none") == "block"
+    for policy in ("selective-ops", "selective-ops-alternate", "full"):
+        assert resolved_compile_scope("auto", 0, True, False, policy) == "model"

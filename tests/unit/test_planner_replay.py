@@ -212,3 +212,20 @@ def test_the_search_tries_selective_ops_on_dense_models_only():
     moe = _planned("model.moe.num_experts=4", "model.moe.top_k=2")
     tried = {lay.recompute for lay in layouts(*moe, 1, GPUS["h200"], {"micro_batch": 1})}
     assert not tried & {"selective-ops", "selective-ops-alternate"}
+
+
+@pytest.mark.parametrize("changes, compiled", [({"pp": 2, "schedule": "zb-h1"}, False), ({"zero": 3}, True),
+                                               ({"pp": 2}, True)])
+def test_the_planner_refuses_per_op_policies_where_the_run_would_not_keep_by_them(changes, compiled):
+    """config_schema.per_op_problem: ZB-H1's split backward, and blocks compiled apart, refused as the config is."""
+    import dataclasses
+
+    from teratrain.planner.layout import Layout
+    from teratrain.planner.states import PlanError, check_layout
+
+    shape, train = _planned()
+    train = dataclasses.replace(train, compiled=compiled)
+    for policy in ("selective-ops", "selective-ops-alternate"):
+        with pytest.raises(PlanError, match=f"memory.recompute={policy} keeps"):
+            check_layout(shape, train, Layout(recompute=policy, num_microbatches=4, **changes))
+    check_layout(shape, train, Layout(recompute="none", num_microbatches=4, **changes))

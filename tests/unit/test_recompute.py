@@ -63,23 +63,28 @@ def test_policy_recomputes_what_it_says(policy, hooked, forwards_per_step):
     assert len(calls) == forwards_per_step * SHAPE["n_layers"]
 
 
-def _matmuls(policy: str, arch: str) -> tuple[int, int]:
-    """(matrix products, other ops) one training step of a small model dispatches under `policy`."""
+def _matmuls(policy: str, arch: str, dropout: float = SHAPE["dropout"]) -> tuple[int, int, int]:
+    """(matrix products, other ops, the linear products' multiply-adds) one training step of a small model
+    dispatches under `policy`."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-    counts = [0, 0]
+    aten = torch.ops.aten
+    gemms = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    counts = [0, 0, 0]
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counts[func not in gemms] += 1
+            if func in (aten.mm.default, aten.addmm.default):
+                a, b = args[-2:]
+                counts[2] += a.shape[0] * a.shape[1] * b.shape[1]
             return func(*args, **(kwargs or {}))
 
-    model = apply_recompute(small_model(arch=arch, **SHAPE), policy, 2)
+    model = apply_recompute(small_model(arch=arch, **{**SHAPE, "dropout": dropout}), policy, 2)
     x = torch.randint(0, model.cfg.vocab_size, (2, 9))
     with Count():
         lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
-    return counts[0], counts[1]
+    return counts[0], counts[1], counts[2]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -87,18 +92,27 @@ def test_selective_ops_runs_no_matrix_product_twice(arch):
     """selective-ops keeps every GEMM's output (dropout on: attention takes the math path, its two
     batched products kept too) and replays only the rest: as many products as no recomputation, more
     other ops; full recomputation runs every block's forward products again."""
-    none, ops, full = (_matmuls(p, arch) for p in ("none", "selective-ops", "full"))
+    none, ops, full = (_matmuls(p, arch)[:2] for p in ("none", "selective-ops", "full"))
     assert ops[0] == none[0] < full[0]
     assert ops[1] > none[1]
 
 
-@pytest.mark.parametrize("arch, replayed", [("llama", 3), ("gpt2", 3)])
-def test_selective_ops_alternate_runs_every_other_product_again(arch, replayed):
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_selective_ops_alternate_runs_every_other_product_again(arch, dropout):
     """selective-ops-alternate keeps the 1st, 3rd, ... linear product's output of a block and runs the others
     again in backward (dropout on: attention takes the math path, whose two batched products it keeps): per
-    block, as many more products as it leaves out, fewer than full recomputation runs again."""
-    none, alternate, full = (_matmuls(p, arch)[0] for p in ("none", "selective-ops-alternate", "full"))
-    assert alternate - none == replayed * SHAPE["n_layers"] < full - none
+    block, the products time.alternate_replayed prices (GPT-2 without dropout: not its last, w2), fewer than
+    full recomputation runs again."""
+    from teratrain.planner.layout import ModelShape
+    from teratrain.planner.time import alternate_replayed
+
+    none, alternate, full = (_matmuls(p, arch, dropout) for p in ("none", "selective-ops-alternate", "full"))
+    replayed = 3 if arch == "llama" or dropout else 2
+    assert alternate[0] - none[0] == replayed * SHAPE["n_layers"] < full[0] - none[0]
+    cfg = small_model(arch=arch, **{**SHAPE, "dropout": dropout}).cfg
+    tokens = 2 * 8
+    assert alternate[2] - none[2] == SHAPE["n_layers"] * tokens * alternate_replayed(ModelShape(cfg=cfg))
 
 
 @pytest.mark.parametrize("policy, every, k", [("full", 3, 1), ("every-k", 3, 3), ("sqrt", 3, 2)])

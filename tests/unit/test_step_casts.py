@@ -367,16 +367,21 @@ def test_graphed_casts_are_made_once_and_cast_into_after():
     assert seen[0] == seen[1] and experts.step_casts is None
 
 
-def test_graphed_casts_train_as_every_micro_batch():
-    """A step with graphed=True casts (the experts' stacks cast into kept tensors, no gradient carried) gives
-    the losses and gradients of casting every micro-batch, bit for bit, eager on the CPU."""
+@pytest.mark.parametrize("sets", [
+    pytest.param(MOE, id="experts"),
+    pytest.param(["memory.fp8=tensorwise", "memory.fp8_emulate=true"], id="float8",
+                 marks=pytest.mark.skipif(not _has_torchao(), reason="torchao is not installed")),
+])
+def test_graphed_casts_train_as_every_micro_batch(sets):
+    """A step with graphed=True casts (the experts' stacks and the float8 weights cast into kept tensors, no
+    gradient carried) gives the losses and gradients of casting every micro-batch, bit for bit, eager on the CPU."""
     real = step_casts.StepCasts
     step_casts.StepCasts = lambda model, compiled=False, graphed=False: real(model, compiled, graphed=True)
     try:
-        once_losses, once_grads, _, model, used = _run(MOE, once=True, steps=3)
+        once_losses, once_grads, _, model, used = _run(sets, once=True, steps=3)
     finally:
         step_casts.StepCasts = real
-    every_losses, every_grads, *_ = _run(MOE, once=False, steps=3)
+    every_losses, every_grads, *_ = _run(sets, once=False, steps=3)
     assert step_casts._RUNS[model].graphed and used > 0
     assert once_losses == every_losses
     assert all(torch.equal(g, every_grads[n]) for n, g in once_grads.items())
