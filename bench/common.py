@@ -224,6 +224,14 @@ def config(overrides: list[str]):
     return load_config(None, overrides)
 
 
+def planner_card(dev: torch.device) -> str:
+    """The planner's preset of the card `dev` is (h200, a100, else h100); h200 off a GPU."""
+    if dev.type != "cuda":
+        return "h200"
+    name = torch.cuda.get_device_name(dev)
+    return "h200" if "H200" in name else "a100" if "A100" in name else "h100"
+
+
 def env_info(dev: torch.device) -> dict:
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     try:

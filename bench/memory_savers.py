@@ -9,7 +9,7 @@
    GEMM's and fused attention's output kept, norms/casts/activations replayed), selective-ops-alternate
    (every other linear product's output kept, the others run again) and full: peak memory,
    step time, and the bytes the forward leaves alive for backward (measure.live_bytes, which also sees
-   selective-ops's own cache), each next to the planner's (forward_saved, peak, step time; H200).
+   selective-ops's own cache), each next to the planner's (forward_saved, peak, step time; the card's terms).
 3. LoRA fine-tuning of llama-8b (rank 16 on the attention projections, frozen base in bf16, full
    recomputation): model-state bytes (live and planned), peak memory and tokens/s.
 
@@ -30,7 +30,7 @@ import sys
 import time
 
 import torch
-from common import config, device, emit, env_info, fresh_memory, peak_gib, summarize, sync, time_steps
+from common import config, device, emit, env_info, fresh_memory, peak_gib, planner_card, summarize, sync, time_steps
 
 from teratrain.models.transformer import count_params, flops_per_token
 from teratrain.optim.engine import train_step
@@ -83,8 +83,9 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
                        args.warmup, args.steps, dev)
     shape, train, T = shape_of(cfg), training_of(cfg), cfg.model.seq_len
     w = widths(cfg.memory.precision, cfg.use_master_weights)
-    cand = evaluate(shape, train, layout_of(cfg, 1), gpu_with("h200"))
-    row = {"recompute": recompute, "live_bytes": measured,
+    card = planner_card(dev)
+    cand = evaluate(shape, train, layout_of(cfg, 1), gpu_with(card))
+    row = {"recompute": recompute, "live_bytes": measured, "planned_on": card,
            "saved_bytes_planned": forward_saved(shape, w, mb * T, T, recompute, cfg.memory.recompute_every,
                                                 device=dev.type),
            "peak_gib_planned": round(cand.memory.peak_allocated / 2**30, 3),

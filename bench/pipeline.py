@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import job_env, sync, time_steps  # noqa: E402
+from common import job_env, planner_card, sync, time_steps  # noqa: E402
 
 from teratrain.models.layers import Positions  # noqa: E402
 
@@ -438,8 +438,7 @@ def worker(args) -> None:
 
 def _size_here(device, pp: int, ms: list[int]) -> dict:
     """size_to_gpu for this job's card (every rank takes rank 0's answer)."""
-    name = torch.cuda.get_device_name(device)
-    gpu = "h200" if "H200" in name else "a100" if "A100" in name else "h100"
+    gpu = planner_card(device)
     card = torch.cuda.mem_get_info(device)[1] / GIB
     sizing = [size_to_gpu(pp, card, gpu, ms) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(sizing, src=0)
