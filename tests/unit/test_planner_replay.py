@@ -13,9 +13,9 @@ from torch.utils._pytree import tree_leaves
 from teratrain.compat import gemm_ops
 from teratrain.memory import recompute
 from teratrain.memory.precision import autocast
+from teratrain.models import layers
 from teratrain.models.transformer import lm_loss
 from teratrain.planner.layout import ModelShape, widths
-from teratrain.models import layers
 from teratrain.planner.replay import (FULL_REPLAY_DETACHES, OPS_ALTERNATE_REPLAY, OPS_SELECTIVE_REPLAY, SILU_KEPT_OPS,
                                       replay_bytes)
 from teratrain.planner.time import OPS_PER_BLOCK
