@@ -198,13 +198,21 @@ def search(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict,
     """Every candidate layout, fitting ones first, each group fastest first."""
     refused: list[str] = []
     cands, plain = [], {}  # plain: the 1F1B candidate of each layout, by the layout interleaving varies
+    # layouts whose selective-ops candidate fits: there the alternate policy, which keeps less and replays more
+    # (the same ops and bytes, its products besides), cannot be faster (layouts tries selective-ops first)
+    per_op_fits = set()
     for lay in layouts(shape, train, gpus, gpu, fixed, refused):
         key = lay.with_(schedule="one_f_one_b", virtual_stages=1, stage_layers=())
         if lay.virtual_stages > 1 and key in plain and not _may_interleave(plain[key]):
             continue
+        if lay.recompute == "selective-ops-alternate" and lay.with_(recompute="selective-ops", stage_layers=()) \
+                in per_op_fits:
+            continue
         cands.append(evaluate(shape, train, lay, gpu, gpu_mem_gib, host_mem_gib, device))
         if lay.virtual_stages == 1:
             plain[key] = cands[-1]
+        if lay.recompute == "selective-ops" and cands[-1].fits:
+            per_op_fits.add(lay.with_(stage_layers=()))
     if not cands:
         raise PlanError(_why_empty(shape, train, gpus, fixed, refused))
     return sorted(cands, key=Candidate.sort_key)
