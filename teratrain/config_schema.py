@@ -108,7 +108,7 @@ class MemoryConfig(Section):
         "none", description="activation recomputation policy: selective recomputes the attention core; "
                             "selective-ops keeps every GEMM's and fused attention's output per block and "
                             "recomputes norms, casts and activations; selective-ops-alternate keeps only the "
-                            "1st, 3rd, ... GEMM's output of a block and runs the others again (torchtitan's "
+                            "1st, 3rd, ... linear product's output of a block and runs the others again (torchtitan's "
                             "per-op policy; dense models) (memory/recompute.py)")
     recompute_every: int = Field(2, ge=1, description="blocks per recomputed segment for recompute=every-k")
     compress_activations: Literal["none", "lossless", "int8", "fp8"] = Field(
@@ -390,9 +390,10 @@ def per_op_problem(recompute: str, schedule: str, pp: int, compiled: bool, scope
                 "backward replays each checkpointed block whole; set memory.recompute=full or parallel.schedule=1f1b.")
     apart = "a pipeline stage" if pp > 1 else "ZeRO-3" if zero == 3 else "train.compile_scope=block"
     if compiled and (pp > 1 or zero == 3 or scope == "block"):
-        fix = "set train.compile_scope=model" if pp == 1 and zero < 3 else "set memory.recompute=full or train.compile=false"
-        return (f"memory.recompute={recompute} keeps GEMM outputs by the ops a block dispatches, and under train.compile "
-                f"{apart} compiles each block apart, hiding them; {fix}.")
+        fix = ("set train.compile_scope=model" if pp == 1 and zero < 3
+               else "set memory.recompute=full or train.compile=false")
+        return (f"memory.recompute={recompute} keeps GEMM outputs by the ops a block dispatches, and under "
+                f"train.compile {apart} compiles each block apart, hiding them; {fix}.")
     return None
 
 

@@ -105,10 +105,10 @@ if triton is not None:
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """silu(a) * b of two tensors of one shape (a dense SwiGLU's w1 x and w3 x) keeping only a and b for the
-    backward (b only where a needs a gradient): silu(a) is made again there, so a block keeps three of its (tokens, d_ff) tensors (a, b and the
-    product, which w2 keeps as its input) instead of autograd's four, as Megatron-LM's fused SwiGLU does.
-    The kernels are autograd's own (silu, mul, silu_backward): the same numbers, one more silu in the backward.
-    Compiled, the plain expression: inductor chooses what its graph keeps."""
+    backward (b only where a needs a gradient): silu(a) is made again there, so a block keeps three of its
+    (tokens, d_ff) tensors (a, b and the product, which w2 keeps as its input) instead of autograd's four, as
+    Megatron-LM's fused SwiGLU does. The kernels are autograd's own (silu, mul, silu_backward): the same numbers,
+    one more silu in the backward. Compiled, the plain expression: inductor chooses what its graph keeps."""
     if torch.compiler.is_compiling():
         return F.silu(a) * b
     return _SiluMul.apply(a, b)

@@ -267,7 +267,8 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU 
     for share, lin in ((1 - moe, _linears(shape, False)), (moe, _linears(shape, True))):
         if share:
             passes = [fwd_passes + (per_op and k < len(lin) - 1) for k in range(len(lin))]  # not the last again
-            per_block += share * sum(p * coll(fwd, n * o * cb) + coll(bwd, n * i * cb) for p, (i, o) in zip(passes, lin))
+            per_block += share * sum(p * coll(fwd, n * o * cb) + coll(bwd, n * i * cb)
+                                     for p, (i, o) in zip(passes, lin))
     return layers * per_block + vocab
 
 

@@ -340,8 +340,10 @@ def test_selective_ops_alternate_refuses_experts():
 
 
 @pytest.mark.parametrize("sets, names", [
-    (["parallel.pp=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1's split backward .* set memory.recompute=full"),
-    (["train.compile=true", "parallel.zero=3"], "ZeRO-3 compiles each block apart, hiding them; set memory.recompute=full"),
+    (["parallel.pp=2", "parallel.schedule=zb-h1"],
+     "parallel.schedule=zb-h1's split backward .* set memory.recompute=full"),
+    (["train.compile=true", "parallel.zero=3"],
+     "ZeRO-3 compiles each block apart, hiding them; set memory.recompute=full"),
     (["train.compile=true", "parallel.pp=2"], "a pipeline stage compiles each block apart, hiding them; set memory"),
     (["train.compile=true", "train.compile_scope=block"], "compile_scope=block compiles each block apart, hiding them; "
                                                           "set train.compile_scope=model"),
