@@ -388,8 +388,8 @@ def per_op_problem(recompute: str, schedule: str, pp: int, compiled: bool, scope
     if pp > 1 and schedule in ("zb-h1", "zb_h1"):
         return (f"memory.recompute={recompute} keeps a block's GEMM outputs, and parallel.schedule=zb-h1's split "
                 "backward replays each checkpointed block whole; set memory.recompute=full or parallel.schedule=1f1b.")
-    apart = "a pipeline stage" if pp > 1 else "ZeRO-3" if zero == 3 else "train.compile_scope=block"
     if compiled and (pp > 1 or zero == 3 or scope == "block"):
+        apart = "a pipeline stage" if pp > 1 else "ZeRO-3" if zero == 3 else "train.compile_scope=block"
         fix = ("set train.compile_scope=model" if pp == 1 and zero < 3
                else "set memory.recompute=full or train.compile=false")
         return (f"memory.recompute={recompute} keeps GEMM outputs by the ops a block dispatches, and under "

@@ -100,28 +100,18 @@ def apply_recompute(model: nn.Module, policy: str, every: int = 2) -> nn.Module:
     return model
 
 
-def keep_gemm_outputs():
-    """The (forward, recompute) contexts of memory.recompute=selective-ops: keep what a matrix product or fused
-    attention made, recompute the rest."""
-    kept = gemm_ops() | attention_ops()
-
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if func in kept else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def keep_alternate_gemm_outputs():
-    """The (forward, recompute) contexts of memory.recompute=selective-ops-alternate, made for each checkpointed
-    block: its linear layers' 1st, 3rd, ... product's output kept, counted apart in the forward and in the replay
-    (which meets the same products in the same order); attention's, fused or not, kept as selective-ops does."""
+def _gemm_output_contexts(every_other: bool):
+    """The (forward, recompute) contexts of a per-op policy, made for each checkpointed block: keep what a matrix
+    product or attention (fused or not) made and recompute the rest; `every_other`: of the linear layers'
+    products only the 1st, 3rd, ..., counted apart in the forward and in the replay (which meets the same products
+    in the same order)."""
     linear, kept = linear_gemm_ops(), gemm_ops() | attention_ops()
     # linear products met so far: in the forward, in the replay (torch versions that ask the policy again while
     # replaying; others match the replay's ops to the forward's by their order and ask only in the forward)
     seen = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if func in linear:
+        if every_other and func in linear:
             seen[ctx.is_recompute] += 1
             keep = seen[ctx.is_recompute] % 2 == 1
         else:
@@ -129,6 +119,16 @@ def keep_alternate_gemm_outputs():
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def keep_gemm_outputs():
+    """memory.recompute=selective-ops's contexts: every product's output kept."""
+    return _gemm_output_contexts(every_other=False)
+
+
+def keep_alternate_gemm_outputs():
+    """memory.recompute=selective-ops-alternate's contexts: every other linear product's output kept."""
+    return _gemm_output_contexts(every_other=True)
 
 
 def per_op_contexts(policy: str):

@@ -79,12 +79,13 @@ class StepCasts:
         # clamp and the cast each read the weight or a temporary of its size), and one call casts every weight:
         # the casts open the step on an idle GPU, which a compiled call a weight kept waiting on the host (one
         # H200, the llama-8b width's 56 linears, 4 micro-batches: 375.1 -> 370.4 ms a step; bench/README.md)
-        cast = TensorwiseCast().many if self.linears else None
-        self.float8 = torch.compile(cast, dynamic=False) if compiled and cast else cast
-        # graphed, every step after the first casts into the first one's tensors: compiled, the casts' kernels
-        # store into them (allocated and then copied in, a float8 weight's bytes were written twice a step)
-        cast_into = TensorwiseCast().many_into if self.linears and graphed else None
-        self.float8_into = torch.compile(cast_into, dynamic=False) if compiled and cast_into else cast_into
+        # graphed, every step after the first casts into the first one's tensors (`float8_into`): compiled, the
+        # casts' kernels store into them (allocated and then copied in, a float8 weight's bytes were written twice)
+        caster = TensorwiseCast() if self.linears else None
+        self.float8 = self.float8_into = None
+        if caster is not None:
+            self.float8 = torch.compile(caster.many, dynamic=False) if compiled else caster.many
+            self.float8_into = torch.compile(caster.many_into, dynamic=False) if compiled else caster.many_into
 
     @contextlib.contextmanager
     def step(self, dtype: torch.dtype):

@@ -402,8 +402,10 @@ def stored_blocks(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_
     if policy in SELECTIVE_OPS:  # the casts of the weights are recomputed too: no copies kept
         # the kept outputs live in the checkpoint's own cache, which activation compression never sees
         alternate = policy == "selective-ops-alternate"
-        return {"blocks": mixed(lambda s: sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, alternate, **kw))),
-                "weight_copies": 0}
+
+        def kept(s: ModelShape) -> int:
+            return sum(t.numel * t.itemsize for t in ops_saved(s, w, tokens, alternate, **kw))
+        return {"blocks": mixed(kept), "weight_copies": 0}
     if policy == "selective":  # the core's own tensors are replayed: the all-to-all form's among them
         ring = {**kw, "cp_form": "ring"}
         lse = block_saved(shape, w, tokens, seq_len, **ring)["logsumexp"]  # the same in a dense block
@@ -427,8 +429,8 @@ def block_mix(shape: ModelShape, n_layers: int) -> tuple[int, ModelShape | None]
     return (routed if n_layers == c.n_layers else ceil_div(routed * n_layers, c.n_layers)), dense
 
 
-def ops_saved(shape: ModelShape, w: Widths, tokens: int, alternate: bool = False, *, tp: int = 1, sp: bool = False,
-              form: str = "megatron", **_) -> list[Saved]:
+def ops_saved(shape: ModelShape, w: Widths, tokens: int, alternate: bool = False, *, tp: int = 1,
+              sp: bool = False, form: str = "megatron", **_) -> list[Saved]:
     """What memory.recompute=selective-ops keeps of one Block for `tokens` tokens (memory/recompute.py: the
     outputs of its matrix products and of fused attention; the rest is recomputed): q, k, v; wo's output;
     the MLP's (`_mlp_ops_saved`); the attention output and its fp32 logsumexp. Column-parallel outputs and

@@ -34,7 +34,7 @@ from functools import lru_cache
 from teratrain.config_schema import REPLAYING, SELECTIVE_OPS
 from teratrain.parallel.ep_plan import expected_ranks
 from teratrain.planner.hardware import GPU
-from teratrain.planner.layout import Layout, ModelShape, Training
+from teratrain.planner.layout import Layout, ModelShape, Training, block_linears
 from teratrain.planner.states import (accumulates, dp_buckets, gathers_float8, is_expert, rank_layers, stage_params,
                                       zero_groups)
 
@@ -225,17 +225,6 @@ def gather_passes(lay: Layout) -> int:
     return 1 if lay.zero < 3 or lay.pp > 1 else 2 * lay.num_microbatches
 
 
-def _linears(shape: ModelShape, moe_layer: bool) -> list[tuple[int, int]]:
-    """(in, out) features of every linear layer of one block that tensor parallelism splits (an MoE
-    layer's experts stay whole under the per-layer forms, parallel/tp_plan.py)."""
-    c = shape.cfg
-    d, q, kv, ff = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width, c.ffn_dim
-    attn = [(d, q), (d, kv), (d, kv), (q, d)]
-    if moe_layer:
-        return attn
-    return attn + ([(d, ff), (d, ff), (ff, d)] if c.arch == "llama" else [(d, ff), (ff, d)])
-
-
 def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None, layers: int,
                       count: bool = False) -> float:
     """Tensor-parallel collectives of one micro-batch on one stage of `layers` blocks (module
@@ -264,7 +253,9 @@ def tp_per_microbatch(shape: ModelShape, train: Training, lay: Layout, gpu: GPU 
     fwd, bwd = ("all_gather", "all_reduce") if lay.tp_form == "all-gather" else ("all_reduce", "all_gather")
     moe = shape.moe_share if shape.num_experts > 1 else 0.0
     per_block = 0.0
-    for share, lin in ((1 - moe, _linears(shape, False)), (moe, _linears(shape, True))):
+    # the linear layers tensor parallelism splits (an MoE layer's experts stay whole under the per-layer forms,
+    # parallel/tp_plan.py)
+    for share, lin in ((1 - moe, block_linears(shape)), (moe, block_linears(shape, moe_layer=True))):
         if share:
             passes = [fwd_passes + (per_op and k < len(lin) - 1) for k in range(len(lin))]  # not the last again
             per_block += share * sum(p * coll(fwd, n * o * cb) + coll(bwd, n * i * cb)

@@ -291,6 +291,17 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_linears(shape: ModelShape, moe_layer: bool = False) -> list[tuple[int, int]]:
+    """(in, out) features of one block's linear layers in the order it runs them: wq, wk, wv, wo, then a dense
+    MLP's w1, (w3,) w2; an MoE layer's attention alone (its experts are not linear layers)."""
+    c = shape.cfg
+    d, q, kv, ff = c.d_model, c.n_heads * c.head_width, c.kv_heads * c.head_width, c.ffn_dim
+    attn = [(d, q), (d, kv), (d, kv), (q, d)]
+    if moe_layer:
+        return attn
+    return attn + ([(d, ff), (d, ff), (ff, d)] if c.arch == "llama" else [(d, ff), (ff, d)])
+
+
 def qk_norm_widths(c) -> list[tuple[str, int]]:
     """(q or k, width) of the attention's query/key RMSNorm weights (model.qk_norm; models/layers.py)."""
     if c.qk_norm == "none":

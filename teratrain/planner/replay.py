@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from teratrain.config_schema import REPLAYING, SELECTIVE_OPS
-from teratrain.planner.layout import Layout, ModelShape, Widths
+from teratrain.planner.layout import Layout, ModelShape, Widths, block_linears
 from teratrain.planner.states import rank_layers
 
 # aten ops one block adds per micro-batch under selective-ops, (forward, backward), counted with a
@@ -60,6 +60,18 @@ RMS_NORM_BYTES = {"fused": (8, 4), "decomposed": (28, 24)}
 def silu_kept_ops(shape: ModelShape, silu_kept: bool, key: str) -> int:
     """SILU_KEPT_OPS[key] for a llama block of a run recorded while its SwiGLU kept silu's output, else 0."""
     return SILU_KEPT_OPS[key] if silu_kept and shape.cfg.arch == "llama" else 0
+
+
+def alternate_replayed(shape: ModelShape) -> int:
+    """Weights a dense block's replayed products multiply under selective-ops-alternate: of its linear layers in
+    the order it runs them (block_linears; memory/recompute.py), the 2nd, 4th, ...: llama's wk, wo and w3,
+    GPT-2's wk and wo, and its w2 where dropout follows it (else the replay stops before the block's last product,
+    whose output no backward reads)."""
+    products = block_linears(shape)
+    replayed = products[1::2]
+    if len(products) % 2 == 0 and not shape.cfg.dropout:  # the last product is among them, nothing after it kept
+        replayed = replayed[:-1]
+    return sum(i * o for i, o in replayed)
 
 
 def replay_detaches(shape: ModelShape, lay: Layout, compiled: bool, silu_kept: bool = False) -> float:

@@ -59,7 +59,8 @@ from teratrain.planner.experts import (expert_efficiency, expert_stack_s, mlp_ma
 from teratrain.planner.hardware import GPU, calibrated
 from teratrain.planner.layout import Layout, ModelShape, Training
 from teratrain.planner.memory import MemoryBreakdown
-from teratrain.planner.replay import LINEAR_CAST_OPS, replay_detaches, replay_ops, replay_s, silu_kept_ops
+from teratrain.planner.replay import (LINEAR_CAST_OPS, alternate_replayed, replay_detaches, replay_ops, replay_s,
+                                      silu_kept_ops)
 from teratrain.planner.states import is_expert, rank_layers, stage_params, stepped_tensors, zero_groups
 
 _COMMON = calibrated("common")  # the fitted and counted constants of every card
@@ -270,7 +271,7 @@ def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
     attention core for selective (4LHQT per token, Korthikanti et al. 2022, sec. 5), or no matrix
     product at all for selective-ops (it keeps every GEMM's and fused attention's output and replays
     only norms, casts and activations, memory-bound kernels whose FLOPs the 6N count leaves out);
-    selective-ops-alternate replays the 2nd, 4th, ... of a block's products (`alternate_replayed`)."""
+    selective-ops-alternate replays the 2nd, 4th, ... of a block's products (replay.alternate_replayed)."""
     c = shape.cfg
     attn = attention_flops(shape, tokens) / 3
     if lay.recompute == "selective-ops-alternate":
@@ -281,20 +282,6 @@ def recompute_flops(shape: ModelShape, lay: Layout, tokens: float) -> float:
         return attn
     blocks = shape.counts()["matmul"] - c.vocab_size * c.d_model
     return 2 * blocks * tokens + attn
-
-
-def alternate_replayed(shape: ModelShape) -> int:
-    """Weights a dense block's replayed products multiply under selective-ops-alternate: of wq, wk, wv, wo, w1,
-    (w3,) w2 in the order the block runs them (memory/recompute.py), the 2nd, 4th, ...: llama's wk, wo and w3,
-    GPT-2's wk and wo, and its w2 where dropout follows it (else the replay stops before the block's last product,
-    whose output no backward reads)."""
-    c = shape.cfg
-    q, kv = c.n_heads * c.head_width, c.kv_heads * c.head_width
-    products = [q, kv, kv, q, *[c.ffn_dim] * (3 if c.arch == "llama" else 2)]
-    replayed = products[1::2]
-    if len(products) % 2 == 0 and not c.dropout:  # the last product is among them, and nothing after it is kept
-        replayed = replayed[:-1]
-    return sum(width * c.d_model for width in replayed)
 
 
 def rank_flops(shape: ModelShape, lay: Layout, flops: float, attn: float) -> float:

@@ -102,10 +102,10 @@ def test_selective_ops_runs_no_matrix_product_twice(arch):
 def test_selective_ops_alternate_runs_every_other_product_again(arch, dropout):
     """selective-ops-alternate keeps the 1st, 3rd, ... linear product's output of a block and runs the others
     again in backward (dropout on: attention takes the math path, whose two batched products it keeps): per
-    block, the products time.alternate_replayed prices (GPT-2 without dropout: not its last, w2), fewer than
+    block, the products replay.alternate_replayed prices (GPT-2 without dropout: not its last, w2), fewer than
     full recomputation runs again."""
     from teratrain.planner.layout import ModelShape
-    from teratrain.planner.time import alternate_replayed
+    from teratrain.planner.replay import alternate_replayed
 
     none, alternate, full = (_matmuls(p, arch, dropout) for p in ("none", "selective-ops-alternate", "full"))
     replayed = 3 if arch == "llama" or dropout else 2
