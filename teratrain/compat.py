@@ -308,9 +308,11 @@ def float8_weight_cast():
 
 
 @functools.cache
+@functools.cache
 def _aten_ops(names: tuple[str, ...]) -> frozenset:
-    """The default overloads of the aten ops `names` this torch has. Looked up by name: an op this torch lacks
-    (the grouped GEMM, one SDPA backend on CPU builds) is left out, so 2.11 and 2.13 both work."""
+    """The default overloads of the aten ops `names` this torch has, looked up once (each checkpointed block's
+    per-op policy asks). By name: an op this torch lacks (the grouped GEMM, one SDPA backend on CPU builds) is
+    left out, so 2.11 and 2.13 both work."""
     aten = torch.ops.aten
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
