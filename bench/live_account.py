@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from teratrain.parallel.pipeline.backward import _Intermediate, _postorder
+from teratrain.parallel.pipeline.backward import _Intermediate, _postorder, graph_root
 
 KINDS = ("casts", "inflight", "w_inputs", "w_grads", "head_input", "logit_grad", "head_weight_grad", "w_extra",
          "messages", "other")
@@ -84,7 +84,7 @@ def account(call, refs: dict[int, tuple], casts: set[int], vocab: int) -> dict[s
         found: dict[str, list] = {k: [] for k in KINDS}
         for (chunk, mb), (h0, x, out, plan) in call.states.items():
             if out is not None:  # forward done, backward (B or I) not yet
-                found["inflight"] += graph_saved(out.grad_fn)
+                found["inflight"] += graph_saved(graph_root(out))
             elif isinstance(plan, list):  # I done, W pending
                 for k, v in _pending(plan, vocab).items():
                     found[k] += v

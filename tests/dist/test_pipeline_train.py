@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from layout_workers import BASE, build, train_random
+from layout_workers import BASE, build, train_random, train_steps
 from teratrain.config import load_config
 from teratrain.parallel.pipeline.runtime import step_runner
 from teratrain.planner.inputs import layout_of, shape_of, training_of
@@ -103,3 +103,38 @@ def test_planner_bytes_per_stage_equal_live_bytes():
         worst = live[1 if sp["last"] >= sp["first"] else 0][i]  # the planner's rule (states.py `_tensors`)
         assert {k: worst[k] for k in ("params", "grads", "optimizer")} == \
             {k: planned[k] for k in ("params", "grads", "optimizer")}, layout
+
+
+def outputs_held(rank: int, world: int, sets: list[str]) -> list[bool]:
+    """One step at pp=2; after each forward whose output is sent, the message is swapped for a copy (sent
+    in its place): is the original's storage then gone, i.e. held by nothing else (the stage, the graph)?"""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from teratrain.parallel.pipeline import runtime
+
+    cfg, rt, model, engine = build(["parallel.pp=2"] + sets)
+    freed, forward = [], runtime._Call._forward
+
+    def swapped(call, a):
+        forward(call, a)
+        key = (runtime.F, a.microbatch, a.chunk)
+        if key in call.outbox:
+            message = call.outbox.pop(key)
+            ref = StorageWeakRef(message.untyped_storage())
+            call.outbox[key] = message.clone()
+            del message
+            freed.append(ref.expired())
+
+    runtime._Call._forward = swapped
+    train_steps(cfg, rt, model, engine, 1)
+    return freed
+
+
+@pytest.mark.parametrize("sets", [["parallel.schedule=zb-h1"],
+                                  ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+                                   "model.n_layers=4"]], ids=["zb-h1", "interleaved"])
+def test_a_sent_stage_output_is_held_only_by_its_message(sets):
+    """Megatron-LM frees a stage's output once sent: only its place in the graph is needed for backward."""
+    freed = run_ranks(outputs_held, 2, sets)
+    assert len(freed[0]) >= 4 and all(freed[0]), freed  # every forward of rank 0 sends (interleaved: rank 1's too)
+    assert all(freed[1])

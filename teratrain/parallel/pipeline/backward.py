@@ -35,6 +35,12 @@ from teratrain.parallel.pipeline.saved import SplitSaved
 from teratrain.parallel.pipeline.weight_rules import rule_for
 
 
+def graph_root(out: torch.Tensor | GradientEdge) -> Node:
+    """The node a backward starts from: a tensor's grad_fn, or an edge's node (a pipeline stage keeps only its
+    output's edge once the output is sent: runtime.py)."""
+    return out.node if isinstance(out, GradientEdge) else out.grad_fn
+
+
 def _postorder(root: Node) -> list[tuple[Node, tuple]]:
     """Every node under `root` with its next_functions, each after all the nodes it feeds gradient into."""
     order, seen = [], {root}
@@ -97,7 +103,7 @@ def _fit(g: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
 _CLOSURE = (False, False, "input closure")  # _plan's mark of the closure: leads to no weight *outside* it
 
 
-def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], early=()) -> list[_Intermediate]:
+def _plan(out: torch.Tensor | GradientEdge, x: torch.Tensor, weights: list[torch.Tensor], early=()) -> list[_Intermediate]:
     """The intermediates of the graph under `out`, in one walk. Each node outside the input closure
     is marked (leads to a weight of `weights`, all of those made in I: vectors (norm scales, biases)
     or in `early`)."""
@@ -105,7 +111,7 @@ def _plan(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], early
     wanted = {id(w): (True, w.dim() <= 1 or id(w) in now) for w in weights}
     mark: dict = {}
     found = []
-    order = _postorder(out.grad_fn)
+    order = _postorder(graph_root(out))
     for node, kids in order:
         if not kids:  # a leaf's AccumulateGrad (its `variable`), or a node that feeds nothing
             v = getattr(node, "variable", None)
@@ -143,7 +149,7 @@ def _check_fallback(found: list, order: list) -> None:
                                "another node also uses: add one to parallel/pipeline/weight_rules.py")
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
+def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, x: torch.Tensor,
                    weights: list[torch.Tensor], saved: SplitSaved | None = None, early=()) -> list[_Intermediate]:
     """I: set x.grad to d(out)/dx (given d(out) = `grad`, or `grad` as the seed of a scalar loss) and
     return what W needs. With `saved` (the forward ran under `saved.recording()`), the tensors only

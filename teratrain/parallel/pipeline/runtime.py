@@ -5,7 +5,9 @@ Per call (m micro-batches, the same (x, y) on every rank of one pipeline; stage 
 stage y):
 - F runs the chunk's forward (stage 0 from the tokens; else from the received activation, a leaf
   that requires grad) and keeps what its backward needs; the last stage computes the micro-batch's
-  loss. B back-propagates from the received output gradient (the last stage: from the loss times
+  loss. A stage that sends its output keeps only the output's place in the graph (a GradientEdge), not its
+  values, which no backward reads: the message holds them until its send finishes (Megatron-LM frees its
+  stages' outputs once sent the same way). B back-propagates from the received output gradient (the last stage: from the loss times
   loss-scale / micro-batches per update) and leaves the input gradient for SEND_B. I and W split B
   (backward.py). The engine is told about every backward: B or W runs inside
   `engine.accumulate(last=...)` (last: the final one before an update) and ends with
@@ -29,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.profiler import record_function
 
 from teratrain.compat import reparametrize
@@ -275,6 +278,8 @@ class _Call:
             self.losses[a.microbatch] = out.detach()
         else:
             self.outbox[(F, a.microbatch, a.chunk)] = out.detach()
+            if self.train:  # the message alone holds the values now (see the module's docstring)
+                out = get_gradient_edge(out)
         if self.train:
             self.states[(a.chunk, a.microbatch)] = [h0, x, out, w]
             self._record(a, w)
