@@ -18,7 +18,7 @@ autocast over fp32 weights, and trained on random tokens.
 
     python bench/memory_savers.py                      # on the GPU machine (llama-1b, seq 2048)
     python bench/memory_savers.py --smoke              # a tiny model on CPU, to check the script itself
-    python bench/memory_savers.py --part recompute     # the recomputation rows alone
+    python bench/memory_savers.py --part recompute     # the recomputation rows alone (--compile: compiled)
 """
 
 from __future__ import annotations
@@ -71,28 +71,53 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
     """One recomputation policy: measured (live bytes, peak, step time) next to the planner's."""
     from teratrain.planner.hardware import gpu_with
     from teratrain.planner.inputs import layout_of
+    from teratrain.planner.memory import forward_saved as planned_forward  # compiled: inductor's partition
     from teratrain.planner.search import evaluate
 
     cfg = config(base + [f"memory.recompute={recompute}", f"train.micro_batch={mb}", f"train.global_batch={mb}"])
     fresh_memory(dev)
     model, engine = build_engine(cfg, dev)
     x, y = random_batch(cfg, mb, dev)
-    measured = live_bytes(model, x, y, cfg.memory.precision)
+    step = lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item()  # noqa: E731
+    if cfg.train.compile:  # a dispatch mode would run the compiled graph eagerly: the allocator counts instead
+        step()  # compiled by the first step
+        measured = _forward_allocated(model, x, y, cfg.memory.precision, dev)
+    else:
+        measured = live_bytes(model, x, y, cfg.memory.precision)
     fresh_memory(dev)  # the peak of training steps only
-    times = time_steps(lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item(),
-                       args.warmup, args.steps, dev)
+    times = time_steps(step, args.warmup, args.steps, dev)
     shape, train, T = shape_of(cfg), training_of(cfg), cfg.model.seq_len
     w = widths(cfg.memory.precision, cfg.use_master_weights)
     card = planner_card(dev)
     cand = evaluate(shape, train, layout_of(cfg, 1), gpu_with(card))
-    row = {"recompute": recompute, "live_bytes": measured, "planned_on": card,
-           "saved_bytes_planned": forward_saved(shape, w, mb * T, T, recompute, cfg.memory.recompute_every,
-                                                device=dev.type),
+    row = {"recompute": recompute, "compiled": cfg.train.compile, "live_bytes": measured, "planned_on": card,
+           "saved_bytes_planned": (planned_forward(shape, train, layout_of(cfg, 1), dev.type) if cfg.train.compile
+                                   else forward_saved(shape, w, mb * T, T, recompute, cfg.memory.recompute_every,
+                                                      device=dev.type)),
            "peak_gib_planned": round(cand.memory.peak_allocated / 2**30, 3),
            "step_s_planned": round(cand.time.step_time_s, 4),
            **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
     del model, engine
     return row
+
+
+def _forward_allocated(model, x, y, precision: str, dev) -> int | None:
+    """Bytes the allocator holds after one training forward (the loss included) beyond what it held before:
+    what the forward leaves for its backward. None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    from teratrain.memory.precision import autocast
+
+    model.train()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with autocast(precision, dev):
+        loss = model(x, y)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    loss.backward()  # frees what the forward kept (the gradients it leaves are there before: a step ran)
+    model.zero_grad(set_to_none=False)
+    return held
 
 
 def _timed(cfg, mb: int, args, dev):
@@ -159,12 +184,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--part", choices=["all", "activations", "optimizers", "lora", "recompute"], default="all",
                     help="all: each part in a fresh process (no part's allocations can outlive it)")
+    ap.add_argument("--compile", action="store_true", help="train.compile=true (the recompute part: compile_scope "
+                    "auto, the whole model for the per-op policies)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.micro_batch = 2, 1, 2
     dev = device()
     base = (SMOKE if args.smoke else SHAPE) + ["memory.precision=bf16", "train.grad_clip=1.0"]
+    base += ["train.compile=true"] if args.compile else []
     if args.part == "all":
         parts = {part: _run_part(part, sys.argv[1:]) for part in ("activations", "optimizers", "lora", "recompute")}
         cfg = config(base)
