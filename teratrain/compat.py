@@ -308,7 +308,6 @@ def float8_weight_cast():
 
 
 @functools.cache
-@functools.cache
 def _aten_ops(names: tuple[str, ...]) -> frozenset:
     """The default overloads of the aten ops `names` this torch has, looked up once (each checkpointed block's
     per-op policy asks). By name: an op this torch lacks (the grouped GEMM, one SDPA backend on CPU builds) is

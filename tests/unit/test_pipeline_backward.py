@@ -74,6 +74,12 @@ def test_input_then_weight_equals_full_backward(arch, recompute, last):
     assert len(fired) == len(chunk.weights())
 
 
+def _heads_of(q, k, v) -> tuple[torch.Size, torch.Size]:
+    """k's and v's shapes with q's heads: grouped-query attention costs as if each query head had its own (torch
+    2.11's formulas assert equal heads)."""
+    return tuple(torch.Size((t.shape[0], q.shape[1], *t.shape[2:])) for t in (k, v))
+
+
 class _Flops(TorchDispatchMode):
     """FLOPs of the ops run, by torch's own formulas (matmuls, and attention: its CPU kernel too)."""
 
@@ -85,9 +91,9 @@ class _Flops(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
         if name == "_scaled_dot_product_flash_attention_for_cpu":
-            self.total += sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+            self.total += sdpa_flop_count(args[0].shape, *_heads_of(args[0], args[1], args[2]))
         elif name == "_scaled_dot_product_flash_attention_for_cpu_backward":
-            self.total += sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+            self.total += sdpa_backward_flop_count(args[0].shape, args[1].shape, *_heads_of(args[1], args[2], args[3]))
         elif func._overloadpacket in flop_registry:
             self.total += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
         return out
