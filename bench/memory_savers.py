@@ -208,7 +208,7 @@ def main() -> None:
     else:
         lora_base = (SMOKE if args.smoke else LORA_SHAPE) + ["memory.precision=bf16", "memory.recompute=full"]
         rows = [lora_row(lora_base + ["lora.rank=16", "lora.base_dtype=bf16"], 1, args, dev)]
-    emit({"rows": rows}, args.out)
+    emit({"bench": "memory_savers", **env_info(dev), "part": args.part, "rows": rows}, args.out)
 
 
 def _run_part(part: str, argv: list[str]) -> list[dict]:
