@@ -5,8 +5,9 @@ attention's outputs are kept, and backward reruns the block's forward for everyt
 casts, RoPE, SiLU/GELU and the gating product, the first residual add; the checkpoint stops early, so
 the block's last add, which backward needs nothing of, is not rerun). No FLOPs of the 6N count run
 twice; what it costs is ops (launches and the host's issue time) and HBM traffic of memory-bound kernels.
-A compiled block (train.compile, whose scope selective-ops allows) is planned as eager here: inductor
-fuses the replayed kernels, which this module does not model.
+Compiled (train.compile; the whole model is one graph, the only scope a per-op policy allows), inductor fuses
+the replayed ops into the backward's kernels: planned as none of their own (time.eager_ops, time.step_time;
+one H100 ran llama-1b's compiled step in 138.0 ms with selective-ops and without recomputation alike).
 """
 
 from __future__ import annotations

@@ -55,6 +55,17 @@ def test_compiled_model_keeps_what_the_planner_counts(arch, precision, scope):
     assert _planned(cfg) == _measured(cfg)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective-ops", pytest.param("full", marks=pytest.mark.long),
+                                       pytest.param("selective-ops-alternate", marks=pytest.mark.long)])
+def test_compiled_recomputation_keeps_no_more_than_its_blocks_and_the_compiled_loss(recompute):
+    """A recomputed model in one graph: the blocks as eager's count (what a checkpoint keeps; inductor keeps a few
+    tensors fewer), the loss as the compiled one. Tolerance fixed before the run: the plan within 5% above."""
+    cfg = _cfg("llama", "bf16", "model", f"memory.recompute={recompute}")
+    measured, planned = _measured(cfg), _planned(cfg)
+    assert measured <= planned <= 1.05 * measured, (measured, planned)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("scope", ["model", "block"])
 def test_bf16_weights_and_another_shape(scope):
