@@ -90,6 +90,10 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
     w = widths(cfg.memory.precision, cfg.use_master_weights)
     card = planner_card(dev)
     cand = evaluate(shape, train, layout_of(cfg, 1), gpu_with(card))
+    if args.trace_peak:  # what is alive at one more step's peak, by allocation site (bench/memory_trace.py)
+        from memory_trace import traced_step
+
+        trace = traced_step(step, dev)
     row = {"recompute": recompute, "compiled": cfg.train.compile, "live_bytes": measured, "planned_on": card,
            "saved_bytes_planned": (planned_forward(shape, train, layout_of(cfg, 1), dev.type) if cfg.train.compile
                                    else forward_saved(shape, w, mb * T, T, recompute, cfg.memory.recompute_every,
@@ -97,6 +101,8 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
            "peak_gib_planned": round(cand.memory.peak_allocated / 2**30, 3),
            "step_s_planned": round(cand.time.step_time_s, 4),
            **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
+    if args.trace_peak:
+        row["peak_trace"] = trace
     del model, engine
     return row
 
@@ -186,6 +192,8 @@ def main() -> None:
                     help="all: each part in a fresh process (no part's allocations can outlive it)")
     ap.add_argument("--compile", action="store_true", help="train.compile=true (the recompute part: compile_scope "
                     "auto, the whole model for the per-op policies)")
+    ap.add_argument("--policies", default=",".join(RECOMPUTE), help="the recompute part's policies, comma-separated")
+    ap.add_argument("--trace-peak", action="store_true", help="the recompute part: what is alive at a step's peak")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:
@@ -202,7 +210,7 @@ def main() -> None:
     if args.part == "activations":
         rows = [activation_row(base, r, c, args.micro_batch, args, dev) for r, c in ACTIVATION_CASES]
     elif args.part == "recompute":
-        rows = [recompute_row(base, r, args.micro_batch, args, dev) for r in RECOMPUTE]
+        rows = [recompute_row(base, r, args.micro_batch, args, dev) for r in args.policies.split(",")]
     elif args.part == "optimizers":
         rows = [optimizer_row(base, n, e, args.micro_batch, args, dev) for n, e in OPTIMIZERS]
     else:

@@ -48,7 +48,10 @@ def peak_of(events: list[tuple[str, int, int, str]], before: int = 0, top: int =
     return {"peak_mib": round(peak / MIB, 3), "before_step_mib": round((peak - held) / MIB, 3),
             "step_allocations_alive_at_peak_mib": round(held / MIB, 3), "events": len(events),
             "largest_sites_at_peak": [{"mib": round(sum(s) / MIB, 3), "blocks": len(s),
-                                       "largest_mib": round(max(s) / MIB, 3), "site": site} for site, s in sites[:top]]}
+                                       "largest_mib": round(max(s) / MIB, 3), "site": site} for site, s in sites[:top]],
+            # a compiled graph's blocks all come from one site: their sizes tell them apart
+            "largest_blocks_mib": sorted((round(size / MIB, 3) for size, _ in live.values()), reverse=True)[:top],
+            "peak_event": at, "events_after_peak": len(events) - 1 - at}
 
 
 def site_of(frames: list[dict]) -> str:

@@ -19,6 +19,7 @@ def test_peak_and_what_is_alive_at_it():
     # 10 + 4 + 2 - 4 + 8 + 1 = 21 MiB before the free of an older block
     assert got["peak_mib"] == 21 and got["before_step_mib"] == 10 and got["step_allocations_alive_at_peak_mib"] == 11
     assert [(s["site"], s["mib"], s["blocks"]) for s in got["largest_sites_at_peak"]] == [("c", 8, 1), ("b", 3, 2)]
+    assert got["largest_blocks_mib"] == [8, 2, 1] and got["peak_event"] == 4 and got["events_after_peak"] == 3
 
 
 def test_allocator_totals_override_the_running_sum():
