@@ -81,7 +81,7 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
     step = lambda: train_step(model, engine, [(x, y)], cfg.memory.precision, 1e-4)[1].item()  # noqa: E731
     if cfg.train.compile:  # a dispatch mode would run the compiled graph eagerly: the allocator counts instead
         step()  # compiled by the first step
-        measured = _forward_allocated(model, x, y, cfg.memory.precision, dev)
+        measured = _forward_allocated(model, engine, x, y, cfg.memory.precision, dev)
     else:
         measured = live_bytes(model, x, y, cfg.memory.precision)
     fresh_memory(dev)  # the peak of training steps only
@@ -107,7 +107,7 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
     return row
 
 
-def _forward_allocated(model, x, y, precision: str, dev) -> int | None:
+def _forward_allocated(model, engine, x, y, precision: str, dev) -> int | None:
     """Bytes the allocator holds after one training forward (the loss included) beyond what it held before:
     what the forward leaves for its backward. None off CUDA."""
     if dev.type != "cuda":
@@ -121,8 +121,8 @@ def _forward_allocated(model, x, y, precision: str, dev) -> int | None:
         loss = model(x, y)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
-    loss.backward()  # frees what the forward kept (the gradients it leaves are there before: a step ran)
-    model.zero_grad(set_to_none=False)
+    loss.backward()  # frees what the forward kept
+    engine.zero_grad()  # the gradients as a step leaves them (freed, unless the engine keeps them)
     return held
 
 
