@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--trace-peak", action="store_true", help="the recompute part: what is alive at a step's peak")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if (args.compile or args.trace_peak) and args.part != "recompute":
+        ap.error("--compile and --trace-peak measure the recomputation rows: add --part recompute")
     if args.smoke:
         args.steps, args.warmup, args.micro_batch = 2, 1, 2
     dev = device()

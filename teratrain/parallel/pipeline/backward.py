@@ -103,7 +103,8 @@ def _fit(g: torch.Tensor, edge: GradientEdge) -> torch.Tensor:
 _CLOSURE = (False, False, "input closure")  # _plan's mark of the closure: leads to no weight *outside* it
 
 
-def _plan(out: torch.Tensor | GradientEdge, x: torch.Tensor, weights: list[torch.Tensor], early=()) -> list[_Intermediate]:
+def _plan(out: torch.Tensor | GradientEdge, x: torch.Tensor, weights: list[torch.Tensor],
+          early=()) -> list[_Intermediate]:
     """The intermediates of the graph under `out`, in one walk. Each node outside the input closure
     is marked (leads to a weight of `weights`, all of those made in I: vectors (norm scales, biases)
     or in `early`)."""

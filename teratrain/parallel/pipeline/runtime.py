@@ -7,9 +7,9 @@ stage y):
   that requires grad) and keeps what its backward needs; the last stage computes the micro-batch's
   loss. A stage that sends its output keeps only the output's place in the graph (a GradientEdge), not its
   values, which no backward reads: the message holds them until its send finishes (Megatron-LM frees its
-  stages' outputs once sent the same way). B back-propagates from the received output gradient (the last stage: from the loss times
-  loss-scale / micro-batches per update) and leaves the input gradient for SEND_B. I and W split B
-  (backward.py). The engine is told about every backward: B or W runs inside
+  stages' outputs once sent the same way). B back-propagates from the received output gradient (the last
+  stage: from the loss times loss-scale / micro-batches per update) and leaves the input gradient for SEND_B.
+  I and W split B (backward.py). The engine is told about every backward: B or W runs inside
   `engine.accumulate(last=...)` (last: the final one before an update) and ends with
   `engine.end_backward()`, exactly as `train_step` does for pp=1.
 - Messages are one shape, known ahead from the micro-batch: (B, T, d), or (B, T/tp, d) under sequence
