@@ -198,7 +198,8 @@ COMPILED = ("train.compile is planned with inductor's fused kernels (planner/tim
             "one H200 at llama-1b, 5% under at llama-8b's width) and what its partition keeps for backward "
             "(planner/compiled.py: 36.9 GiB planned against 36.1 GiB measured at llama-1b's shape, 28.5 against 28.2 "
             "for an 8-expert MoE); MoE at ep > 1 or other routers, tensor- or context-parallel, dropout, FP8 and "
-            "recomputed blocks keep eager's count, which is more")
+            "recomputed blocks keep eager's count, which is more (recomputed: their loss compiled, a per-op "
+            "policy's replay fused into the backward)")
 
 
 def _host_mem(args, notes: list[str], gpus: int, gpus_per_node: int) -> float | None:
