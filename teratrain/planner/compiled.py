@@ -48,7 +48,7 @@ and a shared expert on one H200 (torch 2.11) before it ran: 32.05 GiB, measured 
 (tests/unit/test_planner_moe.py).
 
 Where the count applies (`scope`): dense blocks and those MoE layers, one rank per layer (no tensor,
-context or expert parallelism), no dropout, no float8 linears, no recomputation, no LoRA. Elsewhere a
+context or expert parallelism), no dropout, no float8 linears, no recomputation but `selective`, no LoRA. Elsewhere a
 compiled step is planned with eager's tensors, which is more than it keeps; under recomputation the blocks
 so, and the loss as compiled (`compiled_loss`): on CPU that plans 2-4% above what a recomputed graph keeps
 (tests/unit/test_planner_compiled_memory.py), on one H100 at llama-1b 1-8%.
@@ -58,6 +58,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from teratrain.compat import GROUPED_MM_ROW_ALIGN
 from teratrain.config_schema import resolved_compile_scope
 from teratrain.models.permute import laid_out_rows
@@ -65,6 +67,7 @@ from teratrain.planner.activations import INDEX_BYTES
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths
 
 STAT_BYTES = 4  # a norm's statistics and the loss's per-token numbers are fp32
+CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()  # what a checkpoint saves of the CPU generator (uint8)
 
 
 def graph_scope(train: Training, lay: Layout) -> str | None:
@@ -83,7 +86,8 @@ def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
     this module does not describe: see the module docstring)."""
     if shape.is_bare or (shape.num_experts > 1 and not (moe_counted(shape, train.widths(lay.zero)) and lay.ep == 1)):
         return None
-    if lay.tp > 1 or lay.cp > 1 or lay.recompute != "none" or train.dropout > 0 or train.fp8 != "none" or train.lora:
+    recomputed = lay.recompute not in ("none", "selective")
+    if lay.tp > 1 or lay.cp > 1 or recomputed or train.dropout > 0 or train.fp8 != "none" or train.lora:
         return None
     return graph_scope(train, lay)
 
@@ -129,10 +133,12 @@ def compiled_loss(shape: ModelShape, train: Training, lay: Layout, loss_pieces: 
     return scope(shape, train, plain) is not None and lay.pp == 1 and loss_pieces == 1
 
 
-def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str) -> dict[str, int]:
+def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str,
+                recompute: str = "none") -> dict[str, int]:
     """Bytes one compiled Block (dense, or an MoE layer `moe_counted`) keeps for backward for `tokens` = b*T
     tokens, per term, under scope `where` ("model" or "block"); the weights' autocast copies apart
-    (weight_casts.weight_copies)."""
+    (weight_casts.weight_copies). `recompute="selective"`: the attention core is checkpointed, so the partition
+    reruns it in backward from q, k and v and keeps neither its output nor its logsumexp."""
     c = shape.cfg
     n, d, cb = tokens, c.d_model, w.compute
     llama = c.arch == "llama"
@@ -155,6 +161,9 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
         out.update(_moe_saved(shape, w, n, llama, where))
     if llama and where == "block" and cb != 4:  # cos and sin cast once for q and k (one graph keeps the fp32 buffers)
         out["rope_casts"] = 2 * seq_len * c.head_width * cb
+    if recompute == "selective":  # and its checkpoint keeps the CPU generator's state to rerun it with
+        out["attention_out"] = out["logsumexp"] = 0
+        out["rng_state"] = CPU_RNG_STATE_BYTES
     return out
 
 

@@ -87,7 +87,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     per_block = act.block_saved(shape, w, n, T, **bkw)
     where = compiled.scope(shape, train, lay)
     if where is not None:  # inductor's partition keeps fewer tensors than eager (planner/compiled.py)
-        per_block = compiled.block_saved(shape, w, n, T, where)
+        per_block = compiled.block_saved(shape, w, n, T, where, lay.recompute)
         blocks = {**blocks, "blocks": layers * sum(per_block.values())}
     loss_compiled = compiled.compiled_loss(shape, train, lay, pieces)
     if loss_compiled:

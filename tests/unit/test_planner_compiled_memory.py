@@ -56,6 +56,15 @@ def test_compiled_model_keeps_what_the_planner_counts(arch, precision, scope):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scope", ["model", pytest.param("block", marks=pytest.mark.long)])
+def test_compiled_selective_recomputation_keeps_no_attention_output(scope):
+    """`selective` checkpoints the attention core: compiled, its output and logsumexp are not kept (the core is rerun
+    from q, k and v), and the checkpoint keeps the CPU generator's state. Exact, as the other terms."""
+    cfg = _cfg("llama", "bf16", scope, "memory.recompute=selective")
+    assert _planned(cfg) == _measured(cfg)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["selective-ops", pytest.param("full", marks=pytest.mark.long),
                                        pytest.param("selective-ops-alternate", marks=pytest.mark.long)])
 def test_compiled_recomputation_keeps_no_more_than_its_blocks_and_the_compiled_loss(recompute):
