@@ -319,7 +319,7 @@ MICRO_BATCH_8_AT_32 = pytest.mark.xfail(strict=True, reason="held out: 4 micro-b
     # held out, a later job: the casts written into the graph's tensors (the default since), and every micro-batch
     *[pytest.param(f"2026-12-06_moe_gb32_graphed_mb8_cast_{c}.json", "moe_ep1_graphed", (8, 32),
                    marks=MICRO_BATCH_8_AT_32) for c in ("into", "each")],
-    # held out, one job on another machine: compiled, graphed (cast into the graph's tensors) and eager
+    # held out, a later job: compiled, graphed (cast into the graph's tensors) and eager
     *[pytest.param(f"2026-12-06_moe_gb32_{name}.json", run, (8, 32), marks=MICRO_BATCH_8_AT_32)
       for name, run in (("compiled_mb8", "moe_ep1_compiled"), ("graphed_mb8_cast_into_b", "moe_ep1_graphed"),
                         ("eager_mb8", "moe_ep1"))]])
