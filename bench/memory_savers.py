@@ -88,21 +88,19 @@ def recompute_row(base: list[str], recompute: str, mb: int, args, dev) -> dict:
     times = time_steps(step, args.warmup, args.steps, dev)
     shape, train, T = shape_of(cfg), training_of(cfg), cfg.model.seq_len
     w = widths(cfg.memory.precision, cfg.use_master_weights)
-    card = planner_card(dev)
-    cand = evaluate(shape, train, layout_of(cfg, 1), gpu_with(card))
-    if args.trace_peak:  # what is alive at one more step's peak, by allocation site (bench/memory_trace.py)
-        from memory_trace import traced_step
-
-        trace = traced_step(step, dev)
+    card, lay = planner_card(dev), layout_of(cfg, 1)
+    cand = evaluate(shape, train, lay, gpu_with(card))
     row = {"recompute": recompute, "compiled": cfg.train.compile, "live_bytes": measured, "planned_on": card,
-           "saved_bytes_planned": (planned_forward(shape, train, layout_of(cfg, 1), dev.type) if cfg.train.compile
+           "saved_bytes_planned": (planned_forward(shape, train, lay, dev.type) if cfg.train.compile
                                    else forward_saved(shape, w, mb * T, T, recompute, cfg.memory.recompute_every,
                                                       device=dev.type)),
            "peak_gib_planned": round(cand.memory.peak_allocated / 2**30, 3),
            "step_s_planned": round(cand.time.step_time_s, 4),
-           **summarize(times, mb * T, flops_per_token(cfg.model), dev)}
-    if args.trace_peak:
-        row["peak_trace"] = trace
+           **summarize(times, mb * T, flops_per_token(cfg.model), dev)}  # the timed steps' peak
+    if args.trace_peak:  # what is alive at one more step's peak, by allocation site (bench/memory_trace.py)
+        from memory_trace import traced_step
+
+        row["peak_trace"] = traced_step(step, dev)
     del model, engine
     return row
 

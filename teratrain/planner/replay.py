@@ -6,7 +6,7 @@ casts, RoPE, SiLU/GELU and the gating product, the first residual add; the check
 the block's last add, which backward needs nothing of, is not rerun). No FLOPs of the 6N count run
 twice; what it costs is ops (launches and the host's issue time) and HBM traffic of memory-bound kernels.
 Compiled (train.compile; the whole model is one graph, the only scope a per-op policy allows), inductor fuses
-the replayed ops into the backward's kernels: planned as none of their own (time.eager_ops, time.step_time;
+the replayed ops into the backward's kernels: planned as none of their own (`replay_ops`, `replay_s`;
 one H100 ran llama-1b's compiled step in 138.0 ms with selective-ops and without recomputation alike).
 """
 
@@ -84,12 +84,13 @@ def replay_detaches(shape: ModelShape, lay: Layout, compiled: bool, silu_kept: b
     return rank_layers(shape, lay) * per_block * lay.num_microbatches
 
 
-def replay_ops(shape: ModelShape, lay: Layout, mode: str, linear_casts: bool = False, silu_kept: bool = False) -> float:
+def replay_ops(shape: ModelShape, lay: Layout, mode: str, compiled: bool, linear_casts: bool = False,
+               silu_kept: bool = False) -> float:
     """The ops a per-op policy adds to one rank's eager step (OPS_SELECTIVE_REPLAY, OPS_ALTERNATE_REPLAY per
     block and micro-batch, `mode` the OPS_PER_BLOCK column; `linear_casts`: the projections' own input casts
     replayed, LINEAR_CAST_OPS's forward count; `silu_kept`: Training.silu_kept). MoE layers are charged as
-    the dense blocks."""
-    if lay.recompute not in SELECTIVE_OPS or shape.is_bare:
+    the dense blocks. `compiled`: none (module docstring)."""
+    if lay.recompute not in SELECTIVE_OPS or shape.is_bare or compiled:
         return 0.0
     counted = OPS_ALTERNATE_REPLAY if lay.recompute == "selective-ops-alternate" else OPS_SELECTIVE_REPLAY
     extra = LINEAR_CAST_OPS[shape.cfg.arch][0] if linear_casts and mode == "autocast" else 0
@@ -166,11 +167,11 @@ def replay_bytes(shape: ModelShape, w: Widths, micro_batch: int, seq: int, tp: i
     return moved
 
 
-def replay_s(shape: ModelShape, w: Widths, lay: Layout, seq: int, hbm_bytes_per_s: float) -> float:
+def replay_s(shape: ModelShape, w: Widths, lay: Layout, seq: int, hbm_bytes_per_s: float, compiled: bool) -> float:
     """Seconds of one rank's step that a per-op policy's replayed ops stream through HBM (replay_bytes for
     each block of the stage and each micro-batch; selective-ops-alternate's replayed GEMMs are FLOPs,
-    time.recompute_flops)."""
-    if lay.recompute not in SELECTIVE_OPS or shape.is_bare:
+    time.recompute_flops). `compiled`: none, fused into the backward's kernels (module docstring)."""
+    if lay.recompute not in SELECTIVE_OPS or shape.is_bare or compiled:
         return 0.0
     per = replay_bytes(shape, w, lay.micro_batch, seq // lay.cp, lay.tp, lay.sequence_parallel)
     return rank_layers(shape, lay) * lay.num_microbatches * per / hbm_bytes_per_s

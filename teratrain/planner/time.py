@@ -318,11 +318,9 @@ def eager_ops(shape: ModelShape, train: Training, lay: Layout, fp8: float | None
     layers = rank_layers(shape, lay)
     tensors = (len(shape.param_shapes()) + expert_tensors(shape, train)) // lay.pp
     fp8 = fp8_ops(shape, train, lay) if fp8 is None else fp8
-    # compiled, a per-op policy's replayed elementwise ops fuse into the backward's kernels (the whole model is one
-    # graph: config_schema.per_op_problem): none of their own (one H100, bench/README.md "Memory savers")
-    per_op = 0.0 if train.compiled else replay_ops(shape, lay, _mode(train, lay), train.linear_casts, train.silu_kept)
     return round((layers * (fwd + replay + bwd) + OPS_OUTSIDE) * lay.num_microbatches + moe_ops(shape, train, lay)
-                 + tensors + expert_grad_ops(shape, train, lay) + fp8 + per_op)
+                 + tensors + expert_grad_ops(shape, train, lay) + fp8
+                 + replay_ops(shape, lay, _mode(train, lay), train.compiled, train.linear_casts, train.silu_kept))
 
 
 def expert_grad_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
@@ -534,8 +532,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     fp8 = fp8_ops(shape, train, lay)  # counted once: the ops, the host's time and the terms read it
     ops = issued_ops(shape, train, lay, fp8)
     ops_s = ops * gpu.op_overhead_s
-    replayed = 0.0 if train.compiled else replay_s(shape, w, lay, c.seq_len, hbm)  # compiled: fused (eager_ops)
-    compute_s += replayed - fused_s(shape, train, lay, gpu, tokens)
+    compute_s += replay_s(shape, w, lay, c.seq_len, hbm, train.compiled) - fused_s(shape, train, lay, gpu, tokens)
     loss = loss_s(shape, train, lay, gpu, tokens)  # on the last stage; spread over the stages like the head here
     busy = compute_s + ops_s + loss / lay.pp
     if lay.offload == "params":  # stage-3 shards come up over PCIe before each gather
