@@ -190,6 +190,62 @@ def peak_gib(dev: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
 
 
+class GpuClocks:
+    """The GPU's SM clock (MHz), board power (W) and temperature sampled by nvidia-smi every `ms` while the
+    block runs, for GPU `index`. `summary()`: medians (and the extremes) over the samples that found the GPU busy
+    (utilization >= 90%), so a step paced by its power limit shows the clock it ran at, next to the card's
+    maximum clock and power limit. Without nvidia-smi (a CPU run) the summary is empty."""
+
+    QUERY = "clocks.sm,power.draw,temperature.gpu,utilization.gpu"
+
+    def __init__(self, index: int = 0, ms: int = 100):
+        self.index, self.ms, self.proc, self.lines = index, ms, None, []
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--id={self.index}", f"--query-gpu={self.QUERY}",
+                                          "--format=csv,noheader,nounits", f"-lms={self.ms}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.lines = self.proc.communicate(timeout=10)[0].splitlines()
+        return False
+
+    def summary(self) -> dict:
+        rows = []
+        for line in self.lines:
+            try:
+                rows.append([float(v) for v in line.split(",")])
+            except ValueError:
+                continue  # a field the card does not report ("[N/A]")
+        busy = [r for r in rows if r[3] >= 90]
+        if not busy:
+            return {}
+
+        def med(i: int) -> float:
+            return round(statistics.median(r[i] for r in busy), 1)
+
+        return {"sm_mhz": med(0), "sm_mhz_min": min(r[0] for r in busy), "power_w": med(1),
+                "power_w_max": max(r[1] for r in busy), "temp_c": med(2), "busy_samples": len(busy),
+                "samples": len(rows), **card_limits(self.index)}
+
+
+def card_limits(index: int = 0) -> dict:
+    """The card's maximum SM clock (MHz) and power limit (W), as nvidia-smi reports them; {} without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=clocks.max.sm,power.limit",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+        mhz, watts = (float(v) for v in out.strip().split(","))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+    return {"sm_mhz_max": mhz, "power_limit_w": watts}
+
+
 def time_steps(step, warmup: int, steps: int, dev: torch.device) -> list[float]:
     """Wall time of each of `steps` calls of step() after `warmup` untimed ones (synchronized)."""
     for _ in range(warmup):

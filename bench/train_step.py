@@ -30,10 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 
 import torch
-from common import (add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory, hf_gpt2,
-                    hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
+from common import (GpuClocks, add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory,
+                    hf_gpt2, hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
 from trace_summary import profile_steps
 
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--loss-chunks", type=int, default=0, help="memory.loss_chunks of the `ours` row (0: auto)")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
+    ap.add_argument("--clocks", action="store_true", help="the SM clock and power while each row's steps are timed "
+                    "(nvidia-smi every 100 ms): a step held at the card's power limit runs below its top clock")
     add_weights_arg(ap)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
@@ -138,13 +141,16 @@ def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
     try:
         step, keep = BUILD[impl](cfg, dev, args.compile_mode if mode == "compile" else None)
         warmup = args.warmup + (2 if mode == "compile" else 0)
-        times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
+        for _ in range(warmup):
+            step(inputs, targets)
+        with GpuClocks(dev.index or 0) if args.clocks and dev.type == "cuda" else nullcontext() as clocks:
+            times = time_steps(lambda: step(inputs, targets), 0, args.steps, dev)
         loss = step(inputs, targets)
         prof = profile_steps(lambda: step(inputs, targets), dev, steps=2, top=8) if args.profile else None
     except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the job
         return {"impl": impl, "mode": mode, "error": error_text(e)}
     row = {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
-           "loss": round(loss, 4)}
+           "loss": round(loss, 4), **({"gpu_clocks": clocks.summary()} if clocks is not None else {})}
     if prof is not None:
         row.update(profile=prof, **kernel_rates(prof["kinds"], cfg.model, B * T))
     return row

@@ -1,0 +1,88 @@
+"""The bf16 GEMM rate a card sustains, against the rate of a short burst: each shape multiplied back to back
+for `--seconds`, after a pause that lets the card cool, its TFLOP/s over the first window and over each window
+of the second half, with the SM clock and board power sampled meanwhile (bench/common.py GpuClocks). A card held
+at its power limit lowers its clock: a kernel timed alone in a burst runs faster than the same kernel does
+inside a long training step.
+
+    python bench/sustained_gemm.py --out FILE            # the block GEMMs of llama-1b's and llama-8b's widths
+    python bench/sustained_gemm.py --smoke               # tiny shapes on CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import GpuClocks, device, emit, env_info, sync
+
+# (name, tokens, in, out): x (tokens, in) @ w (in, out), as the block's forward multiplies
+SHAPES = [("llama-1b w1", 16384, 2048, 8192), ("llama-1b w2", 16384, 8192, 2048), ("llama-1b wq", 16384, 2048, 2048),
+          ("llama-8b w1", 8192, 4096, 14336)]
+SMOKE = [("tiny", 64, 32, 48)]
+
+
+def windows(a: torch.Tensor, b: torch.Tensor, seconds: float, window_s: float, dev) -> list[float]:
+    """TFLOP/s of each window of about `window_s` of back-to-back a @ b, for `seconds` in all."""
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        a @ b
+    sync(dev)
+    calls = max(1, int(window_s / max((time.perf_counter() - t0) / 3, 1e-9)))
+    rates, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            a @ b
+        sync(dev)
+        rates.append(calls * flops / (time.perf_counter() - t0) / 1e12)
+    return rates
+
+
+def measure(name: str, m: int, k: int, n: int, seconds: float, pause: float, dev) -> dict:
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
+    for _ in range(3):  # cuBLAS's choice and its workspace, before the pause
+        a @ b
+    sync(dev)
+    time.sleep(pause)
+    burst = windows(a, b, 0.1, 0.1, dev)[0]
+    first = windows(a, b, seconds / 2, 0.1, dev)
+    with GpuClocks(dev.index or 0) if dev.type == "cuda" else _Nothing() as clocks:
+        last = windows(a, b, seconds / 2, 0.1, dev)
+    sustained = statistics.median(last)
+    return {"shape": name, "m": m, "k": k, "n": n, "burst_tflops": round(burst, 1),
+            "first_half_median_tflops": round(statistics.median(first), 1),
+            "sustained_tflops": round(sustained, 1), "sustained_over_burst": round(sustained / burst, 3),
+            "second_half_clocks": clocks.summary()}
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def summary(self) -> dict:
+        return {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=12.0, help="back-to-back multiplies per shape")
+    ap.add_argument("--pause", type=float, default=5.0, help="idle seconds before each shape's burst")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dev = device()
+    seconds, pause = (0.4, 0.0) if args.smoke else (args.seconds, args.pause)
+    rows = [measure(*shape, seconds, pause, dev) for shape in (SMOKE if args.smoke else SHAPES)]
+    emit({"bench": "sustained_gemm", **env_info(dev), "seconds": seconds, "pause_s": pause, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
