@@ -348,6 +348,20 @@ def planned_bytes(sets: list[str], dp: int) -> int:
     return plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, dp)).total
 
 
+def planned_step(sets: list[str], card: str, dp: int = 1) -> tuple[float, float]:
+    """(seconds of one optimizer step, peak allocated GiB) of the layout of `sets` at data-parallel degree `dp`,
+    as teratrain's planner predicts them with the preset of `card` (planner/hardware.py GPUS)."""
+    from teratrain.planner.hardware import GPUS
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import plan_memory
+    from teratrain.planner.time import plan_time
+
+    cfg = config(sets + [f"parallel.dp={dp}"])
+    shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, dp)
+    mem = plan_memory(shape, train, lay)
+    return plan_time(shape, train, lay, GPUS[card], mem).step_time_s, mem.peak_allocated / 2**30
+
+
 def fit_layers(sets: list[str], dp: int, total_bytes: int, fraction: float = 0.75) -> int:
     """The most blocks (up to the shape's own) whose planned memory (planned_bytes) fits `fraction`
     of `total_bytes` (the rest: room for allocator fragmentation and a peer's own buffers)."""

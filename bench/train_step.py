@@ -23,6 +23,9 @@ for torch.mm) and the attention kernels' (a causal kernel's 6LHQT per token). `-
 torch.compile on both sides (`max-autotune-no-cudagraphs` lets inductor time its own GEMM templates). `--weights bf16`:
 bf16 weights with fp32 master copies in the optimizer on both sides (`memory.master_weights=true`, as Megatron-LM and
 torchtitan's FSDP2 keep them), through teratrain's engine for both models.
+`--clocks`: the SM clock and board power while each row's steps are timed (a step held at the card's power limit runs
+below its top clock). Our rows also carry the planner's step and peak for their layout with the preset of the card
+they ran on (`planned_step_ms`, `planned_error_pct`, `planned_peak_gib`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from contextlib import nullcontext
 
 import torch
 from common import (GpuClocks, add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory,
-                    hf_gpt2, hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
+                    hf_gpt2, hf_llama, hf_step, planned_step, planner_card, smoke_compile, summarize, time_steps,
+                    weights_set)
 from trace_summary import profile_steps
 
 from teratrain.models.transformer import build_model, count_params, flops_per_token
@@ -112,9 +116,8 @@ def main() -> None:
         smoke_compile()
     shape = (SMOKE if args.smoke else SHAPE) if args.model == "llama" else [f"model.preset={args.model}"] + (
         SMOKE_GPT2 if args.smoke else [])
-    cfg = config(shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4",
-                                                     f"memory.loss_chunks={args.loss_chunks}",
-                                                     weights_set(args.weights)])
+    args.sets = shape + ["memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4", weights_set(args.weights)]
+    cfg = config(args.sets + [f"memory.loss_chunks={args.loss_chunks}"])
     B, T = args.micro_batch, cfg.model.seq_len
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
@@ -151,6 +154,13 @@ def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
         return {"impl": impl, "mode": mode, "error": error_text(e)}
     row = {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
            "loss": round(loss, 4), **({"gpu_clocks": clocks.summary()} if clocks is not None else {})}
+    if impl in ("ours", "ours_plain"):  # the planner's step and peak for this row, with its card's preset
+        chunks = args.loss_chunks if impl == "ours" else 1
+        sets = [f"memory.loss_chunks={chunks}", f"train.micro_batch={B}", f"train.global_batch={B}"]
+        step_s, peak = planned_step(args.sets + sets + (["train.compile=true"] if mode == "compile" else []),
+                                    planner_card(dev))
+        row.update(planned_step_ms=round(step_s * 1e3, 2), planned_error_pct=round(100 * (step_s * 1e3 /
+                   row["step_ms"] - 1), 1), planned_peak_gib=round(peak, 2))
     if prof is not None:
         row.update(profile=prof, **kernel_rates(prof["kinds"], cfg.model, B * T))
     return row

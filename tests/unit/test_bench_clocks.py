@@ -1,6 +1,6 @@
 """bench/common.py GpuClocks: what nvidia-smi printed while a step ran, summarised over the samples that found the
-GPU busy (an idle sample's clock says nothing of the step's), fields a card does not report skipped; and
-bench/sustained_gemm.py end to end on CPU."""
+GPU busy (an idle sample's clock says nothing of the step's), fields a card does not report skipped;
+bench/sustained_gemm.py end to end on CPU; and bench/train_step.py's rows carrying the planner's step for them."""
 
 import json
 import subprocess
@@ -32,3 +32,21 @@ def test_sustained_gemm_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["burst_tflops"] > 0 and row["sustained_tflops"] > 0 and row["second_half_clocks"] == {}
+
+
+def test_train_step_rows_carry_the_planners_step(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "train_step.py"), "--smoke", "--micro-batch", "2", "--impls",
+                           "ours_plain", "--modes", "eager", "--steps", "1", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["results"]
+    sys.path.insert(0, str(BENCH))
+    from common import planned_step
+    from train_step import SMOKE
+
+    sets = [*SMOKE, "memory.precision=bf16", "train.grad_clip=1.0", "optim.lr=1e-4", "memory.master_weights=false",
+            "memory.loss_chunks=1", "train.micro_batch=2", "train.global_batch=2"]
+    step_s, peak = planned_step(sets, "h200")  # off a GPU, the H200's preset
+    assert row["planned_step_ms"] == round(step_s * 1e3, 2) > 0 and row["planned_peak_gib"] == round(peak, 2)
+    assert row["planned_error_pct"] == round(100 * (row["planned_step_ms"] / row["step_ms"] - 1), 1)
