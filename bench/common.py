@@ -220,9 +220,11 @@ class GpuClocks:
         rows = []
         for line in self.lines:
             try:
-                rows.append([float(v) for v in line.split(",")])
+                row = [float(v) for v in line.split(",")]
             except ValueError:
                 continue  # a field the card does not report ("[N/A]")
+            if len(row) == 4:
+                rows.append(row)
         busy = [r for r in rows if r[3] >= 90]
         if not busy:
             return {}
@@ -338,27 +340,29 @@ def gpu_memory_bytes() -> int:
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
-def planned_bytes(sets: list[str], dp: int) -> int:
-    """The memory one GPU needs for the layout of `sets` at data-parallel degree `dp`, as teratrain's
-    planner predicts it (peak allocated plus its allowance for the CUDA context and fragmentation)."""
+def _planned(sets: list[str], dp: int):
+    """(shape, training, layout, memory) of the layout of `sets` at data-parallel degree `dp`, as the planner sees it."""
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import plan_memory
 
     cfg = config(sets + [f"parallel.dp={dp}"])
-    return plan_memory(shape_of(cfg), training_of(cfg), layout_of(cfg, dp)).total
+    shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, dp)
+    return shape, train, lay, plan_memory(shape, train, lay)
+
+
+def planned_bytes(sets: list[str], dp: int) -> int:
+    """The memory one GPU needs for the layout of `sets` at data-parallel degree `dp`, as teratrain's
+    planner predicts it (peak allocated plus its allowance for the CUDA context and fragmentation)."""
+    return _planned(sets, dp)[3].total
 
 
 def planned_step(sets: list[str], card: str, dp: int = 1) -> tuple[float, float]:
     """(seconds of one optimizer step, peak allocated GiB) of the layout of `sets` at data-parallel degree `dp`,
     as teratrain's planner predicts them with the preset of `card` (planner/hardware.py GPUS)."""
     from teratrain.planner.hardware import GPUS
-    from teratrain.planner.inputs import layout_of, shape_of, training_of
-    from teratrain.planner.memory import plan_memory
     from teratrain.planner.time import plan_time
 
-    cfg = config(sets + [f"parallel.dp={dp}"])
-    shape, train, lay = shape_of(cfg), training_of(cfg), layout_of(cfg, dp)
-    mem = plan_memory(shape, train, lay)
+    shape, train, lay, mem = _planned(sets, dp)
     return plan_time(shape, train, lay, GPUS[card], mem).step_time_s, mem.peak_allocated / 2**30
 
 
