@@ -54,10 +54,15 @@ def measure(name: str, m: int, k: int, n: int, seconds: float, pause: float, dev
     with GpuClocks(dev.index or 0) if dev.type == "cuda" else _Nothing() as clocks:
         last = windows(a, b, seconds / 2, 0.1, dev)
     sustained = statistics.median(last)
-    return {"shape": name, "m": m, "k": k, "n": n, "burst_tflops": round(burst, 1),
-            "first_half_median_tflops": round(statistics.median(first), 1),
-            "sustained_tflops": round(sustained, 1), "sustained_over_burst": round(sustained / burst, 3),
+    return {"shape": name, "m": m, "k": k, "n": n, "burst_tflops": _sig(burst),
+            "first_half_median_tflops": _sig(statistics.median(first)),
+            "sustained_tflops": _sig(sustained), "sustained_over_burst": round(sustained / burst, 3),
             "second_half_clocks": clocks.summary()}
+
+
+def _sig(x: float) -> float:
+    """Four significant digits: a GPU's hundreds of TFLOP/s to a tenth, a tiny CPU shape's rate still above 0."""
+    return float(f"{x:.4g}")
 
 
 class _Nothing:
