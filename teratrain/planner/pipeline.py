@@ -38,8 +38,10 @@ from teratrain.planner.layout import Layout, ModelShape
 
 def backward_ratio(lay: Layout) -> float:
     """Backward time over forward time of one micro-batch on one stage, for the simulated schedule's shape: 3 where
-    backward reruns the forward, else 2 (the per-op policies too, though the alternate one reruns about a third of
-    the forward's products; a ratio moves 1F1B's bubble fraction little: forward and backward scale together)."""
+    backward reruns the forward, else 2. The per-op policies take 2 too, though the alternate one reruns about a
+    third of the forward's products: without transfers the makespan of 1F1B and interleaved 1F1B does not depend on
+    the ratio (forward and backward scale together; tests/unit/test_planner_stages.py), and ZB-H1, whose would,
+    refuses them."""
     return 3.0 if lay.recompute in REPLAYING else 2.0
 
 
