@@ -194,14 +194,16 @@ class GpuClocks:
     """The GPU's SM clock (MHz), board power (W) and temperature sampled by nvidia-smi every `ms` while the
     block runs, for GPU `index`. `summary()`: medians (and the extremes) over the samples that found the GPU busy
     (utilization >= 90%), so a step paced by its power limit shows the clock it ran at, next to the card's
-    maximum clock and power limit. Without nvidia-smi (a CPU run) the summary is empty."""
+    maximum clock and power limit. Not `enabled` (a CPU run), or without nvidia-smi, the summary is empty."""
 
     QUERY = "clocks.sm,power.draw,temperature.gpu,utilization.gpu"
 
-    def __init__(self, index: int = 0, ms: int = 100):
-        self.index, self.ms, self.proc, self.lines = index, ms, None, []
+    def __init__(self, index: int = 0, ms: int = 100, enabled: bool = True):
+        self.index, self.ms, self.enabled, self.proc, self.lines = index, ms, enabled, None, []
 
     def __enter__(self):
+        if not self.enabled:
+            return self
         try:
             self.proc = subprocess.Popen(["nvidia-smi", f"--id={self.index}", f"--query-gpu={self.QUERY}",
                                           "--format=csv,noheader,nounits", f"-lms={self.ms}"],
@@ -341,7 +343,7 @@ def gpu_memory_bytes() -> int:
 
 
 def _planned(sets: list[str], dp: int):
-    """(shape, training, layout, memory) of the layout of `sets` at data-parallel degree `dp`, as the planner sees it."""
+    """(shape, training, layout, memory) of the layout of `sets` at data-parallel degree `dp`, as planned."""
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import plan_memory
 

@@ -23,17 +23,21 @@ SHAPES = [("llama-1b w1", 16384, 2048, 8192), ("llama-1b w2", 16384, 8192, 2048)
 SMOKE = [("tiny", 64, 32, 48)]
 
 
-def windows(a: torch.Tensor, b: torch.Tensor, seconds: float, window_s: float, dev) -> list[float]:
-    """TFLOP/s of each window of about `window_s` of back-to-back a @ b, for `seconds` in all."""
-    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+def calls_per_window(a: torch.Tensor, b: torch.Tensor, window_s: float, dev) -> int:
+    """How many back-to-back a @ b take about `window_s` (timed over 3)."""
     sync(dev)
     t0 = time.perf_counter()
     for _ in range(3):
         a @ b
     sync(dev)
-    calls = max(1, int(window_s / max((time.perf_counter() - t0) / 3, 1e-9)))
+    return max(1, int(window_s / max((time.perf_counter() - t0) / 3, 1e-9)))
+
+
+def windows(a: torch.Tensor, b: torch.Tensor, seconds: float, calls: int, dev) -> list[float]:
+    """TFLOP/s of each window of `calls` back-to-back a @ b, for about `seconds` in all (one window at least)."""
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     rates, start = [], time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while not rates or time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         for _ in range(calls):
             a @ b
@@ -45,14 +49,12 @@ def windows(a: torch.Tensor, b: torch.Tensor, seconds: float, window_s: float, d
 def measure(name: str, m: int, k: int, n: int, seconds: float, pause: float, dev) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
-    for _ in range(3):  # cuBLAS's choice and its workspace, before the pause
-        a @ b
-    sync(dev)
+    calls = calls_per_window(a, b, 0.1, dev)  # and cuBLAS's choice and its workspace, before the pause
     time.sleep(pause)
-    burst = windows(a, b, 0.1, 0.1, dev)[0]
-    first = windows(a, b, seconds / 2, 0.1, dev)
-    with GpuClocks(dev.index or 0) if dev.type == "cuda" else _Nothing() as clocks:
-        last = windows(a, b, seconds / 2, 0.1, dev)
+    burst = windows(a, b, 0.0, calls, dev)[0]  # the first window after the pause
+    first = windows(a, b, seconds / 2, calls, dev)
+    with GpuClocks(dev.index or 0, enabled=dev.type == "cuda") as clocks:
+        last = windows(a, b, seconds / 2, calls, dev)
     sustained = statistics.median(last)
     return {"shape": name, "m": m, "k": k, "n": n, "burst_tflops": _sig(burst),
             "first_half_median_tflops": _sig(statistics.median(first)),
@@ -63,17 +65,6 @@ def measure(name: str, m: int, k: int, n: int, seconds: float, pause: float, dev
 def _sig(x: float) -> float:
     """Four significant digits: a GPU's hundreds of TFLOP/s to a tenth, a tiny CPU shape's rate still above 0."""
     return float(f"{x:.4g}")
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def summary(self) -> dict:
-        return {}
 
 
 def main() -> None:

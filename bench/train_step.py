@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from contextlib import nullcontext
 
 import torch
 from common import (GpuClocks, add_weights_arg, config, device, emit, env_info, error_text, fresh_compile, fresh_memory,
@@ -146,14 +145,14 @@ def measure(impl, mode, cfg, dev, inputs, targets, args) -> dict:
         warmup = args.warmup + (2 if mode == "compile" else 0)
         for _ in range(warmup):
             step(inputs, targets)
-        with GpuClocks(dev.index or 0) if args.clocks and dev.type == "cuda" else nullcontext() as clocks:
+        with GpuClocks(dev.index or 0, enabled=args.clocks and dev.type == "cuda") as clocks:
             times = time_steps(lambda: step(inputs, targets), 0, args.steps, dev)
         loss = step(inputs, targets)
         prof = profile_steps(lambda: step(inputs, targets), dev, steps=2, top=8) if args.profile else None
     except Exception as e:  # noqa: BLE001 - a peer's failure is a row, not the end of the job
         return {"impl": impl, "mode": mode, "error": error_text(e)}
     row = {"impl": impl, "mode": mode, **summarize(times, B * T, flops_per_token(cfg.model), dev),
-           "loss": round(loss, 4), **({"gpu_clocks": clocks.summary()} if clocks is not None else {})}
+           "loss": round(loss, 4), **({"gpu_clocks": clocks.summary()} if clocks.enabled else {})}
     if impl in ("ours", "ours_plain"):  # the planner's step and peak for this row, with its card's preset
         chunks = args.loss_chunks if impl == "ours" else 1
         sets = [f"memory.loss_chunks={chunks}", f"train.micro_batch={B}", f"train.global_batch={B}"]

@@ -129,8 +129,7 @@ def compiled_loss(shape: ModelShape, train: Training, lay: Layout, loss_pieces: 
     stages compile only their blocks), so that the loss keeps the logits in the compute dtype? Recomputation
     changes only what the blocks keep: the loss is the same graph's with none (one H100, llama-1b compiled at
     micro-batch 4: full recomputation keeps 3.74 GB, its eager blocks and this loss 3.77)."""
-    plain = lay if lay.recompute == "none" else replace(lay, recompute="none")
-    return scope(shape, train, plain) is not None and lay.pp == 1 and loss_pieces == 1
+    return scope(shape, train, replace(lay, recompute="none")) is not None and lay.pp == 1 and loss_pieces == 1
 
 
 def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: str,
