@@ -8,7 +8,8 @@ compiled apart on both sides: `train.compile_scope=block` for ours, each decoder
 `--scope model`: the whole model on both sides, teratrain's default on one GPU; `--compile-mode`: torch.compile's
 mode on both sides). Ratios compare one mode on
 both sides only. `--weights bf16`: bf16 weights with fp32 masters in the optimizer on both sides
-(`memory.master_weights=true`; transformers' model stepped by teratrain's engine).
+(`memory.master_weights=true`; transformers' model stepped by teratrain's engine). `--width 1b`: bench/train_step.py's
+llama-1b width instead (d 2048, d_ff 8192, vocab 32000; give --layers 16 --seq 2048 --micro-batch 8 for its step).
 
     python bench/fp8.py --modes compile --accum 4 --out fp8.json   # speed, on the GPU machine (~4 min)
     python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
@@ -30,8 +31,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import (add_weights_arg, config, count_ops, device, emit, env_info, fresh_compile, fresh_memory,
-                    hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
+from common import (GpuClocks, add_weights_arg, config, count_ops, device, emit, env_info, fresh_compile,
+                    fresh_memory, hf_llama, hf_step, smoke_compile, summarize, time_steps, weights_set)
 from trace_summary import profile_steps
 
 from teratrain.mesh import Runtime
@@ -41,6 +42,10 @@ from teratrain.parallel.parallelize import parallelize
 
 WIDTH_8B = ["model.arch=llama", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=8", "model.d_ff=14336",
             "model.vocab_size=128256", "model.tie_embeddings=false", "model.rope_theta=500000"]
+# bench/train_step.py's llama-1b width (untied, 1.10B at 16 layers): where float8's GEMMs are narrow
+WIDTH_1B = ["model.arch=llama", "model.d_model=2048", "model.n_heads=32", "model.n_kv_heads=8", "model.d_ff=8192",
+            "model.vocab_size=32000", "model.tie_embeddings=false"]
+WIDTHS = {"8b": WIDTH_8B, "1b": WIDTH_1B}
 SMOKE = ["model.arch=llama", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
          "model.vocab_size=512", "model.seq_len=64", "model.n_layers=2", "model.tie_embeddings=false"]
 CONVERGE = ["model.preset=llama-1b", "model.n_layers=8", "model.vocab_size=8192", "model.seq_len=1024",
@@ -82,7 +87,7 @@ def hf(cfg, dev, fp8: str, emulate: bool, accum: int):
 
 
 def speed(args, dev) -> dict:
-    shape = SMOKE if args.smoke else WIDTH_8B + [f"model.n_layers={args.layers}", f"model.seq_len={args.seq}"]
+    shape = SMOKE if args.smoke else WIDTHS[args.width] + [f"model.n_layers={args.layers}", f"model.seq_len={args.seq}"]
     emulate = args.smoke or dev.type != "cuda"
     gemm = gemms(dev) if dev.type == "cuda" else []
     print({"gemm_tflops": gemm}, flush=True)
@@ -105,9 +110,13 @@ def speed(args, dev) -> dict:
                 x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g).to(dev)
                 inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
                 warmup = args.warmup + (2 if mode == "compile" else 0)
-                times = time_steps(lambda: step(inputs, targets), warmup, args.steps, dev)
+                for _ in range(warmup):
+                    step(inputs, targets)
+                with GpuClocks(dev.index or 0, enabled=args.clocks and dev.type == "cuda") as clocks:
+                    times = time_steps(lambda: step(inputs, targets), 0, args.steps, dev)
                 row = {"impl": impl, "mode": mode, "fp8": fp8,
-                       **summarize(times, B * T * args.accum, flops_per_token(cfg.model), dev)}
+                       **summarize(times, B * T * args.accum, flops_per_token(cfg.model), dev),
+                       **({"gpu_clocks": clocks.summary()} if clocks.enabled else {})}
                 if args.profile:  # device time by kernel kind: what the casts cost against the GEMMs they speed
                     row["profile"] = profile_steps(lambda: step(inputs, targets), dev, steps=2, top=8)
                 if impl == "ours" and mode == "eager":  # what the planner's host terms count (planner/time.py)
@@ -115,9 +124,9 @@ def speed(args, dev) -> dict:
                 rows.append(row)
                 print(row, flush=True)
                 step = keep = None  # free this model before the next one is built
-    return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "n_layers": args.layers, "seq_len": args.seq,
-            "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe, "scope": args.scope,
-            "compile_mode": args.compile_mode,
+    return {"bench": "fp8", **env_info(dev), "gemm_tflops": gemm, "width": args.width, "n_layers": args.layers,
+            "seq_len": args.seq, "micro_batch": args.micro_batch, "accumulation": args.accum, "recipe": args.recipe,
+            "scope": args.scope, "compile_mode": args.compile_mode,
             "weights": args.weights, "weight casts": "once a step",  # memory/step_casts.py (planner/refit.py)
             "float8 gradients": "through the casts",  # the gradient so far carried (memory/fp8.py _CarriedGrad)
             "results": rows,
@@ -320,6 +329,8 @@ def plot(curves: dict, recipe: str, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--width", default="8b", choices=sorted(WIDTHS),
+                    help="8b: llama-8b's width (the default); 1b: bench/train_step.py's llama-1b width")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -337,6 +348,7 @@ def main() -> None:
     ap.add_argument("--plot", help="with --converge: write the two loss curves here (PNG)")
     ap.add_argument("--replot", metavar="JSON", help="draw --plot from a --converge result instead of training")
     ap.add_argument("--profile", action="store_true", help="device time by kernel kind, 2 profiled steps a row")
+    ap.add_argument("--clocks", action="store_true", help="the SM clock and power while each row's steps are timed")
     ap.add_argument("--gemms-only", action="store_true", help="only the GEMM rates and float8's speed-ups over bf16 "
                     "(planner/calibration/<card>.toml fp8_speedup_*)")
     ap.add_argument("--experts-only", action="store_true", help="only an MoE layer's experts: bf16 grouped GEMMs "
