@@ -15,6 +15,7 @@ llama-1b width instead (d 2048, d_ff 8192, vocab 32000; give --layers 16 --seq 2
     python bench/fp8.py --converge 600 --out conv.json --plot docs/fp8_loss.png   # bf16 vs fp8 on real text
     python bench/fp8.py --smoke                              # CPU, tiny shapes, float8 emulated
     python bench/fp8.py --experts-only --out FILE            # the routed experts' grouped GEMMs (GPU)
+    python bench/fp8.py --saved --width 1b --seq 2048 --micro-batch 8 --scope model --out FILE   # kept for backward
 
 Convergence (`--converge STEPS`): `teratrain train` twice on the stdlib corpus, bf16 and fp8, compiled,
 the same seed and batches (llama-1b width, 8 layers, seq 1024, 16 sequences a step, vocabulary 8192,
@@ -268,6 +269,53 @@ def ratios(rows: list[dict], recipe: str) -> dict:
     return out
 
 
+def saved(args, dev) -> dict:
+    """What the compiled model keeps for backward (`saved_tensors_hooks` around one forward and its loss, each
+    storage once, parameters apart) in bf16 and under each float8 recipe, at 1 and 2 blocks, by shape and dtype,
+    against the planner's count (planner/memory.py forward_saved). On CPU, float8 is emulated."""
+    from teratrain.measure import build_engine, random_batch, saved_bytes
+    from teratrain.memory.precision import autocast
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import forward_saved
+
+    shape = SMOKE if args.smoke else WIDTHS[args.width] + [f"model.seq_len={args.seq}"]
+    B = 2 if args.smoke else args.micro_batch
+    rows = []
+    for fp8 in ("none", "tensorwise", "rowwise"):
+        for layers in (1, 2):
+            cfg = config([s for s in shape if not s.startswith("model.n_layers")] + [
+                f"model.n_layers={layers}", "memory.precision=bf16", "train.compile=true",
+                f"train.compile_scope={args.scope}", f"train.micro_batch={B}", f"train.global_batch={B}",
+                f"memory.fp8={fp8}", f"train.device={dev.type}",
+                *(["memory.fp8_emulate=true"] if fp8 != "none" and dev.type != "cuda" else [])])
+            fresh_compile()
+            model, _ = build_engine(cfg, dev)
+            x, y = random_batch(cfg, B, dev)
+            saved_bytes(model, x, y, "bf16", targets_in_model=True)  # compiles
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            seen = {}
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    seen.setdefault(t.untyped_storage().data_ptr(), (list(t.shape), str(t.dtype)[6:],
+                                                                     t.untyped_storage().nbytes()))
+                return t.detach()
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast("bf16", dev):
+                model(x, y)
+            kinds = {}
+            for kept in seen.values():
+                kinds.setdefault(json.dumps(kept), [kept, 0])[1] += 1
+            row = {"fp8": fp8, "layers": layers, "saved_bytes": sum(k[2] for k in seen.values()),
+                   "planned_bytes": forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), dev.type),
+                   "tensors": sorted(([*k, n] for k, n in kinds.values()), key=lambda r: -r[2] * r[3])}
+            print({k: v for k, v in row.items() if k != "tensors"}, flush=True)
+            rows.append(row)
+            model = None
+    return {"bench": "fp8_saved", **env_info(dev), "width": args.width, "seq_len": args.seq, "micro_batch": B,
+            "scope": args.scope, "results": rows}
+
+
 def converge(args, dev) -> dict:
     """Two `teratrain train` runs, bf16 and fp8, on the stdlib corpus: their losses step by step."""
     from teratrain.config import load_config
@@ -351,6 +399,8 @@ def main() -> None:
     ap.add_argument("--clocks", action="store_true", help="the SM clock and power while each row's steps are timed")
     ap.add_argument("--gemms-only", action="store_true", help="only the GEMM rates and float8's speed-ups over bf16 "
                     "(planner/calibration/<card>.toml fp8_speedup_*)")
+    ap.add_argument("--saved", action="store_true", help="what the compiled model keeps for backward, bf16 and "
+                    "float8, at 1 and 2 blocks, against the planner's count")
     ap.add_argument("--experts-only", action="store_true", help="only an MoE layer's experts: bf16 grouped GEMMs "
                     "against torchao's rowwise float8 grouped GEMM, eager and compiled (a GPU with float8)")
     add_weights_arg(ap)
@@ -370,6 +420,9 @@ def main() -> None:
         return
     if args.experts_only:
         emit(expert_gemms(dev), args.out)
+        return
+    if args.saved:
+        emit(saved(args, dev), args.out)
         return
     emit(converge(args, dev) if args.converge else speed(args, dev), args.out)
 

@@ -87,9 +87,18 @@ def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
     if shape.is_bare or (shape.num_experts > 1 and not (moe_counted(shape, train.widths(lay.zero)) and lay.ep == 1)):
         return None
     recomputed = lay.recompute not in ("none", "selective")
-    if lay.tp > 1 or lay.cp > 1 or recomputed or train.dropout > 0 or train.fp8 != "none" or train.lora:
+    if lay.tp > 1 or lay.cp > 1 or recomputed or train.dropout > 0 or train.lora or not fp8_counted(shape, train, lay):
         return None
     return graph_scope(train, lay)
+
+
+def fp8_counted(shape: ModelShape, train: Training, lay: Layout) -> bool:
+    """No float8 linears, or float8 on every block linear of a dense Llama without recomputation: the blocks
+    whose float8 partition `block_saved` gives (read off on one H100 and on CPU)."""
+    from teratrain.planner.weight_casts import fp8_weights
+
+    return train.fp8 == "none" or (shape.cfg.arch == "llama" and shape.num_experts == 1 and lay.recompute == "none"
+                                   and fp8_weights(shape)[1] == 0)
 
 
 def moe_counted(shape: ModelShape, w: Widths) -> bool:
@@ -155,6 +164,13 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
         "residual": n * d * (w.param if where == "model" else cb),
         "mlp_hidden": (3 if llama else 2) * n * c.ffn_dim * cb,  # SwiGLU: w1x, w3x, their product; GELU: w1x, gelu
     }
+    if w.fp8 != "none":  # float8 linears (`fp8_counted`): each linear's float8 input is cast again in backward
+        from teratrain.planner.weight_casts import fp8_linears
+
+        out["norm_outputs"] = 0  # from the block's input and the norms' statistics
+        out["mlp_hidden"] = 2 * n * c.ffn_dim * cb  # w1x and w3x; their product is rebuilt from them
+        # tensorwise: two fp32 scales a linear (one H100; the CPU's emulated GEMMs keep 7 or 15 a block)
+        out["fp8_scales"] = 2 * len(fp8_linears(shape)) * STAT_BYTES if w.fp8 == "tensorwise" else 0
     if shape.num_experts > 1:  # the routed experts in place of the MLP (module docstring)
         out["norm_outputs"] = n * d * cb  # the attention's; the experts read the laid-out buffer
         out.update(_moe_saved(shape, w, n, llama, where))
