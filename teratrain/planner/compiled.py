@@ -43,12 +43,18 @@ them; the router's probabilities, the top-k indices and gates; the layout (the p
 the groups' int32 offsets; unnormalised gates laid out with a zero row) and the aux loss's load vector.
 Sigmoid scores keep the scores again and the chosen ones' sum, the normalised gates a tensor more; shared
 experts keep their input (the norm's output) and hidden tensors as a dense MLP does, and under a gate its
-output and logit. Eager keeps silu's output too and the router's fp32 input (activations._moe_saved). Read on CPU, the count planned a compiled MoE with sigmoid scores, bias balancing
-and a shared expert on one H200 (torch 2.11) before it ran: 32.05 GiB, measured 31.77
-(tests/unit/test_planner_moe.py).
+output and logit. Eager keeps silu's output too and the router's fp32 input (activations._moe_saved). Read on
+CPU, the count planned a compiled MoE with sigmoid scores, bias balancing and a shared expert on one H200 (torch
+2.11) before it ran: 32.05 GiB, measured 31.77 (tests/unit/test_planner_moe.py).
+
+Float8 linears (memory.fp8, either recipe; `fp8_counted`): each linear's input is cast to float8 in forward and
+again in backward, so the partition keeps neither the norms' outputs nor SwiGLU's product (rebuilt from the block's
+input and statistics, and from w1x and w3x), and tensorwise keeps two fp32 scales a linear. Read on one H100 (torch
+2.11) at llama-1b's width, 1 and 2 blocks, both scopes: every byte but the two int64 scalars cuDNN's attention keeps
+a block (bench/results/h100/2026-12-06_fp8_saved_*.json).
 
 Where the count applies (`scope`): dense blocks and those MoE layers, one rank per layer (no tensor,
-context or expert parallelism), no dropout, no float8 linears, no recomputation but `selective`, no LoRA. Elsewhere a
+context or expert parallelism), no dropout, float8 only as above, no recomputation but `selective`, no LoRA. Elsewhere a
 compiled step is planned with eager's tensors, which is more than it keeps; under recomputation the blocks
 so, and the loss as compiled (`compiled_loss`): on CPU that plans 2-4% above what a recomputed graph keeps
 (tests/unit/test_planner_compiled_memory.py), on one H100 at llama-1b 1-8%.

@@ -240,13 +240,14 @@ ACCUM_2 = ["model.arch=llama", "model.d_model=4096", "model.n_layers=4", "model.
 
 
 @pytest.mark.parametrize("mode, fp8, planned_gib", [("eager", "none", 35.66), ("eager", "tensorwise", 34.85),
-                                                    ("compile", "none", 36.74), ("compile", "tensorwise", 37.22)])
+                                                    ("compile", "none", 36.74), ("compile", "tensorwise", 37.06)])
 def test_peaks_at_two_micro_batches_planned_before_the_run(mode, fp8, planned_gib):
     """The whole model compiled peaks at the end of the second micro-batch's backward, its fp32 gradients
     handed over at once beside the first's (7.2 GiB: compiled.gradients_at_once), above eager's peak though it
     keeps fewer activations: measured 36.0 / 36.76 GiB compiled (bf16 / float8 linears) where eager peaks at
     35.72 / 34.91. Without the term the compiled rows planned 33.46 / 34.85, 7% / 5% under. Each planned
-    figure was written down before the run; 3% as the other rows."""
+    figure was written down before the run; 3% as the other rows. The float8 row's was 37.22, its blocks counted
+    as eager's; 37.06 since the compiled float8 partition is counted (test_planner_fp8.py)."""
     sets = [*ACCUM_2, f"memory.fp8={fp8}", *(["memory.fp8_emulate=true"] if fp8 != "none" else []),
             *(["train.compile=true", "train.compile_scope=model"] if mode == "compile" else [])]
     cfg = load_config(None, sets)
