@@ -174,10 +174,6 @@ def model_flops(shape: ModelShape, tokens: float) -> float:
     return flops_per_token(shape.cfg) * tokens
 
 
-
-
-
-
 def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens: float) -> tuple[float, float]:
     """memory.fp8 on one rank, for `tokens` tokens (one data-parallel replica's step): (the FLOPs of
     its float8 GEMMs, seconds of HBM traffic of their casts). Every local block linear that runs in
@@ -226,16 +222,6 @@ def attention_flops(shape: ModelShape, tokens: float) -> float:
     """The attention core's share of the model FLOPs, 12*L*H*Q*T per token (PaLM appendix B)."""
     c = shape.cfg
     return 12 * c.n_layers * c.n_heads * c.head_width * c.seq_len * tokens
-
-
-
-
-
-
-
-
-
-
 
 
 def head_flops(shape: ModelShape, tokens: float) -> float:
