@@ -274,7 +274,6 @@ def saved(args, dev) -> dict:
     storage once, parameters apart) in bf16 and under each float8 recipe, at 1 and 2 blocks, by shape and dtype,
     against the planner's count (planner/memory.py forward_saved). On CPU, float8 is emulated."""
     from teratrain.measure import build_engine, random_batch, saved_bytes
-    from teratrain.memory.precision import autocast
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import forward_saved
 
@@ -292,21 +291,12 @@ def saved(args, dev) -> dict:
             model, _ = build_engine(cfg, dev)
             x, y = random_batch(cfg, B, dev)
             saved_bytes(model, x, y, "bf16", targets_in_model=True)  # compiles
-            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            seen = {}
-
-            def pack(t):
-                if t.untyped_storage().data_ptr() not in params:
-                    seen.setdefault(t.untyped_storage().data_ptr(), (list(t.shape), str(t.dtype)[6:],
-                                                                     t.untyped_storage().nbytes()))
-                return t.detach()
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast("bf16", dev):
-                model(x, y)
+            kept = []
+            total = saved_bytes(model, x, y, "bf16", targets_in_model=True, kept=kept)
             kinds = {}
-            for kept in seen.values():
-                kinds.setdefault(json.dumps(kept), [kept, 0])[1] += 1
-            row = {"fp8": fp8, "layers": layers, "saved_bytes": sum(k[2] for k in seen.values()),
+            for k in kept:
+                kinds.setdefault(json.dumps(k), [k, 0])[1] += 1
+            row = {"fp8": fp8, "layers": layers, "saved_bytes": total,
                    "planned_bytes": forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, 1), dev.type),
                    "tensors": sorted(([*k, n] for k, n in kinds.values()), key=lambda r: -r[2] * r[3])}
             print({k: v for k, v in row.items() if k != "tensors"}, flush=True)

@@ -29,12 +29,13 @@ def build_engine(cfg, device: str | torch.device = "cpu"):
 
 
 def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
-                targets_in_model: bool = False) -> int:
+                targets_in_model: bool = False, kept: list | None = None) -> int:
     """Bytes of distinct storages autograd keeps from forward to backward for one micro-batch
     (loss included), parameters excluded (they are model states, counted elsewhere). With activation
     compression (memory/compression.py), what its encoder returns is what is kept and counted.
     `targets_in_model`: the loss as training computes it, model(x, y) (a parallelized model's own
-    criterion, e.g. the vocab-parallel loss), rather than lm_loss of the whole logits."""
+    criterion, e.g. the vocab-parallel loss), rather than lm_loss of the whole logits. `kept`: a list that gets
+    (shape, dtype, bytes) of each storage counted, one entry a storage."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     codec = getattr(model, "activation_codec", None)
     seen: dict[int, int] = {}
@@ -43,8 +44,10 @@ def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precis
         packed = codec.pack(t) if codec is not None else t
         for held in held_tensors(packed):
             s = held.untyped_storage()
-            if s.data_ptr() not in params:
-                seen.setdefault(s.data_ptr(), s.nbytes())
+            if s.data_ptr() not in params and s.data_ptr() not in seen:
+                seen[s.data_ptr()] = s.nbytes()
+                if kept is not None:
+                    kept.append((list(held.shape), str(held.dtype).removeprefix("torch."), s.nbytes()))
         # No backward follows this forward: a saved output returned as itself would hold its own
         # grad_fn in a reference cycle through C++ that never frees (the graph, params included).
         return packed.detach() if packed is t else packed

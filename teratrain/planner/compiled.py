@@ -71,6 +71,7 @@ from teratrain.config_schema import resolved_compile_scope
 from teratrain.models.permute import laid_out_rows
 from teratrain.planner.activations import INDEX_BYTES
 from teratrain.planner.layout import Layout, ModelShape, Training, Widths
+from teratrain.planner.weight_casts import fp8_linears, fp8_weights
 
 STAT_BYTES = 4  # a norm's statistics and the loss's per-token numbers are fp32
 CPU_RNG_STATE_BYTES = torch.get_rng_state().numel()  # what a checkpoint saves of the CPU generator (uint8)
@@ -101,8 +102,6 @@ def scope(shape: ModelShape, train: Training, lay: Layout) -> str | None:
 def fp8_counted(shape: ModelShape, train: Training, lay: Layout) -> bool:
     """No float8 linears, or float8 on every block linear of a dense Llama without recomputation: the blocks
     whose float8 partition `block_saved` gives (read off on one H100 and on CPU)."""
-    from teratrain.planner.weight_casts import fp8_weights
-
     return train.fp8 == "none" or (shape.cfg.arch == "llama" and shape.num_experts == 1 and lay.recompute == "none"
                                    and fp8_weights(shape)[1] == 0)
 
@@ -171,8 +170,6 @@ def block_saved(shape: ModelShape, w: Widths, tokens: int, seq_len: int, where: 
         "mlp_hidden": (3 if llama else 2) * n * c.ffn_dim * cb,  # SwiGLU: w1x, w3x, their product; GELU: w1x, gelu
     }
     if w.fp8 != "none":  # float8 linears (`fp8_counted`): each linear's float8 input is cast again in backward
-        from teratrain.planner.weight_casts import fp8_linears
-
         out["norm_outputs"] = 0  # from the block's input and the norms' statistics
         out["mlp_hidden"] = 2 * n * c.ffn_dim * cb  # w1x and w3x; their product is rebuilt from them
         # tensorwise: two fp32 scales a linear (one H100; the CPU's emulated GEMMs keep 7 or 15 a block)
