@@ -224,7 +224,9 @@ class ParallelConfig(Section):
                                                      "time measured on the device under a memory cap (PipeDream's "
                                                      "DP, parallel/pipeline/partition.py)")
     stage_layers: list[int] | None = Field(None, description="blocks of each pipeline stage, pp x virtual_stages "
-                                           "counts summing to model.n_layers (a fixed split); unset = by "
+                                           "counts summing to model.n_layers (a fixed split; the first "
+                                           "may be 0, the embedding alone, and the last, the head and the loss "
+                                           "alone); unset = by "
                                            "parallel.partition, and a profiled split is recorded here in the run's "
                                            "config.toml, so --resume keeps it; chunk c of rank r is stage "
                                            "c x pp + r; parallel.auto writes the planner's balanced split here")
@@ -491,7 +493,9 @@ class Config(Section):
         if self.memory.recompute == "selective-ops-alternate" and self.model.moe.num_experts > 1:
             raise ConfigError("memory.recompute=selective-ops-alternate alternates over a dense block's GEMMs, and "
                               "an MoE layer's GEMMs are not a fixed sequence; set memory.recompute=selective-ops.")
-        if self.model.n_layers < p.pp * p.virtual_stages:
+        empty_ends = p.stage_layers is not None and len(p.stage_layers) > 1 and (
+            (p.stage_layers[0] == 0) + (p.stage_layers[-1] == 0))
+        if self.model.n_layers + (empty_ends or 0) < p.pp * p.virtual_stages:
             raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
                               f"parallel.virtual_stages = {p.pp * p.virtual_stages} pipeline stages; lower them.")
         if p.num_microbatches is not None and p.dp is not None:

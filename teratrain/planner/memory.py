@@ -66,8 +66,9 @@ def in_flight(lay: Layout) -> float:
     return pipeline.summary(lay)[1]
 
 
-def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict[str, int]:
-    """Saved bytes per micro-batch of the first and last stage, by kind."""
+def _saved(shape: ModelShape, train: Training, lay: Layout, device: str, layers: int | None = None) -> dict[str, int]:
+    """Saved bytes per micro-batch of the first and last stage, by kind, the blocks' for a rank of `layers`
+    blocks (default: the first rank's, states.stage_params)."""
     w = train.widths(lay.zero, lay.offload)
     if not lay.keeps_shard:
         w = replace(w, keep_shard=False)
@@ -75,7 +76,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str) -> dict
     n = lay.tokens(shape.cfg.seq_len)
     kw = dict(device=device, tp=lay.tp, sp=lay.sequence_parallel, dropout=train.dropout, compress=train.compress,
               form=lay.tp_form)
-    layers = stage_params(shape, lay)["layers"]
+    layers = stage_params(shape, lay)["layers"] if layers is None else layers
     # the blocks' tensors depend on these, the rest does not
     once = wc.casts_once(train, lay)  # the experts' stacks cast for the whole step, not per block
     bkw = {**kw, "form": lay.tp_form, "ep": lay.ep, "cp": lay.cp, "cp_form": lay.cp_form}
@@ -173,7 +174,17 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
     return out
 
 
-def _ends(shape: ModelShape, lay: Layout, saved: dict, grads: int = 0) -> list[dict]:
+def _by_end(shape: ModelShape, train: Training, lay: Layout, device: str, saved: dict) -> dict[bool, dict]:
+    """`saved` of each pipeline end (False: the first, True: the last), the blocks' of the rank that end
+    follows (pipeline.end_layers: its own count where `parallel.stage_layers` splits unevenly)."""
+    out = {}
+    for last in (False, True):
+        n = pipeline.end_layers(lay, last)
+        out[last] = saved if n is None else _saved(shape, train, lay, device, n)
+    return out
+
+
+def _ends(shape: ModelShape, lay: Layout, by_end: dict[bool, dict], grads: int = 0) -> list[dict]:
     """The ranks whose peak can be the job's: one without a pipeline; with one, the first and the last
     pipeline rank (a middle rank holds no more micro-batches than the first in any of our schedules,
     and no embedding, head or loss). Each end: its share of the fuller stage's model states (states.py
@@ -190,6 +201,7 @@ def _ends(shape: ModelShape, lay: Layout, saved: dict, grads: int = 0) -> list[d
     fuller = max(sp["first"], sp["last"])
     out = []
     for last in (False, True):
+        saved = by_end[last]
         split = last and pipeline.splits_backward(lay)  # (the first stage runs whole backwards: runtime.py)
         copies = 0 if split else saved["copies"] - saved["head_copy"]  # split: one shared set (saved.py)
         extra = saved["last"] + (0 if split else saved["head_copy"]) if last else saved["first"]
@@ -208,13 +220,13 @@ def _ends(shape: ModelShape, lay: Layout, saved: dict, grads: int = 0) -> list[d
     return out
 
 
-def _phases(shape, train, lay, st, saved, eng) -> dict[str, dict[str, int]]:
+def _phases(shape, train, lay, st, by_end, eng) -> dict[str, dict[str, int]]:
     """What is alive at each candidate peak moment, by kind (of each pipeline end: `_ends`)."""
-    ends = _ends(shape, lay, saved, st["gpu_grads"] if _no_buffer(train, lay) else 0)
+    ends = _ends(shape, lay, by_end, st["gpu_grads"] if _no_buffer(train, lay) else 0)
     out = {}
     for end in ends:
         name = "" if len(ends) == 1 else (" (last stage)" if end["last"] else " (first stage)")
-        for phase, kinds in _end_phases(shape, train, lay, st, saved, eng, end).items():
+        for phase, kinds in _end_phases(shape, train, lay, st, by_end[end["last"]], eng, end).items():
             out[phase + name] = kinds
     return out
 
@@ -319,8 +331,9 @@ def held_for_backward(shape: ModelShape, train: Training, lay: Layout, device: s
     """Bytes each end of a pipeline ("first", "last") holds for its backward passes at its fullest
     moment between two actions: saved activations in flight, ZB-H1's state waiting for W, autocast's
     weight copies (what bench/pipeline_live.py counts, live, after each action)."""
-    saved = _saved(shape, train, lay, device)
-    return {("last" if end["last"] else "first"): sum(_held_at(saved, end)[:2]) for end in _ends(shape, lay, saved)}
+    by_end = _by_end(shape, train, lay, device, _saved(shape, train, lay, device))
+    return {("last" if end["last"] else "first"): sum(_held_at(by_end[end["last"]], end)[:2])
+            for end in _ends(shape, lay, by_end)}
 
 
 def _step_temporaries(shape: ModelShape, train: Training, lay: Layout, st: dict) -> int:
@@ -353,7 +366,7 @@ def plan_memory(shape: ModelShape, train: Training, lay: Layout, gpu: GPU | None
         saved = {}
     else:
         saved = _saved(shape, train, lay, device)
-        phases = _phases(shape, train, lay, st, saved, eng)
+        phases = _phases(shape, train, lay, st, _by_end(shape, train, lay, device, saved), eng)
     phase, at_peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     peak = sum(at_peak.values())
     allowance = int(gpu.context_gib * GIB + gpu.fragmentation * peak)

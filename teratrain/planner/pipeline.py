@@ -62,16 +62,18 @@ def summary(lay: Layout) -> tuple[float, float, int]:
 
 
 @lru_cache(maxsize=1024)
-def _end_held(schedule: str, pp: int, m: int, v: int, rank: int) -> tuple[tuple[int, int, int, int, float], ...]:
-    chunk = 0 if rank == 0 else v - 1  # the chunk holding the model's first (or last) stage
+def _end_held(schedule: str, pp: int, m: int, v: int, rank: int,
+              blocks: tuple[int, ...]) -> tuple[tuple[float, int, float, int, float], ...]:
+    """`end_held` of one rank whose chunks hold `blocks` (in flight and waiting for W counted in blocks)."""
+    chunk = 0 if rank == 0 else v - 1 if rank == pp - 1 else -1  # the chunk of the model's first (last) stage
     acts = _build(schedule, pp, m, v).ranks[rank]
     out, made = set(), set()
-    for a, h in zip(acts, held_split(acts, chunk)):
+    for a, (n, e, w, we) in zip(acts, held_split(acts, chunk, blocks)):
         if a.kind in (B, W):  # a chunk's weight gradients exist from its first B (or W)
             made.add(a.chunk)
         elif a.kind == STEP:  # the update frees gradients no buffer holds (asynchronous schedules)
             made.clear()
-        out.add((*h, len(made) / v))
+        out.add((n, e, w, we, len(made) / v))
     return tuple(sorted(out))
 
 
@@ -88,33 +90,55 @@ def splits_backward(lay: Layout) -> bool:
 def end_held(lay: Layout, last: bool) -> tuple[tuple[float, int, float, int, float], ...]:
     """Every (stage-equivalents in flight, micro-batches of the end chunk in flight, stage-equivalents
     waiting for W, of the end chunk waiting for W, the share of the rank's chunks whose weight
-    gradients exist: those that ran a B or W since the last update) a pipeline's first (or, with
-    `last`, last) rank passes through (simulate.held_split); one (1, 1, 0, 0, 1 if m > 1 else 0)
-    without a pipeline (accumulation: the next micro-batch's forward runs beside the gradients)."""
+    gradients exist: those that ran a B or W since the last update) the fullest pipeline rank before the
+    last (`end_rank`; with `last`, the last rank) passes through (simulate.held_split); one (1, 1, 0, 0,
+    1 if m > 1 else 0) without a pipeline (accumulation: the next micro-batch's forward runs beside the
+    gradients). A stage-equivalent is the rank's blocks (`end_layers`) once: its chunks' in-flight
+    micro-batches weighed by each chunk's blocks (1/v each on even stages); a rank with none holds 0."""
     if lay.pp == 1:
         return ((1.0, 1, 0.0, 0, 1.0 if lay.num_microbatches > 1 else 0.0),)
-    v = lay.virtual_stages
-    rank = lay.pp - 1 if last else 0
-    k = 1.0 if last else fuller_middle(lay)
-    return tuple((n / v * k, e, w / v, we, made)
-                 for n, e, w, we, made in _end_held(lay.schedule, lay.pp, lay.num_microbatches, v, rank))
+    rank = lay.pp - 1 if last else end_rank(lay)
+    blocks = _rank_blocks(lay, rank)
+    total = sum(blocks)
+    return tuple((n / total if total else 0.0, e, w / total if total else 0.0, we, made)
+                 for n, e, w, we, made in _end_held(lay.schedule, lay.pp, lay.num_microbatches,
+                                                    lay.virtual_stages, rank, blocks))
 
 
-def fuller_middle(lay: Layout) -> float:
-    """How many times the first rank's block activations at its peak the fullest rank before the last
-    holds: 1 on even stages (a later rank holds fewer micro-batches), more where a middle rank has more
-    blocks than the first (`stage_layers` 7, 8, ...: at 1F1B rank r holds p - r micro-batches of its
-    own blocks). memory.py weighs the first end's blocks by it, so the worst rank's peak is reported."""
+def _rank_blocks(lay: Layout, rank: int) -> tuple[int, ...]:
+    """Blocks of each chunk of a pipeline rank (`parallel.stage_layers`), or 1 each where the stages are even."""
+    if not lay.stage_layers:
+        return (1,) * lay.virtual_stages
+    return tuple(lay.stage_layers[c * lay.pp + rank] for c in range(lay.virtual_stages))
+
+
+def end_layers(lay: Layout, last: bool) -> int | None:
+    """Blocks of the rank `end_held` follows (the last, or `end_rank`), or None where the stages are
+    even (states.stage_params counts the first rank's)."""
+    if lay.pp == 1 or not lay.stage_layers:
+        return None
+    return sum(_rank_blocks(lay, lay.pp - 1 if last else end_rank(lay)))
+
+
+def end_rank(lay: Layout) -> int:
+    """The pipeline rank before the last whose blocks' activations are the most at its fullest moment: the
+    first on even stages (a later rank holds fewer micro-batches), a middle one where it has more blocks
+    than the first (`stage_layers` 7, 8, ...: at 1F1B rank r holds p - r micro-batches of its own blocks;
+    0, 8, ...: the first stage holds the embedding alone). memory.py counts that rank's blocks with the
+    first rank's other tensors, so the worst rank's peak is reported."""
     if not lay.stage_layers or lay.pp < 3:
-        return 1.0
-    return _fuller_middle(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, lay.stage_layers)
+        return 0
+    return _end_rank(lay.schedule, lay.pp, lay.num_microbatches, lay.virtual_stages, lay.stage_layers)
 
 
 @lru_cache(maxsize=1024)
-def _fuller_middle(schedule: str, pp: int, m: int, v: int, counts: tuple[int, ...]) -> float:
-    peaks = simulate(_build(schedule, pp, m, v), Costs()).peak_activations  # (micro-batch, chunk) pairs
-    held = [peaks[r] * sum(counts[c * pp + r] for c in range(v)) for r in range(pp - 1)]
-    return max(held) / held[0]
+def _end_rank(schedule: str, pp: int, m: int, v: int, counts: tuple[int, ...]) -> int:
+    def peak(r: int) -> float:
+        acts = _build(schedule, pp, m, v).ranks[r]
+        return max((n + w for n, _, w, _ in held_split(acts, -1, [counts[c * pp + r] for c in range(v)])), default=0)
+
+    peaks = [peak(r) for r in range(pp - 1)]
+    return peaks.index(max(peaks))
 
 
 def makespan(lay: Layout, rank_s: float, last_extra_s: float, layers: tuple[int, ...] = ()) -> float:

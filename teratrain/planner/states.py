@@ -34,6 +34,7 @@ from teratrain.memory.fp8 import gathers_in_float8
 from teratrain.parallel.buckets import ordered_buckets
 from teratrain.parallel.cp_plan import cp_problem
 from teratrain.parallel.flat import WHOLE_PARAM_OPTIMIZERS, FlatGroup
+from teratrain.parallel.pipeline.partition import counts_problem
 from teratrain.parallel.pipeline.schedules import ASYNC_SCHEDULES, config_name, problem
 from teratrain.parallel.support import grad_dtype_problem, zero_problem
 from teratrain.planner.layout import Layout, ModelShape, Training, ceil_div
@@ -83,12 +84,12 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         if why:
             raise PlanError(why.rstrip("."))
         S, counts = lay.pp * lay.virtual_stages, lay.stage_layers
-        if shape.cfg is not None and S > shape.cfg.n_layers:
+        if shape.cfg is not None and S > shape.cfg.n_layers and not counts:
             raise PlanError(f"{shape.cfg.n_layers} layers cannot fill {S} pipeline stages (parallel.pp x "
                             "parallel.virtual_stages) with a block each")
-        if counts and (len(counts) != S or min(counts) < 1 or (shape.cfg and sum(counts) != shape.cfg.n_layers)):
-            raise PlanError(f"parallel.stage_layers={list(counts)} must give each of the {S} pipeline stages a "
-                            "block, model.n_layers in all")
+        why = counts_problem(counts, S, shape.cfg.n_layers if shape.cfg else sum(counts)) if counts else None
+        if why:
+            raise PlanError(f"parallel.stage_layers={list(counts)} is no split: {why}")
         if lay.zero == 3 and config_name(lay.schedule) in ASYNC_SCHEDULES:
             raise PlanError(f"parallel.zero=3 does not compose with the asynchronous schedule {config_name(lay.schedule)} "
                             "(parallelize.py says why)")
@@ -117,12 +118,17 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
     for t in first:
         if t.block is not None:
             blocks[t.block] = blocks.get(t.block, 0) + t.numel()
+    layers = len(blocks)
+    if not blocks:  # the first stage holds the embedding alone: a block's size is read off the last rank's
+        for t in last:
+            if t.block is not None:
+                blocks[t.block] = blocks.get(t.block, 0) + t.numel()
     rank_layers = [sum(stage_layers[c * pp + r] for c in range(virtual_stages)) for r in range(1, pp - 1)] \
         if stage_layers else []
-    middle = max(rank_layers, default=0) * max(blocks.values())
+    middle = max(rank_layers, default=0) * max(blocks.values(), default=0)
     return tuple({"first": max(middle, sum(t.numel() for t in first)), "last": sum(t.numel() for t in last),
                   "root": max(sum(t.numel() for t in ts if t.block is None) for ts in (first, last)),
-                  "block": max(blocks.values()), "layers": len(blocks),
+                  "block": max(blocks.values(), default=0), "layers": layers,
                   "experts": sum(t.numel() for t in first if is_expert(t)),
                   "float8": sum(t.numel() for t in first if t.float8)}.items())
 

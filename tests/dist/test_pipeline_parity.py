@@ -6,7 +6,9 @@ parallelism (with and without sequence parallelism: without it the stage-to-stag
 over the tp ranks and all-gathered after, p2p.Scatter), the chunked loss on the last stage, even and
 uneven splits (`parallel.partition=profiled` on a layer count no stage count divides;
 the planner's own split, handed over in `parallel.stage_layers` under naive, GPipe and interleaved 1F1B; the
-asynchronous schedules' in test_pipeline_async.py), tied embeddings held at both ends, recomputation.
+asynchronous schedules' in test_pipeline_async.py), splits whose first stage holds the embedding alone or whose
+last holds the head and the loss alone (alone, interleaved, tied, with tp and with ZeRO-3), tied embeddings held
+at both ends, recomputation.
 
 Tolerance: 1e-5 relative on every step's loss and every final parameter (gathered whole across
 stages by `engine.full_params()`). Measured: pipelining alone is bitwise (each stage runs the same
@@ -21,6 +23,9 @@ STEPS = 2
 GPT2_SGD = GPT2 + ["optim.name=sgd", "optim.lr=0.05"]
 UNEVEN = ["model.n_layers=3", "parallel.partition=profiled"]  # 3 blocks over 2 stages: 2 + 1 or 1 + 2
 INTERLEAVED = ["parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
+# the model's first stage with the embedding alone, or its last with the head and the loss alone
+FIRST_EMPTY, LAST_EMPTY = ["model.n_layers=3", "parallel.stage_layers=[0, 3]"], ["model.n_layers=3",
+                                                                                "parallel.stage_layers=[3, 0]"]
 
 
 def _planned_split(*more: str) -> list[str]:
@@ -80,6 +85,9 @@ def test_every_flush_schedule_at_pp2():
                 ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4", "parallel.pipeline_recv=ahead"],
                 GPT2_SGD + _pp("zb-h1"), GPT2_SGD + _pp("1f1b", "parallel.zero=2"), GPT2_SGD + ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4",
                                                      "memory.recompute=selective"]]
+    layouts += [_pp("1f1b", *FIRST_EMPTY), _pp("zb-h1", *LAST_EMPTY), _pp("gpipe", *LAST_EMPTY),
+                GPT2_SGD + _pp("zb-h1", *FIRST_EMPTY),  # tied: stage 0 holds the embedding alone
+                ["parallel.pp=2", *INTERLEAVED, "model.n_layers=4", "parallel.stage_layers=[0, 2, 2, 0]"]]
     _compare(layouts, world=2)
 
 
@@ -93,4 +101,7 @@ def test_pp4_and_pp2_with_dp2_or_tp2():
     layouts += [_pp("1f1b", "parallel.tp=2"), _pp("zb-h1", "parallel.tp=2", "parallel.sequence_parallel=false"),
                 _pp("1f1b", "parallel.tp=2", "parallel.tp_overlap=chunked", "memory.recompute=full"),
                 GPT2_SGD + ["parallel.pp=2", "parallel.tp=2", *INTERLEAVED, "model.n_layers=4"]]
+    layouts += [_pp("1f1b", "parallel.tp=2", "parallel.stage_layers=[0, 2]"),
+                _pp("zb-h1", "parallel.tp=2", "parallel.sequence_parallel=false", "parallel.stage_layers=[2, 0]"),
+                _pp("1f1b", "parallel.dp=2", "parallel.zero=3", "memory.recompute=full", "parallel.stage_layers=[0, 2]")]
     _compare(layouts, world=4)

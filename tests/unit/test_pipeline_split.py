@@ -44,13 +44,27 @@ def test_interleaved_chunks_and_a_fixed_uneven_split():
 @pytest.mark.parametrize("sets, words", [
     (["parallel.pp=3"], ["parallel.partition=layers", "model.n_layers=8", "profiled"]),
     (["parallel.pp=2", "parallel.stage_layers=[4, 3]"], ["parallel.stage_layers", "8"]),
-    (["parallel.pp=2", "parallel.stage_layers=[8, 0]"], ["at least one block"]),
+    (["parallel.pp=3", "parallel.stage_layers=[4, 0, 4]"], ["at least one block", "first", "last"]),
+    (["parallel.pp=2", "parallel.stage_layers=[9, -1]"], ["at least one block"]),
 ])
 def test_bad_splits_are_refused_with_one_sentence(sets, words):
     cfg = load_config(None, ["model.n_layers=8", *sets])
     with pytest.raises(ConfigError) as e:
         check_split(cfg)
     assert all(w in str(e.value) for w in words) and str(e.value).count(". ") == 0
+
+
+def test_the_ends_may_hold_the_embedding_or_the_head_alone():
+    """Llama 3 405B's split (Dubey et al. 2024, sec. 3.3.2), small: the first stage the embedding alone, the last the
+    head and the loss alone."""
+    model, layout = _split(0, "parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+                           "parallel.stage_layers=[0, 4, 4, 0]")
+    check_split(load_config(None, ["model.n_layers=8", "parallel.pp=2", "parallel.schedule=interleaved-1f1b",
+                                   "parallel.virtual_stages=2", "parallel.stage_layers=[0, 4, 4, 0]"]))
+    assert [list(b) for b in layout.bounds] == [[], [0, 1, 2, 3], [4, 5, 6, 7], []]
+    assert list(model.layers.keys()) == ["4", "5", "6", "7"] and model.tok_embeddings is not None
+    model, _ = _split(1, "parallel.pp=2", "parallel.stage_layers=[8, 0]")
+    assert list(model.layers.keys()) == [] and model.norm is not None and model.output is not None
 
 
 def test_an_uneven_count_needs_profiling_or_a_fixed_split(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 from teratrain.config import load_config
 from teratrain.planner.hardware import GPUS
 from teratrain.planner.inputs import fixed_of, layout_of, shape_of, training_of
-from teratrain.planner.pipeline import (_unit_makespan, balanced_split, fuller_middle, head_blocks, planned_split,
-                                       stage_split)
+from teratrain.planner.pipeline import (_unit_makespan, balanced_split, end_held, end_layers, end_rank, head_blocks,
+                                        planned_split, stage_split)
 from teratrain.planner.search import evaluate, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -59,7 +59,8 @@ def test_llama3_405b_plans_126_layers_on_16_stages_as_published():
     assert even.time.optimizer_s < plain.time.optimizer_s
     assert even.time.step_time_s < plain.time.step_time_s
     # rank 1 holds 15 micro-batches of 8 blocks at 1F1B, rank 0 16 of 7: the worst one is reported
-    assert fuller_middle(balanced) == pytest.approx(15 * 8 / (16 * 7))
+    assert end_rank(balanced) == 1 and end_layers(balanced, False) == 8
+    assert max(held[0] for held in end_held(balanced, False)) == 15
 
 
 def test_bloom_70_layers_on_12_stages_plans_with_the_head_on_a_shorter_stage():

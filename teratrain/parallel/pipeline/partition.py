@@ -8,7 +8,9 @@
   The embedding (`first`) and head + loss (`last`) are counted on the first and last stage.
 - `profile_layers`: forward + backward time and memory of each module of a list, on any device.
 Stages are global (chunk c of rank r is stage c * pp + r), so interleaved schedules split into
-pp * virtual_stages stages; every stage holds at least one block.
+pp * virtual_stages stages; every stage holds at least one block, except that a split given as counts
+(`parallel.stage_layers`) may leave the model's first stage with the embedding alone and its last with
+the head and the loss alone (Dubey et al. 2024, sec. 3.3.2: Llama 3 405B's 126 blocks over 16 x 8 stages).
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ def split_layers(n_layers: int, num_stages: int) -> list[range]:
     sizes = [base + (s < extra) for s in range(num_stages)]
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def counts_problem(counts: Sequence[int], num_stages: int, n_layers: int) -> str | None:
+    """What makes `counts` (blocks of each global stage, `parallel.stage_layers`) no split of n_layers blocks
+    into num_stages stages, as a clause, or None: one count a stage, n_layers in all, at least one block on
+    every stage but the model's first (the embedding alone) and last (the head and the loss alone)."""
+    if len(counts) != num_stages:
+        return f"it has {len(counts)} counts for the {num_stages} pipeline stages (parallel.pp x parallel.virtual_stages)"
+    if sum(counts) != n_layers:
+        return f"its counts add up to {sum(counts)}, not model.n_layers={n_layers}"
+    empty = [s for s, n in enumerate(counts) if n < 1]
+    if any(n < 0 for n in counts) or any(0 < s < num_stages - 1 for s in empty):
+        return ("every stage but the first and the last needs at least one block (the first may hold the embedding "
+                "alone, the last the head and the loss alone)")
+    return None
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class PipelineExecutor:
             lambda m: build(p.schedule, self.pp, m, p.virtual_stages, vertical_sync=p.vertical_sync,
                             weight_version_every=p.weight_version_every))
         self.sp = cfg.parallel.use_sp
-        self.dtype = next(iter(self.chunks[0].blocks.parameters())).dtype
+        self.dtype = next(iter(model.parameters())).dtype  # this rank's blocks, or its embedding or head alone
         self.device = rt.device
         self.links = Links(rt.mesh, _links(self.pp, p.virtual_stages), rt.device)
         self.recv_ahead = p.pipeline_recv == "ahead"  # when receives are posted (p2p.py)
@@ -261,8 +261,11 @@ class _Call:
         with self._using(w), autocast(self.precision, self.ex.device), compressed_saves(self.ex.model) as codec, \
                 saved.recording() if saved is not None else contextlib.nullcontext():
             h0 = chunk.embed(x_tokens, pos) if chunk.is_first else None
-            x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
-            x.requires_grad_(self.train)
+            if chunk.embeds_only:  # the embedding's output is the message: its backward needs nothing of it
+                x, h0 = h0, None
+            else:
+                x = (h0.detach() if chunk.is_first else self.inbox.pop((F, a.microbatch, a.chunk)))
+                x.requires_grad_(self.train)
             if codec is not None:
                 codec.starts_from(x)  # encoded as in one process, where it is the previous block's output
             out = chunk.forward(x, y, pos, segment=saved.segment if saved is not None else None)
@@ -324,9 +327,11 @@ class _Call:
             h0.backward(x.grad)
 
     def _input_done(self, chunk: Chunk, a: Action, h0, x) -> None:
-        """After a full backward: the embedding's gradient on stage 0, else the input gradient to send."""
+        """After a full backward: the embedding's gradient on stage 0 (an embedding alone has had it),
+        else the input gradient to send."""
         if chunk.is_first:
-            h0.backward(x.grad)
+            if h0 is not None:
+                h0.backward(x.grad)
         else:
             self.outbox[(B, a.microbatch, a.chunk)] = x.grad
 

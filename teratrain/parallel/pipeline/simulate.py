@@ -173,18 +173,21 @@ def held(acts: Sequence[Action], chunk: int = 0) -> Iterator[tuple[int, int]]:
         yield n + pending, of_chunk + pending_of_chunk
 
 
-def held_split(acts: Sequence[Action], chunk: int = 0) -> Iterator[tuple[int, int, int, int]]:
+def held_split(acts: Sequence[Action], chunk: int = 0,
+               weights: Sequence[float] | None = None) -> Iterator[tuple[float, int, float, int]]:
     """`held`, split where the backward is: after each action, the pairs in flight (forward run, no
     B or I yet) and of them of `chunk`, then the pairs waiting for W (I run, W not) and of `chunk`.
-    A pair waiting for W holds less than one in flight (backward.py: W's inputs and gradients)."""
+    A pair waiting for W holds less than one in flight (backward.py: W's inputs and gradients).
+    `weights`: each chunk's weight in the first and third counts (its blocks; default 1 each)."""
     n = of_chunk = pending = pending_of_chunk = 0
     for a in acts:
         mine = a.chunk == chunk
+        weight = 1 if weights is None else weights[a.chunk]
         into, out_of = a.kind == F, a.kind in (B, I)
-        n += into - out_of
+        n += (into - out_of) * weight
         of_chunk += (into - out_of) * mine
         waits = (a.kind == I) - (a.kind == W)
-        pending += waits
+        pending += waits * weight
         pending_of_chunk += waits * mine
         yield n, of_chunk, pending, pending_of_chunk
 

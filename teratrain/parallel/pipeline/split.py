@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from teratrain.config_base import ConfigError
-from teratrain.parallel.pipeline.partition import partition, profile_layers, split_layers
+from teratrain.parallel.pipeline.partition import counts_problem, partition, profile_layers, split_layers
 from teratrain.parallel.placement import place, placement
 
 
@@ -65,10 +65,9 @@ def check_split(cfg) -> None:
     p, n = cfg.parallel, cfg.model.n_layers
     S = p.pp * p.virtual_stages
     if p.stage_layers is not None:
-        if len(p.stage_layers) != S or sum(p.stage_layers) != n or min(p.stage_layers) < 1:
-            raise ConfigError(f"parallel.stage_layers={p.stage_layers} must give each of the parallel.pp x "
-                              f"parallel.virtual_stages = {S} pipeline stages at least one block, {n} "
-                              "(model.n_layers) in all; fix the list or unset it.")
+        why = counts_problem(p.stage_layers, S, n)
+        if why:
+            raise ConfigError(f"parallel.stage_layers={p.stage_layers} is no split: {why}; fix the list or unset it.")
     elif p.pp > 1 and p.partition == "layers" and n % S:
         raise ConfigError(f"parallel.partition=layers gives every one of the parallel.pp x parallel.virtual_stages = "
                           f"{S} pipeline stages the same number of blocks, which model.n_layers={n} does not allow; "

@@ -10,7 +10,8 @@ parameters per rank, by global name.
     last stage:   x                                    -> blocks -> norm -> head -> loss ()
 T' = T, or T / tp under sequence parallelism. Stage 0 cuts the graph after the embedding, so every
 stage has an input leaf `x`: the input-gradient pass (ZB-H1's I) ends there and the weight pass (W)
-then finishes the embedding's gradient from x.grad.
+then finishes the embedding's gradient from x.grad. A stage 0 with no blocks (`parallel.stage_layers`
+0, ...) runs the embedding alone, uncut: its backward is the embedding's (stage 0 never splits it).
 
 Mixture of experts: one process's loss is the cross-entropy plus every MoE layer's weighted aux loss
 (models/transformer.py), so each stage's aux losses must enter its own backward, whether or not it
@@ -38,6 +39,9 @@ class Chunk:
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         model.pad_head = False  # the split backward reads the head's own GEMM (Transformer.head)
         self.blocks = model.layers.part([str(i) for i in blocks])
+        # the model's first stage with no blocks runs the embedding alone and sends its output, which it
+        # need not keep (the lookup's backward reads only the token ids)
+        self.embeds_only = self.is_first and not self.is_last and len(blocks) == 0
         self._weights: list[nn.Parameter] | None = None
         watch_blocks(model, self.blocks)  # activation compression: these blocks are the stack's inside
 
