@@ -192,7 +192,10 @@ def balanced_split(n_layers: int, stages: int, first: float = 0.0, last: float =
     floor(T - extra) blocks per stage hold them all, then the surplus taken one block at a time from the
     busiest stage, the earliest among equals (the first stages hold the most micro-batches in flight).
     Llama 3 405B's 126 blocks on 16 stages with its head (0.6 of a block) give 7, 8 x 14, 7, as its
-    authors ran (Dubey et al. 2024, sec. 3.3.2)."""
+    authors ran (Dubey et al. 2024, sec. 3.3.2). One or two stages more than blocks: a block a stage, the
+    head alone on the last, and with two the embedding alone on the first (its 126 blocks on 16 x 8)."""
+    if 2 <= stages and n_layers < stages <= n_layers + 2:
+        return ((0,) if stages == n_layers + 2 else ()) + (1,) * n_layers + (0,)
     if not 1 <= stages <= n_layers:
         split_layers(n_layers, stages)  # the executor's one-sentence refusal
     extra = [0.0] * stages

@@ -176,7 +176,8 @@ def layouts(shape: ModelShape, train: Training, gpus: int, gpu: GPU, fixed: dict
 
 def _pipelines(shape: ModelShape, pp: int, fixed: dict) -> list[tuple[str, int]]:
     """(schedule, virtual stages) to try at `pp`: the fixed ones, else 1F1B and interleaved 1F1B at
-    VIRTUAL_STAGES (v where pp x v stages each get a block) and at each v up to their largest that splits
+    VIRTUAL_STAGES (v where pp x v stages each get a block, but for the model's first and last: the
+    embedding and the head may run alone) and at each v up to their largest that splits
     the blocks evenly (3 for 105 blocks on 35 stages); check_layout drops micro-batch counts the
     interleaved schedule refuses."""
     sched, v = fixed.get("schedule"), fixed.get("virtual_stages")
@@ -187,7 +188,8 @@ def _pipelines(shape: ModelShape, pp: int, fixed: dict) -> list[tuple[str, int]]
     if sched is not None and (sched != "interleaved_1f1b" or v is not None):
         return [(sched, v or 1)]
     n = shape.cfg.n_layers if shape.cfg is not None else pp
-    vs = sorted({k for k in VIRTUAL_STAGES if pp * k <= n}  # and every v that splits the blocks evenly
+    vs = sorted({k for k in VIRTUAL_STAGES if pp * k <= n + 2}  # (the ends may hold no block) and every v that
+                # splits the blocks evenly
                 | {k for k in range(2, max(VIRTUAL_STAGES) + 1) if n % (pp * k) == 0})
     return ([] if sched else [("one_f_one_b", 1)]) + [("interleaved_1f1b", k) for k in vs]
 

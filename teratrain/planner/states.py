@@ -84,9 +84,9 @@ def check_layout(shape: ModelShape, train: Training, lay: Layout) -> None:
         if why:
             raise PlanError(why.rstrip("."))
         S, counts = lay.pp * lay.virtual_stages, lay.stage_layers
-        if shape.cfg is not None and S > shape.cfg.n_layers and not counts:
+        if shape.cfg is not None and S > shape.cfg.n_layers + 2 and not counts:
             raise PlanError(f"{shape.cfg.n_layers} layers cannot fill {S} pipeline stages (parallel.pp x "
-                            "parallel.virtual_stages) with a block each")
+                            "parallel.virtual_stages) with a block each but the first and the last")
         why = counts_problem(counts, S, shape.cfg.n_layers if shape.cfg else sum(counts)) if counts else None
         if why:
             raise PlanError(f"parallel.stage_layers={list(counts)} is no split: {why}")

@@ -9,6 +9,7 @@ import pytest
 from teratrain.config import load_config
 from teratrain.planner.hardware import GPUS
 from teratrain.planner.inputs import fixed_of, layout_of, shape_of, training_of
+from teratrain.planner.layout import Layout
 from teratrain.planner.pipeline import (_unit_makespan, balanced_split, end_held, end_layers, end_rank, head_blocks,
                                         planned_split, stage_split)
 from teratrain.planner.search import evaluate, search
@@ -93,6 +94,27 @@ def test_a_middle_stage_with_more_blocks_sets_the_activation_peak():
     blocks = {split: evaluate(shape, train, lay.with_(stage_layers=split), GPUS["h100"]).memory.activations
               for split in ((2, 2, 2, 2), (1, 5, 1, 1), (5, 1, 1, 1))}
     assert blocks[(2, 2, 2, 2)] < blocks[(1, 5, 1, 1)] < blocks[(5, 1, 1, 1)]
+
+
+def test_stages_beyond_the_blocks_leave_the_ends_alone_and_memory_follows_each_ranks_blocks():
+    """One or two stages more than blocks: the head alone on the last, and the embedding alone on the first
+    (Llama 3 405B's 126 blocks over 16 x 8 stages); three more cannot be split. With the first stage empty
+    at 1F1B, rank 1 (3 blocks, 3 micro-batches in flight) is the fullest before the last, and the empty
+    last stage holds no block's activations."""
+    assert balanced_split(126, 128, 0.0, 0.6) == (0,) + (1,) * 126 + (0,)
+    assert balanced_split(4, 5) == (1, 1, 1, 1, 0)
+    with pytest.raises(ValueError, match="each stage needs a block"):
+        balanced_split(4, 7)
+    lay = Layout(pp=4, num_microbatches=8, stage_layers=(0, 3, 3, 2))
+    assert end_rank(lay) == 1 and end_layers(lay, False) == 3
+    assert max(held[0] for held in end_held(lay, False)) == 3
+    last_empty = Layout(pp=2, num_microbatches=4, stage_layers=(4, 0))
+    assert end_layers(last_empty, True) == 0 and {held[0] for held in end_held(last_empty, True)} == {0.0}
+    cfg = load_config(None, ["model.preset=tiny", "parallel.pp=2", "train.global_batch=8", "parallel.zero=0",
+                             "parallel.offload=none", "memory.recompute=none", "train.micro_batch=2"])
+    shape, train = shape_of(cfg), training_of(cfg)
+    fixed = {**fixed_of(cfg), "schedule": "interleaved_1f1b", "virtual_stages": 3}  # 6 stages, 4 blocks
+    assert {c.layout.stage_layers for c in search(shape, train, 2, GPUS["h100"], fixed)} == {(0, 1, 1, 1, 1, 0)}
 
 
 @pytest.mark.long  # ten layouts of a 96-block model, each built on the meta device: 6-25 s on 2 cores
