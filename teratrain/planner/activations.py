@@ -473,8 +473,8 @@ def _mlp_ops_saved(shape: ModelShape, cb: int, n: int, t: int) -> list[Saved]:
 
 def segments(policy: str, n_layers: int, every: int) -> int:
     """Checkpointed segments of a stage's blocks under a replaying policy (memory/recompute.py): each
-    keeps its input from forward to backward."""
-    return ceil_div(n_layers, min(n_layers, segment_size(policy, n_layers, every)))
+    keeps its input from forward to backward (none on a stage with no blocks)."""
+    return ceil_div(n_layers, min(n_layers, segment_size(policy, n_layers, every))) if n_layers else 0
 
 
 def recompute_transient(shape: ModelShape, w: Widths, n_layers: int, tokens: int, seq_len: int, policy: str,

@@ -115,7 +115,7 @@ def _saved(shape: ModelShape, train: Training, lay: Layout, device: str, layers:
             # what the first block still holds in its own backward: its activations, or where a segment is
             # replayed only the first segment's stored input (the replayed activations are `recompute`)
             "first_block": (sum(per_block.values()) + copies_block if not recompute
-                            else blocks["blocks"] // act.segments(lay.recompute, layers, lay.recompute_every)),
+                            else blocks["blocks"] // max(1, act.segments(lay.recompute, layers, lay.recompute_every))),
             **{f"block.{k}": v for k, v in per_block.items()}}
 
 

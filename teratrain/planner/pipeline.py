@@ -159,21 +159,30 @@ def makespan(lay: Layout, rank_s: float, last_extra_s: float, layers: tuple[int,
 @lru_cache(maxsize=4096)
 def _unit_makespan(schedule: str, pp: int, m: int, v: int, r: float, last_extra: float,
                    layers: tuple[int, ...]) -> float:
+    return simulate(_build(schedule, pp, m, v), _stage_costs(pp, m, v, r, 1.0, last_extra, layers),
+                    peaks=False).makespan_s
+
+
+def _stage_costs(pp: int, m: int, v: int, r: float, rank_s: float, last_extra_s: float, layers: tuple[int, ...],
+                 send_s: float = 0.0) -> Costs:
+    """Each global stage's forward and backward of one micro-batch: `rank_s` (a rank of the average block count,
+    every micro-batch, forward and backward) spread over the stages by their blocks (`layers`; empty: even),
+    the model's last stage (chunk v-1 of the last rank) `last_extra_s` more."""
     S = pp * v
     shares = [n * S / sum(layers) for n in layers] if layers else [1.0] * S  # blocks over the average
-    per = [k / m / v for k in shares]
-    per[-1] += last_extra / m  # the model's last stage: chunk v-1 of the last rank
-    costs = Costs(forward_s=[t / (1 + r) for t in per], backward_s=[t * r / (1 + r) for t in per])
-    return simulate(_build(schedule, pp, m, v), costs, peaks=False).makespan_s
+    per = [k * rank_s / m / v for k in shares]
+    per[-1] += last_extra_s / m
+    return Costs(forward_s=[t / (1 + r) for t in per], backward_s=[t * r / (1 + r) for t in per], send_s=send_s)
 
 
-def timeline(lay: Layout, busy_s: float, send_s: float, **options) -> Timeline:
-    """The simulated step of `lay` in seconds: `busy_s` is one rank's compute for the whole step
-    (all micro-batches, forward and backward), `send_s` one activation's transfer between stages;
+def timeline(lay: Layout, busy_s: float, send_s: float, last_extra_s: float = 0.0, layers: tuple[int, ...] = (),
+             **options) -> Timeline:
+    """The simulated step of `lay` in seconds: `busy_s` is a rank's compute for the whole step at the average
+    block count (all micro-batches, forward and backward), spread over the stages by `layers` (empty: even), the
+    last stage `last_extra_s` more (the head and the loss), `send_s` one activation's transfer between stages;
     `options` go to the schedule (vertical_sync, weight_version_every)."""
-    m, v, r = lay.num_microbatches, lay.virtual_stages, backward_ratio(lay)
-    per_chunk = busy_s / m / v
-    costs = Costs(forward_s=per_chunk / (1 + r), backward_s=per_chunk * r / (1 + r), send_s=send_s)
+    m, v = lay.num_microbatches, lay.virtual_stages
+    costs = _stage_costs(lay.pp, m, v, backward_ratio(lay), busy_s, last_extra_s, tuple(layers), send_s)
     return simulate(build(lay.schedule, lay.pp, m, v, **options), costs)
 
 

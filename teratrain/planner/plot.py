@@ -79,14 +79,17 @@ def _shown(m, key: str) -> float:
 
 def plot_schedule(path: str, shape: ModelShape, train: Training, lay: Layout, t: TimeBreakdown, gpu: GPU,
                   **options) -> str:
-    """Draw `lay`'s pipeline step, simulated with the planner's compute time per micro-batch and stage
-    and its activation transfer time; return the note for the report. `options` go to the schedule."""
+    """Draw `lay`'s pipeline step, simulated with the planner's compute time per micro-batch and stage (each
+    stage by its blocks, the head on the last) and its activation transfer time; return the note for the
+    report. `options` go to the schedule."""
     from teratrain.parallel.pipeline.plot import plot_timeline
 
     if lay.pp == 1:
         return "no pipeline timeline drawn: the chosen layout has pp=1; fix one with --set parallel.pp=N"
     name = config_name(lay.schedule)
-    tl = pipeline.timeline(lay, t.compute_s + t.ops_s, p2p_s(shape, train, lay, gpu), **options)
+    head_s = t.terms.get("head_s", 0.0)  # the head and the loss, on the last stage
+    tl = pipeline.timeline(lay, t.compute_s + t.ops_s - head_s / lay.pp, p2p_s(shape, train, lay, gpu), head_s,
+                           pipeline.stage_split(shape, lay), **options)
     chunks = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     title = (f"{shape.name}: {name}, pp={lay.pp}{chunks}, {lay.num_microbatches} micro-batches of "
              f"{lay.micro_batch}; simulated step {tl.makespan_s * 1e3:,.0f} ms")

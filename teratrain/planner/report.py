@@ -125,7 +125,8 @@ def time_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> li
     if t.bubble_s:
         share = t.bubble_s / (t.step_time_s - t.optimizer_s - t.offload_s)
         out.append(("pipeline bubble", t.bubble_s, f"{share:.1%} of the pipelined time idle in the simulated "
-                    f"{_schedule_str(lay)}, m={lay.num_microbatches} (even stages)"))
+                    f"{_schedule_str(lay)}, m={lay.num_microbatches} "
+                    f"({'the stages of its split' if lay.stage_layers else 'even stages'}, the head on the last)"))
     if t.terms.get("host_s"):
         busy = t.terms["gpu_s"]
         paced = "the step waits on it: host-paced" if t.host_paced else f"under the GPU's {busy * 1e3:.1f} ms: hidden"

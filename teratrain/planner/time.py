@@ -550,7 +550,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     # (split_ops, in host_s)
     waits = _readback_s(shape, train, lay, gpu, busy)  # the GPU waits on the host
     critical = max(busy + exposed, issue_s) + waits
-    bubble_s = 0.0
+    bubble_s = head_s = 0.0
     if lay.pp > 1:  # rank_flops spread the head over the stages: it runs on the last one
         head_s = rank_flops(shape, lay, head_flops(shape, tokens), 0.0) * lay.pp / gpu.sustained_flops(
             train.precision, c.d_model) + loss
@@ -563,7 +563,7 @@ def plan_time(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, mem: Me
     return TimeBreakdown(compute_s, ops_s, opt_s, sum(comm.values()), exposed, bubble_s, offload_s, step,
                          global_tokens / step, mfu, flops,
                          {"recompute_flops": replay, "fp8_flops": fp8_flops, "fp8_ops": fp8,
-                          "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss,
+                          "host_s": issue_s, "gpu_s": busy + exposed, "loss_s": loss, "head_s": head_s,
                           "cp_exposed_s": cp_exposed, "optimizer_tensors": tensors,
                           **{f"comm_{k}_s": v for k, v in comm.items()}})
 

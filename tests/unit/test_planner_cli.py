@@ -2,6 +2,7 @@
 config.json), fixed degrees, the plot, and one-sentence exit-2 errors."""
 
 import json
+import re
 
 import pytest
 
@@ -158,6 +159,13 @@ def test_schedule_plot_draws_the_simulated_pipeline(capsys, tmp_path):
     assert "schedule=interleaved-1f1b v=2" in out and f"pipeline timeline written to {png}" in out
     rc, out, err = plan(capsys, "--params", "1e9", "--schedule-plot", str(png))
     assert rc == 2 and "--schedule-plot needs a model shape" in err
+    # a split whose first stage holds the embedding alone: drawn and reported as split, idle near half the step
+    rc, out, _ = plan(capsys, "--model", "llama-1b", "--gpus", "2", "--set", "parallel.pp=2", "--set",
+                      "parallel.stage_layers=[0,16]", "--set", "train.global_batch=8", "--schedule-plot", str(png))
+    reported = float(re.search(r"([\d.]+)% of the pipelined time idle", out).group(1))
+    drawn = float(re.search(r"simulated bubble ([\d.]+)%", out).group(1))
+    assert rc == 0 and "(the stages of its split, the head on the last)" in out
+    assert 45 < reported < 55 and drawn == pytest.approx(reported, abs=1.0)
 
 
 def test_host_paced_layouts_are_said(capsys):
