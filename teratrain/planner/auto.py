@@ -81,8 +81,10 @@ def layout_sets(lay: Layout, skip: tuple[str, ...] = ()) -> list[str]:
 
 def _keys(lay: Layout, partition: str = "layers") -> dict[str, str]:
     """The layout fields a run needs set: KEYS, CP_KEYS where the layout splits sequences, PP_KEYS
-    where it is a pipeline (stage_layers only where the executor would split by count)."""
-    pp = {f: k for f, k in PP_KEYS.items() if f != "stage_layers" or (partition == "layers" and lay.stage_layers)}
+    where it is a pipeline (stage_layers only where the executor would split by count, or where an end
+    stage is empty, which no profiled split makes)."""
+    split = lay.stage_layers and (partition == "layers" or 0 in (lay.stage_layers[0], lay.stage_layers[-1]))
+    pp = {f: k for f, k in PP_KEYS.items() if f != "stage_layers" or split}
     return {**KEYS, **(CP_KEYS if lay.cp > 1 else {}), **(pp if lay.pp > 1 else {})}
 
 

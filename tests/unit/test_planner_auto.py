@@ -84,3 +84,14 @@ def test_plan_prints_a_train_command_that_reproduces_its_pick(capsys, tmp_path):
     piped = plan_json(capsys, "--model", "gpt2-124m", "--gpus", "2", "--set", "parallel.pp=2", "--set",
                       "parallel.schedule=zb-h1")["train_command"]
     assert sum(a.startswith("parallel.schedule=") for a in piped) == 1
+
+
+def test_a_split_with_an_empty_end_is_handed_over_even_where_the_run_profiles_its_split():
+    """No profiled split leaves a stage without blocks, so a pick whose first or last stage runs the embedding
+    or the head alone names its split under parallel.partition=profiled too; other splits only by count."""
+    from teratrain.planner.auto import _keys
+
+    ends = Layout(pp=2, virtual_stages=2, schedule="interleaved_1f1b", stage_layers=(0, 2, 2, 0))
+    uneven = ends.with_(stage_layers=(1, 2, 2, 1))
+    assert "stage_layers" in _keys(ends, "profiled") and "stage_layers" in _keys(uneven, "layers")
+    assert "stage_layers" not in _keys(uneven, "profiled")
