@@ -31,6 +31,17 @@ def _schedule_str(lay) -> str:
     return name + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
 
 
+def split_str(counts) -> str:
+    """Blocks per stage, runs of one count shortened: 7/8x14/7, 0/1x126/0."""
+    runs: list[list[int]] = []
+    for n in counts:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "/".join(f"{n}x{k}" if k > 2 else "/".join([str(n)] * k) for n, k in runs)
+
+
 def memory_lines(shape: ModelShape, train: Training, gpu: GPU, c: Candidate) -> list[tuple[str, int, int, str]]:
     """(name, held bytes, bytes at the peak, explanation) per kind."""
     lay, m = c.layout, c.memory
@@ -202,7 +213,7 @@ def render(shape, train, cfg, gpu, gpus, limits: tuple, best: Candidate, cands, 
                    f"{L.recompute:14}{L.offload:10}{c.memory.total / GIB:8.1f}{c.time.step_time_s:9.4f}"
                    + (f"{c.time.mfu:7.1%}" if not shape.is_bare else f"{'-':>7}")
                    + (f"  {L.cp} {L.cp_form}" if L.cp > 1 else "")
-                   + (f"  {_schedule_str(L)}" + (f" ({'/'.join(map(str, L.stage_layers))})" if L.stage_layers else "")
+                   + (f"  {_schedule_str(L)}" + (f" ({split_str(L.stage_layers)})" if L.stage_layers else "")
                       if L.pp > 1 else ""))
     rejected = [c for c in cands if not c.fits]
     on_host = sum(not c.host_fits for c in rejected)

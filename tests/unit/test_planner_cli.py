@@ -252,3 +252,10 @@ def test_pipelined_layouts_show_their_schedule_in_the_config_spelling(capsys):
     rc, out, _ = plan(capsys, *sets)
     ranking = out[out.index("Top "):].splitlines()
     assert rc == 0 and "schedule" in ranking[1] and d["layout"]["schedule"] in ranking[2]
+
+
+def test_long_splits_print_as_runs():
+    from teratrain.planner.report import split_str
+
+    assert split_str((7,) + (8,) * 14 + (7,)) == "7/8x14/7" and split_str((0,) + (1,) * 126 + (0,)) == "0/1x126/0"
+    assert split_str((2, 2, 1)) == "2/2/1" and split_str((3, 2)) == "3/2"
