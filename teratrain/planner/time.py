@@ -128,6 +128,10 @@ FP8_HOST_OP_SHARE = _COMMON["fp8_host_op_share"]
 # (1 + 1).
 # torch.compile fuses some of these passes into the neighbouring kernels (not modelled).
 FP8_CAST_INPUT_BYTES, FP8_CAST_GRAD_BYTES, FP8_LAYOUT_BYTES = 10, 5, 2
+# Compiled rowwise casts of the activations and their gradients (inductor's kernels that fuse SwiGLU's
+# backward and the norms with the row- and column-scaled casts of transposed operands) run those bytes at a
+# rate of their own, the same on the H100 and the H200 (one die), not at HBM speed (calibration/common.toml).
+FP8_ROWWISE_CAST_GBPS = _COMMON["fp8_rowwise_cast_gbps"]
 # torch's fused AdamW: read p, g, m, v, write p, m, v (fp32); the norm reads g; the clip's scale, applied
 # inside the kernel (optim/engine.py clip_), writes g back (a separate multiplication read and wrote it: 8).
 # teratrain's kernel (optim/adamw_kernel.py) moves the 28 bytes at its own measured share of the bandwidth
@@ -179,7 +183,8 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
     its float8 GEMMs, seconds of HBM traffic of their casts). Every local block linear that runs in
     float8 (weight_casts.fp8_linears) does 6 FLOPs per weight and token; pipeline stages split the
     blocks. The casts move FP8_CAST_* bytes per element of input (tokens x in), output gradient
-    (tokens x out) and weight (each micro-batch, or once a step where the step casts once: casts_once)."""
+    (tokens x out) and weight (each micro-batch, or once a step where the step casts once: casts_once), at
+    the HBM rate; compiled under rowwise scales, the activations' at FP8_ROWWISE_CAST_GBPS."""
     if train.fp8 == "none" or shape.is_bare:
         return 0.0, 0.0
     if not gpu.peak_tflops.get("fp8"):
@@ -194,13 +199,15 @@ def fp8_terms(shape: ModelShape, train: Training, lay: Layout, gpu: GPU, tokens:
         weight = (2 * param + 1) + m * FP8_LAYOUT_BYTES
     else:
         weight = m * ((2 * param + 1) * 2 + FP8_LAYOUT_BYTES)
-    flops = moved = 0.0
+    flops = acts = weights = 0.0
     for rows, cols, share in fp8_linears(shape, lay.tp, lay.tp_form):  # (out, in) of the local weight
         flops += 6 * tokens * rows * cols * share
-        moved += share * (tokens * cols * (FP8_CAST_INPUT_BYTES + FP8_LAYOUT_BYTES)
-                          + tokens * rows * (FP8_CAST_GRAD_BYTES + FP8_LAYOUT_BYTES)
-                          + rows * cols * weight)
-    return layers * flops, layers * moved / (gpu.hbm_gbps * 1e9 * gpu.mem_efficiency)
+        acts += share * (tokens * cols * (FP8_CAST_INPUT_BYTES + FP8_LAYOUT_BYTES)
+                         + tokens * rows * (FP8_CAST_GRAD_BYTES + FP8_LAYOUT_BYTES))
+        weights += share * rows * cols * weight
+    hbm = gpu.hbm_gbps * 1e9 * gpu.mem_efficiency
+    rowwise = train.fp8 == "rowwise" and train.compiled  # the activations' casts, fused into inductor's kernels
+    return layers * flops, layers * (acts / (FP8_ROWWISE_CAST_GBPS * 1e9 if rowwise else hbm) + weights / hbm)
 
 
 def fp8_ops(shape: ModelShape, train: Training, lay: Layout) -> float:
