@@ -188,8 +188,8 @@ def _pipelines(shape: ModelShape, pp: int, fixed: dict) -> list[tuple[str, int]]
     if sched is not None and (sched != "interleaved_1f1b" or v is not None):
         return [(sched, v or 1)]
     n = shape.cfg.n_layers if shape.cfg is not None else pp
-    vs = sorted({k for k in VIRTUAL_STAGES if pp * k <= n + 2}  # (the ends may hold no block) and every v that
-                # splits the blocks evenly
+    # the model's first and last stage may hold no block; and every v that splits the blocks evenly
+    vs = sorted({k for k in VIRTUAL_STAGES if pp * k <= n + 2}
                 | {k for k in range(2, max(VIRTUAL_STAGES) + 1) if n % (pp * k) == 0})
     return ([] if sched else [("one_f_one_b", 1)]) + [("interleaved_1f1b", k) for k in vs]
 

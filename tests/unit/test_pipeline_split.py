@@ -65,6 +65,10 @@ def test_the_ends_may_hold_the_embedding_or_the_head_alone():
     assert list(model.layers.keys()) == ["4", "5", "6", "7"] and model.tok_embeddings is not None
     model, _ = _split(1, "parallel.pp=2", "parallel.stage_layers=[8, 0]")
     assert list(model.layers.keys()) == [] and model.norm is not None and model.output is not None
+    four = ["model.n_layers=2", "parallel.pp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=2"]
+    check_split(load_config(None, [*four, "parallel.stage_layers=[0, 1, 1, 0]"]))  # 4 stages, 2 blocks
+    with pytest.raises(ConfigError, match="fewer than the parallel.pp x"):
+        load_config(None, four)
 
 
 def test_an_uneven_count_needs_profiling_or_a_fixed_split(tmp_path):
