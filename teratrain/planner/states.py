@@ -114,15 +114,16 @@ def _stage_params(shape, tp: int, sp: bool, form: str, lora: tuple, pp: int, vir
     first end then counts as the fuller of the two (its largest block times the middle's block count)."""
     first = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, 0, ep, stage_layers)
     last = local_tensors(shape, tp, sp, form, lora, pp, virtual_stages, pp - 1, ep, stage_layers)
-    blocks: dict[str, int] = {}
-    for t in first:
-        if t.block is not None:
-            blocks[t.block] = blocks.get(t.block, 0) + t.numel()
-    layers = len(blocks)
-    if not blocks:  # the first stage holds the embedding alone: a block's size is read off the last rank's
-        for t in last:
+    def block_sizes(tensors) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in tensors:
             if t.block is not None:
-                blocks[t.block] = blocks.get(t.block, 0) + t.numel()
+                out[t.block] = out.get(t.block, 0) + t.numel()
+        return out
+
+    blocks = block_sizes(first)
+    layers = len(blocks)
+    blocks = blocks or block_sizes(last)  # the first stage holds the embedding alone: a block's size from the last
     rank_layers = [sum(stage_layers[c * pp + r] for c in range(virtual_stages)) for r in range(1, pp - 1)] \
         if stage_layers else []
     middle = max(rank_layers, default=0) * max(blocks.values(), default=0)
