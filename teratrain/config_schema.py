@@ -493,9 +493,8 @@ class Config(Section):
         if self.memory.recompute == "selective-ops-alternate" and self.model.moe.num_experts > 1:
             raise ConfigError("memory.recompute=selective-ops-alternate alternates over a dense block's GEMMs, and "
                               "an MoE layer's GEMMs are not a fixed sequence; set memory.recompute=selective-ops.")
-        counts = p.stage_layers or []  # a given split's first and last stage may hold no block
-        empty_ends = (counts[0] == 0) + (counts[-1] == 0) if len(counts) > 1 else 0
-        if self.model.n_layers + empty_ends < p.pp * p.virtual_stages:
+        # a given split is checked by its own rule (partition.counts_problem: its ends may hold no block)
+        if p.stage_layers is None and self.model.n_layers < p.pp * p.virtual_stages:
             raise ConfigError(f"model.n_layers ({self.model.n_layers}) is fewer than the parallel.pp x "
                               f"parallel.virtual_stages = {p.pp * p.virtual_stages} pipeline stages; lower them.")
         if p.num_microbatches is not None and p.dp is not None:

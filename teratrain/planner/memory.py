@@ -177,10 +177,13 @@ def _engine_buffers(shape: ModelShape, train: Training, lay: Layout, st: dict) -
 def _by_end(shape: ModelShape, train: Training, lay: Layout, device: str, saved: dict) -> dict[bool, dict]:
     """`saved` of each pipeline end (False: the first, True: the last), the blocks' of the rank that end
     follows (pipeline.end_layers: its own count where `parallel.stage_layers` splits unevenly)."""
+    made = {stage_params(shape, lay)["layers"]: saved}  # by block count: the search plans thousands of splits
     out = {}
     for last in (False, True):
         n = pipeline.end_layers(lay, last)
-        out[last] = saved if n is None else _saved(shape, train, lay, device, n)
+        if n is not None and n not in made:
+            made[n] = _saved(shape, train, lay, device, n)
+        out[last] = saved if n is None else made[n]
     return out
 
 

@@ -87,9 +87,10 @@ def plot_schedule(path: str, shape: ModelShape, train: Training, lay: Layout, t:
     if lay.pp == 1:
         return "no pipeline timeline drawn: the chosen layout has pp=1; fix one with --set parallel.pp=N"
     name = config_name(lay.schedule)
-    head_s = t.terms.get("head_s", 0.0)  # the head and the loss, on the last stage
-    tl = pipeline.timeline(lay, t.compute_s + t.ops_s - head_s / lay.pp, p2p_s(shape, train, lay, gpu), head_s,
-                           pipeline.stage_split(shape, lay), **options)
+    head_s = t.terms.get("head_s", 0.0)  # the head and the loss, on the last stage (time.py spread the loss)
+    rank_s = t.compute_s + t.ops_s + (t.terms.get("loss_s", 0.0) - head_s) / lay.pp
+    tl = pipeline.timeline(lay, rank_s, p2p_s(shape, train, lay, gpu), head_s, pipeline.stage_split(shape, lay),
+                           **options)
     chunks = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
     title = (f"{shape.name}: {name}, pp={lay.pp}{chunks}, {lay.num_microbatches} micro-batches of "
              f"{lay.micro_batch}; simulated step {tl.makespan_s * 1e3:,.0f} ms")
