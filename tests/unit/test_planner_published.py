@@ -82,6 +82,19 @@ def test_the_pick_is_no_slower_where_the_published_layout_fits():
             assert float(cells[11]) <= float(cells[6]), cells[0]
 
 
+# the papers whose rows calibrate the A100 (their fit rows and held-out rows alike)
+CALIBRATION_SET = ("Narayanan et al. 2021", "Korthikanti et al. 2022")
+
+
+def test_the_calibration_set_is_predicted_within_ten_percent():
+    """Every run of the calibration set is predicted within 10% of its published step and plans as fitting
+    its card, as it ran (the docs table, which -m long checks against the command)."""
+    rows = [(run, _cells(line)) for run, line in zip(RUNS, _docs_lines()[2:]) if run["paper"] in CALIBRATION_SET]
+    assert len(rows) == 18
+    for run, cells in rows:
+        assert abs(float(cells[6]) / float(cells[5]) - 1) <= 0.10 and cells[9] == "yes", run["name"]
+
+
 @pytest.mark.long
 def test_docs_table_is_the_command_output():
     assert _docs_lines() == published.table(published.rows()).splitlines()
