@@ -71,11 +71,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from common import in_job, job_env  # noqa: E402
+from layout_verdicts import (BF16_TOL, BLOCK_BYTES_TOL, FP32_TOL, MOE_BF16_TOL, _rel, parity_ok,  # noqa: E402,F401
+                             parity_reason, table, tail, tail_rel)
 
-FP32_TOL, BF16_TOL = 1e-4, 2e-2  # fixed before any run
-# MoE rows in bf16 (fixed before any run; the argument: the module docstring): the mean loss over the last half of
-# the bf16 steps (10 of 20) within 1% of one GPU's, both sides under train.deterministic
-MOE_BF16_TOL, MOE_MODELS = 1e-2, ("moe", "moe-cp", "moe-fine")
+MOE_MODELS = ("moe", "moe-cp", "moe-fine")  # judged as MOE_BF16_TOL says
 # llama-1b width, 8 layers, 32k vocabulary; global batch 8 in micro-batches of 2
 MODEL = ["model.preset=llama-1b", "model.vocab_size=32000", "model.n_layers=8", "model.seq_len=2048"]
 SMOKE = ["model.preset=llama-1b", "model.n_layers=8", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4",
@@ -129,6 +128,8 @@ def layouts(gpus: int) -> list[dict]:
         L(f"tp{n}-megatron-sp-overlap", [f"parallel.tp={n}", "parallel.tp_overlap=chunked"]),
         L(f"tp{n}-all-gather", [f"parallel.tp={n}", "parallel.tp_form=all-gather"]),
         L(f"tp{n}-all-reduce", [f"parallel.tp={n}", "parallel.tp_form=all-reduce"]),
+        # the per-op policy (GEMM outputs kept, the rest recomputed) on tensor-parallel shards
+        L(f"tp{n}-megatron-sp-selective-ops", [f"parallel.tp={n}", "memory.recompute=selective-ops"]),
         *[L(f"pp{n}-{s}", pp(s, p=n)) for s in ("naive", "gpipe", "1f1b", "zb-h1")],
         L(f"pp{n}-interleaved", [f"parallel.pp={n}", *inter]),
         L(f"pp{n}-pipedream", pp("pipedream", p=n), check="async"),
@@ -143,6 +144,10 @@ def layouts(gpus: int) -> list[dict]:
     if gpus == 2:
         return singles + [
             L("pp2-interleaved-uneven", ["parallel.pp=2", *inter, "parallel.stage_layers=[1, 3, 2, 2]"]),
+            # an end stage with no block: the embedding alone on the first, the head and loss alone on the last
+            L("pp2-1f1b-first-empty", pp("1f1b", "parallel.stage_layers=[0, 8]")),
+            L("pp2-zb-h1-last-empty", pp("zb-h1", "parallel.stage_layers=[8, 0]")),
+            L("pp2-interleaved-ends-empty", ["parallel.pp=2", *inter, "parallel.stage_layers=[0, 4, 4, 0]"]),
             L("cp2", ["parallel.cp=2"]),  # ring attention, keys and values around the 2 ranks
             L("cp2-all-to-all", ["parallel.cp=2", "parallel.cp_form=all-to-all"]),
             L("pp2-1f1b-zero1", pp("1f1b", "parallel.zero=1")),  # the tied embedding's group spans both stages
@@ -164,6 +169,9 @@ def layouts(gpus: int) -> list[dict]:
         L("tp2-pp2-1f1b", pp("1f1b", "parallel.tp=2")),  # tp collectives inside each stage, between p2p sends
         L("tp2-pp2-interleaved", ["parallel.pp=2", "parallel.tp=2", *inter]),
         L("tp2-pp2-zb-h1", pp("zb-h1", "parallel.tp=2")),
+        L("pp4-1f1b-ends-empty", pp("1f1b", "parallel.stage_layers=[0, 4, 4, 0]", p=4)),
+        L("tp2-pp2-1f1b-first-empty", pp("1f1b", "parallel.tp=2", "parallel.stage_layers=[0, 8]")),
+        L("tp2-dp2-zero3-selective-ops", ["parallel.tp=2", "parallel.zero=3", "memory.recompute=selective-ops"]),
         # without sequence parallelism each tp rank sends 1/tp of a message; the receiver all-gathers over tp
         L("tp2-pp2-1f1b-scatter", pp("1f1b", "parallel.tp=2", "parallel.sequence_parallel=false")),
         L("ep2-tp2", ["parallel.ep=2", "parallel.tp=2"], "moe"),
@@ -320,46 +328,45 @@ def _runtime(cfg, single: bool):
     return _MESHES[dims]
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b)) if a else math.nan
+def _block_bytes(args, layout: dict, world: int) -> dict:
+    """One block's bytes kept from forward to backward in bf16, one micro-batch: what one more block leaves
+    alive (measure.live_bytes of the layout at 2 blocks less 1; the most of any rank), and the planner's count
+    of the same (planner.memory.forward_saved): on the row's GPUs, what sequence parallelism's kept input
+    shards and the recompute policies save."""
+    import torch
+
+    from teratrain.data.loader import Batches
+    from teratrain.measure import live_bytes
+    from teratrain.models.transformer import Transformer
+    from teratrain.parallel.comm import MAX, all_reduce
+    from teratrain.parallel.parallelize import parallelize
+    from teratrain.planner.inputs import layout_of, shape_of, training_of
+    from teratrain.planner.memory import forward_saved
+
+    got, planned = [], []
+    for n in (1, 2):
+        cfg = _config(args, {**layout, "sets": [*layout["sets"], f"model.n_layers={n}"]}, "bf16")
+        rt = _runtime(cfg, False)
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        parallelize(model, rt, cfg)
+        tc = cfg.train
+        batches = Batches(_token_file(args.tokens, cfg.model.vocab_size), cfg.model.seq_len, tc.seed, tc.global_batch)
+        x, y = next(batches.micro_batches(0, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
+        held = torch.tensor([float(live_bytes(model, x, y, "bf16"))], device=rt.device)
+        all_reduce(held, rt.group("world"), op=MAX)
+        got.append(int(held))
+        planned.append(forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, world), rt.device.type))
+        del model
+    measured, plan = got[1] - got[0], planned[1] - planned[0]
+    return {"block_bytes": measured, "block_bytes_planned": plan,
+            "block_bytes_ok": abs(measured - plan) <= BLOCK_BYTES_TOL * plan}
 
 
-def tail(losses: list[float]) -> list[float]:
-    """The last half of a run's steps (10 of 20): what an MoE row's bf16 check averages."""
-    return losses[len(losses) // 2:] if len(losses) > 1 else losses
-
-
-def tail_rel(a: list[float], b: list[float]) -> float:
-    """Relative difference of the mean loss over the last half of the steps."""
-    mb = statistics.mean(tail(b))
-    return abs(statistics.mean(tail(a)) - mb) / abs(mb) if a else math.nan
-
-
-def _bf16(row: dict) -> tuple[float, float, float | None, str]:
-    """(the bf16 error a row is judged on, its tolerance, one GPU's own floor of it, its words): the mean of
-    the last half of the steps for MoE rows, the worst step for the others."""
-    if row.get("bf16_check") == "tail-mean":
-        return row["bf16_tail_rel_err"], MOE_BF16_TOL, row.get("bf16_tail_noise_floor"), "bf16 mean of the last half"
-    return row["bf16_rel_err"], BF16_TOL, row.get("bf16_noise_floor"), "bf16"
-
-
-def parity_ok(row: dict) -> bool:
-    """A parity row passes: fp32 within FP32_TOL (where it ran: FP8 rows have none) and bf16 within its
-    tolerance of one GPU (`_bf16`)."""
-    err, tol, _, _ = _bf16(row)
-    return row.get("fp32_rel_err", 0.0) < FP32_TOL and err < tol
-
-
-def parity_reason(row: dict) -> str | None:
-    """Why a parity row fails (None where it passes): each check it misses, and one GPU's own bf16 floor."""
-    why = []
-    if row.get("fp32_rel_err", 0.0) >= FP32_TOL:
-        why.append(f"fp32 {row['fp32_rel_err']:.1e} over {FP32_TOL:.0e}")
-    err, tol, floor, words = _bf16(row)
-    if err >= tol:
-        why.append(f"{words} {err:.1e} over {tol:.0e}" + (f" (one GPU against itself: {floor:.1e})" if floor is not None
-                                                          else ""))
-    return "; ".join(why) or None
+def _counts_blocks(layout: dict) -> bool:
+    """Rows `_block_bytes` measures: the dense model's rows of tensor parallelism alone."""
+    return layout["name"].startswith("tp") and layout["model"] == "dense" \
+        and not any(f"-{k}" in layout["name"] for k in ("pp", "dp", "cp", "ep"))
 
 
 def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int, args) -> dict:
@@ -439,6 +446,8 @@ def worker(args) -> None:
             bf16 = _train(cfg, _runtime(cfg, False), _token_file(args.tokens, cfg.model.vocab_size), args.bf16_steps,
                           audit=lay["check"] == "async")
             row = _summary(lay, fp32, bf16, refs, world, args)
+            if _counts_blocks(lay):
+                row.update(_block_bytes(args, lay, world))
         except Exception as e:  # noqa: BLE001 - a refused or failing layout is a row of the matrix, not the end
             row = {"name": lay["name"], "sets": lay["sets"], "gpus": world, "ok": False,
                    "error": f"{type(e).__name__}: {e}"[:500]}
@@ -519,35 +528,6 @@ def main() -> None:
     print(json.dumps(data, indent=1))
     print(table(data["layouts"]), file=sys.stderr)
     sys.exit(0 if job.returncode == 0 and all(r["ok"] for r in data["layouts"]) else 1)
-
-
-def table(rows: list[dict]) -> str:
-    """The markdown table of bench/README.md."""
-    out = ["| layout | GPUs | fp32 max rel. err | bf16 max rel. err (one GPU's floor) | tokens/s | x one GPU, eager | "
-           "MFU | peak GiB | ok |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['name']} | {r['gpus']} | {r['error'][:80]} | | | | | | no |")
-            continue
-        f32 = (f"{r['fp32_rel_err']:.1e}" if "fp32_rel_err" in r
-               else "- (fp8: bf16 only)" if r.get("check") == "parity-bf16" else "own semantics")
-        b16 = _bf16_cell(r) if "bf16_rel_err" in r else ("audit ok, loss fell" if r["ok"] else str(r["audit"]))
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        ok = parity_ok(r) if "bf16_rel_err" in r else r["ok"]
-        verdict = "yes" if ok else "no" + (f": {parity_reason(r)}" if "bf16_rel_err" in r else "")
-        speedup = f"{r['speedup_vs_one_gpu']:.2f}" if "speedup_vs_one_gpu" in r else "- (compiled)"
-        out.append(f"| {r['name']} | {r['gpus']} | {f32} | {b16} | {r['tokens_per_s']:,.0f} | "
-                   f"{speedup} | {mfu} | {r['peak_gib']} | {verdict} |")
-    return "\n".join(out)
-
-
-def _bf16_cell(r: dict) -> str:
-    """The bf16 column: the error the row is judged on, one GPU's own floor of it in brackets; for an MoE row
-    the mean of the last half of the steps, then its worst step."""
-    err, _, floor, _ = _bf16(r)
-    cell = f"{err:.1e}" + (f" ({floor:.1e})" if floor is not None else " (not measured)")
-    tail = r.get("bf16_check") == "tail-mean"
-    return cell + (f" mean of last half; worst step {r['bf16_rel_err']:.1e}" if tail else "")
 
 
 if __name__ == "__main__":

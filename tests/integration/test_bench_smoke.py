@@ -51,6 +51,23 @@ def test_bench_smoke(script, tmp_path):
                                                     / shape["dtensor_sp_fp8"]["tokens_per_s"], 4)
 
 
+def test_the_layout_matrix_counts_a_tensor_parallel_blocks_bytes_on_cpu(tmp_path):
+    """bench/layouts.py --smoke (2 gloo processes, ~10 s): a pipeline whose first stage holds the embedding
+    alone, and the per-op policy on tp shards, each like one process; the tp row's one block keeps exactly the
+    bytes the planner counts (CPU kernels), the pipeline row counts none."""
+    out = tmp_path / "layouts.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "layouts.py"), "--smoke", "--only",
+                           "tp2-megatron-sp-selective-ops,pp2-1f1b-first-empty", "--fp32-steps", "1",
+                           "--bf16-steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["layouts"]}
+    tp, pp = rows["tp2-megatron-sp-selective-ops"], rows["pp2-1f1b-first-empty"]
+    assert tp["ok"] and pp["ok"] and tp["fp32_rel_err"] < 1e-4 and pp["fp32_rel_err"] < 1e-4
+    assert tp["block_bytes"] == tp["block_bytes_planned"] > 0 and tp["block_bytes_ok"]
+    assert "block_bytes" not in pp
+
+
 @pytest.mark.long
 def test_gpu_suite_runs_the_layout_matrix_on_cpu(tmp_path):
     """bench/gpu_suite.sh, the one command a GPU machine runs, in its CPU form: the matrix (one dense and

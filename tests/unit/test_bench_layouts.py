@@ -97,3 +97,29 @@ def test_an_expert_bias_differs_by_its_largest_entry_and_other_layers_by_inf():
     assert layouts._bias_diff(ref, ref) == 0.0
     assert layouts._bias_diff({**ref, "1": [1e-3, 2e-3, -1e-3]}, ref) == 2e-3
     assert layouts._bias_diff({"0": ref["0"]}, ref) == float("inf")  # a stage's layers missing
+
+
+def test_the_matrix_has_empty_end_stages_and_the_per_op_policy_on_tensor_parallel_shards():
+    """Pipelines whose first or last stage holds no block, and selective-ops on tp shards, at 2 and 4 GPUs; the
+    rows of tensor parallelism alone (and only they) count one block's bytes against the planner."""
+    rows = {n: {lay["name"]: lay for lay in layouts.layouts(n)} for n in (2, 4)}
+    empty = {n: {k: v["sets"] for k, v in r.items() if "empty" in k} for n, r in rows.items()}
+    assert set(empty[2]) == {"pp2-1f1b-first-empty", "pp2-zb-h1-last-empty", "pp2-interleaved-ends-empty"}
+    assert set(empty[4]) == {"pp4-1f1b-ends-empty", "tp2-pp2-1f1b-first-empty"}
+    assert all(any(s.startswith("parallel.stage_layers=[0") or s.endswith(", 0]") for s in sets)
+               for by_name in empty.values() for sets in by_name.values())
+    assert "memory.recompute=selective-ops" in rows[2]["tp2-megatron-sp-selective-ops"]["sets"]
+    assert "memory.recompute=selective-ops" in rows[4]["tp2-dp2-zero3-selective-ops"]["sets"]
+    counted = {n: sorted(k for k, v in r.items() if layouts._counts_blocks(v)) for n, r in rows.items()}
+    assert counted[2] == sorted(k for k in rows[2] if k.startswith("tp2-") and k != "tp2-fp8")
+    assert counted[4] == sorted(k for k in rows[4] if k.startswith("tp4-") and k != "tp4-fp8")
+
+
+def test_the_table_shows_a_blocks_bytes_beside_the_planners_and_a_miss_as_a_miss():
+    row = {"name": "tp2-megatron-sp", "gpus": 2, "fp32_rel_err": 0.0, "bf16_rel_err": 1e-3, "bf16_noise_floor": 1e-3,
+           "tokens_per_s": 1.0, "speedup_vs_one_gpu": 1.0, "mfu": 0.1, "peak_gib": 1.0, "ok": True,
+           "block_bytes": 127744, "block_bytes_planned": 127744, "block_bytes_ok": True}
+    assert "| 1.0 | 125 (125) | yes |" in layouts.table([row])
+    off = {**row, "block_bytes": 130 * 1024, "block_bytes_ok": False}
+    assert "| 130 (125): off by more than 1% | yes |" in layouts.table([off])
+    assert "| 1.0 | - | yes |" in layouts.table([{k: v for k, v in row.items() if not k.startswith("block")}])
