@@ -4,6 +4,7 @@ planner's own pick for the run (its search over FREE: about ten minutes for all 
 
     python bench/published.py                  # the table, to stdout
     python bench/published.py --write-docs     # the same table into docs/published_runs.md, between its markers
+    python bench/published.py --plot docs/published_runs.png    # each run's ratio, drawn (seconds)
 
 A paper that states achieved TFLOP/s per GPU is turned into a step time with the paper's own FLOP count
 (`flops` of a run): the time that FLOP rate takes for one global batch on its GPUs; one that states tokens
@@ -199,6 +200,51 @@ def table(result: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: list[dict], path: str) -> None:
+    """Each run's predicted / published step time, by paper, against the band of 10%: filled where the run
+    calibrated its card's efficiency (split = "fit"), hollow where held out, a triangle where its layout plans as
+    not fitting its card."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    planned = [r for r in result if r["ratio"] is not None]
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    ax.axhspan(0.9, 1.1, color="0.92", zorder=0)
+    ax.axhline(1.0, color="0.6", lw=0.8, zorder=1)
+    colors = {"a100": "tab:blue", "h100": "tab:orange"}
+    for i, r in enumerate(planned):
+        run = r["run"]
+        color = colors[run["gpu"]]
+        ax.scatter(i, r["ratio"], s=42, marker="o" if r["fits"] else "^", zorder=3, edgecolors=color, linewidths=1.4,
+                   facecolors=color if run["split"] == "fit" else "white")
+    papers = [r["run"]["paper"] for r in planned]
+    for i in range(1, len(papers)):
+        if papers[i] != papers[i - 1]:
+            ax.axvline(i - 0.5, color="0.8", lw=0.6, zorder=1)
+    ax.set_xticks(range(len(planned)), [r["name"].split("-", 1)[1] for r in planned], rotation=60, ha="right",
+                  fontsize=7)
+    ax.set_xlim(-0.7, len(planned) - 0.3)
+    ax.set_ylabel("predicted / published step")
+    handles = [plt.Line2D([], [], ls="", marker="o", color=c, label=f"{g.upper()}") for g, c in colors.items()]
+    handles += [plt.Line2D([], [], ls="", marker="o", mfc="0.4", mec="0.4", label="fit"),
+                plt.Line2D([], [], ls="", marker="o", mfc="white", mec="0.4", label="held out"),
+                plt.Line2D([], [], ls="", marker="^", mfc="white", mec="0.4", label="plans as not fitting")]
+    ax.legend(handles=handles + [plt.Rectangle((0, 0), 1, 1, color="0.92", label="within 10%")], fontsize=7,
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=6, frameon=False)
+    starts = [i for i in range(len(papers)) if i == 0 or papers[i] != papers[i - 1]]
+    for j, i in enumerate(starts):  # each paper's name under its runs, every other one higher
+        end = starts[j + 1] if j + 1 < len(starts) else len(papers)
+        ax.text((i + end - 1) / 2, 0.02 + 0.05 * (j % 2), papers[i].removesuffix(" et al. 2021").split(" 20")[0]
+                .replace(" et al.", ""), transform=ax.get_xaxis_transform(), ha="center", fontsize=7, color="0.35")
+    low, high = ax.get_ylim()
+    ax.set_ylim(min(low, 0.72), max(high, 1.12))
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def write_docs(text: str, path: Path = DOCS) -> None:
     doc = path.read_text()
     pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
@@ -210,7 +256,12 @@ def write_docs(text: str, path: Path = DOCS) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write-docs", action="store_true", help=f"replace the table in {DOCS.relative_to(ROOT)}")
+    ap.add_argument("--plot", metavar="PNG", help="draw each run's predicted / published step (no picks: seconds)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(rows(picks=False), args.plot)
+        print(f"wrote {args.plot}")
+        return
     text = table(rows())
     if args.write_docs:
         write_docs(text)

@@ -95,6 +95,14 @@ def test_the_calibration_set_is_predicted_within_ten_percent():
         assert abs(float(cells[6]) / float(cells[5]) - 1) <= 0.10 and cells[9] == "yes", run["name"]
 
 
+def test_the_plot_draws_the_runs_it_plans(tmp_path):
+    """`--plot` draws the runs without a pipeline (cheap to plan) into a PNG; the docs' picture is drawn by it."""
+    out = tmp_path / "runs.png"
+    published.plot(published.rows([r for r in RUNS if r["pp"] == 1][:4], picks=False), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "(published_runs.png)" in (ROOT / "docs" / "published_runs.md").read_text()
+
+
 @pytest.mark.long
 def test_docs_table_is_the_command_output():
     assert _docs_lines() == published.table(published.rows()).splitlines()
