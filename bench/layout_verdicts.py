@@ -73,7 +73,8 @@ def table(rows: list[dict]) -> str:
         verdict = "yes" if ok else "no" + (f": {parity_reason(r)}" if "bf16_rel_err" in r else "")
         speedup = f"{r['speedup_vs_one_gpu']:.2f}" if "speedup_vs_one_gpu" in r else "- (compiled)"
         block = (f"{r['block_bytes'] / 1024:,.0f} ({r['block_bytes_planned'] / 1024:,.0f})"
-                 + ("" if r["block_bytes_ok"] else ": off by more than 1%")) if "block_bytes" in r else "-"
+                 + ("" if r["block_bytes_ok"] else ": off by more than 1%")) if "block_bytes" in r else \
+            f"not counted: {r['block_bytes_error'][:60]}" if "block_bytes_error" in r else "-"
         out.append(f"| {r['name']} | {r['gpus']} | {f32} | {b16} | {r['tokens_per_s']:,.0f} | "
                    f"{speedup} | {mfu} | {r['peak_gib']} | {block} | {verdict} |")
     return "\n".join(out)

@@ -447,7 +447,10 @@ def worker(args) -> None:
                           audit=lay["check"] == "async")
             row = _summary(lay, fp32, bf16, refs, world, args)
             if _counts_blocks(lay):
-                row.update(_block_bytes(args, lay, world))
+                try:
+                    row.update(_block_bytes(args, lay, world))
+                except Exception as e:  # noqa: BLE001 - the row's parity stands; the count fails apart
+                    row.update(block_bytes_ok=False, block_bytes_error=f"{type(e).__name__}: {e}"[:300])
         except Exception as e:  # noqa: BLE001 - a refused or failing layout is a row of the matrix, not the end
             row = {"name": lay["name"], "sets": lay["sets"], "gpus": world, "ok": False,
                    "error": f"{type(e).__name__}: {e}"[:500]}
@@ -459,7 +462,9 @@ def worker(args) -> None:
                    + (f"fp32 {row.get('fp32_rel_err', 0):.1e} bf16 {row.get('bf16_rel_err', 0):.1e} "
                       f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"])
                    + (f", fp32 expert bias off by {row['fp32_bias_max_diff']:.1e} (one GPU's reaches "
-                      f"{row['fp32_bias_max_one_gpu']:.1e})" if "fp32_bias_max_diff" in row else ""))
+                      f"{row['fp32_bias_max_one_gpu']:.1e})" if "fp32_bias_max_diff" in row else "")
+                   + (f", one block keeps {row['block_bytes']:,} bytes (planned {row['block_bytes_planned']:,})"
+                      if "block_bytes" in row else f", {row['block_bytes_error']}" if "block_bytes_error" in row else ""))
 
 
 def _noise_floor(cfg, args, steps: int, losses: list[float]) -> dict:
@@ -527,7 +532,8 @@ def main() -> None:
         data = json.loads(result.read_text())
     print(json.dumps(data, indent=1))
     print(table(data["layouts"]), file=sys.stderr)
-    sys.exit(0 if job.returncode == 0 and all(r["ok"] for r in data["layouts"]) else 1)
+    sys.exit(0 if job.returncode == 0 and all(r["ok"] and r.get("block_bytes_ok", True) for r in data["layouts"])
+             else 1)
 
 
 if __name__ == "__main__":
