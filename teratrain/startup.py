@@ -27,6 +27,7 @@ from torch import nn
 
 from teratrain.config_base import ConfigError
 from teratrain.config_schema import Config
+from teratrain.models.presets import model_label
 
 GIB = 2**30
 
@@ -249,7 +250,7 @@ def _model_line(cfg: Config, own: nn.Module | None, params: int | None, run_dir:
         name = type(getattr(own, "hf", own)).__name__  # teratrain.CausalLM: the transformers model inside
         return f"model: {name} (your own, from model_fn), {params / 1e6:,.2f} M parameters"
     m = cfg.model
-    name = f"{Path(m.init_from).expanduser().name} from model.init_from" if m.init_from else _preset_name(m)
+    name = model_label(m)
     family = (_source_config(m, run_dir) or {}).get("model_type", m.arch) if m.init_from else m.arch
     e = m.moe
     experts = (f", {e.num_experts} experts x top-{e.k}" + (f" in one layer of {e.every}" if e.every > 1 else "")
@@ -257,15 +258,6 @@ def _model_line(cfg: Config, own: nn.Module | None, params: int | None, run_dir:
     n = count_params(m)["total"]
     return (f"model: {name} ({family}, {m.n_layers} layers, d_model {m.d_model}{experts}), "
             f"{n / 1e6:,.2f} M parameters" + _lora(cfg, n))
-
-
-def _preset_name(m) -> str:
-    """The preset's name, and which of its shape keys the config changed: `tiny preset with d_model, d_ff changed`."""
-    from teratrain.models.presets import PRESETS
-
-    keys = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
-    changed = [k for k in keys if k in PRESETS[m.preset] and getattr(m, k) != PRESETS[m.preset][k]]
-    return f"{m.preset} preset with {', '.join(changed)} changed" if changed else m.preset
 
 
 def _lora(cfg: Config, total: int) -> str:

@@ -9,6 +9,8 @@ Any key given next to `model.preset` overrides the preset's value (`model.moe` k
 preset's value that belongs to a choice the user changed gives way (`give_way`).
 """
 
+from pathlib import Path
+
 _GPT2 = dict(arch="gpt2", vocab_size=50257, seq_len=1024, tie_embeddings=True, bias=True, norm_eps=1e-5)
 _LLAMA3 = dict(arch="llama", vocab_size=128256, rope_theta=500000.0, bias=False, norm_eps=1e-5)
 
@@ -55,3 +57,14 @@ def give_way(preset: dict, given: dict) -> dict:
     if kv and isinstance(heads, int) and heads > 0 and "n_kv_heads" not in given and heads % kv:
         out.pop("n_kv_heads")
     return out
+
+
+def model_label(m) -> str:
+    """What a model config trains, in a few words: a Hugging Face start by its folder, else its preset by name
+    and which of the preset's shape keys the config changed (`tiny preset with d_model, d_ff changed`: a shape
+    given key by key over the default preset says so rather than the preset's name)."""
+    if m.init_from:
+        return f"{Path(m.init_from).expanduser().name} from model.init_from"
+    keys = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size")
+    changed = [k for k in keys if k in PRESETS.get(m.preset, {}) and getattr(m, k) != PRESETS[m.preset][k]]
+    return f"{m.preset} preset with {', '.join(changed)} changed" if changed else m.preset

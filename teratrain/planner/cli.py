@@ -239,7 +239,7 @@ def _inputs(args) -> tuple:
         return cfg, ModelShape(cfg=None, bare_params=int(args.params), name="bare parameter count"), []
     cfg, notes = load(args.config, args.model, args.overrides)
     check_ep(cfg)  # an expert-parallel degree the model cannot take, as `teratrain train` refuses it
-    name = args.model or (args.config.rsplit("/", 1)[-1] if args.config else cfg.model.preset)
+    name = args.config.rsplit("/", 1)[-1] if args.config else ""  # else the preset, and what --set changed of it
     return cfg, shape_of(cfg, name), notes
 
 

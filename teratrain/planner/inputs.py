@@ -11,6 +11,7 @@ from pathlib import Path
 from teratrain.checkpoint.hf_config import model_keys, read_config_json
 from teratrain.config import Config, load_config
 from teratrain.config_toml import toml_value
+from teratrain.models.presets import model_label
 from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.layout import Layout, ModelShape, Training
 
@@ -44,7 +45,7 @@ def _literal(v) -> str:
 
 
 def shape_of(cfg: Config, name: str = "") -> ModelShape:
-    return ModelShape(cfg=cfg.model, name=name or cfg.model.preset)
+    return ModelShape(cfg=cfg.model, name=name or model_label(cfg.model))
 
 
 PLAN_PRECISION = "bf16"  # GPUs train in bf16; the config's fp32 default is for CPU runs

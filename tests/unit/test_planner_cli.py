@@ -259,3 +259,14 @@ def test_long_splits_print_as_runs():
 
     assert split_str((7,) + (8,) * 14 + (7,)) == "7/8x14/7" and split_str((0,) + (1,) * 126 + (0,)) == "0/1x126/0"
     assert split_str((2, 2, 1)) == "2/2/1" and split_str((3, 2)) == "3/2"
+
+
+def test_a_shape_changed_by_set_is_named_as_changed(capsys):
+    """The plan names a preset whose shape --set changed as changed, not by the preset's name alone (a shape
+    given key by key over the default preset would otherwise read as `tiny`)."""
+    assert plan_json(capsys, "--model", "gpt2-124m", "--gpus", "1")["model"] == "gpt2-124m"
+    assert plan_json(capsys, "--model", "gpt2-124m", "--gpus", "1", "--set", "model.n_layers=4")["model"] == \
+        "gpt2-124m preset with n_layers changed"
+    rc, _, err = plan(capsys, "--gpus", "1", "--gpu-mem", "1", "--set", "model.d_model=2048", "--set", "model.n_heads=16",
+                      "--set", "model.n_layers=24")
+    assert rc != 0 and "no layout of tiny preset with n_layers, d_model, n_heads changed fits 1 GiB" in err
