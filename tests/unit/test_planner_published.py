@@ -95,6 +95,19 @@ def test_the_calibration_set_is_predicted_within_ten_percent():
         assert abs(float(cells[6]) / float(cells[5]) - 1) <= 0.10 and cells[9] == "yes", run["name"]
 
 
+def test_the_readme_counts_are_the_docs_tables():
+    """The README's line on published runs counts, per card, the runs the docs table predicts within 10%."""
+    within = {}
+    for run, line in zip(RUNS, _docs_lines()[2:]):
+        cells = _cells(line)
+        hit = abs(float(cells[6]) / float(cells[5]) - 1) <= 0.10
+        got, total = within.get(run["gpu"], (0, 0))
+        within[run["gpu"]] = (got + hit, total + 1)
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith(f"| planner against {len(RUNS)} published large runs"))
+    assert f"A100 {within['a100'][0]} of {within['a100'][1]}, H100 {within['h100'][0]} of {within['h100'][1]}" in line
+
+
 def test_the_plot_draws_the_runs_it_plans(tmp_path):
     """`--plot` draws the runs without a pipeline (cheap to plan) into a PNG; the docs' picture is drawn by it."""
     out = tmp_path / "runs.png"
