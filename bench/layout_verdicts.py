@@ -75,6 +75,7 @@ def table(rows: list[dict]) -> str:
         block = (f"{r['block_bytes'] / 1024:,.0f} ({r['block_bytes_planned'] / 1024:,.0f})"
                  + ("" if r["block_bytes_ok"] else ": off by more than 1%")) if "block_bytes" in r else \
             f"not counted: {r['block_bytes_error'][:60]}" if "block_bytes_error" in r else "-"
+        verdict += "" if r.get("block_bytes_ok", True) else "; block bytes: no"
         out.append(f"| {r['name']} | {r['gpus']} | {f32} | {b16} | {r['tokens_per_s']:,.0f} | "
                    f"{speedup} | {mfu} | {r['peak_gib']} | {block} | {verdict} |")
     return "\n".join(out)

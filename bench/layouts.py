@@ -353,9 +353,15 @@ def _block_bytes(args, layout: dict, world: int) -> dict:
         tc = cfg.train
         batches = Batches(_token_file(args.tokens, cfg.model.vocab_size), cfg.model.seq_len, tc.seed, tc.global_batch)
         x, y = next(batches.micro_batches(0, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
-        held = torch.tensor([float(live_bytes(model, x, y, "bf16"))], device=rt.device)
-        all_reduce(held, rt.group("world"), op=MAX)
-        got.append(int(held))
+        try:  # a rank that fails outside a collective (e.g. out of memory) still joins the all-reduce below
+            held, why = live_bytes(model, x, y, "bf16"), ""
+        except Exception as e:  # noqa: BLE001
+            held, why = 0, f"{type(e).__name__}: {e}"
+        both = torch.tensor([held, int(bool(why))], dtype=torch.int64, device=rt.device)
+        all_reduce(both, rt.group("world"), op=MAX)  # every rank: the most bytes, and whether any failed
+        if both[1]:
+            raise RuntimeError(why or "another rank failed to count its block")
+        got.append(int(both[0]))
         planned.append(forward_saved(shape_of(cfg), training_of(cfg), layout_of(cfg, world), rt.device.type))
         del model
     measured, plan = got[1] - got[0], planned[1] - planned[0]
@@ -365,8 +371,9 @@ def _block_bytes(args, layout: dict, world: int) -> dict:
 
 def _counts_blocks(layout: dict) -> bool:
     """Rows `_block_bytes` measures: the dense model's rows of tensor parallelism alone."""
-    return layout["name"].startswith("tp") and layout["model"] == "dense" \
-        and not any(f"-{k}" in layout["name"] for k in ("pp", "dp", "cp", "ep"))
+    keys = {s.split("=")[0] for s in layout["sets"]}
+    return layout["model"] == "dense" and "parallel.tp" in keys \
+        and not keys & {"parallel.pp", "parallel.dp", "parallel.cp", "parallel.ep", "parallel.zero"}
 
 
 def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int, args) -> dict:
@@ -449,7 +456,7 @@ def worker(args) -> None:
             if _counts_blocks(lay):
                 try:
                     row.update(_block_bytes(args, lay, world))
-                except Exception as e:  # noqa: BLE001 - the row's parity stands; the count fails apart
+                except Exception as e:  # noqa: BLE001 - the row's parity stands; the count fails on its own
                     row.update(block_bytes_ok=False, block_bytes_error=f"{type(e).__name__}: {e}"[:300])
         except Exception as e:  # noqa: BLE001 - a refused or failing layout is a row of the matrix, not the end
             row = {"name": lay["name"], "sets": lay["sets"], "gpus": world, "ok": False,
@@ -463,8 +470,9 @@ def worker(args) -> None:
                       f"{row.get('tokens_per_s')} tok/s" if "error" not in row else row["error"])
                    + (f", fp32 expert bias off by {row['fp32_bias_max_diff']:.1e} (one GPU's reaches "
                       f"{row['fp32_bias_max_one_gpu']:.1e})" if "fp32_bias_max_diff" in row else "")
-                   + (f", one block keeps {row['block_bytes']:,} bytes (planned {row['block_bytes_planned']:,})"
-                      if "block_bytes" in row else f", {row['block_bytes_error']}" if "block_bytes_error" in row else ""))
+                   + (f", one block keeps {row['block_bytes']:,} bytes (planned {row['block_bytes_planned']:,}"
+                      + ("" if row["block_bytes_ok"] else ": off by more than 1%") + ")" if "block_bytes" in row
+                      else f", block not counted: {row['block_bytes_error']}" if "block_bytes_error" in row else ""))
 
 
 def _noise_floor(cfg, args, steps: int, losses: list[float]) -> dict:

@@ -220,9 +220,9 @@ def plot(result: list[dict], path: str) -> None:
         ax.scatter(i, r["ratio"], s=42, marker="o" if r["fits"] else "^", zorder=3, edgecolors=color, linewidths=1.4,
                    facecolors=color if run["split"] == "fit" else "white")
     papers = [r["run"]["paper"] for r in planned]
-    for i in range(1, len(papers)):
-        if papers[i] != papers[i - 1]:
-            ax.axvline(i - 0.5, color="0.8", lw=0.6, zorder=1)
+    starts = [i for i in range(len(papers)) if i == 0 or papers[i] != papers[i - 1]]  # each paper's first run
+    for i in starts[1:]:
+        ax.axvline(i - 0.5, color="0.8", lw=0.6, zorder=1)
     ax.set_xticks(range(len(planned)), [r["name"].split("-", 1)[1] for r in planned], rotation=60, ha="right",
                   fontsize=7)
     ax.set_xlim(-0.7, len(planned) - 0.3)
@@ -233,11 +233,9 @@ def plot(result: list[dict], path: str) -> None:
                 plt.Line2D([], [], ls="", marker="^", mfc="white", mec="0.4", label="plans as not fitting")]
     ax.legend(handles=handles + [plt.Rectangle((0, 0), 1, 1, color="0.92", label="within 10%")], fontsize=7,
               loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=6, frameon=False)
-    starts = [i for i in range(len(papers)) if i == 0 or papers[i] != papers[i - 1]]
-    for j, i in enumerate(starts):  # each paper's name under its runs, every other one higher
-        end = starts[j + 1] if j + 1 < len(starts) else len(papers)
-        ax.text((i + end - 1) / 2, 0.02 + 0.05 * (j % 2), papers[i].removesuffix(" et al. 2021").split(" 20")[0]
-                .replace(" et al.", ""), transform=ax.get_xaxis_transform(), ha="center", fontsize=7, color="0.35")
+    for j, (i, end) in enumerate(zip(starts, starts[1:] + [len(papers)])):  # each paper under its runs, alternately
+        ax.text((i + end - 1) / 2, 0.02 + 0.05 * (j % 2), papers[i].split(" 20")[0].replace(" et al.", ""),
+                transform=ax.get_xaxis_transform(), ha="center", fontsize=7, color="0.35")
     low, high = ax.get_ylim()
     ax.set_ylim(min(low, 0.72), max(high, 1.12))
     fig.tight_layout()

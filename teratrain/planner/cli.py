@@ -239,7 +239,8 @@ def _inputs(args) -> tuple:
         return cfg, ModelShape(cfg=None, bare_params=int(args.params), name="bare parameter count"), []
     cfg, notes = load(args.config, args.model, args.overrides)
     check_ep(cfg)  # an expert-parallel degree the model cannot take, as `teratrain train` refuses it
-    name = args.config.rsplit("/", 1)[-1] if args.config else ""  # else the preset, and what --set changed of it
+    # a config file by its name; --model or none, by the preset and what --set changed of it
+    name = args.config.rsplit("/", 1)[-1] if args.config and not args.model else ""
     return cfg, shape_of(cfg, name), notes
 
 

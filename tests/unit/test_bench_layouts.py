@@ -121,5 +121,5 @@ def test_the_table_shows_a_blocks_bytes_beside_the_planners_and_a_miss_as_a_miss
            "block_bytes": 127744, "block_bytes_planned": 127744, "block_bytes_ok": True}
     assert "| 1.0 | 125 (125) | yes |" in layouts.table([row])
     off = {**row, "block_bytes": 130 * 1024, "block_bytes_ok": False}
-    assert "| 130 (125): off by more than 1% | yes |" in layouts.table([off])
+    assert "| 130 (125): off by more than 1% | yes; block bytes: no |" in layouts.table([off])
     assert "| 1.0 | - | yes |" in layouts.table([{k: v for k, v in row.items() if not k.startswith("block")}])

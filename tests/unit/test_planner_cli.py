@@ -267,6 +267,8 @@ def test_a_shape_changed_by_set_is_named_as_changed(capsys):
     assert plan_json(capsys, "--model", "gpt2-124m", "--gpus", "1")["model"] == "gpt2-124m"
     assert plan_json(capsys, "--model", "gpt2-124m", "--gpus", "1", "--set", "model.n_layers=4")["model"] == \
         "gpt2-124m preset with n_layers changed"
-    rc, _, err = plan(capsys, "--gpus", "1", "--gpu-mem", "1", "--set", "model.d_model=2048", "--set", "model.n_heads=16",
-                      "--set", "model.n_layers=24")
+    rc, _, err = plan(capsys, "--gpus", "1", "--gpu-mem", "1", "--set", "model.d_model=2048",
+                      "--set", "model.n_heads=16", "--set", "model.n_layers=24")
     assert rc != 0 and "no layout of tiny preset with n_layers, d_model, n_heads changed fits 1 GiB" in err
+    moe = plan_json(capsys, "--model", "moe-tiny", "--gpus", "1", "--set", "model.moe.num_experts=16")
+    assert moe["model"] == "moe-tiny preset with moe.num_experts changed"
