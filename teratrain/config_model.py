@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -334,3 +335,23 @@ class ModelConfig(Section):
 
 def _divisor_near(n: int, k: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+# what model_label compares against the preset: the keys that change the shape or the parameter count
+SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
+              "tie_embeddings")
+MOE_SHAPE_KEYS = ("num_experts", "top_k", "every", "expert_d_ff", "shared_experts", "shared_d_ff")
+
+
+def model_label(m) -> str:
+    """What a model config trains, in a few words: a Hugging Face start by its folder, else its preset by name
+    and which of the preset's shape keys the config changed (`tiny preset with d_model, d_ff changed`: a shape
+    given key by key over the default preset says so rather than the preset's name)."""
+    if m.init_from:
+        return f"{Path(m.init_from).expanduser().name} from model.init_from"
+    if m.preset not in PRESETS:
+        return m.preset
+    own = ModelConfig(preset=m.preset)
+    changed = [k for k in SHAPE_KEYS if getattr(m, k) != getattr(own, k)]
+    changed += [f"moe.{k}" for k in MOE_SHAPE_KEYS if getattr(m.moe, k) != getattr(own.moe, k)]
+    return f"{m.preset} preset with {', '.join(changed)} changed" if changed else m.preset

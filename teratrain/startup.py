@@ -27,7 +27,7 @@ from torch import nn
 
 from teratrain.config_base import ConfigError
 from teratrain.config_schema import Config
-from teratrain.models.presets import model_label
+from teratrain.config_model import model_label
 
 GIB = 2**30
 

@@ -9,8 +9,6 @@ Any key given next to `model.preset` overrides the preset's value (`model.moe` k
 preset's value that belongs to a choice the user changed gives way (`give_way`).
 """
 
-from pathlib import Path
-
 _GPT2 = dict(arch="gpt2", vocab_size=50257, seq_len=1024, tie_embeddings=True, bias=True, norm_eps=1e-5)
 _LLAMA3 = dict(arch="llama", vocab_size=128256, rope_theta=500000.0, bias=False, norm_eps=1e-5)
 
@@ -58,24 +56,3 @@ def give_way(preset: dict, given: dict) -> dict:
         out.pop("n_kv_heads")
     return out
 
-
-# what model_label compares against the preset: the keys that change the shape or the parameter count
-SHAPE_KEYS = ("arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
-              "tie_embeddings")
-MOE_SHAPE_KEYS = ("num_experts", "top_k", "every", "expert_d_ff", "shared_experts", "shared_d_ff")
-
-
-def model_label(m) -> str:
-    """What a model config trains, in a few words: a Hugging Face start by its folder, else its preset by name
-    and which of the preset's shape keys the config changed (`tiny preset with d_model, d_ff changed`: a shape
-    given key by key over the default preset says so rather than the preset's name)."""
-    if m.init_from:
-        return f"{Path(m.init_from).expanduser().name} from model.init_from"
-    if m.preset not in PRESETS:
-        return m.preset
-    from teratrain.config_model import ModelConfig  # it reads PRESETS: imported here, not at the top
-
-    own = ModelConfig(preset=m.preset)
-    changed = [k for k in SHAPE_KEYS if getattr(m, k) != getattr(own, k)]
-    changed += [f"moe.{k}" for k in MOE_SHAPE_KEYS if getattr(m.moe, k) != getattr(own.moe, k)]
-    return f"{m.preset} preset with {', '.join(changed)} changed" if changed else m.preset

@@ -11,7 +11,7 @@ from pathlib import Path
 from teratrain.checkpoint.hf_config import model_keys, read_config_json
 from teratrain.config import Config, load_config
 from teratrain.config_toml import toml_value
-from teratrain.models.presets import model_label
+from teratrain.config_model import model_label
 from teratrain.parallel.pipeline.schedules import CONFIG_NAMES
 from teratrain.planner.layout import Layout, ModelShape, Training
 
