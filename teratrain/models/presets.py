@@ -55,4 +55,3 @@ def give_way(preset: dict, given: dict) -> dict:
     if kv and isinstance(heads, int) and heads > 0 and "n_kv_heads" not in given and heads % kv:
         out.pop("n_kv_heads")
     return out
-
