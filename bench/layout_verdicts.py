@@ -15,7 +15,8 @@ BLOCK_BYTES_TOL = 1e-2
 MOE_BF16_TOL = 1e-2
 
 
-def _rel(a: list[float], b: list[float]) -> float:
+def max_rel(a: list[float], b: list[float]) -> float:
+    """The largest relative difference of two runs' losses, step by step."""
     return max(abs(x - y) / abs(y) for x, y in zip(a, b)) if a else math.nan
 
 

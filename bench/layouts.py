@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from common import in_job, job_env  # noqa: E402
-from layout_verdicts import (BF16_TOL, BLOCK_BYTES_TOL, FP32_TOL, MOE_BF16_TOL, _rel, parity_ok,  # noqa: E402,F401
+from layout_verdicts import (BF16_TOL, BLOCK_BYTES_TOL, FP32_TOL, MOE_BF16_TOL, max_rel, parity_ok,  # noqa: E402,F401
                              parity_reason, table, tail, tail_rel)
 
 MOE_MODELS = ("moe", "moe-cp", "moe-fine")  # judged as MOE_BF16_TOL says
@@ -236,18 +236,15 @@ def _train(cfg, rt, tokens, steps: int, audit: bool = False, reverse: bool = Fal
     from teratrain.checkpoint.state import deterministic_algorithms, seed_everything
     from teratrain.collector import Collector
     from teratrain.data.loader import Batches
+    from teratrain.measure import build_engine
     from teratrain.models.protocol import model_flops_per_token
-    from teratrain.models.transformer import Transformer
     from teratrain.optim.lr import lr_at
     from teratrain.parallel.comm import AVG, MAX, all_reduce
-    from teratrain.parallel.parallelize import parallelize
     from teratrain.parallel.pipeline.runtime import PipelineExecutor, step_runner
 
     seed_everything(cfg.train.seed + rt.dp_rank)
     deterministic_algorithms(cfg.train.deterministic)  # as `teratrain train` sets it; off again for the next run
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    engine = parallelize(model, rt, cfg)
+    model, engine = build_engine(cfg, rt=rt)
     if audit:
         run_step = PipelineExecutor(model, engine, rt, cfg, audit=True)
         rt.mesh.connect(rt.device)
@@ -336,10 +333,8 @@ def _block_bytes(args, layout: dict, world: int) -> dict:
     import torch
 
     from teratrain.data.loader import Batches
-    from teratrain.measure import live_bytes
-    from teratrain.models.transformer import Transformer
+    from teratrain.measure import build_engine, live_bytes
     from teratrain.parallel.comm import MAX, all_reduce
-    from teratrain.parallel.parallelize import parallelize
     from teratrain.planner.inputs import layout_of, shape_of, training_of
     from teratrain.planner.memory import forward_saved
 
@@ -347,9 +342,7 @@ def _block_bytes(args, layout: dict, world: int) -> dict:
     for n in (1, 2):
         cfg = _config(args, {**layout, "sets": [*layout["sets"], f"model.n_layers={n}"]}, "bf16")
         rt = _runtime(cfg, False)
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        parallelize(model, rt, cfg)
+        model, _ = build_engine(cfg, rt=rt)
         tc = cfg.train
         batches = Batches(_token_file(args.tokens, cfg.model.vocab_size), cfg.model.seq_len, tc.seed, tc.global_batch)
         x, y = next(batches.micro_batches(0, rt.dp_rank, rt.dims.dp, tc.micro_batch, rt.device))
@@ -396,10 +389,11 @@ def _summary(layout: dict, fp32: dict | None, bf16: dict, refs: dict, world: int
     ratio = "speedup_vs_one_gpu" if row["mode"] == "eager" else "speedup_vs_eager_one_gpu"
     row[ratio] = round(tps / ref16["tokens_per_s"], 3)
     if layout["check"] in ("parity", "parity-bf16"):
-        row.update(bf16_ref=ref16["losses"], bf16_rel_err=_rel(bf16["losses"], ref16["losses"]))
+        row.update(bf16_ref=ref16["losses"], bf16_rel_err=max_rel(bf16["losses"], ref16["losses"]))
         if fp32 is not None:
             ref32 = refs[(layout["model"], "fp32")]
-            row.update(fp32_losses=fp32["losses"], fp32_ref=ref32["losses"], fp32_rel_err=_rel(fp32["losses"], ref32["losses"]))
+            row.update(fp32_losses=fp32["losses"], fp32_ref=ref32["losses"],
+                       fp32_rel_err=max_rel(fp32["losses"], ref32["losses"]))
             if "expert_bias" in ref32:  # recorded, not judged: the losses are (module docstring)
                 row.update(fp32_bias_max_diff=_bias_diff(fp32.get("expert_bias", {}), ref32["expert_bias"]),
                            fp32_bias_max_one_gpu=max(abs(x) for b in ref32["expert_bias"].values() for x in b))
@@ -480,8 +474,8 @@ def _noise_floor(cfg, args, steps: int, losses: list[float]) -> dict:
     and with each step's micro-batches reversed. The floor is the wider of the two drifts."""
     runs = {order: _train(cfg, _runtime(cfg, single=True), _token_file(args.tokens, cfg.model.vocab_size), steps,
                           reverse=order == "reversed")["losses"] for order in ("again", "reversed")}
-    return {"noise_floor": max(_rel(r, losses) for r in runs.values()), "repeatable": runs["again"] == losses,
-            "floor_by_order": {order: _rel(r, losses) for order, r in runs.items()},
+    return {"noise_floor": max(max_rel(r, losses) for r in runs.values()), "repeatable": runs["again"] == losses,
+            "floor_by_order": {order: max_rel(r, losses) for order, r in runs.items()},
             "tail_noise_floor": max(tail_rel(r, losses) for r in runs.values()),
             "losses_by_order": runs}
 

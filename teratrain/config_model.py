@@ -4,6 +4,7 @@ what `model.init_from` fills in is resolved before validation (config.py `resolv
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -351,7 +352,13 @@ def model_label(m) -> str:
         return f"{Path(m.init_from).expanduser().name} from model.init_from"
     if m.preset not in PRESETS:
         return m.preset
-    own = ModelConfig(preset=m.preset)
+    own = _preset_config(m.preset)
     changed = [k for k in SHAPE_KEYS if getattr(m, k) != getattr(own, k)]
     changed += [f"moe.{k}" for k in MOE_SHAPE_KEYS if getattr(m.moe, k) != getattr(own.moe, k)]
     return f"{m.preset} preset with {', '.join(changed)} changed" if changed else m.preset
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_config(name: str) -> ModelConfig:
+    """The preset's own config, built once (plans name their model for every row of a refit)."""
+    return ModelConfig(preset=name)

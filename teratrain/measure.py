@@ -21,11 +21,11 @@ from teratrain.models.transformer import Transformer, lm_loss
 from teratrain.parallel.parallelize import parallelize
 
 
-def build_engine(cfg, device: str | torch.device = "cpu"):
-    """Model and engine as `teratrain train` builds them for one process."""
+def build_engine(cfg, device: str | torch.device = "cpu", rt: Runtime | None = None):
+    """Model and engine as `teratrain train` builds them: for one process on `device`, or this rank of `rt`."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    return model, parallelize(model, Runtime.single(device), cfg)
+    return model, parallelize(model, rt or Runtime.single(device), cfg)
 
 
 def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
